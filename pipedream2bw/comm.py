@@ -1,0 +1,235 @@
+"""The only module that calls torch.distributed: store, process groups, p2p, failure propagation."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Deque, Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+_FAILED_KEY = "failed"
+_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.uint8, torch.bool]
+_LOSS_TAG = 7
+_META_LEN = 12  # [ndim, dtype code, shape...] padded with zeros
+
+
+class PipelineShapeError(RuntimeError):
+    """A stage sent a tensor whose shape or dtype differs from the one agreed on the first microbatch."""
+
+
+class PeerFailure(RuntimeError):
+    """Another rank failed; this rank stops because of it."""
+
+
+def env_rank() -> Tuple[int, int, int]:
+    """(rank, world_size, local_rank) from the torchrun environment; (0, 1, 0) outside it."""
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0))
+
+
+def make_store(*, rank: int, world_size: int, timeout_s: float) -> dist.Store:
+    """Connects to the rendezvous store named by MASTER_ADDR/MASTER_PORT.
+
+    Under torchrun the agent hosts it (TORCHELASTIC_USE_AGENT_STORE); otherwise rank 0 does.
+    Keys are prefixed by the restart count, so a restarted job starts from a clean slate.
+    """
+    host, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT", 29500))
+    agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(
+        host, port, world_size, is_master=(rank == 0 and not agent_hosts),
+        timeout=timedelta(seconds=timeout_s), wait_for_workers=False,
+    )
+    return dist.PrefixStore(f"pd2bw/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+
+
+def agree_on_string(store: dist.Store, key: str, proposal: str) -> str:
+    """Every rank gets the value the first caller proposed (e.g. rank 0's timestamp)."""
+    return store.compare_set(key, "", proposal).decode()
+
+
+class FailureMonitor:
+    """Publishes this rank's failure in the store and aborts this rank when another one fails.
+
+    A background thread polls the store; when a failure from another rank appears it logs
+    it, naming the rank and the cause, and exits the process with status 1. This bounds the
+    time any rank can spend waiting on a peer that died, whatever it is blocked in.
+    """
+
+    def __init__(self, store: dist.Store, *, rank: int, poll_s: float = 0.25):
+        self.store, self.rank, self.poll_s = store, rank, poll_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="pd2bw-failure-monitor", daemon=True)
+
+    def start(self) -> "FailureMonitor":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5 * self.poll_s + 1)
+
+    def report(self, stage_index: int, exc: BaseException) -> str:
+        """Records this rank's failure unless another rank failed first; returns the first failure."""
+        mine = f"rank {self.rank} (stage {stage_index}) failed: {type(exc).__name__}: {exc}"
+        try:
+            return self.store.compare_set(_FAILED_KEY, "", mine).decode()
+        except Exception:  # the store may be gone with the rank that hosted it
+            return mine
+
+    def first_failure(self, wait_s: float = 1.0) -> Optional[str]:
+        """The first failure any rank reported, waiting up to ``wait_s`` for one to appear."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                if self.store.check([_FAILED_KEY]):
+                    return self.store.get(_FAILED_KEY).decode()
+            except Exception:
+                return None
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.05)
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            try:
+                failed = self.store.check([_FAILED_KEY])
+                message = self.store.get(_FAILED_KEY).decode() if failed else ""
+            except Exception as e:
+                if self._stop.is_set():
+                    return
+                message = f"lost the rendezvous store ({type(e).__name__}: {e}); the rank or launcher hosting it died"
+                failed = True
+            if failed and not message.startswith(f"rank {self.rank} "):
+                log.error("aborting because %s", message)
+                logging.shutdown()
+                os._exit(1)
+
+
+@dataclass
+class DistContext:
+    """What a stage needs to talk to the others."""
+
+    rank: int
+    world_size: int
+    device: torch.device
+    backend: str
+    timeout: timedelta
+    control: Any  # a gloo group for CPU-side objects and scalars, whatever the main backend
+    monitor: FailureMonitor
+
+
+def init(*, store: dist.Store, rank: int, world_size: int, local_rank: int, backend: str, timeout_s: float) -> DistContext:
+    """Starts the process groups: the main one (NCCL on GPUs, gloo on CPU) and a gloo control group."""
+    if backend == "auto":
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    device = torch.device("cpu")
+    if backend == "nccl":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    timeout = timedelta(seconds=timeout_s)
+    monitor = FailureMonitor(store, rank=rank).start()
+    kwargs = {"device_id": device} if backend == "nccl" else {}
+    dist.init_process_group(backend, store=dist.PrefixStore("pg", store), rank=rank, world_size=world_size, timeout=timeout, **kwargs)
+    control = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else dist.group.WORLD
+    return DistContext(rank, world_size, device, backend, timeout, control, monitor)
+
+
+def shutdown(ctx: DistContext) -> None:
+    """Stops the failure monitor once every rank is done, then tears the groups down."""
+    dist.barrier(group=ctx.control)
+    ctx.monitor.stop()
+    dist.barrier(group=ctx.control)  # no rank leaves (and takes the store with it) while another still polls
+    dist.destroy_process_group()
+
+
+def gather_to_rank0(ctx: DistContext, obj: Any) -> Optional[List[Any]]:
+    """Every rank's ``obj``, in rank order, on rank 0; None elsewhere."""
+    out = [None] * ctx.world_size if ctx.rank == 0 else None
+    dist.gather_object(obj, out, dst=0, group=ctx.control)
+    return out
+
+
+class P2P:
+    """Point-to-point transfers between neighbouring stages over named channels.
+
+    The first transfer on a channel sends the tensor's shape and dtype; later ones are
+    checked against it, so a stage that changes shapes fails with a clear message rather
+    than corrupting its neighbour. Sends are asynchronous (the tensor is kept alive until
+    its send completes); receives can be posted early and waited on later. Every wait has
+    the run's timeout.
+    """
+
+    def __init__(self, ctx: DistContext):
+        self.ctx = ctx
+        self._agreed: Dict[Tuple[int, int], Tuple[torch.Size, torch.dtype]] = {}
+        self._sends: Deque[Tuple[Any, torch.Tensor]] = deque()
+
+    def _wait(self, work: Any, what: str) -> None:
+        try:
+            work.wait(self.ctx.timeout)
+        except Exception as e:
+            raise RuntimeError(f"rank {self.ctx.rank}: {what} failed or timed out after {self.ctx.timeout}: {e}") from e
+
+    def send(self, tensor: torch.Tensor, *, peer: int, tag: int) -> None:
+        """Starts sending ``tensor`` to ``peer``; raises PipelineShapeError on a changed shape."""
+        key = (peer, tag)
+        if key not in self._agreed:
+            meta = torch.zeros(_META_LEN, dtype=torch.int64)
+            meta[0], meta[1] = tensor.dim(), _DTYPES.index(tensor.dtype)
+            meta[2 : 2 + tensor.dim()] = torch.tensor(tensor.shape)
+            self._sends.append((dist.isend(meta.to(self.ctx.device), peer, tag=tag), meta))
+            self._agreed[key] = (tensor.shape, tensor.dtype)
+        shape, dtype = self._agreed[key]
+        if tensor.shape != shape or tensor.dtype != dtype:
+            raise PipelineShapeError(
+                f"rank {self.ctx.rank} sends {tuple(tensor.shape)} {tensor.dtype} to rank {peer} (tag {tag}), "
+                f"but the first microbatch agreed on {tuple(shape)} {dtype}; stages must keep their "
+                f"output shapes fixed (same microbatch_size and seq_len for every microbatch)"
+            )
+        tensor = tensor.contiguous()
+        self._sends.append((dist.isend(tensor, peer, tag=tag), tensor))
+        while self._sends and self._sends[0][0].is_completed():
+            self._sends.popleft()
+
+    def post_recv(self, *, peer: int, tag: int) -> Tuple[Any, torch.Tensor]:
+        """Posts a receive from ``peer``; returns (work, buffer) to pass to ``wait_recv``."""
+        key = (peer, tag)
+        if key not in self._agreed:
+            meta = torch.zeros(_META_LEN, dtype=torch.int64, device=self.ctx.device)
+            self._wait(dist.irecv(meta, peer, tag=tag), f"receiving tensor metadata from rank {peer}")
+            meta = meta.cpu()
+            ndim = int(meta[0])
+            self._agreed[key] = (torch.Size(meta[2 : 2 + ndim].tolist()), _DTYPES[int(meta[1])])
+        shape, dtype = self._agreed[key]
+        buf = torch.empty(shape, dtype=dtype, device=self.ctx.device)
+        return dist.irecv(buf, peer, tag=tag), buf
+
+    def wait_recv(self, pending: Tuple[Any, torch.Tensor], *, peer: int) -> torch.Tensor:
+        work, buf = pending
+        self._wait(work, f"receiving from rank {peer}")
+        return buf
+
+    def send_loss(self, value: torch.Tensor) -> None:
+        """Last stage: starts sending a batch's mean loss to rank 0 over the CPU control group."""
+        loss = value.detach().to("cpu", torch.float64).reshape(1)
+        self._sends.append((dist.isend(loss, 0, group=self.ctx.control, tag=_LOSS_TAG), loss))
+
+    def recv_loss(self, *, peer: int) -> float:
+        """Rank 0: the mean loss of the next batch, from the last stage ``peer``."""
+        loss = torch.zeros(1, dtype=torch.float64)
+        self._wait(dist.irecv(loss, peer, group=self.ctx.control, tag=_LOSS_TAG), f"receiving the loss from rank {peer}")
+        return float(loss)
+
+    def flush(self) -> None:
+        """Waits until every started send has completed."""
+        while self._sends:
+            work, _ = self._sends.popleft()
+            self._wait(work, "a send")

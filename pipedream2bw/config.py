@@ -1,0 +1,241 @@
+"""Typed configuration (dataclasses registered with Hydra's ConfigStore) and its validation."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+import torch
+
+class ConfigError(ValueError):
+    """A config value that cannot work; the message names the value, why, and the fix."""
+
+
+SCHEDULES = ("2bw", "flush", "gpipe")
+WANDB_MODES = ("offline", "online", "disabled")
+BACKENDS = ("auto", "gloo", "nccl")
+
+
+@dataclass
+class PipelineConfig:
+    schedule: str = "2bw"
+    """'2bw' (1F1B, no flushes, two weight versions), 'flush' (PipeDream-Flush) or 'gpipe'."""
+    num_stages: int = 4
+    """Pipeline depth d; must equal the number of ranks (WORLD_SIZE)."""
+    num_microbatches: int = 8
+    """Microbatches per batch m; 2bw needs m >= num_stages."""
+    microbatch_size: int = 8
+    """Sequences per microbatch b; a batch is m * b sequences."""
+    balance: Optional[List[int]] = None
+    """Layers per stage, first stage first; null splits the layers evenly."""
+
+
+@dataclass
+class GPTConfig:
+    name: str = "gpt"
+    """Model family; 'gpt' is a decoder-only transformer as a list of layers."""
+    num_layers: int = 5
+    """Transformer blocks; the layer list adds embedding, final norm and LM head (+3)."""
+    d_model: int = 128
+    """Hidden size."""
+    num_heads: int = 4
+    """Attention heads; must divide d_model."""
+    seq_len: int = 128
+    """Tokens per sequence (bytes, for the byte-level corpus)."""
+    vocab_size: int = 256
+    """Vocabulary size; >= 256 for byte-level text."""
+    init_std: float = 0.02
+    """Standard deviation of the normal weight initialisation."""
+
+
+@dataclass
+class OptimConfig:
+    name: str = "adamw"
+    """Any torch.optim optimizer by name, case-insensitive: sgd, adam, adamw, rmsprop, ..."""
+    lr: float = 3e-3
+    """Learning rate."""
+    kwargs: Dict[str, Any] = field(default_factory=dict)
+    """Extra keyword arguments for the optimizer, e.g. {momentum: 0.9} for sgd."""
+
+
+@dataclass
+class DataConfig:
+    path: Optional[str] = None
+    """Text file (.txt or .txt.gz) to train on, byte-level; null uses the shipped corpus."""
+
+
+@dataclass
+class TrainConfig:
+    num_steps: int = 150
+    """Batches (optimizer steps per stage) to train for."""
+    log_every: int = 10
+    """Log loss and throughput on rank 0 every this many steps."""
+    warmup_steps: int = 3
+    """Steps left out of the throughput figures."""
+
+
+@dataclass
+class DistConfig:
+    backend: str = "auto"
+    """'auto' (nccl when CUDA is available, else gloo), 'gloo' or 'nccl'."""
+    timeout_s: float = 300.0
+    """Longest wait for any p2p transfer or collective before the run fails."""
+
+
+@dataclass
+class WandbConfig:
+    mode: str = "offline"
+    """'offline' (files in the run directory, no network), 'online' or 'disabled'."""
+    project: str = "pipedream2bw"
+    """wandb project name."""
+    name: Optional[str] = None
+    """Run name; null lets wandb choose."""
+
+
+@dataclass
+class Config:
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    model: GPTConfig = field(default_factory=GPTConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    seed: int = 0
+    """Seeds weight initialisation (per layer) and the batch order."""
+
+
+def register_configs() -> None:
+    """Registers the schemas with Hydra's ConfigStore (``base_config``, ``model/base_gpt``)."""
+    from hydra.core.config_store import ConfigStore
+
+    cs = ConfigStore.instance()
+    cs.store(name="base_config", node=Config)
+    cs.store(group="model", name="base_gpt", node=GPTConfig)
+
+
+def optimizer_class(name: str) -> type:
+    """The torch.optim class called ``name`` (case-insensitive).
+
+    Raises:
+        ConfigError: no such optimizer in torch.optim.
+    """
+    classes = {
+        n.lower(): c
+        for n, c in vars(torch.optim).items()
+        if isinstance(c, type) and issubclass(c, torch.optim.Optimizer) and c is not torch.optim.Optimizer
+    }
+    try:
+        return classes[name.lower()]
+    except KeyError:
+        raise ConfigError(
+            f"optim.name ({name!r}) is not a torch.optim optimizer; use one of {sorted(classes)}"
+        ) from None
+
+
+def build_optimizer(params, cfg: OptimConfig) -> torch.optim.Optimizer:
+    """Builds the optimizer named by ``cfg`` over ``params``.
+
+    Raises:
+        ConfigError: unknown optimizer, or keyword arguments it does not take.
+    """
+    cls = optimizer_class(cfg.name)
+    try:
+        return cls(params, lr=cfg.lr, **dict(cfg.kwargs))
+    except (TypeError, ValueError) as e:
+        raise ConfigError(
+            f"optim.kwargs ({dict(cfg.kwargs)}) are not valid for {cls.__name__}: {e}; "
+            f"fix or remove them (e.g. optim.kwargs={{}})"
+        ) from e
+
+
+def even_balance(num_layers: int, num_stages: int) -> List[int]:
+    """Splits ``num_layers`` into ``num_stages`` contiguous counts that differ by at most one.
+
+    The extra layers go to the middle stages first: the first stage holds the most in-flight
+    activations and the last the LM head, so they are the first to run out of memory.
+    """
+    base, extra = divmod(num_layers, num_stages)
+    counts = [base] * num_stages
+    middle_first = sorted(range(num_stages), key=lambda s: (s in (0, num_stages - 1), s))
+    for s in middle_first[:extra]:
+        counts[s] += 1
+    return counts
+
+
+def model_num_layers(model: GPTConfig) -> int:
+    """Length of the model's layer list (the unit that stage boundaries count)."""
+    return model.num_layers + 3  # embedding, blocks..., final norm, LM head
+
+
+def validate(cfg: Config, *, world_size: int, num_layers: Optional[int] = None) -> List[int]:
+    """Checks a config before any process group starts.
+
+    Args:
+        cfg: the run's config.
+        world_size: number of ranks that will run it.
+        num_layers: length of the layer list; defaults to the GPT's.
+
+    Returns:
+        The balance (layers per stage) the run will use.
+
+    Raises:
+        ConfigError: naming the value, why it is wrong and how to fix it.
+    """
+    p, mdl = cfg.pipeline, cfg.model
+    num_layers = model_num_layers(mdl) if num_layers is None else num_layers
+    d, m = p.num_stages, p.num_microbatches
+    if p.schedule not in SCHEDULES:
+        raise ConfigError(f"pipeline.schedule ({p.schedule!r}) is unknown; use one of {list(SCHEDULES)}")
+    if d < 1:
+        raise ConfigError(f"pipeline.num_stages ({d}) must be >= 1")
+    if m < 1 or p.microbatch_size < 1:
+        raise ConfigError(
+            f"pipeline.num_microbatches ({m}) and pipeline.microbatch_size ({p.microbatch_size}) must be >= 1"
+        )
+    if p.schedule == "2bw" and m < d:
+        raise ConfigError(
+            f"pipeline.num_microbatches ({m}) must be >= pipeline.num_stages ({d}) for 2bw "
+            f"(two weight versions suffice only then); raise pipeline.num_microbatches to {d} or more"
+        )
+    if world_size != d:
+        raise ConfigError(
+            f"world size ({world_size}) must equal pipeline.num_stages ({d}); "
+            f"launch with torchrun --nproc-per-node {d} or set pipeline.num_stages={world_size}"
+        )
+    if d > num_layers:
+        raise ConfigError(
+            f"pipeline.num_stages ({d}) is more than the model's {num_layers} layers; "
+            f"lower pipeline.num_stages or add layers (model.num_layers)"
+        )
+    balance = list(p.balance) if p.balance is not None else even_balance(num_layers, d)
+    if len(balance) != d or any(n < 1 for n in balance) or sum(balance) != num_layers:
+        raise ConfigError(
+            f"pipeline.balance ({balance}) must list {d} positive layer counts (one per stage) "
+            f"summing to the model's {num_layers} layers; e.g. pipeline.balance={even_balance(num_layers, d)}"
+        )
+    if mdl.d_model % mdl.num_heads:
+        raise ConfigError(f"model.num_heads ({mdl.num_heads}) must divide model.d_model ({mdl.d_model})")
+    if mdl.vocab_size < 256:
+        raise ConfigError(f"model.vocab_size ({mdl.vocab_size}) must be >= 256 for byte-level text")
+    if cfg.optim.lr <= 0 or not math.isfinite(cfg.optim.lr):
+        raise ConfigError(f"optim.lr ({cfg.optim.lr}) must be a positive number")
+    build_optimizer([torch.nn.Parameter(torch.zeros(1))], cfg.optim)
+    t = cfg.train
+    if t.num_steps < 1 or t.log_every < 1:
+        raise ConfigError(f"train.num_steps ({t.num_steps}) and train.log_every ({t.log_every}) must be >= 1")
+    if not 0 <= t.warmup_steps < t.num_steps:
+        raise ConfigError(
+            f"train.warmup_steps ({t.warmup_steps}) must be in [0, train.num_steps ({t.num_steps})) "
+            f"so that throughput is measured on at least one step; lower it"
+        )
+    if cfg.wandb.mode not in WANDB_MODES:
+        raise ConfigError(f"wandb.mode ({cfg.wandb.mode!r}) is unknown; use one of {list(WANDB_MODES)}")
+    if cfg.dist.backend not in BACKENDS:
+        raise ConfigError(f"dist.backend ({cfg.dist.backend!r}) is unknown; use one of {list(BACKENDS)}")
+    if cfg.dist.backend == "nccl" and not torch.cuda.is_available():
+        raise ConfigError("dist.backend (nccl) needs CUDA, which is not available here; use dist.backend=gloo")
+    if cfg.dist.timeout_s <= 0:
+        raise ConfigError(f"dist.timeout_s ({cfg.dist.timeout_s}) must be > 0")
+    return balance

@@ -1,0 +1,5 @@
+"""Models as ordered lists of layers: any contiguous slice of the list is a pipeline stage."""
+
+from pipedream2bw.models.gpt import build_gpt_layers, lm_loss
+
+__all__ = ["build_gpt_layers", "lm_loss"]

@@ -1,0 +1,107 @@
+"""A decoder-only GPT written as a flat list of layers (embedding, pre-LN blocks, norm, head)."""
+
+from __future__ import annotations
+
+from typing import Iterable, List, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pipedream2bw.config import GPTConfig, model_num_layers
+
+
+class Embedding(nn.Module):
+    """Token plus learned position embedding: (B, T) int64 -> (B, T, C)."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.tok = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.pos = nn.Embedding(cfg.seq_len, cfg.d_model)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(idx.shape[1], device=idx.device)
+        return self.tok(idx) + self.pos(positions)  # (B, T, C)
+
+
+class Block(nn.Module):
+    """Pre-LN transformer block: x + attn(ln(x)), then x + mlp(ln(x)); shape-preserving."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.num_heads = cfg.num_heads
+        self.ln1 = nn.LayerNorm(cfg.d_model)
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model)
+        self.ln2 = nn.LayerNorm(cfg.d_model)
+        self.fc = nn.Linear(cfg.d_model, 4 * cfg.d_model)
+        self.fc_proj = nn.Linear(4 * cfg.d_model, cfg.d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(C, dim=2)
+        # (B, H, T, C/H) for each of q, k, v
+        q, k, v = (t.view(B, T, self.num_heads, C // self.num_heads).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(B, T, C))
+        return x + self.fc_proj(F.gelu(self.fc(self.ln2(x))))
+
+
+class LMHead(nn.Module):
+    """Projection to vocabulary logits: (B, T, C) -> (B, T, V)."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.out = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(x)
+
+
+def _make_layer(cfg: GPTConfig, index: int) -> nn.Module:
+    last = model_num_layers(cfg) - 1
+    if index == 0:
+        return Embedding(cfg)
+    if index == last - 1:
+        return nn.LayerNorm(cfg.d_model)
+    if index == last:
+        return LMHead(cfg)
+    return Block(cfg)
+
+
+def _init_weights(module: nn.Module, std: float) -> None:
+    for m in module.modules():
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, mean=0.0, std=std)
+        if isinstance(m, nn.Linear) and m.bias is not None:
+            nn.init.zeros_(m.bias)
+
+
+def build_gpt_layers(cfg: GPTConfig, *, seed: int, indices: Optional[Iterable[int]] = None) -> List[nn.Module]:
+    """Builds the GPT's layers ``indices`` (all by default), each seeded by its own index.
+
+    Layer ``i`` gets the same weights whichever stage builds it, so a stage can build only
+    its own slice and every partition of the model starts from identical weights.
+
+    Args:
+        cfg: model shape.
+        seed: run seed.
+        indices: which layers of the list to build.
+
+    Returns:
+        The layers, in order.
+    """
+    indices = range(model_num_layers(cfg)) if indices is None else indices
+    layers = []
+    for i in indices:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed * 1_000_003 + i)
+            layer = _make_layer(cfg, i)
+            _init_weights(layer, cfg.init_std)
+        layers.append(layer)
+    return layers
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy: logits (B, T, V), targets (B, T) -> scalar."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())

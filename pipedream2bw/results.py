@@ -1,0 +1,78 @@
+"""Run results: summary figures from the stages' stats, and atomic writes of what we save."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import statistics
+import tempfile
+from pathlib import Path
+from typing import Any, Dict, List, Sequence
+
+import torch
+
+from pipedream2bw.stage import StageStats
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    """Writes ``data`` to ``path`` so that the file is either complete or absent (tmp, fsync, rename)."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def save_state_dict(state: Dict[str, torch.Tensor], path: Path) -> None:
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    atomic_write(path, buf.getvalue())
+
+
+def throughput(start_time: float, step_end_times: Sequence[float], *, warmup_steps: int, samples_per_step: int) -> Dict[str, float]:
+    """Samples/s over the steps after ``warmup_steps``, and their median step time."""
+    times = [start_time, *step_end_times][warmup_steps:]
+    steps = [b - a for a, b in zip(times, times[1:])]
+    return {"samples_per_s": len(steps) * samples_per_step / (times[-1] - times[0]), "step_time_s": statistics.median(steps)}
+
+
+def summarize(stats: List[StageStats], *, meta: Dict[str, Any], warmup_steps: int, samples_per_step: int, seq_len: int) -> Dict[str, Any]:
+    """The summary.json payload: the run's settings, rank 0's losses and timing, every stage's memory."""
+    rank0 = stats[0]
+    tp = throughput(rank0.start_time, rank0.step_end_times, warmup_steps=warmup_steps, samples_per_step=samples_per_step)
+    return {
+        **meta,
+        "losses": rank0.losses,
+        "final_loss": rank0.losses[-1],
+        "samples_per_s": tp["samples_per_s"],
+        "tokens_per_s": tp["samples_per_s"] * seq_len,
+        "step_time_s": tp["step_time_s"],
+        "peak_memory_bytes": [s.peak_memory_bytes for s in stats],
+        "stages": [
+            {
+                "stage": s.stage_index,
+                "rank": s.rank,
+                "weight_bytes": s.weight_bytes,
+                "optimizer_state_bytes": s.optimizer_state_bytes,
+                "peak_stash_bytes": s.peak_stash_bytes,
+                "peak_memory_bytes": s.peak_memory_bytes,
+            }
+            for s in stats
+        ],
+    }
+
+
+def write_summary(summary: Dict[str, Any], run_dir: Path) -> None:
+    atomic_write(Path(run_dir) / "summary.json", (json.dumps(summary, indent=2) + "\n").encode())

@@ -1,0 +1,151 @@
+"""One rank's training run: validate, start the groups, build the stage, run its schedule, save results."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any, Callable, Dict, Optional, Sequence
+
+import torch
+from torch import nn
+
+from pipedream2bw import comm
+from pipedream2bw.config import Config, build_optimizer, validate
+from pipedream2bw.data import MicrobatchFeed, load_bytes
+from pipedream2bw.models import build_gpt_layers, lm_loss
+from pipedream2bw.results import save_state_dict, summarize, write_summary
+from pipedream2bw.schedule import stage_actions
+from pipedream2bw.stage import StageWorker
+from pipedream2bw.tracking import Tracker
+from pipedream2bw.versions import WeightVersions
+
+log = logging.getLogger(__name__)
+
+
+def set_log_prefix(stage_index: int, rank: int) -> None:
+    """Prefixes every log record of this process with ``[stage s/rank r]``."""
+    base = logging.getLogRecordFactory()
+    prefix = f"[stage {stage_index}/rank {rank}] "
+
+    def factory(*args, **kwargs):
+        record = base(*args, **kwargs)
+        if isinstance(record.msg, str) and not record.msg.startswith("[stage "):
+            record.msg = prefix + record.msg
+        return record
+
+    logging.setLogRecordFactory(factory)
+
+
+def build_stage_module(cfg: Config, balance: Sequence[int], stage_index: int, layers: Optional[Sequence[nn.Module]]) -> nn.Sequential:
+    """This stage's contiguous slice of the layer list, keyed by global layer index.
+
+    Keys are the layers' positions in the whole list, so parameter names match those of
+    ``nn.Sequential(*all_layers)``: a stage's state_dict is a slice of the full model's.
+    """
+    start = sum(balance[:stage_index])
+    indices = range(start, start + balance[stage_index])
+    own = [layers[i] for i in indices] if layers is not None else build_gpt_layers(cfg.model, seed=cfg.seed, indices=indices)
+    return nn.Sequential(OrderedDict((str(i), layer) for i, layer in zip(indices, own)))
+
+
+def run(
+    cfg: Config,
+    run_dir: Path,
+    *,
+    layers: Optional[Sequence[nn.Module]] = None,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = lm_loss,
+    store: Optional[Any] = None,
+) -> Optional[Dict[str, Any]]:
+    """Trains this rank's stage; on rank 0, writes and returns the summary.
+
+    Args:
+        cfg: the run's config (validated here, before any process group starts).
+        run_dir: directory shared by all ranks for summary.json and final_model.pt.
+        layers: the whole model as a list of layers (any ``nn.Sequential``'s children);
+            by default the GPT that ``cfg.model`` describes, of which each rank builds only
+            its own slice.
+        loss_fn: (last stage output, targets) -> scalar loss of a microbatch.
+        store: rendezvous store already connected (the entry point's); made here if None.
+
+    Raises:
+        ValueError: bad config, before any process group starts.
+        comm.PeerFailure: another rank failed first.
+    """
+    rank, world_size, local_rank = comm.env_rank()
+    balance = validate(cfg, world_size=world_size, num_layers=None if layers is None else len(layers))
+    set_log_prefix(rank, rank)
+    run_dir = Path(run_dir)
+    if store is None:
+        store = comm.make_store(rank=rank, world_size=world_size, timeout_s=cfg.dist.timeout_s)
+    ctx = comm.init(store=store, rank=rank, world_size=world_size, local_rank=local_rank, backend=cfg.dist.backend, timeout_s=cfg.dist.timeout_s)
+    try:
+        summary = _train(cfg, run_dir, ctx, balance, layers, loss_fn)
+    except BaseException as e:
+        first = ctx.monitor.report(rank, e)
+        if not first.startswith(f"rank {rank} "):
+            log.error("stopping because %s (here: %s: %s)", first, type(e).__name__, e)
+            raise comm.PeerFailure(first) from e
+        log.exception("failed")
+        raise
+    comm.shutdown(ctx)
+    return summary
+
+
+def _train(cfg: Config, run_dir: Path, ctx: comm.DistContext, balance, layers, loss_fn) -> Optional[Dict[str, Any]]:
+    p = cfg.pipeline
+    s, d, m, b = ctx.rank, p.num_stages, p.num_microbatches, p.microbatch_size
+    torch.manual_seed(cfg.seed)
+    module = build_stage_module(cfg, balance, s, layers).to(ctx.device)
+    versions = WeightVersions(module, schedule=p.schedule, optimizer_factory=lambda params: build_optimizer(params, cfg.optim))
+    feed = MicrobatchFeed(load_bytes(cfg.data.path), seq_len=cfg.model.seq_len, microbatch_size=b, num_microbatches=m, seed=cfg.seed)
+    worker = StageWorker(
+        stage_index=s, num_stages=d, num_microbatches=m, versions=versions, p2p=comm.P2P(ctx), feed=feed,
+        loss_fn=loss_fn, device=ctx.device,
+    )
+    actions = stage_actions(p.schedule, stage_index=s, num_stages=d, num_microbatches=m, num_batches=cfg.train.num_steps)
+    log.info("%s schedule, %d stages, balance %s, layers %s on %s (%s)", p.schedule, d, balance, list(module._modules), ctx.device, ctx.backend)
+    tracker = Tracker(cfg, run_dir) if s == 0 else None
+    on_step = _progress(cfg, worker, tracker) if s == 0 else (lambda t: None)
+    stats = worker.run(actions, on_step=on_step)
+
+    all_stats = comm.gather_to_rank0(ctx, stats)
+    shards = comm.gather_to_rank0(ctx, {k: v.detach().cpu() for k, v in versions.newest().state_dict().items()})
+    if s != 0:
+        return None
+    meta = {
+        "schedule": p.schedule, "num_stages": d, "num_microbatches": m, "microbatch_size": b, "balance": balance,
+        "num_steps": cfg.train.num_steps, "seq_len": cfg.model.seq_len, "backend": ctx.backend, "device": ctx.device.type,
+        "memory_kind": "cuda_max_allocated" if ctx.device.type == "cuda" else "process_peak_rss",
+    }
+    summary = summarize(all_stats, meta=meta, warmup_steps=cfg.train.warmup_steps, samples_per_step=m * b, seq_len=cfg.model.seq_len)
+    write_summary(summary, run_dir)
+    save_state_dict({k: v for shard in shards for k, v in shard.items()}, run_dir / "final_model.pt")
+    tracker.finish(summary)
+    log.info(
+        "done: loss %.4f -> %.4f, %.1f samples/s, %.0f tokens/s; results in %s",
+        summary["losses"][0], summary["final_loss"], summary["samples_per_s"], summary["tokens_per_s"], run_dir,
+    )
+    return summary
+
+
+def _progress(cfg: Config, worker: StageWorker, tracker: "Tracker") -> Callable[[int], None]:
+    """Rank 0's per-step callback: log loss and throughput every ``train.log_every`` steps."""
+    samples_per_step = cfg.pipeline.num_microbatches * cfg.pipeline.microbatch_size
+    window = {"start": time.perf_counter(), "steps": 0}
+
+    def on_step(t: int) -> None:
+        window["steps"] += 1
+        loss = worker.stats.losses[-1]
+        tracker.log({"loss": loss}, step=t)
+        if (t + 1) % cfg.train.log_every and t + 1 != cfg.train.num_steps:
+            return
+        now = time.perf_counter()
+        rate = window["steps"] * samples_per_step / (now - window["start"])
+        window.update(start=now, steps=0)
+        tracker.log({"samples_per_s": rate, "tokens_per_s": rate * cfg.model.seq_len}, step=t)
+        log.info("step %d/%d loss %.4f %.1f samples/s %.0f tokens/s", t + 1, cfg.train.num_steps, loss, rate, rate * cfg.model.seq_len)
+
+    return on_step
+

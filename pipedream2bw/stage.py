@@ -1,0 +1,171 @@
+"""The stage worker: runs one rank's action list with p2p transfers, weight versions and the loss."""
+
+from __future__ import annotations
+
+import logging
+import resource
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from pipedream2bw.comm import P2P
+from pipedream2bw.data import MicrobatchFeed
+from pipedream2bw.schedule import BACKWARD, FORWARD, STEP, Action
+from pipedream2bw.versions import WeightVersions
+
+log = logging.getLogger(__name__)
+
+ACTIVATION_TAG, GRADIENT_TAG = 0, 1
+
+
+@dataclass
+class StageStats:
+    """What one stage measured; rank 0 gathers these into summary.json."""
+
+    stage_index: int
+    rank: int
+    start_time: float = 0.0
+    step_end_times: List[float] = field(default_factory=list)
+    losses: List[float] = field(default_factory=list)  # batch mean loss; filled on rank 0
+    peak_stash_bytes: int = 0  # activations autograd saved, summed over in-flight microbatches
+    weight_bytes: int = 0  # all weight versions held
+    optimizer_state_bytes: int = 0
+    peak_memory_bytes: int = 0  # CUDA: max allocated; CPU: process peak resident set
+
+
+class SavedBytes(torch.autograd.graph.saved_tensors_hooks):
+    """Counts the bytes autograd saves for backward, leaving out the stage's own parameters."""
+
+    def __init__(self, param_ptrs: set):
+        self.nbytes = 0
+        seen = set()
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            ptr = t.untyped_storage().data_ptr()
+            if ptr not in param_ptrs and ptr not in seen:
+                seen.add(ptr)
+                self.nbytes += t.untyped_storage().nbytes()
+            return t
+
+        super().__init__(pack, lambda t: t)
+
+
+class StageWorker:
+    """Runs the actions of stage ``stage_index`` of ``num_stages`` on this rank.
+
+    F k: take microbatch k's input (from the feed on stage 0, else from stage s-1), run the
+    stage with the weight version of k's batch, send the output on (or compute the loss on
+    the last stage) and stash what backward needs. B k: backward with the gradient from
+    stage s+1 (or of the loss) and send the input's gradient to stage s-1. S t: the optimizer
+    step that closes batch t, on the mean gradient of its m microbatches.
+    """
+
+    def __init__(
+        self,
+        *,
+        stage_index: int,
+        num_stages: int,
+        num_microbatches: int,
+        versions: WeightVersions,
+        p2p: P2P,
+        feed: MicrobatchFeed,
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        device: torch.device,
+    ):
+        self.s, self.d, self.m = stage_index, num_stages, num_microbatches
+        self.first, self.last = stage_index == 0, stage_index == num_stages - 1
+        self.versions, self.p2p, self.feed, self.loss_fn, self.device = versions, p2p, feed, loss_fn, device
+        self.stats = StageStats(stage_index, p2p.ctx.rank)
+        self._stash: Dict[int, Tuple[torch.Tensor, torch.Tensor, int]] = {}  # k -> (input, output or loss, saved bytes)
+        self._stash_bytes = 0
+        self._batch_losses: Dict[int, List[torch.Tensor]] = {}
+        self._pending: Dict[Tuple[str, int], tuple] = {}  # posted receives, by (kind, k)
+        self._param_ptrs = {p.untyped_storage().data_ptr() for r in versions.replicas for p in r.parameters()}
+
+    # Stage s talks to s-1 (activations in, gradients out) and s+1 (activations out, gradients in);
+    # one rank per stage, so the stage index is the rank.
+    def _recv(self, kind: str, k: int, next_k: Optional[int]) -> torch.Tensor:
+        peer, tag = (self.s - 1, ACTIVATION_TAG) if kind == FORWARD else (self.s + 1, GRADIENT_TAG)
+        pending = self._pending.pop((kind, k), None) or self.p2p.post_recv(peer=peer, tag=tag)
+        if next_k is not None:  # post the next receive of this kind now, so it overlaps our compute
+            self._pending[(kind, next_k)] = self.p2p.post_recv(peer=peer, tag=tag)
+        return self.p2p.wait_recv(pending, peer=peer)
+
+    def forward(self, k: int, next_k: Optional[int]) -> None:
+        module = self.versions.module_for_batch(k // self.m)
+        if self.first:
+            x = self.feed.inputs(k).to(self.device, non_blocking=True)
+        else:
+            x = self._recv(FORWARD, k, next_k).requires_grad_()
+        saved = SavedBytes(self._param_ptrs)
+        with saved:
+            out = module(x)
+            if self.last:
+                out = self.loss_fn(out, self.feed.targets(k).to(self.device, non_blocking=True))
+        if self.last:
+            self._batch_losses.setdefault(k // self.m, []).append(out.detach())
+        else:
+            self.p2p.send(out.detach(), peer=self.s + 1, tag=ACTIVATION_TAG)
+        self._stash[k] = (x, out, saved.nbytes)
+        self._stash_bytes += saved.nbytes
+        self.stats.peak_stash_bytes = max(self.stats.peak_stash_bytes, self._stash_bytes)
+
+    def backward(self, k: int, next_k: Optional[int]) -> None:
+        x, out, nbytes = self._stash.pop(k)
+        if self.last:
+            out.backward()
+        else:
+            torch.autograd.backward(out, self._recv(BACKWARD, k, next_k))
+        self._stash_bytes -= nbytes
+        if not self.first:
+            self.p2p.send(x.grad, peer=self.s - 1, tag=GRADIENT_TAG)
+
+    def step(self, t: int) -> None:
+        self.versions.step(t, grad_scale=1.0 / self.m)
+        if self.last:
+            loss = torch.stack(self._batch_losses.pop(t)).mean()
+            if self.first:
+                self.stats.losses.append(float(loss))
+            else:
+                self.p2p.send_loss(loss)
+        elif self.first:
+            self.stats.losses.append(self.p2p.recv_loss(peer=self.d - 1))
+        self.stats.step_end_times.append(time.perf_counter())
+
+    def run(self, actions: Sequence[Action], *, on_step: Callable[[int], None] = lambda t: None) -> StageStats:
+        """Runs ``actions`` in order; ``on_step(t)`` is called after each optimizer step."""
+        next_of: Dict[Tuple[str, int], Optional[int]] = {}
+        last_seen: Dict[str, Tuple[str, int]] = {}
+        for a in actions:  # for each F/B, the index of the next action of the same kind
+            if a.kind != STEP:
+                if a.kind in last_seen:
+                    next_of[last_seen[a.kind]] = a.index
+                last_seen[a.kind] = (a.kind, a.index)
+        self.stats.start_time = time.perf_counter()
+        for a in actions:
+            if a.kind == FORWARD:
+                self.forward(a.index, next_of.get((FORWARD, a.index)))
+            elif a.kind == BACKWARD:
+                self.backward(a.index, next_of.get((BACKWARD, a.index)))
+            else:
+                self.step(a.index)
+                on_step(a.index)
+        self.p2p.flush()
+        self._measure_memory()
+        return self.stats
+
+    def _measure_memory(self) -> None:
+        st = self.stats
+        st.weight_bytes = sum(p.numel() * p.element_size() for r in self.versions.replicas for p in r.parameters())
+        st.optimizer_state_bytes = sum(
+            v.numel() * v.element_size()
+            for state in self.versions.optimizer.state.values()
+            for v in state.values()
+            if torch.is_tensor(v)
+        )
+        if self.device.type == "cuda":
+            st.peak_memory_bytes = torch.cuda.max_memory_allocated(self.device)
+        else:
+            st.peak_memory_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

@@ -1,0 +1,66 @@
+"""Thin @hydra.main entry point: ``torchrun --nproc-per-node 4 -m pipedream2bw.train [overrides]``."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+
+from pipedream2bw import comm
+from pipedream2bw.config import Config, ConfigError, register_configs
+from pipedream2bw.runner import run
+
+log = logging.getLogger("pipedream2bw.train")
+
+_STAMP_ENV = "PD2BW_RUN_STAMP"
+_store = None  # the rendezvous store, connected before Hydra so that all ranks agree on the run directory
+
+
+@hydra.main(version_base="1.3", config_path="../configs", config_name="config")
+def main(dcfg: DictConfig) -> None:
+    cfg: Config = OmegaConf.to_object(dcfg)  # the DictConfig stops here
+    try:
+        run(cfg, HydraConfig.get().runtime.output_dir, store=_store)
+    except ConfigError as e:
+        log.error("bad configuration: %s", e)
+        _exit(2)
+    except BaseException as e:  # already logged with its cause by the runner
+        log.error("exiting after failure: %s: %s", type(e).__name__, e)
+        _exit(1)
+
+
+def _exit(code: int) -> None:
+    """Leaves at once: a failed rank must not wait on peers or pending transfers at interpreter exit."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _agree_on_run_stamp() -> None:
+    """Sets PD2BW_RUN_STAMP on every rank to the start time of the first rank to ask, for hydra.run.dir."""
+    global _store
+    rank, world_size, _ = comm.env_rank()
+    stamp = time.strftime("%Y-%m-%d/%H-%M-%S")
+    if world_size > 1 and _STAMP_ENV not in os.environ:
+        _store = comm.make_store(rank=rank, world_size=world_size, timeout_s=float(os.environ.get("PD2BW_STORE_TIMEOUT_S", 300)))
+        stamp = comm.agree_on_string(_store, "run_stamp", stamp)
+    os.environ.setdefault(_STAMP_ENV, stamp)
+
+
+def cli() -> None:
+    register_configs()
+    OmegaConf.register_new_resolver("pd2bw_run_stamp", lambda: os.environ[_STAMP_ENV], replace=True)
+    _agree_on_run_stamp()
+    if comm.env_rank()[0] != 0:
+        sys.argv.append("hydra.output_subdir=null")  # rank 0 alone writes .hydra/ into the shared run dir
+    main()
+
+
+if __name__ == "__main__":
+    cli()

@@ -1,0 +1,109 @@
+"""Pure: the weight versions of one stage (double-buffered under 2bw) and which one a batch uses.
+
+2bw contract (DESIGN.md section 2), t the batch index:
+    batch t runs forward and backward with W(t-1), W(-1) = W(0)
+    W(t+1) = W(t) - optimizer_step(g(t))     once the last backward of batch t is done
+flush and gpipe: batch t uses W(t) (plain minibatch training).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from typing import Callable, Iterable, List, Optional, Sequence
+
+import torch
+from torch import nn
+
+from pipedream2bw.schedule import BACKWARD, FORWARD, STEP, Action, ScheduleError
+
+log = logging.getLogger(__name__)
+
+
+def version_of_batch(schedule: str, batch_index: int) -> int:
+    """The weight version W(v) that every microbatch of batch ``batch_index`` uses."""
+    return max(batch_index - 1, 0) if schedule == "2bw" else batch_index
+
+
+def max_versions_alive(actions: Sequence[Action], *, schedule: str, num_microbatches: int) -> int:
+    """Walks one stage's actions and returns the most weight versions it must hold at once.
+
+    A version is alive while it is the newest or some batch that has not finished its
+    backwards will use it.
+
+    Raises:
+        ScheduleError: a forward needs a version that no step has produced yet.
+    """
+    m = num_microbatches
+    newest, peak = 0, 1
+    backwards_left = {}  # batch -> backwards still to run, for started batches
+    for a in actions:
+        t = a.index // m if a.kind != STEP else a.index
+        if a.kind == FORWARD:
+            if version_of_batch(schedule, t) > newest:
+                raise ScheduleError(f"{a}: needs W({version_of_batch(schedule, t)}), newest is W({newest})")
+            backwards_left.setdefault(t, m)
+        elif a.kind == BACKWARD:
+            backwards_left[t] -= 1
+        elif a.kind == STEP:
+            newest = t + 1
+        unfinished = [b for b, left in backwards_left.items() if left > 0]
+        # Batches not started yet will use versions >= those of started ones, up to `newest`.
+        next_batch = max(backwards_left, default=-1) + 1
+        alive = {newest} | {version_of_batch(schedule, b) for b in unfinished + [next_batch]}
+        peak = max(peak, len({v for v in alive if v <= newest}))
+    return peak
+
+
+class WeightVersions:
+    """The live weight versions of one stage and the optimizer that makes new ones.
+
+    Versions live in ``replicas``: two copies of the stage's module under 2bw, one under
+    flush and gpipe. The optimizer owns separate ``master`` parameters whose storage is
+    pointed at the replica being written before each step, so any ``torch.optim`` optimizer
+    keeps its state keyed by stable parameter objects while the two buffers alternate.
+    Gradients accumulate in the replica that the batch used (summed over its microbatches)
+    and are scaled by ``grad_scale`` before the step (1/m: the mean over the batch).
+    """
+
+    def __init__(self, module: nn.Module, *, schedule: str, optimizer_factory: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]):
+        self.schedule = schedule
+        self.replicas: List[nn.Module] = [module] + ([copy.deepcopy(module)] if schedule == "2bw" else [])
+        self.holds: List[Optional[int]] = [0] + [None] * (len(self.replicas) - 1)
+        self.master = [nn.Parameter(p.detach(), requires_grad=p.requires_grad) for p in module.parameters()]
+        self.optimizer = optimizer_factory(self.master)
+        if schedule == "2bw" and any(True for _ in module.buffers()):
+            log.warning("module buffers (e.g. BatchNorm statistics) are not versioned under 2bw; each replica keeps its own")
+
+    def _replica_holding(self, version: int) -> int:
+        assert version in self.holds, f"W({version}) is not alive; live versions: {self.holds}"
+        return self.holds.index(version)
+
+    def module_for_batch(self, batch_index: int) -> nn.Module:
+        """The replica holding the version that batch ``batch_index`` uses."""
+        return self.replicas[self._replica_holding(version_of_batch(self.schedule, batch_index))]
+
+    def newest(self) -> nn.Module:
+        """The replica holding the newest version (what a checkpoint or export saves)."""
+        return self.replicas[self._replica_holding(max(v for v in self.holds if v is not None))]
+
+    @torch.no_grad()
+    def step(self, batch_index: int, *, grad_scale: float) -> None:
+        """Closes batch t: W(t+1) = W(t) - optimizer_step(grad_scale * sum of batch t's gradients)."""
+        t = batch_index
+        src = self.replicas[self._replica_holding(version_of_batch(self.schedule, t))]
+        grads = [p.grad for p in src.parameters()]
+        still_needed = version_of_batch(self.schedule, t + 1)
+        dst_index = next(i for i, v in enumerate(self.holds) if v != still_needed)
+        dst = self.replicas[dst_index]
+        if self.holds[dst_index] != t:
+            for d_param, w_param in zip(dst.parameters(), self.replicas[self._replica_holding(t)].parameters()):
+                d_param.copy_(w_param)
+        for master, d_param, g, s_param in zip(self.master, dst.parameters(), grads, src.parameters()):
+            master.data = d_param.data
+            master.grad = None if g is None else g.mul_(grad_scale)
+            s_param.grad = None
+        self.optimizer.step()
+        for master in self.master:
+            master.grad = None
+        self.holds[dst_index] = t + 1
