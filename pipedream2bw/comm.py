@@ -17,6 +17,7 @@ import torch.distributed as dist
 log = logging.getLogger(__name__)
 
 _FAILED_KEY = "failed"
+_LEFT_KEY = "ranks_left_after_failure"
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.uint8, torch.bool]
 _LOSS_TAG = 7
 _META_LEN = 12  # [ndim, dtype code, shape...] padded with zeros
@@ -35,6 +36,11 @@ def env_rank() -> Tuple[int, int, int]:
     return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0))
 
 
+def _hosts_store(rank: int) -> bool:
+    """Whether this rank's process hosts the rendezvous store (rank 0, unless torchrun's agent does)."""
+    return rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+
+
 def make_store(*, rank: int, world_size: int, timeout_s: float) -> dist.Store:
     """Connects to the rendezvous store named by MASTER_ADDR/MASTER_PORT.
 
@@ -42,9 +48,8 @@ def make_store(*, rank: int, world_size: int, timeout_s: float) -> dist.Store:
     Keys are prefixed by the restart count, so a restarted job starts from a clean slate.
     """
     host, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT", 29500))
-    agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     store = dist.TCPStore(
-        host, port, world_size, is_master=(rank == 0 and not agent_hosts),
+        host, port, world_size, is_master=_hosts_store(rank),
         timeout=timedelta(seconds=timeout_s), wait_for_workers=False,
     )
     return dist.PrefixStore(f"pd2bw/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
@@ -63,9 +68,10 @@ class FailureMonitor:
     time any rank can spend waiting on a peer that died, whatever it is blocked in.
     """
 
-    def __init__(self, store: dist.Store, *, rank: int, poll_s: float = 0.25):
-        self.store, self.rank, self.poll_s = store, rank, poll_s
+    def __init__(self, store: dist.Store, *, rank: int, world_size: int, poll_s: float = 0.25):
+        self.store, self.rank, self.world_size, self.poll_s = store, rank, world_size, poll_s
         self._stop = threading.Event()
+        self._leave_lock, self._left = threading.Lock(), False
         self._thread = threading.Thread(target=self._watch, name="pd2bw-failure-monitor", daemon=True)
 
     def start(self) -> "FailureMonitor":
@@ -84,18 +90,21 @@ class FailureMonitor:
         except Exception:  # the store may be gone with the rank that hosted it
             return mine
 
-    def first_failure(self, wait_s: float = 1.0) -> Optional[str]:
-        """The first failure any rank reported, waiting up to ``wait_s`` for one to appear."""
-        deadline = time.monotonic() + wait_s
-        while True:
-            try:
-                if self.store.check([_FAILED_KEY]):
-                    return self.store.get(_FAILED_KEY).decode()
-            except Exception:
-                return None
-            if time.monotonic() >= deadline:
-                return None
-            time.sleep(0.05)
+    def leave(self, max_wait_s: float = 10.0) -> None:
+        """Counts this rank out after a failure. The rank hosting the store waits (bounded) for
+        the others to read the failure first: its exit takes the store, and the cause, with it."""
+        with self._leave_lock:
+            if self._left:
+                return
+            self._left = True
+        try:
+            left = self.store.add(_LEFT_KEY, 1)
+            deadline = time.monotonic() + max_wait_s
+            while _hosts_store(self.rank) and left < self.world_size and time.monotonic() < deadline:
+                time.sleep(0.05)
+                left = self.store.add(_LEFT_KEY, 0)
+        except Exception:
+            pass
 
     def _watch(self) -> None:
         while not self._stop.wait(self.poll_s):
@@ -109,6 +118,7 @@ class FailureMonitor:
                 failed = True
             if failed and not message.startswith(f"rank {self.rank} "):
                 log.error("aborting because %s", message)
+                self.leave()
                 logging.shutdown()
                 os._exit(1)
 
@@ -135,7 +145,7 @@ def init(*, store: dist.Store, rank: int, world_size: int, local_rank: int, back
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
     timeout = timedelta(seconds=timeout_s)
-    monitor = FailureMonitor(store, rank=rank).start()
+    monitor = FailureMonitor(store, rank=rank, world_size=world_size).start()
     kwargs = {"device_id": device} if backend == "nccl" else {}
     dist.init_process_group(backend, store=dist.PrefixStore("pg", store), rank=rank, world_size=world_size, timeout=timeout, **kwargs)
     control = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else dist.group.WORLD

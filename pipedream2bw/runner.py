@@ -84,11 +84,14 @@ def run(
         summary = _train(cfg, run_dir, ctx, balance, layers, loss_fn)
     except BaseException as e:
         first = ctx.monitor.report(rank, e)
-        if not first.startswith(f"rank {rank} "):
+        if first.startswith(f"rank {rank} "):
+            log.error("%s", first, exc_info=True)
+        else:
             log.error("stopping because %s (here: %s: %s)", first, type(e).__name__, e)
-            raise comm.PeerFailure(first) from e
-        log.exception("failed")
-        raise
+        ctx.monitor.leave()
+        if first.startswith(f"rank {rank} "):
+            raise
+        raise comm.PeerFailure(first) from e
     comm.shutdown(ctx)
     return summary
 

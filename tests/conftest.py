@@ -1,0 +1,7 @@
+"""Shared fixtures: the forkserver that multi-process tests fork their ranks from."""
+
+import multiprocessing
+
+# Ranks fork from a server that has torch and the package imported once (fast start, no
+# fork of the pytest process's threads).
+multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "pipedream2bw.runner", "dist_helper"])

@@ -1,0 +1,116 @@
+"""Runs a function on N local ranks over gloo: free port, forkserver, per-rank logs, timeout, teardown."""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import socket
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, List, Sequence
+
+import torch
+from torch import nn
+
+from pipedream2bw.config import Config
+from pipedream2bw.models import build_gpt_layers
+from pipedream2bw.runner import run
+
+
+@dataclass
+class RankResult:
+    rank: int
+    exitcode: int  # -9 when the helper had to kill it at the deadline
+    log: str
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child(fn: Callable, args: Sequence[Any], rank: int, world_size: int, port: int, log_path: str) -> None:
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, force=True, format="%(levelname)s %(name)s: %(message)s")
+    torch.set_num_threads(1)
+    code = 0
+    try:
+        fn(*args)
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def spawn(fn: Callable, *, world_size: int, args: Sequence[Any] = (), log_dir: Path, timeout_s: float = 120) -> List[RankResult]:
+    """Runs ``fn(*args)`` on ``world_size`` ranks; kills what is still alive after ``timeout_s``."""
+    ctx = multiprocessing.get_context("forkserver")
+    port = free_port()
+    log_dir = Path(log_dir)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    procs = []
+    try:
+        for rank in range(world_size):
+            p = ctx.Process(target=_child, args=(fn, args, rank, world_size, port, str(log_dir / f"rank{rank}.log")))
+            p.start()
+            procs.append(p)
+        deadline = time.monotonic() + timeout_s
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+    return [
+        RankResult(rank, -9 if p.exitcode is None else p.exitcode, (log_dir / f"rank{rank}.log").read_text())
+        for rank, p in enumerate(procs)
+    ]
+
+
+def run_ok(cfg: Config, run_dir: Path, *, timeout_s: float = 120) -> dict:
+    """Runs the pipeline on ``cfg.pipeline.num_stages`` ranks, asserts success, returns summary.json."""
+    import json
+
+    results = spawn(train, world_size=cfg.pipeline.num_stages, args=(cfg, str(run_dir)), log_dir=Path(run_dir) / "logs", timeout_s=timeout_s)
+    bad = [r for r in results if r.exitcode != 0]
+    assert not bad, "\n".join(f"--- rank {r.rank} exit {r.exitcode}\n{r.log}" for r in bad)
+    return json.loads((Path(run_dir) / "summary.json").read_text())
+
+
+def train(cfg: Config, run_dir: str) -> None:
+    run(cfg, Path(run_dir))
+
+
+class FailAt(nn.Module):
+    """Wraps a layer: raises (or hangs, when ``hang``) on its ``call``-th forward."""
+
+    def __init__(self, layer: nn.Module, *, call: int, hang: bool = False):
+        super().__init__()
+        self.layer, self.call, self.hang, self.calls = layer, call, hang, 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls == self.call:
+            if self.hang:
+                time.sleep(3600)
+            raise RuntimeError(f"injected fault on forward call {self.calls}")
+        return self.layer(x)
+
+
+def train_with_fault(cfg: Config, run_dir: str, layer_index: int, call: int, hang: bool) -> None:
+    layers = build_gpt_layers(cfg.model, seed=cfg.seed)
+    layers[layer_index] = FailAt(layers[layer_index], call=call, hang=hang)
+    run(cfg, Path(run_dir), layers=layers)

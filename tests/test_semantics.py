@@ -1,0 +1,73 @@
+"""The 2BW contract on real processes: pipeline weights against single-process oracles (gloo, CPU)."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from dist_helper import run_ok
+from pipedream2bw.config import Config, GPTConfig, OptimConfig, PipelineConfig, TrainConfig, WandbConfig
+from reference import reference_train
+
+OPTIMIZERS = {
+    "sgd_momentum": OptimConfig(name="sgd", lr=0.5, kwargs={"momentum": 0.9}),
+    "adam": OptimConfig(name="adam", lr=1e-2),
+}
+
+
+def tiny_config(*, schedule: str, num_stages: int, num_microbatches: int, optim: str = "adam", num_steps: int = 6) -> Config:
+    return Config(
+        pipeline=PipelineConfig(schedule=schedule, num_stages=num_stages, num_microbatches=num_microbatches, microbatch_size=2),
+        model=GPTConfig(num_layers=3, d_model=32, num_heads=2, seq_len=16),
+        optim=OPTIMIZERS[optim],
+        train=TrainConfig(num_steps=num_steps, log_every=100, warmup_steps=1),
+        wandb=WandbConfig(mode="disabled"),
+        seed=3,
+    )
+
+
+@functools.lru_cache(maxsize=None)
+def _oracle(num_microbatches: int, optim: str, delayed: bool):
+    cfg = tiny_config(schedule="2bw", num_stages=1, num_microbatches=num_microbatches, optim=optim)
+    return reference_train(cfg, delayed=delayed)
+
+
+def max_abs_diff(a: dict, b: dict) -> float:
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+@pytest.mark.parametrize("optim", sorted(OPTIMIZERS))
+@pytest.mark.parametrize("d,m", [(2, 2), (2, 4), (4, 4), (4, 8)])
+def test_2bw_equals_delayed_update_rule(tmp_path, d, m, optim):
+    summary = run_ok(tiny_config(schedule="2bw", num_stages=d, num_microbatches=m, optim=optim), tmp_path)
+    weights = torch.load(tmp_path / "final_model.pt")
+    expected, expected_losses = _oracle(m, optim, True)
+    assert weights.keys() == expected.keys()
+    torch.testing.assert_close(weights, expected)
+    torch.testing.assert_close(summary["losses"], expected_losses)
+    # ...and 2BW is not plain synchronous training: the difference is far above round-off.
+    synchronous, _ = _oracle(m, optim, False)
+    assert max_abs_diff(weights, synchronous) > 1e-3
+
+
+@pytest.mark.parametrize("schedule", ["flush", "gpipe"])
+@pytest.mark.parametrize("d,m", [(2, 2), (2, 4), (4, 4), (4, 8)])
+def test_flushing_schedules_equal_minibatch_training(tmp_path, schedule, d, m):
+    optim = "sgd_momentum" if m == d else "adam"
+    summary = run_ok(tiny_config(schedule=schedule, num_stages=d, num_microbatches=m, optim=optim), tmp_path)
+    expected, expected_losses = _oracle(m, optim, False)
+    torch.testing.assert_close(torch.load(tmp_path / "final_model.pt"), expected)
+    torch.testing.assert_close(summary["losses"], expected_losses)
+
+
+@pytest.mark.parametrize("schedule", ["2bw", "flush", "gpipe"])
+def test_results_do_not_depend_on_depth(tmp_path, schedule):
+    runs = {}
+    for d in (1, 2, 4):
+        summary = run_ok(tiny_config(schedule=schedule, num_stages=d, num_microbatches=4), tmp_path / f"d{d}")
+        runs[d] = (torch.load(tmp_path / f"d{d}" / "final_model.pt"), summary["losses"])
+    for d in (2, 4):
+        torch.testing.assert_close(runs[d][0], runs[1][0])
+        torch.testing.assert_close(runs[d][1], runs[1][1])
