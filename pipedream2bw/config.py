@@ -194,11 +194,6 @@ def validate(cfg: Config, *, world_size: int, num_layers: Optional[int] = None) 
         raise ConfigError(
             f"pipeline.num_microbatches ({m}) and pipeline.microbatch_size ({p.microbatch_size}) must be >= 1"
         )
-    if p.schedule == "2bw" and m < d:
-        raise ConfigError(
-            f"pipeline.num_microbatches ({m}) must be >= pipeline.num_stages ({d}) for 2bw "
-            f"(two weight versions suffice only then); raise pipeline.num_microbatches to {d} or more"
-        )
     if world_size != d:
         raise ConfigError(
             f"world size ({world_size}) must equal pipeline.num_stages ({d}); "
@@ -214,6 +209,11 @@ def validate(cfg: Config, *, world_size: int, num_layers: Optional[int] = None) 
         raise ConfigError(
             f"pipeline.balance ({balance}) must list {d} positive layer counts (one per stage) "
             f"summing to the model's {num_layers} layers; e.g. pipeline.balance={even_balance(num_layers, d)}"
+        )
+    if p.schedule == "2bw" and m < d:
+        raise ConfigError(
+            f"pipeline.num_microbatches ({m}) must be >= pipeline.num_stages ({d}) for 2bw "
+            f"(two weight versions suffice only then); raise pipeline.num_microbatches to {d} or more"
         )
     if mdl.d_model % mdl.num_heads:
         raise ConfigError(f"model.num_heads ({mdl.num_heads}) must divide model.d_model ({mdl.d_model})")

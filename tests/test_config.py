@@ -1,0 +1,71 @@
+"""Hydra configs through compose(), and bad input rejected with the value and the fix."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from pipedream2bw.config import Config, ConfigError, even_balance, register_configs, validate
+
+CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "configs")
+
+
+def make(*overrides: str) -> Config:
+    register_configs()
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+        return OmegaConf.to_object(compose(config_name="config", overrides=list(overrides)))
+
+
+def test_default_config_is_the_readme_run():
+    cfg = make()
+    assert isinstance(cfg, Config)
+    assert (cfg.pipeline.schedule, cfg.pipeline.num_stages, cfg.model.name, cfg.wandb.mode) == ("2bw", 4, "gpt", "offline")
+    assert validate(cfg, world_size=4) == [2, 2, 2, 2]
+
+
+def test_interface_names_override():
+    cfg = make(
+        "pipeline.schedule=gpipe", "pipeline.num_stages=2", "pipeline.num_microbatches=3", "pipeline.microbatch_size=5",
+        "pipeline.balance=[3,5]", "model.num_layers=5", "model.d_model=64", "model.num_heads=2", "model.seq_len=32",
+        "model.vocab_size=300", "optim.name=sgd", "optim.lr=0.1", "+optim.kwargs.momentum=0.9", "train.num_steps=7",
+        "seed=5", "wandb.mode=disabled",
+    )
+    assert cfg.pipeline.balance == [3, 5] and cfg.optim.kwargs == {"momentum": 0.9} and cfg.model.vocab_size == 300
+    assert validate(cfg, world_size=2) == [3, 5]
+
+
+def test_typed_schema_rejects_wrong_types():
+    with pytest.raises(Exception, match="num_stages"):
+        make("pipeline.num_stages=four")
+
+
+@pytest.mark.parametrize(
+    "overrides,world_size,match",
+    [
+        (["pipeline.num_microbatches=2"], 4, r"num_microbatches \(2\) must be >= pipeline.num_stages \(4\) for 2bw .*; raise pipeline.num_microbatches to 4"),
+        (["pipeline.num_stages=9", "model.num_layers=5"], 9, r"num_stages \(9\) is more than the model's 8 layers"),
+        (["pipeline.balance=[2,2,2,1]"], 4, r"balance \(\[2, 2, 2, 1\]\) must list 4 positive layer counts .* summing to the model's 8 layers"),
+        (["pipeline.balance=[4,4]"], 4, r"must list 4 positive layer counts"),
+        ([], 2, r"world size \(2\) must equal pipeline.num_stages \(4\); launch with torchrun --nproc-per-node 4"),
+        (["pipeline.schedule=pipedream"], 4, r"pipeline.schedule \('pipedream'\) is unknown; use one of \['2bw', 'flush', 'gpipe'\]"),
+        (["optim.name=adamx"], 4, r"optim.name \('adamx'\) is not a torch.optim optimizer; use one of .*'adamw'"),
+        (["+optim.kwargs.momentm=0.9", "optim.name=sgd"], 4, r"optim.kwargs \(\{'momentm': 0.9\}\) are not valid for SGD"),
+        (["model.num_heads=3"], 4, r"num_heads \(3\) must divide model.d_model \(128\)"),
+        (["wandb.mode=cloud"], 4, r"wandb.mode \('cloud'\) is unknown"),
+        (["train.warmup_steps=10", "train.num_steps=10"], 4, r"warmup_steps \(10\) must be in \[0, train.num_steps"),
+    ],
+)
+def test_bad_input_names_value_and_fix(overrides, world_size, match):
+    with pytest.raises(ConfigError, match=match):
+        validate(make(*overrides), world_size=world_size)
+
+
+def test_even_balance_gives_extras_to_middle_stages():
+    assert even_balance(8, 4) == [2, 2, 2, 2]
+    assert even_balance(7, 4) == [2, 2, 2, 1]  # then the first stage: the LM head makes the last one heavy
+    assert even_balance(6, 4) == [1, 2, 2, 1]
+    assert even_balance(5, 1) == [5]
+    assert even_balance(3, 2) == [2, 1]
