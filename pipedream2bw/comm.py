@@ -21,6 +21,7 @@ _LEFT_KEY = "ranks_left_after_failure"
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.uint8, torch.bool]
 _LOSS_TAG = 7
 _META_LEN = 12  # [ndim, dtype code, shape...] padded with zeros
+_jobs_started = 0
 
 
 class PipelineShapeError(RuntimeError):
@@ -145,6 +146,9 @@ def init(*, store: dist.Store, rank: int, world_size: int, local_rank: int, back
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
     timeout = timedelta(seconds=timeout_s)
+    global _jobs_started  # a Hydra multirun starts one job after another in the same processes
+    _jobs_started += 1
+    store = dist.PrefixStore(f"job{_jobs_started}", store)
     monitor = FailureMonitor(store, rank=rank, world_size=world_size).start()
     kwargs = {"device_id": device} if backend == "nccl" else {}
     dist.init_process_group(backend, store=dist.PrefixStore("pg", store), rank=rank, world_size=world_size, timeout=timeout, **kwargs)

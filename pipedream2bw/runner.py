@@ -74,8 +74,8 @@ def run(
         comm.PeerFailure: another rank failed first.
     """
     rank, world_size, local_rank = comm.env_rank()
+    set_log_prefix(rank, rank)  # one rank per stage: the stage index is the rank
     balance = validate(cfg, world_size=world_size, num_layers=None if layers is None else len(layers))
-    set_log_prefix(rank, rank)
     run_dir = Path(run_dir)
     if store is None:
         store = comm.make_store(rank=rank, world_size=world_size, timeout_s=cfg.dist.timeout_s)

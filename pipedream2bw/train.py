@@ -27,7 +27,7 @@ def main(dcfg: DictConfig) -> None:
     try:
         run(cfg, HydraConfig.get().runtime.output_dir, store=_store)
     except ConfigError as e:
-        log.error("bad configuration: %s", e)
+        log.error("bad configuration: %s", e)  # before any process group started
         _exit(2)
     except BaseException as e:  # already logged with its cause by the runner
         log.error("exiting after failure: %s: %s", type(e).__name__, e)

@@ -1,0 +1,62 @@
+"""The README's command under torchrun: the run directory, its results, and bad input on every rank."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from dist_helper import free_port
+from pipedream2bw.config import GPTConfig
+from pipedream2bw.models import build_gpt_layers
+
+# The README's default command, shortened: a smaller GPT for fewer steps, same 4-stage 2bw pipeline.
+SHORT = ["model.d_model=64", "model.seq_len=64", "pipeline.microbatch_size=4", "train.num_steps=40", "optim.lr=1e-2"]
+
+
+def torchrun(*overrides: str, cwd: Path, timeout_s: float = 240) -> subprocess.CompletedProcess:
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-port", str(free_port()),
+        "-m", "pipedream2bw.train", *overrides,
+    ]
+    env = {**os.environ, "WANDB_SILENT": "true"}
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout_s)
+
+
+def test_readme_command_trains_and_writes_results(tmp_path):
+    proc = torchrun(*SHORT, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    run_dirs = list((tmp_path / "outputs").glob("*/*"))
+    assert len(run_dirs) == 1, run_dirs  # every rank wrote into the same run directory
+    run_dir = run_dirs[0]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["schedule"] == "2bw" and summary["num_stages"] == 4 and len(summary["losses"]) == 40
+    assert summary["losses"][0] > 5.0 and summary["final_loss"] < summary["losses"][0] - 1.5  # the loss falls clearly
+    assert summary["samples_per_s"] > 0 and summary["tokens_per_s"] == summary["samples_per_s"] * 64
+    assert len(summary["peak_memory_bytes"]) == 4 and all(b > 0 for b in summary["peak_memory_bytes"])
+    assert all(s["peak_stash_bytes"] > 0 and s["weight_bytes"] > 0 for s in summary["stages"])
+    # The loss is logged on rank 0, although the last stage computes it.
+    assert "[stage 0/rank 0] step 40/40 loss" in (run_dir / "train.log").read_text()
+    # final_model.pt is the unpartitioned model's state_dict.
+    model = nn.Sequential(*build_gpt_layers(GPTConfig(d_model=64, seq_len=64), seed=0))
+    model.load_state_dict(torch.load(run_dir / "final_model.pt"), strict=True)
+    assert (run_dir / ".hydra" / "config.yaml").is_file()
+    assert list((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
+
+
+def test_bad_input_fails_every_rank_fast(tmp_path):
+    start = time.monotonic()
+    proc = torchrun("pipeline.num_microbatches=2", "wandb.mode=disabled", cwd=tmp_path, timeout_s=120)
+    assert proc.returncode != 0
+    assert time.monotonic() - start < 60
+    out = proc.stdout + proc.stderr
+    # Each rank rejects the config on its own (torchrun stops the others once the first exits).
+    assert "bad configuration: pipeline.num_microbatches (2) must be >= pipeline.num_stages (4) for 2bw" in out, out
+    assert "raise pipeline.num_microbatches to 4 or more" in out
+    assert "exitcode  : 2" in out, out
