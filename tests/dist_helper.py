@@ -95,22 +95,26 @@ def train(cfg: Config, run_dir: str) -> None:
 
 
 class FailAt(nn.Module):
-    """Wraps a layer: raises (or hangs, when ``hang``) on its ``call``-th forward."""
+    """Wraps a layer and misbehaves on its ``call``-th forward: ``how`` is 'raise', 'hang'
+    (sleeps for an hour) or 'reshape' (drops the last position of its output)."""
 
-    def __init__(self, layer: nn.Module, *, call: int, hang: bool = False):
+    def __init__(self, layer: nn.Module, *, call: int, how: str):
         super().__init__()
-        self.layer, self.call, self.hang, self.calls = layer, call, hang, 0
+        self.layer, self.call, self.how, self.calls = layer, call, how, 0
 
     def forward(self, x):
         self.calls += 1
-        if self.calls == self.call:
-            if self.hang:
-                time.sleep(3600)
-            raise RuntimeError(f"injected fault on forward call {self.calls}")
-        return self.layer(x)
+        out = self.layer(x)
+        if self.calls != self.call:
+            return out
+        if self.how == "hang":
+            time.sleep(3600)
+        if self.how == "reshape":
+            return out[:, :-1]
+        raise RuntimeError(f"injected fault on forward call {self.calls}")
 
 
-def train_with_fault(cfg: Config, run_dir: str, layer_index: int, call: int, hang: bool) -> None:
+def train_with_fault(cfg: Config, run_dir: str, layer_index: int, call: int, how: str) -> None:
     layers = build_gpt_layers(cfg.model, seed=cfg.seed)
-    layers[layer_index] = FailAt(layers[layer_index], call=call, hang=hang)
+    layers[layer_index] = FailAt(layers[layer_index], call=call, how=how)
     run(cfg, Path(run_dir), layers=layers)

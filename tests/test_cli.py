@@ -60,3 +60,13 @@ def test_bad_input_fails_every_rank_fast(tmp_path):
     assert "bad configuration: pipeline.num_microbatches (2) must be >= pipeline.num_stages (4) for 2bw" in out, out
     assert "raise pipeline.num_microbatches to 4 or more" in out
     assert "exitcode  : 2" in out, out
+
+
+def test_multirun_runs_each_job_in_the_same_ranks(tmp_path):
+    proc = torchrun(
+        "-m", "pipeline.schedule=2bw,gpipe", "train.num_steps=4", "model.d_model=32", "model.seq_len=32",
+        "wandb.mode=disabled", cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    summaries = sorted((tmp_path / "multirun").glob("*/*/*/summary.json"))
+    assert [json.loads(p.read_text())["schedule"] for p in summaries] == ["2bw", "gpipe"]
