@@ -16,7 +16,7 @@ from pipedream2bw.config import Config, build_optimizer, validate
 from pipedream2bw.data import MicrobatchFeed, load_bytes
 from pipedream2bw.models import build_gpt_layers, lm_loss
 from pipedream2bw.results import save_state_dict, summarize, write_summary
-from pipedream2bw.schedule import stage_actions
+from pipedream2bw.schedule import check_stage, stage_actions
 from pipedream2bw.stage import StageWorker
 from pipedream2bw.tracking import Tracker
 from pipedream2bw.versions import WeightVersions
@@ -108,6 +108,7 @@ def _train(cfg: Config, run_dir: Path, ctx: comm.DistContext, balance, layers, l
         loss_fn=loss_fn, device=ctx.device,
     )
     actions = stage_actions(p.schedule, stage_index=s, num_stages=d, num_microbatches=m, num_batches=cfg.train.num_steps)
+    check_stage(actions, num_microbatches=m, in_flight_limit=m if p.schedule == "gpipe" else d - s)
     log.info("%s schedule, %d stages, balance %s, layers %s on %s (%s)", p.schedule, d, balance, list(module._modules), ctx.device, ctx.backend)
     tracker = Tracker(cfg, run_dir) if s == 0 else None
     on_step = _progress(cfg, worker, tracker) if s == 0 else (lambda t: None)

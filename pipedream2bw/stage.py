@@ -83,13 +83,18 @@ class StageWorker:
         self._batch_losses: Dict[int, List[torch.Tensor]] = {}
         self._pending: Dict[Tuple[str, int], tuple] = {}  # posted receives, by (kind, k)
         self._param_ptrs = {p.untyped_storage().data_ptr() for r in versions.replicas for p in r.parameters()}
+        # Early receives overlap transfers with compute under gloo, where each transfer progresses
+        # on its own. NCCL runs all p2p between two ranks in order on one stream: a receive posted
+        # early would hold back this rank's later sends to the same peer (e.g. the next batch's
+        # activations under flush, which the peer needs before it can send what we wait for).
+        self._prefetch = p2p.ctx.backend != "nccl"
 
     # Stage s talks to s-1 (activations in, gradients out) and s+1 (activations out, gradients in);
     # one rank per stage, so the stage index is the rank.
     def _recv(self, kind: str, k: int, next_k: Optional[int]) -> torch.Tensor:
         peer, tag = (self.s - 1, ACTIVATION_TAG) if kind == FORWARD else (self.s + 1, GRADIENT_TAG)
         pending = self._pending.pop((kind, k), None) or self.p2p.post_recv(peer=peer, tag=tag)
-        if next_k is not None:  # post the next receive of this kind now, so it overlaps our compute
+        if next_k is not None and self._prefetch:  # post the next receive now, so it overlaps our compute
             self._pending[(kind, next_k)] = self.p2p.post_recv(peer=peer, tag=tag)
         return self.p2p.wait_recv(pending, peer=peer)
 
@@ -136,19 +141,16 @@ class StageWorker:
 
     def run(self, actions: Sequence[Action], *, on_step: Callable[[int], None] = lambda t: None) -> StageStats:
         """Runs ``actions`` in order; ``on_step(t)`` is called after each optimizer step."""
-        next_of: Dict[Tuple[str, int], Optional[int]] = {}
-        last_seen: Dict[str, Tuple[str, int]] = {}
-        for a in actions:  # for each F/B, the index of the next action of the same kind
-            if a.kind != STEP:
-                if a.kind in last_seen:
-                    next_of[last_seen[a.kind]] = a.index
-                last_seen[a.kind] = (a.kind, a.index)
+        # Forwards and backwards each run in microbatch order 0..n-1 (schedule.check_stage), so
+        # the receive to post after k's is k+1's.
+        n = sum(a.kind == FORWARD for a in actions)
         self.stats.start_time = time.perf_counter()
         for a in actions:
+            next_k = a.index + 1 if a.index + 1 < n else None
             if a.kind == FORWARD:
-                self.forward(a.index, next_of.get((FORWARD, a.index)))
+                self.forward(a.index, next_k)
             elif a.kind == BACKWARD:
-                self.backward(a.index, next_of.get((BACKWARD, a.index)))
+                self.backward(a.index, next_k)
             else:
                 self.step(a.index)
                 on_step(a.index)
