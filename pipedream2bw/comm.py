@@ -9,7 +9,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Deque, Dict, List, Optional, Tuple
+from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -164,6 +164,11 @@ def shutdown(ctx: DistContext) -> None:
     dist.destroy_process_group()
 
 
+def new_groups(ctx: DistContext, rank_lists: Sequence[Sequence[int]]) -> List[Any]:
+    """One process group per list, made on every rank in the same order (as torch requires)."""
+    return [dist.new_group(list(ranks), timeout=ctx.timeout) for ranks in rank_lists]
+
+
 def gather_to_rank0(ctx: DistContext, obj: Any) -> Optional[List[Any]]:
     """Every rank's ``obj``, in rank order, on rank 0; None elsewhere."""
     out = [None] * ctx.world_size if ctx.rank == 0 else None
@@ -232,12 +237,12 @@ class P2P:
         return buf
 
     def send_loss(self, value: torch.Tensor) -> None:
-        """Last stage: starts sending a batch's mean loss to rank 0 over the CPU control group."""
+        """A last stage: starts sending its batch's mean loss to rank 0 over the CPU control group."""
         loss = value.detach().to("cpu", torch.float64).reshape(1)
         self._sends.append((dist.isend(loss, 0, group=self.ctx.control, tag=_LOSS_TAG), loss))
 
     def recv_loss(self, *, peer: int) -> float:
-        """Rank 0: the mean loss of the next batch, from the last stage ``peer``."""
+        """Rank 0: the mean loss of the next batch from the last stage on rank ``peer``."""
         loss = torch.zeros(1, dtype=torch.float64)
         self._wait(dist.irecv(loss, peer, group=self.ctx.control, tag=_LOSS_TAG), f"receiving the loss from rank {peer}")
         return float(loss)
@@ -247,3 +252,72 @@ class P2P:
         while self._sends:
             work, _ = self._sends.popleft()
             self._wait(work, "a send")
+
+
+class GradReducer:
+    """Averages a stage's coalesced gradient across its replicas, bucket by bucket, during backward.
+
+    Armed for the last backward of a batch, it hears (post-accumulate-grad hooks) when each
+    parameter's gradient is final; once a bucket is complete and every earlier bucket has
+    started, it starts that bucket's all-reduce (sum) asynchronously, so communication
+    overlaps the rest of backward. ``wait(i)`` blocks only on bucket ``i``, writes the sums
+    back into the gradients and counts the time spent there: all-reduce not hidden behind
+    backward. Buckets start in index order on every replica, as collectives must.
+    """
+
+    def __init__(self, ctx: DistContext, *, group: Any, replicas: Sequence[Sequence[torch.nn.Parameter]], buckets: Sequence[Sequence[int]]):
+        self.ctx, self.group, self.buckets = ctx, group, [list(b) for b in buckets]
+        self.bucket_of = {i: b for b, idx in enumerate(self.buckets) for i in idx}
+        self.replicas = [list(params) for params in replicas]
+        self.num_collectives = 0
+        self.exposed_s = 0.0
+        self._armed: Optional[int] = None
+        for replica_index, params in enumerate(self.replicas):
+            for param_index, p in enumerate(params):
+                p.register_post_accumulate_grad_hook(self._hook(replica_index, param_index))
+
+    def _hook(self, replica_index: int, param_index: int):
+        def on_grad(_: torch.Tensor) -> None:
+            if self._armed == replica_index:
+                b = self.bucket_of[param_index]
+                self._missing[b] -= 1
+                self._start_ready()
+        return on_grad
+
+    def arm(self, replica_index: int) -> None:
+        """The next backward is a batch's last on this replica of the weights: reduce as it goes."""
+        self._armed = replica_index
+        self._missing = [len(b) for b in self.buckets]
+        self._started: List[Tuple[Any, torch.Tensor]] = []
+
+    def _start_ready(self) -> None:
+        while len(self._started) < len(self.buckets) and self._missing[len(self._started)] == 0:
+            self._start(len(self._started))
+
+    def _start(self, b: int) -> None:
+        params = self.replicas[self._armed]
+        flat = torch.cat([
+            (params[i].grad if params[i].grad is not None else torch.zeros_like(params[i])).reshape(-1)
+            for i in self.buckets[b]
+        ])
+        self._started.append((dist.all_reduce(flat, group=self.group, async_op=True), flat))
+        self.num_collectives += 1
+
+    def wait(self, b: int) -> None:
+        """Blocks until bucket ``b`` is summed across replicas, and puts the sums in the gradients."""
+        start = time.perf_counter()
+        while len(self._started) <= b:  # a bucket whose gradients never came (unused parameters)
+            self._start(len(self._started))
+        work, flat = self._started[b]
+        try:
+            work.wait(self.ctx.timeout)
+        except Exception as e:
+            raise RuntimeError(f"rank {self.ctx.rank}: gradient all-reduce failed or timed out after {self.ctx.timeout}: {e}") from e
+        self.exposed_s += time.perf_counter() - start
+        params, offset = self.replicas[self._armed], 0
+        for i in self.buckets[b]:
+            n = params[i].numel()
+            params[i].grad = flat[offset : offset + n].view_as(params[i])
+            offset += n
+        if b == len(self.buckets) - 1:
+            self._armed = None

@@ -29,6 +29,12 @@ class PipelineConfig:
     """Sequences per microbatch b; a batch is m * b sequences."""
     balance: Optional[List[int]] = None
     """Layers per stage, first stage first; null splits the layers evenly."""
+    data_parallel: int = 1
+    """Replicas w of every stage; WORLD_SIZE = num_stages * data_parallel."""
+    rank_map: Optional[List[List[int]]] = None
+    """rank_map[stage][replica] = rank; null keeps a stage's replicas on one node when they fit."""
+    bucket_mb: float = 25.0
+    """Gradient all-reduce bucket size in MiB; a bucket is reduced as soon as backward produced it."""
 
 
 @dataclass
@@ -73,6 +79,8 @@ class TrainConfig:
     """Log loss and throughput on rank 0 every this many steps."""
     warmup_steps: int = 3
     """Steps left out of the throughput figures."""
+    global_batch_size: Optional[int] = None
+    """Sequences per batch over all replicas; null means data_parallel * num_microbatches * microbatch_size, else it must equal that."""
 
 
 @dataclass
@@ -169,12 +177,13 @@ def model_num_layers(model: GPTConfig) -> int:
     return model.num_layers + 3  # embedding, blocks..., final norm, LM head
 
 
-def validate(cfg: Config, *, world_size: int, num_layers: Optional[int] = None) -> List[int]:
+def validate(cfg: Config, *, world_size: int, num_layers: Optional[int] = None, local_world_size: int = 1) -> List[int]:
     """Checks a config before any process group starts.
 
     Args:
         cfg: the run's config.
         world_size: number of ranks that will run it.
+        local_world_size: ranks on this node (one GPU each under NCCL).
         num_layers: length of the layer list; defaults to the GPT's.
 
     Returns:
@@ -194,11 +203,30 @@ def validate(cfg: Config, *, world_size: int, num_layers: Optional[int] = None) 
         raise ConfigError(
             f"pipeline.num_microbatches ({m}) and pipeline.microbatch_size ({p.microbatch_size}) must be >= 1"
         )
-    if world_size != d:
+    w = p.data_parallel
+    if w < 1:
+        raise ConfigError(f"pipeline.data_parallel ({w}) must be >= 1")
+    if world_size % d:
         raise ConfigError(
-            f"world size ({world_size}) must equal pipeline.num_stages ({d}); "
-            f"launch with torchrun --nproc-per-node {d} or set pipeline.num_stages={world_size}"
+            f"world size ({world_size}) is not divisible by pipeline.num_stages ({d}); "
+            f"launch a multiple of {d} ranks or change pipeline.num_stages"
         )
+    if world_size != d * w:
+        raise ConfigError(
+            f"world size ({world_size}) must equal pipeline.num_stages ({d}) x pipeline.data_parallel ({w}) = {d * w}; "
+            f"launch with torchrun --nproc-per-node {d * w} or set pipeline.data_parallel={world_size // d}"
+        )
+    per_batch = w * p.microbatch_size
+    B = cfg.train.global_batch_size
+    if B is not None and (B % per_batch or B // per_batch != m):
+        fix = f"set pipeline.num_microbatches={B // per_batch}" if B % per_batch == 0 and B > 0 else (
+            f"use a multiple of data_parallel x microbatch_size = {per_batch}")
+        raise ConfigError(
+            f"train.global_batch_size ({B}) must equal pipeline.data_parallel ({w}) x pipeline.num_microbatches ({m}) "
+            f"x pipeline.microbatch_size ({p.microbatch_size}) = {w * m * p.microbatch_size}; {fix}"
+        )
+    if p.bucket_mb <= 0:
+        raise ConfigError(f"pipeline.bucket_mb ({p.bucket_mb}) must be > 0")
     if d > num_layers:
         raise ConfigError(
             f"pipeline.num_stages ({d}) is more than the model's {num_layers} layers; "
@@ -236,6 +264,12 @@ def validate(cfg: Config, *, world_size: int, num_layers: Optional[int] = None) 
         raise ConfigError(f"dist.backend ({cfg.dist.backend!r}) is unknown; use one of {list(BACKENDS)}")
     if cfg.dist.backend == "nccl" and not torch.cuda.is_available():
         raise ConfigError("dist.backend (nccl) needs CUDA, which is not available here; use dist.backend=gloo")
+    uses_nccl = cfg.dist.backend == "nccl" or (cfg.dist.backend == "auto" and torch.cuda.is_available())
+    if uses_nccl and local_world_size > torch.cuda.device_count():
+        raise ConfigError(
+            f"{local_world_size} ranks on this node but {torch.cuda.device_count()} GPUs: NCCL needs one GPU per rank "
+            f"(LOCAL_RANK); launch at most {torch.cuda.device_count()} ranks per node or use dist.backend=gloo"
+        )
     if cfg.dist.timeout_s <= 0:
         raise ConfigError(f"dist.timeout_s ({cfg.dist.timeout_s}) must be > 0")
     return balance

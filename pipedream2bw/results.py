@@ -49,7 +49,9 @@ def throughput(start_time: float, step_end_times: Sequence[float], *, warmup_ste
 
 
 def summarize(stats: List[StageStats], *, meta: Dict[str, Any], warmup_steps: int, samples_per_step: int, seq_len: int) -> Dict[str, Any]:
-    """The summary.json payload: the run's settings, rank 0's losses and timing, every stage's memory."""
+    """The summary.json payload: the run's settings, rank 0's losses and timing, every rank's memory.
+
+    ``peak_memory_bytes[s]`` is the largest peak among stage s's replicas."""
     rank0 = stats[0]
     tp = throughput(rank0.start_time, rank0.step_end_times, warmup_steps=warmup_steps, samples_per_step=samples_per_step)
     return {
@@ -59,11 +61,16 @@ def summarize(stats: List[StageStats], *, meta: Dict[str, Any], warmup_steps: in
         "samples_per_s": tp["samples_per_s"],
         "tokens_per_s": tp["samples_per_s"] * seq_len,
         "step_time_s": tp["step_time_s"],
-        "peak_memory_bytes": [s.peak_memory_bytes for s in stats],
-        "stages": [
+        "peak_memory_bytes": [
+            max(s.peak_memory_bytes for s in stats if s.stage_index == stage) for stage in range(meta["num_stages"])
+        ],
+        "ranks": [
             {
                 "stage": s.stage_index,
+                "replica": s.replica,
                 "rank": s.rank,
+                "allreduce_calls": s.allreduce_calls,
+                "allreduce_exposed_s": s.allreduce_exposed_s,
                 "weight_bytes": s.weight_bytes,
                 "optimizer_state_bytes": s.optimizer_state_bytes,
                 "peak_stash_bytes": s.peak_stash_bytes,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections import OrderedDict
 from pathlib import Path
@@ -17,25 +18,31 @@ from pipedream2bw.data import MicrobatchFeed, load_bytes
 from pipedream2bw.models import build_gpt_layers, lm_loss
 from pipedream2bw.results import save_state_dict, summarize, write_summary
 from pipedream2bw.schedule import check_stage, stage_actions
-from pipedream2bw.stage import StageWorker
+from pipedream2bw.layout import Layout, make_layout
+from pipedream2bw.stage import Peers, StageWorker
 from pipedream2bw.tracking import Tracker
-from pipedream2bw.versions import WeightVersions
+from pipedream2bw.versions import WeightVersions, bucketize
 
 log = logging.getLogger(__name__)
 
 
-def set_log_prefix(stage_index: int, rank: int) -> None:
-    """Prefixes every log record of this process with ``[stage s/rank r]``."""
-    base = logging.getLogRecordFactory()
-    prefix = f"[stage {stage_index}/rank {rank}] "
+_log_prefix = ""
 
-    def factory(*args, **kwargs):
-        record = base(*args, **kwargs)
-        if isinstance(record.msg, str) and not record.msg.startswith("[stage "):
-            record.msg = prefix + record.msg
-        return record
 
-    logging.setLogRecordFactory(factory)
+def set_log_prefix(prefix: str) -> None:
+    """Prefixes every later log record of this process with ``prefix`` (e.g. ``[stage s/rank r]``)."""
+    global _log_prefix
+    if not _log_prefix:
+        base = logging.getLogRecordFactory()
+
+        def factory(*args, **kwargs):
+            record = base(*args, **kwargs)
+            if isinstance(record.msg, str):
+                record.msg = _log_prefix + record.msg
+            return record
+
+        logging.setLogRecordFactory(factory)
+    _log_prefix = prefix + " "
 
 
 def build_stage_module(cfg: Config, balance: Sequence[int], stage_index: int, layers: Optional[Sequence[nn.Module]]) -> nn.Sequential:
@@ -74,16 +81,19 @@ def run(
         comm.PeerFailure: another rank failed first.
     """
     rank, world_size, local_rank = comm.env_rank()
-    set_log_prefix(rank, rank)  # one rank per stage: the stage index is the rank
-    balance = validate(cfg, world_size=world_size, num_layers=None if layers is None else len(layers))
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    set_log_prefix(f"[rank {rank}]")
+    balance = validate(cfg, world_size=world_size, num_layers=None if layers is None else len(layers), local_world_size=local_world_size)
+    layout = make_layout(cfg.pipeline.num_stages, cfg.pipeline.data_parallel, ranks_per_node=local_world_size, rank_map=cfg.pipeline.rank_map)
+    set_log_prefix(f"[stage {layout.position(rank)[0]}/rank {rank}]")
     run_dir = Path(run_dir)
     if store is None:
         store = comm.make_store(rank=rank, world_size=world_size, timeout_s=cfg.dist.timeout_s)
     ctx = comm.init(store=store, rank=rank, world_size=world_size, local_rank=local_rank, backend=cfg.dist.backend, timeout_s=cfg.dist.timeout_s)
     try:
-        summary = _train(cfg, run_dir, ctx, balance, layers, loss_fn)
+        summary = _train(cfg, run_dir, ctx, layout, balance, layers, loss_fn)
     except BaseException as e:
-        first = ctx.monitor.report(rank, e)
+        first = ctx.monitor.report(layout.position(rank)[0], e)
         if first.startswith(f"rank {rank} "):
             log.error("%s", first, exc_info=True)
         else:
@@ -96,34 +106,60 @@ def run(
     return summary
 
 
-def _train(cfg: Config, run_dir: Path, ctx: comm.DistContext, balance, layers, loss_fn) -> Optional[Dict[str, Any]]:
+def _train(cfg: Config, run_dir: Path, ctx: comm.DistContext, layout: Layout, balance, layers, loss_fn) -> Optional[Dict[str, Any]]:
     p = cfg.pipeline
-    s, d, m, b = ctx.rank, p.num_stages, p.num_microbatches, p.microbatch_size
+    d, w, m, b = p.num_stages, p.data_parallel, p.num_microbatches, p.microbatch_size
+    s, replica = layout.position(ctx.rank)
     torch.manual_seed(cfg.seed)
     module = build_stage_module(cfg, balance, s, layers).to(ctx.device)
-    versions = WeightVersions(module, schedule=p.schedule, optimizer_factory=lambda params: build_optimizer(params, cfg.optim))
-    feed = MicrobatchFeed(load_bytes(cfg.data.path), seq_len=cfg.model.seq_len, microbatch_size=b, num_microbatches=m, seed=cfg.seed)
+    buckets = bucketize(list(module.parameters()), bucket_bytes=p.bucket_mb * 2**20)
+    versions = WeightVersions(
+        module, schedule=p.schedule, optimizer_factory=lambda params: build_optimizer(params, cfg.optim), buckets=buckets,
+    )
+    stage_groups = comm.new_groups(ctx, layout.ranks) if w > 1 else None
+    reducer = None
+    if w > 1:
+        replicas = [list(r.parameters()) for r in versions.replicas]
+        reducer = comm.GradReducer(ctx, group=stage_groups[s], replicas=replicas, buckets=buckets)
+    peers = Peers(
+        prev=layout.ranks[s - 1][replica] if s > 0 else None,
+        next=layout.ranks[s + 1][replica] if s < d - 1 else None,
+        loss_sources=tuple(layout.ranks[d - 1]) if ctx.rank == 0 else (),
+    )
+    feed = MicrobatchFeed(
+        load_bytes(cfg.data.path), seq_len=cfg.model.seq_len, microbatch_size=b, num_microbatches=m, seed=cfg.seed,
+        num_replicas=w, replica=replica,
+    )
     worker = StageWorker(
-        stage_index=s, num_stages=d, num_microbatches=m, versions=versions, p2p=comm.P2P(ctx), feed=feed,
-        loss_fn=loss_fn, device=ctx.device,
+        stage_index=s, num_stages=d, num_microbatches=m, peers=peers, versions=versions, p2p=comm.P2P(ctx), feed=feed,
+        loss_fn=loss_fn, device=ctx.device, reducer=reducer, grad_scale=1.0 / (m * w),
     )
     actions = stage_actions(p.schedule, stage_index=s, num_stages=d, num_microbatches=m, num_batches=cfg.train.num_steps)
     check_stage(actions, num_microbatches=m, in_flight_limit=m if p.schedule == "gpipe" else d - s)
-    log.info("%s schedule, %d stages, balance %s, layers %s on %s (%s)", p.schedule, d, balance, list(module._modules), ctx.device, ctx.backend)
-    tracker = Tracker(cfg, run_dir) if s == 0 else None
-    on_step = _progress(cfg, worker, tracker) if s == 0 else (lambda t: None)
+    log.info(
+        "%s schedule, %d stages x %d replicas, replica %d, balance %s, layers %s, %d all-reduce buckets, on %s (%s)",
+        p.schedule, d, w, replica, balance, list(module._modules), len(buckets), ctx.device, ctx.backend,
+    )
+    tracker = Tracker(cfg, run_dir) if ctx.rank == 0 else None
+    on_step = _progress(cfg, worker, tracker) if ctx.rank == 0 else (lambda t: None)
     stats = worker.run(actions, on_step=on_step)
+    stats.replica = replica
+    if reducer is not None:
+        stats.allreduce_calls, stats.allreduce_exposed_s = reducer.num_collectives, reducer.exposed_s
 
     all_stats = comm.gather_to_rank0(ctx, stats)
-    shards = comm.gather_to_rank0(ctx, {k: v.detach().cpu() for k, v in versions.newest().state_dict().items()})
-    if s != 0:
+    # Replicas hold equal weights: replica 0 of each stage contributes its slice of the model.
+    shard = {k: v.detach().cpu() for k, v in versions.newest().state_dict().items()} if replica == 0 else {}
+    shards = comm.gather_to_rank0(ctx, shard)
+    if ctx.rank != 0:
         return None
     meta = {
-        "schedule": p.schedule, "num_stages": d, "num_microbatches": m, "microbatch_size": b, "balance": balance,
+        "schedule": p.schedule, "num_stages": d, "data_parallel": w, "num_microbatches": m, "microbatch_size": b,
+        "global_batch_size": w * m * b, "balance": balance, "rank_map": [list(r) for r in layout.ranks],
         "num_steps": cfg.train.num_steps, "seq_len": cfg.model.seq_len, "backend": ctx.backend, "device": ctx.device.type,
         "memory_kind": "cuda_max_allocated" if ctx.device.type == "cuda" else "process_peak_rss",
     }
-    summary = summarize(all_stats, meta=meta, warmup_steps=cfg.train.warmup_steps, samples_per_step=m * b, seq_len=cfg.model.seq_len)
+    summary = summarize(all_stats, meta=meta, warmup_steps=cfg.train.warmup_steps, samples_per_step=w * m * b, seq_len=cfg.model.seq_len)
     write_summary(summary, run_dir)
     save_state_dict({k: v for shard in shards for k, v in shard.items()}, run_dir / "final_model.pt")
     tracker.finish(summary)
@@ -136,7 +172,7 @@ def _train(cfg: Config, run_dir: Path, ctx: comm.DistContext, balance, layers, l
 
 def _progress(cfg: Config, worker: StageWorker, tracker: "Tracker") -> Callable[[int], None]:
     """Rank 0's per-step callback: log loss and throughput every ``train.log_every`` steps."""
-    samples_per_step = cfg.pipeline.num_microbatches * cfg.pipeline.microbatch_size
+    samples_per_step = cfg.pipeline.data_parallel * cfg.pipeline.num_microbatches * cfg.pipeline.microbatch_size
     window = {"start": time.perf_counter(), "steps": 0}
 
     def on_step(t: int) -> None:

@@ -10,7 +10,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from pipedream2bw.comm import P2P
+from pipedream2bw.comm import P2P, GradReducer
 from pipedream2bw.data import MicrobatchFeed
 from pipedream2bw.schedule import BACKWARD, FORWARD, STEP, Action
 from pipedream2bw.versions import WeightVersions
@@ -20,12 +20,25 @@ log = logging.getLogger(__name__)
 ACTIVATION_TAG, GRADIENT_TAG = 0, 1
 
 
+@dataclass(frozen=True)
+class Peers:
+    """Ranks a stage talks to: ``prev``/``next`` in its replica's chain (None at the ends), and
+    on rank 0 only, ``loss_sources``: the last stage of every replica, whose losses it logs."""
+
+    prev: Optional[int]
+    next: Optional[int]
+    loss_sources: Tuple[int, ...] = ()
+
+
 @dataclass
 class StageStats:
     """What one stage measured; rank 0 gathers these into summary.json."""
 
     stage_index: int
     rank: int
+    replica: int = 0
+    allreduce_calls: int = 0  # gradient all-reduce collectives started (one per bucket per batch)
+    allreduce_exposed_s: float = 0.0  # time the optimizer step waited on them: not hidden behind backward
     start_time: float = 0.0
     step_end_times: List[float] = field(default_factory=list)
     losses: List[float] = field(default_factory=list)  # batch mean loss; filled on rank 0
@@ -68,15 +81,19 @@ class StageWorker:
         stage_index: int,
         num_stages: int,
         num_microbatches: int,
+        peers: Peers,
         versions: WeightVersions,
         p2p: P2P,
         feed: MicrobatchFeed,
         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
         device: torch.device,
+        reducer: Optional[GradReducer] = None,
+        grad_scale: float,
     ):
-        self.s, self.d, self.m = stage_index, num_stages, num_microbatches
+        self.m = num_microbatches
         self.first, self.last = stage_index == 0, stage_index == num_stages - 1
-        self.versions, self.p2p, self.feed, self.loss_fn, self.device = versions, p2p, feed, loss_fn, device
+        self.peers, self.versions, self.p2p, self.feed = peers, versions, p2p, feed
+        self.loss_fn, self.device, self.reducer, self.grad_scale = loss_fn, device, reducer, grad_scale
         self.stats = StageStats(stage_index, p2p.ctx.rank)
         self._stash: Dict[int, Tuple[torch.Tensor, torch.Tensor, int]] = {}  # k -> (input, output or loss, saved bytes)
         self._stash_bytes = 0
@@ -89,10 +106,8 @@ class StageWorker:
         # activations under flush, which the peer needs before it can send what we wait for).
         self._prefetch = p2p.ctx.backend != "nccl"
 
-    # Stage s talks to s-1 (activations in, gradients out) and s+1 (activations out, gradients in);
-    # one rank per stage, so the stage index is the rank.
     def _recv(self, kind: str, k: int, next_k: Optional[int]) -> torch.Tensor:
-        peer, tag = (self.s - 1, ACTIVATION_TAG) if kind == FORWARD else (self.s + 1, GRADIENT_TAG)
+        peer, tag = (self.peers.prev, ACTIVATION_TAG) if kind == FORWARD else (self.peers.next, GRADIENT_TAG)
         pending = self._pending.pop((kind, k), None) or self.p2p.post_recv(peer=peer, tag=tag)
         if next_k is not None and self._prefetch:  # post the next receive now, so it overlaps our compute
             self._pending[(kind, next_k)] = self.p2p.post_recv(peer=peer, tag=tag)
@@ -112,31 +127,35 @@ class StageWorker:
         if self.last:
             self._batch_losses.setdefault(k // self.m, []).append(out.detach())
         else:
-            self.p2p.send(out.detach(), peer=self.s + 1, tag=ACTIVATION_TAG)
+            self.p2p.send(out.detach(), peer=self.peers.next, tag=ACTIVATION_TAG)
         self._stash[k] = (x, out, saved.nbytes)
         self._stash_bytes += saved.nbytes
         self.stats.peak_stash_bytes = max(self.stats.peak_stash_bytes, self._stash_bytes)
 
     def backward(self, k: int, next_k: Optional[int]) -> None:
         x, out, nbytes = self._stash.pop(k)
+        if self.reducer is not None and (k + 1) % self.m == 0:  # the batch's last backward: reduce as it goes
+            self.reducer.arm(self.versions.replicas.index(self.versions.module_for_batch(k // self.m)))
         if self.last:
             out.backward()
         else:
             torch.autograd.backward(out, self._recv(BACKWARD, k, next_k))
         self._stash_bytes -= nbytes
         if not self.first:
-            self.p2p.send(x.grad, peer=self.s - 1, tag=GRADIENT_TAG)
+            self.p2p.send(x.grad, peer=self.peers.prev, tag=GRADIENT_TAG)
 
     def step(self, t: int) -> None:
-        self.versions.step(t, grad_scale=1.0 / self.m)
+        wait = self.reducer.wait if self.reducer is not None else (lambda i: None)
+        self.versions.step(t, grad_scale=self.grad_scale, before_bucket=wait)
         if self.last:
             loss = torch.stack(self._batch_losses.pop(t)).mean()
-            if self.first:
-                self.stats.losses.append(float(loss))
+            if self.peers.loss_sources:  # this last stage is rank 0
+                self._own_loss = float(loss)
             else:
                 self.p2p.send_loss(loss)
-        elif self.first:
-            self.stats.losses.append(self.p2p.recv_loss(peer=self.d - 1))
+        if self.peers.loss_sources:  # rank 0: the batch loss is the mean over the replicas' last stages
+            losses = [self._own_loss if r == self.p2p.ctx.rank else self.p2p.recv_loss(peer=r) for r in self.peers.loss_sources]
+            self.stats.losses.append(sum(losses) / len(losses))
         self.stats.step_end_times.append(time.perf_counter())
 
     def run(self, actions: Sequence[Action], *, on_step: Callable[[int], None] = lambda t: None) -> StageStats:
@@ -163,7 +182,8 @@ class StageWorker:
         st.weight_bytes = sum(p.numel() * p.element_size() for r in self.versions.replicas for p in r.parameters())
         st.optimizer_state_bytes = sum(
             v.numel() * v.element_size()
-            for state in self.versions.optimizer.state.values()
+            for optimizer in self.versions.optimizers
+            for state in optimizer.state.values()
             for v in state.values()
             if torch.is_tensor(v)
         )

@@ -42,6 +42,6 @@ class Tracker:
             if summary and key in summary:
                 self.run.summary[key] = summary[key]
         if summary:
-            for stage in summary["stages"]:
-                self.run.summary[f"stage{stage['stage']}/peak_memory_bytes"] = stage["peak_memory_bytes"]
+            for stage, peak in enumerate(summary["peak_memory_bytes"]):
+                self.run.summary[f"stage{stage}/peak_memory_bytes"] = peak
         self.run.finish()

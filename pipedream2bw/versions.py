@@ -55,23 +55,51 @@ def max_versions_alive(actions: Sequence[Action], *, schedule: str, num_microbat
     return peak
 
 
+def bucketize(params: Sequence[nn.Parameter], *, bucket_bytes: float) -> List[List[int]]:
+    """Groups parameter indices into buckets of about ``bucket_bytes``, last parameters first.
+
+    Backward produces the last layers' gradients first, so bucket 0 fills first and its
+    all-reduce can start while earlier layers are still in backward.
+    """
+    buckets: List[List[int]] = [[]]
+    size = 0
+    for i in reversed(range(len(params))):
+        if buckets[-1] and size + params[i].numel() * params[i].element_size() > bucket_bytes:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(i)
+        size += params[i].numel() * params[i].element_size()
+    return buckets
+
+
 class WeightVersions:
-    """The live weight versions of one stage and the optimizer that makes new ones.
+    """The live weight versions of one stage and the optimizers that make new ones.
 
     Versions live in ``replicas``: two copies of the stage's module under 2bw, one under
-    flush and gpipe. The optimizer owns separate ``master`` parameters whose storage is
+    flush and gpipe. The optimizers own separate ``master`` parameters whose storage is
     pointed at the replica being written before each step, so any ``torch.optim`` optimizer
     keeps its state keyed by stable parameter objects while the two buffers alternate.
     Gradients accumulate in the replica that the batch used (summed over its microbatches)
-    and are scaled by ``grad_scale`` before the step (1/m: the mean over the batch).
+    and are scaled by ``grad_scale`` before the step (1/(m*w): the mean over the batch).
+    Parameters are split into ``buckets`` with one optimizer each, so that a bucket can step
+    as soon as its own gradients are averaged across replicas.
     """
 
-    def __init__(self, module: nn.Module, *, schedule: str, optimizer_factory: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]):
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        schedule: str,
+        optimizer_factory: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer],
+        buckets: Optional[Sequence[Sequence[int]]] = None,
+    ):
         self.schedule = schedule
         self.replicas: List[nn.Module] = [module] + ([copy.deepcopy(module)] if schedule == "2bw" else [])
         self.holds: List[Optional[int]] = [0] + [None] * (len(self.replicas) - 1)
         self.master = [nn.Parameter(p.detach(), requires_grad=p.requires_grad) for p in module.parameters()]
-        self.optimizer = optimizer_factory(self.master)
+        self.buckets = [list(b) for b in buckets] if buckets is not None else [list(range(len(self.master)))]
+        assert sorted(i for b in self.buckets for i in b) == list(range(len(self.master))), "buckets must partition the parameters"
+        self.optimizers = [optimizer_factory([self.master[i] for i in b]) for b in self.buckets]
         if schedule == "2bw" and any(True for _ in module.buffers()):
             log.warning("module buffers (e.g. BatchNorm statistics) are not versioned under 2bw; each replica keeps its own")
 
@@ -88,22 +116,27 @@ class WeightVersions:
         return self.replicas[self._replica_holding(max(v for v in self.holds if v is not None))]
 
     @torch.no_grad()
-    def step(self, batch_index: int, *, grad_scale: float) -> None:
-        """Closes batch t: W(t+1) = W(t) - optimizer_step(grad_scale * sum of batch t's gradients)."""
+    def step(self, batch_index: int, *, grad_scale: float, before_bucket: Callable[[int], None] = lambda i: None) -> None:
+        """Closes batch t: W(t+1) = W(t) - optimizer_step(grad_scale * sum of batch t's gradients).
+
+        ``before_bucket(i)`` runs before bucket ``i`` steps (e.g. to wait for its all-reduce).
+        """
         t = batch_index
-        src = self.replicas[self._replica_holding(version_of_batch(self.schedule, t))]
-        grads = [p.grad for p in src.parameters()]
+        src = list(self.module_for_batch(t).parameters())
         still_needed = version_of_batch(self.schedule, t + 1)
         dst_index = next(i for i, v in enumerate(self.holds) if v != still_needed)
-        dst = self.replicas[dst_index]
+        dst = list(self.replicas[dst_index].parameters())
         if self.holds[dst_index] != t:
-            for d_param, w_param in zip(dst.parameters(), self.replicas[self._replica_holding(t)].parameters()):
+            for d_param, w_param in zip(dst, self.replicas[self._replica_holding(t)].parameters()):
                 d_param.copy_(w_param)
-        for master, d_param, g, s_param in zip(self.master, dst.parameters(), grads, src.parameters()):
-            master.data = d_param.data
-            master.grad = None if g is None else g.mul_(grad_scale)
-            s_param.grad = None
-        self.optimizer.step()
-        for master in self.master:
-            master.grad = None
+        for bucket_index, (bucket, optimizer) in enumerate(zip(self.buckets, self.optimizers)):
+            before_bucket(bucket_index)
+            for i in bucket:
+                g = src[i].grad
+                self.master[i].data = dst[i].data
+                self.master[i].grad = None if g is None else g.mul_(grad_scale)
+                src[i].grad = None
+            optimizer.step()
+            for i in bucket:
+                self.master[i].grad = None
         self.holds[dst_index] = t + 1

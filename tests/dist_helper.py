@@ -81,10 +81,10 @@ def spawn(fn: Callable, *, world_size: int, args: Sequence[Any] = (), log_dir: P
 
 
 def run_ok(cfg: Config, run_dir: Path, *, timeout_s: float = 120) -> dict:
-    """Runs the pipeline on ``cfg.pipeline.num_stages`` ranks, asserts success, returns summary.json."""
+    """Runs the pipeline on d * w ranks, asserts success, returns summary.json."""
     import json
 
-    results = spawn(train, world_size=cfg.pipeline.num_stages, args=(cfg, str(run_dir)), log_dir=Path(run_dir) / "logs", timeout_s=timeout_s)
+    results = spawn(train, world_size=cfg.pipeline.num_stages * cfg.pipeline.data_parallel, args=(cfg, str(run_dir)), log_dir=Path(run_dir) / "logs", timeout_s=timeout_s)
     bad = [r for r in results if r.exitcode != 0]
     assert not bad, "\n".join(f"--- rank {r.rank} exit {r.exitcode}\n{r.log}" for r in bad)
     return json.loads((Path(run_dir) / "summary.json").read_text())

@@ -40,7 +40,7 @@ def test_readme_command_trains_and_writes_results(tmp_path):
     assert summary["losses"][0] > 5.0 and summary["final_loss"] < summary["losses"][0] - 1.5  # the loss falls clearly
     assert summary["samples_per_s"] > 0 and summary["tokens_per_s"] == summary["samples_per_s"] * 64
     assert len(summary["peak_memory_bytes"]) == 4 and all(b > 0 for b in summary["peak_memory_bytes"])
-    assert all(s["peak_stash_bytes"] > 0 and s["weight_bytes"] > 0 for s in summary["stages"])
+    assert all(s["peak_stash_bytes"] > 0 and s["weight_bytes"] > 0 for s in summary["ranks"])
     # The loss is logged on rank 0, although the last stage computes it.
     assert "[stage 0/rank 0] step 40/40 loss" in (run_dir / "train.log").read_text()
     # final_model.pt is the unpartitioned model's state_dict.
