@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import threading
 import time
 from collections import deque
@@ -22,6 +23,7 @@ _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.in
 _LOSS_TAG = 7
 _META_LEN = 12  # [ndim, dtype code, shape...] padded with zeros
 _jobs_started = 0
+_MIN_RENDEZVOUS_S = 60.0  # ranks of a loaded machine may start seconds apart, whatever dist.timeout_s
 
 
 class PipelineShapeError(RuntimeError):
@@ -30,6 +32,13 @@ class PipelineShapeError(RuntimeError):
 
 class PeerFailure(RuntimeError):
     """Another rank failed; this rank stops because of it."""
+
+
+def free_port() -> int:
+    """A TCP port free on this machine right now (for local launches and tests)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def env_rank() -> Tuple[int, int, int]:
@@ -51,7 +60,7 @@ def make_store(*, rank: int, world_size: int, timeout_s: float) -> dist.Store:
     host, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT", 29500))
     store = dist.TCPStore(
         host, port, world_size, is_master=_hosts_store(rank),
-        timeout=timedelta(seconds=timeout_s), wait_for_workers=False,
+        timeout=timedelta(seconds=max(timeout_s, _MIN_RENDEZVOUS_S)), wait_for_workers=False,
     )
     return dist.PrefixStore(f"pd2bw/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
@@ -94,27 +103,30 @@ class FailureMonitor:
     def leave(self, max_wait_s: float = 10.0) -> None:
         """Counts this rank out after a failure. The rank hosting the store waits (bounded) for
         the others to read the failure first: its exit takes the store, and the cause, with it."""
-        with self._leave_lock:
+        with self._leave_lock:  # held throughout: a second caller returns only once the wait is over
             if self._left:
                 return
             self._left = True
-        try:
-            left = self.store.add(_LEFT_KEY, 1)
-            deadline = time.monotonic() + max_wait_s
-            while _hosts_store(self.rank) and left < self.world_size and time.monotonic() < deadline:
-                time.sleep(0.05)
-                left = self.store.add(_LEFT_KEY, 0)
-        except Exception:
-            pass
+            try:
+                left = self.store.add(_LEFT_KEY, 1)
+                deadline = time.monotonic() + max_wait_s
+                while _hosts_store(self.rank) and left < self.world_size and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                    left = self.store.add(_LEFT_KEY, 0)
+            except Exception:
+                pass
 
     def _watch(self) -> None:
+        store_errors = 0
         while not self._stop.wait(self.poll_s):
             try:
                 failed = self.store.check([_FAILED_KEY])
                 message = self.store.get(_FAILED_KEY).decode() if failed else ""
+                store_errors = 0
             except Exception as e:
-                if self._stop.is_set():
-                    return
+                store_errors += 1
+                if self._stop.is_set() or store_errors < 3:  # one slow answer on a loaded machine is no failure
+                    continue
                 message = f"lost the rendezvous store ({type(e).__name__}: {e}); the rank or launcher hosting it died"
                 failed = True
             if failed and not message.startswith(f"rank {self.rank} "):
@@ -151,8 +163,11 @@ def init(*, store: dist.Store, rank: int, world_size: int, local_rank: int, back
     store = dist.PrefixStore(f"job{_jobs_started}", store)
     monitor = FailureMonitor(store, rank=rank, world_size=world_size).start()
     kwargs = {"device_id": device} if backend == "nccl" else {}
-    dist.init_process_group(backend, store=dist.PrefixStore("pg", store), rank=rank, world_size=world_size, timeout=timeout, **kwargs)
-    control = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else dist.group.WORLD
+    # Groups get a generous default (it also bounds connection setup); every transfer and
+    # gradient all-reduce waits with the run's own timeout, passed explicitly.
+    group_timeout = max(timeout, timedelta(seconds=_MIN_RENDEZVOUS_S))
+    dist.init_process_group(backend, store=dist.PrefixStore("pg", store), rank=rank, world_size=world_size, timeout=group_timeout, **kwargs)
+    control = dist.new_group(backend="gloo", timeout=group_timeout) if backend != "gloo" else dist.group.WORLD
     return DistContext(rank, world_size, device, backend, timeout, control, monitor)
 
 
@@ -166,7 +181,7 @@ def shutdown(ctx: DistContext) -> None:
 
 def new_groups(ctx: DistContext, rank_lists: Sequence[Sequence[int]]) -> List[Any]:
     """One process group per list, made on every rank in the same order (as torch requires)."""
-    return [dist.new_group(list(ranks), timeout=ctx.timeout) for ranks in rank_lists]
+    return [dist.new_group(list(ranks), timeout=max(ctx.timeout, timedelta(seconds=_MIN_RENDEZVOUS_S))) for ranks in rank_lists]
 
 
 def gather_to_rank0(ctx: DistContext, obj: Any) -> Optional[List[Any]]:
@@ -184,12 +199,19 @@ class P2P:
     than corrupting its neighbour. Sends are asynchronous (the tensor is kept alive until
     its send completes); receives can be posted early and waited on later. Every wait has
     the run's timeout.
+
+    With ``batch_sends`` (NCCL), a send made with ``defer=True`` is held back and started in
+    one batch with the next receive. NCCL runs the transfers between two ranks in order and
+    a large send waits for its receiver, so in 1F1B "send activation k+1, receive gradient k"
+    on one side and "send gradient k, receive activation k+1" on the other would wait on
+    each other unless each pair is started together (as Megatron's send_forward_recv_backward).
     """
 
-    def __init__(self, ctx: DistContext):
-        self.ctx = ctx
+    def __init__(self, ctx: DistContext, *, batch_sends: bool = False):
+        self.ctx, self.batch_sends = ctx, batch_sends
         self._agreed: Dict[Tuple[int, int], Tuple[torch.Size, torch.dtype]] = {}
-        self._sends: Deque[Tuple[Any, torch.Tensor]] = deque()
+        self._sends: Deque[Tuple[Any, Any]] = deque()  # (work, what it must keep alive)
+        self._deferred: List[Any] = []  # P2POps waiting for the next receive
 
     def _wait(self, work: Any, what: str) -> None:
         try:
@@ -197,8 +219,12 @@ class P2P:
         except Exception as e:
             raise RuntimeError(f"rank {self.ctx.rank}: {what} failed or timed out after {self.ctx.timeout}: {e}") from e
 
-    def send(self, tensor: torch.Tensor, *, peer: int, tag: int) -> None:
-        """Starts sending ``tensor`` to ``peer``; raises PipelineShapeError on a changed shape."""
+    def send(self, tensor: torch.Tensor, *, peer: int, tag: int, defer: bool = False) -> None:
+        """Sends ``tensor`` to ``peer`` (held for the next receive if ``defer`` and batching).
+
+        Raises:
+            PipelineShapeError: the shape or dtype differs from this channel's first transfer.
+        """
         key = (peer, tag)
         if key not in self._agreed:
             meta = torch.zeros(_META_LEN, dtype=torch.int64)
@@ -214,14 +240,33 @@ class P2P:
                 f"output shapes fixed (same microbatch_size and seq_len for every microbatch)"
             )
         tensor = tensor.contiguous()
-        self._sends.append((dist.isend(tensor, peer, tag=tag), tensor))
+        if defer and self.batch_sends:
+            self._deferred.append(dist.P2POp(dist.isend, tensor, peer, tag=tag))
+        else:
+            self._sends.append((dist.isend(tensor, peer, tag=tag), tensor))
         while self._sends and self._sends[0][0].is_completed():
             self._sends.popleft()
 
-    def post_recv(self, *, peer: int, tag: int) -> Tuple[Any, torch.Tensor]:
-        """Posts a receive from ``peer``; returns (work, buffer) to pass to ``wait_recv``."""
+    def _start_deferred(self, recv: Optional[Any] = None) -> List[Any]:
+        """Starts the held sends (and ``recv``) as one batch; returns the receive's works."""
+        ops, self._deferred = self._deferred + ([recv] if recv is not None else []), []
+        if not ops:
+            return []
+        works = dist.batch_isend_irecv(ops)
+        kept = [op.tensor for op in ops]
+        if len(works) == len(ops):  # one request per op (gloo): the receive is the last
+            self._sends.extend(zip(works[: len(ops) - (recv is not None)], kept))
+            return works[-1:] if recv is not None else []
+        self._sends.extend((w, kept) for w in works)  # one coalesced request for the batch (NCCL)
+        return list(works) if recv is not None else []
+
+    def post_recv(self, *, peer: int, tag: int) -> Tuple[List[Any], torch.Tensor]:
+        """Posts a receive from ``peer``; returns (works, buffer) to pass to ``wait_recv``."""
         key = (peer, tag)
         if key not in self._agreed:
+            # The first receive on a channel blocks for the shape, which the peer may send only
+            # after it got what we hold back: start held sends now.
+            self._start_deferred()
             meta = torch.zeros(_META_LEN, dtype=torch.int64, device=self.ctx.device)
             self._wait(dist.irecv(meta, peer, tag=tag), f"receiving tensor metadata from rank {peer}")
             meta = meta.cpu()
@@ -229,11 +274,14 @@ class P2P:
             self._agreed[key] = (torch.Size(meta[2 : 2 + ndim].tolist()), _DTYPES[int(meta[1])])
         shape, dtype = self._agreed[key]
         buf = torch.empty(shape, dtype=dtype, device=self.ctx.device)
-        return dist.irecv(buf, peer, tag=tag), buf
+        if self._deferred:
+            return self._start_deferred(dist.P2POp(dist.irecv, buf, peer, tag=tag)), buf
+        return [dist.irecv(buf, peer, tag=tag)], buf
 
-    def wait_recv(self, pending: Tuple[Any, torch.Tensor], *, peer: int) -> torch.Tensor:
-        work, buf = pending
-        self._wait(work, f"receiving from rank {peer}")
+    def wait_recv(self, pending: Tuple[List[Any], torch.Tensor], *, peer: int) -> torch.Tensor:
+        works, buf = pending
+        for work in works:
+            self._wait(work, f"receiving from rank {peer}")
         return buf
 
     def send_loss(self, value: torch.Tensor) -> None:
@@ -248,7 +296,8 @@ class P2P:
         return float(loss)
 
     def flush(self) -> None:
-        """Waits until every started send has completed."""
+        """Starts any held sends and waits until every send has completed."""
+        self._start_deferred()
         while self._sends:
             work, _ = self._sends.popleft()
             self._wait(work, "a send")

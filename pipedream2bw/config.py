@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
@@ -58,7 +59,7 @@ class GPTConfig:
 @dataclass
 class OptimConfig:
     name: str = "adamw"
-    """Any torch.optim optimizer by name, case-insensitive: sgd, adam, adamw, rmsprop, ..."""
+    """A torch.optim optimizer by name, case-insensitive: sgd, adam, adamw, rmsprop, ... (not lbfgs)."""
     lr: float = 3e-3
     """Learning rate."""
     kwargs: Dict[str, Any] = field(default_factory=dict)
@@ -88,7 +89,9 @@ class DistConfig:
     backend: str = "auto"
     """'auto' (nccl when CUDA is available, else gloo), 'gloo' or 'nccl'."""
     timeout_s: float = 300.0
-    """Longest wait for any p2p transfer or collective before the run fails."""
+    """Longest wait for any p2p transfer or gradient all-reduce before the run fails."""
+    batch_p2p: Optional[bool] = None
+    """Start each send together with the next receive; null: on for NCCL (needed there), off for gloo."""
 
 
 @dataclass
@@ -249,7 +252,11 @@ def validate(cfg: Config, *, world_size: int, num_layers: Optional[int] = None, 
         raise ConfigError(f"model.vocab_size ({mdl.vocab_size}) must be >= 256 for byte-level text")
     if cfg.optim.lr <= 0 or not math.isfinite(cfg.optim.lr):
         raise ConfigError(f"optim.lr ({cfg.optim.lr}) must be a positive number")
+    if optimizer_class(cfg.optim.name) is torch.optim.LBFGS:
+        raise ConfigError("optim.name (lbfgs) re-evaluates the loss through a closure, which a pipeline cannot; use sgd, adam, adamw, ...")
     build_optimizer([torch.nn.Parameter(torch.zeros(1))], cfg.optim)
+    if cfg.data.path is not None and not Path(cfg.data.path).is_file():
+        raise ConfigError(f"data.path ({cfg.data.path}) is not a file; point data.path at a text file or set it to null")
     t = cfg.train
     if t.num_steps < 1 or t.log_every < 1:
         raise ConfigError(f"train.num_steps ({t.num_steps}) and train.log_every ({t.log_every}) must be >= 1")

@@ -15,14 +15,8 @@ SHIPPED_CORPUS = Path(__file__).parent / "data" / "python_docs.txt.gz"
 
 
 def load_bytes(path: Optional[str] = None) -> torch.Tensor:
-    """Reads a text file (plain or .gz) as a uint8 tensor of bytes; the shipped corpus by default.
-
-    Raises:
-        ConfigError: the file is missing or too short to cut a sequence from.
-    """
-    p = Path(path) if path else SHIPPED_CORPUS
-    if not p.is_file():
-        raise ConfigError(f"data.path ({p}) is not a file; point data.path at a text file or set it to null")
+    """Reads a text file (plain or .gz) as a uint8 tensor of bytes; the shipped corpus by default."""
+    p = Path(path) if path else SHIPPED_CORPUS  # config.validate checked that it exists
     raw = gzip.decompress(p.read_bytes()) if p.suffix == ".gz" else p.read_bytes()
     return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
 

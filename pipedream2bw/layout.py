@@ -33,10 +33,6 @@ class Layout:
                 return s, row.index(rank)
         raise KeyError(f"rank {rank} is not in the layout {self.ranks}")
 
-    def stage_ranks(self, stage_index: int) -> List[int]:
-        """The ranks holding the replicas of one stage: its all-reduce group."""
-        return list(self.ranks[stage_index])
-
 
 def default_layout(num_stages: int, data_parallel: int, *, ranks_per_node: int) -> Layout:
     """Places a stage's replicas on one node when they fit there, else a replica's stages.

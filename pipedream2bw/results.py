@@ -20,6 +20,9 @@ def atomic_write(path: Path, data: bytes) -> None:
     path = Path(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.fchmod(fd, 0o666 & ~umask)  # mkstemp makes 0600; give the file the mode a plain open() would
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()

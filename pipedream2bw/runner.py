@@ -77,7 +77,7 @@ def run(
         store: rendezvous store already connected (the entry point's); made here if None.
 
     Raises:
-        ValueError: bad config, before any process group starts.
+        ConfigError: bad config, before any process group starts.
         comm.PeerFailure: another rank failed first.
     """
     rank, world_size, local_rank = comm.env_rank()
@@ -87,6 +87,7 @@ def run(
     layout = make_layout(cfg.pipeline.num_stages, cfg.pipeline.data_parallel, ranks_per_node=local_world_size, rank_map=cfg.pipeline.rank_map)
     set_log_prefix(f"[stage {layout.position(rank)[0]}/rank {rank}]")
     run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
     if store is None:
         store = comm.make_store(rank=rank, world_size=world_size, timeout_s=cfg.dist.timeout_s)
     ctx = comm.init(store=store, rank=rank, world_size=world_size, local_rank=local_rank, backend=cfg.dist.backend, timeout_s=cfg.dist.timeout_s)
@@ -99,6 +100,7 @@ def run(
         else:
             log.error("stopping because %s (here: %s: %s)", first, type(e).__name__, e)
         ctx.monitor.leave()
+        ctx.monitor.stop()  # this rank is out: its caller decides what happens next
         if first.startswith(f"rank {rank} "):
             raise
         raise comm.PeerFailure(first) from e
@@ -131,7 +133,8 @@ def _train(cfg: Config, run_dir: Path, ctx: comm.DistContext, layout: Layout, ba
         num_replicas=w, replica=replica,
     )
     worker = StageWorker(
-        stage_index=s, num_stages=d, num_microbatches=m, peers=peers, versions=versions, p2p=comm.P2P(ctx), feed=feed,
+        stage_index=s, num_stages=d, num_microbatches=m, peers=peers, versions=versions, feed=feed,
+        p2p=comm.P2P(ctx, batch_sends=cfg.dist.batch_p2p if cfg.dist.batch_p2p is not None else ctx.backend == "nccl"),
         loss_fn=loss_fn, device=ctx.device, reducer=reducer, grad_scale=1.0 / (m * w),
     )
     actions = stage_actions(p.schedule, stage_index=s, num_stages=d, num_microbatches=m, num_batches=cfg.train.num_steps)

@@ -12,7 +12,7 @@ import torch
 
 from pipedream2bw.comm import P2P, GradReducer
 from pipedream2bw.data import MicrobatchFeed
-from pipedream2bw.schedule import BACKWARD, FORWARD, STEP, Action
+from pipedream2bw.schedule import BACKWARD, FORWARD, Action
 from pipedream2bw.versions import WeightVersions
 
 log = logging.getLogger(__name__)
@@ -72,7 +72,7 @@ class StageWorker:
     stage with the weight version of k's batch, send the output on (or compute the loss on
     the last stage) and stash what backward needs. B k: backward with the gradient from
     stage s+1 (or of the loss) and send the input's gradient to stage s-1. S t: the optimizer
-    step that closes batch t, on the mean gradient of its m microbatches.
+    step that closes batch t, on the mean gradient of its m microbatches on all w replicas.
     """
 
     def __init__(
@@ -100,11 +100,10 @@ class StageWorker:
         self._batch_losses: Dict[int, List[torch.Tensor]] = {}
         self._pending: Dict[Tuple[str, int], tuple] = {}  # posted receives, by (kind, k)
         self._param_ptrs = {p.untyped_storage().data_ptr() for r in versions.replicas for p in r.parameters()}
-        # Early receives overlap transfers with compute under gloo, where each transfer progresses
-        # on its own. NCCL runs all p2p between two ranks in order on one stream: a receive posted
-        # early would hold back this rank's later sends to the same peer (e.g. the next batch's
-        # activations under flush, which the peer needs before it can send what we wait for).
-        self._prefetch = p2p.ctx.backend != "nccl"
+        # Early receives overlap transfers with compute where each transfer progresses on its own
+        # (gloo). When sends are batched with the next receive (NCCL, where transfers between two
+        # ranks run in order), receives are posted only when needed, paired with the held sends.
+        self._prefetch = not p2p.batch_sends
 
     def _recv(self, kind: str, k: int, next_k: Optional[int]) -> torch.Tensor:
         peer, tag = (self.peers.prev, ACTIVATION_TAG) if kind == FORWARD else (self.peers.next, GRADIENT_TAG)
@@ -113,7 +112,7 @@ class StageWorker:
             self._pending[(kind, next_k)] = self.p2p.post_recv(peer=peer, tag=tag)
         return self.p2p.wait_recv(pending, peer=peer)
 
-    def forward(self, k: int, next_k: Optional[int]) -> None:
+    def forward(self, k: int, next_k: Optional[int], *, defer_send: bool = False) -> None:
         module = self.versions.module_for_batch(k // self.m)
         if self.first:
             x = self.feed.inputs(k).to(self.device, non_blocking=True)
@@ -127,12 +126,12 @@ class StageWorker:
         if self.last:
             self._batch_losses.setdefault(k // self.m, []).append(out.detach())
         else:
-            self.p2p.send(out.detach(), peer=self.peers.next, tag=ACTIVATION_TAG)
+            self.p2p.send(out.detach(), peer=self.peers.next, tag=ACTIVATION_TAG, defer=defer_send)
         self._stash[k] = (x, out, saved.nbytes)
         self._stash_bytes += saved.nbytes
         self.stats.peak_stash_bytes = max(self.stats.peak_stash_bytes, self._stash_bytes)
 
-    def backward(self, k: int, next_k: Optional[int]) -> None:
+    def backward(self, k: int, next_k: Optional[int], *, defer_send: bool = False) -> None:
         x, out, nbytes = self._stash.pop(k)
         if self.reducer is not None and (k + 1) % self.m == 0:  # the batch's last backward: reduce as it goes
             self.reducer.arm(self.versions.replicas.index(self.versions.module_for_batch(k // self.m)))
@@ -142,7 +141,7 @@ class StageWorker:
             torch.autograd.backward(out, self._recv(BACKWARD, k, next_k))
         self._stash_bytes -= nbytes
         if not self.first:
-            self.p2p.send(x.grad, peer=self.peers.prev, tag=GRADIENT_TAG)
+            self.p2p.send(x.grad, peer=self.peers.prev, tag=GRADIENT_TAG, defer=defer_send)
 
     def step(self, t: int) -> None:
         wait = self.reducer.wait if self.reducer is not None else (lambda i: None)
@@ -163,13 +162,16 @@ class StageWorker:
         # Forwards and backwards each run in microbatch order 0..n-1 (schedule.check_stage), so
         # the receive to post after k's is k+1's.
         n = sum(a.kind == FORWARD for a in actions)
+        receives = [(a.kind == FORWARD and not self.first) or (a.kind == BACKWARD and not self.last) for a in actions]
         self.stats.start_time = time.perf_counter()
-        for a in actions:
+        for pos, a in enumerate(actions):
             next_k = a.index + 1 if a.index + 1 < n else None
+            # A send may wait for the next action's receive (batched sends) only if there is one.
+            defer_send = pos + 1 < len(actions) and receives[pos + 1]
             if a.kind == FORWARD:
-                self.forward(a.index, next_k)
+                self.forward(a.index, next_k, defer_send=defer_send)
             elif a.kind == BACKWARD:
-                self.backward(a.index, next_k)
+                self.backward(a.index, next_k, defer_send=defer_send)
             else:
                 self.step(a.index)
                 on_step(a.index)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
-import socket
 import sys
 import time
 import traceback
@@ -16,6 +15,7 @@ from typing import Any, Callable, List, Sequence
 import torch
 from torch import nn
 
+from pipedream2bw.comm import free_port
 from pipedream2bw.config import Config
 from pipedream2bw.models import build_gpt_layers
 from pipedream2bw.runner import run
@@ -26,12 +26,6 @@ class RankResult:
     rank: int
     exitcode: int  # -9 when the helper had to kill it at the deadline
     log: str
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _child(fn: Callable, args: Sequence[Any], rank: int, world_size: int, port: int, log_path: str) -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from dist_helper import free_port
+from pipedream2bw.comm import free_port
 from pipedream2bw.config import GPTConfig
 from pipedream2bw.models import build_gpt_layers
 

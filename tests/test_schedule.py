@@ -77,8 +77,9 @@ def test_broken_lists_are_caught():
         ])
 
 
-def test_2bw_with_too_few_microbatches_needs_a_third_version():
-    # Why 2bw requires m >= d: with m = 1 < d = 3, stage 0 would run batch 2 before W(1) exists.
+def test_2bw_with_m_below_d_runs_ahead_of_its_weights():
+    # Why 2bw requires m >= d: with m = 1 < d = 3, stage 0 would start batch 2, which runs
+    # with W(1), before the step that produces W(1).
     stage0 = stage_actions("2bw", stage_index=0, num_stages=3, num_microbatches=1, num_batches=4)
     with pytest.raises(ScheduleError, match="needs W"):
         max_versions_alive(stage0, schedule="2bw", num_microbatches=1)
