@@ -180,6 +180,21 @@ def model_num_layers(model: GPTConfig) -> int:
     return model.num_layers + 3  # embedding, blocks..., final norm, LM head
 
 
+def gpt_balance(model: GPTConfig, num_stages: int) -> List[int]:
+    """The GPT's default split: transformer blocks spread evenly (``even_balance``), the cheap
+    embedding added to the first stage and the final norm and LM head to the last.
+
+    Counting layers instead would leave a stage holding only the norm and head nearly idle.
+    With fewer blocks than stages, falls back to ``even_balance`` over all layers.
+    """
+    if model.num_layers < num_stages:
+        return even_balance(model_num_layers(model), num_stages)
+    counts = even_balance(model.num_layers, num_stages)
+    counts[0] += 1
+    counts[-1] += 2
+    return counts
+
+
 def validate(cfg: Config, *, world_size: int, num_layers: Optional[int] = None, local_world_size: int = 1) -> List[int]:
     """Checks a config before any process group starts.
 
@@ -187,16 +202,18 @@ def validate(cfg: Config, *, world_size: int, num_layers: Optional[int] = None, 
         cfg: the run's config.
         world_size: number of ranks that will run it.
         local_world_size: ranks on this node (one GPU each under NCCL).
-        num_layers: length of the layer list; defaults to the GPT's.
+        num_layers: length of a user's layer list; None for the GPT that ``cfg.model`` describes.
 
     Returns:
-        The balance (layers per stage) the run will use.
+        The balance (layers per stage) the run will use: ``pipeline.balance``, else
+        ``gpt_balance`` for the GPT and ``even_balance`` for other layer lists.
 
     Raises:
         ConfigError: naming the value, why it is wrong and how to fix it.
     """
     p, mdl = cfg.pipeline, cfg.model
-    num_layers = model_num_layers(mdl) if num_layers is None else num_layers
+    gpt = num_layers is None
+    num_layers = model_num_layers(mdl) if gpt else num_layers
     d, m = p.num_stages, p.num_microbatches
     if p.schedule not in SCHEDULES:
         raise ConfigError(f"pipeline.schedule ({p.schedule!r}) is unknown; use one of {list(SCHEDULES)}")
@@ -235,11 +252,12 @@ def validate(cfg: Config, *, world_size: int, num_layers: Optional[int] = None, 
             f"pipeline.num_stages ({d}) is more than the model's {num_layers} layers; "
             f"lower pipeline.num_stages or add layers (model.num_layers)"
         )
-    balance = list(p.balance) if p.balance is not None else even_balance(num_layers, d)
+    default = gpt_balance(mdl, d) if gpt else even_balance(num_layers, d)
+    balance = list(p.balance) if p.balance is not None else default
     if len(balance) != d or any(n < 1 for n in balance) or sum(balance) != num_layers:
         raise ConfigError(
             f"pipeline.balance ({balance}) must list {d} positive layer counts (one per stage) "
-            f"summing to the model's {num_layers} layers; e.g. pipeline.balance={even_balance(num_layers, d)}"
+            f"summing to the model's {num_layers} layers; e.g. pipeline.balance={default}"
         )
     if p.schedule == "2bw" and m < d:
         raise ConfigError(

@@ -45,11 +45,11 @@ def _stage_compute_s(cfg, stage_index: int, num_stages: int, *, reps: int = 5) -
     """Median time of one microbatch's forward + backward through this stage, alone."""
     import torch
 
-    from pipedream2bw.config import even_balance, model_num_layers
+    from pipedream2bw.config import gpt_balance
     from pipedream2bw.models import lm_loss
     from pipedream2bw.runner import build_stage_module
 
-    balance = even_balance(model_num_layers(cfg.model), num_stages)
+    balance = gpt_balance(cfg.model, num_stages)
     module = build_stage_module(cfg, balance, stage_index, None)
     b, T, C = cfg.pipeline.microbatch_size, cfg.model.seq_len, cfg.model.d_model
     x = torch.randint(0, 256, (b, T)) if stage_index == 0 else torch.randn(b, T, C, requires_grad=True)
@@ -83,9 +83,9 @@ def worker_ours(args, schedule: str) -> dict:
     cfg = _config(args, schedule, world)
     with tempfile.TemporaryDirectory() as tmp:
         summary = run(cfg, tmp)
-    out = {"rank": rank, "peak_rss": _peak_rss(), "compute_s": _stage_compute_s(cfg, rank, world)}
-    if summary is not None:
-        out.update(samples_per_s=summary["samples_per_s"], step_time_s=summary["step_time_s"])
+    out = {"rank": rank, "compute_s": _stage_compute_s(cfg, rank, world)}
+    if summary is not None:  # rank 0; per-stage peaks were taken when training ended, before gathering results
+        out.update(samples_per_s=summary["samples_per_s"], step_time_s=summary["step_time_s"], peak_rss_per_stage=summary["peak_memory_bytes"])
     return out
 
 
@@ -94,7 +94,7 @@ def worker_torch(args, schedule: str) -> dict:
     import torch.distributed as dist
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-    from pipedream2bw.config import build_optimizer, even_balance, model_num_layers
+    from pipedream2bw.config import build_optimizer, gpt_balance
     from pipedream2bw.models import lm_loss
     from pipedream2bw.runner import build_stage_module
 
@@ -102,7 +102,7 @@ def worker_torch(args, schedule: str) -> dict:
     dist.init_process_group("gloo")
     cfg = _config(args, schedule, world)
     m, b = cfg.pipeline.num_microbatches, cfg.pipeline.microbatch_size
-    module = build_stage_module(cfg, even_balance(model_num_layers(cfg.model), world), rank, None)
+    module = build_stage_module(cfg, gpt_balance(cfg.model, world), rank, None)  # the split ours uses
     stage = PipelineStage(module, rank, world, torch.device("cpu"))
     sched = (Schedule1F1B if schedule == "1f1b" else ScheduleGPipe)(stage, m, loss_fn=lm_loss)
     opt = build_optimizer(module.parameters(), cfg.optim)
@@ -119,11 +119,12 @@ def worker_torch(args, schedule: str) -> dict:
         opt.step()
         opt.zero_grad(set_to_none=True)
         ends.append(time.perf_counter())
+    peak = _peak_rss()
     dist.destroy_process_group()
     steady = ends[args.warmup:]
     steps = [b2 - a for a, b2 in zip(steady, steady[1:])]
     return {
-        "rank": rank, "peak_rss": _peak_rss(), "compute_s": _stage_compute_s(cfg, rank, world),
+        "rank": rank, "peak_rss": peak, "compute_s": _stage_compute_s(cfg, rank, world),
         "samples_per_s": len(steps) * m * b / (steady[-1] - steady[0]), "step_time_s": statistics.median(steps),
     }
 
@@ -179,8 +180,9 @@ def launch(system: str, args, argv_model) -> dict:
         ranks = sorted((json.loads(p.read_text()) for p in Path(out).glob("rank*.json")), key=lambda r: r["rank"])
     r0 = ranks[0]
     idle = [1 - args.num_microbatches * r["compute_s"] / r0["step_time_s"] for r in ranks] if system != "single" else [0.0]
+    peaks = r0["peak_rss_per_stage"] if "peak_rss_per_stage" in r0 else [r["peak_rss"] for r in ranks]
     return {"samples_per_s": r0["samples_per_s"], "step_time_s": r0["step_time_s"],
-            "peak_rss": [r["peak_rss"] for r in ranks], "idle_fraction": statistics.mean(idle)}
+            "peak_rss": peaks, "idle_fraction": statistics.mean(idle)}
 
 
 def main() -> None:
@@ -205,7 +207,7 @@ def main() -> None:
     argv_model = [f"--{k}={v}" for k, v in [
         ("num-microbatches", args.num_microbatches), ("microbatch-size", args.microbatch_size), ("num-layers", args.num_layers),
         ("d-model", args.d_model), ("num-heads", args.num_heads), ("seq-len", args.seq_len), ("steps", args.steps),
-        ("warmup", args.warmup), ("nproc", args.nproc)]]
+        ("warmup", args.warmup)]]
     systems = args.systems.split(",")
     print("command:", " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]))
     print(f"config: {args.nproc} processes x 1 thread, GPT {args.num_layers} blocks d_model {args.d_model} heads {args.num_heads} "

@@ -8,7 +8,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from pipedream2bw.config import Config, ConfigError, even_balance, register_configs, validate
+from pipedream2bw.config import Config, ConfigError, GPTConfig, even_balance, gpt_balance, register_configs, validate
 
 CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "configs")
 
@@ -23,7 +23,7 @@ def test_default_config_is_the_readme_run():
     cfg = make()
     assert isinstance(cfg, Config)
     assert (cfg.pipeline.schedule, cfg.pipeline.num_stages, cfg.model.name, cfg.wandb.mode) == ("2bw", 4, "gpt", "offline")
-    assert validate(cfg, world_size=4) == [2, 2, 2, 2]
+    assert validate(cfg, world_size=4) == [2, 2, 1, 3]  # [emb, b0] [b1, b2] [b3] [b4, norm, head]
 
 
 def test_interface_names_override():
@@ -47,7 +47,7 @@ def test_typed_schema_rejects_wrong_types():
     [
         (["pipeline.num_microbatches=2"], 4, r"num_microbatches \(2\) must be >= pipeline.num_stages \(4\) for 2bw .*; raise pipeline.num_microbatches to 4"),
         (["pipeline.num_stages=9", "model.num_layers=5"], 9, r"num_stages \(9\) is more than the model's 8 layers"),
-        (["pipeline.balance=[2,2,2,1]"], 4, r"balance \(\[2, 2, 2, 1\]\) must list 4 positive layer counts .* summing to the model's 8 layers"),
+        (["pipeline.balance=[2,2,2,1]"], 4, r"balance \(\[2, 2, 2, 1\]\) must list 4 positive layer counts .* summing to the model's 8 layers; e.g. pipeline.balance=\[2, 2, 1, 3\]"),
         (["pipeline.balance=[4,4]"], 4, r"must list 4 positive layer counts"),
         ([], 6, r"world size \(6\) is not divisible by pipeline.num_stages \(4\); launch a multiple of 4 ranks"),
         (["pipeline.data_parallel=2"], 4, r"world size \(4\) must equal pipeline.num_stages \(4\) x pipeline.data_parallel \(2\) = 8; launch with torchrun --nproc-per-node 8 or set pipeline.data_parallel=1"),
@@ -72,3 +72,10 @@ def test_even_balance_gives_extras_to_middle_stages():
     assert even_balance(6, 4) == [1, 2, 2, 1]
     assert even_balance(5, 1) == [5]
     assert even_balance(3, 2) == [2, 1]
+
+
+def test_gpt_balance_spreads_blocks_and_adds_the_cheap_end_layers():
+    assert gpt_balance(GPTConfig(num_layers=8), 2) == [5, 6]  # [emb + 4 blocks] [4 blocks + norm + head]
+    assert gpt_balance(GPTConfig(num_layers=8), 4) == [3, 2, 2, 4]
+    assert gpt_balance(GPTConfig(num_layers=8), 1) == [11]
+    assert gpt_balance(GPTConfig(num_layers=3), 4) == even_balance(6, 4)  # fewer blocks than stages

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dist_helper import run_ok
-from pipedream2bw.config import ConfigError, even_balance, model_num_layers, validate
+from pipedream2bw.config import ConfigError, gpt_balance, validate
 from pipedream2bw.layout import default_layout, make_layout
 from pipedream2bw.runner import build_stage_module
 from pipedream2bw.versions import bucketize
@@ -49,7 +49,7 @@ def test_one_all_reduce_per_stage_per_batch(tmp_path):
     # With small buckets each bucket is reduced once per batch, as soon as backward produced it.
     cfg = layout_config("2bw", 2, 2, 2, bucket_mb=0.01)
     summary = run_ok(cfg, tmp_path / "small")
-    balance = even_balance(model_num_layers(cfg.model), 2)
+    balance = gpt_balance(cfg.model, 2)
     for r in summary["ranks"]:
         module = build_stage_module(cfg, balance, r["stage"], None)
         num_buckets = len(bucketize(list(module.parameters()), bucket_bytes=0.01 * 2**20))
