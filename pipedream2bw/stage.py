@@ -124,7 +124,10 @@ class StageWorker:
             if self.last:
                 out = self.loss_fn(out, self.feed.targets(k).to(self.device, non_blocking=True))
         if self.last:
-            self._batch_losses.setdefault(k // self.m, []).append(out.detach())
+            losses = self._batch_losses.setdefault(k // self.m, [])
+            losses.append(out.detach())
+            if len(losses) == self.m:  # the batch's losses are all known: report them now, not after the step
+                self._report_loss(torch.stack(self._batch_losses.pop(k // self.m)).mean())
         else:
             self.p2p.send(out.detach(), peer=self.peers.next, tag=ACTIVATION_TAG, defer=defer_send)
         self._stash[k] = (x, out, saved.nbytes)
@@ -143,15 +146,16 @@ class StageWorker:
         if not self.first:
             self.p2p.send(x.grad, peer=self.peers.prev, tag=GRADIENT_TAG, defer=defer_send)
 
+    def _report_loss(self, loss: torch.Tensor) -> None:
+        """A last stage: hand the batch's mean loss to rank 0 (here, if this is rank 0)."""
+        if self.peers.loss_sources:
+            self._own_loss = float(loss)
+        else:
+            self.p2p.send_loss(loss)
+
     def step(self, t: int) -> None:
         wait = self.reducer.wait if self.reducer is not None else (lambda i: None)
         self.versions.step(t, grad_scale=self.grad_scale, before_bucket=wait)
-        if self.last:
-            loss = torch.stack(self._batch_losses.pop(t)).mean()
-            if self.peers.loss_sources:  # this last stage is rank 0
-                self._own_loss = float(loss)
-            else:
-                self.p2p.send_loss(loss)
         if self.peers.loss_sources:  # rank 0: the batch loss is the mean over the replicas' last stages
             losses = [self._own_loss if r == self.p2p.ctx.rank else self.p2p.recv_loss(peer=r) for r in self.peers.loss_sources]
             self.stats.losses.append(sum(losses) / len(losses))

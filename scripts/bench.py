@@ -29,7 +29,7 @@ SYSTEMS = ["ours-2bw", "ours-flush", "ours-gpipe", "torch-1f1b", "torch-gpipe", 
 
 
 def _config(args, schedule: str, num_stages: int):
-    from pipedream2bw.config import Config, DataConfig, GPTConfig, OptimConfig, PipelineConfig, TrainConfig, WandbConfig
+    from pipedream2bw.config import Config, DataConfig, DistConfig, GPTConfig, OptimConfig, PipelineConfig, TrainConfig, WandbConfig
 
     return Config(
         pipeline=PipelineConfig(schedule=schedule, num_stages=num_stages, num_microbatches=args.num_microbatches, microbatch_size=args.microbatch_size),
@@ -38,6 +38,7 @@ def _config(args, schedule: str, num_stages: int):
         data=DataConfig(),
         train=TrainConfig(num_steps=args.steps, log_every=10**6, warmup_steps=args.warmup),
         wandb=WandbConfig(mode="disabled"),
+        dist=DistConfig(batch_p2p={"auto": None, "on": True, "off": False}[args.batch_p2p]),
     )
 
 
@@ -198,6 +199,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--systems", default=",".join(SYSTEMS))
+    parser.add_argument("--batch-p2p", choices=["auto", "on", "off"], default="auto", help="our dist.batch_p2p")
     parser.add_argument("--json", default="bench.json")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
@@ -207,7 +209,7 @@ def main() -> None:
     argv_model = [f"--{k}={v}" for k, v in [
         ("num-microbatches", args.num_microbatches), ("microbatch-size", args.microbatch_size), ("num-layers", args.num_layers),
         ("d-model", args.d_model), ("num-heads", args.num_heads), ("seq-len", args.seq_len), ("steps", args.steps),
-        ("warmup", args.warmup)]]
+        ("warmup", args.warmup), ("batch-p2p", args.batch_p2p)]]
     systems = args.systems.split(",")
     print("command:", " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]))
     print(f"config: {args.nproc} processes x 1 thread, GPT {args.num_layers} blocks d_model {args.d_model} heads {args.num_heads} "
