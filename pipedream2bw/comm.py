@@ -136,6 +136,12 @@ class FailureMonitor:
                 os._exit(1)
 
 
+def _group_timeout(timeout: timedelta) -> timedelta:
+    """Groups get a generous default (it also bounds connection set-up); every transfer and
+    gradient all-reduce waits with the run's own timeout, passed explicitly."""
+    return max(timeout, timedelta(seconds=_MIN_RENDEZVOUS_S))
+
+
 @dataclass
 class DistContext:
     """What a stage needs to talk to the others."""
@@ -163,9 +169,7 @@ def init(*, store: dist.Store, rank: int, world_size: int, local_rank: int, back
     store = dist.PrefixStore(f"job{_jobs_started}", store)
     monitor = FailureMonitor(store, rank=rank, world_size=world_size).start()
     kwargs = {"device_id": device} if backend == "nccl" else {}
-    # Groups get a generous default (it also bounds connection setup); every transfer and
-    # gradient all-reduce waits with the run's own timeout, passed explicitly.
-    group_timeout = max(timeout, timedelta(seconds=_MIN_RENDEZVOUS_S))
+    group_timeout = _group_timeout(timeout)
     dist.init_process_group(backend, store=dist.PrefixStore("pg", store), rank=rank, world_size=world_size, timeout=group_timeout, **kwargs)
     control = dist.new_group(backend="gloo", timeout=group_timeout) if backend != "gloo" else dist.group.WORLD
     return DistContext(rank, world_size, device, backend, timeout, control, monitor)
@@ -181,7 +185,7 @@ def shutdown(ctx: DistContext) -> None:
 
 def new_groups(ctx: DistContext, rank_lists: Sequence[Sequence[int]]) -> List[Any]:
     """One process group per list, made on every rank in the same order (as torch requires)."""
-    return [dist.new_group(list(ranks), timeout=max(ctx.timeout, timedelta(seconds=_MIN_RENDEZVOUS_S))) for ranks in rank_lists]
+    return [dist.new_group(list(ranks), timeout=_group_timeout(ctx.timeout)) for ranks in rank_lists]
 
 
 def gather_to_rank0(ctx: DistContext, obj: Any) -> Optional[List[Any]]:

@@ -23,11 +23,11 @@ class PipelineConfig:
     schedule: str = "2bw"
     """'2bw' (1F1B, no flushes, two weight versions), 'flush' (PipeDream-Flush) or 'gpipe'."""
     num_stages: int = 4
-    """Pipeline depth d; must equal the number of ranks (WORLD_SIZE)."""
+    """Pipeline depth d; WORLD_SIZE must be num_stages * data_parallel."""
     num_microbatches: int = 8
     """Microbatches per batch m; 2bw needs m >= num_stages."""
     microbatch_size: int = 8
-    """Sequences per microbatch b; a batch is m * b sequences."""
+    """Sequences per microbatch b; a batch is data_parallel * m * b sequences."""
     balance: Optional[List[int]] = None
     """Layers per stage, first stage first; null splits the layers evenly."""
     data_parallel: int = 1

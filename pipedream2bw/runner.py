@@ -95,13 +95,14 @@ def run(
         summary = _train(cfg, run_dir, ctx, layout, balance, layers, loss_fn)
     except BaseException as e:
         first = ctx.monitor.report(layout.position(rank)[0], e)
-        if first.startswith(f"rank {rank} "):
+        failed_here = first.startswith(f"rank {rank} ")
+        if failed_here:
             log.error("%s", first, exc_info=True)
         else:
             log.error("stopping because %s (here: %s: %s)", first, type(e).__name__, e)
         ctx.monitor.leave()
         ctx.monitor.stop()  # this rank is out: its caller decides what happens next
-        if first.startswith(f"rank {rank} "):
+        if failed_here:
             raise
         raise comm.PeerFailure(first) from e
     comm.shutdown(ctx)
@@ -118,11 +119,10 @@ def _train(cfg: Config, run_dir: Path, ctx: comm.DistContext, layout: Layout, ba
     versions = WeightVersions(
         module, schedule=p.schedule, optimizer_factory=lambda params: build_optimizer(params, cfg.optim), buckets=buckets,
     )
-    stage_groups = comm.new_groups(ctx, layout.ranks) if w > 1 else None
     reducer = None
-    if w > 1:
-        replicas = [list(r.parameters()) for r in versions.replicas]
-        reducer = comm.GradReducer(ctx, group=stage_groups[s], replicas=replicas, buckets=buckets)
+    if w > 1:  # every rank makes every stage's group, in the same order
+        group = comm.new_groups(ctx, layout.ranks)[s]
+        reducer = comm.GradReducer(ctx, group=group, replicas=[list(r.parameters()) for r in versions.replicas], buckets=buckets)
     peers = Peers(
         prev=layout.ranks[s - 1][replica] if s > 0 else None,
         next=layout.ranks[s + 1][replica] if s < d - 1 else None,
