@@ -99,3 +99,17 @@ def test_same_global_batch_split_differently_gives_the_same_training(tmp_path):
         runs.append((torch.load(tmp_path / f"m{m}" / "final_model.pt"), summary["losses"]))
     torch.testing.assert_close(runs[0][0], runs[1][0])
     assert_losses_close(runs[0][1], runs[1][1])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+@pytest.mark.parametrize("schedule", ["2bw", "flush", "gpipe"])
+def test_nccl_pipeline_matches_the_oracle(tmp_path, schedule):
+    # NCCL p2p with each send batched with the next receive, one GPU per rank. GPU kernels
+    # round differently from the CPU oracle, hence the looser tolerance.
+    cfg = tiny_config(schedule=schedule, num_stages=2, num_microbatches=4, optim="sgd_momentum")
+    cfg.dist.backend = "nccl"
+    summary = run_ok(cfg, tmp_path)
+    expected, expected_losses = _oracle(4, "sgd_momentum", schedule == "2bw")
+    torch.testing.assert_close(torch.load(tmp_path / "final_model.pt"), expected, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(torch.tensor(summary["losses"]), torch.tensor(expected_losses), rtol=1e-4, atol=1e-4)
