@@ -7,7 +7,7 @@ chain), and the w replicas of stage s average their gradients (one all-reduce gr
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import Optional, Sequence, Tuple
 
 from pipedream2bw.config import ConfigError
 
