@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import resource
 import time
@@ -95,8 +96,8 @@ class StageWorker:
         self.peers, self.versions, self.p2p, self.feed = peers, versions, p2p, feed
         self.loss_fn, self.device, self.reducer, self.grad_scale = loss_fn, device, reducer, grad_scale
         self.stats = StageStats(stage_index, p2p.ctx.rank)
-        self._stash: Dict[int, Tuple[torch.Tensor, torch.Tensor, int]] = {}  # k -> (input, output or loss, saved bytes)
-        self._stash_bytes = 0
+        self._stash: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}  # k -> (input, output or loss)
+        self._saved_bytes: Optional[int] = None  # what autograd saves for one microbatch
         self._batch_losses: Dict[int, List[torch.Tensor]] = {}
         self._pending: Dict[Tuple[str, int], tuple] = {}  # posted receives, by (kind, k)
         self._param_ptrs = {p.untyped_storage().data_ptr() for r in versions.replicas for p in r.parameters()}
@@ -118,11 +119,15 @@ class StageWorker:
             x = self.feed.inputs(k).to(self.device, non_blocking=True)
         else:
             x = self._recv(FORWARD, k, next_k).requires_grad_()
-        saved = SavedBytes(self._param_ptrs)
+        # Shapes are fixed (P2P checks them), so what autograd saves is measured on the first
+        # microbatch only, keeping the hooks' per-tensor Python calls off the hot path.
+        saved = SavedBytes(self._param_ptrs) if self._saved_bytes is None else contextlib.nullcontext()
         with saved:
             out = module(x)
             if self.last:
                 out = self.loss_fn(out, self.feed.targets(k).to(self.device, non_blocking=True))
+        if self._saved_bytes is None:
+            self._saved_bytes = saved.nbytes
         if self.last:
             losses = self._batch_losses.setdefault(k // self.m, [])
             losses.append(out.detach())
@@ -130,19 +135,17 @@ class StageWorker:
                 self._report_loss(torch.stack(self._batch_losses.pop(k // self.m)).mean())
         else:
             self.p2p.send(out.detach(), peer=self.peers.next, tag=ACTIVATION_TAG, defer=defer_send)
-        self._stash[k] = (x, out, saved.nbytes)
-        self._stash_bytes += saved.nbytes
-        self.stats.peak_stash_bytes = max(self.stats.peak_stash_bytes, self._stash_bytes)
+        self._stash[k] = (x, out)
+        self.stats.peak_stash_bytes = max(self.stats.peak_stash_bytes, len(self._stash) * self._saved_bytes)
 
     def backward(self, k: int, next_k: Optional[int], *, defer_send: bool = False) -> None:
-        x, out, nbytes = self._stash.pop(k)
+        x, out = self._stash.pop(k)
         if self.reducer is not None and (k + 1) % self.m == 0:  # the batch's last backward: reduce as it goes
             self.reducer.arm(self.versions.replicas.index(self.versions.module_for_batch(k // self.m)))
         if self.last:
             out.backward()
         else:
             torch.autograd.backward(out, self._recv(BACKWARD, k, next_k))
-        self._stash_bytes -= nbytes
         if not self.first:
             self.p2p.send(x.grad, peer=self.peers.prev, tag=GRADIENT_TAG, defer=defer_send)
 

@@ -72,6 +72,18 @@ def bucketize(params: Sequence[nn.Parameter], *, bucket_bytes: float) -> List[Li
     return buckets
 
 
+def _alias_parameter(p: nn.Parameter) -> nn.Parameter:
+    """A parameter on ``p``'s storage with a version counter of its own.
+
+    ``nn.Parameter(p.detach())`` would share ``p``'s counter, so every optimizer step through
+    the master, whichever buffer it writes, would look to autograd like an in-place change
+    of ``p`` and fail the backward of microbatches still in flight on ``p``.
+    """
+    alias = nn.Parameter(torch.empty(0, dtype=p.dtype, device=p.device), requires_grad=p.requires_grad)
+    alias.data = p.data
+    return alias
+
+
 class WeightVersions:
     """The live weight versions of one stage and the optimizers that make new ones.
 
@@ -96,7 +108,7 @@ class WeightVersions:
         self.schedule = schedule
         self.replicas: List[nn.Module] = [module] + ([copy.deepcopy(module)] if schedule == "2bw" else [])
         self.holds: List[Optional[int]] = [0] + [None] * (len(self.replicas) - 1)
-        self.master = [nn.Parameter(p.detach(), requires_grad=p.requires_grad) for p in module.parameters()]
+        self.master = [_alias_parameter(p) for p in module.parameters()]
         self.buckets = [list(b) for b in buckets] if buckets is not None else [list(range(len(self.master)))]
         assert sorted(i for b in self.buckets for i in b) == list(range(len(self.master))), "buckets must partition the parameters"
         self.optimizers = [optimizer_factory([self.master[i] for i in b]) for b in self.buckets]
