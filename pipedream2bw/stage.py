@@ -43,7 +43,7 @@ class StageStats:
     start_time: float = 0.0
     step_end_times: List[float] = field(default_factory=list)
     losses: List[float] = field(default_factory=list)  # batch mean loss; filled on rank 0
-    peak_stash_bytes: int = 0  # activations autograd saved, summed over in-flight microbatches
+    peak_stash_bytes: int = 0  # activations autograd saves for one microbatch x most microbatches in flight
     weight_bytes: int = 0  # all weight versions held
     optimizer_state_bytes: int = 0
     peak_memory_bytes: int = 0  # CUDA: max allocated; CPU: process peak resident set
