@@ -18,14 +18,6 @@ class Layout:
 
     ranks: Tuple[Tuple[int, ...], ...]
 
-    @property
-    def num_stages(self) -> int:
-        return len(self.ranks)
-
-    @property
-    def data_parallel(self) -> int:
-        return len(self.ranks[0])
-
     def position(self, rank: int) -> Tuple[int, int]:
         """(stage, replica) of ``rank``."""
         for s, row in enumerate(self.ranks):

@@ -112,6 +112,7 @@ def run(
 def _train(cfg: Config, run_dir: Path, ctx: comm.DistContext, layout: Layout, balance, layers, loss_fn) -> Optional[Dict[str, Any]]:
     p = cfg.pipeline
     d, w, m, b = p.num_stages, p.data_parallel, p.num_microbatches, p.microbatch_size
+    global_batch = w * m * b
     s, replica = layout.position(ctx.rank)
     torch.manual_seed(cfg.seed)
     module = build_stage_module(cfg, balance, s, layers).to(ctx.device)
@@ -144,7 +145,7 @@ def _train(cfg: Config, run_dir: Path, ctx: comm.DistContext, layout: Layout, ba
         p.schedule, d, w, replica, balance, list(module._modules), len(buckets), ctx.device, ctx.backend,
     )
     tracker = Tracker(cfg, run_dir) if ctx.rank == 0 else None
-    on_step = _progress(cfg, worker, tracker) if ctx.rank == 0 else (lambda t: None)
+    on_step = _progress(cfg, worker, tracker, samples_per_step=global_batch) if ctx.rank == 0 else (lambda t: None)
     stats = worker.run(actions, on_step=on_step)
     stats.replica = replica
     if reducer is not None:
@@ -158,11 +159,11 @@ def _train(cfg: Config, run_dir: Path, ctx: comm.DistContext, layout: Layout, ba
         return None
     meta = {
         "schedule": p.schedule, "num_stages": d, "data_parallel": w, "num_microbatches": m, "microbatch_size": b,
-        "global_batch_size": w * m * b, "balance": balance, "rank_map": [list(r) for r in layout.ranks],
+        "global_batch_size": global_batch, "balance": balance, "rank_map": [list(r) for r in layout.ranks],
         "num_steps": cfg.train.num_steps, "seq_len": cfg.model.seq_len, "backend": ctx.backend, "device": ctx.device.type,
         "memory_kind": "cuda_max_allocated" if ctx.device.type == "cuda" else "process_peak_rss",
     }
-    summary = summarize(all_stats, meta=meta, warmup_steps=cfg.train.warmup_steps, samples_per_step=w * m * b, seq_len=cfg.model.seq_len)
+    summary = summarize(all_stats, meta=meta, warmup_steps=cfg.train.warmup_steps, samples_per_step=global_batch, seq_len=cfg.model.seq_len)
     write_summary(summary, run_dir)
     save_state_dict({k: v for shard in shards for k, v in shard.items()}, run_dir / "final_model.pt")
     tracker.finish(summary)
@@ -173,9 +174,8 @@ def _train(cfg: Config, run_dir: Path, ctx: comm.DistContext, layout: Layout, ba
     return summary
 
 
-def _progress(cfg: Config, worker: StageWorker, tracker: "Tracker") -> Callable[[int], None]:
+def _progress(cfg: Config, worker: StageWorker, tracker: "Tracker", *, samples_per_step: int) -> Callable[[int], None]:
     """Rank 0's per-step callback: log loss and throughput every ``train.log_every`` steps."""
-    samples_per_step = cfg.pipeline.data_parallel * cfg.pipeline.num_microbatches * cfg.pipeline.microbatch_size
     window = {"start": time.perf_counter(), "steps": 0}
 
     def on_step(t: int) -> None:
