@@ -65,9 +65,37 @@ def make_store(*, rank: int, world_size: int, timeout_s: float) -> dist.Store:
     return dist.PrefixStore(f"pd2bw/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
+def launch_scope(store: dist.Store) -> dist.Store:
+    """The keys that every restart of one torchrun launch shares (``make_store``'s are per attempt).
+
+    torchrun's agent keeps its store, and its port, across ``--max-restarts``: what is agreed
+    here (the run directory) survives the restart, so the new attempt finds the old one's
+    checkpoints.
+    """
+    return dist.PrefixStore("pd2bw/launch", store.underlying_store)
+
+
 def agree_on_string(store: dist.Store, key: str, proposal: str) -> str:
     """Every rank gets the value the first caller proposed (e.g. rank 0's timestamp)."""
     return store.compare_set(key, "", proposal).decode()
+
+
+def share_from_rank0(store: dist.Store, key: str, value: Optional[str], *, world_size: int, max_wait_s: float = 60.0) -> str:
+    """Rank 0 passes its ``value``, the others None: every rank returns rank 0's value (the others
+    wait for it, up to the store's timeout). Works before any process group exists.
+
+    Rank 0 returns once every rank has read the value (or after ``max_wait_s``): if it hosts
+    the store and leaves at once, say on a bad config, the others would never get the answer.
+    """
+    if value is None:
+        value = store.get(key).decode()
+        store.add(f"{key}/read", 1)
+        return value
+    store.set(key, value)
+    deadline = time.monotonic() + max_wait_s
+    while store.add(f"{key}/read", 0) < world_size - 1 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return value
 
 
 class FailureMonitor:
@@ -153,6 +181,7 @@ class DistContext:
     timeout: timedelta
     control: Any  # a gloo group for CPU-side objects and scalars, whatever the main backend
     monitor: FailureMonitor
+    board: "Board"
 
 
 def init(*, store: dist.Store, rank: int, world_size: int, local_rank: int, backend: str, timeout_s: float) -> DistContext:
@@ -172,7 +201,37 @@ def init(*, store: dist.Store, rank: int, world_size: int, local_rank: int, back
     group_timeout = _group_timeout(timeout)
     dist.init_process_group(backend, store=dist.PrefixStore("pg", store), rank=rank, world_size=world_size, timeout=group_timeout, **kwargs)
     control = dist.new_group(backend="gloo", timeout=group_timeout) if backend != "gloo" else dist.group.WORLD
-    return DistContext(rank, world_size, device, backend, timeout, control, monitor)
+    return DistContext(rank, world_size, device, backend, timeout, control, monitor, Board(store))
+
+
+class Board:
+    """Short string messages between ranks through the store, outside any process group.
+
+    Safe to use from a background thread: it never blocks in the store client (whose lock a
+    blocking ``wait`` would hold, stalling the failure monitor and the training thread).
+    """
+
+    def __init__(self, store: dist.Store, poll_s: float = 0.05):
+        self.store, self.poll_s = dist.PrefixStore("board", store), poll_s
+
+    def post(self, key: str, value: str) -> None:
+        self.store.set(key, value)
+
+    def read(self, keys: Sequence[str], *, timeout_s: float) -> List[str]:
+        """The values of ``keys`` once all are posted.
+
+        Raises:
+            TimeoutError: naming the keys still missing after ``timeout_s``.
+        """
+        deadline = time.monotonic() + timeout_s
+        missing = list(keys)
+        while missing:
+            missing = [k for k in missing if not self.store.check([k])]
+            if missing and time.monotonic() > deadline:
+                raise TimeoutError(f"{len(missing)} of {len(keys)} messages not posted after {timeout_s:.0f} s: {missing[:4]}")
+            if missing:
+                time.sleep(self.poll_s)
+        return [self.store.get(k).decode() for k in keys]
 
 
 def shutdown(ctx: DistContext) -> None:

@@ -82,6 +82,14 @@ class TrainConfig:
     """Steps left out of the throughput figures."""
     global_batch_size: Optional[int] = None
     """Sequences per batch over all replicas; null means data_parallel * num_microbatches * microbatch_size, else it must equal that."""
+    checkpoint_every: int = 0
+    """Write a checkpoint every this many steps (and after the last); 0 writes none."""
+    keep_checkpoints: int = 2
+    """Complete checkpoints to keep in <run dir>/checkpoints; older ones are deleted once a newer one is complete."""
+    resume: str = "auto"
+    """'auto': continue from the newest complete checkpoint in the run directory, if any (how a job
+    restarted by torchrun --max-restarts picks up); 'never'; or a path: a checkpoint, its
+    checkpoints/ directory, or a run directory, at any num_stages and data_parallel."""
 
 
 @dataclass
@@ -282,6 +290,16 @@ def validate(cfg: Config, *, world_size: int, num_layers: Optional[int] = None, 
         raise ConfigError(
             f"train.warmup_steps ({t.warmup_steps}) must be in [0, train.num_steps ({t.num_steps})) "
             f"so that throughput is measured on at least one step; lower it"
+        )
+    if t.checkpoint_every < 0 or t.keep_checkpoints < 1:
+        raise ConfigError(
+            f"train.checkpoint_every ({t.checkpoint_every}) must be >= 0 (0: no checkpoints) and "
+            f"train.keep_checkpoints ({t.keep_checkpoints}) >= 1"
+        )
+    if t.resume not in ("auto", "never") and not Path(t.resume).exists():
+        raise ConfigError(
+            f"train.resume ({t.resume}) is neither 'auto', 'never' nor an existing path; "
+            f"point it at a checkpoint, a checkpoints/ directory or a run directory"
         )
     if cfg.wandb.mode not in WANDB_MODES:
         raise ConfigError(f"wandb.mode ({cfg.wandb.mode!r}) is unknown; use one of {list(WANDB_MODES)}")

@@ -2,22 +2,23 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
 from collections import OrderedDict
 from pathlib import Path
-from typing import Any, Callable, Dict, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
-from pipedream2bw import comm
-from pipedream2bw.config import Config, build_optimizer, validate
+from pipedream2bw import checkpoint, comm
+from pipedream2bw.config import Config, ConfigError, build_optimizer, validate
 from pipedream2bw.data import MicrobatchFeed, load_bytes
 from pipedream2bw.models import build_gpt_layers, lm_loss
 from pipedream2bw.results import save_state_dict, summarize, write_summary
-from pipedream2bw.schedule import check_stage, stage_actions
+from pipedream2bw.schedule import check_stage, shift_batches, stage_actions
 from pipedream2bw.layout import Layout, make_layout
 from pipedream2bw.stage import Peers, StageWorker
 from pipedream2bw.tracking import Tracker
@@ -90,9 +91,10 @@ def run(
     run_dir.mkdir(parents=True, exist_ok=True)
     if store is None:
         store = comm.make_store(rank=rank, world_size=world_size, timeout_s=cfg.dist.timeout_s)
+    resume = _choose_checkpoint(cfg, run_dir, store, rank, world_size, layers)
     ctx = comm.init(store=store, rank=rank, world_size=world_size, local_rank=local_rank, backend=cfg.dist.backend, timeout_s=cfg.dist.timeout_s)
     try:
-        summary = _train(cfg, run_dir, ctx, layout, balance, layers, loss_fn)
+        summary = _train(cfg, run_dir, ctx, layout, balance, layers, loss_fn, resume)
     except BaseException as e:
         first = ctx.monitor.report(layout.position(rank)[0], e)
         failed_here = first.startswith(f"rank {rank} ")
@@ -109,7 +111,61 @@ def run(
     return summary
 
 
-def _train(cfg: Config, run_dir: Path, ctx: comm.DistContext, layout: Layout, balance, layers, loss_fn) -> Optional[Dict[str, Any]]:
+def _param_shapes(cfg: Config, layers: Optional[Sequence[nn.Module]]) -> Dict[str, List[int]]:
+    """Names and shapes of the whole model's state, as a checkpoint stores them (no memory used
+    for the GPT: it is built on the meta device)."""
+    if layers is None:
+        with torch.device("meta"):
+            layers = build_gpt_layers(cfg.model, seed=cfg.seed)
+    return {k: list(v.shape) for k, v in nn.Sequential(*layers).state_dict().items()}
+
+
+def _choose_checkpoint(cfg: Config, run_dir: Path, store: Any, rank: int, world_size: int, layers) -> Optional[Tuple[Path, Dict[str, Any]]]:
+    """The checkpoint to resume from, per ``train.resume``: rank 0 chooses (verifying checksums,
+    setting corrupt ones aside, refusing another model's) and every rank gets its choice,
+    before any process group starts.
+
+    Raises:
+        ConfigError: on every rank, when the checkpoint asked for is missing, of another
+            model, or already at ``train.num_steps``.
+    """
+    t = cfg.train
+    if t.resume == "never":
+        return None
+    answer, key = None, f"resume:{run_dir.resolve()}"
+    if rank == 0:
+        try:
+            if t.resume == "auto":
+                checkpoint.clear_partials(run_dir / checkpoint.DIRNAME)
+            path, manifest = checkpoint.select(run_dir if t.resume == "auto" else Path(t.resume))
+            if path is None and t.resume != "auto":
+                raise ConfigError(
+                    f"train.resume ({t.resume}) holds no complete checkpoint with intact files; "
+                    f"point it at another checkpoint or use train.resume=never"
+                )
+            if path is not None:
+                checkpoint.check_model(manifest, _param_shapes(cfg, layers), path)
+                if manifest["step"] >= t.num_steps:
+                    raise ConfigError(
+                        f"checkpoint {path} is at step {manifest['step']}, and train.num_steps is {t.num_steps}: "
+                        f"nothing left to train; raise train.num_steps"
+                    )
+            answer = json.dumps({"path": None if path is None else str(path)})
+        except Exception as e:  # the other ranks wait for an answer: give them this one
+            comm.share_from_rank0(store, key, json.dumps({"error": str(e), "config": isinstance(e, ConfigError)}), world_size=world_size)
+            raise
+    answer = json.loads(comm.share_from_rank0(store, key, answer, world_size=world_size))
+    if "error" in answer:
+        raise (ConfigError if answer["config"] else RuntimeError)(answer["error"])
+    if answer["path"] is None:
+        return None
+    path = Path(answer["path"])
+    manifest = json.loads((path / checkpoint.MANIFEST).read_text())
+    log.info("resuming from %s (step %d of %d)", path, manifest["step"], t.num_steps)
+    return path, manifest
+
+
+def _train(cfg: Config, run_dir: Path, ctx: comm.DistContext, layout: Layout, balance, layers, loss_fn, resume) -> Optional[Dict[str, Any]]:
     p = cfg.pipeline
     d, w, m, b = p.num_stages, p.data_parallel, p.num_microbatches, p.microbatch_size
     global_batch = w * m * b
@@ -120,6 +176,22 @@ def _train(cfg: Config, run_dir: Path, ctx: comm.DistContext, layout: Layout, ba
     versions = WeightVersions(
         module, schedule=p.schedule, optimizer_factory=lambda params: build_optimizer(params, cfg.optim), buckets=buckets,
     )
+    indices = list(module._modules)
+    first_batch = 0
+    layout_record = {"num_stages": d, "data_parallel": w, "balance": list(balance), "rank_map": [list(r) for r in layout.ranks]}
+    if resume is not None:
+        path, manifest = resume
+        first_batch = manifest["step"]
+        state = checkpoint.load_layers(path, [int(i) for i in indices])
+        if p.schedule == "2bw" and state["previous"] is None:
+            log.warning("%s holds one weight version (a %s run): batch %d runs with W(%d), not W(%d)", path, manifest["schedule"], first_batch, first_batch, first_batch - 1)
+        if manifest["optimizer"] != cfg.optim.name.lower():
+            log.warning("%s holds %s state; optim.name is %s: its optimizer starts afresh", path, manifest["optimizer"], cfg.optim.name)
+            state["optimizer"] = {}
+        versions.load_state(step=first_batch, **{k: state[k] for k in ("weights", "previous", "optimizer")})
+        rng = checkpoint.load_rng(path, ctx.rank) if manifest["layout"] == layout_record else None
+        if rng is not None:
+            checkpoint.set_rng_state(rng)
     reducer = None
     if w > 1:  # every rank makes every stage's group, in the same order
         group = comm.new_groups(ctx, layout.ranks)[s]
@@ -138,15 +210,34 @@ def _train(cfg: Config, run_dir: Path, ctx: comm.DistContext, layout: Layout, ba
         p2p=comm.P2P(ctx, batch_sends=cfg.dist.batch_p2p if cfg.dist.batch_p2p is not None else ctx.backend == "nccl"),
         loss_fn=loss_fn, device=ctx.device, reducer=reducer, grad_scale=1.0 / (m * w),
     )
-    actions = stage_actions(p.schedule, stage_index=s, num_stages=d, num_microbatches=m, num_batches=cfg.train.num_steps)
+    actions = stage_actions(p.schedule, stage_index=s, num_stages=d, num_microbatches=m, num_batches=cfg.train.num_steps - first_batch)
     check_stage(actions, num_microbatches=m, in_flight_limit=m if p.schedule == "gpipe" else d - s)
+    actions = shift_batches(actions, first_batch=first_batch, num_microbatches=m)
     log.info(
         "%s schedule, %d stages x %d replicas, replica %d, balance %s, layers %s, %d all-reduce buckets, on %s (%s)",
-        p.schedule, d, w, replica, balance, list(module._modules), len(buckets), ctx.device, ctx.backend,
+        p.schedule, d, w, replica, balance, indices, len(buckets), ctx.device, ctx.backend,
     )
+    if resume is not None and ctx.rank == 0:
+        worker.stats.losses = list(resume[1]["losses"])
     tracker = Tracker(cfg, run_dir) if ctx.rank == 0 else None
-    on_step = _progress(cfg, worker, tracker, samples_per_step=global_batch) if ctx.rank == 0 else (lambda t: None)
+    progress = _progress(cfg, worker, tracker, samples_per_step=global_batch) if ctx.rank == 0 else (lambda t: None)
+    saver = checkpoint.Checkpointer(
+        run_dir / checkpoint.DIRNAME, every=cfg.train.checkpoint_every, num_steps=cfg.train.num_steps,
+        keep=cfg.train.keep_checkpoints, rank=ctx.rank, world_size=ctx.world_size,
+        layers=[int(i) for i in indices] if replica == 0 else [], post=ctx.board.post,
+        read=lambda keys, timeout_s: ctx.board.read(keys, timeout_s=timeout_s), timeout_s=cfg.dist.timeout_s,
+        manifest={
+            "schedule": p.schedule, "optimizer": cfg.optim.name.lower(), "num_layers": sum(balance), "layout": layout_record,
+            "global_batch_size": global_batch, "seed": cfg.seed, "param_shapes": _param_shapes(cfg, layers) if ctx.rank == 0 else {},
+        },
+    )
+
+    def on_step(t: int) -> None:
+        progress(t)
+        saver.after_step(t + 1, versions.state, worker.stats.losses if ctx.rank == 0 else None)
+
     stats = worker.run(actions, on_step=on_step)
+    saver.wait()
     stats.replica = replica
     if reducer is not None:
         stats.allreduce_calls, stats.allreduce_exposed_s = reducer.num_collectives, reducer.exposed_s
@@ -162,8 +253,11 @@ def _train(cfg: Config, run_dir: Path, ctx: comm.DistContext, layout: Layout, ba
         "global_batch_size": global_batch, "balance": balance, "rank_map": [list(r) for r in layout.ranks],
         "num_steps": cfg.train.num_steps, "seq_len": cfg.model.seq_len, "backend": ctx.backend, "device": ctx.device.type,
         "memory_kind": "cuda_max_allocated" if ctx.device.type == "cuda" else "process_peak_rss",
+        "resumed_from": None if resume is None else str(resume[0]), "first_step": first_batch,
     }
-    summary = summarize(all_stats, meta=meta, warmup_steps=cfg.train.warmup_steps, samples_per_step=global_batch, seq_len=cfg.model.seq_len)
+    # Throughput counts the steps this run took; a resumed run may have fewer than the warm-up.
+    warmup = min(cfg.train.warmup_steps, cfg.train.num_steps - first_batch - 1)
+    summary = summarize(all_stats, meta=meta, warmup_steps=warmup, samples_per_step=global_batch, seq_len=cfg.model.seq_len)
     write_summary(summary, run_dir)
     save_state_dict({k: v for shard in shards for k, v in shard.items()}, run_dir / "final_model.pt")
     tracker.finish(summary)

@@ -81,6 +81,14 @@ def stage_actions(schedule: str, *, stage_index: int, num_stages: int, num_micro
     return _insert_steps(actions, s, m)
 
 
+def shift_batches(actions: Sequence[Action], *, first_batch: int, num_microbatches: int) -> List[Action]:
+    """The same actions for batches ``first_batch``, ``first_batch + 1``, ... instead of 0, 1, ...
+    (a run resumed after ``first_batch`` steps starts its pipeline afresh at that batch)."""
+    return [
+        a._replace(index=a.index + (first_batch if a.kind == STEP else first_batch * num_microbatches)) for a in actions
+    ]
+
+
 def pipeline_actions(schedule: str, *, num_stages: int, num_microbatches: int, num_batches: int) -> List[List[Action]]:
     """Action lists of all stages, stage 0 first."""
     return [

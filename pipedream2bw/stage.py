@@ -166,13 +166,13 @@ class StageWorker:
 
     def run(self, actions: Sequence[Action], *, on_step: Callable[[int], None] = lambda t: None) -> StageStats:
         """Runs ``actions`` in order; ``on_step(t)`` is called after each optimizer step."""
-        # Forwards and backwards each run in microbatch order 0..n-1 (schedule.check_stage), so
-        # the receive to post after k's is k+1's.
-        n = sum(a.kind == FORWARD for a in actions)
+        # Forwards and backwards each run in microbatch order (schedule.check_stage), so the
+        # receive to post after k's is k+1's.
+        end = max((a.index for a in actions if a.kind == FORWARD), default=-1) + 1  # a resumed run starts past 0
         receives = [(a.kind == FORWARD and not self.first) or (a.kind == BACKWARD and not self.last) for a in actions]
         self.stats.start_time = time.perf_counter()
         for pos, a in enumerate(actions):
-            next_k = a.index + 1 if a.index + 1 < n else None
+            next_k = a.index + 1 if a.index + 1 < end else None
             # A send may wait for the next action's receive (batched sends) only if there is one.
             defer_send = pos + 1 < len(actions) and receives[pos + 1]
             if a.kind == FORWARD:

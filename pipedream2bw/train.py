@@ -49,7 +49,9 @@ def _agree_on_run_stamp() -> None:
     stamp = time.strftime("%Y-%m-%d/%H-%M-%S")
     if world_size > 1 and _STAMP_ENV not in os.environ:
         _store = comm.make_store(rank=rank, world_size=world_size, timeout_s=float(os.environ.get("PD2BW_STORE_TIMEOUT_S", 300)))
-        stamp = comm.agree_on_string(_store, "run_stamp", stamp)
+        # Agreed once per launch, not per attempt: a job that torchrun restarts keeps its run
+        # directory and resumes from the checkpoints there (train.resume=auto).
+        stamp = comm.agree_on_string(comm.launch_scope(_store), "run_stamp", stamp)
     os.environ.setdefault(_STAMP_ENV, stamp)
 
 

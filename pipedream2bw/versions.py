@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import copy
 import logging
-from typing import Callable, Iterable, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
 
 import torch
 from torch import nn
@@ -152,3 +152,47 @@ class WeightVersions:
             for i in bucket:
                 self.master[i].grad = None
         self.holds[dst_index] = t + 1
+
+    def state(self) -> Dict[str, Any]:
+        """What a checkpoint saves, copied to the CPU and keyed by parameter name.
+
+        ``weights``: the newest version W(n), n = steps taken; ``previous``: under 2bw the version
+        batch n will run with, W(n-1) (else None); ``optimizer``: each parameter's optimizer
+        state. Copies are taken now, so training may go on while they are written.
+        """
+        newest = max(v for v in self.holds if v is not None)
+        previous = None
+        if self.schedule == "2bw":
+            previous = _cpu_copy(self.replicas[self._replica_holding(version_of_batch("2bw", newest))].state_dict())
+        names = [n for n, _ in self.replicas[0].named_parameters()]
+        optimizer = {}
+        for bucket, opt in zip(self.buckets, self.optimizers):
+            for pos, st in opt.state_dict()["state"].items():
+                optimizer[names[bucket[pos]]] = _cpu_copy(st)
+        return {"step": newest, "weights": _cpu_copy(self.newest().state_dict()), "previous": previous, "optimizer": optimizer}
+
+    @torch.no_grad()
+    def load_state(self, *, step: int, weights: Dict[str, torch.Tensor], previous: Optional[Dict[str, torch.Tensor]], optimizer: Dict[str, dict]) -> None:
+        """Continues from a checkpoint taken after ``step`` steps (the inverse of ``state``).
+
+        Under 2bw without ``previous`` (a flush or gpipe checkpoint), batch ``step`` runs with
+        W(step) instead of W(step-1), as the very first batch does. The optimizers keep the
+        hyperparameters of this run's config; only their per-parameter state is loaded.
+
+        Raises:
+            RuntimeError: names missing from or unexpected in ``weights`` (strict load).
+        """
+        self.replicas[0].load_state_dict(weights)
+        self.holds[0] = step
+        if len(self.replicas) == 2:
+            self.replicas[1].load_state_dict(previous if previous is not None else weights)
+            self.holds[1] = version_of_batch("2bw", step)
+        names = [n for n, _ in self.replicas[0].named_parameters()]
+        for bucket, opt in zip(self.buckets, self.optimizers):
+            sd = opt.state_dict()
+            sd["state"] = {pos: optimizer[names[i]] for pos, i in enumerate(bucket) if names[i] in optimizer}
+            opt.load_state_dict(sd)
+
+
+def _cpu_copy(state: Dict[str, Any]) -> Dict[str, Any]:
+    return {k: v.detach().to("cpu", copy=True) if torch.is_tensor(v) else copy.deepcopy(v) for k, v in state.items()}

@@ -1,0 +1,366 @@
+"""Checkpoints: complete or absent, per layer with the unpartitioned model's names, so that a
+checkpoint written at any ``(d, w)`` resumes at any other.
+
+A checkpoint taken after ``n`` steps (batches) is a directory::
+
+    <run dir>/checkpoints/step_00000040/
+        layer_00003.pt      layer 3: {"weights": W(n), "previous": W(n-1) under 2bw else None,
+                            "optimizer": per-parameter optimizer state}, names as in
+                            nn.Sequential(*all_layers) ("3.attn.qkv.weight")
+        rng_rank0.pt ...    every rank's RNG states (restored when the layout is the same)
+        manifest.json       written last: step, losses so far, layout, parameter shapes and
+                            the SHA-256 of every file
+
+Stages write their own layers at once (replica 0 of each stage) into
+``.step_00000040.partial/``, in a background thread from copies taken at the step; rank 0
+waits until every rank has posted its files' checksums, writes the manifest and renames the
+directory into place, then prunes. A crash leaves a ``.partial`` directory that no resume
+reads. A checkpoint whose files do not match their checksums is reported, renamed aside and
+skipped in favour of the previous complete one.
+
+``python -m pipedream2bw.checkpoint consolidate PATH`` writes the newest weights as one plain
+``state_dict``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import io
+import json
+import logging
+import random
+import shutil
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+from pipedream2bw.config import ConfigError
+from pipedream2bw.results import atomic_write
+
+log = logging.getLogger(__name__)
+
+FORMAT = 1
+DIRNAME = "checkpoints"
+MANIFEST = "manifest.json"
+
+
+def step_dir(root: Path, step: int) -> Path:
+    return Path(root) / f"step_{step:08d}"
+
+
+def _partial_dir(root: Path, step: int) -> Path:
+    return Path(root) / f".step_{step:08d}.partial"
+
+
+def layer_file(index: int) -> str:
+    return f"layer_{index:05d}.pt"
+
+
+def _layer_index(name: str) -> int:
+    """Layer index of a parameter name of ``nn.Sequential(*layers)``: "3.attn.qkv.weight" -> 3."""
+    return int(name.split(".", 1)[0])
+
+
+def _save(obj: Any, path: Path) -> str:
+    """Writes ``obj`` atomically; returns the SHA-256 of the bytes written."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    data = buf.getvalue()
+    atomic_write(path, data)
+    return hashlib.sha256(data).hexdigest()
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def rng_state() -> Dict[str, Any]:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: Mapping[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def split_by_layer(stage_state: Mapping[str, Any], indices: Sequence[int]) -> Dict[int, Dict[str, Any]]:
+    """A stage's ``WeightVersions.state()`` as one payload per layer of ``indices`` (a layer
+    file's content; layers without parameters get one too, so every layer has a file)."""
+    has_previous = stage_state["previous"] is not None
+    layers = {i: {"weights": {}, "previous": {} if has_previous else None, "optimizer": {}} for i in indices}
+    for part in ("weights", "previous", "optimizer"):
+        for name, value in (stage_state[part] or {}).items():
+            layers[_layer_index(name)][part][name] = value
+    return layers
+
+
+class Checkpointer:
+    """Writes this rank's part of a checkpoint after chosen steps; on rank 0, also completes it.
+
+    Args:
+        root: the checkpoints directory (shared by all ranks).
+        every: checkpoint after steps ``every``, ``2*every``, ... and after the last, ``num_steps``.
+        layers: the layer indices whose files this rank writes (replica 0 of each stage; empty
+            for the other replicas, which hold the same weights).
+        post / read: the rendezvous board (``comm.Board``), to post this rank's checksums and,
+            on rank 0, to read everybody's.
+        manifest: what rank 0 puts in every manifest besides step, losses and files.
+    """
+
+    def __init__(
+        self, root: Path, *, every: int, num_steps: int, keep: int, rank: int, world_size: int, layers: Sequence[int],
+        post: Callable[[str, str], None], read: Callable[[Sequence[str], float], List[str]], timeout_s: float,
+        manifest: Dict[str, Any],
+    ):
+        self.root, self.every, self.num_steps, self.keep = Path(root), every, num_steps, keep
+        self.rank, self.world_size, self.layers = rank, world_size, list(layers)
+        self.post, self.read, self.timeout_s, self.manifest = post, read, timeout_s, manifest
+        self._thread: Optional[threading.Thread] = None
+        self._error: Optional[BaseException] = None
+        self.write_s = 0.0  # time the training thread spent taking copies (the writes run beside it)
+
+    def due(self, step: int) -> bool:
+        return self.every > 0 and (step % self.every == 0 or step == self.num_steps)
+
+    def after_step(self, step: int, state: Callable[[], Dict[str, Any]], losses: Optional[Sequence[float]]) -> None:
+        """Starts writing the checkpoint of ``step`` steps if one is due. ``state`` makes the stage's
+        copies (``WeightVersions.state``); ``losses`` are all losses so far (rank 0, else None).
+
+        Raises:
+            RuntimeError: the previous checkpoint's write failed on this rank.
+        """
+        if not self.due(step):
+            return
+        start = time.perf_counter()
+        payload = split_by_layer(state(), self.layers) if self.layers else {}
+        rng = rng_state()
+        self.wait()  # one checkpoint at a time: its copies are in memory until written
+        self.write_s += time.perf_counter() - start
+        losses = list(losses) if losses is not None else None
+        self._thread = threading.Thread(target=self._write, args=(step, payload, rng, losses), name="pd2bw-checkpoint", daemon=True)
+        self._thread.start()
+
+    def wait(self) -> None:
+        """Waits for the write in progress.
+
+        Raises:
+            RuntimeError: it failed (on rank 0: also when another rank's part failed or never came).
+        """
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise RuntimeError(f"checkpoint write failed: {type(error).__name__}: {error}") from error
+
+    def _write(self, step: int, payload: Dict[int, Dict[str, Any]], rng: Dict[str, Any], losses: Optional[List[float]]) -> None:
+        key = f"checkpoint/{step}/rank{self.rank}"
+        try:
+            partial = _partial_dir(self.root, step)
+            partial.mkdir(parents=True, exist_ok=True)
+            files = {layer_file(i): _save(p, partial / layer_file(i)) for i, p in sorted(payload.items())}
+            files[f"rng_rank{self.rank}.pt"] = _save(rng, partial / f"rng_rank{self.rank}.pt")
+            self.post(key, json.dumps({"files": files}))
+        except BaseException as e:
+            self._error = e
+            try:
+                self.post(key, json.dumps({"error": f"{type(e).__name__}: {e}"}))
+            except Exception:
+                pass
+            return
+        if self.rank == 0:
+            try:
+                self._complete(step, losses)
+            except BaseException as e:
+                self._error = e
+
+    def _complete(self, step: int, losses: Optional[List[float]]) -> None:
+        parts = [json.loads(v) for v in self.read([f"checkpoint/{step}/rank{r}" for r in range(self.world_size)], self.timeout_s)]
+        errors = [f"rank {r}: {p['error']}" for r, p in enumerate(parts) if "error" in p]
+        if errors:
+            raise RuntimeError(f"checkpoint of step {step} is incomplete: {'; '.join(errors)}")
+        files = {name: sha for p in parts for name, sha in p["files"].items()}
+        missing = [i for i in range(self.manifest["num_layers"]) if layer_file(i) not in files]
+        if missing:
+            raise RuntimeError(f"checkpoint of step {step}: no rank wrote layers {missing}")
+        partial, final = _partial_dir(self.root, step), step_dir(self.root, step)
+        manifest = {**self.manifest, "format": FORMAT, "step": step, "losses": losses, "files": files, "written_at": time.time()}
+        atomic_write(partial / MANIFEST, (json.dumps(manifest, indent=1) + "\n").encode())
+        if final.exists():  # from an attempt that crashed after this step: keep it, out of the way
+            final.rename(final.with_name(f"{final.name}.replaced-{int(time.time())}"))
+        partial.rename(final)
+        _fsync_dir(self.root)
+        log.info("checkpoint of step %d written to %s", step, final)
+        for old in complete_checkpoints(self.root)[self.keep:]:
+            shutil.rmtree(old, ignore_errors=True)
+        for stale in self.root.glob(".step_*.partial"):
+            if int(stale.name[len(".step_"):-len(".partial")]) < step:
+                shutil.rmtree(stale, ignore_errors=True)
+
+
+def _fsync_dir(path: Path) -> None:
+    import os
+
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def complete_checkpoints(root: Path) -> List[Path]:
+    """Checkpoint directories with a manifest, newest first (not yet verified)."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith("step_") and p.name[5:].isdigit() and (p / MANIFEST).is_file()]
+    return sorted(found, key=lambda p: int(p.name[5:]), reverse=True)
+
+
+def verify(path: Path) -> Tuple[Optional[Dict[str, Any]], Optional[str]]:
+    """(manifest, None) if every file of checkpoint ``path`` is there with its checksum, else (None, why)."""
+    try:
+        manifest = json.loads((Path(path) / MANIFEST).read_text())
+    except (OSError, ValueError) as e:
+        return None, f"unreadable manifest ({type(e).__name__}: {e})"
+    if manifest.get("format") != FORMAT:
+        return None, f"format {manifest.get('format')!r}, this version reads {FORMAT}"
+    for name, sha in manifest["files"].items():
+        file = Path(path) / name
+        if not file.is_file():
+            return None, f"{name} is missing"
+        if _sha256(file) != sha:
+            return None, f"{name} does not match its checksum (truncated or corrupted)"
+    return manifest, None
+
+
+def _checkpoints_root(path: Path) -> Path:
+    """A checkpoints directory, given it or the run directory that holds one."""
+    return path / DIRNAME if (path / DIRNAME).is_dir() else path
+
+
+def select(path: Path, *, set_aside: bool = True) -> Tuple[Optional[Path], Optional[Dict[str, Any]]]:
+    """The newest complete, intact checkpoint at ``path`` (a checkpoint, a checkpoints/ directory
+    or a run directory), with its manifest; (None, None) if there is none.
+
+    Checkpoints that fail their checksums are logged and, with ``set_aside``, renamed to
+    ``*.corrupt-<time>`` (kept for inspection; never read again), so that training continues
+    from the previous one and later writes the same step afresh.
+    """
+    path = Path(path)
+    candidates = [path] if (path / MANIFEST).is_file() else complete_checkpoints(_checkpoints_root(path))
+    for candidate in candidates:
+        manifest, problem = verify(candidate)
+        if manifest is not None:
+            return candidate, manifest
+        log.error("skipping checkpoint %s: %s", candidate, problem)
+        if set_aside and candidate is not path:
+            candidate.rename(candidate.with_name(f"{candidate.name}.corrupt-{int(time.time())}"))
+    return None, None
+
+
+def clear_partials(root: Path) -> None:
+    """Removes the unfinished checkpoints that a crashed attempt left (rank 0, before training)."""
+    for stale in Path(root).glob(".step_*.partial"):
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+def check_model(manifest: Mapping[str, Any], shapes: Mapping[str, Sequence[int]], where: Path) -> None:
+    """Refuses a checkpoint of another model.
+
+    Raises:
+        ConfigError: naming the parameters missing, unexpected or of another shape.
+    """
+    saved = {k: list(v) for k, v in manifest["param_shapes"].items()}
+    wanted = {k: list(v) for k, v in shapes.items()}
+    problems = [f"{k}: checkpoint {saved[k]}, model {wanted[k]}" for k in wanted if k in saved and saved[k] != wanted[k]]
+    problems += [f"{k}: not in the checkpoint" for k in wanted if k not in saved]
+    problems += [f"{k}: not in the model" for k in saved if k not in wanted]
+    if problems:
+        shown = "; ".join(problems[:8]) + (f"; and {len(problems) - 8} more" if len(problems) > 8 else "")
+        raise ConfigError(
+            f"checkpoint {where} was written for another model ({len(problems)} parameters differ: {shown}); "
+            f"use the model config it was trained with, or train.resume=never to start afresh"
+        )
+
+
+def load_layers(path: Path, indices: Sequence[int]) -> Dict[str, Any]:
+    """The part of checkpoint ``path`` that a stage holding layers ``indices`` loads, in the form
+    of ``WeightVersions.state()``."""
+    out: Dict[str, Any] = {"weights": {}, "previous": {}, "optimizer": {}}
+    has_previous = True
+    for i in indices:
+        layer = torch.load(Path(path) / layer_file(i), map_location="cpu", weights_only=True)
+        out["weights"].update(layer["weights"])
+        out["optimizer"].update(layer["optimizer"])
+        if layer["previous"] is None:
+            has_previous = False
+        else:
+            out["previous"].update(layer["previous"])
+    if not has_previous:
+        out["previous"] = None
+    return out
+
+
+def load_rng(path: Path, rank: int) -> Optional[Dict[str, Any]]:
+    file = Path(path) / f"rng_rank{rank}.pt"
+    return torch.load(file, weights_only=False) if file.is_file() else None
+
+
+def consolidate(path: Path, out: Optional[Path] = None) -> Path:
+    """Writes the newest weights of the checkpoint at ``path`` as one plain state_dict.
+
+    Returns:
+        The file written (default: ``consolidated_step_<n>.pt`` beside the checkpoints directory).
+
+    Raises:
+        FileNotFoundError: no complete, intact checkpoint at ``path``.
+    """
+    chosen, manifest = select(Path(path), set_aside=False)
+    if chosen is None:
+        raise FileNotFoundError(f"no complete checkpoint with intact files at {path}")
+    state: Dict[str, torch.Tensor] = {}
+    for i in range(manifest["num_layers"]):
+        state.update(torch.load(chosen / layer_file(i), map_location="cpu", weights_only=True)["weights"])
+    out = Path(out) if out is not None else chosen.parent.parent / f"consolidated_step_{manifest['step']:08d}.pt"
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    atomic_write(out, buf.getvalue())
+    return out
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m pipedream2bw.checkpoint", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    c = sub.add_parser("consolidate", help="write the newest weights of a checkpoint as one plain state_dict")
+    c.add_argument("path", type=Path, help="a checkpoint, a checkpoints/ directory or a run directory (newest complete one)")
+    c.add_argument("--out", type=Path, default=None, help="output file (default: consolidated_step_<n>.pt beside checkpoints/)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
+    try:
+        out = consolidate(args.path, args.out)
+    except FileNotFoundError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
