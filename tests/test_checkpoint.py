@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -12,6 +17,7 @@ from torch import nn
 
 from dist_helper import run_ok, spawn, train
 from pipedream2bw import checkpoint
+from pipedream2bw.comm import free_port
 from pipedream2bw.config import ConfigError, GPTConfig
 from pipedream2bw.models import build_gpt_layers
 from test_semantics import assert_losses_close, tiny_config
@@ -32,6 +38,7 @@ def weights(run_dir: Path) -> dict:
 def assert_equal_bits(a: dict, b: dict) -> None:
     assert a.keys() == b.keys()
     for k in a:
+        assert torch.isfinite(a[k]).all(), k
         assert torch.equal(a[k], b[k]), k
 
 
@@ -131,3 +138,51 @@ def test_partial_checkpoint_is_never_chosen(tmp_path):
     assert checkpoint.select(tmp_path / "run")[0].name == "step_00000003"
     manifest = json.loads((root / "step_00000003" / "manifest.json").read_text())
     assert manifest["step"] == 3 and len(manifest["losses"]) == 3 and manifest["layout"]["balance"] == [3, 3]
+
+
+def _children(pid: int) -> list:
+    """Pids whose parent is ``pid`` (torchrun's workers are its agent's children)."""
+    kids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            kids.append(int(stat.parent.name))
+    return kids
+
+
+def test_sigkilled_rank_restarts_under_torchrun_and_finishes_with_the_same_weights(tmp_path):
+    overrides = [
+        "pipeline.num_stages=2", "pipeline.num_microbatches=2", "pipeline.microbatch_size=2", "model.num_layers=3",
+        "model.d_model=32", "model.num_heads=2", "model.seq_len=16", "optim.name=sgd", "optim.lr=0.05",
+        "+optim.kwargs.momentum=0.9", "train.num_steps=120", "train.checkpoint_every=10", "train.log_every=100",
+        "wandb.mode=disabled", "seed=3",
+    ]
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", "1",
+        "--master-port", str(free_port()), "-m", "pipedream2bw.train", *overrides,
+    ]
+    log = open(tmp_path / "torchrun.log", "w")
+    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while not list(tmp_path.glob("outputs/*/*/checkpoints/step_00000020")):
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "torchrun.log").read_text()
+            time.sleep(0.02)
+        victim = max(_children(proc.pid))
+        os.kill(victim, signal.SIGKILL)
+        assert proc.wait(timeout=180) == 0, (tmp_path / "torchrun.log").read_text()
+    finally:
+        proc.kill()
+    run_dir = next(tmp_path.glob("outputs/*/*"))  # the restart kept the run directory
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert 20 <= summary["first_step"] < 120, summary["first_step"]  # it did restart, from a checkpoint
+    assert f"resuming from {run_dir}/checkpoints/step_{summary['first_step']:08d}" in (tmp_path / "torchrun.log").read_text()
+
+    reference = tiny_config(schedule="2bw", num_stages=2, num_microbatches=2, optim="sgd_momentum", num_steps=120)
+    reference.optim.lr = 0.05
+    expected = run_ok(reference, tmp_path / "uninterrupted")
+    assert summary["losses"] == expected["losses"]
+    assert_equal_bits(weights(run_dir), weights(tmp_path / "uninterrupted"))
