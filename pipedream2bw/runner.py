@@ -185,6 +185,8 @@ def _train(cfg: Config, run_dir: Path, ctx: comm.DistContext, layout: Layout, ba
         state = checkpoint.load_layers(path, [int(i) for i in indices])
         if p.schedule == "2bw" and state["previous"] is None:
             log.warning("%s holds one weight version (a %s run): batch %d runs with W(%d), not W(%d)", path, manifest["schedule"], first_batch, first_batch, first_batch - 1)
+        if manifest["global_batch_size"] != global_batch:
+            log.warning("%s was trained with global batch %d, this run uses %d: training continues, but not as the same run", path, manifest["global_batch_size"], global_batch)
         if manifest["optimizer"] != cfg.optim.name.lower():
             log.warning("%s holds %s state; optim.name is %s: its optimizer starts afresh", path, manifest["optimizer"], cfg.optim.name)
             state["optimizer"] = {}
