@@ -176,13 +176,13 @@ def _train(cfg: Config, run_dir: Path, ctx: comm.DistContext, layout: Layout, ba
     versions = WeightVersions(
         module, schedule=p.schedule, optimizer_factory=lambda params: build_optimizer(params, cfg.optim), buckets=buckets,
     )
-    indices = list(module._modules)
+    indices = [int(i) for i in module._modules]  # global layer indices
     first_batch = 0
     layout_record = {"num_stages": d, "data_parallel": w, "balance": list(balance), "rank_map": [list(r) for r in layout.ranks]}
     if resume is not None:
         path, manifest = resume
         first_batch = manifest["step"]
-        state = checkpoint.load_layers(path, [int(i) for i in indices])
+        state = checkpoint.load_layers(path, indices)
         if p.schedule == "2bw" and state["previous"] is None:
             log.warning("%s holds one weight version (a %s run): batch %d runs with W(%d), not W(%d)", path, manifest["schedule"], first_batch, first_batch, first_batch - 1)
         if manifest["global_batch_size"] != global_batch:
@@ -226,7 +226,7 @@ def _train(cfg: Config, run_dir: Path, ctx: comm.DistContext, layout: Layout, ba
     saver = checkpoint.Checkpointer(
         run_dir / checkpoint.DIRNAME, every=cfg.train.checkpoint_every, num_steps=cfg.train.num_steps,
         keep=cfg.train.keep_checkpoints, rank=ctx.rank, world_size=ctx.world_size,
-        layers=[int(i) for i in indices] if replica == 0 else [], post=ctx.board.post,
+        layers=indices if replica == 0 else [], post=ctx.board.post,
         read=lambda keys, timeout_s: ctx.board.read(keys, timeout_s=timeout_s), timeout_s=cfg.dist.timeout_s,
         manifest={
             "schedule": p.schedule, "optimizer": cfg.optim.name.lower(), "num_layers": sum(balance), "layout": layout_record,
