@@ -57,7 +57,7 @@ def uses_profile(cfg: Config) -> bool:
 
 
 def make_request(cfg: Config, *, devices: Optional[int] = None, topology: Optional[TopologyConfig] = None,
-                 runtime_bytes: Optional[float] = None) -> Request:
+                 runtime_bytes=None) -> Request:
     topo = topology or cfg.topology
     p = cfg.pipeline
     if p.schedule not in SCHEDULES:
@@ -68,7 +68,7 @@ def make_request(cfg: Config, *, devices: Optional[int] = None, topology: Option
     profile = uses_profile(cfg)
     return Request(
         global_batch_size=B, topology=topo, devices=devices or num_devices(topo),
-        memory_per_device_bytes=topo.memory_per_device_gib * GIB, runtime_bytes=float(runtime_bytes),
+        memory_per_device_bytes=topo.memory_per_device_gib * GIB, runtime_bytes=runtime_bytes,
         schedule=p.schedule, objective=cfg.partition.objective, depths=cfg.partition.depths,
         microbatch_sizes=cfg.partition.microbatch_sizes, recompute=cfg.partition.recompute,
         swap=cfg.partition.swap, swap_resident=cfg.partition.swap_resident,

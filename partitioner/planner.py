@@ -132,15 +132,20 @@ def stage_table(plan: Plan) -> str:
 
 
 def stage_contexts(topo: TopologyConfig, rank_map, *, schedule: str, num_microbatches: int, recompute: bool,
-                   swap: bool, swap_resident: int, runtime_bytes: float) -> List[StageContext]:
+                   swap: bool, swap_resident: int, runtime_bytes) -> List[StageContext]:
+    """Per-stage contexts; ``runtime_bytes`` is one figure for all stages or a list, one per stage."""
     d, w = len(rank_map), len(rank_map[0])
+    if isinstance(runtime_bytes, (int, float)):
+        runtime_bytes = [runtime_bytes] * d
+    elif len(runtime_bytes) != d:
+        raise ConfigError(f"runtime bytes per stage ({len(runtime_bytes)} figures) must be one figure or one per stage ({d})")
     nxt, rep = p2p_links(topo, rank_map), replica_links(topo, rank_map)
     return [
         StageContext(
             stage_index=s, num_stages=d, num_microbatches=num_microbatches, data_parallel=w, schedule=schedule,
             recompute=recompute, swap=swap, swap_resident=swap_resident,
             link_next=nxt[s] if s < d - 1 else LOCAL, link_prev=nxt[s - 1] if s > 0 else LOCAL,
-            replica_link=rep[s], host_device_bw=host_device_bandwidth(topo), runtime_bytes=runtime_bytes,
+            replica_link=rep[s], host_device_bw=host_device_bandwidth(topo), runtime_bytes=float(runtime_bytes[s]),
         )
         for s in range(d)
     ]
@@ -229,7 +234,7 @@ class Request:
     topology: TopologyConfig
     devices: int
     memory_per_device_bytes: float
-    runtime_bytes: float
+    runtime_bytes: object  # float: eps for every stage; or a list, one per stage (measured per stage)
     schedule: str = "2bw"
     objective: str = "throughput"
     depths: Optional[Sequence[int]] = None
@@ -349,8 +354,9 @@ def _rank_key(objective: str, p: Plan) -> tuple:
 def _min_memory(seg: Segments, req: Request, d: int, w: int, b: int, m: int, *, devices_topo: TopologyConfig) -> float:
     """Lowest possible peak memory per device at (d, w, b), recomputing and swapping."""
     rank_map = make_rank_map(devices_topo, d, w)
+    eps = req.runtime_bytes if isinstance(req.runtime_bytes, (int, float)) else max(req.runtime_bytes)
     ctxs = stage_contexts(devices_topo, rank_map, schedule=req.schedule, num_microbatches=m, recompute=True,
-                          swap=False, swap_resident=req.swap_resident, runtime_bytes=req.runtime_bytes)
+                          swap=False, swap_resident=req.swap_resident, runtime_bytes=eps)
     res = partition(seg, ctxs, capacity=math.inf, objective="memory", allow_swap=req.swap)
     return math.inf if res is None else res[0]
 

@@ -217,6 +217,29 @@ def analytic_gpt(cfg: GPTConfig, optim: OptimConfig, b: int, topo: TopologyConfi
     return layers
 
 
-def runtime_baseline_bytes() -> int:
-    """Peak resident memory of this process so far: on CPU, what the torch runtime takes before a model."""
+def warm_up_runtime() -> None:
+    """One forward, backward and optimizer step of a tiny GPT (kilobytes of tensors).
+
+    The first ones page in the kernels' code and start the autograd engine and the CPU
+    libraries' pools: on this machine about 90 MiB of resident memory that any model pays
+    once, whatever its size. The runtime baseline is measured after it.
+    """
+    cfg = GPTConfig(num_layers=1, d_model=8, num_heads=2, seq_len=8)
+    model = torch.nn.Sequential(*build_gpt_layers(cfg, seed=0))
+    opt = build_optimizer(model.parameters(), OptimConfig())
+    x = torch.randint(0, 256, (1, cfg.seq_len))
+    lm_loss(model(x), x).backward()
+    opt.step()
+
+
+def runtime_baseline_bytes(*, warm: bool = True) -> int:
+    """Peak resident memory of this process so far (after ``warm_up_runtime``): on CPU, what the
+    torch runtime holds before any real model. Call it before profiling, which allocates more."""
+    if warm:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            warm_up_runtime()
+        finally:
+            torch.set_num_threads(threads)
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
