@@ -116,7 +116,8 @@ def apply_plan(cfg: Config, p: Plan, *, world_size: int) -> Config:
     out = dataclasses.replace(cfg, pipeline=pipeline)
     swap = getattr(cfg, "swap", None)
     if swap is not None:
-        out = dataclasses.replace(out, swap=dataclasses.replace(swap, stages=list(p.swap_stages), enabled=False))
+        out = dataclasses.replace(out, swap=dataclasses.replace(
+            swap, enabled=False, stages=list(p.swap_stages), resident=p.swap_resident))
     elif p.swap_stages:
         raise ConfigError(
             f"the plan swaps activations on stages {p.swap_stages} but this runtime has no swapping; "

@@ -58,6 +58,7 @@ class Plan:
     predicted_peak_memory_bytes: List[int]
     predicted_memory_breakdown: List[Dict[str, int]] = field(default_factory=list)
     model: Dict[str, object] = field(default_factory=dict)
+    swap_resident: int = 1  # microbatches whose activations stay on device on a swapping stage
 
     @property
     def boundaries(self) -> List[int]:
@@ -152,30 +153,43 @@ def stage_contexts(topo: TopologyConfig, rank_map, *, schedule: str, num_microba
 
 
 def partition(seg: Segments, contexts: Sequence[StageContext], *, capacity: float, objective: str = "throughput",
-              allow_swap: bool = True) -> Optional[Tuple[float, List[int], List[bool]]]:
+              allow_swap: bool = True, time_limit: float = math.inf, swap_only_if_needed: Optional[bool] = None,
+              ) -> Optional[Tuple[float, List[int], List[bool]]]:
     """Exact min-max stage boundaries for the stages described by ``contexts``.
+
+    Args:
+        objective: 'throughput' minimizes the slowest stage's time per batch, 'memory' the largest
+            stage's peak memory.
+        time_limit: with 'memory', every stage must also take at most this long per batch (the
+            planner's second pass: the least memory among splits as fast as the fastest).
+        swap_only_if_needed: a stage swaps only when it does not fit otherwise (default: for
+            'throughput'); else whenever swapping lowers its memory.
 
     Returns:
         (bottleneck value, first layer of each stage, swap flag of each stage), or None when
-        no split fits in ``capacity`` bytes per device.
+        no split fits in ``capacity`` bytes per device (and ``time_limit``).
     """
     n, d = seg.n, len(contexts)
     if d > n:
         return None
+    if swap_only_if_needed is None:
+        swap_only_if_needed = objective == "throughput"
     idx = np.arange(n + 1)
     I, J = np.meshgrid(idx, idx, indexing="ij")
     invalid = I >= J
     key = "batch_s" if objective == "throughput" else "memory"
+    limit = time_limit * (1 + 1e-9) if objective == "memory" else math.inf
     dp = None
     choices, swaps = [], []
     for s, ctx in enumerate(contexts):
         plain = segment_costs(seg, I, J, ctx)
-        fits = plain["memory"] <= capacity
-        value = np.where(fits, plain[key], np.inf)
-        swapped = np.zeros_like(fits)
+        ok = (plain["memory"] <= capacity) & (plain["batch_s"] <= limit)
+        value = np.where(ok, plain[key], np.inf)
+        swapped = np.zeros_like(ok)
         if allow_swap and ctx.num_microbatches > 1:
             sw = segment_costs(seg, I, J, dataclasses.replace(ctx, swap=True))
-            better = (sw["memory"] <= capacity) & (~fits if objective == "throughput" else sw["memory"] < np.where(fits, plain["memory"], np.inf))
+            sw_ok = (sw["memory"] <= capacity) & (sw["batch_s"] <= limit)
+            better = sw_ok & (~ok if swap_only_if_needed else sw[key] < value)
             value = np.where(better, sw[key], value)
             swapped = better
         value = np.where(invalid, np.inf, value)
@@ -297,7 +311,7 @@ def _make_plan(req: Request, seg: Segments, layer_costs, d, w, b, m, rc, starts,
         predicted_stage_time_s=[float(st["microbatch_s"]) for st in stages],
         predicted_peak_memory_bytes=[int(p) for p in peaks],
         predicted_memory_breakdown=[{k: int(st[k]) for k in MEMORY_PARTS} for st in stages],
-        model=dict(req.model),
+        model=dict(req.model), swap_resident=req.swap_resident,
     )
 
 
@@ -337,8 +351,14 @@ def plan(cost_fn: CostFn, req: Request, *, runners_up: int = 4) -> List[Plan]:
         raise ConfigError(_infeasible_message(cost_fn, segments, req, tried, num_layers))
     found.sort(key=lambda t: t[0])
     finalists = []
-    for _, _, args in found[: runners_up + 3]:
+    for _, p, args in found[: runners_up + 3]:
         seg, layers, d, w, b, m, rc, starts, flags, rank_map, ctxs = args
+        if req.objective == "throughput":  # as fast, with the least memory: a min-max split leaves slack elsewhere
+            fastest = max(float(segment_costs(seg, starts[s], ([*starts, seg.n])[s + 1], dataclasses.replace(ctxs[s], swap=flags[s]))["batch_s"]) for s in range(d))
+            lean = partition(seg, ctxs, capacity=req.memory_per_device_bytes, objective="memory", allow_swap=req.swap,
+                             time_limit=fastest, swap_only_if_needed=True)
+            if lean is not None:
+                starts, flags = lean[1], lean[2]
         finalists.append(_make_plan(req, seg, layers, d, w, b, m, rc, starts, flags, rank_map, ctxs, simulate_it=True))
     finalists.sort(key=lambda p: _rank_key(req.objective, p))
     return finalists[: runners_up + 1]

@@ -188,3 +188,20 @@ def test_profile_measures_saved_bytes_and_caches(tmp_path, monkeypatch):
     # Cached: a second call measures nothing.
     monkeypatch.setattr(profile_mod, "profile_layer", lambda *a, **k: pytest.fail("measured again"))
     assert profile_gpt(cfg, OptimConfig(name="adamw"), 2, cache_dir=tmp_path, repeats=3) == layers
+
+
+def test_apply_plan_sets_the_pipeline_and_checks_the_launch():
+    from partitioner.auto import apply_plan
+    from pipedream2bw.config import Config
+
+    cfg = Config(model=GPTConfig(num_layers=5))
+    req = Request(global_batch_size=64, topology=DGX, devices=8, memory_per_device_bytes=80 * GIB, runtime_bytes=2 * GIB)
+    best = plan(lambda b: analytic_gpt(cfg.model, OptimConfig(), b, DGX), dataclasses.replace(req, depths=[4]))[0]
+    out = apply_plan(cfg, best, world_size=8)
+    p = out.pipeline
+    assert (p.num_stages, p.data_parallel, p.microbatch_size, p.num_microbatches) == (4, 2, best.microbatch_size, best.num_microbatches)
+    assert p.balance == best.balance and p.rank_map == best.rank_map and p.recompute == best.recompute
+    with pytest.raises(ConfigError, match="launch 8 ranks"):
+        apply_plan(cfg, best, world_size=4)
+    with pytest.raises(ConfigError, match="no swapping"):
+        apply_plan(cfg, dataclasses.replace(best, swap_stages=[0]), world_size=8)
