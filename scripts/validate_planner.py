@@ -106,6 +106,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--warmup-steps", type=int, default=2)
     parser.add_argument("--json", default="validate_planner.json")
+    parser.add_argument("--cache-dir", help="reuse this profile cache (default: profile afresh in this run)")
     parser.add_argument("--fixed-mmap-threshold", action="store_true", help="MALLOC_MMAP_THRESHOLD_=131072 for every launch")
     parser.add_argument("--link-rank", help=argparse.SUPPRESS)
     parser.add_argument("overrides", nargs="*", help="Hydra overrides for the model/optimizer, e.g. model.d_model=64")
@@ -132,6 +133,7 @@ def main() -> None:
         cfg = compose([*args.overrides, f"train.global_batch_size={args.global_batch}"])
         cfg.partition.depths, cfg.partition.microbatch_sizes = [d], [b]
         cfg.partition.recompute, cfg.partition.swap = False, False
+        cfg.partition.cache_dir = args.cache_dir or str(work / "profile-cache")  # profiled now, under today's load
         cfg.topology.intra_node_bw_gbps = link["bandwidth"] / 1e9
         cfg.topology.intra_node_latency_us = link["latency"] * 1e6
         topo = runtime_topology(cfg.topology, world_size=d, local_world_size=d)
