@@ -408,7 +408,8 @@ def _infeasible_message(cost_fn: CostFn, segments, req: Request, tried: int, num
     fix += (f", or a pipeline of at least {fewest} stages of {cap:.3g} GiB (at least {fewest} devices, "
             f"a multiple of the depth)" if fewest
             else f"; even a {num_layers}-stage pipeline does not fit in {cap:.3g} GiB")
-    return f"{what}: it {fix}; raise topology.memory_per_device_gib or the device count, or lower the batch"
+    return (f"{what}: it {fix}; raise topology.memory_per_device_gib (topology.host_memory_gib for ranks sharing a CPU host) "
+            f"or the device count, or lower the batch")
 
 
 # ---------------------------------------------------------------- plan files
