@@ -205,3 +205,21 @@ def test_apply_plan_sets_the_pipeline_and_checks_the_launch():
         apply_plan(cfg, best, world_size=4)
     with pytest.raises(ConfigError, match="no swapping"):
         apply_plan(cfg, dataclasses.replace(best, swap_stages=[0]), world_size=8)
+
+
+def test_second_pass_keeps_the_bottleneck_time_and_lowers_memory():
+    rng = random.Random(7)
+    for trial in range(30):
+        n, d = rng.randint(3, 9), rng.randint(2, 4)
+        if d > n:
+            continue
+        seg, ctxs = Segments(random_layers(rng, n)), contexts(d, rng.randint(d, 6))
+        fastest, starts, _ = partition(seg, ctxs, capacity=math.inf)
+        _, lean_starts, _ = partition(seg, ctxs, capacity=math.inf, objective="memory", time_limit=fastest)
+
+        def worst(key, st):
+            b = [*st, n]
+            return max(float(segment_costs(seg, b[s], b[s + 1], ctxs[s])[key]) for s in range(d))
+
+        assert worst("batch_s", lean_starts) == pytest.approx(fastest)
+        assert worst("memory", lean_starts) <= worst("memory", starts) + 1e-9
