@@ -32,8 +32,20 @@ def local_device_kind() -> str:
 def runtime_topology(topo: TopologyConfig, *, world_size: int, local_world_size: int) -> TopologyConfig:
     """The topology a launched run has: ``world_size`` ranks, ``local_world_size`` per node.
 
-    On 'cpu' the ranks are processes of one host sharing its memory and cores.
+    On 'cpu' the ranks are processes of one host sharing its memory and cores; on 'cuda' a
+    device's memory is at most what this machine's GPU has.
+
+    Raises:
+        ConfigError: the topology describes another kind of device than this machine's.
     """
+    if topo.device != local_device_kind():
+        raise ConfigError(
+            f"partition=auto plans for the machine it runs on, but topology.device ({topo.device!r}) is not this "
+            f"machine's ({local_device_kind()!r}); pick a matching topology (e.g. topology=dgx on GPUs, topology=cpu here)"
+        )
+    if topo.device == "cuda":
+        total = torch.cuda.get_device_properties(0).total_memory / GIB
+        topo = dataclasses.replace(topo, memory_per_device_gib=min(topo.memory_per_device_gib, total))
     if topo.device == "cpu":
         return dataclasses.replace(topo, nodes=1, devices_per_node=world_size,
                                    memory_per_device_gib=topo.host_memory_gib / world_size)
