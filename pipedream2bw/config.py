@@ -122,13 +122,13 @@ class TopologyConfig:
     """Memory one device may use (GiB); on 'cpu', the host memory split among the ranks."""
     cores: Optional[int] = 2
     """CPU cores shared by all ranks ('cpu' only): more busy ranks than cores share them; null on GPUs."""
-    intra_node_bw_gbps: float = 2.0
+    intra_node_bw_gbps: float = 1.5
     """Bandwidth of a link within a node (GB/s): NVLink on a GPU node, loopback TCP on this machine."""
-    intra_node_latency_us: float = 50.0
+    intra_node_latency_us: float = 150.0
     """Latency of one message within a node (microseconds)."""
-    inter_node_bw_gbps: float = 2.0
+    inter_node_bw_gbps: float = 1.5
     """Bandwidth between nodes per device (GB/s), e.g. InfiniBand."""
-    inter_node_latency_us: float = 50.0
+    inter_node_latency_us: float = 150.0
     """Latency of one message between nodes (microseconds)."""
     host_memory_gib: float = 24.0
     """Host memory per node (GiB): where swapped activations go."""
