@@ -36,6 +36,8 @@ class PipelineConfig:
     """rank_map[stage][replica] = rank; null keeps a stage's replicas on one node when they fit."""
     bucket_mb: float = 25.0
     """Gradient all-reduce bucket size in MiB; a bucket is reduced as soon as backward produced it."""
+    recompute: bool = False
+    """Activation recomputation: keep only each layer's input for backward and re-run its forward there."""
 
 
 @dataclass
@@ -113,6 +115,71 @@ class WandbConfig:
 
 
 @dataclass
+class TopologyConfig:
+    """A machine description for the planner (``partitioner/``); the runtime itself ignores it."""
+
+    name: str = "cpu"
+    """Preset name, for tables and plan files."""
+    device: str = "cpu"
+    """'cpu' (ranks are processes sharing the host) or 'cuda' (one GPU per rank)."""
+    nodes: int = 1
+    """Nodes in the machine."""
+    devices_per_node: int = 2
+    """Devices (ranks) per node."""
+    memory_per_device_gib: float = 12.0
+    """Memory one device may use (GiB); on 'cpu', the host memory split among the ranks."""
+    cores: Optional[int] = 2
+    """CPU cores shared by all ranks ('cpu' only): more busy ranks than cores share them; null on GPUs."""
+    intra_node_bw_gbps: float = 1.5
+    """Bandwidth of a link within a node (GB/s): NVLink on a GPU node, loopback TCP on this machine."""
+    intra_node_latency_us: float = 150.0
+    """Latency of one message within a node (microseconds)."""
+    inter_node_bw_gbps: float = 1.5
+    """Bandwidth between nodes per device (GB/s), e.g. InfiniBand."""
+    inter_node_latency_us: float = 150.0
+    """Latency of one message between nodes (microseconds)."""
+    host_memory_gib: float = 24.0
+    """Host memory per node (GiB): where swapped activations go."""
+    host_device_bw_gbps: float = 10.0
+    """Host-device copy bandwidth (GB/s, PCIe on GPUs) for swapping."""
+    peak_tflops: float = 0.05
+    """Achievable dense compute per device (TFLOP/s) for analytic (unprofiled) layer costs."""
+    memory_bw_gbps: float = 10.0
+    """Device memory bandwidth (GB/s) for analytic costs of memory-bound layers and optimizer steps."""
+    runtime_overhead_gib: Optional[float] = None
+    """Memory the runtime takes before any model (CUDA context, NCCL, the torch process on CPU), GiB;
+    null: measured (on CPU, this process's peak RSS before the model is built)."""
+
+
+@dataclass
+class PartitionConfig:
+    mode: str = "manual"
+    """'manual' (pipeline.* as given), 'auto' (rank 0 profiles and plans at startup) or 'file' (run partition.path)."""
+    path: Optional[str] = None
+    """Plan file to run ('file'), or where 'auto' and the CLI write theirs (null: plan.yaml in the run dir / cwd)."""
+    objective: str = "throughput"
+    """'throughput' (fastest plan that fits) or 'memory' (lowest peak memory per device)."""
+    costs: str = "auto"
+    """Layer costs: 'profile' (measure here), 'analytic' (FLOP-based), 'auto' (profile if topology.device is this machine's)."""
+    microbatch_sizes: Optional[List[int]] = None
+    """Candidate microbatch sizes b; null: every divisor of the per-replica batch up to 64."""
+    depths: Optional[List[int]] = None
+    """Candidate pipeline depths d; null: every divisor of the device count up to the layer count."""
+    recompute: Optional[bool] = None
+    """Force recomputation on or off; null lets the planner choose."""
+    swap: bool = True
+    """Let the planner swap activations to host memory on stages that would not fit otherwise."""
+    swap_resident: int = 1
+    """Microbatches whose activations stay on device on a swapping stage (swap.resident)."""
+    cache_dir: Optional[str] = None
+    """Profile cache directory; null: ~/.cache/pipedream2bw."""
+    repeats: int = 5
+    """Timed repeats per layer when profiling (median), after warm-up."""
+    analytic_dtype_bytes: int = 4
+    """Bytes per weight and activation for analytic costs: 4 (fp32, as this runtime trains), 2 (fp16/bf16 mixed precision)."""
+
+
+@dataclass
 class Config:
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     model: GPTConfig = field(default_factory=GPTConfig)
@@ -121,6 +188,8 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     dist: DistConfig = field(default_factory=DistConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
+    topology: TopologyConfig = field(default_factory=TopologyConfig)
+    partition: PartitionConfig = field(default_factory=PartitionConfig)
     seed: int = 0
     """Seeds weight initialisation (per layer) and the batch order."""
 
@@ -132,6 +201,8 @@ def register_configs() -> None:
     cs = ConfigStore.instance()
     cs.store(name="base_config", node=Config)
     cs.store(group="model", name="base_gpt", node=GPTConfig)
+    cs.store(group="topology", name="base_topology", node=TopologyConfig)
+    cs.store(group="partition", name="base_partition", node=PartitionConfig)
 
 
 def optimizer_class(name: str) -> type:

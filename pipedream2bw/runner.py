@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -11,6 +12,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 
 from pipedream2bw import checkpoint, comm
@@ -46,6 +48,16 @@ def set_log_prefix(prefix: str) -> None:
     _log_prefix = prefix + " "
 
 
+class RecomputeSequential(nn.Sequential):
+    """``nn.Sequential`` that keeps only each layer's input for backward and re-runs the layer there
+    (``pipeline.recompute``); parameter names are those of ``nn.Sequential``."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self:
+            x = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False)
+        return x
+
+
 def build_stage_module(cfg: Config, balance: Sequence[int], stage_index: int, layers: Optional[Sequence[nn.Module]]) -> nn.Sequential:
     """This stage's contiguous slice of the layer list, keyed by global layer index.
 
@@ -55,7 +67,8 @@ def build_stage_module(cfg: Config, balance: Sequence[int], stage_index: int, la
     start = sum(balance[:stage_index])
     indices = range(start, start + balance[stage_index])
     own = [layers[i] for i in indices] if layers is not None else build_gpt_layers(cfg.model, seed=cfg.seed, indices=indices)
-    return nn.Sequential(OrderedDict((str(i), layer) for i, layer in zip(indices, own)))
+    cls = RecomputeSequential if cfg.pipeline.recompute else nn.Sequential
+    return cls(OrderedDict((str(i), layer) for i, layer in zip(indices, own)))
 
 
 def run(
@@ -84,6 +97,11 @@ def run(
     rank, world_size, local_rank = comm.env_rank()
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     set_log_prefix(f"[rank {rank}]")
+    plan = None
+    if cfg.partition.mode != "manual":
+        if store is None:
+            store = comm.make_store(rank=rank, world_size=world_size, timeout_s=cfg.dist.timeout_s)
+        cfg, plan = _resolve_partition(cfg, store, rank=rank, world_size=world_size, local_world_size=local_world_size, run_dir=Path(run_dir))
     balance = validate(cfg, world_size=world_size, num_layers=None if layers is None else len(layers), local_world_size=local_world_size)
     layout = make_layout(cfg.pipeline.num_stages, cfg.pipeline.data_parallel, ranks_per_node=local_world_size, rank_map=cfg.pipeline.rank_map)
     set_log_prefix(f"[stage {layout.position(rank)[0]}/rank {rank}]")
@@ -94,7 +112,11 @@ def run(
     resume = _choose_checkpoint(cfg, run_dir, store, rank, world_size, layers)
     ctx = comm.init(store=store, rank=rank, world_size=world_size, local_rank=local_rank, backend=cfg.dist.backend, timeout_s=cfg.dist.timeout_s)
     try:
-        summary = _train(cfg, run_dir, ctx, layout, balance, layers, loss_fn, resume)
+        predictions = {} if plan is None else {
+            "predicted_samples_per_s": plan.predicted_samples_per_s,
+            "predicted_peak_memory_bytes": list(plan.predicted_peak_memory_bytes),
+        }
+        summary = _train(cfg, run_dir, ctx, layout, balance, layers, loss_fn, resume, predictions)
     except BaseException as e:
         first = ctx.monitor.report(layout.position(rank)[0], e)
         failed_here = first.startswith(f"rank {rank} ")
@@ -165,7 +187,50 @@ def _choose_checkpoint(cfg: Config, run_dir: Path, store: Any, rank: int, world_
     return path, manifest
 
 
-def _train(cfg: Config, run_dir: Path, ctx: comm.DistContext, layout: Layout, balance, layers, loss_fn, resume) -> Optional[Dict[str, Any]]:
+def _resolve_partition(cfg: Config, store: Any, *, rank: int, world_size: int, local_world_size: int, run_dir: Path):
+    """``partition=auto|file``: rank 0 plans (or reads the plan file) and shares the plan's text
+    through the rendezvous store, before any process group starts; every rank applies it.
+
+    Returns:
+        (cfg with the plan's pipeline settings, the plan).
+
+    Raises:
+        ConfigError: on every rank, when rank 0 could not plan (e.g. nothing fits).
+    """
+    from partitioner.auto import PARTITION_MODES, apply_plan, plan_config, runtime_topology
+    from partitioner.planner import load_plan, plan_from_text, plan_to_text, save_plan
+
+    mode = cfg.partition.mode
+    if mode not in PARTITION_MODES:
+        raise ConfigError(f"partition.mode ({mode!r}) is unknown; use one of {list(PARTITION_MODES)}")
+    key, text = f"pd2bw_plan/{run_dir.resolve()}", None
+    if rank == 0:
+        try:
+            if mode == "file":
+                if not cfg.partition.path:
+                    raise ConfigError("partition=file needs partition.path=<plan file>")
+                text = plan_to_text(load_plan(cfg.partition.path))
+            else:
+                topo = runtime_topology(cfg.topology, world_size=world_size, local_world_size=local_world_size)
+                if not hasattr(cfg, "swap"):  # this runtime cannot swap: plan without it
+                    cfg = dataclasses.replace(cfg, partition=dataclasses.replace(cfg.partition, swap=False))
+                best = plan_config(cfg, devices=world_size, topology=topo)[0]
+                run_dir.mkdir(parents=True, exist_ok=True)
+                save_plan(best, cfg.partition.path or run_dir / "plan.yaml")
+                text = plan_to_text(best)
+        except ConfigError as e:
+            text = "ERROR " + str(e)
+    text = comm.share_from_rank0(store, key, text if rank == 0 else None, world_size=world_size)
+    if text.startswith("ERROR "):
+        raise ConfigError(text[len("ERROR "):])
+    plan = plan_from_text(text)
+    log.info("partition=%s: %d stages x %d replicas, b=%d, m=%d, balance %s, recompute %s; predicted %.1f samples/s",
+             mode, plan.num_stages, plan.data_parallel, plan.microbatch_size, plan.num_microbatches, plan.balance,
+             plan.recompute, plan.predicted_samples_per_s)
+    return apply_plan(cfg, plan, world_size=world_size), plan
+
+
+def _train(cfg: Config, run_dir: Path, ctx: comm.DistContext, layout: Layout, balance, layers, loss_fn, resume, predictions) -> Optional[Dict[str, Any]]:
     p = cfg.pipeline
     d, w, m, b = p.num_stages, p.data_parallel, p.num_microbatches, p.microbatch_size
     global_batch = w * m * b
@@ -256,6 +321,7 @@ def _train(cfg: Config, run_dir: Path, ctx: comm.DistContext, layout: Layout, ba
         "num_steps": cfg.train.num_steps, "seq_len": cfg.model.seq_len, "backend": ctx.backend, "device": ctx.device.type,
         "memory_kind": "cuda_max_allocated" if ctx.device.type == "cuda" else "process_peak_rss",
         "resumed_from": None if resume is None else str(resume[0]), "first_step": first_batch,
+        "recompute": p.recompute, **predictions,
     }
     # Throughput counts the steps this run took; a resumed run may have fewer than the warm-up.
     warmup = min(cfg.train.warmup_steps, cfg.train.num_steps - first_batch - 1)

@@ -1,0 +1,138 @@
+"""Pure glue between a run's Config and the planner: build the request, plan, apply a plan.
+
+Used by the CLI (``python -m partitioner plan``) and by the runtime's ``partition=auto`` /
+``partition=file`` (which shares the plan's text among ranks itself; nothing here talks to
+other processes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from typing import List, Optional
+
+import torch
+
+from partitioner.planner import Plan, Request, plan
+from partitioner.profile import analytic_gpt, profile_gpt, runtime_baseline_bytes
+from partitioner.topology import GIB, num_devices
+from pipedream2bw.config import SCHEDULES, Config, ConfigError, TopologyConfig, model_num_layers
+
+log = logging.getLogger(__name__)
+
+PARTITION_MODES = ("manual", "auto", "file")
+COST_SOURCES = ("auto", "profile", "analytic")
+
+
+def local_device_kind() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def runtime_topology(topo: TopologyConfig, *, world_size: int, local_world_size: int) -> TopologyConfig:
+    """The topology a launched run has: ``world_size`` ranks, ``local_world_size`` per node.
+
+    On 'cpu' the ranks are processes of one host sharing its memory and cores; on 'cuda' a
+    device's memory is at most what this machine's GPU has.
+
+    Raises:
+        ConfigError: the topology describes another kind of device than this machine's.
+    """
+    if topo.device != local_device_kind():
+        raise ConfigError(
+            f"partition=auto plans for the machine it runs on, but topology.device ({topo.device!r}) is not this "
+            f"machine's ({local_device_kind()!r}); pick a matching topology (e.g. topology=dgx on GPUs, topology=cpu here)"
+        )
+    if topo.device == "cuda":
+        total = torch.cuda.get_device_properties(0).total_memory / GIB
+        topo = dataclasses.replace(topo, memory_per_device_gib=min(topo.memory_per_device_gib, total))
+    if topo.device == "cpu":
+        return dataclasses.replace(topo, nodes=1, devices_per_node=world_size,
+                                   memory_per_device_gib=topo.host_memory_gib / world_size)
+    per_node = max(1, local_world_size)
+    return dataclasses.replace(topo, nodes=math.ceil(world_size / per_node), devices_per_node=per_node)
+
+
+def uses_profile(cfg: Config) -> bool:
+    """Whether layer costs are measured here ('profile') or computed ('analytic')."""
+    costs = cfg.partition.costs
+    if costs not in COST_SOURCES:
+        raise ConfigError(f"partition.costs ({costs!r}) is unknown; use one of {list(COST_SOURCES)}")
+    if costs == "auto":
+        return cfg.topology.device == local_device_kind()
+    if costs == "profile" and cfg.topology.device != local_device_kind():
+        raise ConfigError(
+            f"partition.costs=profile measures this machine's {local_device_kind()}, but topology.device is "
+            f"{cfg.topology.device!r}; use partition.costs=analytic or a topology of this machine"
+        )
+    return costs == "profile"
+
+
+def make_request(cfg: Config, *, devices: Optional[int] = None, topology: Optional[TopologyConfig] = None,
+                 runtime_bytes=None) -> Request:
+    topo = topology or cfg.topology
+    p = cfg.pipeline
+    if p.schedule not in SCHEDULES:
+        raise ConfigError(f"pipeline.schedule ({p.schedule!r}) is unknown; use one of {list(SCHEDULES)}")
+    B = cfg.train.global_batch_size or p.data_parallel * p.num_microbatches * p.microbatch_size
+    if runtime_bytes is None:
+        runtime_bytes = topo.runtime_overhead_gib * GIB if topo.runtime_overhead_gib is not None else runtime_baseline_bytes()
+    profile = uses_profile(cfg)
+    return Request(
+        global_batch_size=B, topology=topo, devices=devices or num_devices(topo),
+        memory_per_device_bytes=topo.memory_per_device_gib * GIB, runtime_bytes=runtime_bytes,
+        schedule=p.schedule, objective=cfg.partition.objective, depths=cfg.partition.depths,
+        microbatch_sizes=cfg.partition.microbatch_sizes, recompute=cfg.partition.recompute,
+        swap=cfg.partition.swap, swap_resident=cfg.partition.swap_resident,
+        costs="profile" if profile else "analytic", model=dataclasses.asdict(cfg.model),
+    )
+
+
+def plan_config(cfg: Config, *, runners_up: int = 4, **request_kwargs) -> List[Plan]:
+    """Plans ``cfg.model`` for ``cfg.topology`` (or the given devices/topology): best plan first.
+
+    Raises:
+        ConfigError: nothing fits (the message names the memory or devices that would).
+    """
+    req = make_request(cfg, **request_kwargs)
+    if req.costs == "profile":
+        def cost_fn(b):
+            return profile_gpt(cfg.model, cfg.optim, b, repeats=cfg.partition.repeats, cache_dir=cfg.partition.cache_dir, seed=cfg.seed)
+    else:
+        def cost_fn(b):
+            return analytic_gpt(cfg.model, cfg.optim, b, req.topology, dtype_bytes=cfg.partition.analytic_dtype_bytes)
+    return plan(cost_fn, req, runners_up=runners_up)
+
+
+def apply_plan(cfg: Config, p: Plan, *, world_size: int) -> Config:
+    """``cfg`` with the plan's pipeline settings (and ``swap.stages`` where the runtime has swapping).
+
+    Raises:
+        ConfigError: the plan needs another number of ranks, or another model.
+    """
+    if p.num_stages * p.data_parallel != world_size:
+        raise ConfigError(
+            f"the plan runs {p.num_stages} stages x {p.data_parallel} replicas = {p.num_stages * p.data_parallel} ranks "
+            f"but {world_size} were launched; launch {p.num_stages * p.data_parallel} ranks or plan again for {world_size}"
+        )
+    if sum(p.balance) != model_num_layers(cfg.model):
+        raise ConfigError(
+            f"the plan's balance {p.balance} covers {sum(p.balance)} layers but the model has {model_num_layers(cfg.model)}; "
+            f"plan again for this model"
+        )
+    pipeline = dataclasses.replace(
+        cfg.pipeline, schedule=p.schedule, num_stages=p.num_stages, data_parallel=p.data_parallel,
+        microbatch_size=p.microbatch_size, num_microbatches=p.num_microbatches, balance=list(p.balance),
+        rank_map=[list(r) for r in p.rank_map], recompute=p.recompute,
+    )
+    out = dataclasses.replace(cfg, pipeline=pipeline)
+    swap = getattr(cfg, "swap", None)
+    if swap is not None:
+        out = dataclasses.replace(out, swap=dataclasses.replace(
+            swap, enabled=False, stages=list(p.swap_stages), resident=p.swap_resident))
+    elif p.swap_stages:
+        raise ConfigError(
+            f"the plan swaps activations on stages {p.swap_stages} but this runtime has no swapping; "
+            f"plan with partition.swap=false"
+        )
+    return out

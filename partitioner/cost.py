@@ -1,0 +1,272 @@
+"""Pure: the cost model (DESIGN.md sections 3-4) and a simulator of the schedules' action lists.
+
+A model is an ordered list of ``LayerCost`` (one microbatch size ``b``); a stage is a contiguous
+segment ``[start, stop)`` of it. ``segment_costs`` evaluates the memory and time formulas for
+one stage; its arguments may be numpy index arrays, so the planner's dynamic program evaluates
+every segment at once with the very same formulas that the final plan reports.
+
+Memory of stage s (bytes), ``n`` microbatches in flight (``in_flight``)::
+
+    versions*W + W (gradient) + O (optimizer state)
+    + activations      n*A                      A: what autograd saves for one microbatch
+                                                   (+ the stashed output the runtime keeps)
+                       n*I' + A  (recompute)    I': stage input + stashed output
+                       min(n, K)*(A or I') ...  (swapping, K = swap.resident)
+    + buffers          p2p receive/send buffers and their gradients; w>1: flat all-reduce bucket
+    + workspace        the largest layer's saved bytes + output: gradients alive in its backward
+    + runtime          eps: memory the process has before any model (measured, not fitted)
+
+Time per microbatch: ``c*(F+B) + p2p + stall`` (``c*(F+B)`` is F + B + F with recomputation);
+per batch, ``K*T_s + step_s + exposed all-reduce`` with K = m (2bw) or m + d - 1 (flush/gpipe).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence
+
+import numpy as np
+
+from partitioner.topology import LOCAL, Link
+from pipedream2bw.schedule import BACKWARD, FORWARD, STEP, stage_actions
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """One layer at one microbatch size: seconds per microbatch, bytes."""
+
+    name: str
+    forward_s: float
+    backward_s: float
+    param_bytes: int
+    saved_bytes: int  # what autograd saves for backward, parameters excluded
+    input_bytes: int
+    output_bytes: int
+    optimizer_bytes: int = 0  # optimizer state for this layer's parameters
+    step_s: float = 0.0  # optimizer step over this layer's parameters, once per batch
+
+
+def in_flight(schedule: str, stage_index: int, num_stages: int, num_microbatches: int) -> int:
+    """Microbatches forwarded but not yet backwarded at most: min(d - s, m) under 1F1B, m under GPipe."""
+    if schedule == "gpipe":
+        return num_microbatches
+    return min(num_stages - stage_index, num_microbatches)
+
+
+def num_versions(schedule: str) -> int:
+    return 2 if schedule == "2bw" else 1
+
+
+def optimizer_state_factor(name: str, kwargs: Optional[Dict] = None) -> float:
+    """Optimizer state per parameter byte: adam/adamw 2 (two moments), sgd with momentum 1,
+    plain sgd 0, rmsprop 1 (+1 with momentum), adagrad 1; unknown optimizers 2 (conservative)."""
+    kwargs = dict(kwargs or {})
+    name = name.lower()
+    if name in ("adam", "adamw", "nadam", "radam", "adamax"):
+        return 2.0 + (1.0 if kwargs.get("amsgrad") else 0.0)
+    if name == "sgd":
+        return 1.0 if kwargs.get("momentum", 0) else 0.0
+    if name == "rmsprop":
+        return 1.0 + (1.0 if kwargs.get("momentum", 0) else 0.0) + (1.0 if kwargs.get("centered") else 0.0)
+    if name in ("adagrad", "adadelta"):
+        return 1.0 if name == "adagrad" else 2.0
+    return 2.0
+
+
+def batch_multiplier(schedule: str, num_stages: int, num_microbatches: int) -> int:
+    """Per-microbatch times per batch on the bottleneck: m without flushes, m + d - 1 with them."""
+    return num_microbatches if schedule == "2bw" else num_microbatches + num_stages - 1
+
+
+class Segments:
+    """Prefix sums over a layer list, so that any segment's totals are two lookups (arrays or ints)."""
+
+    def __init__(self, layers: Sequence[LayerCost]):
+        self.layers = list(layers)
+        self.n = n = len(layers)
+
+        def prefix(values):
+            return np.concatenate([[0.0], np.cumsum(np.asarray(values, dtype=np.float64))])
+
+        self.F = prefix([c.forward_s for c in layers])
+        self.B = prefix([c.backward_s for c in layers])
+        self.S = prefix([c.step_s for c in layers])
+        self.W = prefix([c.param_bytes for c in layers])
+        self.O = prefix([c.optimizer_bytes for c in layers])
+        self.A = prefix([c.saved_bytes for c in layers])
+        self.IN = np.asarray([c.input_bytes for c in layers] + [0], dtype=np.float64)
+        self.OUT = np.asarray([0] + [c.output_bytes for c in layers], dtype=np.float64)  # OUT[j]: output of layer j-1
+        # RMAX[i, j]: max over layers i..j-1 of (saved + output): the gradients alive in one layer's backward.
+        peak = np.asarray([c.saved_bytes + c.output_bytes for c in layers], dtype=np.float64)
+        rmax = np.zeros((n + 1, n + 1))
+        for i in range(n):
+            rmax[i, i + 1:] = np.maximum.accumulate(peak[i:])
+        self.RMAX = rmax
+
+
+def _xfer(link: Link, nbytes):
+    nbytes = np.asarray(nbytes, dtype=np.float64)
+    if link.bandwidth == math.inf:
+        return np.zeros_like(nbytes)
+    return np.where(nbytes > 0, link.latency + nbytes / link.bandwidth, 0.0)
+
+
+@dataclass(frozen=True)
+class StageContext:
+    """Everything about a stage's position that the formulas need besides its layers."""
+
+    stage_index: int
+    num_stages: int
+    num_microbatches: int
+    data_parallel: int
+    schedule: str = "2bw"
+    recompute: bool = False
+    swap: bool = False
+    swap_resident: int = 1
+    link_next: Link = LOCAL  # to stage s+1
+    link_prev: Link = LOCAL  # to stage s-1
+    replica_link: Link = LOCAL  # among the stage's replicas
+    host_device_bw: float = 10e9
+    runtime_bytes: float = 0.0
+
+
+def segment_costs(seg: Segments, i, j, ctx: StageContext) -> Dict[str, np.ndarray]:
+    """Memory (bytes) and time (s) of the stage holding layers ``[i, j)``; ``i``/``j`` may be arrays.
+
+    Keys: weights, gradients, optimizer, activations, buffers, workspace, runtime, memory (their
+    sum); forward_s, backward_s, send_s, send_grad_s, stall_s (per microbatch), microbatch_s
+    (their sum), step_s, allreduce_s (per batch), batch_s (the stage's time per batch); and
+    act_per_microbatch, act_extra (for the simulator's own in-flight count).
+    """
+    i, j = np.asarray(i), np.asarray(j)
+    s, d, m, w = ctx.stage_index, ctx.num_stages, ctx.num_microbatches, ctx.data_parallel
+    last = j == seg.n
+    out_b = np.where(last, 0.0, seg.OUT[j])
+    in_b = seg.IN[i]
+    W = seg.W[j] - seg.W[i]
+    F = seg.F[j] - seg.F[i]
+    A = seg.A[j] - seg.A[i] + out_b  # the runtime's stash keeps the output until its backward
+    n = in_flight(ctx.schedule, s, d, m)
+    if ctx.recompute:
+        per_mb, extra = in_b + out_b, A  # keep inputs; one microbatch's activations while it is recomputed
+    else:
+        per_mb, extra = A, np.zeros_like(A)
+    resident = min(n, ctx.swap_resident) if ctx.swap else n
+    fwd = F
+    bwd = seg.B[j] - seg.B[i] + (F if ctx.recompute else 0.0)
+    swapped = ctx.swap and n > ctx.swap_resident
+    stall = np.maximum(0.0, 2 * per_mb / ctx.host_device_bw - (fwd + bwd)) if swapped else np.zeros_like(F)
+    send = _xfer(ctx.link_next, out_b)
+    send_grad = _xfer(ctx.link_prev, np.where(s == 0, 0.0, in_b))
+    microbatch = fwd + bwd + send + send_grad + stall
+    if w > 1 and ctx.replica_link.bandwidth != math.inf:
+        allreduce = 2 * (w - 1) / w * W / ctx.replica_link.bandwidth + 2 * (w - 1) * ctx.replica_link.latency
+    else:
+        allreduce = np.zeros_like(W)
+    exposed = np.maximum(0.0, allreduce - bwd)  # it overlaps the batch's last backward
+    step = seg.S[j] - seg.S[i]
+    out = dict(
+        weights=num_versions(ctx.schedule) * W,
+        gradients=W,
+        optimizer=seg.O[j] - seg.O[i],
+        activations=resident * per_mb + extra,
+        buffers=2 * (in_b + out_b) + (W if w > 1 else 0.0),
+        workspace=seg.RMAX[i, j],
+        runtime=np.full(W.shape, float(ctx.runtime_bytes)),
+        forward_s=fwd, backward_s=bwd, send_s=send, send_grad_s=send_grad, stall_s=stall,
+        microbatch_s=microbatch, step_s=step, allreduce_s=allreduce,
+        batch_s=batch_multiplier(ctx.schedule, d, m) * microbatch + step + exposed,
+        act_per_microbatch=per_mb, act_extra=extra,
+    )
+    out["memory"] = sum(out[k] for k in ("weights", "gradients", "optimizer", "activations", "buffers", "workspace", "runtime"))
+    return out
+
+
+MEMORY_PARTS = ("weights", "gradients", "optimizer", "activations", "buffers", "workspace", "runtime")
+
+
+@dataclass(frozen=True)
+class StageCost:
+    """One stage of a plan: its layers, time and memory (scalars from ``segment_costs``)."""
+
+    start: int
+    stop: int
+    ctx: StageContext
+    values: Dict[str, float] = field(default_factory=dict)
+
+    @staticmethod
+    def of(seg: Segments, start: int, stop: int, ctx: StageContext) -> "StageCost":
+        return StageCost(start, stop, ctx, {k: float(v) for k, v in segment_costs(seg, start, stop, ctx).items()})
+
+    def __getitem__(self, key: str) -> float:
+        return self.values[key]
+
+    def memory_with(self, live: int) -> float:
+        """Peak memory with ``live`` microbatches in flight (the simulator's count)."""
+        resident = min(live, self.ctx.swap_resident) if self.ctx.swap else live
+        static = self["memory"] - self["activations"]
+        return static + resident * self["act_per_microbatch"] + self["act_extra"]
+
+
+@dataclass(frozen=True)
+class SimResult:
+    batch_time_s: float  # steady-state time per batch (what rank 0's samples/s measures)
+    peak_memory_bytes: List[float]
+    peak_in_flight: List[int]
+    busy_s: float  # compute seconds per batch over all ranks (cores share them on a CPU)
+
+
+def simulate(stages: Sequence[StageCost], *, schedule: str, num_microbatches: int, data_parallel: int = 1,
+             num_batches: int = 5, cores: Optional[int] = None) -> SimResult:
+    """Runs every stage's ``stage_actions`` list against its costs, event by event.
+
+    F k on stage s starts when s is free and F k on s-1 has finished (its send included);
+    B k likewise waits for B k on s+1; S t takes the step plus the exposed all-reduce. The
+    batch time is the steady-state spacing of stage 0's steps (rank 0 measures there). With
+    ``cores`` (ranks sharing CPU cores), the batch takes at least the ranks' total compute
+    divided by the cores.
+    """
+    d, m = len(stages), num_microbatches
+    lists = [stage_actions(schedule, stage_index=s, num_stages=d, num_microbatches=m, num_batches=num_batches) for s in range(d)]
+    done: Dict[tuple, float] = {}
+    clock, pos, live, peak = [0.0] * d, [0] * d, [0] * d, [0] * d
+    step_end = []
+    remaining = sum(len(a) for a in lists)
+    while remaining:
+        progressed = False
+        for s in range(d):
+            st = stages[s]
+            while pos[s] < len(lists[s]):
+                a = lists[s][pos[s]]
+                if a.kind == FORWARD:
+                    dep = done.get((s - 1, FORWARD, a.index)) if s > 0 else 0.0
+                    dur = st["forward_s"] + st["send_s"]
+                elif a.kind == BACKWARD:
+                    dep = done.get((s + 1, BACKWARD, a.index)) if s < d - 1 else 0.0
+                    dur = st["backward_s"] + st["send_grad_s"] + st["stall_s"]
+                else:
+                    dep = 0.0
+                    dur = st["step_s"] + max(0.0, st["allreduce_s"] - st["backward_s"])
+                if dep is None:
+                    break
+                start = max(clock[s], dep)
+                clock[s] = start + dur
+                done[(s, a.kind, a.index)] = clock[s]
+                live[s] += {FORWARD: 1, BACKWARD: -1}.get(a.kind, 0)
+                peak[s] = max(peak[s], live[s])
+                if a.kind == STEP and s == 0:
+                    step_end.append(clock[s])
+                pos[s] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            raise RuntimeError("simulated schedule deadlocked")
+    if len(step_end) >= 3:
+        batch = (step_end[-1] - step_end[1]) / (len(step_end) - 2)
+    else:
+        batch = step_end[-1] / len(step_end)
+    busy = data_parallel * sum(m * (st["forward_s"] + st["backward_s"]) + st["step_s"] for st in stages)
+    if cores:
+        batch = max(batch, busy / cores)
+    return SimResult(batch, [st.memory_with(p) for st, p in zip(stages, peak)], peak, busy)

@@ -1,0 +1,471 @@
+"""Pure: search over (d, w), b, recomputation and per-stage swapping, with exact stage boundaries.
+
+For one candidate (d, w, b, recompute) the boundaries come from a dynamic program over the
+layer list (DESIGN.md section 4)::
+
+    dp[s][j] = min over i of max(dp[s-1][i], T_s(i..j-1))   subject to M_s(i..j-1) <= device memory
+
+where ``T_s`` is the stage's time per batch (objective ``throughput``) or its peak memory
+(objective ``memory``), both from ``cost.segment_costs`` evaluated for every segment at once.
+Stage index matters (stage s holds min(d - s, m) microbatches in flight, links differ), so
+the program runs over absolute stage positions. A stage that does not fit swaps its
+activations to host memory if allowed (``swap``), paying the stall. The best candidates are
+then run through the schedule simulator, whose time and peak memory the plan reports.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import yaml
+
+from partitioner.cost import MEMORY_PARTS, LayerCost, Segments, StageContext, StageCost, segment_costs, simulate
+from partitioner.topology import GIB, LOCAL, host_device_bandwidth, make_rank_map, p2p_links, replica_links
+from pipedream2bw.config import ConfigError, TopologyConfig
+
+OBJECTIVES = ("throughput", "memory")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A configuration the runtime can run, with what the cost model predicts for it."""
+
+    schedule: str
+    num_stages: int
+    data_parallel: int
+    microbatch_size: int
+    num_microbatches: int
+    global_batch_size: int
+    balance: List[int]
+    rank_map: List[List[int]]
+    recompute: bool
+    swap_stages: List[int]
+    objective: str
+    topology: str
+    devices: int
+    memory_per_device_bytes: int
+    costs: str  # 'profile' or 'analytic'
+    predicted_batch_time_s: float
+    predicted_samples_per_s: float
+    predicted_stage_time_s: List[float]  # per microbatch, forward + backward + p2p + stall
+    predicted_peak_memory_bytes: List[int]
+    predicted_memory_breakdown: List[Dict[str, int]] = field(default_factory=list)
+    model: Dict[str, object] = field(default_factory=dict)
+    swap_resident: int = 1  # microbatches whose activations stay on device on a swapping stage
+
+    @property
+    def boundaries(self) -> List[int]:
+        """First layer of each stage."""
+        return [sum(self.balance[:s]) for s in range(self.num_stages)]
+
+    def row(self) -> Dict[str, str]:
+        """One line of the CLI's table."""
+        return {
+            "d x w": f"{self.num_stages} x {self.data_parallel}",
+            "b": str(self.microbatch_size),
+            "m": str(self.num_microbatches),
+            "recompute": "yes" if self.recompute else "no",
+            "swap": _ranges(self.swap_stages) or "-",
+            "balance": _short(self.balance),
+            "samples/s": f"{self.predicted_samples_per_s:.4g}",
+            "batch s": f"{self.predicted_batch_time_s:.4g}",
+            "peak GiB": f"{max(self.predicted_peak_memory_bytes) / GIB:.3g}",
+        }
+
+
+def _ranges(values: Sequence[int]) -> str:
+    """[0,1,2,5] -> '0-2,5'."""
+    out, i, v = [], 0, list(values)
+    while i < len(v):
+        j = i
+        while j + 1 < len(v) and v[j + 1] == v[j] + 1:
+            j += 1
+        out.append(str(v[i]) if i == j else f"{v[i]}-{v[j]}")
+        i = j + 1
+    return ",".join(out)
+
+
+def _short(values: Sequence[int]) -> str:
+    """[1,1,1,1,2] -> '1x4,2': balance lists of deep pipelines stay readable."""
+    out, i = [], 0
+    while i < len(values):
+        j = i
+        while j < len(values) and values[j] == values[i]:
+            j += 1
+        out.append(str(values[i]) if j - i == 1 else f"{values[i]}x{j - i}")
+        i = j
+    return ",".join(out)
+
+
+def table(plans: Sequence[Plan]) -> str:
+    """Plain-text table, best plan first."""
+    if not plans:
+        return "(no plan)"
+    rows = [{"#": str(k), **p.row()} for k, p in enumerate(plans)]
+    cols = list(rows[0])
+    widths = {c: max(len(c), *(len(r[c]) for r in rows)) for c in cols}
+    lines = ["  ".join(c.rjust(widths[c]) for c in cols)]
+    lines += ["  ".join(r[c].rjust(widths[c]) for c in cols) for r in rows]
+    return "\n".join(lines)
+
+
+def stage_table(plan: Plan) -> str:
+    """Per-stage predictions of one plan: layers, time per microbatch, memory and its parts."""
+    lines = [f"{'stage':>5} {'layers':>9} {'ms/mb':>9} {'peak GiB':>9}  " + " ".join(f"{p[:6]:>7}" for p in MEMORY_PARTS)]
+    for s in range(plan.num_stages):
+        start = plan.boundaries[s]
+        parts = plan.predicted_memory_breakdown[s] if plan.predicted_memory_breakdown else {}
+        lines.append(
+            f"{s:>5} {f'{start}-{start + plan.balance[s] - 1}':>9} {plan.predicted_stage_time_s[s] * 1e3:>9.3f} "
+            f"{plan.predicted_peak_memory_bytes[s] / GIB:>9.3f}  " + " ".join(f"{parts.get(p, 0) / GIB:>7.3f}" for p in MEMORY_PARTS)
+        )
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- the dynamic program
+
+
+def stage_contexts(topo: TopologyConfig, rank_map, *, schedule: str, num_microbatches: int, recompute: bool,
+                   swap: bool, swap_resident: int, runtime_bytes) -> List[StageContext]:
+    """Per-stage contexts; ``runtime_bytes`` is one figure for all stages or a list, one per stage."""
+    d, w = len(rank_map), len(rank_map[0])
+    if isinstance(runtime_bytes, (int, float)):
+        runtime_bytes = [runtime_bytes] * d
+    elif len(runtime_bytes) != d:
+        raise ConfigError(f"runtime bytes per stage ({len(runtime_bytes)} figures) must be one figure or one per stage ({d})")
+    nxt, rep = p2p_links(topo, rank_map), replica_links(topo, rank_map)
+    return [
+        StageContext(
+            stage_index=s, num_stages=d, num_microbatches=num_microbatches, data_parallel=w, schedule=schedule,
+            recompute=recompute, swap=swap, swap_resident=swap_resident,
+            link_next=nxt[s] if s < d - 1 else LOCAL, link_prev=nxt[s - 1] if s > 0 else LOCAL,
+            replica_link=rep[s], host_device_bw=host_device_bandwidth(topo), runtime_bytes=float(runtime_bytes[s]),
+        )
+        for s in range(d)
+    ]
+
+
+def partition(seg: Segments, contexts: Sequence[StageContext], *, capacity: float, objective: str = "throughput",
+              allow_swap: bool = True, time_limit: float = math.inf, swap_only_if_needed: Optional[bool] = None,
+              ) -> Optional[Tuple[float, List[int], List[bool]]]:
+    """Exact min-max stage boundaries for the stages described by ``contexts``.
+
+    Args:
+        objective: 'throughput' minimizes the slowest stage's time per batch, 'memory' the largest
+            stage's peak memory.
+        time_limit: with 'memory', every stage must also take at most this long per batch (the
+            planner's second pass: the least memory among splits as fast as the fastest).
+        swap_only_if_needed: a stage swaps only when it does not fit otherwise (default: for
+            'throughput'); else whenever swapping lowers its memory.
+
+    Returns:
+        (bottleneck value, first layer of each stage, swap flag of each stage), or None when
+        no split fits in ``capacity`` bytes per device (and ``time_limit``).
+    """
+    n, d = seg.n, len(contexts)
+    if d > n:
+        return None
+    if swap_only_if_needed is None:
+        swap_only_if_needed = objective == "throughput"
+    idx = np.arange(n + 1)
+    I, J = np.meshgrid(idx, idx, indexing="ij")
+    invalid = I >= J
+    key = "batch_s" if objective == "throughput" else "memory"
+    limit = time_limit * (1 + 1e-9) if objective == "memory" else math.inf
+    dp = None
+    choices, swaps = [], []
+    for s, ctx in enumerate(contexts):
+        plain = segment_costs(seg, I, J, ctx)
+        ok = (plain["memory"] <= capacity) & (plain["batch_s"] <= limit)
+        value = np.where(ok, plain[key], np.inf)
+        swapped = np.zeros_like(ok)
+        if allow_swap and ctx.num_microbatches > 1:
+            sw = segment_costs(seg, I, J, dataclasses.replace(ctx, swap=True))
+            sw_ok = (sw["memory"] <= capacity) & (sw["batch_s"] <= limit)
+            better = sw_ok & (~ok if swap_only_if_needed else sw[key] < value)
+            value = np.where(better, sw[key], value)
+            swapped = better
+        value = np.where(invalid, np.inf, value)
+        if s == 0:
+            value = np.where(I[:, :] == 0, value, np.inf)
+            best_i = np.zeros(n + 1, dtype=int)
+            dp = value[0]
+        else:
+            total = np.maximum(dp[:, None], value)
+            best_i = total.argmin(axis=0)
+            dp = total[best_i, idx]
+        choices.append(best_i)
+        swaps.append(swapped)
+    if not np.isfinite(dp[n]):
+        return None
+    starts, flags, j = [0] * d, [False] * d, n
+    for s in reversed(range(d)):
+        i = int(choices[s][j])
+        starts[s], flags[s] = i, bool(swaps[s][i, j])
+        j = i
+    return float(dp[n]), starts, flags
+
+
+def brute_force(seg: Segments, contexts: Sequence[StageContext], *, capacity: float, objective: str = "throughput") -> Optional[float]:
+    """Tries every split (small lists only): the reference the dynamic program must equal (no swapping)."""
+    import itertools
+
+    n, d = seg.n, len(contexts)
+    key = "batch_s" if objective == "throughput" else "memory"
+    best = math.inf
+    for cuts in itertools.combinations(range(1, n), d - 1):
+        bounds = (0, *cuts, n)
+        worst = 0.0
+        for s, ctx in enumerate(contexts):
+            c = segment_costs(seg, bounds[s], bounds[s + 1], ctx)
+            if float(c["memory"]) > capacity:
+                worst = math.inf
+                break
+            worst = max(worst, float(c[key]))
+        best = min(best, worst)
+    return None if best == math.inf else best
+
+
+# ---------------------------------------------------------------- the search
+
+
+def divisors(n: int) -> List[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+@dataclass(frozen=True)
+class Request:
+    """What to plan: the batch, the machine and the search's limits."""
+
+    global_batch_size: int
+    topology: TopologyConfig
+    devices: int
+    memory_per_device_bytes: float
+    runtime_bytes: object  # float: eps for every stage; or a list, one per stage (measured per stage)
+    schedule: str = "2bw"
+    objective: str = "throughput"
+    depths: Optional[Sequence[int]] = None
+    microbatch_sizes: Optional[Sequence[int]] = None
+    recompute: Optional[bool] = None
+    swap: bool = True
+    swap_resident: int = 1
+    max_microbatch_size: int = 64
+    costs: str = "profile"
+    model: Dict[str, object] = field(default_factory=dict)
+
+
+CostFn = Callable[[int], Sequence[LayerCost]]  # microbatch size -> per-layer costs
+
+
+def _candidates(req: Request, num_layers: int):
+    if req.objective not in OBJECTIVES:
+        raise ConfigError(f"partition.objective ({req.objective!r}) is unknown; use one of {list(OBJECTIVES)}")
+    B = req.global_batch_size
+    depths = req.depths or [d for d in divisors(req.devices) if d <= num_layers]
+    for d in depths:
+        if req.devices % d or d > num_layers:
+            continue
+        w = req.devices // d
+        if B % w:
+            continue
+        per_replica = B // w
+        bs = req.microbatch_sizes or [b for b in divisors(per_replica) if b <= req.max_microbatch_size]
+        for b in bs:
+            if per_replica % b:
+                continue
+            m = per_replica // b
+            if req.schedule == "2bw" and m < d:
+                continue
+            for rc in ([req.recompute] if req.recompute is not None else [False, True]):
+                yield d, w, b, m, rc
+
+
+def _make_plan(req: Request, seg: Segments, layer_costs, d, w, b, m, rc, starts, flags, rank_map, contexts, *, simulate_it: bool) -> Plan:
+    n = seg.n
+    bounds = [*starts, n]
+    stages = [StageCost.of(seg, bounds[s], bounds[s + 1], dataclasses.replace(contexts[s], swap=flags[s])) for s in range(d)]
+    cores = req.topology.cores if req.topology.device == "cpu" else None
+    if simulate_it:
+        sim = simulate(stages, schedule=req.schedule, num_microbatches=m, data_parallel=w, cores=cores)
+        batch_time, peaks = sim.batch_time_s, sim.peak_memory_bytes
+    else:
+        batch_time = max(st["batch_s"] for st in stages)
+        if cores:
+            busy = w * sum(m * (st["forward_s"] + st["backward_s"]) + st["step_s"] for st in stages)
+            batch_time = max(batch_time, busy / cores)
+        peaks = [st["memory"] for st in stages]
+    return Plan(
+        schedule=req.schedule, num_stages=d, data_parallel=w, microbatch_size=b, num_microbatches=m,
+        global_batch_size=req.global_batch_size, balance=[bounds[s + 1] - bounds[s] for s in range(d)],
+        rank_map=[list(r) for r in rank_map], recompute=rc, swap_stages=[s for s in range(d) if flags[s]],
+        objective=req.objective, topology=req.topology.name, devices=req.devices,
+        memory_per_device_bytes=int(req.memory_per_device_bytes), costs=req.costs,
+        predicted_batch_time_s=float(batch_time), predicted_samples_per_s=float(req.global_batch_size / batch_time),
+        predicted_stage_time_s=[float(st["microbatch_s"]) for st in stages],
+        predicted_peak_memory_bytes=[int(p) for p in peaks],
+        predicted_memory_breakdown=[{k: int(st[k]) for k in MEMORY_PARTS} for st in stages],
+        model=dict(req.model), swap_resident=req.swap_resident,
+    )
+
+
+def plan(cost_fn: CostFn, req: Request, *, runners_up: int = 4) -> List[Plan]:
+    """The best plan for ``req`` first, then up to ``runners_up`` others, best first.
+
+    Throughput: highest predicted samples/s (ties: lower peak memory). Memory: lowest peak
+    memory per device (ties: higher samples/s). The finalists' figures come from the simulator.
+
+    Raises:
+        ConfigError: nothing fits; says the smallest per-device memory, or the fewest devices, that would.
+    """
+    cache: Dict[int, Tuple[Sequence[LayerCost], Segments]] = {}
+
+    def segments(b: int):
+        if b not in cache:
+            layers = cost_fn(b)
+            cache[b] = (layers, Segments(layers))
+        return cache[b]
+
+    num_layers = len(segments(1)[0]) if req.microbatch_sizes is None else len(segments(req.microbatch_sizes[0])[0])
+    found: List[Tuple[tuple, Plan, tuple]] = []
+    tried = 0
+    for d, w, b, m, rc in _candidates(req, num_layers):
+        tried += 1
+        layers, seg = segments(b)
+        rank_map = make_rank_map(req.topology, d, w)
+        ctxs = stage_contexts(req.topology, rank_map, schedule=req.schedule, num_microbatches=m, recompute=rc,
+                              swap=False, swap_resident=req.swap_resident, runtime_bytes=req.runtime_bytes)
+        res = partition(seg, ctxs, capacity=req.memory_per_device_bytes, objective=req.objective, allow_swap=req.swap)
+        if res is None:
+            continue
+        _, starts, flags = res
+        p = _make_plan(req, seg, layers, d, w, b, m, rc, starts, flags, rank_map, ctxs, simulate_it=False)
+        found.append((_rank_key(req.objective, p), p, (seg, layers, d, w, b, m, rc, starts, flags, rank_map, ctxs)))
+    if not found:
+        raise ConfigError(_infeasible_message(cost_fn, segments, req, tried, num_layers))
+    found.sort(key=lambda t: t[0])
+    finalists = []
+    for _, p, args in found[: runners_up + 3]:
+        seg, layers, d, w, b, m, rc, starts, flags, rank_map, ctxs = args
+        if req.objective == "throughput":  # as fast, with the least memory: a min-max split leaves slack elsewhere
+            fastest = max(float(segment_costs(seg, starts[s], ([*starts, seg.n])[s + 1], dataclasses.replace(ctxs[s], swap=flags[s]))["batch_s"]) for s in range(d))
+            lean = partition(seg, ctxs, capacity=req.memory_per_device_bytes, objective="memory", allow_swap=req.swap,
+                             time_limit=fastest, swap_only_if_needed=True)
+            if lean is not None:
+                starts, flags = lean[1], lean[2]
+        finalists.append(_make_plan(req, seg, layers, d, w, b, m, rc, starts, flags, rank_map, ctxs, simulate_it=True))
+    finalists.sort(key=lambda p: _rank_key(req.objective, p))
+    return finalists[: runners_up + 1]
+
+
+def _rank_key(objective: str, p: Plan) -> tuple:
+    peak = max(p.predicted_peak_memory_bytes)
+    if objective == "memory":
+        return (peak, -p.predicted_samples_per_s)
+    return (-p.predicted_samples_per_s, peak)
+
+
+def _min_memory(seg: Segments, req: Request, d: int, w: int, b: int, m: int, *, devices_topo: TopologyConfig) -> float:
+    """Lowest possible peak memory per device at (d, w, b), recomputing and swapping."""
+    rank_map = make_rank_map(devices_topo, d, w)
+    eps = req.runtime_bytes if isinstance(req.runtime_bytes, (int, float)) else max(req.runtime_bytes)
+    ctxs = stage_contexts(devices_topo, rank_map, schedule=req.schedule, num_microbatches=m, recompute=True,
+                          swap=False, swap_resident=req.swap_resident, runtime_bytes=eps)
+    res = partition(seg, ctxs, capacity=math.inf, objective="memory", allow_swap=req.swap)
+    return math.inf if res is None else res[0]
+
+
+def _infeasible_message(cost_fn: CostFn, segments, req: Request, tried: int, num_layers: int) -> str:
+    cap = req.memory_per_device_bytes / GIB
+    what = (f"no plan fits: {num_layers} layers, global batch {req.global_batch_size}, {req.schedule}, "
+            f"on {req.devices} devices of {cap:.3g} GiB ({tried} configurations tried)")
+    if tried == 0:
+        return (f"{what}: no (d, w, b) divides the global batch with d*w = {req.devices} devices "
+                f"(2bw also needs m >= d); change train.global_batch_size, the device count or partition.depths/microbatch_sizes")
+    # The smallest per-device memory on these devices: the memory objective without a cap.
+    best = math.inf
+    relaxed = dataclasses.replace(req, microbatch_sizes=None, depths=None, recompute=None)
+    for d, w, b, m, rc in _candidates(relaxed, num_layers):
+        if rc:
+            best = min(best, _min_memory(segments(b)[1], req, d, w, b, m, devices_topo=req.topology))
+    # The fewest devices at this memory: deeper pipelines (w = 1, b = 1) until one fits.
+    fewest = None
+    big = dataclasses.replace(req.topology, nodes=1, devices_per_node=num_layers)
+    for d in range(1, num_layers + 1):
+        m = req.global_batch_size
+        if req.schedule == "2bw" and m < d:
+            break
+        if _min_memory(segments(1)[1], req, d, 1, 1, m, devices_topo=big) <= req.memory_per_device_bytes:
+            fewest = d
+            break
+    fix = f"needs at least {best / GIB:.3g} GiB per device on {req.devices} devices"
+    fix += (f", or a pipeline of at least {fewest} stages of {cap:.3g} GiB (at least {fewest} devices, "
+            f"a multiple of the depth)" if fewest
+            else f"; even a {num_layers}-stage pipeline does not fit in {cap:.3g} GiB")
+    return (f"{what}: it {fix}; raise topology.memory_per_device_gib (topology.host_memory_gib for ranks sharing a CPU host) "
+            f"or the device count, or lower the batch")
+
+
+# ---------------------------------------------------------------- plan files
+
+
+def plan_to_text(p: Plan) -> str:
+    header = "# pipedream2bw plan: run it with partition=file partition.path=<this file>; edit balance/flags freely.\n"
+    return header + yaml.safe_dump(dataclasses.asdict(p), sort_keys=False, default_flow_style=None, width=120)
+
+
+def plan_from_text(text: str, *, source: str = "plan") -> Plan:
+    """Parses a plan file's text.
+
+    Raises:
+        ConfigError: not a plan (unknown or missing keys), naming them.
+    """
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{source} is not valid YAML: {e}") from e
+    names = {f.name for f in dataclasses.fields(Plan)}
+    required = {f.name for f in dataclasses.fields(Plan) if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
+    if not isinstance(data, dict) or set(data) - names or required - set(data):
+        got = set(data) if isinstance(data, dict) else set()
+        raise ConfigError(
+            f"{source} is not a plan file: unknown keys {sorted(got - names)}, missing keys {sorted(required - got)}; "
+            f"write one with `python -m partitioner plan ...`"
+        )
+    return Plan(**data)
+
+
+def save_plan(p: Plan, path) -> Path:
+    """Writes the plan atomically (complete or absent) as YAML."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(plan_to_text(p))
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def load_plan(path) -> Plan:
+    """Reads a plan file.
+
+    Raises:
+        ConfigError: missing or not a plan.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"partition.path ({path}) is not a file; write a plan with `python -m partitioner plan ...` and point partition.path at it")
+    return plan_from_text(path.read_text(), source=str(path))

@@ -1,0 +1,245 @@
+"""Per-layer costs of the GPT: measured (forward/backward time, saved bytes) or analytic (FLOPs).
+
+Measured: each distinct layer shape is run alone on this machine's device with one thread on
+CPU (as the ranks run) or CUDA with synchronization, timed as the median of ``repeats`` after
+warm-up; what autograd saves is counted with ``saved_tensors_hooks`` (parameters excluded);
+the optimizer's state and step time come from a real step of the configured optimizer. The
+transformer blocks share one shape, so one block's profile stands for all of them. The last
+layer is profiled with the loss attached, as the last stage runs it. Results are cached on disk,
+keyed by the model, optimizer, b, device, dtype and torch version.
+
+Analytic: FLOP counts (a block: 24*b*T*C^2 + 4*b*T^2*C forward, twice that backward) at the
+topology's ``peak_tflops``, memory-bound layers at ``memory_bw_gbps``, and the saved bytes a
+pre-LN block keeps (16 activations of b*T*C elements with fused attention, as measured), for models too big
+to run here (the 175B example).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import resource
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Sequence
+
+import torch
+
+from partitioner.cost import LayerCost, optimizer_state_factor
+from pipedream2bw.config import GPTConfig, OptimConfig, TopologyConfig, build_optimizer, model_num_layers
+from pipedream2bw.models import build_gpt_layers, lm_loss
+
+CACHE_VERSION = 1
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("PD2BW_CACHE_DIR", Path.home() / ".cache" / "pipedream2bw"))
+
+
+def _kind(cfg: GPTConfig, index: int) -> str:
+    last = model_num_layers(cfg) - 1
+    return {0: "embedding", last - 1: "norm", last: "head"}.get(index, "block")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _saved_bytes(fn: Callable[[], torch.Tensor], params: Sequence[torch.Tensor]) -> int:
+    """Bytes autograd saves for backward during ``fn()``, each storage once, parameters excluded."""
+    param_ptrs = {p.untyped_storage().data_ptr() for p in params}
+    seen, total = set(), [0]
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in param_ptrs and ptr not in seen:
+            seen.add(ptr)
+            total[0] += t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return total[0]
+
+
+def profile_layer(layer: torch.nn.Module, cfg: GPTConfig, optim: OptimConfig, kind: str, b: int, *,
+                  device: torch.device, repeats: int = 5, warmup: int = 2) -> LayerCost:
+    """Measures one layer at microbatch size ``b`` (see the module docstring)."""
+    layer = layer.to(device)
+    params = list(layer.parameters())
+    T, C = cfg.seq_len, cfg.d_model
+    gen = torch.Generator().manual_seed(0)
+    if kind == "embedding":
+        x = torch.randint(0, cfg.vocab_size, (b, T), generator=gen).to(device)
+    else:
+        x = torch.randn(b, T, C, generator=gen).to(device).requires_grad_()
+    targets = torch.randint(0, cfg.vocab_size, (b, T), generator=gen).to(device)
+
+    def forward() -> torch.Tensor:
+        out = layer(x)
+        return lm_loss(out, targets) if kind == "head" else out
+
+    out = forward()
+    out_bytes = 0 if kind == "head" else out.numel() * out.element_size()
+    grad = None if kind == "head" else torch.randn(out.shape, generator=gen).to(device)
+    fwd, bwd = [], []
+    for r in range(warmup + repeats):
+        for p in params:
+            p.grad = None
+        if x.requires_grad:
+            x.grad = None
+        _sync(device)
+        t0 = time.perf_counter()
+        out = forward()
+        _sync(device)
+        t1 = time.perf_counter()
+        out.backward(grad)
+        _sync(device)
+        t2 = time.perf_counter()
+        if r >= warmup:
+            fwd.append(t1 - t0)
+            bwd.append(t2 - t1)
+    saved = _saved_bytes(forward, params)
+    # The optimizer: state bytes after a real step, and its time (median of repeats).
+    opt = build_optimizer(params, optim)
+    steps = []
+    for r in range(warmup + repeats):
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        _sync(device)
+        t0 = time.perf_counter()
+        opt.step()
+        _sync(device)
+        if r >= warmup:
+            steps.append(time.perf_counter() - t0)
+    opt_bytes = sum(v.numel() * v.element_size() for st in opt.state.values() for v in st.values() if torch.is_tensor(v))
+    return LayerCost(
+        name=kind, forward_s=statistics.median(fwd), backward_s=statistics.median(bwd),
+        param_bytes=sum(p.numel() * p.element_size() for p in params), saved_bytes=saved,
+        input_bytes=x.numel() * x.element_size(), output_bytes=out_bytes, optimizer_bytes=opt_bytes,
+        step_s=statistics.median(steps),
+    )
+
+
+def _cache_key(cfg: GPTConfig, optim: OptimConfig, b: int, device: torch.device, dtype: torch.dtype, threads: int) -> str:
+    desc = json.dumps({
+        "v": CACHE_VERSION, "model": dataclasses.asdict(cfg), "optim": {"name": optim.name.lower(), "kwargs": dict(optim.kwargs)},
+        "b": b, "device": str(device) if device.type != "cuda" else torch.cuda.get_device_name(device),
+        "dtype": str(dtype), "torch": torch.__version__, "threads": threads,
+    }, sort_keys=True)
+    return hashlib.sha256(desc.encode()).hexdigest()[:20]
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def profile_gpt(cfg: GPTConfig, optim: OptimConfig, b: int, *, device: Optional[torch.device] = None, repeats: int = 5,
+                cache_dir: Optional[Path] = None, use_cache: bool = True, seed: int = 0) -> List[LayerCost]:
+    """Measured costs of every layer of the GPT at microbatch size ``b``, from the cache if there."""
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    threads = 1 if device.type == "cpu" else torch.get_num_threads()
+    path = Path(cache_dir or default_cache_dir()) / f"profile-{_cache_key(cfg, optim, b, device, torch.float32, threads)}.json"
+    if use_cache and path.is_file():
+        try:
+            kinds = json.loads(path.read_text())
+            return _expand(cfg, {k: LayerCost(**v) for k, v in kinds.items()})
+        except (ValueError, TypeError):
+            pass  # a corrupt or old entry: measure again
+    saved_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        kinds: Dict[str, LayerCost] = {}
+        for i in range(model_num_layers(cfg)):
+            kind = _kind(cfg, i)
+            if kind not in kinds:
+                layer = build_gpt_layers(cfg, seed=seed, indices=[i])[0]
+                kinds[kind] = profile_layer(layer, cfg, optim, kind, b, device=device, repeats=repeats)
+    finally:
+        torch.set_num_threads(saved_threads)
+    _atomic_write_text(path, json.dumps({k: dataclasses.asdict(v) for k, v in kinds.items()}, indent=1))
+    return _expand(cfg, kinds)
+
+
+def _expand(cfg: GPTConfig, kinds: Dict[str, LayerCost]) -> List[LayerCost]:
+    return [dataclasses.replace(kinds[_kind(cfg, i)], name=f"{i}:{_kind(cfg, i)}") for i in range(model_num_layers(cfg))]
+
+
+def analytic_gpt(cfg: GPTConfig, optim: OptimConfig, b: int, topo: TopologyConfig, *, dtype_bytes: int = 4) -> List[LayerCost]:
+    """FLOP- and byte-count costs of every layer at microbatch size ``b`` on ``topo``'s devices.
+
+    ``dtype_bytes`` is the size of weights and activations; optimizer state is fp32
+    (``optimizer_state_factor`` states per parameter), plus an fp32 master copy when weights are
+    narrower (mixed precision).
+    """
+    T, C, V = cfg.seq_len, cfg.d_model, cfg.vocab_size
+    flops, bw = topo.peak_tflops * 1e12, topo.memory_bw_gbps * 1e9
+    k = optimizer_state_factor(optim.name, optim.kwargs)
+    btc = b * T * C * dtype_bytes
+
+    def step_s(nbytes: float) -> float:  # read the gradient, read and write weights and state
+        return 3 * nbytes / bw
+
+    def make(name, fwd_flops, fwd_bytes, params, saved, inp, out) -> LayerCost:
+        pbytes = params * dtype_bytes
+        state = k * params * 4 + (params * 4 if dtype_bytes < 4 else 0)
+        fwd = max(fwd_flops / flops, fwd_bytes / bw)
+        return LayerCost(name=name, forward_s=fwd, backward_s=2 * fwd, param_bytes=int(pbytes), saved_bytes=int(saved),
+                         input_bytes=int(inp), output_bytes=int(out), optimizer_bytes=int(state), step_s=step_s(pbytes + state))
+
+    block_params = 12 * C * C + 13 * C
+    layers = []
+    for i in range(model_num_layers(cfg)):
+        kind = _kind(cfg, i)
+        if kind == "embedding":
+            layers.append(make(f"{i}:embedding", 0, 2 * btc, (V + T) * C, b * T * 8, b * T * 8, btc))
+        elif kind == "block":
+            f = 24 * b * T * C * C + 4 * b * T * T * C
+            layers.append(make(f"{i}:block", f, 2 * block_params * dtype_bytes + 20 * btc, block_params, 16 * btc, btc, btc))
+        elif kind == "norm":
+            layers.append(make(f"{i}:norm", 0, 3 * btc, 2 * C, btc, btc, btc))
+        else:
+            logits = b * T * V * dtype_bytes
+            layers.append(make(f"{i}:head", 2 * b * T * C * V, V * C * dtype_bytes + 3 * logits, V * C, btc + 2 * logits, btc, 0))
+    return layers
+
+
+def warm_up_runtime() -> None:
+    """One forward, backward and optimizer step of a tiny GPT (kilobytes of tensors).
+
+    The first ones page in the kernels' code and start the autograd engine and the CPU
+    libraries' pools: on this machine about 90 MiB of resident memory that any model pays
+    once, whatever its size. The runtime baseline is measured after it.
+    """
+    cfg = GPTConfig(num_layers=1, d_model=8, num_heads=2, seq_len=8)
+    model = torch.nn.Sequential(*build_gpt_layers(cfg, seed=0))
+    opt = build_optimizer(model.parameters(), OptimConfig())
+    x = torch.randint(0, 256, (1, cfg.seq_len))
+    lm_loss(model(x), x).backward()
+    opt.step()
+
+
+def runtime_baseline_bytes(*, warm: bool = True) -> int:
+    """Peak resident memory of this process so far (after ``warm_up_runtime``): on CPU, what the
+    torch runtime holds before any real model. Call it before profiling, which allocates more."""
+    if warm:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            warm_up_runtime()
+        finally:
+            torch.set_num_threads(threads)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

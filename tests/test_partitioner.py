@@ -1,0 +1,225 @@
+"""The partitioner: cost model, simulator, exact dynamic program, search, plan files, profiler."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+import time
+
+import pytest
+
+from partitioner import profile as profile_mod
+from partitioner.cost import LayerCost, Segments, StageContext, StageCost, in_flight, segment_costs, simulate
+from partitioner.planner import Request, brute_force, load_plan, partition, plan, save_plan
+from partitioner.profile import analytic_gpt, profile_gpt
+from partitioner.topology import GIB, Link, make_rank_map, p2p_links, replica_links
+from pipedream2bw.config import ConfigError, GPTConfig, OptimConfig, TopologyConfig
+
+DGX = TopologyConfig(name="dgx", device="cuda", nodes=1, devices_per_node=8, memory_per_device_gib=80, cores=None,
+                     intra_node_bw_gbps=300, inter_node_bw_gbps=25, peak_tflops=125, memory_bw_gbps=2000,
+                     host_device_bw_gbps=25, runtime_overhead_gib=2)
+CLUSTER = dataclasses.replace(DGX, name="cluster", nodes=128)
+GPT175B = GPTConfig(num_layers=96, d_model=12288, num_heads=96, seq_len=2048, vocab_size=51200)
+
+
+def random_layers(rng: random.Random, n: int) -> list:
+    return [
+        LayerCost(name=str(i), forward_s=rng.uniform(0.1, 2), backward_s=rng.uniform(0.2, 4), param_bytes=rng.randint(1, 100),
+                  saved_bytes=rng.randint(1, 50), input_bytes=rng.randint(1, 10), output_bytes=rng.randint(1, 10),
+                  optimizer_bytes=rng.randint(0, 200), step_s=rng.uniform(0, 0.5))
+        for i in range(n)
+    ]
+
+
+def contexts(d: int, m: int, *, schedule: str = "2bw", recompute: bool = False, w: int = 1):
+    slow = Link("x", 50.0, 0.01)  # slow enough that p2p matters at these sizes
+    return [
+        StageContext(stage_index=s, num_stages=d, num_microbatches=m, data_parallel=w, schedule=schedule, recompute=recompute,
+                     link_next=slow if s < d - 1 else Link("l", math.inf, 0), link_prev=slow if s else Link("l", math.inf, 0),
+                     replica_link=slow, runtime_bytes=5)
+        for s in range(d)
+    ]
+
+
+@pytest.mark.parametrize("objective", ["throughput", "memory"])
+def test_dynamic_program_equals_brute_force(objective):
+    rng = random.Random(4)
+    for trial in range(60):
+        n, d = rng.randint(1, 8), rng.randint(1, 4)
+        schedule = rng.choice(["2bw", "flush", "gpipe"])
+        m = rng.randint(d, 6)
+        seg = Segments(random_layers(rng, n))
+        ctxs = contexts(d, m, schedule=schedule, recompute=rng.random() < 0.3, w=rng.choice([1, 2]))
+        capacity = rng.choice([math.inf, rng.uniform(300, 2500)])
+        expected = brute_force(seg, ctxs, capacity=capacity, objective=objective)
+        got = partition(seg, ctxs, capacity=capacity, objective=objective, allow_swap=False)
+        if expected is None:
+            assert got is None, (trial, got)
+            continue
+        value, starts, flags = got
+        assert value == pytest.approx(expected, rel=1e-12), trial
+        # The boundaries it returns achieve that value.
+        bounds = [*starts, n]
+        key = "batch_s" if objective == "throughput" else "memory"
+        achieved = max(float(segment_costs(seg, bounds[s], bounds[s + 1], ctxs[s])[key]) for s in range(d))
+        assert achieved == pytest.approx(value) and not any(flags)
+        assert all(float(segment_costs(seg, bounds[s], bounds[s + 1], ctxs[s])["memory"]) <= capacity for s in range(d))
+
+
+def uniform(n: int, changes=None) -> list:
+    changes = changes or {}
+    base = LayerCost("block", forward_s=1.0, backward_s=2.0, param_bytes=100, saved_bytes=10, input_bytes=1, output_bytes=1,
+                     optimizer_bytes=200)
+    return [dataclasses.replace(base, **changes.get(i, {})) for i in range(n)]
+
+
+def test_heavy_lm_head_and_embedding_move_boundaries():
+    ctxs = contexts(4, 8)
+    _, starts, _ = partition(Segments(uniform(12)), ctxs, capacity=math.inf)
+    assert starts == [0, 3, 6, 9]  # even layers, even split
+    # An LM head as slow as four blocks: the last stage takes it alone (with one block it would be the bottleneck).
+    _, starts, _ = partition(Segments(uniform(12, {11: dict(forward_s=4.0, backward_s=8.0)})), ctxs, capacity=math.inf)
+    assert starts[-1] == 11
+    # A heavy embedding (big parameters, little time) under a memory cap: the first stage holds fewer layers.
+    layers = uniform(12, {0: dict(param_bytes=1000, optimizer_bytes=2000, forward_s=0.1, backward_s=0.1)})
+    roomy = partition(Segments(layers), ctxs, capacity=math.inf)[1]
+    capped = partition(Segments(layers), ctxs, capacity=5650)[1]  # room for the embedding and one block
+    assert roomy[1] >= 3 and capped[1] == 2
+
+
+def test_simulator_runs_the_schedules_with_their_in_flight_counts():
+    seg = Segments(uniform(4))
+    for schedule in ("2bw", "flush", "gpipe"):
+        d, m = 4, 8
+        stages = [StageCost.of(seg, s, s + 1, c) for s, c in enumerate(contexts(d, m, schedule=schedule))]
+        sim = simulate(stages, schedule=schedule, num_microbatches=m, num_batches=5)
+        assert sim.peak_in_flight == [in_flight(schedule, s, d, m) for s in range(d)]
+        assert sim.peak_memory_bytes == pytest.approx([st["memory"] for st in stages])
+        per_mb = max(st["microbatch_s"] for st in stages)
+        if schedule == "2bw":  # steady state: no bubble, m microbatches per batch on the bottleneck
+            assert sim.batch_time_s == pytest.approx(m * per_mb + max(st["step_s"] for st in stages), rel=0.05)
+        else:  # the flush bubble: (m + d - 1) microbatch times at least
+            assert sim.batch_time_s >= (m + d - 1) * min(st["microbatch_s"] for st in stages)
+    # Shared cores: 4 ranks on 2 cores take at least their total compute over 2.
+    stages = [StageCost.of(seg, s, s + 1, c) for s, c in enumerate(contexts(4, 8))]
+    assert simulate(stages, schedule="2bw", num_microbatches=8, cores=2).batch_time_s >= 4 * 8 * 3.0 / 2
+
+
+def test_memory_terms_follow_the_design():
+    layer = LayerCost("l", 1, 2, param_bytes=100, saved_bytes=40, input_bytes=4, output_bytes=6, optimizer_bytes=200)
+    seg = Segments([layer, layer])
+    base = dict(stage_index=0, num_stages=3, num_microbatches=8, data_parallel=1)
+    c = segment_costs(seg, 0, 1, StageContext(**base))
+    assert (c["weights"], c["gradients"], c["optimizer"]) == (200, 100, 200)  # two versions under 2bw
+    assert c["activations"] == 3 * (40 + 6)  # n_0 = min(d - 0, m) = 3 microbatches, output stashed too
+    assert segment_costs(seg, 0, 1, StageContext(**base, schedule="flush"))["weights"] == 100
+    assert segment_costs(seg, 0, 1, StageContext(**base, schedule="gpipe"))["activations"] == 8 * 46
+    rc = segment_costs(seg, 0, 1, StageContext(**base, recompute=True))
+    assert rc["activations"] == 3 * (4 + 6) + 46 and rc["backward_s"] == 2 + 1
+    sw = segment_costs(seg, 0, 1, StageContext(**base, swap=True, swap_resident=1, host_device_bw=1.0))
+    assert sw["activations"] == 46 and sw["stall_s"] == pytest.approx(2 * 46 - 3)
+
+
+def test_rank_map_keeps_replicas_on_the_fastest_level():
+    rm = make_rank_map(CLUSTER, 4, 8)  # w = 8 fills a node: each stage's replicas share one
+    assert all(len({r // 8 for r in row}) == 1 for row in rm)
+    assert {link.name for link in replica_links(CLUSTER, rm)} == {"intra-node"}
+    assert {link.name for link in p2p_links(CLUSTER, rm)} == {"inter-node"}
+    rm = make_rank_map(DGX, 4, 2)
+    assert rm == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    with pytest.raises(ConfigError, match="need 16 devices"):
+        make_rank_map(DGX, 4, 4)
+
+
+def test_175b_gpt_on_1024_gpus_plans_fast_and_fits():
+    req = Request(global_batch_size=1536, topology=CLUSTER, devices=1024, memory_per_device_bytes=80 * GIB,
+                  runtime_bytes=2 * GIB, costs="analytic")
+    start = time.perf_counter()
+    plans = plan(lambda b: analytic_gpt(GPT175B, OptimConfig(name="adam"), b, CLUSTER, dtype_bytes=2), req)
+    assert time.perf_counter() - start < 10
+    best = plans[0]
+    assert best.num_stages * best.data_parallel == 1024 and sum(best.balance) == 99
+    assert max(best.predicted_peak_memory_bytes) <= 80 * GIB
+    assert best.predicted_samples_per_s > 0
+
+
+def test_infeasible_request_names_the_memory_and_devices_that_would_fit():
+    cfg = GPTConfig(num_layers=8, d_model=64, num_heads=4, seq_len=64)
+    costs = lambda b: analytic_gpt(cfg, OptimConfig(), b, DGX)  # noqa: E731
+    small = dataclasses.replace(DGX, devices_per_node=2)
+    req = Request(global_batch_size=16, topology=small, devices=2, memory_per_device_bytes=3 * 2**20, runtime_bytes=0,
+                  swap=False)
+    with pytest.raises(ConfigError) as err:
+        plan(costs, req)
+    msg = str(err.value)
+    assert "no plan fits" in msg and "GiB per device on 2 devices" in msg and "stages" in msg
+    # The memory it names is enough on these devices.
+    needed = float(msg.split("needs at least ")[1].split(" GiB")[0]) * GIB
+    assert plan(costs, dataclasses.replace(req, memory_per_device_bytes=needed * 1.01))[0]
+    # ...and the device count it names is enough at this memory.
+    fewest = int(msg.split("at least ")[2].split(" stages")[0])
+    more = dataclasses.replace(small, devices_per_node=fewest)
+    assert plan(costs, dataclasses.replace(req, topology=more, devices=fewest, depths=[fewest]))[0]
+
+
+def test_plan_file_round_trip(tmp_path):
+    req = Request(global_batch_size=64, topology=DGX, devices=8, memory_per_device_bytes=80 * GIB, runtime_bytes=2 * GIB)
+    best = plan(lambda b: analytic_gpt(GPTConfig(), OptimConfig(), b, DGX), req)[0]
+    path = save_plan(best, tmp_path / "plan.yaml")
+    assert "balance:" in path.read_text() and load_plan(path) == best
+    path.write_text("balance: [1, 2]\nfoo: 1\n")
+    with pytest.raises(ConfigError, match="not a plan file"):
+        load_plan(path)
+
+
+def test_profile_measures_saved_bytes_and_caches(tmp_path, monkeypatch):
+    cfg = GPTConfig(num_layers=2, d_model=64, num_heads=2, seq_len=32)
+    layers = profile_gpt(cfg, OptimConfig(name="adamw"), 2, cache_dir=tmp_path, repeats=3)
+    assert [c.name for c in layers] == ["0:embedding", "1:block", "2:block", "3:norm", "4:head"]
+    block, head = layers[1], layers[-1]
+    btc = 2 * 32 * 64 * 4
+    # What autograd saves for a pre-LN block: 16 b*T*C activations (plus small statistics).
+    assert 16 * btc <= block.saved_bytes <= 16 * btc * 1.05
+    assert block.optimizer_bytes == pytest.approx(2 * block.param_bytes, rel=1e-3)  # adamw: two moments (+ step counters)
+    assert block.forward_s > 0 and block.backward_s > 0 and head.output_bytes == 0
+    analytic = analytic_gpt(cfg, OptimConfig(name="adamw"), 2, DGX)[1]
+    assert analytic.param_bytes == block.param_bytes and analytic.saved_bytes == 16 * btc
+    # Cached: a second call measures nothing.
+    monkeypatch.setattr(profile_mod, "profile_layer", lambda *a, **k: pytest.fail("measured again"))
+    assert profile_gpt(cfg, OptimConfig(name="adamw"), 2, cache_dir=tmp_path, repeats=3) == layers
+
+
+def test_apply_plan_sets_the_pipeline_and_checks_the_launch():
+    from partitioner.auto import apply_plan
+    from pipedream2bw.config import Config
+
+    cfg = Config(model=GPTConfig(num_layers=5))
+    req = Request(global_batch_size=64, topology=DGX, devices=8, memory_per_device_bytes=80 * GIB, runtime_bytes=2 * GIB)
+    best = plan(lambda b: analytic_gpt(cfg.model, OptimConfig(), b, DGX), dataclasses.replace(req, depths=[4]))[0]
+    out = apply_plan(cfg, best, world_size=8)
+    p = out.pipeline
+    assert (p.num_stages, p.data_parallel, p.microbatch_size, p.num_microbatches) == (4, 2, best.microbatch_size, best.num_microbatches)
+    assert p.balance == best.balance and p.rank_map == best.rank_map and p.recompute == best.recompute
+    with pytest.raises(ConfigError, match="launch 8 ranks"):
+        apply_plan(cfg, best, world_size=4)
+    with pytest.raises(ConfigError, match="no swapping"):
+        apply_plan(cfg, dataclasses.replace(best, swap_stages=[0]), world_size=8)
+
+
+def test_second_pass_keeps_the_bottleneck_time_and_lowers_memory():
+    rng = random.Random(7)
+    for trial in range(30):
+        n, d = rng.randint(3, 9), rng.randint(2, 4)
+        if d > n:
+            continue
+        seg, ctxs = Segments(random_layers(rng, n)), contexts(d, rng.randint(d, 6))
+        fastest, starts, _ = partition(seg, ctxs, capacity=math.inf)
+        _, lean_starts, _ = partition(seg, ctxs, capacity=math.inf, objective="memory", time_limit=fastest)
+
+        def worst(key, st):
+            b = [*st, n]
+            return max(float(segment_costs(seg, b[s], b[s + 1], ctxs[s])[key]) for s in range(d))
+
+        assert worst("batch_s", lean_starts) == pytest.approx(fastest)
+        assert worst("memory", lean_starts) <= worst("memory", starts) + 1e-9
