@@ -36,6 +36,13 @@ class PipelineConfig:
     """rank_map[stage][replica] = rank; null keeps a stage's replicas on one node when they fit."""
     bucket_mb: float = 25.0
     """Gradient all-reduce bucket size in MiB; a bucket is reduced as soon as backward produced it."""
+    trace: bool = False
+    """Record when every F, B, send, recv, all-reduce and optimizer step ran on every rank for
+    trace_steps steps; writes trace.json (Chrome/Perfetto), timeline.png and the bubble fraction."""
+    trace_steps: int = 3
+    """How many consecutive steps (batches) pipeline.trace records."""
+    trace_first_step: Optional[int] = None
+    """First traced step (0-based); null: train.warmup_steps, i.e. the first measured steps."""
 
 
 @dataclass
@@ -283,6 +290,13 @@ def validate(cfg: Config, *, world_size: int, num_layers: Optional[int] = None, 
             f"train.warmup_steps ({t.warmup_steps}) must be in [0, train.num_steps ({t.num_steps})) "
             f"so that throughput is measured on at least one step; lower it"
         )
+    if p.trace:
+        first = t.warmup_steps if p.trace_first_step is None else p.trace_first_step
+        if p.trace_steps < 1 or first < 0 or first + p.trace_steps > t.num_steps:
+            raise ConfigError(
+                f"pipeline.trace_first_step ({first}) and pipeline.trace_steps ({p.trace_steps}) must trace at least one of "
+                f"the train.num_steps ({t.num_steps}) steps and no more; lower them or raise train.num_steps"
+            )
     if cfg.wandb.mode not in WANDB_MODES:
         raise ConfigError(f"wandb.mode ({cfg.wandb.mode!r}) is unknown; use one of {list(WANDB_MODES)}")
     if cfg.dist.backend not in BACKENDS:

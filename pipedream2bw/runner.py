@@ -16,10 +16,11 @@ from pipedream2bw import comm
 from pipedream2bw.config import Config, build_optimizer, validate
 from pipedream2bw.data import MicrobatchFeed, load_bytes
 from pipedream2bw.models import build_gpt_layers, lm_loss
-from pipedream2bw.results import save_state_dict, summarize, write_summary
+from pipedream2bw.results import atomic_write, save_state_dict, summarize, write_summary
 from pipedream2bw.schedule import check_stage, stage_actions
 from pipedream2bw.layout import Layout, make_layout
-from pipedream2bw.stage import Peers, StageWorker
+from pipedream2bw.stage import Peers, StageStats, StageWorker
+from pipedream2bw import timeline
 from pipedream2bw.tracking import Tracker
 from pipedream2bw.versions import WeightVersions, bucketize
 
@@ -138,6 +139,9 @@ def _train(cfg: Config, run_dir: Path, ctx: comm.DistContext, layout: Layout, ba
         p2p=comm.P2P(ctx, batch_sends=cfg.dist.batch_p2p if cfg.dist.batch_p2p is not None else ctx.backend == "nccl"),
         loss_fn=loss_fn, device=ctx.device, reducer=reducer, grad_scale=1.0 / (m * w),
     )
+    if p.trace:
+        first = cfg.train.warmup_steps if p.trace_first_step is None else p.trace_first_step
+        worker.trace = timeline.Recorder(first_step=first, num_steps=p.trace_steps)
     actions = stage_actions(p.schedule, stage_index=s, num_stages=d, num_microbatches=m, num_batches=cfg.train.num_steps)
     check_stage(actions, num_microbatches=m, in_flight_limit=m if p.schedule == "gpipe" else d - s)
     log.info(
@@ -164,6 +168,8 @@ def _train(cfg: Config, run_dir: Path, ctx: comm.DistContext, layout: Layout, ba
         "memory_kind": "cuda_max_allocated" if ctx.device.type == "cuda" else "process_peak_rss",
     }
     summary = summarize(all_stats, meta=meta, warmup_steps=cfg.train.warmup_steps, samples_per_step=global_batch, seq_len=cfg.model.seq_len)
+    if p.trace:
+        summary["trace"] = _save_trace(all_stats, run_dir, steps=range(first, first + p.trace_steps), title=f"{p.schedule}, d={d}, w={w}, m={m}, b={b}")
     write_summary(summary, run_dir)
     save_state_dict({k: v for shard in shards for k, v in shard.items()}, run_dir / "final_model.pt")
     tracker.finish(summary)
@@ -172,6 +178,16 @@ def _train(cfg: Config, run_dir: Path, ctx: comm.DistContext, layout: Layout, ba
         summary["losses"][0], summary["final_loss"], summary["samples_per_s"], summary["tokens_per_s"], run_dir,
     )
     return summary
+
+
+def _save_trace(all_stats: Sequence[StageStats], run_dir: Path, *, steps: range, title: str) -> Dict[str, Any]:
+    """Writes trace.json (Chrome trace events, for Perfetto) and timeline.png; returns the measured bubble."""
+    import json
+
+    traces = [{"rank": st.rank, "stage": st.stage_index, "replica": st.replica, **st.trace} for st in all_stats]
+    atomic_write(run_dir / "trace.json", json.dumps(timeline.chrome_trace(traces, title=title)).encode())
+    timeline.plot_timeline(traces, run_dir / "timeline.png", title=title)
+    return {**timeline.bubble_summary(traces), "steps": list(steps), "files": ["trace.json", "timeline.png"]}
 
 
 def _progress(cfg: Config, worker: StageWorker, tracker: "Tracker", *, samples_per_step: int) -> Callable[[int], None]:
