@@ -109,6 +109,8 @@ class WandbConfig:
     """wandb project name."""
     name: Optional[str] = None
     """Run name; null lets wandb choose."""
+    group: Optional[str] = None
+    """wandb group of the run; a sweep sets it to the sweep's name so that its jobs show together."""
 
 
 @dataclass
