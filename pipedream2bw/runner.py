@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -11,6 +12,7 @@ from typing import Any, Callable, Dict, Optional, Sequence
 
 import torch
 from torch import nn
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 from pipedream2bw import comm
 from pipedream2bw.config import Config, build_optimizer, validate
@@ -21,7 +23,7 @@ from pipedream2bw.schedule import check_stage, stage_actions
 from pipedream2bw.layout import Layout, make_layout
 from pipedream2bw.stage import Peers, StageStats, StageWorker
 from pipedream2bw import timeline
-from pipedream2bw.tracking import Tracker
+from pipedream2bw.tracking import Tracker, progress_bar
 from pipedream2bw.versions import WeightVersions, bucketize
 
 log = logging.getLogger(__name__)
@@ -149,8 +151,12 @@ def _train(cfg: Config, run_dir: Path, ctx: comm.DistContext, layout: Layout, ba
         p.schedule, d, w, replica, balance, list(module._modules), len(buckets), ctx.device, ctx.backend,
     )
     tracker = Tracker(cfg, run_dir) if ctx.rank == 0 else None
-    on_step = _progress(cfg, worker, tracker, samples_per_step=global_batch) if ctx.rank == 0 else (lambda t: None)
-    stats = worker.run(actions, on_step=on_step)
+    bar = progress_bar(cfg.train.num_steps) if ctx.rank == 0 else None
+    on_step = _progress(cfg, worker, tracker, bar, samples_per_step=global_batch) if ctx.rank == 0 else (lambda t: None)
+    with logging_redirect_tqdm() if bar is not None and not bar.disable else contextlib.nullcontext():
+        stats = worker.run(actions, on_step=on_step)
+    if bar is not None:
+        bar.close()
     stats.replica = replica
     if reducer is not None:
         stats.allreduce_calls, stats.allreduce_exposed_s = reducer.num_collectives, reducer.exposed_s
@@ -190,14 +196,18 @@ def _save_trace(all_stats: Sequence[StageStats], run_dir: Path, *, steps: range,
     return {**timeline.bubble_summary(traces), "steps": list(steps), "files": ["trace.json", "timeline.png"]}
 
 
-def _progress(cfg: Config, worker: StageWorker, tracker: "Tracker", *, samples_per_step: int) -> Callable[[int], None]:
-    """Rank 0's per-step callback: log loss and throughput every ``train.log_every`` steps."""
+def _progress(cfg: Config, worker: StageWorker, tracker: "Tracker", bar: Any, *, samples_per_step: int) -> Callable[[int], None]:
+    """Rank 0's per-step callback: advance the progress bar; log loss and throughput every ``train.log_every`` steps."""
     window = {"start": time.perf_counter(), "steps": 0}
 
     def on_step(t: int) -> None:
         window["steps"] += 1
         loss = worker.stats.losses[-1]
         tracker.log({"loss": loss}, step=t)
+        if not bar.disable:
+            steps_per_s = bar.format_dict["rate"] or 0.0  # tqdm's smoothed steps/s
+            bar.set_postfix(loss=f"{loss:.4f}", samples_per_s=f"{steps_per_s * samples_per_step:.1f}", refresh=False)
+            bar.update(1)
         if (t + 1) % cfg.train.log_every and t + 1 != cfg.train.num_steps:
             return
         now = time.perf_counter()

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import sys
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, TextIO
 
 from pipedream2bw.config import Config
 
@@ -46,6 +47,17 @@ def plan_rows(plan: Dict[str, Any]) -> List[Dict[str, Any]]:
     if isinstance(stages, list) and stages and all(isinstance(s, dict) for s in stages):
         return [{**scalars, **{k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in s.items()}} for s in stages]
     return [{**scalars, **{k: str(v) for k, v in plan.items() if k not in scalars}}]
+
+
+def progress_bar(num_steps: int, *, file: Optional[TextIO] = None) -> Any:
+    """Rank 0's tqdm bar over the training steps (steps/s; loss and samples/s as postfix).
+
+    Disabled unless ``file`` (stderr by default) is a terminal, so that logs and CI output
+    keep only the regular log lines."""
+    from tqdm import tqdm
+
+    file = sys.stderr if file is None else file
+    return tqdm(total=num_steps, desc="train", unit="step", file=file, disable=not file.isatty(), dynamic_ncols=True, leave=True)
 
 
 class Tracker:
