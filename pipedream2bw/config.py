@@ -114,6 +114,16 @@ class WandbConfig:
 
 
 @dataclass
+class SweepConfig:
+    nproc: Optional[int] = None
+    """Processes each sweep job launches; null: pipeline.num_stages * pipeline.data_parallel."""
+    timeout_s: float = 3600.0
+    """Longest a sweep job may run; it is then stopped and recorded as failed, and the sweep goes on."""
+    name: Optional[str] = None
+    """The sweep's name, also the wandb group of its jobs; null: the sweep directory."""
+
+
+@dataclass
 class Config:
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     model: GPTConfig = field(default_factory=GPTConfig)
@@ -122,6 +132,8 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     dist: DistConfig = field(default_factory=DistConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
+    sweep: SweepConfig = field(default_factory=SweepConfig)
+    """Only for ``python -m pipedream2bw.sweep``; training ignores it."""
     seed: int = 0
     """Seeds weight initialisation (per layer) and the batch order."""
 
