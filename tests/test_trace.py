@@ -80,3 +80,24 @@ def test_trace_window_must_fit_the_run():
     cfg = Config(pipeline=PipelineConfig(trace=True, trace_steps=3), train=TrainConfig(num_steps=5, warmup_steps=3))
     with pytest.raises(ConfigError, match=r"pipeline.trace_first_step \(3\) and pipeline.trace_steps \(3\) .* train.num_steps \(5\)"):
         validate(cfg, world_size=4)
+
+
+def test_replicated_stages_trace_their_allreduce_waits_inside_the_step(tmp_path):
+    cfg = Config(
+        pipeline=PipelineConfig(num_stages=2, data_parallel=2, num_microbatches=2, microbatch_size=2, trace=True,
+                                trace_first_step=1, trace_steps=2),
+        model=GPTConfig(seq_len=16), train=TrainConfig(num_steps=4, warmup_steps=1), wandb=WandbConfig(mode="disabled"),
+    )
+    results = spawn(train_sleepy, world_size=4, args=(cfg, str(tmp_path), 0.002, 0.004), log_dir=tmp_path / "logs", timeout_s=120)
+    assert all(r.exitcode == 0 for r in results), "\n".join(r.log for r in results)
+    trace = json.loads((tmp_path / "trace.json").read_text())
+    spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    for rank in range(4):
+        mine = [e for e in spans if e["pid"] == rank]
+        count = Counter(e["cat"] for e in mine)
+        # One gradient bucket (the model is far below pipeline.bucket_mb): one all-reduce wait per step.
+        assert (count["F"], count["B"], count["S"], count["allreduce"], count["recv"], count["send"]) == (4, 4, 2, 2, 4, 4), (rank, count)
+        steps = {e["args"]["index"]: e for e in mine if e["cat"] == "S"}
+        for e in (e for e in mine if e["cat"] == "allreduce"):
+            step = steps[e["args"]["index"]]
+            assert step["ts"] <= e["ts"] and e["ts"] + e["dur"] <= step["ts"] + step["dur"] + 1e-3
