@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import time
@@ -175,7 +176,8 @@ def _train(cfg: Config, run_dir: Path, ctx: comm.DistContext, layout: Layout, ba
     }
     summary = summarize(all_stats, meta=meta, warmup_steps=cfg.train.warmup_steps, samples_per_step=global_batch, seq_len=cfg.model.seq_len)
     if p.trace:
-        summary["trace"] = _save_trace(all_stats, run_dir, steps=range(first, first + p.trace_steps), title=f"{p.schedule}, d={d}, w={w}, m={m}, b={b}")
+        title = f"{p.schedule}, d={d}, w={w}, m={m}, b={b}"
+        summary["trace"] = _save_trace(all_stats, run_dir, steps=range(first, first + p.trace_steps), title=title)
     write_summary(summary, run_dir)
     save_state_dict({k: v for shard in shards for k, v in shard.items()}, run_dir / "final_model.pt")
     tracker.finish(summary)
@@ -188,8 +190,6 @@ def _train(cfg: Config, run_dir: Path, ctx: comm.DistContext, layout: Layout, ba
 
 def _save_trace(all_stats: Sequence[StageStats], run_dir: Path, *, steps: range, title: str) -> Dict[str, Any]:
     """Writes trace.json (Chrome trace events, for Perfetto) and timeline.png; returns the measured bubble."""
-    import json
-
     traces = [{"rank": st.rank, "stage": st.stage_index, "replica": st.replica, **st.trace} for st in all_stats]
     atomic_write(run_dir / "trace.json", json.dumps(timeline.chrome_trace(traces, title=title)).encode())
     timeline.plot_timeline(traces, run_dir / "timeline.png", title=title)

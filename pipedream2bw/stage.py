@@ -125,7 +125,8 @@ class StageWorker:
 
     def _send(self, tensor: torch.Tensor, k: int, *, peer: int, tag: int, defer: bool) -> None:
         if self.trace is None or not self.trace.on:
-            return self.p2p.send(tensor, peer=peer, tag=tag, defer=defer)
+            self.p2p.send(tensor, peer=peer, tag=tag, defer=defer)
+            return
         start = time.perf_counter()
         self.p2p.send(tensor, peer=peer, tag=tag, defer=defer)
         self.trace.add("send", k, start, time.perf_counter())
@@ -137,7 +138,7 @@ class StageWorker:
             x = self.feed.inputs(k).to(self.device, non_blocking=True)
         else:
             x = self._recv(FORWARD, k, next_k).requires_grad_()
-        start = time.perf_counter()
+            start = time.perf_counter()  # the F span starts once the input is here
         # Shapes are fixed (P2P checks them), so what autograd saves is measured on the first
         # microbatch only, keeping the hooks' per-tensor Python calls off the hot path.
         saved = SavedBytes(self._param_ptrs) if self._saved_bytes is None else contextlib.nullcontext()
