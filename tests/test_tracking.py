@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+import wandb
 
 import wandb_reader
 from dist_helper import run_ok
@@ -67,6 +68,7 @@ def test_plan_and_predictions_are_logged_when_the_summary_has_them(traced_run, t
     plan = {"num_stages": 2, "objective": "throughput", "stages": [{"layers": [0, 1, 2]}, {"layers": [3, 4]}]}
     tracker = Tracker(dataclasses.replace(cfg, wandb=WandbConfig(mode="offline")), tmp_path)
     tracker.finish(summary, plan=plan)
+    wandb.teardown()  # the wandb service outlives finish() in this process; its teardown flushes the run's file
     records = _records(tmp_path)
     logged = wandb_reader.summary(records)
     assert logged["predicted_samples_per_s"] == 123.0
