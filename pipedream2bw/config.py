@@ -38,6 +38,13 @@ class PipelineConfig:
     """Gradient all-reduce bucket size in MiB; a bucket is reduced as soon as backward produced it."""
     recompute: bool = False
     """Activation recomputation: keep only each layer's input for backward and re-run its forward there."""
+    trace: bool = False
+    """Record when every F, B, send, recv, all-reduce and optimizer step ran on every rank for
+    trace_steps steps; writes trace.json (Chrome/Perfetto), timeline.png and the bubble fraction."""
+    trace_steps: int = 3
+    """How many consecutive steps (batches) pipeline.trace records."""
+    trace_first_step: Optional[int] = None
+    """First traced step (0-based); null: train.warmup_steps, i.e. the first measured steps."""
 
 
 @dataclass
@@ -112,6 +119,18 @@ class WandbConfig:
     """wandb project name."""
     name: Optional[str] = None
     """Run name; null lets wandb choose."""
+    group: Optional[str] = None
+    """wandb group of the run; a sweep sets it to the sweep's name so that its jobs show together."""
+
+
+@dataclass
+class SweepConfig:
+    nproc: Optional[int] = None
+    """Processes each sweep job launches; null: pipeline.num_stages * pipeline.data_parallel."""
+    timeout_s: float = 3600.0
+    """Longest a sweep job may run; it is then stopped and recorded as failed, and the sweep goes on."""
+    name: Optional[str] = None
+    """The sweep's name, also the wandb group of its jobs; null: the sweep directory."""
 
 
 @dataclass
@@ -190,6 +209,8 @@ class Config:
     wandb: WandbConfig = field(default_factory=WandbConfig)
     topology: TopologyConfig = field(default_factory=TopologyConfig)
     partition: PartitionConfig = field(default_factory=PartitionConfig)
+    sweep: SweepConfig = field(default_factory=SweepConfig)
+    """Only for ``python -m pipedream2bw.sweep``; training ignores it."""
     seed: int = 0
     """Seeds weight initialisation (per layer) and the batch order."""
 
@@ -372,6 +393,13 @@ def validate(cfg: Config, *, world_size: int, num_layers: Optional[int] = None, 
             f"train.resume ({t.resume}) is neither 'auto', 'never' nor an existing path; "
             f"point it at a checkpoint, a checkpoints/ directory or a run directory"
         )
+    if p.trace:
+        first = t.warmup_steps if p.trace_first_step is None else p.trace_first_step
+        if p.trace_steps < 1 or first < 0 or first + p.trace_steps > t.num_steps:
+            raise ConfigError(
+                f"pipeline.trace_first_step ({first}) and pipeline.trace_steps ({p.trace_steps}) must trace at least one of "
+                f"the train.num_steps ({t.num_steps}) steps and no more; lower them or raise train.num_steps"
+            )
     if cfg.wandb.mode not in WANDB_MODES:
         raise ConfigError(f"wandb.mode ({cfg.wandb.mode!r}) is unknown; use one of {list(WANDB_MODES)}")
     if cfg.dist.backend not in BACKENDS:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -14,16 +15,18 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.utils.checkpoint
 from torch import nn
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 from pipedream2bw import checkpoint, comm
 from pipedream2bw.config import Config, ConfigError, build_optimizer, validate
 from pipedream2bw.data import MicrobatchFeed, load_bytes
 from pipedream2bw.models import build_gpt_layers, lm_loss
-from pipedream2bw.results import save_state_dict, summarize, write_summary
+from pipedream2bw.results import atomic_write, save_state_dict, summarize, write_summary
 from pipedream2bw.schedule import check_stage, shift_batches, stage_actions
 from pipedream2bw.layout import Layout, make_layout
-from pipedream2bw.stage import Peers, StageWorker
-from pipedream2bw.tracking import Tracker
+from pipedream2bw.stage import Peers, StageStats, StageWorker
+from pipedream2bw import timeline
+from pipedream2bw.tracking import Tracker, progress_bar
 from pipedream2bw.versions import WeightVersions, bucketize
 
 log = logging.getLogger(__name__)
@@ -277,6 +280,12 @@ def _train(cfg: Config, run_dir: Path, ctx: comm.DistContext, layout: Layout, ba
         p2p=comm.P2P(ctx, batch_sends=cfg.dist.batch_p2p if cfg.dist.batch_p2p is not None else ctx.backend == "nccl"),
         loss_fn=loss_fn, device=ctx.device, reducer=reducer, grad_scale=1.0 / (m * w),
     )
+    if p.trace:  # traced steps are counted from 0, whatever step a resumed run starts at
+        first = max(first_batch, cfg.train.warmup_steps if p.trace_first_step is None else p.trace_first_step)
+        if first + p.trace_steps <= cfg.train.num_steps:
+            worker.trace = timeline.Recorder(first_step=first, num_steps=p.trace_steps, run_start=first_batch)
+        else:
+            log.warning("pipeline.trace: steps %d..%d were trained before this resumed run; nothing traced", first, first + p.trace_steps - 1)
     actions = stage_actions(p.schedule, stage_index=s, num_stages=d, num_microbatches=m, num_batches=cfg.train.num_steps - first_batch)
     check_stage(actions, num_microbatches=m, in_flight_limit=m if p.schedule == "gpipe" else d - s)
     actions = shift_batches(actions, first_batch=first_batch, num_microbatches=m)
@@ -287,7 +296,8 @@ def _train(cfg: Config, run_dir: Path, ctx: comm.DistContext, layout: Layout, ba
     if resume is not None and ctx.rank == 0:
         worker.stats.losses = list(resume[1]["losses"])
     tracker = Tracker(cfg, run_dir) if ctx.rank == 0 else None
-    progress = _progress(cfg, worker, tracker, samples_per_step=global_batch) if ctx.rank == 0 else (lambda t: None)
+    bar = progress_bar(cfg.train.num_steps, initial=first_batch) if ctx.rank == 0 else None
+    progress = _progress(cfg, worker, tracker, bar, samples_per_step=global_batch) if ctx.rank == 0 else (lambda t: None)
     saver = checkpoint.Checkpointer(
         run_dir / checkpoint.DIRNAME, every=cfg.train.checkpoint_every, num_steps=cfg.train.num_steps,
         keep=cfg.train.keep_checkpoints, rank=ctx.rank, world_size=ctx.world_size,
@@ -303,7 +313,10 @@ def _train(cfg: Config, run_dir: Path, ctx: comm.DistContext, layout: Layout, ba
         progress(t)
         saver.after_step(t + 1, versions.state, worker.stats.losses if ctx.rank == 0 else None)
 
-    stats = worker.run(actions, on_step=on_step)
+    with logging_redirect_tqdm() if bar is not None and not bar.disable else contextlib.nullcontext():
+        stats = worker.run(actions, on_step=on_step)
+    if bar is not None:
+        bar.close()
     saver.wait()
     stats.replica = replica
     if reducer is not None:
@@ -326,6 +339,9 @@ def _train(cfg: Config, run_dir: Path, ctx: comm.DistContext, layout: Layout, ba
     # Throughput counts the steps this run took; a resumed run may have fewer than the warm-up.
     warmup = min(cfg.train.warmup_steps, cfg.train.num_steps - first_batch - 1)
     summary = summarize(all_stats, meta=meta, warmup_steps=warmup, samples_per_step=global_batch, seq_len=cfg.model.seq_len)
+    if worker.trace is not None:
+        title = f"{p.schedule}, d={d}, w={w}, m={m}, b={b}"
+        summary["trace"] = _save_trace(all_stats, run_dir, steps=range(worker.trace.first_step, worker.trace.first_step + p.trace_steps), title=title)
     write_summary(summary, run_dir)
     save_state_dict({k: v for shard in shards for k, v in shard.items()}, run_dir / "final_model.pt")
     tracker.finish(summary)
@@ -336,14 +352,26 @@ def _train(cfg: Config, run_dir: Path, ctx: comm.DistContext, layout: Layout, ba
     return summary
 
 
-def _progress(cfg: Config, worker: StageWorker, tracker: "Tracker", *, samples_per_step: int) -> Callable[[int], None]:
-    """Rank 0's per-step callback: log loss and throughput every ``train.log_every`` steps."""
+def _save_trace(all_stats: Sequence[StageStats], run_dir: Path, *, steps: range, title: str) -> Dict[str, Any]:
+    """Writes trace.json (Chrome trace events, for Perfetto) and timeline.png; returns the measured bubble."""
+    traces = [{"rank": st.rank, "stage": st.stage_index, "replica": st.replica, **st.trace} for st in all_stats]
+    atomic_write(run_dir / "trace.json", json.dumps(timeline.chrome_trace(traces, title=title)).encode())
+    timeline.plot_timeline(traces, run_dir / "timeline.png", title=title)
+    return {**timeline.bubble_summary(traces), "steps": list(steps), "files": ["trace.json", "timeline.png"]}
+
+
+def _progress(cfg: Config, worker: StageWorker, tracker: "Tracker", bar: Any, *, samples_per_step: int) -> Callable[[int], None]:
+    """Rank 0's per-step callback: advance the progress bar; log loss and throughput every ``train.log_every`` steps."""
     window = {"start": time.perf_counter(), "steps": 0}
 
     def on_step(t: int) -> None:
         window["steps"] += 1
         loss = worker.stats.losses[-1]
         tracker.log({"loss": loss}, step=t)
+        if not bar.disable:
+            steps_per_s = bar.format_dict["rate"] or 0.0  # tqdm's smoothed steps/s
+            bar.set_postfix(loss=f"{loss:.4f}", samples_per_s=f"{steps_per_s * samples_per_step:.1f}", refresh=False)
+            bar.update(1)
         if (t + 1) % cfg.train.log_every and t + 1 != cfg.train.num_steps:
             return
         now = time.perf_counter()

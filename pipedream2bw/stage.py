@@ -14,6 +14,7 @@ import torch
 from pipedream2bw.comm import P2P, GradReducer
 from pipedream2bw.data import MicrobatchFeed
 from pipedream2bw.schedule import BACKWARD, FORWARD, Action
+from pipedream2bw.timeline import Recorder
 from pipedream2bw.versions import WeightVersions
 
 log = logging.getLogger(__name__)
@@ -47,6 +48,8 @@ class StageStats:
     weight_bytes: int = 0  # all weight versions held
     optimizer_state_bytes: int = 0
     peak_memory_bytes: int = 0  # CUDA: max allocated; CPU: process peak resident set
+    p2p_wait_s: float = 0.0  # time spent waiting for activations and gradients from neighbours
+    trace: Optional[dict] = None  # pipeline.trace: {"spans": [timeline.Span], "window": [start, end]}
 
 
 class SavedBytes(torch.autograd.graph.saved_tensors_hooks):
@@ -105,20 +108,37 @@ class StageWorker:
         # (gloo). When sends are batched with the next receive (NCCL, where transfers between two
         # ranks run in order), receives are posted only when needed, paired with the held sends.
         self._prefetch = not p2p.batch_sends
+        self.trace: Optional[Recorder] = None  # set for pipeline.trace; spans are recorded while trace.on
 
     def _recv(self, kind: str, k: int, next_k: Optional[int]) -> torch.Tensor:
         peer, tag = (self.peers.prev, ACTIVATION_TAG) if kind == FORWARD else (self.peers.next, GRADIENT_TAG)
+        start = time.perf_counter()
         pending = self._pending.pop((kind, k), None) or self.p2p.post_recv(peer=peer, tag=tag)
         if next_k is not None and self._prefetch:  # post the next receive now, so it overlaps our compute
             self._pending[(kind, next_k)] = self.p2p.post_recv(peer=peer, tag=tag)
-        return self.p2p.wait_recv(pending, peer=peer)
+        received = self.p2p.wait_recv(pending, peer=peer)
+        end = time.perf_counter()
+        self.stats.p2p_wait_s += end - start
+        if self.trace is not None and self.trace.on:
+            self.trace.add("recv", k, start, end)
+        return received
+
+    def _send(self, tensor: torch.Tensor, k: int, *, peer: int, tag: int, defer: bool) -> None:
+        if self.trace is None or not self.trace.on:
+            self.p2p.send(tensor, peer=peer, tag=tag, defer=defer)
+            return
+        start = time.perf_counter()
+        self.p2p.send(tensor, peer=peer, tag=tag, defer=defer)
+        self.trace.add("send", k, start, time.perf_counter())
 
     def forward(self, k: int, next_k: Optional[int], *, defer_send: bool = False) -> None:
         module = self.versions.module_for_batch(k // self.m)
         if self.first:
+            start = time.perf_counter()
             x = self.feed.inputs(k).to(self.device, non_blocking=True)
         else:
             x = self._recv(FORWARD, k, next_k).requires_grad_()
+            start = time.perf_counter()  # the F span starts once the input is here
         # Shapes are fixed (P2P checks them), so what autograd saves is measured on the first
         # microbatch only, keeping the hooks' per-tensor Python calls off the hot path.
         saved = SavedBytes(self._param_ptrs) if self._saved_bytes is None else contextlib.nullcontext()
@@ -134,20 +154,26 @@ class StageWorker:
             if len(losses) == self.m:  # the batch's losses are all known: report them now, not after the step
                 self._report_loss(torch.stack(self._batch_losses.pop(k // self.m)).mean())
         else:
-            self.p2p.send(out.detach(), peer=self.peers.next, tag=ACTIVATION_TAG, defer=defer_send)
+            self._send(out.detach(), k, peer=self.peers.next, tag=ACTIVATION_TAG, defer=defer_send)
         self._stash[k] = (x, out)
         self.stats.peak_stash_bytes = max(self.stats.peak_stash_bytes, len(self._stash) * self._saved_bytes)
+        if self.trace is not None and self.trace.on:
+            self.trace.add(FORWARD, k, start, time.perf_counter())
 
     def backward(self, k: int, next_k: Optional[int], *, defer_send: bool = False) -> None:
         x, out = self._stash.pop(k)
         if self.reducer is not None and (k + 1) % self.m == 0:  # the batch's last backward: reduce as it goes
             self.reducer.arm(self.versions.replicas.index(self.versions.module_for_batch(k // self.m)))
+        grad = None if self.last else self._recv(BACKWARD, k, next_k)
+        start = time.perf_counter()
         if self.last:
             out.backward()
         else:
-            torch.autograd.backward(out, self._recv(BACKWARD, k, next_k))
+            torch.autograd.backward(out, grad)
         if not self.first:
-            self.p2p.send(x.grad, peer=self.peers.prev, tag=GRADIENT_TAG, defer=defer_send)
+            self._send(x.grad, k, peer=self.peers.prev, tag=GRADIENT_TAG, defer=defer_send)
+        if self.trace is not None and self.trace.on:
+            self.trace.add(BACKWARD, k, start, time.perf_counter())
 
     def _report_loss(self, loss: torch.Tensor) -> None:
         """A last stage: hand the batch's mean loss to rank 0 (here, if this is rank 0)."""
@@ -158,11 +184,30 @@ class StageWorker:
 
     def step(self, t: int) -> None:
         wait = self.reducer.wait if self.reducer is not None else (lambda i: None)
+        trace = self.trace if self.trace is not None and self.trace.on else None
+        if trace is not None and self.reducer is not None:
+            wait = self._traced_wait(t)
+        start = time.perf_counter()
         self.versions.step(t, grad_scale=self.grad_scale, before_bucket=wait)
+        if trace is not None:
+            trace.add("S", t, start, time.perf_counter())
         if self.peers.loss_sources:  # rank 0: the batch loss is the mean over the replicas' last stages
+            start = time.perf_counter()
             losses = [self._own_loss if r == self.p2p.ctx.rank else self.p2p.recv_loss(peer=r) for r in self.peers.loss_sources]
             self.stats.losses.append(sum(losses) / len(losses))
+            if trace is not None:
+                trace.add("loss", t, start, time.perf_counter())
         self.stats.step_end_times.append(time.perf_counter())
+        if self.trace is not None:
+            self.trace.step_done(t, self.stats.step_end_times[-1])
+
+    def _traced_wait(self, t: int) -> Callable[[int], None]:
+        """The reducer's per-bucket wait, recorded as an ``allreduce`` span of batch ``t``."""
+        def wait(b: int) -> None:
+            start = time.perf_counter()
+            self.reducer.wait(b)
+            self.trace.add("allreduce", t, start, time.perf_counter())
+        return wait
 
     def run(self, actions: Sequence[Action], *, on_step: Callable[[int], None] = lambda t: None) -> StageStats:
         """Runs ``actions`` in order; ``on_step(t)`` is called after each optimizer step."""
@@ -182,7 +227,11 @@ class StageWorker:
             else:
                 self.step(a.index)
                 on_step(a.index)
+        start = time.perf_counter()
         self.p2p.flush()
+        self.stats.p2p_wait_s += time.perf_counter() - start
+        if self.trace is not None:
+            self.stats.trace = {"spans": self.trace.spans, "window": self.trace.window}
         self._measure_memory()
         return self.stats
 

@@ -1,15 +1,65 @@
-"""wandb tracking on rank 0: offline by default (no network), online or disabled on request."""
+"""wandb tracking on rank 0: offline by default (no network), online or disabled on request.
+
+One wandb run per training job. Rank 0 logs it: the loss and throughput as the run goes,
+then, from summary.json (which holds every rank's gathered ``StageStats``), per-stage peak
+memory, time waiting on neighbours and on the gradient all-reduce, the measured bubble, the
+timeline picture, and the planner's predictions and plan when the summary has them.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import sys
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional, TextIO
 
 from pipedream2bw.config import Config
 
 log = logging.getLogger(__name__)
+
+SCALARS = ("final_loss", "samples_per_s", "tokens_per_s", "step_time_s", "predicted_samples_per_s")
+
+
+def stage_rows(summary: Dict[str, Any]) -> List[Dict[str, Any]]:
+    """One row per stage: measured peak memory (largest replica), predicted peak memory when
+    the planner gave one, and the mean over the stage's replicas of the time spent waiting on
+    neighbours (p2p) and on the gradient all-reduce."""
+    predicted = summary.get("predicted_peak_memory_bytes")
+    rows = []
+    for stage, peak in enumerate(summary["peak_memory_bytes"]):
+        ranks = [r for r in summary["ranks"] if r["stage"] == stage]
+        rows.append({
+            "stage": stage,
+            "peak_memory_bytes": peak,
+            "predicted_peak_memory_bytes": predicted[stage] if predicted else None,
+            "p2p_wait_s": sum(r.get("p2p_wait_s", 0.0) for r in ranks) / len(ranks),
+            "allreduce_exposed_s": sum(r["allreduce_exposed_s"] for r in ranks) / len(ranks),
+        })
+    return rows
+
+
+def plan_rows(plan: Dict[str, Any]) -> List[Dict[str, Any]]:
+    """A plan as table rows: its ``stages`` list when it has one (one row per stage, plan-wide
+    scalars repeated), else one row of its scalar fields."""
+    scalars = {k: v for k, v in plan.items() if isinstance(v, (int, float, str, bool)) or v is None}
+    stages = plan.get("stages")
+    if isinstance(stages, list) and stages and all(isinstance(s, dict) for s in stages):
+        return [{**scalars, **{k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in s.items()}} for s in stages]
+    return [{**scalars, **{k: str(v) for k, v in plan.items() if k not in scalars}}]
+
+
+def progress_bar(num_steps: int, *, initial: int = 0, file: Optional[TextIO] = None) -> Any:
+    """Rank 0's tqdm bar over the training steps (steps/s; loss and samples/s as postfix).
+
+    Disabled unless ``file`` (stderr by default) is a terminal, so that logs and CI output
+    keep only the regular log lines."""
+    from tqdm import tqdm
+
+    file = sys.stderr if file is None else file
+    return tqdm(
+        total=num_steps, initial=initial, desc="train", unit="step", file=file, disable=not file.isatty(), dynamic_ncols=True, leave=True,
+    )
 
 
 class Tracker:
@@ -17,6 +67,7 @@ class Tracker:
 
     def __init__(self, cfg: Config, run_dir: Path):
         self.run = None
+        self.run_dir = Path(run_dir)
         if cfg.wandb.mode == "disabled":
             return
         import wandb  # imported here: it is slow to import and only rank 0 needs it
@@ -24,9 +75,10 @@ class Tracker:
         self.run = wandb.init(
             project=cfg.wandb.project,
             name=cfg.wandb.name,
+            group=cfg.wandb.group,
             mode=cfg.wandb.mode,
             dir=str(run_dir),
-            config=dataclasses.asdict(cfg),
+            config=dataclasses.asdict(cfg),  # the resolved config, every default filled in
             settings=wandb.Settings(silent=True, console="off"),
         )
         log.info("wandb run %s (%s) in %s", self.run.id, cfg.wandb.mode, self.run.dir)
@@ -35,13 +87,50 @@ class Tracker:
         if self.run is not None:
             self.run.log(metrics, step=step)
 
-    def finish(self, summary: Optional[Dict[str, Any]] = None) -> None:
+    def finish(self, summary: Optional[Dict[str, Any]] = None, *, plan: Optional[Dict[str, Any]] = None) -> None:
+        """Puts the run's figures in the wandb summary, logs the tables and picture, closes the run.
+
+        Args:
+            summary: the summary.json payload (None when the run failed).
+            plan: the planner's plan as a dict; by default the summary's ``plan``, if any.
+        """
         if self.run is None:
             return
-        for key in ("final_loss", "samples_per_s", "tokens_per_s", "step_time_s"):
-            if summary and key in summary:
-                self.run.summary[key] = summary[key]
         if summary:
-            for stage, peak in enumerate(summary["peak_memory_bytes"]):
-                self.run.summary[f"stage{stage}/peak_memory_bytes"] = peak
+            self._summarize(summary, plan if plan is not None else summary.get("plan"))
         self.run.finish()
+
+    def _summarize(self, summary: Dict[str, Any], plan: Optional[Dict[str, Any]]) -> None:
+        import wandb
+
+        rows = stage_rows(summary)
+        media: Dict[str, Any] = {"stages": _table(rows)}
+        trace = summary.get("trace")
+        png = self.run_dir / "timeline.png"
+        if trace and png.is_file():
+            media["timeline"] = wandb.Image(str(png), caption=f"steps {trace['steps']}")
+        if plan:
+            media["plan"] = _table(plan_rows(plan))
+        # Logged first: a row reaches the summary when the next one is logged, and the last
+        # training step's row (the throughput of its log window) must not overwrite the figures below.
+        self.run.log(media, step=summary["num_steps"])
+        out = self.run.summary
+        for key in SCALARS:
+            if summary.get(key) is not None:
+                out[key] = summary[key]
+        for row in rows:
+            for key in ("peak_memory_bytes", "predicted_peak_memory_bytes", "p2p_wait_s", "allreduce_exposed_s"):
+                if row[key] is not None:
+                    out[f"stage{row['stage']}/{key}"] = row[key]
+        out["comm_wait_s"] = sum(r.get("p2p_wait_s", 0.0) + r["allreduce_exposed_s"] for r in summary["ranks"])
+        if trace:
+            out["bubble_fraction"] = trace["bubble_fraction"]
+            for rank, fraction in enumerate(trace["bubble_fraction_per_rank"]):
+                out[f"rank{rank}/bubble_fraction"] = fraction
+
+
+def _table(rows: List[Dict[str, Any]]) -> Any:
+    import wandb
+
+    columns = list(dict.fromkeys(k for row in rows for k in row))
+    return wandb.Table(columns=columns, data=[[row.get(c) for c in columns] for row in rows])

@@ -2,7 +2,7 @@
 
     python scripts/bench_layouts.py [--layouts 2x2,4x1,1x4] [--repeats 3] [--steps 20] [overrides ...]
 
-Each run is the real command (torchrun -m pipedream2bw.train); layouts alternate within each
+Each run is the real command (python -m pipedream2bw.train, launched as torchrun does); layouts alternate within each
 repeat so that machine drift hits them alike. Prints the command, the configuration and a
 table of medians, and writes it as JSON.
 """
@@ -12,27 +12,25 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from pipedream2bw.comm import free_port
+from pipedream2bw.launch import LaunchError, launch_train
 
 
 def run_layout(d: int, w: int, *, global_batch: int, microbatch_size: int, steps: int, schedule: str, overrides, out_dir: Path) -> dict:
     m = global_batch // (w * microbatch_size)
     run_dir = out_dir / f"{d}x{w}-{time.monotonic_ns()}"
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(d * w), "--master-port", str(free_port()),
-        "-m", "pipedream2bw.train", f"pipeline.schedule={schedule}", f"pipeline.num_stages={d}", f"pipeline.data_parallel={w}",
-        f"pipeline.num_microbatches={m}", f"pipeline.microbatch_size={microbatch_size}", f"train.num_steps={steps}",
-        "wandb.mode=disabled", f"hydra.run.dir={run_dir}", *overrides,
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode:
-        raise SystemExit(f"{d}x{w} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    try:  # the real training command, launched as torchrun does (pipedream2bw.launch)
+        launch_train([
+            f"pipeline.schedule={schedule}", f"pipeline.num_stages={d}", f"pipeline.data_parallel={w}",
+            f"pipeline.num_microbatches={m}", f"pipeline.microbatch_size={microbatch_size}", f"train.num_steps={steps}",
+            "wandb.mode=disabled", *overrides,
+        ], nproc=d * w, run_dir=run_dir)
+    except LaunchError as e:
+        raise SystemExit(f"{d}x{w} failed: {e}; see {run_dir}/train.log and {run_dir}/launch/")
     summary = json.loads((run_dir / "summary.json").read_text())
     exposed = [r["allreduce_exposed_s"] / steps for r in summary["ranks"]]
     return {

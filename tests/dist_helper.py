@@ -112,3 +112,39 @@ def train_with_fault(cfg: Config, run_dir: str, layer_index: int, call: int, how
     layers = build_gpt_layers(cfg.model, seed=cfg.seed)
     layers[layer_index] = FailAt(layers[layer_index], call=call, how=how)
     run(cfg, Path(run_dir), layers=layers)
+
+
+class _Sleep(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, forward_s: float, backward_s: float):
+        time.sleep(forward_s)
+        ctx.backward_s = backward_s
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(ctx.backward_s)
+        return grad, None, None
+
+
+class Sleepy(nn.Module):
+    """A layer whose forward and backward take fixed times while leaving the CPU free: a rank
+    then behaves like a device of its own however few cores the machine has (timeline tests)."""
+
+    def __init__(self, layer: nn.Module, *, forward_s: float, backward_s: float):
+        super().__init__()
+        self.layer, self.forward_s, self.backward_s = layer, forward_s, backward_s
+
+    def forward(self, x):
+        return _Sleep.apply(self.layer(x), self.forward_s, self.backward_s)
+
+
+def sleepy_layers(*, num_layers: int, width: int = 16, vocab_size: int = 256, forward_s: float, backward_s: float) -> List[nn.Module]:
+    """Embedding, linears, LM head: each sleeps ``forward_s``/``backward_s`` per microbatch."""
+    torch.manual_seed(0)
+    inner = [nn.Embedding(vocab_size, width)] + [nn.Linear(width, width) for _ in range(num_layers - 2)] + [nn.Linear(width, vocab_size)]
+    return [Sleepy(layer, forward_s=forward_s, backward_s=backward_s) for layer in inner]
+
+
+def train_sleepy(cfg: Config, run_dir: str, forward_s: float, backward_s: float) -> None:
+    run(cfg, Path(run_dir), layers=sleepy_layers(num_layers=cfg.pipeline.num_stages, forward_s=forward_s, backward_s=backward_s))
