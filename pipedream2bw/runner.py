@@ -118,6 +118,7 @@ def run(
         predictions = {} if plan is None else {
             "predicted_samples_per_s": plan.predicted_samples_per_s,
             "predicted_peak_memory_bytes": list(plan.predicted_peak_memory_bytes),
+            "plan": dataclasses.asdict(plan),  # logged to wandb as a table
         }
         summary = _train(cfg, run_dir, ctx, layout, balance, layers, loss_fn, resume, predictions)
     except BaseException as e:
