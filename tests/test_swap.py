@@ -1,0 +1,184 @@
+"""The swap manager on its own, no processes: results bit for bit, every tensor back once, bounded residency."""
+
+from __future__ import annotations
+
+import collections
+import time
+from functools import partial
+from typing import Callable, Dict, List, Optional
+
+import pytest
+import torch
+from torch import nn
+
+from pipedream2bw.config import GPTConfig
+from pipedream2bw.models import build_gpt_layers, lm_loss
+from pipedream2bw.schedule import BACKWARD, FORWARD, stage_actions
+from pipedream2bw.stage import SavedBytes
+from pipedream2bw.swap import CpuBackend, SwapManager, TransferBackend
+
+
+def _model() -> nn.Sequential:
+    return nn.Sequential(*build_gpt_layers(GPTConfig(num_layers=2, d_model=32, num_heads=2, seq_len=16), seed=1))
+
+
+def _inputs(k: int):
+    g = torch.Generator().manual_seed(k)
+    return torch.randint(0, 256, (2, 16), generator=g), torch.randint(0, 256, (2, 16), generator=g)
+
+
+def _train(actions, make: Optional[Callable[..., SwapManager]], *, observe: bool = False, exclude_params: bool = True):
+    """Runs a stage's F/B actions on one GPT (the whole model as one stage) with the manager
+    ``make(exclude=...)`` (None: no swapping); returns losses, grads, saved bytes, stats, model."""
+    torch.manual_seed(0)
+    model = _model()
+    manager = make(exclude=list(model.parameters()) if exclude_params else ()) if make is not None else None
+    stash, losses, saved_bytes = {}, {}, None
+    for a in actions:
+        if a.kind == FORWARD:
+            x, y = _inputs(a.index)
+            outer = SavedBytes({p.untyped_storage().data_ptr() for p in model.parameters()}) if observe and a.index == 0 else None
+            ctx = manager.forward(a.index, inputs=(x,), outer=outer) if manager is not None else (outer or _null())
+            with ctx:
+                loss = lm_loss(model(x), y)
+            if outer is not None:
+                saved_bytes = outer.nbytes
+            stash[a.index], losses[a.index] = loss, loss.detach()
+        elif a.kind == BACKWARD:
+            if manager is not None:
+                manager.begin_backward(a.index)
+            stash.pop(a.index).backward()
+            if manager is not None:
+                manager.end_backward(a.index)
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    stats = manager.close() if manager is not None else None
+    return losses, grads, saved_bytes, stats, model
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _fb(schedule: str, stage_index: int, num_stages: int, m: int = 4, batches: int = 2):
+    return [a for a in stage_actions(schedule, stage_index=stage_index, num_stages=num_stages, num_microbatches=m, num_batches=batches) if a.kind in (FORWARD, BACKWARD)]
+
+
+@pytest.mark.parametrize("schedule,stage_index,resident", [("2bw", 0, 1), ("2bw", 0, 0), ("2bw", 1, 1), ("gpipe", 0, 1), ("gpipe", 0, 2), ("flush", 0, 1)])
+def test_swapping_changes_no_bit_and_bounds_the_resident_set(schedule, stage_index, resident):
+    actions = _fb(schedule, stage_index, 4)
+    losses, grads, _, _, _ = _train(actions, None)
+    managers = []
+    s_losses, s_grads, _, stats, _ = _train(actions, lambda **kw: managers.append(SwapManager(CpuBackend(), min_bytes=4096, resident=resident, trace=True, **kw)) or managers[0])
+    manager = managers[0]
+    for k in losses:  # bit for bit, not to round-off
+        assert torch.equal(losses[k], s_losses[k])
+    for n in grads:
+        assert torch.equal(grads[n], s_grads[n]), n
+    assert stats["swapped_out"] > 0 and stats["swapped_out_bytes"] > 0
+    # Every storage that went out came back exactly once, before any of its tensors was unpacked.
+    events: Dict[int, List[str]] = collections.defaultdict(list)
+    for what, _, rec in manager.trace:
+        events[rec].append(what)
+    for rec, seq in events.items():
+        if "out" in seq:
+            assert seq.count("in") == 1, seq
+            assert seq.index("in") < seq.index("unpack") if "unpack" in seq else True
+            assert seq.count("unpack") == seq.count("pack"), seq
+    assert stats["unused"] == 0
+    assert stats["swapped_in"] == stats["swapped_out"] and stats["swapped_in_bytes"] == stats["swapped_out_bytes"]
+    # At most `resident` waiting microbatches' swappable bytes on the device at any time.
+    assert 0 < stats["microbatch_bytes"]
+    assert stats["peak_waiting_bytes"] <= resident * stats["microbatch_bytes"]
+    assert stats["peak_device_bytes"] <= (resident + 1) * stats["microbatch_bytes"] + 4 * stats["unswapped_bytes"]
+
+
+def test_in_flight_microbatches_hold_less_with_swapping():
+    # Stage 0 of 4 holds 4 microbatches in flight; with resident=1, at most 2 on the device.
+    actions = _fb("2bw", 0, 4)
+    manager = partial(SwapManager, CpuBackend(), min_bytes=0, resident=1)
+    _, _, _, stats, _ = _train(actions, manager)
+    per_mb = stats["microbatch_bytes"]
+    assert stats["peak_device_bytes"] <= 2 * per_mb + stats["unswapped_bytes"]
+    assert stats["peak_waiting_bytes"] == per_mb  # the prefetched next microbatch
+    # Without swapping (resident covers all in flight) the same manager counts 4 microbatches.
+    keep_all = partial(SwapManager, CpuBackend(), min_bytes=0, resident=4)
+    _, _, _, kept, _ = _train(actions, keep_all)
+    assert kept["swapped_out"] == 0 and kept["peak_device_bytes"] >= 4 * per_mb
+
+
+def _swapped_storages(exclude_params: bool):
+    """Runs with resident=0, min_bytes=0; returns (storage pointers the manager sent to host, model)."""
+    actions = _fb("gpipe", 0, 2, m=2, batches=1)
+    sent = []
+    backend = CpuBackend()
+    to_host = backend.to_host
+    backend.to_host = lambda flat: sent.append(flat.untyped_storage().data_ptr()) or to_host(flat)
+    _, _, _, stats, model = _train(actions, partial(SwapManager, backend, min_bytes=0, resident=0), exclude_params=exclude_params)
+    assert stats["swapped_out"] == len(sent) > 0
+    return set(sent), model
+
+
+def test_parameters_are_never_swapped():
+    sent, model = _swapped_storages(exclude_params=True)
+    assert not sent & {p.untyped_storage().data_ptr() for p in model.parameters()}
+    # The check can fail: Linear saves its weight (as a plain-tensor view), which is swapped
+    # unless the stage names its parameters.
+    sent, model = _swapped_storages(exclude_params=False)
+    assert sent & {p.untyped_storage().data_ptr() for p in model.parameters()}
+
+
+def test_nested_saved_bytes_hook_still_measures():
+    # torch applies only the innermost saved_tensors_hooks: the manager chains the outer one.
+    actions = _fb("gpipe", 0, 2, m=2, batches=1)
+    _, _, plain, _, _ = _train(actions, None, observe=True)
+    _, _, nested, _, _ = _train(actions, partial(SwapManager, CpuBackend(), min_bytes=0, resident=0), observe=True)
+    assert plain > 0 and nested == plain
+
+
+class _SlowBackend(CpuBackend):
+    """Copies back take a while: the backward must wait for them, never read a half-copied buffer."""
+
+    def to_device(self, off):
+        def copy():
+            off.wait()
+            time.sleep(0.002)
+            return off.host.clone()
+
+        from pipedream2bw.swap import _FutureTransfer
+
+        return _FutureTransfer(self._in.submit(copy))
+
+
+def test_slow_transfers_stall_but_give_the_same_results():
+    actions = _fb("2bw", 0, 4, batches=1)
+    _, grads, _, _, _ = _train(actions, None)
+    _, s_grads, _, stats, _ = _train(actions, partial(SwapManager, _SlowBackend(), min_bytes=0, resident=0))
+    assert all(torch.equal(grads[n], s_grads[n]) for n in grads)
+    assert stats["stall_s"] > 0
+
+
+def test_backend_interface_is_what_the_manager_uses():
+    # CpuBackend implements every method of the interface (the CUDA one is checked on a GPU).
+    for name in ("to_host", "to_device", "consume", "recycle", "stall_s", "busy_s"):
+        assert getattr(CpuBackend, name) is not getattr(TransferBackend, name)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_backend_round_trip_bit_for_bit():
+    from pipedream2bw.swap import CudaBackend
+
+    backend = CudaBackend(torch.device("cuda"))
+    src = torch.randn(1 << 20, device="cuda")
+    flat = torch.empty(0, dtype=torch.uint8, device="cuda").set_(src.untyped_storage())
+    off = backend.to_host(flat)
+    pre = backend.to_device(off)
+    back = backend.consume(pre)
+    torch.cuda.synchronize()
+    assert torch.equal(back, flat)
+    backend.recycle(off, pre)
+    assert backend.busy_s()[0] > 0
