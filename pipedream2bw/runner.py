@@ -13,13 +13,14 @@ import torch
 from torch import nn
 
 from pipedream2bw import comm
-from pipedream2bw.config import Config, build_optimizer, validate
+from pipedream2bw.config import Config, build_optimizer, swap_stages, validate
 from pipedream2bw.data import MicrobatchFeed, load_bytes
 from pipedream2bw.models import build_gpt_layers, lm_loss
 from pipedream2bw.results import save_state_dict, summarize, write_summary
 from pipedream2bw.schedule import check_stage, stage_actions
 from pipedream2bw.layout import Layout, make_layout
 from pipedream2bw.stage import Peers, StageWorker
+from pipedream2bw.swap import SwapManager, make_backend
 from pipedream2bw.tracking import Tracker
 from pipedream2bw.versions import WeightVersions, bucketize
 
@@ -133,13 +134,15 @@ def _train(cfg: Config, run_dir: Path, ctx: comm.DistContext, layout: Layout, ba
         load_bytes(cfg.data.path), seq_len=cfg.model.seq_len, microbatch_size=b, num_microbatches=m, seed=cfg.seed,
         num_replicas=w, replica=replica,
     )
+    in_flight_limit = m if p.schedule == "gpipe" else d - s
+    swap = _swap_manager(cfg, s, min(in_flight_limit, m), versions, ctx.device)
     worker = StageWorker(
         stage_index=s, num_stages=d, num_microbatches=m, peers=peers, versions=versions, feed=feed,
         p2p=comm.P2P(ctx, batch_sends=cfg.dist.batch_p2p if cfg.dist.batch_p2p is not None else ctx.backend == "nccl"),
-        loss_fn=loss_fn, device=ctx.device, reducer=reducer, grad_scale=1.0 / (m * w),
+        loss_fn=loss_fn, device=ctx.device, reducer=reducer, grad_scale=1.0 / (m * w), swap=swap,
     )
     actions = stage_actions(p.schedule, stage_index=s, num_stages=d, num_microbatches=m, num_batches=cfg.train.num_steps)
-    check_stage(actions, num_microbatches=m, in_flight_limit=m if p.schedule == "gpipe" else d - s)
+    check_stage(actions, num_microbatches=m, in_flight_limit=in_flight_limit)
     log.info(
         "%s schedule, %d stages x %d replicas, replica %d, balance %s, layers %s, %d all-reduce buckets, on %s (%s)",
         p.schedule, d, w, replica, balance, list(module._modules), len(buckets), ctx.device, ctx.backend,
@@ -172,6 +175,20 @@ def _train(cfg: Config, run_dir: Path, ctx: comm.DistContext, layout: Layout, ba
         summary["losses"][0], summary["final_loss"], summary["samples_per_s"], summary["tokens_per_s"], run_dir,
     )
     return summary
+
+
+def _swap_manager(cfg: Config, s: int, in_flight: int, versions: WeightVersions, device: torch.device) -> Optional[SwapManager]:
+    """Stage ``s``'s activation swapper, if ``cfg.swap`` selects it and it can help."""
+    if s not in swap_stages(cfg.swap, cfg.pipeline.num_stages):
+        return None
+    if in_flight <= cfg.swap.resident + 1:
+        log.warning(
+            "swap: stage %d has at most %d microbatches in flight and swap.resident=%d keeps %d of them besides the "
+            "one computing: nothing to swap, so it does not", s, in_flight, cfg.swap.resident, cfg.swap.resident)
+        return None
+    held = [t for r in versions.replicas for t in (*r.parameters(), *r.buffers())]  # never swapped
+    log.info("swap: activations of waiting microbatches >= %d bytes to host, %d kept on the device", cfg.swap.min_bytes, cfg.swap.resident)
+    return SwapManager(make_backend(device), min_bytes=cfg.swap.min_bytes, resident=cfg.swap.resident, exclude=held)
 
 
 def _progress(cfg: Config, worker: StageWorker, tracker: "Tracker", *, samples_per_step: int) -> Callable[[int], None]:

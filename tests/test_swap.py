@@ -182,3 +182,38 @@ def test_cuda_backend_round_trip_bit_for_bit():
     assert torch.equal(back, flat)
     backend.recycle(off, pre)
     assert backend.busy_s()[0] > 0
+
+
+def _compose(*overrides: str):
+    from test_config import make
+
+    return make(*overrides)
+
+
+def test_swap_config_through_hydra_selects_stages():
+    from pipedream2bw.config import swap_stages, validate
+
+    cfg = _compose("swap.stages=[0,1]", "swap.resident=2", "swap.min_bytes=1024")
+    validate(cfg, world_size=4)
+    assert swap_stages(cfg.swap, 4) == [0, 1] and (cfg.swap.resident, cfg.swap.min_bytes) == (2, 1024)
+    assert swap_stages(_compose("swap.enabled=true").swap, 4) == [0, 1, 2, 3]
+    assert swap_stages(_compose().swap, 4) == []  # off by default
+    validate(_compose("swap.enabled=true", "swap.stages=[3,2,1,0]"), world_size=4)  # consistent: allowed
+
+
+@pytest.mark.parametrize(
+    "overrides,match",
+    [
+        (["swap.stages=[4]"], r"swap.stages \(\[4\]\) lists \[4\], not a stage of this 4-stage pipeline; use indices 0..3"),
+        (["swap.stages=[-1,0]"], r"lists \[-1\], not a stage"),
+        (["swap.stages=[0,0]"], r"swap.stages \(\[0, 0\]\) lists a stage twice"),
+        (["swap.enabled=true", "swap.stages=[0]"], r"swap.enabled \(true\) swaps every stage but swap.stages \(\[0\]\) lists only some; set swap.enabled=false"),
+        (["swap.min_bytes=-1"], r"swap.min_bytes \(-1\) must be >= 0"),
+        (["swap.resident=-1"], r"swap.resident \(-1\) must be >= 0"),
+    ],
+)
+def test_bad_swap_config_names_value_and_fix(overrides, match):
+    from pipedream2bw.config import ConfigError, validate
+
+    with pytest.raises(ConfigError, match=match):
+        validate(_compose(*overrides), world_size=4)
