@@ -183,7 +183,7 @@ def _swap_manager(cfg: Config, s: int, in_flight: int, versions: WeightVersions,
         return None
     if in_flight <= cfg.swap.resident + 1:
         log.warning(
-            "swap: stage %d has at most %d microbatches in flight and swap.resident=%d keeps %d of them besides the "
+            "swap: stage %d has at most %d microbatch(es) in flight and swap.resident=%d keeps %d of them besides the "
             "one computing: nothing to swap, so it does not", s, in_flight, cfg.swap.resident, cfg.swap.resident)
         return None
     held = [t for r in versions.replicas for t in (*r.parameters(), *r.buffers())]  # never swapped
