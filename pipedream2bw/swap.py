@@ -108,8 +108,8 @@ class TransferBackend:
 
 
 class _FutureTransfer(Transfer):
-    def __init__(self, future: Future, host: Optional[torch.Tensor] = None):
-        self.future, self.host = future, host
+    def __init__(self, future: Future, *, host: Optional[torch.Tensor] = None, device: Optional[torch.Tensor] = None):
+        self.future, self.host, self.device = future, host, device
 
     def ready(self) -> bool:
         return self.future.done()
@@ -129,8 +129,11 @@ class CpuBackend(TransferBackend):
         self._in = ThreadPoolExecutor(1, thread_name_prefix="swap-in")
         self._stall = 0.0
         self._busy = [0.0, 0.0]
+        self._recycle: Deque[Tuple[torch.Tensor, Transfer]] = deque()
 
     def to_host(self, src: torch.Tensor) -> Transfer:
+        while self._recycle and self._recycle[0][1].ready():
+            self.pool.put(self._recycle.popleft()[0])
         host = self.pool.get(src.numel())
         keep = [src]  # the task drops it once copied, like the device tensor after its event
 
@@ -139,30 +142,35 @@ class CpuBackend(TransferBackend):
             host.copy_(keep.pop())
             self._busy[0] += time.perf_counter() - t0
 
-        return _FutureTransfer(self._out.submit(copy), host)
+        return _FutureTransfer(self._out.submit(copy), host=host)
 
     def to_device(self, off: Transfer) -> Transfer:
-        def copy() -> torch.Tensor:
+        dev = self._empty(off.host.numel())  # allocated now, as on a GPU; filled by the worker
+
+        def copy() -> None:
             off.wait()
             t0 = time.perf_counter()
-            dev = off.host.clone()
+            self._copy_in(dev, off.host)
             self._busy[1] += time.perf_counter() - t0
-            return dev
 
-        return _FutureTransfer(self._in.submit(copy))
+        return _FutureTransfer(self._in.submit(copy), device=dev)
+
+    def _empty(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def _copy_in(self, dev: torch.Tensor, host: torch.Tensor) -> None:
+        dev.copy_(host)
 
     def consume(self, pre: Transfer) -> torch.Tensor:
         if not pre.ready():
             t0 = time.perf_counter()
             pre.wait()
             self._stall += time.perf_counter() - t0
-        return pre.future.result()
+        pre.wait()  # raises what the worker raised
+        return pre.device
 
     def recycle(self, off: Transfer, pre: Optional[Transfer]) -> None:
-        off.wait()
-        if pre is not None:
-            pre.wait()
-        self.pool.put(off.host)
+        self._recycle.append((off.host, pre or off))  # back to the pool once the last copy from it is done
 
     def stall_s(self) -> float:
         return self._stall
@@ -326,7 +334,7 @@ class _Packed:
 
 
 class _Micro:
-    __slots__ = ("k", "keep", "records", "device_bytes", "saved_bytes", "small_bytes", "phase")
+    __slots__ = ("k", "keep", "records", "device_bytes", "saved_bytes", "small_bytes", "unfetched", "phase")
 
     def __init__(self, k: int, keep: bool):
         self.k, self.keep = k, keep
@@ -334,6 +342,7 @@ class _Micro:
         self.device_bytes = 0  # swappable bytes on the device (kept, offloads in flight, copies back)
         self.saved_bytes = 0  # swappable bytes saved in all
         self.small_bytes = 0
+        self.unfetched = 0  # records sent to host and not yet asked back
         self.phase = "F"  # F (forward running), W (waiting for backward), B (backward started)
 
 
@@ -401,6 +410,9 @@ class SwapManager:
             self._add_device(rec.micro, -rec.nbytes)
 
     def _fetch(self, micro: _Micro) -> None:
+        if not micro.unfetched:
+            return
+        micro.unfetched = 0
         for rec in micro.records:
             if rec.off is not None and rec.pre is None:
                 rec.pre = self.backend.to_device(rec.off)
@@ -409,9 +421,6 @@ class SwapManager:
                 self.stats.swapped_in_bytes += rec.nbytes
                 self._event("in", rec)
 
-    def _needs_fetch(self, micro: _Micro) -> bool:
-        return any(rec.off is not None and rec.pre is None for rec in micro.records)
-
     def _waiting(self) -> List[_Micro]:
         return sorted((m for m in self._micros.values() if m.phase == "W"), key=lambda m: m.k)
 
@@ -419,7 +428,7 @@ class SwapManager:
         """Fetches the next R waiting microbatches, in backward order, as the budget allows."""
         self._poll()
         for micro in self._waiting()[: self.resident]:
-            if not self._needs_fetch(micro):
+            if not micro.unfetched:
                 continue
             on_device = sum(m is not self._current and m.device_bytes > 0 for m in self._micros.values())
             if micro.device_bytes == 0 and on_device >= self.resident:
@@ -471,6 +480,7 @@ class SwapManager:
                 else:
                     rec.orig = flat
                     rec.off = self.backend.to_host(flat)
+                    micro.unfetched += 1
                     self._outgoing.append(rec)
                     self.stats.swapped_out += 1
                     self.stats.swapped_out_bytes += nbytes
