@@ -11,9 +11,9 @@ Runs alternate between "no swap" and "swap" for ``--repeats`` rounds, each from 
 weights; the script checks that both end with bit-identical weights.
 
 Reported, medians over rounds: step time (one batch of m microbatches, after warm-up
-batches); device peak memory and activation memory (peak minus what was allocated before the
-timed batches: weights, gradients, optimizer state); the swap manager's own byte counts;
-achieved host-device bandwidth (bytes moved / copy-stream busy time, CUDA events) against a
+batches); device peak memory over the timed batches and activation memory (that peak minus
+weights of both versions, gradients, optimizer state and inputs); the swap manager's own byte
+counts; achieved host-device bandwidth (bytes moved / copy-stream busy time, CUDA events) against a
 plain pinned copy measured the same way. On a CPU the "device" is host memory, there is no
 PCIe link and copies are worker-thread memcpys: the figures then only show the mechanism
 works, and the script says so. GPU target: >= 40% less activation memory for <= 10% more
@@ -101,7 +101,7 @@ def run_stage(args, device: torch.device, *, swap: bool) -> Dict[str, Any]:
     params = {p.untyped_storage().data_ptr() for r in versions.replicas for p in r.parameters()}
     actions = stage_actions("2bw", stage_index=0, num_stages=args.num_stages, num_microbatches=m, num_batches=args.warmup + args.batches)
     stash, step_times, saved_one = {}, [], None
-    base = t0 = 0.0
+    t0 = 0.0
     for a in actions:
         if a.kind == FORWARD:
             x = inputs[a.index % m]
@@ -121,10 +121,8 @@ def run_stage(args, device: torch.device, *, swap: bool) -> Dict[str, Any]:
             versions.step(a.index, grad_scale=1.0 / m)
             _sync(device)
             now = time.perf_counter()
-            if a.index == args.warmup - 1:  # weights, gradients, optimizer state now allocated
-                base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
-                if device.type == "cuda":
-                    torch.cuda.reset_peak_memory_stats(device)
+            if a.index == args.warmup - 1 and device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
             elif a.index >= args.warmup:
                 step_times.append(now - t0)
             t0 = now
@@ -135,10 +133,22 @@ def run_stage(args, device: torch.device, *, swap: bool) -> Dict[str, Any]:
     }
     if device.type == "cuda":
         peak = torch.cuda.max_memory_allocated(device)
-        out.update(peak_memory_bytes=peak, activation_peak_bytes=peak - base)
+        out.update(peak_memory_bytes=peak, static_bytes=_static_bytes(versions, [*inputs, grad_out]),
+                   activation_peak_bytes=peak - _static_bytes(versions, [*inputs, grad_out]))
     if manager:
         out["swap"] = manager.close()
     return out
+
+
+def _static_bytes(versions: WeightVersions, data) -> int:
+    """What the stage holds besides activations: both weight versions, one set of gradients
+    (alive from a batch's first backward to its step), optimizer state, inputs, the fixed
+    gradient. (Memory allocated at a step is no base: under 2bw the next batch's first
+    microbatches are already in flight then.)"""
+    weights = sum(p.numel() * p.element_size() for r in versions.replicas for p in r.parameters())
+    grads = sum(p.numel() * p.element_size() for p in versions.replicas[0].parameters())
+    state = sum(v.numel() * v.element_size() for o in versions.optimizers for st in o.state.values() for v in st.values() if torch.is_tensor(v))
+    return weights + grads + state + sum(t.numel() * t.element_size() for t in data)
 
 
 def main() -> None:
@@ -173,6 +183,8 @@ def main() -> None:
         for name in runs:
             runs[name].append(run_stage(args, device, swap=name == "swap"))
     same = all(torch.equal(r["weights"][k], runs["no_swap"][0]["weights"][k]) for rs in runs.values() for r in rs for k in r["weights"])
+    base_w = runs["no_swap"][0]["weights"]
+    reproducible = all(torch.equal(r["weights"][k], base_w[k]) for r in runs["no_swap"] for k in base_w)  # kernels deterministic?
     rows = {name: _summarize(rs, device) for name, rs in runs.items()}
     sw = runs["swap"][-1]["swap"]
     moved = max(sw["microbatch_bytes"], 1 << 20)
@@ -183,6 +195,7 @@ def main() -> None:
         "cpu_only": device.type != "cuda",
         "args": vars(args),
         "weights_identical": same,
+        "no_swap_runs_identical": reproducible,
         "rows": rows,
         "swap_stats": sw,
         "achieved_to_host_GBps": sw["swapped_out_bytes"] / sw["copy_out_s"] / 1e9 if sw["copy_out_s"] else None,
@@ -210,7 +223,8 @@ def _summarize(rs, device) -> Dict[str, Any]:
 
 def _print(res: Dict[str, Any]) -> None:
     mib = 2**20
-    print(f"\ndevice: {res['device']}{'  (CPU-ONLY FIGURES)' if res['cpu_only'] else ''}; weights bit-identical with and without swap: {res['weights_identical']}")
+    print(f"\ndevice: {res['device']}{'  (CPU-ONLY FIGURES)' if res['cpu_only'] else ''}; weights bit-identical with and without swap: {res['weights_identical']}"
+          f" (no-swap runs among themselves: {res['no_swap_runs_identical']})")
     for name, row in res["rows"].items():
         mem = f"peak {row['peak_memory_bytes'] / mib:9.1f} MiB  activations {row['activation_peak_bytes'] / mib:9.1f} MiB" if "peak_memory_bytes" in row else ""
         print(f"  {name:8s} step {row['step_time_s'] * 1e3:9.2f} ms  {mem}")
