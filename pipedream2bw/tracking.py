@@ -44,4 +44,7 @@ class Tracker:
         if summary:
             for stage, peak in enumerate(summary["peak_memory_bytes"]):
                 self.run.summary[f"stage{stage}/peak_memory_bytes"] = peak
+            for r in summary.get("ranks", []):
+                for key in ("peak_device_bytes", "swapped_out_bytes", "stall_s") if r.get("swap") else ():
+                    self.run.summary[f"stage{r['stage']}/replica{r['replica']}/swap_{key}"] = r["swap"][key]
         self.run.finish()
