@@ -118,6 +118,9 @@ class SwapConfig:
     """Microbatches waiting for their backward whose activations stay on the device, besides the one being computed:
     1 brings microbatch k+1 back while k's backward runs; 0 fetches each at the start of its own backward (no overlap).
     A stage with at most resident + 1 microbatches in flight has nothing to gain and does not swap."""
+    optimizer: str = "device"
+    """'device', or 'host': every stage keeps its optimizer state and runs its update in host memory
+    (KARMA, ZeRO-Offload); gradients go to the host at the step, new weights come back."""
 
 
 @dataclass
@@ -233,6 +236,8 @@ def _validate_swap(swap: SwapConfig, num_stages: int) -> None:
                 f"swap.enabled (true) swaps every stage but swap.stages ({stages}) lists only some; "
                 f"set swap.enabled=false to swap only those, or swap.stages=null to swap all"
             )
+    if swap.optimizer not in ("device", "host"):
+        raise ConfigError(f"swap.optimizer ({swap.optimizer!r}) is unknown; use 'device' or 'host'")
     if swap.min_bytes < 0:
         raise ConfigError(f"swap.min_bytes ({swap.min_bytes}) must be >= 0 (0 swaps every saved storage)")
     if swap.resident < 0:

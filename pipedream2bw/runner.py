@@ -19,6 +19,7 @@ from pipedream2bw.models import build_gpt_layers, lm_loss
 from pipedream2bw.results import save_state_dict, summarize, write_summary
 from pipedream2bw.schedule import check_stage, stage_actions
 from pipedream2bw.layout import Layout, make_layout
+from pipedream2bw.host_optim import HostOptimizerVersions
 from pipedream2bw.stage import Peers, StageWorker
 from pipedream2bw.swap import SwapManager, make_backend
 from pipedream2bw.tracking import Tracker
@@ -118,7 +119,7 @@ def _train(cfg: Config, run_dir: Path, ctx: comm.DistContext, layout: Layout, ba
     torch.manual_seed(cfg.seed)
     module = build_stage_module(cfg, balance, s, layers).to(ctx.device)
     buckets = bucketize(list(module.parameters()), bucket_bytes=p.bucket_mb * 2**20)
-    versions = WeightVersions(
+    versions = (HostOptimizerVersions if cfg.swap.optimizer == "host" else WeightVersions)(
         module, schedule=p.schedule, optimizer_factory=lambda params: build_optimizer(params, cfg.optim), buckets=buckets,
     )
     reducer = None

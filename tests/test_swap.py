@@ -248,3 +248,43 @@ def test_cuda_swapping_changes_no_bit(resident):
     assert stats["swapped_out"] > 0 and stats["swapped_in"] == stats["swapped_out"] and stats["unused"] == 0
     assert stats["peak_waiting_bytes"] <= resident * stats["microbatch_bytes"]
     assert stats["copy_out_s"] > 0 and stats["copy_in_s"] > 0
+
+
+@pytest.mark.parametrize("schedule", ["2bw", "flush"])
+@pytest.mark.parametrize("optim", ["adam", "sgd"])
+def test_host_optimizer_gives_the_same_weights_bit_for_bit(schedule, optim):
+    from pipedream2bw.host_optim import HostOptimizerVersions
+    from pipedream2bw.versions import WeightVersions
+
+    factory = (lambda p: torch.optim.Adam(p, lr=0.05)) if optim == "adam" else (lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9))
+    results = []
+    for cls in (WeightVersions, HostOptimizerVersions):
+        torch.manual_seed(0)
+        module = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+        versions = cls(module, schedule=schedule, optimizer_factory=factory, buckets=[[3, 2], [1, 0]])
+        x = torch.randn(3, 4, generator=torch.Generator().manual_seed(1))
+        for t in range(5):  # batch t+1 forwarded before batch t steps, as 2bw runs it
+            versions.module_for_batch(t)(x * (t + 1)).sum().backward()
+            in_flight = versions.module_for_batch(t + 1)(x).sum() if schedule == "2bw" else None
+            versions.step(t, grad_scale=0.5)
+            if in_flight is not None:
+                in_flight.backward()  # autograd accepts it: the step did not touch the version in use
+                for p in versions.module_for_batch(t + 1).parameters():
+                    p.grad = None
+        results.append((versions, [{k: v.clone() for k, v in r.state_dict().items()} for r in versions.replicas]))
+    (_, device_w), (host, host_w) = results
+    for a, b in zip(device_w, host_w):
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # The optimizer state is on the host, attached to host masters, not to the replicas' storages.
+    states = [v for o in host.optimizers for st in o.state.values() for v in st.values() if torch.is_tensor(v) and v.dim() > 0]
+    assert states and all(v.device.type == "cpu" for v in states)
+    replica_ptrs = {p.untyped_storage().data_ptr() for r in host.replicas for p in r.parameters()}
+    assert not replica_ptrs & {p.untyped_storage().data_ptr() for p in host.master}
+
+
+def test_swap_optimizer_config_is_checked():
+    from pipedream2bw.config import ConfigError, validate
+
+    validate(_compose("swap.optimizer=host"), world_size=4)
+    with pytest.raises(ConfigError, match=r"swap.optimizer \('gpu'\) is unknown; use 'device' or 'host'"):
+        validate(_compose("swap.optimizer=gpu"), world_size=4)
