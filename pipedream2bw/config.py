@@ -199,6 +199,25 @@ class PartitionConfig:
 
 
 @dataclass
+class SwapConfig:
+    """Swapping of stashed activations to host memory (DESIGN.md section 5; pipedream2bw/swap.py)."""
+
+    enabled: bool = False
+    """Swap on every stage; false swaps only the stages listed in ``stages``."""
+    stages: Optional[List[int]] = None
+    """Stage indices to swap on, e.g. [0, 1] (stage 0 holds the most microbatches in flight); null: none, unless enabled."""
+    min_bytes: int = 65536
+    """Only saved storages of at least this many bytes move; smaller ones stay (the copy would cost more than it frees)."""
+    resident: int = 1
+    """Microbatches waiting for their backward whose activations stay on the device, besides the one being computed:
+    1 brings microbatch k+1 back while k's backward runs; 0 fetches each at the start of its own backward (no overlap).
+    A stage with at most resident + 1 microbatches in flight has nothing to gain and does not swap."""
+    optimizer: str = "device"
+    """'device', or 'host': every stage keeps its optimizer state and runs its update in host memory
+    (KARMA, ZeRO-Offload); gradients go to the host at the step, new weights come back."""
+
+
+@dataclass
 class Config:
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     model: GPTConfig = field(default_factory=GPTConfig)
@@ -211,6 +230,7 @@ class Config:
     partition: PartitionConfig = field(default_factory=PartitionConfig)
     sweep: SweepConfig = field(default_factory=SweepConfig)
     """Only for ``python -m pipedream2bw.sweep``; training ignores it."""
+    swap: SwapConfig = field(default_factory=SwapConfig)
     seed: int = 0
     """Seeds weight initialisation (per layer) and the batch order."""
 
@@ -293,6 +313,37 @@ def gpt_balance(model: GPTConfig, num_stages: int) -> List[int]:
     counts[0] += 1
     counts[-1] += 2
     return counts
+
+
+def swap_stages(swap: SwapConfig, num_stages: int) -> List[int]:
+    """The stages that swap: all when ``swap.enabled``, else ``swap.stages`` (validated)."""
+    return list(range(num_stages)) if swap.enabled else sorted(swap.stages or [])
+
+
+def _validate_swap(swap: SwapConfig, num_stages: int) -> None:
+    if swap.stages is not None:
+        stages = list(swap.stages)
+        bad = [s for s in stages if not 0 <= s < num_stages]
+        if bad:
+            raise ConfigError(
+                f"swap.stages ({stages}) lists {bad}, not a stage of this {num_stages}-stage pipeline; "
+                f"use indices 0..{num_stages - 1}"
+            )
+        if len(set(stages)) != len(stages):
+            raise ConfigError(f"swap.stages ({stages}) lists a stage twice; list each stage once")
+        if swap.enabled and sorted(stages) != list(range(num_stages)):
+            raise ConfigError(
+                f"swap.enabled (true) swaps every stage but swap.stages ({stages}) lists only some; "
+                f"set swap.enabled=false to swap only those, or swap.stages=null to swap all"
+            )
+    if swap.optimizer not in ("device", "host"):
+        raise ConfigError(f"swap.optimizer ({swap.optimizer!r}) is unknown; use 'device' or 'host'")
+    if swap.min_bytes < 0:
+        raise ConfigError(f"swap.min_bytes ({swap.min_bytes}) must be >= 0 (0 swaps every saved storage)")
+    if swap.resident < 0:
+        raise ConfigError(
+            f"swap.resident ({swap.resident}) must be >= 0: the number of waiting microbatches kept on the device"
+        )
 
 
 def validate(cfg: Config, *, world_size: int, num_layers: Optional[int] = None, local_world_size: int = 1) -> List[int]:
@@ -414,4 +465,5 @@ def validate(cfg: Config, *, world_size: int, num_layers: Optional[int] = None, 
         )
     if cfg.dist.timeout_s <= 0:
         raise ConfigError(f"dist.timeout_s ({cfg.dist.timeout_s}) must be > 0")
+    _validate_swap(cfg.swap, d)
     return balance

@@ -79,6 +79,7 @@ def summarize(stats: List[StageStats], *, meta: Dict[str, Any], warmup_steps: in
                 "optimizer_state_bytes": s.optimizer_state_bytes,
                 "peak_stash_bytes": s.peak_stash_bytes,
                 "peak_memory_bytes": s.peak_memory_bytes,
+                "swap": s.swap,
             }
             for s in stats
         ],

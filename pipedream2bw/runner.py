@@ -18,14 +18,16 @@ from torch import nn
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from pipedream2bw import checkpoint, comm
-from pipedream2bw.config import Config, ConfigError, build_optimizer, validate
+from pipedream2bw.config import Config, ConfigError, build_optimizer, swap_stages, validate
 from pipedream2bw.data import MicrobatchFeed, load_bytes
 from pipedream2bw.models import build_gpt_layers, lm_loss
 from pipedream2bw.results import atomic_write, save_state_dict, summarize, write_summary
 from pipedream2bw.schedule import check_stage, shift_batches, stage_actions
 from pipedream2bw.layout import Layout, make_layout
-from pipedream2bw.stage import Peers, StageStats, StageWorker
 from pipedream2bw import timeline
+from pipedream2bw.host_optim import HostOptimizerVersions
+from pipedream2bw.stage import Peers, StageStats, StageWorker
+from pipedream2bw.swap import SwapManager, make_backend
 from pipedream2bw.tracking import Tracker, progress_bar
 from pipedream2bw.versions import WeightVersions, bucketize
 
@@ -242,7 +244,7 @@ def _train(cfg: Config, run_dir: Path, ctx: comm.DistContext, layout: Layout, ba
     torch.manual_seed(cfg.seed)
     module = build_stage_module(cfg, balance, s, layers).to(ctx.device)
     buckets = bucketize(list(module.parameters()), bucket_bytes=p.bucket_mb * 2**20)
-    versions = WeightVersions(
+    versions = (HostOptimizerVersions if cfg.swap.optimizer == "host" else WeightVersions)(
         module, schedule=p.schedule, optimizer_factory=lambda params: build_optimizer(params, cfg.optim), buckets=buckets,
     )
     indices = [int(i) for i in module._modules]  # global layer indices
@@ -276,10 +278,12 @@ def _train(cfg: Config, run_dir: Path, ctx: comm.DistContext, layout: Layout, ba
         load_bytes(cfg.data.path), seq_len=cfg.model.seq_len, microbatch_size=b, num_microbatches=m, seed=cfg.seed,
         num_replicas=w, replica=replica,
     )
+    in_flight_limit = m if p.schedule == "gpipe" else d - s
+    swap = _swap_manager(cfg, s, min(in_flight_limit, m), versions, ctx.device)
     worker = StageWorker(
         stage_index=s, num_stages=d, num_microbatches=m, peers=peers, versions=versions, feed=feed,
         p2p=comm.P2P(ctx, batch_sends=cfg.dist.batch_p2p if cfg.dist.batch_p2p is not None else ctx.backend == "nccl"),
-        loss_fn=loss_fn, device=ctx.device, reducer=reducer, grad_scale=1.0 / (m * w),
+        loss_fn=loss_fn, device=ctx.device, reducer=reducer, grad_scale=1.0 / (m * w), swap=swap,
     )
     if p.trace:  # traced steps are counted from 0, whatever step a resumed run starts at
         first = max(first_batch, cfg.train.warmup_steps if p.trace_first_step is None else p.trace_first_step)
@@ -288,7 +292,7 @@ def _train(cfg: Config, run_dir: Path, ctx: comm.DistContext, layout: Layout, ba
         else:
             log.warning("pipeline.trace: steps %d..%d were trained before this resumed run; nothing traced", first, first + p.trace_steps - 1)
     actions = stage_actions(p.schedule, stage_index=s, num_stages=d, num_microbatches=m, num_batches=cfg.train.num_steps - first_batch)
-    check_stage(actions, num_microbatches=m, in_flight_limit=m if p.schedule == "gpipe" else d - s)
+    check_stage(actions, num_microbatches=m, in_flight_limit=in_flight_limit)
     actions = shift_batches(actions, first_batch=first_batch, num_microbatches=m)
     log.info(
         "%s schedule, %d stages x %d replicas, replica %d, balance %s, layers %s, %d all-reduce buckets, on %s (%s)",
@@ -359,6 +363,20 @@ def _save_trace(all_stats: Sequence[StageStats], run_dir: Path, *, steps: range,
     atomic_write(run_dir / "trace.json", json.dumps(timeline.chrome_trace(traces, title=title)).encode())
     timeline.plot_timeline(traces, run_dir / "timeline.png", title=title)
     return {**timeline.bubble_summary(traces), "steps": list(steps), "files": ["trace.json", "timeline.png"]}
+
+
+def _swap_manager(cfg: Config, s: int, in_flight: int, versions: WeightVersions, device: torch.device) -> Optional[SwapManager]:
+    """Stage ``s``'s activation swapper, if ``cfg.swap`` selects it and it can help."""
+    if s not in swap_stages(cfg.swap, cfg.pipeline.num_stages):
+        return None
+    if in_flight <= cfg.swap.resident + 1:
+        log.warning(
+            "swap: stage %d has at most %d microbatch(es) in flight and swap.resident=%d keeps %d of them besides the "
+            "one computing: nothing to swap, so it does not", s, in_flight, cfg.swap.resident, cfg.swap.resident)
+        return None
+    held = [t for r in versions.replicas for t in (*r.parameters(), *r.buffers())]  # never swapped
+    log.info("swap: activations of waiting microbatches >= %d bytes to host, %d kept on the device", cfg.swap.min_bytes, cfg.swap.resident)
+    return SwapManager(make_backend(device), min_bytes=cfg.swap.min_bytes, resident=cfg.swap.resident, exclude=held)
 
 
 def _progress(cfg: Config, worker: StageWorker, tracker: "Tracker", bar: Any, *, samples_per_step: int) -> Callable[[int], None]:

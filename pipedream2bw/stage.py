@@ -7,7 +7,7 @@ import logging
 import resource
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -15,6 +15,7 @@ from pipedream2bw.comm import P2P, GradReducer
 from pipedream2bw.data import MicrobatchFeed
 from pipedream2bw.schedule import BACKWARD, FORWARD, Action
 from pipedream2bw.timeline import Recorder
+from pipedream2bw.swap import SwapManager
 from pipedream2bw.versions import WeightVersions
 
 log = logging.getLogger(__name__)
@@ -50,6 +51,7 @@ class StageStats:
     peak_memory_bytes: int = 0  # CUDA: max allocated; CPU: process peak resident set
     p2p_wait_s: float = 0.0  # time spent waiting for activations and gradients from neighbours
     trace: Optional[dict] = None  # pipeline.trace: {"spans": [timeline.Span], "window": [start, end]}
+    swap: Optional[Dict[str, Any]] = None  # SwapStats of a stage that swaps activations to host
 
 
 class SavedBytes(torch.autograd.graph.saved_tensors_hooks):
@@ -93,12 +95,14 @@ class StageWorker:
         device: torch.device,
         reducer: Optional[GradReducer] = None,
         grad_scale: float,
+        swap: Optional[SwapManager] = None,
     ):
         self.m = num_microbatches
         self.first, self.last = stage_index == 0, stage_index == num_stages - 1
         self.peers, self.versions, self.p2p, self.feed = peers, versions, p2p, feed
         self.loss_fn, self.device, self.reducer, self.grad_scale = loss_fn, device, reducer, grad_scale
         self.stats = StageStats(stage_index, p2p.ctx.rank)
+        self.swap = swap
         self._stash: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}  # k -> (input, output or loss)
         self._saved_bytes: Optional[int] = None  # what autograd saves for one microbatch
         self._batch_losses: Dict[int, List[torch.Tensor]] = {}
@@ -142,7 +146,9 @@ class StageWorker:
         # Shapes are fixed (P2P checks them), so what autograd saves is measured on the first
         # microbatch only, keeping the hooks' per-tensor Python calls off the hot path.
         saved = SavedBytes(self._param_ptrs) if self._saved_bytes is None else contextlib.nullcontext()
-        with saved:
+        if self.swap is not None:  # one pair of hooks applies at a time: the swap hooks chain SavedBytes'
+            hooks = self.swap.forward(k, inputs=(x,), outer=saved if self._saved_bytes is None else None)
+        with hooks if self.swap is not None else saved:
             out = module(x)
             if self.last:
                 out = self.loss_fn(out, self.feed.targets(k).to(self.device, non_blocking=True))
@@ -162,6 +168,8 @@ class StageWorker:
 
     def backward(self, k: int, next_k: Optional[int], *, defer_send: bool = False) -> None:
         x, out = self._stash.pop(k)
+        if self.swap is not None:  # before the receive: the prefetch overlaps the wait for the gradient
+            self.swap.begin_backward(k)
         if self.reducer is not None and (k + 1) % self.m == 0:  # the batch's last backward: reduce as it goes
             self.reducer.arm(self.versions.replicas.index(self.versions.module_for_batch(k // self.m)))
         grad = None if self.last else self._recv(BACKWARD, k, next_k)
@@ -170,6 +178,8 @@ class StageWorker:
             out.backward()
         else:
             torch.autograd.backward(out, grad)
+        if self.swap is not None:
+            self.swap.end_backward(k)
         if not self.first:
             self._send(x.grad, k, peer=self.peers.prev, tag=GRADIENT_TAG, defer=defer_send)
         if self.trace is not None and self.trace.on:
@@ -232,6 +242,8 @@ class StageWorker:
         self.stats.p2p_wait_s += time.perf_counter() - start
         if self.trace is not None:
             self.stats.trace = {"spans": self.trace.spans, "window": self.trace.window}
+        if self.swap is not None:
+            self.stats.swap = self.swap.close()
         self._measure_memory()
         return self.stats
 

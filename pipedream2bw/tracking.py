@@ -98,6 +98,9 @@ class Tracker:
             return
         if summary:
             self._summarize(summary, plan if plan is not None else summary.get("plan"))
+            for r in summary.get("ranks", []):
+                for key in ("peak_device_bytes", "swapped_out_bytes", "stall_s") if r.get("swap") else ():
+                    self.run.summary[f"stage{r['stage']}/replica{r['replica']}/swap_{key}"] = r["swap"][key]
         self.run.finish()
 
     def _summarize(self, summary: Dict[str, Any], plan: Optional[Dict[str, Any]]) -> None:

@@ -1,0 +1,290 @@
+"""The swap manager on its own, no processes: results bit for bit, every tensor back once, bounded residency."""
+
+from __future__ import annotations
+
+import collections
+import time
+from functools import partial
+from typing import Callable, Dict, List, Optional
+
+import pytest
+import torch
+from torch import nn
+
+from pipedream2bw.config import GPTConfig
+from pipedream2bw.models import build_gpt_layers, lm_loss
+from pipedream2bw.schedule import BACKWARD, FORWARD, stage_actions
+from pipedream2bw.stage import SavedBytes
+from pipedream2bw.swap import CpuBackend, SwapManager, TransferBackend
+
+
+def _model() -> nn.Sequential:
+    return nn.Sequential(*build_gpt_layers(GPTConfig(num_layers=2, d_model=32, num_heads=2, seq_len=16), seed=1))
+
+
+def _inputs(k: int):
+    g = torch.Generator().manual_seed(k)
+    return torch.randint(0, 256, (2, 16), generator=g), torch.randint(0, 256, (2, 16), generator=g)
+
+
+def _train(actions, make: Optional[Callable[..., SwapManager]], *, observe: bool = False, exclude_params: bool = True, device: str = "cpu"):
+    """Runs a stage's F/B actions on one GPT (the whole model as one stage) with the manager
+    ``make(exclude=...)`` (None: no swapping); returns losses, grads, saved bytes, stats, model."""
+    torch.manual_seed(0)
+    model = _model().to(device)
+    manager = make(exclude=list(model.parameters()) if exclude_params else ()) if make is not None else None
+    stash, losses, saved_bytes = {}, {}, None
+    for a in actions:
+        if a.kind == FORWARD:
+            x, y = (t.to(device) for t in _inputs(a.index))
+            outer = SavedBytes({p.untyped_storage().data_ptr() for p in model.parameters()}) if observe and a.index == 0 else None
+            ctx = manager.forward(a.index, inputs=(x,), outer=outer) if manager is not None else (outer or _null())
+            with ctx:
+                loss = lm_loss(model(x), y)
+            if outer is not None:
+                saved_bytes = outer.nbytes
+            stash[a.index], losses[a.index] = loss, loss.detach()
+        elif a.kind == BACKWARD:
+            if manager is not None:
+                manager.begin_backward(a.index)
+            stash.pop(a.index).backward()
+            if manager is not None:
+                manager.end_backward(a.index)
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    stats = manager.close() if manager is not None else None
+    return losses, grads, saved_bytes, stats, model
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _fb(schedule: str, stage_index: int, num_stages: int, m: int = 4, batches: int = 2):
+    return [a for a in stage_actions(schedule, stage_index=stage_index, num_stages=num_stages, num_microbatches=m, num_batches=batches) if a.kind in (FORWARD, BACKWARD)]
+
+
+@pytest.mark.parametrize("schedule,stage_index,resident", [("2bw", 0, 1), ("2bw", 0, 0), ("2bw", 1, 1), ("gpipe", 0, 1), ("gpipe", 0, 2), ("flush", 0, 1)])
+def test_swapping_changes_no_bit_and_bounds_the_resident_set(schedule, stage_index, resident):
+    actions = _fb(schedule, stage_index, 4)
+    losses, grads, _, _, _ = _train(actions, None)
+    managers = []
+    s_losses, s_grads, _, stats, _ = _train(actions, lambda **kw: managers.append(SwapManager(CpuBackend(), min_bytes=4096, resident=resident, trace=True, **kw)) or managers[0])
+    manager = managers[0]
+    for k in losses:  # bit for bit, not to round-off
+        assert torch.equal(losses[k], s_losses[k])
+    for n in grads:
+        assert torch.equal(grads[n], s_grads[n]), n
+    assert stats["swapped_out"] > 0 and stats["swapped_out_bytes"] > 0
+    # Every storage that went out came back exactly once, before any of its tensors was unpacked.
+    events: Dict[int, List[str]] = collections.defaultdict(list)
+    for what, _, rec in manager.trace:
+        events[rec].append(what)
+    for rec, seq in events.items():
+        if "out" in seq:
+            assert seq.count("in") == 1, seq
+            assert seq.index("in") < seq.index("unpack") if "unpack" in seq else True
+            assert seq.count("unpack") == seq.count("pack"), seq
+    assert stats["unused"] == 0
+    assert stats["swapped_in"] == stats["swapped_out"] and stats["swapped_in_bytes"] == stats["swapped_out_bytes"]
+    # At most `resident` waiting microbatches' swappable bytes on the device at any time.
+    assert 0 < stats["microbatch_bytes"]
+    assert stats["peak_waiting_bytes"] <= resident * stats["microbatch_bytes"]
+    assert stats["peak_device_bytes"] <= (resident + 1) * stats["microbatch_bytes"] + 4 * stats["unswapped_bytes"]
+
+
+def test_in_flight_microbatches_hold_less_with_swapping():
+    # Stage 0 of 4 holds 4 microbatches in flight; with resident=1, at most 2 on the device.
+    actions = _fb("2bw", 0, 4)
+    manager = partial(SwapManager, CpuBackend(), min_bytes=0, resident=1)
+    _, _, _, stats, _ = _train(actions, manager)
+    per_mb = stats["microbatch_bytes"]
+    assert stats["peak_device_bytes"] <= 2 * per_mb + stats["unswapped_bytes"]
+    assert stats["peak_waiting_bytes"] == per_mb  # the prefetched next microbatch
+    # Without swapping (resident covers all in flight) the same manager counts 4 microbatches.
+    keep_all = partial(SwapManager, CpuBackend(), min_bytes=0, resident=4)
+    _, _, _, kept, _ = _train(actions, keep_all)
+    assert kept["swapped_out"] == 0 and kept["peak_device_bytes"] >= 4 * per_mb
+
+
+def _swapped_storages(exclude_params: bool):
+    """Runs with resident=0, min_bytes=0; returns (storage pointers the manager sent to host, model)."""
+    actions = _fb("gpipe", 0, 2, m=2, batches=1)
+    sent = []
+    backend = CpuBackend()
+    to_host = backend.to_host
+    backend.to_host = lambda flat: sent.append(flat.untyped_storage().data_ptr()) or to_host(flat)
+    _, _, _, stats, model = _train(actions, partial(SwapManager, backend, min_bytes=0, resident=0), exclude_params=exclude_params)
+    assert stats["swapped_out"] == len(sent) > 0
+    return set(sent), model
+
+
+def test_parameters_are_never_swapped():
+    sent, model = _swapped_storages(exclude_params=True)
+    assert not sent & {p.untyped_storage().data_ptr() for p in model.parameters()}
+    # The check can fail: Linear saves its weight (as a plain-tensor view), which is swapped
+    # unless the stage names its parameters.
+    sent, model = _swapped_storages(exclude_params=False)
+    assert sent & {p.untyped_storage().data_ptr() for p in model.parameters()}
+
+
+def test_nested_saved_bytes_hook_still_measures():
+    # torch applies only the innermost saved_tensors_hooks: the manager chains the outer one.
+    actions = _fb("gpipe", 0, 2, m=2, batches=1)
+    _, _, plain, _, _ = _train(actions, None, observe=True)
+    _, _, nested, _, _ = _train(actions, partial(SwapManager, CpuBackend(), min_bytes=0, resident=0), observe=True)
+    assert plain > 0 and nested == plain
+
+
+class _SlowBackend(CpuBackend):
+    """Copies back land late: a backward that did not wait for them would read garbage (NaNs)."""
+
+    def _empty(self, nbytes):
+        return torch.full((nbytes,), 255, dtype=torch.uint8)
+
+    def _copy_in(self, dev, host):
+        time.sleep(0.002)
+        dev.copy_(host)
+
+
+class _NoWaitBackend(_SlowBackend):
+    """A broken consume that hands the buffer over before its copy landed."""
+
+    def consume(self, pre):
+        return pre.device
+
+
+def test_slow_transfers_stall_but_give_the_same_results():
+    actions = _fb("2bw", 0, 4, batches=1)
+    _, grads, _, _, _ = _train(actions, None)
+    _, s_grads, _, stats, _ = _train(actions, partial(SwapManager, _SlowBackend(), min_bytes=0, resident=0))
+    assert all(torch.equal(grads[n], s_grads[n]) for n in grads)
+    assert stats["stall_s"] > 0
+    # The check can fail: reading tensors before they are back changes the gradients.
+    # (Garbage token ids fail the embedding or the loss; garbage floats change the gradients.)
+    try:
+        _, bad_grads, _, _, _ = _train(actions, partial(SwapManager, _NoWaitBackend(), min_bytes=0, resident=0))
+        differs = not all(torch.equal(grads[n], bad_grads[n]) for n in grads)
+    except (IndexError, RuntimeError):
+        differs = True
+    assert differs
+
+
+def test_backend_interface_is_what_the_manager_uses():
+    # CpuBackend implements every method of the interface (the CUDA one is checked on a GPU).
+    for name in ("to_host", "to_device", "consume", "recycle", "stall_s", "busy_s"):
+        assert getattr(CpuBackend, name) is not getattr(TransferBackend, name)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_backend_round_trip_bit_for_bit():
+    from pipedream2bw.swap import CudaBackend
+
+    backend = CudaBackend(torch.device("cuda"))
+    src = torch.randn(1 << 20, device="cuda")
+    flat = torch.empty(0, dtype=torch.uint8, device="cuda").set_(src.untyped_storage())
+    off = backend.to_host(flat)
+    pre = backend.to_device(off)
+    back = backend.consume(pre)
+    torch.cuda.synchronize()
+    assert torch.equal(back, flat)
+    backend.recycle(off, pre)
+    assert backend.busy_s()[0] > 0
+
+
+def _compose(*overrides: str):
+    from test_config import make
+
+    return make(*overrides)
+
+
+def test_swap_config_through_hydra_selects_stages():
+    from pipedream2bw.config import swap_stages, validate
+
+    cfg = _compose("swap.stages=[0,1]", "swap.resident=2", "swap.min_bytes=1024")
+    validate(cfg, world_size=4)
+    assert swap_stages(cfg.swap, 4) == [0, 1] and (cfg.swap.resident, cfg.swap.min_bytes) == (2, 1024)
+    assert swap_stages(_compose("swap.enabled=true").swap, 4) == [0, 1, 2, 3]
+    assert swap_stages(_compose().swap, 4) == []  # off by default
+    validate(_compose("swap.enabled=true", "swap.stages=[3,2,1,0]"), world_size=4)  # consistent: allowed
+
+
+@pytest.mark.parametrize(
+    "overrides,match",
+    [
+        (["swap.stages=[4]"], r"swap.stages \(\[4\]\) lists \[4\], not a stage of this 4-stage pipeline; use indices 0..3"),
+        (["swap.stages=[-1,0]"], r"lists \[-1\], not a stage"),
+        (["swap.stages=[0,0]"], r"swap.stages \(\[0, 0\]\) lists a stage twice"),
+        (["swap.enabled=true", "swap.stages=[0]"], r"swap.enabled \(true\) swaps every stage but swap.stages \(\[0\]\) lists only some; set swap.enabled=false"),
+        (["swap.min_bytes=-1"], r"swap.min_bytes \(-1\) must be >= 0"),
+        (["swap.resident=-1"], r"swap.resident \(-1\) must be >= 0"),
+    ],
+)
+def test_bad_swap_config_names_value_and_fix(overrides, match):
+    from pipedream2bw.config import ConfigError, validate
+
+    with pytest.raises(ConfigError, match=match):
+        validate(_compose(*overrides), world_size=4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("resident", [0, 1])
+def test_cuda_swapping_changes_no_bit(resident):
+    from pipedream2bw.swap import CudaBackend
+
+    actions = _fb("2bw", 0, 4)
+    _, grads, _, _, _ = _train(actions, None, device="cuda")
+    _, again, _, _, _ = _train(actions, None, device="cuda")
+    _, s_grads, _, stats, _ = _train(actions, partial(SwapManager, CudaBackend(torch.device("cuda")), min_bytes=4096, resident=resident), device="cuda")
+    if all(torch.equal(grads[n], again[n]) for n in grads):  # bit for bit where the kernels themselves are deterministic
+        assert all(torch.equal(grads[n], s_grads[n]) for n in grads)
+    else:
+        torch.testing.assert_close(s_grads, grads)
+    assert stats["swapped_out"] > 0 and stats["swapped_in"] == stats["swapped_out"] and stats["unused"] == 0
+    assert stats["peak_waiting_bytes"] <= resident * stats["microbatch_bytes"]
+    assert stats["copy_out_s"] > 0 and stats["copy_in_s"] > 0
+
+
+@pytest.mark.parametrize("schedule", ["2bw", "flush"])
+@pytest.mark.parametrize("optim", ["adam", "sgd"])
+def test_host_optimizer_gives_the_same_weights_bit_for_bit(schedule, optim):
+    from pipedream2bw.host_optim import HostOptimizerVersions
+    from pipedream2bw.versions import WeightVersions
+
+    factory = (lambda p: torch.optim.Adam(p, lr=0.05)) if optim == "adam" else (lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9))
+    results = []
+    for cls in (WeightVersions, HostOptimizerVersions):
+        torch.manual_seed(0)
+        module = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+        versions = cls(module, schedule=schedule, optimizer_factory=factory, buckets=[[3, 2], [1, 0]])
+        x = torch.randn(3, 4, generator=torch.Generator().manual_seed(1))
+        for t in range(5):  # batch t+1 forwarded before batch t steps, as 2bw runs it
+            versions.module_for_batch(t)(x * (t + 1)).sum().backward()
+            in_flight = versions.module_for_batch(t + 1)(x).sum() if schedule == "2bw" else None
+            versions.step(t, grad_scale=0.5)
+            if in_flight is not None:
+                in_flight.backward()  # autograd accepts it: the step did not touch the version in use
+                for p in versions.module_for_batch(t + 1).parameters():
+                    p.grad = None
+        results.append((versions, [{k: v.clone() for k, v in r.state_dict().items()} for r in versions.replicas]))
+    (_, device_w), (host, host_w) = results
+    for a, b in zip(device_w, host_w):
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # The optimizer state is on the host, attached to host masters, not to the replicas' storages.
+    states = [v for o in host.optimizers for st in o.state.values() for v in st.values() if torch.is_tensor(v) and v.dim() > 0]
+    assert states and all(v.device.type == "cpu" for v in states)
+    replica_ptrs = {p.untyped_storage().data_ptr() for r in host.replicas for p in r.parameters()}
+    assert not replica_ptrs & {p.untyped_storage().data_ptr() for p in host.master}
+
+
+def test_swap_optimizer_config_is_checked():
+    from pipedream2bw.config import ConfigError, validate
+
+    validate(_compose("swap.optimizer=host"), world_size=4)
+    with pytest.raises(ConfigError, match=r"swap.optimizer \('gpu'\) is unknown; use 'device' or 'host'"):
+        validate(_compose("swap.optimizer=gpu"), world_size=4)
