@@ -105,7 +105,7 @@ def plan_config(cfg: Config, *, runners_up: int = 4, **request_kwargs) -> List[P
 
 
 def apply_plan(cfg: Config, p: Plan, *, world_size: int) -> Config:
-    """``cfg`` with the plan's pipeline settings (and ``swap.stages`` where the runtime has swapping).
+    """``cfg`` with the plan's pipeline settings and its ``swap.stages``.
 
     Raises:
         ConfigError: the plan needs another number of ranks, or another model.
@@ -126,13 +126,5 @@ def apply_plan(cfg: Config, p: Plan, *, world_size: int) -> Config:
         rank_map=[list(r) for r in p.rank_map], recompute=p.recompute,
     )
     out = dataclasses.replace(cfg, pipeline=pipeline)
-    swap = getattr(cfg, "swap", None)
-    if swap is not None:
-        out = dataclasses.replace(out, swap=dataclasses.replace(
-            swap, enabled=False, stages=list(p.swap_stages), resident=p.swap_resident))
-    elif p.swap_stages:
-        raise ConfigError(
-            f"the plan swaps activations on stages {p.swap_stages} but this runtime has no swapping; "
-            f"plan with partition.swap=false"
-        )
-    return out
+    return dataclasses.replace(out, swap=dataclasses.replace(
+        cfg.swap, enabled=False, stages=list(p.swap_stages), resident=p.swap_resident))

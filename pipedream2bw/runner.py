@@ -218,8 +218,6 @@ def _resolve_partition(cfg: Config, store: Any, *, rank: int, world_size: int, l
                 text = plan_to_text(load_plan(cfg.partition.path))
             else:
                 topo = runtime_topology(cfg.topology, world_size=world_size, local_world_size=local_world_size)
-                if not hasattr(cfg, "swap"):  # this runtime cannot swap: plan without it
-                    cfg = dataclasses.replace(cfg, partition=dataclasses.replace(cfg.partition, swap=False))
                 best = plan_config(cfg, devices=world_size, topology=topo)[0]
                 run_dir.mkdir(parents=True, exist_ok=True)
                 save_plan(best, cfg.partition.path or run_dir / "plan.yaml")
