@@ -263,6 +263,12 @@ class P2P:
     its send completes); receives can be posted early and waited on later. Every wait has
     the run's timeout.
 
+    A send's tensor is freed once the send is known to be complete: when its work says so
+    (NCCL), or when the caller ``release``s it, having proof that the peer received it. gloo
+    reports a send complete only once somebody waits on it, and waiting blindly could block on
+    a peer that is itself waiting for us; so the stage worker passes each send a ``token``
+    (its microbatch) and releases tokens as the peer's later transfers prove their receipt.
+
     With ``batch_sends`` (NCCL), a send made with ``defer=True`` is held back and started in
     one batch with the next receive. NCCL runs the transfers between two ranks in order and
     a large send waits for its receiver, so in 1F1B "send activation k+1, receive gradient k"
@@ -273,8 +279,9 @@ class P2P:
     def __init__(self, ctx: DistContext, *, batch_sends: bool = False):
         self.ctx, self.batch_sends = ctx, batch_sends
         self._agreed: Dict[Tuple[int, int], Tuple[torch.Size, torch.dtype]] = {}
-        self._sends: Deque[Tuple[Any, Any]] = deque()  # (work, what it must keep alive)
-        self._deferred: List[Any] = []  # P2POps waiting for the next receive
+        self._sends: Deque[Tuple[Any, Any, Optional[int], Optional[int]]] = deque()  # (work, what it keeps alive, peer, token)
+        self._deferred: List[Tuple[Any, int, Optional[int]]] = []  # (P2POp, peer, token) waiting for the next receive
+        self._loss_sends: Deque[Tuple[Any, torch.Tensor]] = deque()
 
     def _wait(self, work: Any, what: str) -> None:
         try:
@@ -282,8 +289,9 @@ class P2P:
         except Exception as e:
             raise RuntimeError(f"rank {self.ctx.rank}: {what} failed or timed out after {self.ctx.timeout}: {e}") from e
 
-    def send(self, tensor: torch.Tensor, *, peer: int, tag: int, defer: bool = False) -> None:
-        """Sends ``tensor`` to ``peer`` (held for the next receive if ``defer`` and batching).
+    def send(self, tensor: torch.Tensor, *, peer: int, tag: int, defer: bool = False, token: Optional[int] = None) -> None:
+        """Sends ``tensor`` to ``peer`` (held for the next receive if ``defer`` and batching);
+        ``release(peer, t)`` with ``t >= token`` frees it.
 
         Raises:
             PipelineShapeError: the shape or dtype differs from this channel's first transfer.
@@ -293,7 +301,7 @@ class P2P:
             meta = torch.zeros(_META_LEN, dtype=torch.int64)
             meta[0], meta[1] = tensor.dim(), _DTYPES.index(tensor.dtype)
             meta[2 : 2 + tensor.dim()] = torch.tensor(tensor.shape)
-            self._sends.append((dist.isend(meta.to(self.ctx.device), peer, tag=tag), meta))
+            self._sends.append((dist.isend(meta.to(self.ctx.device), peer, tag=tag), meta, peer, None))
             self._agreed[key] = (tensor.shape, tensor.dtype)
         shape, dtype = self._agreed[key]
         if tensor.shape != shape or tensor.dtype != dtype:
@@ -304,23 +312,41 @@ class P2P:
             )
         tensor = tensor.contiguous()
         if defer and self.batch_sends:
-            self._deferred.append(dist.P2POp(dist.isend, tensor, peer, tag=tag))
+            self._deferred.append((dist.P2POp(dist.isend, tensor, peer, tag=tag), peer, token))
         else:
-            self._sends.append((dist.isend(tensor, peer, tag=tag), tensor))
+            self._sends.append((dist.isend(tensor, peer, tag=tag), tensor, peer, token))
         while self._sends and self._sends[0][0].is_completed():
             self._sends.popleft()
 
+    def release(self, peer: int, token: int) -> None:
+        """Frees the sends to ``peer`` with tokens up to ``token``: the caller knows the peer has
+        received them, so waiting on them returns at once (and marks them complete for gloo)."""
+        kept: Deque[Tuple[Any, Any, Optional[int], Optional[int]]] = deque()
+        for entry in self._sends:
+            work, _, to, t = entry
+            if to == peer and t is not None and t <= token:
+                self._wait(work, f"a send to rank {peer} that rank {peer} has received")
+            else:
+                kept.append(entry)
+        self._sends = kept
+
+    @property
+    def pending_sends(self) -> int:
+        """Sends whose tensors are still held (for tests and memory accounting)."""
+        return len(self._sends)
+
     def _start_deferred(self, recv: Optional[Any] = None) -> List[Any]:
         """Starts the held sends (and ``recv``) as one batch; returns the receive's works."""
-        ops, self._deferred = self._deferred + ([recv] if recv is not None else []), []
+        held, self._deferred = self._deferred, []
+        ops = [op for op, _, _ in held] + ([recv] if recv is not None else [])
         if not ops:
             return []
         works = dist.batch_isend_irecv(ops)
-        kept = [op.tensor for op in ops]
         if len(works) == len(ops):  # one request per op (gloo): the receive is the last
-            self._sends.extend(zip(works[: len(ops) - (recv is not None)], kept))
+            self._sends.extend((w, op.tensor, peer, token) for w, (op, peer, token) in zip(works, held))
             return works[-1:] if recv is not None else []
-        self._sends.extend((w, kept) for w in works)  # one coalesced request for the batch (NCCL)
+        kept = [op.tensor for op in ops]  # one coalesced request for the batch (NCCL): it tells when it is done
+        self._sends.extend((w, kept, None, None) for w in works)
         return list(works) if recv is not None else []
 
     def post_recv(self, *, peer: int, tag: int) -> Tuple[List[Any], torch.Tensor]:
@@ -348,9 +374,18 @@ class P2P:
         return buf
 
     def send_loss(self, value: torch.Tensor) -> None:
-        """A last stage: starts sending its batch's mean loss to rank 0 over the CPU control group."""
+        """A last stage: starts sending its batch's mean loss to rank 0 over the CPU control group.
+
+        Rank 0 receives batch t's loss in its step t. This stage cannot compute batch t+2's
+        loss before rank 0's stage has stepped t+1 (its in-flight limit, d - s <= m, holds the
+        forwards of batch t+2 back until the backwards of batch t+1 are done; flush and gpipe
+        step in between batches), so the send of the loss two batches back is complete:
+        waiting on it frees it without blocking.
+        """
         loss = value.detach().to("cpu", torch.float64).reshape(1)
-        self._sends.append((dist.isend(loss, 0, group=self.ctx.control, tag=_LOSS_TAG), loss))
+        self._loss_sends.append((dist.isend(loss, 0, group=self.ctx.control, tag=_LOSS_TAG), loss))
+        while len(self._loss_sends) > 2:
+            self._wait(self._loss_sends.popleft()[0], "sending a loss to rank 0")
 
     def recv_loss(self, *, peer: int) -> float:
         """Rank 0: the mean loss of the next batch from the last stage on rank ``peer``."""
@@ -361,8 +396,10 @@ class P2P:
     def flush(self) -> None:
         """Starts any held sends and waits until every send has completed."""
         self._start_deferred()
+        self._sends.extend((work, loss, 0, None) for work, loss in self._loss_sends)
+        self._loss_sends.clear()
         while self._sends:
-            work, _ = self._sends.popleft()
+            work = self._sends.popleft()[0]
             self._wait(work, "a send")
 
 

@@ -17,12 +17,12 @@ import torch.utils.checkpoint
 from torch import nn
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from pipedream2bw import checkpoint, comm
+from pipedream2bw import checkpoint, comm, schedule
 from pipedream2bw.config import Config, ConfigError, build_optimizer, swap_stages, validate
 from pipedream2bw.data import MicrobatchFeed, load_bytes
 from pipedream2bw.models import build_gpt_layers, lm_loss
 from pipedream2bw.results import atomic_write, save_state_dict, summarize, write_summary
-from pipedream2bw.schedule import check_stage, shift_batches, stage_actions
+from pipedream2bw.schedule import BACKWARD, FORWARD, check_stage, shift_batches, stage_actions
 from pipedream2bw.layout import Layout, make_layout
 from pipedream2bw import timeline
 from pipedream2bw.host_optim import HostOptimizerVersions
@@ -277,11 +277,20 @@ def _train(cfg: Config, run_dir: Path, ctx: comm.DistContext, layout: Layout, ba
         num_replicas=w, replica=replica,
     )
     in_flight_limit = m if p.schedule == "gpipe" else d - s
+
+    def neighbour(stage: int) -> list:
+        acts = stage_actions(p.schedule, stage_index=stage, num_stages=d, num_microbatches=m, num_batches=cfg.train.num_steps - first_batch)
+        return shift_batches(acts, first_batch=first_batch, num_microbatches=m)
+
+    receipts = (
+        schedule.receipts(neighbour(s - 1), consumes=BACKWARD, signals=FORWARD) if s > 0 else {},
+        schedule.receipts(neighbour(s + 1), consumes=FORWARD, signals=BACKWARD) if s < d - 1 else {},
+    )
     swap = _swap_manager(cfg, s, min(in_flight_limit, m), versions, ctx.device)
     worker = StageWorker(
         stage_index=s, num_stages=d, num_microbatches=m, peers=peers, versions=versions, feed=feed,
         p2p=comm.P2P(ctx, batch_sends=cfg.dist.batch_p2p if cfg.dist.batch_p2p is not None else ctx.backend == "nccl"),
-        loss_fn=loss_fn, device=ctx.device, reducer=reducer, grad_scale=1.0 / (m * w), swap=swap,
+        loss_fn=loss_fn, device=ctx.device, reducer=reducer, grad_scale=1.0 / (m * w), swap=swap, receipts=receipts,
     )
     if p.trace:  # traced steps are counted from 0, whatever step a resumed run starts at
         first = max(first_batch, cfg.train.warmup_steps if p.trace_first_step is None else p.trace_first_step)

@@ -89,6 +89,24 @@ def shift_batches(actions: Sequence[Action], *, first_batch: int, num_microbatch
     ]
 
 
+def receipts(peer_actions: Sequence[Action], *, consumes: str, signals: str) -> Dict[int, int]:
+    """What a neighbour's transfers prove about our sends to it.
+
+    For each ``signals`` action j of ``peer_actions`` (a forward whose output the neighbour
+    sends us, or a backward whose input gradient it sends us): the largest index i of its
+    ``consumes`` actions (those that needed what we sent: its forwards for our activations,
+    its backwards for our gradients) done before j. Once we hold what j sent, our sends up
+    to microbatch i have been received; -1 when none.
+    """
+    proofs, done = {}, -1
+    for a in peer_actions:
+        if a.kind == consumes:
+            done = max(done, a.index)
+        elif a.kind == signals:
+            proofs[a.index] = done
+    return proofs
+
+
 def pipeline_actions(schedule: str, *, num_stages: int, num_microbatches: int, num_batches: int) -> List[List[Action]]:
     """Action lists of all stages, stage 0 first."""
     return [

@@ -50,6 +50,7 @@ class StageStats:
     optimizer_state_bytes: int = 0
     peak_memory_bytes: int = 0  # CUDA: max allocated; CPU: process peak resident set
     p2p_wait_s: float = 0.0  # time spent waiting for activations and gradients from neighbours
+    peak_pending_sends: int = 0  # most sends whose tensors were held at once (bounded by the in-flight count)
     trace: Optional[dict] = None  # pipeline.trace: {"spans": [timeline.Span], "window": [start, end]}
     swap: Optional[Dict[str, Any]] = None  # SwapStats of a stage that swaps activations to host
 
@@ -96,6 +97,7 @@ class StageWorker:
         reducer: Optional[GradReducer] = None,
         grad_scale: float,
         swap: Optional[SwapManager] = None,
+        receipts: Tuple[Dict[int, int], Dict[int, int]] = ({}, {}),
     ):
         self.m = num_microbatches
         self.first, self.last = stage_index == 0, stage_index == num_stages - 1
@@ -113,6 +115,9 @@ class StageWorker:
         # ranks run in order), receives are posted only when needed, paired with the held sends.
         self._prefetch = not p2p.batch_sends
         self.trace: Optional[Recorder] = None  # set for pipeline.trace; spans are recorded while trace.on
+        # schedule.receipts of the previous stage (its forward j proves which of our gradients it
+        # received) and of the next (its backward j, which of our activations): sends to free.
+        self._receipts = {FORWARD: receipts[0], BACKWARD: receipts[1]}
 
     def _recv(self, kind: str, k: int, next_k: Optional[int]) -> torch.Tensor:
         peer, tag = (self.peers.prev, ACTIVATION_TAG) if kind == FORWARD else (self.peers.next, GRADIENT_TAG)
@@ -121,6 +126,7 @@ class StageWorker:
         if next_k is not None and self._prefetch:  # post the next receive now, so it overlaps our compute
             self._pending[(kind, next_k)] = self.p2p.post_recv(peer=peer, tag=tag)
         received = self.p2p.wait_recv(pending, peer=peer)
+        self.p2p.release(peer, self._receipts[kind].get(k, -1))
         end = time.perf_counter()
         self.stats.p2p_wait_s += end - start
         if self.trace is not None and self.trace.on:
@@ -128,12 +134,11 @@ class StageWorker:
         return received
 
     def _send(self, tensor: torch.Tensor, k: int, *, peer: int, tag: int, defer: bool) -> None:
-        if self.trace is None or not self.trace.on:
-            self.p2p.send(tensor, peer=peer, tag=tag, defer=defer)
-            return
         start = time.perf_counter()
-        self.p2p.send(tensor, peer=peer, tag=tag, defer=defer)
-        self.trace.add("send", k, start, time.perf_counter())
+        self.p2p.send(tensor, peer=peer, tag=tag, defer=defer, token=k)
+        self.stats.peak_pending_sends = max(self.stats.peak_pending_sends, self.p2p.pending_sends)
+        if self.trace is not None and self.trace.on:
+            self.trace.add("send", k, start, time.perf_counter())
 
     def forward(self, k: int, next_k: Optional[int], *, defer_send: bool = False) -> None:
         module = self.versions.module_for_batch(k // self.m)
