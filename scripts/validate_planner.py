@@ -15,11 +15,8 @@ Every launch runs its ranks with one thread each (OMP_NUM_THREADS=1, as torchrun
 than one process and as the profiler measures). ``--fixed-mmap-threshold`` sets glibc's
 MALLOC_MMAP_THRESHOLD_=131072 for every launch (baseline and runs alike): glibc otherwise raises
 its mmap threshold as large tensors are freed, so later activations come from the heap and freed
-memory stays resident, allocator slack the model does not count. The memory table also shows the
-p2p sends the runtime holds until the run ends (on gloo, ``Work.is_completed()`` stays False until
-``wait()``, so ``comm.P2P`` releases no send before its final ``flush``): steps x m x bytes sent per
-microbatch, which the model leaves out as a runtime bug, not a cost. Timings are as noisy as the
-machine; re-run on a quiet one.
+memory stays resident, allocator slack the model does not count. Timings are as noisy as the
+machine; run it on a quiet one.
 """
 
 from __future__ import annotations
@@ -118,7 +115,6 @@ def main() -> None:
     from partitioner.__main__ import compose
     from partitioner.auto import plan_config, runtime_topology
     from partitioner.planner import save_plan, stage_table
-    from partitioner.profile import profile_gpt
 
     if args.fixed_mmap_threshold:
         EXTRA_ENV["MALLOC_MMAP_THRESHOLD_"] = "131072"
@@ -146,24 +142,18 @@ def main() -> None:
                       f"train.num_steps={args.steps}", f"train.warmup_steps={args.warmup_steps}", "wandb.mode=disabled",
                       f"hydra.run.dir={run_dir}"])
         summary = json.loads((run_dir / "summary.json").read_text())
-        layers = profile_gpt(cfg.model, cfg.optim, b, repeats=cfg.partition.repeats, cache_dir=cfg.partition.cache_dir, seed=cfg.seed)
         for s in range(d):
             pred, meas = plan.predicted_peak_memory_bytes[s], summary["peak_memory_bytes"][s]
-            start, stop = plan.boundaries[s], plan.boundaries[s] + plan.balance[s]
-            sent = (layers[stop - 1].output_bytes if s < d - 1 else 0) + (layers[start].input_bytes if s > 0 else 0)
-            held = args.steps * plan.num_microbatches * sent  # gloo sends the runtime keeps until the end (see below)
-            stage_rows.append(dict(plan=f"{d}x{b}", stage=s, predicted_mib=pred / 2**20, measured_mib=meas / 2**20, ratio=pred / meas,
-                                   held_sends_mib=held / 2**20, ratio_with_held=(pred + held) / meas))
+            stage_rows.append(dict(plan=f"{d}x{b}", stage=s, predicted_mib=pred / 2**20, measured_mib=meas / 2**20, ratio=pred / meas))
         rows.append(dict(plan=f"{d}x{b}", d=d, b=b, m=plan.num_microbatches, balance=plan.balance,
                          predicted_samples_per_s=plan.predicted_samples_per_s, measured_samples_per_s=summary["samples_per_s"],
                          ratio=plan.predicted_samples_per_s / summary["samples_per_s"],
                          baseline_rss_mib=[e / 2**20 for e in eps]))
-    print("\npeak memory per stage (MiB; measured = process peak RSS from summary.json). 'held sends': p2p sends the")
-    print("runtime keeps alive until the run ends on gloo (steps x m x bytes sent per microbatch), not in the model")
-    print(f"{'plan':>6} {'stage':>5} {'predicted':>10} {'measured':>10} {'pred/meas':>9}  within 15%  {'held sends':>10} {'(pred+held)/meas':>16}")
+    print("\npeak memory per stage (MiB; measured = process peak RSS from summary.json)")
+    print(f"{'plan':>6} {'stage':>5} {'predicted':>10} {'measured':>10} {'pred/meas':>9}  within 15%")
     for r in stage_rows:
         print(f"{r['plan']:>6} {r['stage']:>5} {r['predicted_mib']:>10.1f} {r['measured_mib']:>10.1f} {r['ratio']:>9.3f}  "
-              f"{'yes' if abs(r['ratio'] - 1) <= 0.15 else 'NO':>10}  {r['held_sends_mib']:>10.1f} {r['ratio_with_held']:>16.3f}")
+              f"{'yes' if abs(r['ratio'] - 1) <= 0.15 else 'NO':>10}")
     print("\nthroughput (samples/s)")
     print(f"{'plan':>6} {'m':>3} {'balance':>14} {'predicted':>10} {'measured':>10} {'pred/meas':>9}  within 20%")
     for r in rows:

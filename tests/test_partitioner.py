@@ -203,8 +203,8 @@ def test_apply_plan_sets_the_pipeline_and_checks_the_launch():
     assert p.balance == best.balance and p.rank_map == best.rank_map and p.recompute == best.recompute
     with pytest.raises(ConfigError, match="launch 8 ranks"):
         apply_plan(cfg, best, world_size=4)
-    with pytest.raises(ConfigError, match="no swapping"):
-        apply_plan(cfg, dataclasses.replace(best, swap_stages=[0]), world_size=8)
+    swapping = apply_plan(cfg, dataclasses.replace(best, swap_stages=[0], swap_resident=2), world_size=8).swap
+    assert (swapping.enabled, swapping.stages, swapping.resident) == (False, [0], 2)  # exactly the plan's stages swap
 
 
 def test_second_pass_keeps_the_bottleneck_time_and_lowers_memory():
