@@ -80,6 +80,21 @@ def agree_on_string(store: dist.Store, key: str, proposal: str) -> str:
     return store.compare_set(key, "", proposal).decode()
 
 
+_runs_prepared = 0
+
+
+def run_scope(store: dist.Store) -> dist.Store:
+    """Keys private to this run, for what ranks agree on before ``init`` (the plan, the checkpoint).
+
+    Named by how many runs this process has prepared: the same on every rank (a Hydra multirun
+    runs its jobs in the same processes), unlike a rank's run directory, which the programmatic
+    API lets differ between ranks.
+    """
+    global _runs_prepared
+    _runs_prepared += 1
+    return dist.PrefixStore(f"run{_runs_prepared}", store)
+
+
 def share_from_rank0(store: dist.Store, key: str, value: Optional[str], *, world_size: int, max_wait_s: float = 60.0) -> str:
     """Rank 0 passes its ``value``, the others None: every rank returns rank 0's value (the others
     wait for it, up to the store's timeout). Works before any process group exists.

@@ -102,19 +102,20 @@ def run(
     rank, world_size, local_rank = comm.env_rank()
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     set_log_prefix(f"[rank {rank}]")
-    plan = None
+    plan, agreed = None, None  # agreed: keys for what rank 0 decides before any group starts (plan, checkpoint)
     if cfg.partition.mode != "manual":
         if store is None:
             store = comm.make_store(rank=rank, world_size=world_size, timeout_s=cfg.dist.timeout_s)
-        cfg, plan = _resolve_partition(cfg, store, rank=rank, world_size=world_size, local_world_size=local_world_size, run_dir=Path(run_dir))
+        agreed = comm.run_scope(store)
+        cfg, plan = _resolve_partition(cfg, agreed, rank=rank, world_size=world_size, local_world_size=local_world_size, run_dir=Path(run_dir))
     balance = validate(cfg, world_size=world_size, num_layers=None if layers is None else len(layers), local_world_size=local_world_size)
     layout = make_layout(cfg.pipeline.num_stages, cfg.pipeline.data_parallel, ranks_per_node=local_world_size, rank_map=cfg.pipeline.rank_map)
     set_log_prefix(f"[stage {layout.position(rank)[0]}/rank {rank}]")
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    if store is None:
+    if store is None:  # made after validate: a bad config fails every rank at once, with no rendezvous
         store = comm.make_store(rank=rank, world_size=world_size, timeout_s=cfg.dist.timeout_s)
-    resume = _choose_checkpoint(cfg, run_dir, store, rank, world_size, layers)
+    resume = _choose_checkpoint(cfg, run_dir, agreed or comm.run_scope(store), rank, world_size, layers)
     ctx = comm.init(store=store, rank=rank, world_size=world_size, local_rank=local_rank, backend=cfg.dist.backend, timeout_s=cfg.dist.timeout_s)
     try:
         predictions = {} if plan is None else {
@@ -160,7 +161,7 @@ def _choose_checkpoint(cfg: Config, run_dir: Path, store: Any, rank: int, world_
     t = cfg.train
     if t.resume == "never":
         return None
-    answer, key = None, f"resume:{run_dir.resolve()}"
+    answer, key = None, "resume"
     if rank == 0:
         try:
             if t.resume == "auto":
@@ -209,7 +210,7 @@ def _resolve_partition(cfg: Config, store: Any, *, rank: int, world_size: int, l
     mode = cfg.partition.mode
     if mode not in PARTITION_MODES:
         raise ConfigError(f"partition.mode ({mode!r}) is unknown; use one of {list(PARTITION_MODES)}")
-    key, text = f"pd2bw_plan/{run_dir.resolve()}", None
+    key, text = "plan", None
     if rank == 0:
         try:
             if mode == "file":

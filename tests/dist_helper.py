@@ -148,3 +148,8 @@ def sleepy_layers(*, num_layers: int, width: int = 16, vocab_size: int = 256, fo
 
 def train_sleepy(cfg: Config, run_dir: str, forward_s: float, backward_s: float) -> None:
     run(cfg, Path(run_dir), layers=sleepy_layers(num_layers=cfg.pipeline.num_stages, forward_s=forward_s, backward_s=backward_s))
+
+
+def train_in_own_dir(cfg: Config, base: str) -> None:
+    """Each rank with its own run directory (the programmatic API allows it; rank 0 writes the results)."""
+    run(cfg, Path(base) / f"rank{os.environ['RANK']}")

@@ -186,3 +186,12 @@ def test_sigkilled_rank_restarts_under_torchrun_and_finishes_with_the_same_weigh
     expected = run_ok(reference, tmp_path / "uninterrupted")
     assert summary["losses"] == expected["losses"]
     assert_equal_bits(weights(run_dir), weights(tmp_path / "uninterrupted"))
+
+
+def test_ranks_with_their_own_run_directories_agree_on_resuming(tmp_path):
+    """What rank 0 decides before the groups start is keyed by run, not by its run directory."""
+    from dist_helper import train_in_own_dir
+
+    results = spawn(train_in_own_dir, world_size=2, args=(config(steps=2, every=2), str(tmp_path)), log_dir=tmp_path / "logs", timeout_s=90)
+    assert all(r.exitcode == 0 for r in results), [r.log for r in results]
+    assert json.loads((tmp_path / "rank0" / "summary.json").read_text())["first_step"] == 0
