@@ -133,7 +133,7 @@ class Checkpointer:
         self.post, self.read, self.timeout_s, self.manifest = post, read, timeout_s, manifest
         self._thread: Optional[threading.Thread] = None
         self._error: Optional[BaseException] = None
-        self.write_s = 0.0  # time the training thread spent taking copies (the writes run beside it)
+        self.write_s = 0.0  # time the training thread spent on checkpoints: copies, and waits for the previous write
 
     def due(self, step: int) -> bool:
         return self.every > 0 and (step % self.every == 0 or step == self.num_steps)

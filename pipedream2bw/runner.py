@@ -331,7 +331,7 @@ def _train(cfg: Config, run_dir: Path, ctx: comm.DistContext, layout: Layout, ba
     if bar is not None:
         bar.close()
     saver.wait()
-    stats.replica = replica
+    stats.replica, stats.checkpoint_s = replica, saver.write_s
     if reducer is not None:
         stats.allreduce_calls, stats.allreduce_exposed_s = reducer.num_collectives, reducer.exposed_s
 

@@ -51,6 +51,7 @@ class StageStats:
     peak_memory_bytes: int = 0  # CUDA: max allocated; CPU: process peak resident set
     p2p_wait_s: float = 0.0  # time spent waiting for activations and gradients from neighbours
     peak_pending_sends: int = 0  # most sends whose tensors were held at once (bounded by the in-flight count)
+    checkpoint_s: float = 0.0  # time training waited for checkpoint copies (the writes run beside it)
     trace: Optional[dict] = None  # pipeline.trace: {"spans": [timeline.Span], "window": [start, end]}
     swap: Optional[Dict[str, Any]] = None  # SwapStats of a stage that swaps activations to host
 

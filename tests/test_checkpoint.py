@@ -49,6 +49,7 @@ def test_resume_is_exact(tmp_path, schedule):
     run_ok(config(schedule, steps=3), tmp_path / "resumed")
     resumed = run_ok(config(schedule, steps=6), tmp_path / "resumed")
     assert resumed["first_step"] == 3 and resumed["resumed_from"].endswith("step_00000003")
+    assert all(r["checkpoint_s"] > 0 for r in straight["ranks"])  # every rank took part in both checkpoints
     assert resumed["losses"] == straight["losses"]  # the first 3 come from the checkpoint, the rest are recomputed
     assert_equal_bits(weights(tmp_path / "resumed"), weights(tmp_path / "straight"))
     # ...and it is not trivially so: without the second version, 2bw would train differently.
