@@ -225,6 +225,9 @@ def _resolve_partition(cfg: Config, store: Any, *, rank: int, world_size: int, l
                 text = plan_to_text(best)
         except ConfigError as e:
             text = "ERROR " + str(e)
+        except Exception as e:  # the other ranks wait for the plan: tell them, then fail here
+            comm.share_from_rank0(store, key, f"ERROR rank 0 could not plan: {type(e).__name__}: {e}", world_size=world_size)
+            raise
     text = comm.share_from_rank0(store, key, text if rank == 0 else None, world_size=world_size)
     if text.startswith("ERROR "):
         raise ConfigError(text[len("ERROR "):])
