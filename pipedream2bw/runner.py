@@ -282,13 +282,17 @@ def _train(cfg: Config, run_dir: Path, ctx: comm.DistContext, layout: Layout, ba
     )
     in_flight_limit = m if p.schedule == "gpipe" else d - s
 
-    def neighbour(stage: int) -> list:
+    def actions_of(stage: int) -> list:
+        """A stage's actions for this run's batches, first_batch .. num_steps - 1 (this stage's checked)."""
         acts = stage_actions(p.schedule, stage_index=stage, num_stages=d, num_microbatches=m, num_batches=cfg.train.num_steps - first_batch)
+        if stage == s:
+            check_stage(acts, num_microbatches=m, in_flight_limit=in_flight_limit)
         return shift_batches(acts, first_batch=first_batch, num_microbatches=m)
 
+    actions = actions_of(s)
     receipts = (
-        schedule.receipts(neighbour(s - 1), consumes=BACKWARD, signals=FORWARD) if s > 0 else {},
-        schedule.receipts(neighbour(s + 1), consumes=FORWARD, signals=BACKWARD) if s < d - 1 else {},
+        schedule.receipts(actions_of(s - 1), consumes=BACKWARD, signals=FORWARD) if s > 0 else {},
+        schedule.receipts(actions_of(s + 1), consumes=FORWARD, signals=BACKWARD) if s < d - 1 else {},
     )
     swap = _swap_manager(cfg, s, min(in_flight_limit, m), versions, ctx.device)
     worker = StageWorker(
@@ -302,9 +306,6 @@ def _train(cfg: Config, run_dir: Path, ctx: comm.DistContext, layout: Layout, ba
             worker.trace = timeline.Recorder(first_step=first, num_steps=p.trace_steps, run_start=first_batch)
         else:
             log.warning("pipeline.trace: steps %d..%d were trained before this resumed run; nothing traced", first, first + p.trace_steps - 1)
-    actions = stage_actions(p.schedule, stage_index=s, num_stages=d, num_microbatches=m, num_batches=cfg.train.num_steps - first_batch)
-    check_stage(actions, num_microbatches=m, in_flight_limit=in_flight_limit)
-    actions = shift_batches(actions, first_batch=first_batch, num_microbatches=m)
     log.info(
         "%s schedule, %d stages x %d replicas, replica %d, balance %s, layers %s, %d all-reduce buckets, on %s (%s)",
         p.schedule, d, w, replica, balance, indices, len(buckets), ctx.device, ctx.backend,
