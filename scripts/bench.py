@@ -7,14 +7,20 @@ torch.distributed.pipelining's Schedule1F1B and ScheduleGPipe driving our stage 
 the whole model in one process with one thread (the physical limit: d stages on d cores can
 at best run d times its throughput). Runs alternate between systems within each repeat, so
 drift hits all alike. Prints the command, the configuration and one table of medians
-(samples/s, pipeline efficiency = samples/s / (d x single-process samples/s), per-stage peak
-resident memory, idle fraction = 1 - the stage's own compute time / wall time per step) and
-writes it as JSON.
+(samples/s, pipeline efficiency = samples/s / (d x single-process samples/s), idle fraction =
+1 - the stage's own compute time / wall time per step, per-stage peak resident memory and
+per-stage peak tensor memory), checks the issue's targets and writes it all as JSON.
+
+Peak tensor memory comes from one more, untimed run of each system: on CUDA the allocator's
+max-allocated counter; on the CPU the running total of live tensor bytes that torch.profiler's
+memory profiling reports at every allocation (the profiler slows that run, hence untimed). It
+is exact where peak RSS also counts allocator fragmentation and libraries.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import resource
@@ -28,6 +34,50 @@ from pathlib import Path
 SYSTEMS = ["ours-2bw", "ours-flush", "ours-gpipe", "torch-1f1b", "torch-gpipe", "single"]
 
 
+def _device(args):
+    import torch
+
+    if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()):
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+        return device
+    return torch.device("cpu")
+
+
+def _sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@contextlib.contextmanager
+def _tensor_peak(device):
+    """Yields a dict whose ``bytes`` is, after the block, the most tensor bytes alive at once in it.
+
+    CUDA: the caching allocator's max-allocated counter. CPU: the largest running total of
+    allocated bytes in torch.profiler's memory events, which count every tensor allocated
+    since the block began (so begin it before the model is built).
+    """
+    import torch
+
+    box = {}
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        yield box
+        box["bytes"] = torch.cuda.max_memory_allocated(device)
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        yield box
+    with tempfile.TemporaryDirectory() as tmp:
+        trace = Path(tmp, "trace.json")
+        prof.export_chrome_trace(str(trace))
+        events = json.loads(trace.read_text())["traceEvents"]
+    box["bytes"] = max((e["args"]["Total Allocated"] for e in events if e.get("name") == "[memory]"), default=0)
+
+
 def _config(args, schedule: str, num_stages: int):
     from pipedream2bw.config import Config, DataConfig, DistConfig, GPTConfig, OptimConfig, PipelineConfig, TrainConfig, WandbConfig
 
@@ -38,11 +88,12 @@ def _config(args, schedule: str, num_stages: int):
         data=DataConfig(),
         train=TrainConfig(num_steps=args.steps, log_every=10**6, warmup_steps=args.warmup),
         wandb=WandbConfig(mode="disabled"),
-        dist=DistConfig(batch_p2p={"auto": None, "on": True, "off": False}[args.batch_p2p]),
+        dist=DistConfig(backend="nccl" if _device(args).type == "cuda" else "gloo",
+                        batch_p2p={"auto": None, "on": True, "off": False}[args.batch_p2p]),
     )
 
 
-def _stage_compute_s(cfg, stage_index: int, num_stages: int, *, reps: int = 5) -> float:
+def _stage_compute_s(cfg, stage_index: int, num_stages: int, device, *, reps: int = 5) -> float:
     """Median time of one microbatch's forward + backward through this stage, alone."""
     import torch
 
@@ -51,17 +102,20 @@ def _stage_compute_s(cfg, stage_index: int, num_stages: int, *, reps: int = 5) -
     from pipedream2bw.runner import build_stage_module
 
     balance = gpt_balance(cfg.model, num_stages)
-    module = build_stage_module(cfg, balance, stage_index, None)
+    module = build_stage_module(cfg, balance, stage_index, None).to(device)
     b, T, C = cfg.pipeline.microbatch_size, cfg.model.seq_len, cfg.model.d_model
-    x = torch.randint(0, 256, (b, T)) if stage_index == 0 else torch.randn(b, T, C, requires_grad=True)
+    x = torch.randint(0, 256, (b, T), device=device) if stage_index == 0 else torch.randn(b, T, C, device=device, requires_grad=True)
+    y = torch.randint(0, 256, (b, T), device=device)
     times = []
     for _ in range(reps + 1):
+        _sync(device)
         start = time.perf_counter()
         out = module(x)
         if stage_index == num_stages - 1:
-            lm_loss(out, torch.randint(0, 256, (b, T))).backward()
+            lm_loss(out, y).backward()
         else:
             out.backward(torch.randn_like(out))
+        _sync(device)
         times.append(time.perf_counter() - start)
     return statistics.median(times[1:])
 
@@ -77,20 +131,37 @@ def _feed(cfg, *, num_microbatches: int):
                           num_microbatches=num_microbatches, seed=cfg.seed)
 
 
-def worker_ours(args, schedule: str) -> dict:
+def _timing(ends, *, warmup: int, samples_per_step: int) -> dict:
+    steady = ends[warmup:]
+    steps = [b - a for a, b in zip(steady, steady[1:])]
+    return {"samples_per_s": len(steps) * samples_per_step / (steady[-1] - steady[0]), "step_time_s": statistics.median(steps)}
+
+
+def _stage_weight_bytes(cfg, stage_index: int, num_stages: int) -> int:
+    """Bytes of one copy of this stage's parameters (what a second 2bw version costs)."""
+    from pipedream2bw.config import gpt_balance
+    from pipedream2bw.runner import build_stage_module
+
+    module = build_stage_module(cfg, gpt_balance(cfg.model, num_stages), stage_index, None)
+    return sum(p.numel() * p.element_size() for p in module.parameters())
+
+
+def worker_ours(args, schedule: str, device) -> dict:
     from pipedream2bw.runner import run
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     cfg = _config(args, schedule, world)
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, _tensor_peak(device) if args.memory_pass else contextlib.nullcontext({}) as peak:
         summary = run(cfg, tmp)
-    out = {"rank": rank, "compute_s": _stage_compute_s(cfg, rank, world)}
+    if args.memory_pass:
+        return {"rank": rank, "peak_tensor_bytes": peak["bytes"], "stage_weight_bytes": _stage_weight_bytes(cfg, rank, world)}
+    out = {"rank": rank, "compute_s": _stage_compute_s(cfg, rank, world, device)}
     if summary is not None:  # rank 0; per-stage peaks were taken when training ended, before gathering results
         out.update(samples_per_s=summary["samples_per_s"], step_time_s=summary["step_time_s"], peak_rss_per_stage=summary["peak_memory_bytes"])
     return out
 
 
-def worker_torch(args, schedule: str) -> dict:
+def worker_torch(args, schedule: str, device) -> dict:
     import torch
     import torch.distributed as dist
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
@@ -100,37 +171,37 @@ def worker_torch(args, schedule: str) -> dict:
     from pipedream2bw.runner import build_stage_module
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    dist.init_process_group("gloo")
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     cfg = _config(args, schedule, world)
     m, b = cfg.pipeline.num_microbatches, cfg.pipeline.microbatch_size
-    module = build_stage_module(cfg, gpt_balance(cfg.model, world), rank, None)  # the split ours uses
-    stage = PipelineStage(module, rank, world, torch.device("cpu"))
-    sched = (Schedule1F1B if schedule == "1f1b" else ScheduleGPipe)(stage, m, loss_fn=lm_loss)
-    opt = build_optimizer(module.parameters(), cfg.optim)
-    feed = _feed(cfg, num_microbatches=m)
-    ends = [time.perf_counter()]
-    for t in range(cfg.train.num_steps):
-        x, y = (torch.cat(parts) for parts in zip(*(feed.microbatch(t * m + j) for j in range(m))))
-        if rank == 0:
-            sched.step(x)
-        elif rank == world - 1:
-            sched.step(target=y)
-        else:
-            sched.step()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        ends.append(time.perf_counter())
-    peak = _peak_rss()
+    with _tensor_peak(device) if args.memory_pass else contextlib.nullcontext({}) as peak:
+        module = build_stage_module(cfg, gpt_balance(cfg.model, world), rank, None).to(device)  # the split ours uses
+        stage = PipelineStage(module, rank, world, device)
+        sched = (Schedule1F1B if schedule == "1f1b" else ScheduleGPipe)(stage, m, loss_fn=lm_loss)
+        opt = build_optimizer(module.parameters(), cfg.optim)
+        feed = _feed(cfg, num_microbatches=m)
+        ends = [time.perf_counter()]
+        for t in range(cfg.train.num_steps):
+            x, y = (torch.cat(parts).to(device) for parts in zip(*(feed.microbatch(t * m + j) for j in range(m))))
+            if rank == 0:
+                sched.step(x)
+            elif rank == world - 1:
+                sched.step(target=y)
+            else:
+                sched.step()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            _sync(device)
+            ends.append(time.perf_counter())
+    peak_rss = _peak_rss()
     dist.destroy_process_group()
-    steady = ends[args.warmup:]
-    steps = [b2 - a for a, b2 in zip(steady, steady[1:])]
-    return {
-        "rank": rank, "peak_rss": peak, "compute_s": _stage_compute_s(cfg, rank, world),
-        "samples_per_s": len(steps) * m * b / (steady[-1] - steady[0]), "step_time_s": statistics.median(steps),
-    }
+    if args.memory_pass:
+        return {"rank": rank, "peak_tensor_bytes": peak["bytes"], "stage_weight_bytes": _stage_weight_bytes(cfg, rank, world)}
+    return {"rank": rank, "peak_rss": peak_rss, "compute_s": _stage_compute_s(cfg, rank, world, device),
+            **_timing(ends, warmup=args.warmup, samples_per_step=m * b)}
 
 
-def worker_single(args) -> dict:
+def worker_single(args, device) -> dict:
     import torch
     from torch import nn
 
@@ -140,50 +211,91 @@ def worker_single(args) -> dict:
     torch.set_num_threads(1)
     cfg = _config(args, "flush", 1)
     m, b = cfg.pipeline.num_microbatches, cfg.pipeline.microbatch_size
-    model = nn.Sequential(*build_gpt_layers(cfg.model, seed=cfg.seed))
-    opt = build_optimizer(model.parameters(), cfg.optim)
-    feed = _feed(cfg, num_microbatches=m)
-    ends = [time.perf_counter()]
-    for t in range(cfg.train.num_steps):
-        for j in range(m):
-            x, y = feed.microbatch(t * m + j)
-            (lm_loss(model(x), y) / m).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        ends.append(time.perf_counter())
-    steady = ends[args.warmup:]
-    steps = [b2 - a for a, b2 in zip(steady, steady[1:])]
-    return {"rank": 0, "peak_rss": _peak_rss(), "compute_s": 0.0,
-            "samples_per_s": len(steps) * m * b / (steady[-1] - steady[0]), "step_time_s": statistics.median(steps)}
+    with _tensor_peak(device) if args.memory_pass else contextlib.nullcontext({}) as peak:
+        model = nn.Sequential(*build_gpt_layers(cfg.model, seed=cfg.seed)).to(device)
+        opt = build_optimizer(model.parameters(), cfg.optim)
+        feed = _feed(cfg, num_microbatches=m)
+        ends = [time.perf_counter()]
+        for t in range(cfg.train.num_steps):
+            for j in range(m):
+                x, y = (v.to(device) for v in feed.microbatch(t * m + j))
+                (lm_loss(model(x), y) / m).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            _sync(device)
+            ends.append(time.perf_counter())
+    if args.memory_pass:
+        return {"rank": 0, "peak_tensor_bytes": peak["bytes"], "stage_weight_bytes": sum(p.numel() * p.element_size() for p in model.parameters())}
+    return {"rank": 0, "peak_rss": _peak_rss(), "compute_s": 0.0, **_timing(ends, warmup=args.warmup, samples_per_step=m * b)}
 
 
 def run_worker(args) -> None:
-    system = args.worker
+    system, device = args.worker, _device(args)
     if system.startswith("ours-"):
-        result = worker_ours(args, system.split("-", 1)[1])
+        result = worker_ours(args, system.split("-", 1)[1], device)
     elif system.startswith("torch-"):
-        result = worker_torch(args, system.split("-", 1)[1])
+        result = worker_torch(args, system.split("-", 1)[1], device)
     else:
-        result = worker_single(args)
+        result = worker_single(args, device)
     Path(args.out, f"rank{result['rank']}.json").write_text(json.dumps(result))
 
 
-def launch(system: str, args, argv_model) -> dict:
+def launch(system: str, args, argv_model, *, memory_pass: bool = False) -> dict:
+    """One run of ``system``; its figures, or with ``memory_pass`` its per-stage peak tensor bytes."""
     from pipedream2bw.comm import free_port
 
     with tempfile.TemporaryDirectory() as out:
         nproc = 1 if system == "single" else args.nproc
+        extra = ["--memory-pass", f"--steps={args.memory_steps}", "--warmup=0"] if memory_pass else []
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port", str(free_port()),
-               __file__, "--worker", system, "--out", out, *argv_model]
+               __file__, "--worker", system, "--out", out, *argv_model, *extra]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode:
             raise SystemExit(f"{system} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
         ranks = sorted((json.loads(p.read_text()) for p in Path(out).glob("rank*.json")), key=lambda r: r["rank"])
+    if memory_pass:
+        return {"peak_tensor_bytes": [r["peak_tensor_bytes"] for r in ranks], "stage_weight_bytes": [r["stage_weight_bytes"] for r in ranks]}
     r0 = ranks[0]
     idle = [1 - args.num_microbatches * r["compute_s"] / r0["step_time_s"] for r in ranks] if system != "single" else [0.0]
     peaks = r0["peak_rss_per_stage"] if "peak_rss_per_stage" in r0 else [r["peak_rss"] for r in ranks]
     return {"samples_per_s": r0["samples_per_s"], "step_time_s": r0["step_time_s"],
             "peak_rss": peaks, "idle_fraction": statistics.mean(idle)}
+
+
+def check_targets(rows: dict, args) -> list:
+    """The issue's targets, each with the configuration it is set for and whether this run meets it.
+
+    Throughput targets are set for 2 processes at one (m, b) on the default GPT (8 blocks, d_model
+    256, 4 heads, seq 128); the memory target (2bw holds one more copy of each stage's weights
+    than flush, and nothing else) holds at any configuration.
+    """
+    def ratio(a, b):
+        return rows[a]["samples_per_s"] / rows[b]["samples_per_s"] if a in rows and b in rows else None
+
+    checks = []
+    issue_model = (args.num_layers, args.d_model, args.num_heads, args.seq_len) == (8, 256, 4, 128)
+
+    def add(name, value, met, spec):
+        applies = spec is None or (issue_model and (args.nproc, args.num_microbatches, args.microbatch_size) == spec)
+        where = "any configuration" if spec is None else f"{spec[0]} processes, m={spec[1]}, b={spec[2]}, the default GPT"
+        checks.append({"target": name, "value": value, "met": met, "set_for": where, "applies": applies})
+
+    r = ratio("ours-2bw", "torch-1f1b")
+    if r is not None:
+        add("ours-2bw >= 1.35x torch-1f1b samples/s", f"{r:.2f}x", r >= 1.35, (2, 2, 16))
+    if "ours-2bw" in rows and rows["ours-2bw"]["efficiency"] is not None:
+        eff = rows["ours-2bw"]["efficiency"]
+        add("ours-2bw pipeline efficiency >= 0.9", f"{eff:.2f}", eff >= 0.9, (2, 2, 16))
+    for ours, theirs in [("ours-flush", "torch-1f1b"), ("ours-gpipe", "torch-gpipe")]:
+        r = ratio(ours, theirs)
+        if r is not None:
+            add(f"{ours} within 5% of {theirs} samples/s (>= 0.95x)", f"{r:.2f}x", r >= 0.95, (2, 8, 4))
+    if "peak_tensor_bytes_per_stage" in rows.get("ours-2bw", {}) and "peak_tensor_bytes_per_stage" in rows.get("ours-flush", {}):
+        two, flush = rows["ours-2bw"], rows["ours-flush"]
+        for stage, (a, b, w) in enumerate(zip(two["peak_tensor_bytes_per_stage"], flush["peak_tensor_bytes_per_stage"], two["stage_weight_bytes"])):
+            add(f"stage {stage}: ours-2bw peak tensors <= ours-flush + one weight copy ({w / 2**20:.2f} MiB)",
+                f"2bw - flush = {(a - b) / 2**20:.2f} MiB", a - b <= w, None)
+    return checks
 
 
 def main() -> None:
@@ -198,46 +310,76 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--memory-steps", type=int, default=4, help="steps of the untimed run that measures peak tensor memory; 0 skips it")
     parser.add_argument("--systems", default=",".join(SYSTEMS))
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto: one GPU per process (NCCL) when CUDA is available")
     parser.add_argument("--batch-p2p", choices=["auto", "on", "off"], default="auto", help="our dist.batch_p2p")
+    parser.add_argument("--strict", action="store_true", help="exit 1 when a target set for this configuration is missed")
     parser.add_argument("--json", default="bench.json")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
+    parser.add_argument("--memory-pass", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         return run_worker(args)
+    if args.steps <= args.warmup + 1:
+        parser.error(f"--steps ({args.steps}) must exceed --warmup ({args.warmup}) by at least 2 to time a step")
     argv_model = [f"--{k}={v}" for k, v in [
         ("num-microbatches", args.num_microbatches), ("microbatch-size", args.microbatch_size), ("num-layers", args.num_layers),
         ("d-model", args.d_model), ("num-heads", args.num_heads), ("seq-len", args.seq_len), ("steps", args.steps),
-        ("warmup", args.warmup), ("batch-p2p", args.batch_p2p)]]
+        ("warmup", args.warmup), ("batch-p2p", args.batch_p2p), ("device", args.device)]]
     systems = args.systems.split(",")
+    unknown = sorted(set(systems) - set(SYSTEMS))
+    if unknown:
+        parser.error(f"--systems: unknown {unknown}; choose from {SYSTEMS}")
+    import torch
+
+    where = "1 GPU (NCCL)" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()) else "1 thread (gloo)"
     print("command:", " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]))
-    print(f"config: {args.nproc} processes x 1 thread, GPT {args.num_layers} blocks d_model {args.d_model} heads {args.num_heads} "
+    print(f"config: {args.nproc} processes x {where}, GPT {args.num_layers} blocks d_model {args.d_model} heads {args.num_heads} "
           f"seq {args.seq_len} vocab 256, m={args.num_microbatches} b={args.microbatch_size}, AdamW, {args.steps} steps "
-          f"({args.warmup} warm-up left out), {args.repeats} repeats, systems alternate")
+          f"({args.warmup} warm-up left out), {args.repeats} repeats, systems alternate; torch {torch.__version__}")
     results = {s: [] for s in systems}
     for repeat in range(args.repeats):
         for system in systems:
             results[system].append(launch(system, args, argv_model))
             print(f"  repeat {repeat} {system:>12}: {results[system][-1]['samples_per_s']:.1f} samples/s", flush=True)
+    memory = {}
+    if args.memory_steps:
+        for system in systems:
+            memory[system] = launch(system, args, argv_model, memory_pass=True)
+        print(f"  peak tensor memory: one untimed run of {args.memory_steps} steps per system", flush=True)
     single = statistics.median(r["samples_per_s"] for r in results["single"]) if "single" in results else None
-    rows = []
-    print(f"\n{'system':>12} {'samples/s':>10} {'efficiency':>10} {'idle':>6} {'peak RSS per stage (MiB)':>26}")
+    rows = {}
+    print(f"\n{'system':>12} {'samples/s':>10} {'efficiency':>10} {'idle':>6} {'peak RSS per stage (MiB)':>26} {'peak tensors per stage (MiB)':>30}")
     for system, runs in results.items():
         sps = statistics.median(r["samples_per_s"] for r in runs)
         d = 1 if system == "single" else args.nproc
         eff = sps / (d * single) if single else None
         peaks = [statistics.median(r["peak_rss"][s] for r in runs) for s in range(len(runs[0]["peak_rss"]))]
         idle = statistics.median(r["idle_fraction"] for r in runs)
-        rows.append({"system": system, "samples_per_s": sps, "efficiency": eff, "idle_fraction": idle, "peak_rss_per_stage": peaks, "runs": runs})
+        rows[system] = {"system": system, "samples_per_s": sps, "efficiency": eff, "idle_fraction": idle, "peak_rss_per_stage": peaks,
+                        "runs": runs}
+        tensors_text = ""
+        if system in memory:
+            rows[system].update(peak_tensor_bytes_per_stage=memory[system]["peak_tensor_bytes"], stage_weight_bytes=memory[system]["stage_weight_bytes"])
+            tensors_text = " ".join(f"{p / 2**20:.1f}" for p in memory[system]["peak_tensor_bytes"])
         peaks_text = " ".join(f"{p / 2**20:.0f}" for p in peaks)
-        print(f"{system:>12} {sps:>10.1f} {eff if eff is not None else float('nan'):>10.2f} {idle:>6.2f} {peaks_text:>26}")
-    by = {r["system"]: r["samples_per_s"] for r in rows}
+        print(f"{system:>12} {sps:>10.1f} {eff if eff is not None else float('nan'):>10.2f} {idle:>6.2f} {peaks_text:>26} {tensors_text:>30}")
     for ours, theirs in [("ours-2bw", "torch-1f1b"), ("ours-flush", "torch-1f1b"), ("ours-gpipe", "torch-gpipe")]:
-        if ours in by and theirs in by:
-            print(f"{ours} / {theirs}: {by[ours] / by[theirs]:.2f}x")
-    Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=2) + "\n")
+        if ours in rows and theirs in rows:
+            print(f"{ours} / {theirs}: {rows[ours]['samples_per_s'] / rows[theirs]['samples_per_s']:.2f}x")
+    checks = check_targets(rows, args)
+    if checks:
+        print("\ntargets:")
+    for c in checks:
+        verdict = ("met" if c["met"] else "MISSED") if c["applies"] else ("would be met" if c["met"] else "would be missed")
+        note = "" if c["applies"] else f"   (set for {c['set_for']}; not this configuration)"
+        print(f"  {verdict:>15}  {c['target']}: {c['value']}{note}")
+    Path(args.json).write_text(json.dumps({"args": vars(args), "rows": list(rows.values()), "targets": checks}, indent=2) + "\n")
     print(f"\nwrote {args.json}")
+    if args.strict and any(c["applies"] and not c["met"] for c in checks):
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":
