@@ -312,7 +312,7 @@ def _train(cfg: Config, run_dir: Path, ctx: comm.DistContext, layout: Layout, ba
     )
     if resume is not None and ctx.rank == 0:
         worker.stats.losses = list(resume[1]["losses"])
-    tracker = Tracker(cfg, run_dir) if ctx.rank == 0 else None
+    tracker = Tracker(cfg, run_dir, run_id=resume[1].get("wandb_run_id") if resume is not None else None) if ctx.rank == 0 else None
     bar = progress_bar(cfg.train.num_steps, initial=first_batch) if ctx.rank == 0 else None
     progress = _progress(cfg, worker, tracker, bar, samples_per_step=global_batch) if ctx.rank == 0 else (lambda t: None)
     saver = checkpoint.Checkpointer(
@@ -323,6 +323,7 @@ def _train(cfg: Config, run_dir: Path, ctx: comm.DistContext, layout: Layout, ba
         manifest={
             "schedule": p.schedule, "optimizer": cfg.optim.name.lower(), "num_layers": sum(balance), "layout": layout_record,
             "global_batch_size": global_batch, "seed": cfg.seed, "param_shapes": _param_shapes(cfg, layers) if ctx.rank == 0 else {},
+            "wandb_run_id": tracker.run_id if tracker is not None else None,
         },
     )
 

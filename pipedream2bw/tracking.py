@@ -63,9 +63,14 @@ def progress_bar(num_steps: int, *, initial: int = 0, file: Optional[TextIO] = N
 
 
 class Tracker:
-    """A wandb run in ``run_dir`` (``wandb.mode``: offline, online or disabled)."""
+    """A wandb run in ``run_dir`` (``wandb.mode``: offline, online or disabled).
 
-    def __init__(self, cfg: Config, run_dir: Path):
+    ``run_id``: the id of the run a resumed job continues (a checkpoint keeps it). Online, the
+    job resumes that wandb run and logs on from its first step; offline, where wandb cannot
+    resume, it starts a new offline run under the same id.
+    """
+
+    def __init__(self, cfg: Config, run_dir: Path, *, run_id: Optional[str] = None):
         self.run = None
         self.run_dir = Path(run_dir)
         if cfg.wandb.mode == "disabled":
@@ -80,8 +85,14 @@ class Tracker:
             dir=str(run_dir),
             config=dataclasses.asdict(cfg),  # the resolved config, every default filled in
             settings=wandb.Settings(silent=True, console="off"),
+            id=run_id,
+            resume="allow" if run_id is not None and cfg.wandb.mode == "online" else None,
         )
-        log.info("wandb run %s (%s) in %s", self.run.id, cfg.wandb.mode, self.run.dir)
+        log.info("wandb run %s (%s%s) in %s", self.run.id, cfg.wandb.mode, ", continued" if run_id else "", self.run.dir)
+
+    @property
+    def run_id(self) -> Optional[str]:
+        return None if self.run is None else self.run.id
 
     def log(self, metrics: Dict[str, Any], *, step: int) -> None:
         if self.run is not None:

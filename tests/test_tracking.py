@@ -84,3 +84,26 @@ def test_disabled_writes_no_wandb_files(tmp_path):
     tracker.log({"loss": 1.0}, step=0)
     tracker.finish({"final_loss": 1.0})
     assert not (tmp_path / "wandb").exists()
+
+
+def test_a_resumed_job_continues_under_the_same_wandb_run_id(tmp_path):
+    def cfg(steps):
+        return Config(
+            pipeline=PipelineConfig(num_stages=2, num_microbatches=2, microbatch_size=2),
+            model=GPTConfig(d_model=32, seq_len=32, num_layers=2),
+            train=TrainConfig(num_steps=steps, checkpoint_every=3, log_every=3, warmup_steps=1), wandb=WandbConfig(mode="offline"),
+        )
+
+    run_dir = tmp_path / "run"
+    run_ok(cfg(3), run_dir)
+    resumed = run_ok(cfg(6), run_dir)
+    assert resumed["first_step"] == 3
+    first, second = sorted(run_dir.glob("wandb/offline-run-*/run-*.wandb"))  # wandb cannot resume offline: a second file
+    runs = [wandb_reader.read_records(f) for f in (first, second)]
+    assert wandb_reader.run_record(runs[0]).run_id == wandb_reader.run_record(runs[1]).run_id
+    losses = [(r["_step"], r["loss"]) for r in wandb_reader.history(runs[1]) if "loss" in r]
+    assert losses == list(zip(range(3, 6), resumed["losses"][3:]))  # the continuation logs only the steps it trained
+    # A fresh run directory (no checkpoint) is a new wandb run.
+    run_ok(cfg(3), tmp_path / "other")
+    [other] = (tmp_path / "other").glob("wandb/offline-run-*/run-*.wandb")
+    assert wandb_reader.run_record(wandb_reader.read_records(other)).run_id != wandb_reader.run_record(runs[0]).run_id
