@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Optional, Sequence
+from typing import Callable, List
 
 import torch
 from torch import nn
@@ -22,21 +22,13 @@ class HostOptimizerVersions(WeightVersions):
     differently from the GPU's.
     """
 
-    def __init__(
-        self,
-        module: nn.Module,
-        *,
-        schedule: str,
-        optimizer_factory: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer],
-        buckets: Optional[Sequence[Sequence[int]]] = None,
-    ):
-        super().__init__(module, schedule=schedule, optimizer_factory=optimizer_factory, buckets=buckets)
+    def _make_masters(self, module: nn.Module) -> List[nn.Parameter]:
+        """Host copies of the weights (pinned when the module is on a GPU); optimizer state is made lazily, so none is on the device."""
         pin = next(module.parameters()).device.type == "cuda"
-        self.master = [
+        return [
             nn.Parameter(p.detach().to("cpu", copy=True).pin_memory() if pin else p.detach().clone(), requires_grad=p.requires_grad)
             for p in module.parameters()
         ]
-        self.optimizers = [optimizer_factory([self.master[i] for i in b]) for b in self.buckets]  # state made lazily: none on the device
 
     @torch.no_grad()
     def step(self, batch_index: int, *, grad_scale: float, before_bucket: Callable[[int], None] = lambda i: None) -> None:

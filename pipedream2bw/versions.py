@@ -108,12 +108,16 @@ class WeightVersions:
         self.schedule = schedule
         self.replicas: List[nn.Module] = [module] + ([copy.deepcopy(module)] if schedule == "2bw" else [])
         self.holds: List[Optional[int]] = [0] + [None] * (len(self.replicas) - 1)
-        self.master = [_alias_parameter(p) for p in module.parameters()]
+        self.master = self._make_masters(module)
         self.buckets = [list(b) for b in buckets] if buckets is not None else [list(range(len(self.master)))]
         assert sorted(i for b in self.buckets for i in b) == list(range(len(self.master))), "buckets must partition the parameters"
         self.optimizers = [optimizer_factory([self.master[i] for i in b]) for b in self.buckets]
         if schedule == "2bw" and any(True for _ in module.buffers()):
             log.warning("module buffers (e.g. BatchNorm statistics) are not versioned under 2bw; each replica keeps its own")
+
+    def _make_masters(self, module: nn.Module) -> List[nn.Parameter]:
+        """The parameters the optimizers own: here aliases whose storage ``step`` points at a replica."""
+        return [_alias_parameter(p) for p in module.parameters()]
 
     def _replica_holding(self, version: int) -> int:
         assert version in self.holds, f"W({version}) is not alive; live versions: {self.holds}"
