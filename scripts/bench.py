@@ -339,8 +339,12 @@ def main() -> None:
     unknown = sorted(set(systems) - set(SYSTEMS))
     if unknown:
         parser.error(f"--systems: unknown {unknown}; choose from {SYSTEMS}")
+    if args.memory_steps < 0:
+        parser.error(f"--memory-steps ({args.memory_steps}) must be >= 0 (0 skips the peak tensor memory run)")
     import torch
 
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: CUDA is not available here; use --device cpu (or auto)")
     where = "1 GPU (NCCL)" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()) else "1 thread (gloo)"
     print("command:", " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]))
     print(f"config: {args.nproc} processes x {where}, GPT {args.num_layers} blocks d_model {args.d_model} heads {args.num_heads} "
