@@ -33,6 +33,9 @@ from pipedream2bw.versions import WeightVersions, bucketize
 
 log = logging.getLogger(__name__)
 
+TRAIN_RANGE = "pipedream2bw.train"
+"""torch.profiler range around each rank's training loop (not set-up, checkpoint waits or result gathering)."""
+
 
 _log_prefix = ""
 
@@ -331,7 +334,7 @@ def _train(cfg: Config, run_dir: Path, ctx: comm.DistContext, layout: Layout, ba
         progress(t)
         saver.after_step(t + 1, versions.state, worker.stats.losses if ctx.rank == 0 else None)
 
-    with logging_redirect_tqdm() if bar is not None and not bar.disable else contextlib.nullcontext():
+    with logging_redirect_tqdm() if bar is not None and not bar.disable else contextlib.nullcontext(), torch.profiler.record_function(TRAIN_RANGE):
         stats = worker.run(actions, on_step=on_step)
     if bar is not None:
         bar.close()

@@ -30,6 +30,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 SYSTEMS = ["ours-2bw", "ours-flush", "ours-gpipe", "torch-1f1b", "torch-gpipe", "single"]
 
@@ -52,12 +53,14 @@ def _sync(device) -> None:
 
 
 @contextlib.contextmanager
-def _tensor_peak(device):
+def _tensor_peak(device, *, within: Optional[str] = None):
     """Yields a dict whose ``bytes`` is, after the block, the most tensor bytes alive at once in it.
 
     CUDA: the caching allocator's max-allocated counter. CPU: the largest running total of
     allocated bytes in torch.profiler's memory events, which count every tensor allocated
-    since the block began (so begin it before the model is built).
+    since the block began (so begin it before the model is built); with ``within``, only while
+    the profiler range of that name is open (our training loop, leaving out the gathering of
+    results after it, which CUDA memory does not see either).
     """
     import torch
 
@@ -75,7 +78,11 @@ def _tensor_peak(device):
         trace = Path(tmp, "trace.json")
         prof.export_chrome_trace(str(trace))
         events = json.loads(trace.read_text())["traceEvents"]
-    box["bytes"] = max((e["args"]["Total Allocated"] for e in events if e.get("name") == "[memory]"), default=0)
+    spans = [(e["ts"], e["ts"] + e["dur"]) for e in events if within is not None and e.get("name") == within and e.get("ph") == "X"]
+    if within is not None and not spans:
+        raise RuntimeError(f"no profiler range {within!r} in the trace")
+    box["bytes"] = max((e["args"]["Total Allocated"] for e in events if e.get("name") == "[memory]"
+                        and (within is None or any(a <= e["ts"] <= b for a, b in spans))), default=0)
 
 
 def _config(args, schedule: str, num_stages: int):
@@ -147,11 +154,11 @@ def _stage_weight_bytes(cfg, stage_index: int, num_stages: int) -> int:
 
 
 def worker_ours(args, schedule: str, device) -> dict:
-    from pipedream2bw.runner import run
+    from pipedream2bw.runner import TRAIN_RANGE, run
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     cfg = _config(args, schedule, world)
-    with tempfile.TemporaryDirectory() as tmp, _tensor_peak(device) if args.memory_pass else contextlib.nullcontext({}) as peak:
+    with tempfile.TemporaryDirectory() as tmp, _tensor_peak(device, within=TRAIN_RANGE) if args.memory_pass else contextlib.nullcontext({}) as peak:
         summary = run(cfg, tmp)
     if args.memory_pass:
         return {"rank": rank, "peak_tensor_bytes": peak["bytes"], "stage_weight_bytes": _stage_weight_bytes(cfg, rank, world)}
