@@ -35,10 +35,16 @@ from typing import Optional
 SYSTEMS = ["ours-2bw", "ours-flush", "ours-gpipe", "torch-1f1b", "torch-gpipe", "single"]
 
 
+def _uses_cuda(args) -> bool:
+    import torch
+
+    return args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+
+
 def _device(args):
     import torch
 
-    if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()):
+    if _uses_cuda(args):
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
         return device
@@ -85,6 +91,15 @@ def _tensor_peak(device, *, within: Optional[str] = None):
                         and (within is None or any(a <= e["ts"] <= b for a, b in spans))), default=0)
 
 
+def _memory_probe(args, device, *, within: Optional[str] = None):
+    """``_tensor_peak`` on a memory pass, else a no-op that yields an empty dict."""
+    return _tensor_peak(device, within=within) if args.memory_pass else contextlib.nullcontext({})
+
+
+def _param_bytes(module) -> int:
+    return sum(p.numel() * p.element_size() for p in module.parameters())
+
+
 def _config(args, schedule: str, num_stages: int):
     from pipedream2bw.config import Config, DataConfig, DistConfig, GPTConfig, OptimConfig, PipelineConfig, TrainConfig, WandbConfig
 
@@ -95,7 +110,7 @@ def _config(args, schedule: str, num_stages: int):
         data=DataConfig(),
         train=TrainConfig(num_steps=args.steps, log_every=10**6, warmup_steps=args.warmup),
         wandb=WandbConfig(mode="disabled"),
-        dist=DistConfig(backend="nccl" if _device(args).type == "cuda" else "gloo",
+        dist=DistConfig(backend="nccl" if _uses_cuda(args) else "gloo",
                         batch_p2p={"auto": None, "on": True, "off": False}[args.batch_p2p]),
     )
 
@@ -149,8 +164,7 @@ def _stage_weight_bytes(cfg, stage_index: int, num_stages: int) -> int:
     from pipedream2bw.config import gpt_balance
     from pipedream2bw.runner import build_stage_module
 
-    module = build_stage_module(cfg, gpt_balance(cfg.model, num_stages), stage_index, None)
-    return sum(p.numel() * p.element_size() for p in module.parameters())
+    return _param_bytes(build_stage_module(cfg, gpt_balance(cfg.model, num_stages), stage_index, None))
 
 
 def worker_ours(args, schedule: str, device) -> dict:
@@ -158,7 +172,7 @@ def worker_ours(args, schedule: str, device) -> dict:
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     cfg = _config(args, schedule, world)
-    with tempfile.TemporaryDirectory() as tmp, _tensor_peak(device, within=TRAIN_RANGE) if args.memory_pass else contextlib.nullcontext({}) as peak:
+    with tempfile.TemporaryDirectory() as tmp, _memory_probe(args, device, within=TRAIN_RANGE) as peak:
         summary = run(cfg, tmp)
     if args.memory_pass:
         return {"rank": rank, "peak_tensor_bytes": peak["bytes"], "stage_weight_bytes": _stage_weight_bytes(cfg, rank, world)}
@@ -181,7 +195,7 @@ def worker_torch(args, schedule: str, device) -> dict:
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     cfg = _config(args, schedule, world)
     m, b = cfg.pipeline.num_microbatches, cfg.pipeline.microbatch_size
-    with _tensor_peak(device) if args.memory_pass else contextlib.nullcontext({}) as peak:
+    with _memory_probe(args, device) as peak:
         module = build_stage_module(cfg, gpt_balance(cfg.model, world), rank, None).to(device)  # the split ours uses
         stage = PipelineStage(module, rank, world, device)
         sched = (Schedule1F1B if schedule == "1f1b" else ScheduleGPipe)(stage, m, loss_fn=lm_loss)
@@ -203,7 +217,7 @@ def worker_torch(args, schedule: str, device) -> dict:
     peak_rss = _peak_rss()
     dist.destroy_process_group()
     if args.memory_pass:
-        return {"rank": rank, "peak_tensor_bytes": peak["bytes"], "stage_weight_bytes": _stage_weight_bytes(cfg, rank, world)}
+        return {"rank": rank, "peak_tensor_bytes": peak["bytes"], "stage_weight_bytes": _param_bytes(module)}
     return {"rank": rank, "peak_rss": peak_rss, "compute_s": _stage_compute_s(cfg, rank, world, device),
             **_timing(ends, warmup=args.warmup, samples_per_step=m * b)}
 
@@ -218,7 +232,7 @@ def worker_single(args, device) -> dict:
     torch.set_num_threads(1)
     cfg = _config(args, "flush", 1)
     m, b = cfg.pipeline.num_microbatches, cfg.pipeline.microbatch_size
-    with _tensor_peak(device) if args.memory_pass else contextlib.nullcontext({}) as peak:
+    with _memory_probe(args, device) as peak:
         model = nn.Sequential(*build_gpt_layers(cfg.model, seed=cfg.seed)).to(device)
         opt = build_optimizer(model.parameters(), cfg.optim)
         feed = _feed(cfg, num_microbatches=m)
@@ -232,7 +246,7 @@ def worker_single(args, device) -> dict:
             _sync(device)
             ends.append(time.perf_counter())
     if args.memory_pass:
-        return {"rank": 0, "peak_tensor_bytes": peak["bytes"], "stage_weight_bytes": sum(p.numel() * p.element_size() for p in model.parameters())}
+        return {"rank": 0, "peak_tensor_bytes": peak["bytes"], "stage_weight_bytes": _param_bytes(model)}
     return {"rank": 0, "peak_rss": _peak_rss(), "compute_s": 0.0, **_timing(ends, warmup=args.warmup, samples_per_step=m * b)}
 
 
@@ -352,7 +366,7 @@ def main() -> None:
 
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: CUDA is not available here; use --device cpu (or auto)")
-    where = "1 GPU (NCCL)" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()) else "1 thread (gloo)"
+    where = "1 GPU (NCCL)" if _uses_cuda(args) else "1 thread (gloo)"
     print("command:", " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]))
     print(f"config: {args.nproc} processes x {where}, GPT {args.num_layers} blocks d_model {args.d_model} heads {args.num_heads} "
           f"seq {args.seq_len} vocab 256, m={args.num_microbatches} b={args.microbatch_size}, AdamW, {args.steps} steps "
