@@ -8,8 +8,8 @@ A checkpoint taken after ``n`` steps (batches) is a directory::
                             "optimizer": per-parameter optimizer state}, names as in
                             nn.Sequential(*all_layers) ("3.attn.qkv.weight")
         rng_rank0.pt ...    every rank's RNG states (restored when the layout is the same)
-        manifest.json       written last: step, losses so far, layout, parameter shapes and
-                            the SHA-256 of every file
+        manifest.json       written last: step, losses (learning rates, gradient norms, skipped
+                            steps) so far, layout, parameter shapes and the SHA-256 of every file
 
 Stages write their own layers at once (replica 0 of each stage) into
 ``.step_00000040.partial/``, in a background thread from copies taken at the step; rank 0
@@ -138,9 +138,15 @@ class Checkpointer:
     def due(self, step: int) -> bool:
         return self.every > 0 and (step % self.every == 0 or step == self.num_steps)
 
-    def after_step(self, step: int, state: Callable[[], Dict[str, Any]], losses: Optional[Sequence[float]]) -> None:
+    def after_step(
+        self, step: int, state: Callable[[], Dict[str, Any]], losses: Optional[Sequence[float]], *,
+        history: Optional[Dict[str, Any]] = None, rng: Optional[Dict[str, Any]] = None,
+    ) -> None:
         """Starts writing the checkpoint of ``step`` steps if one is due. ``state`` makes the stage's
-        copies (``WeightVersions.state``); ``losses`` are all losses so far (rank 0, else None).
+        copies (``WeightVersions.state``); ``losses`` are all losses so far (rank 0, else None);
+        ``history``: more per-step records for the manifest (rank 0: learning rates, gradient
+        norms, skipped steps); ``rng``: the RNG states to save, if not this moment's (a deferred
+        step saves those taken where the step's batch ended).
 
         Raises:
             RuntimeError: the previous checkpoint's write failed on this rank.
@@ -149,11 +155,12 @@ class Checkpointer:
             return
         start = time.perf_counter()
         payload = split_by_layer(state(), self.layers) if self.layers else {}
-        rng = rng_state()
+        rng = rng if rng is not None else rng_state()
         self.wait()  # one checkpoint at a time: its copies are in memory until written
         self.write_s += time.perf_counter() - start
         losses = list(losses) if losses is not None else None
-        self._thread = threading.Thread(target=self._write, args=(step, payload, rng, losses), name="pd2bw-checkpoint", daemon=True)
+        history = {k: list(v) for k, v in (history or {}).items()}
+        self._thread = threading.Thread(target=self._write, args=(step, payload, rng, losses, history), name="pd2bw-checkpoint", daemon=True)
         self._thread.start()
 
     def wait(self) -> None:
@@ -169,7 +176,7 @@ class Checkpointer:
             error, self._error = self._error, None
             raise RuntimeError(f"checkpoint write failed: {type(error).__name__}: {error}") from error
 
-    def _write(self, step: int, payload: Dict[int, Dict[str, Any]], rng: Dict[str, Any], losses: Optional[List[float]]) -> None:
+    def _write(self, step: int, payload: Dict[int, Dict[str, Any]], rng: Dict[str, Any], losses: Optional[List[float]], history: Dict[str, Any]) -> None:
         key = f"checkpoint/{step}/rank{self.rank}"
         try:
             partial = _partial_dir(self.root, step)
@@ -186,11 +193,11 @@ class Checkpointer:
             return
         if self.rank == 0:
             try:
-                self._complete(step, losses)
+                self._complete(step, losses, history)
             except BaseException as e:
                 self._error = e
 
-    def _complete(self, step: int, losses: Optional[List[float]]) -> None:
+    def _complete(self, step: int, losses: Optional[List[float]], history: Dict[str, Any]) -> None:
         parts = [json.loads(v) for v in self.read([f"checkpoint/{step}/rank{r}" for r in range(self.world_size)], self.timeout_s)]
         errors = [f"rank {r}: {p['error']}" for r, p in enumerate(parts) if "error" in p]
         if errors:
@@ -200,7 +207,7 @@ class Checkpointer:
         if missing:
             raise RuntimeError(f"checkpoint of step {step}: no rank wrote layers {missing}")
         partial, final = _partial_dir(self.root, step), step_dir(self.root, step)
-        manifest = {**self.manifest, "format": FORMAT, "step": step, "losses": losses, "files": files, "written_at": time.time()}
+        manifest = {**self.manifest, **history, "format": FORMAT, "step": step, "losses": losses, "files": files, "written_at": time.time()}
         atomic_write(partial / MANIFEST, (json.dumps(manifest, indent=1) + "\n").encode())
         if final.exists():  # from an attempt that crashed after this step: keep it, out of the way
             final.rename(final.with_name(f"{final.name}.replaced-{int(time.time())}"))

@@ -485,3 +485,36 @@ class GradReducer:
             offset += n
         if b == len(self.buckets) - 1:
             self._armed = None
+
+
+class AsyncSum:
+    """Sums one small tensor over a group in the background: ``start`` it, keep working, ``wait``.
+
+    The step agreement (``agreement.py``) runs one per batch over a group of all ranks of its
+    own (``new_groups(ctx, [range(world_size)])``, made on every rank in the same order), so it
+    never queues behind the p2p transfers of the default group or a stage's gradient all-reduce.
+    One sum is in flight at a time.
+    """
+
+    def __init__(self, ctx: DistContext, *, group: Any):
+        self.ctx, self.group = ctx, group
+        self._pending: Optional[Tuple[Any, torch.Tensor, str]] = None
+
+    def start(self, tensor: torch.Tensor, *, what: str) -> None:
+        """Starts summing ``tensor`` in place; ``what`` names it in errors (e.g. 'the step agreement of batch 3')."""
+        assert self._pending is None, f"{self._pending[2]} was started and never waited on"
+        self._pending = (dist.all_reduce(tensor, group=self.group, async_op=True), tensor, what)
+
+    def wait(self) -> torch.Tensor:
+        """The sum over the group.
+
+        Raises:
+            RuntimeError: it failed or took longer than ``dist.timeout_s``, naming what it was.
+        """
+        work, tensor, what = self._pending
+        self._pending = None
+        try:
+            work.wait(self.ctx.timeout)
+        except Exception as e:
+            raise RuntimeError(f"rank {self.ctx.rank}: {what} (a sum over all ranks) failed or timed out after {self.ctx.timeout}: {e}") from e
+        return tensor

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import logging
 import math
 from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 import torch
+
+log = logging.getLogger(__name__)
+
 
 class ConfigError(ValueError):
     """A config value that cannot work; the message names the value, why, and the fix."""
@@ -16,6 +20,8 @@ class ConfigError(ValueError):
 SCHEDULES = ("2bw", "flush", "gpipe")
 WANDB_MODES = ("offline", "online", "disabled")
 BACKENDS = ("auto", "gloo", "nccl")
+LR_SCHEDULERS = ("constant", "cosine", "linear")
+ON_NONFINITE = ("stop", "skip")
 
 
 @dataclass
@@ -73,6 +79,17 @@ class OptimConfig:
     """Learning rate."""
     kwargs: Dict[str, Any] = field(default_factory=dict)
     """Extra keyword arguments for the optimizer, e.g. {momentum: 0.9} for sgd."""
+    scheduler: str = "constant"
+    """Learning rate of step t: 'constant' (lr), 'cosine' or 'linear' (decay from lr to min_lr over the
+    steps after the warm-up, reaching min_lr at the last of train.num_steps); all after warmup_steps of warm-up."""
+    warmup_steps: int = 0
+    """Linear learning-rate warm-up: step t < warmup_steps uses lr * (t + 1) / warmup_steps (not train.warmup_steps,
+    which only leaves steps out of the throughput figures)."""
+    min_lr: float = 0.0
+    """Learning rate that 'cosine' and 'linear' decay to; ignored by 'constant'."""
+    clip_grad_norm: Optional[float] = None
+    """Clip the gradient to this global 2-norm over all stages and replicas (torch.nn.utils.clip_grad_norm_ on
+    the whole model); null: no clipping. The norm is logged every step."""
 
 
 @dataclass
@@ -91,6 +108,10 @@ class TrainConfig:
     """Steps left out of the throughput figures."""
     global_batch_size: Optional[int] = None
     """Sequences per batch over all replicas; null means data_parallel * num_microbatches * microbatch_size, else it must equal that."""
+    on_nonfinite: str = "stop"
+    """A non-finite loss or gradient in a batch: 'stop' (every rank exits non-zero; the message names the step,
+    the stage and which was non-finite; the last complete checkpoint is kept) or 'skip' (no stage or replica
+    steps for that batch; the run goes on and summary.json lists the skipped steps)."""
     checkpoint_every: int = 0
     """Write a checkpoint every this many steps (and after the last); 0 writes none."""
     keep_checkpoints: int = 2
@@ -346,6 +367,26 @@ def _validate_swap(swap: SwapConfig, num_stages: int) -> None:
         )
 
 
+def _validate_step_rules(cfg: Config) -> None:
+    """The learning-rate schedule, gradient clipping and non-finite handling (optim.*, train.on_nonfinite)."""
+    o, n = cfg.optim, cfg.train.num_steps
+    if o.scheduler not in LR_SCHEDULERS:
+        raise ConfigError(f"optim.scheduler ({o.scheduler!r}) is unknown; use one of {list(LR_SCHEDULERS)}")
+    if not 0 <= o.warmup_steps <= n:
+        raise ConfigError(
+            f"optim.warmup_steps ({o.warmup_steps}) must be in [0, train.num_steps ({n})]: the learning-rate warm-up "
+            f"runs within the training steps; lower it"
+        )
+    if not (math.isfinite(o.min_lr) and 0 <= o.min_lr <= o.lr):
+        raise ConfigError(f"optim.min_lr ({o.min_lr}) must be in [0, optim.lr ({o.lr})]: the decay goes from optim.lr down to it")
+    if o.scheduler == "constant" and o.min_lr != 0:
+        log.warning("optim.min_lr (%g) is ignored by optim.scheduler=constant; use cosine or linear to decay to it", o.min_lr)
+    if o.clip_grad_norm is not None and not (math.isfinite(o.clip_grad_norm) and o.clip_grad_norm > 0):
+        raise ConfigError(f"optim.clip_grad_norm ({o.clip_grad_norm}) must be a positive number, or null for no clipping")
+    if cfg.train.on_nonfinite not in ON_NONFINITE:
+        raise ConfigError(f"train.on_nonfinite ({cfg.train.on_nonfinite!r}) is unknown; use one of {list(ON_NONFINITE)}")
+
+
 def validate(cfg: Config, *, world_size: int, num_layers: Optional[int] = None, local_world_size: int = 1) -> List[int]:
     """Checks a config before any process group starts.
 
@@ -424,6 +465,7 @@ def validate(cfg: Config, *, world_size: int, num_layers: Optional[int] = None, 
     if optimizer_class(cfg.optim.name) is torch.optim.LBFGS:
         raise ConfigError("optim.name (lbfgs) re-evaluates the loss through a closure, which a pipeline cannot; use sgd, adam, adamw, ...")
     build_optimizer([torch.nn.Parameter(torch.zeros(1))], cfg.optim)
+    _validate_step_rules(cfg)
     if cfg.data.path is not None and not Path(cfg.data.path).is_file():
         raise ConfigError(f"data.path ({cfg.data.path}) is not a file; point data.path at a text file or set it to null")
     t = cfg.train

@@ -60,6 +60,9 @@ def summarize(stats: List[StageStats], *, meta: Dict[str, Any], warmup_steps: in
     return {
         **meta,
         "losses": rank0.losses,
+        "lrs": rank0.lrs,
+        "grad_norms": rank0.grad_norms,  # the agreed global norm before clipping (null: no agreement ran)
+        "skipped_steps": rank0.skipped_steps,  # steps skipped on every stage for a non-finite loss or gradient
         "final_loss": rank0.losses[-1],
         "samples_per_s": tp["samples_per_s"],
         "tokens_per_s": tp["samples_per_s"] * seq_len,
@@ -74,6 +77,7 @@ def summarize(stats: List[StageStats], *, meta: Dict[str, Any], warmup_steps: in
                 "rank": s.rank,
                 "allreduce_calls": s.allreduce_calls,
                 "allreduce_exposed_s": s.allreduce_exposed_s,
+                "agreement_exposed_s": s.agreement_exposed_s,
                 "p2p_wait_s": s.p2p_wait_s,
                 "peak_pending_sends": s.peak_pending_sends,
                 "checkpoint_s": s.checkpoint_s,

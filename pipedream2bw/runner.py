@@ -18,6 +18,8 @@ from torch import nn
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from pipedream2bw import checkpoint, comm, schedule
+from pipedream2bw.agreement import StepRule
+from pipedream2bw.lr_schedule import lr_at
 from pipedream2bw.config import Config, ConfigError, build_optimizer, swap_stages, validate
 from pipedream2bw.data import MicrobatchFeed, load_bytes
 from pipedream2bw.models import build_gpt_layers, lm_loss
@@ -274,6 +276,9 @@ def _train(cfg: Config, run_dir: Path, ctx: comm.DistContext, layout: Layout, ba
     if w > 1:  # every rank makes every stage's group, in the same order
         group = comm.new_groups(ctx, layout.ranks)[s]
         reducer = comm.GradReducer(ctx, group=group, replicas=[list(r.parameters()) for r in versions.replicas], buckets=buckets)
+    rule = StepRule(clip_grad_norm=cfg.optim.clip_grad_norm, on_nonfinite=cfg.train.on_nonfinite)
+    # The step agreement's own group of all ranks, made (or not: the config decides) on every rank in the same order.
+    agreement = comm.AsyncSum(ctx, group=comm.new_groups(ctx, [range(ctx.world_size)])[0]) if rule.needs_agreement else None
     peers = Peers(
         prev=layout.ranks[s - 1][replica] if s > 0 else None,
         next=layout.ranks[s + 1][replica] if s < d - 1 else None,
@@ -302,6 +307,7 @@ def _train(cfg: Config, run_dir: Path, ctx: comm.DistContext, layout: Layout, ba
         stage_index=s, num_stages=d, num_microbatches=m, peers=peers, versions=versions, feed=feed,
         p2p=comm.P2P(ctx, batch_sends=cfg.dist.batch_p2p if cfg.dist.batch_p2p is not None else ctx.backend == "nccl"),
         loss_fn=loss_fn, device=ctx.device, reducer=reducer, grad_scale=1.0 / (m * w), swap=swap, receipts=receipts,
+        replica=replica, step_rule=rule, agreement=agreement, lr_at=lambda t: lr_at(t, cfg.optim, num_steps=cfg.train.num_steps),
     )
     if p.trace:  # traced steps are counted from 0, whatever step a resumed run starts at
         first = max(first_batch, cfg.train.warmup_steps if p.trace_first_step is None else p.trace_first_step)
@@ -315,6 +321,9 @@ def _train(cfg: Config, run_dir: Path, ctx: comm.DistContext, layout: Layout, ba
     )
     if resume is not None and ctx.rank == 0:
         worker.stats.losses = list(resume[1]["losses"])
+        worker.stats.lrs = list(resume[1].get("lrs", [None] * first_batch))  # checkpoints before lrs were recorded: unknown
+        worker.stats.grad_norms = list(resume[1].get("grad_norms", [None] * first_batch))
+        worker.stats.skipped_steps = list(resume[1].get("skipped_steps", []))
     tracker = Tracker(cfg, run_dir, run_id=resume[1].get("wandb_run_id") if resume is not None else None) if ctx.rank == 0 else None
     bar = progress_bar(cfg.train.num_steps, initial=first_batch) if ctx.rank == 0 else None
     progress = _progress(cfg, worker, tracker, bar, samples_per_step=global_batch) if ctx.rank == 0 else (lambda t: None)
@@ -330,12 +339,20 @@ def _train(cfg: Config, run_dir: Path, ctx: comm.DistContext, layout: Layout, ba
         },
     )
 
+    rngs = {}  # step -> RNG states where its batch ended: a deferred APPLY runs after later batches' forwards
+
+    def on_close(t: int) -> None:
+        if saver.due(t + 1):
+            rngs[t + 1] = checkpoint.rng_state()
+
     def on_step(t: int) -> None:
         progress(t)
-        saver.after_step(t + 1, versions.state, worker.stats.losses if ctx.rank == 0 else None)
+        st = worker.stats
+        history = {"lrs": st.lrs, "grad_norms": st.grad_norms, "skipped_steps": st.skipped_steps} if ctx.rank == 0 else None
+        saver.after_step(t + 1, versions.state, st.losses if ctx.rank == 0 else None, history=history, rng=rngs.pop(t + 1, None))
 
     with logging_redirect_tqdm() if bar is not None and not bar.disable else contextlib.nullcontext(), torch.profiler.record_function(TRAIN_RANGE):
-        stats = worker.run(actions, on_step=on_step)
+        stats = worker.run(actions, on_step=on_step, on_close=on_close)
     if bar is not None:
         bar.close()
     saver.wait()
@@ -401,8 +418,8 @@ def _progress(cfg: Config, worker: StageWorker, tracker: "Tracker", bar: Any, *,
 
     def on_step(t: int) -> None:
         window["steps"] += 1
-        loss = worker.stats.losses[-1]
-        tracker.log({"loss": loss}, step=t)
+        loss, lr, grad_norm = worker.stats.losses[-1], worker.stats.lrs[-1], worker.stats.grad_norms[-1]
+        tracker.log({"loss": loss, "lr": lr, **({"grad_norm": grad_norm} if grad_norm is not None else {})}, step=t)
         if not bar.disable:
             steps_per_s = bar.format_dict["rate"] or 0.0  # tqdm's smoothed steps/s
             bar.set_postfix(loss=f"{loss:.4f}", samples_per_s=f"{steps_per_s * samples_per_step:.1f}", refresh=False)
@@ -413,7 +430,8 @@ def _progress(cfg: Config, worker: StageWorker, tracker: "Tracker", bar: Any, *,
         rate = window["steps"] * samples_per_step / (now - window["start"])
         window.update(start=now, steps=0)
         tracker.log({"samples_per_s": rate, "tokens_per_s": rate * cfg.model.seq_len}, step=t)
-        log.info("step %d/%d loss %.4f %.1f samples/s %.0f tokens/s", t + 1, cfg.train.num_steps, loss, rate, rate * cfg.model.seq_len)
+        norm = f" grad norm {grad_norm:.4g}" if grad_norm is not None else ""
+        log.info("step %d/%d loss %.4f lr %.4g%s %.1f samples/s %.0f tokens/s", t + 1, cfg.train.num_steps, loss, lr, norm, rate, rate * cfg.model.seq_len)
 
     return on_step
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import resource
 import time
 from dataclasses import dataclass, field
@@ -11,7 +12,9 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from pipedream2bw.comm import P2P, GradReducer
+from pipedream2bw import agreement
+from pipedream2bw.agreement import NonFiniteError, StepDecision, StepOutcome, StepRule
+from pipedream2bw.comm import P2P, AsyncSum, GradReducer
 from pipedream2bw.data import MicrobatchFeed
 from pipedream2bw.schedule import BACKWARD, FORWARD, Action
 from pipedream2bw.timeline import Recorder
@@ -45,6 +48,10 @@ class StageStats:
     start_time: float = 0.0
     step_end_times: List[float] = field(default_factory=list)
     losses: List[float] = field(default_factory=list)  # batch mean loss; filled on rank 0
+    lrs: List[float] = field(default_factory=list)  # learning rate of each step; filled on rank 0
+    grad_norms: List[Optional[float]] = field(default_factory=list)  # agreed global gradient norm (None: not agreed); rank 0
+    skipped_steps: List[int] = field(default_factory=list)  # steps skipped everywhere for a non-finite loss or gradient
+    agreement_exposed_s: float = 0.0  # time APPLY waited for the step agreement: not hidden behind other work
     peak_stash_bytes: int = 0  # activations autograd saves for one microbatch x most microbatches in flight
     weight_bytes: int = 0  # all weight versions held
     optimizer_state_bytes: int = 0
@@ -81,6 +88,23 @@ class StageWorker:
     the last stage) and stash what backward needs. B k: backward with the gradient from
     stage s+1 (or of the loss) and send the input's gradient to stage s-1. S t: the optimizer
     step that closes batch t, on the mean gradient of its m microbatches on all w replicas.
+
+    A step is two halves (DESIGN.md section 7). CLOSE(t), at the S action: start what batch t's
+    step needs from the other stages (``exchanges``' ``start(t)``, then, when ``step_rule``
+    needs an agreement, this rank's share of the global gradient norm and non-finite flags,
+    summed over all ranks by ``agreement`` in the background). APPLY(t): ``exchanges``'
+    ``finish(t)``, wait for the agreement, let ``step_rule`` decide (clip, skip or stop), set
+    the learning rate ``lr_at(t)`` and step the weights. Under flush and gpipe, and under 2bw
+    with nothing to agree on, APPLY follows CLOSE at once. Under 2bw with an agreement or an
+    exchange, APPLY(t) waits until W(t+1) is needed (``agreement.apply_due``: before the first
+    forward of batch t+2 or the next S, whichever comes first), so the agreement travels while
+    batch t+1 runs and costs no flush. ``on_step(t)`` (checkpoints, logging) runs after APPLY(t).
+
+    ``exchanges``: objects with ``start(t)`` and ``finish(t)``, for other transfers that must be
+    done before batch t's step on this stage (e.g. the gradient sum of a weight tied across
+    stages). ``start(t)`` runs at CLOSE(t) after the data-parallel all-reduce, before this
+    rank's share of the norm is computed; ``finish(t)`` at APPLY(t) before the step. An exchange
+    that changes gradients after ``start(t)`` returns is not seen by the clipping norm.
     """
 
     def __init__(
@@ -99,8 +123,21 @@ class StageWorker:
         grad_scale: float,
         swap: Optional[SwapManager] = None,
         receipts: Tuple[Dict[int, int], Dict[int, int]] = ({}, {}),
+        replica: int = 0,
+        step_rule: Optional[StepRule] = None,
+        agreement: Optional[AsyncSum] = None,
+        exchanges: Sequence[Any] = (),
+        lr_at: Optional[Callable[[int], float]] = None,
     ):
         self.m = num_microbatches
+        self.stage_index, self.num_stages, self.replica = stage_index, num_stages, replica
+        self.rule = step_rule if step_rule is not None else StepRule()
+        assert agreement is not None or not self.rule.needs_agreement, "this step rule needs an agreement channel"
+        self.agreement, self.exchanges, self.lr_at = agreement, list(exchanges), lr_at
+        # Under 2bw, APPLY(t) may wait for W(t+1)'s first use; elsewhere the flush comes first anyway.
+        self.deferred = versions.schedule == "2bw" and (agreement is not None or bool(self.exchanges))
+        self._loss_nonfinite: Dict[int, bool] = {}  # last stage: batch -> its loss was not finite
+        self._reduced: Optional[int] = None  # batch whose gradients CLOSE already averaged across replicas
         self.first, self.last = stage_index == 0, stage_index == num_stages - 1
         self.peers, self.versions, self.p2p, self.feed = peers, versions, p2p, feed
         self.loss_fn, self.device, self.reducer, self.grad_scale = loss_fn, device, reducer, grad_scale
@@ -164,7 +201,7 @@ class StageWorker:
             losses = self._batch_losses.setdefault(k // self.m, [])
             losses.append(out.detach())
             if len(losses) == self.m:  # the batch's losses are all known: report them now, not after the step
-                self._report_loss(torch.stack(self._batch_losses.pop(k // self.m)).mean())
+                self._report_loss(torch.stack(self._batch_losses.pop(k // self.m)).mean(), k // self.m)
         else:
             self._send(out.detach(), k, peer=self.peers.next, tag=ACTIVATION_TAG, defer=defer_send)
         self._stash[k] = (x, out)
@@ -191,31 +228,127 @@ class StageWorker:
         if self.trace is not None and self.trace.on:
             self.trace.add(BACKWARD, k, start, time.perf_counter())
 
-    def _report_loss(self, loss: torch.Tensor) -> None:
-        """A last stage: hand the batch's mean loss to rank 0 (here, if this is rank 0)."""
+    def _report_loss(self, loss: torch.Tensor, t: int) -> None:
+        """A last stage: hand batch t's mean loss to rank 0 (here, if this is rank 0).
+
+        Raises:
+            NonFiniteError: the loss is not finite and train.on_nonfinite is 'stop' (other steps
+                rules count it in batch t's agreement).
+        """
+        finite = bool(torch.isfinite(loss))
+        if not finite and self.agreement is None:
+            raise NonFiniteError(agreement.stop_message(f"non-finite loss ({float(loss)}) at step {t} on stage {self.stage_index}"))
+        self._loss_nonfinite[t] = not finite
         if self.peers.loss_sources:
             self._own_loss = float(loss)
         else:
             self.p2p.send_loss(loss)
 
-    def step(self, t: int) -> None:
-        wait = self.reducer.wait if self.reducer is not None else (lambda i: None)
-        trace = self.trace if self.trace is not None and self.trace.on else None
-        if trace is not None and self.reducer is not None:
-            wait = self._traced_wait(t)
+    def close(self, t: int) -> float:
+        """CLOSE(t): batch t's backwards are done; start what its step needs from the other ranks.
+
+        Returns:
+            the time it started (the S span of an APPLY that follows at once starts there).
+        """
         start = time.perf_counter()
-        self.versions.step(t, grad_scale=self.grad_scale, before_bucket=wait)
+        for exchange in self.exchanges:
+            exchange.start(t)
+        if self.agreement is not None:
+            self._wait_reducer(t)  # the norm needs the gradients averaged across replicas
+            params = self.versions.module_for_batch(t).parameters()
+            scale = self.grad_scale * self.rule.unscale(t)
+            sq = agreement.sq_norm([p.grad for p in params if p.grad is not None]) * scale**2
+            share = agreement.encode(
+                stage_index=self.stage_index, num_stages=self.num_stages, sq=sq, counts_norm=self.replica == 0,
+                loss_nonfinite=self._loss_nonfinite.pop(t, False),
+            )
+            self.agreement.start(share, what=f"the step agreement of batch {t}")
+        if self.deferred and self.trace is not None and self.trace.on:
+            self.trace.add("S", t, start, time.perf_counter())
+        return start
+
+    def apply(self, t: int, *, since: Optional[float] = None) -> None:
+        """APPLY(t): batch t's step, W(t+1) = W(t) - optimizer_step(g(t)), clipped, skipped or stopped
+        as the step rule decides from the agreed outcome (``since``: when its CLOSE started, if just now).
+
+        Raises:
+            NonFiniteError: a non-finite loss or gradient under train.on_nonfinite=stop.
+        """
+        trace = self.trace if self.trace is not None and self.trace.on else None
+        start = time.perf_counter() if since is None else since
+        for exchange in self.exchanges:
+            exchange.finish(t)
+        lr = self.lr_at(t) if self.lr_at is not None else None
+        if lr is not None:
+            self.versions.set_lr(lr)
+        outcome = self._agreed(t) if self.agreement is not None else None
+        decision = self.rule.decide(outcome) if outcome is not None else StepDecision(skip=False)
+        if decision.skip:
+            self.versions.skip(t)
+            self.stats.skipped_steps.append(t)
+            if self.p2p.ctx.rank == 0:
+                log.warning("%s: step skipped on every stage (train.on_nonfinite=%s)", outcome.describe(), self.rule.on_nonfinite)
+        else:
+            checked = self._checked_wait(t) if outcome is None and self.rule.on_nonfinite == "stop" else None
+            wait = checked if checked is not None else self._bucket_wait(t)
+            scale = self.grad_scale * self.rule.unscale(t) * decision.grad_multiplier
+            self.versions.step(t, grad_scale=scale, before_bucket=wait)
+            if checked is not None and not math.isfinite(float(checked.sq)):  # one host sync per step
+                raise NonFiniteError(agreement.stop_message(f"non-finite gradient at step {t} on stage {self.stage_index}"))
         if trace is not None:
             trace.add("S", t, start, time.perf_counter())
         if self.peers.loss_sources:  # rank 0: the batch loss is the mean over the replicas' last stages
             start = time.perf_counter()
             losses = [self._own_loss if r == self.p2p.ctx.rank else self.p2p.recv_loss(peer=r) for r in self.peers.loss_sources]
             self.stats.losses.append(sum(losses) / len(losses))
+            self.stats.lrs.append(lr if lr is not None else self.versions.optimizers[0].param_groups[0]["lr"])
+            self.stats.grad_norms.append(None if outcome is None else outcome.grad_norm)
             if trace is not None:
                 trace.add("loss", t, start, time.perf_counter())
         self.stats.step_end_times.append(time.perf_counter())
         if self.trace is not None:
             self.trace.step_done(t, self.stats.step_end_times[-1])
+
+    def step(self, t: int) -> None:
+        """CLOSE(t) and APPLY(t) at once: batch t's whole step."""
+        self.apply(t, since=self.close(t))
+
+    def _agreed(self, t: int) -> StepOutcome:
+        start = time.perf_counter()
+        total = self.agreement.wait().tolist()
+        end = time.perf_counter()
+        self.stats.agreement_exposed_s += end - start
+        if self.trace is not None and self.trace.on:
+            self.trace.add("allreduce", t, start, end)
+        return agreement.decode(total, step=t, num_stages=self.num_stages)
+
+    def _wait_reducer(self, t: int) -> None:
+        """Waits for every bucket of batch t's gradient all-reduce (once)."""
+        if self.reducer is not None and self._reduced != t:
+            wait = self._bucket_wait(t)
+            for b in range(len(self.versions.buckets)):
+                wait(b)
+            self._reduced = t
+
+    def _bucket_wait(self, t: int) -> Callable[[int], None]:
+        """What the optimizer step calls before bucket b: wait for its all-reduce, unless CLOSE(t) did."""
+        if self.reducer is None or self._reduced == t:
+            return lambda b: None
+        if self.trace is not None and self.trace.on:
+            return self._traced_wait(t)
+        return self.reducer.wait
+
+    def _checked_wait(self, t: int) -> Callable[[int], None]:
+        """``_bucket_wait``, then the bucket's averaged gradients' sum of squares added to ``.sq`` (on
+        the device, no sync): under on_nonfinite=stop without an agreement, each rank checks its own."""
+        wait, params = self._bucket_wait(t), list(self.versions.module_for_batch(t).parameters())
+
+        def checked(b: int) -> None:
+            wait(b)
+            checked.sq = checked.sq + agreement.sq_norm([params[i].grad for i in self.versions.buckets[b] if params[i].grad is not None])
+
+        checked.sq = torch.zeros((), dtype=torch.float64, device=self.device)
+        return checked
 
     def _traced_wait(self, t: int) -> Callable[[int], None]:
         """The reducer's per-bucket wait, recorded as an ``allreduce`` span of batch ``t``."""
@@ -225,14 +358,23 @@ class StageWorker:
             self.trace.add("allreduce", t, start, time.perf_counter())
         return wait
 
-    def run(self, actions: Sequence[Action], *, on_step: Callable[[int], None] = lambda t: None) -> StageStats:
-        """Runs ``actions`` in order; ``on_step(t)`` is called after each optimizer step."""
+    def run(
+        self, actions: Sequence[Action], *, on_step: Callable[[int], None] = lambda t: None,
+        on_close: Callable[[int], None] = lambda t: None,
+    ) -> StageStats:
+        """Runs ``actions`` in order; ``on_close(t)`` is called at CLOSE(t) (where the S action
+        stands) and ``on_step(t)`` after APPLY(t) (the step done, the weights W(t+1))."""
         # Forwards and backwards each run in microbatch order (schedule.check_stage), so the
         # receive to post after k's is k+1's.
         end = max((a.index for a in actions if a.kind == FORWARD), default=-1) + 1  # a resumed run starts past 0
         receives = [(a.kind == FORWARD and not self.first) or (a.kind == BACKWARD and not self.last) for a in actions]
         self.stats.start_time = time.perf_counter()
+        pending = None  # a closed batch whose APPLY is deferred (2bw with an agreement)
         for pos, a in enumerate(actions):
+            if pending is not None and agreement.apply_due(a, pending, num_microbatches=self.m):
+                self.apply(pending)
+                on_step(pending)
+                pending = None
             next_k = a.index + 1 if a.index + 1 < end else None
             # A send may wait for the next action's receive (batched sends) only if there is one.
             defer_send = pos + 1 < len(actions) and receives[pos + 1]
@@ -241,8 +383,16 @@ class StageWorker:
             elif a.kind == BACKWARD:
                 self.backward(a.index, next_k, defer_send=defer_send)
             else:
-                self.step(a.index)
-                on_step(a.index)
+                since = self.close(a.index)
+                on_close(a.index)
+                if self.deferred:
+                    pending = a.index
+                else:
+                    self.apply(a.index, since=since)
+                    on_step(a.index)
+        if pending is not None:
+            self.apply(pending)
+            on_step(pending)
         start = time.perf_counter()
         self.p2p.flush()
         self.stats.p2p_wait_s += time.perf_counter() - start

@@ -139,12 +139,9 @@ class WeightVersions:
         """
         t = batch_index
         src = list(self.module_for_batch(t).parameters())
-        still_needed = version_of_batch(self.schedule, t + 1)
-        dst_index = next(i for i, v in enumerate(self.holds) if v != still_needed)
+        dst_index = self._destination(t)
         dst = list(self.replicas[dst_index].parameters())
-        if self.holds[dst_index] != t:
-            for d_param, w_param in zip(dst, self.replicas[self._replica_holding(t)].parameters()):
-                d_param.copy_(w_param)
+        self._copy_newest_into(dst_index, t)
         for bucket_index, (bucket, optimizer) in enumerate(zip(self.buckets, self.optimizers)):
             before_bucket(bucket_index)
             for i in bucket:
@@ -156,6 +153,34 @@ class WeightVersions:
             for i in bucket:
                 self.master[i].grad = None
         self.holds[dst_index] = t + 1
+
+    def _destination(self, t: int) -> int:
+        """The replica that receives W(t+1): the one not holding the version batch t+1 runs with."""
+        still_needed = version_of_batch(self.schedule, t + 1)
+        return next(i for i, v in enumerate(self.holds) if v != still_needed)
+
+    def _copy_newest_into(self, dst_index: int, t: int) -> None:
+        if self.holds[dst_index] != t:
+            for d_param, w_param in zip(self.replicas[dst_index].parameters(), self.replicas[self._replica_holding(t)].parameters()):
+                d_param.copy_(w_param)
+
+    @torch.no_grad()
+    def skip(self, batch_index: int) -> None:
+        """Closes batch t without a step: W(t+1) = W(t). Batch t's gradients are dropped and the
+        optimizer state is untouched (a non-finite gradient, an fp16 overflow). Under 2bw the
+        replica that would have received the step gets a copy of W(t)."""
+        t = batch_index
+        for p in self.module_for_batch(t).parameters():
+            p.grad = None
+        dst_index = self._destination(t)
+        self._copy_newest_into(dst_index, t)
+        self.holds[dst_index] = t + 1
+
+    def set_lr(self, lr: float) -> None:
+        """Sets the learning rate of every parameter group of every bucket's optimizer."""
+        for optimizer in self.optimizers:
+            for group in optimizer.param_groups:
+                group["lr"] = lr
 
     def state(self) -> Dict[str, Any]:
         """What a checkpoint saves, copied to the CPU and keyed by parameter name.
