@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import Optional, Sequence, Tuple
 
 import torch
 
@@ -143,23 +143,11 @@ def apply_due(action: Action, pending: int, *, num_microbatches: int) -> bool:
     W(t+1) is first used by the first forward of batch t+2; and APPLY(t) runs before CLOSE(t+1)
     (the next STEP action), so at most one batch waits for its agreement and the reducer and
     gradient buffers hold one closed batch at a time. On stages s < d-1 the forward comes first
-    (it precedes the backward of microbatch (t+2)m - (d-s-1)), on the last stage the STEP.
+    (it precedes the backward of microbatch (t+2)m - (d-s-1)), on the last stage the STEP. In
+    steady state 2(m-d+1+s) forwards and backwards run between CLOSE(t) and APPLY(t): at least
+    one of each on stage 0, 2m on the last stage.
     No third version: batch t+1 runs on W(t) and accumulates into W(t)'s replica, while
-    APPLY(t) writes W(t+1) into the replica of W(t-1), whose gradients it consumes.
+    APPLY(t) writes W(t+1) into the replica of W(t-1), whose gradients it consumes. Except for
+    the first batch, which shares W(0) with the second: the worker applies it at once.
     """
     return action.kind == STEP or (action.kind == FORWARD and action.index // num_microbatches >= pending + 2)
-
-
-def apply_points(actions: Sequence[Action], *, num_microbatches: int) -> List[Tuple[int, int]]:
-    """(batch t, position in ``actions`` before which APPLY(t) runs; len(actions) = at the end), for a
-    2bw stage whose steps are deferred (pure; for tests and the timeline)."""
-    out, pending = [], None
-    for pos, a in enumerate(actions):
-        if pending is not None and apply_due(a, pending, num_microbatches=num_microbatches):
-            out.append((pending, pos))
-            pending = None
-        if a.kind == STEP:
-            pending = a.index
-    if pending is not None:
-        out.append((pending, len(actions)))
-    return out

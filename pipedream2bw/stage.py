@@ -98,7 +98,8 @@ class StageWorker:
     with nothing to agree on, APPLY follows CLOSE at once. Under 2bw with an agreement or an
     exchange, APPLY(t) waits until W(t+1) is needed (``agreement.apply_due``: before the first
     forward of batch t+2 or the next S, whichever comes first), so the agreement travels while
-    batch t+1 runs and costs no flush. ``on_step(t)`` (checkpoints, logging) runs after APPLY(t).
+    batch t+1 runs and costs no flush (except after the first batch, which shares W(0) and its
+    gradient buffers with the second). ``on_step(t)`` (checkpoints, logging) runs after APPLY(t).
 
     ``exchanges``: objects with ``start(t)`` and ``finish(t)``, for other transfers that must be
     done before batch t's step on this stage (e.g. the gradient sum of a weight tied across
@@ -313,6 +314,11 @@ class StageWorker:
         """CLOSE(t) and APPLY(t) at once: batch t's whole step."""
         self.apply(t, since=self.close(t))
 
+    def _defers(self, t: int) -> bool:
+        """Whether APPLY(t) may wait (``agreement.apply_due``): under 2bw with an agreement, unless batch
+        t+1 runs on the same weights (the first batch: W(-1) = W(0)) and would add its gradients to t's."""
+        return self.deferred and self.versions.module_for_batch(t + 1) is not self.versions.module_for_batch(t)
+
     def _agreed(self, t: int) -> StepOutcome:
         start = time.perf_counter()
         total = self.agreement.wait().tolist()
@@ -385,7 +391,7 @@ class StageWorker:
             else:
                 since = self.close(a.index)
                 on_close(a.index)
-                if self.deferred:
+                if self._defers(a.index):
                     pending = a.index
                 else:
                     self.apply(a.index, since=since)

@@ -153,3 +153,54 @@ def train_sleepy(cfg: Config, run_dir: str, forward_s: float, backward_s: float)
 def train_in_own_dir(cfg: Config, base: str) -> None:
     """Each rank with its own run directory (the programmatic API allows it; rank 0 writes the results)."""
     run(cfg, Path(base) / f"rank{os.environ['RANK']}")
+
+
+class SharedCount:
+    """A call counter that ``copy.deepcopy`` shares: both weight replicas of a 2bw stage count together."""
+
+    def __init__(self):
+        self.n = 0
+
+    def __deepcopy__(self, memo):
+        return self
+
+
+class _InfGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight):
+        ctx.save_for_backward(weight)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        (weight,) = ctx.saved_tensors
+        return grad, torch.full_like(weight, float("inf"))
+
+
+class PoisonAt(nn.Module):
+    """Wraps a layer; its ``call``-th forward (1-based; microbatch call-1 of a fresh run) is poisoned:
+    ``how`` = 'inf_grad' puts inf into the gradient of the layer's first parameter (nothing else:
+    the input's gradient stays finite), 'nan' makes the output NaN."""
+
+    def __init__(self, layer: nn.Module, *, call: int, how: str):
+        super().__init__()
+        self.layer, self.call, self.how, self.calls = layer, call, how, SharedCount()
+
+    def forward(self, x):
+        self.calls.n += 1
+        out = self.layer(x)
+        if self.calls.n != self.call:
+            return out
+        if self.how == "nan":
+            return out * float("nan")
+        return _InfGrad.apply(out, next(self.layer.parameters()))
+
+
+def poisoned_layers(cfg: Config, layer_index: int, call: int, how: str) -> List[nn.Module]:
+    layers = build_gpt_layers(cfg.model, seed=cfg.seed)
+    layers[layer_index] = PoisonAt(layers[layer_index], call=call, how=how)
+    return layers
+
+
+def train_poisoned(cfg: Config, run_dir: str, layer_index: int, call: int, how: str) -> None:
+    run(cfg, Path(run_dir), layers=poisoned_layers(cfg, layer_index, call, how))
