@@ -91,10 +91,10 @@ def test_2bw_clipping_matches_the_oracle_and_resumes_exactly(tmp_path):
 def test_nonfinite_gradient_in_one_stage_skips_that_step_everywhere(tmp_path):
     # An inf in the gradient of layer 1 (stage 0) at batch 3; stage 1's gradients stay finite.
     # Every stage must skip step 3 and go on exactly as the oracle that skips it.
-    cfg = clipped_config("2bw", d=2, m=2)
+    cfg = clipped_config("2bw", d=2, m=4)  # the oracle's microbatches, so the poisoned call is the same
     cfg.optim.clip_grad_norm = None
     cfg.train.on_nonfinite = "skip"
-    layer, call = 1, 3 * 2 + 1
+    layer, call = 1, 3 * 4 + 1
     summary = run_ok_with(train_poisoned, cfg, tmp_path, layer, call, "inf_grad")
     final = weights(tmp_path)
     assert all(torch.isfinite(v).all() for v in final.values())
@@ -113,20 +113,26 @@ def run_ok_with(fn, cfg, run_dir: Path, *args) -> dict:
     return json.loads((Path(run_dir) / "summary.json").read_text())
 
 
-def test_nonfinite_loss_stops_every_rank_and_keeps_the_last_checkpoint(tmp_path):
+@pytest.mark.parametrize("layer,how,what", [(5, "nan", "loss (nan) at step 4 on stage 1"), (1, "inf_grad", "gradient at step 4 on stage 0")])
+def test_nonfinite_stops_every_rank_and_keeps_the_last_checkpoint(tmp_path, layer, how, what):
+    # The LM head (layer 5, stage 1) outputs NaN, or layer 1 (stage 0) gets an inf gradient, on
+    # batch 4's first microbatch. Neither clipping nor skipping is on: no agreement runs, the rank
+    # that sees it stops and the failure monitor takes the others down.
     cfg = tiny_config(schedule="2bw", num_stages=2, num_microbatches=2, optim="sgd_momentum", num_steps=20)
     cfg.train.checkpoint_every = 1
     start = time.monotonic()
-    # The LM head (layer 5, stage 1) outputs NaN on batch 4's first microbatch.
-    results = spawn(train_poisoned, world_size=2, args=(cfg, str(tmp_path), 5, 4 * 2 + 1, "nan"), log_dir=tmp_path / "logs", timeout_s=60)
+    results = spawn(train_poisoned, world_size=2, args=(cfg, str(tmp_path), layer, 4 * 2 + 1, how), log_dir=tmp_path / "logs", timeout_s=60)
     elapsed = time.monotonic() - start
     assert all(r.exitcode not in (0, -9) for r in results), [(r.rank, r.exitcode) for r in results]
     assert elapsed < 30
+    stage = int(what[-1])
     for r in results:
-        assert "rank 1 (stage 1) failed: NonFiniteError: non-finite loss (nan) at step 4 on stage 1" in r.log, r.log
+        assert f"rank {stage} (stage {stage}) failed: NonFiniteError: non-finite {what}; train.on_nonfinite=stop" in r.log, r.log
         assert "done:" not in r.log
     kept = checkpoint.complete_checkpoints(tmp_path / "checkpoints")
     assert kept and 3 <= json.loads((kept[0] / "manifest.json").read_text())["step"] <= 4
+    for f in kept[0].glob("layer_*.pt"):
+        assert all(torch.isfinite(v).all() for v in torch.load(f)["weights"].values()), f
     assert not (tmp_path / "summary.json").exists()
 
 
