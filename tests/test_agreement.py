@@ -58,8 +58,17 @@ def test_clipping_and_schedule_match_the_oracle(tmp_path, schedule, d, w, m):
     # 2bw d=4 with sends batched to the next receive (the NCCL transfer mode): the deferred
     # steps and the agreement waits must not deadlock against held sends.
     cfg = clipped_config(schedule, d=d, w=w, m=m)
-    cfg.dist.batch_p2p = schedule == "2bw"
+    if schedule == "2bw":
+        cfg.dist.batch_p2p = True
+        cfg.pipeline.trace, cfg.pipeline.trace_first_step, cfg.pipeline.trace_steps = True, 2, 2
     summary = run_ok(cfg, tmp_path)
+    if schedule == "2bw":  # the step of batch t is applied after 2(m-d+1+s) more forwards and backwards
+        spans = [e for e in json.loads((tmp_path / "trace.json").read_text())["traceEvents"] if e["ph"] == "X" and e["cat"] in "FBS"]
+        for s in range(d):
+            mine = sorted((e for e in spans if e["pid"] == s), key=lambda e: e["ts"])
+            for t in (2, 3):
+                close, apply = [i for i, e in enumerate(mine) if e["name"] == f"S{t}"]  # CLOSE(t) and APPLY(t)
+                assert apply - close - 1 == 2 * (m - d + 1 + s), (s, t, [e["name"] for e in mine])
     assert_matches_oracle(summary, weights(tmp_path), cfg, delayed=schedule == "2bw")
     assert all(n > CLIP for n in summary["grad_norms"]), summary["grad_norms"]  # clipped on every step
     expected_lrs = [0.1, 0.2, 0.2, 0.02 + 0.09 * (1 + math.cos(math.pi / 3)), 0.02 + 0.09 * (1 + math.cos(2 * math.pi / 3)), 0.02]
