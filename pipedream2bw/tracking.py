@@ -136,6 +136,7 @@ class Tracker:
             for key in ("peak_memory_bytes", "predicted_peak_memory_bytes", "p2p_wait_s", "allreduce_exposed_s"):
                 if row[key] is not None:
                     out[f"stage{row['stage']}/{key}"] = row[key]
+        out["skipped_steps"] = len(summary.get("skipped_steps") or [])
         out["comm_wait_s"] = sum(r.get("p2p_wait_s", 0.0) + r["allreduce_exposed_s"] for r in summary["ranks"])
         if trace:
             out["bubble_fraction"] = trace["bubble_fraction"]

@@ -103,6 +103,7 @@ def test_nonfinite_gradient_in_one_stage_skips_that_step_everywhere(tmp_path):
     cfg = clipped_config("2bw", d=2, m=4)  # the oracle's microbatches, so the poisoned call is the same
     cfg.optim.clip_grad_norm = None
     cfg.train.on_nonfinite = "skip"
+    cfg.swap.optimizer = "host"  # HostOptimizerVersions: its masters must stay at W(3) through the skip
     layer, call = 1, 3 * 4 + 1
     summary = run_ok_with(train_poisoned, cfg, tmp_path, layer, call, "inf_grad")
     final = weights(tmp_path)
