@@ -76,7 +76,7 @@ class OptimConfig:
     name: str = "adamw"
     """A torch.optim optimizer by name, case-insensitive: sgd, adam, adamw, rmsprop, ... (not lbfgs)."""
     lr: float = 3e-3
-    """Learning rate."""
+    """Learning rate: the peak of optim.scheduler's schedule (all of it for 'constant')."""
     kwargs: Dict[str, Any] = field(default_factory=dict)
     """Extra keyword arguments for the optimizer, e.g. {momentum: 0.9} for sgd."""
     scheduler: str = "constant"
