@@ -233,8 +233,8 @@ class StageWorker:
         """A last stage: hand batch t's mean loss to rank 0 (here, if this is rank 0).
 
         Raises:
-            NonFiniteError: the loss is not finite and train.on_nonfinite is 'stop' (other steps
-                rules count it in batch t's agreement).
+            NonFiniteError: the loss is not finite and no agreement runs (train.on_nonfinite=stop
+                without clipping); with one, the flag goes into batch t's agreement instead.
         """
         finite = bool(torch.isfinite(loss))
         if not finite and self.agreement is None:
@@ -309,10 +309,6 @@ class StageWorker:
         self.stats.step_end_times.append(time.perf_counter())
         if self.trace is not None:
             self.trace.step_done(t, self.stats.step_end_times[-1])
-
-    def step(self, t: int) -> None:
-        """CLOSE(t) and APPLY(t) at once: batch t's whole step."""
-        self.apply(t, since=self.close(t))
 
     def _defers(self, t: int) -> bool:
         """Whether APPLY(t) may wait (``agreement.apply_due``): under 2bw with an agreement, unless batch
