@@ -27,13 +27,13 @@ def compose(overrides):
     from hydra import compose as hydra_compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    from pipedream2bw.config import register_configs
+    from pipedream2bw.config import from_hydra, register_configs
 
     register_configs()
     OmegaConf.register_new_resolver("pd2bw_run_stamp", lambda: os.environ.get("PD2BW_RUN_STAMP", "plan"), replace=True)
     config_dir = Path(__file__).resolve().parent.parent / "configs"
     with initialize_config_dir(config_dir=str(config_dir), version_base="1.3"):
-        return OmegaConf.to_object(hydra_compose(config_name="config", overrides=list(overrides)))
+        return from_hydra(hydra_compose(config_name="config", overrides=list(overrides)))
 
 
 def main(argv=None) -> int:

@@ -10,7 +10,7 @@ from torch import nn
 
 from pipedream2bw.config import Config, build_optimizer
 from pipedream2bw.data import MicrobatchFeed, load_bytes
-from pipedream2bw.models import build_gpt_layers, lm_loss
+from pipedream2bw.models.factory import model_source
 
 
 def reference_train(cfg: Config, *, delayed: bool) -> Tuple[Dict[str, torch.Tensor], List[float]]:
@@ -34,7 +34,9 @@ def reference_train(cfg: Config, *, delayed: bool) -> Tuple[Dict[str, torch.Tens
 def _train(cfg: Config, *, delayed: bool) -> Tuple[Dict[str, torch.Tensor], List[float]]:
     torch.manual_seed(cfg.seed)
     m = cfg.pipeline.num_microbatches
-    model = nn.Sequential(*build_gpt_layers(cfg.model, seed=cfg.seed))  # W(t)
+    source = model_source(cfg.model, seed=cfg.seed)  # the GPT, or a factory's layers (tied ones stay tied)
+    model = nn.Sequential(*source.build())  # W(t)
+    lm_loss = source.loss_fn
     stale = copy.deepcopy(model) if delayed else model  # W(t-1): the weights batch t runs with
     opt = build_optimizer(model.parameters(), cfg.optim)
     feed = MicrobatchFeed(
