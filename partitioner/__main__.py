@@ -53,7 +53,11 @@ def main(argv=None) -> int:
         return 2
     elapsed = time.perf_counter() - start
     best = plans[0]
-    print(f"model: {cfg.model.num_layers} blocks, d_model {cfg.model.d_model}, seq {cfg.model.seq_len}, vocab {cfg.model.vocab_size}; "
+    from pipedream2bw.config import GPTConfig
+
+    model = (f"{cfg.model.num_layers} blocks, d_model {cfg.model.d_model}, seq {cfg.model.seq_len}, vocab {cfg.model.vocab_size}"
+             if isinstance(cfg.model, GPTConfig) else f"{cfg.model.name} ({cfg.model.target}), seq {cfg.model.seq_len}")
+    print(f"model: {model}; "
           f"topology {cfg.topology.name}: {best.devices} devices x {best.memory_per_device_bytes / 2**30:.3g} GiB; "
           f"global batch {best.global_batch_size}; {best.schedule}; objective {best.objective}; {best.costs} costs; "
           f"planned in {elapsed:.2f} s")

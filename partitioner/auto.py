@@ -84,7 +84,7 @@ def make_request(cfg: Config, *, devices: Optional[int] = None, topology: Option
         schedule=p.schedule, objective=cfg.partition.objective, depths=cfg.partition.depths,
         microbatch_sizes=cfg.partition.microbatch_sizes, recompute=cfg.partition.recompute,
         swap=cfg.partition.swap, swap_resident=cfg.partition.swap_resident,
-        costs="profile" if profile else "analytic", model=dataclasses.asdict(cfg.model),
+        costs="profile" if profile else "analytic", model=dataclasses.asdict(cfg.model), tolerance=cfg.partition.tolerance,
     )
 
 

@@ -214,6 +214,9 @@ class PartitionConfig:
     """Plan file to run ('file'), or where 'auto' and the CLI write theirs (null: plan.yaml in the run dir / cwd)."""
     objective: str = "throughput"
     """'throughput' (fastest plan that fits) or 'memory' (lowest peak memory per device)."""
+    tolerance: float = 0.01
+    """Plans within this fraction of the best objective count as tied; among them the other objective
+    decides (throughput: least peak memory; memory: most samples/s)."""
     costs: str = "auto"
     """Layer costs: 'profile' (measure here), 'analytic' (FLOP-based), 'auto' (profile if topology.device is this machine's)."""
     microbatch_sizes: Optional[List[int]] = None
