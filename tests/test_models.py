@@ -154,3 +154,58 @@ def test_views_shared_across_layers_are_refused(tmp_path):
     with pytest.raises(ConfigError, match=r"share memory \(0.weight, 1.weight\)"):
         run(cfg, tmp_path, layers=[emb, head])
     assert not dist.is_initialized()
+
+
+def compose_typed(*overrides: str) -> Config:
+    from hydra import compose, initialize_config_dir
+
+    from pipedream2bw.config import from_hydra, register_configs
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[1] / "configs"), version_base="1.3"):
+        return from_hydra(compose(config_name="config", overrides=list(overrides)))
+
+
+def test_target_entries_compose_to_typed_configs():
+    cfg = compose_typed("model=custom", "model._target_=my_pkg.build_layers", "+model.width=512", "model.seq_len=64",
+                        "+model.loss._target_=my_pkg.loss", "+model.loss.smoothing=0.1",
+                        "optim=custom", "optim._target_=torch.optim.SGD", "+optim.momentum=0.9")
+    assert cfg.model == LayerListConfig(target="my_pkg.build_layers", kwargs={"width": 512}, seq_len=64, loss="my_pkg.loss",
+                                        loss_kwargs={"smoothing": 0.1})
+    assert cfg.optim == OptimConfig(name="sgd", lr=3e-3, kwargs={"momentum": 0.9}, target="torch.optim.SGD")
+    assert compose_typed("model=hf_gpt2").model.kwargs["tie_embeddings"] is True
+    assert compose_typed("model.tie_embeddings=true").model.tie_embeddings  # the GPT stays the typed default
+    with pytest.raises(ConfigError, match=r"needs _partial_: true"):
+        compose_typed("optim=custom", "optim._target_=torch.optim.SGD", "optim._partial_=false")
+    with pytest.raises(ConfigError, match=r"optim._target_ \(torch.nn.Linear\) is .*not a torch.optim.Optimizer subclass"):
+        validate_optim(OptimConfig(target="torch.nn.Linear"))
+
+
+def validate_optim(optim: OptimConfig) -> None:
+    from pipedream2bw.config import validate
+
+    cfg = tiny_config(schedule="2bw", num_stages=1, num_microbatches=1)
+    cfg.optim = optim
+    validate(cfg, world_size=1)
+
+
+def test_no_decay_groups_by_shape_and_their_checkpoint_state_by_name():
+    from pipedream2bw.config import build_optimizer
+    from pipedream2bw.versions import WeightVersions
+
+    optim = OptimConfig(target="torch.optim.AdamW", lr=0.1, kwargs={"weight_decay": 0.5}, no_decay_norms_and_biases=True)
+    groups = build_optimizer([nn.Parameter(torch.ones(3)), nn.Parameter(torch.ones(2, 3))], optim).param_groups
+    assert [(len(g["params"]), g["params"][0].dim(), g["weight_decay"]) for g in groups] == [(1, 2, 0.5), (1, 1, 0.0)]
+    # Groups reorder the optimizer's state positions (2-D first): checkpoints must still key them by the right name.
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.LayerNorm(3), nn.Linear(3, 5))  # [0.weight (3,), 0.bias, 1.weight (5, 3), 1.bias]
+    versions = WeightVersions(module, schedule="flush", optimizer_factory=lambda ps: build_optimizer(ps, optim))
+    module(torch.randn(4, 3)).square().sum().backward()
+    versions.step(0, grad_scale=1.0)
+    state = versions.state()
+    assert {k: tuple(v["exp_avg"].shape) for k, v in state["optimizer"].items()} == {
+        "0.weight": (3,), "0.bias": (3,), "1.weight": (5, 3), "1.bias": (5,)}
+    copy = WeightVersions(nn.Sequential(nn.LayerNorm(3), nn.Linear(3, 5)), schedule="flush", optimizer_factory=lambda ps: build_optimizer(ps, optim))
+    copy.load_state(step=1, weights=state["weights"], previous=None, optimizer=state["optimizer"])
+    for name, st in copy.state()["optimizer"].items():
+        torch.testing.assert_close(st["exp_avg"], state["optimizer"][name]["exp_avg"])
