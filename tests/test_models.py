@@ -35,7 +35,8 @@ def tied_config(schedule: str, d: int, *, steps: int = 6) -> Config:
 
 def assert_tied_result(run_dir: Path, summary: dict, cfg: Config, *, steps_checked: int) -> dict:
     weights = torch.load(Path(run_dir) / "final_model.pt")
-    expected, expected_losses = reference_train(cfg, delayed=cfg.pipeline.schedule == "2bw")
+    reference = tied_config(cfg.pipeline.schedule, 1, steps=cfg.train.num_steps)  # the same 8 sequences per batch
+    expected, expected_losses = reference_train(reference, delayed=cfg.pipeline.schedule == "2bw")
     assert weights.keys() == expected.keys()  # both names of the tie, as the tied model's state_dict
     torch.testing.assert_close(weights, expected)
     assert_losses_close(summary["losses"], expected_losses)
@@ -46,12 +47,14 @@ def assert_tied_result(run_dir: Path, summary: dict, cfg: Config, *, steps_check
     return weights
 
 
-@pytest.mark.parametrize("schedule", ["flush", "gpipe"])
-def test_tied_gpt_flushing_schedules_match_minibatch_training(tmp_path, schedule):
+@pytest.mark.parametrize("schedule,w", [("flush", 2), ("gpipe", 1)])
+def test_tied_gpt_flushing_schedules_match_minibatch_training(tmp_path, schedule, w):
+    # w=2: the tie's gradient is summed over 2 stages x 2 replicas, then averaged over the replicas.
     cfg = tied_config(schedule, 2)
+    cfg.pipeline.data_parallel, cfg.pipeline.microbatch_size = w, 2 // w
     summary = run_ok(cfg, tmp_path)
     assert_tied_result(tmp_path, summary, cfg, steps_checked=6)
-    assert summary["tie_allreduce_calls"] == [6, 6]  # one exchange per step on each holder
+    assert summary["tie_allreduce_calls"] == [6] * (2 * w)  # one exchange per step on each holder
 
 
 def test_tied_gpt_2bw_matches_delayed_rule_and_resumes_at_another_depth(tmp_path):

@@ -11,7 +11,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import torch
 from torch import nn
 
-from pipedream2bw.config import ConfigError, GPTConfig, LayerListConfig, model_num_layers
+from pipedream2bw.config import ConfigError, GPTConfig, LayerListConfig
 from pipedream2bw.models.gpt import build_gpt_layers, lm_loss
 
 
