@@ -27,13 +27,13 @@ def compose(overrides):
     from hydra import compose as hydra_compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    from pipedream2bw.config import register_configs
+    from pipedream2bw.config import from_hydra, register_configs
 
     register_configs()
     OmegaConf.register_new_resolver("pd2bw_run_stamp", lambda: os.environ.get("PD2BW_RUN_STAMP", "plan"), replace=True)
     config_dir = Path(__file__).resolve().parent.parent / "configs"
     with initialize_config_dir(config_dir=str(config_dir), version_base="1.3"):
-        return OmegaConf.to_object(hydra_compose(config_name="config", overrides=list(overrides)))
+        return from_hydra(hydra_compose(config_name="config", overrides=list(overrides)))
 
 
 def main(argv=None) -> int:
@@ -53,7 +53,11 @@ def main(argv=None) -> int:
         return 2
     elapsed = time.perf_counter() - start
     best = plans[0]
-    print(f"model: {cfg.model.num_layers} blocks, d_model {cfg.model.d_model}, seq {cfg.model.seq_len}, vocab {cfg.model.vocab_size}; "
+    from pipedream2bw.config import GPTConfig
+
+    model = (f"{cfg.model.num_layers} blocks, d_model {cfg.model.d_model}, seq {cfg.model.seq_len}, vocab {cfg.model.vocab_size}"
+             if isinstance(cfg.model, GPTConfig) else f"{cfg.model.name} ({cfg.model.target}), seq {cfg.model.seq_len}")
+    print(f"model: {model}; "
           f"topology {cfg.topology.name}: {best.devices} devices x {best.memory_per_device_bytes / 2**30:.3g} GiB; "
           f"global batch {best.global_batch_size}; {best.schedule}; objective {best.objective}; {best.costs} costs; "
           f"planned in {elapsed:.2f} s")

@@ -15,9 +15,9 @@ from typing import List, Optional
 import torch
 
 from partitioner.planner import Plan, Request, plan
-from partitioner.profile import analytic_gpt, profile_gpt, runtime_baseline_bytes
+from partitioner.profile import analytic_gpt, profile_gpt, profile_layer_list, runtime_baseline_bytes
 from partitioner.topology import GIB, num_devices
-from pipedream2bw.config import SCHEDULES, Config, ConfigError, TopologyConfig, model_num_layers
+from pipedream2bw.config import SCHEDULES, Config, ConfigError, GPTConfig, TopologyConfig, model_num_layers
 
 log = logging.getLogger(__name__)
 
@@ -84,17 +84,40 @@ def make_request(cfg: Config, *, devices: Optional[int] = None, topology: Option
         schedule=p.schedule, objective=cfg.partition.objective, depths=cfg.partition.depths,
         microbatch_sizes=cfg.partition.microbatch_sizes, recompute=cfg.partition.recompute,
         swap=cfg.partition.swap, swap_resident=cfg.partition.swap_resident,
-        costs="profile" if profile else "analytic", model=dataclasses.asdict(cfg.model),
+        costs="profile" if profile else "analytic", model=dataclasses.asdict(cfg.model), tolerance=cfg.partition.tolerance,
     )
 
 
-def plan_config(cfg: Config, *, runners_up: int = 4, **request_kwargs) -> List[Plan]:
-    """Plans ``cfg.model`` for ``cfg.topology`` (or the given devices/topology): best plan first.
+def plan_config(cfg: Config, *, runners_up: int = 4, layers=None, loss_fn=None, **request_kwargs) -> List[Plan]:
+    """Plans ``cfg.model`` (or the layer list ``layers``, with ``loss_fn``) for ``cfg.topology`` (or the
+    given devices/topology): best plan first. The GPT has analytic costs too; any other layer
+    list is profiled here.
 
     Raises:
-        ConfigError: nothing fits (the message names the memory or devices that would).
+        ConfigError: nothing fits (the message names the memory or devices that would), or analytic
+            costs asked for a model that is not the GPT.
     """
     req = make_request(cfg, **request_kwargs)
+    if layers is not None or not isinstance(cfg.model, GPTConfig):
+        if req.costs != "profile":
+            raise ConfigError(
+                f"partition.costs ({cfg.partition.costs}) with topology.device {cfg.topology.device!r}: analytic costs know only "
+                f"the GPT; profile this model here (partition.costs=profile, with a topology of this machine's device)"
+            )
+        from pipedream2bw.models.factory import model_source
+
+        source = model_source(cfg.model, seed=cfg.seed) if layers is None else None
+        get = (lambda i: layers[i]) if layers is not None else (lambda i: source.build([i])[0])
+        if source is not None and not source.by_index:
+            whole = source.build()
+            get = lambda i: whole[i]  # noqa: E731
+        num = len(layers) if layers is not None else source.num_layers
+        loss = loss_fn or (source.loss_fn if source is not None else None)
+
+        def cost_fn(b):
+            return profile_layer_list(get, num, loss, cfg.optim, b, seq_len=cfg.model.seq_len, repeats=cfg.partition.repeats)
+
+        return plan(cost_fn, req, runners_up=runners_up)
     if req.costs == "profile":
         def cost_fn(b):
             return profile_gpt(cfg.model, cfg.optim, b, repeats=cfg.partition.repeats, cache_dir=cfg.partition.cache_dir, seed=cfg.seed)
@@ -104,7 +127,7 @@ def plan_config(cfg: Config, *, runners_up: int = 4, **request_kwargs) -> List[P
     return plan(cost_fn, req, runners_up=runners_up)
 
 
-def apply_plan(cfg: Config, p: Plan, *, world_size: int) -> Config:
+def apply_plan(cfg: Config, p: Plan, *, world_size: int, num_layers: Optional[int] = None) -> Config:
     """``cfg`` with the plan's pipeline settings and its ``swap.stages``.
 
     Raises:
@@ -115,9 +138,16 @@ def apply_plan(cfg: Config, p: Plan, *, world_size: int) -> Config:
             f"the plan runs {p.num_stages} stages x {p.data_parallel} replicas = {p.num_stages * p.data_parallel} ranks "
             f"but {world_size} were launched; launch {p.num_stages * p.data_parallel} ranks or plan again for {world_size}"
         )
-    if sum(p.balance) != model_num_layers(cfg.model):
+    if num_layers is None:
+        if isinstance(cfg.model, GPTConfig):
+            num_layers = model_num_layers(cfg.model)
+        else:
+            from pipedream2bw.models.factory import model_source
+
+            num_layers = model_source(cfg.model, seed=cfg.seed).num_layers
+    if sum(p.balance) != num_layers:
         raise ConfigError(
-            f"the plan's balance {p.balance} covers {sum(p.balance)} layers but the model has {model_num_layers(cfg.model)}; "
+            f"the plan's balance {p.balance} covers {sum(p.balance)} layers but the model has {num_layers}; "
             f"plan again for this model"
         )
     pipeline = dataclasses.replace(

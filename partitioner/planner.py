@@ -259,6 +259,7 @@ class Request:
     max_microbatch_size: int = 64
     costs: str = "profile"
     model: Dict[str, object] = field(default_factory=dict)
+    tolerance: float = 0.01  # plans within this fraction of the best objective tie; the other objective decides
 
 
 CostFn = Callable[[int], Sequence[LayerCost]]  # microbatch size -> per-layer costs
@@ -267,6 +268,8 @@ CostFn = Callable[[int], Sequence[LayerCost]]  # microbatch size -> per-layer co
 def _candidates(req: Request, num_layers: int):
     if req.objective not in OBJECTIVES:
         raise ConfigError(f"partition.objective ({req.objective!r}) is unknown; use one of {list(OBJECTIVES)}")
+    if not 0 <= req.tolerance < 1:
+        raise ConfigError(f"partition.tolerance ({req.tolerance}) must be in [0, 1): the fraction of the best objective within which plans tie")
     B = req.global_batch_size
     depths = req.depths or [d for d in divisors(req.devices) if d <= num_layers]
     for d in depths:
@@ -318,8 +321,9 @@ def _make_plan(req: Request, seg: Segments, layer_costs, d, w, b, m, rc, starts,
 def plan(cost_fn: CostFn, req: Request, *, runners_up: int = 4) -> List[Plan]:
     """The best plan for ``req`` first, then up to ``runners_up`` others, best first.
 
-    Throughput: highest predicted samples/s (ties: lower peak memory). Memory: lowest peak
-    memory per device (ties: higher samples/s). The finalists' figures come from the simulator.
+    Throughput: highest predicted samples/s; memory: lowest peak memory per device. Plans within
+    ``req.tolerance`` of the best count as tied, and the other objective decides among them
+    (``_order``). The finalists' figures come from the simulator.
 
     Raises:
         ConfigError: nothing fits; says the smallest per-device memory, or the fewest devices, that would.
@@ -349,7 +353,8 @@ def plan(cost_fn: CostFn, req: Request, *, runners_up: int = 4) -> List[Plan]:
         found.append((_rank_key(req.objective, p), p, (seg, layers, d, w, b, m, rc, starts, flags, rank_map, ctxs)))
     if not found:
         raise ConfigError(_infeasible_message(cost_fn, segments, req, tried, num_layers))
-    found.sort(key=lambda t: t[0])
+    order = _order([p for _, p, _ in found], req.objective, req.tolerance)
+    found = [found[i] for i in order]
     finalists = []
     for _, p, args in found[: runners_up + 3]:
         seg, layers, d, w, b, m, rc, starts, flags, rank_map, ctxs = args
@@ -360,7 +365,7 @@ def plan(cost_fn: CostFn, req: Request, *, runners_up: int = 4) -> List[Plan]:
             if lean is not None:
                 starts, flags = lean[1], lean[2]
         finalists.append(_make_plan(req, seg, layers, d, w, b, m, rc, starts, flags, rank_map, ctxs, simulate_it=True))
-    finalists.sort(key=lambda p: _rank_key(req.objective, p))
+    finalists = [finalists[i] for i in _order(finalists, req.objective, req.tolerance)]
     return finalists[: runners_up + 1]
 
 
@@ -369,6 +374,25 @@ def _rank_key(objective: str, p: Plan) -> tuple:
     if objective == "memory":
         return (peak, -p.predicted_samples_per_s)
     return (-p.predicted_samples_per_s, peak)
+
+
+def _order(plans: Sequence[Plan], objective: str, tolerance: float) -> List[int]:
+    """Indices of ``plans``, best first: those within ``tolerance`` (a fraction) of the best objective
+    count as equal and come first, ordered by the other objective (throughput: the least peak
+    memory among plans as fast as the fastest; memory: the fastest among the leanest); then the
+    rest by ``_rank_key``. A model's 0.4% less memory is no reason to run 3x slower."""
+    if not plans:
+        return []
+    peak = [max(p.predicted_peak_memory_bytes) for p in plans]
+    speed = [p.predicted_samples_per_s for p in plans]
+    if objective == "memory":
+        near = [i for i in range(len(plans)) if peak[i] <= min(peak) * (1 + tolerance)]
+        near.sort(key=lambda i: (-speed[i], peak[i]))
+    else:
+        near = [i for i in range(len(plans)) if speed[i] >= max(speed) * (1 - tolerance)]
+        near.sort(key=lambda i: (peak[i], -speed[i]))
+    rest = sorted((i for i in range(len(plans)) if i not in set(near)), key=lambda i: _rank_key(objective, plans[i]))
+    return near + rest
 
 
 def _min_memory(seg: Segments, req: Request, d: int, w: int, b: int, m: int, *, devices_topo: TopologyConfig) -> float:

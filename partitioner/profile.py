@@ -8,6 +8,12 @@ transformer blocks share one shape, so one block's profile stands for all of the
 layer is profiled with the loss attached, as the last stage runs it. Results are cached on disk,
 keyed by the model, optimizer, b, device, dtype and torch version.
 
+Any layer list (a model from config or the Python API's ``layers``): ``profile_layer_list`` runs
+the layers in order on a real microbatch of token ids, each timed alone on the previous one's
+output (a tuple or dict of tensors too); layers of the same structure on inputs of the same
+shape are measured once. A parameter shared by layers (a tied embedding) counts in each, as
+each holder stage keeps a copy. Not cached (the model is code, not a config).
+
 Analytic: FLOP counts (a block: 24*b*T*C^2 + 4*b*T^2*C forward, twice that backward) at the
 topology's ``peak_tflops``, memory-bound layers at ``memory_bw_gbps``, and the saved bytes a
 pre-LN block keeps (16 activations of b*T*C elements with fused attention, as measured), for models too big
@@ -243,3 +249,113 @@ def runtime_baseline_bytes(*, warm: bool = True) -> int:
         finally:
             torch.set_num_threads(threads)
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _signature(layer: torch.nn.Module, x, last: bool) -> str:
+    shapes = [(tuple(t.shape), str(t.dtype)) for t in torch.utils._pytree.tree_leaves(x)]
+    return repr((type(layer).__qualname__, repr(layer), [tuple(p.shape) for p in layer.parameters()], shapes, last))
+
+
+def _nbytes(tree) -> int:
+    return sum(t.numel() * t.element_size() for t in torch.utils._pytree.tree_leaves(tree) if torch.is_tensor(t))
+
+
+def profile_any_layer(layer: torch.nn.Module, x, targets: torch.Tensor, loss_fn: Optional[Callable], optim: OptimConfig, *,
+                      name: str, device: torch.device, repeats: int = 5, warmup: int = 2) -> LayerCost:
+    """Measures one layer of any list on its input ``x`` (a tensor or a tuple/dict of them); with
+    ``loss_fn`` (the last layer) the loss is part of its forward, as the last stage runs it."""
+    import torch.utils._pytree as pytree
+
+    params = list(layer.parameters())
+    gen = torch.Generator().manual_seed(0)
+    float_inputs = [t for t in pytree.tree_leaves(x) if t.is_floating_point()]
+    for t in float_inputs:
+        t.requires_grad_()
+
+    def forward():
+        out = layer(x)
+        return loss_fn(out, targets) if loss_fn is not None else out
+
+    out = forward()
+    outs = [t for t in pytree.tree_leaves(out) if torch.is_tensor(t) and t.requires_grad]
+    grads = None if loss_fn is not None else [torch.randn(t.shape, generator=gen, dtype=t.dtype).to(device) for t in outs]
+    fwd, bwd = [], []
+    for r in range(warmup + repeats):
+        for q in params + float_inputs:
+            q.grad = None
+        _sync(device)
+        t0 = time.perf_counter()
+        out = forward()
+        _sync(device)
+        t1 = time.perf_counter()
+        if loss_fn is not None:
+            out.backward()
+        elif outs:
+            outs_now = [t for t in pytree.tree_leaves(out) if torch.is_tensor(t) and t.requires_grad]
+            torch.autograd.backward(outs_now, grads)
+        _sync(device)
+        t2 = time.perf_counter()
+        if r >= warmup:
+            fwd.append(t1 - t0)
+            bwd.append(t2 - t1)
+    saved = _saved_bytes(forward, params)
+    opt = build_optimizer(params, optim) if params else None
+    steps = [0.0]
+    if opt is not None:
+        steps = []
+        for r in range(warmup + repeats):
+            for q in params:
+                q.grad = torch.zeros_like(q)
+            _sync(device)
+            t0 = time.perf_counter()
+            opt.step()
+            _sync(device)
+            if r >= warmup:
+                steps.append(time.perf_counter() - t0)
+    opt_bytes = 0 if opt is None else sum(v.numel() * v.element_size() for st in opt.state.values() for v in st.values() if torch.is_tensor(v))
+    return LayerCost(
+        name=name, forward_s=statistics.median(fwd), backward_s=statistics.median(bwd),
+        param_bytes=sum(q.numel() * q.element_size() for q in params), saved_bytes=saved,
+        input_bytes=_nbytes(x), output_bytes=0 if loss_fn is not None else _nbytes(out), optimizer_bytes=opt_bytes,
+        step_s=statistics.median(steps),
+    )
+
+
+def profile_layer_list(layers: Callable[[int], torch.nn.Module], num_layers: int, loss_fn: Callable, optim: OptimConfig, b: int, *,
+                       seq_len: int, vocab_size: int = 256, device: Optional[torch.device] = None, repeats: int = 5) -> List[LayerCost]:
+    """Measured costs of every layer of a list at microbatch size ``b``.
+
+    Args:
+        layers: ``layers(i)`` gives layer ``i``, a copy the profile may train (it steps an optimizer).
+        loss_fn: (last layer's output, targets) -> loss.
+        seq_len, vocab_size: the microbatch of token ids the first layer gets.
+    """
+    import copy as _copy
+
+    import torch.utils._pytree as pytree
+
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    threads = 1 if device.type == "cpu" else torch.get_num_threads()
+    saved_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randint(0, vocab_size, (b, seq_len), generator=gen).to(device)
+    targets = torch.randint(0, vocab_size, (b, seq_len), generator=gen).to(device)
+    costs: List[LayerCost] = []
+    seen: Dict[str, LayerCost] = {}
+    try:
+        for i in range(num_layers):
+            layer = _copy.deepcopy(layers(i)).to(device)
+            last = i == num_layers - 1
+            key = _signature(layer, x, last)
+            if key not in seen:
+                inputs = pytree.tree_map(lambda t: t.detach().clone() if torch.is_tensor(t) else t, x)
+                seen[key] = profile_any_layer(layer, inputs, targets, loss_fn if last else None, optim, name=type(layer).__name__,
+                                              device=device, repeats=repeats)
+            costs.append(dataclasses.replace(seen[key], name=f"{i}:{seen[key].name}"))
+            if not last:
+                with torch.no_grad():
+                    x = pytree.tree_map(lambda t: t.detach() if torch.is_tensor(t) else t, layer(x))
+    finally:
+        torch.set_num_threads(saved_threads)
+    return costs

@@ -18,8 +18,11 @@ directory into place, then prunes. A crash leaves a ``.partial`` directory that 
 reads. A checkpoint whose files do not match their checksums is reported, renamed aside and
 skipped in favour of the previous complete one.
 
+Parameters tied across layers (``manifest.json``'s ``ties``, canonical name first) are stored
+once, in the layer file of the canonical name; loading gives every holder that entry.
+
 ``python -m pipedream2bw.checkpoint consolidate PATH`` writes the newest weights as one plain
-``state_dict``.
+``state_dict`` (a tie's names all on one tensor, as torch's ``state_dict`` of the tied model).
 """
 
 from __future__ import annotations
@@ -307,19 +310,54 @@ def check_model(manifest: Mapping[str, Any], shapes: Mapping[str, Sequence[int]]
         )
 
 
-def load_layers(path: Path, indices: Sequence[int]) -> Dict[str, Any]:
+def check_ties(manifest: Mapping[str, Any], ties: Sequence[Sequence[str]], where: Path) -> None:
+    """Refuses a checkpoint whose model shares parameters otherwise than this one (a tied model
+    resumed untied, or the reverse, would silently train another model).
+
+    Raises:
+        ConfigError: naming both sets of ties.
+    """
+    saved = sorted(list(t) for t in manifest.get("ties", []))
+    if saved != sorted(list(t) for t in ties):
+        raise ConfigError(
+            f"checkpoint {where} was written for a model with tied parameters {saved or 'none'}, but this model ties "
+            f"{sorted(list(t) for t in ties) or 'none'}; use the model config it was trained with (e.g. model.tie_embeddings), "
+            f"or train.resume=never to start afresh"
+        )
+
+
+def load_layers(path: Path, indices: Sequence[int], *, ties: Sequence[Sequence[str]] = ()) -> Dict[str, Any]:
     """The part of checkpoint ``path`` that a stage holding layers ``indices`` loads, in the form
-    of ``WeightVersions.state()``."""
+    of ``WeightVersions.state()``.
+
+    A tie (names of one shared parameter, canonical first) is stored once, under its canonical
+    name; every name of it in these layers gets that entry (read from the canonical's layer).
+    """
     out: Dict[str, Any] = {"weights": {}, "previous": {}, "optimizer": {}}
     has_previous = True
+    cache: Dict[int, Dict[str, Any]] = {}
+
+    def layer(i: int) -> Dict[str, Any]:
+        if i not in cache:
+            cache[i] = torch.load(Path(path) / layer_file(i), map_location="cpu", weights_only=True)
+        return cache[i]
+
     for i in indices:
-        layer = torch.load(Path(path) / layer_file(i), map_location="cpu", weights_only=True)
-        out["weights"].update(layer["weights"])
-        out["optimizer"].update(layer["optimizer"])
-        if layer["previous"] is None:
+        out["weights"].update(layer(i)["weights"])
+        out["optimizer"].update(layer(i)["optimizer"])
+        if layer(i)["previous"] is None:
             has_previous = False
         else:
-            out["previous"].update(layer["previous"])
+            out["previous"].update(layer(i)["previous"])
+    for names in ties:
+        here = [n for n in names if _layer_index(n) in indices]
+        if not here:
+            continue
+        source = layer(_layer_index(names[0]))
+        for part in ("weights", "previous", "optimizer"):
+            if source[part] is not None and names[0] in source[part]:
+                for n in here:
+                    out[part][n] = source[part][names[0]]
     if not has_previous:
         out["previous"] = None
     return out
@@ -345,6 +383,9 @@ def consolidate(path: Path, out: Optional[Path] = None) -> Path:
     state: Dict[str, torch.Tensor] = {}
     for i in range(manifest["num_layers"]):
         state.update(torch.load(chosen / layer_file(i), map_location="cpu", weights_only=True)["weights"])
+    for names in manifest.get("ties", []):  # as the tied model's state_dict: every name on the one stored tensor
+        for alias in names[1:]:
+            state[alias] = state[names[0]]
     out = Path(out) if out is not None else chosen.parent.parent / f"consolidated_step_{manifest['step']:08d}.pt"
     buf = io.BytesIO()
     torch.save(state, buf)

@@ -438,7 +438,8 @@ class GradReducer:
         self._armed: Optional[int] = None
         for replica_index, params in enumerate(self.replicas):
             for param_index, p in enumerate(params):
-                p.register_post_accumulate_grad_hook(self._hook(replica_index, param_index))
+                if param_index in self.bucket_of:  # parameters in no bucket (tied across stages) are reduced elsewhere
+                    p.register_post_accumulate_grad_hook(self._hook(replica_index, param_index))
 
     def _hook(self, replica_index: int, param_index: int):
         def on_grad(_: torch.Tensor) -> None:
@@ -468,7 +469,10 @@ class GradReducer:
         self.num_collectives += 1
 
     def wait(self, b: int) -> None:
-        """Blocks until bucket ``b`` is summed across replicas, and puts the sums in the gradients."""
+        """Blocks until bucket ``b`` is summed across replicas, and puts the sums in the gradients.
+        Buckets past this reducer's (the stage's tied parameters, after its own) return at once."""
+        if b >= len(self.buckets):
+            return
         start = time.perf_counter()
         while len(self._started) <= b:  # a bucket whose gradients never came (unused parameters)
             self._start(len(self._started))
@@ -503,7 +507,7 @@ class AsyncSum:
     def start(self, tensor: torch.Tensor, *, what: str) -> None:
         """Starts summing ``tensor`` in place; ``what`` names it in errors (e.g. 'the step agreement of batch 3')."""
         assert self._pending is None, f"{self._pending[2]} was started and never waited on"
-        self._pending = (dist.all_reduce(tensor, group=self.group, async_op=True), tensor, what)
+        self._pending = (all_reduce_async(tensor, group=self.group), tensor, what)
 
     def wait(self) -> torch.Tensor:
         """The sum over the group.
@@ -513,8 +517,29 @@ class AsyncSum:
         """
         work, tensor, what = self._pending
         self._pending = None
-        try:
-            work.wait(self.ctx.timeout)
-        except Exception as e:
-            raise RuntimeError(f"rank {self.ctx.rank}: {what} (a sum over all ranks) failed or timed out after {self.ctx.timeout}: {e}") from e
+        wait_work(self.ctx, work, f"{what} (a sum over all ranks)")
         return tensor
+def all_reduce_async(tensor: torch.Tensor, *, group: Any) -> Any:
+    """Starts summing ``tensor`` in place across ``group``; returns the work to ``wait_work`` on."""
+    return dist.all_reduce(tensor, group=group, async_op=True)
+
+
+def wait_work(ctx: DistContext, work: Any, what: str) -> None:
+    """Waits for a collective with the run's timeout, naming ``what`` if it fails."""
+    try:
+        work.wait(ctx.timeout)
+    except Exception as e:
+        raise RuntimeError(f"rank {ctx.rank}: {what} failed or timed out after {ctx.timeout}: {e}") from e
+
+
+def all_reduce_min_max(tensor: torch.Tensor, *, group: Any) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Elementwise minimum and maximum of ``tensor`` across ``group``."""
+    low, high = tensor.clone(), tensor.clone()
+    dist.all_reduce(low, op=dist.ReduceOp.MIN, group=group)
+    dist.all_reduce(high, op=dist.ReduceOp.MAX, group=group)
+    return low, high
+
+
+def broadcast(tensor: torch.Tensor, *, src: int, group: Any) -> None:
+    """Overwrites ``tensor`` with global rank ``src``'s, on every rank of ``group``."""
+    dist.broadcast(tensor, src=src, group=group)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import dataclasses
 import math
 from pathlib import Path
 from dataclasses import dataclass, field
@@ -51,6 +52,9 @@ class PipelineConfig:
     """How many consecutive steps (batches) pipeline.trace records."""
     trace_first_step: Optional[int] = None
     """First traced step (0-based); null: train.warmup_steps, i.e. the first measured steps."""
+    check_ties: bool = False
+    """Debug: after every step, compare a digest of each tied parameter's copies across the stages holding
+    them (two small all-reduces per step); the run fails on the first step where they differ."""
 
 
 @dataclass
@@ -69,6 +73,32 @@ class GPTConfig:
     """Vocabulary size; >= 256 for byte-level text."""
     init_std: float = 0.02
     """Standard deviation of the normal weight initialisation."""
+    tie_embeddings: bool = False
+    """Share the LM head's weight with the token embedding (as GPT-2 does); across stages, every
+    stage holding it keeps a copy and their gradients are summed before the step."""
+
+
+@dataclass
+class LayerListConfig:
+    """A user's model: a factory that returns its layer list (``model=custom model._target_=...``)."""
+
+    target: str = "???"
+    """Import path of the factory, ``pkg.module.function`` (Hydra's ``_target_``). It returns a list of
+    ``nn.Module``s (each layer takes the previous one's output); it is called with ``kwargs``, plus
+    ``seq_len``, ``seed`` and ``indices`` when it takes them. A factory taking ``indices`` builds
+    only those layers (each rank its own); otherwise it builds the whole list under
+    ``torch.manual_seed(seed)``, and each rank keeps its slice."""
+    kwargs: Dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments of the factory (the model entry's other keys, e.g. ``+model.width=512``)."""
+    seq_len: int = 128
+    """Tokens per sequence the data feed gives the first layer (byte-level, token ids 0..255)."""
+    loss: Optional[str] = None
+    """Import path of the loss, (last layer's output, targets (B, T) int64) -> scalar; a class is
+    instantiated with ``loss_kwargs``, a function bound to them; null: next-token cross-entropy."""
+    loss_kwargs: Dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments of the loss (its entry's other keys when ``loss`` is given as ``{_target_: ...}``)."""
+    name: str = "custom"
+    """Label for logs and plan files."""
 
 
 @dataclass
@@ -90,6 +120,12 @@ class OptimConfig:
     clip_grad_norm: Optional[float] = None
     """Clip the gradient to this global 2-norm over all stages and replicas (torch.nn.utils.clip_grad_norm_ on
     the whole model); null: no clipping. The norm is logged every step."""
+    target: Optional[str] = None
+    """An optimizer class by import path (e.g. torch.optim.SGD or my_pkg.Lion), used instead of ``name``;
+    ``optim=custom optim._target_=... +optim.momentum=0.9`` writes it Hydra's way (``_partial_: true``)."""
+    no_decay_norms_and_biases: bool = False
+    """Two parameter groups: weight decay (``kwargs.weight_decay``) on weights of 2 or more dimensions,
+    none on 1-D parameters (norm scales, biases), as GPT training usually does."""
 
 
 @dataclass
@@ -199,6 +235,9 @@ class PartitionConfig:
     """Plan file to run ('file'), or where 'auto' and the CLI write theirs (null: plan.yaml in the run dir / cwd)."""
     objective: str = "throughput"
     """'throughput' (fastest plan that fits) or 'memory' (lowest peak memory per device)."""
+    tolerance: float = 0.01
+    """Plans within this fraction of the best objective count as tied; among them the other objective
+    decides (throughput: least peak memory; memory: most samples/s)."""
     costs: str = "auto"
     """Layer costs: 'profile' (measure here), 'analytic' (FLOP-based), 'auto' (profile if topology.device is this machine's)."""
     microbatch_sizes: Optional[List[int]] = None
@@ -241,8 +280,10 @@ class SwapConfig:
 @dataclass
 class Config:
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
-    model: GPTConfig = field(default_factory=GPTConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
+    model: Any = field(default_factory=GPTConfig)
+    """``GPTConfig`` (model=gpt) or ``LayerListConfig`` (a factory named by ``_target_``)."""
+    optim: Any = field(default_factory=OptimConfig)
+    """``OptimConfig``; optim=custom's ``{_target_: cls, _partial_: true, ...}`` becomes one in ``from_hydra``."""
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     dist: DistConfig = field(default_factory=DistConfig)
@@ -261,8 +302,11 @@ def register_configs() -> None:
     from hydra.core.config_store import ConfigStore
 
     cs = ConfigStore.instance()
-    cs.store(name="base_config", node=Config)
+    # model and optim come untyped from their config groups: gpt.yaml and default.yaml type them
+    # (base_gpt, base_optim); custom entries ({_target_: ...}) take any keys, typed by ``from_hydra``.
+    cs.store(name="base_config", node=Config(model={}, optim={}))
     cs.store(group="model", name="base_gpt", node=GPTConfig)
+    cs.store(group="optim", name="base_optim", node=OptimConfig)
     cs.store(group="topology", name="base_topology", node=TopologyConfig)
     cs.store(group="partition", name="base_partition", node=PartitionConfig)
 
@@ -286,15 +330,43 @@ def optimizer_class(name: str) -> type:
         ) from None
 
 
+def optimizer_name(cfg: OptimConfig) -> str:
+    """What a checkpoint records of the optimizer: ``optim.target`` if set, else ``optim.name`` lower-cased."""
+    return cfg.target if cfg.target else cfg.name.lower()
+
+
+def _optimizer_of(cfg: OptimConfig) -> type:
+    if not cfg.target:
+        return optimizer_class(cfg.name)
+    from pipedream2bw.models.factory import locate  # models/ imports config: import here
+
+    cls = locate(cfg.target, what="optim._target_")
+    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+        raise ConfigError(f"optim._target_ ({cfg.target}) is {cls!r}, not a torch.optim.Optimizer subclass; name an optimizer class")
+    return cls
+
+
+def param_groups(params, cfg: OptimConfig) -> list:
+    """``params`` as the optimizer takes them: one list, or with ``no_decay_norms_and_biases`` two groups
+    (1-D parameters without weight decay). Decided by shape, never by name, so that every stage
+    holding a copy of a tied weight puts it in the same group."""
+    params = list(params)
+    if not cfg.no_decay_norms_and_biases:
+        return params
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    return [g for g in ({"params": decay}, {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
+
+
 def build_optimizer(params, cfg: OptimConfig) -> torch.optim.Optimizer:
-    """Builds the optimizer named by ``cfg`` over ``params``.
+    """Builds the optimizer that ``cfg`` names (``target`` or ``name``) over ``params``.
 
     Raises:
         ConfigError: unknown optimizer, or keyword arguments it does not take.
     """
-    cls = optimizer_class(cfg.name)
+    cls = _optimizer_of(cfg)
     try:
-        return cls(params, lr=cfg.lr, **dict(cfg.kwargs))
+        return cls(param_groups(params, cfg), lr=cfg.lr, **dict(cfg.kwargs))
     except (TypeError, ValueError) as e:
         raise ConfigError(
             f"optim.kwargs ({dict(cfg.kwargs)}) are not valid for {cls.__name__}: {e}; "
@@ -405,6 +477,8 @@ def validate(cfg: Config, *, world_size: int, num_layers: Optional[int] = None, 
     """
     p, mdl = cfg.pipeline, cfg.model
     gpt = num_layers is None
+    if gpt and not isinstance(mdl, GPTConfig):
+        raise ConfigError(f"model ({mdl!r}) is not a GPTConfig; pass its layer count (the runner does) or use model=gpt")
     num_layers = model_num_layers(mdl) if gpt else num_layers
     d, m = p.num_stages, p.num_microbatches
     if p.schedule not in SCHEDULES:
@@ -456,14 +530,16 @@ def validate(cfg: Config, *, world_size: int, num_layers: Optional[int] = None, 
             f"pipeline.num_microbatches ({m}) must be >= pipeline.num_stages ({d}) for 2bw "
             f"(two weight versions suffice only then); raise pipeline.num_microbatches to {d} or more"
         )
-    if mdl.d_model % mdl.num_heads:
+    if isinstance(mdl, GPTConfig) and mdl.d_model % mdl.num_heads:
         raise ConfigError(f"model.num_heads ({mdl.num_heads}) must divide model.d_model ({mdl.d_model})")
-    if mdl.vocab_size < 256:
+    if isinstance(mdl, GPTConfig) and mdl.vocab_size < 256:
         raise ConfigError(f"model.vocab_size ({mdl.vocab_size}) must be >= 256 for byte-level text")
+    if mdl.seq_len < 1:
+        raise ConfigError(f"model.seq_len ({mdl.seq_len}) must be >= 1")
     if cfg.optim.lr <= 0 or not math.isfinite(cfg.optim.lr):
         raise ConfigError(f"optim.lr ({cfg.optim.lr}) must be a positive number")
-    if optimizer_class(cfg.optim.name) is torch.optim.LBFGS:
-        raise ConfigError("optim.name (lbfgs) re-evaluates the loss through a closure, which a pipeline cannot; use sgd, adam, adamw, ...")
+    if _optimizer_of(cfg.optim) is torch.optim.LBFGS:
+        raise ConfigError("optim (lbfgs) re-evaluates the loss through a closure, which a pipeline cannot; use sgd, adam, adamw, ...")
     build_optimizer([torch.nn.Parameter(torch.zeros(1))], cfg.optim)
     _validate_step_rules(cfg)
     if cfg.data.path is not None and not Path(cfg.data.path).is_file():
@@ -509,3 +585,57 @@ def validate(cfg: Config, *, world_size: int, num_layers: Optional[int] = None, 
         raise ConfigError(f"dist.timeout_s ({cfg.dist.timeout_s}) must be > 0")
     _validate_swap(cfg.swap, d)
     return balance
+
+
+def from_hydra(dcfg: Any) -> Config:
+    """The typed Config of a composed Hydra config: ``OmegaConf.to_object``, then the untyped
+    ``_target_`` entries of ``model`` and ``optim`` as ``LayerListConfig`` and ``OptimConfig``.
+
+    Raises:
+        ConfigError: an entry that is neither the schema's nor a ``_target_`` one, or an optimizer
+            entry without ``_partial_: true``.
+    """
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.to_object(dcfg) if not isinstance(dcfg, Config) else dcfg
+    model, optim = cfg.model, cfg.optim
+    if isinstance(model, dict):
+        model = layer_list_config(model)
+    if isinstance(optim, dict):
+        optim = target_optim_config(optim)
+    return dataclasses.replace(cfg, model=model, optim=optim)
+
+
+def layer_list_config(entry: Dict[str, Any]) -> LayerListConfig:
+    """A ``{_target_: factory, seq_len: ..., loss: ..., <factory kwargs>}`` model entry, typed."""
+    entry = dict(entry)
+    if not entry.get("_target_") or entry["_target_"] == "???":
+        raise ConfigError(
+            f"the model entry ({entry}) names no layer-list factory; set model._target_=pkg.module.function "
+            f"(model=custom), or use model=gpt"
+        )
+    target = entry.pop("_target_")
+    entry.pop("_partial_", None)
+    loss, loss_kwargs = entry.pop("loss", None), {}
+    if isinstance(loss, dict):
+        loss_kwargs = {k: v for k, v in loss.items() if k not in ("_target_", "_partial_")}
+        loss = loss.get("_target_")
+    known = {f.name for f in dataclasses.fields(LayerListConfig)} - {"target", "kwargs", "loss", "loss_kwargs"}
+    fields = {k: entry.pop(k) for k in list(entry) if k in known}
+    return LayerListConfig(target=target, kwargs=entry, loss=loss, loss_kwargs=loss_kwargs, **fields)
+
+
+def target_optim_config(entry: Dict[str, Any]) -> OptimConfig:
+    """A ``{_target_: cls, _partial_: true, lr: ..., <kwargs>}`` optimizer entry, typed."""
+    entry = dict(entry)
+    if not entry.get("_target_") or entry["_target_"] == "???":
+        raise ConfigError(f"the optim entry ({entry}) names no optimizer; set optim._target_=torch.optim.SGD (optim=custom) or use optim.name")
+    if entry.pop("_partial_", None) is not True:
+        raise ConfigError(
+            f"optim._target_ ({entry['_target_']}) needs _partial_: true: the runtime passes each stage's parameters "
+            f"when it builds the optimizer; add optim._partial_=true"
+        )
+    target = entry.pop("_target_")
+    lr = entry.pop("lr", OptimConfig.lr)
+    no_decay = bool(entry.pop("no_decay_norms_and_biases", False))
+    return OptimConfig(name=target.rsplit(".", 1)[-1].lower(), lr=lr, kwargs=entry, target=target, no_decay_norms_and_biases=no_decay)

@@ -17,12 +17,12 @@ import torch.utils.checkpoint
 from torch import nn
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from pipedream2bw import checkpoint, comm, schedule
+from pipedream2bw import checkpoint, comm, schedule, ties
 from pipedream2bw.agreement import StepRule
 from pipedream2bw.lr_schedule import lr_at
-from pipedream2bw.config import Config, ConfigError, build_optimizer, swap_stages, validate
+from pipedream2bw.config import Config, ConfigError, GPTConfig, build_optimizer, optimizer_name, swap_stages, validate
 from pipedream2bw.data import MicrobatchFeed, load_bytes
-from pipedream2bw.models import build_gpt_layers, lm_loss
+from pipedream2bw.models.factory import ModelSource, model_source
 from pipedream2bw.results import atomic_write, save_state_dict, summarize, write_summary
 from pipedream2bw.schedule import BACKWARD, FORWARD, check_stage, shift_batches, stage_actions
 from pipedream2bw.layout import Layout, make_layout
@@ -68,17 +68,25 @@ class RecomputeSequential(nn.Sequential):
         return x
 
 
-def build_stage_module(cfg: Config, balance: Sequence[int], stage_index: int, layers: Optional[Sequence[nn.Module]]) -> nn.Sequential:
+def build_stage_module(cfg: Config, balance: Sequence[int], stage_index: int, layers: Optional[Sequence[nn.Module]], *,
+                       tied: Sequence[ties.Tie] = (), source: Optional[ModelSource] = None) -> nn.Sequential:
     """This stage's contiguous slice of the layer list, keyed by global layer index.
 
     Keys are the layers' positions in the whole list, so parameter names match those of
-    ``nn.Sequential(*all_layers)``: a stage's state_dict is a slice of the full model's.
+    ``nn.Sequential(*all_layers)``: a stage's state_dict is a slice of the full model's. Layers
+    come from ``layers``, else from ``source`` (default: ``cfg.model``'s); the names of each of
+    ``tied`` that this stage holds refer to one parameter.
     """
     start = sum(balance[:stage_index])
     indices = range(start, start + balance[stage_index])
-    own = [layers[i] for i in indices] if layers is not None else build_gpt_layers(cfg.model, seed=cfg.seed, indices=indices)
+    if layers is not None:
+        own = [layers[i] for i in indices]
+    else:
+        own = (source or model_source(cfg.model, seed=cfg.seed)).build(indices)
     cls = RecomputeSequential if cfg.pipeline.recompute else nn.Sequential
-    return cls(OrderedDict((str(i), layer) for i, layer in zip(indices, own)))
+    module = cls(OrderedDict((str(i), layer) for i, layer in zip(indices, own)))
+    ties.retie(module, tied)
+    return module
 
 
 def run(
@@ -86,7 +94,7 @@ def run(
     run_dir: Path,
     *,
     layers: Optional[Sequence[nn.Module]] = None,
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = lm_loss,
+    loss_fn: Optional[Callable[[Any, torch.Tensor], torch.Tensor]] = None,
     store: Optional[Any] = None,
 ) -> Optional[Dict[str, Any]]:
     """Trains this rank's stage; on rank 0, writes and returns the summary.
@@ -95,15 +103,21 @@ def run(
         cfg: the run's config (validated here, before any process group starts).
         run_dir: directory shared by all ranks for summary.json and final_model.pt.
         layers: the whole model as a list of layers (any ``nn.Sequential``'s children);
-            by default the GPT that ``cfg.model`` describes, of which each rank builds only
-            its own slice.
-        loss_fn: (last stage output, targets) -> scalar loss of a microbatch.
+            by default the layers ``cfg.model`` describes (the GPT, or a factory's), of which
+            each rank builds only its own slice where the factory allows.
+        loss_fn: (last stage output, targets) -> scalar loss of a microbatch; by default
+            ``cfg.model``'s (next-token cross-entropy unless ``model.loss`` names one).
         store: rendezvous store already connected (the entry point's); made here if None.
 
     Raises:
-        ConfigError: bad config, before any process group starts.
+        ConfigError: bad config, a model factory that does not import or returns no layer list, or
+            parameters shared in a way the runtime cannot honour: before any process group starts.
         comm.PeerFailure: another rank failed first.
     """
+    source = None if layers is not None else model_source(cfg.model, seed=cfg.seed)
+    if loss_fn is None:
+        loss_fn = source.loss_fn if source is not None else model_source(cfg.model, seed=cfg.seed).loss_fn
+    tied = ties.find_ties(layers if layers is not None else source.meta())  # every rank, before any group
     rank, world_size, local_rank = comm.env_rank()
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     set_log_prefix(f"[rank {rank}]")
@@ -112,15 +126,18 @@ def run(
         if store is None:
             store = comm.make_store(rank=rank, world_size=world_size, timeout_s=cfg.dist.timeout_s)
         agreed = comm.run_scope(store)
-        cfg, plan = _resolve_partition(cfg, agreed, rank=rank, world_size=world_size, local_world_size=local_world_size, run_dir=Path(run_dir))
-    balance = validate(cfg, world_size=world_size, num_layers=None if layers is None else len(layers), local_world_size=local_world_size)
+        cfg, plan = _resolve_partition(cfg, agreed, rank=rank, world_size=world_size, local_world_size=local_world_size, run_dir=Path(run_dir),
+                                       layers=layers, loss_fn=loss_fn)
+    gpt = layers is None and isinstance(cfg.model, GPTConfig)  # the GPT's own default split
+    num_layers = None if gpt else len(layers) if layers is not None else source.num_layers
+    balance = validate(cfg, world_size=world_size, num_layers=num_layers, local_world_size=local_world_size)
     layout = make_layout(cfg.pipeline.num_stages, cfg.pipeline.data_parallel, ranks_per_node=local_world_size, rank_map=cfg.pipeline.rank_map)
     set_log_prefix(f"[stage {layout.position(rank)[0]}/rank {rank}]")
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     if store is None:  # made after validate: a bad config fails every rank at once, with no rendezvous
         store = comm.make_store(rank=rank, world_size=world_size, timeout_s=cfg.dist.timeout_s)
-    resume = _choose_checkpoint(cfg, run_dir, agreed or comm.run_scope(store), rank, world_size, layers)
+    resume = _choose_checkpoint(cfg, run_dir, agreed or comm.run_scope(store), rank, world_size, layers, source, tied)
     ctx = comm.init(store=store, rank=rank, world_size=world_size, local_rank=local_rank, backend=cfg.dist.backend, timeout_s=cfg.dist.timeout_s)
     try:
         predictions = {} if plan is None else {
@@ -128,7 +145,7 @@ def run(
             "predicted_peak_memory_bytes": list(plan.predicted_peak_memory_bytes),
             "plan": dataclasses.asdict(plan),  # logged to wandb as a table
         }
-        summary = _train(cfg, run_dir, ctx, layout, balance, layers, loss_fn, resume, predictions)
+        summary = _train(cfg, run_dir, ctx, layout, balance, layers, loss_fn, resume, predictions, source=source, tied=tied)
     except BaseException as e:
         first = ctx.monitor.report(layout.position(rank)[0], e)
         failed_here = first.startswith(f"rank {rank} ")
@@ -145,16 +162,16 @@ def run(
     return summary
 
 
-def _param_shapes(cfg: Config, layers: Optional[Sequence[nn.Module]]) -> Dict[str, List[int]]:
+def _param_shapes(cfg: Config, layers: Optional[Sequence[nn.Module]], source: Optional[ModelSource] = None) -> Dict[str, List[int]]:
     """Names and shapes of the whole model's state, as a checkpoint stores them (no memory used
-    for the GPT: it is built on the meta device)."""
+    for a model from config: it is built on the meta device)."""
     if layers is None:
-        with torch.device("meta"):
-            layers = build_gpt_layers(cfg.model, seed=cfg.seed)
+        layers = (source or model_source(cfg.model, seed=cfg.seed)).meta()
     return {k: list(v.shape) for k, v in nn.Sequential(*layers).state_dict().items()}
 
 
-def _choose_checkpoint(cfg: Config, run_dir: Path, store: Any, rank: int, world_size: int, layers) -> Optional[Tuple[Path, Dict[str, Any]]]:
+def _choose_checkpoint(cfg: Config, run_dir: Path, store: Any, rank: int, world_size: int, layers, source=None,
+                       tied: Sequence[ties.Tie] = ()) -> Optional[Tuple[Path, Dict[str, Any]]]:
     """The checkpoint to resume from, per ``train.resume``: rank 0 chooses (verifying checksums,
     setting corrupt ones aside, refusing another model's) and every rank gets its choice,
     before any process group starts.
@@ -178,7 +195,8 @@ def _choose_checkpoint(cfg: Config, run_dir: Path, store: Any, rank: int, world_
                     f"point it at another checkpoint or use train.resume=never"
                 )
             if path is not None:
-                checkpoint.check_model(manifest, _param_shapes(cfg, layers), path)
+                checkpoint.check_model(manifest, _param_shapes(cfg, layers, source), path)
+                checkpoint.check_ties(manifest, [list(t.names) for t in tied], path)
                 if manifest["step"] >= t.num_steps:
                     raise ConfigError(
                         f"checkpoint {path} is at step {manifest['step']}, and train.num_steps is {t.num_steps}: "
@@ -199,7 +217,8 @@ def _choose_checkpoint(cfg: Config, run_dir: Path, store: Any, rank: int, world_
     return path, manifest
 
 
-def _resolve_partition(cfg: Config, store: Any, *, rank: int, world_size: int, local_world_size: int, run_dir: Path):
+def _resolve_partition(cfg: Config, store: Any, *, rank: int, world_size: int, local_world_size: int, run_dir: Path,
+                       layers: Optional[Sequence[nn.Module]] = None, loss_fn: Optional[Callable] = None):
     """``partition=auto|file``: rank 0 plans (or reads the plan file) and shares the plan's text
     through the rendezvous store, before any process group starts; every rank applies it.
 
@@ -224,7 +243,7 @@ def _resolve_partition(cfg: Config, store: Any, *, rank: int, world_size: int, l
                 text = plan_to_text(load_plan(cfg.partition.path))
             else:
                 topo = runtime_topology(cfg.topology, world_size=world_size, local_world_size=local_world_size)
-                best = plan_config(cfg, devices=world_size, topology=topo)[0]
+                best = plan_config(cfg, devices=world_size, topology=topo, layers=layers, loss_fn=loss_fn)[0]
                 run_dir.mkdir(parents=True, exist_ok=True)
                 save_plan(best, cfg.partition.path or run_dir / "plan.yaml")
                 text = plan_to_text(best)
@@ -240,17 +259,53 @@ def _resolve_partition(cfg: Config, store: Any, *, rank: int, world_size: int, l
     log.info("partition=%s: %d stages x %d replicas, b=%d, m=%d, balance %s, recompute %s; predicted %.1f samples/s",
              mode, plan.num_stages, plan.data_parallel, plan.microbatch_size, plan.num_microbatches, plan.balance,
              plan.recompute, plan.predicted_samples_per_s)
-    return apply_plan(cfg, plan, world_size=world_size), plan
+    return apply_plan(cfg, plan, world_size=world_size, num_layers=None if layers is None else len(layers)), plan
 
 
-def _train(cfg: Config, run_dir: Path, ctx: comm.DistContext, layout: Layout, balance, layers, loss_fn, resume, predictions) -> Optional[Dict[str, Any]]:
+def _tie_groups(ctx: comm.DistContext, layout: Layout, tied: Sequence[ties.Tie], balance, module: nn.Module):
+    """One process group per distinct set of ranks holding tied copies (made on every rank, in the
+    same order); returns [(group, source rank, [(tie, parameter index in ``module``)])] for the
+    groups this rank is in. The source, the first holder stage's replica 0, owns the canonical copy."""
+    sets: Dict[Tuple[int, ...], List[ties.Tie]] = {}
+    for tie in tied:
+        stages = ties.holders(tie, balance)
+        if len(stages) > 1:
+            sets.setdefault(tuple(sorted(r for st in stages for r in layout.ranks[st])), []).append(tie)
+    groups = comm.new_groups(ctx, list(sets)) if sets else []
+    index = {id(q): i for i, q in enumerate(module.parameters())}
+    mine = []
+    for group, (ranks, group_ties) in zip(groups, sets.items()):
+        if ctx.rank in ranks:
+            src = layout.ranks[ties.holders(group_ties[0], balance)[0]][0]
+            held = []
+            for tie in group_ties:
+                name = next(n for n in tie.names if n.split(".", 1)[0] in module._modules)
+                held.append((tie, index[id(module.get_parameter(name))]))
+            mine.append((group, src, held))
+    return mine
+
+
+def _train(cfg: Config, run_dir: Path, ctx: comm.DistContext, layout: Layout, balance, layers, loss_fn, resume, predictions, *,
+           source: Optional[ModelSource] = None, tied: Sequence[ties.Tie] = ()) -> Optional[Dict[str, Any]]:
     p = cfg.pipeline
     d, w, m, b = p.num_stages, p.data_parallel, p.num_microbatches, p.microbatch_size
     global_batch = w * m * b
     s, replica = layout.position(ctx.rank)
     torch.manual_seed(cfg.seed)
-    module = build_stage_module(cfg, balance, s, layers).to(ctx.device)
-    buckets = bucketize(list(module.parameters()), bucket_bytes=p.bucket_mb * 2**20)
+    module = build_stage_module(cfg, balance, s, layers, tied=tied, source=source).to(ctx.device)
+    tie_groups = _tie_groups(ctx, layout, tied, balance, module)
+    with torch.no_grad():  # every copy starts as the canonical one (a rank building its layers alone made its own)
+        for group, src, held in tie_groups:
+            for _, i in held:
+                comm.broadcast(list(module.parameters())[i].data, src=src, group=group)
+    # Tied parameters are summed across their holders (TieExchange), one bucket each, after the
+    # data-parallel buckets that the GradReducer averages across this stage's replicas.
+    params = list(module.parameters())
+    tied_index = [i for _, _, held in tie_groups for _, i in held]
+    rest = [i for i in range(len(params)) if i not in set(tied_index)]
+    buckets = [[rest[j] for j in bucket] for bucket in bucketize([params[i] for i in rest], bucket_bytes=p.bucket_mb * 2**20)]
+    buckets = [bucket for bucket in buckets if bucket] + [[i] for i in tied_index]
+    num_dp_buckets = len(buckets) - len(tied_index)
     versions = (HostOptimizerVersions if cfg.swap.optimizer == "host" else WeightVersions)(
         module, schedule=p.schedule, optimizer_factory=lambda params: build_optimizer(params, cfg.optim), buckets=buckets,
     )
@@ -260,13 +315,13 @@ def _train(cfg: Config, run_dir: Path, ctx: comm.DistContext, layout: Layout, ba
     if resume is not None:
         path, manifest = resume
         first_batch = manifest["step"]
-        state = checkpoint.load_layers(path, indices)
+        state = checkpoint.load_layers(path, indices, ties=[list(t.names) for t in tied])
         if p.schedule == "2bw" and state["previous"] is None:
             log.warning("%s holds one weight version (a %s run): batch %d runs with W(%d), not W(%d)", path, manifest["schedule"], first_batch, first_batch, first_batch - 1)
         if manifest["global_batch_size"] != global_batch:
             log.warning("%s was trained with global batch %d, this run uses %d: training continues, but not as the same run", path, manifest["global_batch_size"], global_batch)
-        if manifest["optimizer"] != cfg.optim.name.lower():
-            log.warning("%s holds %s state; optim.name is %s: its optimizer starts afresh", path, manifest["optimizer"], cfg.optim.name)
+        if manifest["optimizer"] != optimizer_name(cfg.optim):
+            log.warning("%s holds %s state; this run's optimizer is %s: it starts afresh", path, manifest["optimizer"], optimizer_name(cfg.optim))
             state["optimizer"] = {}
         versions.load_state(step=first_batch, **{k: state[k] for k in ("weights", "previous", "optimizer")})
         rng = checkpoint.load_rng(path, ctx.rank) if manifest["layout"] == layout_record else None
@@ -275,7 +330,15 @@ def _train(cfg: Config, run_dir: Path, ctx: comm.DistContext, layout: Layout, ba
     reducer = None
     if w > 1:  # every rank makes every stage's group, in the same order
         group = comm.new_groups(ctx, layout.ranks)[s]
-        reducer = comm.GradReducer(ctx, group=group, replicas=[list(r.parameters()) for r in versions.replicas], buckets=buckets)
+        if num_dp_buckets:
+            reducer = comm.GradReducer(ctx, group=group, replicas=[list(r.parameters()) for r in versions.replicas], buckets=buckets[:num_dp_buckets])
+    exchange = None
+    if tie_groups:  # a copy whose canonical one (replica 0 of the first holder stage) is on another stage: norm counted there
+        elsewhere = [i for _, src, held in tie_groups if layout.position(src)[0] != s for _, i in held]
+        exchange = ties.TieExchange(comm, ctx, versions, [(g, [i for _, i in held]) for g, _, held in tie_groups], norm_excluded=elsewhere)
+    checker = None
+    if p.check_ties and tie_groups:
+        checker = ties.TieChecker(comm, ctx, versions, [(g, [i for _, i in held], [t.canonical for t, _ in held]) for g, _, held in tie_groups])
     rule = StepRule(clip_grad_norm=cfg.optim.clip_grad_norm, on_nonfinite=cfg.train.on_nonfinite)
     # The step agreement's own group of all ranks, made (or not: the config decides) on every rank in the same order.
     agreement = comm.AsyncSum(ctx, group=comm.new_groups(ctx, [range(ctx.world_size)])[0]) if rule.needs_agreement else None
@@ -308,6 +371,7 @@ def _train(cfg: Config, run_dir: Path, ctx: comm.DistContext, layout: Layout, ba
         p2p=comm.P2P(ctx, batch_sends=cfg.dist.batch_p2p if cfg.dist.batch_p2p is not None else ctx.backend == "nccl"),
         loss_fn=loss_fn, device=ctx.device, reducer=reducer, grad_scale=1.0 / (m * w), swap=swap, receipts=receipts,
         replica=replica, step_rule=rule, agreement=agreement, lr_at=lambda t: lr_at(t, cfg.optim, num_steps=cfg.train.num_steps),
+        exchanges=[exchange] if exchange is not None else [],
     )
     if p.trace:  # traced steps are counted from 0, whatever step a resumed run starts at
         first = max(first_batch, cfg.train.warmup_steps if p.trace_first_step is None else p.trace_first_step)
@@ -317,8 +381,11 @@ def _train(cfg: Config, run_dir: Path, ctx: comm.DistContext, layout: Layout, ba
             log.warning("pipeline.trace: steps %d..%d were trained before this resumed run; nothing traced", first, first + p.trace_steps - 1)
     log.info(
         "%s schedule, %d stages x %d replicas, replica %d, balance %s, layers %s, %d all-reduce buckets, on %s (%s)",
-        p.schedule, d, w, replica, balance, indices, len(buckets), ctx.device, ctx.backend,
+        p.schedule, d, w, replica, balance, indices, num_dp_buckets, ctx.device, ctx.backend,
     )
+    for _, _, held in tie_groups:
+        for tie, _ in held:
+            log.info("tied across stages %s: %s; gradients summed over its holders", ties.holders(tie, balance), ", ".join(tie.names))
     if resume is not None and ctx.rank == 0:
         worker.stats.losses = list(resume[1]["losses"])
         worker.stats.lrs = list(resume[1].get("lrs", [None] * first_batch))  # checkpoints before lrs were recorded: unknown
@@ -333,8 +400,9 @@ def _train(cfg: Config, run_dir: Path, ctx: comm.DistContext, layout: Layout, ba
         layers=indices if replica == 0 else [], post=ctx.board.post,
         read=lambda keys, timeout_s: ctx.board.read(keys, timeout_s=timeout_s), timeout_s=cfg.dist.timeout_s,
         manifest={
-            "schedule": p.schedule, "optimizer": cfg.optim.name.lower(), "num_layers": sum(balance), "layout": layout_record,
-            "global_batch_size": global_batch, "seed": cfg.seed, "param_shapes": _param_shapes(cfg, layers) if ctx.rank == 0 else {},
+            "schedule": p.schedule, "optimizer": optimizer_name(cfg.optim), "num_layers": sum(balance), "layout": layout_record,
+            "global_batch_size": global_batch, "seed": cfg.seed, "param_shapes": _param_shapes(cfg, layers, source) if ctx.rank == 0 else {},
+            "ties": [list(t.names) for t in tied],
             "wandb_run_id": tracker.run_id if tracker is not None else None,
         },
     )
@@ -345,11 +413,17 @@ def _train(cfg: Config, run_dir: Path, ctx: comm.DistContext, layout: Layout, ba
         if saver.due(t + 1):
             rngs[t + 1] = checkpoint.rng_state()
 
+    def state() -> Dict[str, Any]:  # one tensor per tie: the canonical name's, written by its first holder
+        st = versions.state()
+        return {**st, **{k: ties.drop_aliases(st[k], tied) if st[k] is not None else None for k in ("weights", "previous", "optimizer")}}
+
     def on_step(t: int) -> None:
+        if checker is not None:
+            checker(t)
         progress(t)
         st = worker.stats
         history = {"lrs": st.lrs, "grad_norms": st.grad_norms, "skipped_steps": st.skipped_steps} if ctx.rank == 0 else None
-        saver.after_step(t + 1, versions.state, st.losses if ctx.rank == 0 else None, history=history, rng=rngs.pop(t + 1, None))
+        saver.after_step(t + 1, state, st.losses if ctx.rank == 0 else None, history=history, rng=rngs.pop(t + 1, None))
 
     with logging_redirect_tqdm() if bar is not None and not bar.disable else contextlib.nullcontext(), torch.profiler.record_function(TRAIN_RANGE):
         stats = worker.run(actions, on_step=on_step, on_close=on_close)
@@ -359,11 +433,14 @@ def _train(cfg: Config, run_dir: Path, ctx: comm.DistContext, layout: Layout, ba
     stats.replica, stats.checkpoint_s = replica, saver.write_s
     if reducer is not None:
         stats.allreduce_calls, stats.allreduce_exposed_s = reducer.num_collectives, reducer.exposed_s
+    tie_record = {"tie_allreduce_calls": exchange.num_collectives if exchange else 0, "tie_exposed_s": exchange.exposed_s if exchange else 0.0,
+                  "tie_checked_steps": checker.steps_checked if checker else 0}
 
     all_stats = comm.gather_to_rank0(ctx, stats)
     # Replicas hold equal weights: replica 0 of each stage contributes its slice of the model.
-    shard = {k: v.detach().cpu() for k, v in versions.newest().state_dict().items()} if replica == 0 else {}
+    shard = ties.drop_aliases({k: v.detach().cpu() for k, v in versions.newest().state_dict().items()}, tied) if replica == 0 else {}
     shards = comm.gather_to_rank0(ctx, shard)
+    tie_records = comm.gather_to_rank0(ctx, tie_record)
     if ctx.rank != 0:
         return None
     meta = {
@@ -373,6 +450,9 @@ def _train(cfg: Config, run_dir: Path, ctx: comm.DistContext, layout: Layout, ba
         "memory_kind": "cuda_max_allocated" if ctx.device.type == "cuda" else "process_peak_rss",
         "resumed_from": None if resume is None else str(resume[0]), "first_step": first_batch,
         "recompute": p.recompute, **predictions,
+        "ties": [{**t, "checked_steps": min((r["tie_checked_steps"] for r, (st, _) in zip(tie_records, _positions(layout, ctx.world_size))
+                                             if st in t["stages"]), default=0)} for t in ties.describe(tied, balance)],
+        "tie_allreduce_calls": [r["tie_allreduce_calls"] for r in tie_records],
     }
     # Throughput counts the steps this run took; a resumed run may have fewer than the warm-up.
     warmup = min(cfg.train.warmup_steps, cfg.train.num_steps - first_batch - 1)
@@ -381,13 +461,19 @@ def _train(cfg: Config, run_dir: Path, ctx: comm.DistContext, layout: Layout, ba
         title = f"{p.schedule}, d={d}, w={w}, m={m}, b={b}"
         summary["trace"] = _save_trace(all_stats, run_dir, steps=range(worker.trace.first_step, worker.trace.first_step + p.trace_steps), title=title)
     write_summary(summary, run_dir)
-    save_state_dict({k: v for shard in shards for k, v in shard.items()}, run_dir / "final_model.pt")
+    # As the tied model's own state_dict: every name of a tie on one tensor.
+    save_state_dict(ties.add_aliases({k: v for shard in shards for k, v in shard.items()}, tied), run_dir / "final_model.pt")
     tracker.finish(summary)
     log.info(
         "done: loss %.4f -> %.4f, %.1f samples/s, %.0f tokens/s; results in %s",
         summary["losses"][0], summary["final_loss"], summary["samples_per_s"], summary["tokens_per_s"], run_dir,
     )
     return summary
+
+
+def _positions(layout: Layout, world_size: int) -> List[Tuple[int, int]]:
+    """(stage, replica) of every rank, in rank order."""
+    return [layout.position(r) for r in range(world_size)]
 
 
 def _save_trace(all_stats: Sequence[StageStats], run_dir: Path, *, steps: range, title: str) -> Dict[str, Any]:

@@ -11,10 +11,11 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
+import torch.utils._pytree as pytree
 
 from pipedream2bw import agreement
 from pipedream2bw.agreement import NonFiniteError, StepDecision, StepOutcome, StepRule
-from pipedream2bw.comm import P2P, AsyncSum, GradReducer
+from pipedream2bw.comm import P2P, AsyncSum, GradReducer, PipelineShapeError
 from pipedream2bw.data import MicrobatchFeed
 from pipedream2bw.schedule import BACKWARD, FORWARD, Action
 from pipedream2bw.timeline import Recorder
@@ -24,6 +25,22 @@ from pipedream2bw.versions import WeightVersions
 log = logging.getLogger(__name__)
 
 ACTIVATION_TAG, GRADIENT_TAG = 0, 1
+_STRUCTURE_TAG = {ACTIVATION_TAG: 2, GRADIENT_TAG: 3}  # once per channel: the pytree spec of what crosses it
+
+
+def _leaf_tag(tag: int, i: int) -> int:
+    """Tag of element ``i`` of a boundary's tuple/dict: element 0 keeps the channel's tag, so P2P
+    agrees shape and dtype per element (tags 10, 11, 12, ... for the others)."""
+    return tag if i == 0 else 8 + 2 * i + tag
+
+
+def _flatten(tree: Any, what: str) -> Tuple[List[torch.Tensor], Any]:
+    """The tensors of a stage boundary (a tensor, or a tuple/list/dict of them) and its structure."""
+    leaves, spec = pytree.tree_flatten(tree)
+    bad = [type(x).__name__ for x in leaves if not torch.is_tensor(x)]
+    if bad or not leaves:
+        raise TypeError(f"{what} must be a tensor or a tuple, list or dict of tensors; got {type(tree).__name__} holding {bad or 'nothing'}")
+    return leaves, spec
 
 
 @dataclass(frozen=True)
@@ -104,8 +121,10 @@ class StageWorker:
     ``exchanges``: objects with ``start(t)`` and ``finish(t)``, for other transfers that must be
     done before batch t's step on this stage (e.g. the gradient sum of a weight tied across
     stages). ``start(t)`` runs at CLOSE(t) after the data-parallel all-reduce, before this
-    rank's share of the norm is computed; ``finish(t)`` at APPLY(t) before the step. An exchange
-    that changes gradients after ``start(t)`` returns is not seen by the clipping norm.
+    rank's share of the norm is computed; ``finish(t)`` at APPLY(t) before the step. With
+    clipping, ``finish(t)`` runs at CLOSE(t) instead, as the norm needs the exchanged gradients
+    (a wait there, not deferred); an exchange's ``norm_excluded`` parameter indices (e.g. tied
+    copies whose norm another stage counts) stay out of this rank's share.
     """
 
     def __init__(
@@ -139,6 +158,7 @@ class StageWorker:
         self.deferred = versions.schedule == "2bw" and (agreement is not None or bool(self.exchanges))
         self._loss_nonfinite: Dict[int, bool] = {}  # last stage: batch -> its loss was not finite
         self._reduced: Optional[int] = None  # batch whose gradients CLOSE already averaged across replicas
+        self._exchanged: Optional[int] = None  # batch whose exchanges have finished
         self.first, self.last = stage_index == 0, stage_index == num_stages - 1
         self.peers, self.versions, self.p2p, self.feed = peers, versions, p2p, feed
         self.loss_fn, self.device, self.reducer, self.grad_scale = loss_fn, device, reducer, grad_scale
@@ -153,18 +173,31 @@ class StageWorker:
         # (gloo). When sends are batched with the next receive (NCCL, where transfers between two
         # ranks run in order), receives are posted only when needed, paired with the held sends.
         self._prefetch = not p2p.batch_sends
+        self._structure: Dict[int, Any] = {}  # tag -> pytree spec of what the peer sends on it
+        self._sent_structure: Dict[int, Any] = {}
         self.trace: Optional[Recorder] = None  # set for pipeline.trace; spans are recorded while trace.on
         # schedule.receipts of the previous stage (its forward j proves which of our gradients it
         # received) and of the next (its backward j, which of our activations): sends to free.
         self._receipts = {FORWARD: receipts[0], BACKWARD: receipts[1]}
+        # Agreements a step needs from other ranks (ties.TieExchange): start(t) once batch t's
+        # backwards are done, finish(t) right before its step. Both run at the step here.
 
-    def _recv(self, kind: str, k: int, next_k: Optional[int]) -> torch.Tensor:
+    def _post_recv(self, peer: int, tag: int) -> List[tuple]:
+        """Posts the receives of one boundary crossing: one per element of its structure, which the
+        first crossing brings (``_STRUCTURE_TAG``)."""
+        if tag not in self._structure:
+            spec = self.p2p.wait_recv(self.p2p.post_recv(peer=peer, tag=_STRUCTURE_TAG[tag]), peer=peer)
+            self._structure[tag] = pytree.treespec_loads(bytes(spec.cpu().tolist()).decode())
+        return [self.p2p.post_recv(peer=peer, tag=_leaf_tag(tag, i)) for i in range(self._structure[tag].num_leaves)]
+
+    def _recv(self, kind: str, k: int, next_k: Optional[int]) -> Any:
         peer, tag = (self.peers.prev, ACTIVATION_TAG) if kind == FORWARD else (self.peers.next, GRADIENT_TAG)
         start = time.perf_counter()
-        pending = self._pending.pop((kind, k), None) or self.p2p.post_recv(peer=peer, tag=tag)
+        pending = self._pending.pop((kind, k), None) or self._post_recv(peer, tag)
         if next_k is not None and self._prefetch:  # post the next receive now, so it overlaps our compute
-            self._pending[(kind, next_k)] = self.p2p.post_recv(peer=peer, tag=tag)
-        received = self.p2p.wait_recv(pending, peer=peer)
+            self._pending[(kind, next_k)] = self._post_recv(peer, tag)
+        leaves = [self.p2p.wait_recv(p, peer=peer) for p in pending]
+        received = pytree.tree_unflatten(leaves, self._structure[tag])
         self.p2p.release(peer, self._receipts[kind].get(k, -1))
         end = time.perf_counter()
         self.stats.p2p_wait_s += end - start
@@ -172,9 +205,20 @@ class StageWorker:
             self.trace.add("recv", k, start, end)
         return received
 
-    def _send(self, tensor: torch.Tensor, k: int, *, peer: int, tag: int, defer: bool) -> None:
+    def _send(self, tree: Any, k: int, *, peer: int, tag: int, defer: bool) -> None:
         start = time.perf_counter()
-        self.p2p.send(tensor, peer=peer, tag=tag, defer=defer, token=k)
+        leaves, spec = _flatten(tree, "a stage's output" if tag == ACTIVATION_TAG else "an input gradient")
+        if tag not in self._sent_structure:  # the receiver learns the structure once, before the first tensors
+            self._sent_structure[tag] = spec
+            text = torch.tensor(list(pytree.treespec_dumps(spec).encode()), dtype=torch.uint8, device=self.device)
+            self.p2p.send(text, peer=peer, tag=_STRUCTURE_TAG[tag], defer=defer, token=k)
+        elif spec != self._sent_structure[tag]:
+            raise PipelineShapeError(
+                f"rank {self.p2p.ctx.rank} sends {spec} to rank {peer}, but the first microbatch agreed on "
+                f"{self._sent_structure[tag]}; a stage must return the same structure for every microbatch"
+            )
+        for i, leaf in enumerate(leaves):
+            self.p2p.send(leaf, peer=peer, tag=_leaf_tag(tag, i), defer=defer, token=k)
         self.stats.peak_pending_sends = max(self.stats.peak_pending_sends, self.p2p.pending_sends)
         if self.trace is not None and self.trace.on:
             self.trace.add("send", k, start, time.perf_counter())
@@ -185,13 +229,16 @@ class StageWorker:
             start = time.perf_counter()
             x = self.feed.inputs(k).to(self.device, non_blocking=True)
         else:
-            x = self._recv(FORWARD, k, next_k).requires_grad_()
+            x = self._recv(FORWARD, k, next_k)
+            for leaf in pytree.tree_leaves(x):
+                if leaf.is_floating_point():  # integer elements (masks, ids) carry no gradient
+                    leaf.requires_grad_()
             start = time.perf_counter()  # the F span starts once the input is here
         # Shapes are fixed (P2P checks them), so what autograd saves is measured on the first
         # microbatch only, keeping the hooks' per-tensor Python calls off the hot path.
         saved = SavedBytes(self._param_ptrs) if self._saved_bytes is None else contextlib.nullcontext()
         if self.swap is not None:  # one pair of hooks applies at a time: the swap hooks chain SavedBytes'
-            hooks = self.swap.forward(k, inputs=(x,), outer=saved if self._saved_bytes is None else None)
+            hooks = self.swap.forward(k, inputs=pytree.tree_leaves(x), outer=saved if self._saved_bytes is None else None)
         with hooks if self.swap is not None else saved:
             out = module(x)
             if self.last:
@@ -204,7 +251,7 @@ class StageWorker:
             if len(losses) == self.m:  # the batch's losses are all known: report them now, not after the step
                 self._report_loss(torch.stack(self._batch_losses.pop(k // self.m)).mean(), k // self.m)
         else:
-            self._send(out.detach(), k, peer=self.peers.next, tag=ACTIVATION_TAG, defer=defer_send)
+            self._send(pytree.tree_map(torch.Tensor.detach, out), k, peer=self.peers.next, tag=ACTIVATION_TAG, defer=defer_send)
         self._stash[k] = (x, out)
         self.stats.peak_stash_bytes = max(self.stats.peak_stash_bytes, len(self._stash) * self._saved_bytes)
         if self.trace is not None and self.trace.on:
@@ -221,11 +268,16 @@ class StageWorker:
         if self.last:
             out.backward()
         else:
-            torch.autograd.backward(out, grad)
+            # grad: one gradient per floating-point element of out, in order (see below)
+            pairs = [(o, g) for o, g in zip((o for o in pytree.tree_leaves(out) if o.is_floating_point()), grad) if o.requires_grad]
+            if pairs:
+                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         if self.swap is not None:
             self.swap.end_backward(k)
         if not self.first:
-            self._send(x.grad, k, peer=self.peers.prev, tag=GRADIENT_TAG, defer=defer_send)
+            inputs = [t for t in pytree.tree_leaves(x) if t.is_floating_point()]
+            grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in inputs]
+            self._send(grads, k, peer=self.peers.prev, tag=GRADIENT_TAG, defer=defer_send)
         if self.trace is not None and self.trace.on:
             self.trace.add(BACKWARD, k, start, time.perf_counter())
 
@@ -256,7 +308,13 @@ class StageWorker:
             exchange.start(t)
         if self.agreement is not None:
             self._wait_reducer(t)  # the norm needs the gradients averaged across replicas
-            params = self.versions.module_for_batch(t).parameters()
+            excluded = set()
+            if self.rule.clip_grad_norm is not None:
+                # The norm needs the summed gradients of weights tied across stages, each counted
+                # once (on its first holder): here the exchange is waited at CLOSE, not deferred.
+                self._finish_exchanges(t)
+                excluded = {i for exchange in self.exchanges for i in getattr(exchange, "norm_excluded", ())}
+            params = [p for i, p in enumerate(self.versions.module_for_batch(t).parameters()) if i not in excluded]
             scale = self.grad_scale * self.rule.unscale(t)
             sq = agreement.sq_norm([p.grad for p in params if p.grad is not None]) * scale**2
             share = agreement.encode(
@@ -277,8 +335,7 @@ class StageWorker:
         """
         trace = self.trace if self.trace is not None and self.trace.on else None
         start = time.perf_counter() if since is None else since
-        for exchange in self.exchanges:
-            exchange.finish(t)
+        self._finish_exchanges(t)
         lr = self.lr_at(t) if self.lr_at is not None else None
         if lr is not None:
             self.versions.set_lr(lr)
@@ -309,6 +366,13 @@ class StageWorker:
         self.stats.step_end_times.append(time.perf_counter())
         if self.trace is not None:
             self.trace.step_done(t, self.stats.step_end_times[-1])
+
+    def _finish_exchanges(self, t: int) -> None:
+        """``finish(t)`` of every exchange, once per batch (CLOSE(t) may have done it for the norm)."""
+        if self._exchanged != t:
+            for exchange in self.exchanges:
+                exchange.finish(t)
+            self._exchanged = t
 
     def _defers(self, t: int) -> bool:
         """Whether APPLY(t) may wait (``agreement.apply_due``): under 2bw with an agreement, unless batch

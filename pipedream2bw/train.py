@@ -12,7 +12,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from pipedream2bw import comm
-from pipedream2bw.config import Config, ConfigError, register_configs
+from pipedream2bw.config import Config, ConfigError, from_hydra, register_configs
 from pipedream2bw.runner import run
 
 log = logging.getLogger("pipedream2bw.train")
@@ -23,8 +23,8 @@ _store = None  # the rendezvous store, connected before Hydra so that all ranks 
 
 @hydra.main(version_base="1.3", config_path="../configs", config_name="config")
 def main(dcfg: DictConfig) -> None:
-    cfg: Config = OmegaConf.to_object(dcfg)  # the DictConfig stops here
     try:
+        cfg: Config = from_hydra(dcfg)  # the DictConfig stops here
         run(cfg, HydraConfig.get().runtime.output_dir, store=_store)
     except ConfigError as e:
         log.error("bad configuration: %s", e)  # before any process group started

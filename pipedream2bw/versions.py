@@ -196,8 +196,9 @@ class WeightVersions:
         names = [n for n, _ in self.replicas[0].named_parameters()]
         optimizer = {}
         for bucket, opt in zip(self.buckets, self.optimizers):
+            order = self._state_order(bucket, opt)
             for pos, st in opt.state_dict()["state"].items():
-                optimizer[names[bucket[pos]]] = _cpu_copy(st)
+                optimizer[names[order[pos]]] = _cpu_copy(st)
         return {"step": newest, "weights": _cpu_copy(self.newest().state_dict()), "previous": previous, "optimizer": optimizer}
 
     @torch.no_grad()
@@ -219,8 +220,14 @@ class WeightVersions:
         names = [n for n, _ in self.replicas[0].named_parameters()]
         for bucket, opt in zip(self.buckets, self.optimizers):
             sd = opt.state_dict()
-            sd["state"] = {pos: optimizer[names[i]] for pos, i in enumerate(bucket) if names[i] in optimizer}
+            sd["state"] = {pos: optimizer[names[i]] for pos, i in enumerate(self._state_order(bucket, opt)) if names[i] in optimizer}
             opt.load_state_dict(sd)
+
+    def _state_order(self, bucket: Sequence[int], optimizer: torch.optim.Optimizer) -> List[int]:
+        """The parameter index of each position of ``optimizer.state_dict()["state"]``: positions run
+        over its parameter groups in order (e.g. weight-decay groups), not over the bucket's order."""
+        index = {id(self.master[i]): i for i in bucket}
+        return [index[id(p)] for group in optimizer.param_groups for p in group["params"]]
 
 
 def _cpu_copy(state: Dict[str, Any]) -> Dict[str, Any]:

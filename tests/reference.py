@@ -12,7 +12,7 @@ from torch import nn
 from pipedream2bw.config import Config, build_optimizer
 from pipedream2bw.data import MicrobatchFeed, load_bytes
 from pipedream2bw.lr_schedule import lr_at
-from pipedream2bw.models import build_gpt_layers, lm_loss
+from pipedream2bw.models.factory import model_source
 
 
 class Reference(NamedTuple):
@@ -50,7 +50,9 @@ def reference_run(cfg: Config, *, delayed: bool, layers: Optional[Sequence[nn.Mo
 def _train(cfg: Config, *, delayed: bool, layers: Optional[Sequence[nn.Module]]) -> Reference:
     torch.manual_seed(cfg.seed)
     m = cfg.pipeline.num_microbatches
-    model = nn.Sequential(*(layers if layers is not None else build_gpt_layers(cfg.model, seed=cfg.seed)))  # W(t)
+    source = model_source(cfg.model, seed=cfg.seed)  # the GPT, or a factory's layers (tied ones stay tied)
+    model = nn.Sequential(*(layers if layers is not None else source.build()))  # W(t)
+    lm_loss = source.loss_fn
     stale = copy.deepcopy(model) if delayed else model  # W(t-1): the weights batch t runs with
     opt = build_optimizer(model.parameters(), cfg.optim)
     feed = MicrobatchFeed(

@@ -223,3 +223,24 @@ def test_second_pass_keeps_the_bottleneck_time_and_lowers_memory():
 
         assert worst("batch_s", lean_starts) == pytest.approx(fastest)
         assert worst("memory", lean_starts) <= worst("memory", starts) + 1e-9
+
+
+@pytest.mark.parametrize("objective", ["memory", "throughput"])
+def test_near_ties_go_to_the_better_other_objective(objective):
+    # Regression: objective=memory chose 7.10 GiB at 11.5 samples/s over 7.13 GiB at 32.4 (recomputation),
+    # and objective=throughput 64 GiB over an equally fast plan at 48.9 GiB.
+    from partitioner.__main__ import compose
+    from partitioner.auto import plan_config
+
+    overrides = ["topology=dgx", "model.num_layers=24", "model.d_model=2048", "model.num_heads=16", "model.seq_len=2048",
+                 "model.vocab_size=50304", "train.global_batch_size=256", "partition.costs=analytic", f"partition.objective={objective}"]
+    plans = plan_config(compose(overrides))
+    strict = plan_config(compose(overrides + ["partition.tolerance=0"]))
+    peak = lambda p: max(p.predicted_peak_memory_bytes) / GIB  # noqa: E731
+    best, old = plans[0], strict[0]
+    if objective == "memory":
+        assert round(peak(old), 2) == 7.10 and best.recompute and peak(best) <= peak(old) * 1.01
+        assert best.predicted_samples_per_s > 2.5 * old.predicted_samples_per_s
+    else:
+        assert round(peak(old)) == 64
+        assert best.predicted_samples_per_s >= 0.99 * old.predicted_samples_per_s and peak(best) < 0.5 * peak(old)

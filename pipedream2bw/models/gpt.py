@@ -86,12 +86,13 @@ def build_gpt_layers(cfg: GPTConfig, *, seed: int, indices: Optional[Iterable[in
     Args:
         cfg: model shape.
         seed: run seed.
-        indices: which layers of the list to build.
+        indices: which layers of the list to build. With ``cfg.tie_embeddings``, the head shares
+            the embedding's weight when both are built.
 
     Returns:
         The layers, in order.
     """
-    indices = range(model_num_layers(cfg)) if indices is None else indices
+    indices = list(range(model_num_layers(cfg)) if indices is None else indices)
     layers = []
     for i in indices:
         with torch.random.fork_rng(devices=[]):
@@ -99,6 +100,11 @@ def build_gpt_layers(cfg: GPTConfig, *, seed: int, indices: Optional[Iterable[in
             layer = _make_layer(cfg, i)
             _init_weights(layer, cfg.init_std)
         layers.append(layer)
+    last = model_num_layers(cfg) - 1
+    if cfg.tie_embeddings and 0 in indices and last in indices:
+        # The head's weight is the token embedding's (V, C) parameter itself. A rank building the
+        # head alone gets a weight of its own, which the runtime ties (pipedream2bw.ties).
+        layers[indices.index(last)].out.weight = layers[indices.index(0)].tok.weight
     return layers
 
 

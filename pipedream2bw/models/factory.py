@@ -1,0 +1,158 @@
+"""Layer lists from config: the GPT or a user's factory named by import path, built whole or by index."""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import torch
+from torch import nn
+
+from pipedream2bw.config import ConfigError, GPTConfig, LayerListConfig
+from pipedream2bw.models.gpt import build_gpt_layers, lm_loss
+
+
+def locate(path: str, *, what: str) -> Any:
+    """The object at import path ``pkg.module.attr`` (attributes may nest: ``pkg.mod.Class.method``).
+
+    Raises:
+        ConfigError: naming ``what`` (the config key), the path and the import error.
+    """
+    if not isinstance(path, str) or not path or "." not in path:
+        raise ConfigError(f"{what} ({path!r}) is not an import path; write it as pkg.module.name")
+    parts = path.split(".")
+    error: Optional[BaseException] = None
+    for cut in range(len(parts) - 1, 0, -1):
+        module_name = ".".join(parts[:cut])
+        try:
+            obj = importlib.import_module(module_name)
+        except ModuleNotFoundError as e:
+            if e.name is not None and not module_name.startswith(e.name):  # the module exists but its own import failed
+                raise ConfigError(f"{what} ({path}): importing {module_name} failed: {e}; install what it needs") from e
+            error = e
+            continue
+        except Exception as e:
+            raise ConfigError(f"{what} ({path}): importing {module_name} failed: {type(e).__name__}: {e}") from e
+        try:
+            for attr in parts[cut:]:
+                obj = getattr(obj, attr)
+        except AttributeError as e:
+            raise ConfigError(f"{what} ({path}): module {module_name} has no {'.'.join(parts[cut:])}; check the name") from e
+        return obj
+    raise ConfigError(
+        f"{what} ({path}) does not import: {error}; check the path and that its package is installed "
+        f"(or on PYTHONPATH on every rank)"
+    )
+
+
+def _accepts(fn: Callable, name: str) -> bool:
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+    return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+
+@dataclass
+class ModelSource:
+    """How a run gets its layers: ``build(indices)`` makes real layers (all by default), ``meta()``
+    the whole list on the meta device (for shapes and ties, no memory), ``loss_fn`` the loss."""
+
+    name: str
+    seq_len: int
+    loss_fn: Callable[[Any, torch.Tensor], torch.Tensor]
+    _build: Callable[[Optional[Sequence[int]]], List[nn.Module]]
+    by_index: bool  # builds a subset of layers without building the rest
+    _meta: Optional[List[nn.Module]] = None
+
+    def build(self, indices: Optional[Sequence[int]] = None) -> List[nn.Module]:
+        """Layers ``indices`` (all by default), with the same weights whichever subset is asked for."""
+        if indices is None or self.by_index:
+            return self._build(None if indices is None else list(indices))
+        layers = self._build(None)  # a whole-list factory: build all, keep the slice
+        return [layers[i] for i in indices]
+
+    def meta(self) -> List[nn.Module]:
+        """The whole layer list on the meta device (built once): shapes and shared parameters only."""
+        if self._meta is None:
+            with torch.device("meta"):
+                self._meta = self._build(None)
+        return self._meta
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.meta())
+
+
+def _checked(layers: Any, target: str) -> List[nn.Module]:
+    if not isinstance(layers, (list, tuple, nn.Sequential, nn.ModuleList)):
+        raise ConfigError(
+            f"model._target_ ({target}) returned {type(layers).__name__}, not a list of nn.Module layers; "
+            f"return [layer0, layer1, ...] (each layer takes the previous one's output)"
+        )
+    layers = list(layers)
+    bad = [f"{i}: {type(x).__name__}" for i, x in enumerate(layers) if not isinstance(x, nn.Module)]
+    if not layers or bad:
+        raise ConfigError(
+            f"model._target_ ({target}) returned a list with {'no layers' if not layers else 'items that are not nn.Modules: ' + ', '.join(bad[:4])}; "
+            f"return a non-empty list of nn.Module layers"
+        )
+    return layers
+
+
+def _loss(cfg: LayerListConfig) -> Callable:
+    if cfg.loss is None:
+        return lm_loss
+    obj = locate(cfg.loss, what="model.loss._target_")
+    if isinstance(obj, type):
+        try:
+            return obj(**dict(cfg.loss_kwargs))
+        except TypeError as e:
+            raise ConfigError(f"model.loss ({cfg.loss}) does not take {dict(cfg.loss_kwargs)}: {e}") from e
+    if not callable(obj):
+        raise ConfigError(f"model.loss ({cfg.loss}) is {obj!r}, not a callable (output, targets) -> loss")
+    return functools.partial(obj, **dict(cfg.loss_kwargs)) if cfg.loss_kwargs else obj
+
+
+def model_source(model: Any, *, seed: int) -> ModelSource:
+    """The layers that ``cfg.model`` describes.
+
+    Raises:
+        ConfigError: a factory that does not import or is not callable; ``num_layers``/``meta``
+            raise it later for a factory that does not return a list of modules.
+    """
+    if isinstance(model, GPTConfig):
+        return ModelSource(
+            name=model.name, seq_len=model.seq_len, loss_fn=lm_loss, by_index=True,
+            _build=lambda indices: build_gpt_layers(model, seed=seed, indices=indices),
+        )
+    if not isinstance(model, LayerListConfig):
+        raise ConfigError(f"model ({model!r}) is neither a GPT config nor a layer-list factory; use model=gpt or model=custom model._target_=...")
+    factory = locate(model.target, what="model._target_")
+    if not callable(factory):
+        raise ConfigError(f"model._target_ ({model.target}) is {factory!r}, not a callable that returns a list of layers")
+    kwargs: Dict[str, Any] = dict(model.kwargs)
+    if _accepts(factory, "seq_len"):
+        kwargs["seq_len"] = model.seq_len
+    if _accepts(factory, "seed"):
+        kwargs["seed"] = seed
+    by_index = _accepts(factory, "indices")
+
+    def build(indices: Optional[List[int]]) -> List[nn.Module]:
+        extra = {"indices": indices} if by_index else {}
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)  # a whole-list factory draws its initial weights in one order on every rank
+            try:
+                layers = factory(**kwargs, **extra)
+            except TypeError as e:
+                raise ConfigError(f"model._target_ ({model.target}) could not be called with {sorted({**kwargs, **extra})}: {e}") from e
+        layers = _checked(layers, model.target)
+        if indices is not None and len(layers) != len(indices):
+            raise ConfigError(f"model._target_ ({model.target}) returned {len(layers)} layers for indices {indices}; build exactly those")
+        return layers
+
+    return ModelSource(name=model.name, seq_len=model.seq_len, loss_fn=_loss(model), by_index=by_index, _build=build)
+

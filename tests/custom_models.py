@@ -1,0 +1,91 @@
+"""Layer-list factories a user would write, for the tests (found by import path: model._target_=custom_models...)."""
+
+from __future__ import annotations
+
+from typing import List, Optional, Sequence
+
+import torch
+from torch import nn
+
+
+class Embed(nn.Module):
+    """ids (B, T) -> (hidden (B, T, W), ids): a boundary of a float and an integer tensor."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.tok = nn.Embedding(256, width)
+
+    def forward(self, ids):
+        return self.tok(ids), ids
+
+
+class Gate(nn.Module):
+    """(h, ids) -> {"h", "skip", "ids"}: a dict with two float tensors, both needing gradients back."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.lin, self.gate = nn.Linear(width, width), nn.Embedding(256, width)
+
+    def forward(self, x):
+        h, ids = x
+        return {"h": h + torch.tanh(self.lin(h)) * self.gate(ids), "skip": h * 0.5, "ids": ids}
+
+
+class Mix(nn.Module):
+    """{"h", "skip", "ids"} -> (h, ids)."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+
+    def forward(self, x):
+        return self.lin(torch.nn.functional.gelu(x["h"])) + x["skip"], x["ids"]
+
+
+class Norm(nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.ln = nn.LayerNorm(width)
+
+    def forward(self, x):
+        return self.ln(x[0]), x[1]
+
+
+class Head(nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.out = nn.Linear(width, 256)
+
+    def forward(self, x):
+        return self.out(x[0])
+
+
+def tuple_layers(*, width: int, seed: int, indices: Optional[Sequence[int]] = None) -> List[nn.Module]:
+    """[Embed, Gate, Mix, Norm, Head]: every boundary carries two or three tensors. Builds only
+    ``indices`` (each layer seeded by its index), as the GPT does."""
+    kinds = [Embed, Gate, Mix, Norm, Head]
+    out = []
+    for i in range(len(kinds)) if indices is None else indices:
+        torch.manual_seed(seed * 1000 + i)
+        out.append(kinds[i](width))
+    return out
+
+
+def not_a_list(*, width: int = 4):
+    return nn.Linear(width, width)
+
+
+class _Shared(nn.Module):
+    def __init__(self, buf: torch.Tensor):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("scale", buf)
+
+    def forward(self, x):
+        return self.lin(x) * self.scale
+
+
+def shared_buffer_layers() -> List[nn.Module]:
+    """Two layers sharing one buffer: not something stages can keep in step."""
+    buf = torch.ones(4)
+    return [nn.Embedding(256, 4), _Shared(buf), _Shared(buf), nn.Linear(4, 256)]
