@@ -138,9 +138,12 @@ class Checkpointer:
     def due(self, step: int) -> bool:
         return self.every > 0 and (step % self.every == 0 or step == self.num_steps)
 
-    def after_step(self, step: int, state: Callable[[], Dict[str, Any]], losses: Optional[Sequence[float]]) -> None:
+    def after_step(self, step: int, state: Callable[[], Dict[str, Any]], losses: Optional[Sequence[float]],
+                   extra: Optional[Callable[[], Dict[str, Any]]] = None) -> None:
         """Starts writing the checkpoint of ``step`` steps if one is due. ``state`` makes the stage's
-        copies (``WeightVersions.state``); ``losses`` are all losses so far (rank 0, else None).
+        copies (``WeightVersions.state``); ``losses`` are all losses so far (rank 0, else None);
+        ``extra`` gives what the manifest records of the run's state at this step, the same on every
+        rank (e.g. ``loss_scaler``: the fp16 loss scaler's state, which a resume at any layout loads).
 
         Raises:
             RuntimeError: the previous checkpoint's write failed on this rank.
@@ -153,7 +156,8 @@ class Checkpointer:
         self.wait()  # one checkpoint at a time: its copies are in memory until written
         self.write_s += time.perf_counter() - start
         losses = list(losses) if losses is not None else None
-        self._thread = threading.Thread(target=self._write, args=(step, payload, rng, losses), name="pd2bw-checkpoint", daemon=True)
+        extras = dict(extra()) if extra is not None else {}
+        self._thread = threading.Thread(target=self._write, args=(step, payload, rng, losses, extras), name="pd2bw-checkpoint", daemon=True)
         self._thread.start()
 
     def wait(self) -> None:
@@ -169,7 +173,8 @@ class Checkpointer:
             error, self._error = self._error, None
             raise RuntimeError(f"checkpoint write failed: {type(error).__name__}: {error}") from error
 
-    def _write(self, step: int, payload: Dict[int, Dict[str, Any]], rng: Dict[str, Any], losses: Optional[List[float]]) -> None:
+    def _write(self, step: int, payload: Dict[int, Dict[str, Any]], rng: Dict[str, Any], losses: Optional[List[float]],
+               extras: Dict[str, Any]) -> None:
         key = f"checkpoint/{step}/rank{self.rank}"
         try:
             partial = _partial_dir(self.root, step)
@@ -186,11 +191,11 @@ class Checkpointer:
             return
         if self.rank == 0:
             try:
-                self._complete(step, losses)
+                self._complete(step, losses, extras)
             except BaseException as e:
                 self._error = e
 
-    def _complete(self, step: int, losses: Optional[List[float]]) -> None:
+    def _complete(self, step: int, losses: Optional[List[float]], extras: Dict[str, Any]) -> None:
         parts = [json.loads(v) for v in self.read([f"checkpoint/{step}/rank{r}" for r in range(self.world_size)], self.timeout_s)]
         errors = [f"rank {r}: {p['error']}" for r, p in enumerate(parts) if "error" in p]
         if errors:
@@ -200,7 +205,7 @@ class Checkpointer:
         if missing:
             raise RuntimeError(f"checkpoint of step {step}: no rank wrote layers {missing}")
         partial, final = _partial_dir(self.root, step), step_dir(self.root, step)
-        manifest = {**self.manifest, "format": FORMAT, "step": step, "losses": losses, "files": files, "written_at": time.time()}
+        manifest = {**self.manifest, **extras, "format": FORMAT, "step": step, "losses": losses, "files": files, "written_at": time.time()}
         atomic_write(partial / MANIFEST, (json.dumps(manifest, indent=1) + "\n").encode())
         if final.exists():  # from an attempt that crashed after this step: keep it, out of the way
             final.rename(final.with_name(f"{final.name}.replaced-{int(time.time())}"))

@@ -10,7 +10,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -262,6 +262,29 @@ def new_groups(ctx: DistContext, rank_lists: Sequence[Sequence[int]]) -> List[An
     return [dist.new_group(list(ranks), timeout=_group_timeout(ctx.timeout)) for ranks in rank_lists]
 
 
+def blocking_nonfinite_agreement(ctx: DistContext) -> Callable[[torch.Tensor], bool]:
+    """fp16 loss scaling's agreement in its simplest form: at each step, a blocking all-reduce (MAX)
+    of "my gradient of this batch is not finite" over all ranks, on a group of its own.
+
+    Placeholder for the asynchronous per-batch agreement of DESIGN.md section 7, which starts when
+    a stage finishes a batch's backwards and is waited on just before its deferred step; under
+    2bw this blocking version makes every step wait for the slowest stage's last backward.
+    Call it on every rank (it makes a process group).
+    """
+    group = dist.new_group(list(range(ctx.world_size)), timeout=_group_timeout(ctx.timeout))
+
+    def agree(found: torch.Tensor) -> bool:
+        flag = found.to(device=ctx.device, dtype=torch.int32).reshape(1)  # collectives reduce ints, not bools
+        work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group, async_op=True)
+        try:
+            work.wait(ctx.timeout)
+        except Exception as e:
+            raise RuntimeError(f"rank {ctx.rank}: the non-finite gradient agreement failed or timed out after {ctx.timeout}: {e}") from e
+        return bool(flag.item())
+
+    return agree
+
+
 def gather_to_rank0(ctx: DistContext, obj: Any) -> Optional[List[Any]]:
     """Every rank's ``obj``, in rank order, on rank 0; None elsewhere."""
     out = [None] * ctx.world_size if ctx.rank == 0 else None
@@ -323,7 +346,8 @@ class P2P:
             raise PipelineShapeError(
                 f"rank {self.ctx.rank} sends {tuple(tensor.shape)} {tensor.dtype} to rank {peer} (tag {tag}), "
                 f"but the first microbatch agreed on {tuple(shape)} {dtype}; stages must keep their "
-                f"output shapes fixed (same microbatch_size and seq_len for every microbatch)"
+                f"output shapes fixed (same microbatch_size and seq_len for every microbatch) and their "
+                f"dtype (activations and gradients travel in train.precision's compute dtype)"
             )
         tensor = tensor.contiguous()
         if defer and self.batch_sends:

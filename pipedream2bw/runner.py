@@ -26,6 +26,8 @@ from pipedream2bw.schedule import BACKWARD, FORWARD, check_stage, shift_batches,
 from pipedream2bw.layout import Layout, make_layout
 from pipedream2bw import timeline
 from pipedream2bw.host_optim import HostOptimizerVersions
+from pipedream2bw import precision as precisions
+from pipedream2bw.loss_scale import LossScaler
 from pipedream2bw.stage import Peers, StageStats, StageWorker
 from pipedream2bw.swap import SwapManager, make_backend
 from pipedream2bw.tracking import Tracker, progress_bar
@@ -254,6 +256,10 @@ def _train(cfg: Config, run_dir: Path, ctx: comm.DistContext, layout: Layout, ba
     )
     indices = [int(i) for i in module._modules]  # global layer indices
     first_batch = 0
+    precision = precisions.resolve(cfg.train.precision, ctx.device.type)
+    scaler = LossScaler(
+        init_scale=cfg.train.loss_scale, growth_interval=cfg.train.loss_scale_growth_interval, min_scale=cfg.train.loss_scale_min,
+    ) if precision == "fp16" else None
     layout_record = {"num_stages": d, "data_parallel": w, "balance": list(balance), "rank_map": [list(r) for r in layout.ranks]}
     if resume is not None:
         path, manifest = resume
@@ -267,6 +273,10 @@ def _train(cfg: Config, run_dir: Path, ctx: comm.DistContext, layout: Layout, ba
             log.warning("%s holds %s state; optim.name is %s: its optimizer starts afresh", path, manifest["optimizer"], cfg.optim.name)
             state["optimizer"] = {}
         versions.load_state(step=first_batch, **{k: state[k] for k in ("weights", "previous", "optimizer")})
+        if scaler is not None and manifest.get("loss_scaler") is not None:
+            scaler.load_state_dict(manifest["loss_scaler"])
+        elif scaler is not None:
+            log.warning("%s holds no loss scaler state (a %s run): the loss scale starts afresh at %g", path, manifest.get("precision", "fp32"), scaler.scale)
         rng = checkpoint.load_rng(path, ctx.rank) if manifest["layout"] == layout_record else None
         if rng is not None:
             checkpoint.set_rng_state(rng)
@@ -274,6 +284,7 @@ def _train(cfg: Config, run_dir: Path, ctx: comm.DistContext, layout: Layout, ba
     if w > 1:  # every rank makes every stage's group, in the same order
         group = comm.new_groups(ctx, layout.ranks)[s]
         reducer = comm.GradReducer(ctx, group=group, replicas=[list(r.parameters()) for r in versions.replicas], buckets=buckets)
+    agree_nonfinite = comm.blocking_nonfinite_agreement(ctx) if scaler is not None else None  # on every rank (a group)
     peers = Peers(
         prev=layout.ranks[s - 1][replica] if s > 0 else None,
         next=layout.ranks[s + 1][replica] if s < d - 1 else None,
@@ -302,6 +313,7 @@ def _train(cfg: Config, run_dir: Path, ctx: comm.DistContext, layout: Layout, ba
         stage_index=s, num_stages=d, num_microbatches=m, peers=peers, versions=versions, feed=feed,
         p2p=comm.P2P(ctx, batch_sends=cfg.dist.batch_p2p if cfg.dist.batch_p2p is not None else ctx.backend == "nccl"),
         loss_fn=loss_fn, device=ctx.device, reducer=reducer, grad_scale=1.0 / (m * w), swap=swap, receipts=receipts,
+        precision=precision, scaler=scaler, agree_nonfinite=agree_nonfinite,
     )
     if p.trace:  # traced steps are counted from 0, whatever step a resumed run starts at
         first = max(first_batch, cfg.train.warmup_steps if p.trace_first_step is None else p.trace_first_step)
@@ -310,8 +322,8 @@ def _train(cfg: Config, run_dir: Path, ctx: comm.DistContext, layout: Layout, ba
         else:
             log.warning("pipeline.trace: steps %d..%d were trained before this resumed run; nothing traced", first, first + p.trace_steps - 1)
     log.info(
-        "%s schedule, %d stages x %d replicas, replica %d, balance %s, layers %s, %d all-reduce buckets, on %s (%s)",
-        p.schedule, d, w, replica, balance, indices, len(buckets), ctx.device, ctx.backend,
+        "%s schedule, %d stages x %d replicas, replica %d, balance %s, layers %s, %d all-reduce buckets, on %s (%s), precision %s",
+        p.schedule, d, w, replica, balance, indices, len(buckets), ctx.device, ctx.backend, precision,
     )
     if resume is not None and ctx.rank == 0:
         worker.stats.losses = list(resume[1]["losses"])
@@ -326,13 +338,14 @@ def _train(cfg: Config, run_dir: Path, ctx: comm.DistContext, layout: Layout, ba
         manifest={
             "schedule": p.schedule, "optimizer": cfg.optim.name.lower(), "num_layers": sum(balance), "layout": layout_record,
             "global_batch_size": global_batch, "seed": cfg.seed, "param_shapes": _param_shapes(cfg, layers) if ctx.rank == 0 else {},
-            "wandb_run_id": tracker.run_id if tracker is not None else None,
+            "wandb_run_id": tracker.run_id if tracker is not None else None, "precision": precision,
         },
     )
 
     def on_step(t: int) -> None:
         progress(t)
-        saver.after_step(t + 1, versions.state, worker.stats.losses if ctx.rank == 0 else None)
+        saver.after_step(t + 1, versions.state, worker.stats.losses if ctx.rank == 0 else None,
+                         extra=lambda: {"loss_scaler": scaler.state_dict() if scaler is not None else None})
 
     with logging_redirect_tqdm() if bar is not None and not bar.disable else contextlib.nullcontext(), torch.profiler.record_function(TRAIN_RANGE):
         stats = worker.run(actions, on_step=on_step)
@@ -355,7 +368,7 @@ def _train(cfg: Config, run_dir: Path, ctx: comm.DistContext, layout: Layout, ba
         "num_steps": cfg.train.num_steps, "seq_len": cfg.model.seq_len, "backend": ctx.backend, "device": ctx.device.type,
         "memory_kind": "cuda_max_allocated" if ctx.device.type == "cuda" else "process_peak_rss",
         "resumed_from": None if resume is None else str(resume[0]), "first_step": first_batch,
-        "recompute": p.recompute, **predictions,
+        "recompute": p.recompute, **predictions, **_precision_record(cfg, precision, scaler, worker.stats),
     }
     # Throughput counts the steps this run took; a resumed run may have fewer than the warm-up.
     warmup = min(cfg.train.warmup_steps, cfg.train.num_steps - first_batch - 1)
@@ -371,6 +384,19 @@ def _train(cfg: Config, run_dir: Path, ctx: comm.DistContext, layout: Layout, ba
         summary["losses"][0], summary["final_loss"], summary["samples_per_s"], summary["tokens_per_s"], run_dir,
     )
     return summary
+
+
+def _precision_record(cfg: Config, precision: str, scaler: Optional[LossScaler], stats: StageStats) -> Dict[str, Any]:
+    """summary.json's precision fields: the precision, its bytes per parameter, and under fp16 the loss scale."""
+    record = {
+        "precision": precision, "compute_dtype": str(precisions.compute_dtype(precision)).replace("torch.", ""),
+        "bytes_per_parameter": precisions.param_memory(
+            precision, schedule=cfg.pipeline.schedule, optimizer=cfg.optim.name, optimizer_kwargs=cfg.optim.kwargs).as_dict(),
+    }
+    if scaler is not None:  # every rank's scaler takes the same values; these are rank 0's
+        record["loss_scale"] = {"final": scaler.scale, "per_step": stats.loss_scales, "skipped_steps": stats.skipped_steps,
+                                "state": scaler.state_dict()}
+    return record
 
 
 def _save_trace(all_stats: Sequence[StageStats], run_dir: Path, *, steps: range, title: str) -> Dict[str, Any]:

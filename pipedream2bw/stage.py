@@ -13,6 +13,8 @@ import torch
 
 from pipedream2bw.comm import P2P, GradReducer
 from pipedream2bw.data import MicrobatchFeed
+from pipedream2bw.loss_scale import LossScaler
+from pipedream2bw.precision import autocast, compute_dtype
 from pipedream2bw.schedule import BACKWARD, FORWARD, Action
 from pipedream2bw.timeline import Recorder
 from pipedream2bw.swap import SwapManager
@@ -54,6 +56,8 @@ class StageStats:
     checkpoint_s: float = 0.0  # time training waited for checkpoint copies (the writes run beside it)
     trace: Optional[dict] = None  # pipeline.trace: {"spans": [timeline.Span], "window": [start, end]}
     swap: Optional[Dict[str, Any]] = None  # SwapStats of a stage that swaps activations to host
+    loss_scales: List[float] = field(default_factory=list)  # fp16: the loss scale each batch ran with
+    skipped_steps: List[int] = field(default_factory=list)  # fp16: batches whose step was skipped (non-finite gradient)
 
 
 class SavedBytes(torch.autograd.graph.saved_tensors_hooks):
@@ -99,6 +103,9 @@ class StageWorker:
         grad_scale: float,
         swap: Optional[SwapManager] = None,
         receipts: Tuple[Dict[int, int], Dict[int, int]] = ({}, {}),
+        precision: str = "fp32",
+        scaler: Optional[LossScaler] = None,
+        agree_nonfinite: Optional[Callable[[torch.Tensor], bool]] = None,
     ):
         self.m = num_microbatches
         self.first, self.last = stage_index == 0, stage_index == num_stages - 1
@@ -106,6 +113,11 @@ class StageWorker:
         self.loss_fn, self.device, self.reducer, self.grad_scale = loss_fn, device, reducer, grad_scale
         self.stats = StageStats(stage_index, p2p.ctx.rank)
         self.swap = swap
+        # Reduced precision: forwards under autocast; activations and their gradients cross stages
+        # in the compute dtype. fp16: the last stage's loss is multiplied by the scaler's scale, and
+        # ``agree_nonfinite`` (a local flag -> the flag of every stage and replica) decides each step.
+        self.precision, self.scaler, self.agree_nonfinite = precision, scaler, agree_nonfinite
+        self._wire_dtype = compute_dtype(precision)
         self._stash: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}  # k -> (input, output or loss)
         self._saved_bytes: Optional[int] = None  # what autograd saves for one microbatch
         self._batch_losses: Dict[int, List[torch.Tensor]] = {}
@@ -147,7 +159,7 @@ class StageWorker:
             start = time.perf_counter()
             x = self.feed.inputs(k).to(self.device, non_blocking=True)
         else:
-            x = self._recv(FORWARD, k, next_k).requires_grad_()
+            x = self._recv(FORWARD, k, next_k).requires_grad_()  # the leaf whose gradient goes back, in the wire dtype
             start = time.perf_counter()  # the F span starts once the input is here
         # Shapes are fixed (P2P checks them), so what autograd saves is measured on the first
         # microbatch only, keeping the hooks' per-tensor Python calls off the hot path.
@@ -155,9 +167,15 @@ class StageWorker:
         if self.swap is not None:  # one pair of hooks applies at a time: the swap hooks chain SavedBytes'
             hooks = self.swap.forward(k, inputs=(x,), outer=saved if self._saved_bytes is None else None)
         with hooks if self.swap is not None else saved:
-            out = module(x)
-            if self.last:
-                out = self.loss_fn(out, self.feed.targets(k).to(self.device, non_blocking=True))
+            # A reduced-precision activation goes on in float32, as it would have in one process: only
+            # the transfer is rounded, not the rest of the stage's residual stream.
+            inp = x.float() if x.dtype == self._wire_dtype and self.precision != "fp32" else x
+            with autocast(self.precision, self.device.type):
+                out = module(inp)
+            if self.last:  # the loss in float32, outside autocast
+                out = self.loss_fn(out.float(), self.feed.targets(k).to(self.device, non_blocking=True))
+            elif out.dtype == torch.float32 and self.precision != "fp32":
+                out = out.to(self._wire_dtype)  # sent in the compute dtype; backward casts its gradient back
         if self._saved_bytes is None:
             self._saved_bytes = saved.nbytes
         if self.last:
@@ -181,7 +199,7 @@ class StageWorker:
         grad = None if self.last else self._recv(BACKWARD, k, next_k)
         start = time.perf_counter()
         if self.last:
-            out.backward()
+            (out * self.scaler.scale if self.scaler is not None else out).backward()
         else:
             torch.autograd.backward(out, grad)
         if self.swap is not None:
@@ -204,7 +222,10 @@ class StageWorker:
         if trace is not None and self.reducer is not None:
             wait = self._traced_wait(t)
         start = time.perf_counter()
-        self.versions.step(t, grad_scale=self.grad_scale, before_bucket=wait)
+        if self.scaler is None:
+            self.versions.step(t, grad_scale=self.grad_scale, before_bucket=wait)
+        else:
+            self._scaled_step(t, wait)
         if trace is not None:
             trace.add("S", t, start, time.perf_counter())
         if self.peers.loss_sources:  # rank 0: the batch loss is the mean over the replicas' last stages
@@ -216,6 +237,25 @@ class StageWorker:
         self.stats.step_end_times.append(time.perf_counter())
         if self.trace is not None:
             self.trace.step_done(t, self.stats.step_end_times[-1])
+
+    def _scaled_step(self, t: int, wait: Callable[[int], None]) -> None:
+        """fp16: every stage and replica agree whether batch t's gradient is finite anywhere; if not,
+        all skip its step (W(t+1) = W(t)); the gradient is unscaled by the scale batch t ran with."""
+        for b in range(len(self.versions.buckets)):  # the whole averaged gradient before the check
+            wait(b)
+        found = self.agree_nonfinite(self.versions.nonfinite_grad(t))
+        scale = self.scaler.scale
+        self.stats.loss_scales.append(scale)
+        if found:
+            self.versions.skip_step(t)
+            self.stats.skipped_steps.append(t)
+            log.warning("step %d skipped: non-finite gradient at loss scale %g; scale now %g", t, scale, scale * self.scaler.backoff)
+        else:
+            self.versions.step(t, grad_scale=self.grad_scale / scale)
+        self.scaler.update(found)
+        if found and self.scaler.below_floor():
+            log.error("loss scale %g fell below train.loss_scale_min (%g): the gradients keep overflowing; the run diverges",
+                      self.scaler.scale, self.scaler.min_scale)
 
     def _traced_wait(self, t: int) -> Callable[[int], None]:
         """The reducer's per-bucket wait, recorded as an ``allreduce`` span of batch ``t``."""

@@ -139,12 +139,9 @@ class WeightVersions:
         """
         t = batch_index
         src = list(self.module_for_batch(t).parameters())
-        still_needed = version_of_batch(self.schedule, t + 1)
-        dst_index = next(i for i, v in enumerate(self.holds) if v != still_needed)
+        dst_index = self._destination(t)
         dst = list(self.replicas[dst_index].parameters())
-        if self.holds[dst_index] != t:
-            for d_param, w_param in zip(dst, self.replicas[self._replica_holding(t)].parameters()):
-                d_param.copy_(w_param)
+        self._copy_newest_into(dst_index, t)
         for bucket_index, (bucket, optimizer) in enumerate(zip(self.buckets, self.optimizers)):
             before_bucket(bucket_index)
             for i in bucket:
@@ -155,6 +152,36 @@ class WeightVersions:
             optimizer.step()
             for i in bucket:
                 self.master[i].grad = None
+        self.holds[dst_index] = t + 1
+
+    def _destination(self, t: int) -> int:
+        """The replica that receives W(t+1): the one no batch from t+1 on still needs."""
+        still_needed = version_of_batch(self.schedule, t + 1)
+        return next(i for i, v in enumerate(self.holds) if v != still_needed)
+
+    def _copy_newest_into(self, dst_index: int, t: int) -> None:
+        """Puts W(t) into replica ``dst_index`` unless it holds it already (flush and gpipe's one replica)."""
+        if self.holds[dst_index] != t:
+            for d_param, w_param in zip(self.replicas[dst_index].parameters(), self.replicas[self._replica_holding(t)].parameters()):
+                d_param.copy_(w_param)
+
+    def nonfinite_grad(self, batch_index: int) -> torch.Tensor:
+        """A bool scalar on the weights' device: some gradient batch ``batch_index`` accumulated holds inf or nan.
+        Not synchronized here: the caller agrees on it with the other ranks first."""
+        grads = [p.grad for p in self.module_for_batch(batch_index).parameters() if p.grad is not None]
+        if not grads:
+            return torch.zeros((), dtype=torch.bool, device=next(self.replicas[0].parameters()).device)
+        return torch.stack([torch.logical_not(torch.isfinite(g).all()) for g in grads]).any()
+
+    @torch.no_grad()
+    def skip_step(self, batch_index: int) -> None:
+        """Closes batch t without an update: W(t+1) = W(t); its gradients are dropped and the
+        optimizer state is untouched (fp16 loss scaling, on a non-finite gradient)."""
+        t = batch_index
+        for p in self.module_for_batch(t).parameters():
+            p.grad = None
+        dst_index = self._destination(t)
+        self._copy_newest_into(dst_index, t)
         self.holds[dst_index] = t + 1
 
     def state(self) -> Dict[str, Any]:
