@@ -186,8 +186,13 @@ def test_fp16_inf_in_one_stage_skips_that_batch_everywhere_and_resumes_exactly(t
     expected, losses = reference_train(oracle_cfg, delayed=True, balance=gpt_balance(oracle_cfg.model, 2),
                                        layers=inf_gradient_layers(oracle_cfg, layer=1, call=batch * 4 + 4 // 2 + 1), info=info)
     assert info["skipped_steps"] == [batch] and info["loss_scales"] == expected_scales
-    torch.testing.assert_close(w0, expected)
-    assert_losses_close(s0["losses"], losses)
+    # Two replicas sum their float32 gradients in another order than one process: round-off that
+    # moves a few fp16 roundings of activations by one unit (2**-11 relative), hence fp16's tolerance.
+    fp16_close = dict(rtol=1e-3, atol=1e-4)
+    torch.testing.assert_close(w0, expected, **fp16_close)
+    torch.testing.assert_close(torch.tensor(s0["losses"]), torch.tensor(losses), **fp16_close)
+    not_skipped, _ = reference_train(oracle_cfg, delayed=True, balance=gpt_balance(oracle_cfg.model, 2))
+    assert max_abs_diff(w0, not_skipped) > 1e-2  # skipping a step is far above that tolerance
 
     assert s1["first_step"] == 5 and s1["loss_scale"]["per_step"] == expected_scales[5:]
     assert s1["losses"] == s0["losses"]
@@ -197,4 +202,4 @@ def test_fp16_inf_in_one_stage_skips_that_batch_everywhere_and_resumes_exactly(t
     other = fp16_config(d=2, w=1, steps=steps, resume=resumed.train.resume)
     (s2, w2), = run_jobs(tmp_path / "w1", [other], world_size=2)
     assert s2["loss_scale"]["per_step"] == expected_scales[5:]
-    torch.testing.assert_close(w2, w0)
+    torch.testing.assert_close(w2, w0, **fp16_close)
