@@ -144,10 +144,12 @@ class WeightVersions:
         self._copy_newest_into(dst_index, t)
         for bucket_index, (bucket, optimizer) in enumerate(zip(self.buckets, self.optimizers)):
             before_bucket(bucket_index)
+            grads = [src[i].grad for i in bucket if src[i].grad is not None]
+            if grads and grad_scale != 1.0:
+                torch._foreach_mul_(grads, grad_scale)  # one kernel per bucket, not one per parameter (GPU launch overhead)
             for i in bucket:
-                g = src[i].grad
                 self.master[i].data = dst[i].data
-                self.master[i].grad = None if g is None else g.mul_(grad_scale)
+                self.master[i].grad = src[i].grad
                 src[i].grad = None
             optimizer.step()
             for i in bucket:
