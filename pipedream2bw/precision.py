@@ -118,5 +118,5 @@ def markdown_table(*, optimizer: str = "adamw") -> str:
             pm = param_memory(precision, schedule=schedule, optimizer=optimizer)
             cast = f"{pm.cast_per_microbatch} B per matmul parameter" if pm.cast_per_microbatch else "-"
             rows.append(f"| {precision} | {schedule if schedule == '2bw' else 'flush, gpipe'} | {pm.versions} x {pm.weight_copy} B | "
-                        f"{pm.master} | {pm.gradient} B | {pm.optimizer:g} B | {pm.total:g} B | {cast} |")
+                        f"{pm.master} B | {pm.gradient} B | {pm.optimizer:g} B | {pm.total:g} B | {cast} |")
     return "\n".join(rows)

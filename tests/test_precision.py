@@ -18,7 +18,7 @@ from pipedream2bw import comm
 from pipedream2bw.config import Config, ConfigError, GPTConfig, OptimConfig, TopologyConfig, gpt_balance, validate
 from pipedream2bw.loss_scale import LossScaler
 from pipedream2bw.models import build_gpt_layers
-from pipedream2bw.precision import param_memory
+from pipedream2bw.precision import markdown_table, param_memory
 from pipedream2bw.runner import run
 from reference import reference_train
 from test_semantics import assert_losses_close, max_abs_diff, tiny_config
@@ -66,6 +66,8 @@ def test_bytes_per_parameter_and_the_planner_uses_them():
             blocks[precision] = layers[1].saved_bytes
     # bf16 activations take half the bytes, plus the 2-byte copy of each matmul weight per microbatch
     assert blocks["bf16"] == blocks["fp32"] // 2 + 2 * 12 * 64 * 64 == blocks["fp16"]
+    # ...and the README's table is that function's output, not figures written twice.
+    assert markdown_table() in (Path(__file__).resolve().parent.parent / "README.md").read_text()
 
 
 def test_precision_config_is_checked_before_any_group_starts():
