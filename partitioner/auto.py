@@ -17,6 +17,7 @@ import torch
 from partitioner.planner import Plan, Request, plan
 from partitioner.profile import analytic_gpt, profile_gpt, profile_layer_list, runtime_baseline_bytes
 from partitioner.topology import GIB, num_devices
+from pipedream2bw import precision as precisions
 from pipedream2bw.config import SCHEDULES, Config, ConfigError, GPTConfig, TopologyConfig, model_num_layers
 
 log = logging.getLogger(__name__)
@@ -53,6 +54,17 @@ def runtime_topology(topo: TopologyConfig, *, world_size: int, local_world_size:
     return dataclasses.replace(topo, nodes=math.ceil(world_size / per_node), devices_per_node=per_node)
 
 
+def planned_precision(cfg: Config, topo: TopologyConfig) -> str:
+    """``train.precision`` resolved for the planned machine: ``auto`` is bf16 on 'cuda' topologies
+    (this machine's GPU, if it plans for itself and has one; else assumed: every GPU of the shipped
+    topologies supports bf16), fp32 on 'cpu'."""
+    if cfg.train.precision != "auto":
+        return cfg.train.precision
+    if topo.device == "cuda" and topo.device == local_device_kind():
+        return precisions.resolve("auto", "cuda")
+    return "bf16" if topo.device == "cuda" else "fp32"
+
+
 def uses_profile(cfg: Config) -> bool:
     """Whether layer costs are measured here ('profile') or computed ('analytic')."""
     costs = cfg.partition.costs
@@ -85,6 +97,7 @@ def make_request(cfg: Config, *, devices: Optional[int] = None, topology: Option
         microbatch_sizes=cfg.partition.microbatch_sizes, recompute=cfg.partition.recompute,
         swap=cfg.partition.swap, swap_resident=cfg.partition.swap_resident,
         costs="profile" if profile else "analytic", model=dataclasses.asdict(cfg.model), tolerance=cfg.partition.tolerance,
+        precision=planned_precision(cfg, topo),
     )
 
 
@@ -120,10 +133,11 @@ def plan_config(cfg: Config, *, runners_up: int = 4, layers=None, loss_fn=None, 
         return plan(cost_fn, req, runners_up=runners_up)
     if req.costs == "profile":
         def cost_fn(b):
-            return profile_gpt(cfg.model, cfg.optim, b, repeats=cfg.partition.repeats, cache_dir=cfg.partition.cache_dir, seed=cfg.seed)
+            return profile_gpt(cfg.model, cfg.optim, b, repeats=cfg.partition.repeats, cache_dir=cfg.partition.cache_dir, seed=cfg.seed,
+                               precision=req.precision)
     else:
         def cost_fn(b):
-            return analytic_gpt(cfg.model, cfg.optim, b, req.topology, dtype_bytes=cfg.partition.analytic_dtype_bytes)
+            return analytic_gpt(cfg.model, cfg.optim, b, req.topology, precision=req.precision)
     return plan(cost_fn, req, runners_up=runners_up)
 
 

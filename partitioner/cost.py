@@ -5,7 +5,9 @@ segment ``[start, stop)`` of it. ``segment_costs`` evaluates the memory and time
 one stage; its arguments may be numpy index arrays, so the planner's dynamic program evaluates
 every segment at once with the very same formulas that the final plan reports.
 
-Memory of stage s (bytes), ``n`` microbatches in flight (``in_flight``)::
+Memory of stage s (bytes), ``n`` microbatches in flight (``in_flight``); ``W`` is one copy of the
+stage's weights, float32 under every precision (``pipedream2bw.precision.param_memory``, whose bytes
+per parameter these terms are)::
 
     versions*W + W (gradient) + O (optimizer state)
     + activations      n*A                      A: what autograd saves for one microbatch
@@ -29,7 +31,10 @@ from typing import Dict, List, Optional, Sequence
 import numpy as np
 
 from partitioner.topology import LOCAL, Link
+from pipedream2bw.precision import optimizer_state_factor, versions_held
 from pipedream2bw.schedule import BACKWARD, FORWARD, STEP, stage_actions
+
+__all__ = ["optimizer_state_factor"]  # re-exported: its home is pipedream2bw.precision, with the bytes per parameter
 
 
 @dataclass(frozen=True)
@@ -55,23 +60,7 @@ def in_flight(schedule: str, stage_index: int, num_stages: int, num_microbatches
 
 
 def num_versions(schedule: str) -> int:
-    return 2 if schedule == "2bw" else 1
-
-
-def optimizer_state_factor(name: str, kwargs: Optional[Dict] = None) -> float:
-    """Optimizer state per parameter byte: adam/adamw 2 (two moments), sgd with momentum 1,
-    plain sgd 0, rmsprop 1 (+1 with momentum), adagrad 1; unknown optimizers 2 (conservative)."""
-    kwargs = dict(kwargs or {})
-    name = name.lower()
-    if name in ("adam", "adamw", "nadam", "radam", "adamax"):
-        return 2.0 + (1.0 if kwargs.get("amsgrad") else 0.0)
-    if name == "sgd":
-        return 1.0 if kwargs.get("momentum", 0) else 0.0
-    if name == "rmsprop":
-        return 1.0 + (1.0 if kwargs.get("momentum", 0) else 0.0) + (1.0 if kwargs.get("centered") else 0.0)
-    if name in ("adagrad", "adadelta"):
-        return 1.0 if name == "adagrad" else 2.0
-    return 2.0
+    return versions_held(schedule)
 
 
 def batch_multiplier(schedule: str, num_stages: int, num_microbatches: int) -> int:

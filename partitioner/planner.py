@@ -59,6 +59,7 @@ class Plan:
     predicted_memory_breakdown: List[Dict[str, int]] = field(default_factory=list)
     model: Dict[str, object] = field(default_factory=dict)
     swap_resident: int = 1  # microbatches whose activations stay on device on a swapping stage
+    precision: str = "fp32"  # train.precision the costs were taken for (resolved: fp32, bf16, fp16)
 
     @property
     def boundaries(self) -> List[int]:
@@ -260,6 +261,7 @@ class Request:
     costs: str = "profile"
     model: Dict[str, object] = field(default_factory=dict)
     tolerance: float = 0.01  # plans within this fraction of the best objective tie; the other objective decides
+    precision: str = "fp32"  # resolved train.precision, recorded in the plan (the costs already follow it)
 
 
 CostFn = Callable[[int], Sequence[LayerCost]]  # microbatch size -> per-layer costs
@@ -314,7 +316,7 @@ def _make_plan(req: Request, seg: Segments, layer_costs, d, w, b, m, rc, starts,
         predicted_stage_time_s=[float(st["microbatch_s"]) for st in stages],
         predicted_peak_memory_bytes=[int(p) for p in peaks],
         predicted_memory_breakdown=[{k: int(st[k]) for k in MEMORY_PARTS} for st in stages],
-        model=dict(req.model), swap_resident=req.swap_resident,
+        model=dict(req.model), swap_resident=req.swap_resident, precision=req.precision,
     )
 
 

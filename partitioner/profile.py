@@ -35,7 +35,8 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
-from partitioner.cost import LayerCost, optimizer_state_factor
+from partitioner.cost import LayerCost
+from pipedream2bw import precision as precisions
 from pipedream2bw.config import GPTConfig, OptimConfig, TopologyConfig, build_optimizer, model_num_layers
 from pipedream2bw.models import build_gpt_layers, lm_loss
 
@@ -74,25 +75,29 @@ def _saved_bytes(fn: Callable[[], torch.Tensor], params: Sequence[torch.Tensor])
 
 
 def profile_layer(layer: torch.nn.Module, cfg: GPTConfig, optim: OptimConfig, kind: str, b: int, *,
-                  device: torch.device, repeats: int = 5, warmup: int = 2) -> LayerCost:
-    """Measures one layer at microbatch size ``b`` (see the module docstring)."""
+                  device: torch.device, repeats: int = 5, warmup: int = 2, precision: str = "fp32") -> LayerCost:
+    """Measures one layer at microbatch size ``b`` (see the module docstring), its forward under
+    ``precision``'s autocast with float32 weights, as a stage runs it; inputs and outputs in the
+    compute dtype, as they cross stages."""
     layer = layer.to(device)
     params = list(layer.parameters())
     T, C = cfg.seq_len, cfg.d_model
+    wire = precisions.compute_dtype(precision)
     gen = torch.Generator().manual_seed(0)
     if kind == "embedding":
         x = torch.randint(0, cfg.vocab_size, (b, T), generator=gen).to(device)
     else:
-        x = torch.randn(b, T, C, generator=gen).to(device).requires_grad_()
+        x = torch.randn(b, T, C, generator=gen).to(device, wire).requires_grad_()
     targets = torch.randint(0, cfg.vocab_size, (b, T), generator=gen).to(device)
 
-    def forward() -> torch.Tensor:
-        out = layer(x)
-        return lm_loss(out, targets) if kind == "head" else out
+    def forward() -> torch.Tensor:  # as StageWorker.forward: float32 in, autocast, loss in float32, sent in the wire dtype
+        with precisions.autocast(precision, device.type):
+            out = layer(x.float() if x.is_floating_point() else x)
+        return lm_loss(out.float(), targets) if kind == "head" else out.to(wire)
 
     out = forward()
     out_bytes = 0 if kind == "head" else out.numel() * out.element_size()
-    grad = None if kind == "head" else torch.randn(out.shape, generator=gen).to(device)
+    grad = None if kind == "head" else torch.randn(out.shape, generator=gen).to(device, out.dtype)
     fwd, bwd = [], []
     for r in range(warmup + repeats):
         for p in params:
@@ -154,11 +159,12 @@ def _atomic_write_text(path: Path, text: str) -> None:
 
 
 def profile_gpt(cfg: GPTConfig, optim: OptimConfig, b: int, *, device: Optional[torch.device] = None, repeats: int = 5,
-                cache_dir: Optional[Path] = None, use_cache: bool = True, seed: int = 0) -> List[LayerCost]:
-    """Measured costs of every layer of the GPT at microbatch size ``b``, from the cache if there."""
+                cache_dir: Optional[Path] = None, use_cache: bool = True, seed: int = 0, precision: str = "fp32") -> List[LayerCost]:
+    """Measured costs of every layer of the GPT at microbatch size ``b`` under a resolved
+    ``precision`` (fp32, bf16, fp16), from the cache if there."""
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     threads = 1 if device.type == "cpu" else torch.get_num_threads()
-    path = Path(cache_dir or default_cache_dir()) / f"profile-{_cache_key(cfg, optim, b, device, torch.float32, threads)}.json"
+    path = Path(cache_dir or default_cache_dir()) / f"profile-{_cache_key(cfg, optim, b, device, precisions.compute_dtype(precision), threads)}.json"
     if use_cache and path.is_file():
         try:
             kinds = json.loads(path.read_text())
@@ -173,7 +179,7 @@ def profile_gpt(cfg: GPTConfig, optim: OptimConfig, b: int, *, device: Optional[
             kind = _kind(cfg, i)
             if kind not in kinds:
                 layer = build_gpt_layers(cfg, seed=seed, indices=[i])[0]
-                kinds[kind] = profile_layer(layer, cfg, optim, kind, b, device=device, repeats=repeats)
+                kinds[kind] = profile_layer(layer, cfg, optim, kind, b, device=device, repeats=repeats, precision=precision)
     finally:
         torch.set_num_threads(saved_threads)
     _atomic_write_text(path, json.dumps({k: dataclasses.asdict(v) for k, v in kinds.items()}, indent=1))
@@ -184,24 +190,26 @@ def _expand(cfg: GPTConfig, kinds: Dict[str, LayerCost]) -> List[LayerCost]:
     return [dataclasses.replace(kinds[_kind(cfg, i)], name=f"{i}:{_kind(cfg, i)}") for i in range(model_num_layers(cfg))]
 
 
-def analytic_gpt(cfg: GPTConfig, optim: OptimConfig, b: int, topo: TopologyConfig, *, dtype_bytes: int = 4) -> List[LayerCost]:
+def analytic_gpt(cfg: GPTConfig, optim: OptimConfig, b: int, topo: TopologyConfig, *, precision: str = "fp32") -> List[LayerCost]:
     """FLOP- and byte-count costs of every layer at microbatch size ``b`` on ``topo``'s devices.
 
-    ``dtype_bytes`` is the size of weights and activations; optimizer state is fp32
-    (``optimizer_state_factor`` states per parameter), plus an fp32 master copy when weights are
-    narrower (mixed precision).
+    Under a resolved ``precision`` (fp32, bf16, fp16) as the runtime trains: activations in the
+    compute dtype, plus autocast's compute-dtype copy of the matmul weights per microbatch;
+    weights, gradient and optimizer state per parameter from ``precision.param_memory``.
     """
     T, C, V = cfg.seq_len, cfg.d_model, cfg.vocab_size
     flops, bw = topo.peak_tflops * 1e12, topo.memory_bw_gbps * 1e9
-    k = optimizer_state_factor(optim.name, optim.kwargs)
+    pm = precisions.param_memory(precision, schedule="flush", optimizer=optim.name, optimizer_kwargs=optim.kwargs)
+    dtype_bytes = precisions.compute_dtype(precision).itemsize
     btc = b * T * C * dtype_bytes
 
     def step_s(nbytes: float) -> float:  # read the gradient, read and write weights and state
         return 3 * nbytes / bw
 
-    def make(name, fwd_flops, fwd_bytes, params, saved, inp, out) -> LayerCost:
-        pbytes = params * dtype_bytes
-        state = k * params * 4 + (params * 4 if dtype_bytes < 4 else 0)
+    def make(name, fwd_flops, fwd_bytes, params, saved, inp, out, matmul_params=0) -> LayerCost:
+        pbytes = params * pm.weight_copy
+        state = params * (pm.optimizer + pm.master)
+        saved += matmul_params * pm.cast_per_microbatch
         fwd = max(fwd_flops / flops, fwd_bytes / bw)
         return LayerCost(name=name, forward_s=fwd, backward_s=2 * fwd, param_bytes=int(pbytes), saved_bytes=int(saved),
                          input_bytes=int(inp), output_bytes=int(out), optimizer_bytes=int(state), step_s=step_s(pbytes + state))
@@ -214,12 +222,13 @@ def analytic_gpt(cfg: GPTConfig, optim: OptimConfig, b: int, topo: TopologyConfi
             layers.append(make(f"{i}:embedding", 0, 2 * btc, (V + T) * C, b * T * 8, b * T * 8, btc))
         elif kind == "block":
             f = 24 * b * T * C * C + 4 * b * T * T * C
-            layers.append(make(f"{i}:block", f, 2 * block_params * dtype_bytes + 20 * btc, block_params, 16 * btc, btc, btc))
+            layers.append(make(f"{i}:block", f, 2 * block_params * dtype_bytes + 20 * btc, block_params, 16 * btc, btc, btc, 12 * C * C))
         elif kind == "norm":
             layers.append(make(f"{i}:norm", 0, 3 * btc, 2 * C, btc, btc, btc))
         else:
             logits = b * T * V * dtype_bytes
-            layers.append(make(f"{i}:head", 2 * b * T * C * V, V * C * dtype_bytes + 3 * logits, V * C, btc + 2 * logits, btc, 0))
+            loss = b * T * V * 4  # the loss upcasts the logits: float32 log-probabilities saved for backward
+            layers.append(make(f"{i}:head", 2 * b * T * C * V, V * C * dtype_bytes + 3 * logits, V * C, btc + logits + loss, btc, 0, V * C))
     return layers
 
 

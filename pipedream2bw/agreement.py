@@ -72,10 +72,10 @@ class StepRule:
         clip_grad_norm: clip g(t) to this global 2-norm (None: no clipping).
         on_nonfinite: 'stop' (raise ``NonFiniteError``) or 'skip' (skip the step everywhere).
 
-    Subclasses (an fp16 loss scaler) may override ``needs_agreement`` (True), ``unscale(t)``
-    (the factor, e.g. 1 / loss scale, that turns batch t's accumulated gradients into true
-    ones; used both for the norm at CLOSE(t) and at APPLY(t), so it must not change between
-    them) and ``decide`` (e.g. lower the scale and skip on ``outcome.nonfinite``). ``decide``
+    Subclasses (an fp16 loss scaler) may override ``needs_agreement`` (True), ``loss_scale(t)``
+    (what batch t's loss is multiplied by; ``unscale(t)``, its inverse, turns batch t's
+    accumulated gradients into true ones, for the norm at CLOSE(t) and at APPLY(t), so it must
+    not change between the first backward of batch t and its APPLY) and ``decide`` (e.g. lower the scale and skip on ``outcome.nonfinite``). ``decide``
     runs on every rank with the same outcome, so the ranks stay in agreement.
     """
 
@@ -87,8 +87,12 @@ class StepRule:
         """Whether batch t's step needs every stage's share (else each rank decides alone)."""
         return self.clip_grad_norm is not None or self.on_nonfinite == "skip"
 
-    def unscale(self, step: int) -> float:
+    def loss_scale(self, step: int) -> float:
+        """What batch ``step``'s loss is multiplied by before its backward (fp16 loss scaling; else 1)."""
         return 1.0
+
+    def unscale(self, step: int) -> float:
+        return 1.0 / self.loss_scale(step)
 
     def decide(self, outcome: StepOutcome) -> StepDecision:
         """Raises:

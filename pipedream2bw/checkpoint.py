@@ -28,6 +28,7 @@ once, in the layer file of the canonical name; loading gives every holder that e
 from __future__ import annotations
 
 import argparse
+import copy
 import hashlib
 import io
 import json
@@ -148,7 +149,7 @@ class Checkpointer:
         """Starts writing the checkpoint of ``step`` steps if one is due. ``state`` makes the stage's
         copies (``WeightVersions.state``); ``losses`` are all losses so far (rank 0, else None);
         ``history``: more per-step records for the manifest (rank 0: learning rates, gradient
-        norms, skipped steps); ``rng``: the RNG states to save, if not this moment's (a deferred
+        norms, skipped steps; the fp16 loss scaler's state, which a resume at any layout loads); ``rng``: the RNG states to save, if not this moment's (a deferred
         step saves those taken where the step's batch ended).
 
         Raises:
@@ -162,7 +163,7 @@ class Checkpointer:
         self.wait()  # one checkpoint at a time: its copies are in memory until written
         self.write_s += time.perf_counter() - start
         losses = list(losses) if losses is not None else None
-        history = {k: list(v) for k, v in (history or {}).items()}
+        history = copy.deepcopy(history or {})  # a snapshot: training goes on appending to the lists
         self._thread = threading.Thread(target=self._write, args=(step, payload, rng, losses, history), name="pd2bw-checkpoint", daemon=True)
         self._thread.start()
 

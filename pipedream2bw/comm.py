@@ -10,7 +10,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -323,7 +323,8 @@ class P2P:
             raise PipelineShapeError(
                 f"rank {self.ctx.rank} sends {tuple(tensor.shape)} {tensor.dtype} to rank {peer} (tag {tag}), "
                 f"but the first microbatch agreed on {tuple(shape)} {dtype}; stages must keep their "
-                f"output shapes fixed (same microbatch_size and seq_len for every microbatch)"
+                f"output shapes fixed (same microbatch_size and seq_len for every microbatch) and their "
+                f"dtype (activations and gradients travel in train.precision's compute dtype)"
             )
         tensor = tensor.contiguous()
         if defer and self.batch_sends:

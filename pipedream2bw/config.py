@@ -156,6 +156,16 @@ class TrainConfig:
     """'auto': continue from the newest complete checkpoint in the run directory, if any (how a job
     restarted by torchrun --max-restarts picks up); 'never'; or a path: a checkpoint, its
     checkpoints/ directory, or a run directory, at any num_stages and data_parallel."""
+    precision: str = "auto"
+    """'fp32', 'bf16' or 'fp16': each stage's forward and loss under torch.autocast to that dtype,
+    float32 master weights, p2p transfers in that dtype; fp16 adds dynamic loss scaling. 'auto':
+    bf16 on a CUDA device that supports it, else fp32."""
+    loss_scale: float = 65536.0
+    """fp16 only: the first loss scale; halved on every step with a non-finite gradient (which is skipped)."""
+    loss_scale_growth_interval: int = 2000
+    """fp16 only: the loss scale doubles after this many clean steps in a row."""
+    loss_scale_min: float = 1.0
+    """fp16 only: the floor; a scale below it means training diverges (logged as an error)."""
 
 
 @dataclass
@@ -254,8 +264,8 @@ class PartitionConfig:
     """Profile cache directory; null: ~/.cache/pipedream2bw."""
     repeats: int = 5
     """Timed repeats per layer when profiling (median), after warm-up."""
-    analytic_dtype_bytes: int = 4
-    """Bytes per weight and activation for analytic costs: 4 (fp32, as this runtime trains), 2 (fp16/bf16 mixed precision)."""
+    analytic_dtype_bytes: Optional[int] = None
+    """Removed: the planner's bytes follow train.precision (set that instead); must stay null."""
 
 
 @dataclass
@@ -457,6 +467,28 @@ def _validate_step_rules(cfg: Config) -> None:
         raise ConfigError(f"optim.clip_grad_norm ({o.clip_grad_norm}) must be a positive number, or null for no clipping")
     if cfg.train.on_nonfinite not in ON_NONFINITE:
         raise ConfigError(f"train.on_nonfinite ({cfg.train.on_nonfinite!r}) is unknown; use one of {list(ON_NONFINITE)}")
+def _validate_precision(cfg: Config) -> None:
+    from pipedream2bw.precision import PRECISIONS
+
+    t = cfg.train
+    if cfg.partition.analytic_dtype_bytes is not None:
+        raise ConfigError(
+            f"partition.analytic_dtype_bytes ({cfg.partition.analytic_dtype_bytes}) was replaced by train.precision, which the "
+            f"planner's costs now follow (weights, activations, transfers); drop it and set train.precision=bf16, fp16 or fp32"
+        )
+    if t.precision not in PRECISIONS:
+        raise ConfigError(f"train.precision ({t.precision!r}) is unknown; use one of {list(PRECISIONS)}")
+    on_cuda = cfg.dist.backend == "nccl" or (cfg.dist.backend == "auto" and torch.cuda.is_available())
+    if t.precision == "bf16" and on_cuda and not torch.cuda.is_bf16_supported():
+        raise ConfigError(
+            f"train.precision (bf16) is not supported by this GPU ({torch.cuda.get_device_name()}); "
+            f"use train.precision=fp16 (with loss scaling) or fp32"
+        )
+    if not (t.loss_scale > 0 and math.isfinite(t.loss_scale)) or t.loss_scale_growth_interval < 1 or not t.loss_scale_min > 0:
+        raise ConfigError(
+            f"train.loss_scale ({t.loss_scale}) and train.loss_scale_min ({t.loss_scale_min}) must be positive numbers "
+            f"and train.loss_scale_growth_interval ({t.loss_scale_growth_interval}) >= 1"
+        )
 
 
 def validate(cfg: Config, *, world_size: int, num_layers: Optional[int] = None, local_world_size: int = 1) -> List[int]:
@@ -569,6 +601,7 @@ def validate(cfg: Config, *, world_size: int, num_layers: Optional[int] = None, 
                 f"pipeline.trace_first_step ({first}) and pipeline.trace_steps ({p.trace_steps}) must trace at least one of "
                 f"the train.num_steps ({t.num_steps}) steps and no more; lower them or raise train.num_steps"
             )
+    _validate_precision(cfg)
     if cfg.wandb.mode not in WANDB_MODES:
         raise ConfigError(f"wandb.mode ({cfg.wandb.mode!r}) is unknown; use one of {list(WANDB_MODES)}")
     if cfg.dist.backend not in BACKENDS:

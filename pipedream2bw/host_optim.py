@@ -7,7 +7,7 @@ from typing import Callable, List
 import torch
 from torch import nn
 
-from pipedream2bw.versions import WeightVersions, version_of_batch
+from pipedream2bw.versions import WeightVersions
 
 
 class HostOptimizerVersions(WeightVersions):
@@ -35,8 +35,7 @@ class HostOptimizerVersions(WeightVersions):
         """Closes batch t: W(t+1) = W(t) - optimizer_step(grad_scale * gradients), stepped on the host."""
         t = batch_index
         src = list(self.module_for_batch(t).parameters())
-        still_needed = version_of_batch(self.schedule, t + 1)
-        dst_index = next(i for i, v in enumerate(self.holds) if v != still_needed)
+        dst_index = self._destination(t)
         dst = list(self.replicas[dst_index].parameters())  # fully overwritten with W(t+1) below
         for bucket_index, (bucket, optimizer) in enumerate(zip(self.buckets, self.optimizers)):
             before_bucket(bucket_index)

@@ -86,6 +86,7 @@ def summarize(stats: List[StageStats], *, meta: Dict[str, Any], warmup_steps: in
                 "peak_stash_bytes": s.peak_stash_bytes,
                 "peak_memory_bytes": s.peak_memory_bytes,
                 "swap": s.swap,
+                "skipped_steps": s.skipped_steps,  # fp16: batches whose step this rank skipped (the same on every rank)
             }
             for s in stats
         ],

@@ -28,6 +28,8 @@ from pipedream2bw.schedule import BACKWARD, FORWARD, check_stage, shift_batches,
 from pipedream2bw.layout import Layout, make_layout
 from pipedream2bw import timeline
 from pipedream2bw.host_optim import HostOptimizerVersions
+from pipedream2bw import precision as precisions
+from pipedream2bw.loss_scale import LossScaler, ScaledStepRule
 from pipedream2bw.stage import Peers, StageStats, StageWorker
 from pipedream2bw.swap import SwapManager, make_backend
 from pipedream2bw.tracking import Tracker, progress_bar
@@ -311,6 +313,14 @@ def _train(cfg: Config, run_dir: Path, ctx: comm.DistContext, layout: Layout, ba
     )
     indices = [int(i) for i in module._modules]  # global layer indices
     first_batch = 0
+    precision = precisions.resolve(cfg.train.precision, ctx.device.type)
+    rule = StepRule(clip_grad_norm=cfg.optim.clip_grad_norm, on_nonfinite=cfg.train.on_nonfinite)
+    if precision == "fp16":  # the loss scaler owns skipping; its scale changes reach batches one (2bw: two) later
+        scaler = LossScaler(
+            init_scale=cfg.train.loss_scale, growth_interval=cfg.train.loss_scale_growth_interval, min_scale=cfg.train.loss_scale_min,
+        )
+        rule = ScaledStepRule(scaler, lag=2 if p.schedule == "2bw" else 1, clip_grad_norm=cfg.optim.clip_grad_norm,
+                              on_nonfinite=cfg.train.on_nonfinite)
     layout_record = {"num_stages": d, "data_parallel": w, "balance": list(balance), "rank_map": [list(r) for r in layout.ranks]}
     if resume is not None:
         path, manifest = resume
@@ -324,6 +334,11 @@ def _train(cfg: Config, run_dir: Path, ctx: comm.DistContext, layout: Layout, ba
             log.warning("%s holds %s state; this run's optimizer is %s: it starts afresh", path, manifest["optimizer"], optimizer_name(cfg.optim))
             state["optimizer"] = {}
         versions.load_state(step=first_batch, **{k: state[k] for k in ("weights", "previous", "optimizer")})
+        if isinstance(rule, ScaledStepRule) and manifest.get("loss_scaler") is not None:
+            rule.load_state_dict(manifest["loss_scaler"])
+        elif isinstance(rule, ScaledStepRule):
+            log.warning("%s holds no loss scaler state (a %s run): the loss scale starts afresh at %g",
+                        path, manifest.get("precision", "fp32"), rule.scaler.scale)
         rng = checkpoint.load_rng(path, ctx.rank) if manifest["layout"] == layout_record else None
         if rng is not None:
             checkpoint.set_rng_state(rng)
@@ -339,7 +354,6 @@ def _train(cfg: Config, run_dir: Path, ctx: comm.DistContext, layout: Layout, ba
     checker = None
     if p.check_ties and tie_groups:
         checker = ties.TieChecker(comm, ctx, versions, [(g, [i for _, i in held], [t.canonical for t, _ in held]) for g, _, held in tie_groups])
-    rule = StepRule(clip_grad_norm=cfg.optim.clip_grad_norm, on_nonfinite=cfg.train.on_nonfinite)
     # The step agreement's own group of all ranks, made (or not: the config decides) on every rank in the same order.
     agreement = comm.AsyncSum(ctx, group=comm.new_groups(ctx, [range(ctx.world_size)])[0]) if rule.needs_agreement else None
     peers = Peers(
@@ -371,7 +385,7 @@ def _train(cfg: Config, run_dir: Path, ctx: comm.DistContext, layout: Layout, ba
         p2p=comm.P2P(ctx, batch_sends=cfg.dist.batch_p2p if cfg.dist.batch_p2p is not None else ctx.backend == "nccl"),
         loss_fn=loss_fn, device=ctx.device, reducer=reducer, grad_scale=1.0 / (m * w), swap=swap, receipts=receipts,
         replica=replica, step_rule=rule, agreement=agreement, lr_at=lambda t: lr_at(t, cfg.optim, num_steps=cfg.train.num_steps),
-        exchanges=[exchange] if exchange is not None else [],
+        exchanges=[exchange] if exchange is not None else [], precision=precision,
     )
     if p.trace:  # traced steps are counted from 0, whatever step a resumed run starts at
         first = max(first_batch, cfg.train.warmup_steps if p.trace_first_step is None else p.trace_first_step)
@@ -380,8 +394,8 @@ def _train(cfg: Config, run_dir: Path, ctx: comm.DistContext, layout: Layout, ba
         else:
             log.warning("pipeline.trace: steps %d..%d were trained before this resumed run; nothing traced", first, first + p.trace_steps - 1)
     log.info(
-        "%s schedule, %d stages x %d replicas, replica %d, balance %s, layers %s, %d all-reduce buckets, on %s (%s)",
-        p.schedule, d, w, replica, balance, indices, num_dp_buckets, ctx.device, ctx.backend,
+        "%s schedule, %d stages x %d replicas, replica %d, balance %s, layers %s, %d all-reduce buckets, on %s (%s), precision %s",
+        p.schedule, d, w, replica, balance, indices, num_dp_buckets, ctx.device, ctx.backend, precision,
     )
     for _, _, held in tie_groups:
         for tie, _ in held:
@@ -403,7 +417,7 @@ def _train(cfg: Config, run_dir: Path, ctx: comm.DistContext, layout: Layout, ba
             "schedule": p.schedule, "optimizer": optimizer_name(cfg.optim), "num_layers": sum(balance), "layout": layout_record,
             "global_batch_size": global_batch, "seed": cfg.seed, "param_shapes": _param_shapes(cfg, layers, source) if ctx.rank == 0 else {},
             "ties": [list(t.names) for t in tied],
-            "wandb_run_id": tracker.run_id if tracker is not None else None,
+            "wandb_run_id": tracker.run_id if tracker is not None else None, "precision": precision,
         },
     )
 
@@ -423,6 +437,8 @@ def _train(cfg: Config, run_dir: Path, ctx: comm.DistContext, layout: Layout, ba
         progress(t)
         st = worker.stats
         history = {"lrs": st.lrs, "grad_norms": st.grad_norms, "skipped_steps": st.skipped_steps} if ctx.rank == 0 else None
+        if history is not None and isinstance(rule, ScaledStepRule):
+            history["loss_scaler"] = rule.state_dict()
         saver.after_step(t + 1, state, st.losses if ctx.rank == 0 else None, history=history, rng=rngs.pop(t + 1, None))
 
     with logging_redirect_tqdm() if bar is not None and not bar.disable else contextlib.nullcontext(), torch.profiler.record_function(TRAIN_RANGE):
@@ -449,7 +465,7 @@ def _train(cfg: Config, run_dir: Path, ctx: comm.DistContext, layout: Layout, ba
         "num_steps": cfg.train.num_steps, "seq_len": cfg.model.seq_len, "backend": ctx.backend, "device": ctx.device.type,
         "memory_kind": "cuda_max_allocated" if ctx.device.type == "cuda" else "process_peak_rss",
         "resumed_from": None if resume is None else str(resume[0]), "first_step": first_batch,
-        "recompute": p.recompute, **predictions,
+        "recompute": p.recompute, **predictions, **_precision_record(cfg, precision, rule, worker.stats),
         "ties": [{**t, "checked_steps": min((r["tie_checked_steps"] for r, (st, _) in zip(tie_records, _positions(layout, ctx.world_size))
                                              if st in t["stages"]), default=0)} for t in ties.describe(tied, balance)],
         "tie_allreduce_calls": [r["tie_allreduce_calls"] for r in tie_records],
@@ -474,6 +490,19 @@ def _train(cfg: Config, run_dir: Path, ctx: comm.DistContext, layout: Layout, ba
 def _positions(layout: Layout, world_size: int) -> List[Tuple[int, int]]:
     """(stage, replica) of every rank, in rank order."""
     return [layout.position(r) for r in range(world_size)]
+
+
+def _precision_record(cfg: Config, precision: str, rule: StepRule, stats: StageStats) -> Dict[str, Any]:
+    """summary.json's precision fields: the precision, its bytes per parameter, and under fp16 the loss scale."""
+    record = {
+        "precision": precision, "compute_dtype": str(precisions.compute_dtype(precision)).replace("torch.", ""),
+        "bytes_per_parameter": precisions.param_memory(
+            precision, schedule=cfg.pipeline.schedule, optimizer=cfg.optim.name, optimizer_kwargs=cfg.optim.kwargs).as_dict(),
+    }
+    if isinstance(rule, ScaledStepRule):  # every rank's scaler takes the same values; these are rank 0's
+        record["loss_scale"] = {"final": rule.scaler.scale, "per_step": stats.loss_scales, "skipped_steps": stats.skipped_steps,
+                                "state": rule.state_dict()}
+    return record
 
 
 def _save_trace(all_stats: Sequence[StageStats], run_dir: Path, *, steps: range, title: str) -> Dict[str, Any]:

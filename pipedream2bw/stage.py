@@ -17,6 +17,8 @@ from pipedream2bw import agreement
 from pipedream2bw.agreement import NonFiniteError, StepDecision, StepOutcome, StepRule
 from pipedream2bw.comm import P2P, AsyncSum, GradReducer, PipelineShapeError
 from pipedream2bw.data import MicrobatchFeed
+from pipedream2bw.loss_scale import LossScaler
+from pipedream2bw.precision import autocast, compute_dtype
 from pipedream2bw.schedule import BACKWARD, FORWARD, Action
 from pipedream2bw.timeline import Recorder
 from pipedream2bw.swap import SwapManager
@@ -78,6 +80,8 @@ class StageStats:
     checkpoint_s: float = 0.0  # time training waited for checkpoint copies (the writes run beside it)
     trace: Optional[dict] = None  # pipeline.trace: {"spans": [timeline.Span], "window": [start, end]}
     swap: Optional[Dict[str, Any]] = None  # SwapStats of a stage that swaps activations to host
+    loss_scales: List[float] = field(default_factory=list)  # fp16: the loss scale each batch ran with
+    skipped_steps: List[int] = field(default_factory=list)  # fp16: batches whose step was skipped (non-finite gradient)
 
 
 class SavedBytes(torch.autograd.graph.saved_tensors_hooks):
@@ -148,6 +152,7 @@ class StageWorker:
         agreement: Optional[AsyncSum] = None,
         exchanges: Sequence[Any] = (),
         lr_at: Optional[Callable[[int], float]] = None,
+        precision: str = "fp32",
     ):
         self.m = num_microbatches
         self.stage_index, self.num_stages, self.replica = stage_index, num_stages, replica
@@ -164,6 +169,11 @@ class StageWorker:
         self.loss_fn, self.device, self.reducer, self.grad_scale = loss_fn, device, reducer, grad_scale
         self.stats = StageStats(stage_index, p2p.ctx.rank)
         self.swap = swap
+        # Reduced precision: forwards under autocast; activations and their gradients cross stages
+        # in the compute dtype. fp16: the last stage's loss is multiplied by the step rule's loss
+        # scale of its batch, and the rule (a ScaledStepRule) unscales and skips through the agreement.
+        self.precision = precision
+        self._wire_dtype = compute_dtype(precision)
         self._stash: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}  # k -> (input, output or loss)
         self._saved_bytes: Optional[int] = None  # what autograd saves for one microbatch
         self._batch_losses: Dict[int, List[torch.Tensor]] = {}
@@ -223,6 +233,14 @@ class StageWorker:
         if self.trace is not None and self.trace.on:
             self.trace.add("send", k, start, time.perf_counter())
 
+    def _from_wire(self, t: torch.Tensor) -> torch.Tensor:
+        """A received activation in the compute dtype goes on in float32 (other elements as they are)."""
+        return t.float() if t.dtype == self._wire_dtype else t
+
+    def _to_wire(self, t: torch.Tensor) -> torch.Tensor:
+        """A float32 output element to send, in the compute dtype."""
+        return t.to(self._wire_dtype) if t.dtype == torch.float32 else t
+
     def forward(self, k: int, next_k: Optional[int], *, defer_send: bool = False) -> None:
         module = self.versions.module_for_batch(k // self.m)
         if self.first:
@@ -240,9 +258,15 @@ class StageWorker:
         if self.swap is not None:  # one pair of hooks applies at a time: the swap hooks chain SavedBytes'
             hooks = self.swap.forward(k, inputs=pytree.tree_leaves(x), outer=saved if self._saved_bytes is None else None)
         with hooks if self.swap is not None else saved:
-            out = module(x)
-            if self.last:
-                out = self.loss_fn(out, self.feed.targets(k).to(self.device, non_blocking=True))
+            # A reduced-precision activation goes on in float32, as it would have in one process: only
+            # the transfer is rounded, not the rest of the stage's residual stream.
+            inp = pytree.tree_map(self._from_wire, x) if self.precision != "fp32" else x
+            with autocast(self.precision, self.device.type):
+                out = module(inp)
+            if self.last:  # the loss in float32, outside autocast
+                out = self.loss_fn(out.float(), self.feed.targets(k).to(self.device, non_blocking=True))
+            elif self.precision != "fp32":
+                out = pytree.tree_map(self._to_wire, out)  # sent in the compute dtype; backward casts its gradient back
         if self._saved_bytes is None:
             self._saved_bytes = saved.nbytes
         if self.last:
@@ -266,7 +290,8 @@ class StageWorker:
         grad = None if self.last else self._recv(BACKWARD, k, next_k)
         start = time.perf_counter()
         if self.last:
-            out.backward()
+            scale = self.rule.loss_scale(k // self.m)
+            (out * scale if scale != 1.0 else out).backward()
         else:
             # grad: one gradient per floating-point element of out, in order (see below)
             pairs = [(o, g) for o, g in zip((o for o in pytree.tree_leaves(out) if o.is_floating_point()), grad) if o.requires_grad]
@@ -339,6 +364,8 @@ class StageWorker:
         lr = self.lr_at(t) if self.lr_at is not None else None
         if lr is not None:
             self.versions.set_lr(lr)
+        if self.precision == "fp16":
+            self.stats.loss_scales.append(self.rule.loss_scale(t))
         outcome = self._agreed(t) if self.agreement is not None else None
         decision = self.rule.decide(outcome) if outcome is not None else StepDecision(skip=False)
         if decision.skip:

@@ -108,6 +108,9 @@ class WeightVersions:
         self.schedule = schedule
         self.replicas: List[nn.Module] = [module] + ([copy.deepcopy(module)] if schedule == "2bw" else [])
         self.holds: List[Optional[int]] = [0] + [None] * (len(self.replicas) - 1)
+        # Each step walks the replicas' parameters: list them once (nn.Module.parameters() walks the
+        # module tree every call, a millisecond per step of Python on a GPT; parameters are stable objects).
+        self._params: List[List[nn.Parameter]] = [list(r.parameters()) for r in self.replicas]
         self.master = self._make_masters(module)
         self.buckets = [list(b) for b in buckets] if buckets is not None else [list(range(len(self.master)))]
         assert sorted(i for b in self.buckets for i in b) == list(range(len(self.master))), "buckets must partition the parameters"
@@ -138,16 +141,18 @@ class WeightVersions:
         ``before_bucket(i)`` runs before bucket ``i`` steps (e.g. to wait for its all-reduce).
         """
         t = batch_index
-        src = list(self.module_for_batch(t).parameters())
+        src = self._params[self._replica_holding(version_of_batch(self.schedule, t))]
         dst_index = self._destination(t)
-        dst = list(self.replicas[dst_index].parameters())
+        dst = self._params[dst_index]
         self._copy_newest_into(dst_index, t)
         for bucket_index, (bucket, optimizer) in enumerate(zip(self.buckets, self.optimizers)):
             before_bucket(bucket_index)
+            grads = [src[i].grad for i in bucket if src[i].grad is not None]
+            if grads and grad_scale != 1.0:
+                torch._foreach_mul_(grads, grad_scale)  # one kernel per bucket, not one per parameter (GPU launch overhead)
             for i in bucket:
-                g = src[i].grad
                 self.master[i].data = dst[i].data
-                self.master[i].grad = None if g is None else g.mul_(grad_scale)
+                self.master[i].grad = src[i].grad
                 src[i].grad = None
             optimizer.step()
             for i in bucket:
@@ -160,8 +165,9 @@ class WeightVersions:
         return next(i for i, v in enumerate(self.holds) if v != still_needed)
 
     def _copy_newest_into(self, dst_index: int, t: int) -> None:
+        """Puts W(t) into replica ``dst_index`` unless it holds it already (flush and gpipe's one replica)."""
         if self.holds[dst_index] != t:
-            for d_param, w_param in zip(self.replicas[dst_index].parameters(), self.replicas[self._replica_holding(t)].parameters()):
+            for d_param, w_param in zip(self._params[dst_index], self._params[self._replica_holding(t)]):
                 d_param.copy_(w_param)
 
     @torch.no_grad()

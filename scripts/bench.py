@@ -108,11 +108,50 @@ def _config(args, schedule: str, num_stages: int):
         model=GPTConfig(num_layers=args.num_layers, d_model=args.d_model, num_heads=args.num_heads, seq_len=args.seq_len, vocab_size=256),
         optim=OptimConfig(name="adamw", lr=1e-3),
         data=DataConfig(),
-        train=TrainConfig(num_steps=args.steps, log_every=10**6, warmup_steps=args.warmup),
+        train=TrainConfig(num_steps=args.steps, log_every=10**6, warmup_steps=args.warmup, precision=args.precision),
         wandb=WandbConfig(mode="disabled"),
         dist=DistConfig(backend="nccl" if _uses_cuda(args) else "gloo",
                         batch_p2p={"auto": None, "on": True, "off": False}[args.batch_p2p]),
     )
+
+
+class _Autocast:
+    """A stage module run as ours runs it under ``train.precision`` (the torch and single systems):
+    forward under autocast, float32 outputs of inner stages in the compute dtype (as they travel),
+    received reduced-precision activations continued in float32."""
+
+    def __init__(self, cfg, device):
+        from pipedream2bw.precision import compute_dtype, resolve
+
+        self.precision = resolve(cfg.train.precision, device.type)
+        self.dtype, self.device_type = compute_dtype(self.precision), device.type
+
+    def wrap(self, module, *, last: bool):
+        import torch
+
+        outer = self
+
+        class Stage(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.inner = module
+
+            def forward(self, x):
+                from pipedream2bw.precision import autocast
+
+                if x.is_floating_point():
+                    x = x.float()
+                with autocast(outer.precision, outer.device_type):
+                    out = self.inner(x)
+                return out if last or out.dtype != torch.float32 else out.to(outer.dtype)
+
+        return Stage() if self.precision != "fp32" else module
+
+
+def _loss(logits, targets):
+    from pipedream2bw.models import lm_loss
+
+    return lm_loss(logits.float(), targets)
 
 
 def _stage_compute_s(cfg, stage_index: int, num_stages: int, device, *, reps: int = 5) -> float:
@@ -124,7 +163,7 @@ def _stage_compute_s(cfg, stage_index: int, num_stages: int, device, *, reps: in
     from pipedream2bw.runner import build_stage_module
 
     balance = gpt_balance(cfg.model, num_stages)
-    module = build_stage_module(cfg, balance, stage_index, None).to(device)
+    module = _Autocast(cfg, device).wrap(build_stage_module(cfg, balance, stage_index, None).to(device), last=stage_index == num_stages - 1)
     b, T, C = cfg.pipeline.microbatch_size, cfg.model.seq_len, cfg.model.d_model
     x = torch.randint(0, 256, (b, T), device=device) if stage_index == 0 else torch.randn(b, T, C, device=device, requires_grad=True)
     y = torch.randint(0, 256, (b, T), device=device)
@@ -197,8 +236,8 @@ def worker_torch(args, schedule: str, device) -> dict:
     m, b = cfg.pipeline.num_microbatches, cfg.pipeline.microbatch_size
     with _memory_probe(args, device) as peak:
         module = build_stage_module(cfg, gpt_balance(cfg.model, world), rank, None).to(device)  # the split ours uses
-        stage = PipelineStage(module, rank, world, device)
-        sched = (Schedule1F1B if schedule == "1f1b" else ScheduleGPipe)(stage, m, loss_fn=lm_loss)
+        stage = PipelineStage(_Autocast(cfg, device).wrap(module, last=rank == world - 1), rank, world, device)
+        sched = (Schedule1F1B if schedule == "1f1b" else ScheduleGPipe)(stage, m, loss_fn=_loss)
         opt = build_optimizer(module.parameters(), cfg.optim)
         feed = _feed(cfg, num_microbatches=m)
         ends = [time.perf_counter()]
@@ -234,13 +273,14 @@ def worker_single(args, device) -> dict:
     m, b = cfg.pipeline.num_microbatches, cfg.pipeline.microbatch_size
     with _memory_probe(args, device) as peak:
         model = nn.Sequential(*build_gpt_layers(cfg.model, seed=cfg.seed)).to(device)
+        run_model = _Autocast(cfg, device).wrap(model, last=True)
         opt = build_optimizer(model.parameters(), cfg.optim)
         feed = _feed(cfg, num_microbatches=m)
         ends = [time.perf_counter()]
         for t in range(cfg.train.num_steps):
             for j in range(m):
                 x, y = (v.to(device) for v in feed.microbatch(t * m + j))
-                (lm_loss(model(x), y) / m).backward()
+                (_loss(run_model(x), y) / m).backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
             _sync(device)
@@ -342,6 +382,8 @@ def main() -> None:
     parser.add_argument("--systems", default=",".join(SYSTEMS))
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto: one GPU per process (NCCL) when CUDA is available")
     parser.add_argument("--batch-p2p", choices=["auto", "on", "off"], default="auto", help="our dist.batch_p2p")
+    parser.add_argument("--precision", choices=["fp32", "bf16", "fp16", "auto"], default="fp32",
+                        help="train.precision of every system (torch and single: forward under autocast, transfers in its dtype; fp16 without loss scaling)")
     parser.add_argument("--strict", action="store_true", help="exit 1 when a target set for this configuration is missed")
     parser.add_argument("--json", default="bench.json")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
@@ -355,7 +397,7 @@ def main() -> None:
     argv_model = [f"--{k}={v}" for k, v in [
         ("num-microbatches", args.num_microbatches), ("microbatch-size", args.microbatch_size), ("num-layers", args.num_layers),
         ("d-model", args.d_model), ("num-heads", args.num_heads), ("seq-len", args.seq_len), ("steps", args.steps),
-        ("warmup", args.warmup), ("batch-p2p", args.batch_p2p), ("device", args.device)]]
+        ("warmup", args.warmup), ("batch-p2p", args.batch_p2p), ("device", args.device), ("precision", args.precision)]]
     systems = args.systems.split(",")
     unknown = sorted(set(systems) - set(SYSTEMS))
     if unknown:
@@ -369,7 +411,7 @@ def main() -> None:
     where = "1 GPU (NCCL)" if _uses_cuda(args) else "1 thread (gloo)"
     print("command:", " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]))
     print(f"config: {args.nproc} processes x {where}, GPT {args.num_layers} blocks d_model {args.d_model} heads {args.num_heads} "
-          f"seq {args.seq_len} vocab 256, m={args.num_microbatches} b={args.microbatch_size}, AdamW, {args.steps} steps "
+          f"seq {args.seq_len} vocab 256, m={args.num_microbatches} b={args.microbatch_size}, AdamW, precision {args.precision}, {args.steps} steps "
           f"({args.warmup} warm-up left out), {args.repeats} repeats, systems alternate; torch {torch.__version__}")
     results = {s: [] for s in systems}
     for repeat in range(args.repeats):

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import copy
 import math
-from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
+from pipedream2bw import precision as precisions
 from pipedream2bw.config import Config, build_optimizer
 from pipedream2bw.data import MicrobatchFeed, load_bytes
+from pipedream2bw.loss_scale import LossScaler
 from pipedream2bw.lr_schedule import lr_at
 from pipedream2bw.models.factory import model_source
 
@@ -21,37 +23,67 @@ class Reference(NamedTuple):
     lrs: List[float]  # learning rate of each step
     grad_norms: List[float]  # global norm of g(t) before clipping, as clip_grad_norm_ returns it
     skipped_steps: List[int]  # steps with a non-finite loss or gradient, not taken
+    loss_scales: List[float]  # fp16: the loss scale each batch ran with
 
 
-def reference_train(cfg: Config, *, delayed: bool) -> Tuple[Dict[str, torch.Tensor], List[float]]:
-    """``reference_run``'s final weights and losses."""
-    ref = reference_run(cfg, delayed=delayed)
+class StageBoundaries(nn.Sequential):
+    """The whole model in one process, with the activation rounded to ``dtype`` and back after the
+    layers ``after`` (a pipeline's p2p transfers in the compute dtype); float32 rounds nothing."""
+
+    def __init__(self, layers: Sequence[nn.Module], *, after: Sequence[int], dtype: torch.dtype):
+        super().__init__(*layers)
+        self.after, self.dtype = set(after), dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, layer in enumerate(self):
+            x = layer(x)
+            if i in self.after and x.dtype == torch.float32 and self.dtype != torch.float32:
+                x = x.to(self.dtype).float()
+        return x
+
+
+def reference_train(cfg: Config, *, delayed: bool, balance: Sequence[int] = (), layers: Optional[Sequence[nn.Module]] = None,
+                    info: Optional[Dict[str, Any]] = None) -> Tuple[Dict[str, torch.Tensor], List[float]]:
+    """``reference_run``'s final weights and losses; ``info`` receives ``loss_scales`` and ``skipped_steps``."""
+    ref = reference_run(cfg, delayed=delayed, balance=balance, layers=layers)
+    if info is not None:
+        info.update(loss_scales=ref.loss_scales, skipped_steps=ref.skipped_steps)
     return ref.weights, ref.losses
 
 
-def reference_run(cfg: Config, *, delayed: bool, layers: Optional[Sequence[nn.Module]] = None) -> Reference:
-    """Trains the unpartitioned model (``layers``, by default the GPT of ``cfg.model``) for
+def reference_run(cfg: Config, *, delayed: bool, layers: Optional[Sequence[nn.Module]] = None, balance: Sequence[int] = ()) -> Reference:
+    """Trains the unpartitioned model (``layers``, by default the model of ``cfg.model``) for
     ``cfg.train.num_steps`` batches.
 
     delayed=True applies the 2BW rule: g(t) is the mean gradient over batch t at W(t-1),
     W(-1) = W(0), and W(t+1) = W(t) - optimizer_step(g(t)). delayed=False is plain
     minibatch training: g(t) at W(t). Step t uses ``lr_at(t)``; with ``optim.clip_grad_norm``,
     g(t) is clipped by ``torch.nn.utils.clip_grad_norm_`` over the whole model; a batch whose loss
-    or gradient is not finite is skipped (W(t+1) = W(t)), as train.on_nonfinite=skip does.
+    or gradient is not finite is skipped (W(t+1) = W(t)), as train.on_nonfinite=skip and fp16's
+    loss scaler do.
+
+    Under ``cfg.train.precision`` bf16/fp16 it is a plain autocast loop (float32 weights, forward
+    under autocast, loss in float32) whose activations are rounded to the compute dtype where a
+    pipeline of ``balance`` sends them. fp16 scales the loss by the scale the ``LossScaler`` had
+    after the update of batch t-2 (2BW, delayed) or t-1: a pipeline applies step t-1 only while
+    batch t runs under 2bw.
     """
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the ranks run: Adam turns reduction-order noise in ~zero gradients into lr-sized steps
     try:
-        return _train(cfg, delayed=delayed, layers=layers)
+        return _train(cfg, delayed=delayed, layers=layers, balance=balance)
     finally:
         torch.set_num_threads(threads)
 
 
-def _train(cfg: Config, *, delayed: bool, layers: Optional[Sequence[nn.Module]]) -> Reference:
+def _train(cfg: Config, *, delayed: bool, layers: Optional[Sequence[nn.Module]], balance: Sequence[int]) -> Reference:
     torch.manual_seed(cfg.seed)
     m = cfg.pipeline.num_microbatches
+    precision = precisions.resolve(cfg.train.precision, "cpu")
     source = model_source(cfg.model, seed=cfg.seed)  # the GPT, or a factory's layers (tied ones stay tied)
-    model = nn.Sequential(*(layers if layers is not None else source.build()))  # W(t)
+    after = [sum(balance[: s + 1]) - 1 for s in range(len(balance) - 1)]  # last layer of every stage but the last
+    layers = layers if layers is not None else source.build()
+    model = StageBoundaries(layers, after=after, dtype=precisions.compute_dtype(precision))  # W(t)
     lm_loss = source.loss_fn
     stale = copy.deepcopy(model) if delayed else model  # W(t-1): the weights batch t runs with
     opt = build_optimizer(model.parameters(), cfg.optim)
@@ -59,27 +91,39 @@ def _train(cfg: Config, *, delayed: bool, layers: Optional[Sequence[nn.Module]])
         load_bytes(cfg.data.path), seq_len=cfg.model.seq_len, microbatch_size=cfg.pipeline.microbatch_size,
         num_microbatches=m, seed=cfg.seed,
     )
-    out = Reference(None, [], [], [], [])
+    t_cfg = cfg.train
+    scaler = LossScaler(init_scale=t_cfg.loss_scale, growth_interval=t_cfg.loss_scale_growth_interval) if precision == "fp16" else None
+    lag = 2 if delayed else 1
+    scales_after: List[float] = []  # fp16: the scale each step's update left
+    out = Reference(None, [], [], [], [], [])
     for t in range(cfg.train.num_steps):
         stale.zero_grad(set_to_none=True)
+        scale = 1.0 if scaler is None else (scales_after[t - lag] if t >= lag else t_cfg.loss_scale)
         batch_losses = []
         for j in range(m):
             x, y = feed.microbatch(t * m + j)
-            loss = lm_loss(stale(x), y)
-            loss.backward()
+            with precisions.autocast(precision, "cpu"):
+                logits = stale(x)
+            loss = lm_loss(logits.float(), y)
+            (loss * scale if scaler is not None else loss).backward()
             batch_losses.append(loss.detach())
         out.losses.append(float(torch.stack(batch_losses).mean()))
         out.lrs.append(lr_at(t, cfg.optim, num_steps=cfg.train.num_steps))
-        grads = [None if p.grad is None else p.grad / m for p in stale.parameters()]
+        grads = [None if p.grad is None else p.grad / (m * scale) for p in stale.parameters()]
         if delayed:
             stale.load_state_dict(model.state_dict())  # batch t+1 runs with W(t)
         for p, g in zip(model.parameters(), grads):
             p.grad = g
         norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), math.inf))  # the norm only: nothing clipped
         out.grad_norms.append(norm)
-        if not math.isfinite(out.losses[-1]) or not math.isfinite(norm):
+        skip = not math.isfinite(out.losses[-1]) or not math.isfinite(norm)
+        if scaler is not None:
+            out.loss_scales.append(scale)
+            scaler.update(skip)
+            scales_after.append(scaler.scale)
+        if skip:
             out.skipped_steps.append(t)
-            continue
+            continue  # W(t+1) = W(t), optimizer state untouched
         if cfg.optim.clip_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.clip_grad_norm)
         for group in opt.param_groups:

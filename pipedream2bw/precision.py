@@ -1,0 +1,122 @@
+"""Pure: training precision (fp32, bf16, fp16 under autocast), its compute dtype and its bytes per parameter.
+
+Under bf16 and fp16 every stage runs its forward under ``torch.autocast`` while the weight
+versions stay float32: they are the master weights the optimizer steps (DESIGN.md section 8,
+first option). So, per parameter, a stage holds (``param_memory``)::
+
+    versions x 4 B      weight versions (2 under 2bw, 1 under flush/gpipe), float32 = the masters
+    + 4 B               gradient, accumulated in float32 over the batch's microbatches
+    + k x 4 B           optimizer state, float32 (adam/adamw k = 2, sgd+momentum 1, sgd 0)
+
+the same under every precision. What reduced precision changes is elsewhere: activations
+(autograd's saved tensors are mostly compute-dtype), p2p transfers (sent in the compute dtype,
+half the bytes), and autocast's compute-dtype copy of each matmul weight, made once per
+microbatch and saved for that microbatch's backward: up to 2 B per matmul parameter for every
+microbatch in flight (``cast_per_microbatch``; counted with the activations, which is where
+the runtime's saved-tensor measurement and the planner's profile see it).
+
+The alternative (bf16 versions refreshed from float32 masters at each step, as the 2BW paper's
+fp16 runs) would hold 2 x 2 + 4 B of weights instead of 2 x 4 and save the per-microbatch casts,
+but runs every non-matmul op (layer norms, residual sums, softmax) in bf16 and needs a float32
+gradient buffer beside bf16 parameters; autocast keeps those ops in float32, as the users'
+plain training loops do, for 4 B more per parameter under 2bw.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, Dict, Optional
+
+import torch
+
+PRECISIONS = ("auto", "fp32", "bf16", "fp16")
+COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+FP32_BYTES = 4
+
+
+def resolve(precision: str, device_type: str) -> str:
+    """The precision a run uses: ``auto`` is bf16 on a CUDA device that supports it, else fp32.
+
+    Args:
+        precision: ``train.precision``.
+        device_type: the run's device type, 'cuda' or 'cpu'.
+    """
+    if precision != "auto":
+        return precision
+    if device_type == "cuda" and torch.cuda.is_available() and torch.cuda.is_bf16_supported():
+        return "bf16"
+    return "fp32"
+
+
+def compute_dtype(precision: str) -> torch.dtype:
+    """The dtype forwards, activations and p2p transfers use under a resolved ``precision``."""
+    return COMPUTE_DTYPES[precision]
+
+
+def autocast(precision: str, device_type: str):
+    """The context a stage's forward runs in: ``torch.autocast`` to the compute dtype, or off under fp32."""
+    return torch.autocast(device_type, dtype=compute_dtype(precision), enabled=precision != "fp32")
+
+
+def versions_held(schedule: str) -> int:
+    """Weight versions a stage holds: two under 2bw, one under flush and gpipe."""
+    return 2 if schedule == "2bw" else 1
+
+
+def optimizer_state_factor(name: str, kwargs: Optional[Dict] = None) -> float:
+    """Optimizer state per parameter byte: adam/adamw 2 (two moments), sgd with momentum 1,
+    plain sgd 0, rmsprop 1 (+1 with momentum), adagrad 1; unknown optimizers 2 (conservative)."""
+    kwargs = dict(kwargs or {})
+    name = name.lower()
+    if name in ("adam", "adamw", "nadam", "radam", "adamax"):
+        return 2.0 + (1.0 if kwargs.get("amsgrad") else 0.0)
+    if name == "sgd":
+        return 1.0 if kwargs.get("momentum", 0) else 0.0
+    if name == "rmsprop":
+        return 1.0 + (1.0 if kwargs.get("momentum", 0) else 0.0) + (1.0 if kwargs.get("centered") else 0.0)
+    if name in ("adagrad", "adadelta"):
+        return 1.0 if name == "adagrad" else 2.0
+    return 2.0
+
+
+@dataclass(frozen=True)
+class ParamMemory:
+    """Bytes per parameter that a stage holds, by what holds them (see the module docstring)."""
+
+    weight_copy: int  # one weight version
+    versions: int  # versions held
+    master: int  # a separate master copy (0: the versions are the float32 masters)
+    gradient: int
+    optimizer: float
+    cast_per_microbatch: int  # compute-dtype weight copy per matmul parameter and microbatch in flight (activations)
+
+    @property
+    def total(self) -> float:
+        """Weights + versions + master + gradients + optimizer state (activations excluded)."""
+        return self.versions * self.weight_copy + self.master + self.gradient + self.optimizer
+
+    def as_dict(self) -> Dict[str, Any]:
+        return {**asdict(self), "total": self.total}
+
+
+def param_memory(precision: str, *, schedule: str, optimizer: str, optimizer_kwargs: Optional[Dict] = None) -> ParamMemory:
+    """Bytes per parameter under a resolved ``precision`` (one of fp32, bf16, fp16): the one source
+    of these figures for summary.json, the README's table and the planner's memory model."""
+    reduced = torch.finfo(compute_dtype(precision)).bits // 8 if precision != "fp32" else 0
+    return ParamMemory(
+        weight_copy=FP32_BYTES, versions=versions_held(schedule), master=0, gradient=FP32_BYTES,
+        optimizer=FP32_BYTES * optimizer_state_factor(optimizer, optimizer_kwargs), cast_per_microbatch=reduced,
+    )
+
+
+def markdown_table(*, optimizer: str = "adamw") -> str:
+    """The README's bytes-per-parameter table for ``optimizer``, from ``param_memory``."""
+    rows = ["| precision | schedule | weight versions | master | gradients | optimizer | total | per microbatch in flight |",
+            "|---|---|---|---|---|---|---|---|"]
+    for precision in ("fp32", "bf16", "fp16"):
+        for schedule in ("2bw", "flush"):
+            pm = param_memory(precision, schedule=schedule, optimizer=optimizer)
+            cast = f"{pm.cast_per_microbatch} B per matmul parameter" if pm.cast_per_microbatch else "-"
+            rows.append(f"| {precision} | {schedule if schedule == '2bw' else 'flush, gpipe'} | {pm.versions} x {pm.weight_copy} B | "
+                        f"{pm.master} B | {pm.gradient} B | {pm.optimizer:g} B | {pm.total:g} B | {cast} |")
+    return "\n".join(rows)
