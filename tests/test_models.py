@@ -18,7 +18,7 @@ from pipedream2bw import checkpoint
 from pipedream2bw.comm import free_port
 from pipedream2bw.config import Config, ConfigError, LayerListConfig, OptimConfig, PartitionConfig
 from pipedream2bw.runner import run
-from reference import reference_train
+from reference import reference_run, reference_train
 from test_semantics import assert_losses_close, tiny_config
 
 TIE = ["0.tok.weight", "5.out.weight"]  # tiny_config's GPT: embedding, 3 blocks, norm, head
@@ -55,6 +55,20 @@ def test_tied_gpt_flushing_schedules_match_minibatch_training(tmp_path, schedule
     summary = run_ok(cfg, tmp_path)
     assert_tied_result(tmp_path, summary, cfg, steps_checked=6)
     assert summary["tie_allreduce_calls"] == [6] * (2 * w)  # one exchange per step on each holder
+
+
+def test_tied_gpt_clipped_by_the_global_norm_counts_the_tie_once(tmp_path):
+    # Regression (ties with clipping): the norm must see the tie's gradient summed over its stages,
+    # counted once, as clip_grad_norm_ on the tied model does; the clip is active on every step.
+    cfg = tied_config("2bw", 2)
+    cfg.optim.clip_grad_norm = 1e-3
+    summary = run_ok(cfg, tmp_path)
+    reference = tied_config("2bw", 1)
+    reference.optim.clip_grad_norm = 1e-3
+    expected = reference_run(reference, delayed=True)
+    assert min(expected.grad_norms) > cfg.optim.clip_grad_norm
+    torch.testing.assert_close(torch.tensor(summary["grad_norms"]), torch.tensor(expected.grad_norms))
+    torch.testing.assert_close(torch.load(tmp_path / "final_model.pt"), expected.weights)
 
 
 def test_tied_gpt_2bw_matches_delayed_rule_and_resumes_at_another_depth(tmp_path):
