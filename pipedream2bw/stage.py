@@ -374,12 +374,10 @@ class StageWorker:
             if self.p2p.ctx.rank == 0:
                 log.warning("%s: step skipped on every stage (train.on_nonfinite=%s)", outcome.describe(), self.rule.on_nonfinite)
         else:
-            checked = self._checked_wait(t) if outcome is None and self.rule.on_nonfinite == "stop" else None
-            wait = checked if checked is not None else self._bucket_wait(t)
             scale = self.grad_scale * self.rule.unscale(t) * decision.grad_multiplier
-            self.versions.step(t, grad_scale=scale, before_bucket=wait)
-            if checked is not None and not math.isfinite(float(checked.sq)):  # one host sync per step
-                raise NonFiniteError(agreement.stop_message(f"non-finite gradient at step {t} on stage {self.stage_index}"))
+            self.versions.step(t, grad_scale=scale, before_bucket=self._bucket_wait(t))
+            if outcome is None and self.rule.on_nonfinite == "stop":
+                self._check_finite(t)
         if trace is not None:
             trace.add("S", t, start, time.perf_counter())
         if self.peers.loss_sources:  # rank 0: the batch loss is the mean over the replicas' last stages
@@ -431,17 +429,16 @@ class StageWorker:
             return self._traced_wait(t)
         return self.reducer.wait
 
-    def _checked_wait(self, t: int) -> Callable[[int], None]:
-        """``_bucket_wait``, then the bucket's averaged gradients' sum of squares added to ``.sq`` (on
-        the device, no sync): under on_nonfinite=stop without an agreement, each rank checks its own."""
-        wait, params = self._bucket_wait(t), list(self.versions.module_for_batch(t).parameters())
+    def _check_finite(self, t: int) -> None:
+        """Under on_nonfinite=stop without an agreement each rank checks its own stage, on the new
+        weights W(t+1): a non-finite gradient makes them non-finite (SGD, Adam), and the check runs
+        after the gradients are freed, adding nothing to the step's peak memory. One host sync.
 
-        def checked(b: int) -> None:
-            wait(b)
-            checked.sq = checked.sq + agreement.sq_norm([params[i].grad for i in self.versions.buckets[b] if params[i].grad is not None])
-
-        checked.sq = torch.zeros((), dtype=torch.float64, device=self.device)
-        return checked
+        Raises:
+            NonFiniteError: naming the step and this stage.
+        """
+        if not math.isfinite(float(agreement.sq_norm(list(self.versions.newest().parameters())))):
+            raise NonFiniteError(agreement.stop_message(f"non-finite gradient at step {t} on stage {self.stage_index}"))
 
     def _traced_wait(self, t: int) -> Callable[[int], None]:
         """The reducer's per-bucket wait, recorded as an ``allreduce`` span of batch ``t``."""
