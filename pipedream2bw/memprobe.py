@@ -26,6 +26,10 @@ def tensor_peak(device: torch.device, *, within: Optional[str] = None) -> Iterat
     results after it, which CUDA memory does not see either). ``end_bytes`` is the running total
     at the block's last memory event (CPU) or the allocated bytes when it ends (CUDA).
 
+    CPU caveat: the profiler records memory events of the threads it profiles only, so a tensor
+    allocated here and freed by another thread (a worker's last reference) stays counted; run
+    such work inline while measuring (``swap.CpuBackend(overlap=False)``).
+
     Raises:
         RuntimeError: ``within`` names a range that the block never opened (CPU).
     """
