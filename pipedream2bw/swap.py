@@ -381,7 +381,7 @@ class _Packed:
 
 
 class _Micro:
-    __slots__ = ("k", "keep", "records", "device_bytes", "saved_bytes", "small_bytes", "unfetched", "phase")
+    __slots__ = ("k", "keep", "records", "device_bytes", "saved_bytes", "small_bytes", "unfetched", "sending", "phase")
 
     def __init__(self, k: int, keep: bool):
         self.k, self.keep = k, keep
@@ -390,6 +390,7 @@ class _Micro:
         self.saved_bytes = 0  # swappable bytes saved in all
         self.small_bytes = 0
         self.unfetched = 0  # records sent to host and not yet asked back
+        self.sending = 0  # records whose offload has not landed yet
         self.phase = "F"  # F (forward running), W (waiting for backward), B (backward started)
 
 
@@ -457,6 +458,7 @@ class SwapManager:
     def _landed(self, rec: _Record) -> None:
         if rec.sending:
             rec.sending = False
+            rec.micro.sending -= 1
             self._add_device(rec.micro, -rec.nbytes)
 
     def _fetch(self, micro: _Micro) -> None:
@@ -480,9 +482,13 @@ class SwapManager:
         for micro in self._waiting()[: self.resident]:
             if not micro.unfetched:
                 continue
+            if micro.sending:
+                # Its offloads have not all landed: a copy back now would hold its bytes twice
+                # (the original and the copy) and exceed the budget. A later hook call retries.
+                return
             on_device = sum(m is not self._current and m.device_bytes > 0 for m in self._micros.values())
-            if micro.device_bytes == 0 and on_device >= self.resident:
-                return  # an offload still in flight holds the budget; a later hook call retries
+            if on_device >= self.resident:
+                return  # another microbatch's offload still in flight holds the budget; a later hook call retries
             self._fetch(micro)
 
     def _enforce_budget(self) -> None:
@@ -529,6 +535,7 @@ class SwapManager:
                     self.stats.kept_bytes += nbytes
                 else:
                     rec.sending = True
+                    micro.sending += 1
                     rec.off = self.backend.to_host(storage_bytes(t))
                     micro.unfetched += 1
                     self._outgoing.append(rec)
@@ -571,6 +578,7 @@ class SwapManager:
             self._add_device(rec.micro, -rec.nbytes)
         if rec.sending:
             rec.sending = False
+            rec.micro.sending -= 1
             self._add_device(rec.micro, -rec.nbytes)
         if rec.pre is not None:
             self._add_device(rec.micro, -rec.nbytes)
@@ -608,6 +616,9 @@ class SwapManager:
             self._exclude -= input_ptrs
             self._by_ptr.clear()
             micro.phase = "W"
+            # It waits now: its offloads still in flight count against the budget, not as the
+            # current microbatch's (which let a fetch go ahead with both on the device).
+            self._current = None
             self._pump()
 
     def begin_backward(self, k: int) -> None:
@@ -622,6 +633,7 @@ class SwapManager:
     def end_backward(self, k: int) -> None:
         """Microbatch ``k``'s backward is done: whatever of it is left goes."""
         micro = self._micros.pop(k)
+        self._current = None
         for rec in micro.records:
             if not rec.released:
                 self.stats.unused += rec.off is not None and rec.unpacks < rec.packs
