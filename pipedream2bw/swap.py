@@ -403,9 +403,10 @@ class SwapManager:
     than R microbatches are waiting, else sends every saved storage of at least ``min_bytes``
     to host as soon as it is saved. When a backward starts, the next R waiting microbatches are
     fetched back. An offload still in flight counts as on the device: a fetch that would exceed
-    R is deferred until it lands (checked on every hook call), and an action that begins over
-    budget waits for it (``offload_wait_s``). Parameters, buffers and the stage's own inputs
-    (held by the stage anyway) are never swapped.
+    R is deferred until it lands (checked on every hook call), as is the fetch of a microbatch
+    whose own offloads have not all landed, and an action that begins over budget waits for it
+    (``offload_wait_s``). Parameters, buffers and the stage's own inputs (held by the stage
+    anyway) are never swapped.
 
     Not supported: ``retain_graph`` (a second unpack of a released tensor) and double backward.
     """
