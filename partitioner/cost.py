@@ -13,13 +13,24 @@ per parameter these terms are)::
     + activations      n*A                      A: what autograd saves for one microbatch
                                                    (+ the stashed output the runtime keeps)
                        n*I' + A  (recompute)    I': stage input + stashed output
-                       min(n, K)*(A or I') ...  (swapping, K = swap.resident)
+                       r*P + (n - r)*U          (swapping: r = min(n, K + 1), K = swap.resident)
+                                                P: per microbatch (A, or I' with recompute);
+                                                U = min(P, I'): never swapped (the stage's input
+                                                and stashed output, held by the stage itself)
     + buffers          p2p receive/send buffers and their gradients; w>1: flat all-reduce bucket
     + workspace        the largest layer's saved bytes + output: gradients alive in its backward
     + runtime          eps: memory the process has before any model (measured, not fitted)
 
 Time per microbatch: ``c*(F+B) + p2p + stall`` (``c*(F+B)`` is F + B + F with recomputation);
 per batch, ``K*T_s + step_s + exposed all-reduce`` with K = m (2bw) or m + d - 1 (flush/gpipe).
+
+Swap stall (``swap.py``'s mechanism): a microbatch moves ``t = (P - U) / host_device_bw`` each
+way, on one copy stream per direction (a full-duplex link). Offloads start as tensors are saved
+and may lag up to the next forward (the budget wait); a prefetch starts when the backward
+before it does. Under 1F1B an F and a B lie between two offloads and between two fetches:
+``stall = max(0, t - (F + B))``, or ``t`` with K = 0 (each fetch starts at its own backward).
+GPipe runs its forwards back to back, then its backwards: ``max(0, t - F)`` plus
+``max(0, t - B)`` (``t`` with K = 0). A stage with ``n <= K + 1`` in flight does not swap.
 """
 
 from __future__ import annotations
@@ -120,13 +131,22 @@ class StageContext:
     runtime_bytes: float = 0.0
 
 
+def _swap_stall(t, fwd, bwd, *, schedule: str, resident: int):
+    """Compute's wait per microbatch for copies of ``t`` seconds each way (see the module docstring)."""
+    fetch = t if resident == 0 else None
+    if schedule == "gpipe":
+        return np.maximum(0.0, t - fwd) + (fetch if fetch is not None else np.maximum(0.0, t - bwd))
+    return fetch if fetch is not None else np.maximum(0.0, t - (fwd + bwd))
+
+
 def segment_costs(seg: Segments, i, j, ctx: StageContext) -> Dict[str, np.ndarray]:
     """Memory (bytes) and time (s) of the stage holding layers ``[i, j)``; ``i``/``j`` may be arrays.
 
     Keys: weights, gradients, optimizer, activations, buffers, workspace, runtime, memory (their
     sum); forward_s, backward_s, send_s, send_grad_s, stall_s (per microbatch), microbatch_s
     (their sum), step_s, allreduce_s (per batch), batch_s (the stage's time per batch); and
-    act_per_microbatch, act_extra (for the simulator's own in-flight count).
+    act_per_microbatch, act_moved (its bytes that go to host when swapping), act_extra (for the
+    simulator's own in-flight count).
     """
     i, j = np.asarray(i), np.asarray(j)
     s, d, m, w = ctx.stage_index, ctx.num_stages, ctx.num_microbatches, ctx.data_parallel
@@ -141,11 +161,13 @@ def segment_costs(seg: Segments, i, j, ctx: StageContext) -> Dict[str, np.ndarra
         per_mb, extra = in_b + out_b, A  # keep inputs; one microbatch's activations while it is recomputed
     else:
         per_mb, extra = A, np.zeros_like(A)
-    resident = min(n, ctx.swap_resident) if ctx.swap else n
     fwd = F
     bwd = seg.B[j] - seg.B[i] + (F if ctx.recompute else 0.0)
-    swapped = ctx.swap and n > ctx.swap_resident
-    stall = np.maximum(0.0, 2 * per_mb / ctx.host_device_bw - (fwd + bwd)) if swapped else np.zeros_like(F)
+    swapped = ctx.swap and n > ctx.swap_resident + 1  # as the runtime decides (runner._swap_manager)
+    kept = np.minimum(per_mb, in_b + out_b)  # the stash holds each microbatch's input and output: never swapped
+    moved = per_mb - kept if swapped else np.zeros_like(per_mb)
+    resident = min(n, ctx.swap_resident + 1) if swapped else n  # the microbatch computing + K waiting
+    stall = _swap_stall(moved / ctx.host_device_bw, fwd, bwd, schedule=ctx.schedule, resident=ctx.swap_resident) if swapped else np.zeros_like(F)
     send = _xfer(ctx.link_next, out_b)
     send_grad = _xfer(ctx.link_prev, np.where(s == 0, 0.0, in_b))
     microbatch = fwd + bwd + send + send_grad + stall
@@ -159,14 +181,14 @@ def segment_costs(seg: Segments, i, j, ctx: StageContext) -> Dict[str, np.ndarra
         weights=num_versions(ctx.schedule) * W,
         gradients=W,
         optimizer=seg.O[j] - seg.O[i],
-        activations=resident * per_mb + extra,
+        activations=resident * per_mb + (n - resident) * (per_mb - moved) + extra,
         buffers=2 * (in_b + out_b) + (W if w > 1 else 0.0),
         workspace=seg.RMAX[i, j],
         runtime=np.full(W.shape, float(ctx.runtime_bytes)),
         forward_s=fwd, backward_s=bwd, send_s=send, send_grad_s=send_grad, stall_s=stall,
         microbatch_s=microbatch, step_s=step, allreduce_s=allreduce,
         batch_s=batch_multiplier(ctx.schedule, d, m) * microbatch + step + exposed,
-        act_per_microbatch=per_mb, act_extra=extra,
+        act_per_microbatch=per_mb, act_moved=moved, act_extra=extra,
     )
     out["memory"] = sum(out[k] for k in ("weights", "gradients", "optimizer", "activations", "buffers", "workspace", "runtime"))
     return out
@@ -193,9 +215,9 @@ class StageCost:
 
     def memory_with(self, live: int) -> float:
         """Peak memory with ``live`` microbatches in flight (the simulator's count)."""
-        resident = min(live, self.ctx.swap_resident) if self.ctx.swap else live
+        resident = min(live, self.ctx.swap_resident + 1) if self["act_moved"] else live
         static = self["memory"] - self["activations"]
-        return static + resident * self["act_per_microbatch"] + self["act_extra"]
+        return static + live * self["act_per_microbatch"] - (live - resident) * self["act_moved"] + self["act_extra"]
 
 
 @dataclass(frozen=True)

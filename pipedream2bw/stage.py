@@ -7,6 +7,7 @@ import logging
 import math
 import resource
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -89,13 +90,14 @@ class SavedBytes(torch.autograd.graph.saved_tensors_hooks):
 
     def __init__(self, param_ptrs: set):
         self.nbytes = 0
-        seen = set()
+        seen: Dict[int, Any] = {}  # pointer -> weak reference: a swapped storage may be freed and its address reused
 
         def pack(t: torch.Tensor) -> torch.Tensor:
-            ptr = t.untyped_storage().data_ptr()
-            if ptr not in param_ptrs and ptr not in seen:
-                seen.add(ptr)
-                self.nbytes += t.untyped_storage().nbytes()
+            storage = t.untyped_storage()
+            ptr = storage.data_ptr()
+            if ptr not in param_ptrs and (ptr not in seen or seen[ptr]() is not storage):
+                seen[ptr] = weakref.ref(storage)
+                self.nbytes += storage.nbytes()
             return t
 
         super().__init__(pack, lambda t: t)

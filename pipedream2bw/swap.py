@@ -14,6 +14,15 @@ Units of transfer are storages, not tensors: the saved tensors that share one st
 and v are views of one qkv output) move once, and come back as views with their original
 offset and strides, so the backward reads the same bytes in the same layout and results are
 bit for bit those of a run without swapping.
+
+Memory: the manager holds no strong reference to a device storage it sends out: the forward
+code and autograd drop it as they would without swapping, and the backend keeps it only until
+its copy has read it (a worker thread's reference on the CPU, ``record_stream`` on CUDA). A
+copy back is dropped by the manager once autograd has unpacked every tensor of it, so it lives
+exactly as long as the backward nodes that read it. Nothing of a record outlives its
+microbatch's backward (no reference cycles: the cyclic garbage collector, which runs rarely,
+would otherwise decide when device memory is freed). Bytes are moved as flat uint8, whatever
+the dtype (float32, bf16 or fp16 under ``torch.autocast``).
 """
 
 from __future__ import annotations
@@ -23,6 +32,7 @@ import itertools
 import logging
 import threading
 import time
+import weakref
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
@@ -54,7 +64,12 @@ class HostPool:
             if free:
                 return free.pop()
             self.allocated_bytes += nbytes
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
+        if not self.pin:
+            # Host buffers of the CPU backend come from Python, not torch's allocator: as pinned
+            # memory is outside the CUDA allocator's counts, they are then outside the live tensor
+            # bytes that torch.profiler reports, which stand for the device's.
+            return torch.frombuffer(bytearray(nbytes), dtype=torch.uint8) if nbytes else torch.empty(0, dtype=torch.uint8)
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
     def put(self, buf: torch.Tensor) -> None:
         with self._lock:
@@ -74,11 +89,13 @@ class Transfer:
 class TransferBackend:
     """Asynchronous copies of flat uint8 tensors between the device and pooled host buffers.
 
-    ``to_host(src)`` returns a transfer with ``.host`` (the buffer it fills); ``src`` is kept
-    alive until the copy is done. ``to_device(off)`` starts the copy back (ordered after
-    ``off``) and returns a transfer whose ``consume()`` gives the device tensor, ready for use
-    on the caller's stream. ``recycle(off, pre)`` returns ``off.host`` to the pool once
-    ``pre`` no longer reads it. ``stall_s()`` is how long compute waited on transfers.
+    ``to_host(src)`` returns a transfer with ``.host`` (the buffer it fills); the backend keeps
+    ``src``'s storage alive until the copy has read it, and no longer: the transfer does not
+    hold it. ``to_device(off)`` starts the copy back (ordered after ``off``) and returns a
+    transfer whose ``consume()`` gives the device tensor, ready for use on the caller's stream.
+    ``recycle(off, pre)`` returns ``off.host`` to the pool once ``pre`` no longer reads it,
+    holding neither transfer's device tensor meanwhile. ``stall_s()`` is how long compute
+    waited on transfers.
     """
 
     device: torch.device
@@ -118,21 +135,40 @@ class _FutureTransfer(Transfer):
         self.future.result()
 
 
+class _Inline:
+    """An executor that runs each task in the caller, at once."""
+
+    def submit(self, fn) -> Future:
+        future: Future = Future()
+        try:
+            future.set_result(fn())
+        except BaseException as e:  # noqa: BLE001 -- handed to whoever waits, as a worker thread would
+            future.set_exception(e)
+        return future
+
+    def shutdown(self, wait: bool = True) -> None:
+        pass
+
+
 class CpuBackend(TransferBackend):
     """The device is the CPU: copies run on two worker threads (one each way) so that they
-    overlap compute as a GPU's copy streams do; the source is dropped once copied."""
+    overlap compute as a GPU's copy streams do; the source is dropped once copied.
 
-    def __init__(self):
+    ``overlap=False`` runs each copy in the caller when it is issued: no overlap, but the live
+    tensor bytes at every moment no longer depend on thread timing (memory tests).
+    """
+
+    def __init__(self, *, overlap: bool = True):
         self.device = torch.device("cpu")
         self.pool = HostPool(pin=False)
-        self._out = ThreadPoolExecutor(1, thread_name_prefix="swap-out")
-        self._in = ThreadPoolExecutor(1, thread_name_prefix="swap-in")
+        self._out = ThreadPoolExecutor(1, thread_name_prefix="swap-out") if overlap else _Inline()
+        self._in = ThreadPoolExecutor(1, thread_name_prefix="swap-in") if overlap else _Inline()
         self._stall = 0.0
         self._busy = [0.0, 0.0]
-        self._recycle: Deque[Tuple[torch.Tensor, Transfer]] = deque()
+        self._recycle: Deque[Tuple[torch.Tensor, Future]] = deque()  # (host buffer, the last copy reading it)
 
     def to_host(self, src: torch.Tensor) -> Transfer:
-        while self._recycle and self._recycle[0][1].ready():
+        while self._recycle and self._recycle[0][1].done():
             self.pool.put(self._recycle.popleft()[0])
         host = self.pool.get(src.numel())
         keep = [src]  # the task drops it once copied, like the device tensor after its event
@@ -147,10 +183,12 @@ class CpuBackend(TransferBackend):
     def to_device(self, off: Transfer) -> Transfer:
         dev = self._empty(off.host.numel())  # allocated now, as on a GPU; filled by the worker
 
+        host, landed = off.host, off.future  # not ``off`` itself: the task holds what it needs only
+
         def copy() -> None:
-            off.wait()
+            landed.result()
             t0 = time.perf_counter()
-            self._copy_in(dev, off.host)
+            self._copy_in(dev, host)
             self._busy[1] += time.perf_counter() - t0
 
         return _FutureTransfer(self._in.submit(copy), device=dev)
@@ -170,7 +208,9 @@ class CpuBackend(TransferBackend):
         return pre.device
 
     def recycle(self, off: Transfer, pre: Optional[Transfer]) -> None:
-        self._recycle.append((off.host, pre or off))  # back to the pool once the last copy from it is done
+        # Back to the pool once the last copy from it is done; the future, not the transfer, is
+        # kept: the transfer holds the device copy, which must go as soon as autograd is done.
+        self._recycle.append((off.host, (pre or off).future))
 
     def stall_s(self) -> float:
         return self._stall
@@ -184,29 +224,32 @@ class CpuBackend(TransferBackend):
 
 
 class _CudaTransfer(Transfer):
-    def __init__(self, event: "torch.cuda.Event", *, host: Optional[torch.Tensor] = None,
-                 keep: Optional[torch.Tensor] = None, device: Optional[torch.Tensor] = None):
-        self.event, self.host, self.keep, self.device = event, host, keep, device
+    def __init__(self, event: "torch.cuda.Event", *, host: Optional[torch.Tensor] = None, device: Optional[torch.Tensor] = None):
+        self.event, self.host, self.device = event, host, device
 
     def ready(self) -> bool:
-        done = self.event.query()
-        if done:
-            self.keep = None  # the copy has read the device tensor: it may go
-        return done
+        return self.event.query()
 
     def wait(self) -> None:
         self.event.synchronize()
-        self.keep = None
 
 
 class CudaBackend(TransferBackend):
     """Pinned host buffers, a copy stream for offloads and another for prefetches, events.
 
-    An offload waits (on the GPU) for the kernels that produced its tensor, and keeps the
-    device tensor alive until its event fires (``record_stream`` tells the caching allocator
-    the same). A prefetch allocates on its own stream and is handed to compute with a GPU-side
-    ``wait_event`` (no host stall); when ``timing``, events around that wait measure how long
-    the compute stream really stalled, and events around each copy their busy time.
+    An offload waits (on the GPU) for the kernels that produced its tensor; ``record_stream``
+    then tells the caching allocator not to reuse the device block, once Python frees it, before
+    the copy has read it. No Python reference is kept: one dropped only when the manager next
+    polls the event pinned whole storages well past their copy (and, for records released
+    before the poll reached them, until the record died).
+
+    A prefetch allocates its buffer from the compute stream's pool, so copies back reuse the
+    blocks the offloaded originals freed (a side-stream allocation draws on a pool of its own,
+    which compute never reuses: reserved memory doubles). The copy stream therefore first waits
+    for the compute work queued so far (which may still use that block), and compute waits for
+    the copy's event (GPU-side, no host stall) before reading it. When ``timing``, events
+    around that wait measure how long the compute stream really stalled, and events around each
+    copy their busy time.
     """
 
     def __init__(self, device: torch.device, *, timing: bool = True):
@@ -239,13 +282,14 @@ class CudaBackend(TransferBackend):
         host = self.pool.get(src.numel())
         self._out_stream.wait_stream(torch.cuda.current_stream(self.device))  # the kernels that wrote src
         event = self._copy(self._out_stream, 0, host, src)
-        src.record_stream(self._out_stream)
-        return _CudaTransfer(event, host=host, keep=src)
+        src.record_stream(self._out_stream)  # freed by Python whenever; reused only after the copy
+        return _CudaTransfer(event, host=host)
 
     def to_device(self, off: Transfer) -> Transfer:
+        compute = torch.cuda.current_stream(self.device)
+        dev = torch.empty(off.host.numel(), dtype=torch.uint8, device=self.device)  # compute's pool
+        self._in_stream.wait_stream(compute)  # the block may be one that queued compute still uses
         self._in_stream.wait_event(off.event)
-        with torch.cuda.stream(self._in_stream):
-            dev = torch.empty(off.host.numel(), dtype=torch.uint8, device=self.device)
         return _CudaTransfer(self._copy(self._in_stream, 1, dev, off.host), device=dev)
 
     def consume(self, pre: Transfer) -> torch.Tensor:
@@ -259,10 +303,13 @@ class CudaBackend(TransferBackend):
                 self._stalls.append((before, after))
             else:
                 stream.wait_event(pre.event)
-        pre.device.record_stream(stream)
         return pre.device
 
     def recycle(self, off: Transfer, pre: Optional[Transfer]) -> None:
+        if pre is not None:
+            # A copy back that was never consumed: its block returns to compute's pool when
+            # Python drops it, so compute must not run past the copy still writing it.
+            torch.cuda.current_stream(self.device).wait_event(pre.event)
         self._recycle.append((off.host, (pre or off).event))
         self._reclaim()
 
@@ -311,12 +358,12 @@ class SwapStats:
 class _Record:
     """One saved storage of one microbatch and where its bytes are."""
 
-    __slots__ = ("id", "micro", "nbytes", "kept", "orig", "off", "pre", "dev", "packs", "unpacks", "released")
+    __slots__ = ("id", "micro", "nbytes", "kept", "sending", "off", "pre", "dev", "packs", "unpacks", "released")
 
     def __init__(self, micro: "_Micro", nbytes: int, id: int):
         self.id, self.micro, self.nbytes = id, micro, nbytes
         self.kept = False  # on the device until the backward: autograd holds the tensor itself
-        self.orig: Optional[torch.Tensor] = None  # the device storage (flat) while its offload is in flight
+        self.sending = False  # its offload is in flight: counted on the device (the backend holds the storage)
         self.off: Optional[Transfer] = None
         self.pre: Optional[Transfer] = None
         self.dev: Optional[torch.Tensor] = None  # the copy back, once consumed
@@ -334,7 +381,7 @@ class _Packed:
 
 
 class _Micro:
-    __slots__ = ("k", "keep", "records", "device_bytes", "saved_bytes", "small_bytes", "unfetched", "phase")
+    __slots__ = ("k", "keep", "records", "device_bytes", "saved_bytes", "small_bytes", "unfetched", "sending", "phase")
 
     def __init__(self, k: int, keep: bool):
         self.k, self.keep = k, keep
@@ -343,6 +390,7 @@ class _Micro:
         self.saved_bytes = 0  # swappable bytes saved in all
         self.small_bytes = 0
         self.unfetched = 0  # records sent to host and not yet asked back
+        self.sending = 0  # records whose offload has not landed yet
         self.phase = "F"  # F (forward running), W (waiting for backward), B (backward started)
 
 
@@ -355,9 +403,10 @@ class SwapManager:
     than R microbatches are waiting, else sends every saved storage of at least ``min_bytes``
     to host as soon as it is saved. When a backward starts, the next R waiting microbatches are
     fetched back. An offload still in flight counts as on the device: a fetch that would exceed
-    R is deferred until it lands (checked on every hook call), and an action that begins over
-    budget waits for it (``offload_wait_s``). Parameters, buffers and the stage's own inputs
-    (held by the stage anyway) are never swapped.
+    R is deferred until it lands (checked on every hook call), as is the fetch of a microbatch
+    whose own offloads have not all landed, and an action that begins over budget waits for it
+    (``offload_wait_s``). Parameters, buffers and the stage's own inputs (held by the stage
+    anyway) are never swapped.
 
     Not supported: ``retain_graph`` (a second unpack of a released tensor) and double backward.
     """
@@ -369,7 +418,10 @@ class SwapManager:
         self._exclude = {t.untyped_storage().data_ptr() for t in exclude}
         self._micros: Dict[int, _Micro] = {}
         self._current: Optional[_Micro] = None
-        self._by_ptr: Dict[int, Tuple[_Record, torch.Tensor]] = {}  # this forward's storages, held so pointers stay unique
+        # This forward's storages by data pointer, with a weak reference that tells a storage from
+        # a later one at the same address: a strong one would keep every offloaded storage on
+        # the device until the forward ends.
+        self._by_ptr: Dict[int, Tuple[_Record, "weakref.ref[torch.UntypedStorage]"]] = {}
         self._outgoing: Deque[_Record] = deque()  # offloads in flight, in issue order
         self._ids = itertools.count()
         self._device_total = 0  # swappable + small bytes on the device, all microbatches
@@ -405,8 +457,9 @@ class SwapManager:
             self._landed(rec)
 
     def _landed(self, rec: _Record) -> None:
-        if rec.orig is not None:
-            rec.orig = None
+        if rec.sending:
+            rec.sending = False
+            rec.micro.sending -= 1
             self._add_device(rec.micro, -rec.nbytes)
 
     def _fetch(self, micro: _Micro) -> None:
@@ -430,9 +483,13 @@ class SwapManager:
         for micro in self._waiting()[: self.resident]:
             if not micro.unfetched:
                 continue
+            if micro.sending:
+                # Its offloads have not all landed: a copy back now would hold its bytes twice
+                # (the original and the copy) and exceed the budget. A later hook call retries.
+                return
             on_device = sum(m is not self._current and m.device_bytes > 0 for m in self._micros.values())
-            if micro.device_bytes == 0 and on_device >= self.resident:
-                return  # an offload still in flight holds the budget; a later hook call retries
+            if on_device >= self.resident:
+                return  # another microbatch's offload still in flight holds the budget; a later hook call retries
             self._fetch(micro)
 
     def _enforce_budget(self) -> None:
@@ -458,13 +515,13 @@ class SwapManager:
             return t
         storage = t.untyped_storage()
         ptr = storage.data_ptr()
-        if ptr in self._exclude:
+        if ptr in self._exclude or storage.nbytes() == 0:
             return t
         held = self._by_ptr.get(ptr)
-        if held is None:
+        if held is None or held[1]() is not storage:  # new, or a freed storage's address reused
             nbytes = storage.nbytes()
-            rec, flat = _Record(micro, nbytes, next(self._ids)), storage_bytes(t)
-            self._by_ptr[ptr] = (rec, flat)
+            rec = _Record(micro, nbytes, next(self._ids))
+            self._by_ptr[ptr] = (rec, weakref.ref(storage))
             if nbytes < self.min_bytes:
                 rec.released = True  # never moved; counted until the backward ends
                 self.stats.unswapped_bytes += nbytes
@@ -478,8 +535,9 @@ class SwapManager:
                     rec.kept = True
                     self.stats.kept_bytes += nbytes
                 else:
-                    rec.orig = flat
-                    rec.off = self.backend.to_host(flat)
+                    rec.sending = True
+                    micro.sending += 1
+                    rec.off = self.backend.to_host(storage_bytes(t))
                     micro.unfetched += 1
                     self._outgoing.append(rec)
                     self.stats.swapped_out += 1
@@ -513,12 +571,15 @@ class SwapManager:
         return out
 
     def _release(self, rec: _Record) -> None:
+        """Lets go of ``rec``'s bytes: autograd holds the views it unpacked, for as long as the
+        backward nodes need them, and nothing else holds the copy back or the host buffer."""
         rec.released = True
         rec.dev = None
         if rec.kept:
             self._add_device(rec.micro, -rec.nbytes)
-        if rec.orig is not None:
-            rec.orig = None
+        if rec.sending:
+            rec.sending = False
+            rec.micro.sending -= 1
             self._add_device(rec.micro, -rec.nbytes)
         if rec.pre is not None:
             self._add_device(rec.micro, -rec.nbytes)
@@ -526,6 +587,7 @@ class SwapManager:
             if rec in self._outgoing:
                 self._outgoing.remove(rec)
             self.backend.recycle(rec.off, rec.pre)
+        rec.off = rec.pre = None
 
     # -- what the stage calls ----------------------------------------------------------------
 
@@ -555,6 +617,9 @@ class SwapManager:
             self._exclude -= input_ptrs
             self._by_ptr.clear()
             micro.phase = "W"
+            # It waits now: its offloads still in flight count against the budget, not as the
+            # current microbatch's (which let a fetch go ahead with both on the device).
+            self._current = None
             self._pump()
 
     def begin_backward(self, k: int) -> None:
@@ -569,10 +634,12 @@ class SwapManager:
     def end_backward(self, k: int) -> None:
         """Microbatch ``k``'s backward is done: whatever of it is left goes."""
         micro = self._micros.pop(k)
+        self._current = None
         for rec in micro.records:
             if not rec.released:
                 self.stats.unused += rec.off is not None and rec.unpacks < rec.packs
                 self._release(rec)
+        micro.records.clear()  # records point at their microbatch: no cycle may outlive it
         self._device_total -= micro.small_bytes
         assert micro.device_bytes == 0, micro.device_bytes
         self._pump()

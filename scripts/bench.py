@@ -58,42 +58,11 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-@contextlib.contextmanager
-def _tensor_peak(device, *, within: Optional[str] = None):
-    """Yields a dict whose ``bytes`` is, after the block, the most tensor bytes alive at once in it.
-
-    CUDA: the caching allocator's max-allocated counter. CPU: the largest running total of
-    allocated bytes in torch.profiler's memory events, which count every tensor allocated
-    since the block began (so begin it before the model is built); with ``within``, only while
-    the profiler range of that name is open (our training loop, leaving out the gathering of
-    results after it, which CUDA memory does not see either).
-    """
-    import torch
-
-    box = {}
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-        yield box
-        box["bytes"] = torch.cuda.max_memory_allocated(device)
-        return
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        yield box
-    with tempfile.TemporaryDirectory() as tmp:
-        trace = Path(tmp, "trace.json")
-        prof.export_chrome_trace(str(trace))
-        events = json.loads(trace.read_text())["traceEvents"]
-    spans = [(e["ts"], e["ts"] + e["dur"]) for e in events if within is not None and e.get("name") == within and e.get("ph") == "X"]
-    if within is not None and not spans:
-        raise RuntimeError(f"no profiler range {within!r} in the trace")
-    box["bytes"] = max((e["args"]["Total Allocated"] for e in events if e.get("name") == "[memory]"
-                        and (within is None or any(a <= e["ts"] <= b for a, b in spans))), default=0)
-
-
 def _memory_probe(args, device, *, within: Optional[str] = None):
-    """``_tensor_peak`` on a memory pass, else a no-op that yields an empty dict."""
-    return _tensor_peak(device, within=within) if args.memory_pass else contextlib.nullcontext({})
+    """``memprobe.tensor_peak`` on a memory pass, else a no-op that yields an empty dict."""
+    from pipedream2bw.memprobe import tensor_peak
+
+    return tensor_peak(device, within=within) if args.memory_pass else contextlib.nullcontext({})
 
 
 def _param_bytes(module) -> int:

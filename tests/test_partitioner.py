@@ -117,8 +117,18 @@ def test_memory_terms_follow_the_design():
     assert segment_costs(seg, 0, 1, StageContext(**base, schedule="gpipe"))["activations"] == 8 * 46
     rc = segment_costs(seg, 0, 1, StageContext(**base, recompute=True))
     assert rc["activations"] == 3 * (4 + 6) + 46 and rc["backward_s"] == 2 + 1
-    sw = segment_costs(seg, 0, 1, StageContext(**base, swap=True, swap_resident=1, host_device_bw=1.0))
-    assert sw["activations"] == 46 and sw["stall_s"] == pytest.approx(2 * 46 - 3)
+    # Swapping (swap.py as measured in tests/test_swap.py): the microbatch computing and K waiting
+    # keep their 46 bytes on the device; the others keep only the stage's input and stashed
+    # output (4 + 6), and move the other 36 bytes each way, at 1 byte/s, on one stream per direction.
+    swap = dict(base, swap=True, host_device_bw=1.0)
+    sw = segment_costs(seg, 0, 1, StageContext(**swap, swap_resident=1))
+    assert sw["activations"] == 2 * 46 + 1 * 10 and sw["stall_s"] == pytest.approx(36 - 3)  # an F and a B hide each copy
+    sw = segment_costs(seg, 0, 1, StageContext(**swap, swap_resident=0))
+    assert sw["activations"] == 46 + 2 * 10 and sw["stall_s"] == pytest.approx(36)  # each fetch waits at its own backward
+    sw = segment_costs(seg, 0, 1, StageContext(**swap, swap_resident=1, schedule="gpipe"))  # 8 in flight
+    assert sw["activations"] == 2 * 46 + 6 * 10 and sw["stall_s"] == pytest.approx((36 - 1) + (36 - 2))  # F after F, B after B
+    sw = segment_costs(seg, 0, 1, StageContext(**swap, swap_resident=2))  # 3 in flight <= K + 1: the runtime does not swap
+    assert sw["activations"] == 3 * 46 and sw["stall_s"] == 0
 
 
 def test_rank_map_keeps_replicas_on_the_fastest_level():

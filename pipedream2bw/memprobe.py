@@ -1,0 +1,66 @@
+"""Peak tensor memory of a block of code: the CUDA allocator's counter, or torch.profiler's memory events on a CPU."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import tempfile
+from pathlib import Path
+from typing import Dict, Iterator, Optional
+
+import torch
+
+
+_MARKER_BYTES = 7919  # an odd size no real tensor of the block is likely to have first
+
+
+@contextlib.contextmanager
+def tensor_peak(device: torch.device, *, within: Optional[str] = None) -> Iterator[Dict[str, int]]:
+    """Yields a dict whose ``bytes`` is, after the block, the most tensor bytes alive at once in it.
+
+    CUDA: the caching allocator's max-allocated counter (reset when the block begins, so it also
+    counts what was allocated before and is still alive). CPU: the largest running total of
+    allocated bytes in torch.profiler's memory events, which count every tensor allocated since
+    the block began (so begin it before the model is built); with ``within``, only while the
+    profiler range of that name is open (e.g. a training loop, leaving out the gathering of
+    results after it, which CUDA memory does not see either). ``end_bytes`` is the running total
+    at the block's last memory event (CPU) or the allocated bytes when it ends (CUDA).
+
+    CPU caveat: the profiler records memory events of the threads it profiles only, so a tensor
+    allocated here and freed by another thread (a worker's last reference) stays counted; run
+    such work inline while measuring (``swap.CpuBackend(overlap=False)``).
+
+    Raises:
+        RuntimeError: ``within`` names a range that the block never opened (CPU).
+    """
+    box: Dict[str, int] = {}
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        yield box
+        torch.cuda.synchronize(device)
+        box["bytes"] = torch.cuda.max_memory_allocated(device)
+        box["end_bytes"] = torch.cuda.memory_allocated(device)
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        # The profiler's running total also counts what earlier profiled blocks of this process
+        # allocated and did not free: a marker's event gives that total, which is subtracted.
+        marker = torch.empty(_MARKER_BYTES, dtype=torch.uint8)
+        del marker
+        yield box
+    with tempfile.TemporaryDirectory() as tmp:
+        trace = Path(tmp, "trace.json")
+        prof.export_chrome_trace(str(trace))
+        events = json.loads(trace.read_text())["traceEvents"]
+    spans = [(e["ts"], e["ts"] + e["dur"]) for e in events if within is not None and e.get("name") == within and e.get("ph") == "X"]
+    if within is not None and not spans:
+        raise RuntimeError(f"no profiler range {within!r} in the trace")
+    memory = [e for e in sorted(events, key=lambda e: e["ts"]) if e.get("name") == "[memory]"]
+    first = next(e for e in memory if e["args"]["Bytes"] == _MARKER_BYTES)
+    base = first["args"]["Total Allocated"] - _MARKER_BYTES
+    totals = [e["args"]["Total Allocated"] - base for e in memory if e["ts"] > first["ts"]
+              and (within is None or any(a <= e["ts"] <= b for a, b in spans))]
+    box["bytes"] = max(totals, default=0)
+    box["end_bytes"] = totals[-1] if totals else 0
