@@ -254,9 +254,16 @@ def test_near_ties_go_to_the_better_other_objective(objective):
     peak = lambda p: max(p.predicted_peak_memory_bytes) / GIB  # noqa: E731
     best, old = plans[0], strict[0]
     if objective == "memory":
-        # (7.10 GiB in the issue; 7.22 since the swap terms count the computing microbatch too)
-        assert 7.0 < peak(old) < 7.3 and best.recompute and peak(best) <= peak(old) * 1.01
-        assert best.predicted_samples_per_s > 2.5 * old.predicted_samples_per_s
+        # Since the swap terms count the computing microbatch, the strict plan here is the fast one
+        # already (7.22 GiB, recomputation); the rule itself on the issue's figures: 7.10 GiB at 11.5
+        # samples/s against 7.13 GiB at 32.4.
+        from partitioner.planner import _order
+
+        slow = dataclasses.replace(best, predicted_peak_memory_bytes=[7.10 * GIB], predicted_samples_per_s=11.5)
+        fast = dataclasses.replace(best, predicted_peak_memory_bytes=[7.13 * GIB], predicted_samples_per_s=32.4)
+        assert _order([slow, fast], "memory", 0.01) == [1, 0] and _order([slow, fast], "memory", 0.0) == [0, 1]
+        assert best.recompute and peak(best) <= peak(old) * 1.01
+        assert best.predicted_samples_per_s >= old.predicted_samples_per_s
     else:
         assert round(peak(old)) == 64
         assert best.predicted_samples_per_s >= 0.99 * old.predicted_samples_per_s and peak(best) < 0.5 * peak(old)
