@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import math
 import os
 import time
 from collections import OrderedDict
@@ -17,9 +18,9 @@ import torch.utils.checkpoint
 from torch import nn
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from pipedream2bw import checkpoint, comm, schedule
+from pipedream2bw import checkpoint, comm, evaluate, schedule
 from pipedream2bw.config import Config, ConfigError, build_optimizer, swap_stages, validate
-from pipedream2bw.data import MicrobatchFeed, load_bytes
+from pipedream2bw.data import make_feeds
 from pipedream2bw.models import build_gpt_layers, lm_loss
 from pipedream2bw.results import atomic_write, save_state_dict, summarize, write_summary
 from pipedream2bw.schedule import BACKWARD, FORWARD, check_stage, shift_batches, stage_actions
@@ -279,10 +280,17 @@ def _train(cfg: Config, run_dir: Path, ctx: comm.DistContext, layout: Layout, ba
         next=layout.ranks[s + 1][replica] if s < d - 1 else None,
         loss_sources=tuple(layout.ranks[d - 1]) if ctx.rank == 0 else (),
     )
-    feed = MicrobatchFeed(
-        load_bytes(cfg.data.path), seq_len=cfg.model.seq_len, microbatch_size=b, num_microbatches=m, seed=cfg.seed,
-        num_replicas=w, replica=replica,
-    )
+    feed = val_feed = None
+    if s in (0, d - 1):  # only the first (inputs) and last (targets) stages open the data
+        feed, val_feed = make_feeds(cfg.data, seq_len=cfg.model.seq_len, microbatch_size=b, num_microbatches=m, seed=cfg.seed,
+                                    num_replicas=w, replica=replica)
+    evaluator = None
+    if cfg.train.eval_every:  # its own group (made on every rank): validation transfers never queue behind training's
+        evaluator = evaluate.Evaluator(
+            prev=peers.prev, next=peers.next, loss_sources=peers.loss_sources, feed=val_feed,
+            p2p=comm.P2P(ctx, group=comm.new_groups(ctx, [range(ctx.world_size)])[0]),
+            num_microbatches=cfg.train.eval_batches * m, loss_fn=loss_fn, device=ctx.device,
+        )
     in_flight_limit = m if p.schedule == "gpipe" else d - s
 
     def actions_of(stage: int) -> list:
@@ -315,9 +323,21 @@ def _train(cfg: Config, run_dir: Path, ctx: comm.DistContext, layout: Layout, ba
     )
     if resume is not None and ctx.rank == 0:
         worker.stats.losses = list(resume[1]["losses"])
+    if resume is not None and evaluator is not None:  # keep the passes already run; a pass still owed runs first
+        evaluator.losses = [(n, v) for n, v in resume[1].get("val_losses", []) if n <= first_batch]
+        if first_batch % cfg.train.eval_every == 0 and first_batch not in {n for n, _ in resume[1].get("val_losses", [])}:
+            evaluator.run(versions.newest(), step=first_batch)
     tracker = Tracker(cfg, run_dir, run_id=resume[1].get("wandb_run_id") if resume is not None else None) if ctx.rank == 0 else None
     bar = progress_bar(cfg.train.num_steps, initial=first_batch) if ctx.rank == 0 else None
-    progress = _progress(cfg, worker, tracker, bar, samples_per_step=global_batch) if ctx.rank == 0 else (lambda t: None)
+    postfix: Dict[str, str] = {}
+    progress = _progress(cfg, worker, tracker, bar, samples_per_step=global_batch, postfix=postfix) if ctx.rank == 0 else (lambda t: None)
+
+    def report_validation() -> None:
+        """Rank 0: logs the validation losses that have arrived (console, wandb, progress bar)."""
+        for n, loss in evaluator.collect() if evaluator is not None else ():
+            tracker.log({"val/loss": loss, "val/perplexity": evaluate.perplexity(loss)}, step=n)
+            postfix["val_loss"] = f"{loss:.4f}"
+
     saver = checkpoint.Checkpointer(
         run_dir / checkpoint.DIRNAME, every=cfg.train.checkpoint_every, num_steps=cfg.train.num_steps,
         keep=cfg.train.keep_checkpoints, rank=ctx.rank, world_size=ctx.world_size,
@@ -331,11 +351,20 @@ def _train(cfg: Config, run_dir: Path, ctx: comm.DistContext, layout: Layout, ba
     )
 
     def on_step(t: int) -> None:
+        report_validation()  # passes of earlier steps: their losses were sent before batch t's, received in step t
         progress(t)
+        if evaluator is not None and ctx.rank == 0:
+            saver.manifest["val_losses"] = list(evaluator.losses)
         saver.after_step(t + 1, versions.state, worker.stats.losses if ctx.rank == 0 else None)
+        if evaluator is not None and evaluate.due(t + 1, every=cfg.train.eval_every, num_steps=cfg.train.num_steps):
+            evaluator.run(versions.newest(), step=t + 1)
 
     with logging_redirect_tqdm() if bar is not None and not bar.disable else contextlib.nullcontext(), torch.profiler.record_function(TRAIN_RANGE):
         stats = worker.run(actions, on_step=on_step)
+    report_validation()
+    if evaluator is not None:
+        evaluator.close()
+        stats.eval_s = evaluator.time_s
     if bar is not None:
         bar.close()
     saver.wait()
@@ -356,6 +385,8 @@ def _train(cfg: Config, run_dir: Path, ctx: comm.DistContext, layout: Layout, ba
         "memory_kind": "cuda_max_allocated" if ctx.device.type == "cuda" else "process_peak_rss",
         "resumed_from": None if resume is None else str(resume[0]), "first_step": first_batch,
         "recompute": p.recompute, **predictions,
+        "val_losses": [] if evaluator is None else [{"step": n, "loss": v} for n, v in evaluator.losses],
+        "final_val_loss": evaluator.losses[-1][1] if evaluator is not None and evaluator.losses else None,
     }
     # Throughput counts the steps this run took; a resumed run may have fewer than the warm-up.
     warmup = min(cfg.train.warmup_steps, cfg.train.num_steps - first_batch - 1)
@@ -395,8 +426,10 @@ def _swap_manager(cfg: Config, s: int, in_flight: int, versions: WeightVersions,
     return SwapManager(make_backend(device), min_bytes=cfg.swap.min_bytes, resident=cfg.swap.resident, exclude=held)
 
 
-def _progress(cfg: Config, worker: StageWorker, tracker: "Tracker", bar: Any, *, samples_per_step: int) -> Callable[[int], None]:
-    """Rank 0's per-step callback: advance the progress bar; log loss and throughput every ``train.log_every`` steps."""
+def _progress(cfg: Config, worker: StageWorker, tracker: "Tracker", bar: Any, *, samples_per_step: int,
+              postfix: Optional[Dict[str, str]] = None) -> Callable[[int], None]:
+    """Rank 0's per-step callback: advance the progress bar; log loss and throughput every ``train.log_every`` steps.
+    ``postfix``: more to show on the bar (the latest validation loss), updated by the caller."""
     window = {"start": time.perf_counter(), "steps": 0}
 
     def on_step(t: int) -> None:
@@ -405,7 +438,7 @@ def _progress(cfg: Config, worker: StageWorker, tracker: "Tracker", bar: Any, *,
         tracker.log({"loss": loss}, step=t)
         if not bar.disable:
             steps_per_s = bar.format_dict["rate"] or 0.0  # tqdm's smoothed steps/s
-            bar.set_postfix(loss=f"{loss:.4f}", samples_per_s=f"{steps_per_s * samples_per_step:.1f}", refresh=False)
+            bar.set_postfix(loss=f"{loss:.4f}", samples_per_s=f"{steps_per_s * samples_per_step:.1f}", **(postfix or {}), refresh=False)
             bar.update(1)
         if (t + 1) % cfg.train.log_every and t + 1 != cfg.train.num_steps:
             return

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from pipedream2bw.config import Config, build_optimizer
-from pipedream2bw.data import MicrobatchFeed, load_bytes
+from pipedream2bw.data import MicrobatchFeed, load_splits
 from pipedream2bw.models import build_gpt_layers, lm_loss
 
 
@@ -38,7 +38,7 @@ def _train(cfg: Config, *, delayed: bool) -> Tuple[Dict[str, torch.Tensor], List
     stale = copy.deepcopy(model) if delayed else model  # W(t-1): the weights batch t runs with
     opt = build_optimizer(model.parameters(), cfg.optim)
     feed = MicrobatchFeed(
-        load_bytes(cfg.data.path), seq_len=cfg.model.seq_len, microbatch_size=cfg.pipeline.microbatch_size,
+        load_splits(cfg.data)[0], seq_len=cfg.model.seq_len, microbatch_size=cfg.pipeline.microbatch_size,
         num_microbatches=m, seed=cfg.seed,
     )
     losses = []
