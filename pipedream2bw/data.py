@@ -24,7 +24,7 @@ TOKEN_SUFFIX = ".bin"
 TOKEN_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 BYTE_VOCAB = 256
 TRAIN, VALIDATION = 0, 1  # MicrobatchFeed streams: the training draw and the fixed held-out windows
-_SCAN_TOKENS = 1 << 24  # tokens read per chunk when checking a token file's ids (32 MiB of uint16)
+_SCAN_TOKENS = 1 << 24  # tokens per chunk when checking a token file's ids (32 MiB of uint16: page-aligned)
 
 Array = Union[np.ndarray, torch.Tensor]
 
@@ -128,7 +128,7 @@ def check_data(data: DataConfig, *, vocab_size: int, seq_len: int, need_val: boo
             "train.eval_every needs held-out data: set data.val_fraction (e.g. 0.05, the tail of data.path) "
             "or data.val_path, or train.eval_every=0"
         )
-    if is_token_file(data.val_path) != is_token_file(data.path):
+    if data.val_path is not None and is_token_file(data.val_path) != is_token_file(data.path):
         raise ConfigError(
             f"data.val_path ({data.val_path}) and data.path ({data.path or 'the shipped text'}) must be of one kind, "
             f"both token files ({TOKEN_SUFFIX}) or both text"
@@ -184,7 +184,7 @@ def _check_file(path: Optional[str], key: str, dtype: str, *, vocab_size: int) -
                 f"{key} ({path}) holds {num_tokens} tokens but {meta} says {described.get('num_tokens')}: the file "
                 f"changed since it was written; write it again with scripts/prepare_tokens.py or delete {meta}"
             )
-    max_id, first_bad = _scan_ids(Path(path), TOKEN_DTYPES[dtype], vocab_size=vocab_size)
+    max_id, first_bad = _scan_ids(Path(path), TOKEN_DTYPES[dtype], vocab_size=vocab_size) if num_tokens else (None, None)
     if first_bad is not None:
         raise ConfigError(
             f"{key} ({path}) holds token id {max_id} (first id >= {vocab_size} at position {first_bad}), but model.vocab_size "
@@ -195,19 +195,21 @@ def _check_file(path: Optional[str], key: str, dtype: str, *, vocab_size: int) -
 
 
 def _scan_ids(path: Path, dtype: type, *, vocab_size: int) -> Tuple[int, Optional[int]]:
-    """(largest id, position of the first id >= ``vocab_size`` or None), reading ``_SCAN_TOKENS`` at a
-    time into a buffer: the file is not mapped, so the scan leaves no pages in this process."""
-    start, max_id, first_bad, offset = time.perf_counter(), -1, None, 0
-    with open(path, "rb") as f:
-        while True:
-            chunk = np.fromfile(f, dtype=dtype, count=_SCAN_TOKENS)
-            if chunk.size == 0:
-                break
-            top = int(chunk.max())
-            if top >= vocab_size and first_bad is None:
-                first_bad = offset + int(np.argmax(chunk >= vocab_size))
-            max_id, offset = max(max_id, top), offset + chunk.size
-    log.debug("checked %d token ids of %s in %.2f s", offset, path, time.perf_counter() - start)
+    """(largest id, position of the first id >= ``vocab_size`` or None), ``_SCAN_TOKENS`` at a time
+    through a mapping whose pages are dropped after each chunk: this process never holds the file."""
+    start, max_id, first_bad = time.perf_counter(), -1, None
+    tokens = np.memmap(path, dtype=dtype, mode="r")
+    raw = getattr(tokens, "_mmap", None)
+    for offset in range(0, len(tokens), _SCAN_TOKENS):
+        chunk = tokens[offset : offset + _SCAN_TOKENS]
+        top = int(chunk.max())
+        if top >= vocab_size and first_bad is None:
+            first_bad = offset + int(np.argmax(chunk >= vocab_size))
+        max_id = max(max_id, top)
+        if raw is not None and hasattr(mmap, "MADV_DONTNEED"):  # the pages stay in the page cache, not in our RSS
+            raw.madvise(mmap.MADV_DONTNEED, offset * tokens.itemsize, chunk.nbytes)
+    del chunk, tokens
+    log.debug("checked the ids of %s in %.2f s", path, time.perf_counter() - start)
     return max_id, first_bad
 
 
@@ -283,3 +285,13 @@ def mapped_resident_bytes(array: np.ndarray) -> Optional[int]:
         elif inside and head == "Rss:":
             return int(line.split()[1]) * 1024
     return None
+
+
+def data_resident_bytes(*feeds: Optional[MicrobatchFeed]) -> Optional[int]:
+    """Resident bytes of the token-file mappings behind ``feeds`` (each mapping once); None if none is a memmap."""
+    sizes = {}
+    for feed in feeds:
+        raw = getattr(feed.data, "_mmap", None) if feed is not None else None
+        if raw is not None:
+            sizes[id(raw)] = mapped_resident_bytes(feed.data)
+    return None if not sizes or None in sizes.values() else sum(sizes.values())

@@ -20,7 +20,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 from pipedream2bw import checkpoint, comm, evaluate, schedule
 from pipedream2bw.config import Config, ConfigError, build_optimizer, swap_stages, validate
-from pipedream2bw.data import make_feeds
+from pipedream2bw.data import data_resident_bytes, make_feeds
 from pipedream2bw.models import build_gpt_layers, lm_loss
 from pipedream2bw.results import atomic_write, save_state_dict, summarize, write_summary
 from pipedream2bw.schedule import BACKWARD, FORWARD, check_stage, shift_batches, stage_actions
@@ -365,6 +365,7 @@ def _train(cfg: Config, run_dir: Path, ctx: comm.DistContext, layout: Layout, ba
     if evaluator is not None:
         evaluator.close()
         stats.eval_s = evaluator.time_s
+    stats.data_resident_bytes = data_resident_bytes(feed, val_feed)
     if bar is not None:
         bar.close()
     saver.wait()

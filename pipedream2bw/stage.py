@@ -53,6 +53,7 @@ class StageStats:
     peak_pending_sends: int = 0  # most sends whose tensors were held at once (bounded by the in-flight count)
     checkpoint_s: float = 0.0  # time training waited for checkpoint copies (the writes run beside it)
     eval_s: float = 0.0  # time in validation passes (train.eval_every), compute and waits
+    data_resident_bytes: Optional[int] = None  # token-file pages mapped in this rank at the end; None: no token file opened
     trace: Optional[dict] = None  # pipeline.trace: {"spans": [timeline.Span], "window": [start, end]}
     swap: Optional[Dict[str, Any]] = None  # SwapStats of a stage that swaps activations to host
 
