@@ -153,3 +153,17 @@ def train_sleepy(cfg: Config, run_dir: str, forward_s: float, backward_s: float)
 def train_in_own_dir(cfg: Config, base: str) -> None:
     """Each rank with its own run directory (the programmatic API allows it; rank 0 writes the results)."""
     run(cfg, Path(base) / f"rank{os.environ['RANK']}")
+
+
+def train_cli(overrides: Sequence[str]) -> None:
+    """``python -m pipedream2bw.train <overrides>`` on this rank, with process groups forbidden: a bad
+    config must stop it (exit 2) before any group starts; reaching one exits 1 with a message."""
+    from pipedream2bw import comm
+    from pipedream2bw import train as train_entry
+
+    def no_groups(**kwargs):
+        raise AssertionError("a process group was started")
+
+    comm.init = no_groups
+    sys.argv = ["pipedream2bw.train", *overrides]
+    train_entry.cli()

@@ -1,4 +1,4 @@
-"""Single-process oracles: the 2BW update rule and plain minibatch training, on the whole model."""
+"""Single-process oracles: the 2BW update rule, plain minibatch training and validation, on the whole model."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from pipedream2bw.config import Config, build_optimizer
-from pipedream2bw.data import MicrobatchFeed, load_splits
+from pipedream2bw.data import VALIDATION, MicrobatchFeed, load_splits
 from pipedream2bw.models import build_gpt_layers, lm_loss
 
 
@@ -58,3 +58,20 @@ def _train(cfg: Config, *, delayed: bool) -> Tuple[Dict[str, torch.Tensor], List
             p.grad = g
         opt.step()
     return model.state_dict(), losses
+
+
+def reference_eval(cfg: Config, weights: Dict[str, torch.Tensor]) -> float:
+    """The validation loss of ``weights`` in one process: the mean microbatch loss over the
+    ``train.eval_batches`` global batches of held-out windows that the pipeline evaluates."""
+    p = cfg.pipeline
+    model = nn.Sequential(*build_gpt_layers(cfg.model, seed=cfg.seed))
+    model.load_state_dict(weights)
+    model.eval()
+    # One replica of w*m microbatches draws the same windows, in the same order, as w replicas of m.
+    feed = MicrobatchFeed(
+        load_splits(cfg.data)[1], seq_len=cfg.model.seq_len, microbatch_size=p.microbatch_size,
+        num_microbatches=p.data_parallel * p.num_microbatches, seed=cfg.seed, stream=VALIDATION,
+    )
+    with torch.no_grad():
+        losses = [lm_loss(model(x), y) for x, y in map(feed.microbatch, range(cfg.train.eval_batches * p.data_parallel * p.num_microbatches))]
+    return float(torch.stack(losses).mean())

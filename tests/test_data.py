@@ -1,0 +1,202 @@
+"""Token files and validation: memory-mapped data, checks before any group starts, held-out windows,
+validation passes through the pipeline that leave training untouched, on every layout and schedule."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import mmap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from dist_helper import run_ok, spawn, train_cli
+from pipedream2bw.config import ConfigError, validate
+from pipedream2bw.data import MicrobatchFeed, data_resident_bytes, load_splits, make_feeds, mapped_resident_bytes, meta_path
+from reference import reference_eval, reference_train
+from test_semantics import assert_losses_close, tiny_config
+
+VOCAB = 300  # not byte-level: the model's vocabulary comes from the token file's
+
+
+def write_tokens(path: Path, ids, dtype=np.uint16) -> Path:
+    np.asarray(ids, dtype=dtype).tofile(path)
+    return path
+
+
+def token_config(tmp_path: Path, *, schedule="2bw", d=2, w=1, m=4, eval_every=2, num_steps=6, **pipeline):
+    """The tiny GPT on a token file of vocabulary 300, the last 20% held out; SGD with momentum
+    (replicas sum in another order: Adam would blow round-off up on zero-gradient parameters)."""
+    path = tmp_path / "tokens.bin"
+    if not path.exists():
+        rng = np.random.default_rng(0)  # a learnable sequence: id k+1 follows id k, one id in ten random
+        write_tokens(path, np.where(rng.random(6000) < 0.1, rng.integers(0, VOCAB, 6000), np.arange(6000) % VOCAB))
+    cfg = tiny_config(schedule=schedule, num_stages=d, num_microbatches=m, optim="sgd_momentum", num_steps=num_steps)
+    cfg.pipeline = dataclasses.replace(cfg.pipeline, data_parallel=w, **pipeline)
+    cfg.model.vocab_size = VOCAB
+    cfg.data = dataclasses.replace(cfg.data, path=str(path), val_fraction=0.2)
+    cfg.train = dataclasses.replace(cfg.train, eval_every=eval_every, eval_batches=2)
+    return cfg
+
+
+# --- pure: the data -------------------------------------------------------------------------------
+
+
+def test_token_file_is_memory_mapped_and_the_feed_reads_only_the_windows_it_draws(tmp_path):
+    # 4 GiB of uint16 ids as a sparse file (no disk, no time): reading it whole would show at once.
+    path = tmp_path / "big.bin"
+    with open(path, "wb") as f:
+        f.truncate(4 << 30)
+    cfg = token_config(tmp_path)
+    cfg.data.path = str(path)
+    train, val = load_splits(cfg.data)
+    assert isinstance(train, np.memmap) and isinstance(val, np.memmap) and len(train) + len(val) == 2 << 30
+    assert mapped_resident_bytes(train) == 0
+    feed = MicrobatchFeed(train, seq_len=16, microbatch_size=2, num_microbatches=4, seed=0, num_replicas=2)
+    batches = 25
+    for k in range(batches * 4):
+        x, y = feed.microbatch(k)
+        assert x.shape == y.shape == (2, 16) and x.dtype == torch.int64
+    # A window of 17 ids (34 bytes) lies on at most 2 pages: only those were read.
+    windows = batches * 2 * 4 * 2
+    resident = data_resident_bytes(feed)
+    assert 0 < resident <= windows * 2 * mmap.PAGESIZE, resident
+
+
+def test_validation_windows_never_meet_training_windows(tmp_path):
+    # ids = positions: a window's ids say where it was read.
+    n = 4000
+    cfg = token_config(tmp_path)
+    cfg.data.path = str(write_tokens(tmp_path / "positions.bin", np.arange(n)))
+    num_train = n - int(n * cfg.data.val_fraction)
+    feeds = [make_feeds(cfg.data, seq_len=16, microbatch_size=2, num_microbatches=4, seed=1, num_replicas=2, replica=r) for r in (0, 1)]
+    seen_val = set()
+    for k in range(200):
+        for train_feed, val_feed in feeds:
+            x, y = train_feed.microbatch(k)
+            assert int(y.max()) < num_train  # the last id of a training window is still training data
+            assert torch.equal(x[:, 1:], y[:, :-1]) and torch.equal(y - x, torch.ones_like(x))  # contiguous windows
+            if k < 16:
+                vx, vy = val_feed.microbatch(k)
+                assert int(vx.min()) >= num_train and torch.equal(vy - vx, torch.ones_like(vx))
+                seen_val.update(vx[:, 0].tolist())
+    assert len(seen_val) > 16  # the held-out part is really sampled, not one window
+    # Every evaluation sees the same held-out windows.
+    again = make_feeds(cfg.data, seq_len=16, microbatch_size=2, num_microbatches=4, seed=1, num_replicas=2, replica=0)[1]
+    assert all(torch.equal(again.inputs(k), feeds[0][1].inputs(k)) for k in range(8))
+
+
+def test_bad_data_is_rejected_with_the_value_and_the_fix(tmp_path):
+    cfg = token_config(tmp_path)
+
+    def rejects(match, **data):
+        bad = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, **data))
+        with pytest.raises(ConfigError, match=match):
+            validate(bad, world_size=2)
+
+    odd = tmp_path / "odd.bin"
+    odd.write_bytes(b"\x01\x00" * 100 + b"\x01")
+    rejects(r"odd.bin\) has 201 bytes, not a multiple of 2: not a file of uint16 token ids; set data.token_dtype", path=str(odd))
+    big = write_tokens(tmp_path / "big_ids.bin", [1, 2, 999] + [3] * 200)
+    rejects(r"holds token id 999 \(first id >= 300 at position 2\), but model.vocab_size is 300: .* set model.vocab_size=1000", path=str(big))
+    short = write_tokens(tmp_path / "short.bin", [1] * 17)
+    rejects(r"short.bin\) has 14 tokens to train on after holding out data.val_fraction \(0.2\), fewer than model.seq_len \+ 2 \(18\)",
+            path=str(short))
+    rejects(r"data.val_fraction \(0.001\) of data.path holds 6 tokens, fewer than model.seq_len \+ 2 \(18\) for one validation window",
+            val_fraction=0.001)
+    rejects(r"train.eval_every needs held-out data: set data.val_fraction", val_fraction=0.0)
+    as32 = write_tokens(tmp_path / "as32.bin", [5] * 200, dtype=np.uint32)
+    meta_path(as32).write_text(json.dumps({"dtype": "uint32", "num_tokens": 200}))
+    rejects(r"holds uint32 ids \(says .*as32.bin.json\), but data.token_dtype is uint16; set data.token_dtype=uint32", path=str(as32))
+    cfg.model.vocab_size = 200
+    with pytest.raises(ConfigError, match=r"model.vocab_size \(200\) must be >= 256 for byte-level text"):
+        validate(dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, path=None)), world_size=2)
+
+
+# --- the pipeline on a token file -------------------------------------------------------------------
+
+LAYOUTS = {  # name -> (d, w, m, pipeline extras): the same global batch of 8 windows
+    "1x1": (1, 1, 4, {}),
+    "2x1": (2, 1, 4, {}),
+    "2x2": (2, 2, 2, {"recompute": True}),
+    "4x1": (4, 1, 4, {}),  # with swapping on stage 0
+}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """2bw on every layout with validation every 2 of 6 steps, and 4x1 again without validation."""
+    base = tmp_path_factory.mktemp("token_runs")
+    out = {}
+    for name, (d, w, m, extra) in [*LAYOUTS.items(), ("4x1-no-eval", LAYOUTS["4x1"])]:
+        cfg = token_config(base, d=d, w=w, m=m, eval_every=0 if name.endswith("no-eval") else 2, **extra)
+        if d == 4:
+            cfg.swap = dataclasses.replace(cfg.swap, stages=[0], resident=0, min_bytes=0)
+        summary = run_ok(cfg, base / name)
+        out[name] = (cfg, summary, torch.load(base / name / "final_model.pt"))
+    return out
+
+
+def test_token_data_trains_the_same_on_every_layout(runs):
+    cfg, summary, weights = runs["1x1"]
+    expected, expected_losses = reference_train(cfg, delayed=True)  # the 2BW rule on the training split
+    torch.testing.assert_close(weights, expected)
+    assert_losses_close(summary["losses"], expected_losses)
+    for name in LAYOUTS:
+        torch.testing.assert_close(runs[name][2], weights)
+        assert_losses_close(runs[name][1]["losses"], summary["losses"])
+
+
+def test_validation_loss_is_the_same_on_every_layout_and_that_of_the_final_weights(runs):
+    cfg, summary, weights = runs["1x1"]
+    assert [v["step"] for v in summary["val_losses"]] == [2, 4, 6]
+    losses = [v["loss"] for v in summary["val_losses"]]
+    assert losses[-1] == summary["final_val_loss"] and len(set(losses)) == 3  # each pass saw newer weights
+    for name in LAYOUTS:
+        run_cfg, run_summary, run_weights = runs[name]
+        assert [v["step"] for v in run_summary["val_losses"]] == [2, 4, 6]
+        assert_losses_close([v["loss"] for v in run_summary["val_losses"]], losses)
+        # The last pass ran with the weights the run ended with, on the same held-out windows.
+        assert_losses_close([run_summary["final_val_loss"]], [reference_eval(run_cfg, run_weights)])
+        assert all(r["eval_s"] > 0 for r in run_summary["ranks"])
+
+
+def test_validation_leaves_training_bit_identical(runs):
+    # 4 stages under 2bw (the most work in flight when a pass starts), with swapping.
+    _, with_eval, weights = runs["4x1"]
+    _, without, plain = runs["4x1-no-eval"]
+    assert with_eval["losses"] == without["losses"]
+    assert weights.keys() == plain.keys() and all(torch.equal(weights[k], plain[k]) for k in weights)
+    assert without["val_losses"] == [] and without["final_val_loss"] is None
+    assert with_eval["ranks"][0]["swap"]["swapped_out_bytes"] > 0  # swapping really ran
+
+
+def test_only_the_first_and_last_stages_open_the_data(runs):
+    _, summary, _ = runs["4x1"]
+    resident = {r["stage"]: r["data_resident_bytes"] for r in summary["ranks"]}
+    assert resident[1] is None and resident[2] is None  # middle stages never opened the file
+    assert resident[0] > 0 and resident[3] > 0  # the ends mapped it (the whole 12 KB file here)
+
+
+def test_validation_after_a_resume_runs_the_pass_still_owed(tmp_path):
+    # flush, 4 steps with a checkpoint, then resumed to 6: the pass after step 4 (whose loss the
+    # checkpoint could not hold yet) runs first.
+    cfg = token_config(tmp_path, schedule="flush", num_steps=4)
+    cfg.train.checkpoint_every = 4
+    first = run_ok(cfg, tmp_path / "run")
+    assert [v["step"] for v in first["val_losses"]] == [2, 4]
+    cfg.train.num_steps = 6
+    summary = run_ok(cfg, tmp_path / "run")
+    assert summary["first_step"] == 4 and [v["step"] for v in summary["val_losses"]] == [2, 4, 6]
+    assert_losses_close([v["loss"] for v in summary["val_losses"][:2]], [v["loss"] for v in first["val_losses"]])
+    assert_losses_close([summary["final_val_loss"]], [reference_eval(cfg, torch.load(tmp_path / "run" / "final_model.pt"))])
+
+
+def test_validation_under_gpipe_with_sends_batched_with_receives(tmp_path):
+    cfg = token_config(tmp_path, schedule="gpipe", eval_every=3)
+    cfg.dist.batch_p2p = True  # training's NCCL transfer mode, on gloo
+    summary = run_ok(cfg, tmp_path)
+    assert [v["step"] for v in summary["val_losses"]] == [3, 6]
+    assert_losses_close([summary["final_val_loss"]], [reference_eval(cfg, torch.load(tmp_path / "final_model.pt"))])
