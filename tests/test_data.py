@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import mmap
+import re
 from pathlib import Path
 
 import numpy as np
@@ -113,6 +114,29 @@ def test_bad_data_is_rejected_with_the_value_and_the_fix(tmp_path):
     cfg.model.vocab_size = 200
     with pytest.raises(ConfigError, match=r"model.vocab_size \(200\) must be >= 256 for byte-level text"):
         validate(dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, path=None)), world_size=2)
+
+
+BAD_FILES = {  # what a token file holds -> the error every rank must give
+    "odd_size": (b"\x01\x00" * 100 + b"\x01", r"has 201 bytes, not a multiple of 2: not a file of uint16 token ids"),
+    "id_over_vocab": (np.array([7] * 99 + [300] * 101, dtype=np.uint16).tobytes(), r"holds token id 300 \(first id >= 300 at position 99\)"),
+    "too_short": (np.array([7] * 17, dtype=np.uint16).tobytes(), r"has 17 tokens to train on, fewer than model.seq_len \+ 2 \(18\)"),
+}
+
+
+def test_each_bad_token_file_stops_every_rank_before_any_group_starts(tmp_path):
+    runs = []
+    for bad, (content, _) in BAD_FILES.items():
+        (tmp_path / f"{bad}.bin").write_bytes(content)
+        runs.append([
+            f"data.path={tmp_path / bad}.bin", "model.vocab_size=300", "model.seq_len=16", "pipeline.num_stages=2",
+            "pipeline.num_microbatches=2", "wandb.mode=disabled", f"hydra.run.dir={tmp_path / bad}",
+        ])
+    results = spawn(train_cli, world_size=2, args=(runs,), log_dir=tmp_path / "logs", timeout_s=60)
+    for r in results:  # each rank on its own: exit 2 with the error, no process group ever started
+        assert r.exitcode == 0 and "process group was started" not in r.log, r.log
+        assert r.log.count("EXIT 2") == len(BAD_FILES), r.log
+        for bad, (_, error) in BAD_FILES.items():
+            assert re.search(rf"\[rank {r.rank}\] bad configuration: data.path \(.*{bad}.bin\) {error}", r.log), (bad, r.log)
 
 
 # --- the pipeline on a token file -------------------------------------------------------------------
