@@ -116,8 +116,15 @@ def test_objective_and_direction_checks():
     assert sweeper_direction(OmegaConf.create({"direction": ["maximize"]}), "minimize") == "maximize"
 
 
+def _has_optuna_sweeper() -> bool:
+    try:
+        return importlib.util.find_spec("hydra_plugins.hydra_optuna_sweeper") is not None
+    except ModuleNotFoundError:  # no hydra_plugins namespace at all
+        return False
+
+
 @pytest.mark.skipif(
-    importlib.util.find_spec("hydra_plugins.hydra_optuna_sweeper") is None,
+    not _has_optuna_sweeper(),
     reason="the optional extra is not installed: pip install 'pipedream2bw[optuna]' (hydra-optuna-sweeper)",
 )
 def test_optuna_searches_microbatches_and_learning_rate_and_reports_the_best_trial(tmp_path):
