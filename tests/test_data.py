@@ -4,6 +4,8 @@ validation passes through the pipeline that leave training untouched, on every l
 from __future__ import annotations
 
 import dataclasses
+import gzip
+import importlib.util
 import json
 import mmap
 import re
@@ -114,6 +116,45 @@ def test_bad_data_is_rejected_with_the_value_and_the_fix(tmp_path):
     cfg.model.vocab_size = 200
     with pytest.raises(ConfigError, match=r"model.vocab_size \(200\) must be >= 256 for byte-level text"):
         validate(dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, path=None)), world_size=2)
+
+
+def _prepare_tokens():
+    spec = importlib.util.spec_from_file_location("prepare_tokens", Path(__file__).resolve().parents[1] / "scripts" / "prepare_tokens.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+TEXT = "def f(x):\n    return x + 1\n\nf(2)  # caf\u00e9\n" * 40
+
+
+def test_prepare_tokens_writes_a_token_file_training_accepts(tmp_path):
+    prepare = _prepare_tokens()
+    gz = tmp_path / "text.txt.gz"
+    gz.write_bytes(gzip.compress(TEXT.encode()))
+    meta = prepare.prepare([gz], tmp_path / "bytes.bin", tokenizer="bytes")
+    ids = np.fromfile(tmp_path / "bytes.bin", dtype=np.uint16)
+    assert bytes(ids.astype(np.uint8)) == TEXT.encode() and ids.max() < 256
+    assert json.loads(meta_path(tmp_path / "bytes.bin").read_text()) == meta
+    assert (meta["num_tokens"], meta["dtype"], meta["vocab_size"], meta["tokenizer"]) == (len(TEXT.encode()), "uint16", 256, "bytes")
+    cfg = token_config(tmp_path)
+    cfg.data.path, cfg.model.vocab_size = str(tmp_path / "bytes.bin"), 256
+    validate(cfg, world_size=2)
+    # A subword tokenizer from a local tokenizer.json (trained here: nothing downloaded).
+    tokenizers = pytest.importorskip("tokenizers", reason="the optional extra is not installed: pip install 'pipedream2bw[tokenize]'")
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token="[UNK]"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = tokenizers.decoders.ByteLevel()
+    tok.train_from_iterator([TEXT], tokenizers.trainers.BpeTrainer(vocab_size=300, special_tokens=["[UNK]"],
+                                                                    initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet()))
+    tok.save(str(tmp_path / "tokenizer.json"))
+    plain = tmp_path / "text.txt"
+    plain.write_text(TEXT)
+    meta = prepare.prepare([plain], tmp_path / "bpe.bin", tokenizer=f"tokenizers:{tmp_path / 'tokenizer.json'}")
+    ids = np.fromfile(tmp_path / "bpe.bin", dtype=meta["dtype"])
+    assert tok.decode(ids.tolist()) == TEXT and len(ids) < len(TEXT.encode()) / 2 and meta["vocab_size"] == tok.get_vocab_size()
+    cfg.data.path, cfg.model.vocab_size = str(tmp_path / "bpe.bin"), meta["vocab_size"]
+    validate(cfg, world_size=2)
 
 
 BAD_FILES = {  # what a token file holds -> the error every rank must give
