@@ -24,6 +24,9 @@ TOKEN_SUFFIX = ".bin"
 TOKEN_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 BYTE_VOCAB = 256
 TRAIN, VALIDATION = 0, 1  # MicrobatchFeed streams: the training draw and the fixed held-out windows
+# The largest page-cache folio a fault may map whole (a PMD: 2 MiB with 4 KiB pages): what is
+# unmapped around each window read, so that no pages stay in the process (see read_windows).
+_DROP_BYTES = mmap.PAGESIZE * (mmap.PAGESIZE // 8)
 _SCAN_TOKENS = 1 << 24  # tokens per chunk when checking a token file's ids (32 MiB of uint16: page-aligned)
 
 Array = Union[np.ndarray, torch.Tensor]
@@ -246,8 +249,7 @@ class MicrobatchFeed:
         return torch.randint(0, len(self.data) - self.seq_len - 1, (global_batch,), generator=gen)
 
     def _batch_windows(self, batch_index: int) -> torch.Tensor:
-        index = self.starts(batch_index).numpy()[:, None] + np.arange(self.seq_len + 1)
-        return torch.from_numpy(np.asarray(self.data[index], dtype=np.int64))  # (w*m*b, T+1)
+        return torch.from_numpy(read_windows(self.data, self.starts(batch_index).numpy(), self.seq_len + 1))  # (w*m*b, T+1)
 
     def _window(self, mb_index: int) -> torch.Tensor:
         batch_index, j = divmod(mb_index, self.num_microbatches)
@@ -263,6 +265,27 @@ class MicrobatchFeed:
     def microbatch(self, mb_index: int) -> Tuple[torch.Tensor, torch.Tensor]:
         w = self._window(mb_index)
         return w[:, :-1], w[:, 1:]
+
+
+def read_windows(data: np.ndarray, starts: np.ndarray, length: int) -> np.ndarray:
+    """``data[s : s + length]`` for each start ``s``, as a (len(starts), length) int64 array.
+
+    From a memmap, each window is copied and its pages unmapped at once (MADV_DONTNEED; they stay
+    in the page cache): a fault may map a whole large folio of the page cache, megabytes around a
+    window of a few hundred bytes, and pages left mapped would count in this process's memory and
+    grow with every batch. So the process holds no pages of the file between reads, whatever its size.
+    """
+    raw = getattr(data, "_mmap", None)
+    if raw is None or not hasattr(mmap, "MADV_DONTNEED"):
+        return np.asarray(data[starts[:, None] + np.arange(length)], dtype=np.int64)
+    out = np.empty((len(starts), length), dtype=np.int64)
+    offset = data.ctypes.data - np.frombuffer(raw, dtype=np.uint8, count=1).ctypes.data  # data[0] in the mapping
+    for i, start in enumerate(starts.tolist()):
+        out[i] = data[start : start + length]
+        lo = (offset + start * data.itemsize) // _DROP_BYTES * _DROP_BYTES
+        hi = min(-(-(offset + (start + length) * data.itemsize) // _DROP_BYTES) * _DROP_BYTES, len(raw))
+        raw.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+    return out
 
 
 def mapped_resident_bytes(array: np.ndarray) -> Optional[int]:
