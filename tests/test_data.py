@@ -263,23 +263,16 @@ def test_only_the_first_and_last_stages_open_the_data(runs):
     assert resident[0] == resident[3] == 0  # the ends mapped it, and hold none of its pages after reading
 
 
-def test_validation_after_a_resume_runs_the_pass_still_owed(tmp_path):
-    # flush, 4 steps with a checkpoint, then resumed to 6: the pass after step 4 (whose loss the
-    # checkpoint could not hold yet) runs first.
+def test_validation_under_flush_and_gpipe_and_after_a_resume(tmp_path):
+    # flush for 4 steps with a checkpoint, then gpipe (one weight version too) with sends batched with
+    # receives, resumed to 6 steps: the pass after step 4, whose loss the checkpoint could not hold
+    # yet, runs again first, on the same weights.
     cfg = token_config(tmp_path, schedule="flush", num_steps=4)
     cfg.train.checkpoint_every = 4
     first = run_ok(cfg, tmp_path / "run")
     assert [v["step"] for v in first["val_losses"]] == [2, 4]
-    cfg.train.num_steps = 6
+    cfg.pipeline.schedule, cfg.train.num_steps, cfg.dist.batch_p2p = "gpipe", 6, True
     summary = run_ok(cfg, tmp_path / "run")
     assert summary["first_step"] == 4 and [v["step"] for v in summary["val_losses"]] == [2, 4, 6]
     assert_losses_close([v["loss"] for v in summary["val_losses"][:2]], [v["loss"] for v in first["val_losses"]])
     assert_losses_close([summary["final_val_loss"]], [reference_eval(cfg, torch.load(tmp_path / "run" / "final_model.pt"))])
-
-
-def test_validation_under_gpipe_with_sends_batched_with_receives(tmp_path):
-    cfg = token_config(tmp_path, schedule="gpipe", eval_every=3)
-    cfg.dist.batch_p2p = True  # training's NCCL transfer mode, on gloo
-    summary = run_ok(cfg, tmp_path)
-    assert [v["step"] for v in summary["val_losses"]] == [3, 6]
-    assert_losses_close([summary["final_val_loss"]], [reference_eval(cfg, torch.load(tmp_path / "final_model.pt"))])
