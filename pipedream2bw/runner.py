@@ -6,7 +6,6 @@ import contextlib
 import dataclasses
 import json
 import logging
-import math
 import os
 import time
 from collections import OrderedDict
@@ -353,7 +352,7 @@ def _train(cfg: Config, run_dir: Path, ctx: comm.DistContext, layout: Layout, ba
     def on_step(t: int) -> None:
         report_validation()  # passes of earlier steps: their losses were sent before batch t's, received in step t
         progress(t)
-        if evaluator is not None and ctx.rank == 0:
+        if evaluator is not None and ctx.rank == 0:  # written in the background: it may list later passes, which a resume drops
             saver.manifest["val_losses"] = list(evaluator.losses)
         saver.after_step(t + 1, versions.state, worker.stats.losses if ctx.rank == 0 else None)
         if evaluator is not None and evaluate.due(t + 1, every=cfg.train.eval_every, num_steps=cfg.train.num_steps):
