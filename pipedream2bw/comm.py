@@ -21,6 +21,7 @@ _FAILED_KEY = "failed"
 _LEFT_KEY = "ranks_left_after_failure"
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.uint8, torch.bool]
 _LOSS_TAG = 7
+EVAL_LOSS_TAG = 8  # control-group tag of validation losses (last stages -> rank 0), apart from the training losses'
 _META_LEN = 12  # [ndim, dtype code, shape...] padded with zeros
 _jobs_started = 0
 _MIN_RENDEZVOUS_S = 60.0  # ranks of a loaded machine may start seconds apart, whatever dist.timeout_s
@@ -291,12 +292,13 @@ class P2P:
     each other unless each pair is started together (as Megatron's send_forward_recv_backward).
     """
 
-    def __init__(self, ctx: DistContext, *, batch_sends: bool = False):
-        self.ctx, self.batch_sends = ctx, batch_sends
+    def __init__(self, ctx: DistContext, *, batch_sends: bool = False, group: Any = None):
+        self.ctx, self.batch_sends, self.group = ctx, batch_sends, group  # group: None is the default group
         self._agreed: Dict[Tuple[int, int], Tuple[torch.Size, torch.dtype]] = {}
         self._sends: Deque[Tuple[Any, Any, Optional[int], Optional[int]]] = deque()  # (work, what it keeps alive, peer, token)
         self._deferred: List[Tuple[Any, int, Optional[int]]] = []  # (P2POp, peer, token) waiting for the next receive
         self._loss_sends: Deque[Tuple[Any, torch.Tensor]] = deque()
+        self._value_sends: List[Tuple[Any, torch.Tensor, int]] = []  # send_value's: (work, value, peer)
 
     def _wait(self, work: Any, what: str) -> None:
         try:
@@ -316,7 +318,7 @@ class P2P:
             meta = torch.zeros(_META_LEN, dtype=torch.int64)
             meta[0], meta[1] = tensor.dim(), _DTYPES.index(tensor.dtype)
             meta[2 : 2 + tensor.dim()] = torch.tensor(tensor.shape)
-            self._sends.append((dist.isend(meta.to(self.ctx.device), peer, tag=tag), meta, peer, None))
+            self._sends.append((dist.isend(meta.to(self.ctx.device), peer, tag=tag, group=self.group), meta, peer, None))
             self._agreed[key] = (tensor.shape, tensor.dtype)
         shape, dtype = self._agreed[key]
         if tensor.shape != shape or tensor.dtype != dtype:
@@ -328,9 +330,9 @@ class P2P:
             )
         tensor = tensor.contiguous()
         if defer and self.batch_sends:
-            self._deferred.append((dist.P2POp(dist.isend, tensor, peer, tag=tag), peer, token))
+            self._deferred.append((dist.P2POp(dist.isend, tensor, peer, tag=tag, group=self.group), peer, token))
         else:
-            self._sends.append((dist.isend(tensor, peer, tag=tag), tensor, peer, token))
+            self._sends.append((dist.isend(tensor, peer, tag=tag, group=self.group), tensor, peer, token))
         while self._sends and self._sends[0][0].is_completed():
             self._sends.popleft()
 
@@ -373,15 +375,15 @@ class P2P:
             # after it got what we hold back: start held sends now.
             self._start_deferred()
             meta = torch.zeros(_META_LEN, dtype=torch.int64, device=self.ctx.device)
-            self._wait(dist.irecv(meta, peer, tag=tag), f"receiving tensor metadata from rank {peer}")
+            self._wait(dist.irecv(meta, peer, tag=tag, group=self.group), f"receiving tensor metadata from rank {peer}")
             meta = meta.cpu()
             ndim = int(meta[0])
             self._agreed[key] = (torch.Size(meta[2 : 2 + ndim].tolist()), _DTYPES[int(meta[1])])
         shape, dtype = self._agreed[key]
         buf = torch.empty(shape, dtype=dtype, device=self.ctx.device)
         if self._deferred:
-            return self._start_deferred(dist.P2POp(dist.irecv, buf, peer, tag=tag)), buf
-        return [dist.irecv(buf, peer, tag=tag)], buf
+            return self._start_deferred(dist.P2POp(dist.irecv, buf, peer, tag=tag, group=self.group)), buf
+        return [dist.irecv(buf, peer, tag=tag, group=self.group)], buf
 
     def wait_recv(self, pending: Tuple[List[Any], torch.Tensor], *, peer: int) -> torch.Tensor:
         works, buf = pending
@@ -403,17 +405,26 @@ class P2P:
         while len(self._loss_sends) > 2:
             self._wait(self._loss_sends.popleft()[0], "sending a loss to rank 0")
 
-    def recv_loss(self, *, peer: int) -> float:
-        """Rank 0: the mean loss of the next batch from the last stage on rank ``peer``."""
+    def recv_loss(self, *, peer: int, tag: int = _LOSS_TAG) -> float:
+        """Rank 0: the mean loss of the next batch (or, with ``EVAL_LOSS_TAG``, the next validation
+        loss) from the last stage on rank ``peer``."""
         loss = torch.zeros(1, dtype=torch.float64)
-        self._wait(dist.irecv(loss, peer, group=self.ctx.control, tag=_LOSS_TAG), f"receiving the loss from rank {peer}")
+        self._wait(dist.irecv(loss, peer, group=self.ctx.control, tag=tag), f"receiving the loss from rank {peer}")
         return float(loss)
+
+    def send_value(self, value: torch.Tensor, *, peer: int, tag: int) -> None:
+        """Starts sending a scalar to ``peer`` over the CPU control group; only ``flush`` waits for it
+        (a blind wait could block on a peer that receives it later than this rank goes on)."""
+        v = value.detach().to("cpu", torch.float64).reshape(1)
+        self._value_sends.append((dist.isend(v, peer, group=self.ctx.control, tag=tag), v, peer))
 
     def flush(self) -> None:
         """Starts any held sends and waits until every send has completed."""
         self._start_deferred()
         self._sends.extend((work, loss, 0, None) for work, loss in self._loss_sends)
         self._loss_sends.clear()
+        self._sends.extend((work, value, peer, None) for work, value, peer in self._value_sends)
+        self._value_sends.clear()
         while self._sends:
             work = self._sends.popleft()[0]
             self._wait(work, "a send")

@@ -70,7 +70,7 @@ class GPTConfig:
     seq_len: int = 128
     """Tokens per sequence (bytes, for the byte-level corpus)."""
     vocab_size: int = 256
-    """Vocabulary size; >= 256 for byte-level text."""
+    """Vocabulary size; >= 256 for byte-level text, > the largest id of a token file."""
     init_std: float = 0.02
     """Standard deviation of the normal weight initialisation."""
     tie_embeddings: bool = False
@@ -131,7 +131,14 @@ class OptimConfig:
 @dataclass
 class DataConfig:
     path: Optional[str] = None
-    """Text file (.txt or .txt.gz) to train on, byte-level; null uses the shipped corpus."""
+    """A token file (.bin: token ids as written by scripts/prepare_tokens.py, memory-mapped), or a text
+    file (.txt or .txt.gz, byte-level, read whole); null uses the shipped text."""
+    token_dtype: str = "uint16"
+    """Dtype of a .bin file's ids: 'uint16' (vocabularies up to 65536) or 'uint32'."""
+    val_fraction: float = 0.0
+    """Share of data.path held out for validation: its last tokens, never trained on; 0: none."""
+    val_path: Optional[str] = None
+    """A file of held-out data (of data.path's kind) for validation, instead of val_fraction."""
 
 
 @dataclass
@@ -152,6 +159,12 @@ class TrainConfig:
     """Write a checkpoint every this many steps (and after the last); 0 writes none."""
     keep_checkpoints: int = 2
     """Complete checkpoints to keep in <run dir>/checkpoints; older ones are deleted once a newer one is complete."""
+    eval_every: int = 0
+    """Validation loss on held-out data (data.val_fraction or data.val_path) every this many steps and
+    after the last, with the newest weights (forward only); 0: never."""
+    eval_batches: int = 4
+    """Validation batches per evaluation, each data_parallel * num_microbatches * microbatch_size
+    windows; the same held-out windows at every evaluation."""
     resume: str = "auto"
     """'auto': continue from the newest complete checkpoint in the run directory, if any (how a job
     restarted by torchrun --max-restarts picks up); 'never'; or a path: a checkpoint, its
@@ -198,6 +211,9 @@ class SweepConfig:
     """Longest a sweep job may run; it is then stopped and recorded as failed, and the sweep goes on."""
     name: Optional[str] = None
     """The sweep's name, also the wandb group of its jobs; null: the sweep directory."""
+    objective: Optional[str] = "samples_per_s"
+    """The job's figure a sweep returns (what hydra/sweeper=optuna optimizes): samples_per_s,
+    tokens_per_s, final_loss, final_val_loss, step_time_s or max_peak_memory_mib; null: none."""
 
 
 @dataclass
@@ -564,8 +580,6 @@ def validate(cfg: Config, *, world_size: int, num_layers: Optional[int] = None, 
         )
     if isinstance(mdl, GPTConfig) and mdl.d_model % mdl.num_heads:
         raise ConfigError(f"model.num_heads ({mdl.num_heads}) must divide model.d_model ({mdl.d_model})")
-    if isinstance(mdl, GPTConfig) and mdl.vocab_size < 256:
-        raise ConfigError(f"model.vocab_size ({mdl.vocab_size}) must be >= 256 for byte-level text")
     if mdl.seq_len < 1:
         raise ConfigError(f"model.seq_len ({mdl.seq_len}) must be >= 1")
     if cfg.optim.lr <= 0 or not math.isfinite(cfg.optim.lr):
@@ -574,8 +588,6 @@ def validate(cfg: Config, *, world_size: int, num_layers: Optional[int] = None, 
         raise ConfigError("optim (lbfgs) re-evaluates the loss through a closure, which a pipeline cannot; use sgd, adam, adamw, ...")
     build_optimizer([torch.nn.Parameter(torch.zeros(1))], cfg.optim)
     _validate_step_rules(cfg)
-    if cfg.data.path is not None and not Path(cfg.data.path).is_file():
-        raise ConfigError(f"data.path ({cfg.data.path}) is not a file; point data.path at a text file or set it to null")
     t = cfg.train
     if t.num_steps < 1 or t.log_every < 1:
         raise ConfigError(f"train.num_steps ({t.num_steps}) and train.log_every ({t.log_every}) must be >= 1")
@@ -589,6 +601,13 @@ def validate(cfg: Config, *, world_size: int, num_layers: Optional[int] = None, 
             f"train.checkpoint_every ({t.checkpoint_every}) must be >= 0 (0: no checkpoints) and "
             f"train.keep_checkpoints ({t.keep_checkpoints}) >= 1"
         )
+    if t.eval_every < 0 or t.eval_batches < 1:
+        raise ConfigError(
+            f"train.eval_every ({t.eval_every}) must be >= 0 (0: no validation) and train.eval_batches ({t.eval_batches}) >= 1"
+        )
+    from pipedream2bw.data import check_data  # data.py imports this module
+
+    check_data(cfg.data, vocab_size=getattr(mdl, "vocab_size", None), seq_len=mdl.seq_len, need_val=t.eval_every > 0)
     if t.resume not in ("auto", "never") and not Path(t.resume).exists():
         raise ConfigError(
             f"train.resume ({t.resume}) is neither 'auto', 'never' nor an existing path; "

@@ -1,17 +1,45 @@
-"""Byte-level text and the deterministic microbatch feed of the first and last stages."""
+"""Training data (byte-level text or memory-mapped token files), its checks, and the deterministic microbatch feed."""
 
 from __future__ import annotations
 
 import gzip
+import json
+import logging
+import mmap
+import time
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Optional, Tuple
+from typing import Optional, Tuple, Union
 
+import numpy as np
 import torch
 
-from pipedream2bw.config import ConfigError
+from pipedream2bw.config import ConfigError, DataConfig
+
+log = logging.getLogger(__name__)
 
 SHIPPED_CORPUS = Path(__file__).parent / "data" / "python_docs.txt.gz"
+TOKEN_SUFFIX = ".bin"
+TOKEN_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
+BYTE_VOCAB = 256
+TRAIN, VALIDATION = 0, 1  # MicrobatchFeed streams: the training draw and the fixed held-out windows
+# The largest page-cache folio a fault may map whole (a PMD: 2 MiB with 4 KiB pages): what is
+# unmapped around each window read, so that no pages stay in the process (see read_windows).
+_DROP_BYTES = mmap.PAGESIZE * (mmap.PAGESIZE // 8)
+_SCAN_TOKENS = 1 << 24  # tokens per chunk when checking a token file's ids (32 MiB of uint16: page-aligned)
+
+Array = Union[np.ndarray, torch.Tensor]
+
+
+def is_token_file(path: Optional[str]) -> bool:
+    """Whether ``path`` names a token file (``.bin``: a flat array of token ids) rather than text."""
+    return path is not None and Path(path).suffix == TOKEN_SUFFIX
+
+
+def meta_path(path: Union[str, Path]) -> Path:
+    """The description ``scripts/prepare_tokens.py`` writes next to a token file: ``<file>.json``."""
+    return Path(str(path) + ".json")
 
 
 def load_bytes(path: Optional[str] = None) -> torch.Tensor:
@@ -21,36 +49,208 @@ def load_bytes(path: Optional[str] = None) -> torch.Tensor:
     return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
 
 
+def open_tokens(path: Union[str, Path], dtype: str) -> np.memmap:
+    """A token file as a read-only ``np.memmap``: pages are read when a window touches them, never the whole file."""
+    tokens = np.memmap(path, dtype=TOKEN_DTYPES[dtype], mode="r")
+    # Windows are drawn at random: read only the pages a window touches, not the kernel's
+    # read-around (up to 128 KiB per fault) that suits sequential reads.
+    raw = getattr(tokens, "_mmap", None)
+    if raw is not None and hasattr(mmap, "MADV_RANDOM"):
+        raw.madvise(mmap.MADV_RANDOM)
+    return tokens
+
+
+def _open(path: Optional[str], dtype: str) -> np.ndarray:
+    """One file's tokens as a 1-D array: a memmap of a token file, or the bytes of a text file."""
+    if is_token_file(path):
+        return open_tokens(path, dtype)
+    return load_bytes(path).numpy()
+
+
+def split_sizes(num_tokens: int, val_fraction: float) -> Tuple[int, int]:
+    """(training, held-out) token counts when the last ``val_fraction`` of a file is held out."""
+    num_val = int(num_tokens * val_fraction)
+    return num_tokens - num_val, num_val
+
+
+def load_splits(data: DataConfig) -> Tuple[np.ndarray, Optional[np.ndarray]]:
+    """The training tokens and the held-out ones (None without ``data.val_fraction`` or ``data.val_path``).
+
+    With ``val_fraction`` the held-out part is the file's tail: contiguous, so that no training
+    window (drawn inside the training part) overlaps it. Token files stay memory-mapped.
+    """
+    tokens = _open(data.path, data.token_dtype)
+    if data.val_path is not None:
+        return tokens, _open(data.val_path, data.token_dtype)
+    if data.val_fraction > 0:
+        num_train, _ = split_sizes(len(tokens), data.val_fraction)
+        return tokens[:num_train], tokens[num_train:]
+    return tokens, None
+
+
+def make_feeds(data: DataConfig, *, seq_len: int, microbatch_size: int, num_microbatches: int, seed: int,
+               num_replicas: int, replica: int) -> Tuple["MicrobatchFeed", Optional["MicrobatchFeed"]]:
+    """This replica's training feed and validation feed (None without held-out data)."""
+    train, val = load_splits(data)
+    kwargs = dict(seq_len=seq_len, microbatch_size=microbatch_size, num_microbatches=num_microbatches, seed=seed,
+                  num_replicas=num_replicas, replica=replica)
+    return MicrobatchFeed(train, **kwargs), None if val is None else MicrobatchFeed(val, stream=VALIDATION, **kwargs)
+
+
+@dataclass(frozen=True)
+class DataInfo:
+    """What ``check_data`` found: the file's kind, its size in tokens and (token files) its largest id."""
+
+    kind: str  # "text" (byte-level) or "tokens"
+    num_tokens: int
+    max_id: Optional[int] = None
+
+
+def check_data(data: DataConfig, *, vocab_size: Optional[int], seq_len: int, need_val: bool) -> DataInfo:
+    """Checks the data before any process group starts: every rank raises the same error.
+
+    Token files: the size fits ``data.token_dtype``, the description written by
+    ``scripts/prepare_tokens.py`` (if any) agrees, and every id is below ``vocab_size``
+    (read in chunks, never the whole file at once; None, a model of unknown vocabulary such as a
+    ``_target_`` factory's: not checked). Text: ``vocab_size`` covers bytes. Both:
+    the training part and the held-out part each hold at least one window (``seq_len + 2``).
+
+    Raises:
+        ConfigError: naming the file, what is wrong and the fix.
+    """
+    if data.token_dtype not in TOKEN_DTYPES:
+        raise ConfigError(f"data.token_dtype ({data.token_dtype!r}) is unknown; use one of {list(TOKEN_DTYPES)}")
+    if not 0 <= data.val_fraction < 1:
+        raise ConfigError(f"data.val_fraction ({data.val_fraction}) must be in [0, 1): the share of the data held out for validation")
+    if data.val_path is not None and data.val_fraction > 0:
+        raise ConfigError(
+            f"data.val_path ({data.val_path}) and data.val_fraction ({data.val_fraction}) both choose held-out data; "
+            f"set data.val_fraction=0 to validate on data.val_path, or data.val_path=null"
+        )
+    if need_val and data.val_path is None and data.val_fraction == 0:
+        raise ConfigError(
+            "train.eval_every needs held-out data: set data.val_fraction (e.g. 0.05, the tail of data.path) "
+            "or data.val_path, or train.eval_every=0"
+        )
+    if data.val_path is not None and is_token_file(data.val_path) != is_token_file(data.path):
+        raise ConfigError(
+            f"data.val_path ({data.val_path}) and data.path ({data.path or 'the shipped text'}) must be of one kind, "
+            f"both token files ({TOKEN_SUFFIX}) or both text"
+        )
+    info = _check_file(data.path, "data.path", data.token_dtype, vocab_size=vocab_size)
+    window = seq_len + 2  # a window is seq_len + 1 tokens, drawn from starts [0, n - seq_len - 1)
+    num_train, num_val = split_sizes(info.num_tokens, data.val_fraction)
+    if data.val_path is not None:
+        num_train, num_val = info.num_tokens, _check_file(data.val_path, "data.val_path", data.token_dtype, vocab_size=vocab_size).num_tokens
+    unit = "bytes" if info.kind == "text" else "tokens"
+    if num_train < window:
+        held = f" after holding out data.val_fraction ({data.val_fraction})" if data.val_fraction else ""
+        raise ConfigError(
+            f"data.path ({data.path or SHIPPED_CORPUS}) has {num_train} {unit} to train on{held}, fewer than "
+            f"model.seq_len + 2 ({window}); use more data or a shorter model.seq_len"
+        )
+    if (data.val_path is not None or data.val_fraction > 0) and num_val < window:
+        where = f"data.val_path ({data.val_path})" if data.val_path else f"data.val_fraction ({data.val_fraction}) of data.path"
+        raise ConfigError(
+            f"{where} holds {num_val} {unit}, fewer than model.seq_len + 2 ({window}) for one validation window; "
+            f"hold out more data"
+        )
+    return info
+
+
+def _check_file(path: Optional[str], key: str, dtype: str, *, vocab_size: Optional[int]) -> DataInfo:
+    if path is not None and not Path(path).is_file():
+        raise ConfigError(f"{key} ({path}) is not a file; point {key} at a text file or a {TOKEN_SUFFIX} token file")
+    if not is_token_file(path):
+        if vocab_size is not None and vocab_size < BYTE_VOCAB:
+            raise ConfigError(f"model.vocab_size ({vocab_size}) must be >= {BYTE_VOCAB} for byte-level text")
+        p = Path(path) if path else SHIPPED_CORPUS
+        num_bytes = len(gzip.decompress(p.read_bytes())) if p.suffix == ".gz" else p.stat().st_size
+        return DataInfo("text", num_bytes)
+    itemsize = np.dtype(TOKEN_DTYPES[dtype]).itemsize
+    size = Path(path).stat().st_size
+    if size % itemsize:
+        raise ConfigError(
+            f"{key} ({path}) has {size} bytes, not a multiple of {itemsize}: not a file of {dtype} token ids; "
+            f"set data.token_dtype to the dtype it was written with, or write it again with scripts/prepare_tokens.py"
+        )
+    num_tokens = size // itemsize
+    meta = meta_path(path)
+    if meta.is_file():
+        described = json.loads(meta.read_text())
+        if described.get("dtype") != dtype:
+            raise ConfigError(
+                f"{key} ({path}) holds {described.get('dtype')} ids (says {meta}), but data.token_dtype is {dtype}; "
+                f"set data.token_dtype={described.get('dtype')}"
+            )
+        if described.get("num_tokens") != num_tokens:
+            raise ConfigError(
+                f"{key} ({path}) holds {num_tokens} tokens but {meta} says {described.get('num_tokens')}: the file "
+                f"changed since it was written; write it again with scripts/prepare_tokens.py or delete {meta}"
+            )
+    max_id, first_bad = _scan_ids(Path(path), TOKEN_DTYPES[dtype], vocab_size=vocab_size) if num_tokens and vocab_size is not None else (None, None)
+    if first_bad is not None:
+        raise ConfigError(
+            f"{key} ({path}) holds token id {max_id} (first id >= {vocab_size} at position {first_bad}), but model.vocab_size "
+            f"is {vocab_size}: the data's vocabulary does not fit the model's; set model.vocab_size={max_id + 1} or more "
+            f"(the tokenizer's vocabulary size), or check data.token_dtype"
+        )
+    return DataInfo("tokens", num_tokens, max_id)
+
+
+def _scan_ids(path: Path, dtype: type, *, vocab_size: int) -> Tuple[int, Optional[int]]:
+    """(largest id, position of the first id >= ``vocab_size`` or None), ``_SCAN_TOKENS`` at a time
+    through a mapping whose pages are dropped after each chunk: this process never holds the file."""
+    start, max_id, first_bad = time.perf_counter(), -1, None
+    tokens = np.memmap(path, dtype=dtype, mode="r")
+    raw = getattr(tokens, "_mmap", None)
+    for offset in range(0, len(tokens), _SCAN_TOKENS):
+        chunk = tokens[offset : offset + _SCAN_TOKENS]
+        top = int(chunk.max())
+        if top >= vocab_size and first_bad is None:
+            first_bad = offset + int(np.argmax(chunk >= vocab_size))
+        max_id = max(max_id, top)
+        if raw is not None and hasattr(mmap, "MADV_DONTNEED"):  # the pages stay in the page cache, not in our RSS
+            raw.madvise(mmap.MADV_DONTNEED, offset * tokens.itemsize, chunk.nbytes)
+    del chunk, tokens
+    log.debug("checked the ids of %s in %.2f s", path, time.perf_counter() - start)
+    return max_id, first_bad
+
+
 class MicrobatchFeed:
     """Microbatch ``k`` of one replica as (inputs, targets), both (b, T) int64, the same on every rank.
 
-    Batch ``t`` draws ``w * m * b`` random windows from a generator seeded by ``(seed, t)``, so
-    every rank computes the same batch order without sending batches around: the first stage
+    Batch ``t`` draws ``w * m * b`` random windows from a generator seeded by ``(seed, stream, t)``,
+    so every rank computes the same batch order without sending batches around: the first stage
     asks for inputs, the last for targets. Replica ``r`` takes windows ``r*m*b .. (r+1)*m*b - 1``:
     the replicas' microbatches are disjoint and together make the global batch, whatever
-    ``w``. Targets are the inputs shifted by one byte.
+    ``w``. Targets are the inputs shifted by one token. ``data`` is a 1-D array of token ids (a
+    memmap of a token file: only the windows drawn are read) or a tensor of text bytes.
+    ``stream`` VALIDATION draws other windows than TRAIN for the same batch index.
     """
 
     def __init__(
-        self, data: torch.Tensor, *, seq_len: int, microbatch_size: int, num_microbatches: int, seed: int,
-        num_replicas: int = 1, replica: int = 0,
+        self, data: Array, *, seq_len: int, microbatch_size: int, num_microbatches: int, seed: int,
+        num_replicas: int = 1, replica: int = 0, stream: int = TRAIN,
     ):
-        if data.numel() < seq_len + 2:
-            raise ConfigError(f"the text has {data.numel()} bytes, fewer than model.seq_len + 2 ({seq_len + 2})")
-        self.data = data
+        if len(data) < seq_len + 2:
+            raise ConfigError(f"the data has {len(data)} tokens, fewer than model.seq_len + 2 ({seq_len + 2})")
+        self.data = data.numpy() if isinstance(data, torch.Tensor) else data
         self.seq_len = seq_len
         self.microbatch_size = microbatch_size
         self.num_microbatches = num_microbatches
-        self.seed = seed
+        self.seed, self.stream = seed, stream
         self.num_replicas, self.replica = num_replicas, replica
         self._windows = lru_cache(maxsize=4)(self._batch_windows)
 
-    def _batch_windows(self, batch_index: int) -> torch.Tensor:
-        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + batch_index)
+    def starts(self, batch_index: int) -> torch.Tensor:
+        """Where the ``w * m * b`` windows of batch ``batch_index`` start in ``data``, replica 0's first."""
+        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + batch_index + (self.stream << 40))
         global_batch = self.num_replicas * self.num_microbatches * self.microbatch_size
-        starts = torch.randint(0, self.data.numel() - self.seq_len - 1, (global_batch,), generator=gen)
-        offsets = torch.arange(self.seq_len + 1)
-        return self.data[starts[:, None] + offsets].long()  # (w*m*b, T+1)
+        return torch.randint(0, len(self.data) - self.seq_len - 1, (global_batch,), generator=gen)
+
+    def _batch_windows(self, batch_index: int) -> torch.Tensor:
+        return torch.from_numpy(read_windows(self.data, self.starts(batch_index).numpy(), self.seq_len + 1))  # (w*m*b, T+1)
 
     def _window(self, mb_index: int) -> torch.Tensor:
         batch_index, j = divmod(mb_index, self.num_microbatches)
@@ -66,3 +266,56 @@ class MicrobatchFeed:
     def microbatch(self, mb_index: int) -> Tuple[torch.Tensor, torch.Tensor]:
         w = self._window(mb_index)
         return w[:, :-1], w[:, 1:]
+
+
+def read_windows(data: np.ndarray, starts: np.ndarray, length: int) -> np.ndarray:
+    """``data[s : s + length]`` for each start ``s``, as a (len(starts), length) int64 array.
+
+    From a memmap, each window is copied and its pages unmapped at once (MADV_DONTNEED; they stay
+    in the page cache): a fault may map a whole large folio of the page cache, megabytes around a
+    window of a few hundred bytes, and pages left mapped would count in this process's memory and
+    grow with every batch. So the process holds no pages of the file between reads, whatever its size.
+    """
+    raw = getattr(data, "_mmap", None)
+    if raw is None or not hasattr(mmap, "MADV_DONTNEED"):
+        return np.asarray(data[starts[:, None] + np.arange(length)], dtype=np.int64)
+    out = np.empty((len(starts), length), dtype=np.int64)
+    offset = data.ctypes.data - np.frombuffer(raw, dtype=np.uint8, count=1).ctypes.data  # data[0] in the mapping
+    for i, start in enumerate(starts.tolist()):
+        out[i] = data[start : start + length]
+        lo = (offset + start * data.itemsize) // _DROP_BYTES * _DROP_BYTES
+        hi = min(-(-(offset + (start + length) * data.itemsize) // _DROP_BYTES) * _DROP_BYTES, len(raw))
+        raw.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+    return out
+
+
+def mapped_resident_bytes(array: np.ndarray) -> Optional[int]:
+    """Bytes of ``array``'s file mapping resident in this process (``Rss`` in /proc/self/smaps):
+    the pages reads have touched. None when ``array`` is not a memmap or smaps is unavailable."""
+    raw = getattr(array, "_mmap", None)
+    if raw is None:
+        return None
+    address = np.asarray(array).__array_interface__["data"][0]
+    try:
+        lines = Path("/proc/self/smaps").read_text().splitlines()
+    except OSError:
+        return None
+    inside = False
+    for line in lines:
+        head = line.split()[0] if line else ""
+        if "-" in head and ":" not in head:  # a mapping's header: "start-end perms offset dev inode path"
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= address < hi
+        elif inside and head == "Rss:":
+            return int(line.split()[1]) * 1024
+    return None
+
+
+def data_resident_bytes(*feeds: Optional[MicrobatchFeed]) -> Optional[int]:
+    """Resident bytes of the token-file mappings behind ``feeds`` (each mapping once); None if none is a memmap."""
+    sizes = {}
+    for feed in feeds:
+        raw = getattr(feed.data, "_mmap", None) if feed is not None else None
+        if raw is not None:
+            sizes[id(raw)] = mapped_resident_bytes(feed.data)
+    return None if not sizes or None in sizes.values() else sum(sizes.values())

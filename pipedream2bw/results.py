@@ -81,6 +81,8 @@ def summarize(stats: List[StageStats], *, meta: Dict[str, Any], warmup_steps: in
                 "p2p_wait_s": s.p2p_wait_s,
                 "peak_pending_sends": s.peak_pending_sends,
                 "checkpoint_s": s.checkpoint_s,
+                "eval_s": s.eval_s,
+                "data_resident_bytes": s.data_resident_bytes,
                 "weight_bytes": s.weight_bytes,
                 "optimizer_state_bytes": s.optimizer_state_bytes,
                 "peak_stash_bytes": s.peak_stash_bytes,

@@ -17,11 +17,11 @@ import torch.utils.checkpoint
 from torch import nn
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from pipedream2bw import checkpoint, comm, schedule, ties
+from pipedream2bw import checkpoint, comm, evaluate, schedule, ties
 from pipedream2bw.agreement import StepRule
 from pipedream2bw.lr_schedule import lr_at
 from pipedream2bw.config import Config, ConfigError, GPTConfig, build_optimizer, optimizer_name, swap_stages, validate
-from pipedream2bw.data import MicrobatchFeed, load_bytes
+from pipedream2bw.data import data_resident_bytes, make_feeds
 from pipedream2bw.models.factory import ModelSource, model_source
 from pipedream2bw.results import atomic_write, save_state_dict, summarize, write_summary
 from pipedream2bw.schedule import BACKWARD, FORWARD, check_stage, shift_batches, stage_actions
@@ -361,10 +361,17 @@ def _train(cfg: Config, run_dir: Path, ctx: comm.DistContext, layout: Layout, ba
         next=layout.ranks[s + 1][replica] if s < d - 1 else None,
         loss_sources=tuple(layout.ranks[d - 1]) if ctx.rank == 0 else (),
     )
-    feed = MicrobatchFeed(
-        load_bytes(cfg.data.path), seq_len=cfg.model.seq_len, microbatch_size=b, num_microbatches=m, seed=cfg.seed,
-        num_replicas=w, replica=replica,
-    )
+    feed = val_feed = None
+    if s in (0, d - 1):  # only the first (inputs) and last (targets) stages open the data
+        feed, val_feed = make_feeds(cfg.data, seq_len=cfg.model.seq_len, microbatch_size=b, num_microbatches=m, seed=cfg.seed,
+                                    num_replicas=w, replica=replica)
+    evaluator = None
+    if cfg.train.eval_every:  # its own group (made on every rank): validation transfers never queue behind training's
+        evaluator = evaluate.Evaluator(
+            prev=peers.prev, next=peers.next, loss_sources=peers.loss_sources, feed=val_feed,
+            p2p=comm.P2P(ctx, group=comm.new_groups(ctx, [range(ctx.world_size)])[0]),
+            num_microbatches=cfg.train.eval_batches * m, loss_fn=loss_fn, device=ctx.device,
+        )
     in_flight_limit = m if p.schedule == "gpipe" else d - s
 
     def actions_of(stage: int) -> list:
@@ -405,9 +412,21 @@ def _train(cfg: Config, run_dir: Path, ctx: comm.DistContext, layout: Layout, ba
         worker.stats.lrs = list(resume[1].get("lrs", [None] * first_batch))  # checkpoints before lrs were recorded: unknown
         worker.stats.grad_norms = list(resume[1].get("grad_norms", [None] * first_batch))
         worker.stats.skipped_steps = list(resume[1].get("skipped_steps", []))
+    if resume is not None and evaluator is not None:  # keep the passes already run; a pass still owed runs first
+        evaluator.losses = [(n, v) for n, v in resume[1].get("val_losses", []) if n <= first_batch]
+        if first_batch % cfg.train.eval_every == 0 and first_batch not in {n for n, _ in resume[1].get("val_losses", [])}:
+            evaluator.run(versions.newest(), step=first_batch)
     tracker = Tracker(cfg, run_dir, run_id=resume[1].get("wandb_run_id") if resume is not None else None) if ctx.rank == 0 else None
     bar = progress_bar(cfg.train.num_steps, initial=first_batch) if ctx.rank == 0 else None
-    progress = _progress(cfg, worker, tracker, bar, samples_per_step=global_batch) if ctx.rank == 0 else (lambda t: None)
+    postfix: Dict[str, str] = {}
+    progress = _progress(cfg, worker, tracker, bar, samples_per_step=global_batch, postfix=postfix) if ctx.rank == 0 else (lambda t: None)
+
+    def report_validation() -> None:
+        """Rank 0: logs the validation losses that have arrived (console, wandb, progress bar)."""
+        for n, loss in evaluator.collect() if evaluator is not None else ():
+            tracker.log({"val/loss": loss, "val/perplexity": evaluate.perplexity(loss)}, step=n)
+            postfix["val_loss"] = f"{loss:.4f}"
+
     saver = checkpoint.Checkpointer(
         run_dir / checkpoint.DIRNAME, every=cfg.train.checkpoint_every, num_steps=cfg.train.num_steps,
         keep=cfg.train.keep_checkpoints, rank=ctx.rank, world_size=ctx.world_size,
@@ -434,15 +453,25 @@ def _train(cfg: Config, run_dir: Path, ctx: comm.DistContext, layout: Layout, ba
     def on_step(t: int) -> None:
         if checker is not None:
             checker(t)
+        report_validation()  # passes of earlier steps: their losses were sent before batch t's, received in step t
         progress(t)
         st = worker.stats
         history = {"lrs": st.lrs, "grad_norms": st.grad_norms, "skipped_steps": st.skipped_steps} if ctx.rank == 0 else None
         if history is not None and isinstance(rule, ScaledStepRule):
             history["loss_scaler"] = rule.state_dict()
+        if evaluator is not None and ctx.rank == 0:  # written in the background: it may list later passes, which a resume drops
+            saver.manifest["val_losses"] = list(evaluator.losses)
         saver.after_step(t + 1, state, st.losses if ctx.rank == 0 else None, history=history, rng=rngs.pop(t + 1, None))
+        if evaluator is not None and evaluate.due(t + 1, every=cfg.train.eval_every, num_steps=cfg.train.num_steps):
+            evaluator.run(versions.newest(), step=t + 1)
 
     with logging_redirect_tqdm() if bar is not None and not bar.disable else contextlib.nullcontext(), torch.profiler.record_function(TRAIN_RANGE):
         stats = worker.run(actions, on_step=on_step, on_close=on_close)
+    report_validation()
+    if evaluator is not None:
+        evaluator.close()
+        stats.eval_s = evaluator.time_s
+    stats.data_resident_bytes = data_resident_bytes(feed, val_feed)
     if bar is not None:
         bar.close()
     saver.wait()
@@ -469,6 +498,9 @@ def _train(cfg: Config, run_dir: Path, ctx: comm.DistContext, layout: Layout, ba
         "ties": [{**t, "checked_steps": min((r["tie_checked_steps"] for r, (st, _) in zip(tie_records, _positions(layout, ctx.world_size))
                                              if st in t["stages"]), default=0)} for t in ties.describe(tied, balance)],
         "tie_allreduce_calls": [r["tie_allreduce_calls"] for r in tie_records],
+        "recompute": p.recompute, **predictions,
+        "val_losses": [] if evaluator is None else [{"step": n, "loss": v} for n, v in evaluator.losses],
+        "final_val_loss": evaluator.losses[-1][1] if evaluator is not None and evaluator.losses else None,
     }
     # Throughput counts the steps this run took; a resumed run may have fewer than the warm-up.
     warmup = min(cfg.train.warmup_steps, cfg.train.num_steps - first_batch - 1)
@@ -527,8 +559,10 @@ def _swap_manager(cfg: Config, s: int, in_flight: int, versions: WeightVersions,
     return SwapManager(make_backend(device), min_bytes=cfg.swap.min_bytes, resident=cfg.swap.resident, exclude=held)
 
 
-def _progress(cfg: Config, worker: StageWorker, tracker: "Tracker", bar: Any, *, samples_per_step: int) -> Callable[[int], None]:
-    """Rank 0's per-step callback: advance the progress bar; log loss and throughput every ``train.log_every`` steps."""
+def _progress(cfg: Config, worker: StageWorker, tracker: "Tracker", bar: Any, *, samples_per_step: int,
+              postfix: Optional[Dict[str, str]] = None) -> Callable[[int], None]:
+    """Rank 0's per-step callback: advance the progress bar; log loss and throughput every ``train.log_every`` steps.
+    ``postfix``: more to show on the bar (the latest validation loss), updated by the caller."""
     window = {"start": time.perf_counter(), "steps": 0}
 
     def on_step(t: int) -> None:
@@ -537,7 +571,7 @@ def _progress(cfg: Config, worker: StageWorker, tracker: "Tracker", bar: Any, *,
         tracker.log({"loss": loss, "lr": lr, **({"grad_norm": grad_norm} if grad_norm is not None else {})}, step=t)
         if not bar.disable:
             steps_per_s = bar.format_dict["rate"] or 0.0  # tqdm's smoothed steps/s
-            bar.set_postfix(loss=f"{loss:.4f}", samples_per_s=f"{steps_per_s * samples_per_step:.1f}", refresh=False)
+            bar.set_postfix(loss=f"{loss:.4f}", samples_per_s=f"{steps_per_s * samples_per_step:.1f}", **(postfix or {}), refresh=False)
             bar.update(1)
         if (t + 1) % cfg.train.log_every and t + 1 != cfg.train.num_steps:
             return

@@ -79,6 +79,8 @@ class StageStats:
     p2p_wait_s: float = 0.0  # time spent waiting for activations and gradients from neighbours
     peak_pending_sends: int = 0  # most sends whose tensors were held at once (bounded by the in-flight count)
     checkpoint_s: float = 0.0  # time training waited for checkpoint copies (the writes run beside it)
+    eval_s: float = 0.0  # time in validation passes (train.eval_every), compute and waits
+    data_resident_bytes: Optional[int] = None  # token-file pages mapped in this rank at the end; None: no token file opened
     trace: Optional[dict] = None  # pipeline.trace: {"spans": [timeline.Span], "window": [start, end]}
     swap: Optional[Dict[str, Any]] = None  # SwapStats of a stage that swaps activations to host
     loss_scales: List[float] = field(default_factory=list)  # fp16: the loss scale each batch ran with

@@ -7,9 +7,14 @@ on ``sweep.nproc`` local ranks (default ``num_stages * data_parallel``) through 
 elastic launch API, in its own directory, waits, and records the run's measured throughput,
 per-stage peak memory, final loss and, when summary.json has them, the planner's predicted
 figures. A job that fails (bad config, crash, ``sweep.timeout_s``) is recorded with its error
-and the sweep goes on. At the end the table is printed sorted by throughput and written as
-``sweep.csv`` and ``sweep.json`` in the sweep directory. Every job's wandb run is in the
-group ``sweep.name`` (default: the sweep directory).
+and the sweep goes on. At the end the table is printed sorted by ``sweep.objective``, best first,
+and written as ``sweep.csv`` and ``sweep.json`` in the sweep directory. Every job's wandb run is
+in the group ``sweep.name`` (default: the sweep directory).
+
+Each job returns its ``sweep.objective`` figure (e.g. samples_per_s, final_val_loss), so that an
+optimizing sweeper can search: ``hydra/sweeper=optuna`` (pip install 'pipedream2bw[optuna]'). A
+failed job returns the worst value for the sweeper's direction (-inf when maximizing, +inf when
+minimizing), so the search moves away from it and goes on.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import csv
 import io
 import json
 import logging
+import math
 import os
 import re
 import time
@@ -41,9 +47,14 @@ COLUMNS = [  # the printed table; sweep.csv and sweep.json hold every field
     ("job", "job", "{}"), ("status", "status", "{}"), ("schedule", "schedule", "{}"), ("num_stages", "d", "{}"),
     ("data_parallel", "w", "{}"), ("num_microbatches", "m", "{}"), ("microbatch_size", "b", "{}"),
     ("samples_per_s", "samples/s", "{:.1f}"), ("predicted_samples_per_s", "pred samples/s", "{:.1f}"),
-    ("tokens_per_s", "tokens/s", "{:.0f}"), ("final_loss", "loss", "{:.4f}"), ("max_peak_memory_mib", "peak MiB", "{:.0f}"),
+    ("tokens_per_s", "tokens/s", "{:.0f}"), ("final_loss", "loss", "{:.4f}"), ("final_val_loss", "val loss", "{:.4f}"),
+    ("max_peak_memory_mib", "peak MiB", "{:.0f}"),
     ("bubble_fraction", "bubble", "{:.2f}"), ("wall_s", "wall s", "{:.1f}"), ("error", "error", "{}"),
 ]
+OBJECTIVES = {  # sweep.objective -> the direction in which it gets better
+    "samples_per_s": "maximize", "tokens_per_s": "maximize", "final_loss": "minimize", "final_val_loss": "minimize",
+    "step_time_s": "minimize", "max_peak_memory_mib": "minimize",
+}
 
 
 def train_overrides(task_overrides: List[str], *, group: str) -> List[str]:
@@ -67,6 +78,7 @@ def job_row(job: int, overrides: List[str], run_dir: Path, wall_s: float, error:
         status="ok", error="",
         **{k: s[k] for k in ("schedule", "num_stages", "data_parallel", "num_microbatches", "microbatch_size", "global_batch_size")},
         samples_per_s=s["samples_per_s"], tokens_per_s=s["tokens_per_s"], step_time_s=s["step_time_s"], final_loss=s["final_loss"],
+        final_val_loss=s.get("final_val_loss"),
         peak_memory_bytes=peaks, max_peak_memory_mib=max(peaks) / 2**20,
         predicted_samples_per_s=s.get("predicted_samples_per_s"), predicted_peak_memory_bytes=s.get("predicted_peak_memory_bytes"),
         bubble_fraction=(s.get("trace") or {}).get("bubble_fraction"),
@@ -106,9 +118,50 @@ def run_job(cfg: Config, task_overrides: List[str], *, job: int, run_dir: Path, 
     return row
 
 
-def sort_rows(rows: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
-    """Fastest first; failed jobs last, in job order."""
-    return sorted(rows, key=lambda r: (r["status"] != "ok", -(r.get("samples_per_s") or 0.0), r["job"]))
+def check_objective(cfg: Config) -> Optional[str]:
+    """``sweep.objective``'s natural direction ('maximize' or 'minimize'); None without an objective.
+
+    Raises:
+        ConfigError: an unknown objective, or final_val_loss without validation (every job would fail it).
+    """
+    objective = cfg.sweep.objective
+    if objective is None:
+        return None
+    if objective not in OBJECTIVES:
+        raise ConfigError(f"sweep.objective ({objective!r}) is unknown; use one of {list(OBJECTIVES)} or null")
+    if objective == "final_val_loss" and not cfg.train.eval_every:
+        raise ConfigError(
+            "sweep.objective (final_val_loss) needs validation: set train.eval_every (e.g. to train.num_steps) "
+            "and data.val_fraction (e.g. 0.1)"
+        )
+    return OBJECTIVES[objective]
+
+
+def sweeper_direction(sweeper: Any, natural: str) -> str:
+    """The direction the Hydra sweeper optimizes in (its ``direction`` setting, as Optuna's), else ``natural``."""
+    direction = sweeper.get("direction") if hasattr(sweeper, "get") else None
+    if isinstance(direction, (list, tuple)) or OmegaConf.is_list(direction):
+        direction = direction[0] if len(direction) == 1 else None
+    direction = str(getattr(direction, "name", direction) or natural).lower()
+    if direction not in ("maximize", "minimize"):
+        raise ConfigError(f"hydra.sweeper.direction ({direction!r}) must be one direction, maximize or minimize, for one sweep.objective")
+    return direction
+
+
+def objective_value(row: Dict[str, Any], objective: str, direction: str) -> float:
+    """The job's figure for the sweeper: ``row[objective]``, or the worst value for ``direction``
+    when the job failed or the figure is missing or not finite (a diverged loss)."""
+    value = row.get(objective) if row["status"] == "ok" else None
+    if value is None or not math.isfinite(value):
+        return -math.inf if direction == "maximize" else math.inf
+    return float(value)
+
+
+def sort_rows(rows: List[Dict[str, Any]], *, objective: Optional[str] = "samples_per_s") -> List[Dict[str, Any]]:
+    """Best ``objective`` first (fastest without one); failed jobs last, in job order."""
+    sign = -1.0 if OBJECTIVES.get(objective or "samples_per_s") == "maximize" else 1.0
+    key = objective or "samples_per_s"
+    return sorted(rows, key=lambda r: (r["status"] != "ok" or r.get(key) is None, sign * (r.get(key) or 0.0), r["job"]))
 
 
 def format_table(rows: List[Dict[str, Any]]) -> str:
@@ -119,10 +172,11 @@ def format_table(rows: List[Dict[str, Any]]) -> str:
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells)
 
 
-def write_table(sweep_dir: Path, rows: List[Dict[str, Any]], *, name: str) -> str:
-    """Writes sweep.json and sweep.csv (sorted by throughput) into ``sweep_dir``; returns the printed table."""
-    rows = sort_rows(rows)
-    atomic_write(sweep_dir / "sweep.json", (json.dumps({"name": name, "sweep_dir": str(sweep_dir), "jobs": rows}, indent=2) + "\n").encode())
+def write_table(sweep_dir: Path, rows: List[Dict[str, Any]], *, name: str, objective: Optional[str] = "samples_per_s") -> str:
+    """Writes sweep.json and sweep.csv (best ``objective`` first) into ``sweep_dir``; returns the printed table."""
+    rows = sort_rows(rows, objective=objective)
+    payload = {"name": name, "sweep_dir": str(sweep_dir), "objective": objective, "jobs": rows}
+    atomic_write(sweep_dir / "sweep.json", (json.dumps(payload, indent=2) + "\n").encode())
     fields = list(dict.fromkeys(k for r in rows for k in r))
     buf = io.StringIO()
     writer = csv.DictWriter(buf, fieldnames=fields)
@@ -144,21 +198,40 @@ class SweepTable(Callback):
         sweep_dir = Path(config.hydra.sweep.dir)
         rows = [json.loads(p.read_text()) for p in sorted(sweep_dir.glob(f"*/{RESULT_FILE}"))]
         name = config.sweep.name or str(sweep_dir)
-        table = write_table(sweep_dir, rows, name=name)
+        objective = config.sweep.get("objective")
+        table = write_table(sweep_dir, rows, name=name, objective=objective)
         failed = sum(r["status"] != "ok" for r in rows)
         print(f"\nsweep {name}: {len(rows)} jobs, {failed} failed; {sweep_dir / 'sweep.csv'}, {sweep_dir / 'sweep.json'}\n{table}", flush=True)
+        best = sort_rows(rows, objective=objective)[:1]
+        if objective and best and best[0]["status"] == "ok" and best[0].get(objective) is not None:
+            print(f"best {objective}: {best[0][objective]:.6g}, job {best[0]['job']}: {best[0]['overrides']}", flush=True)
 
 
 @hydra.main(version_base="1.3", config_path="../configs", config_name="sweep")
-def main(dcfg: DictConfig) -> None:
+def main(dcfg: DictConfig) -> Optional[float]:
+    """Runs one job; returns its ``sweep.objective`` figure (what an optimizing sweeper minimizes or maximizes).
+
+    Raises:
+        ConfigError: a bad ``sweep.objective`` (before the job starts: every job would fail the same way).
+    """
     cfg: Config = OmegaConf.to_object(dcfg)
     hc = HydraConfig.get()
+    natural = check_objective(cfg)
+    direction = sweeper_direction(hc.sweeper, natural) if natural else None
+    if natural and direction != natural:
+        log.warning("the sweeper %ss sweep.objective (%s), which gets better as it %s", direction, cfg.sweep.objective,
+                    "grows" if natural == "maximize" else "falls")
     run_dir = Path(hc.runtime.output_dir)
     multirun = hc.mode == RunMode.MULTIRUN
     sweep_dir = Path(hc.sweep.dir) if multirun else run_dir
     row = run_job(cfg, list(hc.overrides.task), job=hc.job.num if multirun else 0, run_dir=run_dir, group=sweep_name(cfg, sweep_dir))
     if not multirun:  # a sweep of one: the table goes next to it
-        print(write_table(run_dir, [row], name=sweep_name(cfg, sweep_dir)), flush=True)
+        print(write_table(run_dir, [row], name=sweep_name(cfg, sweep_dir), objective=cfg.sweep.objective), flush=True)
+    if natural is None:
+        return None
+    value = objective_value(row, cfg.sweep.objective, direction)
+    log.info("job %d: %s = %s", row["job"], cfg.sweep.objective, value)
+    return value
 
 
 def cli() -> None:

@@ -18,7 +18,7 @@ from pipedream2bw.config import Config
 
 log = logging.getLogger(__name__)
 
-SCALARS = ("final_loss", "samples_per_s", "tokens_per_s", "step_time_s", "predicted_samples_per_s")
+SCALARS = ("final_loss", "final_val_loss", "samples_per_s", "tokens_per_s", "step_time_s", "predicted_samples_per_s")
 
 
 def stage_rows(summary: Dict[str, Any]) -> List[Dict[str, Any]]:

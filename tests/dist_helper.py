@@ -204,3 +204,32 @@ def poisoned_layers(cfg: Config, layer_index: int, call: int, how: str) -> List[
 
 def train_poisoned(cfg: Config, run_dir: str, layer_index: int, call: int, how: str) -> None:
     run(cfg, Path(run_dir), layers=poisoned_layers(cfg, layer_index, call, how))
+
+
+def train_cli(runs: Sequence[Sequence[str]]) -> None:
+    """``python -m pipedream2bw.train <overrides>`` on this rank once per entry of ``runs``, with process
+    groups forbidden (a bad config must stop a run before any group starts); prints ``EXIT <code>``
+    where the run would have left the process with that exit code."""
+    import runpy
+
+    from pipedream2bw import comm
+
+    def no_groups(**kwargs):
+        raise AssertionError("a process group was started")
+
+    def leave(code):  # the entry point's os._exit: record it, go on with the next run
+        raise SystemExit(code)
+
+    comm.init, os_exit = no_groups, os._exit
+    os._exit = leave
+    try:
+        for overrides in runs:
+            sys.argv = ["pipedream2bw.train", *overrides]
+            try:
+                runpy.run_module("pipedream2bw.train", run_name="__main__")  # as `python -m`: Hydra finds configs/
+                code = 0
+            except SystemExit as e:
+                code = e.code
+            print(f"EXIT {code}", flush=True)
+    finally:
+        os._exit = os_exit

@@ -1,4 +1,4 @@
-"""Single-process oracles: the 2BW update rule and plain minibatch training, on the whole model."""
+"""Single-process oracles: the 2BW update rule, plain minibatch training and validation, on the whole model."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from torch import nn
 
 from pipedream2bw import precision as precisions
 from pipedream2bw.config import Config, build_optimizer
-from pipedream2bw.data import MicrobatchFeed, load_bytes
+from pipedream2bw.data import VALIDATION, MicrobatchFeed, load_splits
 from pipedream2bw.loss_scale import LossScaler
 from pipedream2bw.lr_schedule import lr_at
 from pipedream2bw.models.factory import model_source
@@ -88,7 +88,7 @@ def _train(cfg: Config, *, delayed: bool, layers: Optional[Sequence[nn.Module]],
     stale = copy.deepcopy(model) if delayed else model  # W(t-1): the weights batch t runs with
     opt = build_optimizer(model.parameters(), cfg.optim)
     feed = MicrobatchFeed(
-        load_bytes(cfg.data.path), seq_len=cfg.model.seq_len, microbatch_size=cfg.pipeline.microbatch_size,
+        load_splits(cfg.data)[0], seq_len=cfg.model.seq_len, microbatch_size=cfg.pipeline.microbatch_size,
         num_microbatches=m, seed=cfg.seed,
     )
     t_cfg = cfg.train
@@ -130,3 +130,21 @@ def _train(cfg: Config, *, delayed: bool, layers: Optional[Sequence[nn.Module]],
             group["lr"] = out.lrs[-1]
         opt.step()
     return out._replace(weights=model.state_dict())
+
+
+def reference_eval(cfg: Config, weights: Dict[str, torch.Tensor]) -> float:
+    """The validation loss of ``weights`` in one process: the mean microbatch loss over the
+    ``train.eval_batches`` global batches of held-out windows that the pipeline evaluates."""
+    p = cfg.pipeline
+    source = model_source(cfg.model, seed=cfg.seed)
+    model, lm_loss = nn.Sequential(*source.build()), source.loss_fn
+    model.load_state_dict(weights)
+    model.eval()
+    # One replica of w*m microbatches draws the same windows, in the same order, as w replicas of m.
+    feed = MicrobatchFeed(
+        load_splits(cfg.data)[1], seq_len=cfg.model.seq_len, microbatch_size=p.microbatch_size,
+        num_microbatches=p.data_parallel * p.num_microbatches, seed=cfg.seed, stream=VALIDATION,
+    )
+    with torch.no_grad():
+        losses = [lm_loss(model(x), y) for x, y in map(feed.microbatch, range(cfg.train.eval_batches * p.data_parallel * p.num_microbatches))]
+    return float(torch.stack(losses).mean())

@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import csv
+import importlib.util
 import json
+import math
 import os
 import subprocess
 import sys
@@ -13,7 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from pipedream2bw.sweep import train_overrides
+from omegaconf import OmegaConf
+
+from pipedream2bw.config import Config, ConfigError
+from pipedream2bw.sweep import check_objective, objective_value, sort_rows, sweeper_direction, train_overrides
 
 TINY = [
     "model.d_model=32", "model.seq_len=32", "model.num_layers=2", "pipeline.num_microbatches=2", "pipeline.microbatch_size=2",
@@ -79,3 +84,71 @@ def test_a_job_past_its_timeout_is_stopped_and_reported(tmp_path):
 ])
 def test_train_overrides_drop_sweep_keys_and_add_the_group(given, expected):
     assert train_overrides(given, group="sweeps/x") == expected
+
+
+def test_a_job_returns_its_objective_and_a_failed_job_the_worst_value():
+    ok = {"job": 0, "status": "ok", "samples_per_s": 12.5, "final_loss": 3.0, "final_val_loss": None}
+    failed = {"job": 1, "status": "failed", "error": "bad configuration: ..."}
+    assert objective_value(ok, "samples_per_s", "maximize") == 12.5
+    assert objective_value(ok, "final_loss", "minimize") == 3.0
+    assert objective_value(failed, "samples_per_s", "maximize") == -math.inf
+    assert objective_value(failed, "final_loss", "minimize") == math.inf
+    assert objective_value({**ok, "final_loss": math.nan}, "final_loss", "minimize") == math.inf  # a diverged run
+    # The table lists the best first in the objective's own direction, failed jobs last.
+    rows = [failed, {**ok, "job": 2, "final_loss": 2.0, "samples_per_s": 5.0}, ok]
+    assert [r["job"] for r in sort_rows(rows, objective="final_loss")] == [2, 0, 1]
+    assert [r["job"] for r in sort_rows(rows, objective="samples_per_s")] == [0, 2, 1]
+
+
+def test_objective_and_direction_checks():
+    cfg = Config()
+    assert check_objective(cfg) == "maximize"  # samples_per_s by default
+    cfg.sweep.objective = "final_val_loss"
+    with pytest.raises(ConfigError, match=r"sweep.objective \(final_val_loss\) needs validation: set train.eval_every"):
+        check_objective(cfg)
+    cfg.train.eval_every = 5
+    assert check_objective(cfg) == "minimize"
+    cfg.sweep.objective = "accuracy"
+    with pytest.raises(ConfigError, match=r"sweep.objective \('accuracy'\) is unknown"):
+        check_objective(cfg)
+    assert sweeper_direction(OmegaConf.create({}), "maximize") == "maximize"  # the basic sweeper has none
+    assert sweeper_direction(OmegaConf.create({"direction": "minimize"}), "maximize") == "minimize"
+    assert sweeper_direction(OmegaConf.create({"direction": ["maximize"]}), "minimize") == "maximize"
+
+
+def _has_optuna_sweeper() -> bool:
+    try:
+        return importlib.util.find_spec("hydra_plugins.hydra_optuna_sweeper") is not None
+    except ModuleNotFoundError:  # no hydra_plugins namespace at all
+        return False
+
+
+@pytest.mark.skipif(
+    not _has_optuna_sweeper(),
+    reason="the optional extra is not installed: pip install 'pipedream2bw[optuna]' (hydra-optuna-sweeper)",
+)
+def test_optuna_searches_microbatches_and_learning_rate_and_reports_the_best_trial(tmp_path):
+    # The README's search, shrunk: 6 trials; m=4 breaks train.global_batch_size=4, so those trials fail
+    # before launching and must come back as the worst value rather than stop the search.
+    proc = sweep(
+        "-m", "hydra/sweeper=optuna", "hydra.sweeper.n_trials=6", "hydra.sweeper.direction=minimize", "hydra.sweeper.sampler.seed=0",
+        "sweep.objective=final_val_loss", "pipeline.num_microbatches=choice(2,4)", "optim.lr=tag(log,interval(1e-3,1e-1))",
+        "train.global_batch_size=4", "pipeline.num_stages=1", *(o for o in TINY if not o.startswith("pipeline.num_microbatches=")),
+        "train.eval_every=4", "train.eval_batches=1",
+        "data.val_fraction=0.1", cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    [sweep_dir] = list((tmp_path / "sweeps").glob("*/*"))
+    table = json.loads((sweep_dir / "sweep.json").read_text())
+    jobs = {j["job"]: j for j in table["jobs"]}
+    assert sorted(jobs) == list(range(6)) and table["objective"] == "final_val_loss"
+    ok = [j for j in jobs.values() if j["status"] == "ok"]
+    assert ok and len(ok) < 6 and all("global_batch_size (4) must equal" in j["error"] for j in jobs.values() if j["status"] != "ok")
+    for j in jobs.values():  # what each job returned to Optuna
+        value = j["final_val_loss"] if j["status"] == "ok" else math.inf
+        assert f"job {j['job']}: final_val_loss = {value}" in proc.stderr + proc.stdout
+    best = min(ok, key=lambda j: j["final_val_loss"])
+    results = OmegaConf.load(sweep_dir / "optimization_results.yaml")
+    assert results.best_value == best["final_val_loss"] and table["jobs"][0]["job"] == best["job"]
+    assert f"pipeline.num_microbatches={results.best_params['pipeline.num_microbatches']}" in best["overrides"]
+    assert f"best final_val_loss: {best['final_val_loss']:.6g}, job {best['job']}" in proc.stdout

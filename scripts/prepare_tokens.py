@@ -1,0 +1,121 @@
+"""Tokenizes text files into a token file for ``data.path``: a flat array of ids, uint16 or uint32.
+
+    python scripts/prepare_tokens.py corpus.txt --out data/corpus.bin                      # byte-level (vocab 256)
+    python scripts/prepare_tokens.py a.txt b.txt.gz --out data/ab.bin --tokenizer tokenizers:tokenizer.json
+    python scripts/prepare_tokens.py corpus.txt --out data/gpt2.bin --tokenizer tiktoken:gpt2
+
+The output is what nanoGPT's prepare.py writes (ids back to back, native byte order), plus
+``<out>.json`` saying its dtype, vocabulary size, token count and tokenizer, which training checks.
+Text is read and tokenized in chunks of whole lines, so a corpus larger than memory works. The
+tokenizer runs here only: training reads ids and never loads, let alone downloads, a tokenizer.
+``tokenizers:PATH`` loads a local ``tokenizer.json`` (pip install tokenizers); ``tiktoken:NAME``
+an encoding of tiktoken (pip install tiktoken; it fetches the encoding's file on first use and
+caches it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Callable, Iterator, Sequence, Tuple
+
+import numpy as np
+
+from pipedream2bw.data import BYTE_VOCAB, TOKEN_SUFFIX, meta_path
+from pipedream2bw.results import atomic_write
+
+CHUNK_BYTES = 1 << 22  # text tokenized at a time (about 4 MiB), in whole lines
+
+
+def make_tokenizer(spec: str) -> Tuple[Callable[[bytes], Sequence[int]], int]:
+    """(UTF-8 text -> ids, vocabulary size) for ``bytes``, ``tokenizers:PATH`` or ``tiktoken:NAME``.
+
+    Raises:
+        SystemExit: unknown spec, or the package it needs is not installed.
+    """
+    kind, _, arg = spec.partition(":")
+    if spec == "bytes":
+        return (lambda raw: np.frombuffer(raw, dtype=np.uint8)), BYTE_VOCAB  # the bytes as they are
+    if kind == "tokenizers" and arg:
+        try:
+            from tokenizers import Tokenizer
+        except ImportError:
+            sys.exit("--tokenizer tokenizers:... needs the tokenizers package: pip install 'pipedream2bw[tokenize]'")
+        tok = Tokenizer.from_file(arg)
+        return (lambda raw: tok.encode(_text(raw), add_special_tokens=False).ids), tok.get_vocab_size()
+    if kind == "tiktoken" and arg:
+        try:
+            import tiktoken
+        except ImportError:
+            sys.exit("--tokenizer tiktoken:... needs the tiktoken package: pip install 'pipedream2bw[tokenize]'")
+        enc = tiktoken.get_encoding(arg)
+        return (lambda raw: enc.encode_ordinary(_text(raw))), enc.n_vocab
+    sys.exit(f"--tokenizer {spec!r} is unknown; use bytes, tokenizers:<tokenizer.json> or tiktoken:<encoding, e.g. gpt2>")
+
+
+def _text(raw: bytes) -> str:
+    return raw.decode("utf-8", errors="replace")  # a chunk ends at a newline, never inside a character
+
+
+def read_chunks(paths: Sequence[Path], chunk_bytes: int = CHUNK_BYTES) -> Iterator[bytes]:
+    """The contents of ``paths`` (plain or .gz) in pieces of whole lines of about ``chunk_bytes``."""
+    for path in paths:
+        with (gzip.open if path.suffix == ".gz" else open)(path, "rb") as f:
+            while True:
+                raw = f.read(chunk_bytes)
+                if not raw:
+                    break
+                yield raw + f.readline()  # end on a line boundary
+
+
+def prepare(inputs: Sequence[Path], out: Path, *, tokenizer: str) -> dict:
+    """Writes ``out`` (token ids) and ``<out>.json``; returns the description.
+
+    Raises:
+        SystemExit: bad arguments.
+    """
+    if out.suffix != TOKEN_SUFFIX:
+        sys.exit(f"--out ({out}) must end in {TOKEN_SUFFIX}: training reads data.path as token ids only then")
+    encode, vocab_size = make_tokenizer(tokenizer)
+    dtype = "uint16" if vocab_size <= 1 << 16 else "uint32"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp, count = out.with_name(f".{out.name}.tmp"), 0
+    try:
+        with open(tmp, "wb") as f:
+            for raw in read_chunks(inputs):
+                ids = np.asarray(encode(raw), dtype=np.int64)
+                if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
+                    sys.exit(f"tokenizer {tokenizer} produced id {int(ids.max())} outside its vocabulary of {vocab_size}")
+                ids.astype(dtype).tofile(f)
+                count += ids.size
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
+    meta = {"format": 1, "dtype": dtype, "vocab_size": vocab_size, "num_tokens": count, "tokenizer": tokenizer,
+            "sources": [str(p) for p in inputs]}
+    atomic_write(meta_path(out), (json.dumps(meta, indent=2) + "\n").encode())
+    return meta
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("inputs", nargs="+", type=Path, help="text files (.txt or .gz), concatenated in order")
+    parser.add_argument("--out", type=Path, required=True, help=f"token file to write ({TOKEN_SUFFIX})")
+    parser.add_argument("--tokenizer", default="bytes", help="bytes (default), tokenizers:<tokenizer.json> or tiktoken:<name>")
+    args = parser.parse_args(argv)
+    missing = [str(p) for p in args.inputs if not p.is_file()]
+    if missing:
+        sys.exit(f"not a file: {', '.join(missing)}")
+    meta = prepare(args.inputs, args.out, tokenizer=args.tokenizer)
+    print(f"{args.out}: {meta['num_tokens']} tokens ({meta['dtype']}), vocabulary {meta['vocab_size']}; train on it with\n"
+          f"  data.path={args.out} data.token_dtype={meta['dtype']} model.vocab_size={meta['vocab_size']}")
+
+
+if __name__ == "__main__":
+    main()
