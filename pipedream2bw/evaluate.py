@@ -31,6 +31,7 @@ from torch import nn
 
 from pipedream2bw.comm import EVAL_LOSS_TAG, P2P
 from pipedream2bw.data import MicrobatchFeed
+from pipedream2bw.precision import autocast, compute_dtype
 
 log = logging.getLogger(__name__)
 
@@ -56,9 +57,10 @@ class Evaluator:
     def __init__(
         self, *, prev: Optional[int], next: Optional[int], loss_sources: Tuple[int, ...], p2p: P2P,
         feed: Optional[MicrobatchFeed], num_microbatches: int, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-        device: torch.device,
+        device: torch.device, precision: str = "fp32",
     ):
         self.prev, self.next, self.loss_sources, self.p2p, self.feed = prev, next, loss_sources, p2p, feed
+        self.precision, self._wire_dtype = precision, compute_dtype(precision)
         self.num_microbatches, self.loss_fn, self.device = num_microbatches, loss_fn, device
         self.rank = p2p.ctx.rank
         self.time_s = 0.0  # this rank's time in validation passes (compute and waits)
@@ -79,11 +81,17 @@ class Evaluator:
                     x = self.feed.inputs(e).to(self.device, non_blocking=True)
                 else:
                     x = self.p2p.wait_recv(self.p2p.post_recv(peer=self.prev, tag=EVAL_TAG), peer=self.prev)
-                out = module(x)
+                    x = x.float() if x.dtype == self._wire_dtype and self.precision != "fp32" else x  # as training's stages do
+                with autocast(self.precision, self.device.type):
+                    out = module(x)
                 if self.next is None:
-                    losses.append(self.loss_fn(out, self.feed.targets(e).to(self.device, non_blocking=True)))
+                    losses.append(self.loss_fn(out.float(), self.feed.targets(e).to(self.device, non_blocking=True)))
+                elif not torch.is_tensor(out):
+                    raise NotImplementedError(
+                        f"validation passes carry one tensor across a stage boundary; this stage returns {type(out).__name__}: "
+                        f"set train.eval_every=0 for a model whose stages pass tuples or dicts")
                 else:
-                    self.p2p.send(out, peer=self.next, tag=EVAL_TAG)
+                    self.p2p.send(out.to(self._wire_dtype) if out.dtype == torch.float32 else out, peer=self.next, tag=EVAL_TAG)
             if self.next is not None:
                 self.p2p.flush()  # the next stage has all of this pass: nothing of it stays in flight
         finally:

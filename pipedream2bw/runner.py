@@ -370,7 +370,7 @@ def _train(cfg: Config, run_dir: Path, ctx: comm.DistContext, layout: Layout, ba
         evaluator = evaluate.Evaluator(
             prev=peers.prev, next=peers.next, loss_sources=peers.loss_sources, feed=val_feed,
             p2p=comm.P2P(ctx, group=comm.new_groups(ctx, [range(ctx.world_size)])[0]),
-            num_microbatches=cfg.train.eval_batches * m, loss_fn=loss_fn, device=ctx.device,
+            num_microbatches=cfg.train.eval_batches * m, loss_fn=loss_fn, device=ctx.device, precision=precision,
         )
     in_flight_limit = m if p.schedule == "gpipe" else d - s
 
