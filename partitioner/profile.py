@@ -31,7 +31,7 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -74,6 +74,48 @@ def _saved_bytes(fn: Callable[[], torch.Tensor], params: Sequence[torch.Tensor])
     return total[0]
 
 
+def _time_passes(forward: Callable[[], Any], backward: Callable[[Any], None], leaves: Sequence[torch.Tensor], *,
+                 device: torch.device, warmup: int, repeats: int) -> Tuple[float, float]:
+    """Median seconds of ``forward()`` and of ``backward(its output)`` over ``repeats`` runs after
+    ``warmup``, the gradients of ``leaves`` cleared before each."""
+    fwd, bwd = [], []
+    for r in range(warmup + repeats):
+        for t in leaves:
+            t.grad = None
+        _sync(device)
+        t0 = time.perf_counter()
+        out = forward()
+        _sync(device)
+        t1 = time.perf_counter()
+        backward(out)
+        _sync(device)
+        t2 = time.perf_counter()
+        if r >= warmup:
+            fwd.append(t1 - t0)
+            bwd.append(t2 - t1)
+    return statistics.median(fwd), statistics.median(bwd)
+
+
+def _time_optimizer(params: Sequence[torch.nn.Parameter], optim: OptimConfig, *, device: torch.device, warmup: int,
+                    repeats: int) -> Tuple[float, int]:
+    """(median seconds of one step, optimizer state bytes after a real step) of ``optim`` on ``params``."""
+    if not params:
+        return 0.0, 0
+    opt = build_optimizer(params, optim)
+    steps = []
+    for r in range(warmup + repeats):
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        _sync(device)
+        t0 = time.perf_counter()
+        opt.step()
+        _sync(device)
+        if r >= warmup:
+            steps.append(time.perf_counter() - t0)
+    state_bytes = sum(v.numel() * v.element_size() for st in opt.state.values() for v in st.values() if torch.is_tensor(v))
+    return statistics.median(steps), state_bytes
+
+
 def profile_layer(layer: torch.nn.Module, cfg: GPTConfig, optim: OptimConfig, kind: str, b: int, *,
                   device: torch.device, repeats: int = 5, warmup: int = 2, precision: str = "fp32") -> LayerCost:
     """Measures one layer at microbatch size ``b`` (see the module docstring), its forward under
@@ -98,42 +140,14 @@ def profile_layer(layer: torch.nn.Module, cfg: GPTConfig, optim: OptimConfig, ki
     out = forward()
     out_bytes = 0 if kind == "head" else out.numel() * out.element_size()
     grad = None if kind == "head" else torch.randn(out.shape, generator=gen).to(device, out.dtype)
-    fwd, bwd = [], []
-    for r in range(warmup + repeats):
-        for p in params:
-            p.grad = None
-        if x.requires_grad:
-            x.grad = None
-        _sync(device)
-        t0 = time.perf_counter()
-        out = forward()
-        _sync(device)
-        t1 = time.perf_counter()
-        out.backward(grad)
-        _sync(device)
-        t2 = time.perf_counter()
-        if r >= warmup:
-            fwd.append(t1 - t0)
-            bwd.append(t2 - t1)
+    forward_s, backward_s = _time_passes(forward, lambda out: out.backward(grad), params + ([x] if x.requires_grad else []),
+                                         device=device, warmup=warmup, repeats=repeats)
     saved = _saved_bytes(forward, params)
-    # The optimizer: state bytes after a real step, and its time (median of repeats).
-    opt = build_optimizer(params, optim)
-    steps = []
-    for r in range(warmup + repeats):
-        for p in params:
-            p.grad = torch.zeros_like(p)
-        _sync(device)
-        t0 = time.perf_counter()
-        opt.step()
-        _sync(device)
-        if r >= warmup:
-            steps.append(time.perf_counter() - t0)
-    opt_bytes = sum(v.numel() * v.element_size() for st in opt.state.values() for v in st.values() if torch.is_tensor(v))
+    step_s, opt_bytes = _time_optimizer(params, optim, device=device, warmup=warmup, repeats=repeats)
     return LayerCost(
-        name=kind, forward_s=statistics.median(fwd), backward_s=statistics.median(bwd),
+        name=kind, forward_s=forward_s, backward_s=backward_s,
         param_bytes=sum(p.numel() * p.element_size() for p in params), saved_bytes=saved,
-        input_bytes=x.numel() * x.element_size(), output_bytes=out_bytes, optimizer_bytes=opt_bytes,
-        step_s=statistics.median(steps),
+        input_bytes=x.numel() * x.element_size(), output_bytes=out_bytes, optimizer_bytes=opt_bytes, step_s=step_s,
     )
 
 
@@ -288,45 +302,20 @@ def profile_any_layer(layer: torch.nn.Module, x, targets: torch.Tensor, loss_fn:
     out = forward()
     outs = [t for t in pytree.tree_leaves(out) if torch.is_tensor(t) and t.requires_grad]
     grads = None if loss_fn is not None else [torch.randn(t.shape, generator=gen, dtype=t.dtype).to(device) for t in outs]
-    fwd, bwd = [], []
-    for r in range(warmup + repeats):
-        for q in params + float_inputs:
-            q.grad = None
-        _sync(device)
-        t0 = time.perf_counter()
-        out = forward()
-        _sync(device)
-        t1 = time.perf_counter()
+
+    def backward(out) -> None:
         if loss_fn is not None:
             out.backward()
         elif outs:
-            outs_now = [t for t in pytree.tree_leaves(out) if torch.is_tensor(t) and t.requires_grad]
-            torch.autograd.backward(outs_now, grads)
-        _sync(device)
-        t2 = time.perf_counter()
-        if r >= warmup:
-            fwd.append(t1 - t0)
-            bwd.append(t2 - t1)
+            torch.autograd.backward([t for t in pytree.tree_leaves(out) if torch.is_tensor(t) and t.requires_grad], grads)
+
+    forward_s, backward_s = _time_passes(forward, backward, params + float_inputs, device=device, warmup=warmup, repeats=repeats)
     saved = _saved_bytes(forward, params)
-    opt = build_optimizer(params, optim) if params else None
-    steps = [0.0]
-    if opt is not None:
-        steps = []
-        for r in range(warmup + repeats):
-            for q in params:
-                q.grad = torch.zeros_like(q)
-            _sync(device)
-            t0 = time.perf_counter()
-            opt.step()
-            _sync(device)
-            if r >= warmup:
-                steps.append(time.perf_counter() - t0)
-    opt_bytes = 0 if opt is None else sum(v.numel() * v.element_size() for st in opt.state.values() for v in st.values() if torch.is_tensor(v))
+    step_s, opt_bytes = _time_optimizer(params, optim, device=device, warmup=warmup, repeats=repeats)
     return LayerCost(
-        name=name, forward_s=statistics.median(fwd), backward_s=statistics.median(bwd),
+        name=name, forward_s=forward_s, backward_s=backward_s,
         param_bytes=sum(q.numel() * q.element_size() for q in params), saved_bytes=saved,
-        input_bytes=_nbytes(x), output_bytes=0 if loss_fn is not None else _nbytes(out), optimizer_bytes=opt_bytes,
-        step_s=statistics.median(steps),
+        input_bytes=_nbytes(x), output_bytes=0 if loss_fn is not None else _nbytes(out), optimizer_bytes=opt_bytes, step_s=step_s,
     )
 
 
