@@ -316,9 +316,8 @@ def _train(cfg: Config, run_dir: Path, ctx: comm.DistContext, layout: Layout, ba
     precision = precisions.resolve(cfg.train.precision, ctx.device.type)
     rule = StepRule(clip_grad_norm=cfg.optim.clip_grad_norm, on_nonfinite=cfg.train.on_nonfinite)
     if precision == "fp16":  # the loss scaler owns skipping; its scale changes reach batches one (2bw: two) later
-        scaler = LossScaler(
-            init_scale=cfg.train.loss_scale, growth_interval=cfg.train.loss_scale_growth_interval, min_scale=cfg.train.loss_scale_min,
-        )
+        scaler = LossScaler(init_scale=cfg.train.loss_scale, growth_interval=cfg.train.loss_scale_growth_interval,
+                            min_scale=cfg.train.loss_scale_min)
         rule = ScaledStepRule(scaler, lag=2 if p.schedule == "2bw" else 1, clip_grad_norm=cfg.optim.clip_grad_norm,
                               on_nonfinite=cfg.train.on_nonfinite)
     layout_record = {"num_stages": d, "data_parallel": w, "balance": list(balance), "rank_map": [list(r) for r in layout.ranks]}
