@@ -497,7 +497,6 @@ def _train(cfg: Config, run_dir: Path, ctx: comm.DistContext, layout: Layout, ba
         "ties": [{**t, "checked_steps": min((r["tie_checked_steps"] for r, (st, _) in zip(tie_records, _positions(layout, ctx.world_size))
                                              if st in t["stages"]), default=0)} for t in ties.describe(tied, balance)],
         "tie_allreduce_calls": [r["tie_allreduce_calls"] for r in tie_records],
-        "recompute": p.recompute, **predictions,
         "val_losses": [] if evaluator is None else [{"step": n, "loss": v} for n, v in evaluator.losses],
         "final_val_loss": evaluator.losses[-1][1] if evaluator is not None and evaluator.losses else None,
     }

@@ -18,7 +18,6 @@ from pipedream2bw import agreement
 from pipedream2bw.agreement import NonFiniteError, StepDecision, StepOutcome, StepRule
 from pipedream2bw.comm import P2P, AsyncSum, GradReducer, PipelineShapeError
 from pipedream2bw.data import MicrobatchFeed
-from pipedream2bw.loss_scale import LossScaler
 from pipedream2bw.precision import autocast, compute_dtype
 from pipedream2bw.schedule import BACKWARD, FORWARD, Action
 from pipedream2bw.timeline import Recorder

@@ -196,7 +196,6 @@ def worker_torch(args, schedule: str, device) -> dict:
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
     from pipedream2bw.config import build_optimizer, gpt_balance
-    from pipedream2bw.models import lm_loss
     from pipedream2bw.runner import build_stage_module
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -235,7 +234,7 @@ def worker_single(args, device) -> dict:
     from torch import nn
 
     from pipedream2bw.config import build_optimizer
-    from pipedream2bw.models import build_gpt_layers, lm_loss
+    from pipedream2bw.models import build_gpt_layers
 
     torch.set_num_threads(1)
     cfg = _config(args, "flush", 1)
