@@ -83,7 +83,6 @@ class StageStats:
     trace: Optional[dict] = None  # pipeline.trace: {"spans": [timeline.Span], "window": [start, end]}
     swap: Optional[Dict[str, Any]] = None  # SwapStats of a stage that swaps activations to host
     loss_scales: List[float] = field(default_factory=list)  # fp16: the loss scale each batch ran with
-    skipped_steps: List[int] = field(default_factory=list)  # fp16: batches whose step was skipped (non-finite gradient)
 
 
 class SavedBytes(torch.autograd.graph.saved_tensors_hooks):
@@ -192,8 +191,6 @@ class StageWorker:
         # schedule.receipts of the previous stage (its forward j proves which of our gradients it
         # received) and of the next (its backward j, which of our activations): sends to free.
         self._receipts = {FORWARD: receipts[0], BACKWARD: receipts[1]}
-        # Agreements a step needs from other ranks (ties.TieExchange): start(t) once batch t's
-        # backwards are done, finish(t) right before its step. Both run at the step here.
 
     def _post_recv(self, peer: int, tag: int) -> List[tuple]:
         """Posts the receives of one boundary crossing: one per element of its structure, which the
