@@ -37,7 +37,7 @@ import torch
 
 from partitioner.cost import LayerCost
 from pipedream2bw import precision as precisions
-from pipedream2bw.config import GPTConfig, OptimConfig, TopologyConfig, build_optimizer, model_num_layers
+from pipedream2bw.config import GPTConfig, OptimConfig, TopologyConfig, build_optimizer, model_num_layers, optimizer_name
 from pipedream2bw.models import build_gpt_layers, lm_loss
 
 CACHE_VERSION = 1
@@ -213,7 +213,7 @@ def analytic_gpt(cfg: GPTConfig, optim: OptimConfig, b: int, topo: TopologyConfi
     """
     T, C, V = cfg.seq_len, cfg.d_model, cfg.vocab_size
     flops, bw = topo.peak_tflops * 1e12, topo.memory_bw_gbps * 1e9
-    pm = precisions.param_memory(precision, schedule="flush", optimizer=optim.name, optimizer_kwargs=optim.kwargs)
+    pm = precisions.param_memory(precision, schedule="flush", optimizer=optimizer_name(optim), optimizer_kwargs=optim.kwargs)
     dtype_bytes = precisions.compute_dtype(precision).itemsize
     btc = b * T * C * dtype_bytes
 

@@ -65,9 +65,10 @@ def versions_held(schedule: str) -> int:
 
 def optimizer_state_factor(name: str, kwargs: Optional[Dict] = None) -> float:
     """Optimizer state per parameter byte: adam/adamw 2 (two moments), sgd with momentum 1,
-    plain sgd 0, rmsprop 1 (+1 with momentum), adagrad 1; unknown optimizers 2 (conservative)."""
+    plain sgd 0, rmsprop 1 (+1 with momentum), adagrad 1; unknown optimizers 2 (conservative).
+    ``name``: a torch.optim name or an optimizer's import path (``optim._target_``, e.g. torch.optim.SGD)."""
     kwargs = dict(kwargs or {})
-    name = name.lower()
+    name = name.rsplit(".", 1)[-1].lower()
     if name in ("adam", "adamw", "nadam", "radam", "adamax"):
         return 2.0 + (1.0 if kwargs.get("amsgrad") else 0.0)
     if name == "sgd":

@@ -527,7 +527,8 @@ def _precision_record(cfg: Config, precision: str, rule: StepRule, stats: StageS
     record = {
         "precision": precision, "compute_dtype": str(precisions.compute_dtype(precision)).replace("torch.", ""),
         "bytes_per_parameter": precisions.param_memory(
-            precision, schedule=cfg.pipeline.schedule, optimizer=cfg.optim.name, optimizer_kwargs=cfg.optim.kwargs).as_dict(),
+            precision, schedule=cfg.pipeline.schedule, optimizer=optimizer_name(cfg.optim),
+            optimizer_kwargs=cfg.optim.kwargs).as_dict(),
     }
     if isinstance(rule, ScaledStepRule):  # every rank's scaler takes the same values; these are rank 0's
         record["loss_scale"] = {"final": rule.scaler.scale, "per_step": stats.loss_scales, "skipped_steps": stats.skipped_steps,

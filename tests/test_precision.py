@@ -50,6 +50,8 @@ def test_loss_scaler_follows_torchs_rule_and_resumes_from_its_state():
 def test_bytes_per_parameter_and_the_planner_uses_them():
     assert param_memory("fp32", schedule="2bw", optimizer="adamw").total == 2 * 4 + 4 + 8
     assert param_memory("bf16", schedule="flush", optimizer="sgd", optimizer_kwargs={"momentum": 0.9}).total == 4 + 4 + 4
+    # optim=custom names its class by import path (optim._target_): the same bytes as by name
+    assert param_memory("fp32", schedule="flush", optimizer="torch.optim.SGD").total == 4 + 4
     assert param_memory("bf16", schedule="2bw", optimizer="adam").cast_per_microbatch == 2
     assert param_memory("fp32", schedule="2bw", optimizer="adam").cast_per_microbatch == 0
     # The planner's memory model holds exactly those bytes per parameter for a stage's weights,
