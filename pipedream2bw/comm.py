@@ -301,10 +301,7 @@ class P2P:
         self._value_sends: List[Tuple[Any, torch.Tensor, int]] = []  # send_value's: (work, value, peer)
 
     def _wait(self, work: Any, what: str) -> None:
-        try:
-            work.wait(self.ctx.timeout)
-        except Exception as e:
-            raise RuntimeError(f"rank {self.ctx.rank}: {what} failed or timed out after {self.ctx.timeout}: {e}") from e
+        wait_work(self.ctx, work, what)
 
     def send(self, tensor: torch.Tensor, *, peer: int, tag: int, defer: bool = False, token: Optional[int] = None) -> None:
         """Sends ``tensor`` to ``peer`` (held for the next receive if ``defer`` and batching);
@@ -489,10 +486,7 @@ class GradReducer:
         while len(self._started) <= b:  # a bucket whose gradients never came (unused parameters)
             self._start(len(self._started))
         work, flat = self._started[b]
-        try:
-            work.wait(self.ctx.timeout)
-        except Exception as e:
-            raise RuntimeError(f"rank {self.ctx.rank}: gradient all-reduce failed or timed out after {self.ctx.timeout}: {e}") from e
+        wait_work(self.ctx, work, "gradient all-reduce")
         self.exposed_s += time.perf_counter() - start
         params, offset = self.replicas[self._armed], 0
         for i in self.buckets[b]:
