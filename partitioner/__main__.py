@@ -24,7 +24,8 @@ def compose(overrides):
     """The run's Config from configs/ and ``overrides`` (as ``pipedream2bw.train`` composes it)."""
     import os
 
-    from hydra import compose as hydra_compose, initialize_config_dir
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
     from omegaconf import OmegaConf
 
     from pipedream2bw.config import from_hydra, register_configs
@@ -37,8 +38,8 @@ def compose(overrides):
 
 
 def main(argv=None) -> int:
-    from pipedream2bw.config import ConfigError
     from partitioner.auto import plan_config
+    from pipedream2bw.config import ConfigError
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] != "plan":
@@ -55,12 +56,17 @@ def main(argv=None) -> int:
     best = plans[0]
     from pipedream2bw.config import GPTConfig
 
-    model = (f"{cfg.model.num_layers} blocks, d_model {cfg.model.d_model}, seq {cfg.model.seq_len}, vocab {cfg.model.vocab_size}"
-             if isinstance(cfg.model, GPTConfig) else f"{cfg.model.name} ({cfg.model.target}), seq {cfg.model.seq_len}")
-    print(f"model: {model}; "
-          f"topology {cfg.topology.name}: {best.devices} devices x {best.memory_per_device_bytes / 2**30:.3g} GiB; "
-          f"global batch {best.global_batch_size}; {best.schedule}; objective {best.objective}; {best.costs} costs; "
-          f"planned in {elapsed:.2f} s")
+    model = (
+        f"{cfg.model.num_layers} blocks, d_model {cfg.model.d_model}, seq {cfg.model.seq_len}, vocab {cfg.model.vocab_size}"
+        if isinstance(cfg.model, GPTConfig)
+        else f"{cfg.model.name} ({cfg.model.target}), seq {cfg.model.seq_len}"
+    )
+    print(
+        f"model: {model}; "
+        f"topology {cfg.topology.name}: {best.devices} devices x {best.memory_per_device_bytes / 2**30:.3g} GiB; "
+        f"global batch {best.global_batch_size}; {best.schedule}; objective {best.objective}; {best.costs} costs; "
+        f"planned in {elapsed:.2f} s"
+    )
     print(table(plans))
     print(f"\nchosen plan (#0), per stage:\n{stage_table(best)}")
     path = save_plan(best, cfg.partition.path or "plan.yaml")

@@ -48,8 +48,9 @@ def runtime_topology(topo: TopologyConfig, *, world_size: int, local_world_size:
         total = torch.cuda.get_device_properties(0).total_memory / GIB
         topo = dataclasses.replace(topo, memory_per_device_gib=min(topo.memory_per_device_gib, total))
     if topo.device == "cpu":
-        return dataclasses.replace(topo, nodes=1, devices_per_node=world_size,
-                                   memory_per_device_gib=topo.host_memory_gib / world_size)
+        return dataclasses.replace(
+            topo, nodes=1, devices_per_node=world_size, memory_per_device_gib=topo.host_memory_gib / world_size
+        )
     per_node = max(1, local_world_size)
     return dataclasses.replace(topo, nodes=math.ceil(world_size / per_node), devices_per_node=per_node)
 
@@ -80,23 +81,35 @@ def uses_profile(cfg: Config) -> bool:
     return costs == "profile"
 
 
-def make_request(cfg: Config, *, devices: Optional[int] = None, topology: Optional[TopologyConfig] = None,
-                 runtime_bytes=None) -> Request:
+def make_request(
+    cfg: Config, *, devices: Optional[int] = None, topology: Optional[TopologyConfig] = None, runtime_bytes=None
+) -> Request:
     topo = topology or cfg.topology
     p = cfg.pipeline
     if p.schedule not in SCHEDULES:
         raise ConfigError(f"pipeline.schedule ({p.schedule!r}) is unknown; use one of {list(SCHEDULES)}")
     B = cfg.train.global_batch_size or p.data_parallel * p.num_microbatches * p.microbatch_size
     if runtime_bytes is None:
-        runtime_bytes = topo.runtime_overhead_gib * GIB if topo.runtime_overhead_gib is not None else runtime_baseline_bytes()
+        runtime_bytes = (
+            topo.runtime_overhead_gib * GIB if topo.runtime_overhead_gib is not None else runtime_baseline_bytes()
+        )
     profile = uses_profile(cfg)
     return Request(
-        global_batch_size=B, topology=topo, devices=devices or num_devices(topo),
-        memory_per_device_bytes=topo.memory_per_device_gib * GIB, runtime_bytes=runtime_bytes,
-        schedule=p.schedule, objective=cfg.partition.objective, depths=cfg.partition.depths,
-        microbatch_sizes=cfg.partition.microbatch_sizes, recompute=cfg.partition.recompute,
-        swap=cfg.partition.swap, swap_resident=cfg.partition.swap_resident,
-        costs="profile" if profile else "analytic", model=dataclasses.asdict(cfg.model), tolerance=cfg.partition.tolerance,
+        global_batch_size=B,
+        topology=topo,
+        devices=devices or num_devices(topo),
+        memory_per_device_bytes=topo.memory_per_device_gib * GIB,
+        runtime_bytes=runtime_bytes,
+        schedule=p.schedule,
+        objective=cfg.partition.objective,
+        depths=cfg.partition.depths,
+        microbatch_sizes=cfg.partition.microbatch_sizes,
+        recompute=cfg.partition.recompute,
+        swap=cfg.partition.swap,
+        swap_resident=cfg.partition.swap_resident,
+        costs="profile" if profile else "analytic",
+        model=dataclasses.asdict(cfg.model),
+        tolerance=cfg.partition.tolerance,
         precision=planned_precision(cfg, topo),
     )
 
@@ -128,16 +141,28 @@ def plan_config(cfg: Config, *, runners_up: int = 4, layers=None, loss_fn=None, 
         loss = loss_fn or (source.loss_fn if source is not None else None)
 
         def cost_fn(b):
-            return profile_layer_list(get, num, loss, cfg.optim, b, seq_len=cfg.model.seq_len, repeats=cfg.partition.repeats)
+            return profile_layer_list(
+                get, num, loss, cfg.optim, b, seq_len=cfg.model.seq_len, repeats=cfg.partition.repeats
+            )
 
         return plan(cost_fn, req, runners_up=runners_up)
     if req.costs == "profile":
+
         def cost_fn(b):
-            return profile_gpt(cfg.model, cfg.optim, b, repeats=cfg.partition.repeats, cache_dir=cfg.partition.cache_dir, seed=cfg.seed,
-                               precision=req.precision)
+            return profile_gpt(
+                cfg.model,
+                cfg.optim,
+                b,
+                repeats=cfg.partition.repeats,
+                cache_dir=cfg.partition.cache_dir,
+                seed=cfg.seed,
+                precision=req.precision,
+            )
     else:
+
         def cost_fn(b):
             return analytic_gpt(cfg.model, cfg.optim, b, req.topology, precision=req.precision)
+
     return plan(cost_fn, req, runners_up=runners_up)
 
 
@@ -165,10 +190,17 @@ def apply_plan(cfg: Config, p: Plan, *, world_size: int, num_layers: Optional[in
             f"plan again for this model"
         )
     pipeline = dataclasses.replace(
-        cfg.pipeline, schedule=p.schedule, num_stages=p.num_stages, data_parallel=p.data_parallel,
-        microbatch_size=p.microbatch_size, num_microbatches=p.num_microbatches, balance=list(p.balance),
-        rank_map=[list(r) for r in p.rank_map], recompute=p.recompute,
+        cfg.pipeline,
+        schedule=p.schedule,
+        num_stages=p.num_stages,
+        data_parallel=p.data_parallel,
+        microbatch_size=p.microbatch_size,
+        num_microbatches=p.num_microbatches,
+        balance=list(p.balance),
+        rank_map=[list(r) for r in p.rank_map],
+        recompute=p.recompute,
     )
     out = dataclasses.replace(cfg, pipeline=pipeline)
-    return dataclasses.replace(out, swap=dataclasses.replace(
-        cfg.swap, enabled=False, stages=list(p.swap_stages), resident=p.swap_resident))
+    return dataclasses.replace(
+        out, swap=dataclasses.replace(cfg.swap, enabled=False, stages=list(p.swap_stages), resident=p.swap_resident)
+    )

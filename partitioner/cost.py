@@ -101,7 +101,7 @@ class Segments:
         peak = np.asarray([c.saved_bytes + c.output_bytes for c in layers], dtype=np.float64)
         rmax = np.zeros((n + 1, n + 1))
         for i in range(n):
-            rmax[i, i + 1:] = np.maximum.accumulate(peak[i:])
+            rmax[i, i + 1 :] = np.maximum.accumulate(peak[i:])
         self.RMAX = rmax
 
 
@@ -167,7 +167,11 @@ def segment_costs(seg: Segments, i, j, ctx: StageContext) -> Dict[str, np.ndarra
     kept = np.minimum(per_mb, in_b + out_b)  # the stash holds each microbatch's input and output: never swapped
     moved = per_mb - kept if swapped else np.zeros_like(per_mb)
     resident = min(n, ctx.swap_resident + 1) if swapped else n  # the microbatch computing + K waiting
-    stall = _swap_stall(moved / ctx.host_device_bw, fwd, bwd, schedule=ctx.schedule, resident=ctx.swap_resident) if swapped else np.zeros_like(F)
+    stall = (
+        _swap_stall(moved / ctx.host_device_bw, fwd, bwd, schedule=ctx.schedule, resident=ctx.swap_resident)
+        if swapped
+        else np.zeros_like(F)
+    )
     send = _xfer(ctx.link_next, out_b)
     send_grad = _xfer(ctx.link_prev, np.where(s == 0, 0.0, in_b))
     microbatch = fwd + bwd + send + send_grad + stall
@@ -185,12 +189,22 @@ def segment_costs(seg: Segments, i, j, ctx: StageContext) -> Dict[str, np.ndarra
         buffers=2 * (in_b + out_b) + (W if w > 1 else 0.0),
         workspace=seg.RMAX[i, j],
         runtime=np.full(W.shape, float(ctx.runtime_bytes)),
-        forward_s=fwd, backward_s=bwd, send_s=send, send_grad_s=send_grad, stall_s=stall,
-        microbatch_s=microbatch, step_s=step, allreduce_s=allreduce,
+        forward_s=fwd,
+        backward_s=bwd,
+        send_s=send,
+        send_grad_s=send_grad,
+        stall_s=stall,
+        microbatch_s=microbatch,
+        step_s=step,
+        allreduce_s=allreduce,
         batch_s=batch_multiplier(ctx.schedule, d, m) * microbatch + step + exposed,
-        act_per_microbatch=per_mb, act_moved=moved, act_extra=extra,
+        act_per_microbatch=per_mb,
+        act_moved=moved,
+        act_extra=extra,
     )
-    out["memory"] = sum(out[k] for k in ("weights", "gradients", "optimizer", "activations", "buffers", "workspace", "runtime"))
+    out["memory"] = sum(
+        out[k] for k in ("weights", "gradients", "optimizer", "activations", "buffers", "workspace", "runtime")
+    )
     return out
 
 
@@ -228,8 +242,15 @@ class SimResult:
     busy_s: float  # compute seconds per batch over all ranks (cores share them on a CPU)
 
 
-def simulate(stages: Sequence[StageCost], *, schedule: str, num_microbatches: int, data_parallel: int = 1,
-             num_batches: int = 5, cores: Optional[int] = None) -> SimResult:
+def simulate(
+    stages: Sequence[StageCost],
+    *,
+    schedule: str,
+    num_microbatches: int,
+    data_parallel: int = 1,
+    num_batches: int = 5,
+    cores: Optional[int] = None,
+) -> SimResult:
     """Runs every stage's ``stage_actions`` list against its costs, event by event.
 
     F k on stage s starts when s is free and F k on s-1 has finished (its send included);
@@ -239,7 +260,10 @@ def simulate(stages: Sequence[StageCost], *, schedule: str, num_microbatches: in
     divided by the cores.
     """
     d, m = len(stages), num_microbatches
-    lists = [stage_actions(schedule, stage_index=s, num_stages=d, num_microbatches=m, num_batches=num_batches) for s in range(d)]
+    lists = [
+        stage_actions(schedule, stage_index=s, num_stages=d, num_microbatches=m, num_batches=num_batches)
+        for s in range(d)
+    ]
     done: Dict[tuple, float] = {}
     clock, pos, live, peak = [0.0] * d, [0] * d, [0] * d, [0] * d
     step_end = []

@@ -119,13 +119,16 @@ def table(plans: Sequence[Plan]) -> str:
 
 def stage_table(plan: Plan) -> str:
     """Per-stage predictions of one plan: layers, time per microbatch, memory and its parts."""
-    lines = [f"{'stage':>5} {'layers':>9} {'ms/mb':>9} {'peak GiB':>9}  " + " ".join(f"{p[:6]:>7}" for p in MEMORY_PARTS)]
+    lines = [
+        f"{'stage':>5} {'layers':>9} {'ms/mb':>9} {'peak GiB':>9}  " + " ".join(f"{p[:6]:>7}" for p in MEMORY_PARTS)
+    ]
     for s in range(plan.num_stages):
         start = plan.boundaries[s]
         parts = plan.predicted_memory_breakdown[s] if plan.predicted_memory_breakdown else {}
         lines.append(
             f"{s:>5} {f'{start}-{start + plan.balance[s] - 1}':>9} {plan.predicted_stage_time_s[s] * 1e3:>9.3f} "
-            f"{plan.predicted_peak_memory_bytes[s] / GIB:>9.3f}  " + " ".join(f"{parts.get(p, 0) / GIB:>7.3f}" for p in MEMORY_PARTS)
+            f"{plan.predicted_peak_memory_bytes[s] / GIB:>9.3f}  "
+            + " ".join(f"{parts.get(p, 0) / GIB:>7.3f}" for p in MEMORY_PARTS)
         )
     return "\n".join(lines)
 
@@ -133,29 +136,56 @@ def stage_table(plan: Plan) -> str:
 # ---------------------------------------------------------------- the dynamic program
 
 
-def stage_contexts(topo: TopologyConfig, rank_map, *, schedule: str, num_microbatches: int, recompute: bool,
-                   swap: bool, swap_resident: int, runtime_bytes) -> List[StageContext]:
+def stage_contexts(
+    topo: TopologyConfig,
+    rank_map,
+    *,
+    schedule: str,
+    num_microbatches: int,
+    recompute: bool,
+    swap: bool,
+    swap_resident: int,
+    runtime_bytes,
+) -> List[StageContext]:
     """Per-stage contexts; ``runtime_bytes`` is one figure for all stages or a list, one per stage."""
     d, w = len(rank_map), len(rank_map[0])
     if isinstance(runtime_bytes, (int, float)):
         runtime_bytes = [runtime_bytes] * d
     elif len(runtime_bytes) != d:
-        raise ConfigError(f"runtime bytes per stage ({len(runtime_bytes)} figures) must be one figure or one per stage ({d})")
+        raise ConfigError(
+            f"runtime bytes per stage ({len(runtime_bytes)} figures) must be one figure or one per stage ({d})"
+        )
     nxt, rep = p2p_links(topo, rank_map), replica_links(topo, rank_map)
     return [
         StageContext(
-            stage_index=s, num_stages=d, num_microbatches=num_microbatches, data_parallel=w, schedule=schedule,
-            recompute=recompute, swap=swap, swap_resident=swap_resident,
-            link_next=nxt[s] if s < d - 1 else LOCAL, link_prev=nxt[s - 1] if s > 0 else LOCAL,
-            replica_link=rep[s], host_device_bw=host_device_bandwidth(topo), runtime_bytes=float(runtime_bytes[s]),
+            stage_index=s,
+            num_stages=d,
+            num_microbatches=num_microbatches,
+            data_parallel=w,
+            schedule=schedule,
+            recompute=recompute,
+            swap=swap,
+            swap_resident=swap_resident,
+            link_next=nxt[s] if s < d - 1 else LOCAL,
+            link_prev=nxt[s - 1] if s > 0 else LOCAL,
+            replica_link=rep[s],
+            host_device_bw=host_device_bandwidth(topo),
+            runtime_bytes=float(runtime_bytes[s]),
         )
         for s in range(d)
     ]
 
 
-def partition(seg: Segments, contexts: Sequence[StageContext], *, capacity: float, objective: str = "throughput",
-              allow_swap: bool = True, time_limit: float = math.inf, swap_only_if_needed: Optional[bool] = None,
-              ) -> Optional[Tuple[float, List[int], List[bool]]]:
+def partition(
+    seg: Segments,
+    contexts: Sequence[StageContext],
+    *,
+    capacity: float,
+    objective: str = "throughput",
+    allow_swap: bool = True,
+    time_limit: float = math.inf,
+    swap_only_if_needed: Optional[bool] = None,
+) -> Optional[Tuple[float, List[int], List[bool]]]:
     """Exact min-max stage boundaries for the stages described by ``contexts``.
 
     Args:
@@ -214,7 +244,9 @@ def partition(seg: Segments, contexts: Sequence[StageContext], *, capacity: floa
     return float(dp[n]), starts, flags
 
 
-def brute_force(seg: Segments, contexts: Sequence[StageContext], *, capacity: float, objective: str = "throughput") -> Optional[float]:
+def brute_force(
+    seg: Segments, contexts: Sequence[StageContext], *, capacity: float, objective: str = "throughput"
+) -> Optional[float]:
     """Tries every split (small lists only): the reference the dynamic program must equal (no swapping)."""
     import itertools
 
@@ -271,7 +303,9 @@ def _candidates(req: Request, num_layers: int):
     if req.objective not in OBJECTIVES:
         raise ConfigError(f"partition.objective ({req.objective!r}) is unknown; use one of {list(OBJECTIVES)}")
     if not 0 <= req.tolerance < 1:
-        raise ConfigError(f"partition.tolerance ({req.tolerance}) must be in [0, 1): the fraction of the best objective within which plans tie")
+        raise ConfigError(
+            f"partition.tolerance ({req.tolerance}) must be in [0, 1): the fraction of the best objective within which plans tie"
+        )
     B = req.global_batch_size
     depths = req.depths or [d for d in divisors(req.devices) if d <= num_layers]
     for d in depths:
@@ -288,14 +322,18 @@ def _candidates(req: Request, num_layers: int):
             m = per_replica // b
             if req.schedule == "2bw" and m < d:
                 continue
-            for rc in ([req.recompute] if req.recompute is not None else [False, True]):
+            for rc in [req.recompute] if req.recompute is not None else [False, True]:
                 yield d, w, b, m, rc
 
 
-def _make_plan(req: Request, seg: Segments, layer_costs, d, w, b, m, rc, starts, flags, rank_map, contexts, *, simulate_it: bool) -> Plan:
+def _make_plan(
+    req: Request, seg: Segments, layer_costs, d, w, b, m, rc, starts, flags, rank_map, contexts, *, simulate_it: bool
+) -> Plan:
     n = seg.n
     bounds = [*starts, n]
-    stages = [StageCost.of(seg, bounds[s], bounds[s + 1], dataclasses.replace(contexts[s], swap=flags[s])) for s in range(d)]
+    stages = [
+        StageCost.of(seg, bounds[s], bounds[s + 1], dataclasses.replace(contexts[s], swap=flags[s])) for s in range(d)
+    ]
     cores = req.topology.cores if req.topology.device == "cpu" else None
     if simulate_it:
         sim = simulate(stages, schedule=req.schedule, num_microbatches=m, data_parallel=w, cores=cores)
@@ -307,16 +345,29 @@ def _make_plan(req: Request, seg: Segments, layer_costs, d, w, b, m, rc, starts,
             batch_time = max(batch_time, busy / cores)
         peaks = [st["memory"] for st in stages]
     return Plan(
-        schedule=req.schedule, num_stages=d, data_parallel=w, microbatch_size=b, num_microbatches=m,
-        global_batch_size=req.global_batch_size, balance=[bounds[s + 1] - bounds[s] for s in range(d)],
-        rank_map=[list(r) for r in rank_map], recompute=rc, swap_stages=[s for s in range(d) if flags[s]],
-        objective=req.objective, topology=req.topology.name, devices=req.devices,
-        memory_per_device_bytes=int(req.memory_per_device_bytes), costs=req.costs,
-        predicted_batch_time_s=float(batch_time), predicted_samples_per_s=float(req.global_batch_size / batch_time),
+        schedule=req.schedule,
+        num_stages=d,
+        data_parallel=w,
+        microbatch_size=b,
+        num_microbatches=m,
+        global_batch_size=req.global_batch_size,
+        balance=[bounds[s + 1] - bounds[s] for s in range(d)],
+        rank_map=[list(r) for r in rank_map],
+        recompute=rc,
+        swap_stages=[s for s in range(d) if flags[s]],
+        objective=req.objective,
+        topology=req.topology.name,
+        devices=req.devices,
+        memory_per_device_bytes=int(req.memory_per_device_bytes),
+        costs=req.costs,
+        predicted_batch_time_s=float(batch_time),
+        predicted_samples_per_s=float(req.global_batch_size / batch_time),
         predicted_stage_time_s=[float(st["microbatch_s"]) for st in stages],
         predicted_peak_memory_bytes=[int(p) for p in peaks],
         predicted_memory_breakdown=[{k: int(st[k]) for k in MEMORY_PARTS} for st in stages],
-        model=dict(req.model), swap_resident=req.swap_resident, precision=req.precision,
+        model=dict(req.model),
+        swap_resident=req.swap_resident,
+        precision=req.precision,
     )
 
 
@@ -345,8 +396,16 @@ def plan(cost_fn: CostFn, req: Request, *, runners_up: int = 4) -> List[Plan]:
         tried += 1
         layers, seg = segments(b)
         rank_map = make_rank_map(req.topology, d, w)
-        ctxs = stage_contexts(req.topology, rank_map, schedule=req.schedule, num_microbatches=m, recompute=rc,
-                              swap=False, swap_resident=req.swap_resident, runtime_bytes=req.runtime_bytes)
+        ctxs = stage_contexts(
+            req.topology,
+            rank_map,
+            schedule=req.schedule,
+            num_microbatches=m,
+            recompute=rc,
+            swap=False,
+            swap_resident=req.swap_resident,
+            runtime_bytes=req.runtime_bytes,
+        )
         res = partition(seg, ctxs, capacity=req.memory_per_device_bytes, objective=req.objective, allow_swap=req.swap)
         if res is None:
             continue
@@ -361,9 +420,23 @@ def plan(cost_fn: CostFn, req: Request, *, runners_up: int = 4) -> List[Plan]:
     for _, p, args in found[: runners_up + 3]:
         seg, layers, d, w, b, m, rc, starts, flags, rank_map, ctxs = args
         if req.objective == "throughput":  # as fast, with the least memory: a min-max split leaves slack elsewhere
-            fastest = max(float(segment_costs(seg, starts[s], ([*starts, seg.n])[s + 1], dataclasses.replace(ctxs[s], swap=flags[s]))["batch_s"]) for s in range(d))
-            lean = partition(seg, ctxs, capacity=req.memory_per_device_bytes, objective="memory", allow_swap=req.swap,
-                             time_limit=fastest, swap_only_if_needed=True)
+            fastest = max(
+                float(
+                    segment_costs(
+                        seg, starts[s], ([*starts, seg.n])[s + 1], dataclasses.replace(ctxs[s], swap=flags[s])
+                    )["batch_s"]
+                )
+                for s in range(d)
+            )
+            lean = partition(
+                seg,
+                ctxs,
+                capacity=req.memory_per_device_bytes,
+                objective="memory",
+                allow_swap=req.swap,
+                time_limit=fastest,
+                swap_only_if_needed=True,
+            )
             if lean is not None:
                 starts, flags = lean[1], lean[2]
         finalists.append(_make_plan(req, seg, layers, d, w, b, m, rc, starts, flags, rank_map, ctxs, simulate_it=True))
@@ -401,19 +474,31 @@ def _min_memory(seg: Segments, req: Request, d: int, w: int, b: int, m: int, *, 
     """Lowest possible peak memory per device at (d, w, b), recomputing and swapping."""
     rank_map = make_rank_map(devices_topo, d, w)
     eps = req.runtime_bytes if isinstance(req.runtime_bytes, (int, float)) else max(req.runtime_bytes)
-    ctxs = stage_contexts(devices_topo, rank_map, schedule=req.schedule, num_microbatches=m, recompute=True,
-                          swap=False, swap_resident=req.swap_resident, runtime_bytes=eps)
+    ctxs = stage_contexts(
+        devices_topo,
+        rank_map,
+        schedule=req.schedule,
+        num_microbatches=m,
+        recompute=True,
+        swap=False,
+        swap_resident=req.swap_resident,
+        runtime_bytes=eps,
+    )
     res = partition(seg, ctxs, capacity=math.inf, objective="memory", allow_swap=req.swap)
     return math.inf if res is None else res[0]
 
 
 def _infeasible_message(cost_fn: CostFn, segments, req: Request, tried: int, num_layers: int) -> str:
     cap = req.memory_per_device_bytes / GIB
-    what = (f"no plan fits: {num_layers} layers, global batch {req.global_batch_size}, {req.schedule}, "
-            f"on {req.devices} devices of {cap:.3g} GiB ({tried} configurations tried)")
+    what = (
+        f"no plan fits: {num_layers} layers, global batch {req.global_batch_size}, {req.schedule}, "
+        f"on {req.devices} devices of {cap:.3g} GiB ({tried} configurations tried)"
+    )
     if tried == 0:
-        return (f"{what}: no (d, w, b) divides the global batch with d*w = {req.devices} devices "
-                f"(2bw also needs m >= d); change train.global_batch_size, the device count or partition.depths/microbatch_sizes")
+        return (
+            f"{what}: no (d, w, b) divides the global batch with d*w = {req.devices} devices "
+            f"(2bw also needs m >= d); change train.global_batch_size, the device count or partition.depths/microbatch_sizes"
+        )
     # The smallest per-device memory on these devices: the memory objective without a cap.
     best = math.inf
     relaxed = dataclasses.replace(req, microbatch_sizes=None, depths=None, recompute=None)
@@ -431,11 +516,16 @@ def _infeasible_message(cost_fn: CostFn, segments, req: Request, tried: int, num
             fewest = d
             break
     fix = f"needs at least {best / GIB:.3g} GiB per device on {req.devices} devices"
-    fix += (f", or a pipeline of at least {fewest} stages of {cap:.3g} GiB (at least {fewest} devices, "
-            f"a multiple of the depth)" if fewest
-            else f"; even a {num_layers}-stage pipeline does not fit in {cap:.3g} GiB")
-    return (f"{what}: it {fix}; raise topology.memory_per_device_gib (topology.host_memory_gib for ranks sharing a CPU host) "
-            f"or the device count, or lower the batch")
+    fix += (
+        f", or a pipeline of at least {fewest} stages of {cap:.3g} GiB (at least {fewest} devices, "
+        f"a multiple of the depth)"
+        if fewest
+        else f"; even a {num_layers}-stage pipeline does not fit in {cap:.3g} GiB"
+    )
+    return (
+        f"{what}: it {fix}; raise topology.memory_per_device_gib (topology.host_memory_gib for ranks sharing a CPU host) "
+        f"or the device count, or lower the batch"
+    )
 
 
 # ---------------------------------------------------------------- plan files
@@ -457,7 +547,11 @@ def plan_from_text(text: str, *, source: str = "plan") -> Plan:
     except yaml.YAMLError as e:
         raise ConfigError(f"{source} is not valid YAML: {e}") from e
     names = {f.name for f in dataclasses.fields(Plan)}
-    required = {f.name for f in dataclasses.fields(Plan) if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
+    required = {
+        f.name
+        for f in dataclasses.fields(Plan)
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    }
     if not isinstance(data, dict) or set(data) - names or required - set(data):
         got = set(data) if isinstance(data, dict) else set()
         raise ConfigError(
@@ -493,5 +587,7 @@ def load_plan(path) -> Plan:
     """
     path = Path(path)
     if not path.is_file():
-        raise ConfigError(f"partition.path ({path}) is not a file; write a plan with `python -m partitioner plan ...` and point partition.path at it")
+        raise ConfigError(
+            f"partition.path ({path}) is not a file; write a plan with `python -m partitioner plan ...` and point partition.path at it"
+        )
     return plan_from_text(path.read_text(), source=str(path))

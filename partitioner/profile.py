@@ -37,7 +37,14 @@ import torch
 
 from partitioner.cost import LayerCost
 from pipedream2bw import precision as precisions
-from pipedream2bw.config import GPTConfig, OptimConfig, TopologyConfig, build_optimizer, model_num_layers, optimizer_name
+from pipedream2bw.config import (
+    GPTConfig,
+    OptimConfig,
+    TopologyConfig,
+    build_optimizer,
+    model_num_layers,
+    optimizer_name,
+)
 from pipedream2bw.models import build_gpt_layers, lm_loss
 
 CACHE_VERSION = 1
@@ -74,8 +81,15 @@ def _saved_bytes(fn: Callable[[], torch.Tensor], params: Sequence[torch.Tensor])
     return total[0]
 
 
-def _time_passes(forward: Callable[[], Any], backward: Callable[[Any], None], leaves: Sequence[torch.Tensor], *,
-                 device: torch.device, warmup: int, repeats: int) -> Tuple[float, float]:
+def _time_passes(
+    forward: Callable[[], Any],
+    backward: Callable[[Any], None],
+    leaves: Sequence[torch.Tensor],
+    *,
+    device: torch.device,
+    warmup: int,
+    repeats: int,
+) -> Tuple[float, float]:
     """Median seconds of ``forward()`` and of ``backward(its output)`` over ``repeats`` runs after
     ``warmup``, the gradients of ``leaves`` cleared before each."""
     fwd, bwd = [], []
@@ -96,8 +110,9 @@ def _time_passes(forward: Callable[[], Any], backward: Callable[[Any], None], le
     return statistics.median(fwd), statistics.median(bwd)
 
 
-def _time_optimizer(params: Sequence[torch.nn.Parameter], optim: OptimConfig, *, device: torch.device, warmup: int,
-                    repeats: int) -> Tuple[float, int]:
+def _time_optimizer(
+    params: Sequence[torch.nn.Parameter], optim: OptimConfig, *, device: torch.device, warmup: int, repeats: int
+) -> Tuple[float, int]:
     """(median seconds of one step, optimizer state bytes after a real step) of ``optim`` on ``params``."""
     if not params:
         return 0.0, 0
@@ -112,12 +127,24 @@ def _time_optimizer(params: Sequence[torch.nn.Parameter], optim: OptimConfig, *,
         _sync(device)
         if r >= warmup:
             steps.append(time.perf_counter() - t0)
-    state_bytes = sum(v.numel() * v.element_size() for st in opt.state.values() for v in st.values() if torch.is_tensor(v))
+    state_bytes = sum(
+        v.numel() * v.element_size() for st in opt.state.values() for v in st.values() if torch.is_tensor(v)
+    )
     return statistics.median(steps), state_bytes
 
 
-def profile_layer(layer: torch.nn.Module, cfg: GPTConfig, optim: OptimConfig, kind: str, b: int, *,
-                  device: torch.device, repeats: int = 5, warmup: int = 2, precision: str = "fp32") -> LayerCost:
+def profile_layer(
+    layer: torch.nn.Module,
+    cfg: GPTConfig,
+    optim: OptimConfig,
+    kind: str,
+    b: int,
+    *,
+    device: torch.device,
+    repeats: int = 5,
+    warmup: int = 2,
+    precision: str = "fp32",
+) -> LayerCost:
     """Measures one layer at microbatch size ``b`` (see the module docstring), its forward under
     ``precision``'s autocast with float32 weights, as a stage runs it; inputs and outputs in the
     compute dtype, as they cross stages."""
@@ -132,7 +159,9 @@ def profile_layer(layer: torch.nn.Module, cfg: GPTConfig, optim: OptimConfig, ki
         x = torch.randn(b, T, C, generator=gen).to(device, wire).requires_grad_()
     targets = torch.randint(0, cfg.vocab_size, (b, T), generator=gen).to(device)
 
-    def forward() -> torch.Tensor:  # as StageWorker.forward: float32 in, autocast, loss in float32, sent in the wire dtype
+    def forward() -> (
+        torch.Tensor
+    ):  # as StageWorker.forward: float32 in, autocast, loss in float32, sent in the wire dtype
         with precisions.autocast(precision, device.type):
             out = layer(x.float() if x.is_floating_point() else x)
         return lm_loss(out.float(), targets) if kind == "head" else out.to(wire)
@@ -140,23 +169,45 @@ def profile_layer(layer: torch.nn.Module, cfg: GPTConfig, optim: OptimConfig, ki
     out = forward()
     out_bytes = 0 if kind == "head" else out.numel() * out.element_size()
     grad = None if kind == "head" else torch.randn(out.shape, generator=gen).to(device, out.dtype)
-    forward_s, backward_s = _time_passes(forward, lambda out: out.backward(grad), params + ([x] if x.requires_grad else []),
-                                         device=device, warmup=warmup, repeats=repeats)
+    forward_s, backward_s = _time_passes(
+        forward,
+        lambda out: out.backward(grad),
+        params + ([x] if x.requires_grad else []),
+        device=device,
+        warmup=warmup,
+        repeats=repeats,
+    )
     saved = _saved_bytes(forward, params)
     step_s, opt_bytes = _time_optimizer(params, optim, device=device, warmup=warmup, repeats=repeats)
     return LayerCost(
-        name=kind, forward_s=forward_s, backward_s=backward_s,
-        param_bytes=sum(p.numel() * p.element_size() for p in params), saved_bytes=saved,
-        input_bytes=x.numel() * x.element_size(), output_bytes=out_bytes, optimizer_bytes=opt_bytes, step_s=step_s,
+        name=kind,
+        forward_s=forward_s,
+        backward_s=backward_s,
+        param_bytes=sum(p.numel() * p.element_size() for p in params),
+        saved_bytes=saved,
+        input_bytes=x.numel() * x.element_size(),
+        output_bytes=out_bytes,
+        optimizer_bytes=opt_bytes,
+        step_s=step_s,
     )
 
 
-def _cache_key(cfg: GPTConfig, optim: OptimConfig, b: int, device: torch.device, dtype: torch.dtype, threads: int) -> str:
-    desc = json.dumps({
-        "v": CACHE_VERSION, "model": dataclasses.asdict(cfg), "optim": {"name": optim.name.lower(), "kwargs": dict(optim.kwargs)},
-        "b": b, "device": str(device) if device.type != "cuda" else torch.cuda.get_device_name(device),
-        "dtype": str(dtype), "torch": torch.__version__, "threads": threads,
-    }, sort_keys=True)
+def _cache_key(
+    cfg: GPTConfig, optim: OptimConfig, b: int, device: torch.device, dtype: torch.dtype, threads: int
+) -> str:
+    desc = json.dumps(
+        {
+            "v": CACHE_VERSION,
+            "model": dataclasses.asdict(cfg),
+            "optim": {"name": optim.name.lower(), "kwargs": dict(optim.kwargs)},
+            "b": b,
+            "device": str(device) if device.type != "cuda" else torch.cuda.get_device_name(device),
+            "dtype": str(dtype),
+            "torch": torch.__version__,
+            "threads": threads,
+        },
+        sort_keys=True,
+    )
     return hashlib.sha256(desc.encode()).hexdigest()[:20]
 
 
@@ -172,13 +223,26 @@ def _atomic_write_text(path: Path, text: str) -> None:
         raise
 
 
-def profile_gpt(cfg: GPTConfig, optim: OptimConfig, b: int, *, device: Optional[torch.device] = None, repeats: int = 5,
-                cache_dir: Optional[Path] = None, use_cache: bool = True, seed: int = 0, precision: str = "fp32") -> List[LayerCost]:
+def profile_gpt(
+    cfg: GPTConfig,
+    optim: OptimConfig,
+    b: int,
+    *,
+    device: Optional[torch.device] = None,
+    repeats: int = 5,
+    cache_dir: Optional[Path] = None,
+    use_cache: bool = True,
+    seed: int = 0,
+    precision: str = "fp32",
+) -> List[LayerCost]:
     """Measured costs of every layer of the GPT at microbatch size ``b`` under a resolved
     ``precision`` (fp32, bf16, fp16), from the cache if there."""
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     threads = 1 if device.type == "cpu" else torch.get_num_threads()
-    path = Path(cache_dir or default_cache_dir()) / f"profile-{_cache_key(cfg, optim, b, device, precisions.compute_dtype(precision), threads)}.json"
+    path = (
+        Path(cache_dir or default_cache_dir())
+        / f"profile-{_cache_key(cfg, optim, b, device, precisions.compute_dtype(precision), threads)}.json"
+    )
     if use_cache and path.is_file():
         try:
             kinds = json.loads(path.read_text())
@@ -193,7 +257,9 @@ def profile_gpt(cfg: GPTConfig, optim: OptimConfig, b: int, *, device: Optional[
             kind = _kind(cfg, i)
             if kind not in kinds:
                 layer = build_gpt_layers(cfg, seed=seed, indices=[i])[0]
-                kinds[kind] = profile_layer(layer, cfg, optim, kind, b, device=device, repeats=repeats, precision=precision)
+                kinds[kind] = profile_layer(
+                    layer, cfg, optim, kind, b, device=device, repeats=repeats, precision=precision
+                )
     finally:
         torch.set_num_threads(saved_threads)
     _atomic_write_text(path, json.dumps({k: dataclasses.asdict(v) for k, v in kinds.items()}, indent=1))
@@ -201,10 +267,14 @@ def profile_gpt(cfg: GPTConfig, optim: OptimConfig, b: int, *, device: Optional[
 
 
 def _expand(cfg: GPTConfig, kinds: Dict[str, LayerCost]) -> List[LayerCost]:
-    return [dataclasses.replace(kinds[_kind(cfg, i)], name=f"{i}:{_kind(cfg, i)}") for i in range(model_num_layers(cfg))]
+    return [
+        dataclasses.replace(kinds[_kind(cfg, i)], name=f"{i}:{_kind(cfg, i)}") for i in range(model_num_layers(cfg))
+    ]
 
 
-def analytic_gpt(cfg: GPTConfig, optim: OptimConfig, b: int, topo: TopologyConfig, *, precision: str = "fp32") -> List[LayerCost]:
+def analytic_gpt(
+    cfg: GPTConfig, optim: OptimConfig, b: int, topo: TopologyConfig, *, precision: str = "fp32"
+) -> List[LayerCost]:
     """FLOP- and byte-count costs of every layer at microbatch size ``b`` on ``topo``'s devices.
 
     Under a resolved ``precision`` (fp32, bf16, fp16) as the runtime trains: activations in the
@@ -213,7 +283,9 @@ def analytic_gpt(cfg: GPTConfig, optim: OptimConfig, b: int, topo: TopologyConfi
     """
     T, C, V = cfg.seq_len, cfg.d_model, cfg.vocab_size
     flops, bw = topo.peak_tflops * 1e12, topo.memory_bw_gbps * 1e9
-    pm = precisions.param_memory(precision, schedule="flush", optimizer=optimizer_name(optim), optimizer_kwargs=optim.kwargs)
+    pm = precisions.param_memory(
+        precision, schedule="flush", optimizer=optimizer_name(optim), optimizer_kwargs=optim.kwargs
+    )
     dtype_bytes = precisions.compute_dtype(precision).itemsize
     btc = b * T * C * dtype_bytes
 
@@ -225,8 +297,17 @@ def analytic_gpt(cfg: GPTConfig, optim: OptimConfig, b: int, topo: TopologyConfi
         state = params * (pm.optimizer + pm.master)
         saved += matmul_params * pm.cast_per_microbatch
         fwd = max(fwd_flops / flops, fwd_bytes / bw)
-        return LayerCost(name=name, forward_s=fwd, backward_s=2 * fwd, param_bytes=int(pbytes), saved_bytes=int(saved),
-                         input_bytes=int(inp), output_bytes=int(out), optimizer_bytes=int(state), step_s=step_s(pbytes + state))
+        return LayerCost(
+            name=name,
+            forward_s=fwd,
+            backward_s=2 * fwd,
+            param_bytes=int(pbytes),
+            saved_bytes=int(saved),
+            input_bytes=int(inp),
+            output_bytes=int(out),
+            optimizer_bytes=int(state),
+            step_s=step_s(pbytes + state),
+        )
 
     block_params = 12 * C * C + 13 * C
     layers = []
@@ -236,13 +317,35 @@ def analytic_gpt(cfg: GPTConfig, optim: OptimConfig, b: int, topo: TopologyConfi
             layers.append(make(f"{i}:embedding", 0, 2 * btc, (V + T) * C, b * T * 8, b * T * 8, btc))
         elif kind == "block":
             f = 24 * b * T * C * C + 4 * b * T * T * C
-            layers.append(make(f"{i}:block", f, 2 * block_params * dtype_bytes + 20 * btc, block_params, 16 * btc, btc, btc, 12 * C * C))
+            layers.append(
+                make(
+                    f"{i}:block",
+                    f,
+                    2 * block_params * dtype_bytes + 20 * btc,
+                    block_params,
+                    16 * btc,
+                    btc,
+                    btc,
+                    12 * C * C,
+                )
+            )
         elif kind == "norm":
             layers.append(make(f"{i}:norm", 0, 3 * btc, 2 * C, btc, btc, btc))
         else:
             logits = b * T * V * dtype_bytes
             loss = b * T * V * 4  # the loss upcasts the logits: float32 log-probabilities saved for backward
-            layers.append(make(f"{i}:head", 2 * b * T * C * V, V * C * dtype_bytes + 3 * logits, V * C, btc + logits + loss, btc, 0, V * C))
+            layers.append(
+                make(
+                    f"{i}:head",
+                    2 * b * T * C * V,
+                    V * C * dtype_bytes + 3 * logits,
+                    V * C,
+                    btc + logits + loss,
+                    btc,
+                    0,
+                    V * C,
+                )
+            )
     return layers
 
 
@@ -283,8 +386,18 @@ def _nbytes(tree) -> int:
     return sum(t.numel() * t.element_size() for t in torch.utils._pytree.tree_leaves(tree) if torch.is_tensor(t))
 
 
-def profile_any_layer(layer: torch.nn.Module, x, targets: torch.Tensor, loss_fn: Optional[Callable], optim: OptimConfig, *,
-                      name: str, device: torch.device, repeats: int = 5, warmup: int = 2) -> LayerCost:
+def profile_any_layer(
+    layer: torch.nn.Module,
+    x,
+    targets: torch.Tensor,
+    loss_fn: Optional[Callable],
+    optim: OptimConfig,
+    *,
+    name: str,
+    device: torch.device,
+    repeats: int = 5,
+    warmup: int = 2,
+) -> LayerCost:
     """Measures one layer of any list on its input ``x`` (a tensor or a tuple/dict of them); with
     ``loss_fn`` (the last layer) the loss is part of its forward, as the last stage runs it."""
     import torch.utils._pytree as pytree
@@ -301,26 +414,48 @@ def profile_any_layer(layer: torch.nn.Module, x, targets: torch.Tensor, loss_fn:
 
     out = forward()
     outs = [t for t in pytree.tree_leaves(out) if torch.is_tensor(t) and t.requires_grad]
-    grads = None if loss_fn is not None else [torch.randn(t.shape, generator=gen, dtype=t.dtype).to(device) for t in outs]
+    grads = (
+        None if loss_fn is not None else [torch.randn(t.shape, generator=gen, dtype=t.dtype).to(device) for t in outs]
+    )
 
     def backward(out) -> None:
         if loss_fn is not None:
             out.backward()
         elif outs:
-            torch.autograd.backward([t for t in pytree.tree_leaves(out) if torch.is_tensor(t) and t.requires_grad], grads)
+            torch.autograd.backward(
+                [t for t in pytree.tree_leaves(out) if torch.is_tensor(t) and t.requires_grad], grads
+            )
 
-    forward_s, backward_s = _time_passes(forward, backward, params + float_inputs, device=device, warmup=warmup, repeats=repeats)
+    forward_s, backward_s = _time_passes(
+        forward, backward, params + float_inputs, device=device, warmup=warmup, repeats=repeats
+    )
     saved = _saved_bytes(forward, params)
     step_s, opt_bytes = _time_optimizer(params, optim, device=device, warmup=warmup, repeats=repeats)
     return LayerCost(
-        name=name, forward_s=forward_s, backward_s=backward_s,
-        param_bytes=sum(q.numel() * q.element_size() for q in params), saved_bytes=saved,
-        input_bytes=_nbytes(x), output_bytes=0 if loss_fn is not None else _nbytes(out), optimizer_bytes=opt_bytes, step_s=step_s,
+        name=name,
+        forward_s=forward_s,
+        backward_s=backward_s,
+        param_bytes=sum(q.numel() * q.element_size() for q in params),
+        saved_bytes=saved,
+        input_bytes=_nbytes(x),
+        output_bytes=0 if loss_fn is not None else _nbytes(out),
+        optimizer_bytes=opt_bytes,
+        step_s=step_s,
     )
 
 
-def profile_layer_list(layers: Callable[[int], torch.nn.Module], num_layers: int, loss_fn: Callable, optim: OptimConfig, b: int, *,
-                       seq_len: int, vocab_size: int = 256, device: Optional[torch.device] = None, repeats: int = 5) -> List[LayerCost]:
+def profile_layer_list(
+    layers: Callable[[int], torch.nn.Module],
+    num_layers: int,
+    loss_fn: Callable,
+    optim: OptimConfig,
+    b: int,
+    *,
+    seq_len: int,
+    vocab_size: int = 256,
+    device: Optional[torch.device] = None,
+    repeats: int = 5,
+) -> List[LayerCost]:
     """Measured costs of every layer of a list at microbatch size ``b``.
 
     Args:
@@ -348,8 +483,16 @@ def profile_layer_list(layers: Callable[[int], torch.nn.Module], num_layers: int
             key = _signature(layer, x, last)
             if key not in seen:
                 inputs = pytree.tree_map(lambda t: t.detach().clone() if torch.is_tensor(t) else t, x)
-                seen[key] = profile_any_layer(layer, inputs, targets, loss_fn if last else None, optim, name=type(layer).__name__,
-                                              device=device, repeats=repeats)
+                seen[key] = profile_any_layer(
+                    layer,
+                    inputs,
+                    targets,
+                    loss_fn if last else None,
+                    optim,
+                    name=type(layer).__name__,
+                    device=device,
+                    repeats=repeats,
+                )
             costs.append(dataclasses.replace(seen[key], name=f"{i}:{seen[key].name}"))
             if not last:
                 with torch.no_grad():

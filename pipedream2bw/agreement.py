@@ -47,8 +47,11 @@ class StepOutcome:
 
     def describe(self) -> str:
         """E.g. 'non-finite gradient at step 3 on stage 1'."""
-        parts = [f"{what} on stage{'s' if len(stages) > 1 else ''} {', '.join(map(str, stages))}"
-                 for what, stages in (("loss", self.loss_stages), ("gradient", self.grad_stages)) if stages]
+        parts = [
+            f"{what} on stage{'s' if len(stages) > 1 else ''} {', '.join(map(str, stages))}"
+            for what, stages in (("loss", self.loss_stages), ("gradient", self.grad_stages))
+            if stages
+        ]
         return f"non-finite {' and '.join(parts) or 'gradient norm'} at step {self.step}"
 
 
@@ -96,7 +99,7 @@ class StepRule:
 
     def decide(self, outcome: StepOutcome) -> StepDecision:
         """Raises:
-            NonFiniteError: ``outcome.nonfinite`` under on_nonfinite='stop'."""
+        NonFiniteError: ``outcome.nonfinite`` under on_nonfinite='stop'."""
         if outcome.nonfinite:
             if self.on_nonfinite == "skip":
                 return StepDecision(skip=True)
@@ -107,8 +110,10 @@ class StepRule:
 
 
 def stop_message(what: str) -> str:
-    return (f"{what}; train.on_nonfinite=stop ends the run (the last complete checkpoint is kept): lower optim.lr, "
-            f"set optim.clip_grad_norm or optim.warmup_steps, or set train.on_nonfinite=skip to skip such steps")
+    return (
+        f"{what}; train.on_nonfinite=stop ends the run (the last complete checkpoint is kept): lower optim.lr, "
+        f"set optim.clip_grad_norm or optim.warmup_steps, or set train.on_nonfinite=skip to skip such steps"
+    )
 
 
 def sq_norm(grads: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -119,7 +124,9 @@ def sq_norm(grads: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.stack(torch._foreach_norm(list(grads), 2)).double().square().sum()
 
 
-def encode(*, stage_index: int, num_stages: int, sq: torch.Tensor, counts_norm: bool, loss_nonfinite: bool) -> torch.Tensor:
+def encode(
+    *, stage_index: int, num_stages: int, sq: torch.Tensor, counts_norm: bool, loss_nonfinite: bool
+) -> torch.Tensor:
     """This rank's share of the vector summed over all ranks (layout in the module docstring)."""
     d, s = num_stages, stage_index
     share = torch.zeros(1 + 2 * d, dtype=torch.float64, device=sq.device)

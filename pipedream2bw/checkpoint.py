@@ -128,8 +128,18 @@ class Checkpointer:
     """
 
     def __init__(
-        self, root: Path, *, every: int, num_steps: int, keep: int, rank: int, world_size: int, layers: Sequence[int],
-        post: Callable[[str, str], None], read: Callable[[Sequence[str], float], List[str]], timeout_s: float,
+        self,
+        root: Path,
+        *,
+        every: int,
+        num_steps: int,
+        keep: int,
+        rank: int,
+        world_size: int,
+        layers: Sequence[int],
+        post: Callable[[str, str], None],
+        read: Callable[[Sequence[str], float], List[str]],
+        timeout_s: float,
         manifest: Dict[str, Any],
     ):
         self.root, self.every, self.num_steps, self.keep = Path(root), every, num_steps, keep
@@ -143,8 +153,13 @@ class Checkpointer:
         return self.every > 0 and (step % self.every == 0 or step == self.num_steps)
 
     def after_step(
-        self, step: int, state: Callable[[], Dict[str, Any]], losses: Optional[Sequence[float]], *,
-        history: Optional[Dict[str, Any]] = None, rng: Optional[Dict[str, Any]] = None,
+        self,
+        step: int,
+        state: Callable[[], Dict[str, Any]],
+        losses: Optional[Sequence[float]],
+        *,
+        history: Optional[Dict[str, Any]] = None,
+        rng: Optional[Dict[str, Any]] = None,
     ) -> None:
         """Starts writing the checkpoint of ``step`` steps if one is due. ``state`` makes the stage's
         copies (``WeightVersions.state``); ``losses`` are all losses so far (rank 0, else None);
@@ -164,7 +179,9 @@ class Checkpointer:
         self.write_s += time.perf_counter() - start
         losses = list(losses) if losses is not None else None
         history = copy.deepcopy(history or {})  # a snapshot: training goes on appending to the lists
-        self._thread = threading.Thread(target=self._write, args=(step, payload, rng, losses, history), name="pd2bw-checkpoint", daemon=True)
+        self._thread = threading.Thread(
+            target=self._write, args=(step, payload, rng, losses, history), name="pd2bw-checkpoint", daemon=True
+        )
         self._thread.start()
 
     def wait(self) -> None:
@@ -180,7 +197,14 @@ class Checkpointer:
             error, self._error = self._error, None
             raise RuntimeError(f"checkpoint write failed: {type(error).__name__}: {error}") from error
 
-    def _write(self, step: int, payload: Dict[int, Dict[str, Any]], rng: Dict[str, Any], losses: Optional[List[float]], history: Dict[str, Any]) -> None:
+    def _write(
+        self,
+        step: int,
+        payload: Dict[int, Dict[str, Any]],
+        rng: Dict[str, Any],
+        losses: Optional[List[float]],
+        history: Dict[str, Any],
+    ) -> None:
         key = f"checkpoint/{step}/rank{self.rank}"
         try:
             partial = _partial_dir(self.root, step)
@@ -202,7 +226,10 @@ class Checkpointer:
                 self._error = e
 
     def _complete(self, step: int, losses: Optional[List[float]], history: Dict[str, Any]) -> None:
-        parts = [json.loads(v) for v in self.read([f"checkpoint/{step}/rank{r}" for r in range(self.world_size)], self.timeout_s)]
+        parts = [
+            json.loads(v)
+            for v in self.read([f"checkpoint/{step}/rank{r}" for r in range(self.world_size)], self.timeout_s)
+        ]
         errors = [f"rank {r}: {p['error']}" for r, p in enumerate(parts) if "error" in p]
         if errors:
             raise RuntimeError(f"checkpoint of step {step} is incomplete: {'; '.join(errors)}")
@@ -211,17 +238,25 @@ class Checkpointer:
         if missing:
             raise RuntimeError(f"checkpoint of step {step}: no rank wrote layers {missing}")
         partial, final = _partial_dir(self.root, step), step_dir(self.root, step)
-        manifest = {**self.manifest, **history, "format": FORMAT, "step": step, "losses": losses, "files": files, "written_at": time.time()}
+        manifest = {
+            **self.manifest,
+            **history,
+            "format": FORMAT,
+            "step": step,
+            "losses": losses,
+            "files": files,
+            "written_at": time.time(),
+        }
         atomic_write(partial / MANIFEST, (json.dumps(manifest, indent=1) + "\n").encode())
         if final.exists():  # from an attempt that crashed after this step: keep it, out of the way
             final.rename(final.with_name(f"{final.name}.replaced-{int(time.time())}"))
         partial.rename(final)
         _fsync_dir(self.root)
         log.info("checkpoint of step %d written to %s", step, final)
-        for old in complete_checkpoints(self.root)[self.keep:]:
+        for old in complete_checkpoints(self.root)[self.keep :]:
             shutil.rmtree(old, ignore_errors=True)
         for stale in self.root.glob(".step_*.partial"):
-            if int(stale.name[len(".step_"):-len(".partial")]) < step:
+            if int(stale.name[len(".step_") : -len(".partial")]) < step:
                 shutil.rmtree(stale, ignore_errors=True)
 
 
@@ -240,7 +275,11 @@ def complete_checkpoints(root: Path) -> List[Path]:
     root = Path(root)
     if not root.is_dir():
         return []
-    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith("step_") and p.name[5:].isdigit() and (p / MANIFEST).is_file()]
+    found = [
+        p
+        for p in root.iterdir()
+        if p.is_dir() and p.name.startswith("step_") and p.name[5:].isdigit() and (p / MANIFEST).is_file()
+    ]
     return sorted(found, key=lambda p: int(p.name[5:]), reverse=True)
 
 
@@ -300,7 +339,9 @@ def check_model(manifest: Mapping[str, Any], shapes: Mapping[str, Sequence[int]]
     """
     saved = {k: list(v) for k, v in manifest["param_shapes"].items()}
     wanted = {k: list(v) for k, v in shapes.items()}
-    problems = [f"{k}: checkpoint {saved[k]}, model {wanted[k]}" for k in wanted if k in saved and saved[k] != wanted[k]]
+    problems = [
+        f"{k}: checkpoint {saved[k]}, model {wanted[k]}" for k in wanted if k in saved and saved[k] != wanted[k]
+    ]
     problems += [f"{k}: not in the checkpoint" for k in wanted if k not in saved]
     problems += [f"{k}: not in the model" for k in saved if k not in wanted]
     if problems:
@@ -398,8 +439,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pipedream2bw.checkpoint", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     c = sub.add_parser("consolidate", help="write the newest weights of a checkpoint as one plain state_dict")
-    c.add_argument("path", type=Path, help="a checkpoint, a checkpoints/ directory or a run directory (newest complete one)")
-    c.add_argument("--out", type=Path, default=None, help="output file (default: consolidated_step_<n>.pt beside checkpoints/)")
+    c.add_argument(
+        "path", type=Path, help="a checkpoint, a checkpoints/ directory or a run directory (newest complete one)"
+    )
+    c.add_argument(
+        "--out", type=Path, default=None, help="output file (default: consolidated_step_<n>.pt beside checkpoints/)"
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
     try:

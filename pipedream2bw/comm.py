@@ -19,7 +19,16 @@ log = logging.getLogger(__name__)
 
 _FAILED_KEY = "failed"
 _LEFT_KEY = "ranks_left_after_failure"
-_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.uint8, torch.bool]
+_DTYPES = [
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.float64,
+    torch.int64,
+    torch.int32,
+    torch.uint8,
+    torch.bool,
+]
 _LOSS_TAG = 7
 EVAL_LOSS_TAG = 8  # control-group tag of validation losses (last stages -> rank 0), apart from the training losses'
 _META_LEN = 12  # [ndim, dtype code, shape...] padded with zeros
@@ -60,8 +69,12 @@ def make_store(*, rank: int, world_size: int, timeout_s: float) -> dist.Store:
     """
     host, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT", 29500))
     store = dist.TCPStore(
-        host, port, world_size, is_master=_hosts_store(rank),
-        timeout=timedelta(seconds=max(timeout_s, _MIN_RENDEZVOUS_S)), wait_for_workers=False,
+        host,
+        port,
+        world_size,
+        is_master=_hosts_store(rank),
+        timeout=timedelta(seconds=max(timeout_s, _MIN_RENDEZVOUS_S)),
+        wait_for_workers=False,
     )
     return dist.PrefixStore(f"pd2bw/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
@@ -96,7 +109,9 @@ def run_scope(store: dist.Store) -> dist.Store:
     return dist.PrefixStore(f"run{_runs_prepared}", store)
 
 
-def share_from_rank0(store: dist.Store, key: str, value: Optional[str], *, world_size: int, max_wait_s: float = 60.0) -> str:
+def share_from_rank0(
+    store: dist.Store, key: str, value: Optional[str], *, world_size: int, max_wait_s: float = 60.0
+) -> str:
     """Rank 0 passes its ``value``, the others None: every rank returns rank 0's value (the others
     wait for it, up to the store's timeout). Works before any process group exists.
 
@@ -200,7 +215,9 @@ class DistContext:
     board: "Board"
 
 
-def init(*, store: dist.Store, rank: int, world_size: int, local_rank: int, backend: str, timeout_s: float) -> DistContext:
+def init(
+    *, store: dist.Store, rank: int, world_size: int, local_rank: int, backend: str, timeout_s: float
+) -> DistContext:
     """Starts the process groups: the main one (NCCL on GPUs, gloo on CPU) and a gloo control group."""
     if backend == "auto":
         backend = "nccl" if torch.cuda.is_available() else "gloo"
@@ -215,7 +232,9 @@ def init(*, store: dist.Store, rank: int, world_size: int, local_rank: int, back
     monitor = FailureMonitor(store, rank=rank, world_size=world_size).start()
     kwargs = {"device_id": device} if backend == "nccl" else {}
     group_timeout = _group_timeout(timeout)
-    dist.init_process_group(backend, store=dist.PrefixStore("pg", store), rank=rank, world_size=world_size, timeout=group_timeout, **kwargs)
+    dist.init_process_group(
+        backend, store=dist.PrefixStore("pg", store), rank=rank, world_size=world_size, timeout=group_timeout, **kwargs
+    )
     control = dist.new_group(backend="gloo", timeout=group_timeout) if backend != "gloo" else dist.group.WORLD
     return DistContext(rank, world_size, device, backend, timeout, control, monitor, Board(store))
 
@@ -244,7 +263,9 @@ class Board:
         while missing:
             missing = [k for k in missing if not self.store.check([k])]
             if missing and time.monotonic() > deadline:
-                raise TimeoutError(f"{len(missing)} of {len(keys)} messages not posted after {timeout_s:.0f} s: {missing[:4]}")
+                raise TimeoutError(
+                    f"{len(missing)} of {len(keys)} messages not posted after {timeout_s:.0f} s: {missing[:4]}"
+                )
             if missing:
                 time.sleep(self.poll_s)
         return [self.store.get(k).decode() for k in keys]
@@ -295,7 +316,9 @@ class P2P:
     def __init__(self, ctx: DistContext, *, batch_sends: bool = False, group: Any = None):
         self.ctx, self.batch_sends, self.group = ctx, batch_sends, group  # group: None is the default group
         self._agreed: Dict[Tuple[int, int], Tuple[torch.Size, torch.dtype]] = {}
-        self._sends: Deque[Tuple[Any, Any, Optional[int], Optional[int]]] = deque()  # (work, what it keeps alive, peer, token)
+        self._sends: Deque[Tuple[Any, Any, Optional[int], Optional[int]]] = (
+            deque()
+        )  # (work, what it keeps alive, peer, token)
         self._deferred: List[Tuple[Any, int, Optional[int]]] = []  # (P2POp, peer, token) waiting for the next receive
         self._loss_sends: Deque[Tuple[Any, torch.Tensor]] = deque()
         self._value_sends: List[Tuple[Any, torch.Tensor, int]] = []  # send_value's: (work, value, peer)
@@ -303,7 +326,9 @@ class P2P:
     def _wait(self, work: Any, what: str) -> None:
         wait_work(self.ctx, work, what)
 
-    def send(self, tensor: torch.Tensor, *, peer: int, tag: int, defer: bool = False, token: Optional[int] = None) -> None:
+    def send(
+        self, tensor: torch.Tensor, *, peer: int, tag: int, defer: bool = False, token: Optional[int] = None
+    ) -> None:
         """Sends ``tensor`` to ``peer`` (held for the next receive if ``defer`` and batching);
         ``release(peer, t)`` with ``t >= token`` frees it.
 
@@ -315,7 +340,9 @@ class P2P:
             meta = torch.zeros(_META_LEN, dtype=torch.int64)
             meta[0], meta[1] = tensor.dim(), _DTYPES.index(tensor.dtype)
             meta[2 : 2 + tensor.dim()] = torch.tensor(tensor.shape)
-            self._sends.append((dist.isend(meta.to(self.ctx.device), peer, tag=tag, group=self.group), meta, peer, None))
+            self._sends.append(
+                (dist.isend(meta.to(self.ctx.device), peer, tag=tag, group=self.group), meta, peer, None)
+            )
             self._agreed[key] = (tensor.shape, tensor.dtype)
         shape, dtype = self._agreed[key]
         if tensor.shape != shape or tensor.dtype != dtype:
@@ -438,7 +465,14 @@ class GradReducer:
     backward. Buckets start in index order on every replica, as collectives must.
     """
 
-    def __init__(self, ctx: DistContext, *, group: Any, replicas: Sequence[Sequence[torch.nn.Parameter]], buckets: Sequence[Sequence[int]]):
+    def __init__(
+        self,
+        ctx: DistContext,
+        *,
+        group: Any,
+        replicas: Sequence[Sequence[torch.nn.Parameter]],
+        buckets: Sequence[Sequence[int]],
+    ):
         self.ctx, self.group, self.buckets = ctx, group, [list(b) for b in buckets]
         self.bucket_of = {i: b for b, idx in enumerate(self.buckets) for i in idx}
         self.replicas = [list(params) for params in replicas]
@@ -456,6 +490,7 @@ class GradReducer:
                 b = self.bucket_of[param_index]
                 self._missing[b] -= 1
                 self._start_ready()
+
         return on_grad
 
     def arm(self, replica_index: int) -> None:
@@ -470,10 +505,12 @@ class GradReducer:
 
     def _start(self, b: int) -> None:
         params = self.replicas[self._armed]
-        flat = torch.cat([
-            (params[i].grad if params[i].grad is not None else torch.zeros_like(params[i])).reshape(-1)
-            for i in self.buckets[b]
-        ])
+        flat = torch.cat(
+            [
+                (params[i].grad if params[i].grad is not None else torch.zeros_like(params[i])).reshape(-1)
+                for i in self.buckets[b]
+            ]
+        )
         self._started.append((dist.all_reduce(flat, group=self.group, async_op=True), flat))
         self.num_collectives += 1
 
@@ -525,6 +562,8 @@ class AsyncSum:
         self._pending = None
         wait_work(self.ctx, work, f"{what} (a sum over all ranks)")
         return tensor
+
+
 def all_reduce_async(tensor: torch.Tensor, *, group: Any) -> Any:
     """Starts summing ``tensor`` in place across ``group``; returns the work to ``wait_work`` on."""
     return dist.all_reduce(tensor, group=group, async_op=True)

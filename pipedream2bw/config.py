@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import logging
 import dataclasses
+import logging
 import math
-from pathlib import Path
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 import torch
@@ -368,7 +368,9 @@ def _optimizer_of(cfg: OptimConfig) -> type:
 
     cls = locate(cfg.target, what="optim._target_")
     if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
-        raise ConfigError(f"optim._target_ ({cfg.target}) is {cls!r}, not a torch.optim.Optimizer subclass; name an optimizer class")
+        raise ConfigError(
+            f"optim._target_ ({cfg.target}) is {cls!r}, not a torch.optim.Optimizer subclass; name an optimizer class"
+        )
     return cls
 
 
@@ -476,13 +478,23 @@ def _validate_step_rules(cfg: Config) -> None:
             f"runs within the training steps; lower it"
         )
     if not (math.isfinite(o.min_lr) and 0 <= o.min_lr <= o.lr):
-        raise ConfigError(f"optim.min_lr ({o.min_lr}) must be in [0, optim.lr ({o.lr})]: the decay goes from optim.lr down to it")
+        raise ConfigError(
+            f"optim.min_lr ({o.min_lr}) must be in [0, optim.lr ({o.lr})]: the decay goes from optim.lr down to it"
+        )
     if o.scheduler == "constant" and o.min_lr != 0:
-        log.warning("optim.min_lr (%g) is ignored by optim.scheduler=constant; use cosine or linear to decay to it", o.min_lr)
+        log.warning(
+            "optim.min_lr (%g) is ignored by optim.scheduler=constant; use cosine or linear to decay to it", o.min_lr
+        )
     if o.clip_grad_norm is not None and not (math.isfinite(o.clip_grad_norm) and o.clip_grad_norm > 0):
-        raise ConfigError(f"optim.clip_grad_norm ({o.clip_grad_norm}) must be a positive number, or null for no clipping")
+        raise ConfigError(
+            f"optim.clip_grad_norm ({o.clip_grad_norm}) must be a positive number, or null for no clipping"
+        )
     if cfg.train.on_nonfinite not in ON_NONFINITE:
-        raise ConfigError(f"train.on_nonfinite ({cfg.train.on_nonfinite!r}) is unknown; use one of {list(ON_NONFINITE)}")
+        raise ConfigError(
+            f"train.on_nonfinite ({cfg.train.on_nonfinite!r}) is unknown; use one of {list(ON_NONFINITE)}"
+        )
+
+
 def _validate_precision(cfg: Config) -> None:
     from pipedream2bw.precision import PRECISIONS
 
@@ -500,7 +512,11 @@ def _validate_precision(cfg: Config) -> None:
             f"train.precision (bf16) is not supported by this GPU ({torch.cuda.get_device_name()}); "
             f"use train.precision=fp16 (with loss scaling) or fp32"
         )
-    if not (t.loss_scale > 0 and math.isfinite(t.loss_scale)) or t.loss_scale_growth_interval < 1 or not t.loss_scale_min > 0:
+    if (
+        not (t.loss_scale > 0 and math.isfinite(t.loss_scale))
+        or t.loss_scale_growth_interval < 1
+        or not t.loss_scale_min > 0
+    ):
         raise ConfigError(
             f"train.loss_scale ({t.loss_scale}) and train.loss_scale_min ({t.loss_scale_min}) must be positive numbers "
             f"and train.loss_scale_growth_interval ({t.loss_scale_growth_interval}) >= 1"
@@ -526,7 +542,9 @@ def validate(cfg: Config, *, world_size: int, num_layers: Optional[int] = None, 
     p, mdl = cfg.pipeline, cfg.model
     gpt = num_layers is None
     if gpt and not isinstance(mdl, GPTConfig):
-        raise ConfigError(f"model ({mdl!r}) is not a GPTConfig; pass its layer count (the runner does) or use model=gpt")
+        raise ConfigError(
+            f"model ({mdl!r}) is not a GPTConfig; pass its layer count (the runner does) or use model=gpt"
+        )
     num_layers = model_num_layers(mdl) if gpt else num_layers
     d, m = p.num_stages, p.num_microbatches
     if p.schedule not in SCHEDULES:
@@ -553,8 +571,11 @@ def validate(cfg: Config, *, world_size: int, num_layers: Optional[int] = None, 
     per_batch = w * p.microbatch_size
     B = cfg.train.global_batch_size
     if B is not None and (B % per_batch or B // per_batch != m):
-        fix = f"set pipeline.num_microbatches={B // per_batch}" if B % per_batch == 0 and B > 0 else (
-            f"use a multiple of data_parallel x microbatch_size = {per_batch}")
+        fix = (
+            f"set pipeline.num_microbatches={B // per_batch}"
+            if B % per_batch == 0 and B > 0
+            else (f"use a multiple of data_parallel x microbatch_size = {per_batch}")
+        )
         raise ConfigError(
             f"train.global_batch_size ({B}) must equal pipeline.data_parallel ({w}) x pipeline.num_microbatches ({m}) "
             f"x pipeline.microbatch_size ({p.microbatch_size}) = {w * m * p.microbatch_size}; {fix}"
@@ -585,7 +606,9 @@ def validate(cfg: Config, *, world_size: int, num_layers: Optional[int] = None, 
     if cfg.optim.lr <= 0 or not math.isfinite(cfg.optim.lr):
         raise ConfigError(f"optim.lr ({cfg.optim.lr}) must be a positive number")
     if _optimizer_of(cfg.optim) is torch.optim.LBFGS:
-        raise ConfigError("optim (lbfgs) re-evaluates the loss through a closure, which a pipeline cannot; use sgd, adam, adamw, ...")
+        raise ConfigError(
+            "optim (lbfgs) re-evaluates the loss through a closure, which a pipeline cannot; use sgd, adam, adamw, ..."
+        )
     build_optimizer([torch.nn.Parameter(torch.zeros(1))], cfg.optim)
     _validate_step_rules(cfg)
     t = cfg.train
@@ -681,7 +704,9 @@ def target_optim_config(entry: Dict[str, Any]) -> OptimConfig:
     """A ``{_target_: cls, _partial_: true, lr: ..., <kwargs>}`` optimizer entry, typed."""
     entry = dict(entry)
     if not entry.get("_target_") or entry["_target_"] == "???":
-        raise ConfigError(f"the optim entry ({entry}) names no optimizer; set optim._target_=torch.optim.SGD (optim=custom) or use optim.name")
+        raise ConfigError(
+            f"the optim entry ({entry}) names no optimizer; set optim._target_=torch.optim.SGD (optim=custom) or use optim.name"
+        )
     if entry.pop("_partial_", None) is not True:
         raise ConfigError(
             f"optim._target_ ({entry['_target_']}) needs _partial_: true: the runtime passes each stage's parameters "
@@ -690,4 +715,6 @@ def target_optim_config(entry: Dict[str, Any]) -> OptimConfig:
     target = entry.pop("_target_")
     lr = entry.pop("lr", OptimConfig.lr)
     no_decay = bool(entry.pop("no_decay_norms_and_biases", False))
-    return OptimConfig(name=target.rsplit(".", 1)[-1].lower(), lr=lr, kwargs=entry, target=target, no_decay_norms_and_biases=no_decay)
+    return OptimConfig(
+        name=target.rsplit(".", 1)[-1].lower(), lr=lr, kwargs=entry, target=target, no_decay_norms_and_biases=no_decay
+    )

@@ -88,12 +88,26 @@ def load_splits(data: DataConfig) -> Tuple[np.ndarray, Optional[np.ndarray]]:
     return tokens, None
 
 
-def make_feeds(data: DataConfig, *, seq_len: int, microbatch_size: int, num_microbatches: int, seed: int,
-               num_replicas: int, replica: int) -> Tuple["MicrobatchFeed", Optional["MicrobatchFeed"]]:
+def make_feeds(
+    data: DataConfig,
+    *,
+    seq_len: int,
+    microbatch_size: int,
+    num_microbatches: int,
+    seed: int,
+    num_replicas: int,
+    replica: int,
+) -> Tuple["MicrobatchFeed", Optional["MicrobatchFeed"]]:
     """This replica's training feed and validation feed (None without held-out data)."""
     train, val = load_splits(data)
-    kwargs = dict(seq_len=seq_len, microbatch_size=microbatch_size, num_microbatches=num_microbatches, seed=seed,
-                  num_replicas=num_replicas, replica=replica)
+    kwargs = dict(
+        seq_len=seq_len,
+        microbatch_size=microbatch_size,
+        num_microbatches=num_microbatches,
+        seed=seed,
+        num_replicas=num_replicas,
+        replica=replica,
+    )
     return MicrobatchFeed(train, **kwargs), None if val is None else MicrobatchFeed(val, stream=VALIDATION, **kwargs)
 
 
@@ -121,7 +135,9 @@ def check_data(data: DataConfig, *, vocab_size: Optional[int], seq_len: int, nee
     if data.token_dtype not in TOKEN_DTYPES:
         raise ConfigError(f"data.token_dtype ({data.token_dtype!r}) is unknown; use one of {list(TOKEN_DTYPES)}")
     if not 0 <= data.val_fraction < 1:
-        raise ConfigError(f"data.val_fraction ({data.val_fraction}) must be in [0, 1): the share of the data held out for validation")
+        raise ConfigError(
+            f"data.val_fraction ({data.val_fraction}) must be in [0, 1): the share of the data held out for validation"
+        )
     if data.val_path is not None and data.val_fraction > 0:
         raise ConfigError(
             f"data.val_path ({data.val_path}) and data.val_fraction ({data.val_fraction}) both choose held-out data; "
@@ -141,7 +157,10 @@ def check_data(data: DataConfig, *, vocab_size: Optional[int], seq_len: int, nee
     window = seq_len + 2  # a window is seq_len + 1 tokens, drawn from starts [0, n - seq_len - 1)
     num_train, num_val = split_sizes(info.num_tokens, data.val_fraction)
     if data.val_path is not None:
-        num_train, num_val = info.num_tokens, _check_file(data.val_path, "data.val_path", data.token_dtype, vocab_size=vocab_size).num_tokens
+        num_train, num_val = (
+            info.num_tokens,
+            _check_file(data.val_path, "data.val_path", data.token_dtype, vocab_size=vocab_size).num_tokens,
+        )
     unit = "bytes" if info.kind == "text" else "tokens"
     if num_train < window:
         held = f" after holding out data.val_fraction ({data.val_fraction})" if data.val_fraction else ""
@@ -150,7 +169,11 @@ def check_data(data: DataConfig, *, vocab_size: Optional[int], seq_len: int, nee
             f"model.seq_len + 2 ({window}); use more data or a shorter model.seq_len"
         )
     if (data.val_path is not None or data.val_fraction > 0) and num_val < window:
-        where = f"data.val_path ({data.val_path})" if data.val_path else f"data.val_fraction ({data.val_fraction}) of data.path"
+        where = (
+            f"data.val_path ({data.val_path})"
+            if data.val_path
+            else f"data.val_fraction ({data.val_fraction}) of data.path"
+        )
         raise ConfigError(
             f"{where} holds {num_val} {unit}, fewer than model.seq_len + 2 ({window}) for one validation window; "
             f"hold out more data"
@@ -188,7 +211,11 @@ def _check_file(path: Optional[str], key: str, dtype: str, *, vocab_size: Option
                 f"{key} ({path}) holds {num_tokens} tokens but {meta} says {described.get('num_tokens')}: the file "
                 f"changed since it was written; write it again with scripts/prepare_tokens.py or delete {meta}"
             )
-    max_id, first_bad = _scan_ids(Path(path), TOKEN_DTYPES[dtype], vocab_size=vocab_size) if num_tokens and vocab_size is not None else (None, None)
+    max_id, first_bad = (
+        _scan_ids(Path(path), TOKEN_DTYPES[dtype], vocab_size=vocab_size)
+        if num_tokens and vocab_size is not None
+        else (None, None)
+    )
     if first_bad is not None:
         raise ConfigError(
             f"{key} ({path}) holds token id {max_id} (first id >= {vocab_size} at position {first_bad}), but model.vocab_size "
@@ -230,8 +257,16 @@ class MicrobatchFeed:
     """
 
     def __init__(
-        self, data: Array, *, seq_len: int, microbatch_size: int, num_microbatches: int, seed: int,
-        num_replicas: int = 1, replica: int = 0, stream: int = TRAIN,
+        self,
+        data: Array,
+        *,
+        seq_len: int,
+        microbatch_size: int,
+        num_microbatches: int,
+        seed: int,
+        num_replicas: int = 1,
+        replica: int = 0,
+        stream: int = TRAIN,
     ):
         if len(data) < seq_len + 2:
             raise ConfigError(f"the data has {len(data)} tokens, fewer than model.seq_len + 2 ({seq_len + 2})")
@@ -250,7 +285,9 @@ class MicrobatchFeed:
         return torch.randint(0, len(self.data) - self.seq_len - 1, (global_batch,), generator=gen)
 
     def _batch_windows(self, batch_index: int) -> torch.Tensor:
-        return torch.from_numpy(read_windows(self.data, self.starts(batch_index).numpy(), self.seq_len + 1))  # (w*m*b, T+1)
+        return torch.from_numpy(
+            read_windows(self.data, self.starts(batch_index).numpy(), self.seq_len + 1)
+        )  # (w*m*b, T+1)
 
     def _window(self, mb_index: int) -> torch.Tensor:
         batch_index, j = divmod(mb_index, self.num_microbatches)

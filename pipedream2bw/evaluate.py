@@ -55,9 +55,17 @@ class Evaluator:
     """
 
     def __init__(
-        self, *, prev: Optional[int], next: Optional[int], loss_sources: Tuple[int, ...], p2p: P2P,
-        feed: Optional[MicrobatchFeed], num_microbatches: int, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-        device: torch.device, precision: str = "fp32",
+        self,
+        *,
+        prev: Optional[int],
+        next: Optional[int],
+        loss_sources: Tuple[int, ...],
+        p2p: P2P,
+        feed: Optional[MicrobatchFeed],
+        num_microbatches: int,
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        device: torch.device,
+        precision: str = "fp32",
     ):
         self.prev, self.next, self.loss_sources, self.p2p, self.feed = prev, next, loss_sources, p2p, feed
         self.precision, self._wire_dtype = precision, compute_dtype(precision)
@@ -81,7 +89,9 @@ class Evaluator:
                     x = self.feed.inputs(e).to(self.device, non_blocking=True)
                 else:
                     x = self.p2p.wait_recv(self.p2p.post_recv(peer=self.prev, tag=EVAL_TAG), peer=self.prev)
-                    x = x.float() if x.dtype == self._wire_dtype and self.precision != "fp32" else x  # as training's stages do
+                    x = (
+                        x.float() if x.dtype == self._wire_dtype and self.precision != "fp32" else x
+                    )  # as training's stages do
                 with autocast(self.precision, self.device.type):
                     out = module(x)
                 if self.next is None:
@@ -89,9 +99,12 @@ class Evaluator:
                 elif not torch.is_tensor(out):
                     raise NotImplementedError(
                         f"validation passes carry one tensor across a stage boundary; this stage returns {type(out).__name__}: "
-                        f"set train.eval_every=0 for a model whose stages pass tuples or dicts")
+                        f"set train.eval_every=0 for a model whose stages pass tuples or dicts"
+                    )
                 else:
-                    self.p2p.send(out.to(self._wire_dtype) if out.dtype == torch.float32 else out, peer=self.next, tag=EVAL_TAG)
+                    self.p2p.send(
+                        out.to(self._wire_dtype) if out.dtype == torch.float32 else out, peer=self.next, tag=EVAL_TAG
+                    )
             if self.next is not None:
                 self.p2p.flush()  # the next stage has all of this pass: nothing of it stays in flight
         finally:
@@ -111,7 +124,10 @@ class Evaluator:
         replicas' last stages); [] elsewhere. Call it after a later step or once training is done."""
         out = []
         for step in self._pending:
-            values = [self._own.pop(0) if r == self.rank else self.p2p.recv_loss(peer=r, tag=EVAL_LOSS_TAG) for r in self.loss_sources]
+            values = [
+                self._own.pop(0) if r == self.rank else self.p2p.recv_loss(peer=r, tag=EVAL_LOSS_TAG)
+                for r in self.loss_sources
+            ]
             out.append((step, sum(values) / len(values)))
         self._pending.clear()
         self.losses.extend(out)

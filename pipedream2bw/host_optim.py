@@ -26,12 +26,17 @@ class HostOptimizerVersions(WeightVersions):
         """Host copies of the weights (pinned when the module is on a GPU); optimizer state is made lazily, so none is on the device."""
         pin = next(module.parameters()).device.type == "cuda"
         return [
-            nn.Parameter(p.detach().to("cpu", copy=True).pin_memory() if pin else p.detach().clone(), requires_grad=p.requires_grad)
+            nn.Parameter(
+                p.detach().to("cpu", copy=True).pin_memory() if pin else p.detach().clone(),
+                requires_grad=p.requires_grad,
+            )
             for p in module.parameters()
         ]
 
     @torch.no_grad()
-    def step(self, batch_index: int, *, grad_scale: float, before_bucket: Callable[[int], None] = lambda i: None) -> None:
+    def step(
+        self, batch_index: int, *, grad_scale: float, before_bucket: Callable[[int], None] = lambda i: None
+    ) -> None:
         """Closes batch t: W(t+1) = W(t) - optimizer_step(grad_scale * gradients), stepped on the host."""
         t = batch_index
         src = list(self.module_for_batch(t).parameters())

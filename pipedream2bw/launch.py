@@ -69,9 +69,14 @@ def launch_train(overrides: Sequence[str], *, nproc: int, run_dir: Path, timeout
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     config = LaunchConfig(
-        min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"pd2bw-{uuid.uuid4().hex[:12]}",
-        rdzv_backend="c10d", rdzv_endpoint="localhost:0",  # as torchrun --standalone: a free port, no races
-        max_restarts=0, monitor_interval=0.1,
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc,
+        run_id=f"pd2bw-{uuid.uuid4().hex[:12]}",
+        rdzv_backend="c10d",
+        rdzv_endpoint="localhost:0",  # as torchrun --standalone: a free port, no races
+        max_restarts=0,
+        monitor_interval=0.1,
         logs_specs=DefaultLogsSpecs(log_dir=str(run_dir / "launch"), redirects=Std.ALL, tee=Std.NONE),
     )
     try:

@@ -41,7 +41,9 @@ def default_layout(num_stages: int, data_parallel: int, *, ranks_per_node: int) 
     return Layout(tuple(tuple(r * d + s for r in range(w)) for s in range(d)))
 
 
-def make_layout(num_stages: int, data_parallel: int, *, ranks_per_node: int, rank_map: Optional[Sequence[Sequence[int]]] = None) -> Layout:
+def make_layout(
+    num_stages: int, data_parallel: int, *, ranks_per_node: int, rank_map: Optional[Sequence[Sequence[int]]] = None
+) -> Layout:
     """The explicit ``rank_map`` (``[stage][replica] -> rank``) if given, else the default.
 
     Raises:
@@ -51,7 +53,11 @@ def make_layout(num_stages: int, data_parallel: int, *, ranks_per_node: int, ran
         return default_layout(num_stages, data_parallel, ranks_per_node=ranks_per_node)
     rows = [list(row) for row in rank_map]
     flat = sorted(r for row in rows for r in row)
-    if len(rows) != num_stages or any(len(row) != data_parallel for row in rows) or flat != list(range(num_stages * data_parallel)):
+    if (
+        len(rows) != num_stages
+        or any(len(row) != data_parallel for row in rows)
+        or flat != list(range(num_stages * data_parallel))
+    ):
         raise ConfigError(
             f"pipeline.rank_map ({rows}) must have {num_stages} rows (stages) of {data_parallel} ranks (replicas) "
             f"using each rank 0..{num_stages * data_parallel - 1} once; or set it to null for the default placement"

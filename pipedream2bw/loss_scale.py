@@ -27,10 +27,22 @@ class LossScaler:
             keeps overflowing at this scale is diverging, not unlucky).
     """
 
-    def __init__(self, *, init_scale: float = 2.0**16, growth_interval: int = 2000, growth_factor: float = 2.0,
-                 backoff: float = 0.5, min_scale: float = 1.0):
+    def __init__(
+        self,
+        *,
+        init_scale: float = 2.0**16,
+        growth_interval: int = 2000,
+        growth_factor: float = 2.0,
+        backoff: float = 0.5,
+        min_scale: float = 1.0,
+    ):
         self.scale = float(init_scale)
-        self.growth_interval, self.growth_factor, self.backoff, self.min_scale = growth_interval, growth_factor, backoff, min_scale
+        self.growth_interval, self.growth_factor, self.backoff, self.min_scale = (
+            growth_interval,
+            growth_factor,
+            backoff,
+            min_scale,
+        )
         self.clean_steps = 0  # clean steps since the last change of the scale
         self.skipped_steps = 0  # non-finite steps so far (the runtime skipped their updates)
 
@@ -55,9 +67,13 @@ class LossScaler:
     def state_dict(self) -> Dict[str, Any]:
         """Everything, JSON-serializable (it goes into a checkpoint's manifest)."""
         return {
-            "scale": self.scale, "clean_steps": self.clean_steps, "skipped_steps": self.skipped_steps,
-            "growth_interval": self.growth_interval, "growth_factor": self.growth_factor,
-            "backoff": self.backoff, "min_scale": self.min_scale,
+            "scale": self.scale,
+            "clean_steps": self.clean_steps,
+            "skipped_steps": self.skipped_steps,
+            "growth_interval": self.growth_interval,
+            "growth_factor": self.growth_factor,
+            "backoff": self.backoff,
+            "min_scale": self.min_scale,
         }
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
@@ -83,7 +99,9 @@ class ScaledStepRule(StepRule):
         clip_grad_norm, on_nonfinite: as ``StepRule``.
     """
 
-    def __init__(self, scaler: LossScaler, *, lag: int, clip_grad_norm: Optional[float] = None, on_nonfinite: str = "stop"):
+    def __init__(
+        self, scaler: LossScaler, *, lag: int, clip_grad_norm: Optional[float] = None, on_nonfinite: str = "stop"
+    ):
         super().__init__(clip_grad_norm=clip_grad_norm, on_nonfinite=on_nonfinite)
         self.scaler, self.lag = scaler, lag
         self._after: Dict[int, float] = {}  # step -> the scale its update left (the last `lag` steps)
@@ -105,22 +123,29 @@ class ScaledStepRule(StepRule):
 
     def decide(self, outcome: StepOutcome) -> StepDecision:
         """Raises:
-            NonFiniteError: the scale fell below its floor under train.on_nonfinite=stop."""
+        NonFiniteError: the scale fell below its floor under train.on_nonfinite=stop."""
         t = outcome.step
         self.scaler.update(outcome.nonfinite)
         self._after[t] = self.scaler.scale
         self._after = {u: v for u, v in self._after.items() if u >= t - self.lag}  # what APPLY(t) and later batches use
         if outcome.nonfinite:
             if self.on_nonfinite == "stop" and self.scaler.below_floor():
-                raise NonFiniteError(stop_message(
-                    f"{outcome.describe()}: the fp16 loss scale fell to {self.scaler.scale:g}, below train.loss_scale_min "
-                    f"({self.scaler.min_scale:g}); the gradients keep overflowing"))
+                raise NonFiniteError(
+                    stop_message(
+                        f"{outcome.describe()}: the fp16 loss scale fell to {self.scaler.scale:g}, below train.loss_scale_min "
+                        f"({self.scaler.min_scale:g}); the gradients keep overflowing"
+                    )
+                )
             return StepDecision(skip=True)
         return super().decide(outcome)
 
     def state_dict(self) -> Dict[str, Any]:
         """The scaler's state and the scales the next batches run with (JSON-serializable)."""
-        return {**self.scaler.state_dict(), "scale_after": {str(u): v for u, v in self._after.items()}, "initial": self._initial}
+        return {
+            **self.scaler.state_dict(),
+            "scale_after": {str(u): v for u, v in self._after.items()},
+            "initial": self._initial,
+        }
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Continues from ``state`` (a checkpoint's): the scale, counters and recent scales."""

@@ -10,7 +10,6 @@ from typing import Dict, Iterator, Optional
 
 import torch
 
-
 _MARKER_BYTES = 7919  # an odd size no real tensor of the block is likely to have first
 
 
@@ -54,13 +53,20 @@ def tensor_peak(device: torch.device, *, within: Optional[str] = None) -> Iterat
         trace = Path(tmp, "trace.json")
         prof.export_chrome_trace(str(trace))
         events = json.loads(trace.read_text())["traceEvents"]
-    spans = [(e["ts"], e["ts"] + e["dur"]) for e in events if within is not None and e.get("name") == within and e.get("ph") == "X"]
+    spans = [
+        (e["ts"], e["ts"] + e["dur"])
+        for e in events
+        if within is not None and e.get("name") == within and e.get("ph") == "X"
+    ]
     if within is not None and not spans:
         raise RuntimeError(f"no profiler range {within!r} in the trace")
     memory = [e for e in sorted(events, key=lambda e: e["ts"]) if e.get("name") == "[memory]"]
     first = next(e for e in memory if e["args"]["Bytes"] == _MARKER_BYTES)
     base = first["args"]["Total Allocated"] - _MARKER_BYTES
-    totals = [e["args"]["Total Allocated"] - base for e in memory if e["ts"] > first["ts"]
-              and (within is None or any(a <= e["ts"] <= b for a, b in spans))]
+    totals = [
+        e["args"]["Total Allocated"] - base
+        for e in memory
+        if e["ts"] > first["ts"] and (within is None or any(a <= e["ts"] <= b for a, b in spans))
+    ]
     box["bytes"] = max(totals, default=0)
     box["end_bytes"] = totals[-1] if totals else 0

@@ -100,24 +100,34 @@ class ParamMemory:
         return {**asdict(self), "total": self.total}
 
 
-def param_memory(precision: str, *, schedule: str, optimizer: str, optimizer_kwargs: Optional[Dict] = None) -> ParamMemory:
+def param_memory(
+    precision: str, *, schedule: str, optimizer: str, optimizer_kwargs: Optional[Dict] = None
+) -> ParamMemory:
     """Bytes per parameter under a resolved ``precision`` (one of fp32, bf16, fp16): the one source
     of these figures for summary.json, the README's table and the planner's memory model."""
     reduced = torch.finfo(compute_dtype(precision)).bits // 8 if precision != "fp32" else 0
     return ParamMemory(
-        weight_copy=FP32_BYTES, versions=versions_held(schedule), master=0, gradient=FP32_BYTES,
-        optimizer=FP32_BYTES * optimizer_state_factor(optimizer, optimizer_kwargs), cast_per_microbatch=reduced,
+        weight_copy=FP32_BYTES,
+        versions=versions_held(schedule),
+        master=0,
+        gradient=FP32_BYTES,
+        optimizer=FP32_BYTES * optimizer_state_factor(optimizer, optimizer_kwargs),
+        cast_per_microbatch=reduced,
     )
 
 
 def markdown_table(*, optimizer: str = "adamw") -> str:
     """The README's bytes-per-parameter table for ``optimizer``, from ``param_memory``."""
-    rows = ["| precision | schedule | weight versions | master | gradients | optimizer | total | per microbatch in flight |",
-            "|---|---|---|---|---|---|---|---|"]
+    rows = [
+        "| precision | schedule | weight versions | master | gradients | optimizer | total | per microbatch in flight |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for precision in ("fp32", "bf16", "fp16"):
         for schedule in ("2bw", "flush"):
             pm = param_memory(precision, schedule=schedule, optimizer=optimizer)
             cast = f"{pm.cast_per_microbatch} B per matmul parameter" if pm.cast_per_microbatch else "-"
-            rows.append(f"| {precision} | {schedule if schedule == '2bw' else 'flush, gpipe'} | {pm.versions} x {pm.weight_copy} B | "
-                        f"{pm.master} B | {pm.gradient} B | {pm.optimizer:g} B | {pm.total:g} B | {cast} |")
+            rows.append(
+                f"| {precision} | {schedule if schedule == '2bw' else 'flush, gpipe'} | {pm.versions} x {pm.weight_copy} B | "
+                f"{pm.master} B | {pm.gradient} B | {pm.optimizer:g} B | {pm.total:g} B | {cast} |"
+            )
     return "\n".join(rows)

@@ -44,19 +44,28 @@ def save_state_dict(state: Dict[str, torch.Tensor], path: Path) -> None:
     atomic_write(path, buf.getvalue())
 
 
-def throughput(start_time: float, step_end_times: Sequence[float], *, warmup_steps: int, samples_per_step: int) -> Dict[str, float]:
+def throughput(
+    start_time: float, step_end_times: Sequence[float], *, warmup_steps: int, samples_per_step: int
+) -> Dict[str, float]:
     """Samples/s over the steps after ``warmup_steps``, and their median step time."""
     times = [start_time, *step_end_times][warmup_steps:]
     steps = [b - a for a, b in zip(times, times[1:])]
-    return {"samples_per_s": len(steps) * samples_per_step / (times[-1] - times[0]), "step_time_s": statistics.median(steps)}
+    return {
+        "samples_per_s": len(steps) * samples_per_step / (times[-1] - times[0]),
+        "step_time_s": statistics.median(steps),
+    }
 
 
-def summarize(stats: List[StageStats], *, meta: Dict[str, Any], warmup_steps: int, samples_per_step: int, seq_len: int) -> Dict[str, Any]:
+def summarize(
+    stats: List[StageStats], *, meta: Dict[str, Any], warmup_steps: int, samples_per_step: int, seq_len: int
+) -> Dict[str, Any]:
     """The summary.json payload: the run's settings, rank 0's losses and timing, every rank's memory.
 
     ``peak_memory_bytes[s]`` is the largest peak among stage s's replicas."""
     rank0 = stats[0]
-    tp = throughput(rank0.start_time, rank0.step_end_times, warmup_steps=warmup_steps, samples_per_step=samples_per_step)
+    tp = throughput(
+        rank0.start_time, rank0.step_end_times, warmup_steps=warmup_steps, samples_per_step=samples_per_step
+    )
     return {
         **meta,
         "losses": rank0.losses,

@@ -57,7 +57,9 @@ def _insert_steps(actions: List[Action], stage_index: int, num_microbatches: int
     return out
 
 
-def stage_actions(schedule: str, *, stage_index: int, num_stages: int, num_microbatches: int, num_batches: int) -> List[Action]:
+def stage_actions(
+    schedule: str, *, stage_index: int, num_stages: int, num_microbatches: int, num_batches: int
+) -> List[Action]:
     """The ordered actions of one stage for ``num_batches`` batches.
 
     2bw runs 1F1B over all batches as one stream (no flush: batch t+1's warm-up forwards
@@ -110,7 +112,9 @@ def receipts(peer_actions: Sequence[Action], *, consumes: str, signals: str) -> 
 def pipeline_actions(schedule: str, *, num_stages: int, num_microbatches: int, num_batches: int) -> List[List[Action]]:
     """Action lists of all stages, stage 0 first."""
     return [
-        stage_actions(schedule, stage_index=s, num_stages=num_stages, num_microbatches=num_microbatches, num_batches=num_batches)
+        stage_actions(
+            schedule, stage_index=s, num_stages=num_stages, num_microbatches=num_microbatches, num_batches=num_batches
+        )
         for s in range(num_stages)
     ]
 
@@ -147,7 +151,9 @@ def check_stage(actions: Sequence[Action], *, num_microbatches: int, in_flight_l
                 raise ScheduleError(f"{where}: a step must follow the last backward of its batch")
             stepped.append(a.index)
         if len(forwarded) - len(backwarded) > in_flight_limit:
-            raise ScheduleError(f"{where}: {len(forwarded) - len(backwarded)} microbatches in flight, limit {in_flight_limit}")
+            raise ScheduleError(
+                f"{where}: {len(forwarded) - len(backwarded)} microbatches in flight, limit {in_flight_limit}"
+            )
     if len(backwarded) != len(forwarded) or len(stepped) * num_microbatches != len(backwarded):
         raise ScheduleError(f"stage {actions[0].stage_index if actions else '?'}: the list ends with work left undone")
 

@@ -20,8 +20,8 @@ from pipedream2bw.comm import P2P, AsyncSum, GradReducer, PipelineShapeError
 from pipedream2bw.data import MicrobatchFeed
 from pipedream2bw.precision import autocast, compute_dtype
 from pipedream2bw.schedule import BACKWARD, FORWARD, Action
-from pipedream2bw.timeline import Recorder
 from pipedream2bw.swap import SwapManager
+from pipedream2bw.timeline import Recorder
 from pipedream2bw.versions import WeightVersions
 
 log = logging.getLogger(__name__)
@@ -41,7 +41,9 @@ def _flatten(tree: Any, what: str) -> Tuple[List[torch.Tensor], Any]:
     leaves, spec = pytree.tree_flatten(tree)
     bad = [type(x).__name__ for x in leaves if not torch.is_tensor(x)]
     if bad or not leaves:
-        raise TypeError(f"{what} must be a tensor or a tuple, list or dict of tensors; got {type(tree).__name__} holding {bad or 'nothing'}")
+        raise TypeError(
+            f"{what} must be a tensor or a tuple, list or dict of tensors; got {type(tree).__name__} holding {bad or 'nothing'}"
+        )
     return leaves, spec
 
 
@@ -68,7 +70,9 @@ class StageStats:
     step_end_times: List[float] = field(default_factory=list)
     losses: List[float] = field(default_factory=list)  # batch mean loss; filled on rank 0
     lrs: List[float] = field(default_factory=list)  # learning rate of each step; filled on rank 0
-    grad_norms: List[Optional[float]] = field(default_factory=list)  # agreed global gradient norm (None: not agreed); rank 0
+    grad_norms: List[Optional[float]] = field(
+        default_factory=list
+    )  # agreed global gradient norm (None: not agreed); rank 0
     skipped_steps: List[int] = field(default_factory=list)  # steps skipped everywhere for a non-finite loss or gradient
     agreement_exposed_s: float = 0.0  # time APPLY waited for the step agreement: not hidden behind other work
     peak_stash_bytes: int = 0  # activations autograd saves for one microbatch x most microbatches in flight
@@ -79,7 +83,9 @@ class StageStats:
     peak_pending_sends: int = 0  # most sends whose tensors were held at once (bounded by the in-flight count)
     checkpoint_s: float = 0.0  # time training waited for checkpoint copies (the writes run beside it)
     eval_s: float = 0.0  # time in validation passes (train.eval_every), compute and waits
-    data_resident_bytes: Optional[int] = None  # token-file pages mapped in this rank at the end; None: no token file opened
+    data_resident_bytes: Optional[int] = (
+        None  # token-file pages mapped in this rank at the end; None: no token file opened
+    )
     trace: Optional[dict] = None  # pipeline.trace: {"spans": [timeline.Span], "window": [start, end]}
     swap: Optional[Dict[str, Any]] = None  # SwapStats of a stage that swaps activations to host
     loss_scales: List[float] = field(default_factory=list)  # fp16: the loss scale each batch ran with
@@ -256,7 +262,9 @@ class StageWorker:
         # microbatch only, keeping the hooks' per-tensor Python calls off the hot path.
         saved = SavedBytes(self._param_ptrs) if self._saved_bytes is None else contextlib.nullcontext()
         if self.swap is not None:  # one pair of hooks applies at a time: the swap hooks chain SavedBytes'
-            hooks = self.swap.forward(k, inputs=pytree.tree_leaves(x), outer=saved if self._saved_bytes is None else None)
+            hooks = self.swap.forward(
+                k, inputs=pytree.tree_leaves(x), outer=saved if self._saved_bytes is None else None
+            )
         with hooks if self.swap is not None else saved:
             # A reduced-precision activation goes on in float32, as it would have in one process: only
             # the transfer is rounded, not the rest of the stage's residual stream.
@@ -275,7 +283,9 @@ class StageWorker:
             if len(losses) == self.m:  # the batch's losses are all known: report them now, not after the step
                 self._report_loss(torch.stack(self._batch_losses.pop(k // self.m)).mean(), k // self.m)
         else:
-            self._send(pytree.tree_map(torch.Tensor.detach, out), k, peer=self.peers.next, tag=ACTIVATION_TAG, defer=defer_send)
+            self._send(
+                pytree.tree_map(torch.Tensor.detach, out), k, peer=self.peers.next, tag=ACTIVATION_TAG, defer=defer_send
+            )
         self._stash[k] = (x, out)
         self.stats.peak_stash_bytes = max(self.stats.peak_stash_bytes, len(self._stash) * self._saved_bytes)
         if self.trace is not None and self.trace.on:
@@ -294,7 +304,11 @@ class StageWorker:
             (out * scale if scale != 1.0 else out).backward()
         else:
             # grad: one gradient per floating-point element of out, in order (see below)
-            pairs = [(o, g) for o, g in zip((o for o in pytree.tree_leaves(out) if o.is_floating_point()), grad) if o.requires_grad]
+            pairs = [
+                (o, g)
+                for o, g in zip((o for o in pytree.tree_leaves(out) if o.is_floating_point()), grad)
+                if o.requires_grad
+            ]
             if pairs:
                 torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         if self.swap is not None:
@@ -315,7 +329,9 @@ class StageWorker:
         """
         finite = bool(torch.isfinite(loss))
         if not finite and self.agreement is None:
-            raise NonFiniteError(agreement.stop_message(f"non-finite loss ({float(loss)}) at step {t} on stage {self.stage_index}"))
+            raise NonFiniteError(
+                agreement.stop_message(f"non-finite loss ({float(loss)}) at step {t} on stage {self.stage_index}")
+            )
         self._loss_nonfinite[t] = not finite
         if self.peers.loss_sources:
             self._own_loss = float(loss)
@@ -343,7 +359,10 @@ class StageWorker:
             scale = self.grad_scale * self.rule.unscale(t)
             sq = agreement.sq_norm([p.grad for p in params if p.grad is not None]) * scale**2
             share = agreement.encode(
-                stage_index=self.stage_index, num_stages=self.num_stages, sq=sq, counts_norm=self.replica == 0,
+                stage_index=self.stage_index,
+                num_stages=self.num_stages,
+                sq=sq,
+                counts_norm=self.replica == 0,
                 loss_nonfinite=self._loss_nonfinite.pop(t, False),
             )
             self.agreement.start(share, what=f"the step agreement of batch {t}")
@@ -372,7 +391,11 @@ class StageWorker:
             self.versions.skip(t)
             self.stats.skipped_steps.append(t)
             if self.p2p.ctx.rank == 0:
-                log.warning("%s: step skipped on every stage (train.on_nonfinite=%s)", outcome.describe(), self.rule.on_nonfinite)
+                log.warning(
+                    "%s: step skipped on every stage (train.on_nonfinite=%s)",
+                    outcome.describe(),
+                    self.rule.on_nonfinite,
+                )
         else:
             scale = self.grad_scale * self.rule.unscale(t) * decision.grad_multiplier
             self.versions.step(t, grad_scale=scale, before_bucket=self._bucket_wait(t))
@@ -382,7 +405,10 @@ class StageWorker:
             trace.add("S", t, start, time.perf_counter())
         if self.peers.loss_sources:  # rank 0: the batch loss is the mean over the replicas' last stages
             start = time.perf_counter()
-            losses = [self._own_loss if r == self.p2p.ctx.rank else self.p2p.recv_loss(peer=r) for r in self.peers.loss_sources]
+            losses = [
+                self._own_loss if r == self.p2p.ctx.rank else self.p2p.recv_loss(peer=r)
+                for r in self.peers.loss_sources
+            ]
             self.stats.losses.append(sum(losses) / len(losses))
             self.stats.lrs.append(lr if lr is not None else self.versions.optimizers[0].param_groups[0]["lr"])
             self.stats.grad_norms.append(None if outcome is None else outcome.grad_norm)
@@ -442,14 +468,19 @@ class StageWorker:
 
     def _traced_wait(self, t: int) -> Callable[[int], None]:
         """The reducer's per-bucket wait, recorded as an ``allreduce`` span of batch ``t``."""
+
         def wait(b: int) -> None:
             start = time.perf_counter()
             self.reducer.wait(b)
             self.trace.add("allreduce", t, start, time.perf_counter())
+
         return wait
 
     def run(
-        self, actions: Sequence[Action], *, on_step: Callable[[int], None] = lambda t: None,
+        self,
+        actions: Sequence[Action],
+        *,
+        on_step: Callable[[int], None] = lambda t: None,
         on_close: Callable[[int], None] = lambda t: None,
     ) -> StageStats:
         """Runs ``actions`` in order; ``on_close(t)`` is called at CLOSE(t) (where the S action

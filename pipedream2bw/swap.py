@@ -68,7 +68,9 @@ class HostPool:
             # Host buffers of the CPU backend come from Python, not torch's allocator: as pinned
             # memory is outside the CUDA allocator's counts, they are then outside the live tensor
             # bytes that torch.profiler reports, which stand for the device's.
-            return torch.frombuffer(bytearray(nbytes), dtype=torch.uint8) if nbytes else torch.empty(0, dtype=torch.uint8)
+            return (
+                torch.frombuffer(bytearray(nbytes), dtype=torch.uint8) if nbytes else torch.empty(0, dtype=torch.uint8)
+            )
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
     def put(self, buf: torch.Tensor) -> None:
@@ -224,7 +226,9 @@ class CpuBackend(TransferBackend):
 
 
 class _CudaTransfer(Transfer):
-    def __init__(self, event: "torch.cuda.Event", *, host: Optional[torch.Tensor] = None, device: Optional[torch.Tensor] = None):
+    def __init__(
+        self, event: "torch.cuda.Event", *, host: Optional[torch.Tensor] = None, device: Optional[torch.Tensor] = None
+    ):
         self.event, self.host, self.device = event, host, device
 
     def ready(self) -> bool:
@@ -377,7 +381,13 @@ class _Packed:
     __slots__ = ("record", "dtype", "size", "stride", "offset")
 
     def __init__(self, record: _Record, t: torch.Tensor):
-        self.record, self.dtype, self.size, self.stride, self.offset = record, t.dtype, t.size(), t.stride(), t.storage_offset()
+        self.record, self.dtype, self.size, self.stride, self.offset = (
+            record,
+            t.dtype,
+            t.size(),
+            t.stride(),
+            t.storage_offset(),
+        )
 
 
 class _Micro:
@@ -411,8 +421,15 @@ class SwapManager:
     Not supported: ``retain_graph`` (a second unpack of a released tensor) and double backward.
     """
 
-    def __init__(self, backend: TransferBackend, *, min_bytes: int, resident: int,
-                 exclude: Iterable[torch.Tensor] = (), trace: bool = False):
+    def __init__(
+        self,
+        backend: TransferBackend,
+        *,
+        min_bytes: int,
+        resident: int,
+        exclude: Iterable[torch.Tensor] = (),
+        trace: bool = False,
+    ):
         assert min_bytes >= 0 and resident >= 0
         self.backend, self.min_bytes, self.resident = backend, min_bytes, resident
         self._exclude = {t.untyped_storage().data_ptr() for t in exclude}
@@ -499,7 +516,9 @@ class SwapManager:
             others = [m for m in self._micros.values() if m is not self._current and m.device_bytes > 0]
             if len(others) <= self.resident:
                 return
-            leaving = next((r for r in self._outgoing if r.micro in others and r.pre is None and not r.micro.keep), None)
+            leaving = next(
+                (r for r in self._outgoing if r.micro in others and r.pre is None and not r.micro.keep), None
+            )
             assert leaving is not None, "swap budget exceeded by kept or fetched microbatches"
             t0 = time.perf_counter()
             leaving.off.wait()
@@ -564,7 +583,8 @@ class SwapManager:
         self._event("unpack", rec)
         rec.unpacks += 1
         out = torch.empty(0, dtype=packed.dtype, device=rec.dev.device).set_(
-            rec.dev.untyped_storage(), packed.offset, packed.size, packed.stride)
+            rec.dev.untyped_storage(), packed.offset, packed.size, packed.stride
+        )
         if rec.unpacks == rec.packs:
             self._release(rec)  # autograd holds what it needs; the manager lets go
         self._pump()

@@ -44,16 +44,30 @@ log = logging.getLogger("pipedream2bw.sweep")
 
 RESULT_FILE = "sweep_job.json"  # one job's row, in its directory
 COLUMNS = [  # the printed table; sweep.csv and sweep.json hold every field
-    ("job", "job", "{}"), ("status", "status", "{}"), ("schedule", "schedule", "{}"), ("num_stages", "d", "{}"),
-    ("data_parallel", "w", "{}"), ("num_microbatches", "m", "{}"), ("microbatch_size", "b", "{}"),
-    ("samples_per_s", "samples/s", "{:.1f}"), ("predicted_samples_per_s", "pred samples/s", "{:.1f}"),
-    ("tokens_per_s", "tokens/s", "{:.0f}"), ("final_loss", "loss", "{:.4f}"), ("final_val_loss", "val loss", "{:.4f}"),
+    ("job", "job", "{}"),
+    ("status", "status", "{}"),
+    ("schedule", "schedule", "{}"),
+    ("num_stages", "d", "{}"),
+    ("data_parallel", "w", "{}"),
+    ("num_microbatches", "m", "{}"),
+    ("microbatch_size", "b", "{}"),
+    ("samples_per_s", "samples/s", "{:.1f}"),
+    ("predicted_samples_per_s", "pred samples/s", "{:.1f}"),
+    ("tokens_per_s", "tokens/s", "{:.0f}"),
+    ("final_loss", "loss", "{:.4f}"),
+    ("final_val_loss", "val loss", "{:.4f}"),
     ("max_peak_memory_mib", "peak MiB", "{:.0f}"),
-    ("bubble_fraction", "bubble", "{:.2f}"), ("wall_s", "wall s", "{:.1f}"), ("error", "error", "{}"),
+    ("bubble_fraction", "bubble", "{:.2f}"),
+    ("wall_s", "wall s", "{:.1f}"),
+    ("error", "error", "{}"),
 ]
 OBJECTIVES = {  # sweep.objective -> the direction in which it gets better
-    "samples_per_s": "maximize", "tokens_per_s": "maximize", "final_loss": "minimize", "final_val_loss": "minimize",
-    "step_time_s": "minimize", "max_peak_memory_mib": "minimize",
+    "samples_per_s": "maximize",
+    "tokens_per_s": "maximize",
+    "final_loss": "minimize",
+    "final_val_loss": "minimize",
+    "step_time_s": "minimize",
+    "max_peak_memory_mib": "minimize",
 }
 
 
@@ -75,12 +89,28 @@ def job_row(job: int, overrides: List[str], run_dir: Path, wall_s: float, error:
     s = json.loads(summary_path.read_text())
     peaks = s["peak_memory_bytes"]
     row.update(
-        status="ok", error="",
-        **{k: s[k] for k in ("schedule", "num_stages", "data_parallel", "num_microbatches", "microbatch_size", "global_batch_size")},
-        samples_per_s=s["samples_per_s"], tokens_per_s=s["tokens_per_s"], step_time_s=s["step_time_s"], final_loss=s["final_loss"],
+        status="ok",
+        error="",
+        **{
+            k: s[k]
+            for k in (
+                "schedule",
+                "num_stages",
+                "data_parallel",
+                "num_microbatches",
+                "microbatch_size",
+                "global_batch_size",
+            )
+        },
+        samples_per_s=s["samples_per_s"],
+        tokens_per_s=s["tokens_per_s"],
+        step_time_s=s["step_time_s"],
+        final_loss=s["final_loss"],
         final_val_loss=s.get("final_val_loss"),
-        peak_memory_bytes=peaks, max_peak_memory_mib=max(peaks) / 2**20,
-        predicted_samples_per_s=s.get("predicted_samples_per_s"), predicted_peak_memory_bytes=s.get("predicted_peak_memory_bytes"),
+        peak_memory_bytes=peaks,
+        max_peak_memory_mib=max(peaks) / 2**20,
+        predicted_samples_per_s=s.get("predicted_samples_per_s"),
+        predicted_peak_memory_bytes=s.get("predicted_peak_memory_bytes"),
         bubble_fraction=(s.get("trace") or {}).get("bubble_fraction"),
     )
     return row
@@ -144,7 +174,9 @@ def sweeper_direction(sweeper: Any, natural: str) -> str:
         direction = direction[0] if len(direction) == 1 else None
     direction = str(getattr(direction, "name", direction) or natural).lower()
     if direction not in ("maximize", "minimize"):
-        raise ConfigError(f"hydra.sweeper.direction ({direction!r}) must be one direction, maximize or minimize, for one sweep.objective")
+        raise ConfigError(
+            f"hydra.sweeper.direction ({direction!r}) must be one direction, maximize or minimize, for one sweep.objective"
+        )
     return direction
 
 
@@ -172,7 +204,9 @@ def format_table(rows: List[Dict[str, Any]]) -> str:
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells)
 
 
-def write_table(sweep_dir: Path, rows: List[Dict[str, Any]], *, name: str, objective: Optional[str] = "samples_per_s") -> str:
+def write_table(
+    sweep_dir: Path, rows: List[Dict[str, Any]], *, name: str, objective: Optional[str] = "samples_per_s"
+) -> str:
     """Writes sweep.json and sweep.csv (best ``objective`` first) into ``sweep_dir``; returns the printed table."""
     rows = sort_rows(rows, objective=objective)
     payload = {"name": name, "sweep_dir": str(sweep_dir), "objective": objective, "jobs": rows}
@@ -201,10 +235,15 @@ class SweepTable(Callback):
         objective = config.sweep.get("objective")
         table = write_table(sweep_dir, rows, name=name, objective=objective)
         failed = sum(r["status"] != "ok" for r in rows)
-        print(f"\nsweep {name}: {len(rows)} jobs, {failed} failed; {sweep_dir / 'sweep.csv'}, {sweep_dir / 'sweep.json'}\n{table}", flush=True)
+        print(
+            f"\nsweep {name}: {len(rows)} jobs, {failed} failed; {sweep_dir / 'sweep.csv'}, {sweep_dir / 'sweep.json'}\n{table}",
+            flush=True,
+        )
         best = sort_rows(rows, objective=objective)[:1]
         if objective and best and best[0]["status"] == "ok" and best[0].get(objective) is not None:
-            print(f"best {objective}: {best[0][objective]:.6g}, job {best[0]['job']}: {best[0]['overrides']}", flush=True)
+            print(
+                f"best {objective}: {best[0][objective]:.6g}, job {best[0]['job']}: {best[0]['overrides']}", flush=True
+            )
 
 
 @hydra.main(version_base="1.3", config_path="../configs", config_name="sweep")
@@ -219,12 +258,22 @@ def main(dcfg: DictConfig) -> Optional[float]:
     natural = check_objective(cfg)
     direction = sweeper_direction(hc.sweeper, natural) if natural else None
     if natural and direction != natural:
-        log.warning("the sweeper %ss sweep.objective (%s), which gets better as it %s", direction, cfg.sweep.objective,
-                    "grows" if natural == "maximize" else "falls")
+        log.warning(
+            "the sweeper %ss sweep.objective (%s), which gets better as it %s",
+            direction,
+            cfg.sweep.objective,
+            "grows" if natural == "maximize" else "falls",
+        )
     run_dir = Path(hc.runtime.output_dir)
     multirun = hc.mode == RunMode.MULTIRUN
     sweep_dir = Path(hc.sweep.dir) if multirun else run_dir
-    row = run_job(cfg, list(hc.overrides.task), job=hc.job.num if multirun else 0, run_dir=run_dir, group=sweep_name(cfg, sweep_dir))
+    row = run_job(
+        cfg,
+        list(hc.overrides.task),
+        job=hc.job.num if multirun else 0,
+        run_dir=run_dir,
+        group=sweep_name(cfg, sweep_dir),
+    )
     if not multirun:  # a sweep of one: the table goes next to it
         print(write_table(run_dir, [row], name=sweep_name(cfg, sweep_dir), objective=cfg.sweep.objective), flush=True)
     if natural is None:

@@ -48,7 +48,7 @@ class Tie:
 
 
 def layer_of(name: str) -> int:
-    """"5.out.weight" -> 5."""
+    """ "5.out.weight" -> 5."""
     return int(name.split(".", 1)[0])
 
 
@@ -152,8 +152,15 @@ class TieExchange:
             stage: once summed they equal it, so the global gradient norm counts them there only.
     """
 
-    def __init__(self, comm: Any, ctx: Any, versions: Any, groups: Sequence[Tuple[Any, Sequence[int]]], *,
-                 norm_excluded: Sequence[int] = ()):
+    def __init__(
+        self,
+        comm: Any,
+        ctx: Any,
+        versions: Any,
+        groups: Sequence[Tuple[Any, Sequence[int]]],
+        *,
+        norm_excluded: Sequence[int] = (),
+    ):
         self.comm, self.ctx, self.versions = comm, ctx, versions
         self.norm_excluded = frozenset(norm_excluded)
         self.groups = [(g, list(idx)) for g, idx in groups]
@@ -204,5 +211,7 @@ class TieChecker:
             low, high = self.comm.all_reduce_min_max(values, group=group)
             bad = [n for n, lo, hi in zip(names, low.tolist(), high.tolist()) if lo != hi]
             if bad:
-                raise RuntimeError(f"after step {t + 1}: the copies of tied parameters {bad} differ between the stages holding them")
+                raise RuntimeError(
+                    f"after step {t + 1}: the copies of tied parameters {bad} differ between the stages holding them"
+                )
         self.steps_checked += 1

@@ -19,8 +19,13 @@ from typing import Dict, List, NamedTuple, Optional, Sequence
 COMPUTE_KINDS = ("F", "B", "S")  # forward, backward, optimizer step: the rank's own work
 COMM_KINDS = ("send", "recv", "allreduce", "loss")  # posting a send; waiting on a receive, an all-reduce, a loss
 COLORS = {
-    "F": "#4c72b0", "B": "#55a868", "S": "#c44e52",
-    "send": "#8c8c8c", "recv": "#dd8452", "allreduce": "#8172b3", "loss": "#937860",
+    "F": "#4c72b0",
+    "B": "#55a868",
+    "S": "#c44e52",
+    "send": "#8c8c8c",
+    "recv": "#dd8452",
+    "allreduce": "#8172b3",
+    "loss": "#937860",
 }
 
 
@@ -64,7 +69,11 @@ def bubble_fraction(spans: Sequence[Span], window: Sequence[float]) -> float:
 
     Work is the union of F, B and S spans, less the all-reduce waits (made inside S)."""
     start, end = window
-    busy = sum(min(s.end, end) - max(s.start, start) for s in spans if s.kind in COMPUTE_KINDS and s.end > start and s.start < end)
+    busy = sum(
+        min(s.end, end) - max(s.start, start)
+        for s in spans
+        if s.kind in COMPUTE_KINDS and s.end > start and s.start < end
+    )
     busy -= sum(s.end - s.start for s in spans if s.kind == "allreduce" and start <= s.start < end)
     return max(0.0, 1.0 - busy / (end - start))
 
@@ -88,15 +97,30 @@ def chrome_trace(traces: Sequence[dict], *, title: str = "") -> dict:
     events: List[dict] = []
     for tr in traces:
         pid = tr["rank"]
-        events.append({"ph": "M", "name": "process_name", "pid": pid, "args": {"name": f"rank {pid}: stage {tr['stage']}, replica {tr['replica']}"}})
+        events.append(
+            {
+                "ph": "M",
+                "name": "process_name",
+                "pid": pid,
+                "args": {"name": f"rank {pid}: stage {tr['stage']}, replica {tr['replica']}"},
+            }
+        )
         events.append({"ph": "M", "name": "process_sort_index", "pid": pid, "args": {"sort_index": pid}})
         for tid, name in ((0, "compute"), (1, "comm")):
             events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": name}})
         for s in tr["spans"]:
-            events.append({
-                "ph": "X", "name": f"{s.kind}{s.index}", "cat": s.kind, "pid": pid, "tid": 0 if s.kind in COMPUTE_KINDS else 1,
-                "ts": (s.start - t0) * 1e6, "dur": (s.end - s.start) * 1e6, "args": {"index": s.index},
-            })
+            events.append(
+                {
+                    "ph": "X",
+                    "name": f"{s.kind}{s.index}",
+                    "cat": s.kind,
+                    "pid": pid,
+                    "tid": 0 if s.kind in COMPUTE_KINDS else 1,
+                    "ts": (s.start - t0) * 1e6,
+                    "dur": (s.end - s.start) * 1e6,
+                    "args": {"index": s.index},
+                }
+            )
     return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"title": title}}
 
 
@@ -117,16 +141,30 @@ def plot_timeline(traces: Sequence[dict], path: Path, *, title: str = "") -> Non
             compute = s.kind in COMPUTE_KINDS
             x, width = (s.start - t0) * 1e3, max((s.end - s.start) * 1e3, 1e-3)
             ybar, height = (y + 0.3, 0.5) if compute else (y + 0.05, 0.2)
-            ax.broken_barh([(x, width)], (ybar, height), facecolors=COLORS[s.kind], edgecolor="white" if compute else "none", linewidth=0.3)
+            ax.broken_barh(
+                [(x, width)],
+                (ybar, height),
+                facecolors=COLORS[s.kind],
+                edgecolor="white" if compute else "none",
+                linewidth=0.3,
+            )
             if compute and s.kind != "S" and width > (t1 - t0) * 1e3 / 80:
-                ax.text(x + width / 2, ybar + height / 2, str(s.index), ha="center", va="center", fontsize=6, color="white")
+                ax.text(
+                    x + width / 2, ybar + height / 2, str(s.index), ha="center", va="center", fontsize=6, color="white"
+                )
     ax.set_yticks([len(traces) - 1 - r + 0.5 for r in range(len(traces))])
     ax.set_yticklabels([f"rank {tr['rank']} (stage {tr['stage']})" for tr in traces])
     ax.set_xlabel("ms")
     ax.set_xlim(0, (t1 - t0) * 1e3)
     ax.set_title(title)
-    ax.legend(handles=[Patch(color=COLORS[k], label=k) for k in COLORS], ncol=len(COLORS), fontsize=7, loc="upper center",
-              bbox_to_anchor=(0.5, -0.12 - 0.3 / len(traces)), frameon=False)
+    ax.legend(
+        handles=[Patch(color=COLORS[k], label=k) for k in COLORS],
+        ncol=len(COLORS),
+        fontsize=7,
+        loc="upper center",
+        bbox_to_anchor=(0.5, -0.12 - 0.3 / len(traces)),
+        frameon=False,
+    )
     fig.tight_layout()
     tmp = Path(path).with_suffix(".tmp.png")
     fig.savefig(tmp, dpi=120)

@@ -29,13 +29,15 @@ def stage_rows(summary: Dict[str, Any]) -> List[Dict[str, Any]]:
     rows = []
     for stage, peak in enumerate(summary["peak_memory_bytes"]):
         ranks = [r for r in summary["ranks"] if r["stage"] == stage]
-        rows.append({
-            "stage": stage,
-            "peak_memory_bytes": peak,
-            "predicted_peak_memory_bytes": predicted[stage] if predicted else None,
-            "p2p_wait_s": sum(r.get("p2p_wait_s", 0.0) for r in ranks) / len(ranks),
-            "allreduce_exposed_s": sum(r["allreduce_exposed_s"] for r in ranks) / len(ranks),
-        })
+        rows.append(
+            {
+                "stage": stage,
+                "peak_memory_bytes": peak,
+                "predicted_peak_memory_bytes": predicted[stage] if predicted else None,
+                "p2p_wait_s": sum(r.get("p2p_wait_s", 0.0) for r in ranks) / len(ranks),
+                "allreduce_exposed_s": sum(r["allreduce_exposed_s"] for r in ranks) / len(ranks),
+            }
+        )
     return rows
 
 
@@ -45,7 +47,10 @@ def plan_rows(plan: Dict[str, Any]) -> List[Dict[str, Any]]:
     scalars = {k: v for k, v in plan.items() if isinstance(v, (int, float, str, bool)) or v is None}
     stages = plan.get("stages")
     if isinstance(stages, list) and stages and all(isinstance(s, dict) for s in stages):
-        return [{**scalars, **{k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in s.items()}} for s in stages]
+        return [
+            {**scalars, **{k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in s.items()}}
+            for s in stages
+        ]
     return [{**scalars, **{k: str(v) for k, v in plan.items() if k not in scalars}}]
 
 
@@ -58,7 +63,14 @@ def progress_bar(num_steps: int, *, initial: int = 0, file: Optional[TextIO] = N
 
     file = sys.stderr if file is None else file
     return tqdm(
-        total=num_steps, initial=initial, desc="train", unit="step", file=file, disable=not file.isatty(), dynamic_ncols=True, leave=True,
+        total=num_steps,
+        initial=initial,
+        desc="train",
+        unit="step",
+        file=file,
+        disable=not file.isatty(),
+        dynamic_ncols=True,
+        leave=True,
     )
 
 
@@ -88,7 +100,9 @@ class Tracker:
             id=run_id,
             resume="allow" if run_id is not None and cfg.wandb.mode == "online" else None,
         )
-        log.info("wandb run %s (%s%s) in %s", self.run.id, cfg.wandb.mode, ", continued" if run_id else "", self.run.dir)
+        log.info(
+            "wandb run %s (%s%s) in %s", self.run.id, cfg.wandb.mode, ", continued" if run_id else "", self.run.dir
+        )
 
     @property
     def run_id(self) -> Optional[str]:

@@ -48,7 +48,9 @@ def _agree_on_run_stamp() -> None:
     rank, world_size, _ = comm.env_rank()
     stamp = time.strftime("%Y-%m-%d/%H-%M-%S")
     if world_size > 1 and _STAMP_ENV not in os.environ:
-        _store = comm.make_store(rank=rank, world_size=world_size, timeout_s=float(os.environ.get("PD2BW_STORE_TIMEOUT_S", 300)))
+        _store = comm.make_store(
+            rank=rank, world_size=world_size, timeout_s=float(os.environ.get("PD2BW_STORE_TIMEOUT_S", 300))
+        )
         # Agreed once per launch, not per attempt: a job that torchrun restarts keeps its run
         # directory and resumes from the checkpoints there (train.resume=auto).
         stamp = comm.agree_on_string(comm.launch_scope(_store), "run_stamp", stamp)

@@ -113,10 +113,14 @@ class WeightVersions:
         self._params: List[List[nn.Parameter]] = [list(r.parameters()) for r in self.replicas]
         self.master = self._make_masters(module)
         self.buckets = [list(b) for b in buckets] if buckets is not None else [list(range(len(self.master)))]
-        assert sorted(i for b in self.buckets for i in b) == list(range(len(self.master))), "buckets must partition the parameters"
+        assert sorted(i for b in self.buckets for i in b) == list(range(len(self.master))), (
+            "buckets must partition the parameters"
+        )
         self.optimizers = [optimizer_factory([self.master[i] for i in b]) for b in self.buckets]
         if schedule == "2bw" and any(True for _ in module.buffers()):
-            log.warning("module buffers (e.g. BatchNorm statistics) are not versioned under 2bw; each replica keeps its own")
+            log.warning(
+                "module buffers (e.g. BatchNorm statistics) are not versioned under 2bw; each replica keeps its own"
+            )
 
     def _make_masters(self, module: nn.Module) -> List[nn.Parameter]:
         """The parameters the optimizers own: here aliases whose storage ``step`` points at a replica."""
@@ -135,7 +139,9 @@ class WeightVersions:
         return self.replicas[self._replica_holding(max(v for v in self.holds if v is not None))]
 
     @torch.no_grad()
-    def step(self, batch_index: int, *, grad_scale: float, before_bucket: Callable[[int], None] = lambda i: None) -> None:
+    def step(
+        self, batch_index: int, *, grad_scale: float, before_bucket: Callable[[int], None] = lambda i: None
+    ) -> None:
         """Closes batch t: W(t+1) = W(t) - optimizer_step(grad_scale * sum of batch t's gradients).
 
         ``before_bucket(i)`` runs before bucket ``i`` steps (e.g. to wait for its all-reduce).
@@ -149,7 +155,9 @@ class WeightVersions:
             before_bucket(bucket_index)
             grads = [src[i].grad for i in bucket if src[i].grad is not None]
             if grads and grad_scale != 1.0:
-                torch._foreach_mul_(grads, grad_scale)  # one kernel per bucket, not one per parameter (GPU launch overhead)
+                torch._foreach_mul_(
+                    grads, grad_scale
+                )  # one kernel per bucket, not one per parameter (GPU launch overhead)
             for i in bucket:
                 self.master[i].data = dst[i].data
                 self.master[i].grad = src[i].grad
@@ -205,10 +213,22 @@ class WeightVersions:
             order = self._state_order(bucket, opt)
             for pos, st in opt.state_dict()["state"].items():
                 optimizer[names[order[pos]]] = _cpu_copy(st)
-        return {"step": newest, "weights": _cpu_copy(self.newest().state_dict()), "previous": previous, "optimizer": optimizer}
+        return {
+            "step": newest,
+            "weights": _cpu_copy(self.newest().state_dict()),
+            "previous": previous,
+            "optimizer": optimizer,
+        }
 
     @torch.no_grad()
-    def load_state(self, *, step: int, weights: Dict[str, torch.Tensor], previous: Optional[Dict[str, torch.Tensor]], optimizer: Dict[str, dict]) -> None:
+    def load_state(
+        self,
+        *,
+        step: int,
+        weights: Dict[str, torch.Tensor],
+        previous: Optional[Dict[str, torch.Tensor]],
+        optimizer: Dict[str, dict],
+    ) -> None:
         """Continues from a checkpoint taken after ``step`` steps (the inverse of ``state``).
 
         Under 2bw without ``previous`` (a flush or gpipe checkpoint), batch ``step`` runs with
@@ -226,7 +246,11 @@ class WeightVersions:
         names = [n for n, _ in self.replicas[0].named_parameters()]
         for bucket, opt in zip(self.buckets, self.optimizers):
             sd = opt.state_dict()
-            sd["state"] = {pos: optimizer[names[i]] for pos, i in enumerate(self._state_order(bucket, opt)) if names[i] in optimizer}
+            sd["state"] = {
+                pos: optimizer[names[i]]
+                for pos, i in enumerate(self._state_order(bucket, opt))
+                if names[i] in optimizer
+            }
             opt.load_state_dict(sd)
 
     def _state_order(self, bucket: Sequence[int], optimizer: torch.optim.Optimizer) -> List[int]:

@@ -70,17 +70,39 @@ def _param_bytes(module) -> int:
 
 
 def _config(args, schedule: str, num_stages: int):
-    from pipedream2bw.config import Config, DataConfig, DistConfig, GPTConfig, OptimConfig, PipelineConfig, TrainConfig, WandbConfig
+    from pipedream2bw.config import (
+        Config,
+        DataConfig,
+        DistConfig,
+        GPTConfig,
+        OptimConfig,
+        PipelineConfig,
+        TrainConfig,
+        WandbConfig,
+    )
 
     return Config(
-        pipeline=PipelineConfig(schedule=schedule, num_stages=num_stages, num_microbatches=args.num_microbatches, microbatch_size=args.microbatch_size),
-        model=GPTConfig(num_layers=args.num_layers, d_model=args.d_model, num_heads=args.num_heads, seq_len=args.seq_len, vocab_size=256),
+        pipeline=PipelineConfig(
+            schedule=schedule,
+            num_stages=num_stages,
+            num_microbatches=args.num_microbatches,
+            microbatch_size=args.microbatch_size,
+        ),
+        model=GPTConfig(
+            num_layers=args.num_layers,
+            d_model=args.d_model,
+            num_heads=args.num_heads,
+            seq_len=args.seq_len,
+            vocab_size=256,
+        ),
         optim=OptimConfig(name="adamw", lr=1e-3),
         data=DataConfig(),
         train=TrainConfig(num_steps=args.steps, log_every=10**6, warmup_steps=args.warmup, precision=args.precision),
         wandb=WandbConfig(mode="disabled"),
-        dist=DistConfig(backend="nccl" if _uses_cuda(args) else "gloo",
-                        batch_p2p={"auto": None, "on": True, "off": False}[args.batch_p2p]),
+        dist=DistConfig(
+            backend="nccl" if _uses_cuda(args) else "gloo",
+            batch_p2p={"auto": None, "on": True, "off": False}[args.batch_p2p],
+        ),
     )
 
 
@@ -132,9 +154,15 @@ def _stage_compute_s(cfg, stage_index: int, num_stages: int, device, *, reps: in
     from pipedream2bw.runner import build_stage_module
 
     balance = gpt_balance(cfg.model, num_stages)
-    module = _Autocast(cfg, device).wrap(build_stage_module(cfg, balance, stage_index, None).to(device), last=stage_index == num_stages - 1)
+    module = _Autocast(cfg, device).wrap(
+        build_stage_module(cfg, balance, stage_index, None).to(device), last=stage_index == num_stages - 1
+    )
     b, T, C = cfg.pipeline.microbatch_size, cfg.model.seq_len, cfg.model.d_model
-    x = torch.randint(0, 256, (b, T), device=device) if stage_index == 0 else torch.randn(b, T, C, device=device, requires_grad=True)
+    x = (
+        torch.randint(0, 256, (b, T), device=device)
+        if stage_index == 0
+        else torch.randn(b, T, C, device=device, requires_grad=True)
+    )
     y = torch.randint(0, 256, (b, T), device=device)
     times = []
     for _ in range(reps + 1):
@@ -157,14 +185,22 @@ def _peak_rss() -> int:
 def _feed(cfg, *, num_microbatches: int):
     from pipedream2bw.data import MicrobatchFeed, load_bytes
 
-    return MicrobatchFeed(load_bytes(None), seq_len=cfg.model.seq_len, microbatch_size=cfg.pipeline.microbatch_size,
-                          num_microbatches=num_microbatches, seed=cfg.seed)
+    return MicrobatchFeed(
+        load_bytes(None),
+        seq_len=cfg.model.seq_len,
+        microbatch_size=cfg.pipeline.microbatch_size,
+        num_microbatches=num_microbatches,
+        seed=cfg.seed,
+    )
 
 
 def _timing(ends, *, warmup: int, samples_per_step: int) -> dict:
     steady = ends[warmup:]
     steps = [b - a for a, b in zip(steady, steady[1:])]
-    return {"samples_per_s": len(steps) * samples_per_step / (steady[-1] - steady[0]), "step_time_s": statistics.median(steps)}
+    return {
+        "samples_per_s": len(steps) * samples_per_step / (steady[-1] - steady[0]),
+        "step_time_s": statistics.median(steps),
+    }
 
 
 def _stage_weight_bytes(cfg, stage_index: int, num_stages: int) -> int:
@@ -183,10 +219,18 @@ def worker_ours(args, schedule: str, device) -> dict:
     with tempfile.TemporaryDirectory() as tmp, _memory_probe(args, device, within=TRAIN_RANGE) as peak:
         summary = run(cfg, tmp)
     if args.memory_pass:
-        return {"rank": rank, "peak_tensor_bytes": peak["bytes"], "stage_weight_bytes": _stage_weight_bytes(cfg, rank, world)}
+        return {
+            "rank": rank,
+            "peak_tensor_bytes": peak["bytes"],
+            "stage_weight_bytes": _stage_weight_bytes(cfg, rank, world),
+        }
     out = {"rank": rank, "compute_s": _stage_compute_s(cfg, rank, world, device)}
     if summary is not None:  # rank 0; per-stage peaks were taken when training ended, before gathering results
-        out.update(samples_per_s=summary["samples_per_s"], step_time_s=summary["step_time_s"], peak_rss_per_stage=summary["peak_memory_bytes"])
+        out.update(
+            samples_per_s=summary["samples_per_s"],
+            step_time_s=summary["step_time_s"],
+            peak_rss_per_stage=summary["peak_memory_bytes"],
+        )
     return out
 
 
@@ -225,8 +269,12 @@ def worker_torch(args, schedule: str, device) -> dict:
     dist.destroy_process_group()
     if args.memory_pass:
         return {"rank": rank, "peak_tensor_bytes": peak["bytes"], "stage_weight_bytes": _param_bytes(module)}
-    return {"rank": rank, "peak_rss": peak_rss, "compute_s": _stage_compute_s(cfg, rank, world, device),
-            **_timing(ends, warmup=args.warmup, samples_per_step=m * b)}
+    return {
+        "rank": rank,
+        "peak_rss": peak_rss,
+        "compute_s": _stage_compute_s(cfg, rank, world, device),
+        **_timing(ends, warmup=args.warmup, samples_per_step=m * b),
+    }
 
 
 def worker_single(args, device) -> dict:
@@ -255,7 +303,12 @@ def worker_single(args, device) -> dict:
             ends.append(time.perf_counter())
     if args.memory_pass:
         return {"rank": 0, "peak_tensor_bytes": peak["bytes"], "stage_weight_bytes": _param_bytes(model)}
-    return {"rank": 0, "peak_rss": _peak_rss(), "compute_s": 0.0, **_timing(ends, warmup=args.warmup, samples_per_step=m * b)}
+    return {
+        "rank": 0,
+        "peak_rss": _peak_rss(),
+        "compute_s": 0.0,
+        **_timing(ends, warmup=args.warmup, samples_per_step=m * b),
+    }
 
 
 def run_worker(args) -> None:
@@ -276,19 +329,42 @@ def launch(system: str, args, argv_model, *, memory_pass: bool = False) -> dict:
     with tempfile.TemporaryDirectory() as out:
         nproc = 1 if system == "single" else args.nproc
         extra = ["--memory-pass", f"--steps={args.memory_steps}", "--warmup=0"] if memory_pass else []
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port", str(free_port()),
-               __file__, "--worker", system, "--out", out, *argv_model, *extra]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            str(nproc),
+            "--master-port",
+            str(free_port()),
+            __file__,
+            "--worker",
+            system,
+            "--out",
+            out,
+            *argv_model,
+            *extra,
+        ]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode:
             raise SystemExit(f"{system} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
         ranks = sorted((json.loads(p.read_text()) for p in Path(out).glob("rank*.json")), key=lambda r: r["rank"])
     if memory_pass:
-        return {"peak_tensor_bytes": [r["peak_tensor_bytes"] for r in ranks], "stage_weight_bytes": [r["stage_weight_bytes"] for r in ranks]}
+        return {
+            "peak_tensor_bytes": [r["peak_tensor_bytes"] for r in ranks],
+            "stage_weight_bytes": [r["stage_weight_bytes"] for r in ranks],
+        }
     r0 = ranks[0]
-    idle = [1 - args.num_microbatches * r["compute_s"] / r0["step_time_s"] for r in ranks] if system != "single" else [0.0]
+    idle = (
+        [1 - args.num_microbatches * r["compute_s"] / r0["step_time_s"] for r in ranks] if system != "single" else [0.0]
+    )
     peaks = r0["peak_rss_per_stage"] if "peak_rss_per_stage" in r0 else [r["peak_rss"] for r in ranks]
-    return {"samples_per_s": r0["samples_per_s"], "step_time_s": r0["step_time_s"],
-            "peak_rss": peaks, "idle_fraction": statistics.mean(idle)}
+    return {
+        "samples_per_s": r0["samples_per_s"],
+        "step_time_s": r0["step_time_s"],
+        "peak_rss": peaks,
+        "idle_fraction": statistics.mean(idle),
+    }
 
 
 def check_targets(rows: dict, args) -> list:
@@ -301,6 +377,7 @@ def check_targets(rows: dict, args) -> list:
     before its gradients exist, while 2bw, which never drains, has them then, so the bound is
     one copy of the weights and one of the gradients.
     """
+
     def ratio(a, b):
         return rows[a]["samples_per_s"] / rows[b]["samples_per_s"] if a in rows and b in rows else None
 
@@ -309,7 +386,9 @@ def check_targets(rows: dict, args) -> list:
 
     def add(name, value, met, spec):
         applies = spec is None or (issue_model and (args.nproc, args.num_microbatches, args.microbatch_size) == spec)
-        where = "any configuration" if spec is None else f"{spec[0]} processes, m={spec[1]}, b={spec[2]}, the default GPT"
+        where = (
+            "any configuration" if spec is None else f"{spec[0]} processes, m={spec[1]}, b={spec[2]}, the default GPT"
+        )
         checks.append({"target": name, "value": value, "met": met, "set_for": where, "applies": applies})
 
     r = ratio("ours-2bw", "torch-1f1b")
@@ -322,15 +401,23 @@ def check_targets(rows: dict, args) -> list:
         r = ratio(ours, theirs)
         if r is not None:
             add(f"{ours} within 5% of {theirs} samples/s (>= 0.95x)", f"{r:.2f}x", r >= 0.95, (2, 8, 4))
-    if "peak_tensor_bytes_per_stage" in rows.get("ours-2bw", {}) and "peak_tensor_bytes_per_stage" in rows.get("ours-flush", {}):
+    if "peak_tensor_bytes_per_stage" in rows.get("ours-2bw", {}) and "peak_tensor_bytes_per_stage" in rows.get(
+        "ours-flush", {}
+    ):
         two, flush = rows["ours-2bw"], rows["ours-flush"]
-        for stage, (a, b, w) in enumerate(zip(two["peak_tensor_bytes_per_stage"], flush["peak_tensor_bytes_per_stage"], two["stage_weight_bytes"])):
+        for stage, (a, b, w) in enumerate(
+            zip(two["peak_tensor_bytes_per_stage"], flush["peak_tensor_bytes_per_stage"], two["stage_weight_bytes"])
+        ):
             if args.num_microbatches > args.nproc - stage:
                 bound, what = w, "one weight copy"
             else:  # flush's peak is its first backward of a batch, before any gradient exists; 2bw's has them all
                 bound, what = 2 * w, f"one weight copy + gradients, as m <= {args.nproc - stage} microbatches in flight"
-            add(f"stage {stage}: ours-2bw peak tensors <= ours-flush + {what} ({bound / 2**20:.2f} MiB)",
-                f"2bw - flush = {(a - b) / 2**20:.2f} MiB", a - b <= bound, None)
+            add(
+                f"stage {stage}: ours-2bw peak tensors <= ours-flush + {what} ({bound / 2**20:.2f} MiB)",
+                f"2bw - flush = {(a - b) / 2**20:.2f} MiB",
+                a - b <= bound,
+                None,
+            )
     return checks
 
 
@@ -346,13 +433,29 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--memory-steps", type=int, default=4, help="steps of the untimed run that measures peak tensor memory; 0 skips it")
+    parser.add_argument(
+        "--memory-steps",
+        type=int,
+        default=4,
+        help="steps of the untimed run that measures peak tensor memory; 0 skips it",
+    )
     parser.add_argument("--systems", default=",".join(SYSTEMS))
-    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto: one GPU per process (NCCL) when CUDA is available")
+    parser.add_argument(
+        "--device",
+        choices=["auto", "cpu", "cuda"],
+        default="auto",
+        help="auto: one GPU per process (NCCL) when CUDA is available",
+    )
     parser.add_argument("--batch-p2p", choices=["auto", "on", "off"], default="auto", help="our dist.batch_p2p")
-    parser.add_argument("--precision", choices=["fp32", "bf16", "fp16", "auto"], default="fp32",
-                        help="train.precision of every system (torch and single: forward under autocast, transfers in its dtype; fp16 without loss scaling)")
-    parser.add_argument("--strict", action="store_true", help="exit 1 when a target set for this configuration is missed")
+    parser.add_argument(
+        "--precision",
+        choices=["fp32", "bf16", "fp16", "auto"],
+        default="fp32",
+        help="train.precision of every system (torch and single: forward under autocast, transfers in its dtype; fp16 without loss scaling)",
+    )
+    parser.add_argument(
+        "--strict", action="store_true", help="exit 1 when a target set for this configuration is missed"
+    )
     parser.add_argument("--json", default="bench.json")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
@@ -362,10 +465,22 @@ def main() -> None:
         return run_worker(args)
     if args.steps <= args.warmup + 1:
         parser.error(f"--steps ({args.steps}) must exceed --warmup ({args.warmup}) by at least 2 to time a step")
-    argv_model = [f"--{k}={v}" for k, v in [
-        ("num-microbatches", args.num_microbatches), ("microbatch-size", args.microbatch_size), ("num-layers", args.num_layers),
-        ("d-model", args.d_model), ("num-heads", args.num_heads), ("seq-len", args.seq_len), ("steps", args.steps),
-        ("warmup", args.warmup), ("batch-p2p", args.batch_p2p), ("device", args.device), ("precision", args.precision)]]
+    argv_model = [
+        f"--{k}={v}"
+        for k, v in [
+            ("num-microbatches", args.num_microbatches),
+            ("microbatch-size", args.microbatch_size),
+            ("num-layers", args.num_layers),
+            ("d-model", args.d_model),
+            ("num-heads", args.num_heads),
+            ("seq-len", args.seq_len),
+            ("steps", args.steps),
+            ("warmup", args.warmup),
+            ("batch-p2p", args.batch_p2p),
+            ("device", args.device),
+            ("precision", args.precision),
+        ]
+    ]
     systems = args.systems.split(",")
     unknown = sorted(set(systems) - set(SYSTEMS))
     if unknown:
@@ -378,9 +493,11 @@ def main() -> None:
         parser.error("--device cuda: CUDA is not available here; use --device cpu (or auto)")
     where = "1 GPU (NCCL)" if _uses_cuda(args) else "1 thread (gloo)"
     print("command:", " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]))
-    print(f"config: {args.nproc} processes x {where}, GPT {args.num_layers} blocks d_model {args.d_model} heads {args.num_heads} "
-          f"seq {args.seq_len} vocab 256, m={args.num_microbatches} b={args.microbatch_size}, AdamW, precision {args.precision}, {args.steps} steps "
-          f"({args.warmup} warm-up left out), {args.repeats} repeats, systems alternate; torch {torch.__version__}")
+    print(
+        f"config: {args.nproc} processes x {where}, GPT {args.num_layers} blocks d_model {args.d_model} heads {args.num_heads} "
+        f"seq {args.seq_len} vocab 256, m={args.num_microbatches} b={args.microbatch_size}, AdamW, precision {args.precision}, {args.steps} steps "
+        f"({args.warmup} warm-up left out), {args.repeats} repeats, systems alternate; torch {torch.__version__}"
+    )
     results = {s: [] for s in systems}
     for repeat in range(args.repeats):
         for system in systems:
@@ -393,21 +510,34 @@ def main() -> None:
         print(f"  peak tensor memory: one untimed run of {args.memory_steps} steps per system", flush=True)
     single = statistics.median(r["samples_per_s"] for r in results["single"]) if "single" in results else None
     rows = {}
-    print(f"\n{'system':>12} {'samples/s':>10} {'efficiency':>10} {'idle':>6} {'peak RSS per stage (MiB)':>26} {'peak tensors per stage (MiB)':>30}")
+    print(
+        f"\n{'system':>12} {'samples/s':>10} {'efficiency':>10} {'idle':>6} {'peak RSS per stage (MiB)':>26} {'peak tensors per stage (MiB)':>30}"
+    )
     for system, runs in results.items():
         sps = statistics.median(r["samples_per_s"] for r in runs)
         d = 1 if system == "single" else args.nproc
         eff = sps / (d * single) if single else None
         peaks = [statistics.median(r["peak_rss"][s] for r in runs) for s in range(len(runs[0]["peak_rss"]))]
         idle = statistics.median(r["idle_fraction"] for r in runs)
-        rows[system] = {"system": system, "samples_per_s": sps, "efficiency": eff, "idle_fraction": idle, "peak_rss_per_stage": peaks,
-                        "runs": runs}
+        rows[system] = {
+            "system": system,
+            "samples_per_s": sps,
+            "efficiency": eff,
+            "idle_fraction": idle,
+            "peak_rss_per_stage": peaks,
+            "runs": runs,
+        }
         tensors_text = ""
         if system in memory:
-            rows[system].update(peak_tensor_bytes_per_stage=memory[system]["peak_tensor_bytes"], stage_weight_bytes=memory[system]["stage_weight_bytes"])
+            rows[system].update(
+                peak_tensor_bytes_per_stage=memory[system]["peak_tensor_bytes"],
+                stage_weight_bytes=memory[system]["stage_weight_bytes"],
+            )
             tensors_text = " ".join(f"{p / 2**20:.1f}" for p in memory[system]["peak_tensor_bytes"])
         peaks_text = " ".join(f"{p / 2**20:.0f}" for p in peaks)
-        print(f"{system:>12} {sps:>10.1f} {eff if eff is not None else float('nan'):>10.2f} {idle:>6.2f} {peaks_text:>26} {tensors_text:>30}")
+        print(
+            f"{system:>12} {sps:>10.1f} {eff if eff is not None else float('nan'):>10.2f} {idle:>6.2f} {peaks_text:>26} {tensors_text:>30}"
+        )
     for ours, theirs in [("ours-2bw", "torch-1f1b"), ("ours-flush", "torch-1f1b"), ("ours-gpipe", "torch-gpipe")]:
         if ours in rows and theirs in rows:
             print(f"{ours} / {theirs}: {rows[ours]['samples_per_s'] / rows[theirs]['samples_per_s']:.2f}x")
@@ -415,10 +545,14 @@ def main() -> None:
     if checks:
         print("\ntargets:")
     for c in checks:
-        verdict = ("met" if c["met"] else "MISSED") if c["applies"] else ("would be met" if c["met"] else "would be missed")
+        verdict = (
+            ("met" if c["met"] else "MISSED") if c["applies"] else ("would be met" if c["met"] else "would be missed")
+        )
         note = "" if c["applies"] else f"   (set for {c['set_for']}; not this configuration)"
         print(f"  {verdict:>15}  {c['target']}: {c['value']}{note}")
-    Path(args.json).write_text(json.dumps({"args": vars(args), "rows": list(rows.values()), "targets": checks}, indent=2) + "\n")
+    Path(args.json).write_text(
+        json.dumps({"args": vars(args), "rows": list(rows.values()), "targets": checks}, indent=2) + "\n"
+    )
     print(f"\nwrote {args.json}")
     if args.strict and any(c["applies"] and not c["met"] for c in checks):
         raise SystemExit(1)

@@ -20,15 +20,26 @@ from pathlib import Path
 from pipedream2bw.launch import LaunchError, launch_train
 
 
-def run_layout(d: int, w: int, *, global_batch: int, microbatch_size: int, steps: int, schedule: str, overrides, out_dir: Path) -> dict:
+def run_layout(
+    d: int, w: int, *, global_batch: int, microbatch_size: int, steps: int, schedule: str, overrides, out_dir: Path
+) -> dict:
     m = global_batch // (w * microbatch_size)
     run_dir = out_dir / f"{d}x{w}-{time.monotonic_ns()}"
     try:  # the real training command, launched as torchrun does (pipedream2bw.launch)
-        launch_train([
-            f"pipeline.schedule={schedule}", f"pipeline.num_stages={d}", f"pipeline.data_parallel={w}",
-            f"pipeline.num_microbatches={m}", f"pipeline.microbatch_size={microbatch_size}", f"train.num_steps={steps}",
-            "wandb.mode=disabled", *overrides,
-        ], nproc=d * w, run_dir=run_dir)
+        launch_train(
+            [
+                f"pipeline.schedule={schedule}",
+                f"pipeline.num_stages={d}",
+                f"pipeline.data_parallel={w}",
+                f"pipeline.num_microbatches={m}",
+                f"pipeline.microbatch_size={microbatch_size}",
+                f"train.num_steps={steps}",
+                "wandb.mode=disabled",
+                *overrides,
+            ],
+            nproc=d * w,
+            run_dir=run_dir,
+        )
     except LaunchError as e:
         raise SystemExit(f"{d}x{w} failed: {e}; see {run_dir}/train.log and {run_dir}/launch/")
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -54,26 +65,53 @@ def main() -> None:
     args = parser.parse_args()
     layouts = [tuple(int(x) for x in item.split("x")) for item in args.layouts.split(",")]
     print("command:", " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]))
-    print(f"config: schedule={args.schedule} global_batch={args.global_batch} microbatch_size={args.microbatch_size} "
-          f"steps={args.steps} (first 3 left out) repeats={args.repeats} overrides={args.overrides}")
+    print(
+        f"config: schedule={args.schedule} global_batch={args.global_batch} microbatch_size={args.microbatch_size} "
+        f"steps={args.steps} (first 3 left out) repeats={args.repeats} overrides={args.overrides}"
+    )
     results = {layout: [] for layout in layouts}
     with tempfile.TemporaryDirectory() as tmp:
         for repeat in range(args.repeats):
             for d, w in layouts:
-                r = run_layout(d, w, global_batch=args.global_batch, microbatch_size=args.microbatch_size, steps=args.steps,
-                               schedule=args.schedule, overrides=args.overrides, out_dir=Path(tmp))
+                r = run_layout(
+                    d,
+                    w,
+                    global_batch=args.global_batch,
+                    microbatch_size=args.microbatch_size,
+                    steps=args.steps,
+                    schedule=args.schedule,
+                    overrides=args.overrides,
+                    out_dir=Path(tmp),
+                )
                 results[(d, w)].append(r)
-                print(f"  repeat {repeat} {d}x{w}: {r['samples_per_s']:.1f} samples/s, exposed all-reduce {1e3 * r['exposed_allreduce_s_per_step']:.1f} ms/step", flush=True)
+                print(
+                    f"  repeat {repeat} {d}x{w}: {r['samples_per_s']:.1f} samples/s, exposed all-reduce {1e3 * r['exposed_allreduce_s_per_step']:.1f} ms/step",
+                    flush=True,
+                )
     base = statistics.median(r["samples_per_s"] for r in results[layouts[0]])
     rows = []
-    print(f"\n{'layout':>8} {'m':>3} {'samples/s':>10} {'vs ' + 'x'.join(map(str, layouts[0])):>8} {'step ms':>8} {'exposed AR ms/step':>19} {'exposed %':>9}")
+    print(
+        f"\n{'layout':>8} {'m':>3} {'samples/s':>10} {'vs ' + 'x'.join(map(str, layouts[0])):>8} {'step ms':>8} {'exposed AR ms/step':>19} {'exposed %':>9}"
+    )
     for (d, w), runs in results.items():
         sps = statistics.median(r["samples_per_s"] for r in runs)
         step = statistics.median(r["step_time_s"] for r in runs)
         exposed = statistics.median(r["exposed_allreduce_s_per_step"] for r in runs)
-        rows.append({"num_stages": d, "data_parallel": w, "num_microbatches": runs[0]["num_microbatches"], "samples_per_s": sps,
-                     "ratio": sps / base, "step_time_s": step, "exposed_allreduce_s_per_step": exposed, "runs": runs})
-        print(f"{f'{d}x{w}':>8} {runs[0]['num_microbatches']:>3} {sps:>10.1f} {sps / base:>8.2f} {1e3 * step:>8.1f} {1e3 * exposed:>19.1f} {100 * exposed / step:>8.1f}%")
+        rows.append(
+            {
+                "num_stages": d,
+                "data_parallel": w,
+                "num_microbatches": runs[0]["num_microbatches"],
+                "samples_per_s": sps,
+                "ratio": sps / base,
+                "step_time_s": step,
+                "exposed_allreduce_s_per_step": exposed,
+                "runs": runs,
+            }
+        )
+        print(
+            f"{f'{d}x{w}':>8} {runs[0]['num_microbatches']:>3} {sps:>10.1f} {sps / base:>8.2f} {1e3 * step:>8.1f} {1e3 * exposed:>19.1f} {100 * exposed / step:>8.1f}%"
+        )
     Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=2) + "\n")
     print(f"\nwrote {args.json}")
 

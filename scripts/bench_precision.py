@@ -27,12 +27,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench.py's memory pr
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
+from bench import _tensor_peak  # noqa: E402
 from torch import nn  # noqa: E402
 
-from bench import _tensor_peak  # noqa: E402
 from pipedream2bw import comm  # noqa: E402
-from pipedream2bw.config import (Config, DataConfig, DistConfig, GPTConfig, OptimConfig, PipelineConfig,  # noqa: E402
-                                 TrainConfig, WandbConfig, build_optimizer)
+from pipedream2bw.config import (  # noqa: E402
+    Config,
+    DataConfig,
+    DistConfig,
+    GPTConfig,
+    OptimConfig,
+    PipelineConfig,
+    TrainConfig,
+    WandbConfig,
+    build_optimizer,
+)
 from pipedream2bw.data import MicrobatchFeed, load_bytes  # noqa: E402
 from pipedream2bw.models import build_gpt_layers, lm_loss  # noqa: E402
 from pipedream2bw.precision import autocast, resolve  # noqa: E402
@@ -45,13 +54,26 @@ CPU_MODEL = dict(num_layers=4, d_model=256, num_heads=4, seq_len=128, microbatch
 
 def make_config(args, steps: int) -> Config:
     return Config(
-        pipeline=PipelineConfig(schedule=args.schedule, num_stages=1, num_microbatches=args.num_microbatches,
-                                microbatch_size=args.microbatch_size),
-        model=GPTConfig(num_layers=args.num_layers, d_model=args.d_model, num_heads=args.num_heads, seq_len=args.seq_len),
-        optim=OptimConfig(name="adamw", lr=1e-4), data=DataConfig(),
-        train=TrainConfig(num_steps=steps, log_every=10**6, warmup_steps=min(args.warmup, steps - 2), precision=args.precision,
-                          resume="never"),
-        wandb=WandbConfig(mode="disabled"), dist=DistConfig(backend="nccl" if args.device.type == "cuda" else "gloo"),
+        pipeline=PipelineConfig(
+            schedule=args.schedule,
+            num_stages=1,
+            num_microbatches=args.num_microbatches,
+            microbatch_size=args.microbatch_size,
+        ),
+        model=GPTConfig(
+            num_layers=args.num_layers, d_model=args.d_model, num_heads=args.num_heads, seq_len=args.seq_len
+        ),
+        optim=OptimConfig(name="adamw", lr=1e-4),
+        data=DataConfig(),
+        train=TrainConfig(
+            num_steps=steps,
+            log_every=10**6,
+            warmup_steps=min(args.warmup, steps - 2),
+            precision=args.precision,
+            resume="never",
+        ),
+        wandb=WandbConfig(mode="disabled"),
+        dist=DistConfig(backend="nccl" if args.device.type == "cuda" else "gloo"),
     )
 
 
@@ -70,7 +92,9 @@ def plain(args, *, steps: int) -> float:
     model = nn.Sequential(*build_gpt_layers(cfg.model, seed=cfg.seed)).to(device)
     opt = build_optimizer(model.parameters(), cfg.optim)
     scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
-    feed = MicrobatchFeed(load_bytes(None), seq_len=cfg.model.seq_len, microbatch_size=b, num_microbatches=m, seed=cfg.seed)
+    feed = MicrobatchFeed(
+        load_bytes(None), seq_len=cfg.model.seq_len, microbatch_size=b, num_microbatches=m, seed=cfg.seed
+    )
     ends = []
     with torch.profiler.record_function(TRAIN_RANGE):
         for t in range(steps):
@@ -85,7 +109,7 @@ def plain(args, *, steps: int) -> float:
             if t >= cfg.train.warmup_steps - 1 and device.type == "cuda":
                 torch.cuda.synchronize(device)  # step boundaries for the timing (ours syncs once per step on the loss)
             ends.append(time.perf_counter())
-    steady = ends[cfg.train.warmup_steps - 1:]
+    steady = ends[cfg.train.warmup_steps - 1 :]
     return (len(steady) - 1) * m * b / (steady[-1] - steady[0])
 
 
@@ -104,7 +128,12 @@ def main() -> None:
     parser.add_argument("--precision", default="bf16", choices=["fp32", "bf16", "fp16", "auto"])
     parser.add_argument("--schedule", default="2bw", choices=["2bw", "flush", "gpipe"])
     for key in GPU_MODEL:
-        parser.add_argument(f"--{key.replace('_', '-')}", type=int, default=None, help="default: the issue's GPT on GPU, a small one on CPU")
+        parser.add_argument(
+            f"--{key.replace('_', '-')}",
+            type=int,
+            default=None,
+            help="default: the issue's GPT on GPU, a small one on CPU",
+        )
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=3)
@@ -126,12 +155,16 @@ def main() -> None:
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     precision = resolve(args.precision, args.device.type)
     print("command:", " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]))
-    print(f"config: {args.device} ({torch.cuda.get_device_name(args.device) if cuda else '1 thread'}), precision {precision}, "
-          f"GPT {args.num_layers} blocks d_model {args.d_model} heads {args.num_heads} seq {args.seq_len}, "
-          f"m={args.num_microbatches} b={args.microbatch_size}, AdamW, ours: 1 stage, {args.schedule}; {args.steps} steps "
-          f"({args.warmup} warm-up left out) x {args.repeats} repeats, alternating; torch {torch.__version__}")
+    print(
+        f"config: {args.device} ({torch.cuda.get_device_name(args.device) if cuda else '1 thread'}), precision {precision}, "
+        f"GPT {args.num_layers} blocks d_model {args.d_model} heads {args.num_heads} seq {args.seq_len}, "
+        f"m={args.num_microbatches} b={args.microbatch_size}, AdamW, ours: 1 stage, {args.schedule}; {args.steps} steps "
+        f"({args.warmup} warm-up left out) x {args.repeats} repeats, alternating; torch {torch.__version__}"
+    )
     if not cuda:
-        print("NOTE: CPU figures; the target is set for a GPU (the issue's GPT on an H200), which this run does not verify")
+        print(
+            "NOTE: CPU figures; the target is set for a GPU (the issue's GPT on an H200), which this run does not verify"
+        )
     systems = {"ours": ours, "plain-autocast": plain}
     rates = {name: [] for name in systems}
     for repeat in range(args.repeats):
@@ -147,10 +180,18 @@ def main() -> None:
         rows[name] = {"samples_per_s": sps, "runs": rates[name], "peak_memory_bytes": peaks[name]}
         print(f"{name:>15} {sps:>10.2f} {peaks[name] / 2**20:>45.1f}")
     ratio = rows["ours"]["samples_per_s"] / rows["plain-autocast"]["samples_per_s"]
-    verdict = ("met" if ratio >= TARGET else "MISSED") if cuda else ("would be met" if ratio >= TARGET else "would be missed")
+    verdict = (
+        ("met" if ratio >= TARGET else "MISSED") if cuda else ("would be met" if ratio >= TARGET else "would be missed")
+    )
     print(f"\nours / plain-autocast: {ratio:.3f}x   target >= {TARGET}x (set for a GPU): {verdict}")
-    payload = {"args": {k: str(v) for k, v in vars(args).items()}, "precision": precision, "rows": rows, "ratio": ratio,
-               "memory_kind": kind, "gpu": cuda}
+    payload = {
+        "args": {k: str(v) for k, v in vars(args).items()},
+        "precision": precision,
+        "rows": rows,
+        "ratio": ratio,
+        "memory_kind": kind,
+        "gpu": cuda,
+    }
     Path(args.json).write_text(json.dumps(payload, indent=2) + "\n")
     print(f"wrote {args.json}")
 

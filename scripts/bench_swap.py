@@ -123,14 +123,20 @@ def run_stage(args, device: torch.device, *, swap: bool, memory: bool, timed: bo
         out, versions, data = _train_stage(args, device, backend=backend if swap else None, timed=timed)
     if memory:
         static = _static_bytes(versions, data)
-        out.update(leftover_bytes=leftover, peak_memory_bytes=peak["bytes"] - leftover, static_bytes=static,
-                   activation_peak_bytes=peak["bytes"] - leftover - static)
+        out.update(
+            leftover_bytes=leftover,
+            peak_memory_bytes=peak["bytes"] - leftover,
+            static_bytes=static,
+            activation_peak_bytes=peak["bytes"] - leftover - static,
+        )
     return out
 
 
 def _train_stage(args, device: torch.device, *, backend: Optional[TransferBackend], timed: bool):
     torch.manual_seed(0)
-    versions = WeightVersions(build_stage(args, device), schedule=args.schedule, optimizer_factory=lambda ps: torch.optim.AdamW(ps, lr=1e-4))
+    versions = WeightVersions(
+        build_stage(args, device), schedule=args.schedule, optimizer_factory=lambda ps: torch.optim.AdamW(ps, lr=1e-4)
+    )
     m, b, T, C = args.num_microbatches, args.microbatch_size, args.seq_len, args.d_model
     gen = torch.Generator().manual_seed(1)
     inputs = [torch.randint(0, 256, (b, T), generator=gen).to(device) for _ in range(m)]
@@ -140,14 +146,24 @@ def _train_stage(args, device: torch.device, *, backend: Optional[TransferBacken
         held = [t for r in versions.replicas for t in (*r.parameters(), *r.buffers())]
         manager = SwapManager(backend, min_bytes=args.min_bytes, resident=args.resident, exclude=held)
     params = {p.untyped_storage().data_ptr() for r in versions.replicas for p in r.parameters()}
-    actions = stage_actions(args.schedule, stage_index=0, num_stages=args.num_stages, num_microbatches=m, num_batches=args.warmup + args.batches)
+    actions = stage_actions(
+        args.schedule,
+        stage_index=0,
+        num_stages=args.num_stages,
+        num_microbatches=m,
+        num_batches=args.warmup + args.batches,
+    )
     stash, step_times, saved_one = {}, [], None
     t0 = 0.0
     for a in actions:
         if a.kind == FORWARD:
             x = inputs[a.index % m]
             measure = SavedBytes(params) if saved_one is None else None
-            ctx = manager.forward(a.index, inputs=(x,), outer=measure) if manager else (measure or contextlib.nullcontext())
+            ctx = (
+                manager.forward(a.index, inputs=(x,), outer=measure)
+                if manager
+                else (measure or contextlib.nullcontext())
+            )
             with ctx:
                 stash[a.index] = versions.module_for_batch(a.index // m)(x)
             if measure is not None:
@@ -182,7 +198,13 @@ def _static_bytes(versions: WeightVersions, data) -> int:
     microbatches are already in flight then.)"""
     weights = sum(p.numel() * p.element_size() for r in versions.replicas for p in r.parameters())
     grads = sum(p.numel() * p.element_size() for p in versions.replicas[0].parameters())
-    state = sum(v.numel() * v.element_size() for o in versions.optimizers for st in o.state.values() for v in st.values() if torch.is_tensor(v))
+    state = sum(
+        v.numel() * v.element_size()
+        for o in versions.optimizers
+        for st in o.state.values()
+        for v in st.values()
+        if torch.is_tensor(v)
+    )
     return weights + grads + state + sum(t.numel() * t.element_size() for t in data)
 
 
@@ -202,22 +224,36 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2, help="batches before timing")
     parser.add_argument("--batches", type=int, default=3, help="timed batches per round")
     parser.add_argument("--repeats", type=int, default=3, help="rounds, alternating no-swap and swap")
-    parser.add_argument("--deterministic", choices=["auto", "on", "off"], default="auto",
-                        help="torch.use_deterministic_algorithms for every run (auto: on with CUDA; CPU kernels are deterministic)")
+    parser.add_argument(
+        "--deterministic",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="torch.use_deterministic_algorithms for every run (auto: on with CUDA; CPU kernels are deterministic)",
+    )
     parser.add_argument("--json", default="bench_swap.json")
     args = parser.parse_args()
-    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else ("cpu" if args.device == "auto" else args.device))
+    device = torch.device(
+        "cuda"
+        if args.device == "auto" and torch.cuda.is_available()
+        else ("cpu" if args.device == "auto" else args.device)
+    )
     for k, v in (GPU_DEFAULTS if device.type == "cuda" else CPU_DEFAULTS).items():
         if getattr(args, k) is None:
             setattr(args, k, v)
     if args.deterministic == "on" or (args.deterministic == "auto" and device.type == "cuda"):
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before cuBLAS starts; deterministic matmuls need it
-        torch.use_deterministic_algorithms(True)  # strict: mem-efficient attention's backward then runs deterministically
+        os.environ.setdefault(
+            "CUBLAS_WORKSPACE_CONFIG", ":4096:8"
+        )  # before cuBLAS starts; deterministic matmuls need it
+        torch.use_deterministic_algorithms(
+            True
+        )  # strict: mem-efficient attention's backward then runs deterministically
         args.deterministic = "on"
     if device.type == "cpu":
         torch.set_num_threads(1)
-        print("NOTE: no CUDA device: CPU-only figures (the 'device' is host memory, copies are memcpys on worker threads;"
-              " they show the mechanism runs, not what a GPU gains)")
+        print(
+            "NOTE: no CUDA device: CPU-only figures (the 'device' is host memory, copies are memcpys on worker threads;"
+            " they show the mechanism runs, not what a GPU gains)"
+        )
     print("config:", {k: v for k, v in vars(args).items()})
 
     cuda = device.type == "cuda"
@@ -227,8 +263,13 @@ def main() -> None:
             runs[name].append(run_stage(args, device, swap=name == "swap", memory=cuda))
     if not cuda:  # the profiler slows a run: memory comes from one more, untimed run of each
         for name in runs:
-            runs[name][0].update({k: v for k, v in run_stage(args, device, swap=name == "swap", memory=True, timed=False).items()
-                                  if k.endswith("_bytes")})
+            runs[name][0].update(
+                {
+                    k: v
+                    for k, v in run_stage(args, device, swap=name == "swap", memory=True, timed=False).items()
+                    if k.endswith("_bytes")
+                }
+            )
     base_w = runs["no_swap"][0]["weights"]
     rows = {name: _summarize(rs, args) for name, rs in runs.items()}
     sw = runs["swap"][-1]["swap"]
@@ -265,36 +306,52 @@ def _summarize(rs, args) -> Dict[str, Any]:
     """Medians over a configuration's runs; ``expected_activation_bytes`` is what the stage should
     hold: autograd's saved bytes x in flight without swapping, the manager's count with."""
     measured = [r for r in rs if "peak_memory_bytes" in r]
-    row = {"step_time_s": statistics.median(r["step_time_s"] for r in rs), "saved_bytes_per_microbatch": rs[0]["saved_bytes_per_microbatch"],
-           "leftover_bytes": max(r["leftover_bytes"] for r in measured)}
+    row = {
+        "step_time_s": statistics.median(r["step_time_s"] for r in rs),
+        "saved_bytes_per_microbatch": rs[0]["saved_bytes_per_microbatch"],
+        "leftover_bytes": max(r["leftover_bytes"] for r in measured),
+    }
     for key in ("peak_memory_bytes", "activation_peak_bytes"):
         row[key] = statistics.median(r[key] for r in measured)
-    row["expected_activation_bytes"] = (statistics.median(r["swap"]["peak_device_bytes"] for r in rs) if "swap" in rs[0]
-                                        else rs[0]["saved_bytes_per_microbatch"] * in_flight(args))
+    row["expected_activation_bytes"] = (
+        statistics.median(r["swap"]["peak_device_bytes"] for r in rs)
+        if "swap" in rs[0]
+        else rs[0]["saved_bytes_per_microbatch"] * in_flight(args)
+    )
     return row
 
 
 def _print(res: Dict[str, Any]) -> None:
     mib = 2**20
     ident = "deterministic kernels" if res["args"]["deterministic"] == "on" else "default kernels"
-    print(f"\ndevice: {res['device']}{'  (CPU-ONLY FIGURES)' if res['cpu_only'] else ''}; {ident}; weights bit-identical with and without swap: "
-          f"{res['weights_identical']} (no-swap runs among themselves: {res['no_swap_runs_identical']}; largest difference "
-          f"{res['max_weight_diff_swap']:.3g} with swap, {res['max_weight_diff_no_swap']:.3g} between no-swap runs)")
+    print(
+        f"\ndevice: {res['device']}{'  (CPU-ONLY FIGURES)' if res['cpu_only'] else ''}; {ident}; weights bit-identical with and without swap: "
+        f"{res['weights_identical']} (no-swap runs among themselves: {res['no_swap_runs_identical']}; largest difference "
+        f"{res['max_weight_diff_swap']:.3g} with swap, {res['max_weight_diff_no_swap']:.3g} between no-swap runs)"
+    )
     what = {"no_swap": "saved x in flight", "swap": "manager's count"}
     for name, row in res["rows"].items():
         left = f"  (earlier runs left {row['leftover_bytes'] / mib:.1f} MiB allocated)" if row["leftover_bytes"] else ""
-        print(f"  {name:8s} step {row['step_time_s'] * 1e3:9.2f} ms  peak allocated {row['peak_memory_bytes'] / mib:9.1f} MiB  "
-              f"activations {row['activation_peak_bytes'] / mib:9.1f} MiB (should be {row['expected_activation_bytes'] / mib:.1f} MiB: "
-              f"{what[name]}){left}")
+        print(
+            f"  {name:8s} step {row['step_time_s'] * 1e3:9.2f} ms  peak allocated {row['peak_memory_bytes'] / mib:9.1f} MiB  "
+            f"activations {row['activation_peak_bytes'] / mib:9.1f} MiB (should be {row['expected_activation_bytes'] / mib:.1f} MiB: "
+            f"{what[name]}){left}"
+        )
     sw = res["swap_stats"]
-    print(f"  swap: {sw['swapped_out_bytes'] / mib:.1f} MiB out, {sw['swapped_in_bytes'] / mib:.1f} MiB in per run; "
-          f"peak counted activations {sw['peak_device_bytes'] / mib:.1f} MiB (one microbatch {sw['microbatch_bytes'] / mib:.1f} MiB); "
-          f"stall {sw['stall_s'] * 1e3:.2f} ms, offload waits {sw['offload_wait_s'] * 1e3:.2f} ms")
+    print(
+        f"  swap: {sw['swapped_out_bytes'] / mib:.1f} MiB out, {sw['swapped_in_bytes'] / mib:.1f} MiB in per run; "
+        f"peak counted activations {sw['peak_device_bytes'] / mib:.1f} MiB (one microbatch {sw['microbatch_bytes'] / mib:.1f} MiB); "
+        f"stall {sw['stall_s'] * 1e3:.2f} ms, offload waits {sw['offload_wait_s'] * 1e3:.2f} ms"
+    )
     fmt = lambda v: "n/a" if v is None else f"{v:.2f}"  # noqa: E731
-    print(f"  bandwidth GB/s: achieved to host {fmt(res['achieved_to_host_GBps'])}, to device {fmt(res['achieved_to_device_GBps'])}; "
-          f"plain copy to host {res['plain_copy']['to_host_GBps']:.2f}, to device {res['plain_copy']['to_device_GBps']:.2f}")
-    print(f"  step time {res['step_time_increase'] * 100:+.1f}%, counted activation bytes {-res['counted_activation_reduction'] * 100:+.1f}%, "
-          f"measured activation memory {-res['activation_memory_reduction'] * 100:+.1f}% (target <= -40% for <= +10% time)")
+    print(
+        f"  bandwidth GB/s: achieved to host {fmt(res['achieved_to_host_GBps'])}, to device {fmt(res['achieved_to_device_GBps'])}; "
+        f"plain copy to host {res['plain_copy']['to_host_GBps']:.2f}, to device {res['plain_copy']['to_device_GBps']:.2f}"
+    )
+    print(
+        f"  step time {res['step_time_increase'] * 100:+.1f}%, counted activation bytes {-res['counted_activation_reduction'] * 100:+.1f}%, "
+        f"measured activation memory {-res['activation_memory_reduction'] * 100:+.1f}% (target <= -40% for <= +10% time)"
+    )
 
 
 if __name__ == "__main__":

@@ -54,7 +54,9 @@ def make_tokenizer(spec: str) -> Tuple[Callable[[bytes], Sequence[int]], int]:
             sys.exit("--tokenizer tiktoken:... needs the tiktoken package: pip install 'pipedream2bw[tokenize]'")
         enc = tiktoken.get_encoding(arg)
         return (lambda raw: enc.encode_ordinary(_text(raw))), enc.n_vocab
-    sys.exit(f"--tokenizer {spec!r} is unknown; use bytes, tokenizers:<tokenizer.json> or tiktoken:<encoding, e.g. gpt2>")
+    sys.exit(
+        f"--tokenizer {spec!r} is unknown; use bytes, tokenizers:<tokenizer.json> or tiktoken:<encoding, e.g. gpt2>"
+    )
 
 
 def _text(raw: bytes) -> str:
@@ -89,7 +91,9 @@ def prepare(inputs: Sequence[Path], out: Path, *, tokenizer: str) -> dict:
             for raw in read_chunks(inputs):
                 ids = np.asarray(encode(raw), dtype=np.int64)
                 if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
-                    sys.exit(f"tokenizer {tokenizer} produced id {int(ids.max())} outside its vocabulary of {vocab_size}")
+                    sys.exit(
+                        f"tokenizer {tokenizer} produced id {int(ids.max())} outside its vocabulary of {vocab_size}"
+                    )
                 ids.astype(dtype).tofile(f)
                 count += ids.size
             f.flush()
@@ -97,8 +101,14 @@ def prepare(inputs: Sequence[Path], out: Path, *, tokenizer: str) -> dict:
         os.replace(tmp, out)
     finally:
         tmp.unlink(missing_ok=True)
-    meta = {"format": 1, "dtype": dtype, "vocab_size": vocab_size, "num_tokens": count, "tokenizer": tokenizer,
-            "sources": [str(p) for p in inputs]}
+    meta = {
+        "format": 1,
+        "dtype": dtype,
+        "vocab_size": vocab_size,
+        "num_tokens": count,
+        "tokenizer": tokenizer,
+        "sources": [str(p) for p in inputs],
+    }
     atomic_write(meta_path(out), (json.dumps(meta, indent=2) + "\n").encode())
     return meta
 
@@ -107,14 +117,18 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("inputs", nargs="+", type=Path, help="text files (.txt or .gz), concatenated in order")
     parser.add_argument("--out", type=Path, required=True, help=f"token file to write ({TOKEN_SUFFIX})")
-    parser.add_argument("--tokenizer", default="bytes", help="bytes (default), tokenizers:<tokenizer.json> or tiktoken:<name>")
+    parser.add_argument(
+        "--tokenizer", default="bytes", help="bytes (default), tokenizers:<tokenizer.json> or tiktoken:<name>"
+    )
     args = parser.parse_args(argv)
     missing = [str(p) for p in args.inputs if not p.is_file()]
     if missing:
         sys.exit(f"not a file: {', '.join(missing)}")
     meta = prepare(args.inputs, args.out, tokenizer=args.tokenizer)
-    print(f"{args.out}: {meta['num_tokens']} tokens ({meta['dtype']}), vocabulary {meta['vocab_size']}; train on it with\n"
-          f"  data.path={args.out} data.token_dtype={meta['dtype']} model.vocab_size={meta['vocab_size']}")
+    print(
+        f"{args.out}: {meta['num_tokens']} tokens ({meta['dtype']}), vocabulary {meta['vocab_size']}; train on it with\n"
+        f"  data.path={args.out} data.token_dtype={meta['dtype']} model.vocab_size={meta['vocab_size']}"
+    )
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Prints a schedule's per-stage action lists as a step-by-stage grid, with its bubble fraction.
 
-    python scripts/show_schedule.py --schedule 2bw --num-stages 4 --num-microbatches 4 --num-batches 2
+python scripts/show_schedule.py --schedule 2bw --num-stages 4 --num-microbatches 4 --num-batches 2
 """
 
 from __future__ import annotations
@@ -24,9 +24,11 @@ def main() -> None:
     grid = simulate(actions)
     print(render(grid))
     busy = sum(a is not None and a.kind != STEP for row in grid for a in row)
-    print(f"\n{len(grid)} ticks (F and B one tick each, S one tick); idle fraction "
-          f"{1 - busy / (len(grid) * args.num_stages):.2f}; weight versions per stage: "
-          f"{[max_versions_alive(a, schedule=args.schedule, num_microbatches=args.num_microbatches) for a in actions]}")
+    print(
+        f"\n{len(grid)} ticks (F and B one tick each, S one tick); idle fraction "
+        f"{1 - busy / (len(grid) * args.num_stages):.2f}; weight versions per stage: "
+        f"{[max_versions_alive(a, schedule=args.schedule, num_microbatches=args.num_microbatches) for a in actions]}"
+    )
 
 
 if __name__ == "__main__":

@@ -36,9 +36,23 @@ ROOT = Path(__file__).resolve().parent.parent
 def _torchrun(nproc: int, args, timeout_s: float = 900) -> subprocess.CompletedProcess:
     from pipedream2bw.comm import free_port
 
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port", str(free_port()), *args]
-    env = {**os.environ, "WANDB_SILENT": "true", "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", **EXTRA_ENV}
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(nproc),
+        "--master-port",
+        str(free_port()),
+        *args,
+    ]
+    env = {
+        **os.environ,
+        "WANDB_SILENT": "true",
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+        **EXTRA_ENV,
+    }
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env, cwd=ROOT)
     if proc.returncode:
         raise SystemExit(f"failed: {' '.join(cmd)}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
@@ -90,9 +104,22 @@ def measure_baseline(d: int, m: int, steps: int, overrides, work: Path) -> list:
     corpus) with no model to speak of. Measured, not fitted: it knows nothing of the plan's model."""
     run_dir = work / f"baseline-{d}"
     keep = [o for o in overrides if o.startswith("optim.")]
-    _torchrun(d, ["-m", "pipedream2bw.train", *keep, *TINY, f"pipeline.num_stages={d}", f"pipeline.num_microbatches={m}",
-                  "pipeline.microbatch_size=1", f"train.num_steps={steps}", "train.warmup_steps=1", "wandb.mode=disabled",
-                  f"hydra.run.dir={run_dir}"])
+    _torchrun(
+        d,
+        [
+            "-m",
+            "pipedream2bw.train",
+            *keep,
+            *TINY,
+            f"pipeline.num_stages={d}",
+            f"pipeline.num_microbatches={m}",
+            "pipeline.microbatch_size=1",
+            f"train.num_steps={steps}",
+            "train.warmup_steps=1",
+            "wandb.mode=disabled",
+            f"hydra.run.dir={run_dir}",
+        ],
+    )
     return json.loads((run_dir / "summary.json").read_text())["peak_memory_bytes"]
 
 
@@ -104,7 +131,9 @@ def main() -> None:
     parser.add_argument("--warmup-steps", type=int, default=2)
     parser.add_argument("--json", default="validate_planner.json")
     parser.add_argument("--cache-dir", help="reuse this profile cache (default: profile afresh in this run)")
-    parser.add_argument("--fixed-mmap-threshold", action="store_true", help="MALLOC_MMAP_THRESHOLD_=131072 for every launch")
+    parser.add_argument(
+        "--fixed-mmap-threshold", action="store_true", help="MALLOC_MMAP_THRESHOLD_=131072 for every launch"
+    )
     parser.add_argument("--link-rank", help=argparse.SUPPRESS)
     parser.add_argument("overrides", nargs="*", help="Hydra overrides for the model/optimizer, e.g. model.d_model=64")
     args = parser.parse_args()
@@ -135,30 +164,58 @@ def main() -> None:
         topo = runtime_topology(cfg.topology, world_size=d, local_world_size=d)
         plan = plan_config(cfg, devices=d, topology=topo, runtime_bytes=eps, runners_up=0)[0]
         path = save_plan(plan, work / f"plan-{d}x{b}.yaml")
-        print(f"\nplan {d}x{b}: balance {plan.balance}, m={plan.num_microbatches}, eps (runtime baseline RSS per stage) "
-              f"{[round(e / 2**20) for e in eps]} MiB\n{stage_table(plan)}")
+        print(
+            f"\nplan {d}x{b}: balance {plan.balance}, m={plan.num_microbatches}, eps (runtime baseline RSS per stage) "
+            f"{[round(e / 2**20) for e in eps]} MiB\n{stage_table(plan)}"
+        )
         run_dir = work / f"run-{d}x{b}"
-        _torchrun(d, ["-m", "pipedream2bw.train", *args.overrides, "partition=file", f"partition.path={path}",
-                      f"train.num_steps={args.steps}", f"train.warmup_steps={args.warmup_steps}", "wandb.mode=disabled",
-                      f"hydra.run.dir={run_dir}"])
+        _torchrun(
+            d,
+            [
+                "-m",
+                "pipedream2bw.train",
+                *args.overrides,
+                "partition=file",
+                f"partition.path={path}",
+                f"train.num_steps={args.steps}",
+                f"train.warmup_steps={args.warmup_steps}",
+                "wandb.mode=disabled",
+                f"hydra.run.dir={run_dir}",
+            ],
+        )
         summary = json.loads((run_dir / "summary.json").read_text())
         for s in range(d):
             pred, meas = plan.predicted_peak_memory_bytes[s], summary["peak_memory_bytes"][s]
-            stage_rows.append(dict(plan=f"{d}x{b}", stage=s, predicted_mib=pred / 2**20, measured_mib=meas / 2**20, ratio=pred / meas))
-        rows.append(dict(plan=f"{d}x{b}", d=d, b=b, m=plan.num_microbatches, balance=plan.balance,
-                         predicted_samples_per_s=plan.predicted_samples_per_s, measured_samples_per_s=summary["samples_per_s"],
-                         ratio=plan.predicted_samples_per_s / summary["samples_per_s"],
-                         baseline_rss_mib=[e / 2**20 for e in eps]))
+            stage_rows.append(
+                dict(plan=f"{d}x{b}", stage=s, predicted_mib=pred / 2**20, measured_mib=meas / 2**20, ratio=pred / meas)
+            )
+        rows.append(
+            dict(
+                plan=f"{d}x{b}",
+                d=d,
+                b=b,
+                m=plan.num_microbatches,
+                balance=plan.balance,
+                predicted_samples_per_s=plan.predicted_samples_per_s,
+                measured_samples_per_s=summary["samples_per_s"],
+                ratio=plan.predicted_samples_per_s / summary["samples_per_s"],
+                baseline_rss_mib=[e / 2**20 for e in eps],
+            )
+        )
     print("\npeak memory per stage (MiB; measured = process peak RSS from summary.json)")
     print(f"{'plan':>6} {'stage':>5} {'predicted':>10} {'measured':>10} {'pred/meas':>9}  within 15%")
     for r in stage_rows:
-        print(f"{r['plan']:>6} {r['stage']:>5} {r['predicted_mib']:>10.1f} {r['measured_mib']:>10.1f} {r['ratio']:>9.3f}  "
-              f"{'yes' if abs(r['ratio'] - 1) <= 0.15 else 'NO':>10}")
+        print(
+            f"{r['plan']:>6} {r['stage']:>5} {r['predicted_mib']:>10.1f} {r['measured_mib']:>10.1f} {r['ratio']:>9.3f}  "
+            f"{'yes' if abs(r['ratio'] - 1) <= 0.15 else 'NO':>10}"
+        )
     print("\nthroughput (samples/s)")
     print(f"{'plan':>6} {'m':>3} {'balance':>14} {'predicted':>10} {'measured':>10} {'pred/meas':>9}  within 20%")
     for r in rows:
-        print(f"{r['plan']:>6} {r['m']:>3} {str(r['balance']):>14} {r['predicted_samples_per_s']:>10.1f} "
-              f"{r['measured_samples_per_s']:>10.1f} {r['ratio']:>9.3f}  {'yes' if abs(r['ratio'] - 1) <= 0.2 else 'NO'}")
+        print(
+            f"{r['plan']:>6} {r['m']:>3} {str(r['balance']):>14} {r['predicted_samples_per_s']:>10.1f} "
+            f"{r['measured_samples_per_s']:>10.1f} {r['ratio']:>9.3f}  {'yes' if abs(r['ratio'] - 1) <= 0.2 else 'NO'}"
+        )
     Path(args.json).write_text(json.dumps({"link": link, "plans": rows, "stages": stage_rows}, indent=2) + "\n")
     print(f"\nwritten to {args.json}; run files in {work}")
 

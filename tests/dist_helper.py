@@ -48,7 +48,9 @@ def _child(fn: Callable, args: Sequence[Any], rank: int, world_size: int, port: 
     os._exit(code)
 
 
-def spawn(fn: Callable, *, world_size: int, args: Sequence[Any] = (), log_dir: Path, timeout_s: float = 120) -> List[RankResult]:
+def spawn(
+    fn: Callable, *, world_size: int, args: Sequence[Any] = (), log_dir: Path, timeout_s: float = 120
+) -> List[RankResult]:
     """Runs ``fn(*args)`` on ``world_size`` ranks; kills what is still alive after ``timeout_s``."""
     ctx = multiprocessing.get_context("forkserver")
     port = free_port()
@@ -78,7 +80,13 @@ def run_ok(cfg: Config, run_dir: Path, *, timeout_s: float = 120) -> dict:
     """Runs the pipeline on d * w ranks, asserts success, returns summary.json."""
     import json
 
-    results = spawn(train, world_size=cfg.pipeline.num_stages * cfg.pipeline.data_parallel, args=(cfg, str(run_dir)), log_dir=Path(run_dir) / "logs", timeout_s=timeout_s)
+    results = spawn(
+        train,
+        world_size=cfg.pipeline.num_stages * cfg.pipeline.data_parallel,
+        args=(cfg, str(run_dir)),
+        log_dir=Path(run_dir) / "logs",
+        timeout_s=timeout_s,
+    )
     bad = [r for r in results if r.exitcode != 0]
     assert not bad, "\n".join(f"--- rank {r.rank} exit {r.exitcode}\n{r.log}" for r in bad)
     return json.loads((Path(run_dir) / "summary.json").read_text())
@@ -139,15 +147,25 @@ class Sleepy(nn.Module):
         return _Sleep.apply(self.layer(x), self.forward_s, self.backward_s)
 
 
-def sleepy_layers(*, num_layers: int, width: int = 16, vocab_size: int = 256, forward_s: float, backward_s: float) -> List[nn.Module]:
+def sleepy_layers(
+    *, num_layers: int, width: int = 16, vocab_size: int = 256, forward_s: float, backward_s: float
+) -> List[nn.Module]:
     """Embedding, linears, LM head: each sleeps ``forward_s``/``backward_s`` per microbatch."""
     torch.manual_seed(0)
-    inner = [nn.Embedding(vocab_size, width)] + [nn.Linear(width, width) for _ in range(num_layers - 2)] + [nn.Linear(width, vocab_size)]
+    inner = (
+        [nn.Embedding(vocab_size, width)]
+        + [nn.Linear(width, width) for _ in range(num_layers - 2)]
+        + [nn.Linear(width, vocab_size)]
+    )
     return [Sleepy(layer, forward_s=forward_s, backward_s=backward_s) for layer in inner]
 
 
 def train_sleepy(cfg: Config, run_dir: str, forward_s: float, backward_s: float) -> None:
-    run(cfg, Path(run_dir), layers=sleepy_layers(num_layers=cfg.pipeline.num_stages, forward_s=forward_s, backward_s=backward_s))
+    run(
+        cfg,
+        Path(run_dir),
+        layers=sleepy_layers(num_layers=cfg.pipeline.num_stages, forward_s=forward_s, backward_s=backward_s),
+    )
 
 
 def train_in_own_dir(cfg: Config, base: str) -> None:

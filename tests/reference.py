@@ -42,8 +42,14 @@ class StageBoundaries(nn.Sequential):
         return x
 
 
-def reference_train(cfg: Config, *, delayed: bool, balance: Sequence[int] = (), layers: Optional[Sequence[nn.Module]] = None,
-                    info: Optional[Dict[str, Any]] = None) -> Tuple[Dict[str, torch.Tensor], List[float]]:
+def reference_train(
+    cfg: Config,
+    *,
+    delayed: bool,
+    balance: Sequence[int] = (),
+    layers: Optional[Sequence[nn.Module]] = None,
+    info: Optional[Dict[str, Any]] = None,
+) -> Tuple[Dict[str, torch.Tensor], List[float]]:
     """``reference_run``'s final weights and losses; ``info`` receives ``loss_scales`` and ``skipped_steps``."""
     ref = reference_run(cfg, delayed=delayed, balance=balance, layers=layers)
     if info is not None:
@@ -51,7 +57,9 @@ def reference_train(cfg: Config, *, delayed: bool, balance: Sequence[int] = (), 
     return ref.weights, ref.losses
 
 
-def reference_run(cfg: Config, *, delayed: bool, layers: Optional[Sequence[nn.Module]] = None, balance: Sequence[int] = ()) -> Reference:
+def reference_run(
+    cfg: Config, *, delayed: bool, layers: Optional[Sequence[nn.Module]] = None, balance: Sequence[int] = ()
+) -> Reference:
     """Trains the unpartitioned model (``layers``, by default the model of ``cfg.model``) for
     ``cfg.train.num_steps`` batches.
 
@@ -69,7 +77,9 @@ def reference_run(cfg: Config, *, delayed: bool, layers: Optional[Sequence[nn.Mo
     batch t runs under 2bw.
     """
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as the ranks run: Adam turns reduction-order noise in ~zero gradients into lr-sized steps
+    torch.set_num_threads(
+        1
+    )  # as the ranks run: Adam turns reduction-order noise in ~zero gradients into lr-sized steps
     try:
         return _train(cfg, delayed=delayed, layers=layers, balance=balance)
     finally:
@@ -88,11 +98,18 @@ def _train(cfg: Config, *, delayed: bool, layers: Optional[Sequence[nn.Module]],
     stale = copy.deepcopy(model) if delayed else model  # W(t-1): the weights batch t runs with
     opt = build_optimizer(model.parameters(), cfg.optim)
     feed = MicrobatchFeed(
-        load_splits(cfg.data)[0], seq_len=cfg.model.seq_len, microbatch_size=cfg.pipeline.microbatch_size,
-        num_microbatches=m, seed=cfg.seed,
+        load_splits(cfg.data)[0],
+        seq_len=cfg.model.seq_len,
+        microbatch_size=cfg.pipeline.microbatch_size,
+        num_microbatches=m,
+        seed=cfg.seed,
     )
     t_cfg = cfg.train
-    scaler = LossScaler(init_scale=t_cfg.loss_scale, growth_interval=t_cfg.loss_scale_growth_interval) if precision == "fp16" else None
+    scaler = (
+        LossScaler(init_scale=t_cfg.loss_scale, growth_interval=t_cfg.loss_scale_growth_interval)
+        if precision == "fp16"
+        else None
+    )
     lag = 2 if delayed else 1
     scales_after: List[float] = []  # fp16: the scale each step's update left
     out = Reference(None, [], [], [], [], [])
@@ -142,9 +159,16 @@ def reference_eval(cfg: Config, weights: Dict[str, torch.Tensor]) -> float:
     model.eval()
     # One replica of w*m microbatches draws the same windows, in the same order, as w replicas of m.
     feed = MicrobatchFeed(
-        load_splits(cfg.data)[1], seq_len=cfg.model.seq_len, microbatch_size=p.microbatch_size,
-        num_microbatches=p.data_parallel * p.num_microbatches, seed=cfg.seed, stream=VALIDATION,
+        load_splits(cfg.data)[1],
+        seq_len=cfg.model.seq_len,
+        microbatch_size=p.microbatch_size,
+        num_microbatches=p.data_parallel * p.num_microbatches,
+        seed=cfg.seed,
+        stream=VALIDATION,
     )
     with torch.no_grad():
-        losses = [lm_loss(model(x), y) for x, y in map(feed.microbatch, range(cfg.train.eval_batches * p.data_parallel * p.num_microbatches))]
+        losses = [
+            lm_loss(model(x), y)
+            for x, y in map(feed.microbatch, range(cfg.train.eval_batches * p.data_parallel * p.num_microbatches))
+        ]
     return float(torch.stack(losses).mean())

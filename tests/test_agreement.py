@@ -9,18 +9,18 @@ from pathlib import Path
 
 import pytest
 import torch
+from dist_helper import poisoned_layers, run_ok, spawn, train_poisoned
+from reference import reference_run
+from test_checkpoint import assert_equal_bits, weights
+from test_semantics import assert_losses_close, tiny_config
 from torch import nn
 
-from dist_helper import poisoned_layers, run_ok, spawn, train_poisoned
 from pipedream2bw import checkpoint
 from pipedream2bw.agreement import NonFiniteError, StepOutcome, StepRule, apply_due, clip_coefficient
 from pipedream2bw.config import ConfigError, OptimConfig, validate
 from pipedream2bw.lr_schedule import lr_at
 from pipedream2bw.schedule import STEP, stage_actions
 from pipedream2bw.versions import WeightVersions
-from reference import reference_run
-from test_checkpoint import assert_equal_bits, weights
-from test_semantics import assert_losses_close, tiny_config
 
 CLIP = 0.3  # below every step's gradient norm in these runs (1.0 .. 3.0): clipping acts on every step
 
@@ -30,8 +30,15 @@ def clipped_config(schedule: str, *, d: int, w: int = 1, m: int, steps: int = 6)
     steps), clipping on every step, warm-up then cosine decay; the global batch is 8 sequences."""
     cfg = tiny_config(schedule=schedule, num_stages=d, num_microbatches=m, optim="sgd_momentum", num_steps=steps)
     cfg.pipeline.data_parallel, cfg.pipeline.microbatch_size = w, 8 // (w * m)
-    cfg.optim = OptimConfig(name="sgd", lr=0.2, kwargs={"momentum": 0.9}, scheduler="cosine", warmup_steps=2,
-                            min_lr=0.02, clip_grad_norm=CLIP)
+    cfg.optim = OptimConfig(
+        name="sgd",
+        lr=0.2,
+        kwargs={"momentum": 0.9},
+        scheduler="cosine",
+        warmup_steps=2,
+        min_lr=0.02,
+        clip_grad_norm=CLIP,
+    )
     return cfg
 
 
@@ -48,7 +55,9 @@ def assert_matches_oracle(summary: dict, final: dict, cfg, *, delayed: bool, lay
     assert summary["lrs"] == pytest.approx(ref.lrs, rel=1e-12)
     assert summary["skipped_steps"] == ref.skipped_steps
     finite = [t for t in range(len(ref.grad_norms)) if t not in ref.skipped_steps]
-    torch.testing.assert_close(torch.tensor([summary["grad_norms"][t] for t in finite]), torch.tensor([ref.grad_norms[t] for t in finite]))
+    torch.testing.assert_close(
+        torch.tensor([summary["grad_norms"][t] for t in finite]), torch.tensor([ref.grad_norms[t] for t in finite])
+    )
     return ref
 
 
@@ -63,7 +72,11 @@ def test_clipping_and_schedule_match_the_oracle(tmp_path, schedule, d, w, m):
         cfg.pipeline.trace, cfg.pipeline.trace_first_step, cfg.pipeline.trace_steps = True, 2, 2
     summary = run_ok(cfg, tmp_path)
     if schedule == "2bw":  # the step of batch t is applied after 2(m-d+1+s) more forwards and backwards
-        spans = [e for e in json.loads((tmp_path / "trace.json").read_text())["traceEvents"] if e["ph"] == "X" and e["cat"] in "FBS"]
+        spans = [
+            e
+            for e in json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+            if e["ph"] == "X" and e["cat"] in "FBS"
+        ]
         for s in range(d):
             mine = sorted((e for e in spans if e["pid"] == s), key=lambda e: e["ts"])
             for t in (2, 3):
@@ -71,7 +84,14 @@ def test_clipping_and_schedule_match_the_oracle(tmp_path, schedule, d, w, m):
                 assert apply - close - 1 == 2 * (m - d + 1 + s), (s, t, [e["name"] for e in mine])
     assert_matches_oracle(summary, weights(tmp_path), cfg, delayed=schedule == "2bw")
     assert all(n > CLIP for n in summary["grad_norms"]), summary["grad_norms"]  # clipped on every step
-    expected_lrs = [0.1, 0.2, 0.2, 0.02 + 0.09 * (1 + math.cos(math.pi / 3)), 0.02 + 0.09 * (1 + math.cos(2 * math.pi / 3)), 0.02]
+    expected_lrs = [
+        0.1,
+        0.2,
+        0.2,
+        0.02 + 0.09 * (1 + math.cos(math.pi / 3)),
+        0.02 + 0.09 * (1 + math.cos(2 * math.pi / 3)),
+        0.02,
+    ]
     assert summary["lrs"] == pytest.approx(expected_lrs)
     assert all(r["agreement_exposed_s"] >= 0 for r in summary["ranks"])
 
@@ -116,14 +136,21 @@ def test_nonfinite_gradient_in_one_stage_skips_that_step_everywhere(tmp_path):
 
 
 def run_ok_with(fn, cfg, run_dir: Path, *args) -> dict:
-    results = spawn(fn, world_size=cfg.pipeline.num_stages * cfg.pipeline.data_parallel, args=(cfg, str(run_dir), *args),
-                    log_dir=Path(run_dir) / "logs", timeout_s=120)
+    results = spawn(
+        fn,
+        world_size=cfg.pipeline.num_stages * cfg.pipeline.data_parallel,
+        args=(cfg, str(run_dir), *args),
+        log_dir=Path(run_dir) / "logs",
+        timeout_s=120,
+    )
     bad = [r for r in results if r.exitcode != 0]
     assert not bad, "\n".join(f"--- rank {r.rank} exit {r.exitcode}\n{r.log}" for r in bad)
     return json.loads((Path(run_dir) / "summary.json").read_text())
 
 
-@pytest.mark.parametrize("layer,how,what", [(5, "nan", "loss (nan) at step 4 on stage 1"), (1, "inf_grad", "gradient at step 4 on stage 0")])
+@pytest.mark.parametrize(
+    "layer,how,what", [(5, "nan", "loss (nan) at step 4 on stage 1"), (1, "inf_grad", "gradient at step 4 on stage 0")]
+)
 def test_nonfinite_stops_every_rank_and_keeps_the_last_checkpoint(tmp_path, layer, how, what):
     # The LM head (layer 5, stage 1) outputs NaN, or layer 1 (stage 0) gets an inf gradient, on
     # batch 4's first microbatch. Neither clipping nor skipping is on: no agreement runs, the rank
@@ -131,13 +158,21 @@ def test_nonfinite_stops_every_rank_and_keeps_the_last_checkpoint(tmp_path, laye
     cfg = tiny_config(schedule="2bw", num_stages=2, num_microbatches=2, optim="sgd_momentum", num_steps=20)
     cfg.train.checkpoint_every = 1
     start = time.monotonic()
-    results = spawn(train_poisoned, world_size=2, args=(cfg, str(tmp_path), layer, 4 * 2 + 1, how), log_dir=tmp_path / "logs", timeout_s=60)
+    results = spawn(
+        train_poisoned,
+        world_size=2,
+        args=(cfg, str(tmp_path), layer, 4 * 2 + 1, how),
+        log_dir=tmp_path / "logs",
+        timeout_s=60,
+    )
     elapsed = time.monotonic() - start
     assert all(r.exitcode not in (0, -9) for r in results), [(r.rank, r.exitcode) for r in results]
     assert elapsed < 30
     stage = int(what[-1])
     for r in results:
-        assert f"rank {stage} (stage {stage}) failed: NonFiniteError: non-finite {what}; train.on_nonfinite=stop" in r.log, r.log
+        assert (
+            f"rank {stage} (stage {stage}) failed: NonFiniteError: non-finite {what}; train.on_nonfinite=stop" in r.log
+        ), r.log
         assert "done:" not in r.log
     kept = checkpoint.complete_checkpoints(tmp_path / "checkpoints")
     assert kept and 3 <= json.loads((kept[0] / "manifest.json").read_text())["step"] <= 4
@@ -161,12 +196,15 @@ def test_lr_schedules():
     assert {lr_at(t, o, num_steps=10) for t in range(10)} == {1.0}
 
 
-@pytest.mark.parametrize("override,match", [
-    ({"scheduler": "step"}, r"optim.scheduler \('step'\) is unknown"),
-    ({"warmup_steps": 7}, r"optim.warmup_steps \(7\) must be in \[0, train.num_steps \(6\)\]"),
-    ({"min_lr": 1.0}, r"optim.min_lr \(1.0\) must be in \[0, optim.lr \(0.2\)\]"),
-    ({"clip_grad_norm": 0.0}, r"optim.clip_grad_norm \(0.0\) must be a positive number, or null"),
-])
+@pytest.mark.parametrize(
+    "override,match",
+    [
+        ({"scheduler": "step"}, r"optim.scheduler \('step'\) is unknown"),
+        ({"warmup_steps": 7}, r"optim.warmup_steps \(7\) must be in \[0, train.num_steps \(6\)\]"),
+        ({"min_lr": 1.0}, r"optim.min_lr \(1.0\) must be in \[0, optim.lr \(0.2\)\]"),
+        ({"clip_grad_norm": 0.0}, r"optim.clip_grad_norm \(0.0\) must be a positive number, or null"),
+    ],
+)
 def test_bad_step_settings_are_config_errors(override, match):
     cfg = clipped_config("2bw", d=2, m=2)
     for k, v in override.items():
@@ -190,7 +228,10 @@ def test_clip_coefficient_is_clip_grad_norm_s():
     torch.testing.assert_close(torch.cat([g.reshape(-1) for g in grads]) * coef, expected)
     assert clip_coefficient(float(norm) / 100, 0.5) == 1.0  # below the threshold: untouched
     rule = StepRule(clip_grad_norm=None, on_nonfinite="stop")
-    with pytest.raises(NonFiniteError, match=r"non-finite loss on stage 3 and gradient on stages 0, 3 at step 5; train.on_nonfinite=stop"):
+    with pytest.raises(
+        NonFiniteError,
+        match=r"non-finite loss on stage 3 and gradient on stages 0, 3 at step 5; train.on_nonfinite=stop",
+    ):
         rule.decide(StepOutcome(step=5, grad_norm=math.nan, loss_stages=(3,), grad_stages=(0, 3)))
     assert StepRule(on_nonfinite="skip").decide(StepOutcome(step=5, grad_norm=math.inf, grad_stages=(1,))).skip
 
@@ -202,7 +243,9 @@ def test_deferred_steps_need_no_third_version(d, m):
     every APPLY but the first and last has work to hide the agreement behind (DESIGN.md section 7)."""
     for s in range(d):
         actions = stage_actions("2bw", stage_index=s, num_stages=d, num_microbatches=m, num_batches=5)
-        versions = WeightVersions(nn.Linear(1, 1), schedule="2bw", optimizer_factory=lambda p: torch.optim.SGD(p, lr=0.1))
+        versions = WeightVersions(
+            nn.Linear(1, 1), schedule="2bw", optimizer_factory=lambda p: torch.optim.SGD(p, lr=0.1)
+        )
         pending, slack = None, {}
         for a in actions:
             if pending is not None and apply_due(a, pending, num_microbatches=m):

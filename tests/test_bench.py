@@ -12,9 +12,35 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_bench_finds_2bw_holds_one_more_weight_copy_than_flush_and_nothing_else(tmp_path):
     out = tmp_path / "bench.json"
-    cmd = [sys.executable, str(ROOT / "scripts" / "bench.py"), "--systems", "ours-2bw,ours-flush,torch-1f1b",
-           "--num-layers", "2", "--d-model", "64", "--seq-len", "32", "--num-microbatches", "4", "--microbatch-size", "2",
-           "--steps", "4", "--warmup", "1", "--repeats", "1", "--memory-steps", "3", "--device", "cpu", "--strict", "--json", str(out)]
+    cmd = [
+        sys.executable,
+        str(ROOT / "scripts" / "bench.py"),
+        "--systems",
+        "ours-2bw,ours-flush,torch-1f1b",
+        "--num-layers",
+        "2",
+        "--d-model",
+        "64",
+        "--seq-len",
+        "32",
+        "--num-microbatches",
+        "4",
+        "--microbatch-size",
+        "2",
+        "--steps",
+        "4",
+        "--warmup",
+        "1",
+        "--repeats",
+        "1",
+        "--memory-steps",
+        "3",
+        "--device",
+        "cpu",
+        "--strict",
+        "--json",
+        str(out),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     data = json.loads(out.read_text())

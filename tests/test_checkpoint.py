@@ -13,14 +13,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from dist_helper import run_ok, spawn, train
+from test_semantics import assert_losses_close, tiny_config
 from torch import nn
 
-from dist_helper import run_ok, spawn, train
 from pipedream2bw import checkpoint
 from pipedream2bw.comm import free_port
 from pipedream2bw.config import ConfigError, GPTConfig
 from pipedream2bw.models import build_gpt_layers
-from test_semantics import assert_losses_close, tiny_config
 
 
 def config(schedule="2bw", *, d=2, w=1, m=2, steps=6, every=3, optim="sgd_momentum", resume="auto"):
@@ -110,7 +110,10 @@ def test_checkpoint_of_another_model_is_refused_on_every_rank(tmp_path):
 
 def test_check_model_names_the_mismatched_parameters():
     manifest = {"param_shapes": {"0.weight": [4, 2], "1.bias": [3]}}
-    with pytest.raises(ConfigError, match=r"0.weight: checkpoint \[4, 2\], model \[4, 3\]; 2.weight: not in the checkpoint; 1.bias: not in the model"):
+    with pytest.raises(
+        ConfigError,
+        match=r"0.weight: checkpoint \[4, 2\], model \[4, 3\]; 2.weight: not in the checkpoint; 1.bias: not in the model",
+    ):
         checkpoint.check_model(manifest, {"0.weight": [4, 3], "2.weight": [1]}, Path("ckpt"))
 
 
@@ -156,14 +159,35 @@ def _children(pid: int) -> list:
 
 def test_sigkilled_rank_restarts_under_torchrun_and_finishes_with_the_same_weights(tmp_path):
     overrides = [
-        "pipeline.num_stages=2", "pipeline.num_microbatches=2", "pipeline.microbatch_size=2", "model.num_layers=3",
-        "model.d_model=32", "model.num_heads=2", "model.seq_len=16", "optim.name=sgd", "optim.lr=0.05",
-        "+optim.kwargs.momentum=0.9", "train.num_steps=120", "train.checkpoint_every=10", "train.log_every=100",
-        "wandb.mode=disabled", "seed=3",
+        "pipeline.num_stages=2",
+        "pipeline.num_microbatches=2",
+        "pipeline.microbatch_size=2",
+        "model.num_layers=3",
+        "model.d_model=32",
+        "model.num_heads=2",
+        "model.seq_len=16",
+        "optim.name=sgd",
+        "optim.lr=0.05",
+        "+optim.kwargs.momentum=0.9",
+        "train.num_steps=120",
+        "train.checkpoint_every=10",
+        "train.log_every=100",
+        "wandb.mode=disabled",
+        "seed=3",
     ]
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", "1",
-        "--master-port", str(free_port()), "-m", "pipedream2bw.train", *overrides,
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "1",
+        "--master-port",
+        str(free_port()),
+        "-m",
+        "pipedream2bw.train",
+        *overrides,
     ]
     log = open(tmp_path / "torchrun.log", "w")
     proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT)
@@ -180,7 +204,10 @@ def test_sigkilled_rank_restarts_under_torchrun_and_finishes_with_the_same_weigh
     run_dir = next(tmp_path.glob("outputs/*/*"))  # the restart kept the run directory
     summary = json.loads((run_dir / "summary.json").read_text())
     assert 20 <= summary["first_step"] < 120, summary["first_step"]  # it did restart, from a checkpoint
-    assert f"resuming from {run_dir}/checkpoints/step_{summary['first_step']:08d}" in (tmp_path / "torchrun.log").read_text()
+    assert (
+        f"resuming from {run_dir}/checkpoints/step_{summary['first_step']:08d}"
+        in (tmp_path / "torchrun.log").read_text()
+    )
 
     reference = tiny_config(schedule="2bw", num_stages=2, num_microbatches=2, optim="sgd_momentum", num_steps=120)
     reference.optim.lr = 0.05
@@ -193,6 +220,12 @@ def test_ranks_with_their_own_run_directories_agree_on_resuming(tmp_path):
     """What rank 0 decides before the groups start is keyed by run, not by its run directory."""
     from dist_helper import train_in_own_dir
 
-    results = spawn(train_in_own_dir, world_size=2, args=(config(steps=2, every=2), str(tmp_path)), log_dir=tmp_path / "logs", timeout_s=90)
+    results = spawn(
+        train_in_own_dir,
+        world_size=2,
+        args=(config(steps=2, every=2), str(tmp_path)),
+        log_dir=tmp_path / "logs",
+        timeout_s=90,
+    )
     assert all(r.exitcode == 0 for r in results), [r.log for r in results]
     assert json.loads((tmp_path / "rank0" / "summary.json").read_text())["first_step"] == 0

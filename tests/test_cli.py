@@ -22,8 +22,16 @@ SHORT = ["model.d_model=64", "model.seq_len=64", "pipeline.microbatch_size=4", "
 
 def torchrun(*overrides: str, cwd: Path, timeout_s: float = 240) -> subprocess.CompletedProcess:
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-port", str(free_port()),
-        "-m", "pipedream2bw.train", *overrides,
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "4",
+        "--master-port",
+        str(free_port()),
+        "-m",
+        "pipedream2bw.train",
+        *overrides,
     ]
     env = {**os.environ, "WANDB_SILENT": "true"}
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout_s)
@@ -64,8 +72,13 @@ def test_bad_input_fails_every_rank_fast(tmp_path):
 
 def test_multirun_runs_each_job_in_the_same_ranks(tmp_path):
     proc = torchrun(
-        "-m", "pipeline.schedule=2bw,gpipe", "train.num_steps=4", "model.d_model=32", "model.seq_len=32",
-        "wandb.mode=disabled", cwd=tmp_path,
+        "-m",
+        "pipeline.schedule=2bw,gpipe",
+        "train.num_steps=4",
+        "model.d_model=32",
+        "model.seq_len=32",
+        "wandb.mode=disabled",
+        cwd=tmp_path,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     summaries = sorted((tmp_path / "multirun").glob("*/*/*/summary.json"))

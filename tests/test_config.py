@@ -22,16 +22,33 @@ def make(*overrides: str) -> Config:
 def test_default_config_is_the_readme_run():
     cfg = make()
     assert isinstance(cfg, Config)
-    assert (cfg.pipeline.schedule, cfg.pipeline.num_stages, cfg.model.name, cfg.wandb.mode) == ("2bw", 4, "gpt", "offline")
+    assert (cfg.pipeline.schedule, cfg.pipeline.num_stages, cfg.model.name, cfg.wandb.mode) == (
+        "2bw",
+        4,
+        "gpt",
+        "offline",
+    )
     assert validate(cfg, world_size=4) == [2, 2, 1, 3]  # [emb, b0] [b1, b2] [b3] [b4, norm, head]
 
 
 def test_interface_names_override():
     cfg = make(
-        "pipeline.schedule=gpipe", "pipeline.num_stages=2", "pipeline.num_microbatches=3", "pipeline.microbatch_size=5",
-        "pipeline.balance=[3,5]", "model.num_layers=5", "model.d_model=64", "model.num_heads=2", "model.seq_len=32",
-        "model.vocab_size=300", "optim.name=sgd", "optim.lr=0.1", "+optim.kwargs.momentum=0.9", "train.num_steps=7",
-        "seed=5", "wandb.mode=disabled",
+        "pipeline.schedule=gpipe",
+        "pipeline.num_stages=2",
+        "pipeline.num_microbatches=3",
+        "pipeline.microbatch_size=5",
+        "pipeline.balance=[3,5]",
+        "model.num_layers=5",
+        "model.d_model=64",
+        "model.num_heads=2",
+        "model.seq_len=32",
+        "model.vocab_size=300",
+        "optim.name=sgd",
+        "optim.lr=0.1",
+        "+optim.kwargs.momentum=0.9",
+        "train.num_steps=7",
+        "seed=5",
+        "wandb.mode=disabled",
     )
     assert cfg.pipeline.balance == [3, 5] and cfg.optim.kwargs == {"momentum": 0.9} and cfg.model.vocab_size == 300
     assert validate(cfg, world_size=2) == [3, 5]
@@ -45,17 +62,45 @@ def test_typed_schema_rejects_wrong_types():
 @pytest.mark.parametrize(
     "overrides,world_size,match",
     [
-        (["pipeline.num_microbatches=2"], 4, r"num_microbatches \(2\) must be >= pipeline.num_stages \(4\) for 2bw .*; raise pipeline.num_microbatches to 4"),
+        (
+            ["pipeline.num_microbatches=2"],
+            4,
+            r"num_microbatches \(2\) must be >= pipeline.num_stages \(4\) for 2bw .*; raise pipeline.num_microbatches to 4",
+        ),
         (["pipeline.num_stages=9", "model.num_layers=5"], 9, r"num_stages \(9\) is more than the model's 8 layers"),
-        (["pipeline.balance=[2,2,2,1]"], 4, r"balance \(\[2, 2, 2, 1\]\) must list 4 positive layer counts .* summing to the model's 8 layers; e.g. pipeline.balance=\[2, 2, 1, 3\]"),
+        (
+            ["pipeline.balance=[2,2,2,1]"],
+            4,
+            r"balance \(\[2, 2, 2, 1\]\) must list 4 positive layer counts .* summing to the model's 8 layers; e.g. pipeline.balance=\[2, 2, 1, 3\]",
+        ),
         (["pipeline.balance=[4,4]"], 4, r"must list 4 positive layer counts"),
         ([], 6, r"world size \(6\) is not divisible by pipeline.num_stages \(4\); launch a multiple of 4 ranks"),
-        (["pipeline.data_parallel=2"], 4, r"world size \(4\) must equal pipeline.num_stages \(4\) x pipeline.data_parallel \(2\) = 8; launch with torchrun --nproc-per-node 8 or set pipeline.data_parallel=1"),
-        (["train.global_batch_size=100"], 4, r"global_batch_size \(100\) must equal .* = 64; use a multiple of data_parallel x microbatch_size = 8"),
-        (["train.global_batch_size=96"], 4, r"global_batch_size \(96\) must equal .* = 64; set pipeline.num_microbatches=12"),
-        (["pipeline.schedule=pipedream"], 4, r"pipeline.schedule \('pipedream'\) is unknown; use one of \['2bw', 'flush', 'gpipe'\]"),
+        (
+            ["pipeline.data_parallel=2"],
+            4,
+            r"world size \(4\) must equal pipeline.num_stages \(4\) x pipeline.data_parallel \(2\) = 8; launch with torchrun --nproc-per-node 8 or set pipeline.data_parallel=1",
+        ),
+        (
+            ["train.global_batch_size=100"],
+            4,
+            r"global_batch_size \(100\) must equal .* = 64; use a multiple of data_parallel x microbatch_size = 8",
+        ),
+        (
+            ["train.global_batch_size=96"],
+            4,
+            r"global_batch_size \(96\) must equal .* = 64; set pipeline.num_microbatches=12",
+        ),
+        (
+            ["pipeline.schedule=pipedream"],
+            4,
+            r"pipeline.schedule \('pipedream'\) is unknown; use one of \['2bw', 'flush', 'gpipe'\]",
+        ),
         (["optim.name=adamx"], 4, r"optim.name \('adamx'\) is not a torch.optim optimizer; use one of .*'adamw'"),
-        (["+optim.kwargs.momentm=0.9", "optim.name=sgd"], 4, r"optim.kwargs \(\{'momentm': 0.9\}\) are not valid for SGD"),
+        (
+            ["+optim.kwargs.momentm=0.9", "optim.name=sgd"],
+            4,
+            r"optim.kwargs \(\{'momentm': 0.9\}\) are not valid for SGD",
+        ),
         (["model.num_heads=3"], 4, r"num_heads \(3\) must divide model.d_model \(128\)"),
         (["wandb.mode=cloud"], 4, r"wandb.mode \('cloud'\) is unknown"),
         (["train.warmup_steps=10", "train.num_steps=10"], 4, r"warmup_steps \(10\) must be in \[0, train.num_steps"),

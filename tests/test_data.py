@@ -16,12 +16,19 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
 from dist_helper import run_ok, spawn, train_cli
-from pipedream2bw.config import ConfigError, validate
-from pipedream2bw.data import MicrobatchFeed, data_resident_bytes, load_splits, make_feeds, mapped_resident_bytes, meta_path
 from reference import reference_eval, reference_train
 from test_semantics import assert_losses_close, tiny_config
+
+from pipedream2bw.config import ConfigError, validate
+from pipedream2bw.data import (
+    MicrobatchFeed,
+    data_resident_bytes,
+    load_splits,
+    make_feeds,
+    mapped_resident_bytes,
+    meta_path,
+)
 
 VOCAB = 300  # not byte-level: the model's vocabulary comes from the token file's
 
@@ -76,8 +83,12 @@ def test_token_file_is_memory_mapped_and_the_feed_reads_only_the_windows_it_draw
         x, y = feed.microbatch(k)
         assert x.shape == y.shape == (2, 16) and x.dtype == torch.int64
     # The pages of the windows drawn (17 ids of 2 bytes each, on 1 or 2 pages), and no other.
-    touched = {page for t in range(batches) for start in feed.starts(t).tolist()
-               for page in range(start * 2 // mmap.PAGESIZE, ((start + 17) * 2 - 1) // mmap.PAGESIZE + 1)}
+    touched = {
+        page
+        for t in range(batches)
+        for start in feed.starts(t).tolist()
+        for page in range(start * 2 // mmap.PAGESIZE, ((start + 17) * 2 - 1) // mmap.PAGESIZE + 1)
+    }
     assert cached_pages(train) == touched and 0 < len(touched) <= batches * 16 * 2
     # ...and this process maps none of them any more: its memory does not grow with the batches read.
     assert data_resident_bytes(feed) == mapped_resident_bytes(train) == 0
@@ -89,7 +100,10 @@ def test_validation_windows_never_meet_training_windows(tmp_path):
     cfg = token_config(tmp_path)
     cfg.data.path = str(write_tokens(tmp_path / "positions.bin", np.arange(n)))
     num_train = n - int(n * cfg.data.val_fraction)
-    feeds = [make_feeds(cfg.data, seq_len=16, microbatch_size=2, num_microbatches=4, seed=1, num_replicas=2, replica=r) for r in (0, 1)]
+    feeds = [
+        make_feeds(cfg.data, seq_len=16, microbatch_size=2, num_microbatches=4, seed=1, num_replicas=2, replica=r)
+        for r in (0, 1)
+    ]
     seen_val = set()
     for k in range(200):
         for train_feed, val_feed in feeds:
@@ -102,7 +116,9 @@ def test_validation_windows_never_meet_training_windows(tmp_path):
                 seen_val.update(vx[:, 0].tolist())
     assert len(seen_val) > 16  # the held-out part is really sampled, not one window
     # Every evaluation sees the same held-out windows.
-    again = make_feeds(cfg.data, seq_len=16, microbatch_size=2, num_microbatches=4, seed=1, num_replicas=2, replica=0)[1]
+    again = make_feeds(cfg.data, seq_len=16, microbatch_size=2, num_microbatches=4, seed=1, num_replicas=2, replica=0)[
+        1
+    ]
     assert all(torch.equal(again.inputs(k), feeds[0][1].inputs(k)) for k in range(8))
 
 
@@ -116,25 +132,40 @@ def test_bad_data_is_rejected_with_the_value_and_the_fix(tmp_path):
 
     odd = tmp_path / "odd.bin"
     odd.write_bytes(b"\x01\x00" * 100 + b"\x01")
-    rejects(r"odd.bin\) has 201 bytes, not a multiple of 2: not a file of uint16 token ids; set data.token_dtype", path=str(odd))
+    rejects(
+        r"odd.bin\) has 201 bytes, not a multiple of 2: not a file of uint16 token ids; set data.token_dtype",
+        path=str(odd),
+    )
     big = write_tokens(tmp_path / "big_ids.bin", [1, 2, 999] + [3] * 200)
-    rejects(r"holds token id 999 \(first id >= 300 at position 2\), but model.vocab_size is 300: .* set model.vocab_size=1000", path=str(big))
+    rejects(
+        r"holds token id 999 \(first id >= 300 at position 2\), but model.vocab_size is 300: .* set model.vocab_size=1000",
+        path=str(big),
+    )
     short = write_tokens(tmp_path / "short.bin", [1] * 17)
-    rejects(r"short.bin\) has 14 tokens to train on after holding out data.val_fraction \(0.2\), fewer than model.seq_len \+ 2 \(18\)",
-            path=str(short))
-    rejects(r"data.val_fraction \(0.001\) of data.path holds 6 tokens, fewer than model.seq_len \+ 2 \(18\) for one validation window",
-            val_fraction=0.001)
+    rejects(
+        r"short.bin\) has 14 tokens to train on after holding out data.val_fraction \(0.2\), fewer than model.seq_len \+ 2 \(18\)",
+        path=str(short),
+    )
+    rejects(
+        r"data.val_fraction \(0.001\) of data.path holds 6 tokens, fewer than model.seq_len \+ 2 \(18\) for one validation window",
+        val_fraction=0.001,
+    )
     rejects(r"train.eval_every needs held-out data: set data.val_fraction", val_fraction=0.0)
     as32 = write_tokens(tmp_path / "as32.bin", [5] * 200, dtype=np.uint32)
     meta_path(as32).write_text(json.dumps({"dtype": "uint32", "num_tokens": 200}))
-    rejects(r"holds uint32 ids \(says .*as32.bin.json\), but data.token_dtype is uint16; set data.token_dtype=uint32", path=str(as32))
+    rejects(
+        r"holds uint32 ids \(says .*as32.bin.json\), but data.token_dtype is uint16; set data.token_dtype=uint32",
+        path=str(as32),
+    )
     cfg.model.vocab_size = 200
     with pytest.raises(ConfigError, match=r"model.vocab_size \(200\) must be >= 256 for byte-level text"):
         validate(dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, path=None)), world_size=2)
 
 
 def _prepare_tokens():
-    spec = importlib.util.spec_from_file_location("prepare_tokens", Path(__file__).resolve().parents[1] / "scripts" / "prepare_tokens.py")
+    spec = importlib.util.spec_from_file_location(
+        "prepare_tokens", Path(__file__).resolve().parents[1] / "scripts" / "prepare_tokens.py"
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -151,31 +182,52 @@ def test_prepare_tokens_writes_a_token_file_training_accepts(tmp_path):
     ids = np.fromfile(tmp_path / "bytes.bin", dtype=np.uint16)
     assert bytes(ids.astype(np.uint8)) == TEXT.encode() and ids.max() < 256
     assert json.loads(meta_path(tmp_path / "bytes.bin").read_text()) == meta
-    assert (meta["num_tokens"], meta["dtype"], meta["vocab_size"], meta["tokenizer"]) == (len(TEXT.encode()), "uint16", 256, "bytes")
+    assert (meta["num_tokens"], meta["dtype"], meta["vocab_size"], meta["tokenizer"]) == (
+        len(TEXT.encode()),
+        "uint16",
+        256,
+        "bytes",
+    )
     cfg = token_config(tmp_path)
     cfg.data.path, cfg.model.vocab_size = str(tmp_path / "bytes.bin"), 256
     validate(cfg, world_size=2)
     # A subword tokenizer from a local tokenizer.json (trained here: nothing downloaded).
-    tokenizers = pytest.importorskip("tokenizers", reason="the optional extra is not installed: pip install 'pipedream2bw[tokenize]'")
+    tokenizers = pytest.importorskip(
+        "tokenizers", reason="the optional extra is not installed: pip install 'pipedream2bw[tokenize]'"
+    )
     tok = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token="[UNK]"))
     tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = tokenizers.decoders.ByteLevel()
-    tok.train_from_iterator([TEXT], tokenizers.trainers.BpeTrainer(vocab_size=300, special_tokens=["[UNK]"],
-                                                                    initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet()))
+    tok.train_from_iterator(
+        [TEXT],
+        tokenizers.trainers.BpeTrainer(
+            vocab_size=300, special_tokens=["[UNK]"], initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet()
+        ),
+    )
     tok.save(str(tmp_path / "tokenizer.json"))
     plain = tmp_path / "text.txt"
     plain.write_text(TEXT)
     meta = prepare.prepare([plain], tmp_path / "bpe.bin", tokenizer=f"tokenizers:{tmp_path / 'tokenizer.json'}")
     ids = np.fromfile(tmp_path / "bpe.bin", dtype=meta["dtype"])
-    assert tok.decode(ids.tolist()) == TEXT and len(ids) < len(TEXT.encode()) / 2 and meta["vocab_size"] == tok.get_vocab_size()
+    assert (
+        tok.decode(ids.tolist()) == TEXT
+        and len(ids) < len(TEXT.encode()) / 2
+        and meta["vocab_size"] == tok.get_vocab_size()
+    )
     cfg.data.path, cfg.model.vocab_size = str(tmp_path / "bpe.bin"), meta["vocab_size"]
     validate(cfg, world_size=2)
 
 
 BAD_FILES = {  # what a token file holds -> the error every rank must give
     "odd_size": (b"\x01\x00" * 100 + b"\x01", r"has 201 bytes, not a multiple of 2: not a file of uint16 token ids"),
-    "id_over_vocab": (np.array([7] * 99 + [300] * 101, dtype=np.uint16).tobytes(), r"holds token id 300 \(first id >= 300 at position 99\)"),
-    "too_short": (np.array([7] * 17, dtype=np.uint16).tobytes(), r"has 17 tokens to train on, fewer than model.seq_len \+ 2 \(18\)"),
+    "id_over_vocab": (
+        np.array([7] * 99 + [300] * 101, dtype=np.uint16).tobytes(),
+        r"holds token id 300 \(first id >= 300 at position 99\)",
+    ),
+    "too_short": (
+        np.array([7] * 17, dtype=np.uint16).tobytes(),
+        r"has 17 tokens to train on, fewer than model.seq_len \+ 2 \(18\)",
+    ),
 }
 
 
@@ -183,16 +235,26 @@ def test_each_bad_token_file_stops_every_rank_before_any_group_starts(tmp_path):
     runs = []
     for bad, (content, _) in BAD_FILES.items():
         (tmp_path / f"{bad}.bin").write_bytes(content)
-        runs.append([
-            f"data.path={tmp_path / bad}.bin", "model.vocab_size=300", "model.seq_len=16", "pipeline.num_stages=2",
-            "pipeline.num_microbatches=2", "wandb.mode=disabled", f"hydra.run.dir={tmp_path / bad}",
-        ])
+        runs.append(
+            [
+                f"data.path={tmp_path / bad}.bin",
+                "model.vocab_size=300",
+                "model.seq_len=16",
+                "pipeline.num_stages=2",
+                "pipeline.num_microbatches=2",
+                "wandb.mode=disabled",
+                f"hydra.run.dir={tmp_path / bad}",
+            ]
+        )
     results = spawn(train_cli, world_size=2, args=(runs,), log_dir=tmp_path / "logs", timeout_s=60)
     for r in results:  # each rank on its own: exit 2 with the error, no process group ever started
         assert r.exitcode == 0 and "process group was started" not in r.log, r.log
         assert r.log.count("EXIT 2") == len(BAD_FILES), r.log
         for bad, (_, error) in BAD_FILES.items():
-            assert re.search(rf"\[rank {r.rank}\] bad configuration: data.path \(.*{bad}.bin\) {error}", r.log), (bad, r.log)
+            assert re.search(rf"\[rank {r.rank}\] bad configuration: data.path \(.*{bad}.bin\) {error}", r.log), (
+                bad,
+                r.log,
+            )
 
 
 # --- the pipeline on a token file -------------------------------------------------------------------
@@ -275,4 +337,6 @@ def test_validation_under_flush_and_gpipe_and_after_a_resume(tmp_path):
     summary = run_ok(cfg, tmp_path / "run")
     assert summary["first_step"] == 4 and [v["step"] for v in summary["val_losses"]] == [2, 4, 6]
     assert_losses_close([v["loss"] for v in summary["val_losses"][:2]], [v["loss"] for v in first["val_losses"]])
-    assert_losses_close([summary["final_val_loss"]], [reference_eval(cfg, torch.load(tmp_path / "run" / "final_model.pt"))])
+    assert_losses_close(
+        [summary["final_val_loss"]], [reference_eval(cfg, torch.load(tmp_path / "run" / "final_model.pt"))]
+    )

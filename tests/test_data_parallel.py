@@ -6,13 +6,13 @@ import dataclasses
 
 import pytest
 import torch
-
 from dist_helper import run_ok
+from test_semantics import _oracle, assert_losses_close, tiny_config
+
 from pipedream2bw.config import ConfigError, gpt_balance, validate
 from pipedream2bw.layout import default_layout, make_layout
 from pipedream2bw.runner import build_stage_module
 from pipedream2bw.versions import bucketize
-from test_semantics import _oracle, assert_losses_close, tiny_config
 
 
 def layout_config(schedule: str, d: int, w: int, m: int, **pipeline):
@@ -55,7 +55,9 @@ def test_one_all_reduce_per_stage_per_batch(tmp_path):
         num_buckets = len(bucketize(list(module.parameters()), bucket_bytes=0.01 * 2**20))
         assert num_buckets > 1
         assert r["allreduce_calls"] == cfg.train.num_steps * num_buckets
-    torch.testing.assert_close(torch.load(tmp_path / "small" / "final_model.pt"), torch.load(tmp_path / "one" / "final_model.pt"))
+    torch.testing.assert_close(
+        torch.load(tmp_path / "small" / "final_model.pt"), torch.load(tmp_path / "one" / "final_model.pt")
+    )
 
 
 def test_explicit_rank_map_with_rank0_on_the_last_stage(tmp_path):
@@ -64,7 +66,9 @@ def test_explicit_rank_map_with_rank0_on_the_last_stage(tmp_path):
     plain = run_ok(layout_config("flush", 2, 2, 2), tmp_path / "plain")
     assert mapped["rank_map"] == [[1, 3], [0, 2]]
     assert_losses_close(mapped["losses"], plain["losses"])
-    torch.testing.assert_close(torch.load(tmp_path / "mapped" / "final_model.pt"), torch.load(tmp_path / "plain" / "final_model.pt"))
+    torch.testing.assert_close(
+        torch.load(tmp_path / "mapped" / "final_model.pt"), torch.load(tmp_path / "plain" / "final_model.pt")
+    )
 
 
 def test_default_layout_keeps_replicas_on_a_node_when_they_fit():
@@ -75,7 +79,9 @@ def test_default_layout_keeps_replicas_on_a_node_when_they_fit():
 
 
 def test_bad_rank_map_is_rejected():
-    with pytest.raises(ConfigError, match=r"rank_map \(\[\[0, 1\], \[1, 2\]\]\) must have 2 rows .* using each rank 0..3 once"):
+    with pytest.raises(
+        ConfigError, match=r"rank_map \(\[\[0, 1\], \[1, 2\]\]\) must have 2 rows .* using each rank 0..3 once"
+    ):
         make_layout(2, 2, ranks_per_node=4, rank_map=[[0, 1], [1, 2]])
 
 

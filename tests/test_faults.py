@@ -6,7 +6,6 @@ import re
 import time
 
 import pytest
-
 from dist_helper import spawn, train_with_fault
 from test_semantics import tiny_config
 
@@ -16,7 +15,13 @@ def test_rank_that_raises_stops_every_rank(tmp_path, failing_layer, failing_rank
     cfg = tiny_config(schedule="2bw", num_stages=4, num_microbatches=4, num_steps=20)
     assert cfg.pipeline.balance is None  # layers [0], [1, 2], [3, 4], [5]: layer -> rank below
     start = time.monotonic()
-    results = spawn(train_with_fault, world_size=4, args=(cfg, str(tmp_path), failing_layer, 7, "raise"), log_dir=tmp_path, timeout_s=60)
+    results = spawn(
+        train_with_fault,
+        world_size=4,
+        args=(cfg, str(tmp_path), failing_layer, 7, "raise"),
+        log_dir=tmp_path,
+        timeout_s=60,
+    )
     elapsed = time.monotonic() - start
     assert all(r.exitcode not in (0, -9) for r in results), [(r.rank, r.exitcode) for r in results]
     assert elapsed < 30
@@ -29,14 +34,19 @@ def test_hanging_rank_times_out_and_stops_every_rank(tmp_path):
     cfg = tiny_config(schedule="flush", num_stages=4, num_microbatches=4, num_steps=20)
     cfg.dist.timeout_s = 5.0
     start = time.monotonic()
-    results = spawn(train_with_fault, world_size=4, args=(cfg, str(tmp_path), 3, 5, "hang"), log_dir=tmp_path, timeout_s=60)
+    results = spawn(
+        train_with_fault, world_size=4, args=(cfg, str(tmp_path), 3, 5, "hang"), log_dir=tmp_path, timeout_s=60
+    )
     elapsed = time.monotonic() - start
     assert all(r.exitcode not in (0, -9) for r in results), [(r.rank, r.exitcode) for r in results]
     assert elapsed < 40
     # Some rank whose wait leads to the hung rank 2 (directly, or through a neighbour that waits
     # on it) times out first and names whom it waited for; every rank, the hung one included,
     # stops on that report.
-    first = re.search(r"rank ([013]) \(stage [013]\) failed: RuntimeError: rank [013]: receiving from rank \d failed or timed out after 0:00:05", results[0].log)
+    first = re.search(
+        r"rank ([013]) \(stage [013]\) failed: RuntimeError: rank [013]: receiving from rank \d failed or timed out after 0:00:05",
+        results[0].log,
+    )
     assert first, results[0].log
     for r in results:
         assert first[0] in r.log
@@ -47,10 +57,14 @@ def test_shape_change_is_a_clear_error_not_a_hang(tmp_path):
     # Regression guard for the classic pipeline hang: a stage whose output shape changes
     # mid-run. The sender names the mismatch; every rank stops.
     cfg = tiny_config(schedule="2bw", num_stages=4, num_microbatches=4, num_steps=20)
-    results = spawn(train_with_fault, world_size=4, args=(cfg, str(tmp_path), 2, 6, "reshape"), log_dir=tmp_path, timeout_s=60)
+    results = spawn(
+        train_with_fault, world_size=4, args=(cfg, str(tmp_path), 2, 6, "reshape"), log_dir=tmp_path, timeout_s=60
+    )
     assert all(r.exitcode not in (0, -9) for r in results), [(r.rank, r.exitcode) for r in results]
-    expected = "rank 1 (stage 1) failed: PipelineShapeError: rank 1 sends (2, 15, 32) torch.float32 to rank 2 (tag 0), " \
+    expected = (
+        "rank 1 (stage 1) failed: PipelineShapeError: rank 1 sends (2, 15, 32) torch.float32 to rank 2 (tag 0), "
         "but the first microbatch agreed on (2, 16, 32) torch.float32"
+    )
     for r in results:
         assert expected in r.log, r.log
 
@@ -62,7 +76,9 @@ def test_failure_in_a_replicated_stage_stops_every_rank(tmp_path):
     cfg.train.num_steps = 20
     # layers [0, 1, 2] on stage 0, [3, 4, 5] on stage 1; both replicas of stage 1 run layer 4,
     # and the fault fires on whichever reaches its 7th forward: ranks 2 and 3 may both fail.
-    results = spawn(train_with_fault, world_size=4, args=(cfg, str(tmp_path), 4, 7, "raise"), log_dir=tmp_path, timeout_s=60)
+    results = spawn(
+        train_with_fault, world_size=4, args=(cfg, str(tmp_path), 4, 7, "raise"), log_dir=tmp_path, timeout_s=60
+    )
     assert all(r.exitcode not in (0, -9) for r in results), [(r.rank, r.exitcode) for r in results]
     first = re.search(r"rank [23] \(stage 1\) failed: RuntimeError: injected fault on forward call 7", results[0].log)
     assert first, results[0].log

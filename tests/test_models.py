@@ -11,15 +11,15 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from dist_helper import run_ok
+from reference import reference_run, reference_train
+from test_semantics import assert_losses_close, tiny_config
 from torch import nn
 
-from dist_helper import run_ok
 from pipedream2bw import checkpoint
 from pipedream2bw.comm import free_port
 from pipedream2bw.config import Config, ConfigError, LayerListConfig, OptimConfig, PartitionConfig
 from pipedream2bw.runner import run
-from reference import reference_run, reference_train
-from test_semantics import assert_losses_close, tiny_config
 
 TIE = ["0.tok.weight", "5.out.weight"]  # tiny_config's GPT: embedding, 3 blocks, norm, head
 
@@ -80,7 +80,9 @@ def test_tied_gpt_2bw_matches_delayed_rule_and_resumes_at_another_depth(tmp_path
     weights = assert_tied_result(tmp_path / "d2", straight, cfg, steps_checked=6)
     # ...and the pipeline trained the tie, not two copies of it: without the exchange each stage
     # steps on its own half of the gradient and the head leaves the embedding.
-    untied, _ = reference_train(tiny_config(schedule="2bw", num_stages=1, num_microbatches=4, optim="sgd_momentum"), delayed=True)
+    untied, _ = reference_train(
+        tiny_config(schedule="2bw", num_stages=1, num_microbatches=4, optim="sgd_momentum"), delayed=True
+    )
     assert not torch.allclose(weights[TIE[1]], untied[TIE[1]], atol=1e-3)
 
     ckpt = tmp_path / "d2" / "checkpoints" / "step_00000003"
@@ -98,7 +100,9 @@ def test_tied_gpt_2bw_matches_delayed_rule_and_resumes_at_another_depth(tmp_path
     assert resumed["first_step"] == 3
     assert_tied_result(tmp_path / "d4", resumed, resumed_cfg, steps_checked=3)
     # A model is never silently untied: the untied GPT refuses this checkpoint.
-    with pytest.raises(ConfigError, match=r"tied parameters \[\['0.tok.weight', '5.out.weight'\]\], but this model ties none"):
+    with pytest.raises(
+        ConfigError, match=r"tied parameters \[\['0.tok.weight', '5.out.weight'\]\], but this model ties none"
+    ):
         checkpoint.check_ties(manifest, [], ckpt)
 
 
@@ -107,11 +111,15 @@ def test_custom_tuple_model_planned_by_partition_auto(tmp_path):
     by partition=auto (profiled here) on 2 stages, trains as the single-process model does."""
     cfg = tiny_config(schedule="2bw", num_stages=2, num_microbatches=4, optim="adam", num_steps=4)
     cfg.model = LayerListConfig(target="custom_models.tuple_layers", kwargs={"width": 16}, seq_len=16)
-    cfg.partition = PartitionConfig(mode="auto", depths=[2], microbatch_sizes=[2], repeats=1, swap=False, recompute=False)
+    cfg.partition = PartitionConfig(
+        mode="auto", depths=[2], microbatch_sizes=[2], repeats=1, swap=False, recompute=False
+    )
     cfg.train.global_batch_size = 8
     summary = run_ok(cfg, tmp_path)
     assert summary["num_stages"] == 2 and sum(summary["balance"]) == 5 and summary["plan"]["costs"] == "profile"
-    reference = tiny_config(schedule="2bw", num_stages=1, num_microbatches=summary["num_microbatches"], optim="adam", num_steps=4)
+    reference = tiny_config(
+        schedule="2bw", num_stages=1, num_microbatches=summary["num_microbatches"], optim="adam", num_steps=4
+    )
     reference.model, reference.pipeline.microbatch_size = cfg.model, summary["microbatch_size"]
     expected, expected_losses = reference_train(reference, delayed=True)
     torch.testing.assert_close(torch.load(tmp_path / "final_model.pt"), expected)
@@ -119,9 +127,21 @@ def test_custom_tuple_model_planned_by_partition_auto(tmp_path):
 
 
 def torchrun(nproc: int, *overrides: str, cwd: Path, timeout_s: float = 240) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port", str(free_port()),
-           "-m", "pipedream2bw.train", *overrides]
-    return subprocess.run(cmd, cwd=cwd, env={**os.environ, "WANDB_SILENT": "true"}, capture_output=True, text=True, timeout=timeout_s)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(nproc),
+        "--master-port",
+        str(free_port()),
+        "-m",
+        "pipedream2bw.train",
+        *overrides,
+    ]
+    return subprocess.run(
+        cmd, cwd=cwd, env={**os.environ, "WANDB_SILENT": "true"}, capture_output=True, text=True, timeout=timeout_s
+    )
 
 
 def test_hf_gpt2_with_target_optimizer_from_the_command_line(tmp_path):
@@ -129,18 +149,39 @@ def test_hf_gpt2_with_target_optimizer_from_the_command_line(tmp_path):
     _target_, 2 stages under 2bw: the weights of the single-process model built from the same config."""
     pytest.importorskip("transformers", reason="model=hf_gpt2 needs the optional extra: pip install -e '.[hf]'")
     proc = torchrun(
-        2, "model=hf_gpt2", "model.n_embd=32", "model.n_layer=2", "model.n_head=2", "model.seq_len=16",
-        "optim=custom", "optim._target_=torch.optim.SGD", "optim.lr=0.2", "+optim.momentum=0.9",
-        "pipeline.num_stages=2", "pipeline.num_microbatches=4", "pipeline.microbatch_size=2", "pipeline.check_ties=true",
-        "train.num_steps=4", "train.warmup_steps=1", "wandb.mode=disabled", "seed=3", cwd=tmp_path,
+        2,
+        "model=hf_gpt2",
+        "model.n_embd=32",
+        "model.n_layer=2",
+        "model.n_head=2",
+        "model.seq_len=16",
+        "optim=custom",
+        "optim._target_=torch.optim.SGD",
+        "optim.lr=0.2",
+        "+optim.momentum=0.9",
+        "pipeline.num_stages=2",
+        "pipeline.num_microbatches=4",
+        "pipeline.microbatch_size=2",
+        "pipeline.check_ties=true",
+        "train.num_steps=4",
+        "train.warmup_steps=1",
+        "wandb.mode=disabled",
+        "seed=3",
+        cwd=tmp_path,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     (run_dir,) = list((tmp_path / "outputs").glob("*/*"))
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["ties"] == [{"names": ["0.wte.weight", "4.weight"], "shape": [256, 32], "stages": [0, 1], "checked_steps": 4}]
+    assert summary["ties"] == [
+        {"names": ["0.wte.weight", "4.weight"], "shape": [256, 32], "stages": [0, 1], "checked_steps": 4}
+    ]
     cfg = tiny_config(schedule="2bw", num_stages=1, num_microbatches=4, num_steps=4)
-    cfg.model = LayerListConfig(target="pipedream2bw.models.hf_gpt2.build_layers", seq_len=16, name="hf_gpt2",
-                                kwargs={"n_embd": 32, "n_layer": 2, "n_head": 2, "vocab_size": 256, "tie_embeddings": True})
+    cfg.model = LayerListConfig(
+        target="pipedream2bw.models.hf_gpt2.build_layers",
+        seq_len=16,
+        name="hf_gpt2",
+        kwargs={"n_embd": 32, "n_layer": 2, "n_head": 2, "vocab_size": 256, "tie_embeddings": True},
+    )
     cfg.optim = OptimConfig(name="sgd", target="torch.optim.SGD", lr=0.2, kwargs={"momentum": 0.9})
     expected, expected_losses = reference_train(cfg, delayed=True)
     weights = torch.load(run_dir / "final_model.pt")
@@ -149,12 +190,15 @@ def test_hf_gpt2_with_target_optimizer_from_the_command_line(tmp_path):
     assert weights["4.weight"].untyped_storage().data_ptr() == weights["0.wte.weight"].untyped_storage().data_ptr()
 
 
-@pytest.mark.parametrize("target,message", [
-    ("no_such_package.layers", r"model._target_ \(no_such_package.layers\) does not import"),
-    ("custom_models.no_such_factory", r"module custom_models has no no_such_factory"),
-    ("custom_models.not_a_list", r"returned Linear, not a list of nn.Module layers"),
-    ("custom_models.shared_buffer_layers", r"buffers shared by layers \(1.scale, 2.scale\) cannot be kept in step"),
-])
+@pytest.mark.parametrize(
+    "target,message",
+    [
+        ("no_such_package.layers", r"model._target_ \(no_such_package.layers\) does not import"),
+        ("custom_models.no_such_factory", r"module custom_models has no no_such_factory"),
+        ("custom_models.not_a_list", r"returned Linear, not a list of nn.Module layers"),
+        ("custom_models.shared_buffer_layers", r"buffers shared by layers \(1.scale, 2.scale\) cannot be kept in step"),
+    ],
+)
 def test_bad_models_fail_before_any_group_starts(tmp_path, target, message):
     cfg = tiny_config(schedule="2bw", num_stages=2, num_microbatches=2)
     cfg.model = LayerListConfig(target=target)
@@ -184,17 +228,32 @@ def compose_typed(*overrides: str) -> Config:
 
 
 def test_target_entries_compose_to_typed_configs():
-    cfg = compose_typed("model=custom", "model._target_=my_pkg.build_layers", "+model.width=512", "model.seq_len=64",
-                        "+model.loss._target_=my_pkg.loss", "+model.loss.smoothing=0.1",
-                        "optim=custom", "optim._target_=torch.optim.SGD", "+optim.momentum=0.9")
-    assert cfg.model == LayerListConfig(target="my_pkg.build_layers", kwargs={"width": 512}, seq_len=64, loss="my_pkg.loss",
-                                        loss_kwargs={"smoothing": 0.1})
+    cfg = compose_typed(
+        "model=custom",
+        "model._target_=my_pkg.build_layers",
+        "+model.width=512",
+        "model.seq_len=64",
+        "+model.loss._target_=my_pkg.loss",
+        "+model.loss.smoothing=0.1",
+        "optim=custom",
+        "optim._target_=torch.optim.SGD",
+        "+optim.momentum=0.9",
+    )
+    assert cfg.model == LayerListConfig(
+        target="my_pkg.build_layers",
+        kwargs={"width": 512},
+        seq_len=64,
+        loss="my_pkg.loss",
+        loss_kwargs={"smoothing": 0.1},
+    )
     assert cfg.optim == OptimConfig(name="sgd", lr=3e-3, kwargs={"momentum": 0.9}, target="torch.optim.SGD")
     assert compose_typed("model=hf_gpt2").model.kwargs["tie_embeddings"] is True
     assert compose_typed("model.tie_embeddings=true").model.tie_embeddings  # the GPT stays the typed default
     with pytest.raises(ConfigError, match=r"needs _partial_: true"):
         compose_typed("optim=custom", "optim._target_=torch.optim.SGD", "optim._partial_=false")
-    with pytest.raises(ConfigError, match=r"optim._target_ \(torch.nn.Linear\) is .*not a torch.optim.Optimizer subclass"):
+    with pytest.raises(
+        ConfigError, match=r"optim._target_ \(torch.nn.Linear\) is .*not a torch.optim.Optimizer subclass"
+    ):
         validate_optim(OptimConfig(target="torch.nn.Linear"))
 
 
@@ -210,7 +269,9 @@ def test_no_decay_groups_by_shape_and_their_checkpoint_state_by_name():
     from pipedream2bw.config import build_optimizer
     from pipedream2bw.versions import WeightVersions
 
-    optim = OptimConfig(target="torch.optim.AdamW", lr=0.1, kwargs={"weight_decay": 0.5}, no_decay_norms_and_biases=True)
+    optim = OptimConfig(
+        target="torch.optim.AdamW", lr=0.1, kwargs={"weight_decay": 0.5}, no_decay_norms_and_biases=True
+    )
     groups = build_optimizer([nn.Parameter(torch.ones(3)), nn.Parameter(torch.ones(2, 3))], optim).param_groups
     assert [(len(g["params"]), g["params"][0].dim(), g["weight_decay"]) for g in groups] == [(1, 2, 0.5), (1, 1, 0.0)]
     # Groups reorder the optimizer's state positions (2-D first): checkpoints must still key them by the right name.
@@ -221,8 +282,16 @@ def test_no_decay_groups_by_shape_and_their_checkpoint_state_by_name():
     versions.step(0, grad_scale=1.0)
     state = versions.state()
     assert {k: tuple(v["exp_avg"].shape) for k, v in state["optimizer"].items()} == {
-        "0.weight": (3,), "0.bias": (3,), "1.weight": (5, 3), "1.bias": (5,)}
-    copy = WeightVersions(nn.Sequential(nn.LayerNorm(3), nn.Linear(3, 5)), schedule="flush", optimizer_factory=lambda ps: build_optimizer(ps, optim))
+        "0.weight": (3,),
+        "0.bias": (3,),
+        "1.weight": (5, 3),
+        "1.bias": (5,),
+    }
+    copy = WeightVersions(
+        nn.Sequential(nn.LayerNorm(3), nn.Linear(3, 5)),
+        schedule="flush",
+        optimizer_factory=lambda ps: build_optimizer(ps, optim),
+    )
     copy.load_state(step=1, weights=state["weights"], previous=None, optimizer=state["optimizer"])
     for name, st in copy.state()["optimizer"].items():
         torch.testing.assert_close(st["exp_avg"], state["optimizer"][name]["exp_avg"])

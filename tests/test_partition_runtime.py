@@ -6,11 +6,19 @@ import dataclasses
 from pathlib import Path
 
 import torch
-
 from dist_helper import run_ok, spawn, train
-from partitioner.planner import load_plan, save_plan
-from pipedream2bw.config import Config, GPTConfig, OptimConfig, PartitionConfig, PipelineConfig, TrainConfig, WandbConfig
 from reference import reference_train
+
+from partitioner.planner import load_plan, save_plan
+from pipedream2bw.config import (
+    Config,
+    GPTConfig,
+    OptimConfig,
+    PartitionConfig,
+    PipelineConfig,
+    TrainConfig,
+    WandbConfig,
+)
 
 
 def tiny(**pipeline) -> Config:
@@ -37,20 +45,32 @@ def test_recompute_gives_the_same_training(tmp_path):
 
 
 def test_auto_plans_on_rank0_and_every_rank_runs_it(tmp_path):
-    cfg = dataclasses.replace(tiny(), partition=PartitionConfig(mode="auto", cache_dir=str(tmp_path / "cache"), repeats=2,
-                                                                microbatch_sizes=[2, 4]))
+    cfg = dataclasses.replace(
+        tiny(),
+        partition=PartitionConfig(mode="auto", cache_dir=str(tmp_path / "cache"), repeats=2, microbatch_sizes=[2, 4]),
+    )
     cfg.train.global_batch_size = 16
     summary = run_ok(cfg, tmp_path / "run")
     plan = load_plan(tmp_path / "run" / "plan.yaml")
     assert summary["num_stages"] * summary["data_parallel"] == 2
     assert (summary["balance"], summary["microbatch_size"], summary["num_microbatches"]) == (
-        plan.balance, plan.microbatch_size, plan.num_microbatches)
+        plan.balance,
+        plan.microbatch_size,
+        plan.num_microbatches,
+    )
     assert summary["rank_map"] == plan.rank_map and summary["global_batch_size"] == 16
     assert summary["predicted_samples_per_s"] == plan.predicted_samples_per_s > 0
     assert summary["predicted_peak_memory_bytes"] == plan.predicted_peak_memory_bytes
     # partition=file runs the saved plan (here edited by hand: another split, recomputation on).
-    edited = dataclasses.replace(plan, num_stages=2, data_parallel=1, balance=[2, 4], rank_map=[[0], [1]], recompute=True,
-                                 num_microbatches=16 // plan.microbatch_size)
+    edited = dataclasses.replace(
+        plan,
+        num_stages=2,
+        data_parallel=1,
+        balance=[2, 4],
+        rank_map=[[0], [1]],
+        recompute=True,
+        num_microbatches=16 // plan.microbatch_size,
+    )
     save_plan(edited, tmp_path / "edited.yaml")
     cfg = dataclasses.replace(tiny(), partition=PartitionConfig(mode="file", path=str(tmp_path / "edited.yaml")))
     summary = run_ok(cfg, tmp_path / "file")
@@ -58,9 +78,13 @@ def test_auto_plans_on_rank0_and_every_rank_runs_it(tmp_path):
 
 
 def test_infeasible_auto_plan_fails_on_every_rank_before_any_group(tmp_path):
-    cfg = dataclasses.replace(tiny(), partition=PartitionConfig(mode="auto", cache_dir=str(tmp_path / "cache"), repeats=1))
+    cfg = dataclasses.replace(
+        tiny(), partition=PartitionConfig(mode="auto", cache_dir=str(tmp_path / "cache"), repeats=1)
+    )
     cfg.topology.host_memory_gib = 0.01  # 5 MiB per rank: less than the torch runtime alone
-    results = spawn(train, world_size=2, args=(cfg, str(tmp_path / "run")), log_dir=Path(tmp_path) / "logs", timeout_s=120)
+    results = spawn(
+        train, world_size=2, args=(cfg, str(tmp_path / "run")), log_dir=Path(tmp_path) / "logs", timeout_s=120
+    )
     for r in results:
         assert r.exitcode != 0
         assert "ConfigError: no plan fits" in r.log and "GiB per device" in r.log, r.log

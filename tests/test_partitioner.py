@@ -16,18 +16,37 @@ from partitioner.profile import analytic_gpt, profile_gpt
 from partitioner.topology import GIB, Link, make_rank_map, p2p_links, replica_links
 from pipedream2bw.config import ConfigError, GPTConfig, OptimConfig, TopologyConfig
 
-DGX = TopologyConfig(name="dgx", device="cuda", nodes=1, devices_per_node=8, memory_per_device_gib=80, cores=None,
-                     intra_node_bw_gbps=300, inter_node_bw_gbps=25, peak_tflops=125, memory_bw_gbps=2000,
-                     host_device_bw_gbps=25, runtime_overhead_gib=2)
+DGX = TopologyConfig(
+    name="dgx",
+    device="cuda",
+    nodes=1,
+    devices_per_node=8,
+    memory_per_device_gib=80,
+    cores=None,
+    intra_node_bw_gbps=300,
+    inter_node_bw_gbps=25,
+    peak_tflops=125,
+    memory_bw_gbps=2000,
+    host_device_bw_gbps=25,
+    runtime_overhead_gib=2,
+)
 CLUSTER = dataclasses.replace(DGX, name="cluster", nodes=128)
 GPT175B = GPTConfig(num_layers=96, d_model=12288, num_heads=96, seq_len=2048, vocab_size=51200)
 
 
 def random_layers(rng: random.Random, n: int) -> list:
     return [
-        LayerCost(name=str(i), forward_s=rng.uniform(0.1, 2), backward_s=rng.uniform(0.2, 4), param_bytes=rng.randint(1, 100),
-                  saved_bytes=rng.randint(1, 50), input_bytes=rng.randint(1, 10), output_bytes=rng.randint(1, 10),
-                  optimizer_bytes=rng.randint(0, 200), step_s=rng.uniform(0, 0.5))
+        LayerCost(
+            name=str(i),
+            forward_s=rng.uniform(0.1, 2),
+            backward_s=rng.uniform(0.2, 4),
+            param_bytes=rng.randint(1, 100),
+            saved_bytes=rng.randint(1, 50),
+            input_bytes=rng.randint(1, 10),
+            output_bytes=rng.randint(1, 10),
+            optimizer_bytes=rng.randint(0, 200),
+            step_s=rng.uniform(0, 0.5),
+        )
         for i in range(n)
     ]
 
@@ -35,9 +54,18 @@ def random_layers(rng: random.Random, n: int) -> list:
 def contexts(d: int, m: int, *, schedule: str = "2bw", recompute: bool = False, w: int = 1):
     slow = Link("x", 50.0, 0.01)  # slow enough that p2p matters at these sizes
     return [
-        StageContext(stage_index=s, num_stages=d, num_microbatches=m, data_parallel=w, schedule=schedule, recompute=recompute,
-                     link_next=slow if s < d - 1 else Link("l", math.inf, 0), link_prev=slow if s else Link("l", math.inf, 0),
-                     replica_link=slow, runtime_bytes=5)
+        StageContext(
+            stage_index=s,
+            num_stages=d,
+            num_microbatches=m,
+            data_parallel=w,
+            schedule=schedule,
+            recompute=recompute,
+            link_next=slow if s < d - 1 else Link("l", math.inf, 0),
+            link_prev=slow if s else Link("l", math.inf, 0),
+            replica_link=slow,
+            runtime_bytes=5,
+        )
         for s in range(d)
     ]
 
@@ -69,8 +97,16 @@ def test_dynamic_program_equals_brute_force(objective):
 
 def uniform(n: int, changes=None) -> list:
     changes = changes or {}
-    base = LayerCost("block", forward_s=1.0, backward_s=2.0, param_bytes=100, saved_bytes=10, input_bytes=1, output_bytes=1,
-                     optimizer_bytes=200)
+    base = LayerCost(
+        "block",
+        forward_s=1.0,
+        backward_s=2.0,
+        param_bytes=100,
+        saved_bytes=10,
+        input_bytes=1,
+        output_bytes=1,
+        optimizer_bytes=200,
+    )
     return [dataclasses.replace(base, **changes.get(i, {})) for i in range(n)]
 
 
@@ -122,12 +158,20 @@ def test_memory_terms_follow_the_design():
     # output (4 + 6), and move the other 36 bytes each way, at 1 byte/s, on one stream per direction.
     swap = dict(base, swap=True, host_device_bw=1.0)
     sw = segment_costs(seg, 0, 1, StageContext(**swap, swap_resident=1))
-    assert sw["activations"] == 2 * 46 + 1 * 10 and sw["stall_s"] == pytest.approx(36 - 3)  # an F and a B hide each copy
+    assert sw["activations"] == 2 * 46 + 1 * 10 and sw["stall_s"] == pytest.approx(
+        36 - 3
+    )  # an F and a B hide each copy
     sw = segment_costs(seg, 0, 1, StageContext(**swap, swap_resident=0))
-    assert sw["activations"] == 46 + 2 * 10 and sw["stall_s"] == pytest.approx(36)  # each fetch waits at its own backward
+    assert sw["activations"] == 46 + 2 * 10 and sw["stall_s"] == pytest.approx(
+        36
+    )  # each fetch waits at its own backward
     sw = segment_costs(seg, 0, 1, StageContext(**swap, swap_resident=1, schedule="gpipe"))  # 8 in flight
-    assert sw["activations"] == 2 * 46 + 6 * 10 and sw["stall_s"] == pytest.approx((36 - 1) + (36 - 2))  # F after F, B after B
-    sw = segment_costs(seg, 0, 1, StageContext(**swap, swap_resident=2))  # 3 in flight <= K + 1: the runtime does not swap
+    assert sw["activations"] == 2 * 46 + 6 * 10 and sw["stall_s"] == pytest.approx(
+        (36 - 1) + (36 - 2)
+    )  # F after F, B after B
+    sw = segment_costs(
+        seg, 0, 1, StageContext(**swap, swap_resident=2)
+    )  # 3 in flight <= K + 1: the runtime does not swap
     assert sw["activations"] == 3 * 46 and sw["stall_s"] == 0
 
 
@@ -147,8 +191,15 @@ def test_175b_gpt_on_1536_gpus_plans_fast_and_fits():
     # parameter (+ 4 for the all-reduce copy): a 1.8B-parameter block per stage, so 96+ stages, and
     # 1024 GPUs (d must divide them, d <= 99 layers) no longer fit; 1536 do (d = 96).
     cluster = dataclasses.replace(CLUSTER, nodes=192)
-    req = Request(global_batch_size=1536, topology=cluster, devices=1536, memory_per_device_bytes=80 * GIB,
-                  runtime_bytes=2 * GIB, costs="analytic", precision="bf16")
+    req = Request(
+        global_batch_size=1536,
+        topology=cluster,
+        devices=1536,
+        memory_per_device_bytes=80 * GIB,
+        runtime_bytes=2 * GIB,
+        costs="analytic",
+        precision="bf16",
+    )
     start = time.perf_counter()
     plans = plan(lambda b: analytic_gpt(GPT175B, OptimConfig(name="adam"), b, cluster, precision="bf16"), req)
     assert time.perf_counter() - start < 10
@@ -162,8 +213,9 @@ def test_infeasible_request_names_the_memory_and_devices_that_would_fit():
     cfg = GPTConfig(num_layers=8, d_model=64, num_heads=4, seq_len=64)
     costs = lambda b: analytic_gpt(cfg, OptimConfig(), b, DGX)  # noqa: E731
     small = dataclasses.replace(DGX, devices_per_node=2)
-    req = Request(global_batch_size=16, topology=small, devices=2, memory_per_device_bytes=3 * 2**20, runtime_bytes=0,
-                  swap=False)
+    req = Request(
+        global_batch_size=16, topology=small, devices=2, memory_per_device_bytes=3 * 2**20, runtime_bytes=0, swap=False
+    )
     with pytest.raises(ConfigError) as err:
         plan(costs, req)
     msg = str(err.value)
@@ -178,7 +230,9 @@ def test_infeasible_request_names_the_memory_and_devices_that_would_fit():
 
 
 def test_plan_file_round_trip(tmp_path):
-    req = Request(global_batch_size=64, topology=DGX, devices=8, memory_per_device_bytes=80 * GIB, runtime_bytes=2 * GIB)
+    req = Request(
+        global_batch_size=64, topology=DGX, devices=8, memory_per_device_bytes=80 * GIB, runtime_bytes=2 * GIB
+    )
     best = plan(lambda b: analytic_gpt(GPTConfig(), OptimConfig(), b, DGX), req)[0]
     path = save_plan(best, tmp_path / "plan.yaml")
     assert "balance:" in path.read_text() and load_plan(path) == best
@@ -195,7 +249,9 @@ def test_profile_measures_saved_bytes_and_caches(tmp_path, monkeypatch):
     btc = 2 * 32 * 64 * 4
     # What autograd saves for a pre-LN block: 16 b*T*C activations (plus small statistics).
     assert 16 * btc <= block.saved_bytes <= 16 * btc * 1.05
-    assert block.optimizer_bytes == pytest.approx(2 * block.param_bytes, rel=1e-3)  # adamw: two moments (+ step counters)
+    assert block.optimizer_bytes == pytest.approx(
+        2 * block.param_bytes, rel=1e-3
+    )  # adamw: two moments (+ step counters)
     assert block.forward_s > 0 and block.backward_s > 0 and head.output_bytes == 0
     analytic = analytic_gpt(cfg, OptimConfig(name="adamw"), 2, DGX)[1]
     assert analytic.param_bytes == block.param_bytes and analytic.saved_bytes == 16 * btc
@@ -209,11 +265,18 @@ def test_apply_plan_sets_the_pipeline_and_checks_the_launch():
     from pipedream2bw.config import Config
 
     cfg = Config(model=GPTConfig(num_layers=5))
-    req = Request(global_batch_size=64, topology=DGX, devices=8, memory_per_device_bytes=80 * GIB, runtime_bytes=2 * GIB)
+    req = Request(
+        global_batch_size=64, topology=DGX, devices=8, memory_per_device_bytes=80 * GIB, runtime_bytes=2 * GIB
+    )
     best = plan(lambda b: analytic_gpt(cfg.model, OptimConfig(), b, DGX), dataclasses.replace(req, depths=[4]))[0]
     out = apply_plan(cfg, best, world_size=8)
     p = out.pipeline
-    assert (p.num_stages, p.data_parallel, p.microbatch_size, p.num_microbatches) == (4, 2, best.microbatch_size, best.num_microbatches)
+    assert (p.num_stages, p.data_parallel, p.microbatch_size, p.num_microbatches) == (
+        4,
+        2,
+        best.microbatch_size,
+        best.num_microbatches,
+    )
     assert p.balance == best.balance and p.rank_map == best.rank_map and p.recompute == best.recompute
     with pytest.raises(ConfigError, match="launch 8 ranks"):
         apply_plan(cfg, best, world_size=4)
@@ -246,9 +309,18 @@ def test_near_ties_go_to_the_better_other_objective(objective):
     from partitioner.__main__ import compose
     from partitioner.auto import plan_config
 
-    overrides = ["topology=dgx", "model.num_layers=24", "model.d_model=2048", "model.num_heads=16", "model.seq_len=2048",
-                 "model.vocab_size=50304", "train.global_batch_size=256", "partition.costs=analytic", f"partition.objective={objective}",
-                 "train.precision=fp32"]  # the figures: planned as the runtime then trained (fp32)
+    overrides = [
+        "topology=dgx",
+        "model.num_layers=24",
+        "model.d_model=2048",
+        "model.num_heads=16",
+        "model.seq_len=2048",
+        "model.vocab_size=50304",
+        "train.global_batch_size=256",
+        "partition.costs=analytic",
+        f"partition.objective={objective}",
+        "train.precision=fp32",
+    ]  # the figures: planned as the runtime then trained (fp32)
     plans = plan_config(compose(overrides))
     strict = plan_config(compose(overrides + ["partition.tolerance=0"]))
     peak = lambda p: max(p.predicted_peak_memory_bytes) / GIB  # noqa: E731

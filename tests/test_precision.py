@@ -10,9 +10,11 @@ from typing import Sequence
 
 import pytest
 import torch
-
 from dist_helper import spawn
-from partitioner.cost import StageContext, StageCost, Segments
+from reference import reference_train
+from test_semantics import assert_losses_close, max_abs_diff, tiny_config
+
+from partitioner.cost import Segments, StageContext, StageCost
 from partitioner.profile import analytic_gpt
 from pipedream2bw import comm
 from pipedream2bw.config import Config, ConfigError, GPTConfig, OptimConfig, TopologyConfig, gpt_balance, validate
@@ -20,8 +22,6 @@ from pipedream2bw.loss_scale import LossScaler
 from pipedream2bw.models import build_gpt_layers
 from pipedream2bw.precision import markdown_table, param_memory
 from pipedream2bw.runner import run
-from reference import reference_train
-from test_semantics import assert_losses_close, max_abs_diff, tiny_config
 
 # ---- pure -------------------------------------------------------------------------------------
 
@@ -49,7 +49,9 @@ def test_loss_scaler_follows_torchs_rule_and_resumes_from_its_state():
 
 def test_bytes_per_parameter_and_the_planner_uses_them():
     assert param_memory("fp32", schedule="2bw", optimizer="adamw").total == 2 * 4 + 4 + 8
-    assert param_memory("bf16", schedule="flush", optimizer="sgd", optimizer_kwargs={"momentum": 0.9}).total == 4 + 4 + 4
+    assert (
+        param_memory("bf16", schedule="flush", optimizer="sgd", optimizer_kwargs={"momentum": 0.9}).total == 4 + 4 + 4
+    )
     # optim=custom names its class by import path (optim._target_): the same bytes as by name
     assert param_memory("fp32", schedule="flush", optimizer="torch.optim.SGD").total == 4 + 4
     assert param_memory("bf16", schedule="2bw", optimizer="adam").cast_per_microbatch == 2
@@ -126,11 +128,19 @@ def inf_gradient_layers(cfg: Config, *, layer: int, call: int):
     return layers
 
 
-def run_jobs(tmp_path: Path, cfgs: Sequence[Config], *, world_size: int, inject: dict = None, timeout_s: float = 120) -> list:
+def run_jobs(
+    tmp_path: Path, cfgs: Sequence[Config], *, world_size: int, inject: dict = None, timeout_s: float = 120
+) -> list:
     import json
 
     dirs = [str(tmp_path / f"job{i}") for i in range(len(cfgs))]
-    results = spawn(train_many, world_size=world_size, args=(list(cfgs), dirs, inject or {}), log_dir=tmp_path / "logs", timeout_s=timeout_s)
+    results = spawn(
+        train_many,
+        world_size=world_size,
+        args=(list(cfgs), dirs, inject or {}),
+        log_dir=tmp_path / "logs",
+        timeout_s=timeout_s,
+    )
     bad = [r for r in results if r.exitcode != 0]
     assert not bad, "\n".join(f"--- rank {r.rank} exit {r.exitcode}\n{r.log}" for r in bad)
     return [(json.loads((Path(d) / "summary.json").read_text()), torch.load(Path(d) / "final_model.pt")) for d in dirs]
@@ -152,9 +162,13 @@ def test_bf16_pipeline_equals_the_autocast_oracle(tmp_path, d, schedules):
     runs = run_jobs(tmp_path, [precision_config(s, d, m, "bf16") for s in schedules], world_size=d)
     for schedule, (summary, weights) in zip(schedules, runs):
         assert (summary["precision"], summary["compute_dtype"]) == ("bf16", "bfloat16")
-        assert summary["bytes_per_parameter"]["total"] == param_memory("bf16", schedule=schedule, optimizer="adam").total
+        assert (
+            summary["bytes_per_parameter"]["total"] == param_memory("bf16", schedule=schedule, optimizer="adam").total
+        )
         oracle_cfg = precision_config(schedule, 1, m, "bf16")
-        expected, losses = reference_train(oracle_cfg, delayed=schedule == "2bw", balance=gpt_balance(oracle_cfg.model, d))
+        expected, losses = reference_train(
+            oracle_cfg, delayed=schedule == "2bw", balance=gpt_balance(oracle_cfg.model, d)
+        )
         torch.testing.assert_close(weights, expected)
         assert_losses_close(summary["losses"], losses)
         fp32, _ = reference_train(precision_config(schedule, 1, m, "fp32"), delayed=schedule == "2bw")
@@ -164,7 +178,9 @@ def test_bf16_pipeline_equals_the_autocast_oracle(tmp_path, d, schedules):
 def fp16_config(*, d: int, w: int, steps: int, resume: str = "never") -> Config:
     cfg = precision_config("2bw", d, 4 // w, "fp16", optim="sgd_momentum", num_steps=steps)
     cfg.pipeline.data_parallel = w  # w * m * b = 8 sequences per batch at every layout
-    cfg.train = dataclasses.replace(cfg.train, loss_scale=1024.0, loss_scale_growth_interval=2, checkpoint_every=5, resume=resume)
+    cfg.train = dataclasses.replace(
+        cfg.train, loss_scale=1024.0, loss_scale_growth_interval=2, checkpoint_every=5, resume=resume
+    )
     return cfg
 
 
@@ -189,8 +205,13 @@ def test_fp16_inf_in_one_stage_skips_that_batch_everywhere_and_resumes_exactly(t
     assert s0["loss_scale"]["per_step"] == expected_scales
     oracle_cfg = fp16_config(d=1, w=1, steps=steps)
     info = {}
-    expected, losses = reference_train(oracle_cfg, delayed=True, balance=gpt_balance(oracle_cfg.model, 2),
-                                       layers=inf_gradient_layers(oracle_cfg, layer=1, call=batch * 4 + 4 // 2 + 1), info=info)
+    expected, losses = reference_train(
+        oracle_cfg,
+        delayed=True,
+        balance=gpt_balance(oracle_cfg.model, 2),
+        layers=inf_gradient_layers(oracle_cfg, layer=1, call=batch * 4 + 4 // 2 + 1),
+        info=info,
+    )
     assert info["skipped_steps"] == [batch] and info["loss_scales"] == expected_scales
     # Two replicas sum their float32 gradients in another order than one process: round-off that
     # moves a few fp16 roundings of activations by one unit (2**-11 relative), hence fp16's tolerance.
@@ -206,6 +227,6 @@ def test_fp16_inf_in_one_stage_skips_that_batch_everywhere_and_resumes_exactly(t
         assert torch.equal(w0[k], w1[k]), k
 
     other = fp16_config(d=2, w=1, steps=steps, resume=resumed.train.resume)
-    (s2, w2), = run_jobs(tmp_path / "w1", [other], world_size=2)
+    ((s2, w2),) = run_jobs(tmp_path / "w1", [other], world_size=2)
     assert s2["loss_scale"]["per_step"] == expected_scales[5:]
     torch.testing.assert_close(w2, w0, **fp16_close)

@@ -5,7 +5,16 @@ from __future__ import annotations
 import pytest
 
 from pipedream2bw.schedule import (
-    BACKWARD, FORWARD, Action, ScheduleError, check_stage, max_in_flight, pipeline_actions, render, simulate, stage_actions,
+    BACKWARD,
+    FORWARD,
+    Action,
+    ScheduleError,
+    check_stage,
+    max_in_flight,
+    pipeline_actions,
+    render,
+    simulate,
+    stage_actions,
 )
 from pipedream2bw.versions import max_versions_alive
 
@@ -52,7 +61,10 @@ def test_flush_and_gpipe_drain_between_batches():
 
 def test_2bw_has_no_flush_bubble():
     d, m, batches = 4, 4, 6
-    ticks = {s: len(simulate(pipeline_actions(s, num_stages=d, num_microbatches=m, num_batches=batches))) for s in ("2bw", "flush")}
+    ticks = {
+        s: len(simulate(pipeline_actions(s, num_stages=d, num_microbatches=m, num_batches=batches)))
+        for s in ("2bw", "flush")
+    }
     # flush pays the (d - 1)-deep fill and drain once per batch; 2bw once per run.
     assert ticks["flush"] - ticks["2bw"] >= (batches - 1) * (d - 1)
 
@@ -71,10 +83,12 @@ def test_broken_lists_are_caught():
         check_stage([Action(0, "F", 0), Action(0, "F", 1)], num_microbatches=2, in_flight_limit=1)
     # Stage 1 wants microbatch 1's gradient before stage 0 can have sent its activation.
     with pytest.raises(ScheduleError, match="deadlock"):
-        simulate([
-            [Action(0, "F", 0), Action(0, "B", 0), Action(0, "F", 1), Action(0, "B", 1)],
-            [Action(1, "F", 1), Action(1, "F", 0), Action(1, "B", 0), Action(1, "B", 1)],
-        ])
+        simulate(
+            [
+                [Action(0, "F", 0), Action(0, "B", 0), Action(0, "F", 1), Action(0, "B", 1)],
+                [Action(1, "F", 1), Action(1, "F", 0), Action(1, "B", 0), Action(1, "B", 1)],
+            ]
+        )
 
 
 def test_2bw_with_m_below_d_runs_ahead_of_its_weights():

@@ -7,10 +7,10 @@ import functools
 
 import pytest
 import torch
-
 from dist_helper import run_ok
-from pipedream2bw.config import Config, GPTConfig, OptimConfig, PipelineConfig, TrainConfig, WandbConfig
 from reference import reference_train
+
+from pipedream2bw.config import Config, GPTConfig, OptimConfig, PipelineConfig, TrainConfig, WandbConfig
 
 OPTIMIZERS = {
     "sgd_momentum": OptimConfig(name="sgd", lr=0.2, kwargs={"momentum": 0.9}),
@@ -18,11 +18,17 @@ OPTIMIZERS = {
 }
 
 
-def tiny_config(*, schedule: str, num_stages: int, num_microbatches: int, optim: str = "adam", num_steps: int = 6) -> Config:
+def tiny_config(
+    *, schedule: str, num_stages: int, num_microbatches: int, optim: str = "adam", num_steps: int = 6
+) -> Config:
     return Config(
-        pipeline=PipelineConfig(schedule=schedule, num_stages=num_stages, num_microbatches=num_microbatches, microbatch_size=2),
+        pipeline=PipelineConfig(
+            schedule=schedule, num_stages=num_stages, num_microbatches=num_microbatches, microbatch_size=2
+        ),
         model=GPTConfig(num_layers=3, d_model=32, num_heads=2, seq_len=16),
-        optim=copy.deepcopy(OPTIMIZERS[optim]),  # a test may change its copy (e.g. clipping) without leaking into later tests
+        optim=copy.deepcopy(
+            OPTIMIZERS[optim]
+        ),  # a test may change its copy (e.g. clipping) without leaking into later tests
         train=TrainConfig(num_steps=num_steps, log_every=100, warmup_steps=1),
         wandb=WandbConfig(mode="disabled"),
         seed=3,

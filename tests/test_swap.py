@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 from pipedream2bw.config import GPTConfig
-from pipedream2bw.models import build_gpt_layers, lm_loss
 from pipedream2bw.memprobe import tensor_peak
+from pipedream2bw.models import build_gpt_layers, lm_loss
 from pipedream2bw.schedule import BACKWARD, FORWARD, Action, stage_actions
 from pipedream2bw.stage import SavedBytes
 from pipedream2bw.swap import CpuBackend, SwapManager, TransferBackend
@@ -29,8 +29,17 @@ def _inputs(k: int):
     return torch.randint(0, 256, (2, 16), generator=g), torch.randint(0, 256, (2, 16), generator=g)
 
 
-def _train(actions, make: Optional[Callable[..., SwapManager]], *, observe: bool = False, exclude_params: bool = True, device: str = "cpu",
-           model: Optional[nn.Module] = None, after: Callable[[Action], None] = lambda a: None, autocast: Optional[torch.dtype] = None):
+def _train(
+    actions,
+    make: Optional[Callable[..., SwapManager]],
+    *,
+    observe: bool = False,
+    exclude_params: bool = True,
+    device: str = "cpu",
+    model: Optional[nn.Module] = None,
+    after: Callable[[Action], None] = lambda a: None,
+    autocast: Optional[torch.dtype] = None,
+):
     """Runs a stage's F/B actions on one GPT (the whole model as one stage, or ``model``) with the
     manager ``make(exclude=...)`` (None: no swapping), each forward under ``torch.autocast`` to
     ``autocast`` if given; calls ``after(action)`` once an action is done and its autograd graph
@@ -42,7 +51,11 @@ def _train(actions, make: Optional[Callable[..., SwapManager]], *, observe: bool
     for a in actions:
         if a.kind == FORWARD:
             x, y = (t.to(device) for t in _inputs(a.index))
-            outer = SavedBytes({p.untyped_storage().data_ptr() for p in model.parameters()}) if observe and a.index == 0 else None
+            outer = (
+                SavedBytes({p.untyped_storage().data_ptr() for p in model.parameters()})
+                if observe and a.index == 0
+                else None
+            )
             ctx = manager.forward(a.index, inputs=(x,), outer=outer) if manager is not None else (outer or _null())
             with ctx, torch.autocast(device, dtype=autocast) if autocast is not None else _null():
                 loss = lm_loss(model(x), y)
@@ -70,15 +83,30 @@ class _null:
 
 
 def _fb(schedule: str, stage_index: int, num_stages: int, m: int = 4, batches: int = 2):
-    return [a for a in stage_actions(schedule, stage_index=stage_index, num_stages=num_stages, num_microbatches=m, num_batches=batches) if a.kind in (FORWARD, BACKWARD)]
+    return [
+        a
+        for a in stage_actions(
+            schedule, stage_index=stage_index, num_stages=num_stages, num_microbatches=m, num_batches=batches
+        )
+        if a.kind in (FORWARD, BACKWARD)
+    ]
 
 
-@pytest.mark.parametrize("schedule,stage_index,resident", [("2bw", 0, 1), ("2bw", 0, 0), ("2bw", 1, 1), ("gpipe", 0, 1), ("gpipe", 0, 2), ("flush", 0, 1)])
+@pytest.mark.parametrize(
+    "schedule,stage_index,resident",
+    [("2bw", 0, 1), ("2bw", 0, 0), ("2bw", 1, 1), ("gpipe", 0, 1), ("gpipe", 0, 2), ("flush", 0, 1)],
+)
 def test_swapping_changes_no_bit_and_bounds_the_resident_set(schedule, stage_index, resident):
     actions = _fb(schedule, stage_index, 4)
     losses, grads, _, _, _ = _train(actions, None)
     managers = []
-    s_losses, s_grads, _, stats, _ = _train(actions, lambda **kw: managers.append(SwapManager(CpuBackend(), min_bytes=4096, resident=resident, trace=True, **kw)) or managers[0])
+    s_losses, s_grads, _, stats, _ = _train(
+        actions,
+        lambda **kw: (
+            managers.append(SwapManager(CpuBackend(), min_bytes=4096, resident=resident, trace=True, **kw))
+            or managers[0]
+        ),
+    )
     manager = managers[0]
     for k in losses:  # bit for bit, not to round-off
         assert torch.equal(losses[k], s_losses[k])
@@ -148,7 +176,15 @@ def _backend(device: str) -> TransferBackend:
     return CudaBackend(torch.device(device)) if device == "cuda" else CpuBackend(overlap=False)
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])])
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+        ),
+    ],
+)
 def test_regression_swapped_storages_are_freed_and_peak_tensor_bytes_drop(device):
     # Issue 14: the manager counted 2-4 GiB on the device while the CUDA allocator held 2.2-3.7x
     # the no-swap peak. Copies back outlived their backward (the CPU backend kept them in its
@@ -164,24 +200,34 @@ def test_regression_swapped_storages_are_freed_and_peak_tensor_bytes_drop(device
         _, grads, saved_one, _, model = _train(actions, None, observe=True, device=device)
         static = 2 * sum(p.numel() * p.element_size() for p in model.parameters())  # weights + gradients
         del model
-    transient = plain["bytes"] - static - n_in_flight * saved_one  # what is alive at the peak and not saved for backward
+    transient = (
+        plain["bytes"] - static - n_in_flight * saved_one
+    )  # what is alive at the peak and not saved for backward
     for resident in (1, 0):
         watch, done_backward = _Watch(_backend(device)), set()
 
         def check(a):  # after each action: nothing of a finished offload or of a finished backward may live
             if a.kind == FORWARD:
                 alive = [i for i, ref in enumerate(watch.sent) if ref() is not None]
-                assert not alive, f"resident={resident}: after F{a.index}, {len(alive)} of {len(watch.sent)} offloaded device storages still alive"
+                assert not alive, (
+                    f"resident={resident}: after F{a.index}, {len(alive)} of {len(watch.sent)} offloaded device storages still alive"
+                )
                 watch.current = a.index + 1  # forwards run in microbatch order: the next one is k + 1
             else:
                 done_backward.add(a.index)
                 alive = [k for k, ref in watch.fetched if k in done_backward and ref() is not None]
-                assert not alive, f"resident={resident}: after B{a.index}, copies back of finished microbatches {sorted(set(alive))} still alive"
+                assert not alive, (
+                    f"resident={resident}: after B{a.index}, copies back of finished microbatches {sorted(set(alive))} still alive"
+                )
 
         watch.current = actions[0].index
         with tensor_peak(dev) as swapped:
-            _, s_grads, _, stats, model = _train(actions, lambda **kw: SwapManager(watch.backend, min_bytes=4096, resident=resident, **kw),
-                                                 after=check, device=device)
+            _, s_grads, _, stats, model = _train(
+                actions,
+                lambda **kw: SwapManager(watch.backend, min_bytes=4096, resident=resident, **kw),
+                after=check,
+                device=device,
+            )
             del model
         if device == "cpu":  # CUDA kernels need not be deterministic; test_cuda_swapping_changes_no_bit checks them
             assert all(torch.equal(grads[n], s_grads[n]) for n in grads)
@@ -190,7 +236,8 @@ def test_regression_swapped_storages_are_freed_and_peak_tensor_bytes_drop(device
         per_mb, less = stats["microbatch_bytes"], plain["bytes"] - swapped["bytes"]
         assert less >= (n_in_flight - resident - 1) * per_mb, (
             f"resident={resident}: peak live tensor bytes {swapped['bytes']} with swapping, {plain['bytes']} without: "
-            f"{less} less, not the {(n_in_flight - resident - 1) * per_mb} of {n_in_flight - resident - 1} microbatches")
+            f"{less} less, not the {(n_in_flight - resident - 1) * per_mb} of {n_in_flight - resident - 1} microbatches"
+        )
         # The manager's count agrees with them: the measured activation peak (peak - weights -
         # gradients - the transient bytes of the no-swap run) is the count within one microbatch's
         # swappable bytes (the transients at the two peaks differ: a backward's against a forward's).
@@ -240,7 +287,9 @@ def _swapped_storages(exclude_params: bool):
     backend = CpuBackend()
     to_host = backend.to_host
     backend.to_host = lambda flat: sent.append(flat.untyped_storage().data_ptr()) or to_host(flat)
-    _, _, _, stats, model = _train(actions, partial(SwapManager, backend, min_bytes=0, resident=0), exclude_params=exclude_params)
+    _, _, _, stats, model = _train(
+        actions, partial(SwapManager, backend, min_bytes=0, resident=0), exclude_params=exclude_params
+    )
     assert stats["swapped_out"] == len(sent) > 0
     return set(sent), model
 
@@ -342,10 +391,16 @@ def test_swap_config_through_hydra_selects_stages():
 @pytest.mark.parametrize(
     "overrides,match",
     [
-        (["swap.stages=[4]"], r"swap.stages \(\[4\]\) lists \[4\], not a stage of this 4-stage pipeline; use indices 0..3"),
+        (
+            ["swap.stages=[4]"],
+            r"swap.stages \(\[4\]\) lists \[4\], not a stage of this 4-stage pipeline; use indices 0..3",
+        ),
         (["swap.stages=[-1,0]"], r"lists \[-1\], not a stage"),
         (["swap.stages=[0,0]"], r"swap.stages \(\[0, 0\]\) lists a stage twice"),
-        (["swap.enabled=true", "swap.stages=[0]"], r"swap.enabled \(true\) swaps every stage but swap.stages \(\[0\]\) lists only some; set swap.enabled=false"),
+        (
+            ["swap.enabled=true", "swap.stages=[0]"],
+            r"swap.enabled \(true\) swaps every stage but swap.stages \(\[0\]\) lists only some; set swap.enabled=false",
+        ),
         (["swap.min_bytes=-1"], r"swap.min_bytes \(-1\) must be >= 0"),
         (["swap.resident=-1"], r"swap.resident \(-1\) must be >= 0"),
     ],
@@ -366,8 +421,14 @@ def test_cuda_swapping_changes_no_bit(resident):
     actions = _fb("2bw", 0, 4)
     _, grads, _, _, _ = _train(actions, None, device="cuda")
     _, again, _, _, _ = _train(actions, None, device="cuda")
-    _, s_grads, _, stats, _ = _train(actions, partial(SwapManager, CudaBackend(torch.device("cuda")), min_bytes=4096, resident=resident), device="cuda")
-    if all(torch.equal(grads[n], again[n]) for n in grads):  # bit for bit where the kernels themselves are deterministic
+    _, s_grads, _, stats, _ = _train(
+        actions,
+        partial(SwapManager, CudaBackend(torch.device("cuda")), min_bytes=4096, resident=resident),
+        device="cuda",
+    )
+    if all(
+        torch.equal(grads[n], again[n]) for n in grads
+    ):  # bit for bit where the kernels themselves are deterministic
         assert all(torch.equal(grads[n], s_grads[n]) for n in grads)
     else:
         torch.testing.assert_close(s_grads, grads)
@@ -382,7 +443,11 @@ def test_host_optimizer_gives_the_same_weights_bit_for_bit(schedule, optim):
     from pipedream2bw.host_optim import HostOptimizerVersions
     from pipedream2bw.versions import WeightVersions
 
-    factory = (lambda p: torch.optim.Adam(p, lr=0.05)) if optim == "adam" else (lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9))
+    factory = (
+        (lambda p: torch.optim.Adam(p, lr=0.05))
+        if optim == "adam"
+        else (lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9))
+    )
     results = []
     for cls in (WeightVersions, HostOptimizerVersions):
         torch.manual_seed(0)
@@ -402,7 +467,9 @@ def test_host_optimizer_gives_the_same_weights_bit_for_bit(schedule, optim):
     for a, b in zip(device_w, host_w):
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     # The optimizer state is on the host, attached to host masters, not to the replicas' storages.
-    states = [v for o in host.optimizers for st in o.state.values() for v in st.values() if torch.is_tensor(v) and v.dim() > 0]
+    states = [
+        v for o in host.optimizers for st in o.state.values() for v in st.values() if torch.is_tensor(v) and v.dim() > 0
+    ]
     assert states and all(v.device.type == "cpu" for v in states)
     replica_ptrs = {p.untyped_storage().data_ptr() for r in host.replicas for p in r.parameters()}
     assert not replica_ptrs & {p.untyped_storage().data_ptr() for p in host.master}

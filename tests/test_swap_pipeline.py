@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from dist_helper import run_ok
 from test_semantics import tiny_config
 
@@ -36,15 +35,31 @@ def _baseline(schedule: str):
 @pytest.mark.parametrize(
     "schedule,enabled,stages,resident,swapping,recompute",
     [
-        ("2bw", False, [0, 1], 1, [0, 1], False),  # stage 1 holds 3 in flight: swaps; 2 and 3 are not asked; optimizer on host
-        ("flush", True, None, 1, [0, 1], False),  # all asked; stages 2, 3 hold <= resident + 1 in flight: nothing to gain
+        (
+            "2bw",
+            False,
+            [0, 1],
+            1,
+            [0, 1],
+            False,
+        ),  # stage 1 holds 3 in flight: swaps; 2 and 3 are not asked; optimizer on host
+        (
+            "flush",
+            True,
+            None,
+            1,
+            [0, 1],
+            False,
+        ),  # all asked; stages 2, 3 hold <= resident + 1 in flight: nothing to gain
         ("gpipe", False, [0, 2, 3], 0, [0, 2, 3], False),  # gpipe holds all 4 on every stage; resident 0: no overlap
         # pipeline.recompute: the layers' inputs are what is saved, and what moves; the baseline
         # does not recompute, so this also shows recomputation itself changes no bit.
         ("gpipe", False, [3], 1, [3], True),
     ],
 )
-def test_swapping_gives_the_same_training_bit_for_bit(tmp_path, schedule, enabled, stages, resident, swapping, recompute):
+def test_swapping_gives_the_same_training_bit_for_bit(
+    tmp_path, schedule, enabled, stages, resident, swapping, recompute
+):
     cfg = _config(schedule)
     cfg.swap.enabled, cfg.swap.stages, cfg.swap.resident, cfg.swap.min_bytes = enabled, stages, resident, MIN_BYTES
     cfg.pipeline.recompute = recompute

@@ -14,21 +14,33 @@ import time
 from pathlib import Path
 
 import pytest
-
 from omegaconf import OmegaConf
 
 from pipedream2bw.config import Config, ConfigError
 from pipedream2bw.sweep import check_objective, objective_value, sort_rows, sweeper_direction, train_overrides
 
 TINY = [
-    "model.d_model=32", "model.seq_len=32", "model.num_layers=2", "pipeline.num_microbatches=2", "pipeline.microbatch_size=2",
-    "train.num_steps=4", "train.warmup_steps=1", "wandb.mode=disabled",
+    "model.d_model=32",
+    "model.seq_len=32",
+    "model.num_layers=2",
+    "pipeline.num_microbatches=2",
+    "pipeline.microbatch_size=2",
+    "train.num_steps=4",
+    "train.warmup_steps=1",
+    "wandb.mode=disabled",
 ]
 
 
 def sweep(*args: str, cwd: Path, timeout_s: float = 300) -> subprocess.CompletedProcess:
     env = {**os.environ, "WANDB_SILENT": "true"}
-    return subprocess.run([sys.executable, "-m", "pipedream2bw.sweep", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout_s)
+    return subprocess.run(
+        [sys.executable, "-m", "pipedream2bw.sweep", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
 
 
 def test_sweep_runs_every_job_and_tabulates_what_each_run_measured(tmp_path):
@@ -44,26 +56,39 @@ def test_sweep_runs_every_job_and_tabulates_what_each_run_measured(tmp_path):
     failed = [j for j in jobs if j["status"] != "ok"]
     assert sorted((j["num_stages"], j["schedule"]) for j in ok) == [(1, "2bw"), (1, "gpipe"), (2, "2bw"), (2, "gpipe")]
     assert len(failed) == 2 and all(
-        j["error"] == "bad configuration: pipeline.schedule ('bogus') is unknown; use one of ['2bw', 'flush', 'gpipe']" for j in failed
+        j["error"] == "bad configuration: pipeline.schedule ('bogus') is unknown; use one of ['2bw', 'flush', 'gpipe']"
+        for j in failed
     )
-    assert jobs == ok + failed and [j["samples_per_s"] for j in ok] == sorted((j["samples_per_s"] for j in ok), reverse=True)
+    assert jobs == ok + failed and [j["samples_per_s"] for j in ok] == sorted(
+        (j["samples_per_s"] for j in ok), reverse=True
+    )
     for j in ok:  # the table's figures are the run's own
         summary = json.loads((Path(j["run_dir"]) / "summary.json").read_text())
-        for key in ("samples_per_s", "tokens_per_s", "final_loss", "peak_memory_bytes", "schedule", "num_stages", "num_microbatches"):
+        for key in (
+            "samples_per_s",
+            "tokens_per_s",
+            "final_loss",
+            "peak_memory_bytes",
+            "schedule",
+            "num_stages",
+            "num_microbatches",
+        ):
             assert j[key] == summary[key], key
         assert j["max_peak_memory_mib"] == max(summary["peak_memory_bytes"]) / 2**20
         assert j["predicted_samples_per_s"] is None  # no planner prediction in these runs
         assert len(summary["losses"]) == 4
         # The training run got the sweep as its wandb group, and the job's overrides.
         run_overrides = (Path(j["run_dir"]) / ".hydra" / "overrides.yaml").read_text()
-        assert f"wandb.group='{table['name']}'" in run_overrides and f"pipeline.schedule={j['schedule']}" in run_overrides
+        assert (
+            f"wandb.group='{table['name']}'" in run_overrides and f"pipeline.schedule={j['schedule']}" in run_overrides
+        )
     with open(sweep_dir / "sweep.csv", newline="") as f:
         rows = list(csv.DictReader(f))
     assert [int(r["job"]) for r in rows] == [j["job"] for j in jobs]
     assert [float(r["samples_per_s"]) for r in rows[:4]] == [j["samples_per_s"] for j in ok]
     assert [json.loads(r["peak_memory_bytes"]) for r in rows[:4]] == [j["peak_memory_bytes"] for j in ok]
     # Printed: fastest job first, the failed ones last with their error.
-    lines = proc.stdout[proc.stdout.index("job  status"):].splitlines()
+    lines = proc.stdout[proc.stdout.index("job  status") :].splitlines()
     assert [int(line.split()[0]) for line in lines[1:7]] == [j["job"] for j in jobs]
     assert "bogus') is unknown" in lines[6]
 
@@ -78,10 +103,13 @@ def test_a_job_past_its_timeout_is_stopped_and_reported(tmp_path):
     assert not (tmp_path / "job" / "summary.json").exists()
 
 
-@pytest.mark.parametrize("given, expected", [
-    (["pipeline.num_stages=2", "sweep.timeout_s=5"], ["pipeline.num_stages=2", "wandb.group='sweeps/x'"]),
-    (["wandb.group=mine", "+sweep.name=a"], ["wandb.group=mine"]),
-])
+@pytest.mark.parametrize(
+    "given, expected",
+    [
+        (["pipeline.num_stages=2", "sweep.timeout_s=5"], ["pipeline.num_stages=2", "wandb.group='sweeps/x'"]),
+        (["wandb.group=mine", "+sweep.name=a"], ["wandb.group=mine"]),
+    ],
+)
 def test_train_overrides_drop_sweep_keys_and_add_the_group(given, expected):
     assert train_overrides(given, group="sweeps/x") == expected
 
@@ -131,11 +159,21 @@ def test_optuna_searches_microbatches_and_learning_rate_and_reports_the_best_tri
     # The README's search, shrunk: 6 trials; m=4 breaks train.global_batch_size=4, so those trials fail
     # before launching and must come back as the worst value rather than stop the search.
     proc = sweep(
-        "-m", "hydra/sweeper=optuna", "hydra.sweeper.n_trials=6", "hydra.sweeper.direction=minimize", "hydra.sweeper.sampler.seed=0",
-        "sweep.objective=final_val_loss", "pipeline.num_microbatches=choice(2,4)", "optim.lr=tag(log,interval(1e-3,1e-1))",
-        "train.global_batch_size=4", "pipeline.num_stages=1", *(o for o in TINY if not o.startswith("pipeline.num_microbatches=")),
-        "train.eval_every=4", "train.eval_batches=1",
-        "data.val_fraction=0.1", cwd=tmp_path,
+        "-m",
+        "hydra/sweeper=optuna",
+        "hydra.sweeper.n_trials=6",
+        "hydra.sweeper.direction=minimize",
+        "hydra.sweeper.sampler.seed=0",
+        "sweep.objective=final_val_loss",
+        "pipeline.num_microbatches=choice(2,4)",
+        "optim.lr=tag(log,interval(1e-3,1e-1))",
+        "train.global_batch_size=4",
+        "pipeline.num_stages=1",
+        *(o for o in TINY if not o.startswith("pipeline.num_microbatches=")),
+        "train.eval_every=4",
+        "train.eval_batches=1",
+        "data.val_fraction=0.1",
+        cwd=tmp_path,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     [sweep_dir] = list((tmp_path / "sweeps").glob("*/*"))
@@ -143,7 +181,11 @@ def test_optuna_searches_microbatches_and_learning_rate_and_reports_the_best_tri
     jobs = {j["job"]: j for j in table["jobs"]}
     assert sorted(jobs) == list(range(6)) and table["objective"] == "final_val_loss"
     ok = [j for j in jobs.values() if j["status"] == "ok"]
-    assert ok and len(ok) < 6 and all("global_batch_size (4) must equal" in j["error"] for j in jobs.values() if j["status"] != "ok")
+    assert (
+        ok
+        and len(ok) < 6
+        and all("global_batch_size (4) must equal" in j["error"] for j in jobs.values() if j["status"] != "ok")
+    )
     for j in jobs.values():  # what each job returned to Optuna
         value = j["final_val_loss"] if j["status"] == "ok" else math.inf
         assert f"job {j['job']}: final_val_loss = {value}" in proc.stderr + proc.stdout

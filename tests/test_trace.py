@@ -7,8 +7,8 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-
 from dist_helper import spawn, train_sleepy
+
 from pipedream2bw.config import Config, ConfigError, GPTConfig, PipelineConfig, TrainConfig, WandbConfig, validate
 from pipedream2bw.timeline import Span, bubble_fraction
 
@@ -17,13 +17,24 @@ D, M, FIRST, STEPS = 4, 4, 2, 2  # trace steps 2 and 3 of 6: steady state, away 
 
 def _sleepy_run(tmp_path: Path, schedule: str) -> dict:
     cfg = Config(
-        pipeline=PipelineConfig(schedule=schedule, num_stages=D, num_microbatches=M, microbatch_size=2, trace=True,
-                                trace_first_step=FIRST, trace_steps=STEPS),
-        model=GPTConfig(seq_len=16), train=TrainConfig(num_steps=6, warmup_steps=1), wandb=WandbConfig(mode="disabled"),
+        pipeline=PipelineConfig(
+            schedule=schedule,
+            num_stages=D,
+            num_microbatches=M,
+            microbatch_size=2,
+            trace=True,
+            trace_first_step=FIRST,
+            trace_steps=STEPS,
+        ),
+        model=GPTConfig(seq_len=16),
+        train=TrainConfig(num_steps=6, warmup_steps=1),
+        wandb=WandbConfig(mode="disabled"),
     )
     run_dir = tmp_path / schedule
     # Each stage sleeps 5 ms per forward and 10 ms per backward: no CPU contention between ranks.
-    results = spawn(train_sleepy, world_size=D, args=(cfg, str(run_dir), 0.005, 0.010), log_dir=run_dir / "logs", timeout_s=120)
+    results = spawn(
+        train_sleepy, world_size=D, args=(cfg, str(run_dir), 0.005, 0.010), log_dir=run_dir / "logs", timeout_s=120
+    )
     bad = [r for r in results if r.exitcode != 0]
     assert not bad, "\n".join(f"--- rank {r.rank} exit {r.exitcode}\n{r.log}" for r in bad)
     return json.loads((run_dir / "summary.json").read_text())
@@ -47,7 +58,13 @@ def test_one_event_per_action_per_rank(runs):
             mine = [e for e in spans if e["pid"] == s]
             count = Counter(e["cat"] for e in mine)
             n = STEPS * M
-            expected = {"F": n, "B": n, "S": STEPS, "recv": n * ((s > 0) + (s < D - 1)), "send": n * ((s > 0) + (s < D - 1))}
+            expected = {
+                "F": n,
+                "B": n,
+                "S": STEPS,
+                "recv": n * ((s > 0) + (s < D - 1)),
+                "send": n * ((s > 0) + (s < D - 1)),
+            }
             if s == 0:
                 expected["loss"] = STEPS  # rank 0 receives each batch's loss from the last stage
             assert dict(count) == expected, (schedule, s, count)
@@ -71,24 +88,42 @@ def test_2bw_has_no_flush_bubble(runs):
 
 
 def test_bubble_fraction_counts_idle_time_and_not_allreduce_waits():
-    spans = [Span("F", 0, 0.0, 1.0), Span("recv", 1, 1.0, 2.0), Span("B", 0, 2.0, 3.0), Span("S", 0, 3.0, 4.0),
-             Span("allreduce", 0, 3.0, 3.5)]
+    spans = [
+        Span("F", 0, 0.0, 1.0),
+        Span("recv", 1, 1.0, 2.0),
+        Span("B", 0, 2.0, 3.0),
+        Span("S", 0, 3.0, 4.0),
+        Span("allreduce", 0, 3.0, 3.5),
+    ]
     assert bubble_fraction(spans, [0.0, 5.0]) == pytest.approx(1 - 2.5 / 5)
 
 
 def test_trace_window_must_fit_the_run():
     cfg = Config(pipeline=PipelineConfig(trace=True, trace_steps=3), train=TrainConfig(num_steps=5, warmup_steps=3))
-    with pytest.raises(ConfigError, match=r"pipeline.trace_first_step \(3\) and pipeline.trace_steps \(3\) .* train.num_steps \(5\)"):
+    with pytest.raises(
+        ConfigError, match=r"pipeline.trace_first_step \(3\) and pipeline.trace_steps \(3\) .* train.num_steps \(5\)"
+    ):
         validate(cfg, world_size=4)
 
 
 def test_replicated_stages_trace_their_allreduce_waits_inside_the_step(tmp_path):
     cfg = Config(
-        pipeline=PipelineConfig(num_stages=2, data_parallel=2, num_microbatches=2, microbatch_size=2, trace=True,
-                                trace_first_step=1, trace_steps=2),
-        model=GPTConfig(seq_len=16), train=TrainConfig(num_steps=4, warmup_steps=1), wandb=WandbConfig(mode="disabled"),
+        pipeline=PipelineConfig(
+            num_stages=2,
+            data_parallel=2,
+            num_microbatches=2,
+            microbatch_size=2,
+            trace=True,
+            trace_first_step=1,
+            trace_steps=2,
+        ),
+        model=GPTConfig(seq_len=16),
+        train=TrainConfig(num_steps=4, warmup_steps=1),
+        wandb=WandbConfig(mode="disabled"),
     )
-    results = spawn(train_sleepy, world_size=4, args=(cfg, str(tmp_path), 0.002, 0.004), log_dir=tmp_path / "logs", timeout_s=120)
+    results = spawn(
+        train_sleepy, world_size=4, args=(cfg, str(tmp_path), 0.002, 0.004), log_dir=tmp_path / "logs", timeout_s=120
+    )
     assert all(r.exitcode == 0 for r in results), "\n".join(r.log for r in results)
     trace = json.loads((tmp_path / "trace.json").read_text())
     spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
@@ -96,7 +131,14 @@ def test_replicated_stages_trace_their_allreduce_waits_inside_the_step(tmp_path)
         mine = [e for e in spans if e["pid"] == rank]
         count = Counter(e["cat"] for e in mine)
         # One gradient bucket (the model is far below pipeline.bucket_mb): one all-reduce wait per step.
-        assert (count["F"], count["B"], count["S"], count["allreduce"], count["recv"], count["send"]) == (4, 4, 2, 2, 4, 4), (rank, count)
+        assert (count["F"], count["B"], count["S"], count["allreduce"], count["recv"], count["send"]) == (
+            4,
+            4,
+            2,
+            2,
+            4,
+            4,
+        ), (rank, count)
         steps = {e["args"]["index"]: e for e in mine if e["cat"] == "S"}
         for e in (e for e in mine if e["cat"] == "allreduce"):
             step = steps[e["args"]["index"]]

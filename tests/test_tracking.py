@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 import wandb
-
 import wandb_reader
 from dist_helper import run_ok
+
 from pipedream2bw.config import Config, GPTConfig, PipelineConfig, TrainConfig, WandbConfig
 from pipedream2bw.tracking import Tracker
 
@@ -26,7 +26,8 @@ def traced_run(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("wandb") / "run"
     cfg = Config(
         pipeline=PipelineConfig(num_stages=2, num_microbatches=2, microbatch_size=2, trace=True, trace_steps=2),
-        model=GPTConfig(d_model=32, seq_len=32, num_layers=2), train=TrainConfig(num_steps=6, warmup_steps=2, log_every=3),
+        model=GPTConfig(d_model=32, seq_len=32, num_layers=2),
+        train=TrainConfig(num_steps=6, warmup_steps=2, log_every=3),
         wandb=WandbConfig(mode="offline", group="sweep-a"),
     )
     return cfg, run_dir, run_ok(cfg, run_dir)
@@ -37,7 +38,9 @@ def test_offline_run_holds_the_runs_figures(traced_run):
     records = _records(run_dir)
     assert wandb_reader.run_record(records).run_group == "sweep-a"
     config = wandb_reader.config(records)
-    assert {k: config[k] for k in dataclasses.asdict(cfg)} == json.loads(json.dumps(dataclasses.asdict(cfg)))  # resolved config
+    assert {k: config[k] for k in dataclasses.asdict(cfg)} == json.loads(
+        json.dumps(dataclasses.asdict(cfg))
+    )  # resolved config
     rows = wandb_reader.history(records)
     assert [r["loss"] for r in rows if "loss" in r] == summary["losses"]  # every step's loss, in order
     assert [r["_step"] for r in rows if "samples_per_s" in r] == [2, 5]  # every train.log_every steps
@@ -49,7 +52,9 @@ def test_offline_run_holds_the_runs_figures(traced_run):
         [rank] = [r for r in summary["ranks"] if r["stage"] == stage]
         assert logged[f"stage{stage}/p2p_wait_s"] == rank["p2p_wait_s"] > 0  # each stage waits on the other
         assert logged[f"stage{stage}/allreduce_exposed_s"] == rank["allreduce_exposed_s"]
-    assert logged["comm_wait_s"] == pytest.approx(sum(r["p2p_wait_s"] + r["allreduce_exposed_s"] for r in summary["ranks"]))
+    assert logged["comm_wait_s"] == pytest.approx(
+        sum(r["p2p_wait_s"] + r["allreduce_exposed_s"] for r in summary["ranks"])
+    )
     assert logged["bubble_fraction"] == summary["trace"]["bubble_fraction"]
     assert [logged[f"rank{r}/bubble_fraction"] for r in range(2)] == summary["trace"]["bubble_fraction_per_rank"]
     # The timeline picture and the per-stage table are files of the run.
@@ -91,14 +96,17 @@ def test_a_resumed_job_continues_under_the_same_wandb_run_id(tmp_path):
         return Config(
             pipeline=PipelineConfig(num_stages=2, num_microbatches=2, microbatch_size=2),
             model=GPTConfig(d_model=32, seq_len=32, num_layers=2),
-            train=TrainConfig(num_steps=steps, checkpoint_every=3, log_every=3, warmup_steps=1), wandb=WandbConfig(mode="offline"),
+            train=TrainConfig(num_steps=steps, checkpoint_every=3, log_every=3, warmup_steps=1),
+            wandb=WandbConfig(mode="offline"),
         )
 
     run_dir = tmp_path / "run"
     run_ok(cfg(3), run_dir)
     resumed = run_ok(cfg(6), run_dir)
     assert resumed["first_step"] == 3
-    first, second = sorted(run_dir.glob("wandb/offline-run-*/run-*.wandb"))  # wandb cannot resume offline: a second file
+    first, second = sorted(
+        run_dir.glob("wandb/offline-run-*/run-*.wandb")
+    )  # wandb cannot resume offline: a second file
     runs = [wandb_reader.read_records(f) for f in (first, second)]
     assert wandb_reader.run_record(runs[0]).run_id == wandb_reader.run_record(runs[1]).run_id
     losses = [(r["_step"], r["loss"]) for r in wandb_reader.history(runs[1]) if "loss" in r]

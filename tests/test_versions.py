@@ -62,7 +62,12 @@ def test_state_round_trip_continues_bit_for_bit(cls, schedule):
     def make():
         torch.manual_seed(0)
         module = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
-        return cls(module, schedule=schedule, optimizer_factory=lambda ps: torch.optim.Adam(ps, lr=0.05), buckets=[[3, 2], [1, 0]])
+        return cls(
+            module,
+            schedule=schedule,
+            optimizer_factory=lambda ps: torch.optim.Adam(ps, lr=0.05),
+            buckets=[[3, 2], [1, 0]],
+        )
 
     def train(versions, batches):
         for t in batches:

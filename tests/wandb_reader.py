@@ -43,7 +43,11 @@ def _key(item: Any) -> str:
 
 def history(records: List[Any]) -> List[Dict[str, Any]]:
     """Each logged row as {key: value}, in order (``_step`` included)."""
-    return [{_key(i): json.loads(i.value_json) for i in r.history.item} for r in records if r.WhichOneof("record_type") == "history"]
+    return [
+        {_key(i): json.loads(i.value_json) for i in r.history.item}
+        for r in records
+        if r.WhichOneof("record_type") == "history"
+    ]
 
 
 def summary(records: List[Any]) -> Dict[str, Any]:

@@ -40,7 +40,9 @@ def locate(path: str, *, what: str) -> Any:
             for attr in parts[cut:]:
                 obj = getattr(obj, attr)
         except AttributeError as e:
-            raise ConfigError(f"{what} ({path}): module {module_name} has no {'.'.join(parts[cut:])}; check the name") from e
+            raise ConfigError(
+                f"{what} ({path}): module {module_name} has no {'.'.join(parts[cut:])}; check the name"
+            ) from e
         return obj
     raise ConfigError(
         f"{what} ({path}) does not import: {error}; check the path and that its package is installed "
@@ -126,14 +128,21 @@ def model_source(model: Any, *, seed: int) -> ModelSource:
     """
     if isinstance(model, GPTConfig):
         return ModelSource(
-            name=model.name, seq_len=model.seq_len, loss_fn=lm_loss, by_index=True,
+            name=model.name,
+            seq_len=model.seq_len,
+            loss_fn=lm_loss,
+            by_index=True,
             _build=lambda indices: build_gpt_layers(model, seed=seed, indices=indices),
         )
     if not isinstance(model, LayerListConfig):
-        raise ConfigError(f"model ({model!r}) is neither a GPT config nor a layer-list factory; use model=gpt or model=custom model._target_=...")
+        raise ConfigError(
+            f"model ({model!r}) is neither a GPT config nor a layer-list factory; use model=gpt or model=custom model._target_=..."
+        )
     factory = locate(model.target, what="model._target_")
     if not callable(factory):
-        raise ConfigError(f"model._target_ ({model.target}) is {factory!r}, not a callable that returns a list of layers")
+        raise ConfigError(
+            f"model._target_ ({model.target}) is {factory!r}, not a callable that returns a list of layers"
+        )
     kwargs: Dict[str, Any] = dict(model.kwargs)
     if _accepts(factory, "seq_len"):
         kwargs["seq_len"] = model.seq_len
@@ -148,11 +157,14 @@ def model_source(model: Any, *, seed: int) -> ModelSource:
             try:
                 layers = factory(**kwargs, **extra)
             except TypeError as e:
-                raise ConfigError(f"model._target_ ({model.target}) could not be called with {sorted({**kwargs, **extra})}: {e}") from e
+                raise ConfigError(
+                    f"model._target_ ({model.target}) could not be called with {sorted({**kwargs, **extra})}: {e}"
+                ) from e
         layers = _checked(layers, model.target)
         if indices is not None and len(layers) != len(indices):
-            raise ConfigError(f"model._target_ ({model.target}) returned {len(layers)} layers for indices {indices}; build exactly those")
+            raise ConfigError(
+                f"model._target_ ({model.target}) returned {len(layers)} layers for indices {indices}; build exactly those"
+            )
         return layers
 
     return ModelSource(name=model.name, seq_len=model.seq_len, loss_fn=_loss(model), by_index=by_index, _build=build)
-

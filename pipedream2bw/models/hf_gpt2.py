@@ -64,8 +64,16 @@ class Head(nn.Module):
         return nn.functional.linear(x, self.weight)
 
 
-def build_layers(*, n_embd: int = 128, n_layer: int = 4, n_head: int = 4, seq_len: int = 128, vocab_size: int = 256,
-                 tie_embeddings: bool = True, init_std: float = 0.02) -> List[nn.Module]:
+def build_layers(
+    *,
+    n_embd: int = 128,
+    n_layer: int = 4,
+    n_head: int = 4,
+    seq_len: int = 128,
+    vocab_size: int = 256,
+    tie_embeddings: bool = True,
+    init_std: float = 0.02,
+) -> List[nn.Module]:
     """GPT-2 of the given shape as [embedding, n_layer blocks, LayerNorm, head] (n_layer + 3 layers).
 
     Raises:
@@ -75,12 +83,26 @@ def build_layers(*, n_embd: int = 128, n_layer: int = 4, n_head: int = 4, seq_le
     if n_embd % n_head:
         raise ConfigError(f"model.n_head ({n_head}) must divide model.n_embd ({n_embd})")
     config = GPT2Config(
-        n_embd=n_embd, n_layer=n_layer, n_head=n_head, n_positions=seq_len, vocab_size=vocab_size,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, initializer_range=init_std, bos_token_id=None, eos_token_id=None,
+        n_embd=n_embd,
+        n_layer=n_layer,
+        n_head=n_head,
+        n_positions=seq_len,
+        vocab_size=vocab_size,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        initializer_range=init_std,
+        bos_token_id=None,
+        eos_token_id=None,
     )
     config._attn_implementation = "sdpa"  # causal without a mask (GPT2Model would otherwise build one)
     embedding = Embedding(vocab_size, seq_len, n_embd, init_std)
     head = Head(n_embd, vocab_size)
     if tie_embeddings:
         head.weight = embedding.wte.weight
-    return [embedding, *(Block(config, i) for i in range(n_layer)), nn.LayerNorm(n_embd, eps=config.layer_norm_epsilon), head]
+    return [
+        embedding,
+        *(Block(config, i) for i in range(n_layer)),
+        nn.LayerNorm(n_embd, eps=config.layer_norm_epsilon),
+        head,
+    ]
