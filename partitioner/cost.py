@@ -43,7 +43,14 @@ import numpy as np
 
 from partitioner.topology import LOCAL, Link
 from pipedream2bw.precision import optimizer_state_factor, versions_held
-from pipedream2bw.schedule import BACKWARD, FORWARD, STEP, stage_actions
+from pipedream2bw.schedule import (  # in_flight: the runtime's own bound, re-exported for the memory model's callers
+    FORWARD,
+    STEP,
+    in_flight,
+    max_in_flight,
+    pipeline_actions,
+    timings,
+)
 
 __all__ = ["optimizer_state_factor"]  # re-exported: its home is pipedream2bw.precision, with the bytes per parameter
 
@@ -61,13 +68,6 @@ class LayerCost:
     output_bytes: int
     optimizer_bytes: int = 0  # optimizer state for this layer's parameters
     step_s: float = 0.0  # optimizer step over this layer's parameters, once per batch
-
-
-def in_flight(schedule: str, stage_index: int, num_stages: int, num_microbatches: int) -> int:
-    """Microbatches forwarded but not yet backwarded at most: min(d - s, m) under 1F1B, m under GPipe."""
-    if schedule == "gpipe":
-        return num_microbatches
-    return min(num_stages - stage_index, num_microbatches)
 
 
 def num_versions(schedule: str) -> int:
@@ -251,7 +251,8 @@ def simulate(
     num_batches: int = 5,
     cores: Optional[int] = None,
 ) -> SimResult:
-    """Runs every stage's ``stage_actions`` list against its costs, event by event.
+    """Runs every stage's ``stage_actions`` list against its costs, event by event, with the
+    runtime schedule's own dependency rule (``schedule.timings``).
 
     F k on stage s starts when s is free and F k on s-1 has finished (its send included);
     B k likewise waits for B k on s+1; S t takes the step plus the exposed all-reduce. The
@@ -259,44 +260,20 @@ def simulate(
     ``cores`` (ranks sharing CPU cores), the batch takes at least the ranks' total compute
     divided by the cores.
     """
-    d, m = len(stages), num_microbatches
-    lists = [
-        stage_actions(schedule, stage_index=s, num_stages=d, num_microbatches=m, num_batches=num_batches)
-        for s in range(d)
-    ]
-    done: Dict[tuple, float] = {}
-    clock, pos, live, peak = [0.0] * d, [0] * d, [0] * d, [0] * d
-    step_end = []
-    remaining = sum(len(a) for a in lists)
-    while remaining:
-        progressed = False
-        for s in range(d):
-            st = stages[s]
-            while pos[s] < len(lists[s]):
-                a = lists[s][pos[s]]
-                if a.kind == FORWARD:
-                    dep = done.get((s - 1, FORWARD, a.index)) if s > 0 else 0.0
-                    dur = st["forward_s"] + st["send_s"]
-                elif a.kind == BACKWARD:
-                    dep = done.get((s + 1, BACKWARD, a.index)) if s < d - 1 else 0.0
-                    dur = st["backward_s"] + st["send_grad_s"] + st["stall_s"]
-                else:
-                    dep = 0.0
-                    dur = st["step_s"] + max(0.0, st["allreduce_s"] - st["backward_s"])
-                if dep is None:
-                    break
-                start = max(clock[s], dep)
-                clock[s] = start + dur
-                done[(s, a.kind, a.index)] = clock[s]
-                live[s] += {FORWARD: 1, BACKWARD: -1}.get(a.kind, 0)
-                peak[s] = max(peak[s], live[s])
-                if a.kind == STEP and s == 0:
-                    step_end.append(clock[s])
-                pos[s] += 1
-                remaining -= 1
-                progressed = True
-        if not progressed:
-            raise RuntimeError("simulated schedule deadlocked")
+    m = num_microbatches
+    lists = pipeline_actions(schedule, num_stages=len(stages), num_microbatches=m, num_batches=num_batches)
+
+    def duration(a) -> float:
+        st = stages[a.stage_index]
+        if a.kind == FORWARD:
+            return st["forward_s"] + st["send_s"]
+        if a.kind == STEP:
+            return st["step_s"] + max(0.0, st["allreduce_s"] - st["backward_s"])
+        return st["backward_s"] + st["send_grad_s"] + st["stall_s"]
+
+    times = timings(lists, duration)
+    step_end = [end for a, (_, end) in zip(lists[0], times[0]) if a.kind == STEP]
+    peak = [max_in_flight(stage) for stage in lists]
     if len(step_end) >= 3:
         batch = (step_end[-1] - step_end[1]) / (len(step_end) - 2)
     else:

@@ -28,7 +28,6 @@ from pipedream2bw.loss_scale import LossScaler, ScaledStepRule
 from pipedream2bw.lr_schedule import lr_at
 from pipedream2bw.models.factory import ModelSource, model_source
 from pipedream2bw.results import atomic_write, save_state_dict, summarize, write_summary
-from pipedream2bw.schedule import BACKWARD, FORWARD, check_stage, shift_batches, stage_actions
 from pipedream2bw.stage import Peers, StageStats, StageWorker
 from pipedream2bw.swap import SwapManager, make_backend
 from pipedream2bw.tracking import Tracker, progress_bar
@@ -513,27 +512,17 @@ def _train(
             device=ctx.device,
             precision=precision,
         )
-    in_flight_limit = m if p.schedule == "gpipe" else d - s
-
-    def actions_of(stage: int) -> list:
-        """A stage's actions for this run's batches, first_batch .. num_steps - 1 (this stage's checked)."""
-        acts = stage_actions(
-            p.schedule,
-            stage_index=stage,
-            num_stages=d,
-            num_microbatches=m,
-            num_batches=cfg.train.num_steps - first_batch,
-        )
-        if stage == s:
-            check_stage(acts, num_microbatches=m, in_flight_limit=in_flight_limit)
-        return shift_batches(acts, first_batch=first_batch, num_microbatches=m)
-
-    actions = actions_of(s)
-    receipts = (
-        schedule.receipts(actions_of(s - 1), consumes=BACKWARD, signals=FORWARD) if s > 0 else {},
-        schedule.receipts(actions_of(s + 1), consumes=FORWARD, signals=BACKWARD) if s < d - 1 else {},
+    batch_sends = cfg.dist.batch_p2p if cfg.dist.batch_p2p is not None else ctx.backend == "nccl"
+    actions = schedule.rank_actions(
+        p.schedule,
+        stage_index=s,
+        num_stages=d,
+        num_microbatches=m,
+        first_batch=first_batch,
+        num_batches=cfg.train.num_steps - first_batch,
+        batch_sends=batch_sends,
     )
-    swap = _swap_manager(cfg, s, min(in_flight_limit, m), versions, ctx.device)
+    swap = _swap_manager(cfg, s, schedule.in_flight(p.schedule, s, d, m), versions, ctx.device)
     worker = StageWorker(
         stage_index=s,
         num_stages=d,
@@ -541,13 +530,12 @@ def _train(
         peers=peers,
         versions=versions,
         feed=feed,
-        p2p=comm.P2P(ctx, batch_sends=cfg.dist.batch_p2p if cfg.dist.batch_p2p is not None else ctx.backend == "nccl"),
+        p2p=comm.P2P(ctx, batch_sends=batch_sends),
         loss_fn=loss_fn,
         device=ctx.device,
         reducer=reducer,
         grad_scale=1.0 / (m * w),
         swap=swap,
-        receipts=receipts,
         replica=replica,
         step_rule=rule,
         agreement=agreement,

@@ -1,19 +1,35 @@
-"""Pure: per-stage action lists (F/B/S) for the 2bw, flush and gpipe schedules, checked and simulated.
+"""Pure: per-stage action lists (F/B/S) for the 2bw, flush and gpipe schedules, checked, lowered and simulated.
 
 Indices used throughout (torchgpipe style):
     d: number of stages, s: stage index, m: microbatches per batch,
     t: batch index, k = t*m + j: global index of microbatch j of batch t.
 An action is ``(stage_index, kind, index)`` printed as ``"1F3"``: kind F (forward of
 microbatch k), B (backward of microbatch k) or S (optimizer step closing batch t).
+
+``lower`` adds a stage's communication to its list as actions of their own (as
+torch.distributed.pipelining's RECV_F/SEND_F/RECV_B/SEND_B), each ``OP_X`` with X the compute
+kind whose tensors travel (F: activations, sent to s+1; B: input gradients, sent to s-1):
+
+    RECV_X k   post the receive of microbatch k's tensors (its buffers; the transfer runs behind)
+    WAIT_X k   wait for them (posted earlier): F k or B k uses them next
+    FREE_X i   the wait just done proves the neighbour received our X sends up to microbatch i: free them
+    SEND_X k   send what F k or B k produced
+    HOLD_X k   the same send, held back and started in one batch with this stage's next RECV (NCCL)
+
+printed like the compute kinds: ``"1RECV_F3"``, ``"0FREE_F2"``.
 """
 
 from __future__ import annotations
 
 import re
-from typing import Dict, List, NamedTuple, Optional, Sequence
+from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 FORWARD, BACKWARD, STEP = "F", "B", "S"
-_ACTION_RE = re.compile(r"^(\d+)([FBS])(\d+)$")
+COMPUTE_KINDS = (FORWARD, BACKWARD, STEP)
+RECV, WAIT, FREE, SEND, HOLD = "RECV", "WAIT", "FREE", "SEND", "HOLD"
+COMM_OPS = (RECV, WAIT, FREE, SEND, HOLD)
+COMM_KINDS = tuple(f"{op}_{x}" for op in COMM_OPS for x in (FORWARD, BACKWARD))
+_ACTION_RE = re.compile(r"^(\d+)([A-Z]+(?:_[FB])?)(\d+)$")
 
 
 class ScheduleError(Exception):
@@ -31,9 +47,24 @@ class Action(NamedTuple):
     @staticmethod
     def parse(text: str) -> "Action":
         match = _ACTION_RE.match(text.strip())
-        if not match:
-            raise ValueError(f"{text!r} is not an action like '1F3', '0B2' or '2S0'")
+        if not match or match[2] not in COMPUTE_KINDS + COMM_KINDS:
+            raise ValueError(f"{text!r} is not an action like '1F3', '0B2', '2S0' or '1RECV_F3'")
         return Action(int(match[1]), match[2], int(match[3]))
+
+
+def comm_op(kind: str) -> Optional[Tuple[str, str]]:
+    """``(op, X)`` of a lowered communication kind (``"RECV_F"`` -> ``("RECV", "F")``); None for F, B, S."""
+    return tuple(kind.split("_")) if kind in COMM_KINDS else None
+
+
+def in_flight(schedule: str, stage_index: int, num_stages: int, num_microbatches: int) -> int:
+    """Most microbatches stage s holds forwarded but not yet backwarded: min(d - s, m) under the
+    1F1B schedules (2bw and flush), m under gpipe. The one rule behind the runtime's check, its
+    activation swapping and the planner's memory model.
+    """
+    if schedule == "gpipe":
+        return num_microbatches
+    return min(num_stages - stage_index, num_microbatches)
 
 
 def _one_f_one_b(stage_index: int, first: int, count: int, in_flight: int) -> List[Action]:
@@ -109,6 +140,134 @@ def receipts(peer_actions: Sequence[Action], *, consumes: str, signals: str) -> 
     return proofs
 
 
+def _receives(a: Action, num_stages: int) -> bool:
+    """Whether compute action ``a`` needs a tensor from a neighbour: F on s > 0, B on s < d-1."""
+    return (a.kind == FORWARD and a.stage_index > 0) or (a.kind == BACKWARD and a.stage_index < num_stages - 1)
+
+
+def lower(
+    actions: Sequence[Action],
+    *,
+    num_stages: int,
+    prev_actions: Sequence[Action] = (),
+    next_actions: Sequence[Action] = (),
+    batch_sends: bool,
+) -> List[Action]:
+    """Adds one stage's communication to its compute list (the kinds in the module docstring).
+
+    Around each F or B (forwards and backwards each run in microbatch order, ``check_stage``):
+    a receive is posted (RECV) unless posted before, waited on (WAIT) and its receipt used
+    (FREE); what the compute produced is sent (SEND or HOLD). The choices the runtime used to
+    make as it went are data here:
+
+    - prefetch (``batch_sends`` False, gloo, where each transfer progresses on its own): each
+      WAIT k is preceded by the RECV of k+1 of the same kind, so the next transfer overlaps compute;
+    - batched sends (``batch_sends`` True, NCCL, where the transfers between two ranks run in
+      order): receives are posted only when needed, and a send whose next compute action receives
+      is a HOLD, started in one batch with that receive (Megatron's send_forward_recv_backward);
+    - receipts: WAIT of microbatch j from a neighbour proves it received our sends up to the last
+      one it consumed before sending j (``receipts`` of ``prev_actions``/``next_actions``, the
+      neighbours' compute lists); a FREE follows the wait when that frees something new.
+
+    Returns:
+        the lowered list: every compute action of ``actions``, in order, with its communication.
+    """
+    if not actions:
+        return []
+    d = num_stages
+    end = max((a.index for a in actions if a.kind == FORWARD), default=-1) + 1  # a resumed run starts past 0
+    proofs = {
+        FORWARD: receipts(prev_actions, consumes=BACKWARD, signals=FORWARD),  # prev's F j frees our B sends
+        BACKWARD: receipts(next_actions, consumes=FORWARD, signals=BACKWARD),  # next's B j frees our F sends
+    }
+    freed = {BACKWARD: -1, FORWARD: -1}  # by kind of our sends: the highest microbatch freed so far
+    posted = set()
+    out: List[Action] = []
+    for pos, a in enumerate(actions):
+        s, k, x = a.stage_index, a.index, a.kind
+        if _receives(a, d):
+            if (x, k) in posted:
+                posted.remove((x, k))
+            else:
+                out.append(Action(s, f"{RECV}_{x}", k))
+            if not batch_sends and k + 1 < end:
+                out.append(Action(s, f"{RECV}_{x}", k + 1))
+                posted.add((x, k + 1))
+            out.append(Action(s, f"{WAIT}_{x}", k))
+            ours = BACKWARD if x == FORWARD else FORWARD
+            proof = proofs[x].get(k, -1)
+            if proof > freed[ours]:
+                out.append(Action(s, f"{FREE}_{ours}", proof))
+                freed[ours] = proof
+        out.append(a)
+        if (x == FORWARD and s < d - 1) or (x == BACKWARD and s > 0):
+            hold = batch_sends and pos + 1 < len(actions) and _receives(actions[pos + 1], d)
+            out.append(Action(s, f"{HOLD if hold else SEND}_{x}", k))
+    return out
+
+
+class Step(NamedTuple):
+    """One compute action of a lowered list and the communication lowered around it:
+    ``actions[start:stop]``, ``compute`` at ``actions[at]``."""
+
+    start: int
+    at: int
+    stop: int
+    compute: Action
+
+
+def steps(actions: Sequence[Action]) -> List[Step]:
+    """Splits a lowered list into steps: the receives before a compute action, it, and its sends."""
+    out: List[Step] = []
+    start, at = 0, None
+    for pos, a in enumerate(actions):
+        op = comm_op(a.kind)
+        if at is not None and (op is None or op[0] not in (SEND, HOLD)):
+            out.append(Step(start, at, pos, actions[at]))
+            start, at = pos, None
+        if op is None:
+            assert at is None, f"{a} at {pos}: two compute actions in one step"
+            at = pos
+    if at is not None:
+        out.append(Step(start, at, len(actions), actions[at]))
+    assert (out[-1].stop if out else 0) == len(actions), "a lowered list must end with a compute action or its sends"
+    return out
+
+
+def rank_actions(
+    schedule: str,
+    *,
+    stage_index: int,
+    num_stages: int,
+    num_microbatches: int,
+    first_batch: int,
+    num_batches: int,
+    batch_sends: bool,
+) -> List[Action]:
+    """What one rank runs: its stage's actions for batches ``first_batch .. first_batch + num_batches - 1``,
+    checked (``check_stage`` with the ``in_flight`` bound), shifted to those batches and lowered
+    with the neighbours' lists (``lower``).
+
+    Raises:
+        ScheduleError: the stage's compute list breaks a rule.
+    """
+    s, d, m = stage_index, num_stages, num_microbatches
+
+    def compute(stage: int) -> List[Action]:
+        acts = stage_actions(schedule, stage_index=stage, num_stages=d, num_microbatches=m, num_batches=num_batches)
+        if stage == s:
+            check_stage(acts, num_microbatches=m, in_flight_limit=in_flight(schedule, s, d, m))
+        return shift_batches(acts, first_batch=first_batch, num_microbatches=m)
+
+    return lower(
+        compute(s),
+        num_stages=d,
+        prev_actions=compute(s - 1) if s > 0 else (),
+        next_actions=compute(s + 1) if s < d - 1 else (),
+        batch_sends=batch_sends,
+    )
+
+
 def pipeline_actions(schedule: str, *, num_stages: int, num_microbatches: int, num_batches: int) -> List[List[Action]]:
     """Action lists of all stages, stage 0 first."""
     return [
@@ -158,12 +317,72 @@ def check_stage(actions: Sequence[Action], *, num_microbatches: int, in_flight_l
         raise ScheduleError(f"stage {actions[0].stage_index if actions else '?'}: the list ends with work left undone")
 
 
-def simulate(actions_per_stage: Sequence[Sequence[Action]]) -> List[List[Optional[Action]]]:
-    """Runs the stages' lists in unit-time clock ticks, honouring the p2p dependencies.
+def _dependency(a: Action, num_stages: int) -> Optional[Tuple[int, str, int]]:
+    """The action on another stage that ``a`` waits for: F k on stage s waits for F k on s-1 (its
+    input), B k on s < d-1 for B k on s+1 (its output's gradient); the last stage's backward needs
+    only its own forward, S nothing."""
+    s = a.stage_index
+    if a.kind == FORWARD and s > 0:
+        return (s - 1, FORWARD, a.index)
+    if a.kind == BACKWARD and s < num_stages - 1:
+        return (s + 1, BACKWARD, a.index)
+    return None
 
-    F k on stage s waits for F k on s-1; B k on stage s < d-1 waits for B k on s+1 (the last
-    stage's backward needs only its own forward). Each tick, every stage whose next action is
-    ready runs it.
+
+def timings(
+    actions_per_stage: Sequence[Sequence[Action]], duration: Callable[[Action], float]
+) -> List[List[Tuple[float, float]]]:
+    """Runs the stages' compute lists event by event: each action starts once its stage is free
+    and the action it depends on (``_dependency``; its transfer included in that one's
+    ``duration``) has finished.
+
+    Returns:
+        ``[stage][position] -> (start, end)``.
+
+    Raises:
+        ScheduleError: a deadlock (no stage can move, work remains), with the grid of what ran.
+    """
+    d = len(actions_per_stage)
+    pos, clock = [0] * d, [0.0] * d
+    done: Dict[tuple, float] = {}  # (stage, kind, index) -> when it finished
+    times: List[List[Tuple[float, float]]] = [[] for _ in range(d)]
+    remaining = sum(len(a) for a in actions_per_stage)
+    while remaining:
+        progressed = False
+        for s in range(d):
+            while pos[s] < len(actions_per_stage[s]):
+                a = actions_per_stage[s][pos[s]]
+                dep = _dependency(a, d)
+                ready = done.get(dep) if dep is not None else 0.0
+                if ready is None:
+                    break
+                start = max(clock[s], ready)
+                clock[s] = start + duration(a)
+                done[(s, a.kind, a.index)] = clock[s]
+                times[s].append((start, clock[s]))
+                pos[s] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            blocked = [str(actions_per_stage[s][pos[s]]) for s in range(d) if pos[s] < len(actions_per_stage[s])]
+            ran = [list(stage[: len(t)]) for stage, t in zip(actions_per_stage, times)]
+            raise ScheduleError(f"deadlock at time {max(clock)}: blocked {blocked}\n{render(_grid(ran, times))}")
+    return times
+
+
+def _grid(actions_per_stage: Sequence[Sequence[Action]], times: Sequence[Sequence[Tuple[float, float]]]):
+    """grid[tick][stage] from unit-time ``timings``."""
+    ticks = max((int(end) for t in times for _, end in t), default=0)
+    grid: List[List[Optional[Action]]] = [[None] * len(actions_per_stage) for _ in range(ticks)]
+    for s, (stage, t) in enumerate(zip(actions_per_stage, times)):
+        for a, (start, _) in zip(stage, t):
+            grid[int(start)][s] = a
+    return grid
+
+
+def simulate(actions_per_stage: Sequence[Sequence[Action]]) -> List[List[Optional[Action]]]:
+    """Runs the stages' lists in unit-time clock ticks (``timings`` with every F, B and S one tick
+    long); lowered lists run their compute, communication taking no time of its own.
 
     Returns:
         grid[tick][stage]: the action run then, or None for an idle stage.
@@ -171,29 +390,8 @@ def simulate(actions_per_stage: Sequence[Sequence[Action]]) -> List[List[Optiona
     Raises:
         ScheduleError: a deadlock (no stage can move, work remains), with the grid so far.
     """
-    d = len(actions_per_stage)
-    pos = [0] * d
-    done: Dict[tuple, int] = {}  # (stage, kind, index) -> tick it finished
-    grid: List[List[Optional[Action]]] = []
-    while any(pos[s] < len(actions_per_stage[s]) for s in range(d)):
-        tick, row = len(grid), [None] * d
-        for s in range(d):
-            if pos[s] == len(actions_per_stage[s]):
-                continue
-            a = actions_per_stage[s][pos[s]]
-            dep = {FORWARD: (s - 1, FORWARD), BACKWARD: (s + 1, BACKWARD)}.get(a.kind)
-            if dep and 0 <= dep[0] < d and done.get((dep[0], dep[1], a.index), tick) >= tick:
-                continue
-            row[s] = a
-        if not any(row):
-            blocked = [str(actions_per_stage[s][pos[s]]) for s in range(d) if pos[s] < len(actions_per_stage[s])]
-            raise ScheduleError(f"deadlock at tick {tick}: blocked {blocked}\n{render(grid)}")
-        for s, a in enumerate(row):
-            if a is not None:
-                done[tuple(a)] = tick
-                pos[s] += 1
-        grid.append(row)
-    return grid
+    compute = [[a for a in stage if a.kind in COMPUTE_KINDS] for stage in actions_per_stage]
+    return _grid(compute, timings(compute, lambda a: 1.0))
 
 
 def render(grid: Sequence[Sequence[Optional[Action]]]) -> str:
@@ -206,4 +404,48 @@ def render(grid: Sequence[Sequence[Optional[Action]]]) -> str:
     for s in range(d):
         cells = [(f"{a.kind}{a.index}" if a is not None else ".").rjust(width) for a in (row[s] for row in grid)]
         lines.append(f"stage {s}: " + " ".join(cells))
+    return "\n".join(lines)
+
+
+def _cell(actions: Sequence[Action], mark: Optional[int] = None, offset: int = 0) -> str:
+    """Actions without their stage, ``>X<`` around the one at position ``mark`` (positions from ``offset``)."""
+    return " ".join(
+        f">{a.kind}{a.index}<" if offset + i == mark else f"{a.kind}{a.index}" for i, a in enumerate(actions)
+    )
+
+
+def render_lowered(lowered_per_stage: Sequence[Sequence[Action]]) -> str:
+    """Tick-by-stage table of lowered lists: one row per tick of ``simulate``, each stage's cell the
+    step (its compute action with the communication lowered around it) that runs then."""
+    compute = [[a for a in stage if a.kind in COMPUTE_KINDS] for stage in lowered_per_stage]
+    grid = simulate(compute)
+    cells = [[] for _ in grid]
+    for s, stage in enumerate(lowered_per_stage):
+        tick_of = {row[s]: t for t, row in enumerate(grid) if row[s] is not None}
+        column = ["."] * len(grid)
+        for step in steps(stage):
+            column[tick_of[step.compute]] = _cell(stage[step.start : step.stop])
+        for t, c in enumerate(column):
+            cells[t].append(c)
+    widths = [max([len(f"stage {s}")] + [len(row[s]) for row in cells]) for s in range(len(lowered_per_stage))]
+    header = "tick  " + "  ".join(f"stage {s}".ljust(w) for s, w in enumerate(widths))
+    rows = [f"{t:4d}  " + "  ".join(c.ljust(w) for c, w in zip(row, widths)) for t, row in enumerate(cells)]
+    return "\n".join([header.rstrip()] + [r.rstrip() for r in rows])
+
+
+def render_steps(actions: Sequence[Action], *, mark: Optional[int] = None, context: Optional[int] = None) -> str:
+    """One rank's lowered list, one step per line (``steps``), the action at position ``mark``
+    shown ``>like this<``; with ``context``, only that many steps either side of the marked one."""
+    all_steps = steps(actions)
+    lines = []
+    for n, st in enumerate(all_steps):
+        lines.append(f"step {n:5d}: {_cell(actions[st.start : st.stop], mark, st.start)}")
+    if mark is not None and context is not None:
+        at = next((n for n, st in enumerate(all_steps) if st.start <= mark < st.stop), len(all_steps) - 1)
+        lo, hi = max(0, at - context), min(len(lines), at + context + 1)
+        lines = (
+            ([f"... {lo} steps before"] if lo else [])
+            + lines[lo:hi]
+            + ([f"... {len(lines) - hi} steps after"] if hi < len(lines) else [])
+        )
     return "\n".join(lines)

@@ -19,7 +19,19 @@ from pipedream2bw.agreement import NonFiniteError, StepDecision, StepOutcome, St
 from pipedream2bw.comm import P2P, AsyncSum, GradReducer, PipelineShapeError
 from pipedream2bw.data import MicrobatchFeed
 from pipedream2bw.precision import autocast, compute_dtype
-from pipedream2bw.schedule import BACKWARD, FORWARD, Action
+from pipedream2bw.schedule import (
+    BACKWARD,
+    FORWARD,
+    FREE,
+    HOLD,
+    RECV,
+    STEP,
+    WAIT,
+    Action,
+    comm_op,
+    render_steps,
+    steps,
+)
 from pipedream2bw.swap import SwapManager
 from pipedream2bw.timeline import Recorder
 from pipedream2bw.versions import WeightVersions
@@ -27,6 +39,7 @@ from pipedream2bw.versions import WeightVersions
 log = logging.getLogger(__name__)
 
 ACTIVATION_TAG, GRADIENT_TAG = 0, 1
+_LOG_CONTEXT_STEPS = 8  # a failure logs this many of the rank's steps either side of the failing one
 _STRUCTURE_TAG = {ACTIVATION_TAG: 2, GRADIENT_TAG: 3}  # once per channel: the pytree spec of what crosses it
 
 
@@ -154,7 +167,6 @@ class StageWorker:
         reducer: Optional[GradReducer] = None,
         grad_scale: float,
         swap: Optional[SwapManager] = None,
-        receipts: Tuple[Dict[int, int], Dict[int, int]] = ({}, {}),
         replica: int = 0,
         step_rule: Optional[StepRule] = None,
         agreement: Optional[AsyncSum] = None,
@@ -185,18 +197,17 @@ class StageWorker:
         self._stash: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}  # k -> (input, output or loss)
         self._saved_bytes: Optional[int] = None  # what autograd saves for one microbatch
         self._batch_losses: Dict[int, List[torch.Tensor]] = {}
-        self._pending: Dict[Tuple[str, int], tuple] = {}  # posted receives, by (kind, k)
+        self._posted: Dict[Tuple[str, int], List[tuple]] = {}  # RECV_X k's posted receives, by (X, k)
+        self._received: Dict[Tuple[str, int], Any] = {}  # what WAIT_X k received, for F k or B k
+        self._outbox: Dict[Tuple[str, int], Any] = {}  # what F k or B k produced, for SEND_X k or HOLD_X k
         self._param_ptrs = {p.untyped_storage().data_ptr() for r in versions.replicas for p in r.parameters()}
-        # Early receives overlap transfers with compute where each transfer progresses on its own
-        # (gloo). When sends are batched with the next receive (NCCL, where transfers between two
-        # ranks run in order), receives are posted only when needed, paired with the held sends.
-        self._prefetch = not p2p.batch_sends
         self._structure: Dict[int, Any] = {}  # tag -> pytree spec of what the peer sends on it
         self._sent_structure: Dict[int, Any] = {}
         self.trace: Optional[Recorder] = None  # set for pipeline.trace; spans are recorded while trace.on
-        # schedule.receipts of the previous stage (its forward j proves which of our gradients it
-        # received) and of the next (its backward j, which of our activations): sends to free.
-        self._receipts = {FORWARD: receipts[0], BACKWARD: receipts[1]}
+        # X's tensors (F: activations, B: input gradients) come from one neighbour and go to the other.
+        self._recv_from = {FORWARD: peers.prev, BACKWARD: peers.next}
+        self._send_to = {FORWARD: peers.next, BACKWARD: peers.prev}
+        self._tag = {FORWARD: ACTIVATION_TAG, BACKWARD: GRADIENT_TAG}
 
     def _post_recv(self, peer: int, tag: int) -> List[tuple]:
         """Posts the receives of one boundary crossing: one per element of its structure, which the
@@ -206,20 +217,18 @@ class StageWorker:
             self._structure[tag] = pytree.treespec_loads(bytes(spec.cpu().tolist()).decode())
         return [self.p2p.post_recv(peer=peer, tag=_leaf_tag(tag, i)) for i in range(self._structure[tag].num_leaves)]
 
-    def _recv(self, kind: str, k: int, next_k: Optional[int]) -> Any:
-        peer, tag = (self.peers.prev, ACTIVATION_TAG) if kind == FORWARD else (self.peers.next, GRADIENT_TAG)
-        start = time.perf_counter()
-        pending = self._pending.pop((kind, k), None) or self._post_recv(peer, tag)
-        if next_k is not None and self._prefetch:  # post the next receive now, so it overlaps our compute
-            self._pending[(kind, next_k)] = self._post_recv(peer, tag)
-        leaves = [self.p2p.wait_recv(p, peer=peer) for p in pending]
-        received = pytree.tree_unflatten(leaves, self._structure[tag])
-        self.p2p.release(peer, self._receipts[kind].get(k, -1))
-        end = time.perf_counter()
-        self.stats.p2p_wait_s += end - start
-        if self.trace is not None and self.trace.on:
-            self.trace.add("recv", k, start, end)
-        return received
+    def _communicate(self, op: str, x: str, k: int) -> None:
+        """Runs one lowered communication action ``OP_X k`` (schedule's module docstring)."""
+        if op == RECV:
+            self._posted[(x, k)] = self._post_recv(self._recv_from[x], self._tag[x])
+        elif op == WAIT:
+            peer = self._recv_from[x]
+            leaves = [self.p2p.wait_recv(p, peer=peer) for p in self._posted.pop((x, k))]
+            self._received[(x, k)] = pytree.tree_unflatten(leaves, self._structure[self._tag[x]])
+        elif op == FREE:
+            self.p2p.release(self._send_to[x], k)
+        else:
+            self._send(self._outbox.pop((x, k)), k, peer=self._send_to[x], tag=self._tag[x], defer=op == HOLD)
 
     def _send(self, tree: Any, k: int, *, peer: int, tag: int, defer: bool) -> None:
         start = time.perf_counter()
@@ -247,17 +256,17 @@ class StageWorker:
         """A float32 output element to send, in the compute dtype."""
         return t.to(self._wire_dtype) if t.dtype == torch.float32 else t
 
-    def forward(self, k: int, next_k: Optional[int], *, defer_send: bool = False) -> None:
+    def forward(self, k: int) -> None:
+        """F k: the stage on microbatch k's input (the feed's on stage 0, else what WAIT_F k received)
+        with its batch's weight version; keeps the output for SEND_F k (the loss on the last stage)."""
         module = self.versions.module_for_batch(k // self.m)
         if self.first:
-            start = time.perf_counter()
             x = self.feed.inputs(k).to(self.device, non_blocking=True)
         else:
-            x = self._recv(FORWARD, k, next_k)
+            x = self._received.pop((FORWARD, k))
             for leaf in pytree.tree_leaves(x):
                 if leaf.is_floating_point():  # integer elements (masks, ids) carry no gradient
                     leaf.requires_grad_()
-            start = time.perf_counter()  # the F span starts once the input is here
         # Shapes are fixed (P2P checks them), so what autograd saves is measured on the first
         # microbatch only, keeping the hooks' per-tensor Python calls off the hot path.
         saved = SavedBytes(self._param_ptrs) if self._saved_bytes is None else contextlib.nullcontext()
@@ -283,22 +292,23 @@ class StageWorker:
             if len(losses) == self.m:  # the batch's losses are all known: report them now, not after the step
                 self._report_loss(torch.stack(self._batch_losses.pop(k // self.m)).mean(), k // self.m)
         else:
-            self._send(
-                pytree.tree_map(torch.Tensor.detach, out), k, peer=self.peers.next, tag=ACTIVATION_TAG, defer=defer_send
-            )
+            self._outbox[(FORWARD, k)] = pytree.tree_map(torch.Tensor.detach, out)
         self._stash[k] = (x, out)
         self.stats.peak_stash_bytes = max(self.stats.peak_stash_bytes, len(self._stash) * self._saved_bytes)
-        if self.trace is not None and self.trace.on:
-            self.trace.add(FORWARD, k, start, time.perf_counter())
 
-    def backward(self, k: int, next_k: Optional[int], *, defer_send: bool = False) -> None:
-        x, out = self._stash.pop(k)
-        if self.swap is not None:  # before the receive: the prefetch overlaps the wait for the gradient
+    def _before_backward(self, k: int) -> None:
+        """Starts B k's step, before its receives: the swap prefetch then overlaps the wait for the
+        gradient, and the reducer is armed for the batch's last backward (it reduces as backward goes)."""
+        if self.swap is not None:
             self.swap.begin_backward(k)
-        if self.reducer is not None and (k + 1) % self.m == 0:  # the batch's last backward: reduce as it goes
+        if self.reducer is not None and (k + 1) % self.m == 0:
             self.reducer.arm(self.versions.replicas.index(self.versions.module_for_batch(k // self.m)))
-        grad = None if self.last else self._recv(BACKWARD, k, next_k)
-        start = time.perf_counter()
+
+    def backward(self, k: int) -> None:
+        """B k: backward from the gradient WAIT_B k received (the loss's on the last stage); keeps the
+        input's gradient for SEND_B k."""
+        x, out = self._stash.pop(k)
+        grad = None if self.last else self._received.pop((BACKWARD, k))
         if self.last:
             scale = self.rule.loss_scale(k // self.m)
             (out * scale if scale != 1.0 else out).backward()
@@ -315,10 +325,7 @@ class StageWorker:
             self.swap.end_backward(k)
         if not self.first:
             inputs = [t for t in pytree.tree_leaves(x) if t.is_floating_point()]
-            grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in inputs]
-            self._send(grads, k, peer=self.peers.prev, tag=GRADIENT_TAG, defer=defer_send)
-        if self.trace is not None and self.trace.on:
-            self.trace.add(BACKWARD, k, start, time.perf_counter())
+            self._outbox[(BACKWARD, k)] = [t.grad if t.grad is not None else torch.zeros_like(t) for t in inputs]
 
     def _report_loss(self, loss: torch.Tensor, t: int) -> None:
         """A last stage: hand batch t's mean loss to rank 0 (here, if this is rank 0).
@@ -483,46 +490,80 @@ class StageWorker:
         on_step: Callable[[int], None] = lambda t: None,
         on_close: Callable[[int], None] = lambda t: None,
     ) -> StageStats:
-        """Runs ``actions`` in order; ``on_close(t)`` is called at CLOSE(t) (where the S action
-        stands) and ``on_step(t)`` after APPLY(t) (the step done, the weights W(t+1))."""
-        # Forwards and backwards each run in microbatch order (schedule.check_stage), so the
-        # receive to post after k's is k+1's.
-        end = max((a.index for a in actions if a.kind == FORWARD), default=-1) + 1  # a resumed run starts past 0
-        receives = [(a.kind == FORWARD and not self.first) or (a.kind == BACKWARD and not self.last) for a in actions]
+        """Dispatches ``actions`` (``schedule.rank_actions``: the compute with its communication
+        lowered around it) in order, step by step (``schedule.steps``); ``on_close(t)`` is called at
+        CLOSE(t) (where the S action stands) and ``on_step(t)`` after APPLY(t) (the weights W(t+1)).
+
+        Raises:
+            Exception: whatever an action raised, unchanged, after logging this rank's steps with
+                the failing action marked ``>like this<`` (``schedule.render_steps``).
+        """
         self.stats.start_time = time.perf_counter()
         pending = None  # a closed batch whose APPLY is deferred (2bw with an agreement)
-        for pos, a in enumerate(actions):
-            if pending is not None and agreement.apply_due(a, pending, num_microbatches=self.m):
+        at, what = 0, None  # the action running (its position), or what else runs there: for the log of a failure
+        try:
+            for step in steps(actions):
+                a = step.compute
+                if pending is not None and agreement.apply_due(a, pending, num_microbatches=self.m):
+                    at, what = step.start, f"the deferred APPLY({pending}) due before the step of {a}"
+                    self.apply(pending)
+                    on_step(pending)
+                    pending, what = None, None
+                if a.kind == STEP:
+                    at = step.at
+                    since = self.close(a.index)
+                    on_close(a.index)
+                    if self._defers(a.index):
+                        pending = a.index
+                    else:
+                        self.apply(a.index, since=since)
+                        on_step(a.index)
+                    continue
+                if a.kind == BACKWARD:
+                    at = step.start
+                    self._before_backward(a.index)
+                received = compute = None  # when the step's receives and its compute started
+                for at in range(step.start, step.stop):
+                    if at == step.at:
+                        compute = time.perf_counter()
+                        if received is not None:
+                            self._waited(a.index, received, compute)
+                        (self.forward if a.kind == FORWARD else self.backward)(a.index)
+                    else:
+                        received = time.perf_counter() if received is None and at < step.at else received
+                        self._communicate(*comm_op(actions[at].kind), actions[at].index)
+                if self.trace is not None and self.trace.on:  # F and B spans end once their sends are posted
+                    self.trace.add(a.kind, a.index, compute, time.perf_counter())
+            at, what = len(actions), "the last deferred APPLY or the final flush of sends"
+            if pending is not None:
                 self.apply(pending)
                 on_step(pending)
-                pending = None
-            next_k = a.index + 1 if a.index + 1 < end else None
-            # A send may wait for the next action's receive (batched sends) only if there is one.
-            defer_send = pos + 1 < len(actions) and receives[pos + 1]
-            if a.kind == FORWARD:
-                self.forward(a.index, next_k, defer_send=defer_send)
-            elif a.kind == BACKWARD:
-                self.backward(a.index, next_k, defer_send=defer_send)
-            else:
-                since = self.close(a.index)
-                on_close(a.index)
-                if self._defers(a.index):
-                    pending = a.index
-                else:
-                    self.apply(a.index, since=since)
-                    on_step(a.index)
-        if pending is not None:
-            self.apply(pending)
-            on_step(pending)
-        start = time.perf_counter()
-        self.p2p.flush()
-        self.stats.p2p_wait_s += time.perf_counter() - start
+            start = time.perf_counter()
+            self.p2p.flush()
+            self.stats.p2p_wait_s += time.perf_counter() - start
+        except Exception:
+            log.error(
+                "[stage %d/rank %d] failed in %s (position %d of %d); this rank's steps, the failing one >marked<:\n%s",
+                self.stage_index,
+                self.p2p.ctx.rank,
+                what or f"action {actions[at]}",
+                at,
+                len(actions),
+                render_steps(actions, mark=at if what is None else None, context=_LOG_CONTEXT_STEPS),
+            )
+            raise
         if self.trace is not None:
             self.stats.trace = {"spans": self.trace.spans, "window": self.trace.window}
         if self.swap is not None:
             self.stats.swap = self.swap.close()
         self._measure_memory()
         return self.stats
+
+    def _waited(self, k: int, start: float, end: float) -> None:
+        """Counts the time a step's receives took before its compute (posting, waiting, freeing)."""
+        self.stats.p2p_wait_s += end - start
+        if self.trace is not None and self.trace.on:
+            self.trace.add("recv", k, start, end)
 
     def _measure_memory(self) -> None:
         st = self.stats
