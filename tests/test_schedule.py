@@ -6,15 +6,26 @@ import pytest
 
 from pipedream2bw.schedule import (
     BACKWARD,
+    COMPUTE_KINDS,
     FORWARD,
+    FREE,
+    HOLD,
+    RECV,
+    WAIT,
     Action,
     ScheduleError,
     check_stage,
+    comm_op,
     max_in_flight,
     pipeline_actions,
+    rank_actions,
+    receipts,
     render,
+    render_steps,
+    shift_batches,
     simulate,
     stage_actions,
+    steps,
 )
 from pipedream2bw.versions import max_versions_alive
 
@@ -97,3 +108,172 @@ def test_2bw_with_m_below_d_runs_ahead_of_its_weights():
     stage0 = stage_actions("2bw", stage_index=0, num_stages=3, num_microbatches=1, num_batches=4)
     with pytest.raises(ScheduleError, match="needs W"):
         max_versions_alive(stage0, schedule="2bw", num_microbatches=1)
+
+
+def _calls_before_lowering(compute, *, num_stages, prev_actions, next_actions, batch_sends):
+    """The P2P calls StageWorker made, in order, before the lowering (stage.py up to b88f0c3: run's
+    next_k and defer_send, _recv's prefetch and pending receives, the receipts runner.py computed)."""
+    s, d = compute[0].stage_index, num_stages
+    first, last = s == 0, s == d - 1
+    end = max(a.index for a in compute if a.kind == FORWARD) + 1
+    receives = [(a.kind == FORWARD and not first) or (a.kind == BACKWARD and not last) for a in compute]
+    proofs = {
+        FORWARD: receipts(prev_actions, consumes=BACKWARD, signals=FORWARD) if s > 0 else {},
+        BACKWARD: receipts(next_actions, consumes=FORWARD, signals=BACKWARD) if s < d - 1 else {},
+    }
+    pending, calls = set(), []
+
+    def recv(kind, k, next_k):
+        if (kind, k) in pending:
+            pending.remove((kind, k))
+        else:
+            calls.append(("post", kind, k))
+        if next_k is not None and not batch_sends:  # _prefetch = not p2p.batch_sends
+            calls.append(("post", kind, next_k))
+            pending.add((kind, next_k))
+        calls.append(("wait", kind, k))
+        calls.append(("release", "prev" if kind == FORWARD else "next", proofs[kind].get(k, -1)))
+
+    for pos, a in enumerate(compute):
+        next_k = a.index + 1 if a.index + 1 < end else None
+        defer = pos + 1 < len(compute) and receives[pos + 1]
+        if a.kind == FORWARD:
+            if not first:
+                recv(FORWARD, a.index, next_k)
+            if not last:
+                calls.append(("send", "next", a.index, defer and batch_sends))  # P2P defers only when batching
+        elif a.kind == BACKWARD:
+            if not last:
+                recv(BACKWARD, a.index, next_k)
+            if not first:
+                calls.append(("send", "prev", a.index, defer and batch_sends))
+    return calls
+
+
+def _calls_of_lowered(lowered):
+    """The P2P calls StageWorker._communicate makes for a lowered list."""
+    calls = []
+    for a in lowered:
+        op = comm_op(a.kind)
+        if op is None:
+            continue
+        peer = "next" if op[1] == FORWARD else "prev"  # where X's sends go
+        if op[0] == RECV:
+            calls.append(("post", op[1], a.index))
+        elif op[0] == WAIT:
+            calls.append(("wait", op[1], a.index))
+        elif op[0] == FREE:
+            calls.append(("release", peer, a.index))
+        else:
+            calls.append(("send", peer, a.index, op[0] == HOLD))
+    return calls
+
+
+def _without_empty_releases(calls):
+    """``calls`` less the releases that free nothing, checked on a model of P2P's held sends: a send
+    to a peer is held (with its microbatch as token) until a release with a bound >= its token."""
+    held, bound, out = {"prev": [], "next": []}, {"prev": -1, "next": -1}, []
+    for c in calls:
+        if c[0] == "send":
+            held[c[1]].append(c[2])
+        elif c[0] == "release":
+            freed = [t for t in held[c[1]] if t <= c[2]]
+            held[c[1]] = [t for t in held[c[1]] if t > c[2]]
+            if c[2] <= bound[c[1]]:
+                assert not freed, c  # a release at or below an earlier one's bound finds nothing left
+                continue
+            bound[c[1]] = c[2]
+        out.append(c)
+    return out
+
+
+@pytest.mark.parametrize("schedule", ["2bw", "flush", "gpipe"])
+def test_lowering_makes_the_p2p_calls_the_runtime_made(schedule):
+    # The refactor's contract: on every rank, gloo (prefetch) and NCCL (batched sends), fresh and
+    # resumed, the lowered list makes the P2P calls of the run-time rule it replaced, in the same
+    # order, less releases that free nothing (the rule called release(peer, -1) and repeats).
+    for d in (2, 3, 4):
+        for m in (d, 2 * d):
+            for first_batch in (0, 5):
+                compute = [
+                    shift_batches(stage, first_batch=first_batch, num_microbatches=m)
+                    for stage in pipeline_actions(schedule, num_stages=d, num_microbatches=m, num_batches=3)
+                ]
+                for batch_sends in (False, True):
+                    for s in range(d):
+                        lowered = rank_actions(
+                            schedule,
+                            stage_index=s,
+                            num_stages=d,
+                            num_microbatches=m,
+                            first_batch=first_batch,
+                            num_batches=3,
+                            batch_sends=batch_sends,
+                        )
+                        case = (d, m, first_batch, batch_sends, s)
+                        assert [a for a in lowered if a.kind in COMPUTE_KINDS] == compute[s], case
+                        assert [lowered[st.at] for st in steps(lowered)] == compute[s], case
+                        before = _calls_before_lowering(
+                            compute[s],
+                            num_stages=d,
+                            prev_actions=compute[s - 1] if s > 0 else [],
+                            next_actions=compute[s + 1] if s < d - 1 else [],
+                            batch_sends=batch_sends,
+                        )
+                        assert _calls_of_lowered(lowered) == _without_empty_releases(before), case
+
+
+def test_lowered_literal_lists():
+    # d=2, m=2, two batches. gloo: each wait is preceded by the next receive's post; NCCL: a send
+    # followed by a receiving action is held for that receive's post (HOLD); FREE where a wait
+    # proves that the neighbour got our sends up to that microbatch.
+    def lowered(batch_sends):
+        return [
+            " ".join(
+                map(
+                    str,
+                    rank_actions(
+                        "2bw",
+                        stage_index=s,
+                        num_stages=2,
+                        num_microbatches=2,
+                        first_batch=0,
+                        num_batches=2,
+                        batch_sends=batch_sends,
+                    ),
+                )
+            )
+            for s in range(2)
+        ]
+
+    assert lowered(False) == [
+        "0F0 0SEND_F0 0F1 0SEND_F1 0RECV_B0 0RECV_B1 0WAIT_B0 0FREE_F0 0B0 0F2 0SEND_F2 0RECV_B2 0WAIT_B1 0FREE_F1 "
+        "0B1 0S0 0F3 0SEND_F3 0RECV_B3 0WAIT_B2 0FREE_F2 0B2 0WAIT_B3 0FREE_F3 0B3 0S1",
+        "1RECV_F0 1RECV_F1 1WAIT_F0 1F0 1B0 1SEND_B0 1RECV_F2 1WAIT_F1 1F1 1B1 1SEND_B1 1S0 1RECV_F3 1WAIT_F2 "
+        "1FREE_B0 1F2 1B2 1SEND_B2 1WAIT_F3 1FREE_B1 1F3 1B3 1SEND_B3 1S1",
+    ]
+    assert lowered(True) == [
+        "0F0 0SEND_F0 0F1 0HOLD_F1 0RECV_B0 0WAIT_B0 0FREE_F0 0B0 0F2 0HOLD_F2 0RECV_B1 0WAIT_B1 0FREE_F1 0B1 0S0 "
+        "0F3 0HOLD_F3 0RECV_B2 0WAIT_B2 0FREE_F2 0B2 0RECV_B3 0WAIT_B3 0FREE_F3 0B3 0S1",
+        "1RECV_F0 1WAIT_F0 1F0 1B0 1HOLD_B0 1RECV_F1 1WAIT_F1 1F1 1B1 1SEND_B1 1S0 1RECV_F2 1WAIT_F2 1FREE_B0 1F2 "
+        "1B2 1HOLD_B2 1RECV_F3 1WAIT_F3 1FREE_B1 1F3 1B3 1SEND_B3 1S1",
+    ]
+    for text in lowered(False) + lowered(True):
+        assert " ".join(str(Action.parse(a)) for a in text.split()) == text
+
+
+def test_rendered_steps_mark_the_failing_action():
+    # What a failing rank logs: its steps around the failing action, which is marked >so<.
+    actions = rank_actions(
+        "2bw", stage_index=1, num_stages=2, num_microbatches=2, first_batch=0, num_batches=50, batch_sends=False
+    )
+    text = render_steps(actions, mark=actions.index(Action(1, FORWARD, 40)), context=2)
+    assert text.splitlines() == [
+        "... 98 steps before",
+        "step    98: B39 SEND_B39",
+        "step    99: S19",
+        "step   100: RECV_F41 WAIT_F40 FREE_B38 >F40<",
+        "step   101: B40 SEND_B40",
+        "step   102: RECV_F42 WAIT_F41 FREE_B39 F41",
+        "... 147 steps after",
+    ]
