@@ -443,9 +443,10 @@ def render_steps(actions: Sequence[Action], *, mark: Optional[int] = None, conte
     if mark is not None and context is not None:
         at = next((n for n, st in enumerate(all_steps) if st.start <= mark < st.stop), len(all_steps) - 1)
         lo, hi = max(0, at - context), min(len(lines), at + context + 1)
+        before, after = lo, len(lines) - hi
         lines = (
-            ([f"... {lo} steps before"] if lo else [])
+            ([f"... {before} step{'s' * (before > 1)} before"] if before else [])
             + lines[lo:hi]
-            + ([f"... {len(lines) - hi} steps after"] if hi < len(lines) else [])
+            + ([f"... {after} step{'s' * (after > 1)} after"] if after else [])
         )
     return "\n".join(lines)

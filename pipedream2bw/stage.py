@@ -542,10 +542,8 @@ class StageWorker:
             self.p2p.flush()
             self.stats.p2p_wait_s += time.perf_counter() - start
         except Exception:
-            log.error(
-                "[stage %d/rank %d] failed in %s (position %d of %d); this rank's steps, the failing one >marked<:\n%s",
-                self.stage_index,
-                self.p2p.ctx.rank,
+            log.error(  # the log's prefix names the stage and rank
+                "failed in %s (position %d of %d); this rank's steps, the failing one >marked<:\n%s",
                 what or f"action {actions[at]}",
                 at,
                 len(actions),

@@ -1,13 +1,15 @@
-"""Prints a schedule's per-stage action lists as a step-by-stage grid, with its bubble fraction.
+"""Prints a schedule's per-stage action lists as a step-by-stage grid, with its bubble fraction, then
+the same ticks with each stage's sends and receives lowered around its actions.
 
 python scripts/show_schedule.py --schedule 2bw --num-stages 4 --num-microbatches 4 --num-batches 2
+python scripts/show_schedule.py --batch-sends    # the lowering under NCCL: sends held for the next receive
 """
 
 from __future__ import annotations
 
 import argparse
 
-from pipedream2bw.schedule import STEP, pipeline_actions, render, simulate
+from pipedream2bw.schedule import STEP, pipeline_actions, rank_actions, render, render_lowered, simulate
 from pipedream2bw.versions import max_versions_alive
 
 
@@ -17,18 +19,42 @@ def main() -> None:
     parser.add_argument("--num-stages", type=int, default=4)
     parser.add_argument("--num-microbatches", type=int, default=4)
     parser.add_argument("--num-batches", type=int, default=2)
-    args = parser.parse_args()
-    actions = pipeline_actions(
-        args.schedule, num_stages=args.num_stages, num_microbatches=args.num_microbatches, num_batches=args.num_batches
+    parser.add_argument(
+        "--batch-sends",
+        action="store_true",
+        help="lower as under NCCL (dist.batch_p2p): sends held for the next receive; default gloo's prefetching",
     )
+    args = parser.parse_args()
+    d, m = args.num_stages, args.num_microbatches
+    actions = pipeline_actions(args.schedule, num_stages=d, num_microbatches=m, num_batches=args.num_batches)
     grid = simulate(actions)
     print(render(grid))
     busy = sum(a is not None and a.kind != STEP for row in grid for a in row)
     print(
         f"\n{len(grid)} ticks (F and B one tick each, S one tick); idle fraction "
-        f"{1 - busy / (len(grid) * args.num_stages):.2f}; weight versions per stage: "
-        f"{[max_versions_alive(a, schedule=args.schedule, num_microbatches=args.num_microbatches) for a in actions]}"
+        f"{1 - busy / (len(grid) * d):.2f}; weight versions per stage: "
+        f"{[max_versions_alive(a, schedule=args.schedule, num_microbatches=m) for a in actions]}"
     )
+    lowered = [
+        rank_actions(
+            args.schedule,
+            stage_index=s,
+            num_stages=d,
+            num_microbatches=m,
+            first_batch=0,
+            num_batches=args.num_batches,
+            batch_sends=args.batch_sends,
+        )
+        for s in range(d)
+    ]
+    mode = "batched sends, as under NCCL" if args.batch_sends else "gloo: each receive posted one ahead"
+    print(
+        f"\nWhat each rank runs ({mode}), communication lowered around its actions:\n"
+        "  RECV_X k  post the receive of microbatch k's activation (X=F, from s-1) or gradient (X=B, from s+1)\n"
+        "  WAIT_X k  wait for it         FREE_X i  free our X sends up to i (that wait proved them received)\n"
+        "  SEND_X k  send what X k made  HOLD_X k  the same, started with this rank's next RECV (batched sends)\n"
+    )
+    print(render_lowered(lowered))
 
 
 if __name__ == "__main__":

@@ -9,6 +9,8 @@ import pytest
 from dist_helper import spawn, train_with_fault
 from test_semantics import tiny_config
 
+from pipedream2bw.schedule import FORWARD, Action, rank_actions
+
 
 @pytest.mark.parametrize("failing_layer,failing_rank", [(3, 2), (0, 0), (5, 3)])
 def test_rank_that_raises_stops_every_rank(tmp_path, failing_layer, failing_rank):
@@ -83,3 +85,24 @@ def test_failure_in_a_replicated_stage_stops_every_rank(tmp_path):
     first = re.search(r"rank [23] \(stage 1\) failed: RuntimeError: injected fault on forward call 7", results[0].log)
     assert first, results[0].log
     assert all(first[0] in r.log for r in results)
+
+
+def test_failing_rank_logs_its_steps_with_the_failing_action_marked(tmp_path):
+    # flush keeps one weight version, so the layer's 7th forward call is microbatch 6's: F6 on stage 1
+    # (layers [0, 1, 2] on stage 0, [3, 4, 5] on stage 1). Its step, as lowered for gloo, is marked.
+    cfg = tiny_config(schedule="flush", num_stages=2, num_microbatches=2, num_steps=5)
+    results = spawn(
+        train_with_fault, world_size=2, args=(cfg, str(tmp_path), 4, 7, "raise"), log_dir=tmp_path, timeout_s=60
+    )
+    assert all(r.exitcode not in (0, -9) for r in results), [(r.rank, r.exitcode) for r in results]
+    actions = rank_actions(
+        "flush", stage_index=1, num_stages=2, num_microbatches=2, first_batch=0, num_batches=5, batch_sends=False
+    )
+    at = actions.index(Action(1, FORWARD, 6))
+    log = results[1].log
+    assert f"[stage 1/rank 1] failed in action 1F6 (position {at} of {len(actions)})" in log, log
+    marked = [line for line in log.splitlines() if ">F6<" in line]
+    assert marked == ["step    15: RECV_F7 WAIT_F6 FREE_B5 >F6<"], log
+    assert "step    16: B6 SEND_B6" in log  # the steps around it, as they were lowered
+    expected = "rank 1 (stage 1) failed: RuntimeError: injected fault on forward call 7"  # re-raised as it was
+    assert expected in results[0].log, results[0].log

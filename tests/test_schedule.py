@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import runpy
+import sys
+from pathlib import Path
+
 import pytest
 
 from pipedream2bw.schedule import (
@@ -277,3 +281,19 @@ def test_rendered_steps_mark_the_failing_action():
         "step   102: RECV_F42 WAIT_F41 FREE_B39 F41",
         "... 147 steps after",
     ]
+
+
+def test_show_schedule_prints_sends_and_receives(monkeypatch, capsys):
+    script = Path(__file__).resolve().parents[1] / "scripts" / "show_schedule.py"
+    args = ["--schedule", "2bw", "--num-stages", "2", "--num-microbatches", "2", "--num-batches", "2"]
+    monkeypatch.setattr(sys, "argv", [str(script), *args])
+    runpy.run_path(str(script), run_name="__main__")
+    out = capsys.readouterr().out.splitlines()
+    table = out[out.index("tick  stage 0                             stage 1") :]
+    assert table[1:5] == [
+        "   0  F0 SEND_F0                          .",
+        "   1  F1 SEND_F1                          RECV_F0 RECV_F1 WAIT_F0 F0",
+        "   2  .                                   B0 SEND_B0",
+        "   3  RECV_B0 RECV_B1 WAIT_B0 FREE_F0 B0  RECV_F2 WAIT_F1 F1",
+    ]
+    assert len(table) == 1 + 12  # the header and the compute grid's 12 ticks
