@@ -130,6 +130,8 @@ class StageWorker:
     the last stage) and stash what backward needs. B k: backward with the gradient from
     stage s+1 (or of the loss) and send the input's gradient to stage s-1. S t: the optimizer
     step that closes batch t, on the mean gradient of its m microbatches on all w replicas.
+    The transfers are actions of their own in the list (``schedule.lower``: RECV, WAIT, FREE,
+    SEND, HOLD), which the worker runs as they come, deciding nothing about communication.
 
     A step is two halves (DESIGN.md section 7). CLOSE(t), at the S action: start what batch t's
     step needs from the other stages (``exchanges``' ``start(t)``, then, when ``step_rule``

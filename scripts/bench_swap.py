@@ -52,6 +52,7 @@ from pipedream2bw.memprobe import tensor_peak
 from pipedream2bw.models import build_gpt_layers
 from pipedream2bw.results import atomic_write
 from pipedream2bw.schedule import BACKWARD, FORWARD, STEP, stage_actions
+from pipedream2bw.schedule import in_flight as schedule_in_flight
 from pipedream2bw.stage import SavedBytes
 from pipedream2bw.swap import CpuBackend, SwapManager, TransferBackend, make_backend
 from pipedream2bw.versions import WeightVersions
@@ -102,8 +103,8 @@ def build_stage(args, device: torch.device) -> nn.Sequential:
 
 
 def in_flight(args) -> int:
-    """Microbatches the stage holds at most: m under gpipe, else d - s = d for the first stage."""
-    return args.num_microbatches if args.schedule == "gpipe" else min(args.num_stages, args.num_microbatches)
+    """Microbatches the stage (the first) holds at most: the runtime's bound, ``schedule.in_flight``."""
+    return schedule_in_flight(args.schedule, 0, args.num_stages, args.num_microbatches)
 
 
 def run_stage(args, device: torch.device, *, swap: bool, memory: bool, timed: bool = True) -> Dict[str, Any]:
