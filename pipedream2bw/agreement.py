@@ -78,8 +78,8 @@ class StepRule:
     Subclasses (an fp16 loss scaler) may override ``needs_agreement`` (True), ``loss_scale(t)``
     (what batch t's loss is multiplied by; ``unscale(t)``, its inverse, turns batch t's
     accumulated gradients into true ones, for the norm at CLOSE(t) and at APPLY(t), so it must
-    not change between the first backward of batch t and its APPLY) and ``decide`` (e.g. lower the scale and skip on ``outcome.nonfinite``). ``decide``
-    runs on every rank with the same outcome, so the ranks stay in agreement.
+    not change between the first backward of batch t and its APPLY) and ``decide`` (e.g. lower the scale and skip
+    on ``outcome.nonfinite``). ``decide`` runs on every rank with the same outcome, so the ranks stay in agreement.
     """
 
     def __init__(self, *, clip_grad_norm: Optional[float] = None, on_nonfinite: str = "stop"):

@@ -132,7 +132,8 @@ class ScaledStepRule(StepRule):
             if self.on_nonfinite == "stop" and self.scaler.below_floor():
                 raise NonFiniteError(
                     stop_message(
-                        f"{outcome.describe()}: the fp16 loss scale fell to {self.scaler.scale:g}, below train.loss_scale_min "
+                        f"{outcome.describe()}: the fp16 loss scale fell to {self.scaler.scale:g}, below "
+                        "train.loss_scale_min "
                         f"({self.scaler.min_scale:g}); the gradients keep overflowing"
                     )
                 )

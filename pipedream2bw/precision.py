@@ -119,7 +119,8 @@ def param_memory(
 def markdown_table(*, optimizer: str = "adamw") -> str:
     """The README's bytes-per-parameter table for ``optimizer``, from ``param_memory``."""
     rows = [
-        "| precision | schedule | weight versions | master | gradients | optimizer | total | per microbatch in flight |",
+        "| precision | schedule | weight versions | master | gradients | optimizer | total | per microbatch in flight "
+        "|",
         "|---|---|---|---|---|---|---|---|",
     ]
     for precision in ("fp32", "bf16", "fp16"):
@@ -127,7 +128,8 @@ def markdown_table(*, optimizer: str = "adamw") -> str:
             pm = param_memory(precision, schedule=schedule, optimizer=optimizer)
             cast = f"{pm.cast_per_microbatch} B per matmul parameter" if pm.cast_per_microbatch else "-"
             rows.append(
-                f"| {precision} | {schedule if schedule == '2bw' else 'flush, gpipe'} | {pm.versions} x {pm.weight_copy} B | "
+                f"| {precision} | {schedule if schedule == '2bw' else 'flush, gpipe'} | {pm.versions} x "
+                f"{pm.weight_copy} B | "
                 f"{pm.master} B | {pm.gradient} B | {pm.optimizer:g} B | {pm.total:g} B | {cast} |"
             )
     return "\n".join(rows)

@@ -156,14 +156,17 @@ def main() -> None:
     precision = resolve(args.precision, args.device.type)
     print("command:", " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]))
     print(
-        f"config: {args.device} ({torch.cuda.get_device_name(args.device) if cuda else '1 thread'}), precision {precision}, "
+        f"config: {args.device} ({torch.cuda.get_device_name(args.device) if cuda else '1 thread'}), precision "
+        f"{precision}, "
         f"GPT {args.num_layers} blocks d_model {args.d_model} heads {args.num_heads} seq {args.seq_len}, "
-        f"m={args.num_microbatches} b={args.microbatch_size}, AdamW, ours: 1 stage, {args.schedule}; {args.steps} steps "
+        f"m={args.num_microbatches} b={args.microbatch_size}, AdamW, ours: 1 stage, {args.schedule}; {args.steps} "
+        "steps "
         f"({args.warmup} warm-up left out) x {args.repeats} repeats, alternating; torch {torch.__version__}"
     )
     if not cuda:
         print(
-            "NOTE: CPU figures; the target is set for a GPU (the issue's GPT on an H200), which this run does not verify"
+            "NOTE: CPU figures; the target is set for a GPU (the issue's GPT on an H200), which this run does not "
+            "verify"
         )
     systems = {"ours": ours, "plain-autocast": plain}
     rates = {name: [] for name in systems}

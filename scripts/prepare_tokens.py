@@ -126,7 +126,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         sys.exit(f"not a file: {', '.join(missing)}")
     meta = prepare(args.inputs, args.out, tokenizer=args.tokenizer)
     print(
-        f"{args.out}: {meta['num_tokens']} tokens ({meta['dtype']}), vocabulary {meta['vocab_size']}; train on it with\n"
+        f"{args.out}: {meta['num_tokens']} tokens ({meta['dtype']}), vocabulary {meta['vocab_size']}; train on it "
+        "with\n"
         f"  data.path={args.out} data.token_dtype={meta['dtype']} model.vocab_size={meta['vocab_size']}"
     )
 
