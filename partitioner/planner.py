@@ -1,7 +1,7 @@
 """Pure: search over (d, w), b, recomputation and per-stage swapping, with exact stage boundaries.
 
 For one candidate (d, w, b, recompute) the boundaries come from a dynamic program over the
-layer list (DESIGN.md section 4)::
+layer list (docs/design.md section 4)::
 
     dp[s][j] = min over i of max(dp[s-1][i], T_s(i..j-1))   subject to M_s(i..j-1) <= device memory
 

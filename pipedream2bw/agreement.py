@@ -1,6 +1,6 @@
 """What every stage must agree on before batch t's optimizer step: the global gradient norm and non-finite flags.
 
-DESIGN.md section 7. Each rank closes batch t (CLOSE(t), right after its last backward)
+docs/design.md section 7. Each rank closes batch t (CLOSE(t), right after its last backward)
 by putting its share into one small float64 vector, which is summed over all ranks while
 training goes on; it applies the step (APPLY(t)) once the sum is in. Layout of the vector,
 d stages:

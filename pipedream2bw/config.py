@@ -288,7 +288,7 @@ class PartitionConfig:
 
 @dataclass
 class SwapConfig:
-    """Swapping of stashed activations to host memory (DESIGN.md section 5; pipedream2bw/swap.py)."""
+    """Swapping of stashed activations to host memory (docs/design.md section 5; pipedream2bw/swap.py)."""
 
     enabled: bool = False
     """Swap on every stage; false swaps only the stages listed in ``stages``."""

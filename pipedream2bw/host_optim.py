@@ -18,7 +18,7 @@ class HostOptimizerVersions(WeightVersions):
     bucket's gradient (scaled on the device) is copied to the host, the optimizer steps there,
     and the result is copied into the device replica that will hold W(t+1). The device keeps
     the weight versions and the gradient being accumulated, but no optimizer state. The update
-    rule is unchanged (DESIGN.md section 2); on a GPU the host's float32 arithmetic may round
+    rule is unchanged (docs/design.md section 2); on a GPU the host's float32 arithmetic may round
     differently from the GPU's.
     """
 

@@ -1,7 +1,7 @@
 """Pure: training precision (fp32, bf16, fp16 under autocast), its compute dtype and its bytes per parameter.
 
 Under bf16 and fp16 every stage runs its forward under ``torch.autocast`` while the weight
-versions stay float32: they are the master weights the optimizer steps (DESIGN.md section 8,
+versions stay float32: they are the master weights the optimizer steps (docs/design.md section 8,
 first option). So, per parameter, a stage holds (``param_memory``)::
 
     versions x 4 B      weight versions (2 under 2bw, 1 under flush/gpipe), float32 = the masters

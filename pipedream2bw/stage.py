@@ -118,7 +118,7 @@ class StageWorker:
     stage s+1 (or of the loss) and send the input's gradient to stage s-1. S t: the optimizer
     step that closes batch t, on the mean gradient of its m microbatches on all w replicas.
 
-    A step is two halves (DESIGN.md section 7). CLOSE(t), at the S action: start what batch t's
+    A step is two halves (docs/design.md section 7). CLOSE(t), at the S action: start what batch t's
     step needs from the other stages (``exchanges``' ``start(t)``, then, when ``step_rule``
     needs an agreement, this rank's share of the global gradient norm and non-finite flags,
     summed over all ranks by ``agreement`` in the background). APPLY(t): ``exchanges``'

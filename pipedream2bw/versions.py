@@ -1,6 +1,6 @@
 """Pure: the weight versions of one stage (double-buffered under 2bw) and which one a batch uses.
 
-2bw contract (DESIGN.md section 2), t the batch index:
+2bw contract (docs/design.md section 2), t the batch index:
     batch t runs forward and backward with W(t-1), W(-1) = W(0)
     W(t+1) = W(t) - optimizer_step(g(t))     once the last backward of batch t is done
 flush and gpipe: batch t uses W(t) (plain minibatch training).
