@@ -39,7 +39,7 @@ def compose(overrides):
 
 def main(argv=None) -> int:
     from partitioner.auto import plan_config
-    from pipedream2bw.config import ConfigError
+    from pipedream2bw.errors import ConfigError
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] != "plan":

@@ -28,7 +28,8 @@ import yaml
 
 from partitioner.cost import MEMORY_PARTS, LayerCost, Segments, StageContext, StageCost, segment_costs, simulate
 from partitioner.topology import GIB, LOCAL, host_device_bandwidth, make_rank_map, p2p_links, replica_links
-from pipedream2bw.config import ConfigError, TopologyConfig
+from pipedream2bw.config import TopologyConfig
+from pipedream2bw.errors import ConfigError
 
 OBJECTIVES = ("throughput", "memory")
 

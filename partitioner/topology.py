@@ -12,7 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import List, Sequence
 
-from pipedream2bw.config import ConfigError, TopologyConfig
+from pipedream2bw.config import TopologyConfig
+from pipedream2bw.errors import ConfigError
 
 GIB = 2**30
 
