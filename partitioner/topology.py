@@ -26,10 +26,6 @@ class Link:
     bandwidth: float
     latency: float
 
-    def transfer_s(self, nbytes: float) -> float:
-        """Time to move one message of ``nbytes`` (0 for an empty message)."""
-        return 0.0 if nbytes <= 0 else self.latency + nbytes / self.bandwidth
-
 
 LOCAL = Link("local", float("inf"), 0.0)  # two replicas of nothing: w = 1, or a rank talking to itself
 
