@@ -18,7 +18,8 @@ from partitioner.planner import Plan, Request, plan
 from partitioner.profile import analytic_gpt, profile_gpt, profile_layer_list, runtime_baseline_bytes
 from partitioner.topology import GIB, num_devices
 from pipedream2bw import precision as precisions
-from pipedream2bw.config import SCHEDULES, Config, ConfigError, GPTConfig, TopologyConfig, model_num_layers
+from pipedream2bw.config import SCHEDULES, Config, GPTConfig, TopologyConfig, model_num_layers
+from pipedream2bw.errors import ConfigError
 
 log = logging.getLogger(__name__)
 

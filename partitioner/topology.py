@@ -12,7 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import List, Sequence
 
-from pipedream2bw.config import ConfigError, TopologyConfig
+from pipedream2bw.config import TopologyConfig
+from pipedream2bw.errors import ConfigError
 
 GIB = 2**30
 
@@ -24,10 +25,6 @@ class Link:
     name: str
     bandwidth: float
     latency: float
-
-    def transfer_s(self, nbytes: float) -> float:
-        """Time to move one message of ``nbytes`` (0 for an empty message)."""
-        return 0.0 if nbytes <= 0 else self.latency + nbytes / self.bandwidth
 
 
 LOCAL = Link("local", float("inf"), 0.0)  # two replicas of nothing: w = 1, or a rank talking to itself

@@ -44,7 +44,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from pipedream2bw.config import ConfigError
+from pipedream2bw.errors import ConfigError
 from pipedream2bw.results import atomic_write
 
 log = logging.getLogger(__name__)

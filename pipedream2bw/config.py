@@ -11,12 +11,9 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
+from pipedream2bw.errors import ConfigError  # re-exported: users' code imports it from here
+
 log = logging.getLogger(__name__)
-
-
-class ConfigError(ValueError):
-    """A config value that cannot work; the message names the value, why, and the fix."""
-
 
 SCHEDULES = ("2bw", "flush", "gpipe")
 WANDB_MODES = ("offline", "online", "disabled")

@@ -15,7 +15,8 @@ from typing import Optional, Tuple, Union
 import numpy as np
 import torch
 
-from pipedream2bw.config import ConfigError, DataConfig
+from pipedream2bw.config import DataConfig
+from pipedream2bw.errors import ConfigError
 
 log = logging.getLogger(__name__)
 

@@ -20,8 +20,9 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 from pipedream2bw import checkpoint, comm, evaluate, schedule, ties, timeline
 from pipedream2bw import precision as precisions
 from pipedream2bw.agreement import StepRule
-from pipedream2bw.config import Config, ConfigError, GPTConfig, build_optimizer, optimizer_name, swap_stages, validate
+from pipedream2bw.config import Config, GPTConfig, build_optimizer, optimizer_name, swap_stages, validate
 from pipedream2bw.data import data_resident_bytes, make_feeds
+from pipedream2bw.errors import ConfigError
 from pipedream2bw.host_optim import HostOptimizerVersions
 from pipedream2bw.layout import Layout, make_layout
 from pipedream2bw.loss_scale import LossScaler, ScaledStepRule

@@ -36,7 +36,8 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from pipedream2bw.config import Config, ConfigError, register_configs, validate
+from pipedream2bw.config import Config, register_configs, validate
+from pipedream2bw.errors import ConfigError
 from pipedream2bw.launch import LaunchError, launch_train
 from pipedream2bw.results import atomic_write
 

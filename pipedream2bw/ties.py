@@ -26,7 +26,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from pipedream2bw.config import ConfigError
+from pipedream2bw.errors import ConfigError
 
 log = logging.getLogger(__name__)
 

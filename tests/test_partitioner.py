@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import random
 import time
@@ -11,7 +12,7 @@ import pytest
 
 from partitioner import profile as profile_mod
 from partitioner.cost import LayerCost, Segments, StageContext, StageCost, in_flight, segment_costs, simulate
-from partitioner.planner import Request, brute_force, load_plan, partition, plan, save_plan
+from partitioner.planner import Request, load_plan, partition, plan, save_plan
 from partitioner.profile import analytic_gpt, profile_gpt
 from partitioner.topology import GIB, Link, make_rank_map, p2p_links, replica_links
 from pipedream2bw.config import ConfigError, GPTConfig, OptimConfig, TopologyConfig
@@ -68,6 +69,24 @@ def contexts(d: int, m: int, *, schedule: str = "2bw", recompute: bool = False, 
         )
         for s in range(d)
     ]
+
+
+def brute_force(seg: Segments, contexts, *, capacity: float, objective: str = "throughput"):
+    """Tries every split (small lists only): the reference the dynamic program must equal (no swapping)."""
+    n, d = seg.n, len(contexts)
+    key = "batch_s" if objective == "throughput" else "memory"
+    best = math.inf
+    for cuts in itertools.combinations(range(1, n), d - 1):
+        bounds = (0, *cuts, n)
+        worst = 0.0
+        for s, ctx in enumerate(contexts):
+            c = segment_costs(seg, bounds[s], bounds[s + 1], ctx)
+            if float(c["memory"]) > capacity:
+                worst = math.inf
+                break
+            worst = max(worst, float(c[key]))
+        best = min(best, worst)
+    return None if best == math.inf else best
 
 
 @pytest.mark.parametrize("objective", ["throughput", "memory"])
@@ -286,7 +305,7 @@ def test_apply_plan_sets_the_pipeline_and_checks_the_launch():
 
 def test_second_pass_keeps_the_bottleneck_time_and_lowers_memory():
     rng = random.Random(7)
-    for trial in range(30):
+    for _ in range(30):
         n, d = rng.randint(3, 9), rng.randint(2, 4)
         if d > n:
             continue
@@ -294,9 +313,9 @@ def test_second_pass_keeps_the_bottleneck_time_and_lowers_memory():
         fastest, starts, _ = partition(seg, ctxs, capacity=math.inf)
         _, lean_starts, _ = partition(seg, ctxs, capacity=math.inf, objective="memory", time_limit=fastest)
 
-        def worst(key, st):
-            b = [*st, n]
-            return max(float(segment_costs(seg, b[s], b[s + 1], ctxs[s])[key]) for s in range(d))
+        def worst(key, st, seg=seg, ctxs=ctxs):
+            b = [*st, seg.n]
+            return max(float(segment_costs(seg, b[s], b[s + 1], ctx)[key]) for s, ctx in enumerate(ctxs))
 
         assert worst("batch_s", lean_starts) == pytest.approx(fastest)
         assert worst("memory", lean_starts) <= worst("memory", starts) + 1e-9

@@ -11,7 +11,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import torch
 from torch import nn
 
-from pipedream2bw.config import ConfigError, GPTConfig, LayerListConfig
+from pipedream2bw.config import GPTConfig, LayerListConfig
+from pipedream2bw.errors import ConfigError
 from pipedream2bw.models.gpt import build_gpt_layers, lm_loss
 
 
