@@ -281,15 +281,15 @@ def test_profile_measures_saved_bytes_and_caches(tmp_path, monkeypatch):
 
 def test_apply_plan_sets_the_pipeline_and_checks_the_launch():
     from partitioner.auto import apply_plan
-    from pipedream2bw.config import Config
+    from pipedream2bw.config import Config, model_num_layers
 
     cfg = Config(model=GPTConfig(num_layers=5))
+    num_layers = model_num_layers(cfg.model)
     req = Request(
         global_batch_size=64, topology=DGX, devices=8, memory_per_device_bytes=80 * GIB, runtime_bytes=2 * GIB
     )
     best = plan(lambda b: analytic_gpt(cfg.model, OptimConfig(), b, DGX), dataclasses.replace(req, depths=[4]))[0]
-    out = apply_plan(cfg, best, world_size=8)
-    p = out.pipeline
+    p, _ = apply_plan(cfg.pipeline, cfg.swap, best, world_size=8, num_layers=num_layers)
     assert (p.num_stages, p.data_parallel, p.microbatch_size, p.num_microbatches) == (
         4,
         2,
@@ -298,8 +298,14 @@ def test_apply_plan_sets_the_pipeline_and_checks_the_launch():
     )
     assert p.balance == best.balance and p.rank_map == best.rank_map and p.recompute == best.recompute
     with pytest.raises(ConfigError, match="launch 8 ranks"):
-        apply_plan(cfg, best, world_size=4)
-    swapping = apply_plan(cfg, dataclasses.replace(best, swap_stages=[0], swap_resident=2), world_size=8).swap
+        apply_plan(cfg.pipeline, cfg.swap, best, world_size=4, num_layers=num_layers)
+    swapping = apply_plan(
+        cfg.pipeline,
+        cfg.swap,
+        dataclasses.replace(best, swap_stages=[0], swap_resident=2),
+        world_size=8,
+        num_layers=num_layers,
+    )[1]
     assert (swapping.enabled, swapping.stages, swapping.resident) == (False, [0], 2)  # exactly the plan's stages swap
 
 

@@ -70,7 +70,7 @@ def test_plan_and_predictions_are_logged_when_the_summary_has_them(traced_run, t
     # As the planner's summary.json will carry them (its figures here stand in for a prediction).
     summary = {**measured, "predicted_samples_per_s": 123.0, "predicted_peak_memory_bytes": [1000, 2000]}
     plan = {"num_stages": 2, "objective": "throughput", "stages": [{"layers": [0, 1, 2]}, {"layers": [3, 4]}]}
-    tracker = Tracker(dataclasses.replace(cfg, wandb=WandbConfig(mode="offline")), tmp_path)
+    tracker = Tracker(WandbConfig(mode="offline"), tmp_path, config=dataclasses.asdict(cfg))
     tracker.finish(summary, plan=plan)
     wandb.teardown()  # the wandb service outlives finish() in this process; its teardown flushes the run's file
     records = _records(tmp_path)
@@ -84,7 +84,7 @@ def test_plan_and_predictions_are_logged_when_the_summary_has_them(traced_run, t
 
 
 def test_disabled_writes_no_wandb_files(tmp_path):
-    tracker = Tracker(Config(wandb=WandbConfig(mode="disabled")), tmp_path)
+    tracker = Tracker(WandbConfig(mode="disabled"), tmp_path)
     tracker.log({"loss": 1.0}, step=0)
     tracker.finish({"final_loss": 1.0})
     assert not (tmp_path / "wandb").exists()
