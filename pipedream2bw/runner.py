@@ -22,12 +22,14 @@ from pipedream2bw import precision as precisions
 from pipedream2bw.agreement import StepRule
 from pipedream2bw.config import Config, ConfigError, GPTConfig, build_optimizer, optimizer_name, swap_stages, validate
 from pipedream2bw.data import data_resident_bytes, make_feeds
+from pipedream2bw.fileio import atomic_torch_save as save_state_dict
+from pipedream2bw.fileio import atomic_write
 from pipedream2bw.host_optim import HostOptimizerVersions
 from pipedream2bw.layout import Layout, make_layout
 from pipedream2bw.loss_scale import LossScaler, ScaledStepRule
 from pipedream2bw.lr_schedule import lr_at
 from pipedream2bw.models.factory import ModelSource, model_source
-from pipedream2bw.results import atomic_write, save_state_dict, summarize, write_summary
+from pipedream2bw.results import summarize, write_summary
 from pipedream2bw.schedule import BACKWARD, FORWARD, check_stage, shift_batches, stage_actions
 from pipedream2bw.stage import Peers, StageStats, StageWorker
 from pipedream2bw.swap import SwapManager, make_backend
