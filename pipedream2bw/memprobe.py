@@ -1,5 +1,4 @@
-"""Tensor memory of a block of code: its peak (the CUDA allocator's counter, or torch.profiler's memory events
-on a CPU), and the bytes autograd saves for backward in it."""
+"""Tensor memory of a block of code: its peak (CUDA allocator or torch.profiler) and what autograd saves in it."""
 
 from __future__ import annotations
 
