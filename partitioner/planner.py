@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
@@ -30,6 +28,7 @@ from partitioner.cost import MEMORY_PARTS, LayerCost, Segments, StageContext, St
 from partitioner.topology import GIB, LOCAL, host_device_bandwidth, make_rank_map, p2p_links, replica_links
 from pipedream2bw.config import TopologyConfig
 from pipedream2bw.errors import ConfigError
+from pipedream2bw.fileio import atomic_write_text
 
 OBJECTIVES = ("throughput", "memory")
 
@@ -574,17 +573,7 @@ def save_plan(p: Plan, path) -> Path:
     """Writes the plan atomically (complete or absent) as YAML."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(plan_to_text(p))
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_write_text(path, plan_to_text(p), mode=0o644)
     return path
 
 

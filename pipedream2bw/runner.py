@@ -38,12 +38,14 @@ from pipedream2bw.config import (
 )
 from pipedream2bw.data import data_resident_bytes, make_feeds
 from pipedream2bw.errors import ConfigError
+from pipedream2bw.fileio import atomic_torch_save as save_state_dict
+from pipedream2bw.fileio import atomic_write
 from pipedream2bw.host_optim import HostOptimizerVersions
 from pipedream2bw.layout import Layout, make_layout
 from pipedream2bw.loss_scale import LossScaler, ScaledStepRule
 from pipedream2bw.lr_schedule import lr_at
 from pipedream2bw.models.factory import ModelSource, model_source
-from pipedream2bw.results import atomic_write, save_state_dict, summarize, write_summary
+from pipedream2bw.results import summarize, write_summary
 from pipedream2bw.runtime import RankPlan
 from pipedream2bw.schedule import BACKWARD, FORWARD, check_stage, shift_batches, stage_actions
 from pipedream2bw.stage import Peers, StageStats, StageWorker

@@ -7,7 +7,6 @@ import logging
 import math
 import resource
 import time
-import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -18,6 +17,7 @@ from pipedream2bw import agreement
 from pipedream2bw.agreement import NonFiniteError, StepDecision, StepOutcome, StepRule
 from pipedream2bw.comm import P2P, AsyncSum, GradReducer, PipelineShapeError
 from pipedream2bw.data import MicrobatchFeed
+from pipedream2bw.memprobe import SavedBytes
 from pipedream2bw.precision import autocast, compute_dtype
 from pipedream2bw.schedule import BACKWARD, FORWARD, Action
 from pipedream2bw.swap import SwapManager
@@ -89,24 +89,6 @@ class StageStats:
     trace: Optional[dict] = None  # pipeline.trace: {"spans": [timeline.Span], "window": [start, end]}
     swap: Optional[Dict[str, Any]] = None  # SwapStats of a stage that swaps activations to host
     loss_scales: List[float] = field(default_factory=list)  # fp16: the loss scale each batch ran with
-
-
-class SavedBytes(torch.autograd.graph.saved_tensors_hooks):
-    """Counts the bytes autograd saves for backward, leaving out the stage's own parameters."""
-
-    def __init__(self, param_ptrs: set):
-        self.nbytes = 0
-        seen: Dict[int, Any] = {}  # pointer -> weak reference: a swapped storage may be freed and its address reused
-
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            storage = t.untyped_storage()
-            ptr = storage.data_ptr()
-            if ptr not in param_ptrs and (ptr not in seen or seen[ptr]() is not storage):
-                seen[ptr] = weakref.ref(storage)
-                self.nbytes += storage.nbytes()
-            return t
-
-        super().__init__(pack, lambda t: t)
 
 
 class StageWorker:

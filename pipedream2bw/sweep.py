@@ -38,8 +38,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from pipedream2bw.config import Config, register_configs, validate
 from pipedream2bw.errors import ConfigError
+from pipedream2bw.fileio import atomic_write
 from pipedream2bw.launch import LaunchError, launch_train
-from pipedream2bw.results import atomic_write
 
 log = logging.getLogger("pipedream2bw.sweep")
 

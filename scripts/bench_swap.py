@@ -48,11 +48,10 @@ import torch
 from torch import nn
 
 from pipedream2bw.config import GPTConfig, gpt_balance
-from pipedream2bw.memprobe import tensor_peak
+from pipedream2bw.fileio import atomic_write
+from pipedream2bw.memprobe import SavedBytes, tensor_peak
 from pipedream2bw.models import build_gpt_layers
-from pipedream2bw.results import atomic_write
 from pipedream2bw.schedule import BACKWARD, FORWARD, STEP, stage_actions
-from pipedream2bw.stage import SavedBytes
 from pipedream2bw.swap import CpuBackend, SwapManager, TransferBackend, make_backend
 from pipedream2bw.versions import WeightVersions
 

@@ -13,10 +13,9 @@ import torch
 from torch import nn
 
 from pipedream2bw.config import GPTConfig
-from pipedream2bw.memprobe import tensor_peak
+from pipedream2bw.memprobe import SavedBytes, tensor_peak
 from pipedream2bw.models import build_gpt_layers, lm_loss
 from pipedream2bw.schedule import BACKWARD, FORWARD, Action, stage_actions
-from pipedream2bw.stage import SavedBytes
 from pipedream2bw.swap import CpuBackend, SwapManager, TransferBackend
 
 
