@@ -18,6 +18,32 @@ from pathlib import Path
 from partitioner.planner import save_plan, stage_table, table
 
 USAGE = "usage: python -m partitioner plan [hydra overrides, e.g. model=gpt topology=dgx train.global_batch_size=512]"
+HELP_FLAGS = ("-h", "--help")
+HELP = f"""{USAGE}
+
+commands:
+  plan    plan a model for a topology, print the best plans and write the chosen one to partition.path
+          (python -m partitioner plan --help lists the config groups)"""
+PLAN_HELP = f"""{USAGE}
+
+Composes configs/ as training does, plans, prints the chosen plan and the runners-up as a table and
+the chosen plan's stages, and writes the plan file (partition.path, default plan.yaml), which
+`torchrun ... -m pipedream2bw.train partition=file partition.path=<file>` runs. Exit code 2 with the
+reason when nothing fits. Examples:
+
+  python -m partitioner plan topology=cpu train.global_batch_size=64 partition.path=plan.yaml
+  python -m partitioner plan model=gpt175b topology=cluster topology.nodes=128 train.global_batch_size=1536
+
+== Configuration groups ==
+Compose your configuration from those groups (group=option)
+
+{{groups}}
+
+Any key of the config can be overridden (key=value): python -m pipedream2bw.train --help lists them
+with their defaults."""
+
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 
 def compose(overrides):
@@ -32,19 +58,48 @@ def compose(overrides):
 
     register_configs()
     OmegaConf.register_new_resolver("pd2bw_run_stamp", lambda: os.environ.get("PD2BW_RUN_STAMP", "plan"), replace=True)
-    config_dir = Path(__file__).resolve().parent.parent / "configs"
-    with initialize_config_dir(config_dir=str(config_dir), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
         return from_hydra(hydra_compose(config_name="config", overrides=list(overrides)))
+
+
+def config_groups() -> str:
+    """configs/' groups and their options, one line each (``model: custom, gpt, ...``), as Hydra's --help shows them."""
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from pipedream2bw.config import register_configs
+
+    register_configs()  # the schemas (base_*) are options too, as in the training entry point's --help
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        loader = GlobalHydra.instance().config_loader()
+
+        def lines(parent: str):
+            for group in sorted(loader.list_groups(parent)):
+                path = f"{parent}/{group}" if parent else group
+                if path == "hydra" or path.startswith("hydra/"):
+                    continue  # Hydra's own groups, as its --help leaves them out
+                options = loader.get_group_options(path)
+                if options:
+                    yield f"{path}: {', '.join(options)}"
+                yield from lines(path)
+
+        return "\n".join(lines(""))
 
 
 def main(argv=None) -> int:
     from partitioner.auto import plan_config
-    from pipedream2bw.config import ConfigError
+    from pipedream2bw.errors import ConfigError
 
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in HELP_FLAGS:
+        print(HELP)
+        return 0
     if not argv or argv[0] != "plan":
         print(USAGE, file=sys.stderr)
         return 2
+    if any(a in HELP_FLAGS for a in argv[1:]):
+        print(PLAN_HELP.format(groups=config_groups()))
+        return 0
     cfg = compose(argv[1:])
     start = time.perf_counter()
     try:
@@ -57,7 +112,8 @@ def main(argv=None) -> int:
     from pipedream2bw.config import GPTConfig
 
     model = (
-        f"{cfg.model.num_layers} blocks, d_model {cfg.model.d_model}, seq {cfg.model.seq_len}, vocab {cfg.model.vocab_size}"
+        f"{cfg.model.num_layers} blocks, d_model {cfg.model.d_model}, seq {cfg.model.seq_len}, "
+        f"vocab {cfg.model.vocab_size}"
         if isinstance(cfg.model, GPTConfig)
         else f"{cfg.model.name} ({cfg.model.target}), seq {cfg.model.seq_len}"
     )

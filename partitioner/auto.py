@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 
@@ -18,7 +18,15 @@ from partitioner.planner import Plan, Request, plan
 from partitioner.profile import analytic_gpt, profile_gpt, profile_layer_list, runtime_baseline_bytes
 from partitioner.topology import GIB, num_devices
 from pipedream2bw import precision as precisions
-from pipedream2bw.config import SCHEDULES, Config, ConfigError, GPTConfig, TopologyConfig, model_num_layers
+from pipedream2bw.config import (
+    SCHEDULES,
+    Config,
+    GPTConfig,
+    PipelineConfig,
+    SwapConfig,
+    TopologyConfig,
+)
+from pipedream2bw.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +50,8 @@ def runtime_topology(topo: TopologyConfig, *, world_size: int, local_world_size:
     if topo.device != local_device_kind():
         raise ConfigError(
             f"partition=auto plans for the machine it runs on, but topology.device ({topo.device!r}) is not this "
-            f"machine's ({local_device_kind()!r}); pick a matching topology (e.g. topology=dgx on GPUs, topology=cpu here)"
+            f"machine's ({local_device_kind()!r}); pick a matching topology (e.g. topology=dgx on GPUs, topology=cpu "
+            "here)"
         )
     if topo.device == "cuda":
         total = torch.cuda.get_device_properties(0).total_memory / GIB
@@ -127,7 +136,8 @@ def plan_config(cfg: Config, *, runners_up: int = 4, layers=None, loss_fn=None, 
     if layers is not None or not isinstance(cfg.model, GPTConfig):
         if req.costs != "profile":
             raise ConfigError(
-                f"partition.costs ({cfg.partition.costs}) with topology.device {cfg.topology.device!r}: analytic costs know only "
+                f"partition.costs ({cfg.partition.costs}) with topology.device {cfg.topology.device!r}: analytic costs "
+                "know only "
                 f"the GPT; profile this model here (partition.costs=profile, with a topology of this machine's device)"
             )
         from pipedream2bw.models.factory import model_source
@@ -166,31 +176,34 @@ def plan_config(cfg: Config, *, runners_up: int = 4, layers=None, loss_fn=None, 
     return plan(cost_fn, req, runners_up=runners_up)
 
 
-def apply_plan(cfg: Config, p: Plan, *, world_size: int, num_layers: Optional[int] = None) -> Config:
-    """``cfg`` with the plan's pipeline settings and its ``swap.stages``.
+def apply_plan(
+    pipeline: PipelineConfig, swap: SwapConfig, p: Plan, *, world_size: int, num_layers: int
+) -> Tuple[PipelineConfig, SwapConfig]:
+    """The ``pipeline`` and ``swap`` config sections with the plan's pipeline settings and its ``swap.stages``.
+
+    Args:
+        pipeline: the run's ``pipeline`` section.
+        swap: the run's ``swap`` section.
+        p: the plan.
+        world_size: ranks launched.
+        num_layers: length of the model's layer list.
 
     Raises:
         ConfigError: the plan needs another number of ranks, or another model.
     """
     if p.num_stages * p.data_parallel != world_size:
         raise ConfigError(
-            f"the plan runs {p.num_stages} stages x {p.data_parallel} replicas = {p.num_stages * p.data_parallel} ranks "
-            f"but {world_size} were launched; launch {p.num_stages * p.data_parallel} ranks or plan again for {world_size}"
+            f"the plan runs {p.num_stages} stages x {p.data_parallel} replicas = {p.num_stages * p.data_parallel} "
+            f"ranks but {world_size} were launched; launch {p.num_stages * p.data_parallel} ranks or plan again "
+            f"for {world_size}"
         )
-    if num_layers is None:
-        if isinstance(cfg.model, GPTConfig):
-            num_layers = model_num_layers(cfg.model)
-        else:
-            from pipedream2bw.models.factory import model_source
-
-            num_layers = model_source(cfg.model, seed=cfg.seed).num_layers
     if sum(p.balance) != num_layers:
         raise ConfigError(
             f"the plan's balance {p.balance} covers {sum(p.balance)} layers but the model has {num_layers}; "
             f"plan again for this model"
         )
     pipeline = dataclasses.replace(
-        cfg.pipeline,
+        pipeline,
         schedule=p.schedule,
         num_stages=p.num_stages,
         data_parallel=p.data_parallel,
@@ -200,7 +213,4 @@ def apply_plan(cfg: Config, p: Plan, *, world_size: int, num_layers: Optional[in
         rank_map=[list(r) for r in p.rank_map],
         recompute=p.recompute,
     )
-    out = dataclasses.replace(cfg, pipeline=pipeline)
-    return dataclasses.replace(
-        out, swap=dataclasses.replace(cfg.swap, enabled=False, stages=list(p.swap_stages), resident=p.swap_resident)
-    )
+    return pipeline, dataclasses.replace(swap, enabled=False, stages=list(p.swap_stages), resident=p.swap_resident)

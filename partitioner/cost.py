@@ -1,4 +1,4 @@
-"""Pure: the cost model (DESIGN.md sections 3-4) and a simulator of the schedules' action lists.
+"""Pure: the cost model (docs/design.md sections 3-4) and a simulator of the schedules' action lists.
 
 A model is an ordered list of ``LayerCost`` (one microbatch size ``b``); a stage is a contiguous
 segment ``[start, stop)`` of it. ``segment_costs`` evaluates the memory and time formulas for

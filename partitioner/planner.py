@@ -1,7 +1,7 @@
 """Pure: search over (d, w), b, recomputation and per-stage swapping, with exact stage boundaries.
 
 For one candidate (d, w, b, recompute) the boundaries come from a dynamic program over the
-layer list (DESIGN.md section 4)::
+layer list (docs/design.md section 4)::
 
     dp[s][j] = min over i of max(dp[s-1][i], T_s(i..j-1))   subject to M_s(i..j-1) <= device memory
 
@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
@@ -28,7 +26,9 @@ import yaml
 
 from partitioner.cost import MEMORY_PARTS, LayerCost, Segments, StageContext, StageCost, segment_costs, simulate
 from partitioner.topology import GIB, LOCAL, host_device_bandwidth, make_rank_map, p2p_links, replica_links
-from pipedream2bw.config import ConfigError, TopologyConfig
+from pipedream2bw.config import TopologyConfig
+from pipedream2bw.errors import ConfigError
+from pipedream2bw.fileio import atomic_write_text
 
 OBJECTIVES = ("throughput", "memory")
 
@@ -206,26 +206,27 @@ def partition(
     if swap_only_if_needed is None:
         swap_only_if_needed = objective == "throughput"
     idx = np.arange(n + 1)
-    I, J = np.meshgrid(idx, idx, indexing="ij")
-    invalid = I >= J
+    # (n+1, n+1): entry [i, j] stands for the segment of layers i..j-1
+    seg_i, seg_j = np.meshgrid(idx, idx, indexing="ij")
+    invalid = seg_i >= seg_j
     key = "batch_s" if objective == "throughput" else "memory"
     limit = time_limit * (1 + 1e-9) if objective == "memory" else math.inf
     dp = None
     choices, swaps = [], []
     for s, ctx in enumerate(contexts):
-        plain = segment_costs(seg, I, J, ctx)
+        plain = segment_costs(seg, seg_i, seg_j, ctx)
         ok = (plain["memory"] <= capacity) & (plain["batch_s"] <= limit)
         value = np.where(ok, plain[key], np.inf)
         swapped = np.zeros_like(ok)
         if allow_swap and ctx.num_microbatches > 1:
-            sw = segment_costs(seg, I, J, dataclasses.replace(ctx, swap=True))
+            sw = segment_costs(seg, seg_i, seg_j, dataclasses.replace(ctx, swap=True))
             sw_ok = (sw["memory"] <= capacity) & (sw["batch_s"] <= limit)
             better = sw_ok & (~ok if swap_only_if_needed else sw[key] < value)
             value = np.where(better, sw[key], value)
             swapped = better
         value = np.where(invalid, np.inf, value)
         if s == 0:
-            value = np.where(I[:, :] == 0, value, np.inf)
+            value = np.where(seg_i == 0, value, np.inf)
             best_i = np.zeros(n + 1, dtype=int)
             dp = value[0]
         else:
@@ -242,28 +243,6 @@ def partition(
         starts[s], flags[s] = i, bool(swaps[s][i, j])
         j = i
     return float(dp[n]), starts, flags
-
-
-def brute_force(
-    seg: Segments, contexts: Sequence[StageContext], *, capacity: float, objective: str = "throughput"
-) -> Optional[float]:
-    """Tries every split (small lists only): the reference the dynamic program must equal (no swapping)."""
-    import itertools
-
-    n, d = seg.n, len(contexts)
-    key = "batch_s" if objective == "throughput" else "memory"
-    best = math.inf
-    for cuts in itertools.combinations(range(1, n), d - 1):
-        bounds = (0, *cuts, n)
-        worst = 0.0
-        for s, ctx in enumerate(contexts):
-            c = segment_costs(seg, bounds[s], bounds[s + 1], ctx)
-            if float(c["memory"]) > capacity:
-                worst = math.inf
-                break
-            worst = max(worst, float(c[key]))
-        best = min(best, worst)
-    return None if best == math.inf else best
 
 
 # ---------------------------------------------------------------- the search
@@ -304,7 +283,8 @@ def _candidates(req: Request, num_layers: int):
         raise ConfigError(f"partition.objective ({req.objective!r}) is unknown; use one of {list(OBJECTIVES)}")
     if not 0 <= req.tolerance < 1:
         raise ConfigError(
-            f"partition.tolerance ({req.tolerance}) must be in [0, 1): the fraction of the best objective within which plans tie"
+            f"partition.tolerance ({req.tolerance}) must be in [0, 1): "
+            f"the fraction of the best objective within which plans tie"
         )
     B = req.global_batch_size
     depths = req.depths or [d for d in divisors(req.devices) if d <= num_layers]
@@ -326,14 +306,39 @@ def _candidates(req: Request, num_layers: int):
                 yield d, w, b, m, rc
 
 
-def _make_plan(
-    req: Request, seg: Segments, layer_costs, d, w, b, m, rc, starts, flags, rank_map, contexts, *, simulate_it: bool
-) -> Plan:
-    n = seg.n
-    bounds = [*starts, n]
-    stages = [
-        StageCost.of(seg, bounds[s], bounds[s + 1], dataclasses.replace(contexts[s], swap=flags[s])) for s in range(d)
-    ]
+@dataclass(frozen=True)
+class _Split:
+    """One searched configuration with its stage boundaries: what ``_make_plan`` turns into a Plan."""
+
+    seg: Segments  # the layers' costs at this microbatch size
+    data_parallel: int
+    microbatch_size: int
+    num_microbatches: int
+    recompute: bool
+    starts: List[int]  # first layer of each stage
+    swap_flags: List[bool]  # whether each stage swaps its activations
+    rank_map: List[List[int]]
+    contexts: Sequence[StageContext]  # one per stage, built with swap=False; swap_flags decide
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.contexts)
+
+    def stage_costs(self) -> List[StageCost]:
+        """Each stage's time and memory, swapping where ``swap_flags`` says."""
+        bounds = [*self.starts, self.seg.n]
+        return [
+            StageCost.of(self.seg, bounds[s], bounds[s + 1], dataclasses.replace(ctx, swap=self.swap_flags[s]))
+            for s, ctx in enumerate(self.contexts)
+        ]
+
+
+def _make_plan(req: Request, split: _Split, *, simulate_it: bool) -> Plan:
+    """The Plan for ``split``: its figures from the schedule simulator (``simulate_it``), else the
+    cheaper bound the search ranks by (the slowest stage, or the CPU cores' total work if slower)."""
+    d, w, m = split.num_stages, split.data_parallel, split.num_microbatches
+    bounds = [*split.starts, split.seg.n]
+    stages = split.stage_costs()
     cores = req.topology.cores if req.topology.device == "cpu" else None
     if simulate_it:
         sim = simulate(stages, schedule=req.schedule, num_microbatches=m, data_parallel=w, cores=cores)
@@ -348,13 +353,13 @@ def _make_plan(
         schedule=req.schedule,
         num_stages=d,
         data_parallel=w,
-        microbatch_size=b,
+        microbatch_size=split.microbatch_size,
         num_microbatches=m,
         global_batch_size=req.global_batch_size,
         balance=[bounds[s + 1] - bounds[s] for s in range(d)],
-        rank_map=[list(r) for r in rank_map],
-        recompute=rc,
-        swap_stages=[s for s in range(d) if flags[s]],
+        rank_map=[list(r) for r in split.rank_map],
+        recompute=split.recompute,
+        swap_stages=[s for s in range(d) if split.swap_flags[s]],
         objective=req.objective,
         topology=req.topology.name,
         devices=req.devices,
@@ -381,20 +386,19 @@ def plan(cost_fn: CostFn, req: Request, *, runners_up: int = 4) -> List[Plan]:
     Raises:
         ConfigError: nothing fits; says the smallest per-device memory, or the fewest devices, that would.
     """
-    cache: Dict[int, Tuple[Sequence[LayerCost], Segments]] = {}
+    cache: Dict[int, Segments] = {}
 
-    def segments(b: int):
+    def segments(b: int) -> Segments:
         if b not in cache:
-            layers = cost_fn(b)
-            cache[b] = (layers, Segments(layers))
+            cache[b] = Segments(cost_fn(b))
         return cache[b]
 
-    num_layers = len(segments(1)[0]) if req.microbatch_sizes is None else len(segments(req.microbatch_sizes[0])[0])
-    found: List[Tuple[tuple, Plan, tuple]] = []
+    num_layers = segments(1 if req.microbatch_sizes is None else req.microbatch_sizes[0]).n
+    found: List[Tuple[tuple, Plan, _Split]] = []
     tried = 0
     for d, w, b, m, rc in _candidates(req, num_layers):
         tried += 1
-        layers, seg = segments(b)
+        seg = segments(b)
         rank_map = make_rank_map(req.topology, d, w)
         ctxs = stage_contexts(
             req.topology,
@@ -410,27 +414,30 @@ def plan(cost_fn: CostFn, req: Request, *, runners_up: int = 4) -> List[Plan]:
         if res is None:
             continue
         _, starts, flags = res
-        p = _make_plan(req, seg, layers, d, w, b, m, rc, starts, flags, rank_map, ctxs, simulate_it=False)
-        found.append((_rank_key(req.objective, p), p, (seg, layers, d, w, b, m, rc, starts, flags, rank_map, ctxs)))
+        split = _Split(
+            seg=seg,
+            data_parallel=w,
+            microbatch_size=b,
+            num_microbatches=m,
+            recompute=rc,
+            starts=starts,
+            swap_flags=flags,
+            rank_map=rank_map,
+            contexts=ctxs,
+        )
+        p = _make_plan(req, split, simulate_it=False)
+        found.append((_rank_key(req.objective, p), p, split))
     if not found:
-        raise ConfigError(_infeasible_message(cost_fn, segments, req, tried, num_layers))
+        raise ConfigError(_infeasible_message(segments, req, tried, num_layers))
     order = _order([p for _, p, _ in found], req.objective, req.tolerance)
     found = [found[i] for i in order]
     finalists = []
-    for _, p, args in found[: runners_up + 3]:
-        seg, layers, d, w, b, m, rc, starts, flags, rank_map, ctxs = args
+    for _, _, split in found[: runners_up + 3]:
         if req.objective == "throughput":  # as fast, with the least memory: a min-max split leaves slack elsewhere
-            fastest = max(
-                float(
-                    segment_costs(
-                        seg, starts[s], ([*starts, seg.n])[s + 1], dataclasses.replace(ctxs[s], swap=flags[s])
-                    )["batch_s"]
-                )
-                for s in range(d)
-            )
+            fastest = max(st["batch_s"] for st in split.stage_costs())
             lean = partition(
-                seg,
-                ctxs,
+                split.seg,
+                split.contexts,
                 capacity=req.memory_per_device_bytes,
                 objective="memory",
                 allow_swap=req.swap,
@@ -438,8 +445,8 @@ def plan(cost_fn: CostFn, req: Request, *, runners_up: int = 4) -> List[Plan]:
                 swap_only_if_needed=True,
             )
             if lean is not None:
-                starts, flags = lean[1], lean[2]
-        finalists.append(_make_plan(req, seg, layers, d, w, b, m, rc, starts, flags, rank_map, ctxs, simulate_it=True))
+                split = dataclasses.replace(split, starts=lean[1], swap_flags=lean[2])
+        finalists.append(_make_plan(req, split, simulate_it=True))
     finalists = [finalists[i] for i in _order(finalists, req.objective, req.tolerance)]
     return finalists[: runners_up + 1]
 
@@ -488,7 +495,7 @@ def _min_memory(seg: Segments, req: Request, d: int, w: int, b: int, m: int, *, 
     return math.inf if res is None else res[0]
 
 
-def _infeasible_message(cost_fn: CostFn, segments, req: Request, tried: int, num_layers: int) -> str:
+def _infeasible_message(segments: Callable[[int], Segments], req: Request, tried: int, num_layers: int) -> str:
     cap = req.memory_per_device_bytes / GIB
     what = (
         f"no plan fits: {num_layers} layers, global batch {req.global_batch_size}, {req.schedule}, "
@@ -497,14 +504,15 @@ def _infeasible_message(cost_fn: CostFn, segments, req: Request, tried: int, num
     if tried == 0:
         return (
             f"{what}: no (d, w, b) divides the global batch with d*w = {req.devices} devices "
-            f"(2bw also needs m >= d); change train.global_batch_size, the device count or partition.depths/microbatch_sizes"
+            f"(2bw also needs m >= d); change train.global_batch_size, the device count "
+            f"or partition.depths/microbatch_sizes"
         )
     # The smallest per-device memory on these devices: the memory objective without a cap.
     best = math.inf
     relaxed = dataclasses.replace(req, microbatch_sizes=None, depths=None, recompute=None)
     for d, w, b, m, rc in _candidates(relaxed, num_layers):
         if rc:
-            best = min(best, _min_memory(segments(b)[1], req, d, w, b, m, devices_topo=req.topology))
+            best = min(best, _min_memory(segments(b), req, d, w, b, m, devices_topo=req.topology))
     # The fewest devices at this memory: deeper pipelines (w = 1, b = 1) until one fits.
     fewest = None
     big = dataclasses.replace(req.topology, nodes=1, devices_per_node=num_layers)
@@ -512,7 +520,7 @@ def _infeasible_message(cost_fn: CostFn, segments, req: Request, tried: int, num
         m = req.global_batch_size
         if req.schedule == "2bw" and m < d:
             break
-        if _min_memory(segments(1)[1], req, d, 1, 1, m, devices_topo=big) <= req.memory_per_device_bytes:
+        if _min_memory(segments(1), req, d, 1, 1, m, devices_topo=big) <= req.memory_per_device_bytes:
             fewest = d
             break
     fix = f"needs at least {best / GIB:.3g} GiB per device on {req.devices} devices"
@@ -523,8 +531,8 @@ def _infeasible_message(cost_fn: CostFn, segments, req: Request, tried: int, num
         else f"; even a {num_layers}-stage pipeline does not fit in {cap:.3g} GiB"
     )
     return (
-        f"{what}: it {fix}; raise topology.memory_per_device_gib (topology.host_memory_gib for ranks sharing a CPU host) "
-        f"or the device count, or lower the batch"
+        f"{what}: it {fix}; raise topology.memory_per_device_gib "
+        f"(topology.host_memory_gib for ranks sharing a CPU host) or the device count, or lower the batch"
     )
 
 
@@ -565,17 +573,7 @@ def save_plan(p: Plan, path) -> Path:
     """Writes the plan atomically (complete or absent) as YAML."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(plan_to_text(p))
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_write_text(path, plan_to_text(p), mode=0o644)
     return path
 
 
@@ -588,6 +586,7 @@ def load_plan(path) -> Plan:
     path = Path(path)
     if not path.is_file():
         raise ConfigError(
-            f"partition.path ({path}) is not a file; write a plan with `python -m partitioner plan ...` and point partition.path at it"
+            f"partition.path ({path}) is not a file; "
+            f"write a plan with `python -m partitioner plan ...` and point partition.path at it"
         )
     return plan_from_text(path.read_text(), source=str(path))

@@ -28,7 +28,6 @@ import json
 import os
 import resource
 import statistics
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -45,7 +44,10 @@ from pipedream2bw.config import (
     model_num_layers,
     optimizer_name,
 )
+from pipedream2bw.fileio import atomic_write_text
+from pipedream2bw.memprobe import saved_bytes
 from pipedream2bw.models import build_gpt_layers, lm_loss
+from pipedream2bw.models.gpt import layer_kind
 
 CACHE_VERSION = 1
 
@@ -54,31 +56,9 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("PD2BW_CACHE_DIR", Path.home() / ".cache" / "pipedream2bw"))
 
 
-def _kind(cfg: GPTConfig, index: int) -> str:
-    last = model_num_layers(cfg) - 1
-    return {0: "embedding", last - 1: "norm", last: "head"}.get(index, "block")
-
-
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def _saved_bytes(fn: Callable[[], torch.Tensor], params: Sequence[torch.Tensor]) -> int:
-    """Bytes autograd saves for backward during ``fn()``, each storage once, parameters excluded."""
-    param_ptrs = {p.untyped_storage().data_ptr() for p in params}
-    seen, total = set(), [0]
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in param_ptrs and ptr not in seen:
-            seen.add(ptr)
-            total[0] += t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        fn()
-    return total[0]
 
 
 def _time_passes(
@@ -177,7 +157,7 @@ def profile_layer(
         warmup=warmup,
         repeats=repeats,
     )
-    saved = _saved_bytes(forward, params)
+    saved = saved_bytes(forward, params)
     step_s, opt_bytes = _time_optimizer(params, optim, device=device, warmup=warmup, repeats=repeats)
     return LayerCost(
         name=kind,
@@ -211,18 +191,6 @@ def _cache_key(
     return hashlib.sha256(desc.encode()).hexdigest()[:20]
 
 
-def _atomic_write_text(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def profile_gpt(
     cfg: GPTConfig,
     optim: OptimConfig,
@@ -254,7 +222,7 @@ def profile_gpt(
     try:
         kinds: Dict[str, LayerCost] = {}
         for i in range(model_num_layers(cfg)):
-            kind = _kind(cfg, i)
+            kind = layer_kind(cfg, i)
             if kind not in kinds:
                 layer = build_gpt_layers(cfg, seed=seed, indices=[i])[0]
                 kinds[kind] = profile_layer(
@@ -262,13 +230,15 @@ def profile_gpt(
                 )
     finally:
         torch.set_num_threads(saved_threads)
-    _atomic_write_text(path, json.dumps({k: dataclasses.asdict(v) for k, v in kinds.items()}, indent=1))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(path, json.dumps({k: dataclasses.asdict(v) for k, v in kinds.items()}, indent=1))
     return _expand(cfg, kinds)
 
 
 def _expand(cfg: GPTConfig, kinds: Dict[str, LayerCost]) -> List[LayerCost]:
     return [
-        dataclasses.replace(kinds[_kind(cfg, i)], name=f"{i}:{_kind(cfg, i)}") for i in range(model_num_layers(cfg))
+        dataclasses.replace(kinds[layer_kind(cfg, i)], name=f"{i}:{layer_kind(cfg, i)}")
+        for i in range(model_num_layers(cfg))
     ]
 
 
@@ -312,7 +282,7 @@ def analytic_gpt(
     block_params = 12 * C * C + 13 * C
     layers = []
     for i in range(model_num_layers(cfg)):
-        kind = _kind(cfg, i)
+        kind = layer_kind(cfg, i)
         if kind == "embedding":
             layers.append(make(f"{i}:embedding", 0, 2 * btc, (V + T) * C, b * T * 8, b * T * 8, btc))
         elif kind == "block":
@@ -429,7 +399,7 @@ def profile_any_layer(
     forward_s, backward_s = _time_passes(
         forward, backward, params + float_inputs, device=device, warmup=warmup, repeats=repeats
     )
-    saved = _saved_bytes(forward, params)
+    saved = saved_bytes(forward, params)
     step_s, opt_bytes = _time_optimizer(params, optim, device=device, warmup=warmup, repeats=repeats)
     return LayerCost(
         name=name,

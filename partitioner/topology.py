@@ -3,8 +3,8 @@
 Two levels: within a node (NVLink; loopback on this machine) and across nodes (InfiniBand).
 Rank ``r`` sits on node ``r // devices_per_node``. A stage's replicas average a whole
 gradient every batch while neighbouring stages exchange only activations, so
-``make_rank_map`` keeps replicas on the fastest level first (as ``pipedream2bw.layout`` does by
-default), and the cost model charges each transfer the slowest link it crosses.
+``make_rank_map`` keeps replicas on the fastest level first (``pipedream2bw.layout``'s default
+placement, which the runtime uses), and the cost model charges each transfer the slowest link it crosses.
 """
 
 from __future__ import annotations
@@ -12,7 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import List, Sequence
 
-from pipedream2bw.config import ConfigError, TopologyConfig
+from pipedream2bw.config import TopologyConfig
+from pipedream2bw.errors import ConfigError
+from pipedream2bw.layout import default_layout
 
 GIB = 2**30
 
@@ -24,10 +26,6 @@ class Link:
     name: str
     bandwidth: float
     latency: float
-
-    def transfer_s(self, nbytes: float) -> float:
-        """Time to move one message of ``nbytes`` (0 for an empty message)."""
-        return 0.0 if nbytes <= 0 else self.latency + nbytes / self.bandwidth
 
 
 LOCAL = Link("local", float("inf"), 0.0)  # two replicas of nothing: w = 1, or a rank talking to itself
@@ -65,8 +63,10 @@ def slowest(links: Sequence[Link]) -> Link:
 
 
 def make_rank_map(topo: TopologyConfig, num_stages: int, data_parallel: int) -> List[List[int]]:
-    """``rank_map[stage][replica]``: a stage's replicas on one node when ``w`` divides a node's
-    devices (stage-major), else each replica's stages on consecutive ranks (replica-major).
+    """``rank_map[stage][replica]``: the placement the runtime uses by default
+    (``pipedream2bw.layout.default_layout``, a node's ranks being its ``devices_per_node``): a stage's
+    replicas on one node when ``w`` divides a node's devices (stage-major), else each replica's
+    stages on consecutive ranks (replica-major).
 
     Raises:
         ConfigError: more ranks than the topology has devices.
@@ -77,10 +77,7 @@ def make_rank_map(topo: TopologyConfig, num_stages: int, data_parallel: int) -> 
             f"{d} stages x {w} replicas need {d * w} devices but topology {topo.name!r} has {num_devices(topo)}; "
             f"raise topology.nodes or topology.devices_per_node"
         )
-    dpn = topo.devices_per_node
-    if w <= dpn and dpn % w == 0:
-        return [[s * w + r for r in range(w)] for s in range(d)]
-    return [[r * d + s for r in range(w)] for s in range(d)]
+    return [list(row) for row in default_layout(d, w, ranks_per_node=topo.devices_per_node).ranks]
 
 
 def p2p_links(topo: TopologyConfig, rank_map: Sequence[Sequence[int]]) -> List[Link]:

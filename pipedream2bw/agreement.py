@@ -1,6 +1,6 @@
 """What every stage must agree on before batch t's optimizer step: the global gradient norm and non-finite flags.
 
-DESIGN.md section 7. Each rank closes batch t (CLOSE(t), right after its last backward)
+docs/design.md section 7. Each rank closes batch t (CLOSE(t), right after its last backward)
 by putting its share into one small float64 vector, which is summed over all ranks while
 training goes on; it applies the step (APPLY(t)) once the sum is in. Layout of the vector,
 d stages:
@@ -78,8 +78,8 @@ class StepRule:
     Subclasses (an fp16 loss scaler) may override ``needs_agreement`` (True), ``loss_scale(t)``
     (what batch t's loss is multiplied by; ``unscale(t)``, its inverse, turns batch t's
     accumulated gradients into true ones, for the norm at CLOSE(t) and at APPLY(t), so it must
-    not change between the first backward of batch t and its APPLY) and ``decide`` (e.g. lower the scale and skip on ``outcome.nonfinite``). ``decide``
-    runs on every rank with the same outcome, so the ranks stay in agreement.
+    not change between the first backward of batch t and its APPLY) and ``decide`` (e.g. lower the scale and skip
+    on ``outcome.nonfinite``). ``decide`` runs on every rank with the same outcome, so the ranks stay in agreement.
     """
 
     def __init__(self, *, clip_grad_norm: Optional[float] = None, on_nonfinite: str = "stop"):

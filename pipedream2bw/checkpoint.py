@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import copy
 import hashlib
-import io
 import json
 import logging
 import random
@@ -44,8 +43,8 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from pipedream2bw.config import ConfigError
-from pipedream2bw.results import atomic_write
+from pipedream2bw.errors import ConfigError
+from pipedream2bw.fileio import atomic_rename, atomic_torch_save, atomic_write_json
 
 log = logging.getLogger(__name__)
 
@@ -73,11 +72,7 @@ def _layer_index(name: str) -> int:
 
 def _save(obj: Any, path: Path) -> str:
     """Writes ``obj`` atomically; returns the SHA-256 of the bytes written."""
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    data = buf.getvalue()
-    atomic_write(path, data)
-    return hashlib.sha256(data).hexdigest()
+    return hashlib.sha256(atomic_torch_save(obj, path)).hexdigest()
 
 
 def _sha256(path: Path) -> str:
@@ -164,8 +159,9 @@ class Checkpointer:
         """Starts writing the checkpoint of ``step`` steps if one is due. ``state`` makes the stage's
         copies (``WeightVersions.state``); ``losses`` are all losses so far (rank 0, else None);
         ``history``: more per-step records for the manifest (rank 0: learning rates, gradient
-        norms, skipped steps; the fp16 loss scaler's state, which a resume at any layout loads); ``rng``: the RNG states to save, if not this moment's (a deferred
-        step saves those taken where the step's batch ended).
+        norms, skipped steps; the fp16 loss scaler's state, which a resume at any layout loads);
+        ``rng``: the RNG states to save, if not this moment's (a deferred step saves those taken
+        where the step's batch ended).
 
         Raises:
             RuntimeError: the previous checkpoint's write failed on this rank.
@@ -247,27 +243,16 @@ class Checkpointer:
             "files": files,
             "written_at": time.time(),
         }
-        atomic_write(partial / MANIFEST, (json.dumps(manifest, indent=1) + "\n").encode())
+        atomic_write_json(partial / MANIFEST, manifest, indent=1)
         if final.exists():  # from an attempt that crashed after this step: keep it, out of the way
             final.rename(final.with_name(f"{final.name}.replaced-{int(time.time())}"))
-        partial.rename(final)
-        _fsync_dir(self.root)
+        atomic_rename(partial, final)  # the checkpoint exists once this rename is on disk
         log.info("checkpoint of step %d written to %s", step, final)
         for old in complete_checkpoints(self.root)[self.keep :]:
             shutil.rmtree(old, ignore_errors=True)
         for stale in self.root.glob(".step_*.partial"):
             if int(stale.name[len(".step_") : -len(".partial")]) < step:
                 shutil.rmtree(stale, ignore_errors=True)
-
-
-def _fsync_dir(path: Path) -> None:
-    import os
-
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def complete_checkpoints(root: Path) -> List[Path]:
@@ -363,7 +348,8 @@ def check_ties(manifest: Mapping[str, Any], ties: Sequence[Sequence[str]], where
     if saved != sorted(list(t) for t in ties):
         raise ConfigError(
             f"checkpoint {where} was written for a model with tied parameters {saved or 'none'}, but this model ties "
-            f"{sorted(list(t) for t in ties) or 'none'}; use the model config it was trained with (e.g. model.tie_embeddings), "
+            f"{sorted(list(t) for t in ties) or 'none'}; use the model config it was trained with (e.g. "
+            "model.tie_embeddings), "
             f"or train.resume=never to start afresh"
         )
 
@@ -429,9 +415,7 @@ def consolidate(path: Path, out: Optional[Path] = None) -> Path:
         for alias in names[1:]:
             state[alias] = state[names[0]]
     out = Path(out) if out is not None else chosen.parent.parent / f"consolidated_step_{manifest['step']:08d}.pt"
-    buf = io.BytesIO()
-    torch.save(state, buf)
-    atomic_write(out, buf.getvalue())
+    atomic_torch_save(state, out)
     return out
 
 

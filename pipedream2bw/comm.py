@@ -316,9 +316,8 @@ class P2P:
     def __init__(self, ctx: DistContext, *, batch_sends: bool = False, group: Any = None):
         self.ctx, self.batch_sends, self.group = ctx, batch_sends, group  # group: None is the default group
         self._agreed: Dict[Tuple[int, int], Tuple[torch.Size, torch.dtype]] = {}
-        self._sends: Deque[Tuple[Any, Any, Optional[int], Optional[int]]] = (
-            deque()
-        )  # (work, what it keeps alive, peer, token)
+        # (work, what it keeps alive, peer, token)
+        self._sends: Deque[Tuple[Any, Any, Optional[int], Optional[int]]] = deque()
         self._deferred: List[Tuple[Any, int, Optional[int]]] = []  # (P2POp, peer, token) waiting for the next receive
         self._loss_sends: Deque[Tuple[Any, torch.Tensor]] = deque()
         self._value_sends: List[Tuple[Any, torch.Tensor, int]] = []  # send_value's: (work, value, peer)

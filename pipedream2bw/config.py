@@ -11,12 +11,9 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
+from pipedream2bw.errors import ConfigError  # re-exported: users' code imports it from here
+
 log = logging.getLogger(__name__)
-
-
-class ConfigError(ValueError):
-    """A config value that cannot work; the message names the value, why, and the fix."""
-
 
 SCHEDULES = ("2bw", "flush", "gpipe")
 WANDB_MODES = ("offline", "online", "disabled")
@@ -150,7 +147,8 @@ class TrainConfig:
     warmup_steps: int = 3
     """Steps left out of the throughput figures."""
     global_batch_size: Optional[int] = None
-    """Sequences per batch over all replicas; null means data_parallel * num_microbatches * microbatch_size, else it must equal that."""
+    """Sequences per batch over all replicas; null means data_parallel * num_microbatches * microbatch_size,
+    else it must equal that."""
     on_nonfinite: str = "stop"
     """A non-finite loss or gradient in a batch: 'stop' (every rank exits non-zero; the message names the step,
     the stage and which was non-finite; the last complete checkpoint is kept) or 'skip' (no stage or replica
@@ -265,7 +263,8 @@ class PartitionConfig:
     """Plans within this fraction of the best objective count as tied; among them the other objective
     decides (throughput: least peak memory; memory: most samples/s)."""
     costs: str = "auto"
-    """Layer costs: 'profile' (measure here), 'analytic' (FLOP-based), 'auto' (profile if topology.device is this machine's)."""
+    """Layer costs: 'profile' (measure here), 'analytic' (FLOP-based), 'auto' (profile if topology.device is this
+    machine's)."""
     microbatch_sizes: Optional[List[int]] = None
     """Candidate microbatch sizes b; null: every divisor of the per-replica batch up to 64."""
     depths: Optional[List[int]] = None
@@ -286,14 +285,16 @@ class PartitionConfig:
 
 @dataclass
 class SwapConfig:
-    """Swapping of stashed activations to host memory (DESIGN.md section 5; pipedream2bw/swap.py)."""
+    """Swapping of stashed activations to host memory (docs/design.md section 5; pipedream2bw/swap.py)."""
 
     enabled: bool = False
     """Swap on every stage; false swaps only the stages listed in ``stages``."""
     stages: Optional[List[int]] = None
-    """Stage indices to swap on, e.g. [0, 1] (stage 0 holds the most microbatches in flight); null: none, unless enabled."""
+    """Stage indices to swap on, e.g. [0, 1] (stage 0 holds the most microbatches in flight); null: none, unless
+    enabled."""
     min_bytes: int = 65536
-    """Only saved storages of at least this many bytes move; smaller ones stay (the copy would cost more than it frees)."""
+    """Only saved storages of at least this many bytes move; smaller ones stay (the copy would cost more than it
+    frees)."""
     resident: int = 1
     """Microbatches waiting for their backward whose activations stay on the device, besides the one being computed:
     1 brings microbatch k+1 back while k's backward runs; 0 fetches each at the start of its own backward (no overlap).
@@ -501,8 +502,9 @@ def _validate_precision(cfg: Config) -> None:
     t = cfg.train
     if cfg.partition.analytic_dtype_bytes is not None:
         raise ConfigError(
-            f"partition.analytic_dtype_bytes ({cfg.partition.analytic_dtype_bytes}) was replaced by train.precision, which the "
-            f"planner's costs now follow (weights, activations, transfers); drop it and set train.precision=bf16, fp16 or fp32"
+            f"partition.analytic_dtype_bytes ({cfg.partition.analytic_dtype_bytes}) was replaced by train.precision, "
+            "which the planner's costs now follow (weights, activations, transfers); drop it and set "
+            "train.precision=bf16, fp16 or fp32"
         )
     if t.precision not in PRECISIONS:
         raise ConfigError(f"train.precision ({t.precision!r}) is unknown; use one of {list(PRECISIONS)}")
@@ -626,7 +628,8 @@ def validate(cfg: Config, *, world_size: int, num_layers: Optional[int] = None, 
         )
     if t.eval_every < 0 or t.eval_batches < 1:
         raise ConfigError(
-            f"train.eval_every ({t.eval_every}) must be >= 0 (0: no validation) and train.eval_batches ({t.eval_batches}) >= 1"
+            f"train.eval_every ({t.eval_every}) must be >= 0 (0: no validation) and train.eval_batches "
+            f"({t.eval_batches}) >= 1"
         )
     from pipedream2bw.data import check_data  # data.py imports this module
 
@@ -640,8 +643,8 @@ def validate(cfg: Config, *, world_size: int, num_layers: Optional[int] = None, 
         first = t.warmup_steps if p.trace_first_step is None else p.trace_first_step
         if p.trace_steps < 1 or first < 0 or first + p.trace_steps > t.num_steps:
             raise ConfigError(
-                f"pipeline.trace_first_step ({first}) and pipeline.trace_steps ({p.trace_steps}) must trace at least one of "
-                f"the train.num_steps ({t.num_steps}) steps and no more; lower them or raise train.num_steps"
+                f"pipeline.trace_first_step ({first}) and pipeline.trace_steps ({p.trace_steps}) must trace at least "
+                f"one of the train.num_steps ({t.num_steps}) steps and no more; lower them or raise train.num_steps"
             )
     _validate_precision(cfg)
     if cfg.wandb.mode not in WANDB_MODES:
@@ -705,7 +708,8 @@ def target_optim_config(entry: Dict[str, Any]) -> OptimConfig:
     entry = dict(entry)
     if not entry.get("_target_") or entry["_target_"] == "???":
         raise ConfigError(
-            f"the optim entry ({entry}) names no optimizer; set optim._target_=torch.optim.SGD (optim=custom) or use optim.name"
+            f"the optim entry ({entry}) names no optimizer; set optim._target_=torch.optim.SGD (optim=custom) or use "
+            "optim.name"
         )
     if entry.pop("_partial_", None) is not True:
         raise ConfigError(

@@ -15,7 +15,8 @@ from typing import Optional, Tuple, Union
 import numpy as np
 import torch
 
-from pipedream2bw.config import ConfigError, DataConfig
+from pipedream2bw.config import DataConfig
+from pipedream2bw.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -218,8 +219,10 @@ def _check_file(path: Optional[str], key: str, dtype: str, *, vocab_size: Option
     )
     if first_bad is not None:
         raise ConfigError(
-            f"{key} ({path}) holds token id {max_id} (first id >= {vocab_size} at position {first_bad}), but model.vocab_size "
-            f"is {vocab_size}: the data's vocabulary does not fit the model's; set model.vocab_size={max_id + 1} or more "
+            f"{key} ({path}) holds token id {max_id} (first id >= {vocab_size} at position {first_bad}), but "
+            "model.vocab_size "
+            f"is {vocab_size}: the data's vocabulary does not fit the model's; set model.vocab_size={max_id + 1} or "
+            "more "
             f"(the tokenizer's vocabulary size), or check data.token_dtype"
         )
     return DataInfo("tokens", num_tokens, max_id)
@@ -285,9 +288,8 @@ class MicrobatchFeed:
         return torch.randint(0, len(self.data) - self.seq_len - 1, (global_batch,), generator=gen)
 
     def _batch_windows(self, batch_index: int) -> torch.Tensor:
-        return torch.from_numpy(
-            read_windows(self.data, self.starts(batch_index).numpy(), self.seq_len + 1)
-        )  # (w*m*b, T+1)
+        # (w*m*b, T+1)
+        return torch.from_numpy(read_windows(self.data, self.starts(batch_index).numpy(), self.seq_len + 1))
 
     def _window(self, mb_index: int) -> torch.Tensor:
         batch_index, j = divmod(mb_index, self.num_microbatches)

@@ -89,16 +89,16 @@ class Evaluator:
                     x = self.feed.inputs(e).to(self.device, non_blocking=True)
                 else:
                     x = self.p2p.wait_recv(self.p2p.post_recv(peer=self.prev, tag=EVAL_TAG), peer=self.prev)
-                    x = (
-                        x.float() if x.dtype == self._wire_dtype and self.precision != "fp32" else x
-                    )  # as training's stages do
+                    # as training's stages do
+                    x = x.float() if x.dtype == self._wire_dtype and self.precision != "fp32" else x
                 with autocast(self.precision, self.device.type):
                     out = module(x)
                 if self.next is None:
                     losses.append(self.loss_fn(out.float(), self.feed.targets(e).to(self.device, non_blocking=True)))
                 elif not torch.is_tensor(out):
                     raise NotImplementedError(
-                        f"validation passes carry one tensor across a stage boundary; this stage returns {type(out).__name__}: "
+                        "validation passes carry one tensor across a stage boundary; this stage returns "
+                        f"{type(out).__name__}: "
                         f"set train.eval_every=0 for a model whose stages pass tuples or dicts"
                     )
                 else:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable, List
+from typing import List, Optional
 
 import torch
 from torch import nn
@@ -18,12 +18,13 @@ class HostOptimizerVersions(WeightVersions):
     bucket's gradient (scaled on the device) is copied to the host, the optimizer steps there,
     and the result is copied into the device replica that will hold W(t+1). The device keeps
     the weight versions and the gradient being accumulated, but no optimizer state. The update
-    rule is unchanged (DESIGN.md section 2); on a GPU the host's float32 arithmetic may round
+    rule is unchanged (docs/design.md section 2); on a GPU the host's float32 arithmetic may round
     differently from the GPU's.
     """
 
     def _make_masters(self, module: nn.Module) -> List[nn.Parameter]:
-        """Host copies of the weights (pinned when the module is on a GPU); optimizer state is made lazily, so none is on the device."""
+        """Host copies of the weights (pinned when the module is on a GPU); optimizer state is made lazily, so none
+        is on the device."""
         pin = next(module.parameters()).device.type == "cuda"
         return [
             nn.Parameter(
@@ -33,26 +34,17 @@ class HostOptimizerVersions(WeightVersions):
             for p in module.parameters()
         ]
 
-    @torch.no_grad()
-    def step(
-        self, batch_index: int, *, grad_scale: float, before_bucket: Callable[[int], None] = lambda i: None
-    ) -> None:
-        """Closes batch t: W(t+1) = W(t) - optimizer_step(grad_scale * gradients), stepped on the host."""
-        t = batch_index
-        src = list(self.module_for_batch(t).parameters())
-        dst_index = self._destination(t)
-        dst = list(self.replicas[dst_index].parameters())  # fully overwritten with W(t+1) below
-        for bucket_index, (bucket, optimizer) in enumerate(zip(self.buckets, self.optimizers)):
-            before_bucket(bucket_index)
-            for i in bucket:
-                g = src[i].grad
-                self.master[i].grad = None if g is None else g.mul_(grad_scale).to("cpu")
-                src[i].grad = None
-            optimizer.step()
-            for i in bucket:
-                self.master[i].grad = None
-                dst[i].copy_(self.master[i], non_blocking=True)
-        self.holds[dst_index] = t + 1
+    def _prepare_destination(self, dst_index: int, t: int) -> None:
+        """Nothing: the masters hold W(t), and every parameter of the destination is overwritten from them."""
+
+    def _attach_master(self, i: int, dst: nn.Parameter, grad: Optional[torch.Tensor]) -> None:
+        """The host master of parameter ``i`` takes a host copy of its (scaled) gradient."""
+        self.master[i].grad = None if grad is None else grad.to("cpu")
+
+    def _detach_master(self, i: int, dst: nn.Parameter) -> None:
+        """After its bucket's host step: the new weights W(t+1) go to the device replica ``dst``."""
+        self.master[i].grad = None
+        dst.copy_(self.master[i], non_blocking=True)
 
     @torch.no_grad()
     def load_state(self, **state) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence, Tuple
 
-from pipedream2bw.config import ConfigError
+from pipedream2bw.errors import ConfigError
 
 
 @dataclass(frozen=True)

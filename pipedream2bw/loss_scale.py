@@ -89,7 +89,7 @@ class ScaledStepRule(StepRule):
 
     Batch t runs with the scale left by the updates of batches up to ``t - lag``. Under 2bw the
     step of batch t-1 is applied after batch t's backwards have started on the last stage (it waits
-    for the agreement while batch t runs, DESIGN.md section 7), so there ``lag`` is 2; under flush
+    for the agreement while batch t runs, docs/design.md section 7), so there ``lag`` is 2; under flush
     and gpipe, 1. Every rank then uses the same scale for batch t whenever it applies the steps.
     ``train.on_nonfinite=stop`` stops the run only when the scale falls below ``min_scale``.
 
@@ -132,7 +132,8 @@ class ScaledStepRule(StepRule):
             if self.on_nonfinite == "stop" and self.scaler.below_floor():
                 raise NonFiniteError(
                     stop_message(
-                        f"{outcome.describe()}: the fp16 loss scale fell to {self.scaler.scale:g}, below train.loss_scale_min "
+                        f"{outcome.describe()}: the fp16 loss scale fell to {self.scaler.scale:g}, below "
+                        "train.loss_scale_min "
                         f"({self.scaler.min_scale:g}); the gradients keep overflowing"
                     )
                 )

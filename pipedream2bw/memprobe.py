@@ -1,12 +1,13 @@
-"""Peak tensor memory of a block of code: the CUDA allocator's counter, or torch.profiler's memory events on a CPU."""
+"""Tensor memory of a block of code: its peak (CUDA allocator or torch.profiler) and what autograd saves in it."""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import tempfile
+import weakref
 from pathlib import Path
-from typing import Dict, Iterator, Optional
+from typing import Any, Callable, Dict, Iterable, Iterator, Optional, Set
 
 import torch
 
@@ -70,3 +71,39 @@ def tensor_peak(device: torch.device, *, within: Optional[str] = None) -> Iterat
     ]
     box["bytes"] = max(totals, default=0)
     box["end_bytes"] = totals[-1] if totals else 0
+
+
+def storage_ptrs(tensors: Iterable[torch.Tensor]) -> Set[int]:
+    """The addresses of the storages under ``tensors`` (what ``SavedBytes`` leaves out)."""
+    return {t.untyped_storage().data_ptr() for t in tensors}
+
+
+class SavedBytes(torch.autograd.graph.saved_tensors_hooks):
+    """While active, counts in ``nbytes`` the bytes autograd saves for backward: each storage once,
+    leaving out those at ``param_ptrs`` (the parameters', which are held anyway).
+
+    Its ``pack_hook`` and ``unpack_hook`` may be chained by other hooks (``swap.SwapManager.forward``'s
+    ``outer``), as torch applies only the innermost pair.
+    """
+
+    def __init__(self, param_ptrs: Set[int]):
+        self.nbytes = 0
+        seen: Dict[int, Any] = {}  # pointer -> weak reference: a swapped storage may be freed and its address reused
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            storage = t.untyped_storage()
+            ptr = storage.data_ptr()
+            if ptr not in param_ptrs and (ptr not in seen or seen[ptr]() is not storage):
+                seen[ptr] = weakref.ref(storage)
+                self.nbytes += storage.nbytes()
+            return t
+
+        super().__init__(pack, lambda t: t)
+
+
+def saved_bytes(fn: Callable[[], Any], params: Iterable[torch.Tensor]) -> int:
+    """Bytes autograd saves for backward during ``fn()`` (``SavedBytes``), ``params`` excluded."""
+    saved = SavedBytes(storage_ptrs(params))
+    with saved:  # (its __enter__ returns None)
+        fn()
+    return saved.nbytes

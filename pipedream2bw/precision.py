@@ -1,7 +1,7 @@
 """Pure: training precision (fp32, bf16, fp16 under autocast), its compute dtype and its bytes per parameter.
 
 Under bf16 and fp16 every stage runs its forward under ``torch.autocast`` while the weight
-versions stay float32: they are the master weights the optimizer steps (DESIGN.md section 8,
+versions stay float32: they are the master weights the optimizer steps (docs/design.md section 8,
 first option). So, per parameter, a stage holds (``param_memory``)::
 
     versions x 4 B      weight versions (2 under 2bw, 1 under flush/gpipe), float32 = the masters
@@ -119,7 +119,8 @@ def param_memory(
 def markdown_table(*, optimizer: str = "adamw") -> str:
     """The README's bytes-per-parameter table for ``optimizer``, from ``param_memory``."""
     rows = [
-        "| precision | schedule | weight versions | master | gradients | optimizer | total | per microbatch in flight |",
+        "| precision | schedule | weight versions | master | gradients | optimizer | total | per microbatch in flight "
+        "|",
         "|---|---|---|---|---|---|---|---|",
     ]
     for precision in ("fp32", "bf16", "fp16"):
@@ -127,7 +128,8 @@ def markdown_table(*, optimizer: str = "adamw") -> str:
             pm = param_memory(precision, schedule=schedule, optimizer=optimizer)
             cast = f"{pm.cast_per_microbatch} B per matmul parameter" if pm.cast_per_microbatch else "-"
             rows.append(
-                f"| {precision} | {schedule if schedule == '2bw' else 'flush, gpipe'} | {pm.versions} x {pm.weight_copy} B | "
+                f"| {precision} | {schedule if schedule == '2bw' else 'flush, gpipe'} | {pm.versions} x "
+                f"{pm.weight_copy} B | "
                 f"{pm.master} B | {pm.gradient} B | {pm.optimizer:g} B | {pm.total:g} B | {cast} |"
             )
     return "\n".join(rows)

@@ -1,47 +1,15 @@
-"""Run results: summary figures from the stages' stats, and atomic writes of what we save."""
+"""Run results: the summary figures of a run, from the stages' stats."""
 
 from __future__ import annotations
 
-import io
-import json
-import os
 import statistics
-import tempfile
 from pathlib import Path
-from typing import Any, Dict, List, Sequence
+from typing import TYPE_CHECKING, Any, Dict, List, Sequence
 
-import torch
+from pipedream2bw.fileio import atomic_write_json
 
-from pipedream2bw.stage import StageStats
-
-
-def atomic_write(path: Path, data: bytes) -> None:
-    """Writes ``data`` to ``path`` so that the file is either complete or absent (tmp, fsync, rename)."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        umask = os.umask(0)
-        os.umask(umask)
-        os.fchmod(fd, 0o666 & ~umask)  # mkstemp makes 0600; give the file the mode a plain open() would
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
-
-
-def save_state_dict(state: Dict[str, torch.Tensor], path: Path) -> None:
-    buf = io.BytesIO()
-    torch.save(state, buf)
-    atomic_write(path, buf.getvalue())
+if TYPE_CHECKING:  # annotations only: results (and what imports it) stays below the stage worker
+    from pipedream2bw.stage import StageStats
 
 
 def throughput(
@@ -105,4 +73,4 @@ def summarize(
 
 
 def write_summary(summary: Dict[str, Any], run_dir: Path) -> None:
-    atomic_write(Path(run_dir) / "summary.json", (json.dumps(summary, indent=2) + "\n").encode())
+    atomic_write_json(Path(run_dir) / "summary.json", summary)

@@ -10,7 +10,7 @@ import os
 import time
 from collections import OrderedDict
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.utils.checkpoint
@@ -20,14 +20,34 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 from pipedream2bw import checkpoint, comm, evaluate, schedule, ties, timeline
 from pipedream2bw import precision as precisions
 from pipedream2bw.agreement import StepRule
-from pipedream2bw.config import Config, ConfigError, GPTConfig, build_optimizer, optimizer_name, swap_stages, validate
+from pipedream2bw.config import (
+    Config,
+    DataConfig,
+    DistConfig,
+    GPTConfig,
+    OptimConfig,
+    PipelineConfig,
+    SwapConfig,
+    TrainConfig,
+    WandbConfig,
+    build_optimizer,
+    model_num_layers,
+    optimizer_name,
+    swap_stages,
+    validate,
+)
 from pipedream2bw.data import data_resident_bytes, make_feeds
+from pipedream2bw.errors import ConfigError
+from pipedream2bw.fileio import atomic_torch_save as save_state_dict
+from pipedream2bw.fileio import atomic_write
 from pipedream2bw.host_optim import HostOptimizerVersions
 from pipedream2bw.layout import Layout, make_layout
 from pipedream2bw.loss_scale import LossScaler, ScaledStepRule
 from pipedream2bw.lr_schedule import lr_at
 from pipedream2bw.models.factory import ModelSource, model_source
-from pipedream2bw.results import atomic_write, save_state_dict, summarize, write_summary
+from pipedream2bw.results import summarize, write_summary
+from pipedream2bw.runtime import RankPlan
+from pipedream2bw.schedule import Action
 from pipedream2bw.stage import Peers, StageStats, StageWorker
 from pipedream2bw.swap import SwapManager, make_backend
 from pipedream2bw.tracking import Tracker, progress_bar
@@ -68,6 +88,28 @@ class RecomputeSequential(nn.Sequential):
         return x
 
 
+def stage_module(
+    indices: Sequence[int],
+    layers: Optional[Sequence[nn.Module]],
+    source: Optional[ModelSource],
+    *,
+    recompute: bool = False,
+    tied: Sequence[ties.Tie] = (),
+) -> nn.Sequential:
+    """The layers ``indices`` of the whole list as one stage, keyed by global layer index.
+
+    Keys are the layers' positions in the whole list, so parameter names match those of
+    ``nn.Sequential(*all_layers)``: a stage's state_dict is a slice of the full model's. Layers
+    come from ``layers``, else from ``source``; the names of each of ``tied`` that this stage holds
+    refer to one parameter; ``recompute`` (``pipeline.recompute``) re-runs each layer in backward.
+    """
+    own = [layers[i] for i in indices] if layers is not None else source.build(indices)
+    cls = RecomputeSequential if recompute else nn.Sequential
+    module = cls(OrderedDict((str(i), layer) for i, layer in zip(indices, own)))
+    ties.retie(module, tied)
+    return module
+
+
 def build_stage_module(
     cfg: Config,
     balance: Sequence[int],
@@ -77,23 +119,34 @@ def build_stage_module(
     tied: Sequence[ties.Tie] = (),
     source: Optional[ModelSource] = None,
 ) -> nn.Sequential:
-    """This stage's contiguous slice of the layer list, keyed by global layer index.
-
-    Keys are the layers' positions in the whole list, so parameter names match those of
-    ``nn.Sequential(*all_layers)``: a stage's state_dict is a slice of the full model's. Layers
-    come from ``layers``, else from ``source`` (default: ``cfg.model``'s); the names of each of
-    ``tied`` that this stage holds refer to one parameter.
-    """
+    """Stage ``stage_index``'s module (``stage_module``) of the model ``cfg.model`` describes (or of
+    ``layers``, or ``source``) split by ``balance``: for tools and tests that hold a config."""
     start = sum(balance[:stage_index])
     indices = range(start, start + balance[stage_index])
-    if layers is not None:
-        own = [layers[i] for i in indices]
-    else:
-        own = (source or model_source(cfg.model, seed=cfg.seed)).build(indices)
-    cls = RecomputeSequential if cfg.pipeline.recompute else nn.Sequential
-    module = cls(OrderedDict((str(i), layer) for i, layer in zip(indices, own)))
-    ties.retie(module, tied)
-    return module
+    if layers is None:
+        source = source or model_source(cfg.model, seed=cfg.seed)
+    return stage_module(indices, layers, source, recompute=cfg.pipeline.recompute, tied=tied)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Model:
+    """The model a run trains: the caller's layer list, else the source that builds it from config;
+    its loss and its parameters shared across layers."""
+
+    layers: Optional[Sequence[nn.Module]]
+    source: Optional[ModelSource]
+    loss_fn: Callable[[Any, torch.Tensor], torch.Tensor]
+    tied: Sequence[ties.Tie]
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers) if self.layers is not None else self.source.num_layers
+
+    def param_shapes(self) -> Dict[str, List[int]]:
+        """Names and shapes of the whole model's state, as a checkpoint stores them (no memory used
+        for a model from config: it is built on the meta device)."""
+        layers = self.layers if self.layers is not None else self.source.meta()
+        return {k: list(v.shape) for k, v in nn.Sequential(*layers).state_dict().items()}
 
 
 def run(
@@ -125,6 +178,7 @@ def run(
     if loss_fn is None:
         loss_fn = source.loss_fn if source is not None else model_source(cfg.model, seed=cfg.seed).loss_fn
     tied = ties.find_ties(layers if layers is not None else source.meta())  # every rank, before any group
+    model = _Model(layers, source, loss_fn, tied)
     rank, world_size, local_rank = comm.env_rank()
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     set_log_prefix(f"[rank {rank}]")
@@ -140,11 +194,10 @@ def run(
             world_size=world_size,
             local_world_size=local_world_size,
             run_dir=Path(run_dir),
-            layers=layers,
-            loss_fn=loss_fn,
+            model=model,
         )
     gpt = layers is None and isinstance(cfg.model, GPTConfig)  # the GPT's own default split
-    num_layers = None if gpt else len(layers) if layers is not None else source.num_layers
+    num_layers = None if gpt else model.num_layers
     balance = validate(cfg, world_size=world_size, num_layers=num_layers, local_world_size=local_world_size)
     layout = make_layout(
         cfg.pipeline.num_stages,
@@ -157,7 +210,7 @@ def run(
     run_dir.mkdir(parents=True, exist_ok=True)
     if store is None:  # made after validate: a bad config fails every rank at once, with no rendezvous
         store = comm.make_store(rank=rank, world_size=world_size, timeout_s=cfg.dist.timeout_s)
-    resume = _choose_checkpoint(cfg, run_dir, agreed or comm.run_scope(store), rank, world_size, layers, source, tied)
+    resume = _choose_checkpoint(cfg.train, run_dir, agreed or comm.run_scope(store), rank, world_size, model)
     ctx = comm.init(
         store=store,
         rank=rank,
@@ -176,9 +229,8 @@ def run(
                 "plan": dataclasses.asdict(plan),  # logged to wandb as a table
             }
         )
-        summary = _train(
-            cfg, run_dir, ctx, layout, balance, layers, loss_fn, resume, predictions, source=source, tied=tied
-        )
+        rt = RankPlan.from_config(cfg, layout=layout, balance=balance, ctx=ctx, resume=resume)
+        summary = _train(cfg, rt, ctx, run_dir, model, resume, predictions)
     except BaseException as e:
         first = ctx.monitor.report(layout.position(rank)[0], e)
         failed_here = first.startswith(f"rank {rank} ")
@@ -195,25 +247,8 @@ def run(
     return summary
 
 
-def _param_shapes(
-    cfg: Config, layers: Optional[Sequence[nn.Module]], source: Optional[ModelSource] = None
-) -> Dict[str, List[int]]:
-    """Names and shapes of the whole model's state, as a checkpoint stores them (no memory used
-    for a model from config: it is built on the meta device)."""
-    if layers is None:
-        layers = (source or model_source(cfg.model, seed=cfg.seed)).meta()
-    return {k: list(v.shape) for k, v in nn.Sequential(*layers).state_dict().items()}
-
-
 def _choose_checkpoint(
-    cfg: Config,
-    run_dir: Path,
-    store: Any,
-    rank: int,
-    world_size: int,
-    layers,
-    source=None,
-    tied: Sequence[ties.Tie] = (),
+    train: TrainConfig, run_dir: Path, store: Any, rank: int, world_size: int, model: _Model
 ) -> Optional[Tuple[Path, Dict[str, Any]]]:
     """The checkpoint to resume from, per ``train.resume``: rank 0 chooses (verifying checksums,
     setting corrupt ones aside, refusing another model's) and every rank gets its choice,
@@ -223,7 +258,7 @@ def _choose_checkpoint(
         ConfigError: on every rank, when the checkpoint asked for is missing, of another
             model, or already at ``train.num_steps``.
     """
-    t = cfg.train
+    t = train
     if t.resume == "never":
         return None
     answer, key = None, "resume"
@@ -238,8 +273,8 @@ def _choose_checkpoint(
                     f"point it at another checkpoint or use train.resume=never"
                 )
             if path is not None:
-                checkpoint.check_model(manifest, _param_shapes(cfg, layers, source), path)
-                checkpoint.check_ties(manifest, [list(t.names) for t in tied], path)
+                checkpoint.check_model(manifest, model.param_shapes(), path)
+                checkpoint.check_ties(manifest, [list(t.names) for t in model.tied], path)
                 if manifest["step"] >= t.num_steps:
                     raise ConfigError(
                         f"checkpoint {path} is at step {manifest['step']}, and train.num_steps is {t.num_steps}: "
@@ -270,8 +305,7 @@ def _resolve_partition(
     world_size: int,
     local_world_size: int,
     run_dir: Path,
-    layers: Optional[Sequence[nn.Module]] = None,
-    loss_fn: Optional[Callable] = None,
+    model: _Model,
 ):
     """``partition=auto|file``: rank 0 plans (or reads the plan file) and shares the plan's text
     through the rendezvous store, before any process group starts; every rank applies it.
@@ -297,7 +331,9 @@ def _resolve_partition(
                 text = plan_to_text(load_plan(cfg.partition.path))
             else:
                 topo = runtime_topology(cfg.topology, world_size=world_size, local_world_size=local_world_size)
-                best = plan_config(cfg, devices=world_size, topology=topo, layers=layers, loss_fn=loss_fn)[0]
+                best = plan_config(cfg, devices=world_size, topology=topo, layers=model.layers, loss_fn=model.loss_fn)[
+                    0
+                ]
                 run_dir.mkdir(parents=True, exist_ok=True)
                 save_plan(best, cfg.partition.path or run_dir / "plan.yaml")
                 text = plan_to_text(best)
@@ -323,7 +359,10 @@ def _resolve_partition(
         plan.recompute,
         plan.predicted_samples_per_s,
     )
-    return apply_plan(cfg, plan, world_size=world_size, num_layers=None if layers is None else len(layers)), plan
+    gpt = model.layers is None and isinstance(cfg.model, GPTConfig)
+    num_layers = model_num_layers(cfg.model) if gpt else model.num_layers
+    pipeline, swap = apply_plan(cfg.pipeline, cfg.swap, plan, world_size=world_size, num_layers=num_layers)
+    return dataclasses.replace(cfg, pipeline=pipeline, swap=swap), plan
 
 
 def _tie_groups(ctx: comm.DistContext, layout: Layout, tied: Sequence[ties.Tie], balance, module: nn.Module):
@@ -351,128 +390,229 @@ def _tie_groups(ctx: comm.DistContext, layout: Layout, tied: Sequence[ties.Tie],
 
 def _train(
     cfg: Config,
-    run_dir: Path,
+    rt: RankPlan,
     ctx: comm.DistContext,
-    layout: Layout,
-    balance,
-    layers,
-    loss_fn,
-    resume,
-    predictions,
-    *,
-    source: Optional[ModelSource] = None,
-    tied: Sequence[ties.Tie] = (),
+    run_dir: Path,
+    model: _Model,
+    resume: Optional[Tuple[Path, Dict[str, Any]]],
+    predictions: Dict[str, Any],
 ) -> Optional[Dict[str, Any]]:
-    p = cfg.pipeline
-    d, w, m, b = p.num_stages, p.data_parallel, p.num_microbatches, p.microbatch_size
-    global_batch = w * m * b
-    s, replica = layout.position(ctx.rank)
-    torch.manual_seed(cfg.seed)
-    module = build_stage_module(cfg, balance, s, layers, tied=tied, source=source).to(ctx.device)
-    tie_groups = _tie_groups(ctx, layout, tied, balance, module)
+    """This rank's run as named steps; each takes ``rt`` and only the config sections it uses.
+
+    Every rank makes every process group, in the same order: the ties' (build), the stages'
+    data-parallel ones and the step agreement's (groups), the evaluator's (data).
+    """
+    module, tie_groups = _build_stage(rt, ctx, model)
+    versions, buckets, num_dp_buckets = _build_versions(
+        rt, module, tie_groups, bucket_mb=cfg.pipeline.bucket_mb, swap=cfg.swap, optim=cfg.optim
+    )
+    rule = _step_rule(rt, cfg.train, cfg.optim)
+    if resume is not None:
+        _restore(rt, resume, versions, rule, optim=cfg.optim, tied=model.tied)
+    groups = _comm_groups(rt, ctx, versions, buckets[:num_dp_buckets], tie_groups, rule, cfg.pipeline.check_ties)
+    peers = _peers(rt)
+    feed, val_feed, evaluator = _data(rt, ctx, peers, cfg.data, cfg.train, model.loss_fn)
+    actions = _actions(rt, batch_sends=_batch_sends(cfg.dist, rt))
+    in_flight = schedule.in_flight(rt.schedule, rt.stage, rt.num_stages, rt.num_microbatches)
+    swap = _swap_manager(cfg.swap, rt, in_flight, versions)
+    worker = _worker(rt, ctx, peers, versions, feed, model.loss_fn, groups, rule, swap, cfg.optim, cfg.dist)
+    _trace(rt, worker, cfg.pipeline, warmup_steps=cfg.train.warmup_steps)
+    _log_start(rt, num_dp_buckets, tie_groups)
+    if resume is not None:
+        _resume_history(rt, resume, worker, evaluator, versions, eval_every=cfg.train.eval_every)
+    config = dataclasses.asdict(cfg) if rt.rank == 0 else None  # wandb logs the resolved config, defaults filled in
+    tracker, bar, progress, postfix = _tracking(rt, run_dir, resume, worker, cfg.wandb, cfg.train, config=config)
+    saver = _checkpointer(rt, ctx, run_dir, cfg.train, cfg.optim, cfg.dist, model, tracker)
+    hooks = _StepHooks(
+        rt,
+        worker,
+        versions,
+        evaluator,
+        groups.checker,
+        rule,
+        saver,
+        tracker,
+        progress,
+        postfix,
+        tied=model.tied,
+        eval_every=cfg.train.eval_every,
+    )
+    with (
+        logging_redirect_tqdm() if bar is not None and not bar.disable else contextlib.nullcontext(),
+        torch.profiler.record_function(TRAIN_RANGE),
+    ):
+        stats = worker.run(actions, on_step=hooks.on_step, on_close=hooks.on_close)
+    hooks.report_validation()
+    tie_record = _close(rt, stats, evaluator, feed, val_feed, bar, saver, groups)
+    return _gather_and_write(
+        rt,
+        ctx,
+        run_dir,
+        stats,
+        tie_record,
+        worker,
+        versions,
+        evaluator,
+        rule,
+        model,
+        resume,
+        predictions,
+        tracker,
+        cfg.pipeline,
+        cfg.train,
+        cfg.optim,
+    )
+
+
+def _build_stage(
+    rt: RankPlan, ctx: comm.DistContext, model: _Model
+) -> Tuple[nn.Module, List[Tuple[Any, int, List[Tuple[ties.Tie, int]]]]]:
+    """This rank's stage module on its device and the groups of its tied parameters (``_tie_groups``),
+    every tied copy set to its canonical one."""
+    torch.manual_seed(rt.seed)
+    module = stage_module(rt.layer_indices, model.layers, model.source, recompute=rt.recompute, tied=model.tied)
+    module = module.to(rt.device)
+    tie_groups = _tie_groups(ctx, rt.layout, model.tied, rt.balance, module)
     with torch.no_grad():  # every copy starts as the canonical one (a rank building its layers alone made its own)
         for group, src, held in tie_groups:
             for _, i in held:
                 comm.broadcast(list(module.parameters())[i].data, src=src, group=group)
+    return module, tie_groups
+
+
+def _build_versions(
+    rt: RankPlan, module: nn.Module, tie_groups, *, bucket_mb: float, swap: SwapConfig, optim: OptimConfig
+) -> Tuple[WeightVersions, List[List[int]], int]:
+    """The stage's weight versions and optimizer, with its gradient buckets.
+
+    Returns:
+        (versions, buckets as parameter indices, how many of them are data-parallel ones).
+    """
     # Tied parameters are summed across their holders (TieExchange), one bucket each, after the
     # data-parallel buckets that the GradReducer averages across this stage's replicas.
     params = list(module.parameters())
     tied_index = [i for _, _, held in tie_groups for _, i in held]
     rest = [i for i in range(len(params)) if i not in set(tied_index)]
     buckets = [
-        [rest[j] for j in bucket] for bucket in bucketize([params[i] for i in rest], bucket_bytes=p.bucket_mb * 2**20)
+        [rest[j] for j in bucket] for bucket in bucketize([params[i] for i in rest], bucket_bytes=bucket_mb * 2**20)
     ]
     buckets = [bucket for bucket in buckets if bucket] + [[i] for i in tied_index]
-    num_dp_buckets = len(buckets) - len(tied_index)
-    versions = (HostOptimizerVersions if cfg.swap.optimizer == "host" else WeightVersions)(
+    versions = (HostOptimizerVersions if swap.optimizer == "host" else WeightVersions)(
         module,
-        schedule=p.schedule,
-        optimizer_factory=lambda params: build_optimizer(params, cfg.optim),
+        schedule=rt.schedule,
+        optimizer_factory=lambda params: build_optimizer(params, optim),
         buckets=buckets,
     )
-    indices = [int(i) for i in module._modules]  # global layer indices
-    first_batch = 0
-    precision = precisions.resolve(cfg.train.precision, ctx.device.type)
-    rule = StepRule(clip_grad_norm=cfg.optim.clip_grad_norm, on_nonfinite=cfg.train.on_nonfinite)
-    if precision == "fp16":  # the loss scaler owns skipping; its scale changes reach batches one (2bw: two) later
-        scaler = LossScaler(
-            init_scale=cfg.train.loss_scale,
-            growth_interval=cfg.train.loss_scale_growth_interval,
-            min_scale=cfg.train.loss_scale_min,
+    return versions, buckets, len(buckets) - len(tied_index)
+
+
+def _step_rule(rt: RankPlan, train: TrainConfig, optim: OptimConfig) -> StepRule:
+    """What a step does with its gradient: clip, and skip or stop on non-finite values (fp16: the loss scaler's)."""
+    if rt.precision != "fp16":
+        return StepRule(clip_grad_norm=optim.clip_grad_norm, on_nonfinite=train.on_nonfinite)
+    # The loss scaler owns skipping; its scale changes reach batches one (2bw: two) later.
+    scaler = LossScaler(
+        init_scale=train.loss_scale,
+        growth_interval=train.loss_scale_growth_interval,
+        min_scale=train.loss_scale_min,
+    )
+    return ScaledStepRule(
+        scaler,
+        lag=2 if rt.schedule == "2bw" else 1,
+        clip_grad_norm=optim.clip_grad_norm,
+        on_nonfinite=train.on_nonfinite,
+    )
+
+
+def _restore(
+    rt: RankPlan,
+    resume: Tuple[Path, Dict[str, Any]],
+    versions: WeightVersions,
+    rule: StepRule,
+    *,
+    optim: OptimConfig,
+    tied: Sequence[ties.Tie],
+) -> None:
+    """Loads this stage's weights, optimizer, loss scaler and (under the same layout) RNG states from the checkpoint."""
+    path, manifest = resume
+    first_batch = rt.first_step
+    state = checkpoint.load_layers(path, rt.layer_indices, ties=[list(t.names) for t in tied])
+    if rt.schedule == "2bw" and state["previous"] is None:
+        log.warning(
+            "%s holds one weight version (a %s run): batch %d runs with W(%d), not W(%d)",
+            path,
+            manifest["schedule"],
+            first_batch,
+            first_batch,
+            first_batch - 1,
         )
-        rule = ScaledStepRule(
-            scaler,
-            lag=2 if p.schedule == "2bw" else 1,
-            clip_grad_norm=cfg.optim.clip_grad_norm,
-            on_nonfinite=cfg.train.on_nonfinite,
+    if manifest["global_batch_size"] != rt.global_batch:
+        log.warning(
+            "%s was trained with global batch %d, this run uses %d: training continues, but not as the same run",
+            path,
+            manifest["global_batch_size"],
+            rt.global_batch,
         )
-    layout_record = {
-        "num_stages": d,
-        "data_parallel": w,
-        "balance": list(balance),
-        "rank_map": [list(r) for r in layout.ranks],
-    }
-    if resume is not None:
-        path, manifest = resume
-        first_batch = manifest["step"]
-        state = checkpoint.load_layers(path, indices, ties=[list(t.names) for t in tied])
-        if p.schedule == "2bw" and state["previous"] is None:
-            log.warning(
-                "%s holds one weight version (a %s run): batch %d runs with W(%d), not W(%d)",
-                path,
-                manifest["schedule"],
-                first_batch,
-                first_batch,
-                first_batch - 1,
-            )
-        if manifest["global_batch_size"] != global_batch:
-            log.warning(
-                "%s was trained with global batch %d, this run uses %d: training continues, but not as the same run",
-                path,
-                manifest["global_batch_size"],
-                global_batch,
-            )
-        if manifest["optimizer"] != optimizer_name(cfg.optim):
-            log.warning(
-                "%s holds %s state; this run's optimizer is %s: it starts afresh",
-                path,
-                manifest["optimizer"],
-                optimizer_name(cfg.optim),
-            )
-            state["optimizer"] = {}
-        versions.load_state(step=first_batch, **{k: state[k] for k in ("weights", "previous", "optimizer")})
-        if isinstance(rule, ScaledStepRule) and manifest.get("loss_scaler") is not None:
-            rule.load_state_dict(manifest["loss_scaler"])
-        elif isinstance(rule, ScaledStepRule):
-            log.warning(
-                "%s holds no loss scaler state (a %s run): the loss scale starts afresh at %g",
-                path,
-                manifest.get("precision", "fp32"),
-                rule.scaler.scale,
-            )
-        rng = checkpoint.load_rng(path, ctx.rank) if manifest["layout"] == layout_record else None
-        if rng is not None:
-            checkpoint.set_rng_state(rng)
+    if manifest["optimizer"] != optimizer_name(optim):
+        log.warning(
+            "%s holds %s state; this run's optimizer is %s: it starts afresh",
+            path,
+            manifest["optimizer"],
+            optimizer_name(optim),
+        )
+        state["optimizer"] = {}
+    versions.load_state(step=first_batch, **{k: state[k] for k in ("weights", "previous", "optimizer")})
+    if isinstance(rule, ScaledStepRule) and manifest.get("loss_scaler") is not None:
+        rule.load_state_dict(manifest["loss_scaler"])
+    elif isinstance(rule, ScaledStepRule):
+        log.warning(
+            "%s holds no loss scaler state (a %s run): the loss scale starts afresh at %g",
+            path,
+            manifest.get("precision", "fp32"),
+            rule.scaler.scale,
+        )
+    rng = checkpoint.load_rng(path, rt.rank) if manifest["layout"] == rt.layout_record else None
+    if rng is not None:
+        checkpoint.set_rng_state(rng)
+
+
+class _Groups(NamedTuple):
+    """What this rank talks to its peers through besides p2p (None: not needed by this run)."""
+
+    reducer: Optional[comm.GradReducer]  # averages the data-parallel buckets over the stage's replicas
+    exchange: Optional[ties.TieExchange]  # sums tied gradients over their holders
+    checker: Optional[ties.TieChecker]  # pipeline.check_ties: checks tied copies stay equal
+    agreement: Optional[comm.AsyncSum]  # the step rule's sums over all ranks
+
+
+def _comm_groups(
+    rt: RankPlan,
+    ctx: comm.DistContext,
+    versions: WeightVersions,
+    dp_buckets: List[List[int]],
+    tie_groups,
+    rule: StepRule,
+    check_ties: bool,
+) -> _Groups:
+    """The gradient all-reduce, tie exchange and checker, and step agreement of this rank."""
     reducer = None
-    if w > 1:  # every rank makes every stage's group, in the same order
-        group = comm.new_groups(ctx, layout.ranks)[s]
-        if num_dp_buckets:
+    if rt.data_parallel > 1:  # every rank makes every stage's group, in the same order
+        group = comm.new_groups(ctx, rt.layout.ranks)[rt.stage]
+        if dp_buckets:
             reducer = comm.GradReducer(
                 ctx,
                 group=group,
                 replicas=[list(r.parameters()) for r in versions.replicas],
-                buckets=buckets[:num_dp_buckets],
+                buckets=dp_buckets,
             )
     exchange = None
-    if (
-        tie_groups
-    ):  # a copy whose canonical one (replica 0 of the first holder stage) is on another stage: norm counted there
-        elsewhere = [i for _, src, held in tie_groups if layout.position(src)[0] != s for _, i in held]
+    if tie_groups:  # a copy whose canonical one (replica 0 of the first holder stage) is on another stage: norm there
+        elsewhere = [i for _, src, held in tie_groups if rt.layout.position(src)[0] != rt.stage for _, i in held]
         exchange = ties.TieExchange(
             comm, ctx, versions, [(g, [i for _, i in held]) for g, _, held in tie_groups], norm_excluded=elsewhere
         )
     checker = None
-    if p.check_ties and tie_groups:
+    if check_ties and tie_groups:
         checker = ties.TieChecker(
             comm,
             ctx,
@@ -483,194 +623,318 @@ def _train(
     agreement = (
         comm.AsyncSum(ctx, group=comm.new_groups(ctx, [range(ctx.world_size)])[0]) if rule.needs_agreement else None
     )
-    peers = Peers(
-        prev=layout.ranks[s - 1][replica] if s > 0 else None,
-        next=layout.ranks[s + 1][replica] if s < d - 1 else None,
-        loss_sources=tuple(layout.ranks[d - 1]) if ctx.rank == 0 else (),
+    return _Groups(reducer, exchange, checker, agreement)
+
+
+def _peers(rt: RankPlan) -> Peers:
+    """This rank's neighbours in its replica's pipeline; rank 0 also hears every replica's loss from the last stage."""
+    return Peers(
+        prev=rt.prev_rank,
+        next=rt.next_rank,
+        loss_sources=tuple(rt.layout.ranks[rt.num_stages - 1]) if rt.rank == 0 else (),
     )
+
+
+def _data(
+    rt: RankPlan, ctx: comm.DistContext, peers: Peers, data: DataConfig, train: TrainConfig, loss_fn: Callable
+) -> Tuple[Any, Any, Optional[evaluate.Evaluator]]:
+    """The training and validation feeds (first and last stages only) and the evaluator (``train.eval_every``).
+
+    Returns:
+        (training feed, validation feed, evaluator), None where this rank has none.
+    """
     feed = val_feed = None
-    if s in (0, d - 1):  # only the first (inputs) and last (targets) stages open the data
+    if rt.stage in (0, rt.num_stages - 1):  # only the first (inputs) and last (targets) stages open the data
         feed, val_feed = make_feeds(
-            cfg.data,
-            seq_len=cfg.model.seq_len,
-            microbatch_size=b,
-            num_microbatches=m,
-            seed=cfg.seed,
-            num_replicas=w,
-            replica=replica,
+            data,
+            seq_len=rt.seq_len,
+            microbatch_size=rt.microbatch_size,
+            num_microbatches=rt.num_microbatches,
+            seed=rt.seed,
+            num_replicas=rt.data_parallel,
+            replica=rt.replica,
         )
     evaluator = None
-    if cfg.train.eval_every:  # its own group (made on every rank): validation transfers never queue behind training's
+    if train.eval_every:  # its own group (made on every rank): validation transfers never queue behind training's
         evaluator = evaluate.Evaluator(
             prev=peers.prev,
             next=peers.next,
             loss_sources=peers.loss_sources,
             feed=val_feed,
             p2p=comm.P2P(ctx, group=comm.new_groups(ctx, [range(ctx.world_size)])[0]),
-            num_microbatches=cfg.train.eval_batches * m,
+            num_microbatches=train.eval_batches * rt.num_microbatches,
             loss_fn=loss_fn,
-            device=ctx.device,
-            precision=precision,
+            device=rt.device,
+            precision=rt.precision,
         )
-    batch_sends = cfg.dist.batch_p2p if cfg.dist.batch_p2p is not None else ctx.backend == "nccl"
-    actions = schedule.rank_actions(
-        p.schedule,
-        stage_index=s,
-        num_stages=d,
-        num_microbatches=m,
-        first_batch=first_batch,
-        num_batches=cfg.train.num_steps - first_batch,
+    return feed, val_feed, evaluator
+
+
+def _batch_sends(dist: DistConfig, rt: RankPlan) -> bool:
+    """Whether sends are held for the next receive (``dist.batch_p2p``; null: under NCCL)."""
+    return dist.batch_p2p if dist.batch_p2p is not None else rt.backend == "nccl"
+
+
+def _actions(rt: RankPlan, *, batch_sends: bool) -> List[Action]:
+    """This rank's actions for this run's batches, checked and with its communication lowered."""
+    return schedule.rank_actions(
+        rt.schedule,
+        stage_index=rt.stage,
+        num_stages=rt.num_stages,
+        num_microbatches=rt.num_microbatches,
+        first_batch=rt.first_step,
+        num_batches=rt.num_steps - rt.first_step,
         batch_sends=batch_sends,
     )
-    swap = _swap_manager(cfg, s, schedule.in_flight(p.schedule, s, d, m), versions, ctx.device)
-    worker = StageWorker(
-        stage_index=s,
-        num_stages=d,
+
+
+def _worker(
+    rt: RankPlan,
+    ctx: comm.DistContext,
+    peers: Peers,
+    versions: WeightVersions,
+    feed: Any,
+    loss_fn: Callable,
+    groups: _Groups,
+    rule: StepRule,
+    swap: Optional[SwapManager],
+    optim: OptimConfig,
+    dist: DistConfig,
+) -> StageWorker:
+    """The stage worker that runs this rank's actions."""
+    m, w = rt.num_microbatches, rt.data_parallel
+    return StageWorker(
+        stage_index=rt.stage,
+        num_stages=rt.num_stages,
         num_microbatches=m,
         peers=peers,
         versions=versions,
         feed=feed,
-        p2p=comm.P2P(ctx, batch_sends=batch_sends),
+        p2p=comm.P2P(ctx, batch_sends=_batch_sends(dist, rt)),
         loss_fn=loss_fn,
-        device=ctx.device,
-        reducer=reducer,
+        device=rt.device,
+        reducer=groups.reducer,
         grad_scale=1.0 / (m * w),
         swap=swap,
-        replica=replica,
+        replica=rt.replica,
         step_rule=rule,
-        agreement=agreement,
-        lr_at=lambda t: lr_at(t, cfg.optim, num_steps=cfg.train.num_steps),
-        exchanges=[exchange] if exchange is not None else [],
-        precision=precision,
+        agreement=groups.agreement,
+        lr_at=lambda t: lr_at(t, optim, num_steps=rt.num_steps),
+        exchanges=[groups.exchange] if groups.exchange is not None else [],
+        precision=rt.precision,
     )
-    if p.trace:  # traced steps are counted from 0, whatever step a resumed run starts at
-        first = max(first_batch, cfg.train.warmup_steps if p.trace_first_step is None else p.trace_first_step)
-        if first + p.trace_steps <= cfg.train.num_steps:
-            worker.trace = timeline.Recorder(first_step=first, num_steps=p.trace_steps, run_start=first_batch)
-        else:
-            log.warning(
-                "pipeline.trace: steps %d..%d were trained before this resumed run; nothing traced",
-                first,
-                first + p.trace_steps - 1,
-            )
+
+
+def _trace(rt: RankPlan, worker: StageWorker, pipeline: PipelineConfig, *, warmup_steps: int) -> None:
+    """``pipeline.trace``: sets the worker's timeline recorder over the traced steps."""
+    p = pipeline
+    if not p.trace:
+        return
+    first_batch = rt.first_step  # traced steps are counted from 0, whatever step a resumed run starts at
+    first = max(first_batch, warmup_steps if p.trace_first_step is None else p.trace_first_step)
+    if first + p.trace_steps <= rt.num_steps:
+        worker.trace = timeline.Recorder(first_step=first, num_steps=p.trace_steps, run_start=first_batch)
+    else:
+        log.warning(
+            "pipeline.trace: steps %d..%d were trained before this resumed run; nothing traced",
+            first,
+            first + p.trace_steps - 1,
+        )
+
+
+def _log_start(rt: RankPlan, num_dp_buckets: int, tie_groups) -> None:
+    """Logs what this rank runs, and the ties it holds."""
     log.info(
-        "%s schedule, %d stages x %d replicas, replica %d, balance %s, layers %s, %d all-reduce buckets, on %s (%s), precision %s",
-        p.schedule,
-        d,
-        w,
-        replica,
-        balance,
-        indices,
+        "%s schedule, %d stages x %d replicas, replica %d, balance %s, layers %s, %d all-reduce buckets, "
+        "on %s (%s), precision %s",
+        rt.schedule,
+        rt.num_stages,
+        rt.data_parallel,
+        rt.replica,
+        list(rt.balance),
+        rt.layer_indices,
         num_dp_buckets,
-        ctx.device,
-        ctx.backend,
-        precision,
+        rt.device,
+        rt.backend,
+        rt.precision,
     )
     for _, _, held in tie_groups:
         for tie, _ in held:
             log.info(
                 "tied across stages %s: %s; gradients summed over its holders",
-                ties.holders(tie, balance),
+                ties.holders(tie, rt.balance),
                 ", ".join(tie.names),
             )
-    if resume is not None and ctx.rank == 0:
-        worker.stats.losses = list(resume[1]["losses"])
-        worker.stats.lrs = list(
-            resume[1].get("lrs", [None] * first_batch)
-        )  # checkpoints before lrs were recorded: unknown
-        worker.stats.grad_norms = list(resume[1].get("grad_norms", [None] * first_batch))
-        worker.stats.skipped_steps = list(resume[1].get("skipped_steps", []))
-    if resume is not None and evaluator is not None:  # keep the passes already run; a pass still owed runs first
-        evaluator.losses = [(n, v) for n, v in resume[1].get("val_losses", []) if n <= first_batch]
-        if first_batch % cfg.train.eval_every == 0 and first_batch not in {
-            n for n, _ in resume[1].get("val_losses", [])
-        }:
+
+
+def _resume_history(
+    rt: RankPlan,
+    resume: Tuple[Path, Dict[str, Any]],
+    worker: StageWorker,
+    evaluator: Optional[evaluate.Evaluator],
+    versions: WeightVersions,
+    *,
+    eval_every: int,
+) -> None:
+    """A resumed run keeps the checkpoint's history (rank 0's losses, learning rates, ..., the validation
+    passes already run); a validation pass still owed at the first step runs first."""
+    manifest, first_batch = resume[1], rt.first_step
+    if rt.rank == 0:
+        worker.stats.losses = list(manifest["losses"])
+        worker.stats.lrs = list(manifest.get("lrs", [None] * first_batch))  # checkpoints before lrs were recorded
+        worker.stats.grad_norms = list(manifest.get("grad_norms", [None] * first_batch))
+        worker.stats.skipped_steps = list(manifest.get("skipped_steps", []))
+    if evaluator is not None:
+        evaluator.losses = [(n, v) for n, v in manifest.get("val_losses", []) if n <= first_batch]
+        if first_batch % eval_every == 0 and first_batch not in {n for n, _ in manifest.get("val_losses", [])}:
             evaluator.run(versions.newest(), step=first_batch)
-    tracker = (
-        Tracker(cfg, run_dir, run_id=resume[1].get("wandb_run_id") if resume is not None else None)
-        if ctx.rank == 0
-        else None
-    )
-    bar = progress_bar(cfg.train.num_steps, initial=first_batch) if ctx.rank == 0 else None
+
+
+def _tracking(
+    rt: RankPlan,
+    run_dir: Path,
+    resume: Optional[Tuple[Path, Dict[str, Any]]],
+    worker: StageWorker,
+    wandb: WandbConfig,
+    train: TrainConfig,
+    *,
+    config: Optional[Dict[str, Any]],
+) -> Tuple[Optional[Tracker], Any, Callable[[int], None], Dict[str, str]]:
+    """Rank 0's wandb run (continuing the checkpoint's), progress bar and per-step progress callback.
+
+    Returns:
+        (tracker, bar, progress callback, the bar's extra postfix), None and a no-op on other ranks.
+    """
     postfix: Dict[str, str] = {}
-    progress = (
-        _progress(cfg, worker, tracker, bar, samples_per_step=global_batch, postfix=postfix)
-        if ctx.rank == 0
-        else (lambda t: None)
+    if rt.rank != 0:
+        return None, None, (lambda t: None), postfix
+    tracker = Tracker(
+        wandb, run_dir, config=config, run_id=resume[1].get("wandb_run_id") if resume is not None else None
     )
+    bar = progress_bar(rt.num_steps, initial=rt.first_step)
+    progress = _progress(
+        train, worker, tracker, bar, samples_per_step=rt.global_batch, seq_len=rt.seq_len, postfix=postfix
+    )
+    return tracker, bar, progress, postfix
 
-    def report_validation() -> None:
-        """Rank 0: logs the validation losses that have arrived (console, wandb, progress bar)."""
-        for n, loss in evaluator.collect() if evaluator is not None else ():
-            tracker.log({"val/loss": loss, "val/perplexity": evaluate.perplexity(loss)}, step=n)
-            postfix["val_loss"] = f"{loss:.4f}"
 
-    saver = checkpoint.Checkpointer(
+def _checkpointer(
+    rt: RankPlan,
+    ctx: comm.DistContext,
+    run_dir: Path,
+    train: TrainConfig,
+    optim: OptimConfig,
+    dist: DistConfig,
+    model: _Model,
+    tracker: Optional[Tracker],
+) -> checkpoint.Checkpointer:
+    """The checkpoint writer (``train.checkpoint_every``); replica 0 of each stage writes its layers."""
+    return checkpoint.Checkpointer(
         run_dir / checkpoint.DIRNAME,
-        every=cfg.train.checkpoint_every,
-        num_steps=cfg.train.num_steps,
-        keep=cfg.train.keep_checkpoints,
-        rank=ctx.rank,
-        world_size=ctx.world_size,
-        layers=indices if replica == 0 else [],
+        every=train.checkpoint_every,
+        num_steps=rt.num_steps,
+        keep=train.keep_checkpoints,
+        rank=rt.rank,
+        world_size=rt.world_size,
+        layers=rt.layer_indices if rt.replica == 0 else [],
         post=ctx.board.post,
         read=lambda keys, timeout_s: ctx.board.read(keys, timeout_s=timeout_s),
-        timeout_s=cfg.dist.timeout_s,
+        timeout_s=dist.timeout_s,
         manifest={
-            "schedule": p.schedule,
-            "optimizer": optimizer_name(cfg.optim),
-            "num_layers": sum(balance),
-            "layout": layout_record,
-            "global_batch_size": global_batch,
-            "seed": cfg.seed,
-            "param_shapes": _param_shapes(cfg, layers, source) if ctx.rank == 0 else {},
-            "ties": [list(t.names) for t in tied],
+            "schedule": rt.schedule,
+            "optimizer": optimizer_name(optim),
+            "num_layers": sum(rt.balance),
+            "layout": rt.layout_record,
+            "global_batch_size": rt.global_batch,
+            "seed": rt.seed,
+            "param_shapes": model.param_shapes() if rt.rank == 0 else {},
+            "ties": [list(t.names) for t in model.tied],
             "wandb_run_id": tracker.run_id if tracker is not None else None,
-            "precision": precision,
+            "precision": rt.precision,
         },
     )
 
-    rngs = {}  # step -> RNG states where its batch ended: a deferred APPLY runs after later batches' forwards
 
-    def on_close(t: int) -> None:
-        if saver.due(t + 1):
-            rngs[t + 1] = checkpoint.rng_state()
+class _StepHooks:
+    """The worker's callbacks: ``on_close(t)`` when batch t's last backward ran, ``on_step(t)`` after its
+    optimizer step (tie check, validation reports and passes, progress, checkpoint)."""
 
-    def state() -> Dict[str, Any]:  # one tensor per tie: the canonical name's, written by its first holder
-        st = versions.state()
+    def __init__(
+        self,
+        rt: RankPlan,
+        worker: StageWorker,
+        versions: WeightVersions,
+        evaluator: Optional[evaluate.Evaluator],
+        checker: Optional[ties.TieChecker],
+        rule: StepRule,
+        saver: checkpoint.Checkpointer,
+        tracker: Optional[Tracker],
+        progress: Callable[[int], None],
+        postfix: Dict[str, str],
+        *,
+        tied: Sequence[ties.Tie],
+        eval_every: int,
+    ):
+        self.rt, self.worker, self.versions, self.evaluator = rt, worker, versions, evaluator
+        self.checker, self.rule, self.saver, self.tracker = checker, rule, saver, tracker
+        self.progress, self.postfix, self.tied, self.eval_every = progress, postfix, tied, eval_every
+        # step -> RNG states where its batch ended: a deferred APPLY runs after later batches' forwards
+        self.rngs: Dict[int, Any] = {}
+
+    def report_validation(self) -> None:
+        """Rank 0: logs the validation losses that have arrived (console, wandb, progress bar)."""
+        for n, loss in self.evaluator.collect() if self.evaluator is not None else ():
+            self.tracker.log({"val/loss": loss, "val/perplexity": evaluate.perplexity(loss)}, step=n)
+            self.postfix["val_loss"] = f"{loss:.4f}"
+
+    def on_close(self, t: int) -> None:
+        if self.saver.due(t + 1):
+            self.rngs[t + 1] = checkpoint.rng_state()
+
+    def _state(self) -> Dict[str, Any]:  # one tensor per tie: the canonical name's, written by its first holder
+        st = self.versions.state()
         return {
             **st,
             **{
-                k: ties.drop_aliases(st[k], tied) if st[k] is not None else None
+                k: ties.drop_aliases(st[k], self.tied) if st[k] is not None else None
                 for k in ("weights", "previous", "optimizer")
             },
         }
 
-    def on_step(t: int) -> None:
-        if checker is not None:
-            checker(t)
-        report_validation()  # passes of earlier steps: their losses were sent before batch t's, received in step t
-        progress(t)
-        st = worker.stats
-        history = (
-            {"lrs": st.lrs, "grad_norms": st.grad_norms, "skipped_steps": st.skipped_steps} if ctx.rank == 0 else None
+    def on_step(self, t: int) -> None:
+        rank0, evaluator = self.rt.rank == 0, self.evaluator
+        if self.checker is not None:
+            self.checker(t)
+        self.report_validation()  # passes of earlier steps: their losses were sent before batch t's, received in step t
+        self.progress(t)
+        st = self.worker.stats
+        history = {"lrs": st.lrs, "grad_norms": st.grad_norms, "skipped_steps": st.skipped_steps} if rank0 else None
+        if history is not None and isinstance(self.rule, ScaledStepRule):
+            history["loss_scaler"] = self.rule.state_dict()
+        if evaluator is not None and rank0:  # written in the background: it may list later passes, which a resume drops
+            self.saver.manifest["val_losses"] = list(evaluator.losses)
+        self.saver.after_step(
+            t + 1, self._state, st.losses if rank0 else None, history=history, rng=self.rngs.pop(t + 1, None)
         )
-        if history is not None and isinstance(rule, ScaledStepRule):
-            history["loss_scaler"] = rule.state_dict()
-        if (
-            evaluator is not None and ctx.rank == 0
-        ):  # written in the background: it may list later passes, which a resume drops
-            saver.manifest["val_losses"] = list(evaluator.losses)
-        saver.after_step(t + 1, state, st.losses if ctx.rank == 0 else None, history=history, rng=rngs.pop(t + 1, None))
-        if evaluator is not None and evaluate.due(t + 1, every=cfg.train.eval_every, num_steps=cfg.train.num_steps):
-            evaluator.run(versions.newest(), step=t + 1)
+        if evaluator is not None and evaluate.due(t + 1, every=self.eval_every, num_steps=self.rt.num_steps):
+            evaluator.run(self.versions.newest(), step=t + 1)
 
-    with (
-        logging_redirect_tqdm() if bar is not None and not bar.disable else contextlib.nullcontext(),
-        torch.profiler.record_function(TRAIN_RANGE),
-    ):
-        stats = worker.run(actions, on_step=on_step, on_close=on_close)
-    report_validation()
+
+def _close(
+    rt: RankPlan,
+    stats: StageStats,
+    evaluator: Optional[evaluate.Evaluator],
+    feed: Any,
+    val_feed: Any,
+    bar: Any,
+    saver: checkpoint.Checkpointer,
+    groups: _Groups,
+) -> Dict[str, Any]:
+    """Ends the run's evaluator, bar and checkpoint writes; completes ``stats``.
+
+    Returns:
+        This rank's tie record: its tie all-reduces, their exposed time and the steps it checked ties.
+    """
     if evaluator is not None:
         evaluator.close()
         stats.eval_s = evaluator.time_s
@@ -678,54 +942,74 @@ def _train(
     if bar is not None:
         bar.close()
     saver.wait()
-    stats.replica, stats.checkpoint_s = replica, saver.write_s
-    if reducer is not None:
-        stats.allreduce_calls, stats.allreduce_exposed_s = reducer.num_collectives, reducer.exposed_s
-    tie_record = {
+    stats.replica, stats.checkpoint_s = rt.replica, saver.write_s
+    if groups.reducer is not None:
+        stats.allreduce_calls, stats.allreduce_exposed_s = groups.reducer.num_collectives, groups.reducer.exposed_s
+    exchange, checker = groups.exchange, groups.checker
+    return {
         "tie_allreduce_calls": exchange.num_collectives if exchange else 0,
         "tie_exposed_s": exchange.exposed_s if exchange else 0.0,
         "tie_checked_steps": checker.steps_checked if checker else 0,
     }
 
+
+def _gather_and_write(
+    rt: RankPlan,
+    ctx: comm.DistContext,
+    run_dir: Path,
+    stats: StageStats,
+    tie_record: Dict[str, Any],
+    worker: StageWorker,
+    versions: WeightVersions,
+    evaluator: Optional[evaluate.Evaluator],
+    rule: StepRule,
+    model: _Model,
+    resume: Optional[Tuple[Path, Dict[str, Any]]],
+    predictions: Dict[str, Any],
+    tracker: Optional[Tracker],
+    pipeline: PipelineConfig,
+    train: TrainConfig,
+    optim: OptimConfig,
+) -> Optional[Dict[str, Any]]:
+    """Gathers every rank's stats, model slice and tie record on rank 0, which writes summary.json,
+    final_model.pt (and the trace), closes the wandb run and returns the summary; None elsewhere."""
+    d, w, m, b = rt.num_stages, rt.data_parallel, rt.num_microbatches, rt.microbatch_size
+    tied, balance = model.tied, list(rt.balance)
     all_stats = comm.gather_to_rank0(ctx, stats)
     # Replicas hold equal weights: replica 0 of each stage contributes its slice of the model.
     shard = (
         ties.drop_aliases({k: v.detach().cpu() for k, v in versions.newest().state_dict().items()}, tied)
-        if replica == 0
+        if rt.replica == 0
         else {}
     )
     shards = comm.gather_to_rank0(ctx, shard)
     tie_records = comm.gather_to_rank0(ctx, tie_record)
-    if ctx.rank != 0:
+    if rt.rank != 0:
         return None
     meta = {
-        "schedule": p.schedule,
+        "schedule": rt.schedule,
         "num_stages": d,
         "data_parallel": w,
         "num_microbatches": m,
         "microbatch_size": b,
-        "global_batch_size": global_batch,
+        "global_batch_size": rt.global_batch,
         "balance": balance,
-        "rank_map": [list(r) for r in layout.ranks],
-        "num_steps": cfg.train.num_steps,
-        "seq_len": cfg.model.seq_len,
-        "backend": ctx.backend,
-        "device": ctx.device.type,
-        "memory_kind": "cuda_max_allocated" if ctx.device.type == "cuda" else "process_peak_rss",
+        "rank_map": [list(r) for r in rt.layout.ranks],
+        "num_steps": rt.num_steps,
+        "seq_len": rt.seq_len,
+        "backend": rt.backend,
+        "device": rt.device.type,
+        "memory_kind": "cuda_max_allocated" if rt.device.type == "cuda" else "process_peak_rss",
         "resumed_from": None if resume is None else str(resume[0]),
-        "first_step": first_batch,
-        "recompute": p.recompute,
+        "first_step": rt.first_step,
+        "recompute": rt.recompute,
         **predictions,
-        **_precision_record(cfg, precision, rule, worker.stats),
+        **_precision_record(rt, optim, rule, worker.stats),
         "ties": [
             {
                 **t,
                 "checked_steps": min(
-                    (
-                        r["tie_checked_steps"]
-                        for r, (st, _) in zip(tie_records, _positions(layout, ctx.world_size))
-                        if st in t["stages"]
-                    ),
+                    (r["tie_checked_steps"] for r, (st, _) in zip(tie_records, rt.positions()) if st in t["stages"]),
                     default=0,
                 ),
             }
@@ -736,16 +1020,14 @@ def _train(
         "final_val_loss": evaluator.losses[-1][1] if evaluator is not None and evaluator.losses else None,
     }
     # Throughput counts the steps this run took; a resumed run may have fewer than the warm-up.
-    warmup = min(cfg.train.warmup_steps, cfg.train.num_steps - first_batch - 1)
-    summary = summarize(
-        all_stats, meta=meta, warmup_steps=warmup, samples_per_step=global_batch, seq_len=cfg.model.seq_len
-    )
+    warmup = min(train.warmup_steps, rt.num_steps - rt.first_step - 1)
+    summary = summarize(all_stats, meta=meta, warmup_steps=warmup, samples_per_step=rt.global_batch, seq_len=rt.seq_len)
     if worker.trace is not None:
-        title = f"{p.schedule}, d={d}, w={w}, m={m}, b={b}"
+        title = f"{rt.schedule}, d={d}, w={w}, m={m}, b={b}"
         summary["trace"] = _save_trace(
             all_stats,
             run_dir,
-            steps=range(worker.trace.first_step, worker.trace.first_step + p.trace_steps),
+            steps=range(worker.trace.first_step, worker.trace.first_step + pipeline.trace_steps),
             title=title,
         )
     write_summary(summary, run_dir)
@@ -765,21 +1047,16 @@ def _train(
     return summary
 
 
-def _positions(layout: Layout, world_size: int) -> List[Tuple[int, int]]:
-    """(stage, replica) of every rank, in rank order."""
-    return [layout.position(r) for r in range(world_size)]
-
-
-def _precision_record(cfg: Config, precision: str, rule: StepRule, stats: StageStats) -> Dict[str, Any]:
+def _precision_record(rt: RankPlan, optim: OptimConfig, rule: StepRule, stats: StageStats) -> Dict[str, Any]:
     """summary.json's precision fields: the precision, its bytes per parameter, and under fp16 the loss scale."""
     record = {
-        "precision": precision,
-        "compute_dtype": str(precisions.compute_dtype(precision)).replace("torch.", ""),
+        "precision": rt.precision,
+        "compute_dtype": str(precisions.compute_dtype(rt.precision)).replace("torch.", ""),
         "bytes_per_parameter": precisions.param_memory(
-            precision,
-            schedule=cfg.pipeline.schedule,
-            optimizer=optimizer_name(cfg.optim),
-            optimizer_kwargs=cfg.optim.kwargs,
+            rt.precision,
+            schedule=rt.schedule,
+            optimizer=optimizer_name(optim),
+            optimizer_kwargs=optim.kwargs,
         ).as_dict(),
     }
     if isinstance(rule, ScaledStepRule):  # every rank's scaler takes the same values; these are rank 0's
@@ -800,38 +1077,38 @@ def _save_trace(all_stats: Sequence[StageStats], run_dir: Path, *, steps: range,
     return {**timeline.bubble_summary(traces), "steps": list(steps), "files": ["trace.json", "timeline.png"]}
 
 
-def _swap_manager(
-    cfg: Config, s: int, in_flight: int, versions: WeightVersions, device: torch.device
-) -> Optional[SwapManager]:
-    """Stage ``s``'s activation swapper, if ``cfg.swap`` selects it and it can help."""
-    if s not in swap_stages(cfg.swap, cfg.pipeline.num_stages):
+def _swap_manager(swap: SwapConfig, rt: RankPlan, in_flight: int, versions: WeightVersions) -> Optional[SwapManager]:
+    """This stage's activation swapper, if ``swap`` selects it and it can help."""
+    s = rt.stage
+    if s not in swap_stages(swap, rt.num_stages):
         return None
-    if in_flight <= cfg.swap.resident + 1:
+    if in_flight <= swap.resident + 1:
         log.warning(
             "swap: stage %d has at most %d microbatch(es) in flight and swap.resident=%d keeps %d of them besides the "
             "one computing: nothing to swap, so it does not",
             s,
             in_flight,
-            cfg.swap.resident,
-            cfg.swap.resident,
+            swap.resident,
+            swap.resident,
         )
         return None
     held = [t for r in versions.replicas for t in (*r.parameters(), *r.buffers())]  # never swapped
     log.info(
         "swap: activations of waiting microbatches >= %d bytes to host, %d kept on the device",
-        cfg.swap.min_bytes,
-        cfg.swap.resident,
+        swap.min_bytes,
+        swap.resident,
     )
-    return SwapManager(make_backend(device), min_bytes=cfg.swap.min_bytes, resident=cfg.swap.resident, exclude=held)
+    return SwapManager(make_backend(rt.device), min_bytes=swap.min_bytes, resident=swap.resident, exclude=held)
 
 
 def _progress(
-    cfg: Config,
+    train: TrainConfig,
     worker: StageWorker,
     tracker: "Tracker",
     bar: Any,
     *,
     samples_per_step: int,
+    seq_len: int,
     postfix: Optional[Dict[str, str]] = None,
 ) -> Callable[[int], None]:
     """Rank 0's per-step callback: advance the progress bar; log loss and throughput every ``train.log_every`` steps.
@@ -851,22 +1128,22 @@ def _progress(
                 refresh=False,
             )
             bar.update(1)
-        if (t + 1) % cfg.train.log_every and t + 1 != cfg.train.num_steps:
+        if (t + 1) % train.log_every and t + 1 != train.num_steps:
             return
         now = time.perf_counter()
         rate = window["steps"] * samples_per_step / (now - window["start"])
         window.update(start=now, steps=0)
-        tracker.log({"samples_per_s": rate, "tokens_per_s": rate * cfg.model.seq_len}, step=t)
+        tracker.log({"samples_per_s": rate, "tokens_per_s": rate * seq_len}, step=t)
         norm = f" grad norm {grad_norm:.4g}" if grad_norm is not None else ""
         log.info(
             "step %d/%d loss %.4f lr %.4g%s %.1f samples/s %.0f tokens/s",
             t + 1,
-            cfg.train.num_steps,
+            train.num_steps,
             loss,
             lr,
             norm,
             rate,
-            rate * cfg.model.seq_len,
+            rate * seq_len,
         )
 
     return on_step

@@ -7,7 +7,6 @@ import logging
 import math
 import resource
 import time
-import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -18,6 +17,7 @@ from pipedream2bw import agreement
 from pipedream2bw.agreement import NonFiniteError, StepDecision, StepOutcome, StepRule
 from pipedream2bw.comm import P2P, AsyncSum, GradReducer, PipelineShapeError
 from pipedream2bw.data import MicrobatchFeed
+from pipedream2bw.memprobe import SavedBytes
 from pipedream2bw.precision import autocast, compute_dtype
 from pipedream2bw.schedule import (
     BACKWARD,
@@ -104,24 +104,6 @@ class StageStats:
     loss_scales: List[float] = field(default_factory=list)  # fp16: the loss scale each batch ran with
 
 
-class SavedBytes(torch.autograd.graph.saved_tensors_hooks):
-    """Counts the bytes autograd saves for backward, leaving out the stage's own parameters."""
-
-    def __init__(self, param_ptrs: set):
-        self.nbytes = 0
-        seen: Dict[int, Any] = {}  # pointer -> weak reference: a swapped storage may be freed and its address reused
-
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            storage = t.untyped_storage()
-            ptr = storage.data_ptr()
-            if ptr not in param_ptrs and (ptr not in seen or seen[ptr]() is not storage):
-                seen[ptr] = weakref.ref(storage)
-                self.nbytes += storage.nbytes()
-            return t
-
-        super().__init__(pack, lambda t: t)
-
-
 class StageWorker:
     """Runs the actions of stage ``stage_index`` of ``num_stages`` on this rank.
 
@@ -133,7 +115,7 @@ class StageWorker:
     The transfers are actions of their own in the list (``schedule.lower``: RECV, WAIT, FREE,
     SEND, HOLD), which the worker runs as they come, deciding nothing about communication.
 
-    A step is two halves (DESIGN.md section 7). CLOSE(t), at the S action: start what batch t's
+    A step is two halves (docs/design.md section 7). CLOSE(t), at the S action: start what batch t's
     step needs from the other stages (``exchanges``' ``start(t)``, then, when ``step_rule``
     needs an agreement, this rank's share of the global gradient norm and non-finite flags,
     summed over all ranks by ``agreement`` in the background). APPLY(t): ``exchanges``'

@@ -4,7 +4,7 @@ Under 1F1B, stage ``s`` holds what autograd saved for up to ``d - s`` microbatch
 for their backward. A ``SwapManager`` packs those saved tensors (``saved_tensors_hooks``),
 copies the large ones to pooled host buffers while the forward goes on, and brings them back
 ahead of their backward: backwards run in microbatch order, so when the backward of ``k``
-starts, the next ``resident`` microbatches to be backwarded are fetched (DESIGN.md section 5).
+starts, the next ``resident`` microbatches to be backwarded are fetched (docs/design.md section 5).
 
 Transfers go through a ``TransferBackend``: ``CudaBackend`` (pinned buffers, one copy stream
 each way, events) or ``CpuBackend`` (worker threads, so that the whole mechanism, overlap

@@ -36,9 +36,10 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from pipedream2bw.config import Config, ConfigError, register_configs, validate
+from pipedream2bw.config import Config, register_configs, validate
+from pipedream2bw.errors import ConfigError
+from pipedream2bw.fileio import atomic_write
 from pipedream2bw.launch import LaunchError, launch_train
-from pipedream2bw.results import atomic_write
 
 log = logging.getLogger("pipedream2bw.sweep")
 
@@ -175,7 +176,8 @@ def sweeper_direction(sweeper: Any, natural: str) -> str:
     direction = str(getattr(direction, "name", direction) or natural).lower()
     if direction not in ("maximize", "minimize"):
         raise ConfigError(
-            f"hydra.sweeper.direction ({direction!r}) must be one direction, maximize or minimize, for one sweep.objective"
+            f"hydra.sweeper.direction ({direction!r}) must be one direction, maximize or minimize, for one "
+            "sweep.objective"
         )
     return direction
 
@@ -236,7 +238,8 @@ class SweepTable(Callback):
         table = write_table(sweep_dir, rows, name=name, objective=objective)
         failed = sum(r["status"] != "ok" for r in rows)
         print(
-            f"\nsweep {name}: {len(rows)} jobs, {failed} failed; {sweep_dir / 'sweep.csv'}, {sweep_dir / 'sweep.json'}\n{table}",
+            f"\nsweep {name}: {len(rows)} jobs, {failed} failed; {sweep_dir / 'sweep.csv'}, "
+            f"{sweep_dir / 'sweep.json'}\n{table}",
             flush=True,
         )
         best = sort_rows(rows, objective=objective)[:1]

@@ -26,7 +26,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from pipedream2bw.config import ConfigError
+from pipedream2bw.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -72,8 +72,8 @@ def find_ties(layers: Sequence[nn.Module]) -> List[Tie]:
     shared_buffers = [names for names in buffers.values() if len({layer_of(n) for n in names}) > 1]
     if shared_buffers:
         raise ConfigError(
-            f"buffers shared by layers ({'; '.join(', '.join(n) for n in shared_buffers[:4])}) cannot be kept in step across "
-            f"pipeline stages; give each layer its own buffer, or share parameters instead"
+            f"buffers shared by layers ({'; '.join(', '.join(n) for n in shared_buffers[:4])}) cannot be kept in step "
+            "across pipeline stages; give each layer its own buffer, or share parameters instead"
         )
     storages: Dict[int, List[str]] = defaultdict(list)
     for key, p in params.items():
@@ -82,8 +82,9 @@ def find_ties(layers: Sequence[nn.Module]) -> List[Tie]:
     views = [names for names in storages.values() if len({layer_of(n) for n in names}) > 1]
     if views:
         raise ConfigError(
-            f"distinct parameters of different layers share memory ({'; '.join(', '.join(n) for n in views[:4])}): views of "
-            f"one tensor cannot be tied across stages; share the nn.Parameter object itself (head.weight = embedding.weight)"
+            f"distinct parameters of different layers share memory ({'; '.join(', '.join(n) for n in views[:4])}): "
+            "views of one tensor cannot be tied across stages; share the nn.Parameter object itself "
+            "(head.weight = embedding.weight)"
         )
     return [
         Tie(tuple(names), tuple(params[key].shape))

@@ -132,6 +132,8 @@ def plot_timeline(traces: Sequence[dict], path: Path, *, title: str = "") -> Non
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
+    from pipedream2bw.fileio import atomic_open
+
     t0 = min(tr["window"][0] for tr in traces)
     t1 = max(tr["window"][1] for tr in traces)
     fig, ax = plt.subplots(figsize=(12, 0.8 + 0.7 * len(traces)))
@@ -166,7 +168,6 @@ def plot_timeline(traces: Sequence[dict], path: Path, *, title: str = "") -> Non
         frameon=False,
     )
     fig.tight_layout()
-    tmp = Path(path).with_suffix(".tmp.png")
-    fig.savefig(tmp, dpi=120)
+    with atomic_open(path) as f:
+        fig.savefig(f, dpi=120, format="png")
     plt.close(fig)
-    tmp.replace(path)  # complete or absent, like results.atomic_write

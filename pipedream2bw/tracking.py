@@ -8,13 +8,12 @@ timeline picture, and the planner's predictions and plan when the summary has th
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional, TextIO
 
-from pipedream2bw.config import Config
+from pipedream2bw.config import WandbConfig
 
 log = logging.getLogger(__name__)
 
@@ -77,31 +76,39 @@ def progress_bar(num_steps: int, *, initial: int = 0, file: Optional[TextIO] = N
 class Tracker:
     """A wandb run in ``run_dir`` (``wandb.mode``: offline, online or disabled).
 
-    ``run_id``: the id of the run a resumed job continues (a checkpoint keeps it). Online, the
-    job resumes that wandb run and logs on from its first step; offline, where wandb cannot
-    resume, it starts a new offline run under the same id.
+    ``config``: the run's whole config as a plain dict (``dataclasses.asdict``), logged as the wandb
+    run's config. ``run_id``: the id of the run a resumed job continues (a checkpoint keeps it).
+    Online, the job resumes that wandb run and logs on from its first step; offline, where wandb
+    cannot resume, it starts a new offline run under the same id.
     """
 
-    def __init__(self, cfg: Config, run_dir: Path, *, run_id: Optional[str] = None):
+    def __init__(
+        self,
+        wandb_cfg: WandbConfig,
+        run_dir: Path,
+        *,
+        config: Optional[Dict[str, Any]] = None,
+        run_id: Optional[str] = None,
+    ):
         self.run = None
         self.run_dir = Path(run_dir)
-        if cfg.wandb.mode == "disabled":
+        if wandb_cfg.mode == "disabled":
             return
         import wandb  # imported here: it is slow to import and only rank 0 needs it
 
         self.run = wandb.init(
-            project=cfg.wandb.project,
-            name=cfg.wandb.name,
-            group=cfg.wandb.group,
-            mode=cfg.wandb.mode,
+            project=wandb_cfg.project,
+            name=wandb_cfg.name,
+            group=wandb_cfg.group,
+            mode=wandb_cfg.mode,
             dir=str(run_dir),
-            config=dataclasses.asdict(cfg),  # the resolved config, every default filled in
+            config=config,  # the resolved config, every default filled in
             settings=wandb.Settings(silent=True, console="off"),
             id=run_id,
-            resume="allow" if run_id is not None and cfg.wandb.mode == "online" else None,
+            resume="allow" if run_id is not None and wandb_cfg.mode == "online" else None,
         )
         log.info(
-            "wandb run %s (%s%s) in %s", self.run.id, cfg.wandb.mode, ", continued" if run_id else "", self.run.dir
+            "wandb run %s (%s%s) in %s", self.run.id, wandb_cfg.mode, ", continued" if run_id else "", self.run.dir
         )
 
     @property

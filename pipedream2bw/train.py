@@ -12,7 +12,8 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from pipedream2bw import comm
-from pipedream2bw.config import Config, ConfigError, from_hydra, register_configs
+from pipedream2bw.config import Config, from_hydra, register_configs
+from pipedream2bw.errors import ConfigError
 from pipedream2bw.runner import run
 
 log = logging.getLogger("pipedream2bw.train")

@@ -1,6 +1,6 @@
 """Pure: the weight versions of one stage (double-buffered under 2bw) and which one a batch uses.
 
-2bw contract (DESIGN.md section 2), t the batch index:
+2bw contract (docs/design.md section 2), t the batch index:
     batch t runs forward and backward with W(t-1), W(-1) = W(0)
     W(t+1) = W(t) - optimizer_step(g(t))     once the last backward of batch t is done
 flush and gpipe: batch t uses W(t) (plain minibatch training).
@@ -95,6 +95,10 @@ class WeightVersions:
     and are scaled by ``grad_scale`` before the step (1/(m*w): the mean over the batch).
     Parameters are split into ``buckets`` with one optimizer each, so that a bucket can step
     as soon as its own gradients are averaged across replicas.
+
+    ``step`` is the one step logic of every variant; where the masters live is a subclass's
+    choice (``_make_masters``, ``_prepare_destination``, ``_attach_master``, ``_detach_master``):
+    ``host_optim.HostOptimizerVersions`` keeps them, and the optimizer state, on the host.
     """
 
     def __init__(
@@ -150,7 +154,7 @@ class WeightVersions:
         src = self._params[self._replica_holding(version_of_batch(self.schedule, t))]
         dst_index = self._destination(t)
         dst = self._params[dst_index]
-        self._copy_newest_into(dst_index, t)
+        self._prepare_destination(dst_index, t)
         for bucket_index, (bucket, optimizer) in enumerate(zip(self.buckets, self.optimizers)):
             before_bucket(bucket_index)
             grads = [src[i].grad for i in bucket if src[i].grad is not None]
@@ -159,13 +163,26 @@ class WeightVersions:
                     grads, grad_scale
                 )  # one kernel per bucket, not one per parameter (GPU launch overhead)
             for i in bucket:
-                self.master[i].data = dst[i].data
-                self.master[i].grad = src[i].grad
+                self._attach_master(i, dst[i], src[i].grad)
                 src[i].grad = None
             optimizer.step()
             for i in bucket:
-                self.master[i].grad = None
+                self._detach_master(i, dst[i])
         self.holds[dst_index] = t + 1
+
+    def _prepare_destination(self, dst_index: int, t: int) -> None:
+        """Before a step: the optimizers step the masters in place on replica ``dst_index``'s storage,
+        so it must hold W(t) first."""
+        self._copy_newest_into(dst_index, t)
+
+    def _attach_master(self, i: int, dst: nn.Parameter, grad: Optional[torch.Tensor]) -> None:
+        """Gives master ``i`` the (scaled) gradient and the storage its step writes: ``dst``'s, W(t+1)'s replica."""
+        self.master[i].data = dst.data
+        self.master[i].grad = grad
+
+    def _detach_master(self, i: int, dst: nn.Parameter) -> None:
+        """After its bucket's step: master ``i`` lets go of the gradient (``dst`` already holds W(t+1))."""
+        self.master[i].grad = None
 
     def _destination(self, t: int) -> int:
         """The replica that receives W(t+1): the one not holding the version batch t+1 runs with."""

@@ -451,7 +451,8 @@ def main() -> None:
         "--precision",
         choices=["fp32", "bf16", "fp16", "auto"],
         default="fp32",
-        help="train.precision of every system (torch and single: forward under autocast, transfers in its dtype; fp16 without loss scaling)",
+        help="train.precision of every system (torch and single: forward under autocast, transfers in its dtype; fp16 "
+        "without loss scaling)",
     )
     parser.add_argument(
         "--strict", action="store_true", help="exit 1 when a target set for this configuration is missed"
@@ -494,8 +495,9 @@ def main() -> None:
     where = "1 GPU (NCCL)" if _uses_cuda(args) else "1 thread (gloo)"
     print("command:", " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]))
     print(
-        f"config: {args.nproc} processes x {where}, GPT {args.num_layers} blocks d_model {args.d_model} heads {args.num_heads} "
-        f"seq {args.seq_len} vocab 256, m={args.num_microbatches} b={args.microbatch_size}, AdamW, precision {args.precision}, {args.steps} steps "
+        f"config: {args.nproc} processes x {where}, GPT {args.num_layers} blocks d_model {args.d_model} "
+        f"heads {args.num_heads} seq {args.seq_len} vocab 256, m={args.num_microbatches} b={args.microbatch_size}, "
+        f"AdamW, precision {args.precision}, {args.steps} steps "
         f"({args.warmup} warm-up left out), {args.repeats} repeats, systems alternate; torch {torch.__version__}"
     )
     results = {s: [] for s in systems}
@@ -511,7 +513,8 @@ def main() -> None:
     single = statistics.median(r["samples_per_s"] for r in results["single"]) if "single" in results else None
     rows = {}
     print(
-        f"\n{'system':>12} {'samples/s':>10} {'efficiency':>10} {'idle':>6} {'peak RSS per stage (MiB)':>26} {'peak tensors per stage (MiB)':>30}"
+        f"\n{'system':>12} {'samples/s':>10} {'efficiency':>10} {'idle':>6} {'peak RSS per stage (MiB)':>26} "
+        f"{'peak tensors per stage (MiB)':>30}"
     )
     for system, runs in results.items():
         sps = statistics.median(r["samples_per_s"] for r in runs)
@@ -536,7 +539,8 @@ def main() -> None:
             tensors_text = " ".join(f"{p / 2**20:.1f}" for p in memory[system]["peak_tensor_bytes"])
         peaks_text = " ".join(f"{p / 2**20:.0f}" for p in peaks)
         print(
-            f"{system:>12} {sps:>10.1f} {eff if eff is not None else float('nan'):>10.2f} {idle:>6.2f} {peaks_text:>26} {tensors_text:>30}"
+            f"{system:>12} {sps:>10.1f} {eff if eff is not None else float('nan'):>10.2f} {idle:>6.2f} "
+            f"{peaks_text:>26} {tensors_text:>30}"
         )
     for ours, theirs in [("ours-2bw", "torch-1f1b"), ("ours-flush", "torch-1f1b"), ("ours-gpipe", "torch-gpipe")]:
         if ours in rows and theirs in rows:

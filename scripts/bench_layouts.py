@@ -41,7 +41,7 @@ def run_layout(
             run_dir=run_dir,
         )
     except LaunchError as e:
-        raise SystemExit(f"{d}x{w} failed: {e}; see {run_dir}/train.log and {run_dir}/launch/")
+        raise SystemExit(f"{d}x{w} failed: {e}; see {run_dir}/train.log and {run_dir}/launch/") from e
     summary = json.loads((run_dir / "summary.json").read_text())
     exposed = [r["allreduce_exposed_s"] / steps for r in summary["ranks"]]
     return {
@@ -85,13 +85,15 @@ def main() -> None:
                 )
                 results[(d, w)].append(r)
                 print(
-                    f"  repeat {repeat} {d}x{w}: {r['samples_per_s']:.1f} samples/s, exposed all-reduce {1e3 * r['exposed_allreduce_s_per_step']:.1f} ms/step",
+                    f"  repeat {repeat} {d}x{w}: {r['samples_per_s']:.1f} samples/s, "
+                    f"exposed all-reduce {1e3 * r['exposed_allreduce_s_per_step']:.1f} ms/step",
                     flush=True,
                 )
     base = statistics.median(r["samples_per_s"] for r in results[layouts[0]])
     rows = []
     print(
-        f"\n{'layout':>8} {'m':>3} {'samples/s':>10} {'vs ' + 'x'.join(map(str, layouts[0])):>8} {'step ms':>8} {'exposed AR ms/step':>19} {'exposed %':>9}"
+        f"\n{'layout':>8} {'m':>3} {'samples/s':>10} {'vs ' + 'x'.join(map(str, layouts[0])):>8} {'step ms':>8} "
+        f"{'exposed AR ms/step':>19} {'exposed %':>9}"
     )
     for (d, w), runs in results.items():
         sps = statistics.median(r["samples_per_s"] for r in runs)
@@ -110,7 +112,8 @@ def main() -> None:
             }
         )
         print(
-            f"{f'{d}x{w}':>8} {runs[0]['num_microbatches']:>3} {sps:>10.1f} {sps / base:>8.2f} {1e3 * step:>8.1f} {1e3 * exposed:>19.1f} {100 * exposed / step:>8.1f}%"
+            f"{f'{d}x{w}':>8} {runs[0]['num_microbatches']:>3} {sps:>10.1f} {sps / base:>8.2f} {1e3 * step:>8.1f} "
+            f"{1e3 * exposed:>19.1f} {100 * exposed / step:>8.1f}%"
         )
     Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=2) + "\n")
     print(f"\nwrote {args.json}")

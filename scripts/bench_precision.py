@@ -23,11 +23,9 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench.py's memory probe
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
-from bench import _tensor_peak  # noqa: E402
 from torch import nn  # noqa: E402
 
 from pipedream2bw import comm  # noqa: E402
@@ -43,6 +41,7 @@ from pipedream2bw.config import (  # noqa: E402
     build_optimizer,
 )
 from pipedream2bw.data import MicrobatchFeed, load_bytes  # noqa: E402
+from pipedream2bw.memprobe import tensor_peak  # noqa: E402
 from pipedream2bw.models import build_gpt_layers, lm_loss  # noqa: E402
 from pipedream2bw.precision import autocast, resolve  # noqa: E402
 from pipedream2bw.runner import TRAIN_RANGE, run  # noqa: E402
@@ -117,7 +116,7 @@ def peak_memory(args, system) -> int:
     """Peak tensor bytes of a short untimed run."""
     if args.device.type == "cuda":
         torch.cuda.empty_cache()
-    with _tensor_peak(args.device, within=TRAIN_RANGE) as peak:
+    with tensor_peak(args.device, within=TRAIN_RANGE) as peak:
         system(args, steps=3)
     return peak["bytes"]
 
@@ -156,14 +155,17 @@ def main() -> None:
     precision = resolve(args.precision, args.device.type)
     print("command:", " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]))
     print(
-        f"config: {args.device} ({torch.cuda.get_device_name(args.device) if cuda else '1 thread'}), precision {precision}, "
+        f"config: {args.device} ({torch.cuda.get_device_name(args.device) if cuda else '1 thread'}), precision "
+        f"{precision}, "
         f"GPT {args.num_layers} blocks d_model {args.d_model} heads {args.num_heads} seq {args.seq_len}, "
-        f"m={args.num_microbatches} b={args.microbatch_size}, AdamW, ours: 1 stage, {args.schedule}; {args.steps} steps "
+        f"m={args.num_microbatches} b={args.microbatch_size}, AdamW, ours: 1 stage, {args.schedule}; {args.steps} "
+        "steps "
         f"({args.warmup} warm-up left out) x {args.repeats} repeats, alternating; torch {torch.__version__}"
     )
     if not cuda:
         print(
-            "NOTE: CPU figures; the target is set for a GPU (the issue's GPT on an H200), which this run does not verify"
+            "NOTE: CPU figures; the target is set for a GPU (the issue's GPT on an H200), which this run does not "
+            "verify"
         )
     systems = {"ours": ours, "plain-autocast": plain}
     rates = {name: [] for name in systems}

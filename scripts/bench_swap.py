@@ -48,12 +48,11 @@ import torch
 from torch import nn
 
 from pipedream2bw.config import GPTConfig, gpt_balance
-from pipedream2bw.memprobe import tensor_peak
+from pipedream2bw.fileio import atomic_write
+from pipedream2bw.memprobe import SavedBytes, tensor_peak
 from pipedream2bw.models import build_gpt_layers
-from pipedream2bw.results import atomic_write
 from pipedream2bw.schedule import BACKWARD, FORWARD, STEP, stage_actions
 from pipedream2bw.schedule import in_flight as schedule_in_flight
-from pipedream2bw.stage import SavedBytes
 from pipedream2bw.swap import CpuBackend, SwapManager, TransferBackend, make_backend
 from pipedream2bw.versions import WeightVersions
 
@@ -242,12 +241,10 @@ def main() -> None:
         if getattr(args, k) is None:
             setattr(args, k, v)
     if args.deterministic == "on" or (args.deterministic == "auto" and device.type == "cuda"):
-        os.environ.setdefault(
-            "CUBLAS_WORKSPACE_CONFIG", ":4096:8"
-        )  # before cuBLAS starts; deterministic matmuls need it
-        torch.use_deterministic_algorithms(
-            True
-        )  # strict: mem-efficient attention's backward then runs deterministically
+        # Before cuBLAS starts; deterministic matmuls need it
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        # Strict: mem-efficient attention's backward then runs deterministically
+        torch.use_deterministic_algorithms(True)
         args.deterministic = "on"
     if device.type == "cpu":
         torch.set_num_threads(1)
@@ -326,32 +323,40 @@ def _print(res: Dict[str, Any]) -> None:
     mib = 2**20
     ident = "deterministic kernels" if res["args"]["deterministic"] == "on" else "default kernels"
     print(
-        f"\ndevice: {res['device']}{'  (CPU-ONLY FIGURES)' if res['cpu_only'] else ''}; {ident}; weights bit-identical with and without swap: "
-        f"{res['weights_identical']} (no-swap runs among themselves: {res['no_swap_runs_identical']}; largest difference "
+        f"\ndevice: {res['device']}{'  (CPU-ONLY FIGURES)' if res['cpu_only'] else ''}; {ident}; weights bit-identical "
+        f"with and without swap: {res['weights_identical']} (no-swap runs among themselves: "
+        f"{res['no_swap_runs_identical']}; largest difference "
         f"{res['max_weight_diff_swap']:.3g} with swap, {res['max_weight_diff_no_swap']:.3g} between no-swap runs)"
     )
     what = {"no_swap": "saved x in flight", "swap": "manager's count"}
     for name, row in res["rows"].items():
         left = f"  (earlier runs left {row['leftover_bytes'] / mib:.1f} MiB allocated)" if row["leftover_bytes"] else ""
         print(
-            f"  {name:8s} step {row['step_time_s'] * 1e3:9.2f} ms  peak allocated {row['peak_memory_bytes'] / mib:9.1f} MiB  "
-            f"activations {row['activation_peak_bytes'] / mib:9.1f} MiB (should be {row['expected_activation_bytes'] / mib:.1f} MiB: "
+            f"  {name:8s} step {row['step_time_s'] * 1e3:9.2f} ms  peak allocated "
+            f"{row['peak_memory_bytes'] / mib:9.1f} MiB  "
+            f"activations {row['activation_peak_bytes'] / mib:9.1f} MiB (should be "
+            f"{row['expected_activation_bytes'] / mib:.1f} MiB: "
             f"{what[name]}){left}"
         )
     sw = res["swap_stats"]
     print(
         f"  swap: {sw['swapped_out_bytes'] / mib:.1f} MiB out, {sw['swapped_in_bytes'] / mib:.1f} MiB in per run; "
-        f"peak counted activations {sw['peak_device_bytes'] / mib:.1f} MiB (one microbatch {sw['microbatch_bytes'] / mib:.1f} MiB); "
+        f"peak counted activations {sw['peak_device_bytes'] / mib:.1f} MiB (one microbatch "
+        f"{sw['microbatch_bytes'] / mib:.1f} MiB); "
         f"stall {sw['stall_s'] * 1e3:.2f} ms, offload waits {sw['offload_wait_s'] * 1e3:.2f} ms"
     )
     fmt = lambda v: "n/a" if v is None else f"{v:.2f}"  # noqa: E731
     print(
-        f"  bandwidth GB/s: achieved to host {fmt(res['achieved_to_host_GBps'])}, to device {fmt(res['achieved_to_device_GBps'])}; "
-        f"plain copy to host {res['plain_copy']['to_host_GBps']:.2f}, to device {res['plain_copy']['to_device_GBps']:.2f}"
+        f"  bandwidth GB/s: achieved to host {fmt(res['achieved_to_host_GBps'])}, to device "
+        f"{fmt(res['achieved_to_device_GBps'])}; "
+        f"plain copy to host {res['plain_copy']['to_host_GBps']:.2f}, to device "
+        f"{res['plain_copy']['to_device_GBps']:.2f}"
     )
     print(
-        f"  step time {res['step_time_increase'] * 100:+.1f}%, counted activation bytes {-res['counted_activation_reduction'] * 100:+.1f}%, "
-        f"measured activation memory {-res['activation_memory_reduction'] * 100:+.1f}% (target <= -40% for <= +10% time)"
+        f"  step time {res['step_time_increase'] * 100:+.1f}%, counted activation bytes "
+        f"{-res['counted_activation_reduction'] * 100:+.1f}%, "
+        f"measured activation memory {-res['activation_memory_reduction'] * 100:+.1f}% "
+        "(target <= -40% for <= +10% time)"
     )
 
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Callable, Iterator, Sequence, Tuple
@@ -26,7 +25,7 @@ from typing import Callable, Iterator, Sequence, Tuple
 import numpy as np
 
 from pipedream2bw.data import BYTE_VOCAB, TOKEN_SUFFIX, meta_path
-from pipedream2bw.results import atomic_write
+from pipedream2bw.fileio import atomic_open, atomic_write
 
 CHUNK_BYTES = 1 << 22  # text tokenized at a time (about 4 MiB), in whole lines
 
@@ -85,22 +84,14 @@ def prepare(inputs: Sequence[Path], out: Path, *, tokenizer: str) -> dict:
     encode, vocab_size = make_tokenizer(tokenizer)
     dtype = "uint16" if vocab_size <= 1 << 16 else "uint32"
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp, count = out.with_name(f".{out.name}.tmp"), 0
-    try:
-        with open(tmp, "wb") as f:
-            for raw in read_chunks(inputs):
-                ids = np.asarray(encode(raw), dtype=np.int64)
-                if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
-                    sys.exit(
-                        f"tokenizer {tokenizer} produced id {int(ids.max())} outside its vocabulary of {vocab_size}"
-                    )
-                ids.astype(dtype).tofile(f)
-                count += ids.size
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, out)
-    finally:
-        tmp.unlink(missing_ok=True)
+    count = 0
+    with atomic_open(out) as f:
+        for raw in read_chunks(inputs):
+            ids = np.asarray(encode(raw), dtype=np.int64)
+            if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
+                sys.exit(f"tokenizer {tokenizer} produced id {int(ids.max())} outside its vocabulary of {vocab_size}")
+            ids.astype(dtype).tofile(f)
+            count += ids.size
     meta = {
         "format": 1,
         "dtype": dtype,
@@ -126,7 +117,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         sys.exit(f"not a file: {', '.join(missing)}")
     meta = prepare(args.inputs, args.out, tokenizer=args.tokenizer)
     print(
-        f"{args.out}: {meta['num_tokens']} tokens ({meta['dtype']}), vocabulary {meta['vocab_size']}; train on it with\n"
+        f"{args.out}: {meta['num_tokens']} tokens ({meta['dtype']}), vocabulary {meta['vocab_size']}; train on it "
+        "with\n"
         f"  data.path={args.out} data.token_dtype={meta['dtype']} model.vocab_size={meta['vocab_size']}"
     )
 

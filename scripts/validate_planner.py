@@ -206,7 +206,8 @@ def main() -> None:
     print(f"{'plan':>6} {'stage':>5} {'predicted':>10} {'measured':>10} {'pred/meas':>9}  within 15%")
     for r in stage_rows:
         print(
-            f"{r['plan']:>6} {r['stage']:>5} {r['predicted_mib']:>10.1f} {r['measured_mib']:>10.1f} {r['ratio']:>9.3f}  "
+            f"{r['plan']:>6} {r['stage']:>5} {r['predicted_mib']:>10.1f} {r['measured_mib']:>10.1f} {r['ratio']:>9.3f} "
+            " "
             f"{'yes' if abs(r['ratio'] - 1) <= 0.15 else 'NO':>10}"
         )
     print("\nthroughput (samples/s)")

@@ -77,9 +77,8 @@ def reference_run(
     batch t runs under 2bw.
     """
     threads = torch.get_num_threads()
-    torch.set_num_threads(
-        1
-    )  # as the ranks run: Adam turns reduction-order noise in ~zero gradients into lr-sized steps
+    # As the ranks run: Adam turns reduction-order noise in ~zero gradients into lr-sized steps
+    torch.set_num_threads(1)
     try:
         return _train(cfg, delayed=delayed, layers=layers, balance=balance)
     finally:

@@ -1,4 +1,5 @@
-"""Steps that need every stage (DESIGN.md section 7): global clipping, LR schedules, non-finite steps, against the oracle."""
+"""Steps that need every stage (docs/design.md section 7): global clipping, LR schedules, non-finite steps,
+against the oracle."""
 
 from __future__ import annotations
 
@@ -240,7 +241,7 @@ def test_clip_coefficient_is_clip_grad_norm_s():
 def test_deferred_steps_need_no_third_version(d, m):
     """2bw with APPLY(t) deferred as StageWorker.run does: every forward finds its version alive,
     batch t+1's gradients never land in the replica that APPLY(t) consumes and overwrites, and
-    every APPLY but the first and last has work to hide the agreement behind (DESIGN.md section 7)."""
+    every APPLY but the first and last has work to hide the agreement behind (docs/design.md section 7)."""
     for s in range(d):
         actions = stage_actions("2bw", stage_index=s, num_stages=d, num_microbatches=m, num_batches=5)
         versions = WeightVersions(

@@ -112,7 +112,8 @@ def test_check_model_names_the_mismatched_parameters():
     manifest = {"param_shapes": {"0.weight": [4, 2], "1.bias": [3]}}
     with pytest.raises(
         ConfigError,
-        match=r"0.weight: checkpoint \[4, 2\], model \[4, 3\]; 2.weight: not in the checkpoint; 1.bias: not in the model",
+        match=r"0.weight: checkpoint \[4, 2\], model \[4, 3\]; 2.weight: not in the checkpoint; 1.bias: not in the "
+        r"model",
     ):
         checkpoint.check_model(manifest, {"0.weight": [4, 3], "2.weight": [1]}, Path("ckpt"))
 

@@ -1,4 +1,5 @@
-"""The README's command under torchrun: the run directory, its results, and bad input on every rank."""
+"""The command line: the README's command under torchrun (run directory, results, bad input on every rank),
+and every entry point's --help."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from pipedream2bw.comm import free_port
 from pipedream2bw.config import GPTConfig
 from pipedream2bw.models import build_gpt_layers
 
+ROOT = Path(__file__).resolve().parents[1]
 # The README's default command, shortened: a smaller GPT for fewer steps, same 4-stage 2bw pipeline.
 SHORT = ["model.d_model=64", "model.seq_len=64", "pipeline.microbatch_size=4", "train.num_steps=40", "optim.lr=1e-2"]
 
@@ -83,3 +85,59 @@ def test_multirun_runs_each_job_in_the_same_ranks(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     summaries = sorted((tmp_path / "multirun").glob("*/*/*/summary.json"))
     assert [json.loads(p.read_text())["schedule"] for p in summaries] == ["2bw", "gpipe"]
+
+
+# Every entry point and what its --help must say: its usage line and, for Hydra ones, the config groups.
+# Regression: `python -m partitioner plan --help` ended in a Hydra override-grammar traceback, and
+# scripts/bench_precision.py failed at import (a helper of scripts/bench.py it imported had moved).
+HYDRA_GROUPS = ["== Configuration groups ==", "model: ", "partition: ", "topology: "]
+ENTRY_POINTS = {  # name: (arguments after python, what the help must contain)
+    "train": (
+        ["-m", "pipedream2bw.train", "--help"],
+        ["usage: torchrun --nproc-per-node N -m pipedream2bw.train", *HYDRA_GROUPS],
+    ),
+    "sweep": (["-m", "pipedream2bw.sweep", "--help"], ["usage: python -m pipedream2bw.sweep -m", *HYDRA_GROUPS]),
+    "partitioner": (["-m", "partitioner", "--help"], ["usage: python -m partitioner plan", "commands:"]),
+    "partitioner plan": (["-m", "partitioner", "plan", "--help"], ["usage: python -m partitioner plan", *HYDRA_GROUPS]),
+    **{
+        f"scripts/{p.name}": ([str(p), "--help"], [f"usage: {p.name} "])
+        for p in sorted((ROOT / "scripts").glob("*.py"))
+    },
+}
+
+
+def test_every_entry_point_answers_help(tmp_path):
+    # All at once, each in its own interpreter (imports dominate: ~1-2.5 s each, ~12 s one after another).
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    procs = {
+        name: subprocess.Popen(
+            [sys.executable, *args], cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        for name, (args, _) in ENTRY_POINTS.items()
+    }
+    failures = []
+    try:
+        for name, proc in procs.items():
+            out, _ = proc.communicate(timeout=120)
+            expected = ENTRY_POINTS[name][1]
+            missing = [s for s in expected if s not in out]
+            if proc.returncode != 0 or "Traceback" in out or missing:
+                failures.append(f"{name}: rc {proc.returncode}, missing {missing}:\n{out[-2000:]}")
+    finally:
+        for proc in procs.values():
+            proc.kill()
+            proc.wait()
+    assert not failures, "\n\n".join(failures)
+    assert len(procs) >= 11  # 4 module entry points and every script
+    assert not list(tmp_path.iterdir())  # --help runs nothing: no outputs/ or plan file
+
+
+def test_config_error_imports_without_torch():
+    # ConfigError's module must stay torch-free: tools that only raise or catch it need not load torch.
+    code = "import sys; from pipedream2bw.errors import ConfigError; assert 'torch' not in sys.modules, 'torch'"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    from pipedream2bw.config import ConfigError as reexported
+    from pipedream2bw.errors import ConfigError
+
+    assert reexported is ConfigError and issubclass(ConfigError, ValueError)

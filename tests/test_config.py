@@ -65,20 +65,23 @@ def test_typed_schema_rejects_wrong_types():
         (
             ["pipeline.num_microbatches=2"],
             4,
-            r"num_microbatches \(2\) must be >= pipeline.num_stages \(4\) for 2bw .*; raise pipeline.num_microbatches to 4",
+            r"num_microbatches \(2\) must be >= pipeline.num_stages \(4\) for 2bw .*; raise pipeline.num_microbatches "
+            r"to 4",
         ),
         (["pipeline.num_stages=9", "model.num_layers=5"], 9, r"num_stages \(9\) is more than the model's 8 layers"),
         (
             ["pipeline.balance=[2,2,2,1]"],
             4,
-            r"balance \(\[2, 2, 2, 1\]\) must list 4 positive layer counts .* summing to the model's 8 layers; e.g. pipeline.balance=\[2, 2, 1, 3\]",
+            r"balance \(\[2, 2, 2, 1\]\) must list 4 positive layer counts .* summing to the model's 8 layers; e.g. "
+            r"pipeline.balance=\[2, 2, 1, 3\]",
         ),
         (["pipeline.balance=[4,4]"], 4, r"must list 4 positive layer counts"),
         ([], 6, r"world size \(6\) is not divisible by pipeline.num_stages \(4\); launch a multiple of 4 ranks"),
         (
             ["pipeline.data_parallel=2"],
             4,
-            r"world size \(4\) must equal pipeline.num_stages \(4\) x pipeline.data_parallel \(2\) = 8; launch with torchrun --nproc-per-node 8 or set pipeline.data_parallel=1",
+            r"world size \(4\) must equal pipeline.num_stages \(4\) x pipeline.data_parallel \(2\) = 8; launch with "
+            r"torchrun --nproc-per-node 8 or set pipeline.data_parallel=1",
         ),
         (
             ["train.global_batch_size=100"],

@@ -138,16 +138,19 @@ def test_bad_data_is_rejected_with_the_value_and_the_fix(tmp_path):
     )
     big = write_tokens(tmp_path / "big_ids.bin", [1, 2, 999] + [3] * 200)
     rejects(
-        r"holds token id 999 \(first id >= 300 at position 2\), but model.vocab_size is 300: .* set model.vocab_size=1000",
+        r"holds token id 999 \(first id >= 300 at position 2\), but model.vocab_size is 300: .* set "
+        r"model.vocab_size=1000",
         path=str(big),
     )
     short = write_tokens(tmp_path / "short.bin", [1] * 17)
     rejects(
-        r"short.bin\) has 14 tokens to train on after holding out data.val_fraction \(0.2\), fewer than model.seq_len \+ 2 \(18\)",
+        r"short.bin\) has 14 tokens to train on after holding out data.val_fraction \(0.2\), fewer than model.seq_len "
+        r"\+ 2 \(18\)",
         path=str(short),
     )
     rejects(
-        r"data.val_fraction \(0.001\) of data.path holds 6 tokens, fewer than model.seq_len \+ 2 \(18\) for one validation window",
+        r"data.val_fraction \(0.001\) of data.path holds 6 tokens, fewer than model.seq_len \+ 2 \(18\) for one "
+        r"validation window",
         val_fraction=0.001,
     )
     rejects(r"train.eval_every needs held-out data: set data.val_fraction", val_fraction=0.0)

@@ -46,7 +46,8 @@ def test_hanging_rank_times_out_and_stops_every_rank(tmp_path):
     # on it) times out first and names whom it waited for; every rank, the hung one included,
     # stops on that report.
     first = re.search(
-        r"rank ([013]) \(stage [013]\) failed: RuntimeError: rank [013]: receiving from rank \d failed or timed out after 0:00:05",
+        r"rank ([013]) \(stage [013]\) failed: RuntimeError: rank [013]: receiving from rank \d failed or timed out "
+        r"after 0:00:05",
         results[0].log,
     )
     assert first, results[0].log

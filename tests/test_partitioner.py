@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import random
 import time
@@ -11,7 +12,7 @@ import pytest
 
 from partitioner import profile as profile_mod
 from partitioner.cost import LayerCost, Segments, StageContext, StageCost, in_flight, segment_costs, simulate
-from partitioner.planner import Request, brute_force, load_plan, partition, plan, save_plan
+from partitioner.planner import Request, load_plan, partition, plan, save_plan
 from partitioner.profile import analytic_gpt, profile_gpt
 from partitioner.topology import GIB, Link, make_rank_map, p2p_links, replica_links
 from pipedream2bw.config import ConfigError, GPTConfig, OptimConfig, TopologyConfig
@@ -68,6 +69,24 @@ def contexts(d: int, m: int, *, schedule: str = "2bw", recompute: bool = False, 
         )
         for s in range(d)
     ]
+
+
+def brute_force(seg: Segments, contexts, *, capacity: float, objective: str = "throughput"):
+    """Tries every split (small lists only): the reference the dynamic program must equal (no swapping)."""
+    n, d = seg.n, len(contexts)
+    key = "batch_s" if objective == "throughput" else "memory"
+    best = math.inf
+    for cuts in itertools.combinations(range(1, n), d - 1):
+        bounds = (0, *cuts, n)
+        worst = 0.0
+        for s, ctx in enumerate(contexts):
+            c = segment_costs(seg, bounds[s], bounds[s + 1], ctx)
+            if float(c["memory"]) > capacity:
+                worst = math.inf
+                break
+            worst = max(worst, float(c[key]))
+        best = min(best, worst)
+    return None if best == math.inf else best
 
 
 @pytest.mark.parametrize("objective", ["throughput", "memory"])
@@ -262,15 +281,15 @@ def test_profile_measures_saved_bytes_and_caches(tmp_path, monkeypatch):
 
 def test_apply_plan_sets_the_pipeline_and_checks_the_launch():
     from partitioner.auto import apply_plan
-    from pipedream2bw.config import Config
+    from pipedream2bw.config import Config, model_num_layers
 
     cfg = Config(model=GPTConfig(num_layers=5))
+    num_layers = model_num_layers(cfg.model)
     req = Request(
         global_batch_size=64, topology=DGX, devices=8, memory_per_device_bytes=80 * GIB, runtime_bytes=2 * GIB
     )
     best = plan(lambda b: analytic_gpt(cfg.model, OptimConfig(), b, DGX), dataclasses.replace(req, depths=[4]))[0]
-    out = apply_plan(cfg, best, world_size=8)
-    p = out.pipeline
+    p, _ = apply_plan(cfg.pipeline, cfg.swap, best, world_size=8, num_layers=num_layers)
     assert (p.num_stages, p.data_parallel, p.microbatch_size, p.num_microbatches) == (
         4,
         2,
@@ -279,14 +298,20 @@ def test_apply_plan_sets_the_pipeline_and_checks_the_launch():
     )
     assert p.balance == best.balance and p.rank_map == best.rank_map and p.recompute == best.recompute
     with pytest.raises(ConfigError, match="launch 8 ranks"):
-        apply_plan(cfg, best, world_size=4)
-    swapping = apply_plan(cfg, dataclasses.replace(best, swap_stages=[0], swap_resident=2), world_size=8).swap
+        apply_plan(cfg.pipeline, cfg.swap, best, world_size=4, num_layers=num_layers)
+    swapping = apply_plan(
+        cfg.pipeline,
+        cfg.swap,
+        dataclasses.replace(best, swap_stages=[0], swap_resident=2),
+        world_size=8,
+        num_layers=num_layers,
+    )[1]
     assert (swapping.enabled, swapping.stages, swapping.resident) == (False, [0], 2)  # exactly the plan's stages swap
 
 
 def test_second_pass_keeps_the_bottleneck_time_and_lowers_memory():
     rng = random.Random(7)
-    for trial in range(30):
+    for _ in range(30):
         n, d = rng.randint(3, 9), rng.randint(2, 4)
         if d > n:
             continue
@@ -294,9 +319,9 @@ def test_second_pass_keeps_the_bottleneck_time_and_lowers_memory():
         fastest, starts, _ = partition(seg, ctxs, capacity=math.inf)
         _, lean_starts, _ = partition(seg, ctxs, capacity=math.inf, objective="memory", time_limit=fastest)
 
-        def worst(key, st):
-            b = [*st, n]
-            return max(float(segment_costs(seg, b[s], b[s + 1], ctxs[s])[key]) for s in range(d))
+        def worst(key, st, seg=seg, ctxs=ctxs):
+            b = [*st, seg.n]
+            return max(float(segment_costs(seg, b[s], b[s + 1], ctx)[key]) for s, ctx in enumerate(ctxs))
 
         assert worst("batch_s", lean_starts) == pytest.approx(fastest)
         assert worst("memory", lean_starts) <= worst("memory", starts) + 1e-9

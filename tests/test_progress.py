@@ -17,7 +17,9 @@ from pipedream2bw.tracking import Tracker, progress_bar
 def _drive(bar, tmp_path, losses):
     cfg = Config(train=TrainConfig(num_steps=len(losses), log_every=100), wandb=WandbConfig(mode="disabled"))
     worker = SimpleNamespace(stats=SimpleNamespace(losses=[], lrs=[], grad_norms=[]))
-    on_step = _progress(cfg, worker, Tracker(cfg, tmp_path), bar, samples_per_step=8)
+    on_step = _progress(
+        cfg.train, worker, Tracker(cfg.wandb, tmp_path), bar, samples_per_step=8, seq_len=cfg.model.seq_len
+    )
     for t, loss in enumerate(losses):
         worker.stats.losses.append(loss)
         worker.stats.lrs.append(cfg.optim.lr)

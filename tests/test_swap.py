@@ -13,10 +13,9 @@ import torch
 from torch import nn
 
 from pipedream2bw.config import GPTConfig
-from pipedream2bw.memprobe import tensor_peak
+from pipedream2bw.memprobe import SavedBytes, tensor_peak
 from pipedream2bw.models import build_gpt_layers, lm_loss
 from pipedream2bw.schedule import BACKWARD, FORWARD, Action, stage_actions
-from pipedream2bw.stage import SavedBytes
 from pipedream2bw.swap import CpuBackend, SwapManager, TransferBackend
 
 
@@ -117,7 +116,7 @@ def test_swapping_changes_no_bit_and_bounds_the_resident_set(schedule, stage_ind
     events: Dict[int, List[str]] = collections.defaultdict(list)
     for what, _, rec in manager.trace:
         events[rec].append(what)
-    for rec, seq in events.items():
+    for seq in events.values():
         if "out" in seq:
             assert seq.count("in") == 1, seq
             assert seq.index("in") < seq.index("unpack") if "unpack" in seq else True
@@ -200,31 +199,33 @@ def test_regression_swapped_storages_are_freed_and_peak_tensor_bytes_drop(device
         _, grads, saved_one, _, model = _train(actions, None, observe=True, device=device)
         static = 2 * sum(p.numel() * p.element_size() for p in model.parameters())  # weights + gradients
         del model
-    transient = (
-        plain["bytes"] - static - n_in_flight * saved_one
-    )  # what is alive at the peak and not saved for backward
+    # What is alive at the peak and not saved for backward.
+    transient = plain["bytes"] - static - n_in_flight * saved_one
     for resident in (1, 0):
         watch, done_backward = _Watch(_backend(device)), set()
 
-        def check(a):  # after each action: nothing of a finished offload or of a finished backward may live
+        def check(a, watch=watch, done_backward=done_backward, resident=resident):
+            """After each action: nothing of a finished offload or of a finished backward may live."""
             if a.kind == FORWARD:
                 alive = [i for i, ref in enumerate(watch.sent) if ref() is not None]
                 assert not alive, (
-                    f"resident={resident}: after F{a.index}, {len(alive)} of {len(watch.sent)} offloaded device storages still alive"
+                    f"resident={resident}: after F{a.index}, {len(alive)} of {len(watch.sent)} offloaded device "
+                    "storages still alive"
                 )
                 watch.current = a.index + 1  # forwards run in microbatch order: the next one is k + 1
             else:
                 done_backward.add(a.index)
                 alive = [k for k, ref in watch.fetched if k in done_backward and ref() is not None]
                 assert not alive, (
-                    f"resident={resident}: after B{a.index}, copies back of finished microbatches {sorted(set(alive))} still alive"
+                    f"resident={resident}: after B{a.index}, copies back of finished microbatches {sorted(set(alive))} "
+                    "still alive"
                 )
 
         watch.current = actions[0].index
         with tensor_peak(dev) as swapped:
             _, s_grads, _, stats, model = _train(
                 actions,
-                lambda **kw: SwapManager(watch.backend, min_bytes=4096, resident=resident, **kw),
+                partial(SwapManager, watch.backend, min_bytes=4096, resident=resident),
                 after=check,
                 device=device,
             )
@@ -399,7 +400,8 @@ def test_swap_config_through_hydra_selects_stages():
         (["swap.stages=[0,0]"], r"swap.stages \(\[0, 0\]\) lists a stage twice"),
         (
             ["swap.enabled=true", "swap.stages=[0]"],
-            r"swap.enabled \(true\) swaps every stage but swap.stages \(\[0\]\) lists only some; set swap.enabled=false",
+            r"swap.enabled \(true\) swaps every stage but swap.stages \(\[0\]\) lists only some; set "
+            r"swap.enabled=false",
         ),
         (["swap.min_bytes=-1"], r"swap.min_bytes \(-1\) must be >= 0"),
         (["swap.resident=-1"], r"swap.resident \(-1\) must be >= 0"),

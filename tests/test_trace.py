@@ -1,4 +1,5 @@
-"""pipeline.trace: one span per action per rank for the traced steps, Chrome trace and PNG, and the bubble it measures."""
+"""pipeline.trace: one span per action per rank for the traced steps, Chrome trace and PNG, and the bubble it
+measures."""
 
 from __future__ import annotations
 

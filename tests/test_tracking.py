@@ -38,9 +38,8 @@ def test_offline_run_holds_the_runs_figures(traced_run):
     records = _records(run_dir)
     assert wandb_reader.run_record(records).run_group == "sweep-a"
     config = wandb_reader.config(records)
-    assert {k: config[k] for k in dataclasses.asdict(cfg)} == json.loads(
-        json.dumps(dataclasses.asdict(cfg))
-    )  # resolved config
+    # Resolved config
+    assert {k: config[k] for k in dataclasses.asdict(cfg)} == json.loads(json.dumps(dataclasses.asdict(cfg)))
     rows = wandb_reader.history(records)
     assert [r["loss"] for r in rows if "loss" in r] == summary["losses"]  # every step's loss, in order
     assert [r["_step"] for r in rows if "samples_per_s" in r] == [2, 5]  # every train.log_every steps
@@ -71,7 +70,7 @@ def test_plan_and_predictions_are_logged_when_the_summary_has_them(traced_run, t
     # As the planner's summary.json will carry them (its figures here stand in for a prediction).
     summary = {**measured, "predicted_samples_per_s": 123.0, "predicted_peak_memory_bytes": [1000, 2000]}
     plan = {"num_stages": 2, "objective": "throughput", "stages": [{"layers": [0, 1, 2]}, {"layers": [3, 4]}]}
-    tracker = Tracker(dataclasses.replace(cfg, wandb=WandbConfig(mode="offline")), tmp_path)
+    tracker = Tracker(WandbConfig(mode="offline"), tmp_path, config=dataclasses.asdict(cfg))
     tracker.finish(summary, plan=plan)
     wandb.teardown()  # the wandb service outlives finish() in this process; its teardown flushes the run's file
     records = _records(tmp_path)
@@ -85,7 +84,7 @@ def test_plan_and_predictions_are_logged_when_the_summary_has_them(traced_run, t
 
 
 def test_disabled_writes_no_wandb_files(tmp_path):
-    tracker = Tracker(Config(wandb=WandbConfig(mode="disabled")), tmp_path)
+    tracker = Tracker(WandbConfig(mode="disabled"), tmp_path)
     tracker.log({"loss": 1.0}, step=0)
     tracker.finish({"final_loss": 1.0})
     assert not (tmp_path / "wandb").exists()
@@ -104,9 +103,8 @@ def test_a_resumed_job_continues_under_the_same_wandb_run_id(tmp_path):
     run_ok(cfg(3), run_dir)
     resumed = run_ok(cfg(6), run_dir)
     assert resumed["first_step"] == 3
-    first, second = sorted(
-        run_dir.glob("wandb/offline-run-*/run-*.wandb")
-    )  # wandb cannot resume offline: a second file
+    # wandb cannot resume offline: a second file
+    first, second = sorted(run_dir.glob("wandb/offline-run-*/run-*.wandb"))
     runs = [wandb_reader.read_records(f) for f in (first, second)]
     assert wandb_reader.run_record(runs[0]).run_id == wandb_reader.run_record(runs[1]).run_id
     losses = [(r["_step"], r["loss"]) for r in wandb_reader.history(runs[1]) if "loss" in r]

@@ -11,7 +11,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import torch
 from torch import nn
 
-from pipedream2bw.config import ConfigError, GPTConfig, LayerListConfig
+from pipedream2bw.config import GPTConfig, LayerListConfig
+from pipedream2bw.errors import ConfigError
 from pipedream2bw.models.gpt import build_gpt_layers, lm_loss
 
 
@@ -99,7 +100,8 @@ def _checked(layers: Any, target: str) -> List[nn.Module]:
     bad = [f"{i}: {type(x).__name__}" for i, x in enumerate(layers) if not isinstance(x, nn.Module)]
     if not layers or bad:
         raise ConfigError(
-            f"model._target_ ({target}) returned a list with {'no layers' if not layers else 'items that are not nn.Modules: ' + ', '.join(bad[:4])}; "
+            f"model._target_ ({target}) returned a list with "
+            f"{'no layers' if not layers else 'items that are not nn.Modules: ' + ', '.join(bad[:4])}; "
             f"return a non-empty list of nn.Module layers"
         )
     return layers
@@ -136,7 +138,8 @@ def model_source(model: Any, *, seed: int) -> ModelSource:
         )
     if not isinstance(model, LayerListConfig):
         raise ConfigError(
-            f"model ({model!r}) is neither a GPT config nor a layer-list factory; use model=gpt or model=custom model._target_=..."
+            f"model ({model!r}) is neither a GPT config nor a layer-list factory; use model=gpt or model=custom "
+            "model._target_=..."
         )
     factory = locate(model.target, what="model._target_")
     if not callable(factory):
@@ -163,7 +166,8 @@ def model_source(model: Any, *, seed: int) -> ModelSource:
         layers = _checked(layers, model.target)
         if indices is not None and len(layers) != len(indices):
             raise ConfigError(
-                f"model._target_ ({model.target}) returned {len(layers)} layers for indices {indices}; build exactly those"
+                f"model._target_ ({model.target}) returned {len(layers)} layers for indices {indices}; "
+                "build exactly those"
             )
         return layers
 

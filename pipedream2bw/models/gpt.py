@@ -58,15 +58,18 @@ class LMHead(nn.Module):
         return self.out(x)
 
 
-def _make_layer(cfg: GPTConfig, index: int) -> nn.Module:
+LAYER_KINDS = {"embedding": Embedding, "block": Block, "norm": lambda cfg: nn.LayerNorm(cfg.d_model), "head": LMHead}
+
+
+def layer_kind(cfg: GPTConfig, index: int) -> str:
+    """Which kind of layer (a key of ``LAYER_KINDS``) index ``index`` of the GPT's layer list is:
+    the embedding first, then the blocks, the final norm and the LM head last."""
     last = model_num_layers(cfg) - 1
-    if index == 0:
-        return Embedding(cfg)
-    if index == last - 1:
-        return nn.LayerNorm(cfg.d_model)
-    if index == last:
-        return LMHead(cfg)
-    return Block(cfg)
+    return {0: "embedding", last - 1: "norm", last: "head"}.get(index, "block")
+
+
+def _make_layer(cfg: GPTConfig, index: int) -> nn.Module:
+    return LAYER_KINDS[layer_kind(cfg, index)](cfg)
 
 
 def _init_weights(module: nn.Module, std: float) -> None:

@@ -14,7 +14,7 @@ from typing import List
 import torch
 from torch import nn
 
-from pipedream2bw.config import ConfigError
+from pipedream2bw.errors import ConfigError
 
 
 def _gpt2():
