@@ -55,7 +55,8 @@ def _flatten(tree: Any, what: str) -> Tuple[List[torch.Tensor], Any]:
     bad = [type(x).__name__ for x in leaves if not torch.is_tensor(x)]
     if bad or not leaves:
         raise TypeError(
-            f"{what} must be a tensor or a tuple, list or dict of tensors; got {type(tree).__name__} holding {bad or 'nothing'}"
+            f"{what} must be a tensor or a tuple, list or dict of tensors; got {type(tree).__name__} "
+            f"holding {bad or 'nothing'}"
         )
     return leaves, spec
 
