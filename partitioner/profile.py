@@ -139,9 +139,8 @@ def profile_layer(
         x = torch.randn(b, T, C, generator=gen).to(device, wire).requires_grad_()
     targets = torch.randint(0, cfg.vocab_size, (b, T), generator=gen).to(device)
 
-    def forward() -> (
-        torch.Tensor
-    ):  # as StageWorker.forward: float32 in, autocast, loss in float32, sent in the wire dtype
+    # as StageWorker.forward: float32 in, autocast, loss in float32, sent in the wire dtype
+    def forward() -> torch.Tensor:
         with precisions.autocast(precision, device.type):
             out = layer(x.float() if x.is_floating_point() else x)
         return lm_loss(out.float(), targets) if kind == "head" else out.to(wire)

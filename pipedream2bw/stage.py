@@ -84,9 +84,8 @@ class StageStats:
     step_end_times: List[float] = field(default_factory=list)
     losses: List[float] = field(default_factory=list)  # batch mean loss; filled on rank 0
     lrs: List[float] = field(default_factory=list)  # learning rate of each step; filled on rank 0
-    grad_norms: List[Optional[float]] = field(
-        default_factory=list
-    )  # agreed global gradient norm (None: not agreed); rank 0
+    # agreed global gradient norm (None: not agreed); rank 0
+    grad_norms: List[Optional[float]] = field(default_factory=list)
     skipped_steps: List[int] = field(default_factory=list)  # steps skipped everywhere for a non-finite loss or gradient
     agreement_exposed_s: float = 0.0  # time APPLY waited for the step agreement: not hidden behind other work
     peak_stash_bytes: int = 0  # activations autograd saves for one microbatch x most microbatches in flight
@@ -97,9 +96,8 @@ class StageStats:
     peak_pending_sends: int = 0  # most sends whose tensors were held at once (bounded by the in-flight count)
     checkpoint_s: float = 0.0  # time training waited for checkpoint copies (the writes run beside it)
     eval_s: float = 0.0  # time in validation passes (train.eval_every), compute and waits
-    data_resident_bytes: Optional[int] = (
-        None  # token-file pages mapped in this rank at the end; None: no token file opened
-    )
+    # token-file pages mapped in this rank at the end; None: no token file opened
+    data_resident_bytes: Optional[int] = None
     trace: Optional[dict] = None  # pipeline.trace: {"spans": [timeline.Span], "window": [start, end]}
     swap: Optional[Dict[str, Any]] = None  # SwapStats of a stage that swaps activations to host
     loss_scales: List[float] = field(default_factory=list)  # fp16: the loss scale each batch ran with

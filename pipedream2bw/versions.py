@@ -159,9 +159,8 @@ class WeightVersions:
             before_bucket(bucket_index)
             grads = [src[i].grad for i in bucket if src[i].grad is not None]
             if grads and grad_scale != 1.0:
-                torch._foreach_mul_(
-                    grads, grad_scale
-                )  # one kernel per bucket, not one per parameter (GPU launch overhead)
+                # one kernel per bucket, not one per parameter (GPU launch overhead)
+                torch._foreach_mul_(grads, grad_scale)
             for i in bucket:
                 self._attach_master(i, dst[i], src[i].grad)
                 src[i].grad = None

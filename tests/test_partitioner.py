@@ -177,20 +177,16 @@ def test_memory_terms_follow_the_design():
     # output (4 + 6), and move the other 36 bytes each way, at 1 byte/s, on one stream per direction.
     swap = dict(base, swap=True, host_device_bw=1.0)
     sw = segment_costs(seg, 0, 1, StageContext(**swap, swap_resident=1))
-    assert sw["activations"] == 2 * 46 + 1 * 10 and sw["stall_s"] == pytest.approx(
-        36 - 3
-    )  # an F and a B hide each copy
+    # an F and a B hide each copy
+    assert sw["activations"] == 2 * 46 + 1 * 10 and sw["stall_s"] == pytest.approx(36 - 3)
     sw = segment_costs(seg, 0, 1, StageContext(**swap, swap_resident=0))
-    assert sw["activations"] == 46 + 2 * 10 and sw["stall_s"] == pytest.approx(
-        36
-    )  # each fetch waits at its own backward
+    # each fetch waits at its own backward
+    assert sw["activations"] == 46 + 2 * 10 and sw["stall_s"] == pytest.approx(36)
     sw = segment_costs(seg, 0, 1, StageContext(**swap, swap_resident=1, schedule="gpipe"))  # 8 in flight
-    assert sw["activations"] == 2 * 46 + 6 * 10 and sw["stall_s"] == pytest.approx(
-        (36 - 1) + (36 - 2)
-    )  # F after F, B after B
-    sw = segment_costs(
-        seg, 0, 1, StageContext(**swap, swap_resident=2)
-    )  # 3 in flight <= K + 1: the runtime does not swap
+    # F after F, B after B
+    assert sw["activations"] == 2 * 46 + 6 * 10 and sw["stall_s"] == pytest.approx((36 - 1) + (36 - 2))
+    # 3 in flight <= K + 1: the runtime does not swap
+    sw = segment_costs(seg, 0, 1, StageContext(**swap, swap_resident=2))
     assert sw["activations"] == 3 * 46 and sw["stall_s"] == 0
 
 
@@ -268,9 +264,8 @@ def test_profile_measures_saved_bytes_and_caches(tmp_path, monkeypatch):
     btc = 2 * 32 * 64 * 4
     # What autograd saves for a pre-LN block: 16 b*T*C activations (plus small statistics).
     assert 16 * btc <= block.saved_bytes <= 16 * btc * 1.05
-    assert block.optimizer_bytes == pytest.approx(
-        2 * block.param_bytes, rel=1e-3
-    )  # adamw: two moments (+ step counters)
+    # adamw: two moments (+ step counters)
+    assert block.optimizer_bytes == pytest.approx(2 * block.param_bytes, rel=1e-3)
     assert block.forward_s > 0 and block.backward_s > 0 and head.output_bytes == 0
     analytic = analytic_gpt(cfg, OptimConfig(name="adamw"), 2, DGX)[1]
     assert analytic.param_bytes == block.param_bytes and analytic.saved_bytes == 16 * btc
@@ -334,6 +329,7 @@ def test_near_ties_go_to_the_better_other_objective(objective):
     from partitioner.__main__ import compose
     from partitioner.auto import plan_config
 
+    # the figures: planned as the runtime then trained (fp32)
     overrides = [
         "topology=dgx",
         "model.num_layers=24",
@@ -345,7 +341,7 @@ def test_near_ties_go_to_the_better_other_objective(objective):
         "partition.costs=analytic",
         f"partition.objective={objective}",
         "train.precision=fp32",
-    ]  # the figures: planned as the runtime then trained (fp32)
+    ]
     plans = plan_config(compose(overrides))
     strict = plan_config(compose(overrides + ["partition.tolerance=0"]))
     peak = lambda p: max(p.predicted_peak_memory_bytes) / GIB  # noqa: E731

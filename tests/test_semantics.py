@@ -26,9 +26,8 @@ def tiny_config(
             schedule=schedule, num_stages=num_stages, num_microbatches=num_microbatches, microbatch_size=2
         ),
         model=GPTConfig(num_layers=3, d_model=32, num_heads=2, seq_len=16),
-        optim=copy.deepcopy(
-            OPTIMIZERS[optim]
-        ),  # a test may change its copy (e.g. clipping) without leaking into later tests
+        # a test may change its copy (e.g. clipping) without leaking into later tests
+        optim=copy.deepcopy(OPTIMIZERS[optim]),
         train=TrainConfig(num_steps=num_steps, log_every=100, warmup_steps=1),
         wandb=WandbConfig(mode="disabled"),
         seed=3,

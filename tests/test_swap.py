@@ -428,9 +428,8 @@ def test_cuda_swapping_changes_no_bit(resident):
         partial(SwapManager, CudaBackend(torch.device("cuda")), min_bytes=4096, resident=resident),
         device="cuda",
     )
-    if all(
-        torch.equal(grads[n], again[n]) for n in grads
-    ):  # bit for bit where the kernels themselves are deterministic
+    # bit for bit where the kernels themselves are deterministic
+    if all(torch.equal(grads[n], again[n]) for n in grads):
         assert all(torch.equal(grads[n], s_grads[n]) for n in grads)
     else:
         torch.testing.assert_close(s_grads, grads)

@@ -35,6 +35,7 @@ def _baseline(schedule: str):
 @pytest.mark.parametrize(
     "schedule,enabled,stages,resident,swapping,recompute",
     [
+        # stage 1 holds 3 in flight: swaps; 2 and 3 are not asked; optimizer on host
         (
             "2bw",
             False,
@@ -42,7 +43,8 @@ def _baseline(schedule: str):
             1,
             [0, 1],
             False,
-        ),  # stage 1 holds 3 in flight: swaps; 2 and 3 are not asked; optimizer on host
+        ),
+        # all asked; stages 2, 3 hold <= resident + 1 in flight: nothing to gain
         (
             "flush",
             True,
@@ -50,7 +52,7 @@ def _baseline(schedule: str):
             1,
             [0, 1],
             False,
-        ),  # all asked; stages 2, 3 hold <= resident + 1 in flight: nothing to gain
+        ),
         ("gpipe", False, [0, 2, 3], 0, [0, 2, 3], False),  # gpipe holds all 4 on every stage; resident 0: no overlap
         # pipeline.recompute: the layers' inputs are what is saved, and what moves; the baseline
         # does not recompute, so this also shows recomputation itself changes no bit.
