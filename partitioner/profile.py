@@ -148,24 +148,51 @@ def profile_layer(
     out = forward()
     out_bytes = 0 if kind == "head" else out.numel() * out.element_size()
     grad = None if kind == "head" else torch.randn(out.shape, generator=gen).to(device, out.dtype)
-    forward_s, backward_s = _time_passes(
+    return _measure(
+        kind,
         forward,
         lambda out: out.backward(grad),
-        params + ([x] if x.requires_grad else []),
+        params,
+        [x] if x.requires_grad else [],
+        optim,
+        input_bytes=x.numel() * x.element_size(),
+        output_bytes=out_bytes,
         device=device,
         warmup=warmup,
         repeats=repeats,
     )
+
+
+def _measure(
+    name: str,
+    forward: Callable[[], Any],
+    backward: Callable[[Any], None],
+    params: List[torch.Tensor],
+    inputs: List[torch.Tensor],
+    optim: OptimConfig,
+    *,
+    input_bytes: int,
+    output_bytes: int,
+    device: torch.device,
+    warmup: int,
+    repeats: int,
+) -> LayerCost:
+    """One layer's cost from its ``forward`` and ``backward`` passes: their times (gradients of ``params`` and of
+    the floating-point ``inputs`` cleared between repeats), the bytes autograd saves, the optimizer step's time
+    and state."""
+    forward_s, backward_s = _time_passes(
+        forward, backward, params + inputs, device=device, warmup=warmup, repeats=repeats
+    )
     saved = saved_bytes(forward, params)
     step_s, opt_bytes = _time_optimizer(params, optim, device=device, warmup=warmup, repeats=repeats)
     return LayerCost(
-        name=kind,
+        name=name,
         forward_s=forward_s,
         backward_s=backward_s,
         param_bytes=sum(p.numel() * p.element_size() for p in params),
         saved_bytes=saved,
-        input_bytes=x.numel() * x.element_size(),
-        output_bytes=out_bytes,
+        input_bytes=input_bytes,
+        output_bytes=output_bytes,
         optimizer_bytes=opt_bytes,
         step_s=step_s,
     )
@@ -395,21 +422,18 @@ def profile_any_layer(
                 [t for t in pytree.tree_leaves(out) if torch.is_tensor(t) and t.requires_grad], grads
             )
 
-    forward_s, backward_s = _time_passes(
-        forward, backward, params + float_inputs, device=device, warmup=warmup, repeats=repeats
-    )
-    saved = saved_bytes(forward, params)
-    step_s, opt_bytes = _time_optimizer(params, optim, device=device, warmup=warmup, repeats=repeats)
-    return LayerCost(
-        name=name,
-        forward_s=forward_s,
-        backward_s=backward_s,
-        param_bytes=sum(q.numel() * q.element_size() for q in params),
-        saved_bytes=saved,
+    return _measure(
+        name,
+        forward,
+        backward,
+        params,
+        float_inputs,
+        optim,
         input_bytes=_nbytes(x),
         output_bytes=0 if loss_fn is not None else _nbytes(out),
-        optimizer_bytes=opt_bytes,
-        step_s=step_s,
+        device=device,
+        warmup=warmup,
+        repeats=repeats,
     )
 
 
