@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import sys
 import threading
 import time
 from collections import deque
@@ -49,6 +50,22 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def torchrun_command(nproc: int, *options: str) -> List[str]:
+    """The start of a command line that runs ``nproc`` local processes under torchrun (this Python's) on a free
+    port, with more torchrun ``options`` (e.g. ``--max-restarts``, ``1``); the script or ``-m module`` and its
+    arguments follow."""
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(nproc),
+        *options,
+        "--master-port",
+        str(free_port()),
+    ]
 
 
 def env_rank() -> Tuple[int, int, int]:

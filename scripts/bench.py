@@ -324,19 +324,13 @@ def run_worker(args) -> None:
 
 def launch(system: str, args, argv_model, *, memory_pass: bool = False) -> dict:
     """One run of ``system``; its figures, or with ``memory_pass`` its per-stage peak tensor bytes."""
-    from pipedream2bw.comm import free_port
+    from pipedream2bw.comm import torchrun_command
 
     with tempfile.TemporaryDirectory() as out:
         nproc = 1 if system == "single" else args.nproc
         extra = ["--memory-pass", f"--steps={args.memory_steps}", "--warmup=0"] if memory_pass else []
         cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc-per-node",
-            str(nproc),
-            "--master-port",
-            str(free_port()),
+            *torchrun_command(nproc),
             __file__,
             "--worker",
             system,

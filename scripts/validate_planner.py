@@ -34,18 +34,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _torchrun(nproc: int, args, timeout_s: float = 900) -> subprocess.CompletedProcess:
-    from pipedream2bw.comm import free_port
+    from pipedream2bw.comm import torchrun_command
 
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        str(nproc),
-        "--master-port",
-        str(free_port()),
-        *args,
-    ]
+    cmd = [*torchrun_command(nproc), *args]
     env = {
         **os.environ,
         "WANDB_SILENT": "true",

@@ -7,7 +7,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -18,7 +17,7 @@ from test_semantics import assert_losses_close, tiny_config
 from torch import nn
 
 from pipedream2bw import checkpoint
-from pipedream2bw.comm import free_port
+from pipedream2bw.comm import torchrun_command
 from pipedream2bw.config import ConfigError, GPTConfig
 from pipedream2bw.models import build_gpt_layers
 
@@ -177,15 +176,7 @@ def test_sigkilled_rank_restarts_under_torchrun_and_finishes_with_the_same_weigh
         "seed=3",
     ]
     cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        "2",
-        "--max-restarts",
-        "1",
-        "--master-port",
-        str(free_port()),
+        *torchrun_command(2, "--max-restarts", "1"),
         "-m",
         "pipedream2bw.train",
         *overrides,

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from pipedream2bw.comm import free_port
+from pipedream2bw.comm import torchrun_command
 from pipedream2bw.config import GPTConfig
 from pipedream2bw.models import build_gpt_layers
 
@@ -24,13 +24,7 @@ SHORT = ["model.d_model=64", "model.seq_len=64", "pipeline.microbatch_size=4", "
 
 def torchrun(*overrides: str, cwd: Path, timeout_s: float = 240) -> subprocess.CompletedProcess:
     cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        "4",
-        "--master-port",
-        str(free_port()),
+        *torchrun_command(4),
         "-m",
         "pipedream2bw.train",
         *overrides,

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,7 +16,7 @@ from test_semantics import assert_losses_close, tiny_config
 from torch import nn
 
 from pipedream2bw import checkpoint
-from pipedream2bw.comm import free_port
+from pipedream2bw.comm import torchrun_command
 from pipedream2bw.config import Config, ConfigError, LayerListConfig, OptimConfig, PartitionConfig
 from pipedream2bw.runner import run
 
@@ -128,13 +127,7 @@ def test_custom_tuple_model_planned_by_partition_auto(tmp_path):
 
 def torchrun(nproc: int, *overrides: str, cwd: Path, timeout_s: float = 240) -> subprocess.CompletedProcess:
     cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        str(nproc),
-        "--master-port",
-        str(free_port()),
+        *torchrun_command(nproc),
         "-m",
         "pipedream2bw.train",
         *overrides,
