@@ -15,7 +15,7 @@ import torch.utils._pytree as pytree
 
 from pipedream2bw import agreement
 from pipedream2bw.agreement import NonFiniteError, StepDecision, StepOutcome, StepRule
-from pipedream2bw.comm import P2P, AsyncSum, GradReducer, PipelineShapeError
+from pipedream2bw.comm import P2P, AsyncSum, BatchReduction, GradReducer, PipelineShapeError
 from pipedream2bw.data import MicrobatchFeed
 from pipedream2bw.memprobe import SavedBytes
 from pipedream2bw.precision import autocast, compute_dtype
@@ -165,7 +165,9 @@ class StageWorker:
         # Under 2bw, APPLY(t) may wait for W(t+1)'s first use; elsewhere the flush comes first anyway.
         self.deferred = versions.schedule == "2bw" and (agreement is not None or bool(self.exchanges))
         self._loss_nonfinite: Dict[int, bool] = {}  # last stage: batch -> its loss was not finite
-        self._reduced: Optional[int] = None  # batch whose gradients CLOSE already averaged across replicas
+        # closed batch -> its data-parallel all-reduce, held until its APPLY: under 2bw batch t+1's last
+        # backward arms the reducer again before a deferred APPLY(t) (one rule for every deferring feature)
+        self._reductions: Dict[int, BatchReduction] = {}
         self._exchanged: Optional[int] = None  # batch whose exchanges have finished
         self.first, self.last = stage_index == 0, stage_index == num_stages - 1
         self.peers, self.versions, self.p2p, self.feed = peers, versions, p2p, feed
@@ -335,6 +337,8 @@ class StageWorker:
             the time it started (the S span of an APPLY that follows at once starts there).
         """
         start = time.perf_counter()
+        if self.reducer is not None:
+            self._reductions[t] = self.reducer.take()
         for exchange in self.exchanges:
             exchange.start(t)
         if self.agreement is not None:
@@ -431,19 +435,19 @@ class StageWorker:
 
     def _wait_reducer(self, t: int) -> None:
         """Waits for every bucket of batch t's gradient all-reduce (once)."""
-        if self.reducer is not None and self._reduced != t:
-            wait = self._bucket_wait(t)
-            for b in range(len(self.versions.buckets)):
-                wait(b)
-            self._reduced = t
+        wait = self._bucket_wait(t)
+        for b in range(len(self.versions.buckets)):
+            wait(b)
 
     def _bucket_wait(self, t: int) -> Callable[[int], None]:
-        """What the optimizer step calls before bucket b: wait for its all-reduce, unless CLOSE(t) did."""
-        if self.reducer is None or self._reduced == t:
+        """What the optimizer step calls before bucket b: wait for batch t's all-reduce of it, unless
+        CLOSE(t) already waited for all of them (the norm needs the averaged gradients)."""
+        reduction = self._reductions.pop(t, None)
+        if reduction is None:
             return lambda b: None
         if self.trace is not None and self.trace.on:
-            return self._traced_wait(t)
-        return self.reducer.wait
+            return self._traced_wait(t, reduction)
+        return reduction.wait
 
     def _check_finite(self, t: int) -> None:
         """Under on_nonfinite=stop without an agreement each rank checks its own stage, on the new
@@ -456,12 +460,12 @@ class StageWorker:
         if not math.isfinite(float(agreement.sq_norm(list(self.versions.newest().parameters())))):
             raise NonFiniteError(agreement.stop_message(f"non-finite gradient at step {t} on stage {self.stage_index}"))
 
-    def _traced_wait(self, t: int) -> Callable[[int], None]:
-        """The reducer's per-bucket wait, recorded as an ``allreduce`` span of batch ``t``."""
+    def _traced_wait(self, t: int, reduction: BatchReduction) -> Callable[[int], None]:
+        """The reduction's per-bucket wait, recorded as an ``allreduce`` span of batch ``t``."""
 
         def wait(b: int) -> None:
             start = time.perf_counter()
-            self.reducer.wait(b)
+            reduction.wait(b)
             self.trace.add("allreduce", t, start, time.perf_counter())
 
         return wait
