@@ -491,8 +491,11 @@ class GradReducer:
         group: Any,
         replicas: Sequence[Sequence[torch.nn.Parameter]],
         buckets: Sequence[Sequence[int]],
+        sharded: bool = False,
     ):
         self.ctx, self.group, self.buckets = ctx, group, [list(b) for b in buckets]
+        # optim.sharded: buckets reduce-scatter, each replica receiving the sum of its shard (sharding.py)
+        self.num_shards = dist.get_world_size(group) if sharded else 1
         self.bucket_of = {i: b for b, idx in enumerate(self.buckets) for i in idx}
         self.replicas = [list(params) for params in replicas]
         self.num_collectives = 0
@@ -513,7 +516,7 @@ class GradReducer:
     def arm(self, replica_index: int) -> None:
         """The next backward is a batch's last on this replica of the weights: reduce as it goes."""
         assert self._armed is None, "a batch's reduction was armed and never taken by its CLOSE"
-        self._armed = BatchReduction(self, replica_index)
+        self._armed = (ShardedReduction if self.num_shards > 1 else BatchReduction)(self, replica_index)
 
     def take(self) -> "BatchReduction":
         """CLOSE(t): batch t's reduction (its buckets in flight), for its step to wait on."""
@@ -530,6 +533,7 @@ class BatchReduction:
         self.reducer, self.replica_index = reducer, replica_index
         self._missing = [len(b) for b in reducer.buckets]
         self._started: List[Tuple[Any, torch.Tensor]] = []
+        self._done: set = set()  # buckets already waited for
 
     def gradient_ready(self, b: int) -> None:
         self._missing[b] -= 1
@@ -551,20 +555,71 @@ class BatchReduction:
     def wait(self, b: int) -> None:
         """Blocks until bucket ``b`` is summed across replicas, and puts the sums in the gradients.
         Buckets past the reducer's (the stage's tied parameters, after its own) return at once."""
-        r = self.reducer
-        if b >= len(r.buckets):
+        flat = self._wait(b)
+        if flat is None:
             return
-        start = time.perf_counter()
-        while len(self._started) <= b:  # a bucket whose gradients never came (unused parameters)
-            self._start(len(self._started))
-        work, flat = self._started[b]
-        wait_work(r.ctx, work, "gradient all-reduce")
-        r.exposed_s += time.perf_counter() - start
+        r = self.reducer
         params, offset = r.replicas[self.replica_index], 0
         for i in r.buckets[b]:
             n = params[i].numel()
             params[i].grad = flat[offset : offset + n].view_as(params[i])
             offset += n
+
+    def _wait(self, b: int) -> Optional[torch.Tensor]:
+        """Bucket ``b``'s summed tensor once its collective is done (None: not one of the reducer's buckets)."""
+        r = self.reducer
+        if b >= len(r.buckets):
+            return None
+        if b in self._done:
+            return self._started[b][1]
+        start = time.perf_counter()
+        while len(self._started) <= b:  # a bucket whose gradients never came (unused parameters)
+            self._start(len(self._started))
+        work, out = self._started[b]
+        wait_work(r.ctx, work, "gradient all-reduce" if r.num_shards == 1 else "gradient reduce-scatter")
+        r.exposed_s += time.perf_counter() - start
+        self._done.add(b)
+        return out
+
+
+class ShardedReduction(BatchReduction):
+    """One batch's gradient reduce-scatter (optim.sharded): bucket ``b`` flattened, padded to w equal
+    shards (sharding.BucketShard's layout) and summed so that replica r receives shard r; the batch's
+    gradients are freed as each bucket starts. ``wait(b)`` returns this replica's summed shard."""
+
+    def _start(self, b: int) -> None:
+        r = self.reducer
+        params = r.replicas[self.replica_index]
+        grads = [params[i].grad if params[i].grad is not None else torch.zeros_like(params[i]) for i in r.buckets[b]]
+        numel = sum(g.numel() for g in grads)
+        shard = max(1, -(-numel // r.num_shards))  # ceil(numel / w), as sharding.BucketShard.shard_numel
+        flat = torch.zeros(shard * r.num_shards, dtype=torch.float32, device=grads[0].device)
+        torch.cat([g.reshape(-1).float() for g in grads], out=flat[:numel])
+        for i in r.buckets[b]:  # the flat copy is the gradient now; only this replica's shard of it is kept
+            params[i].grad = None
+        out = torch.empty(shard, dtype=torch.float32, device=flat.device)
+        work = dist.reduce_scatter_tensor(out, flat, group=r.group, async_op=True)
+        self._started.append((work, out))
+        self._inputs.append(flat)  # kept alive until the collective is done
+        r.num_collectives += 1
+
+    def __init__(self, reducer: "GradReducer", replica_index: int):
+        super().__init__(reducer, replica_index)
+        self._inputs: List[torch.Tensor] = []
+
+    def wait(self, b: int) -> Optional[torch.Tensor]:  # type: ignore[override]
+        """Blocks until bucket ``b``'s shard is summed across replicas; returns it (float32, shard-sized)."""
+        out = self._wait(b)
+        if out is not None and b < len(self._inputs):
+            self._inputs[b] = None  # the full flat gradient is no longer needed
+        return out
+
+
+def all_gather_async(ctx: DistContext, shard: torch.Tensor, full: torch.Tensor, *, group: Any):
+    """Starts gathering every replica's ``shard`` of ``group`` into ``full`` (in rank order); returns the wait,
+    which has the run's timeout."""
+    work = dist.all_gather_into_tensor(full, shard, group=group, async_op=True)
+    return lambda: wait_work(ctx, work, "weight all-gather (optim.sharded)")
 
 
 class AsyncSum:

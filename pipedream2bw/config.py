@@ -123,6 +123,11 @@ class OptimConfig:
     no_decay_norms_and_biases: bool = False
     """Two parameter groups: weight decay (``kwargs.weight_decay``) on weights of 2 or more dimensions,
     none on 1-D parameters (norm scales, biases), as GPT training usually does."""
+    sharded: bool = False
+    """ZeRO-1 over the data-parallel replicas (docs/design.md section 10): the w replicas of a stage each keep
+    1/w of the float32 master weights and optimizer state; gradients reduce-scatter in buckets, each replica
+    steps its shard, the new weights are all-gathered (under 2bw while the next batch runs). Needs an
+    elementwise optimizer (sgd, adam, adamw, ...); with data_parallel 1 it changes nothing."""
 
 
 @dataclass
@@ -496,6 +501,28 @@ def _validate_step_rules(cfg: Config) -> None:
         )
 
 
+# torch.optim optimizers whose update of an element reads only that element (and scalars): they may step shards
+ELEMENTWISE_OPTIMIZERS = ("sgd", "adam", "adamw", "nadam", "radam", "adamax", "rmsprop", "adagrad", "adadelta", "rprop")
+
+
+def _validate_sharding(cfg: Config) -> None:
+    """optim.sharded: an elementwise optimizer; what does not compose yet is refused here."""
+    o = cfg.optim
+    if not o.sharded or cfg.pipeline.data_parallel == 1:
+        return
+    name = o.target or o.name
+    if o.target or o.name.lower() not in ELEMENTWISE_OPTIMIZERS:
+        raise ConfigError(
+            f"optim.sharded (true) steps each replica's shard of every parameter, which needs an elementwise "
+            f"optimizer; {name} may not be one: use one of {list(ELEMENTWISE_OPTIMIZERS)} or optim.sharded=false"
+        )
+    if cfg.train.checkpoint_every > 0:
+        raise ConfigError(
+            f"train.checkpoint_every ({cfg.train.checkpoint_every}) with optim.sharded (true): sharded checkpoints "
+            f"are not written yet; set train.checkpoint_every=0 or optim.sharded=false"
+        )
+
+
 def _validate_precision(cfg: Config) -> None:
     from pipedream2bw.precision import PRECISIONS
 
@@ -613,6 +640,7 @@ def validate(cfg: Config, *, world_size: int, num_layers: Optional[int] = None, 
         )
     build_optimizer([torch.nn.Parameter(torch.zeros(1))], cfg.optim)
     _validate_step_rules(cfg)
+    _validate_sharding(cfg)
     t = cfg.train
     if t.num_steps < 1 or t.log_every < 1:
         raise ConfigError(f"train.num_steps ({t.num_steps}) and train.log_every ({t.log_every}) must be >= 1")

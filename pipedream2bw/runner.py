@@ -48,6 +48,7 @@ from pipedream2bw.models.factory import ModelSource, model_source
 from pipedream2bw.results import summarize, write_summary
 from pipedream2bw.runtime import RankPlan
 from pipedream2bw.schedule import Action
+from pipedream2bw.sharding import ShardedVersions
 from pipedream2bw.stage import Peers, StageStats, StageWorker
 from pipedream2bw.swap import SwapManager, make_backend
 from pipedream2bw.tracking import Tracker, progress_bar
@@ -497,13 +498,24 @@ def _build_versions(
         [rest[j] for j in bucket] for bucket in bucketize([params[i] for i in rest], bucket_bytes=bucket_mb * 2**20)
     ]
     buckets = [bucket for bucket in buckets if bucket] + [[i] for i in tied_index]
-    versions = (HostOptimizerVersions if swap.optimizer == "host" else WeightVersions)(
-        module,
-        schedule=rt.schedule,
-        optimizer_factory=lambda params: build_optimizer(params, optim),
-        buckets=buckets,
-    )
-    return versions, buckets, len(buckets) - len(tied_index)
+    num_dp_buckets = len(buckets) - len(tied_index)
+    factory = lambda params: build_optimizer(params, optim)  # noqa: E731
+    if optim.sharded and rt.data_parallel > 1:  # the replicas' group ranks are sorted global ranks
+        versions = ShardedVersions(
+            module,
+            schedule=rt.schedule,
+            optimizer_factory=factory,
+            buckets=buckets,
+            num_sharded=num_dp_buckets,
+            shard_index=sorted(rt.layout.ranks[rt.stage]).index(rt.rank),
+            num_shards=rt.data_parallel,
+            host=swap.optimizer == "host",
+        )
+    else:
+        versions = (HostOptimizerVersions if swap.optimizer == "host" else WeightVersions)(
+            module, schedule=rt.schedule, optimizer_factory=factory, buckets=buckets
+        )
+    return versions, buckets, num_dp_buckets
 
 
 def _step_rule(rt: RankPlan, train: TrainConfig, optim: OptimConfig) -> StepRule:
@@ -604,7 +616,10 @@ def _comm_groups(
                 group=group,
                 replicas=[list(r.parameters()) for r in versions.replicas],
                 buckets=dp_buckets,
+                sharded=isinstance(versions, ShardedVersions),
             )
+        if isinstance(versions, ShardedVersions):
+            versions.connect(lambda shard, full: comm.all_gather_async(ctx, shard, full, group=group))
     exchange = None
     if tie_groups:  # a copy whose canonical one (replica 0 of the first holder stage) is on another stage: norm there
         elsewhere = [i for _, src, held in tie_groups if rt.layout.position(src)[0] != rt.stage for _, i in held]

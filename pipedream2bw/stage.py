@@ -32,6 +32,7 @@ from pipedream2bw.schedule import (
     render_steps,
     steps,
 )
+from pipedream2bw.sharding import ShardedVersions
 from pipedream2bw.swap import SwapManager
 from pipedream2bw.timeline import Recorder
 from pipedream2bw.versions import WeightVersions
@@ -163,7 +164,9 @@ class StageWorker:
         assert agreement is not None or not self.rule.needs_agreement, "this step rule needs an agreement channel"
         self.agreement, self.exchanges, self.lr_at = agreement, list(exchanges), lr_at
         # Under 2bw, APPLY(t) may wait for W(t+1)'s first use; elsewhere the flush comes first anyway.
-        self.deferred = versions.schedule == "2bw" and (agreement is not None or bool(self.exchanges))
+        # optim.sharded: the reduce-scatter, the shard's step and the all-gather travel while batch t+1 runs
+        sharded = reducer is not None and reducer.num_shards > 1
+        self.deferred = versions.schedule == "2bw" and (agreement is not None or bool(self.exchanges) or sharded)
         self._loss_nonfinite: Dict[int, bool] = {}  # last stage: batch -> its loss was not finite
         # closed batch -> its data-parallel all-reduce, held until its APPLY: under 2bw batch t+1's last
         # backward arms the reducer again before a deferred APPLY(t) (one rule for every deferring feature)
@@ -349,14 +352,23 @@ class StageWorker:
                 # once (on its first holder): here the exchange is waited at CLOSE, not deferred.
                 self._finish_exchanges(t)
                 excluded = {i for exchange in self.exchanges for i in getattr(exchange, "norm_excluded", ())}
-            params = [p for i, p in enumerate(self.versions.module_for_batch(t).parameters()) if i not in excluded]
             scale = self.grad_scale * self.rule.unscale(t)
-            sq = agreement.sq_norm([p.grad for p in params if p.grad is not None]) * scale**2
+            if isinstance(self.versions, ShardedVersions):  # each replica counts its shards; whole buckets on replica 0
+                reduction = self._reductions.get(t)
+                sq = self.versions.grad_sq_norm(
+                    (lambda b: reduction.wait(b)) if reduction is not None else (lambda b: None),
+                    t,
+                    excluded=excluded,
+                    count_whole=self.replica == 0,
+                )
+            else:
+                params = [p for i, p in enumerate(self.versions.module_for_batch(t).parameters()) if i not in excluded]
+                sq = agreement.sq_norm([p.grad for p in params if p.grad is not None])
             share = agreement.encode(
                 stage_index=self.stage_index,
                 num_stages=self.num_stages,
-                sq=sq,
-                counts_norm=self.replica == 0,
+                sq=sq * scale**2,
+                counts_norm=self.replica == 0 or isinstance(self.versions, ShardedVersions),
                 loss_nonfinite=self._loss_nonfinite.pop(t, False),
             )
             self.agreement.start(share, what=f"the step agreement of batch {t}")
@@ -381,6 +393,7 @@ class StageWorker:
             self.stats.loss_scales.append(self.rule.loss_scale(t))
         outcome = self._agreed(t) if self.agreement is not None else None
         decision = self.rule.decide(outcome) if outcome is not None else StepDecision(skip=False)
+        bucket_wait = self._bucket_wait(t)
         if decision.skip:
             self.versions.skip(t)
             self.stats.skipped_steps.append(t)
@@ -392,7 +405,7 @@ class StageWorker:
                 )
         else:
             scale = self.grad_scale * self.rule.unscale(t) * decision.grad_multiplier
-            self.versions.step(t, grad_scale=scale, before_bucket=self._bucket_wait(t))
+            self.versions.step(t, grad_scale=scale, before_bucket=bucket_wait)
             if outcome is None and self.rule.on_nonfinite == "stop":
                 self._check_finite(t)
         if trace is not None:
@@ -434,14 +447,16 @@ class StageWorker:
         return agreement.decode(total, step=t, num_stages=self.num_stages)
 
     def _wait_reducer(self, t: int) -> None:
-        """Waits for every bucket of batch t's gradient all-reduce (once)."""
-        wait = self._bucket_wait(t)
-        for b in range(len(self.versions.buckets)):
-            wait(b)
+        """Waits for every bucket of batch t's gradient reduction; APPLY(t) takes the reduction (its
+        buckets, once waited, return at once; a sharded one keeps its summed shards until then)."""
+        reduction = self._reductions.get(t)
+        for b in range(len(self.versions.buckets) if reduction is not None else 0):
+            reduction.wait(b)
 
-    def _bucket_wait(self, t: int) -> Callable[[int], None]:
-        """What the optimizer step calls before bucket b: wait for batch t's all-reduce of it, unless
-        CLOSE(t) already waited for all of them (the norm needs the averaged gradients)."""
+    def _bucket_wait(self, t: int) -> Callable[[int], Any]:
+        """What the optimizer step calls before bucket b: wait for batch t's reduction of it (at once if
+        CLOSE(t) waited already: the norm needs the averaged gradients); a sharded reduction returns the
+        replica's summed shard of the bucket's gradient."""
         reduction = self._reductions.pop(t, None)
         if reduction is None:
             return lambda b: None
@@ -463,10 +478,11 @@ class StageWorker:
     def _traced_wait(self, t: int, reduction: BatchReduction) -> Callable[[int], None]:
         """The reduction's per-bucket wait, recorded as an ``allreduce`` span of batch ``t``."""
 
-        def wait(b: int) -> None:
+        def wait(b: int) -> Any:
             start = time.perf_counter()
-            reduction.wait(b)
+            out = reduction.wait(b)
             self.trace.add("allreduce", t, start, time.perf_counter())
+            return out
 
         return wait
 

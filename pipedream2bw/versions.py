@@ -116,11 +116,11 @@ class WeightVersions:
         # module tree every call, a millisecond per step of Python on a GPT; parameters are stable objects).
         self._params: List[List[nn.Parameter]] = [list(r.parameters()) for r in self.replicas]
         self.master = self._make_masters(module)
-        self.buckets = [list(b) for b in buckets] if buckets is not None else [list(range(len(self.master)))]
-        assert sorted(i for b in self.buckets for i in b) == list(range(len(self.master))), (
+        self.buckets = [list(b) for b in buckets] if buckets is not None else [list(range(len(self._params[0])))]
+        assert sorted(i for b in self.buckets for i in b) == list(range(len(self._params[0]))), (
             "buckets must partition the parameters"
         )
-        self.optimizers = [optimizer_factory([self.master[i] for i in b]) for b in self.buckets]
+        self.optimizers = [optimizer_factory(self._bucket_masters(k, b)) for k, b in enumerate(self.buckets)]
         if schedule == "2bw" and any(True for _ in module.buffers()):
             log.warning(
                 "module buffers (e.g. BatchNorm statistics) are not versioned under 2bw; each replica keeps its own"
@@ -129,6 +129,10 @@ class WeightVersions:
     def _make_masters(self, module: nn.Module) -> List[nn.Parameter]:
         """The parameters the optimizers own: here aliases whose storage ``step`` points at a replica."""
         return [_alias_parameter(p) for p in module.parameters()]
+
+    def _bucket_masters(self, bucket_index: int, bucket: Sequence[int]) -> List[nn.Parameter]:
+        """What bucket ``bucket_index``'s optimizer steps: here the masters of its parameters."""
+        return [self.master[i] for i in bucket]
 
     def _replica_holding(self, version: int) -> int:
         assert version in self.holds, f"W({version}) is not alive; live versions: {self.holds}"

@@ -1,0 +1,333 @@
+"""Pure: float32 master weights and optimizer state held per bucket, sharded over a stage's replicas (ZeRO-1).
+
+docs/design.md section 10. A bucket's parameters, flattened in bucket order, are one vector of
+N elements, padded to ``w * S`` (S = ceil(N / w)); replica r of the stage's w replicas owns elements
+[r*S, (r+1)*S): their float32 master weights and the optimizer state of those elements only.
+Closing batch t (docs/design.md sections 2 and 7)::
+
+    g(t)       reduce-scatter of the bucket over the w replicas: replica r receives the sum of its shard
+    APPLY(t)   replica r steps its shard of the masters (the optimizer sees one piece per parameter)
+    W(t+1)     all-gather of the stepped shards into the replica that batch t+2 will read
+
+The collectives are the caller's (``comm.ShardedReduction`` and ``comm.all_gather_async``); this
+module only lays out and steps the shards. The same class keeps float32 masters for one replica
+(``num_shards=1``, no collective) when the weight versions are stored in the compute dtype
+(``train.weight_dtype=compute``), and for the buckets of weights tied across stages, which are summed
+by their own exchange (ties.py) and so are not sharded.
+
+The optimizer must be elementwise (SGD, Adam, AdamW, RMSprop, ...): it sees pieces of parameters.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from pipedream2bw.versions import WeightVersions, _cpu_copy, version_of_batch
+
+# (shard, full) -> a wait: starts gathering every replica's ``shard`` into ``full`` (comm.all_gather_async)
+Gather = Callable[[torch.Tensor, torch.Tensor], Callable[[], None]]
+
+
+@dataclass(frozen=True)
+class Piece:
+    """The part of parameter ``param`` that one replica's shard holds: its flat elements [start, stop),
+    at [offset, offset + stop - start) of the shard."""
+
+    param: int
+    start: int
+    stop: int
+    offset: int
+
+
+@dataclass(frozen=True)
+class BucketShard:
+    """One bucket flattened (parameters in bucket order) and the shard that replica ``index`` of ``count`` owns."""
+
+    params: Tuple[int, ...]  # parameter indices, in the order of the flat vector
+    numels: Tuple[int, ...]
+    index: int
+    count: int
+
+    @property
+    def numel(self) -> int:
+        return sum(self.numels)
+
+    @property
+    def shard_numel(self) -> int:
+        """S: every replica's shard has S elements (the last ones padded)."""
+        return max(1, math.ceil(self.numel / self.count))
+
+    def bounds(self, index: Optional[int] = None) -> Tuple[int, int]:
+        """Replica ``index``'s (default: this one's) elements [lo, hi) of the flat bucket, padding excluded."""
+        r = self.index if index is None else index
+        return min(r * self.shard_numel, self.numel), min((r + 1) * self.shard_numel, self.numel)
+
+    def pieces(self) -> List[Piece]:
+        lo, hi = self.bounds()
+        out, start = [], 0
+        for i, n in zip(self.params, self.numels):
+            a, b = max(start, lo), min(start + n, hi)
+            if a < b:
+                out.append(Piece(i, a - start, b - start, a - lo))
+            start += n
+        return out
+
+
+class ShardedVersions(WeightVersions):
+    """``WeightVersions`` whose optimizers step float32 masters of their own, sharded per bucket.
+
+    Args:
+        module: the stage (replica 0 of the weights; its float32 values are the first masters).
+        schedule: '2bw', 'flush' or 'gpipe'.
+        optimizer_factory: builds one bucket's optimizer over its pieces (elementwise optimizers only).
+        buckets: parameter indices per bucket; the first ``num_sharded`` are sharded over the replicas.
+        num_sharded: buckets whose gradients arrive reduce-scattered (``step``'s ``before_bucket``
+            returns this replica's summed shard); the others (ties) are read whole from the gradients.
+        shard_index: this replica r; num_shards: w (1: masters only, nothing sharded).
+        host: masters and optimizer state in host memory (swap.optimizer=host).
+        weight_dtype: the dtype the weight versions are stored in (float32, or the compute dtype).
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        schedule: str,
+        optimizer_factory: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer],
+        buckets: Sequence[Sequence[int]],
+        num_sharded: int,
+        shard_index: int = 0,
+        num_shards: int = 1,
+        host: bool = False,
+        weight_dtype: torch.dtype = torch.float32,
+    ):
+        params = list(module.parameters())
+        self.layouts = [
+            BucketShard(
+                tuple(b),
+                tuple(params[i].numel() for i in b),
+                shard_index if k < num_sharded else 0,
+                num_shards if k < num_sharded else 1,
+            )
+            for k, b in enumerate(buckets)
+        ]
+        self.num_sharded, self.host, self.weight_dtype = num_sharded, host, weight_dtype
+        self.master_device = torch.device("cpu") if host else params[0].device
+        self.gather: Optional[Gather] = None  # comm's all-gather, connected once the stage's group exists
+        with torch.no_grad():  # masters first, from the float32 module; then the versions take their dtype
+            self.shards = [self._initial_shard(layout, params) for layout in self.layouts]
+        self.pieces = [
+            [self._piece(shard, p, params[p.param]) for p in layout.pieces()] or [self._empty_piece(shard)]
+            for layout, shard in zip(self.layouts, self.shards)
+        ]
+        module.to(weight_dtype)
+        super().__init__(module, schedule=schedule, optimizer_factory=lambda b: optimizer_factory(b), buckets=buckets)
+
+    def _initial_shard(self, layout: BucketShard, params: Sequence[nn.Parameter]) -> torch.Tensor:
+        flat = torch.cat([params[i].detach().reshape(-1).float() for i in layout.params])
+        lo, hi = layout.bounds()
+        shard = torch.zeros(layout.shard_numel, dtype=torch.float32, device=self.master_device)
+        shard[: hi - lo].copy_(flat[lo:hi])
+        if self.host and params[0].device.type == "cuda":
+            shard = shard.pin_memory()
+        return shard
+
+    @staticmethod
+    def _piece(shard: torch.Tensor, piece: Piece, param: nn.Parameter) -> nn.Parameter:
+        """A master parameter on ``shard``'s storage. A piece of a matrix is shaped (1, n): the optimizer's
+        parameter groups tell weights from biases and norms by dimension (config.param_groups)."""
+        view = shard[piece.offset : piece.offset + piece.stop - piece.start]
+        master = nn.Parameter(torch.empty(0, device=shard.device), requires_grad=param.requires_grad)
+        master.data = view.view(1, -1) if param.dim() >= 2 else view
+        return master
+
+    @staticmethod
+    def _empty_piece(shard: torch.Tensor) -> nn.Parameter:
+        """A bucket smaller than its replicas leaves some with padding only: an empty master keeps the
+        bucket's optimizer (torch refuses an empty parameter list), stepping nothing."""
+        return nn.Parameter(shard[:0])
+
+    def _make_masters(self, module: nn.Module) -> List[nn.Parameter]:
+        """The optimizers' parameters, in bucket order (``__init__`` maps them back to buckets)."""
+        return [piece for pieces in self.pieces for piece in pieces]
+
+    def _bucket_masters(self, bucket_index: int, bucket: Sequence[int]) -> List[nn.Parameter]:
+        return self.pieces[bucket_index]
+
+    @torch.no_grad()
+    def step(
+        self,
+        batch_index: int,
+        *,
+        grad_scale: float,
+        before_bucket: Callable[[int], Optional[torch.Tensor]] = lambda i: None,
+    ) -> None:
+        """Closes batch t: each bucket's shard steps on its gradient x ``grad_scale``; W(t+1) goes to the
+        replica that does not hold W(t) (2bw: the one batch t+2 reads; flush, gpipe: the only one).
+
+        ``before_bucket(b)`` waits for bucket b's reduction and returns this replica's summed shard of
+        its gradient (a sharded bucket), or None (the gradient is in the parameters' ``.grad``).
+        """
+        t = batch_index
+        src = self._params[self._replica_holding(version_of_batch(self.schedule, t))]
+        dst_index = self._destination(t)
+        dst = self._params[dst_index]
+        waiting: Optional[Tuple[Callable[[], None], torch.Tensor, BucketShard]] = None
+        for b, (layout, optimizer) in enumerate(zip(self.layouts, self.optimizers)):
+            grad = before_bucket(b)
+            grad = self._shard_gradient(layout, src) if grad is None else grad
+            grad.mul_(grad_scale)
+            for master, piece in zip(self.pieces[b], layout.pieces()):
+                master.grad = grad[piece.offset : piece.offset + piece.stop - piece.start].view_as(master)
+            optimizer.step()
+            for master in self.pieces[b]:
+                master.grad = None
+            for i in layout.params:
+                src[i].grad = None
+            # bucket b's all-gather travels while bucket b+1 steps; one in flight at a time
+            if waiting is not None:
+                self._scatter_back(*waiting, dst)
+            waiting = self._gather(b, layout)
+        if waiting is not None:
+            self._scatter_back(*waiting, dst)
+        self.holds[dst_index] = t + 1
+
+    def _shard_gradient(self, layout: BucketShard, src: Sequence[nn.Parameter]) -> torch.Tensor:
+        """This replica's shard of a bucket's gradient from the parameters (float32, on the masters' device)."""
+        grads = [src[i].grad if src[i].grad is not None else torch.zeros_like(src[i]) for i in layout.params]
+        flat = torch.cat([g.reshape(-1).float() for g in grads])
+        lo, hi = layout.bounds()
+        out = torch.zeros(layout.shard_numel, dtype=torch.float32, device=self.master_device)
+        out[: hi - lo].copy_(flat[lo:hi])
+        return out
+
+    def _gather(self, b: int, layout: BucketShard) -> Tuple[Callable[[], None], torch.Tensor, BucketShard]:
+        """Starts putting every replica's stepped shard into one flat bucket (compute device, versions' dtype)."""
+        device = self._params[0][layout.params[0]].device
+        shard = self.shards[b].to(device, self.weight_dtype, non_blocking=True)
+        if layout.count == 1:
+            return (lambda: None), shard, layout
+        assert self.gather is not None, "a sharded bucket needs connect(gather) before the first step"
+        full = torch.empty(layout.count * layout.shard_numel, dtype=self.weight_dtype, device=device)
+        return self.gather(shard, full), full, layout
+
+    @staticmethod
+    def _scatter_back(wait: Callable[[], None], full: torch.Tensor, layout: BucketShard, dst) -> None:
+        """Waits for a bucket's gather and copies W(t+1) into the destination replica's parameters."""
+        wait()
+        start = 0
+        for i, n in zip(layout.params, layout.numels):
+            dst[i].view(-1).copy_(full[start : start + n])
+            start += n
+
+    def connect(self, gather: Gather) -> None:
+        """Gives the versions the all-gather over the stage's replicas (comm.all_gather_async on its group)."""
+        self.gather = gather
+
+    def grad_sq_norm(
+        self, shard_grad: Callable[[int], Optional[torch.Tensor]], t: int, *, excluded=(), count_whole: bool
+    ) -> torch.Tensor:
+        """This replica's part of batch t's squared gradient norm (float64, unscaled): its shards of the
+        sharded buckets (each element counted by one replica), and, if ``count_whole`` (replica 0: the
+        replicas hold the same whole gradients), the other buckets' gradients but ``excluded`` parameters."""
+        from pipedream2bw.agreement import sq_norm
+
+        module_params = list(self.module_for_batch(t).parameters())
+        grads = []
+        for b, layout in enumerate(self.layouts):
+            if b < self.num_sharded and layout.count > 1:
+                grads.append(shard_grad(b))
+            elif count_whole:
+                grads += [module_params[i].grad for i in layout.params if i not in excluded]
+        return sq_norm([g for g in grads if g is not None])
+
+    def state(self) -> Dict[str, Any]:
+        """``WeightVersions.state`` but ``optimizer``: this replica's shard of each parameter's optimizer
+        state (``shard_state``), not whole tensors."""
+        newest = max(v for v in self.holds if v is not None)
+        previous = None
+        if self.schedule == "2bw":
+            previous = _cpu_copy(self.replicas[self._replica_holding(version_of_batch("2bw", newest))].state_dict())
+        return {
+            "step": newest,
+            "weights": _float(_cpu_copy(self.newest().state_dict())),
+            "previous": _float(previous) if previous is not None else None,
+            "optimizer": {},
+            "masters": self.shard_state(),
+        }
+
+    def shard_state(self) -> List[Dict[str, Any]]:
+        """Per bucket: this replica's element range [lo, hi) of the flat bucket, its float32 masters and
+        each optimizer-state tensor of the same elements (flat), keyed by parameter name."""
+        names = [n for n, _ in self.replicas[0].named_parameters()]
+        out = []
+        for b, (layout, optimizer) in enumerate(zip(self.layouts, self.optimizers)):
+            lo, hi = layout.bounds()
+            state = {}
+            for master, piece in zip(self.pieces[b], layout.pieces()):
+                st = optimizer.state.get(master, {})
+                state[names[piece.param]] = {
+                    "range": (piece.start, piece.stop),
+                    **{
+                        k: v.detach().reshape(-1).to("cpu", copy=True) if _per_element(v, master) else v
+                        for k, v in st.items()
+                    },
+                }
+            out.append({"params": [names[i] for i in layout.params], "range": (lo, hi), "state": state})
+        return out
+
+    @torch.no_grad()
+    def load_state(
+        self,
+        *,
+        step: int,
+        weights: Dict[str, torch.Tensor],
+        previous: Optional[Dict[str, torch.Tensor]],
+        optimizer: Dict[str, dict],
+    ) -> None:
+        """Continues from a checkpoint (``WeightVersions.load_state``'s arguments, ``optimizer`` holding
+        whole tensors per parameter name): the masters are the float32 ``weights``, sliced to this shard, and
+        each piece takes its elements of the optimizer state."""
+        names = [n for n, _ in self.replicas[0].named_parameters()]
+        for layout, shard in zip(self.layouts, self.shards):
+            flat = torch.cat([weights[names[i]].reshape(-1).float() for i in layout.params])
+            lo, hi = layout.bounds()
+            shard.zero_()
+            shard[: hi - lo].copy_(flat[lo:hi])
+        cast = {k: v.to(self.weight_dtype) if v.is_floating_point() else v for k, v in weights.items()}
+        prev = (
+            None
+            if previous is None
+            else {k: v.to(self.weight_dtype) if v.is_floating_point() else v for k, v in previous.items()}
+        )
+        self.replicas[0].load_state_dict(cast)
+        self.holds[0] = step
+        if len(self.replicas) == 2:
+            self.replicas[1].load_state_dict(prev if prev is not None else cast)
+            self.holds[1] = version_of_batch("2bw", step)
+        for b, (layout, opt) in enumerate(zip(self.layouts, self.optimizers)):
+            for master, piece in zip(self.pieces[b], layout.pieces()):
+                whole = optimizer.get(names[piece.param])
+                if not whole:
+                    continue
+                opt.state[master] = {
+                    k: v.reshape(-1)[piece.start : piece.stop].to(master.device, copy=True).view_as(master)
+                    if torch.is_tensor(v) and v.numel() == layout.numels[layout.params.index(piece.param)]
+                    else (v.clone() if torch.is_tensor(v) else v)
+                    for k, v in whole.items()
+                }
+
+
+def _per_element(value: Any, master: nn.Parameter) -> bool:
+    """An optimizer-state tensor with one value per element of its parameter (Adam's moments), not its step."""
+    return torch.is_tensor(value) and value.numel() == master.numel() and value.dim() > 0
+
+
+def _float(state: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """A checkpoint's weights in float32, whatever dtype the versions are stored in."""
+    return {k: v.float() if v.is_floating_point() else v for k, v in state.items()}
