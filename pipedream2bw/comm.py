@@ -16,6 +16,8 @@ from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from pipedream2bw.versions import grad_of, set_grad
+
 log = logging.getLogger(__name__)
 
 _FAILED_KEY = "failed"
@@ -545,7 +547,7 @@ class BatchReduction:
         params = r.replicas[self.replica_index]
         flat = torch.cat(
             [
-                (params[i].grad if params[i].grad is not None else torch.zeros_like(params[i])).reshape(-1)
+                (grad_of(params[i]) if grad_of(params[i]) is not None else torch.zeros_like(params[i])).reshape(-1)
                 for i in r.buckets[b]
             ]
         )
@@ -562,7 +564,7 @@ class BatchReduction:
         params, offset = r.replicas[self.replica_index], 0
         for i in r.buckets[b]:
             n = params[i].numel()
-            params[i].grad = flat[offset : offset + n].view_as(params[i])
+            set_grad(params[i], flat[offset : offset + n].view_as(params[i]))
             offset += n
 
     def _wait(self, b: int) -> Optional[torch.Tensor]:
@@ -590,13 +592,15 @@ class ShardedReduction(BatchReduction):
     def _start(self, b: int) -> None:
         r = self.reducer
         params = r.replicas[self.replica_index]
-        grads = [params[i].grad if params[i].grad is not None else torch.zeros_like(params[i]) for i in r.buckets[b]]
+        grads = [
+            grad_of(params[i]) if grad_of(params[i]) is not None else torch.zeros_like(params[i]) for i in r.buckets[b]
+        ]
         numel = sum(g.numel() for g in grads)
         shard = max(1, -(-numel // r.num_shards))  # ceil(numel / w), as sharding.BucketShard.shard_numel
         flat = torch.zeros(shard * r.num_shards, dtype=torch.float32, device=grads[0].device)
         torch.cat([g.reshape(-1).float() for g in grads], out=flat[:numel])
         for i in r.buckets[b]:  # the flat copy is the gradient now; only this replica's shard of it is kept
-            params[i].grad = None
+            set_grad(params[i], None)
         out = torch.empty(shard, dtype=torch.float32, device=flat.device)
         work = dist.reduce_scatter_tensor(out, flat, group=r.group, async_op=True)
         self._started.append((work, out))

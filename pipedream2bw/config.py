@@ -176,6 +176,11 @@ class TrainConfig:
     """'fp32', 'bf16' or 'fp16': each stage's forward and loss under torch.autocast to that dtype,
     float32 master weights, p2p transfers in that dtype; fp16 adds dynamic loss scaling. 'auto':
     bf16 on a CUDA device that supports it, else fp32."""
+    weight_dtype: str = "fp32"
+    """What the weight versions are stored in: 'fp32' (the versions are the float32 masters the optimizer
+    steps) or 'compute' (bf16/fp16 under train.precision=bf16/fp16: two versions of 2 B per parameter under
+    2bw, refreshed at each step from float32 masters that the optimizer keeps, sharded or not; gradients
+    are summed over the microbatches in float32). Under fp32 both are the same."""
     loss_scale: float = 65536.0
     """fp16 only: the first loss scale; halved on every step with a non-finite gradient (which is skipped)."""
     loss_scale_growth_interval: int = 2000
@@ -506,20 +511,41 @@ ELEMENTWISE_OPTIMIZERS = ("sgd", "adam", "adamw", "nadam", "radam", "adamax", "r
 
 
 def _validate_sharding(cfg: Config) -> None:
-    """optim.sharded: an elementwise optimizer; what does not compose yet is refused here."""
+    """optim.sharded and train.weight_dtype: an elementwise optimizer; what does not compose yet is refused here."""
+    from pipedream2bw.precision import WEIGHT_DTYPES
+
+    t = cfg.train
+    if t.weight_dtype not in WEIGHT_DTYPES:
+        raise ConfigError(f"train.weight_dtype ({t.weight_dtype!r}) is unknown; use one of {list(WEIGHT_DTYPES)}")
+    if t.weight_dtype == "compute" and t.precision != "fp32":
+        _need_elementwise(cfg, "train.weight_dtype (compute)")
+        if getattr(cfg.model, "tie_embeddings", False):
+            raise ConfigError(
+                "train.weight_dtype (compute) with model.tie_embeddings (true): the tie's float32 gradient sum "
+                "across stages is not written yet; set train.weight_dtype=fp32 or model.tie_embeddings=false"
+            )
+        if t.checkpoint_every > 0:
+            raise ConfigError(
+                f"train.checkpoint_every ({t.checkpoint_every}) with train.weight_dtype (compute): checkpoints of "
+                f"the float32 masters are not written yet; set train.checkpoint_every=0 or train.weight_dtype=fp32"
+            )
     o = cfg.optim
     if not o.sharded or cfg.pipeline.data_parallel == 1:
         return
-    name = o.target or o.name
-    if o.target or o.name.lower() not in ELEMENTWISE_OPTIMIZERS:
-        raise ConfigError(
-            f"optim.sharded (true) steps each replica's shard of every parameter, which needs an elementwise "
-            f"optimizer; {name} may not be one: use one of {list(ELEMENTWISE_OPTIMIZERS)} or optim.sharded=false"
-        )
+    _need_elementwise(cfg, "optim.sharded (true)")
     if cfg.train.checkpoint_every > 0:
         raise ConfigError(
             f"train.checkpoint_every ({cfg.train.checkpoint_every}) with optim.sharded (true): sharded checkpoints "
             f"are not written yet; set train.checkpoint_every=0 or optim.sharded=false"
+        )
+
+
+def _need_elementwise(cfg: Config, what: str) -> None:
+    o = cfg.optim
+    if o.target or o.name.lower() not in ELEMENTWISE_OPTIMIZERS:
+        raise ConfigError(
+            f"{what} steps pieces of every parameter (flat float32 masters), which needs an elementwise "
+            f"optimizer; {o.target or o.name} may not be one: use one of {list(ELEMENTWISE_OPTIMIZERS)}"
         )
 
 

@@ -58,6 +58,15 @@ def autocast(precision: str, device_type: str):
     return torch.autocast(device_type, dtype=compute_dtype(precision), enabled=precision != "fp32")
 
 
+WEIGHT_DTYPES = ("fp32", "compute")
+
+
+def weight_dtype(precision: str, name: str) -> torch.dtype:
+    """The dtype a stage stores its weight versions in under a resolved ``precision`` and
+    ``train.weight_dtype`` ``name``: float32 ('fp32'), or the compute dtype ('compute'; float32 under fp32)."""
+    return compute_dtype(precision) if name == "compute" else torch.float32
+
+
 def versions_held(schedule: str) -> int:
     """Weight versions a stage holds: two under 2bw, one under flush and gpipe."""
     return 2 if schedule == "2bw" else 1

@@ -405,7 +405,13 @@ def _train(
     """
     module, tie_groups = _build_stage(rt, ctx, model)
     versions, buckets, num_dp_buckets = _build_versions(
-        rt, module, tie_groups, bucket_mb=cfg.pipeline.bucket_mb, swap=cfg.swap, optim=cfg.optim
+        rt,
+        module,
+        tie_groups,
+        bucket_mb=cfg.pipeline.bucket_mb,
+        swap=cfg.swap,
+        optim=cfg.optim,
+        weight_dtype_name=cfg.train.weight_dtype,
     )
     rule = _step_rule(rt, cfg.train, cfg.optim)
     if resume is not None:
@@ -482,7 +488,14 @@ def _build_stage(
 
 
 def _build_versions(
-    rt: RankPlan, module: nn.Module, tie_groups, *, bucket_mb: float, swap: SwapConfig, optim: OptimConfig
+    rt: RankPlan,
+    module: nn.Module,
+    tie_groups,
+    *,
+    bucket_mb: float,
+    swap: SwapConfig,
+    optim: OptimConfig,
+    weight_dtype_name: str = "fp32",
 ) -> Tuple[WeightVersions, List[List[int]], int]:
     """The stage's weight versions and optimizer, with its gradient buckets.
 
@@ -500,16 +513,19 @@ def _build_versions(
     buckets = [bucket for bucket in buckets if bucket] + [[i] for i in tied_index]
     num_dp_buckets = len(buckets) - len(tied_index)
     factory = lambda params: build_optimizer(params, optim)  # noqa: E731
-    if optim.sharded and rt.data_parallel > 1:  # the replicas' group ranks are sorted global ranks
+    sharded = optim.sharded and rt.data_parallel > 1
+    weight_dtype = precisions.weight_dtype(rt.precision, weight_dtype_name)
+    if sharded or weight_dtype != torch.float32:  # the replicas' group ranks are sorted global ranks
         versions = ShardedVersions(
             module,
             schedule=rt.schedule,
             optimizer_factory=factory,
             buckets=buckets,
-            num_sharded=num_dp_buckets,
+            num_sharded=num_dp_buckets if sharded else 0,
             shard_index=sorted(rt.layout.ranks[rt.stage]).index(rt.rank),
-            num_shards=rt.data_parallel,
+            num_shards=rt.data_parallel if sharded else 1,
             host=swap.optimizer == "host",
+            weight_dtype=weight_dtype,
         )
     else:
         versions = (HostOptimizerVersions if swap.optimizer == "host" else WeightVersions)(
@@ -616,9 +632,9 @@ def _comm_groups(
                 group=group,
                 replicas=[list(r.parameters()) for r in versions.replicas],
                 buckets=dp_buckets,
-                sharded=isinstance(versions, ShardedVersions),
+                sharded=isinstance(versions, ShardedVersions) and versions.num_sharded > 0,
             )
-        if isinstance(versions, ShardedVersions):
+        if isinstance(versions, ShardedVersions) and versions.num_sharded > 0:
             versions.connect(lambda shard, full: comm.all_gather_async(ctx, shard, full, group=group))
     exchange = None
     if tie_groups:  # a copy whose canonical one (replica 0 of the first holder stage) is on another stage: norm there

@@ -27,7 +27,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 import torch
 from torch import nn
 
-from pipedream2bw.versions import WeightVersions, _cpu_copy, version_of_batch
+from pipedream2bw.versions import WeightVersions, _cpu_copy, grad_of, set_grad, version_of_batch
 
 # (shard, full) -> a wait: starts gathering every replica's ``shard`` into ``full`` (comm.all_gather_async)
 Gather = Callable[[torch.Tensor, torch.Tensor], Callable[[], None]]
@@ -126,7 +126,12 @@ class ShardedVersions(WeightVersions):
             for layout, shard in zip(self.layouts, self.shards)
         ]
         module.to(weight_dtype)
-        super().__init__(module, schedule=schedule, optimizer_factory=lambda b: optimizer_factory(b), buckets=buckets)
+        super().__init__(module, schedule=schedule, optimizer_factory=optimizer_factory, buckets=buckets)
+        if weight_dtype != torch.float32:  # before the GradReducer's hooks, which read the float32 sum
+            for replica in self._params:
+                for p in replica:
+                    p.main_grad = None
+                    p.register_post_accumulate_grad_hook(_accumulate_in_float32)
 
     def _initial_shard(self, layout: BucketShard, params: Sequence[nn.Parameter]) -> torch.Tensor:
         flat = torch.cat([params[i].detach().reshape(-1).float() for i in layout.params])
@@ -188,7 +193,7 @@ class ShardedVersions(WeightVersions):
             for master in self.pieces[b]:
                 master.grad = None
             for i in layout.params:
-                src[i].grad = None
+                set_grad(src[i], None)
             # bucket b's all-gather travels while bucket b+1 steps; one in flight at a time
             if waiting is not None:
                 self._scatter_back(*waiting, dst)
@@ -199,7 +204,7 @@ class ShardedVersions(WeightVersions):
 
     def _shard_gradient(self, layout: BucketShard, src: Sequence[nn.Parameter]) -> torch.Tensor:
         """This replica's shard of a bucket's gradient from the parameters (float32, on the masters' device)."""
-        grads = [src[i].grad if src[i].grad is not None else torch.zeros_like(src[i]) for i in layout.params]
+        grads = [grad_of(src[i]) if grad_of(src[i]) is not None else torch.zeros_like(src[i]) for i in layout.params]
         flat = torch.cat([g.reshape(-1).float() for g in grads])
         lo, hi = layout.bounds()
         out = torch.zeros(layout.shard_numel, dtype=torch.float32, device=self.master_device)
@@ -225,6 +230,13 @@ class ShardedVersions(WeightVersions):
             dst[i].view(-1).copy_(full[start : start + n])
             start += n
 
+    @torch.no_grad()
+    def skip(self, batch_index: int) -> None:
+        """``WeightVersions.skip``; the float32 gradient sums are dropped too (the masters hold W(t))."""
+        for p in self.module_for_batch(batch_index).parameters():
+            set_grad(p, None)
+        super().skip(batch_index)
+
     def connect(self, gather: Gather) -> None:
         """Gives the versions the all-gather over the stage's replicas (comm.all_gather_async on its group)."""
         self.gather = gather
@@ -243,7 +255,7 @@ class ShardedVersions(WeightVersions):
             if b < self.num_sharded and layout.count > 1:
                 grads.append(shard_grad(b))
             elif count_whole:
-                grads += [module_params[i].grad for i in layout.params if i not in excluded]
+                grads += [grad_of(module_params[i]) for i in layout.params if i not in excluded]
         return sq_norm([g for g in grads if g is not None])
 
     def state(self) -> Dict[str, Any]:
@@ -321,6 +333,13 @@ class ShardedVersions(WeightVersions):
                     else (v.clone() if torch.is_tensor(v) else v)
                     for k, v in whole.items()
                 }
+
+
+def _accumulate_in_float32(p: nn.Parameter) -> None:
+    """Post-accumulate hook of a weight stored in the compute dtype: adds its microbatch gradient to the
+    float32 sum ``main_grad`` and frees it, so that a batch's m microbatches are summed in float32."""
+    p.main_grad = p.grad.float() if p.main_grad is None else p.main_grad.add_(p.grad)
+    p.grad = None
 
 
 def _per_element(value: Any, master: nn.Parameter) -> bool:

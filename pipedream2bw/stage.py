@@ -182,6 +182,9 @@ class StageWorker:
         # scale of its batch, and the rule (a ScaledStepRule) unscales and skips through the agreement.
         self.precision = precision
         self._wire_dtype = compute_dtype(precision)
+        # Weights stored in the compute dtype (train.weight_dtype=compute) run the whole stage in it: a
+        # received activation stays in the compute dtype (a float32 one would meet bf16 norm weights).
+        self._upcast = precision != "fp32" and getattr(versions, "weight_dtype", torch.float32) == torch.float32
         self._stash: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}  # k -> (input, output or loss)
         self._saved_bytes: Optional[int] = None  # what autograd saves for one microbatch
         self._batch_losses: Dict[int, List[torch.Tensor]] = {}
@@ -265,7 +268,7 @@ class StageWorker:
         with hooks if self.swap is not None else saved:
             # A reduced-precision activation goes on in float32, as it would have in one process: only
             # the transfer is rounded, not the rest of the stage's residual stream.
-            inp = pytree.tree_map(self._from_wire, x) if self.precision != "fp32" else x
+            inp = pytree.tree_map(self._from_wire, x) if self._upcast else x
             with autocast(self.precision, self.device.type):
                 out = module(inp)
             if self.last:  # the loss in float32, outside autocast

@@ -72,6 +72,20 @@ def bucketize(params: Sequence[nn.Parameter], *, bucket_bytes: float) -> List[Li
     return buckets
 
 
+def grad_of(p: nn.Parameter) -> Optional[torch.Tensor]:
+    """``p``'s accumulated gradient: its float32 ``main_grad`` where the weights are stored in a lower
+    dtype (train.weight_dtype=compute, sharding.ShardedVersions), else ``p.grad``."""
+    return p.main_grad if hasattr(p, "main_grad") else p.grad
+
+
+def set_grad(p: nn.Parameter, grad: Optional[torch.Tensor]) -> None:
+    """Replaces ``p``'s accumulated gradient (``grad_of``'s)."""
+    if hasattr(p, "main_grad"):
+        p.main_grad = grad
+    else:
+        p.grad = grad
+
+
 def _alias_parameter(p: nn.Parameter) -> nn.Parameter:
     """A parameter on ``p``'s storage with a version counter of its own.
 

@@ -99,10 +99,46 @@ def test_sharded_fp16_skip_host_optimizer_and_swapping_equal_the_scaled_referenc
 def test_sharding_refuses_what_it_cannot_step_or_save():
     cfg = _replicated(tiny_config(schedule="2bw", num_stages=2, num_microbatches=4), 2)
     cfg.optim.target = "torch.optim.SGD"
-    with pytest.raises(ConfigError, match=r"optim.sharded \(true\) .* elementwise optimizer; torch.optim.SGD"):
+    with pytest.raises(ConfigError, match=r"optim.sharded \(true\) steps pieces .* optimizer; torch.optim.SGD"):
         validate(cfg, world_size=4)
     cfg.optim.target, cfg.train.checkpoint_every = None, 2
     with pytest.raises(ConfigError, match=r"train.checkpoint_every \(2\) with optim.sharded"):
         validate(cfg, world_size=4)
     cfg.pipeline.data_parallel = 1  # nothing to shard over: accepted, and a plain run
     validate(cfg, world_size=2)
+
+
+def _bf16_versions(w: int, sharded: bool) -> Config:
+    cfg = _replicated(tiny_config(schedule="2bw", num_stages=2, num_microbatches=4, num_steps=4), w, sharded=sharded)
+    cfg.train.precision, cfg.train.weight_dtype = "bf16", "compute"
+    return cfg
+
+
+def test_bf16_weight_versions_equal_the_rounded_masters_reference(tmp_path):
+    """train.weight_dtype=compute under bf16, 2bw, d=2: the versions are bf16 roundings of float32 masters,
+    microbatch gradients summed in float32, the stages run in bf16. w=1: equal to the single-process
+    reference applying that rule; the rounding shows (far from the float32-versions reference). w=2,
+    sharded: equal to the unsharded w=2 run (both sum the replicas in another order than one process)."""
+    cfgs = [_bf16_versions(1, False), _bf16_versions(2, False), _bf16_versions(2, True)]
+    runs = [
+        run_jobs(tmp_path / f"w{c.pipeline.data_parallel}", [c], world_size=2 * c.pipeline.data_parallel)[0]
+        for c in cfgs[:1]
+    ] + run_jobs(tmp_path / "w2", cfgs[1:], world_size=4)
+    (summary, weights), (_, plain), (_, sharded) = runs
+    reference = tiny_config(schedule="2bw", num_stages=1, num_microbatches=4, num_steps=4)
+    reference.train, reference.pipeline.microbatch_size = cfgs[0].train, 4
+    expected = reference_run(reference, delayed=True, balance=summary["balance"])
+    assert all(v.dtype == torch.bfloat16 for v in weights.values())  # the newest version, as stored
+    torch.testing.assert_close(weights, {k: v.to(torch.bfloat16) for k, v in expected.weights.items()})
+    torch.testing.assert_close(torch.tensor(summary["losses"]), torch.tensor(expected.losses))
+    reference.train.weight_dtype = "fp32"
+    fp32_versions = reference_run(reference, delayed=True, balance=summary["balance"])
+    assert max(float((expected.weights[k] - fp32_versions.weights[k]).abs().max()) for k in weights) > 1e-3
+    torch.testing.assert_close(sharded, plain)
+    cfg.train.precision, cfg.train.weight_dtype, cfg.train.checkpoint_every = "bf16", "compute", 0
+    cfg.model.tie_embeddings = True
+    with pytest.raises(ConfigError, match=r"train.weight_dtype \(compute\) with model.tie_embeddings"):
+        validate(cfg, world_size=2)
+    cfg.train.weight_dtype = "bf16"
+    with pytest.raises(ConfigError, match=r"train.weight_dtype \('bf16'\) is unknown"):
+        validate(cfg, world_size=2)
