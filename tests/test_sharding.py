@@ -106,6 +106,13 @@ def test_sharding_refuses_what_it_cannot_step_or_save():
         validate(cfg, world_size=4)
     cfg.pipeline.data_parallel = 1  # nothing to shard over: accepted, and a plain run
     validate(cfg, world_size=2)
+    cfg.train.precision, cfg.train.weight_dtype, cfg.train.checkpoint_every = "bf16", "compute", 0
+    cfg.model.tie_embeddings = True
+    with pytest.raises(ConfigError, match=r"train.weight_dtype \(compute\) with model.tie_embeddings"):
+        validate(cfg, world_size=2)
+    cfg.train.weight_dtype = "bf16"
+    with pytest.raises(ConfigError, match=r"train.weight_dtype \('bf16'\) is unknown"):
+        validate(cfg, world_size=2)
 
 
 def _bf16_versions(w: int, sharded: bool) -> Config:
@@ -135,10 +142,3 @@ def test_bf16_weight_versions_equal_the_rounded_masters_reference(tmp_path):
     fp32_versions = reference_run(reference, delayed=True, balance=summary["balance"])
     assert max(float((expected.weights[k] - fp32_versions.weights[k]).abs().max()) for k in weights) > 1e-3
     torch.testing.assert_close(sharded, plain)
-    cfg.train.precision, cfg.train.weight_dtype, cfg.train.checkpoint_every = "bf16", "compute", 0
-    cfg.model.tie_embeddings = True
-    with pytest.raises(ConfigError, match=r"train.weight_dtype \(compute\) with model.tie_embeddings"):
-        validate(cfg, world_size=2)
-    cfg.train.weight_dtype = "bf16"
-    with pytest.raises(ConfigError, match=r"train.weight_dtype \('bf16'\) is unknown"):
-        validate(cfg, world_size=2)
