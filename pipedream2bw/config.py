@@ -267,6 +267,9 @@ class PartitionConfig:
     """'manual' (pipeline.* as given), 'auto' (rank 0 profiles and plans at startup) or 'file' (run partition.path)."""
     path: Optional[str] = None
     """Plan file to run ('file'), or where 'auto' and the CLI write theirs (null: plan.yaml in the run dir / cwd)."""
+    sharded: Optional[bool] = False
+    """Plan with optim.sharded (true), without (false), or let the search try both (null; the plan records its
+    choice, which a run sets as optim.sharded)."""
     objective: str = "throughput"
     """'throughput' (fastest plan that fits) or 'memory' (lowest peak memory per device)."""
     tolerance: float = 0.01

@@ -1036,7 +1036,7 @@ def _gather_and_write(
         "first_step": rt.first_step,
         "recompute": rt.recompute,
         **predictions,
-        **_precision_record(rt, optim, rule, worker.stats),
+        **_precision_record(rt, optim, rule, worker.stats, weight_dtype_name=train.weight_dtype),
         "ties": [
             {
                 **t,
@@ -1079,7 +1079,9 @@ def _gather_and_write(
     return summary
 
 
-def _precision_record(rt: RankPlan, optim: OptimConfig, rule: StepRule, stats: StageStats) -> Dict[str, Any]:
+def _precision_record(
+    rt: RankPlan, optim: OptimConfig, rule: StepRule, stats: StageStats, *, weight_dtype_name: str = "fp32"
+) -> Dict[str, Any]:
     """summary.json's precision fields: the precision, its bytes per parameter, and under fp16 the loss scale."""
     record = {
         "precision": rt.precision,
@@ -1089,6 +1091,9 @@ def _precision_record(rt: RankPlan, optim: OptimConfig, rule: StepRule, stats: S
             schedule=rt.schedule,
             optimizer=optimizer_name(optim),
             optimizer_kwargs=optim.kwargs,
+            weight_dtype_name=weight_dtype_name,
+            sharded=optim.sharded,
+            data_parallel=rt.data_parallel,
         ).as_dict(),
     }
     if isinstance(rule, ScaledStepRule):  # every rank's scaler takes the same values; these are rank 0's
