@@ -20,7 +20,7 @@ from dist_helper import run_ok, spawn, train_cli
 from reference import reference_eval, reference_train
 from test_semantics import assert_losses_close, tiny_config
 
-from pipedream2bw.config import ConfigError, validate
+from pipedream2bw.config import ConfigError, LayerListConfig, validate
 from pipedream2bw.data import (
     MicrobatchFeed,
     data_resident_bytes,
@@ -309,6 +309,25 @@ def test_validation_loss_is_the_same_on_every_layout_and_that_of_the_final_weigh
         # The last pass ran with the weights the run ended with, on the same held-out windows.
         assert_losses_close([run_summary["final_val_loss"]], [reference_eval(run_cfg, run_weights)])
         assert all(r["eval_s"] > 0 for r in run_summary["ranks"])
+
+
+def test_validation_carries_tuple_and_dict_boundaries_as_training_does(tmp_path):
+    # Regression (validation on structured boundaries): the pass sent one tensor per crossing and
+    # raised NotImplementedError at the first evaluation of a model whose stages pass (hidden, ids)
+    # tuples and dicts; it now crosses through the same boundary.Channel as training.
+    val_losses = {}
+    for d in (1, 2, 4):
+        cfg = tiny_config(schedule="2bw", num_stages=d, num_microbatches=4, optim="sgd_momentum", num_steps=4)
+        cfg.model = LayerListConfig(target="custom_models.tuple_layers", kwargs={"width": 8}, seq_len=8)
+        cfg.data = dataclasses.replace(cfg.data, val_fraction=0.1)
+        cfg.train = dataclasses.replace(cfg.train, eval_every=2, eval_batches=1)
+        summary = run_ok(cfg, tmp_path / f"d{d}")
+        assert [v["step"] for v in summary["val_losses"]] == [2, 4]
+        val_losses[d] = [v["loss"] for v in summary["val_losses"]]
+        final = reference_eval(cfg, torch.load(tmp_path / f"d{d}" / "final_model.pt"))
+        assert_losses_close([summary["final_val_loss"]], [final])
+    assert_losses_close(val_losses[2], val_losses[1])
+    assert_losses_close(val_losses[4], val_losses[1])
 
 
 def test_validation_leaves_training_bit_identical(runs):
