@@ -23,6 +23,7 @@ from test_semantics import assert_losses_close, tiny_config
 from pipedream2bw.config import ConfigError, LayerListConfig, validate
 from pipedream2bw.data import (
     MicrobatchFeed,
+    check_data,
     data_resident_bytes,
     load_splits,
     make_feeds,
@@ -232,6 +233,46 @@ BAD_FILES = {  # what a token file holds -> the error every rank must give
         r"has 17 tokens to train on, fewer than model.seq_len \+ 2 \(18\)",
     ),
 }
+
+
+class _Payload:
+    """Unpickling this calls os.system: what a crafted meta.pkl would do."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        import os
+
+        return os.system, (f"touch {self.marker}",)
+
+
+def test_nanogpt_meta_pkl_describes_the_vocabulary_without_running_code(tmp_path, caplog):
+    # nanoGPT writes meta.pkl ({'vocab_size', 'itos', 'stoi'}) beside train.bin: read as the .json
+    # sidecar is, by an unpickler that looks up no class or function, so a payload cannot run.
+    import pickle
+
+    cfg = token_config(tmp_path)  # the GPT's vocabulary is 300; the file's ids are below it
+    meta = tmp_path / "meta.pkl"
+    meta.write_bytes(pickle.dumps({"vocab_size": 300, "itos": {0: "a"}, "stoi": {"a": 0}}))
+    with caplog.at_level("WARNING", logger="pipedream2bw.data"):
+        info = check_data(cfg.data, vocab_size=50304, seq_len=16, need_val=False)
+    assert info.vocab_size == 300 and info.vocab_source == str(meta)
+    assert "the model's vocabulary (50304) is 168x the data's (300, from " in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="pipedream2bw.data"):
+        check_data(cfg.data, vocab_size=512, seq_len=16, need_val=False)
+    assert "vocabulary" not in caplog.text  # within 2x: no warning
+    marker = tmp_path / "ran"
+    meta.write_bytes(pickle.dumps({"vocab_size": _Payload(marker)}))
+    try:
+        with pytest.raises(ConfigError, match=r"meta.pkl \(the description of .*tokens.bin\) cannot be read: refusing"):
+            check_data(cfg.data, vocab_size=300, seq_len=16, need_val=False)
+    finally:
+        assert not marker.exists(), "the payload in meta.pkl ran"
+    (tmp_path / "tokens.bin.json").write_text("{not json")
+    with pytest.raises(ConfigError, match=r"tokens.bin.json \(the description of .*\) cannot be read"):
+        check_data(cfg.data, vocab_size=300, seq_len=16, need_val=False)
 
 
 def test_each_bad_token_file_stops_every_rank_before_any_group_starts(tmp_path):
