@@ -1088,7 +1088,15 @@ def _save_trace(all_stats: Sequence[StageStats], run_dir: Path, *, steps: range,
     traces = [{"rank": st.rank, "stage": st.stage_index, "replica": st.replica, **st.trace} for st in all_stats]
     atomic_write(run_dir / "trace.json", json.dumps(timeline.chrome_trace(traces, title=title)).encode())
     timeline.plot_timeline(traces, run_dir / "timeline.png", title=title)
-    return {**timeline.bubble_summary(traces), "steps": list(steps), "files": ["trace.json", "timeline.png"]}
+    per_step = [  # seconds per traced step, by what each rank did (timeline.BREAKDOWN)
+        {k: v / len(steps) for k, v in timeline.breakdown(tr["spans"], tr["window"]).items()} for tr in traces
+    ]
+    return {
+        **timeline.bubble_summary(traces),
+        "breakdown_per_rank": per_step,
+        "steps": list(steps),
+        "files": ["trace.json", "timeline.png"],
+    }
 
 
 def _swap_manager(swap: SwapConfig, rt: RankPlan, in_flight: int, versions: WeightVersions) -> Optional[SwapManager]:

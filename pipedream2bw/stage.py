@@ -197,7 +197,7 @@ class StageWorker:
         with its batch's weight version; keeps the output for SEND_F k (the loss on the last stage)."""
         module = self.versions.module_for_batch(k // self.m)
         if self.first:
-            x = self.feed.inputs(k).to(self.device, non_blocking=True)
+            x = self._data(self.feed.inputs, k)
         else:
             x = self._received.pop((FORWARD, k))
             for leaf in pytree.tree_leaves(x):
@@ -217,7 +217,7 @@ class StageWorker:
             with autocast(self.precision, self.device.type):
                 out = module(inp)
             if self.last:  # the loss in float32, outside autocast
-                out = self.loss_fn(out.float(), self.feed.targets(k).to(self.device, non_blocking=True))
+                out = self.loss_fn(out.float(), self._data(self.feed.targets, k))
             elif self.precision != "fp32":
                 out = to_wire(out, self._wire_dtype)  # sent in the compute dtype; backward casts its gradient back
         if self._saved_bytes is None:
@@ -262,6 +262,15 @@ class StageWorker:
         if not self.first:
             inputs = [t for t in pytree.tree_leaves(x) if t.is_floating_point()]
             self._outbox[(BACKWARD, k)] = [t.grad if t.grad is not None else torch.zeros_like(t) for t in inputs]
+
+    def _data(self, read: Callable[[int], torch.Tensor], k: int) -> torch.Tensor:
+        """Microbatch k's inputs or targets from the feed, on the device (a ``data`` span when tracing)."""
+        if self.trace is None or not self.trace.on:
+            return read(k).to(self.device, non_blocking=True)
+        start = time.perf_counter()
+        out = read(k).to(self.device, non_blocking=True)
+        self.trace.add("data", k, start, time.perf_counter())
+        return out
 
     def _report_loss(self, loss: torch.Tensor, t: int) -> None:
         """A last stage: hand batch t's mean loss to rank 0 (here, if this is rank 0).
@@ -445,17 +454,17 @@ class StageWorker:
                 if pending is not None and agreement.apply_due(a, pending, num_microbatches=self.m):
                     at, what = step.start, f"the deferred APPLY({pending}) due before the step of {a}"
                     self.apply(pending)
-                    on_step(pending)
+                    self._hook(on_step, pending)
                     pending, what = None, None
                 if a.kind == STEP:
                     at = step.at
                     since = self.close(a.index)
-                    on_close(a.index)
+                    self._hook(on_close, a.index)
                     if self._defers(a.index):
                         pending = a.index
                     else:
                         self.apply(a.index, since=since)
-                        on_step(a.index)
+                        self._hook(on_step, a.index)
                     continue
                 if a.kind == BACKWARD:
                     at = step.start
@@ -475,7 +484,7 @@ class StageWorker:
             at, what = len(actions), "the last deferred APPLY or the final flush of sends"
             if pending is not None:
                 self.apply(pending)
-                on_step(pending)
+                self._hook(on_step, pending)
             start = time.perf_counter()
             self.p2p.flush()
             self.stats.p2p_wait_s += time.perf_counter() - start
@@ -494,6 +503,15 @@ class StageWorker:
             self.stats.swap = self.swap.close()
         self._measure_memory()
         return self.stats
+
+    def _hook(self, fn: Callable[[int], None], t: int) -> None:
+        """The caller's ``on_close``/``on_step`` for batch t (a ``hooks`` span when tracing)."""
+        if self.trace is None or not self.trace.on:
+            return fn(t)
+        start = time.perf_counter()
+        fn(t)
+        if self.trace.on:  # on_step of the last traced step runs after the window closed
+            self.trace.add("hooks", t, start, time.perf_counter())
 
     def _waited(self, k: int, start: float, end: float) -> None:
         """Counts the time a step's receives took before its compute (posting, waiting, freeing)."""
