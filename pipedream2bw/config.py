@@ -531,20 +531,10 @@ def _validate_sharding(cfg: Config) -> None:
                 "train.weight_dtype (compute) with model.tie_embeddings (true): the tie's float32 gradient sum "
                 "across stages is not written yet; set train.weight_dtype=fp32 or model.tie_embeddings=false"
             )
-        if t.checkpoint_every > 0:
-            raise ConfigError(
-                f"train.checkpoint_every ({t.checkpoint_every}) with train.weight_dtype (compute): checkpoints of "
-                f"the float32 masters are not written yet; set train.checkpoint_every=0 or train.weight_dtype=fp32"
-            )
     o = cfg.optim
     if not o.sharded or cfg.pipeline.data_parallel == 1:
         return
     _need_elementwise(cfg, "optim.sharded (true)")
-    if cfg.train.checkpoint_every > 0:
-        raise ConfigError(
-            f"train.checkpoint_every ({cfg.train.checkpoint_every}) with optim.sharded (true): sharded checkpoints "
-            f"are not written yet; set train.checkpoint_every=0 or optim.sharded=false"
-        )
 
 
 def _need_elementwise(cfg: Config, what: str) -> None:

@@ -442,7 +442,9 @@ def _train(
         _resume_history(rt, resume, worker, evaluator, versions, eval_every=cfg.train.eval_every)
     config = dataclasses.asdict(cfg) if rt.rank == 0 else None  # wandb logs the resolved config, defaults filled in
     tracker, bar, progress, postfix = _tracking(rt, run_dir, resume, worker, cfg.wandb, cfg.train, config=config)
-    saver = _checkpointer(rt, ctx, run_dir, cfg.train, cfg.optim, cfg.dist, model, tracker)
+    saver = _checkpointer(
+        rt, ctx, run_dir, cfg.train, cfg.optim, cfg.dist, model, tracker, shards=isinstance(versions, ShardedVersions)
+    )
     hooks = _StepHooks(
         rt,
         worker=worker,
@@ -602,7 +604,14 @@ def _restore(
             optimizer_name(optim),
         )
         state["optimizer"] = {}
-    versions.load_state(step=first_batch, **{k: state[k] for k in ("weights", "previous", "optimizer")})
+    masters = state["masters"]  # float32 masters of a sharded or weight_dtype=compute run: the truer weights
+    if isinstance(versions, ShardedVersions):
+        versions.load_state(
+            step=first_batch, masters=masters, **{k: state[k] for k in ("weights", "previous", "optimizer")}
+        )
+    else:
+        weights = {**state["weights"], **masters}
+        versions.load_state(step=first_batch, weights=weights, previous=state["previous"], optimizer=state["optimizer"])
     if isinstance(rule, ScaledStepRule) and manifest.get("loss_scaler") is not None:
         rule.load_state_dict(manifest["loss_scaler"])
     elif isinstance(rule, ScaledStepRule):
@@ -871,8 +880,11 @@ def _checkpointer(
     dist: DistConfig,
     model: _Model,
     tracker: Optional[Tracker],
+    *,
+    shards: bool = False,
 ) -> checkpoint.Checkpointer:
-    """The checkpoint writer (``train.checkpoint_every``); replica 0 of each stage writes its layers."""
+    """The checkpoint writer (``train.checkpoint_every``); replica 0 of each stage writes its layers, and
+    with ``shards`` (sharding.ShardedVersions) every replica its pieces of the masters and optimizer state."""
     return checkpoint.Checkpointer(
         run_dir / checkpoint.DIRNAME,
         every=train.checkpoint_every,
@@ -881,6 +893,7 @@ def _checkpointer(
         rank=rt.rank,
         world_size=rt.world_size,
         layers=rt.layer_indices if rt.replica == 0 else [],
+        shard_layers=rt.layer_indices if shards else [],
         post=ctx.board.post,
         read=lambda keys, timeout_s: ctx.board.read(keys, timeout_s=timeout_s),
         timeout_s=dist.timeout_s,
@@ -941,7 +954,8 @@ class _StepHooks:
             **st,
             **{
                 k: ties.drop_aliases(st[k], self.tied) if st[k] is not None else None
-                for k in ("weights", "previous", "optimizer")
+                for k in ("weights", "previous", "optimizer", "shards")
+                if k in st
             },
         }
 

@@ -117,6 +117,7 @@ class ShardedVersions(WeightVersions):
             for k, b in enumerate(buckets)
         ]
         self.num_sharded, self.host, self.weight_dtype = num_sharded, host, weight_dtype
+        self.shard_index = shard_index
         self.master_device = torch.device("cpu") if host else params[0].device
         self.gather: Optional[Gather] = None  # comm's all-gather, connected once the stage's group exists
         with torch.no_grad():  # masters first, from the float32 module; then the versions take their dtype
@@ -259,8 +260,9 @@ class ShardedVersions(WeightVersions):
         return sq_norm([g for g in grads if g is not None])
 
     def state(self) -> Dict[str, Any]:
-        """``WeightVersions.state`` but ``optimizer``: this replica's shard of each parameter's optimizer
-        state (``shard_state``), not whole tensors."""
+        """``WeightVersions.state`` but ``optimizer`` (empty): ``shards`` holds this replica's float32
+        masters and optimizer state (``shard_state``), which checkpoint.py writes per replica and
+        reassembles, whole, for any (d, w) with sharding on or off."""
         newest = max(v for v in self.holds if v is not None)
         previous = None
         if self.schedule == "2bw":
@@ -270,27 +272,31 @@ class ShardedVersions(WeightVersions):
             "weights": _float(_cpu_copy(self.newest().state_dict())),
             "previous": _float(previous) if previous is not None else None,
             "optimizer": {},
-            "masters": self.shard_state(),
+            "shards": self.shard_state(),
         }
 
-    def shard_state(self) -> List[Dict[str, Any]]:
-        """Per bucket: this replica's element range [lo, hi) of the flat bucket, its float32 masters and
-        each optimizer-state tensor of the same elements (flat), keyed by parameter name."""
+    def shard_state(self) -> Dict[str, Dict[str, Any]]:
+        """Per parameter name, the piece of it this replica writes to a checkpoint: ``range`` [start, stop)
+        of its flat elements, ``numel`` (the whole parameter's), its float32 ``master`` values (flat) and
+        its optimizer ``state`` (per-element tensors flat, the rest, e.g. Adam's step, as they are).
+        Buckets not sharded (ties; the masters of train.weight_dtype=compute) are written by shard 0 only:
+        every replica holds the same."""
         names = [n for n, _ in self.replicas[0].named_parameters()]
-        out = []
+        out = {}
         for b, (layout, optimizer) in enumerate(zip(self.layouts, self.optimizers)):
-            lo, hi = layout.bounds()
-            state = {}
+            if layout.count == 1 and self.shard_index != 0:
+                continue
             for master, piece in zip(self.pieces[b], layout.pieces()):
                 st = optimizer.state.get(master, {})
-                state[names[piece.param]] = {
+                out[names[piece.param]] = {
                     "range": (piece.start, piece.stop),
-                    **{
-                        k: v.detach().reshape(-1).to("cpu", copy=True) if _per_element(v, master) else v
+                    "numel": layout.numels[layout.params.index(piece.param)],
+                    "master": master.detach().reshape(-1).to("cpu", copy=True),
+                    "state": {
+                        k: v.detach().reshape(-1).to("cpu", copy=True) if _per_element(v, master) else _cpu_value(v)
                         for k, v in st.items()
                     },
                 }
-            out.append({"params": [names[i] for i in layout.params], "range": (lo, hi), "state": state})
         return out
 
     @torch.no_grad()
@@ -301,13 +307,16 @@ class ShardedVersions(WeightVersions):
         weights: Dict[str, torch.Tensor],
         previous: Optional[Dict[str, torch.Tensor]],
         optimizer: Dict[str, dict],
+        masters: Optional[Dict[str, torch.Tensor]] = None,
     ) -> None:
         """Continues from a checkpoint (``WeightVersions.load_state``'s arguments, ``optimizer`` holding
-        whole tensors per parameter name): the masters are the float32 ``weights``, sliced to this shard, and
+        whole tensors per parameter name): the masters are the checkpoint's float32 ``masters`` where it
+        has them (a run with float32 masters of its own), else its ``weights``, sliced to this shard;
         each piece takes its elements of the optimizer state."""
         names = [n for n, _ in self.replicas[0].named_parameters()]
+        masters = masters or {}
         for layout, shard in zip(self.layouts, self.shards):
-            flat = torch.cat([weights[names[i]].reshape(-1).float() for i in layout.params])
+            flat = torch.cat([masters.get(names[i], weights[names[i]]).reshape(-1).float() for i in layout.params])
             lo, hi = layout.bounds()
             shard.zero_()
             shard[: hi - lo].copy_(flat[lo:hi])
@@ -345,6 +354,10 @@ def _accumulate_in_float32(p: nn.Parameter) -> None:
 def _per_element(value: Any, master: nn.Parameter) -> bool:
     """An optimizer-state tensor with one value per element of its parameter (Adam's moments), not its step."""
     return torch.is_tensor(value) and value.numel() == master.numel() and value.dim() > 0
+
+
+def _cpu_value(value: Any) -> Any:
+    return value.detach().to("cpu", copy=True) if torch.is_tensor(value) else value
 
 
 def _float(state: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:

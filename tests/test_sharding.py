@@ -1,17 +1,24 @@
-"""optim.sharded (ZeRO-1 over a stage's replicas) and train.weight_dtype: oracles, measured memory, refusals."""
+"""optim.sharded (ZeRO-1) and train.weight_dtype: oracles, measured memory, checkpoints, refusals.
+
+The runs share two spawns (test_precision's ``run_jobs``: one process group start-up per world size): 4 ranks
+for the d=2 x w=2 and d=4 x w=1 runs, 8 ranks for d=2 x w=4; each spawn runs once per session (a fixture).
+"""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from dist_helper import run_ok
 from reference import reference_run, reference_train
 from test_models import tied_config
 from test_precision import fp16_config, inf_gradient_layers, run_jobs
 from test_semantics import tiny_config
 
+from pipedream2bw import checkpoint
 from pipedream2bw.config import Config, ConfigError, gpt_balance, validate
 from pipedream2bw.sharding import BucketShard
+
+STEPS = 4
+FP16_SKIPPED = 2  # the batch whose stage-0 gradient is infinite on replica 1 only
 
 
 def _replicated(cfg: Config, w: int, *, sharded: bool = True) -> Config:
@@ -19,6 +26,77 @@ def _replicated(cfg: Config, w: int, *, sharded: bool = True) -> Config:
     cfg.pipeline.data_parallel, cfg.pipeline.microbatch_size = w, 4 // w
     cfg.optim.sharded = sharded
     return cfg
+
+
+def _tied_clipped(schedule: str, d: int, w: int, *, sharded: bool = True, every: int = 0, resume: str = "never"):
+    cfg = _replicated(tied_config(schedule, d, steps=STEPS), w, sharded=sharded)
+    cfg.optim.clip_grad_norm = 1e-3
+    cfg.optim.kwargs = {"momentum": 0.9, "weight_decay": 0.01}
+    cfg.train.checkpoint_every, cfg.train.resume = every, resume
+    return cfg
+
+
+def _bf16_versions(d: int, w: int, *, sharded: bool = False, every: int = 0, resume: str = "never") -> Config:
+    cfg = tiny_config(schedule="2bw", num_stages=d, num_microbatches=4, num_steps=STEPS)
+    cfg = _replicated(cfg, w, sharded=sharded)
+    cfg.train.precision, cfg.train.weight_dtype = "bf16", "compute"
+    cfg.train.checkpoint_every, cfg.train.resume = every, resume
+    return cfg
+
+
+def _adamw(w: int, *, sharded: bool, every: int = 0, resume: str = "never") -> Config:
+    cfg = _replicated(
+        tiny_config(schedule="2bw", num_stages=2, num_microbatches=4, num_steps=STEPS), w, sharded=sharded
+    )
+    cfg.optim.name, cfg.optim.kwargs = "adamw", {"weight_decay": 0.1}
+    cfg.train.checkpoint_every, cfg.train.resume = every, resume
+    return cfg
+
+
+def _fp16_composed() -> Config:
+    cfg = fp16_config(d=2, w=2, steps=STEPS)
+    cfg.train.checkpoint_every = 0
+    cfg.optim.sharded, cfg.swap.optimizer, cfg.swap.enabled, cfg.swap.min_bytes = True, "host", True, 0
+    cfg.swap.resident = 0  # stage 0 holds 2 microbatches in flight: one waits on the host
+    return cfg
+
+
+def _step(run_dir, n: int) -> str:
+    return str(run_dir / "checkpoints" / f"step_{n:08d}")
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory):
+    """One spawn of 4 ranks: {name: (run dir, summary, final weights)}."""
+    root = tmp_path_factory.mktemp("sharding4")
+    job = lambda i: root / f"job{i}"  # noqa: E731 (run_jobs's directories)
+    jobs = {
+        "2bw": _tied_clipped("2bw", 2, 2, every=2),
+        "flush": _tied_clipped("flush", 2, 2),
+        "fp16": _fp16_composed(),
+        "bf16": _bf16_versions(4, 1, every=2),
+        # a sharded d=2 x w=2 checkpoint resumed unsharded at d=4 x w=1; a bf16 one (float32 masters) at d=4
+        "2bw resumed d=4 w=1": _tied_clipped("2bw", 4, 1, sharded=False, resume=_step(job(0), 2)),
+        "bf16 resumed": _bf16_versions(4, 1, resume=_step(job(3), 2)),
+    }
+    m = jobs["fp16"].pipeline.num_microbatches
+    runs = run_jobs(root, list(jobs.values()), world_size=4, inject={2: (1, 1, FP16_SKIPPED * m + 1)}, timeout_s=300)
+    return {name: (job(i), *run) for i, (name, run) in enumerate(zip(jobs, runs))}
+
+
+@pytest.fixture(scope="module")
+def eight_ranks(tmp_path_factory, four_ranks):
+    """One spawn of 8 ranks (d=2 x w=4), after ``four_ranks`` (it resumes one of its checkpoints)."""
+    root = tmp_path_factory.mktemp("sharding8")
+    job = lambda i: root / f"job{i}"  # noqa: E731
+    jobs = {
+        "adamw": _adamw(4, sharded=False, every=2),
+        "adamw sharded": _adamw(4, sharded=True),
+        "adamw unsharded -> sharded": _adamw(4, sharded=True, resume=_step(job(0), 2)),
+        "2bw resumed w=4": _tied_clipped("2bw", 2, 4, resume=_step(four_ranks["2bw"][0], 2)),
+    }
+    runs = run_jobs(root, list(jobs.values()), world_size=8, timeout_s=300)
+    return {name: (job(i), *run) for i, (name, run) in enumerate(zip(jobs, runs))}
 
 
 def test_bucket_shards_cover_the_bucket_once():
@@ -32,33 +110,46 @@ def test_bucket_shards_cover_the_bucket_once():
             assert all(0 <= a < b <= layout.shard_numel for a, b in offsets)
 
 
-@pytest.mark.parametrize("schedule,w", [("2bw", 2), ("2bw", 4), ("flush", 2), ("flush", 4)])
-def test_sharded_tied_clipped_equals_the_reference(tmp_path, schedule, w):
-    """d=2 x w: the tied GPT with active clipping, sharded, ends on the single-process reference's weights
+@pytest.mark.parametrize("schedule", ["2bw", "flush"])
+def test_sharded_tied_clipped_equals_the_reference(four_ranks, schedule):
+    """d=2 x w=2: the tied GPT with active clipping, sharded, ends on the single-process reference's weights
     with its gradient norms (every shard counted once, the tie once)."""
-    cfg = _replicated(tied_config(schedule, 2), w)
-    cfg.optim.clip_grad_norm = 1e-3
-    cfg.optim.kwargs = {"momentum": 0.9, "weight_decay": 0.01}
-    summary = run_ok(cfg, tmp_path, timeout_s=300)
-    reference = tied_config(schedule, 1)
+    _, summary, weights = four_ranks[schedule]
+    cfg = _tied_clipped(schedule, 2, 2)
+    reference = tied_config(schedule, 1, steps=STEPS)
     reference.optim, reference.pipeline.microbatch_size = cfg.optim, 4
     expected = reference_run(reference, delayed=schedule == "2bw")
     assert min(expected.grad_norms) > cfg.optim.clip_grad_norm  # the clip is active on every step
     torch.testing.assert_close(torch.tensor(summary["grad_norms"]), torch.tensor(expected.grad_norms))
-    torch.testing.assert_close(torch.load(tmp_path / "final_model.pt"), expected.weights)
-    assert summary["ties"][0]["checked_steps"] == cfg.train.num_steps  # the tied copies stayed bit-identical
+    torch.testing.assert_close(weights, expected.weights)
+    assert summary["ties"][0]["checked_steps"] == STEPS  # the tied copies stayed bit-identical
 
 
-def test_sharded_adamw_equals_unsharded_with_a_wth_of_the_optimizer_state(tmp_path):
+def test_sharded_checkpoint_resumes_at_any_layout_and_consolidates(four_ranks, eight_ranks):
+    """A checkpoint of the sharded d=2 x w=2 run (step 2) holds each replica's pieces; resumed unsharded at
+    d=4 x w=1 and sharded at d=2 x w=4, both end on the straight run's weights and losses. An unsharded
+    AdamW checkpoint resumed sharded ends on the unsharded run's. ``consolidate`` gives the final weights."""
+    run_dir, straight, weights = four_ranks["2bw"]
+    files = sorted(p.name for p in (run_dir / "checkpoints" / "step_00000002").glob("layer_*.shard_*"))
+    assert {f.split(".shard_")[1] for f in files} == {f"rank{r:05d}.pt" for r in range(4)}, files
+    for name in ("2bw resumed d=4 w=1",):
+        _, summary, resumed = four_ranks[name]
+        torch.testing.assert_close(resumed, weights)
+        torch.testing.assert_close(torch.tensor(summary["losses"]), torch.tensor(straight["losses"]))
+    _, summary, resumed = eight_ranks["2bw resumed w=4"]
+    torch.testing.assert_close(resumed, weights)
+    assert summary["resumed_from"].endswith("step_00000002")
+    _, _, unsharded = eight_ranks["adamw"]
+    torch.testing.assert_close(eight_ranks["adamw unsharded -> sharded"][2], unsharded)
+    out = checkpoint.consolidate(run_dir)  # the step-4 checkpoint: the final weights
+    torch.testing.assert_close(torch.load(out), weights)
+
+
+def test_sharded_adamw_equals_unsharded_with_a_wth_of_the_optimizer_state(eight_ranks):
     """d=2 x w=4, AdamW under 2bw: the sharded run's weights are the unsharded run's to float32 round-off,
     and each rank measures 1/w of the unsharded run's optimizer state (within one bucket's padding)."""
-    runs = {}
-    for sharded in (False, True):
-        cfg = _replicated(tiny_config(schedule="2bw", num_stages=2, num_microbatches=4), 4, sharded=sharded)
-        cfg.optim.name, cfg.optim.kwargs = "adamw", {"weight_decay": 0.1}
-        summary = run_ok(cfg, tmp_path / str(sharded), timeout_s=300)
-        runs[sharded] = summary, torch.load(tmp_path / str(sharded) / "final_model.pt")
-    (plain, plain_weights), (sharded, sharded_weights) = runs[False], runs[True]
+    _, plain, plain_weights = eight_ranks["adamw"]
+    _, sharded, sharded_weights = eight_ranks["adamw sharded"]
     torch.testing.assert_close(sharded_weights, plain_weights)
     assert sharded["losses"] == plain["losses"]
     for a, b in zip(plain["ranks"], sharded["ranks"]):
@@ -67,21 +158,16 @@ def test_sharded_adamw_equals_unsharded_with_a_wth_of_the_optimizer_state(tmp_pa
         assert abs(b["optimizer_state_bytes"] - a["optimizer_state_bytes"] / 4) <= 512, (a, b)
 
 
-def test_sharded_fp16_skip_host_optimizer_and_swapping_equal_the_scaled_reference(tmp_path):
+def test_sharded_fp16_skip_host_optimizer_and_swapping_equal_the_scaled_reference(four_ranks):
     """d=2 x w=2 under 2bw, sharded with the shards on the host (swap.optimizer=host), activations swapped,
-    fp16 loss scaling, an inf in stage 0's gradient on replica 1 only at batch 3: every rank skips batch 3
+    fp16 loss scaling, an inf in stage 0's gradient on replica 1 only at batch 2: every rank skips batch 2
     (replica 0's shard is finite: it skips by agreement), the scales follow the scaler, and the weights
-    are the reference's that skips batch 3, at fp16's tolerance (as test_precision's unsharded run)."""
-    steps, batch = 8, 3
-    cfg = fp16_config(d=2, w=2, steps=steps)
-    cfg.train.checkpoint_every = 0
-    cfg.optim.sharded, cfg.swap.optimizer, cfg.swap.enabled, cfg.swap.min_bytes = True, "host", True, 0
-    cfg.swap.resident = 0  # stage 0 holds 2 microbatches in flight: one waits on the host
-    m = cfg.pipeline.num_microbatches
-    ((summary, weights),) = run_jobs(tmp_path, [cfg], world_size=4, inject={0: (1, 1, batch * m + 1)})
+    are the reference's that skips batch 2, at fp16's tolerance (as test_precision's unsharded run)."""
+    _, summary, weights = four_ranks["fp16"]
+    batch = FP16_SKIPPED
     assert [r["skipped_steps"] for r in summary["ranks"]] == [[batch]] * 4
     assert [(r["swap"] or {}).get("swapped_out_bytes", 0) > 0 for r in summary["ranks"]] == [True, True, False, False]
-    oracle = fp16_config(d=1, w=1, steps=steps)
+    oracle = fp16_config(d=1, w=1, steps=STEPS)
     info = {}
     expected, losses = reference_train(
         oracle,
@@ -96,44 +182,14 @@ def test_sharded_fp16_skip_host_optimizer_and_swapping_equal_the_scaled_referenc
     torch.testing.assert_close(torch.tensor(summary["losses"]), torch.tensor(losses), **fp16_close)
 
 
-def test_sharding_refuses_what_it_cannot_step_or_save():
-    cfg = _replicated(tiny_config(schedule="2bw", num_stages=2, num_microbatches=4), 2)
-    cfg.optim.target = "torch.optim.SGD"
-    with pytest.raises(ConfigError, match=r"optim.sharded \(true\) steps pieces .* optimizer; torch.optim.SGD"):
-        validate(cfg, world_size=4)
-    cfg.optim.target, cfg.train.checkpoint_every = None, 2
-    with pytest.raises(ConfigError, match=r"train.checkpoint_every \(2\) with optim.sharded"):
-        validate(cfg, world_size=4)
-    cfg.pipeline.data_parallel = 1  # nothing to shard over: accepted, and a plain run
-    validate(cfg, world_size=2)
-    cfg.train.precision, cfg.train.weight_dtype, cfg.train.checkpoint_every = "bf16", "compute", 0
-    cfg.model.tie_embeddings = True
-    with pytest.raises(ConfigError, match=r"train.weight_dtype \(compute\) with model.tie_embeddings"):
-        validate(cfg, world_size=2)
-    cfg.train.weight_dtype = "bf16"
-    with pytest.raises(ConfigError, match=r"train.weight_dtype \('bf16'\) is unknown"):
-        validate(cfg, world_size=2)
-
-
-def _bf16_versions(w: int, sharded: bool) -> Config:
-    cfg = _replicated(tiny_config(schedule="2bw", num_stages=2, num_microbatches=4, num_steps=4), w, sharded=sharded)
-    cfg.train.precision, cfg.train.weight_dtype = "bf16", "compute"
-    return cfg
-
-
-def test_bf16_weight_versions_equal_the_rounded_masters_reference(tmp_path):
-    """train.weight_dtype=compute under bf16, 2bw, d=2: the versions are bf16 roundings of float32 masters,
-    microbatch gradients summed in float32, the stages run in bf16. w=1: equal to the single-process
-    reference applying that rule; the rounding shows (far from the float32-versions reference). w=2,
-    sharded: equal to the unsharded w=2 run (both sum the replicas in another order than one process)."""
-    cfgs = [_bf16_versions(1, False), _bf16_versions(2, False), _bf16_versions(2, True)]
-    runs = [
-        run_jobs(tmp_path / f"w{c.pipeline.data_parallel}", [c], world_size=2 * c.pipeline.data_parallel)[0]
-        for c in cfgs[:1]
-    ] + run_jobs(tmp_path / "w2", cfgs[1:], world_size=4)
-    (summary, weights), (_, plain), (_, sharded) = runs
-    reference = tiny_config(schedule="2bw", num_stages=1, num_microbatches=4, num_steps=4)
-    reference.train, reference.pipeline.microbatch_size = cfgs[0].train, 4
+def test_bf16_weight_versions_equal_the_rounded_masters_reference(four_ranks):
+    """train.weight_dtype=compute under bf16, 2bw, d=4 x w=1: the versions are bf16 roundings of float32
+    masters, microbatch gradients summed in float32, the stages run in bf16: equal to the single-process
+    reference applying that rule; the rounding shows (far from the float32-versions reference). Its
+    checkpoint keeps the float32 masters: resumed from step 2, the run ends on the same weights."""
+    _, summary, weights = four_ranks["bf16"]
+    reference = tiny_config(schedule="2bw", num_stages=1, num_microbatches=4, num_steps=STEPS)
+    reference.train, reference.pipeline.microbatch_size = _bf16_versions(4, 1).train, 4
     expected = reference_run(reference, delayed=True, balance=summary["balance"])
     assert all(v.dtype == torch.bfloat16 for v in weights.values())  # the newest version, as stored
     torch.testing.assert_close(weights, {k: v.to(torch.bfloat16) for k, v in expected.weights.items()})
@@ -141,4 +197,23 @@ def test_bf16_weight_versions_equal_the_rounded_masters_reference(tmp_path):
     reference.train.weight_dtype = "fp32"
     fp32_versions = reference_run(reference, delayed=True, balance=summary["balance"])
     assert max(float((expected.weights[k] - fp32_versions.weights[k]).abs().max()) for k in weights) > 1e-3
-    torch.testing.assert_close(sharded, plain)
+    _, _, resumed = four_ranks["bf16 resumed"]
+    torch.testing.assert_close(resumed, weights, rtol=0, atol=0)
+
+
+def test_sharding_refuses_what_it_cannot_step():
+    cfg = _replicated(tiny_config(schedule="2bw", num_stages=2, num_microbatches=4), 2)
+    cfg.optim.target = "torch.optim.SGD"
+    with pytest.raises(ConfigError, match=r"optim.sharded \(true\) steps pieces .* optimizer; torch.optim.SGD"):
+        validate(cfg, world_size=4)
+    cfg.optim.target, cfg.train.checkpoint_every = None, 2  # checkpoints are written per shard
+    validate(cfg, world_size=4)
+    cfg.pipeline.data_parallel = 1  # nothing to shard over: accepted, and a plain run
+    validate(cfg, world_size=2)
+    cfg.train.precision, cfg.train.weight_dtype = "bf16", "compute"
+    cfg.model.tie_embeddings = True
+    with pytest.raises(ConfigError, match=r"train.weight_dtype \(compute\) with model.tie_embeddings"):
+        validate(cfg, world_size=2)
+    cfg.train.weight_dtype = "bf16"
+    with pytest.raises(ConfigError, match=r"train.weight_dtype \('bf16'\) is unknown"):
+        validate(cfg, world_size=2)
