@@ -21,6 +21,7 @@ The optimizer must be elementwise (SGD, Adam, AdamW, RMSprop, ...): it sees piec
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
@@ -128,11 +129,29 @@ class ShardedVersions(WeightVersions):
         ]
         module.to(weight_dtype)
         super().__init__(module, schedule=schedule, optimizer_factory=optimizer_factory, buckets=buckets)
+        # Each replica's parameters of a sharded bucket are views of one flat tensor, padded to w * S: the
+        # all-gather writes W(t+1) straight into them (no copy, no second buffer while it travels).
+        self.flat = [[self._flatten(params, layout) for layout in self.layouts] for params in self._params]
+        self._pending: Dict[int, List[Callable[[], None]]] = {}  # replica -> the waits of its all-gathers
+        self.gather_wait_s = 0.0  # time spent waiting for all-gathers (exposed: not hidden behind compute)
         if weight_dtype != torch.float32:  # before the GradReducer's hooks, which read the float32 sum
             for replica in self._params:
                 for p in replica:
                     p.main_grad = None
                     p.register_post_accumulate_grad_hook(_accumulate_in_float32)
+
+    def _flatten(self, params: Sequence[nn.Parameter], layout: BucketShard) -> Optional[torch.Tensor]:
+        """A sharded bucket's parameters moved onto one flat tensor of ``w * S`` elements (None if not sharded)."""
+        if layout.count == 1:
+            return None
+        first = params[layout.params[0]]
+        flat = torch.zeros(layout.count * layout.shard_numel, dtype=first.dtype, device=first.device)
+        start = 0
+        for i, n in zip(layout.params, layout.numels):
+            flat[start : start + n].copy_(params[i].detach().reshape(-1))
+            params[i].data = flat[start : start + n].view_as(params[i])
+            start += n
+        return flat
 
     def _initial_shard(self, layout: BucketShard, params: Sequence[nn.Parameter]) -> torch.Tensor:
         flat = torch.cat([params[i].detach().reshape(-1).float() for i in layout.params])
@@ -180,10 +199,11 @@ class ShardedVersions(WeightVersions):
         its gradient (a sharded bucket), or None (the gradient is in the parameters' ``.grad``).
         """
         t = batch_index
+        self.settle()
         src = self._params[self._replica_holding(version_of_batch(self.schedule, t))]
         dst_index = self._destination(t)
         dst = self._params[dst_index]
-        waiting: Optional[Tuple[Callable[[], None], torch.Tensor, BucketShard]] = None
+        gathers = []
         for b, (layout, optimizer) in enumerate(zip(self.layouts, self.optimizers)):
             grad = before_bucket(b)
             grad = self._shard_gradient(layout, src) if grad is None else grad
@@ -195,13 +215,30 @@ class ShardedVersions(WeightVersions):
                 master.grad = None
             for i in layout.params:
                 set_grad(src[i], None)
-            # bucket b's all-gather travels while bucket b+1 steps; one in flight at a time
-            if waiting is not None:
-                self._scatter_back(*waiting, dst)
-            waiting = self._gather(b, layout)
-        if waiting is not None:
-            self._scatter_back(*waiting, dst)
+            # bucket b's all-gather travels while bucket b+1 steps, and on until W(t+1)'s first reader
+            gathers.append(self._gather(b, layout, dst_index, dst))
+        self._pending[dst_index] = gathers
         self.holds[dst_index] = t + 1
+
+    def settle(self, replica: Optional[int] = None) -> None:
+        """Waits for the all-gathers still writing into ``replica`` (default: any)."""
+        for r in [replica] if replica is not None else list(self._pending):
+            waits = self._pending.pop(r, [])
+            start = time.perf_counter()
+            for wait in waits:
+                wait()
+            self.gather_wait_s += time.perf_counter() - start if waits else 0.0
+
+    def module_for_batch(self, batch_index: int) -> nn.Module:
+        """``WeightVersions.module_for_batch``, once the all-gathers into that replica are done: under 2bw
+        W(t+1)'s gather, started at APPLY(t), is waited here by batch t+2's first forward."""
+        index = self.replica_for_batch(batch_index)
+        self.settle(index)
+        return self.replicas[index]
+
+    def newest(self) -> nn.Module:
+        self.settle()
+        return super().newest()
 
     def _shard_gradient(self, layout: BucketShard, src: Sequence[nn.Parameter]) -> torch.Tensor:
         """This replica's shard of a bucket's gradient from the parameters (float32, on the masters' device)."""
@@ -212,28 +249,23 @@ class ShardedVersions(WeightVersions):
         out[: hi - lo].copy_(flat[lo:hi])
         return out
 
-    def _gather(self, b: int, layout: BucketShard) -> Tuple[Callable[[], None], torch.Tensor, BucketShard]:
-        """Starts putting every replica's stepped shard into one flat bucket (compute device, versions' dtype)."""
-        device = self._params[0][layout.params[0]].device
-        shard = self.shards[b].to(device, self.weight_dtype, non_blocking=True)
+    def _gather(self, b: int, layout: BucketShard, dst_index: int, dst: Sequence[nn.Parameter]) -> Callable[[], None]:
+        """Starts putting every replica's stepped shard into replica ``dst_index``'s flat bucket (a bucket
+        not sharded: its masters copied at once); returns the wait."""
+        shard = self.shards[b].to(dst[layout.params[0]].device, self.weight_dtype, non_blocking=True)
         if layout.count == 1:
-            return (lambda: None), shard, layout
+            start = 0
+            for i, n in zip(layout.params, layout.numels):
+                dst[i].view(-1).copy_(shard[start : start + n])
+                start += n
+            return lambda: None
         assert self.gather is not None, "a sharded bucket needs connect(gather) before the first step"
-        full = torch.empty(layout.count * layout.shard_numel, dtype=self.weight_dtype, device=device)
-        return self.gather(shard, full), full, layout
-
-    @staticmethod
-    def _scatter_back(wait: Callable[[], None], full: torch.Tensor, layout: BucketShard, dst) -> None:
-        """Waits for a bucket's gather and copies W(t+1) into the destination replica's parameters."""
-        wait()
-        start = 0
-        for i, n in zip(layout.params, layout.numels):
-            dst[i].view(-1).copy_(full[start : start + n])
-            start += n
+        return self.gather(shard, self.flat[dst_index][b])
 
     @torch.no_grad()
     def skip(self, batch_index: int) -> None:
         """``WeightVersions.skip``; the float32 gradient sums are dropped too (the masters hold W(t))."""
+        self.settle()
         for p in self.module_for_batch(batch_index).parameters():
             set_grad(p, None)
         super().skip(batch_index)
@@ -263,6 +295,7 @@ class ShardedVersions(WeightVersions):
         """``WeightVersions.state`` but ``optimizer`` (empty): ``shards`` holds this replica's float32
         masters and optimizer state (``shard_state``), which checkpoint.py writes per replica and
         reassembles, whole, for any (d, w) with sharding on or off."""
+        self.settle()
         newest = max(v for v in self.holds if v is not None)
         previous = None
         if self.schedule == "2bw":

@@ -71,6 +71,7 @@ class StageStats:
     grad_norms: List[Optional[float]] = field(default_factory=list)
     skipped_steps: List[int] = field(default_factory=list)  # steps skipped everywhere for a non-finite loss or gradient
     agreement_exposed_s: float = 0.0  # time APPLY waited for the step agreement: not hidden behind other work
+    allgather_exposed_s: float = 0.0  # optim.sharded: time forwards and steps waited for the weights' all-gather
     peak_stash_bytes: int = 0  # activations autograd saves for one microbatch x most microbatches in flight
     weight_bytes: int = 0  # all weight versions held
     optimizer_state_bytes: int = 0
@@ -149,6 +150,14 @@ class StageWorker:
         # optim.sharded: the reduce-scatter, the shard's step and the all-gather travel while batch t+1 runs
         sharded = reducer is not None and reducer.num_shards > 1
         self.deferred = versions.schedule == "2bw" and (agreement is not None or bool(self.exchanges) or sharded)
+        # Sharded, APPLY(t) need not wait for W(t+1)'s first use: it runs after this many compute steps past
+        # CLOSE(t) (at the same step on every replica: the stage's collectives keep one order), so that the
+        # all-gather of W(t+1) travels until batch t+2's first forward (ShardedVersions.module_for_batch).
+        # One step lets the last bucket's reduce-scatter arrive; with an agreement or a tie exchange, which
+        # complete when stage 0 closes t, 2 more per stage this one is past stage 0 (a 1F1B pair per hop).
+        self._apply_after = None
+        if sharded and self.deferred:
+            self._apply_after = 1 + (2 * stage_index if agreement is not None or self.exchanges else 0)
         self._loss_nonfinite: Dict[int, bool] = {}  # last stage: batch -> its loss was not finite
         # closed batch -> its data-parallel all-reduce, held until its APPLY: under 2bw batch t+1's last
         # backward arms the reducer again before a deferred APPLY(t) (one rule for every deferring feature)
@@ -398,7 +407,8 @@ class StageWorker:
     def _defers(self, t: int) -> bool:
         """Whether APPLY(t) may wait (``agreement.apply_due``): under 2bw with an agreement, unless batch
         t+1 runs on the same weights (the first batch: W(-1) = W(0)) and would add its gradients to t's."""
-        return self.deferred and self.versions.module_for_batch(t + 1) is not self.versions.module_for_batch(t)
+        v = self.versions
+        return self.deferred and v.replica_for_batch(t + 1) != v.replica_for_batch(t)
 
     def _agreed(self, t: int) -> StepOutcome:
         start = time.perf_counter()
@@ -435,7 +445,10 @@ class StageWorker:
         Raises:
             NonFiniteError: naming the step and this stage.
         """
-        if not math.isfinite(float(agreement.sq_norm(list(self.versions.newest().parameters())))):
+        # sharded: each replica checks its float32 shards (the newest version may still be gathering)
+        sharded = isinstance(self.versions, ShardedVersions)
+        params = self.versions.shards if sharded else list(self.versions.newest().parameters())
+        if not math.isfinite(float(agreement.sq_norm(params))):
             raise NonFiniteError(agreement.stop_message(f"non-finite gradient at step {t} on stage {self.stage_index}"))
 
     def _traced_wait(self, t: int, reduction: BatchReduction) -> Callable[[int], None]:
@@ -466,11 +479,13 @@ class StageWorker:
         """
         self.stats.start_time = time.perf_counter()
         pending = None  # a closed batch whose APPLY is deferred (2bw with an agreement)
+        early = None  # optim.sharded: the position of the step before which the pending APPLY runs, if not due sooner
         at, what = 0, None  # the action running (its position), or what else runs there: for the log of a failure
         try:
-            for step in steps(actions):
+            for k, step in enumerate(steps(actions)):
                 a = step.compute
-                if pending is not None and agreement.apply_due(a, pending, num_microbatches=self.m):
+                due = pending is not None and (early is not None and k >= early)
+                if pending is not None and (due or agreement.apply_due(a, pending, num_microbatches=self.m)):
                     at, what = step.start, f"the deferred APPLY({pending}) due before the step of {a}"
                     self.apply(pending)
                     self._hook(on_step, pending)
@@ -481,6 +496,7 @@ class StageWorker:
                     self._hook(on_close, a.index)
                     if self._defers(a.index):
                         pending = a.index
+                        early = k + 1 + self._apply_after if self._apply_after is not None else None
                     else:
                         self.apply(a.index, since=since)
                         self._hook(on_step, a.index)
@@ -516,6 +532,7 @@ class StageWorker:
                 render_steps(actions, mark=at if what is None else None, context=_LOG_CONTEXT_STEPS),
             )
             raise
+        self.stats.allgather_exposed_s = getattr(self.versions, "gather_wait_s", 0.0)
         if self.trace is not None:
             self.stats.trace = {"spans": self.trace.spans, "window": self.trace.window}
         if self.swap is not None:

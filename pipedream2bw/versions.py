@@ -152,9 +152,13 @@ class WeightVersions:
         assert version in self.holds, f"W({version}) is not alive; live versions: {self.holds}"
         return self.holds.index(version)
 
+    def replica_for_batch(self, batch_index: int) -> int:
+        """The index of the replica holding the version that batch ``batch_index`` uses."""
+        return self._replica_holding(version_of_batch(self.schedule, batch_index))
+
     def module_for_batch(self, batch_index: int) -> nn.Module:
         """The replica holding the version that batch ``batch_index`` uses."""
-        return self.replicas[self._replica_holding(version_of_batch(self.schedule, batch_index))]
+        return self.replicas[self.replica_for_batch(batch_index)]
 
     def newest(self) -> nn.Module:
         """The replica holding the newest version (what a checkpoint or export saves)."""

@@ -6,6 +6,8 @@ for the d=2 x w=2 and d=4 x w=1 runs, 8 ranks for d=2 x w=4; each spawn runs onc
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from reference import reference_run, reference_train
@@ -15,7 +17,8 @@ from test_semantics import tiny_config
 
 from pipedream2bw import checkpoint
 from pipedream2bw.config import Config, ConfigError, gpt_balance, validate
-from pipedream2bw.sharding import BucketShard
+from pipedream2bw.sharding import BucketShard, ShardedVersions
+from pipedream2bw.versions import WeightVersions
 
 STEPS = 4
 FP16_SKIPPED = 2  # the batch whose stage-0 gradient is infinite on replica 1 only
@@ -108,6 +111,61 @@ def test_bucket_shards_cover_the_bucket_once():
         for layout in layouts:  # pieces sit in the shard in flat order, within its S elements
             offsets = [(p.offset, p.offset + p.stop - p.start) for p in layout.pieces()]
             assert all(0 <= a < b <= layout.shard_numel for a, b in offsets)
+
+
+@pytest.mark.parametrize("schedule", ["2bw", "flush"])
+def test_the_all_gather_lands_before_the_first_reader_and_not_before(schedule):
+    """Two replicas' ShardedVersions in one process, their all-gather a stand-in that writes only when
+    waited: after APPLY(t) nothing is written yet (the gather is in flight), and the replica batch t+2
+    (2bw; flush: t+1) reads holds the unsharded step's W(t+1), bucket by bucket."""
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))  # 23 elements, 2 buckets
+    buckets = [[0, 1], [2, 3]]
+    sgd = lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9)  # noqa: E731
+    plain = WeightVersions(copy.deepcopy(module), schedule=schedule, optimizer_factory=sgd, buckets=buckets)
+    shards = [
+        ShardedVersions(
+            copy.deepcopy(module),
+            schedule=schedule,
+            optimizer_factory=sgd,
+            buckets=buckets,
+            num_sharded=2,
+            shard_index=r,
+            num_shards=2,
+        )
+        for r in range(2)
+    ]
+    in_flight = []
+    for v in shards:  # writes every replica's stepped shard of bucket b into ``full``, once waited
+        v.connect(lambda shard, full: in_flight.append(full) or (lambda full=full: _gather_now(shards, full)))
+    reads = 2 if schedule == "2bw" else 1
+    for t in range(4):
+        grads = [torch.randn_like(p) for p in module.parameters()]
+        for p, g in zip(plain.module_for_batch(t).parameters(), grads):
+            p.grad = g.clone()
+        plain.step(t, grad_scale=0.5)
+        for r, v in enumerate(shards):
+            flat = [torch.cat([grads[i].reshape(-1) for i in b]) for b in buckets]
+            v.step(t, grad_scale=0.5, before_bucket=lambda b, r=r, flat=flat: _shard_of(flat[b], r, 2))
+        assert len(in_flight) == 4 and all(v._pending for v in shards)  # each replica: a gather per bucket, unwaited
+        for v in shards:
+            torch.testing.assert_close(
+                list(v.module_for_batch(t + reads).parameters()), list(plain.module_for_batch(t + reads).parameters())
+            )
+        in_flight.clear()
+
+
+def _shard_of(flat: torch.Tensor, r: int, w: int) -> torch.Tensor:
+    size = -(-flat.numel() // w)
+    padded = torch.zeros(size * w)
+    padded[: flat.numel()] = flat
+    return padded[r * size : (r + 1) * size].clone()
+
+
+def _gather_now(shards, full: torch.Tensor) -> None:
+    """The stand-in all-gather's write: the bucket whose flat storage is ``full``, from every replica's shard."""
+    b = next(b for v in shards for row in v.flat for b, f in enumerate(row) if f is full)
+    full.copy_(torch.cat([v.shards[b] for v in shards]))
 
 
 @pytest.mark.parametrize("schedule", ["2bw", "flush"])
