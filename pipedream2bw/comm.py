@@ -590,6 +590,7 @@ class ShardedReduction(BatchReduction):
     gradients are freed as each bucket starts. ``wait(b)`` returns this replica's summed shard."""
 
     def _start(self, b: int) -> None:
+        self.release_done()
         r = self.reducer
         params = r.replicas[self.replica_index]
         grads = [
@@ -601,22 +602,45 @@ class ShardedReduction(BatchReduction):
         torch.cat([g.reshape(-1).float() for g in grads], out=flat[:numel])
         for i in r.buckets[b]:  # the flat copy is the gradient now; only this replica's shard of it is kept
             set_grad(params[i], None)
-        out = torch.empty(shard, dtype=torch.float32, device=flat.device)
-        work = dist.reduce_scatter_tensor(out, flat, group=r.group, async_op=True)
+        if self._gloo:  # gloo's reduce-scatter all-reduces a clone of the whole input: all-reduce it in place
+            out, work = None, dist.all_reduce(flat, group=r.group, async_op=True)
+        else:
+            out = torch.empty(shard, dtype=torch.float32, device=flat.device)
+            work = dist.reduce_scatter_tensor(out, flat, group=r.group, async_op=True)
         self._started.append((work, out))
         self._inputs.append(flat)  # kept alive until the collective is done
         r.num_collectives += 1
 
     def __init__(self, reducer: "GradReducer", replica_index: int):
         super().__init__(reducer, replica_index)
-        self._inputs: List[torch.Tensor] = []
+        self._inputs: List[Optional[torch.Tensor]] = []
+        self._gloo = dist.get_backend(reducer.group) == "gloo"
+        self._shard_index = dist.get_rank(reducer.group)  # group ranks are sorted global ranks, as the shards
+
+    def release_done(self) -> None:
+        """Frees the flat inputs of the reductions already done: under 2bw APPLY(t), which waits for
+        them, comes after batch t+1's first backwards, whose gradients would otherwise meet them all."""
+        for k, (work, _) in enumerate(self._started):
+            if self._inputs[k] is not None and work is not None and work.is_completed():
+                self._keep_shard(k)
+
+    def _keep_shard(self, b: int) -> None:
+        """Bucket ``b``'s collective is done: keeps this replica's summed shard, frees the flat input."""
+        work, out = self._started[b]
+        if out is None:  # gloo: the whole bucket was summed in place
+            size = self._inputs[b].numel() // self.reducer.num_shards
+            out = self._inputs[b][self._shard_index * size : (self._shard_index + 1) * size].clone()
+        self._started[b], self._inputs[b] = (None, out), None  # the work may hold the input too
+        self._done.add(b)
 
     def wait(self, b: int) -> Optional[torch.Tensor]:  # type: ignore[override]
         """Blocks until bucket ``b``'s shard is summed across replicas; returns it (float32, shard-sized)."""
-        out = self._wait(b)
-        if out is not None and b < len(self._inputs):
-            self._inputs[b] = None  # the full flat gradient is no longer needed
-        return out
+        if b >= len(self.reducer.buckets):
+            return None
+        self._wait(b)
+        if self._inputs[b] is not None:
+            self._keep_shard(b)
+        return self._started[b][1]
 
 
 def all_gather_async(ctx: DistContext, shard: torch.Tensor, full: torch.Tensor, *, group: Any):

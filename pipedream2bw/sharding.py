@@ -206,10 +206,14 @@ class ShardedVersions(WeightVersions):
         gathers = []
         for b, (layout, optimizer) in enumerate(zip(self.layouts, self.optimizers)):
             grad = before_bucket(b)
-            grad = self._shard_gradient(layout, src) if grad is None else grad
-            grad.mul_(grad_scale)
+            if grad is not None:  # a sharded bucket: this replica's summed shard of its gradient
+                grad.mul_(grad_scale)
             for master, piece in zip(self.pieces[b], layout.pieces()):
-                master.grad = grad[piece.offset : piece.offset + piece.stop - piece.start].view_as(master)
+                master.grad = (
+                    grad[piece.offset : piece.offset + piece.stop - piece.start].view_as(master)
+                    if grad is not None
+                    else self._whole_gradient(src[piece.param], master, grad_scale)
+                )
             optimizer.step()
             for master in self.pieces[b]:
                 master.grad = None
@@ -240,14 +244,14 @@ class ShardedVersions(WeightVersions):
         self.settle()
         return super().newest()
 
-    def _shard_gradient(self, layout: BucketShard, src: Sequence[nn.Parameter]) -> torch.Tensor:
-        """This replica's shard of a bucket's gradient from the parameters (float32, on the masters' device)."""
-        grads = [grad_of(src[i]) if grad_of(src[i]) is not None else torch.zeros_like(src[i]) for i in layout.params]
-        flat = torch.cat([g.reshape(-1).float() for g in grads])
-        lo, hi = layout.bounds()
-        out = torch.zeros(layout.shard_numel, dtype=torch.float32, device=self.master_device)
-        out[: hi - lo].copy_(flat[lo:hi])
-        return out
+    @staticmethod
+    def _whole_gradient(param: nn.Parameter, master: nn.Parameter, grad_scale: float) -> Optional[torch.Tensor]:
+        """A bucket not sharded: the parameter's own float32 gradient, scaled in place (no flat copy: the
+        step's peak holds no second gradient); None (no step, as unsharded) if it got none."""
+        grad = grad_of(param)
+        if grad is None:
+            return None
+        return grad.float().mul_(grad_scale).reshape(master.shape).to(master.device)
 
     def _gather(self, b: int, layout: BucketShard, dst_index: int, dst: Sequence[nn.Parameter]) -> Callable[[], None]:
         """Starts putting every replica's stepped shard into replica ``dst_index``'s flat bucket (a bucket

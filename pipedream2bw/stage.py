@@ -16,7 +16,7 @@ import torch.utils._pytree as pytree
 from pipedream2bw import agreement
 from pipedream2bw.agreement import NonFiniteError, StepDecision, StepOutcome, StepRule
 from pipedream2bw.boundary import Channel, from_wire, to_wire
-from pipedream2bw.comm import P2P, AsyncSum, BatchReduction, GradReducer
+from pipedream2bw.comm import P2P, AsyncSum, BatchReduction, GradReducer, ShardedReduction
 from pipedream2bw.data import MicrobatchFeed
 from pipedream2bw.memprobe import SavedBytes
 from pipedream2bw.precision import autocast, compute_dtype
@@ -252,6 +252,9 @@ class StageWorker:
         gradient, and the reducer is armed for the batch's last backward (it reduces as backward goes)."""
         if self.swap is not None:
             self.swap.begin_backward(k)
+        for reduction in self._reductions.values():  # sharded: reduce-scatter inputs done with, freed here
+            if isinstance(reduction, ShardedReduction):
+                reduction.release_done()
         if self.reducer is not None and (k + 1) % self.m == 0:
             self.reducer.arm(self.versions.replicas.index(self.versions.module_for_batch(k // self.m)))
 
