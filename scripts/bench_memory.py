@@ -179,6 +179,9 @@ def memory_table(args) -> None:
             rows.append((j, max(r["peak_bytes"] for r in ranks), ranks[0]["params"]))
         print(f"  w={w}: {len(jobs)} runs done", flush=True)
     kind = "CUDA max allocated" if torch.cuda.is_available() else "peak tensor bytes (torch.profiler)"
+    if args.json:
+        records = [{**j, "peak_bytes": peak, "params": params} for j, peak, params in rows]
+        Path(args.json).write_text(json.dumps({"memory_kind": kind, "rows": records}, indent=1) + "\n")
     print(f"\nmeasured: {kind} per rank (largest over the ranks); predicted: precision.param_memory (AdamW)")
     header = "| schedule | precision | weight_dtype | sharded | w | measured B/param | predicted B/param | fall measured | fall predicted |"  # noqa: E501
     print(header)
@@ -267,6 +270,7 @@ def main() -> None:
         help="pipeline.bucket_mb: 1/15 of the tiny GPT's 1.8 MB, so that the collectives' temporaries (per bucket: "
         "gloo's copies) are a small part of a stage, as the default 25 MB is of a large one",
     )
+    parser.add_argument("--json", default=None, help="memory table: also write its rows to this file")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--memory", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--jobs", help=argparse.SUPPRESS)
