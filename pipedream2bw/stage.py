@@ -165,6 +165,9 @@ class StageWorker:
         # Under 2bw, APPLY(t) may wait for W(t+1)'s first use; elsewhere the flush comes first anyway.
         self.deferred = versions.schedule == "2bw" and (agreement is not None or bool(self.exchanges))
         self._loss_nonfinite: Dict[int, bool] = {}  # last stage: batch -> its loss was not finite
+        # rank 0 as a last stage: batch -> its own loss, until APPLY(t) logs it (a deferred APPLY(t) runs after
+        # batch t+1's forwards, which report that batch's loss)
+        self._own_losses: Dict[int, float] = {}
         # closed batch -> its data-parallel all-reduce, held until its APPLY: under 2bw batch t+1's last
         # backward arms the reducer again before a deferred APPLY(t) (one rule for every deferring feature)
         self._reductions: Dict[int, BatchReduction] = {}
@@ -326,7 +329,7 @@ class StageWorker:
             )
         self._loss_nonfinite[t] = not finite
         if self.peers.loss_sources:
-            self._own_loss = float(loss)
+            self._own_losses[t] = float(loss)
         else:
             self.p2p.send_loss(loss)
 
@@ -400,7 +403,7 @@ class StageWorker:
         if self.peers.loss_sources:  # rank 0: the batch loss is the mean over the replicas' last stages
             start = time.perf_counter()
             losses = [
-                self._own_loss if r == self.p2p.ctx.rank else self.p2p.recv_loss(peer=r)
+                self._own_losses.pop(t) if r == self.p2p.ctx.rank else self.p2p.recv_loss(peer=r)
                 for r in self.peers.loss_sources
             ]
             self.stats.losses.append(sum(losses) / len(losses))
