@@ -4,4 +4,4 @@ import multiprocessing
 
 # Ranks fork from a server that has torch and the package imported once (fast start, no
 # fork of the pytest process's threads).
-multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "pipedream2bw.runner", "dist_helper"])
+multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "pipedream2bw.runner", "dist_helper", "matrix"])
