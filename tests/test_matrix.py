@@ -28,6 +28,7 @@ from matrix import (
     error_line,
     feasible,
     poisoned_layers,
+    refusal,
     uncovered,
 )
 from reference import Reference, reference_eval, reference_run
@@ -188,13 +189,19 @@ def test_arrays_cover_every_feasible_combination(strength, cells):
     assert covering_array(strength) == cells
 
 
-@pytest.mark.parametrize("rule", REFUSED, ids=[r[2][:40] for r in REFUSED])
-def test_refused_combinations_fail_at_config_time_with_their_reason(rule):
-    """Each refused combination: validate() (which every rank runs before any process group starts)
-    raises a ConfigError naming it; the generator leaves it out of the arrays."""
-    keys, applies, pattern, _, example = rule
-    cell = Cell(**{**dataclasses.asdict(PAIRWISE[0]), **example})
-    assert applies(dataclasses.asdict(cell)) and not feasible(dataclasses.asdict(cell))
+def test_refused_combinations_fail_at_config_time_with_their_reason():
+    """Each REFUSED combination, and 2bw with m < d (which the cells avoid by construction: m = 8 / w):
+    validate(), which every rank runs before any process group starts, raises a ConfigError naming the
+    values; the generator leaves refused combinations out of the arrays."""
+    cell = next(c for c in PAIRWISE if c.schedule == "2bw" and c.d == 4)
     cfg = cell_config(cell)
-    with pytest.raises(ConfigError, match=pattern):
-        validate(cfg, world_size=cell.world_size, num_layers=None if cell.structured is False else 5)
+    cfg.pipeline.num_microbatches = 2
+    cases = [(cell, cfg, r"pipeline.num_microbatches \(2\) must be >= pipeline.num_stages \(4\) for 2bw")]
+    for _, applies, pattern, _, example in REFUSED:
+        refused = Cell(**{**dataclasses.asdict(PAIRWISE[0]), **example})
+        assert applies(dataclasses.asdict(refused)) and not feasible(dataclasses.asdict(refused))
+        assert all(refusal(c) is None for c in PAIRWISE + THREE_WISE)
+        cases.append((refused, cell_config(refused), pattern))
+    for c, cfg, pattern in cases:
+        with pytest.raises(ConfigError, match=pattern):
+            validate(cfg, world_size=c.world_size, num_layers=5 if c.structured else None)
