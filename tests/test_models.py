@@ -7,9 +7,11 @@ import os
 import subprocess
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from custom_models import tuple_layers
 from dist_helper import run_ok
 from reference import reference_run, reference_train
 from test_semantics import assert_losses_close, tiny_config
@@ -221,6 +223,29 @@ def test_bad_models_fail_before_any_group_starts(tmp_path, target, message):
     cfg.model = LayerListConfig(target=target)
     with pytest.raises(ConfigError, match=message):
         run(cfg, tmp_path)
+    assert not dist.is_initialized()
+
+
+def test_a_custom_models_vocabulary_is_read_from_its_layers_and_checked_before_any_group_starts(tmp_path):
+    # Regression (custom-model vocabularies): a layer list had no vocabulary, so a token id over its
+    # embedding's rows trained until a window held it, then ended in a bare IndexError on stage 0.
+    ids = np.arange(400, dtype=np.uint16) % 200
+    ids[50] = 300
+    ids.tofile(tmp_path / "tokens.bin")
+    cfg = tiny_config(schedule="2bw", num_stages=1, num_microbatches=2)  # one rank: refused before any group
+    cfg.model = LayerListConfig(target="custom_models.tuple_layers", kwargs={"width": 8}, seq_len=8)
+    cfg.data.path = str(tmp_path / "tokens.bin")
+    over = r"holds token id 300 \(first id >= 256 at position 50\), but the vocabulary of the model's layers"
+    with pytest.raises(ConfigError, match=over + r".* build the model's embedding and head for 301 or more ids"):
+        run(cfg, tmp_path)  # a factory: Embed's nn.Embedding(256) and Head's nn.Linear(8, 256)
+    with pytest.raises(ConfigError, match=over):
+        run(cfg, tmp_path, layers=tuple_layers(width=8, seed=0))  # the Python API's layers
+    cfg.model.vocab_size = 1000
+    with pytest.raises(ConfigError, match=r"model.vocab_size \(1000\) is more than the model's layers take \(256"):
+        run(cfg, tmp_path)
+    cfg.model.vocab_size = None
+    with pytest.raises(ConfigError, match=r"the model's vocabulary is unknown .* set model.vocab_size"):
+        run(cfg, tmp_path, layers=[nn.Linear(8, 8), nn.Linear(8, 8)], loss_fn=lambda out, y: out.mean())
     assert not dist.is_initialized()
 
 
