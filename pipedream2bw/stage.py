@@ -306,12 +306,10 @@ class StageWorker:
             exchange.start(t)
         if self.agreement is not None:
             self._wait_reducer(t)  # the norm needs the gradients averaged across replicas
-            excluded = set()
-            if self.rule.clip_grad_norm is not None:
-                # The norm needs the summed gradients of weights tied across stages, each counted
-                # once (on its first holder): here the exchange is waited at CLOSE, not deferred.
-                self._finish_exchanges(t)
-                excluded = {i for exchange in self.exchanges for i in getattr(exchange, "norm_excluded", ())}
+            # The norm (clipped by, or logged as the global norm) needs the summed gradients of weights
+            # tied across stages, each counted once (on its first holder): the exchange is waited here.
+            self._finish_exchanges(t)
+            excluded = {i for exchange in self.exchanges for i in getattr(exchange, "norm_excluded", ())}
             params = [p for i, p in enumerate(self.versions.module_for_batch(t).parameters()) if i not in excluded]
             scale = self.grad_scale * self.rule.unscale(t)
             sq = agreement.sq_norm([p.grad for p in params if p.grad is not None]) * scale**2
