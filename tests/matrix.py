@@ -59,7 +59,8 @@ RESUME_STEP = 3
 SKIP_BATCH = 3  # the first batch a resumed run trains: the skip meets the state the resume restored
 EVAL_EVERY = 2  # validation after steps 2, 4 and 6
 GLOBAL_BATCH = 8  # sequences per batch: w * m * b with b = 1, so m = 8 / w >= d at every layout
-CLIP = 0.05  # below every step's gradient norm of these models (about 0.3 .. 1.5): clipping acts on every step
+CLIP = 0.5  # below every step's gradient norm of these models (0.7 .. 15): clipping acts on every step,
+# and steps stay large enough for the 2BW delay to show above bf16's tolerance
 WIDTH, SEQ_LEN = 16, 8
 POISONED_LAYER = 1  # the first block (GPT) or mixing layer (structured): on stage 0 whenever d > 1
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import time
 
 import pytest
@@ -100,7 +101,7 @@ def check_cell(cell: Cell, runs) -> None:
         **(tol or dict(rtol=1e-5, atol=1e-6)),
     )
     if cell.clip:
-        assert min(ref.grad_norms) > CLIP  # clipping acted on every step
+        assert all(n > CLIP for n in ref.grad_norms if math.isfinite(n))  # clipping acted on every step
     if cell.precision == "fp16":
         assert summary["loss_scale"]["per_step"] == ref.loss_scales[summary["first_step"] :]  # this run's steps
     if cell.validation:
