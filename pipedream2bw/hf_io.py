@@ -1,4 +1,4 @@
-"""Hugging Face checkpoints in and out: a save_pretrained directory read per layer, sharded safetensors written per stage.
+"""Hugging Face checkpoints in and out: save_pretrained directories read per layer, safetensors written per stage.
 
 In: ``check_pretrained`` compares the tensor names, shapes and dtypes in the safetensors headers
 (a few KiB read per file) with the layer list, before any process group starts;
@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from pipedream2bw.errors import ConfigError
-from pipedream2bw.fileio import atomic_rename, atomic_write_json, fsync_dir
+from pipedream2bw.fileio import atomic_rename, atomic_write, atomic_write_json, fsync_dir
 from pipedream2bw.models.hf import HFModel, tie
 
 log = logging.getLogger(__name__)
@@ -36,6 +36,18 @@ log = logging.getLogger(__name__)
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 SAFE_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}
+COMPANIONS = (
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+)
+"""Files of a pretrained directory an export carries over unchanged (what generation and tokenization read)."""
 MASTER_DTYPE = torch.float32  # stages keep float32 master weights; train.precision sets the compute dtype
 
 
@@ -74,7 +86,11 @@ class PretrainedDir:
             other = sorted(p.name for p in self.path.glob("*.bin")) + sorted(p.name for p in self.path.glob("*.pt"))
             raise ConfigError(
                 f"model.pretrained ({self.path}) holds neither {SINGLE} nor {INDEX}"
-                + (f" (it has {other[:3]}: re-save with save_pretrained(..., safe_serialization=True))" if other else "")
+                + (
+                    f" (it has {other[:3]}: re-save with save_pretrained(..., safe_serialization=True))"
+                    if other
+                    else ""
+                )
             )
         files = sorted(set(weight_map.values())) if weight_map is not None else [SINGLE]
         missing = [f for f in files if not (self.path / f).is_file()]
@@ -136,7 +152,8 @@ def check_pretrained(pdir: PretrainedDir, hf: HFModel, expected: Mapping[str, Se
     )
     if problems:
         raise ConfigError(
-            f"model.pretrained ({pdir.path}) does not fit its config.json's {hf.model_type} model: {'; '.join(problems)}. "
+            f"model.pretrained ({pdir.path}) does not fit its config.json's {hf.model_type} model: "
+            f"{'; '.join(problems)}. "
             "Is config.json the one saved with these weights? (A quantized or adapter checkpoint is not loaded.)"
         )
     if tied_head in have:
@@ -200,14 +217,27 @@ def write_shard(directory: Path, file: str, tensors: Mapping[str, torch.Tensor])
         os.fsync(f.fileno())
     os.replace(tmp, directory / file)
     fsync_dir(directory)
-    return {"file": file, "names": sorted(tensors), "bytes": sum(v.numel() * v.element_size() for v in tensors.values())}
+    return {
+        "file": file,
+        "names": sorted(tensors),
+        "bytes": sum(v.numel() * v.element_size() for v in tensors.values()),
+    }
 
 
-def finish(partial: Path, out: Path, parts: Sequence[Mapping[str, Any]], *, config: Optional[Dict[str, Any]]) -> Path:
-    """Completes an output: the index (and ``config.json``) into ``partial``, stale files out, then
-    the rename to ``out``; an existing ``out`` is kept as ``<out>.replaced-<time>``."""
+def finish(
+    partial: Path,
+    out: Path,
+    parts: Sequence[Mapping[str, Any]],
+    *,
+    config: Optional[Dict[str, Any]],
+    source_dir: Optional[str] = None,
+) -> Path:
+    """Completes an output: the index (and ``config.json``; the tokenizer and generation config files of
+    ``source_dir``, the pretrained directory) into ``partial``, stale files out, then the rename to
+    ``out``; an existing ``out`` is kept as ``<out>.replaced-<time>``."""
     weight_map = {name: p["file"] for p in parts for name in p["names"]}
-    keep = {p["file"] for p in parts} | {INDEX, "config.json"}
+    companions = [Path(source_dir) / f for f in COMPANIONS if source_dir and (Path(source_dir) / f).is_file()]
+    keep = {p["file"] for p in parts} | {INDEX, "config.json"} | {f.name for f in companions}
     for stale in partial.iterdir():  # from an attempt at another layout that crashed
         if stale.name not in keep:
             shutil.rmtree(stale) if stale.is_dir() else stale.unlink()
@@ -215,6 +245,8 @@ def finish(partial: Path, out: Path, parts: Sequence[Mapping[str, Any]], *, conf
     atomic_write_json(partial / INDEX, index)
     if config is not None:
         atomic_write_json(partial / "config.json", config)
+    for file in companions:
+        atomic_write(partial / file.name, file.read_bytes())
     out = Path(out)
     if out.exists():
         aside = out.with_name(f"{out.name}.replaced-{int(time.time())}")
@@ -237,6 +269,7 @@ def write_sharded(
     timeout_s: float,
     key: str,
     config: Optional[Dict[str, Any]] = None,
+    source_dir: Optional[str] = None,
 ) -> Optional[Path]:
     """One rank's part of writing a sharded safetensors directory ``out`` across ranks.
 
@@ -246,6 +279,7 @@ def write_sharded(
         writers: the ranks that write a shard (replica 0 of each stage); rank 0 completes ``out``.
         post / read: the rendezvous board (``comm.Board``); ``key`` names this output on it.
         config: ``config.json``'s content, for a Hugging Face export.
+        source_dir: the pretrained directory, whose tokenizer files go along (``finish``).
 
     Returns:
         ``out`` on rank 0, once complete; None elsewhere.
@@ -267,7 +301,7 @@ def write_sharded(
     errors = [f"rank {r}: {p['error']}" for r, p in zip(writers, parts) if "error" in p]
     if errors:
         raise RuntimeError(f"writing {out} failed: {'; '.join(errors)}")
-    out = finish(partial, Path(out), parts, config=config)
+    out = finish(partial, Path(out), parts, config=config, source_dir=source_dir)
     log.info("wrote %s (%d shards, %.1f MiB)", out, len(parts), sum(p["bytes"] for p in parts) / 2**20)
     return out
 
@@ -310,4 +344,4 @@ def export_checkpoint(path: Path, out: Path) -> Path:
             state.update(layer["weights"])
         parts.append(write_shard(partial, shard_name(s, len(balance)), to_hf_shard(hf, state, aliases)))
         del state
-    return finish(partial, Path(out), parts, config=hf.export_config)
+    return finish(partial, Path(out), parts, config=hf.export_config, source_dir=hf.source_dir)

@@ -1085,7 +1085,14 @@ def _write_final(
         hf = model.source.hf if model.source is not None else None
         assert hf is not None, "run() refuses train.export_hf without model=hf"
         mine = None if state is None else hf_io.to_hf_shard(hf, state, aliases)
-        hf_io.write_sharded(Path(train.export_hf), mine, key="final/export_hf", config=hf.export_config, **common)
+        hf_io.write_sharded(
+            Path(train.export_hf),
+            mine,
+            key="final/export_hf",
+            config=hf.export_config,
+            source_dir=hf.source_dir,
+            **common,
+        )
 
 
 def _precision_record(rt: RankPlan, optim: OptimConfig, rule: StepRule, stats: StageStats) -> Dict[str, Any]:

@@ -1,4 +1,4 @@
-"""model=hf: transformers' Llama family and GPT-2 as layer lists; pretrained directories in, Hugging Face exports out."""
+"""model=hf: transformers' Llama family and GPT-2 as layer lists; pretrained directories in, exports out."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from dist_helper import run_ok
-from hf_models import VOCAB, Frozen, read_dir, save_tiny
+from hf_models import Frozen, read_dir, save_tiny
 
 from pipedream2bw.config import (
     Config,

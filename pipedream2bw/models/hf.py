@@ -38,10 +38,20 @@ log = logging.getLogger(__name__)
 LLAMA_FAMILY = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}
 """model_type -> class prefix in ``transformers.models.<model_type>.modeling_<model_type>``."""
 MODEL_TYPES = (*LLAMA_FAMILY, "gpt2")
-DROPOUT_KEYS = ("attention_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop", "hidden_dropout", "summary_first_dropout")
+DROPOUT_KEYS = (
+    "attention_dropout",
+    "resid_pdrop",
+    "embd_pdrop",
+    "attn_pdrop",
+    "hidden_dropout",
+    "summary_first_dropout",
+)
 EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Tensors some checkpoints carry that no model parameter holds (old transformers saved them as buffers).
-_IGNORED = {"gpt2": (r"\.attn\.bias$", r"\.attn\.masked_bias$", r"\.crossattention\."), "*": (r"rotary_emb\.inv_freq$",)}
+_IGNORED = {
+    "gpt2": (r"\.attn\.bias$", r"\.attn\.masked_bias$", r"\.crossattention\."),
+    "*": (r"rotary_emb\.inv_freq$",),
+}
 
 
 def _transformers():
@@ -91,6 +101,7 @@ class HFModel:
     export_config: Dict[str, Any]  # config.json of an export: the model's own config
     seq_len: int
     export_dtype: torch.dtype
+    source_dir: Optional[str] = None  # model.pretrained: its tokenizer and generation config go with an export
 
     @property
     def model_type(self) -> str:
@@ -110,22 +121,22 @@ class HFModel:
 
     def _prefixes(self, index: int) -> List[Tuple[str, str]]:
         """(local prefix in layer ``index``, Hugging Face prefix) pairs of that layer's tensors."""
-        base = "transformer." if self.model_type == "gpt2" else "model."
+        gpt2 = self.model_type == "gpt2"
         n = self.num_blocks
         if index == 0:
-            return [("wte.", base + "wte."), ("wpe.", base + "wpe.")] if base == "transformer." else [
-                ("embed_tokens.", base + "embed_tokens.")
-            ]
+            return [("wte.", "transformer.wte."), ("wpe.", "transformer.wpe.")] if gpt2 else [
+                ("embed_tokens.", "model.embed_tokens.")
+            ]  # fmt: skip
         if index <= n:
-            return [("block." if base == "transformer." else "layer.", f"{base}{'h' if base == 'transformer.' else 'layers'}.{index - 1}.")]
+            return [("block.", f"transformer.h.{index - 1}.")] if gpt2 else [("layer.", f"model.layers.{index - 1}.")]
         if index == n + 1:
-            return [("", base + ("ln_f." if base == "transformer." else "norm."))]
+            return [("", "transformer.ln_f." if gpt2 else "model.norm.")]
         if index == n + 2:
             return [("", "lm_head.")]
         raise IndexError(f"layer {index} of a {self.num_layers}-layer list")
 
     def to_hf(self, name: str) -> str:
-        """Layer-list name -> Hugging Face name: ``"1.layer.mlp.up_proj.weight"`` -> ``"model.layers.0.mlp.up_proj.weight"``."""
+        """Layer-list name -> Hugging Face name: ``"1.layer.mlp.up.weight"`` -> ``"model.layers.0.mlp.up.weight"``."""
         index, local = name.split(".", 1)
         for ours, theirs in self._prefixes(int(index)):
             if local.startswith(ours):
@@ -147,14 +158,21 @@ class HFModel:
 
     def manifest(self) -> Dict[str, Any]:
         """What a checkpoint records to export itself later (``python -m pipedream2bw.checkpoint export-hf``)."""
-        return {"config": self.export_config, "seq_len": self.seq_len, "export_dtype": str(self.export_dtype)[6:]}
+        return {
+            "config": self.export_config,
+            "seq_len": self.seq_len,
+            "export_dtype": str(self.export_dtype)[6:],
+            "source_dir": self.source_dir,
+        }
 
     @classmethod
     def from_manifest(cls, record: Dict[str, Any]) -> "HFModel":
         """The inverse of ``manifest``: a checkpoint's model, for exporting it."""
-        return _resolved(
+        hf = _resolved(
             dict(record["config"]), seq_len=record["seq_len"], dropout=None, export_dtype=record["export_dtype"]
         )
+        hf.source_dir = record.get("source_dir")
+        return hf
 
 
 def _config_class(model_type: str):
@@ -238,8 +256,12 @@ def resolve_config(model: HFModelConfig) -> HFModel:
         try:
             config = _config_class(model.model_type)(**dict(model.config)).to_dict()
         except (TypeError, ValueError) as e:
-            raise ConfigError(f"model.config ({dict(model.config)}) is not a valid {model.model_type} config: {e}") from e
-    return _resolved(config, seq_len=model.seq_len, dropout=model.dropout, export_dtype=model.export_dtype)
+            raise ConfigError(
+                f"model.config ({dict(model.config)}) is not a valid {model.model_type} config: {e}"
+            ) from e
+    hf = _resolved(config, seq_len=model.seq_len, dropout=model.dropout, export_dtype=model.export_dtype)
+    hf.source_dir = None if model.pretrained is None else str(Path(model.pretrained).resolve())
+    return hf
 
 
 class TokenEmbedding(nn.Module):
@@ -312,7 +334,9 @@ def tie(hf: HFModel, layers: Sequence[nn.Module], indices: Sequence[int]) -> Non
     last = hf.num_layers - 1
     if hf.tied and 0 in indices and last in indices:
         emb = layers[list(indices).index(0)]
-        layers[list(indices).index(last)].weight = emb.wte.weight if hf.model_type == "gpt2" else emb.embed_tokens.weight
+        layers[list(indices).index(last)].weight = (
+            emb.wte.weight if hf.model_type == "gpt2" else emb.embed_tokens.weight
+        )
 
 
 def build_hf_layers(
