@@ -3,7 +3,7 @@
 In: ``check_pretrained`` compares the tensor names, shapes and dtypes in the safetensors headers
 (a few KiB read per file) with the layer list, before any process group starts;
 ``load_layers`` fills one rank's layers (built on the meta device) with their tensors only,
-through ``safetensors.safe_open``, one tensor at a time, converted to float32 master weights.
+each read from its byte range, one tensor at a time, as float32 master weights.
 
 Out: ``write_sharded`` has every stage write its own shard into ``.<out>.partial/`` at once;
 rank 0, once every shard is posted, writes ``model.safetensors.index.json`` (and
@@ -19,6 +19,7 @@ import logging
 import os
 import shutil
 import struct
+import sys
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -51,8 +52,9 @@ COMPANIONS = (
 MASTER_DTYPE = torch.float32  # stages keep float32 master weights; train.precision sets the compute dtype
 
 
-def _read_header(file: Path) -> Dict[str, Any]:
-    """A safetensors file's header (name -> {dtype, shape, data_offsets}): its first 8 + N bytes only."""
+def _read_header(file: Path) -> Tuple[Dict[str, Any], int]:
+    """A safetensors file's header (name -> {dtype, shape, data_offsets}) and where its data starts: the
+    first 8 + N bytes of the file only."""
     with open(file, "rb") as f:
         raw = f.read(8)
         if len(raw) != 8:
@@ -65,7 +67,7 @@ def _read_header(file: Path) -> Dict[str, Any]:
         except ValueError as e:
             raise ConfigError(f"{file} is not a safetensors file (unreadable header: {e})") from e
     header.pop("__metadata__", None)
-    return header
+    return header, 8 + size
 
 
 class PretrainedDir:
@@ -97,26 +99,44 @@ class PretrainedDir:
         if missing:
             raise ConfigError(f"model.pretrained ({self.path}): {INDEX} lists {missing}, which are not there")
         self.tensors: Dict[str, Tuple[str, str, List[int]]] = {}
+        self.offsets: Dict[str, Tuple[int, int]] = {}  # byte range of each tensor after its file's header
+        self.data_start: Dict[str, int] = {}
         for file in files:
-            for name, entry in _read_header(self.path / file).items():
+            header, self.data_start[file] = _read_header(self.path / file)
+            for name, entry in header.items():
                 if weight_map is None or weight_map.get(name) == file:
                     self.tensors[name] = (file, entry["dtype"], list(entry["shape"]))
+                    self.offsets[name] = tuple(entry["data_offsets"])
         absent = [n for n, f in (weight_map or {}).items() if n not in self.tensors]
         if absent:
             raise ConfigError(f"model.pretrained ({self.path}): {INDEX} lists tensors their files lack: {absent[:4]}")
 
     def read(self, names: Sequence[str], *, dtype: torch.dtype = MASTER_DTYPE) -> Dict[str, torch.Tensor]:
-        """The tensors ``names`` in ``dtype``, each read alone (``safe_open``: never a whole file)."""
-        from safetensors import safe_open
+        """The tensors ``names`` in ``dtype``, each read alone from its byte range (never a whole file).
 
+        Bytes go straight from the file into the tensor (a float32 file into the float32 weight
+        itself), not through a mapping: ``safe_open`` maps the file copy-on-write, so the pages a
+        rank reads stay in its resident set with the copies it keeps (twice its share at the peak,
+        measured by scripts/measure_hf_load.py), or, kept uncopied, the weights would go on reading
+        a file that may change or vanish.
+        """
+        if sys.byteorder != "little":
+            raise RuntimeError("safetensors files are little-endian; reading them on a big-endian host is not done")
         by_file: Dict[str, List[str]] = defaultdict(list)
         for name in names:
             by_file[self.tensors[name][0]].append(name)
         out = {}
         for file, file_names in sorted(by_file.items()):
-            with safe_open(str(self.path / file), framework="pt") as f:
-                for name in file_names:
-                    out[name] = f.get_tensor(name).to(dtype)
+            with open(self.path / file, "rb", buffering=0) as f:
+                for name in sorted(file_names, key=lambda n: self.offsets[n][0]):
+                    _, st_dtype, shape = self.tensors[name]
+                    begin, end = self.offsets[name]
+                    tensor = torch.empty(shape, dtype=SAFE_DTYPES[st_dtype])
+                    raw = tensor.reshape(-1).view(torch.uint8).numpy()
+                    f.seek(self.data_start[file] + begin)
+                    if end - begin != raw.nbytes or f.readinto(memoryview(raw)) != raw.nbytes:
+                        raise ConfigError(f"{self.path / file}: {name} is truncated or its header is wrong")
+                    out[name] = tensor if tensor.dtype == dtype else tensor.to(dtype)
         return out
 
 
