@@ -267,3 +267,88 @@ def test_sharded_final_weights_and_export_from_a_checkpoint(tmp_path):
     manifest = json.loads((tmp_path / "run" / "checkpoints" / "step_00000001" / "manifest.json").read_text())
     (gpt / "step_00000001" / "manifest.json").write_text(json.dumps({**manifest, "files": {}, "hf": None}))
     assert checkpoint.main(["export-hf", str(gpt), "--out", str(tmp_path / "x")]) == 2
+
+
+# --- the walk-through of docs/pretrained.md --------------------------------------------------------
+
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "pretrained.md"
+# What the walk-through says for a 1B model -> what this test runs on a tiny one; each must be in the docs.
+TINY = {
+    "MODEL=path/to/Llama-3.2-1B": "MODEL=$TEST_MODEL",
+    "CORPUS=my_corpus.txt": "CORPUS=$TEST_CORPUS",
+    "model.seq_len=512": "model.seq_len=32",
+    "data.token_dtype=uint32": "data.token_dtype=uint16",
+    "optim.lr=2e-5 train.num_steps=500 train.checkpoint_every=250": "optim.lr=1e-2 train.num_steps=4 "
+    "train.checkpoint_every=2",
+    "hydra.run.dir=outputs/finetune": "hydra.run.dir=outputs/finetune wandb.mode=disabled",
+}
+
+
+def walkthrough_script() -> str:
+    text = DOCS.read_text()
+    block = text.split("<!-- walkthrough:start -->")[1].split("<!-- walkthrough:end -->")[0]
+    script = block.split("```bash\n", 1)[1].rsplit("```", 1)[0]
+    for doc, tiny in TINY.items():
+        assert doc in script, f"docs/pretrained.md no longer says {doc!r}: update TINY"
+        script = script.replace(doc, tiny)
+    return script
+
+
+def test_fine_tuning_walkthrough_of_the_docs(tmp_path):
+    """docs/pretrained.md's commands on a tiny Llama whose directory holds a tokenizer.json trained here:
+    tokenize with it, fine-tune at d = 2 (the loss falls), export at the end and from the checkpoint
+    (equal), load the export with transformers and generate."""
+    import os
+    import subprocess
+    import sys
+
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizers = pytest.importorskip(
+        "tokenizers", reason="the walk-through needs the extra: pip install -e '.[tokenize]'"
+    )
+
+    from pipedream2bw.comm import free_port
+    from pipedream2bw.data import SHIPPED_CORPUS
+
+    repo = DOCS.parents[1]
+    text = __import__("gzip").decompress(SHIPPED_CORPUS.read_bytes())[:60_000].decode("utf-8", "replace")
+    (tmp_path / "corpus.txt").write_text(text)
+    model_dir = tmp_path / "tiny-llama"
+    save_tiny(model_dir, "llama", tied=True)
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token="[UNK]"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = tokenizers.decoders.ByteLevel()
+    alphabet = tokenizers.pre_tokenizers.ByteLevel.alphabet()
+    tok.train_from_iterator(
+        [text], tokenizers.trainers.BpeTrainer(vocab_size=300, special_tokens=["[UNK]"], initial_alphabet=alphabet)
+    )
+    PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(model_dir)
+    (tmp_path / "scripts").symlink_to(repo / "scripts")  # the docs' paths are the repository's
+
+    prelude = f'torchrun() {{ python -m torch.distributed.run --master-port {free_port()} "$@"; }}\nset -e\n'
+    env = {
+        **os.environ,
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+        "PYTHONPATH": str(repo),
+        "TEST_MODEL": str(model_dir),
+        "TEST_CORPUS": str(tmp_path / "corpus.txt"),
+    }
+    done = subprocess.run(
+        ["bash", "-c", prelude + walkthrough_script()], cwd=tmp_path, env=env, capture_output=True, text=True,
+        timeout=240,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    assert done.stdout.rstrip().splitlines()[-1].startswith("def fibonacci(n):"), done.stdout  # generated
+
+    summary = json.loads((tmp_path / "outputs" / "finetune" / "summary.json").read_text())
+    assert summary["final_loss"] < summary["losses"][0]
+    trained, files = read_dir(tmp_path / "finetuned")
+    pretrained, _ = read_dir(model_dir)
+    assert len(files) == 2 and sorted(trained) == sorted(pretrained)
+    assert not torch.equal(
+        trained["model.layers.0.mlp.up_proj.weight"], pretrained["model.layers.0.mlp.up_proj.weight"]
+    )
+    from_checkpoint, _ = read_dir(tmp_path / "finetuned-from-checkpoint")
+    assert all(torch.equal(from_checkpoint[k], v) for k, v in trained.items())
+    assert (tmp_path / "finetuned" / "tokenizer.json").read_bytes() == (model_dir / "tokenizer.json").read_bytes()
