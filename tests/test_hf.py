@@ -352,3 +352,30 @@ def test_fine_tuning_walkthrough_of_the_docs(tmp_path):
     from_checkpoint, _ = read_dir(tmp_path / "finetuned-from-checkpoint")
     assert all(torch.equal(from_checkpoint[k], v) for k, v in trained.items())
     assert (tmp_path / "finetuned" / "tokenizer.json").read_bytes() == (model_dir / "tokenizer.json").read_bytes()
+
+
+def _prepare_tokens():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("prepare_tokens", DOCS.parents[1] / "scripts" / "prepare_tokens.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_prepare_tokens_says_what_a_tokenizer_needs(tmp_path, monkeypatch):
+    """hf:DIR without a tokenizer.json, and tiktoken when its encoding's file cannot be downloaded (a raw
+    connection traceback before): a plain message saying what to do."""
+    prepare = _prepare_tokens()
+    with pytest.raises(SystemExit, match=r"tokenizer.json is not a file; the model directory needs its fast"):
+        prepare.make_tokenizer(f"hf:{tmp_path}")
+    tiktoken_load = pytest.importorskip("tiktoken.load", reason="the optional extra: pip install -e '.[tokenize]'")
+    import requests
+
+    def offline(blobpath):  # what requests raises on a machine without a network
+        raise requests.exceptions.ConnectionError(f"Failed to resolve host of {blobpath}")
+
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path / "empty_cache"))
+    monkeypatch.setattr(tiktoken_load, "read_file", offline)
+    with pytest.raises(SystemExit, match=r"tiktoken:gpt2 needs the encoding's file, which tiktoken downloads on first"):
+        prepare.make_tokenizer("tiktoken:gpt2")
