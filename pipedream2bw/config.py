@@ -96,6 +96,10 @@ class LayerListConfig:
     """Keyword arguments of the loss (its entry's other keys when ``loss`` is given as ``{_target_: ...}``)."""
     name: str = "custom"
     """Label for logs and plan files."""
+    vocab_size: Optional[int] = None
+    """Token ids the model takes (every id in the data must be below it). null: read from the layers (the
+    rows of the first layer's first nn.Embedding; with the default loss, also the last layer's last
+    nn.Linear's outputs: the smaller); required for token files when neither is there."""
 
 
 @dataclass
@@ -597,7 +601,30 @@ def _validate_final(cfg: Config) -> None:
             )
 
 
-def validate(cfg: Config, *, world_size: int, num_layers: Optional[int] = None, local_world_size: int = 1) -> List[int]:
+def _model_vocab(mdl: Any, from_layers: Optional[int]) -> Optional[int]:
+    """The vocabulary the data must fit: the GPT's ``vocab_size``; a layer list's ``model.vocab_size``, which
+    may not exceed what its layers take, else what they take (None: unknown)."""
+    if isinstance(mdl, GPTConfig):
+        return mdl.vocab_size
+    given = getattr(mdl, "vocab_size", None)
+    if given is not None and given < 1:
+        raise ConfigError(f"model.vocab_size ({given}) must be >= 1, or null to read it from the model's layers")
+    if given is not None and from_layers is not None and given > from_layers:
+        raise ConfigError(
+            f"model.vocab_size ({given}) is more than the model's layers take ({from_layers}: its embedding rows or "
+            f"head outputs); ids from {from_layers} on would fail inside the model; set model.vocab_size<={from_layers}"
+        )
+    return given if given is not None else from_layers
+
+
+def validate(
+    cfg: Config,
+    *,
+    world_size: int,
+    num_layers: Optional[int] = None,
+    local_world_size: int = 1,
+    layers_vocab_size: Optional[int] = None,
+) -> List[int]:
     """Checks a config before any process group starts.
 
     Args:
@@ -605,6 +632,7 @@ def validate(cfg: Config, *, world_size: int, num_layers: Optional[int] = None, 
         world_size: number of ranks that will run it.
         local_world_size: ranks on this node (one GPU each under NCCL).
         num_layers: length of a user's layer list; None for the GPT that ``cfg.model`` describes.
+        layers_vocab_size: a layer list's vocabulary as read from its layers (``read_vocab_size``).
 
     Returns:
         The balance (layers per stage) the run will use: ``pipeline.balance``, else
@@ -705,7 +733,10 @@ def validate(cfg: Config, *, world_size: int, num_layers: Optional[int] = None, 
         )
     from pipedream2bw.data import check_data  # data.py imports this module
 
-    check_data(cfg.data, vocab_size=getattr(mdl, "vocab_size", None), seq_len=mdl.seq_len, need_val=t.eval_every > 0)
+    vocab = _model_vocab(mdl, layers_vocab_size)
+    read = isinstance(mdl, LayerListConfig) and mdl.vocab_size is None and vocab is not None
+    vocab_from = "the vocabulary of the model's layers (embedding rows, head outputs)" if read else "model.vocab_size"
+    check_data(cfg.data, vocab_size=vocab, seq_len=mdl.seq_len, need_val=t.eval_every > 0, vocab_from=vocab_from)
     if t.resume not in ("auto", "never") and not Path(t.resume).exists():
         raise ConfigError(
             f"train.resume ({t.resume}) is neither 'auto', 'never' nor an existing path; "

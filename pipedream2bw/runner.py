@@ -44,7 +44,8 @@ from pipedream2bw.host_optim import HostOptimizerVersions
 from pipedream2bw.layout import Layout, make_layout
 from pipedream2bw.loss_scale import LossScaler, ScaledStepRule
 from pipedream2bw.lr_schedule import lr_at
-from pipedream2bw.models.factory import ModelSource, model_source
+from pipedream2bw.models import lm_loss
+from pipedream2bw.models.factory import ModelSource, model_source, read_vocab_size
 from pipedream2bw.results import summarize, write_summary
 from pipedream2bw.runtime import RankPlan
 from pipedream2bw.schedule import Action
@@ -142,11 +143,17 @@ class _Model:
     def num_layers(self) -> int:
         return len(self.layers) if self.layers is not None else self.source.num_layers
 
+    def whole(self) -> Sequence[nn.Module]:
+        """The whole layer list: the caller's, else built on the meta device (no memory used)."""
+        return self.layers if self.layers is not None else self.source.meta()
+
     def param_shapes(self) -> Dict[str, List[int]]:
-        """Names and shapes of the whole model's state, as a checkpoint stores them (no memory used
-        for a model from config: it is built on the meta device)."""
-        layers = self.layers if self.layers is not None else self.source.meta()
-        return {k: list(v.shape) for k, v in nn.Sequential(*layers).state_dict().items()}
+        """Names and shapes of the whole model's state, as a checkpoint stores them."""
+        return {k: list(v.shape) for k, v in nn.Sequential(*self.whole()).state_dict().items()}
+
+    def vocab_size(self) -> Optional[int]:
+        """The vocabulary its layers take (``read_vocab_size``; the head counts under next-token loss)."""
+        return read_vocab_size(self.whole(), lm_head=self.loss_fn is lm_loss)
 
 
 def run(
@@ -198,7 +205,13 @@ def run(
         )
     gpt = layers is None and isinstance(cfg.model, GPTConfig)  # the GPT's own default split
     num_layers = None if gpt else model.num_layers
-    balance = validate(cfg, world_size=world_size, num_layers=num_layers, local_world_size=local_world_size)
+    balance = validate(
+        cfg,
+        world_size=world_size,
+        num_layers=num_layers,
+        local_world_size=local_world_size,
+        layers_vocab_size=None if gpt else model.vocab_size(),
+    )
     if cfg.train.export_hf is not None and model.source is None:
         raise ConfigError("train.export_hf needs model=hf built from config, not a layer list passed to run()")
     layout = make_layout(
@@ -1122,7 +1135,15 @@ def _save_trace(all_stats: Sequence[StageStats], run_dir: Path, *, steps: range,
     traces = [{"rank": st.rank, "stage": st.stage_index, "replica": st.replica, **st.trace} for st in all_stats]
     atomic_write(run_dir / "trace.json", json.dumps(timeline.chrome_trace(traces, title=title)).encode())
     timeline.plot_timeline(traces, run_dir / "timeline.png", title=title)
-    return {**timeline.bubble_summary(traces), "steps": list(steps), "files": ["trace.json", "timeline.png"]}
+    per_step = [  # seconds per traced step, by what each rank did (timeline.BREAKDOWN)
+        {k: v / len(steps) for k, v in timeline.breakdown(tr["spans"], tr["window"]).items()} for tr in traces
+    ]
+    return {
+        **timeline.bubble_summary(traces),
+        "breakdown_per_rank": per_step,
+        "steps": list(steps),
+        "files": ["trace.json", "timeline.png"],
+    }
 
 
 def _swap_manager(swap: SwapConfig, rt: RankPlan, in_flight: int, versions: WeightVersions) -> Optional[SwapManager]:

@@ -91,6 +91,17 @@ class ModelSource:
         return len(self.meta())
 
 
+def read_vocab_size(layers: Sequence[nn.Module], *, lm_head: bool) -> Optional[int]:
+    """The vocabulary a layer list takes, read from its modules (meta ones will do): the rows of the
+    first layer's first ``nn.Embedding`` (input ids index it) and, when the loss is next-token
+    cross-entropy (``lm_head``), the outputs of the last layer's last ``nn.Linear`` (targets index
+    its logits); the smaller of those found, None if neither is."""
+    embedding = next((m.num_embeddings for m in layers[0].modules() if isinstance(m, nn.Embedding)), None)
+    head = next((m.out_features for m in reversed(list(layers[-1].modules())) if isinstance(m, nn.Linear)), None)
+    found = [v for v in (embedding, head if lm_head else None) if v is not None]
+    return min(found) if found else None
+
+
 def _checked(layers: Any, target: str) -> List[nn.Module]:
     if not isinstance(layers, (list, tuple, nn.Sequential, nn.ModuleList)):
         raise ConfigError(
