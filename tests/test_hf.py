@@ -28,10 +28,12 @@ pytest.importorskip("safetensors", reason="model=hf needs the optional extra: pi
 SEQ = 16
 
 
-def hf_config(pretrained: Path, d: int, **train) -> Config:
-    """A run of the model in ``pretrained`` at depth ``d``; the optimizer never changes a weight (lr = 0)."""
+def hf_config(pretrained: Path, d: int, w: int = 1, **train) -> Config:
+    """A run of the model in ``pretrained`` on d x w ranks; the optimizer never changes a weight (lr = 0)."""
     return Config(
-        pipeline=PipelineConfig(schedule="2bw", num_stages=d, num_microbatches=max(d, 2), microbatch_size=2),
+        pipeline=PipelineConfig(
+            schedule="2bw", num_stages=d, data_parallel=w, num_microbatches=max(d, 2), microbatch_size=2
+        ),
         model=HFModelConfig(pretrained=str(pretrained), seq_len=SEQ),
         optim=OptimConfig(name="frozen", target=f"{Frozen.__module__}.Frozen", lr=1.0),
         train=TrainConfig(num_steps=1, log_every=100, warmup_steps=0, **train),
@@ -44,21 +46,29 @@ def first_batch(cfg: Config) -> torch.Tensor:
     """Batch 0's windows (w*m*b, T+1) as the pipeline's feed draws them from the shipped corpus."""
     p = cfg.pipeline
     feed = MicrobatchFeed(
-        load_bytes(), seq_len=SEQ, microbatch_size=p.microbatch_size, num_microbatches=p.num_microbatches, seed=cfg.seed
+        load_bytes(),
+        seq_len=SEQ,
+        microbatch_size=p.microbatch_size,
+        num_microbatches=p.num_microbatches,
+        seed=cfg.seed,
+        num_replicas=p.data_parallel,
     )
     return feed._batch_windows(0)
 
 
-@pytest.mark.parametrize("d", [1, 2, 4])
-@pytest.mark.parametrize("kind,tied", [("llama", True), ("llama", False), ("gpt2", True)])
-def test_pretrained_round_trip_and_first_loss(tmp_path, kind, tied, d):
+@pytest.mark.parametrize(
+    "kind,tied,d,w",
+    [(k, t, d, 1) for k, t in [("llama", True), ("llama", False), ("gpt2", True)] for d in (1, 2, 4)]
+    + [("llama", True, 2, 2)],
+)
+def test_pretrained_round_trip_and_first_loss(tmp_path, kind, tied, d, w):
     """save_pretrained -> model.pretrained at depth d -> train.export_hf after a step at lr = 0: every
     tensor equal bit for bit, the export's logits the original's, and the run's first loss
     transformers' own loss of that batch (float32 round-off)."""
     from transformers import AutoModelForCausalLM
 
     original = save_tiny(tmp_path / "pretrained", kind, tied=tied)
-    cfg = hf_config(tmp_path / "pretrained", d, export_hf=str(tmp_path / "export"), save_final="none")
+    cfg = hf_config(tmp_path / "pretrained", d, w, export_hf=str(tmp_path / "export"), save_final="none")
     summary = run_ok(cfg, tmp_path / "run")
 
     before, _ = read_dir(tmp_path / "pretrained")
