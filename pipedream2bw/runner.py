@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
+import torch.utils._pytree as pytree
 import torch.utils.checkpoint
 from torch import nn
 from tqdm.contrib.logging import logging_redirect_tqdm
@@ -83,10 +84,17 @@ class RecomputeSequential(nn.Sequential):
     """``nn.Sequential`` that keeps only each layer's input for backward and re-runs the layer there
     (``pipeline.recompute``); parameter names are those of ``nn.Sequential``."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: Any) -> Any:
         for layer in self:
-            x = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False)
+            # A tuple or dict input goes in as its tensors: checkpoint saves tensor arguments (where
+            # saved-tensor hooks, i.e. swapping, see them) and keeps anything else as a Python object.
+            leaves, spec = pytree.tree_flatten(x)
+            x = torch.utils.checkpoint.checkpoint(_call_unflattened, layer, spec, *leaves, use_reentrant=False)
         return x
+
+
+def _call_unflattened(layer: nn.Module, spec: Any, *leaves: torch.Tensor) -> Any:
+    return layer(pytree.tree_unflatten(list(leaves), spec))
 
 
 def stage_module(

@@ -10,6 +10,7 @@ multiprocessing.set_forkserver_preload(
         "torch.distributed",
         "pipedream2bw.runner",
         "dist_helper",
+        "matrix",  # tests/test_matrix.py's ranks: the cells, their jobs and the covering-array library
         # model=hf ranks: transformers takes seconds to import; an absent optional extra is skipped
         "transformers.models.llama.modeling_llama",
         "transformers.models.gpt2.modeling_gpt2",
