@@ -201,7 +201,15 @@ def _check_file(path: Optional[str], key: str, dtype: str, *, vocab_size: Option
     num_tokens = size // itemsize
     meta = meta_path(path)
     if meta.is_file():
-        described = json.loads(meta.read_text())
+        try:
+            described = json.loads(meta.read_text())
+            if not isinstance(described, dict):
+                raise ValueError(f"a JSON {type(described).__name__}, not an object")
+        except ValueError as e:
+            raise ConfigError(
+                f"{key} ({path}): its description {meta} is not valid JSON ({e}); write the token file again with "
+                f"scripts/prepare_tokens.py, or delete {meta}"
+            ) from None
         if described.get("dtype") != dtype:
             raise ConfigError(
                 f"{key} ({path}) holds {described.get('dtype')} ids (says {meta}), but data.token_dtype is {dtype}; "
