@@ -146,7 +146,7 @@ def test_all_checkpoints_unloadable_refuses_under_auto(tmp_path):
             log_dir=tmp_path / f"l{attempt}",
         )
         for r in results:
-            assert r.exitcode != 0 and "NoLoadableCheckpoint: none of the 2 checkpoint(s)" in r.log, r.log
+            assert r.exitcode != 0 and "Error: none of the 2 checkpoint(s) at" in r.log, r.log
             assert "step_00000004: layer_00001.pt does not match its checksum" in r.log
             assert "train.resume=never" in r.log and "train.resume=<path>" in r.log
     assert [p.name for p in checkpoint.complete_checkpoints(root)] == ["step_00000004", "step_00000002"]
@@ -215,7 +215,7 @@ def test_resume_with_another_head_count_is_refused_unless_not_strict(tmp_path):
     for r in results:
         assert r.exitcode != 0 and "was written with other settings" in r.log, r.log
         assert (
-            "model.num_heads: checkpoint 2, this run 4" in r.log and "optim.lr: checkpoint 0.05, this run 0.1" in r.log
+            "model.num_heads: checkpoint 2, this run 4" in r.log and "optim.lr: checkpoint 0.2, this run 0.4" in r.log
         )
         assert "train.resume_strict=false" in r.log
     other.train.resume_strict = False
