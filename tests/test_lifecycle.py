@@ -146,7 +146,7 @@ def test_all_checkpoints_unloadable_refuses_under_auto(tmp_path):
             log_dir=tmp_path / f"l{attempt}",
         )
         for r in results:
-            assert r.exitcode != 0 and "Error: none of the 2 checkpoint(s) at" in r.log, r.log
+            assert r.exitcode != 0 and "none of the 2 checkpoint(s) at" in r.log, r.log
             assert "step_00000004: layer_00001.pt does not match its checksum" in r.log
             assert "train.resume=never" in r.log and "train.resume=<path>" in r.log
     assert [p.name for p in checkpoint.complete_checkpoints(root)] == ["step_00000004", "step_00000002"]
