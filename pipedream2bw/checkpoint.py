@@ -7,16 +7,20 @@ A checkpoint taken after ``n`` steps (batches) is a directory::
         layer_00003.pt      layer 3: {"weights": W(n), "previous": W(n-1) under 2bw else None,
                             "optimizer": per-parameter optimizer state}, names as in
                             nn.Sequential(*all_layers) ("3.attn.qkv.weight")
-        rng_rank0.pt ...    every rank's RNG states (restored when the layout is the same)
+        rng_rank0.pt ...    every rank's RNG states as tensors and plain values (restored when the
+                            layout is the same)
         manifest.json       written last: step, losses (learning rates, gradient norms, skipped
-                            steps) so far, layout, parameter shapes and the SHA-256 of every file
+                            steps) so far, layout, parameter shapes, the lineage (run id), the model
+                            and training settings a resume must match, the SHA-256 of every file
 
 Stages write their own layers at once (replica 0 of each stage) into
 ``.step_00000040.partial/``, in a background thread from copies taken at the step; rank 0
 waits until every rank has posted its files' checksums, writes the manifest and renames the
-directory into place, then prunes. A crash leaves a ``.partial`` directory that no resume
-reads. A checkpoint whose files do not match their checksums is reported, renamed aside and
-skipped in favour of the previous complete one.
+directory into place, then prunes this lineage's older checkpoints (rename to ``.trash``, then
+delete; never another lineage's). A crash leaves a ``.partial`` or ``.trash`` directory that no
+resume reads and the next start removes. A checkpoint whose files do not match their checksums is
+reported, renamed aside and skipped in favour of the previous complete one; if none is left, the
+resume is refused. Files are only ever loaded with ``weights_only=True``: nothing is unpickled.
 
 Parameters tied across layers (``manifest.json``'s ``ties``, canonical name first) are stored
 once, in the layer file of the canonical name; loading gives every holder that entry.

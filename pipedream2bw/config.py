@@ -156,7 +156,8 @@ class TrainConfig:
     checkpoint_every: int = 0
     """Write a checkpoint every this many steps (and after the last); 0 writes none."""
     keep_checkpoints: int = 2
-    """Complete checkpoints to keep in <run dir>/checkpoints; older ones are deleted once a newer one is complete."""
+    """Complete checkpoints of this run's lineage to keep in <run dir>/checkpoints; older ones are deleted once a
+    newer one is complete (another run's checkpoints in the same directory never are)."""
     eval_every: int = 0
     """Validation loss on held-out data (data.val_fraction or data.val_path) every this many steps and
     after the last, with the newest weights (forward only); 0: never."""
