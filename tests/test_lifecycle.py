@@ -360,19 +360,25 @@ def test_sigterm_checkpoints_every_rank_at_one_step_and_the_requeued_run_is_bit_
     assert f"preempted by SIGTERM: every rank stopped after step {first} of 200" in text, text
     assert "exiting with 143" in text and not (run_dir / "final_model.pt").exists()
 
-    # ... and srun signals every process at once. The requeued run resumes from the preemption's checkpoint.
-    log = tmp_path / "launch2.log"
-    proc = _launch(run_dir, log, start_new_session=True)
-    gone = _preempt_at(
-        proc, run_dir, log, after=first + 40 - first % 40, send=lambda p: os.killpg(p.pid, signal.SIGTERM)
-    )
-    assert gone < 30, gone
-    summary = json.loads((run_dir / "summary.json").read_text())
-    second = summary["preempted"]["step"]
-    assert summary["first_step"] == first and second > first, summary
-    assert f"resuming from {run_dir}/checkpoints/step_{first:08d}" in log.read_text()
+    # ... one rank alone gets it (the others must still stop at the same step: the flags are summed) ...
+    previous = first
+    for launch, send in (
+        (2, lambda p: os.kill(max(_children(p.pid)), signal.SIGTERM)),
+        (3, lambda p: os.killpg(p.pid, signal.SIGTERM)),  # ... and srun signals every process at once
+    ):
+        log = tmp_path / f"launch{launch}.log"
+        proc = _launch(run_dir, log, start_new_session=True)
+        gone = _preempt_at(proc, run_dir, log, after=previous + 40 - previous % 40, send=send)
+        assert gone < 30, gone
+        summary = json.loads((run_dir / "summary.json").read_text())
+        assert summary["first_step"] == previous and summary["preempted"]["step"] > previous, summary
+        assert f"resuming from {run_dir}/checkpoints/step_{previous:08d}" in log.read_text()
+        for rank in range(2):
+            assert f"[stage {rank}/rank {rank}] exiting with 143: preempted by SIGTERM" in log.read_text()
+        previous = summary["preempted"]["step"]
+    second = previous
 
-    log = tmp_path / "launch3.log"
+    log = tmp_path / "launch4.log"
     proc = _launch(run_dir, log)
     assert proc.wait(timeout=180) == 0, log.read_text()
     summary = json.loads((run_dir / "summary.json").read_text())
