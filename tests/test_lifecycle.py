@@ -320,9 +320,26 @@ PREEMPT_OVERRIDES = [
 ]
 
 
-def _launch(run_dir: Path, log: Path, **popen) -> subprocess.Popen:
-    cmd = [*torchrun_command(2), "-m", "pipedream2bw.train", *PREEMPT_OVERRIDES, f"hydra.run.dir={run_dir}"]
-    return subprocess.Popen(cmd, cwd=run_dir.parent, stdout=open(log, "w"), stderr=subprocess.STDOUT, **popen)
+@pytest.fixture
+def launches():
+    """Starts torchrun in its own session; kills what is left of each (its workers too) at teardown."""
+    procs = []
+
+    def launch(run_dir: Path, log: Path) -> subprocess.Popen:
+        cmd = [*torchrun_command(2), "-m", "pipedream2bw.train", *PREEMPT_OVERRIDES, f"hydra.run.dir={run_dir}"]
+        proc = subprocess.Popen(
+            cmd, cwd=run_dir.parent, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True
+        )
+        procs.append(proc)
+        return proc
+
+    yield launch
+    for proc in procs:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # the session's process group: torchrun and its workers
+        except ProcessLookupError:
+            pass
+        proc.wait()
 
 
 def _preempt_at(proc: subprocess.Popen, run_dir: Path, log: Path, *, after: int, send) -> float:
@@ -342,13 +359,13 @@ def _preempt_at(proc: subprocess.Popen, run_dir: Path, log: Path, *, after: int,
     return gone
 
 
-def test_sigterm_checkpoints_every_rank_at_one_step_and_the_requeued_run_is_bit_exact(tmp_path):
+def test_sigterm_checkpoints_every_rank_at_one_step_and_the_requeued_run_is_bit_exact(tmp_path, launches):
     # Regression (issue 22): SIGTERM killed the ranks with no checkpoint, summary or log line.
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     log = tmp_path / "launch1.log"
     # torchrun forwards the signal to its workers ...
-    gone = _preempt_at(_launch(run_dir, log), run_dir, log, after=40, send=lambda p: p.send_signal(signal.SIGTERM))
+    gone = _preempt_at(launches(run_dir, log), run_dir, log, after=40, send=lambda p: p.send_signal(signal.SIGTERM))
     assert gone < 30, gone
     summary = json.loads((run_dir / "summary.json").read_text())
     first = summary["preempted"]["step"]
@@ -367,7 +384,7 @@ def test_sigterm_checkpoints_every_rank_at_one_step_and_the_requeued_run_is_bit_
         (3, lambda p: os.killpg(p.pid, signal.SIGTERM)),  # ... and srun signals every process at once
     ):
         log = tmp_path / f"launch{launch}.log"
-        proc = _launch(run_dir, log, start_new_session=True)
+        proc = launches(run_dir, log)
         gone = _preempt_at(proc, run_dir, log, after=previous + 40 - previous % 40, send=send)
         assert gone < 30, gone
         summary = json.loads((run_dir / "summary.json").read_text())
@@ -379,7 +396,7 @@ def test_sigterm_checkpoints_every_rank_at_one_step_and_the_requeued_run_is_bit_
     second = previous
 
     log = tmp_path / "launch4.log"
-    proc = _launch(run_dir, log)
+    proc = launches(run_dir, log)
     assert proc.wait(timeout=180) == 0, log.read_text()
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["first_step"] == second
