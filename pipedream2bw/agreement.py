@@ -152,8 +152,10 @@ def apply_due(action: Action, pending: int, *, num_microbatches: int) -> bool:
     """Under 2bw, whether the deferred APPLY(``pending``) must run before ``action``.
 
     W(t+1) is first used by the first forward of batch t+2; and APPLY(t) runs before CLOSE(t+1)
-    (the next STEP action), so at most one batch waits for its agreement and the reducer and
-    gradient buffers hold one closed batch at a time. On stages s < d-1 the forward comes first
+    (the next STEP action), so at most one batch waits for its agreement and the gradient
+    buffers hold one closed batch at a time. Batch t+1's last backward comes before APPLY(t) on
+    the last stage: batch t's data-parallel all-reduce is the one CLOSE(t) took from the reducer
+    (``comm.GradReducer.take``), not the reducer's current one. On stages s < d-1 the forward comes first
     (it precedes the backward of microbatch (t+2)m - (d-s-1)), on the last stage the STEP. In
     steady state 2(m-d+1+s) forwards and backwards run between CLOSE(t) and APPLY(t): at least
     one of each on stage 0, 2m on the last stage.

@@ -477,9 +477,12 @@ class GradReducer:
     Armed for the last backward of a batch, it hears (post-accumulate-grad hooks) when each
     parameter's gradient is final; once a bucket is complete and every earlier bucket has
     started, it starts that bucket's all-reduce (sum) asynchronously, so communication
-    overlaps the rest of backward. ``wait(i)`` blocks only on bucket ``i``, writes the sums
-    back into the gradients and counts the time spent there: all-reduce not hidden behind
-    backward. Buckets start in index order on every replica, as collectives must.
+    overlaps the rest of backward. Buckets start in index order on every replica, as
+    collectives must.
+
+    Each armed batch gets a ``BatchReduction`` of its own, which ``take()`` hands to that batch's
+    step at CLOSE(t): under 2bw the next batch's last backward arms the reducer again before a
+    deferred APPLY(t), and must not touch batch t's buckets (docs/design.md section 7).
     """
 
     def __init__(
@@ -494,8 +497,8 @@ class GradReducer:
         self.bucket_of = {i: b for b, idx in enumerate(self.buckets) for i in idx}
         self.replicas = [list(params) for params in replicas]
         self.num_collectives = 0
-        self.exposed_s = 0.0
-        self._armed: Optional[int] = None
+        self.exposed_s = 0.0  # time spent waiting in BatchReduction.wait: all-reduce not hidden behind backward
+        self._armed: Optional[BatchReduction] = None
         for replica_index, params in enumerate(self.replicas):
             for param_index, p in enumerate(params):
                 if param_index in self.bucket_of:  # parameters in no bucket (tied across stages) are reduced elsewhere
@@ -503,52 +506,66 @@ class GradReducer:
 
     def _hook(self, replica_index: int, param_index: int):
         def on_grad(_: torch.Tensor) -> None:
-            if self._armed == replica_index:
-                b = self.bucket_of[param_index]
-                self._missing[b] -= 1
-                self._start_ready()
+            if self._armed is not None and self._armed.replica_index == replica_index:
+                self._armed.gradient_ready(self.bucket_of[param_index])
 
         return on_grad
 
     def arm(self, replica_index: int) -> None:
         """The next backward is a batch's last on this replica of the weights: reduce as it goes."""
-        self._armed = replica_index
-        self._missing = [len(b) for b in self.buckets]
+        assert self._armed is None, "a batch's reduction was armed and never taken by its CLOSE"
+        self._armed = BatchReduction(self, replica_index)
+
+    def take(self) -> "BatchReduction":
+        """CLOSE(t): batch t's reduction (its buckets in flight), for its step to wait on."""
+        reduction, self._armed = self._armed, None
+        assert reduction is not None, "CLOSE without an armed reduction"
+        return reduction
+
+
+class BatchReduction:
+    """One batch's gradient all-reduce over a stage's replicas: buckets started as their gradients
+    become final; ``wait(b)`` puts bucket ``b``'s sums into that batch's gradients."""
+
+    def __init__(self, reducer: GradReducer, replica_index: int):
+        self.reducer, self.replica_index = reducer, replica_index
+        self._missing = [len(b) for b in reducer.buckets]
         self._started: List[Tuple[Any, torch.Tensor]] = []
 
-    def _start_ready(self) -> None:
-        while len(self._started) < len(self.buckets) and self._missing[len(self._started)] == 0:
+    def gradient_ready(self, b: int) -> None:
+        self._missing[b] -= 1
+        while len(self._started) < len(self._missing) and self._missing[len(self._started)] == 0:
             self._start(len(self._started))
 
     def _start(self, b: int) -> None:
-        params = self.replicas[self._armed]
+        r = self.reducer
+        params = r.replicas[self.replica_index]
         flat = torch.cat(
             [
                 (params[i].grad if params[i].grad is not None else torch.zeros_like(params[i])).reshape(-1)
-                for i in self.buckets[b]
+                for i in r.buckets[b]
             ]
         )
-        self._started.append((dist.all_reduce(flat, group=self.group, async_op=True), flat))
-        self.num_collectives += 1
+        self._started.append((dist.all_reduce(flat, group=r.group, async_op=True), flat))
+        r.num_collectives += 1
 
     def wait(self, b: int) -> None:
         """Blocks until bucket ``b`` is summed across replicas, and puts the sums in the gradients.
-        Buckets past this reducer's (the stage's tied parameters, after its own) return at once."""
-        if b >= len(self.buckets):
+        Buckets past the reducer's (the stage's tied parameters, after its own) return at once."""
+        r = self.reducer
+        if b >= len(r.buckets):
             return
         start = time.perf_counter()
         while len(self._started) <= b:  # a bucket whose gradients never came (unused parameters)
             self._start(len(self._started))
         work, flat = self._started[b]
-        wait_work(self.ctx, work, "gradient all-reduce")
-        self.exposed_s += time.perf_counter() - start
-        params, offset = self.replicas[self._armed], 0
-        for i in self.buckets[b]:
+        wait_work(r.ctx, work, "gradient all-reduce")
+        r.exposed_s += time.perf_counter() - start
+        params, offset = r.replicas[self.replica_index], 0
+        for i in r.buckets[b]:
             n = params[i].numel()
             params[i].grad = flat[offset : offset + n].view_as(params[i])
             offset += n
-        if b == len(self.buckets) - 1:
-            self._armed = None
 
 
 class AsyncSum:

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import functools
 import gzip
 import json
 import logging
 import mmap
+import pickle
 import time
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Optional, Tuple, Union
+from typing import Any, Dict, Optional, Tuple, Union
 
 import numpy as np
 import torch
@@ -41,6 +43,43 @@ def is_token_file(path: Optional[str]) -> bool:
 def meta_path(path: Union[str, Path]) -> Path:
     """The description ``scripts/prepare_tokens.py`` writes next to a token file: ``<file>.json``."""
     return Path(str(path) + ".json")
+
+
+class _PlainUnpickler(pickle.Unpickler):
+    """Unpickles plain data only (dicts, lists, strings, numbers): no class or function is ever
+    looked up, so a crafted file cannot run code."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        raise pickle.UnpicklingError(f"refusing {module}.{name}: only plain data (dicts, strings, numbers) is read")
+
+
+def describe_tokens(path: Union[str, Path]) -> Tuple[Dict[str, Any], Optional[Path]]:
+    """What a token file's description says (``{}`` without one), and the file that says it:
+    ``<file>.json`` (``scripts/prepare_tokens.py``: dtype, num_tokens, vocab_size), else nanoGPT's
+    ``meta.pkl`` in the same directory (vocab_size; plain data only, read without running code).
+
+    Raises:
+        ConfigError: a description that cannot be read, naming it.
+    """
+    meta, nano = meta_path(path), Path(path).parent / "meta.pkl"
+    try:
+        if meta.is_file():
+            described = json.loads(meta.read_text())
+            source = meta
+        elif nano.is_file():
+            with open(nano, "rb") as f:
+                described = _PlainUnpickler(f).load()
+            source = nano
+        else:
+            return {}, None
+    except (ValueError, pickle.UnpicklingError, EOFError) as e:
+        raise ConfigError(
+            f"{meta if meta.is_file() else nano} (the description of {path}) cannot be read: {e}; write it again "
+            "with scripts/prepare_tokens.py, or delete it to train without its checks"
+        ) from e
+    if not isinstance(described, dict):
+        raise ConfigError(f"{source} (the description of {path}) holds {type(described).__name__}, not a mapping")
+    return described, source
 
 
 def load_bytes(path: Optional[str] = None) -> torch.Tensor:
@@ -119,16 +158,26 @@ class DataInfo:
     kind: str  # "text" (byte-level) or "tokens"
     num_tokens: int
     max_id: Optional[int] = None
+    vocab_size: Optional[int] = None  # the data's vocabulary: 256 for text, else as described (or max_id + 1)
+    vocab_source: str = ""  # what says so: a description file, 'byte-level text' or 'the largest id'
 
 
-def check_data(data: DataConfig, *, vocab_size: Optional[int], seq_len: int, need_val: bool) -> DataInfo:
+def check_data(
+    data: DataConfig,
+    *,
+    vocab_size: Optional[int],
+    seq_len: int,
+    need_val: bool,
+    vocab_from: str = "model.vocab_size",
+) -> DataInfo:
     """Checks the data before any process group starts: every rank raises the same error.
 
-    Token files: the size fits ``data.token_dtype``, the description written by
-    ``scripts/prepare_tokens.py`` (if any) agrees, and every id is below ``vocab_size``
-    (read in chunks, never the whole file at once; None, a model of unknown vocabulary such as a
-    ``_target_`` factory's: not checked). Text: ``vocab_size`` covers bytes. Both:
-    the training part and the held-out part each hold at least one window (``seq_len + 2``).
+    Token files: the size fits ``data.token_dtype``, the description (``describe_tokens``) agrees,
+    and every id is below ``vocab_size`` (read in chunks, never the whole file at once), which
+    must be known for them. Text: ``vocab_size`` covers bytes. Both: the training part and the
+    held-out part each hold at least one window (``seq_len + 2``). A model vocabulary at least
+    twice the data's is a warning: the head computes logits that no target uses. ``vocab_from``
+    names where ``vocab_size`` comes from, for the messages.
 
     Raises:
         ConfigError: naming the file, what is wrong and the fix.
@@ -154,13 +203,30 @@ def check_data(data: DataConfig, *, vocab_size: Optional[int], seq_len: int, nee
             f"data.val_path ({data.val_path}) and data.path ({data.path or 'the shipped text'}) must be of one kind, "
             f"both token files ({TOKEN_SUFFIX}) or both text"
         )
-    info = _check_file(data.path, "data.path", data.token_dtype, vocab_size=vocab_size)
+    if vocab_size is None and (is_token_file(data.path) or is_token_file(data.val_path)):
+        raise ConfigError(
+            f"the model's vocabulary is unknown (no nn.Embedding in its first layer), so the ids of "
+            f"{data.path or data.val_path} cannot be checked against it; set model.vocab_size to the vocabulary its "
+            "first layer takes (the tokenizer's: scripts/prepare_tokens.py prints it and writes it in <file>.json)"
+        )
+    check = functools.partial(_check_file, dtype=data.token_dtype, vocab_size=vocab_size, vocab_from=vocab_from)
+    info = check(data.path, "data.path")
+    if vocab_size is not None and info.vocab_size is not None and vocab_size >= 2 * info.vocab_size:
+        log.warning(
+            "the model's vocabulary (%d) is %.0fx the data's (%d, from %s): its head computes logits for ids no "
+            "target holds; set model.vocab_size=%d unless the model must keep its size (a pretrained head)",
+            vocab_size,
+            vocab_size / info.vocab_size,
+            info.vocab_size,
+            info.vocab_source,
+            info.vocab_size,
+        )
     window = seq_len + 2  # a window is seq_len + 1 tokens, drawn from starts [0, n - seq_len - 1)
     num_train, num_val = split_sizes(info.num_tokens, data.val_fraction)
     if data.val_path is not None:
         num_train, num_val = (
             info.num_tokens,
-            _check_file(data.val_path, "data.val_path", data.token_dtype, vocab_size=vocab_size).num_tokens,
+            check(data.val_path, "data.val_path").num_tokens,
         )
     unit = "bytes" if info.kind == "text" else "tokens"
     if num_train < window:
@@ -182,15 +248,15 @@ def check_data(data: DataConfig, *, vocab_size: Optional[int], seq_len: int, nee
     return info
 
 
-def _check_file(path: Optional[str], key: str, dtype: str, *, vocab_size: Optional[int]) -> DataInfo:
+def _check_file(path: Optional[str], key: str, *, dtype: str, vocab_size: Optional[int], vocab_from: str) -> DataInfo:
     if path is not None and not Path(path).is_file():
         raise ConfigError(f"{key} ({path}) is not a file; point {key} at a text file or a {TOKEN_SUFFIX} token file")
     if not is_token_file(path):
         if vocab_size is not None and vocab_size < BYTE_VOCAB:
-            raise ConfigError(f"model.vocab_size ({vocab_size}) must be >= {BYTE_VOCAB} for byte-level text")
+            raise ConfigError(f"{vocab_from} ({vocab_size}) must be >= {BYTE_VOCAB} for byte-level text")
         p = Path(path) if path else SHIPPED_CORPUS
         num_bytes = len(gzip.decompress(p.read_bytes())) if p.suffix == ".gz" else p.stat().st_size
-        return DataInfo("text", num_bytes)
+        return DataInfo("text", num_bytes, vocab_size=BYTE_VOCAB, vocab_source="byte-level text")
     itemsize = np.dtype(TOKEN_DTYPES[dtype]).itemsize
     size = Path(path).stat().st_size
     if size % itemsize:
@@ -199,17 +265,8 @@ def _check_file(path: Optional[str], key: str, dtype: str, *, vocab_size: Option
             f"set data.token_dtype to the dtype it was written with, or write it again with scripts/prepare_tokens.py"
         )
     num_tokens = size // itemsize
-    meta = meta_path(path)
-    if meta.is_file():
-        try:
-            described = json.loads(meta.read_text())
-            if not isinstance(described, dict):
-                raise ValueError(f"a JSON {type(described).__name__}, not an object")
-        except ValueError as e:
-            raise ConfigError(
-                f"{key} ({path}): its description {meta} is not valid JSON ({e}); write the token file again with "
-                f"scripts/prepare_tokens.py, or delete {meta}"
-            ) from None
+    described, meta = describe_tokens(path)
+    if meta is not None and meta.suffix == ".json":
         if described.get("dtype") != dtype:
             raise ConfigError(
                 f"{key} ({path}) holds {described.get('dtype')} ids (says {meta}), but data.token_dtype is {dtype}; "
@@ -228,12 +285,19 @@ def _check_file(path: Optional[str], key: str, dtype: str, *, vocab_size: Option
     if first_bad is not None:
         raise ConfigError(
             f"{key} ({path}) holds token id {max_id} (first id >= {vocab_size} at position {first_bad}), but "
-            "model.vocab_size "
-            f"is {vocab_size}: the data's vocabulary does not fit the model's; set model.vocab_size={max_id + 1} or "
-            "more "
-            f"(the tokenizer's vocabulary size), or check data.token_dtype"
+            f"{vocab_from} is {vocab_size}: the data's vocabulary does not fit the model's; "
+            + (
+                f"set model.vocab_size={max_id + 1} or more"
+                if vocab_from == "model.vocab_size"
+                else f"build the model's embedding and head for {max_id + 1} or more ids"
+            )
+            + " (the tokenizer's vocabulary size), or check data.token_dtype"
         )
-    return DataInfo("tokens", num_tokens, max_id)
+    if isinstance(described.get("vocab_size"), int) and described["vocab_size"] > 0:
+        return DataInfo("tokens", num_tokens, max_id, vocab_size=described["vocab_size"], vocab_source=str(meta))
+    return DataInfo(
+        "tokens", num_tokens, max_id, vocab_size=None if max_id is None else max_id + 1, vocab_source="the largest id"
+    )
 
 
 def _scan_ids(path: Path, dtype: type, *, vocab_size: int) -> Tuple[int, Optional[int]]:

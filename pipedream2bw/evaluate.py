@@ -29,6 +29,7 @@ from typing import Callable, List, Optional, Tuple
 import torch
 from torch import nn
 
+from pipedream2bw.boundary import Channel, from_wire, to_wire
 from pipedream2bw.comm import EVAL_LOSS_TAG, P2P
 from pipedream2bw.data import MicrobatchFeed
 from pipedream2bw.precision import autocast, compute_dtype
@@ -69,6 +70,8 @@ class Evaluator:
     ):
         self.prev, self.next, self.loss_sources, self.p2p, self.feed = prev, next, loss_sources, p2p, feed
         self.precision, self._wire_dtype = precision, compute_dtype(precision)
+        # the same structured crossing as training's activations (a tensor, tuple or dict), on this group
+        self._channel = Channel(p2p, tag=EVAL_TAG, what="a stage's validation output", device=device)
         self.num_microbatches, self.loss_fn, self.device = num_microbatches, loss_fn, device
         self.rank = p2p.ctx.rank
         self.time_s = 0.0  # this rank's time in validation passes (compute and waits)
@@ -87,24 +90,14 @@ class Evaluator:
             for e in range(self.num_microbatches):
                 if self.prev is None:
                     x = self.feed.inputs(e).to(self.device, non_blocking=True)
-                else:
-                    x = self.p2p.wait_recv(self.p2p.post_recv(peer=self.prev, tag=EVAL_TAG), peer=self.prev)
-                    # as training's stages do
-                    x = x.float() if x.dtype == self._wire_dtype and self.precision != "fp32" else x
+                else:  # as training's stages do: the compute dtype travels, float32 goes on
+                    x = from_wire(self._channel.recv(self.prev), self._wire_dtype)
                 with autocast(self.precision, self.device.type):
                     out = module(x)
                 if self.next is None:
                     losses.append(self.loss_fn(out.float(), self.feed.targets(e).to(self.device, non_blocking=True)))
-                elif not torch.is_tensor(out):
-                    raise NotImplementedError(
-                        "validation passes carry one tensor across a stage boundary; this stage returns "
-                        f"{type(out).__name__}: "
-                        f"set train.eval_every=0 for a model whose stages pass tuples or dicts"
-                    )
                 else:
-                    self.p2p.send(
-                        out.to(self._wire_dtype) if out.dtype == torch.float32 else out, peer=self.next, tag=EVAL_TAG
-                    )
+                    self._channel.send(to_wire(out, self._wire_dtype), peer=self.next)
             if self.next is not None:
                 self.p2p.flush()  # the next stage has all of this pass: nothing of it stays in flight
         finally:

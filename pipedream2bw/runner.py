@@ -45,7 +45,8 @@ from pipedream2bw.host_optim import HostOptimizerVersions
 from pipedream2bw.layout import Layout, make_layout
 from pipedream2bw.loss_scale import LossScaler, ScaledStepRule
 from pipedream2bw.lr_schedule import lr_at
-from pipedream2bw.models.factory import ModelSource, model_source
+from pipedream2bw.models import lm_loss
+from pipedream2bw.models.factory import ModelSource, model_source, read_vocab_size
 from pipedream2bw.results import summarize, write_summary
 from pipedream2bw.runtime import RankPlan
 from pipedream2bw.schedule import Action
@@ -143,11 +144,17 @@ class _Model:
     def num_layers(self) -> int:
         return len(self.layers) if self.layers is not None else self.source.num_layers
 
+    def whole(self) -> Sequence[nn.Module]:
+        """The whole layer list: the caller's, else built on the meta device (no memory used)."""
+        return self.layers if self.layers is not None else self.source.meta()
+
     def param_shapes(self) -> Dict[str, List[int]]:
-        """Names and shapes of the whole model's state, as a checkpoint stores them (no memory used
-        for a model from config: it is built on the meta device)."""
-        layers = self.layers if self.layers is not None else self.source.meta()
-        return {k: list(v.shape) for k, v in nn.Sequential(*layers).state_dict().items()}
+        """Names and shapes of the whole model's state, as a checkpoint stores them."""
+        return {k: list(v.shape) for k, v in nn.Sequential(*self.whole()).state_dict().items()}
+
+    def vocab_size(self) -> Optional[int]:
+        """The vocabulary its layers take (``read_vocab_size``; the head counts under next-token loss)."""
+        return read_vocab_size(self.whole(), lm_head=self.loss_fn is lm_loss)
 
     def settings(self, model_cfg: Any) -> Dict[str, Any]:
         """What a checkpoint records of the model beyond its shapes, for a resume to compare: each layer's
@@ -164,7 +171,9 @@ class _Model:
             ]
         }
         if self.layers is None and dataclasses.is_dataclass(model_cfg):
-            defining = {k: v for k, v in dataclasses.asdict(model_cfg).items() if k not in ("name", "init_std")}
+            # not what only starts or exports it: a name, the initialisation, the weights it was started from
+            ignored = ("name", "init_std", "pretrained", "export_dtype")
+            defining = {k: v for k, v in dataclasses.asdict(model_cfg).items() if k not in ignored}
             record.update({f"model.{k}": v for k, v in defining.items()})
         return json.loads(json.dumps(record, default=str))  # as the manifest holds it
 
@@ -258,7 +267,15 @@ def _run(
         )
     gpt = layers is None and isinstance(cfg.model, GPTConfig)  # the GPT's own default split
     num_layers = None if gpt else model.num_layers
-    balance = validate(cfg, world_size=world_size, num_layers=num_layers, local_world_size=local_world_size)
+    balance = validate(
+        cfg,
+        world_size=world_size,
+        num_layers=num_layers,
+        local_world_size=local_world_size,
+        layers_vocab_size=None if gpt else model.vocab_size(),
+    )
+    if cfg.train.export_hf is not None and model.source is None:
+        raise ConfigError("train.export_hf needs model=hf built from config, not a layer list passed to run()")
     layout = make_layout(
         cfg.pipeline.num_stages,
         cfg.pipeline.data_parallel,
@@ -544,6 +561,8 @@ def _train(
             checkpoint.step_dir(run_dir / checkpoint.DIRNAME, preempted.step),
             preempted.exit_code,
         )
+    if preempted is None:  # the checkpoint holds a preempted run's weights
+        _write_final(rt, ctx, run_dir, versions=versions, model=model, train=cfg.train, dist=cfg.dist)
     summary = _gather_and_write(
         rt,
         ctx,
@@ -964,6 +983,7 @@ def _checkpointer(
             "ties": [list(t.names) for t in model.tied],
             "wandb_run_id": tracker.run_id if tracker is not None else None,
             "precision": rt.precision,
+            "hf": model.source.hf.manifest() if model.source is not None and model.source.hf is not None else None,
         },
     )
 
@@ -1105,13 +1125,14 @@ def _gather_and_write(
     d, w, m, b = rt.num_stages, rt.data_parallel, rt.num_microbatches, rt.microbatch_size
     tied, balance = model.tied, list(rt.balance)
     all_stats = comm.gather_to_rank0(ctx, stats)
+    gathered = train.save_final == "gathered" and preempted is None  # a preempted run's weights are in its checkpoint
     # Replicas hold equal weights: replica 0 of each stage contributes its slice of the model.
     shard = (
         ties.drop_aliases({k: v.detach().cpu() for k, v in versions.newest().state_dict().items()}, tied)
-        if rt.replica == 0
+        if rt.replica == 0 and gathered
         else {}
     )
-    shards = comm.gather_to_rank0(ctx, shard)
+    shards = comm.gather_to_rank0(ctx, shard) if gathered else None
     tie_records = comm.gather_to_rank0(ctx, tie_record)
     if rt.rank != 0:
         return None
@@ -1169,7 +1190,9 @@ def _gather_and_write(
             title=title,
         )
     write_summary(summary, run_dir)
-    if preempted is None:  # as the tied model's own state_dict: every name of a tie on one tensor
+    if (
+        shards is not None and preempted is None
+    ):  # as the tied model's own state_dict: every name of a tie on one tensor
         save_state_dict(
             ties.add_aliases({k: v for shard in shards for k, v in shard.items()}, tied), run_dir / "final_model.pt"
         )
@@ -1183,6 +1206,49 @@ def _gather_and_write(
         run_dir,
     )
     return summary
+
+
+def _write_final(
+    rt: RankPlan,
+    ctx: comm.DistContext,
+    run_dir: Path,
+    *,
+    versions: WeightVersions,
+    model: _Model,
+    train: TrainConfig,
+    dist: DistConfig,
+) -> None:
+    """The final weights as shards, each stage's replica 0 writing its own at once (pipedream2bw.hf_io):
+    ``train.save_final=sharded`` (final_model/, layer-list names) and ``train.export_hf`` (a Hugging Face model)."""
+    from pipedream2bw import hf_io
+
+    writers = [rt.layout.ranks[s][0] for s in range(rt.num_stages)]
+    state = versions.newest().state_dict() if rt.replica == 0 else None
+    aliases = [n for t in model.tied for n in t.names[1:]]
+    common = dict(
+        shard=rt.stage,
+        num_shards=rt.num_stages,
+        rank=rt.rank,
+        writers=writers,
+        post=ctx.board.post,
+        read=lambda keys, timeout_s: ctx.board.read(keys, timeout_s=timeout_s),
+        timeout_s=dist.timeout_s,
+    )
+    if train.save_final == "sharded":
+        mine = None if state is None else {k: v.detach().cpu() for k, v in ties.drop_aliases(state, model.tied).items()}
+        hf_io.write_sharded(run_dir / "final_model", mine, key="final/sharded", **common)
+    if train.export_hf is not None:
+        hf = model.source.hf if model.source is not None else None
+        assert hf is not None, "run() refuses train.export_hf without model=hf"
+        mine = None if state is None else hf_io.to_hf_shard(hf, state, aliases)
+        hf_io.write_sharded(
+            Path(train.export_hf),
+            mine,
+            key="final/export_hf",
+            config=hf.export_config,
+            source_dir=hf.source_dir,
+            **common,
+        )
 
 
 def _precision_record(rt: RankPlan, optim: OptimConfig, rule: StepRule, stats: StageStats) -> Dict[str, Any]:
@@ -1212,7 +1278,15 @@ def _save_trace(all_stats: Sequence[StageStats], run_dir: Path, *, steps: range,
     traces = [{"rank": st.rank, "stage": st.stage_index, "replica": st.replica, **st.trace} for st in all_stats]
     atomic_write(run_dir / "trace.json", json.dumps(timeline.chrome_trace(traces, title=title)).encode())
     timeline.plot_timeline(traces, run_dir / "timeline.png", title=title)
-    return {**timeline.bubble_summary(traces), "steps": list(steps), "files": ["trace.json", "timeline.png"]}
+    per_step = [  # seconds per traced step, by what each rank did (timeline.BREAKDOWN)
+        {k: v / len(steps) for k, v in timeline.breakdown(tr["spans"], tr["window"]).items()} for tr in traces
+    ]
+    return {
+        **timeline.bubble_summary(traces),
+        "breakdown_per_rank": per_step,
+        "steps": list(steps),
+        "files": ["trace.json", "timeline.png"],
+    }
 
 
 def _swap_manager(swap: SwapConfig, rt: RankPlan, in_flight: int, versions: WeightVersions) -> Optional[SwapManager]:

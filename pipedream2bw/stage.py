@@ -15,7 +15,8 @@ import torch.utils._pytree as pytree
 
 from pipedream2bw import agreement
 from pipedream2bw.agreement import NonFiniteError, StepDecision, StepOutcome, StepRule
-from pipedream2bw.comm import P2P, AsyncSum, GradReducer, PipelineShapeError
+from pipedream2bw.boundary import Channel, from_wire, to_wire
+from pipedream2bw.comm import P2P, AsyncSum, BatchReduction, GradReducer
 from pipedream2bw.data import MicrobatchFeed
 from pipedream2bw.memprobe import SavedBytes
 from pipedream2bw.precision import autocast, compute_dtype
@@ -38,27 +39,8 @@ from pipedream2bw.versions import WeightVersions
 
 log = logging.getLogger(__name__)
 
-ACTIVATION_TAG, GRADIENT_TAG = 0, 1
+ACTIVATION_TAG, GRADIENT_TAG = 0, 1  # the two boundary.Channels of training's p2p
 _LOG_CONTEXT_STEPS = 8  # a failure logs this many of the rank's steps either side of the failing one
-_STRUCTURE_TAG = {ACTIVATION_TAG: 2, GRADIENT_TAG: 3}  # once per channel: the pytree spec of what crosses it
-
-
-def _leaf_tag(tag: int, i: int) -> int:
-    """Tag of element ``i`` of a boundary's tuple/dict: element 0 keeps the channel's tag, so P2P
-    agrees shape and dtype per element (tags 10, 11, 12, ... for the others)."""
-    return tag if i == 0 else 8 + 2 * i + tag
-
-
-def _flatten(tree: Any, what: str) -> Tuple[List[torch.Tensor], Any]:
-    """The tensors of a stage boundary (a tensor, or a tuple/list/dict of them) and its structure."""
-    leaves, spec = pytree.tree_flatten(tree)
-    bad = [type(x).__name__ for x in leaves if not torch.is_tensor(x)]
-    if bad or not leaves:
-        raise TypeError(
-            f"{what} must be a tensor or a tuple, list or dict of tensors; got {type(tree).__name__} "
-            f"holding {bad or 'nothing'}"
-        )
-    return leaves, spec
 
 
 @dataclass(frozen=True)
@@ -165,7 +147,9 @@ class StageWorker:
         # Under 2bw, APPLY(t) may wait for W(t+1)'s first use; elsewhere the flush comes first anyway.
         self.deferred = versions.schedule == "2bw" and (agreement is not None or bool(self.exchanges))
         self._loss_nonfinite: Dict[int, bool] = {}  # last stage: batch -> its loss was not finite
-        self._reduced: Optional[int] = None  # batch whose gradients CLOSE already averaged across replicas
+        # closed batch -> its data-parallel all-reduce, held until its APPLY: under 2bw batch t+1's last
+        # backward arms the reducer again before a deferred APPLY(t) (one rule for every deferring feature)
+        self._reductions: Dict[int, BatchReduction] = {}
         self._exchanged: Optional[int] = None  # batch whose exchanges have finished
         self.first, self.last = stage_index == 0, stage_index == num_stages - 1
         self.peers, self.versions, self.p2p, self.feed = peers, versions, p2p, feed
@@ -177,6 +161,11 @@ class StageWorker:
         # scale of its batch, and the rule (a ScaledStepRule) unscales and skips through the agreement.
         self.precision = precision
         self._wire_dtype = compute_dtype(precision)
+        # X's tensors (F: activations, B: input gradients) come from one neighbour and go to the other.
+        self._channel = {
+            FORWARD: Channel(p2p, tag=ACTIVATION_TAG, what="a stage's output", device=device),
+            BACKWARD: Channel(p2p, tag=GRADIENT_TAG, what="an input gradient", device=device),
+        }
         self._stash: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}  # k -> (input, output or loss)
         self._saved_bytes: Optional[int] = None  # what autograd saves for one microbatch
         self._batch_losses: Dict[int, List[torch.Tensor]] = {}
@@ -184,67 +173,31 @@ class StageWorker:
         self._received: Dict[Tuple[str, int], Any] = {}  # what WAIT_X k received, for F k or B k
         self._outbox: Dict[Tuple[str, int], Any] = {}  # what F k or B k produced, for SEND_X k or HOLD_X k
         self._param_ptrs = {p.untyped_storage().data_ptr() for r in versions.replicas for p in r.parameters()}
-        self._structure: Dict[int, Any] = {}  # tag -> pytree spec of what the peer sends on it
-        self._sent_structure: Dict[int, Any] = {}
         self.trace: Optional[Recorder] = None  # set for pipeline.trace; spans are recorded while trace.on
-        # X's tensors (F: activations, B: input gradients) come from one neighbour and go to the other.
         self._recv_from = {FORWARD: peers.prev, BACKWARD: peers.next}
         self._send_to = {FORWARD: peers.next, BACKWARD: peers.prev}
-        self._tag = {FORWARD: ACTIVATION_TAG, BACKWARD: GRADIENT_TAG}
-
-    def _post_recv(self, peer: int, tag: int) -> List[tuple]:
-        """Posts the receives of one boundary crossing: one per element of its structure, which the
-        first crossing brings (``_STRUCTURE_TAG``)."""
-        if tag not in self._structure:
-            spec = self.p2p.wait_recv(self.p2p.post_recv(peer=peer, tag=_STRUCTURE_TAG[tag]), peer=peer)
-            self._structure[tag] = pytree.treespec_loads(bytes(spec.cpu().tolist()).decode())
-        return [self.p2p.post_recv(peer=peer, tag=_leaf_tag(tag, i)) for i in range(self._structure[tag].num_leaves)]
 
     def _communicate(self, op: str, x: str, k: int) -> None:
         """Runs one lowered communication action ``OP_X k`` (schedule's module docstring)."""
         if op == RECV:
-            self._posted[(x, k)] = self._post_recv(self._recv_from[x], self._tag[x])
+            self._posted[(x, k)] = self._channel[x].post_recv(self._recv_from[x])
         elif op == WAIT:
-            peer = self._recv_from[x]
-            leaves = [self.p2p.wait_recv(p, peer=peer) for p in self._posted.pop((x, k))]
-            self._received[(x, k)] = pytree.tree_unflatten(leaves, self._structure[self._tag[x]])
+            self._received[(x, k)] = self._channel[x].wait_recv(self._posted.pop((x, k)), peer=self._recv_from[x])
         elif op == FREE:
             self.p2p.release(self._send_to[x], k)
         else:
-            self._send(self._outbox.pop((x, k)), k, peer=self._send_to[x], tag=self._tag[x], defer=op == HOLD)
-
-    def _send(self, tree: Any, k: int, *, peer: int, tag: int, defer: bool) -> None:
-        start = time.perf_counter()
-        leaves, spec = _flatten(tree, "a stage's output" if tag == ACTIVATION_TAG else "an input gradient")
-        if tag not in self._sent_structure:  # the receiver learns the structure once, before the first tensors
-            self._sent_structure[tag] = spec
-            text = torch.tensor(list(pytree.treespec_dumps(spec).encode()), dtype=torch.uint8, device=self.device)
-            self.p2p.send(text, peer=peer, tag=_STRUCTURE_TAG[tag], defer=defer, token=k)
-        elif spec != self._sent_structure[tag]:
-            raise PipelineShapeError(
-                f"rank {self.p2p.ctx.rank} sends {spec} to rank {peer}, but the first microbatch agreed on "
-                f"{self._sent_structure[tag]}; a stage must return the same structure for every microbatch"
-            )
-        for i, leaf in enumerate(leaves):
-            self.p2p.send(leaf, peer=peer, tag=_leaf_tag(tag, i), defer=defer, token=k)
-        self.stats.peak_pending_sends = max(self.stats.peak_pending_sends, self.p2p.pending_sends)
-        if self.trace is not None and self.trace.on:
-            self.trace.add("send", k, start, time.perf_counter())
-
-    def _from_wire(self, t: torch.Tensor) -> torch.Tensor:
-        """A received activation in the compute dtype goes on in float32 (other elements as they are)."""
-        return t.float() if t.dtype == self._wire_dtype else t
-
-    def _to_wire(self, t: torch.Tensor) -> torch.Tensor:
-        """A float32 output element to send, in the compute dtype."""
-        return t.to(self._wire_dtype) if t.dtype == torch.float32 else t
+            start = time.perf_counter()
+            self._channel[x].send(self._outbox.pop((x, k)), peer=self._send_to[x], defer=op == HOLD, token=k)
+            self.stats.peak_pending_sends = max(self.stats.peak_pending_sends, self.p2p.pending_sends)
+            if self.trace is not None and self.trace.on:
+                self.trace.add("send", k, start, time.perf_counter())
 
     def forward(self, k: int) -> None:
         """F k: the stage on microbatch k's input (the feed's on stage 0, else what WAIT_F k received)
         with its batch's weight version; keeps the output for SEND_F k (the loss on the last stage)."""
         module = self.versions.module_for_batch(k // self.m)
         if self.first:
-            x = self.feed.inputs(k).to(self.device, non_blocking=True)
+            x = self._data(self.feed.inputs, k)
         else:
             x = self._received.pop((FORWARD, k))
             for leaf in pytree.tree_leaves(x):
@@ -260,13 +213,13 @@ class StageWorker:
         with hooks if self.swap is not None else saved:
             # A reduced-precision activation goes on in float32, as it would have in one process: only
             # the transfer is rounded, not the rest of the stage's residual stream.
-            inp = pytree.tree_map(self._from_wire, x) if self.precision != "fp32" else x
+            inp = from_wire(x, self._wire_dtype) if self.precision != "fp32" else x
             with autocast(self.precision, self.device.type):
                 out = module(inp)
             if self.last:  # the loss in float32, outside autocast
-                out = self.loss_fn(out.float(), self.feed.targets(k).to(self.device, non_blocking=True))
+                out = self.loss_fn(out.float(), self._data(self.feed.targets, k))
             elif self.precision != "fp32":
-                out = pytree.tree_map(self._to_wire, out)  # sent in the compute dtype; backward casts its gradient back
+                out = to_wire(out, self._wire_dtype)  # sent in the compute dtype; backward casts its gradient back
         if self._saved_bytes is None:
             self._saved_bytes = saved.nbytes
         if self.last:
@@ -310,6 +263,15 @@ class StageWorker:
             inputs = [t for t in pytree.tree_leaves(x) if t.is_floating_point()]
             self._outbox[(BACKWARD, k)] = [t.grad if t.grad is not None else torch.zeros_like(t) for t in inputs]
 
+    def _data(self, read: Callable[[int], torch.Tensor], k: int) -> torch.Tensor:
+        """Microbatch k's inputs or targets from the feed, on the device (a ``data`` span when tracing)."""
+        if self.trace is None or not self.trace.on:
+            return read(k).to(self.device, non_blocking=True)
+        start = time.perf_counter()
+        out = read(k).to(self.device, non_blocking=True)
+        self.trace.add("data", k, start, time.perf_counter())
+        return out
+
     def _report_loss(self, loss: torch.Tensor, t: int) -> None:
         """A last stage: hand batch t's mean loss to rank 0 (here, if this is rank 0).
 
@@ -335,6 +297,8 @@ class StageWorker:
             the time it started (the S span of an APPLY that follows at once starts there).
         """
         start = time.perf_counter()
+        if self.reducer is not None:
+            self._reductions[t] = self.reducer.take()
         for exchange in self.exchanges:
             exchange.start(t)
         if self.agreement is not None:
@@ -431,19 +395,19 @@ class StageWorker:
 
     def _wait_reducer(self, t: int) -> None:
         """Waits for every bucket of batch t's gradient all-reduce (once)."""
-        if self.reducer is not None and self._reduced != t:
-            wait = self._bucket_wait(t)
-            for b in range(len(self.versions.buckets)):
-                wait(b)
-            self._reduced = t
+        wait = self._bucket_wait(t)
+        for b in range(len(self.versions.buckets)):
+            wait(b)
 
     def _bucket_wait(self, t: int) -> Callable[[int], None]:
-        """What the optimizer step calls before bucket b: wait for its all-reduce, unless CLOSE(t) did."""
-        if self.reducer is None or self._reduced == t:
+        """What the optimizer step calls before bucket b: wait for batch t's all-reduce of it, unless
+        CLOSE(t) already waited for all of them (the norm needs the averaged gradients)."""
+        reduction = self._reductions.pop(t, None)
+        if reduction is None:
             return lambda b: None
         if self.trace is not None and self.trace.on:
-            return self._traced_wait(t)
-        return self.reducer.wait
+            return self._traced_wait(t, reduction)
+        return reduction.wait
 
     def _check_finite(self, t: int) -> None:
         """Under on_nonfinite=stop without an agreement each rank checks its own stage, on the new
@@ -456,12 +420,12 @@ class StageWorker:
         if not math.isfinite(float(agreement.sq_norm(list(self.versions.newest().parameters())))):
             raise NonFiniteError(agreement.stop_message(f"non-finite gradient at step {t} on stage {self.stage_index}"))
 
-    def _traced_wait(self, t: int) -> Callable[[int], None]:
-        """The reducer's per-bucket wait, recorded as an ``allreduce`` span of batch ``t``."""
+    def _traced_wait(self, t: int, reduction: BatchReduction) -> Callable[[int], None]:
+        """The reduction's per-bucket wait, recorded as an ``allreduce`` span of batch ``t``."""
 
         def wait(b: int) -> None:
             start = time.perf_counter()
-            self.reducer.wait(b)
+            reduction.wait(b)
             self.trace.add("allreduce", t, start, time.perf_counter())
 
         return wait
@@ -490,17 +454,17 @@ class StageWorker:
                 if pending is not None and agreement.apply_due(a, pending, num_microbatches=self.m):
                     at, what = step.start, f"the deferred APPLY({pending}) due before the step of {a}"
                     self.apply(pending)
-                    on_step(pending)
+                    self._hook(on_step, pending)
                     pending, what = None, None
                 if a.kind == STEP:
                     at = step.at
                     since = self.close(a.index)
-                    on_close(a.index)
+                    self._hook(on_close, a.index)
                     if self._defers(a.index):
                         pending = a.index
                     else:
                         self.apply(a.index, since=since)
-                        on_step(a.index)
+                        self._hook(on_step, a.index)
                     continue
                 if a.kind == BACKWARD:
                     at = step.start
@@ -520,7 +484,7 @@ class StageWorker:
             at, what = len(actions), "the last deferred APPLY or the final flush of sends"
             if pending is not None:
                 self.apply(pending)
-                on_step(pending)
+                self._hook(on_step, pending)
             start = time.perf_counter()
             self.p2p.flush()
             self.stats.p2p_wait_s += time.perf_counter() - start
@@ -539,6 +503,15 @@ class StageWorker:
             self.stats.swap = self.swap.close()
         self._measure_memory()
         return self.stats
+
+    def _hook(self, fn: Callable[[int], None], t: int) -> None:
+        """The caller's ``on_close``/``on_step`` for batch t (a ``hooks`` span when tracing)."""
+        if self.trace is None or not self.trace.on:
+            return fn(t)
+        start = time.perf_counter()
+        fn(t)
+        if self.trace.on:  # on_step of the last traced step runs after the window closed
+            self.trace.add("hooks", t, start, time.perf_counter())
 
     def _waited(self, k: int, start: float, end: float) -> None:
         """Counts the time a step's receives took before its compute (posting, waiting, freeing)."""

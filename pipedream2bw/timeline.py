@@ -18,6 +18,9 @@ from typing import Dict, List, NamedTuple, Optional, Sequence
 
 COMPUTE_KINDS = ("F", "B", "S")  # forward, backward, optimizer step: the rank's own work
 COMM_KINDS = ("send", "recv", "allreduce", "loss")  # posting a send; waiting on a receive, an all-reduce, a loss
+HOST_KINDS = ("data", "hooks")  # the feed's microbatch (inside F); on_close/on_step (logging, checkpoints, validation)
+# Where a rank's traced wall time goes (``breakdown``): each second in exactly one.
+BREAKDOWN = ("compute", "recv", "send", "step", "allreduce", "loss", "data", "hooks", "dispatch")
 COLORS = {
     "F": "#4c72b0",
     "B": "#55a868",
@@ -26,6 +29,8 @@ COLORS = {
     "recv": "#dd8452",
     "allreduce": "#8172b3",
     "loss": "#937860",
+    "data": "#da8bc3",
+    "hooks": "#ccb974",
 }
 
 
@@ -78,6 +83,34 @@ def bubble_fraction(spans: Sequence[Span], window: Sequence[float]) -> float:
     return max(0.0, 1.0 - busy / (end - start))
 
 
+def breakdown(spans: Sequence[Span], window: Sequence[float]) -> Dict[str, float]:
+    """Seconds of ``window`` by what the rank did (``BREAKDOWN``), summing to its length.
+
+    compute: F and B less the sends and the feed inside them (receives posted after a compute are
+    counted in it); recv: waiting on a receive before a compute; send: posting sends; step: S less
+    its all-reduce and agreement waits (allreduce); loss: rank 0 collecting batch losses; data: the
+    feed; hooks: logging, checkpoints and validation between steps; dispatch: the rest, the host's
+    cost of running the action list (Python between actions)."""
+    start, end = window
+    inside = [s for s in spans if start <= s.start < end]
+
+    def total(*kinds: str) -> float:
+        return sum(s.end - s.start for s in inside if s.kind in kinds)
+
+    out = {
+        "recv": total("recv"),
+        "send": total("send"),
+        "allreduce": total("allreduce"),
+        "loss": total("loss"),
+        "data": total("data"),
+        "hooks": total("hooks"),
+    }
+    out["compute"] = total("F", "B") - out["send"] - out["data"]
+    out["step"] = total("S") - out["allreduce"]
+    out["dispatch"] = max(0.0, (end - start) - sum(out.values()))
+    return {k: out[k] for k in BREAKDOWN}
+
+
 def bubble_summary(traces: Sequence[dict]) -> Dict[str, object]:
     """The measured bubble of each rank and overall (idle time over all ranks' traced time)."""
     per_rank = [bubble_fraction(tr["spans"], tr["window"]) for tr in traces]
@@ -89,7 +122,7 @@ def bubble_summary(traces: Sequence[dict]) -> Dict[str, object]:
 
 
 def chrome_trace(traces: Sequence[dict], *, title: str = "") -> dict:
-    """Chrome trace event JSON: one process per rank (named by stage), a compute and a comm thread.
+    """Chrome trace event JSON: one process per rank (named by stage), a compute, a comm and a host thread.
 
     Each element of ``traces``: {"rank", "stage", "replica", "spans", "window"}. Times are
     microseconds from the earliest traced span of any rank."""
@@ -106,7 +139,7 @@ def chrome_trace(traces: Sequence[dict], *, title: str = "") -> dict:
             }
         )
         events.append({"ph": "M", "name": "process_sort_index", "pid": pid, "args": {"sort_index": pid}})
-        for tid, name in ((0, "compute"), (1, "comm")):
+        for tid, name in ((0, "compute"), (1, "comm"), (2, "host")):
             events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": name}})
         for s in tr["spans"]:
             events.append(
@@ -115,7 +148,7 @@ def chrome_trace(traces: Sequence[dict], *, title: str = "") -> dict:
                     "name": f"{s.kind}{s.index}",
                     "cat": s.kind,
                     "pid": pid,
-                    "tid": 0 if s.kind in COMPUTE_KINDS else 1,
+                    "tid": 0 if s.kind in COMPUTE_KINDS else 2 if s.kind in HOST_KINDS else 1,
                     "ts": (s.start - t0) * 1e6,
                     "dur": (s.end - s.start) * 1e6,
                     "args": {"index": s.index},

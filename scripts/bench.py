@@ -2,8 +2,10 @@
 
     python scripts/bench.py [--nproc 2] [--num-microbatches 2] [--microbatch-size 16] [--repeats 3]
 
-Systems, on the same GPT, stage split and microbatches: our 2bw, flush and gpipe;
-torch.distributed.pipelining's Schedule1F1B and ScheduleGPipe driving our stage modules; and
+Systems, on the same GPT and microbatches: our 2bw, flush and gpipe; torch.distributed.pipelining's
+Schedule1F1B and ScheduleGPipe driving our stage modules (our split), and its strongest schedules,
+which hold two stages per rank (Interleaved1F1B, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV:
+the GPT split into 2d stages, looped or V-shaped; a schedule that refuses the shape shows n/a); and
 the whole model in one process with one thread (the physical limit: d stages on d cores can
 at best run d times its throughput). Runs alternate between systems within each repeat, so
 drift hits all alike. Prints the command, the configuration and one table of medians
@@ -32,7 +34,17 @@ import time
 from pathlib import Path
 from typing import Optional
 
-SYSTEMS = ["ours-2bw", "ours-flush", "ours-gpipe", "torch-1f1b", "torch-gpipe", "single"]
+# torch.distributed.pipelining's schedules by our name: (class, stages per rank, how ranks hold stages)
+TORCH_SCHEDULES = {
+    "1f1b": ("Schedule1F1B", 1, "loop"),
+    "gpipe": ("ScheduleGPipe", 1, "loop"),
+    "interleaved1f1b": ("ScheduleInterleaved1F1B", 2, "loop"),  # rank r: stages r and r + d
+    "interleavedzb": ("ScheduleInterleavedZeroBubble", 2, "loop"),
+    "zbv": ("ScheduleZBVZeroBubble", 2, "v"),  # rank r: stages r and 2d - 1 - r
+    "dualpipev": ("ScheduleDualPipeV", 2, "v"),
+}
+SYSTEMS = ["ours-2bw", "ours-flush", "ours-gpipe", *(f"torch-{name}" for name in TORCH_SCHEDULES), "single"]
+STRONGEST = [f"torch-{name}" for name, (_, per_rank, _) in TORCH_SCHEDULES.items() if per_rank == 2]
 
 
 def _uses_cuda(args) -> bool:
@@ -216,6 +228,9 @@ def worker_ours(args, schedule: str, device) -> dict:
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     cfg = _config(args, schedule, world)
+    if not args.memory_pass:  # the timed steps traced: where each rank's time goes (a few clock reads per action)
+        cfg.pipeline.trace, cfg.pipeline.trace_first_step = True, args.warmup
+        cfg.pipeline.trace_steps = args.steps - args.warmup
     with tempfile.TemporaryDirectory() as tmp, _memory_probe(args, device, within=TRAIN_RANGE) as peak:
         summary = run(cfg, tmp)
     if args.memory_pass:
@@ -230,37 +245,50 @@ def worker_ours(args, schedule: str, device) -> dict:
             samples_per_s=summary["samples_per_s"],
             step_time_s=summary["step_time_s"],
             peak_rss_per_stage=summary["peak_memory_bytes"],
+            breakdown_per_rank=summary["trace"]["breakdown_per_rank"],
         )
     return out
+
+
+def _torch_stage_indices(rank: int, world: int, per_rank: int, style: str) -> list:
+    """The stages rank ``rank`` holds of ``world * per_rank``: looped (r, r + d, ...) or V-shaped (r, 2d - 1 - r)."""
+    if style == "v":
+        return [rank, 2 * world - 1 - rank]
+    return [rank + i * world for i in range(per_rank)]
 
 
 def worker_torch(args, schedule: str, device) -> dict:
     import torch
     import torch.distributed as dist
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    from torch.distributed.pipelining import PipelineStage, schedules
 
     from pipedream2bw.config import build_optimizer, gpt_balance
     from pipedream2bw.runner import build_stage_module
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    cfg = _config(args, schedule, world)
+    cfg = _config(args, "flush", world)
     m, b = cfg.pipeline.num_microbatches, cfg.pipeline.microbatch_size
+    name, per_rank, style = TORCH_SCHEDULES[schedule]
+    num_stages = world * per_rank
+    held = _torch_stage_indices(rank, world, per_rank, style)
     with _memory_probe(args, device) as peak:
-        module = build_stage_module(cfg, gpt_balance(cfg.model, world), rank, None).to(device)  # the split ours uses
-        stage = PipelineStage(_Autocast(cfg, device).wrap(module, last=rank == world - 1), rank, world, device)
-        sched = (Schedule1F1B if schedule == "1f1b" else ScheduleGPipe)(stage, m, loss_fn=_loss)
-        opt = build_optimizer(module.parameters(), cfg.optim)
+        balance = gpt_balance(cfg.model, num_stages)  # with one stage per rank, the split ours uses
+        modules = [build_stage_module(cfg, balance, s, None).to(device) for s in held]
+        stages = [
+            PipelineStage(_Autocast(cfg, device).wrap(mod, last=s == num_stages - 1), s, num_stages, device)
+            for s, mod in zip(held, modules)
+        ]
+        cls = getattr(schedules, name)
+        sched = cls(stages[0] if per_rank == 1 else stages, m, loss_fn=_loss)
+        params = [p for mod in modules for p in mod.parameters()]
+        opt = build_optimizer(params, cfg.optim)
         feed = _feed(cfg, num_microbatches=m)
         ends = [time.perf_counter()]
         for t in range(cfg.train.num_steps):
             x, y = (torch.cat(parts).to(device) for parts in zip(*(feed.microbatch(t * m + j) for j in range(m))))
-            if rank == 0:
-                sched.step(x)
-            elif rank == world - 1:
-                sched.step(target=y)
-            else:
-                sched.step()
+            first, last = 0 in held, num_stages - 1 in held
+            sched.step(*([x] if first else []), **({"target": y} if last else {}))
             opt.step()
             opt.zero_grad(set_to_none=True)
             _sync(device)
@@ -268,11 +296,15 @@ def worker_torch(args, schedule: str, device) -> dict:
     peak_rss = _peak_rss()
     dist.destroy_process_group()
     if args.memory_pass:
-        return {"rank": rank, "peak_tensor_bytes": peak["bytes"], "stage_weight_bytes": _param_bytes(module)}
+        return {
+            "rank": rank,
+            "peak_tensor_bytes": peak["bytes"],
+            "stage_weight_bytes": sum(_param_bytes(mod) for mod in modules),
+        }
     return {
         "rank": rank,
         "peak_rss": peak_rss,
-        "compute_s": _stage_compute_s(cfg, rank, world, device),
+        "compute_s": sum(_stage_compute_s(cfg, s, num_stages, device) for s in held),
         **_timing(ends, warmup=args.warmup, samples_per_step=m * b),
     }
 
@@ -322,6 +354,15 @@ def run_worker(args) -> None:
     Path(args.out, f"rank{result['rank']}.json").write_text(json.dumps(result))
 
 
+class SystemFailed(Exception):
+    """A system's run exited non-zero (a torch schedule may refuse a shape, e.g. too few microbatches)."""
+
+    def __init__(self, system: str, output: str):
+        super().__init__(f"{system} failed:\n{output[-3000:]}")
+        errors = [line for line in output.splitlines() if "Error" in line]
+        self.system, self.reason = system, (errors[-1].strip() if errors else output.strip()[-200:])
+
+
 def launch(system: str, args, argv_model, *, memory_pass: bool = False) -> dict:
     """One run of ``system``; its figures, or with ``memory_pass`` its per-stage peak tensor bytes."""
     from pipedream2bw.comm import torchrun_command
@@ -341,7 +382,7 @@ def launch(system: str, args, argv_model, *, memory_pass: bool = False) -> dict:
         ]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode:
-            raise SystemExit(f"{system} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+            raise SystemFailed(system, proc.stdout + proc.stderr)
         ranks = sorted((json.loads(p.read_text()) for p in Path(out).glob("rank*.json")), key=lambda r: r["rank"])
     if memory_pass:
         return {
@@ -358,7 +399,28 @@ def launch(system: str, args, argv_model, *, memory_pass: bool = False) -> dict:
         "step_time_s": r0["step_time_s"],
         "peak_rss": peaks,
         "idle_fraction": statistics.mean(idle),
+        **({"breakdown_per_rank": r0["breakdown_per_rank"]} if "breakdown_per_rank" in r0 else {}),
     }
+
+
+def print_breakdowns(rows: dict) -> None:
+    """Our systems' per-rank wall time per step by what it went to (timeline.BREAKDOWN), medians over repeats."""
+    from pipedream2bw.timeline import BREAKDOWN
+
+    ours = [s for s, row in rows.items() if "breakdown_per_rank" in row["runs"][0]]
+    if not ours:
+        return
+    print(f"\nwhere each rank's time goes, ms per step (median of repeats; traced timed steps):\n{'':>17}", end="")
+    print("".join(f"{k:>10}" for k in (*BREAKDOWN, "total")))
+    for system in ours:
+        runs = rows[system]["runs"]
+        per_rank = []
+        for rank in range(len(runs[0]["breakdown_per_rank"])):
+            parts = {k: statistics.median(r["breakdown_per_rank"][rank][k] for r in runs) for k in BREAKDOWN}
+            per_rank.append(parts)
+            cells = "".join(f"{parts[k] * 1e3:>10.2f}" for k in BREAKDOWN)
+            print(f"{system:>12} r{rank:<3}{cells}{sum(parts.values()) * 1e3:>10.2f}")
+        rows[system]["breakdown_per_rank"] = per_rank
 
 
 def check_targets(rows: dict, args) -> list:
@@ -390,7 +452,12 @@ def check_targets(rows: dict, args) -> list:
         add("ours-2bw >= 1.35x torch-1f1b samples/s", f"{r:.2f}x", r >= 1.35, (2, 2, 16))
     if "ours-2bw" in rows and rows["ours-2bw"]["efficiency"] is not None:
         eff = rows["ours-2bw"]["efficiency"]
-        add("ours-2bw pipeline efficiency >= 0.9", f"{eff:.2f}", eff >= 0.9, (2, 2, 16))
+        for bound, spec in [(0.92, (2, 2, 16)), (0.95, (2, 8, 4))]:
+            add(f"ours-2bw pipeline efficiency >= {bound}", f"{eff:.2f}", eff >= bound, spec)
+    for theirs in [s for s in rows if s.startswith("torch-")]:
+        r = ratio("ours-2bw", theirs)
+        for spec in [(2, 2, 16), (2, 8, 4)]:
+            add(f"ours-2bw ahead of {theirs} (> 1.00x)", f"{r:.2f}x", r > 1.0, spec)
     for ours, theirs in [("ours-flush", "torch-1f1b"), ("ours-gpipe", "torch-gpipe")]:
         r = ratio(ours, theirs)
         if r is not None:
@@ -495,19 +562,28 @@ def main() -> None:
         f"({args.warmup} warm-up left out), {args.repeats} repeats, systems alternate; torch {torch.__version__}"
     )
     results = {s: [] for s in systems}
+    refused = {}  # torch schedules that refuse this shape: system -> why
     for repeat in range(args.repeats):
-        for system in systems:
-            results[system].append(launch(system, args, argv_model))
-            print(f"  repeat {repeat} {system:>12}: {results[system][-1]['samples_per_s']:.1f} samples/s", flush=True)
+        for system in [s for s in systems if s not in refused]:
+            try:
+                results[system].append(launch(system, args, argv_model))
+            except SystemFailed as e:
+                if system not in STRONGEST:
+                    raise SystemExit(str(e)) from e
+                refused[system] = e.reason
+                del results[system]
+                print(f"  repeat {repeat} {system:>21}: n/a ({e.reason})", flush=True)
+                continue
+            print(f"  repeat {repeat} {system:>21}: {results[system][-1]['samples_per_s']:.1f} samples/s", flush=True)
     memory = {}
     if args.memory_steps:
-        for system in systems:
+        for system in results:
             memory[system] = launch(system, args, argv_model, memory_pass=True)
         print(f"  peak tensor memory: one untimed run of {args.memory_steps} steps per system", flush=True)
     single = statistics.median(r["samples_per_s"] for r in results["single"]) if "single" in results else None
     rows = {}
     print(
-        f"\n{'system':>12} {'samples/s':>10} {'efficiency':>10} {'idle':>6} {'peak RSS per stage (MiB)':>26} "
+        f"\n{'system':>21} {'samples/s':>10} {'efficiency':>10} {'idle':>6} {'peak RSS per stage (MiB)':>26} "
         f"{'peak tensors per stage (MiB)':>30}"
     )
     for system, runs in results.items():
@@ -533,12 +609,19 @@ def main() -> None:
             tensors_text = " ".join(f"{p / 2**20:.1f}" for p in memory[system]["peak_tensor_bytes"])
         peaks_text = " ".join(f"{p / 2**20:.0f}" for p in peaks)
         print(
-            f"{system:>12} {sps:>10.1f} {eff if eff is not None else float('nan'):>10.2f} {idle:>6.2f} "
+            f"{system:>21} {sps:>10.1f} {eff if eff is not None else float('nan'):>10.2f} {idle:>6.2f} "
             f"{peaks_text:>26} {tensors_text:>30}"
         )
+    print_breakdowns(rows)
+    for system, why in refused.items():
+        print(f"{system:>21} {'n/a':>10}  ({why})")
     for ours, theirs in [("ours-2bw", "torch-1f1b"), ("ours-flush", "torch-1f1b"), ("ours-gpipe", "torch-gpipe")]:
         if ours in rows and theirs in rows:
             print(f"{ours} / {theirs}: {rows[ours]['samples_per_s'] / rows[theirs]['samples_per_s']:.2f}x")
+    strongest = max((s for s in rows if s.startswith("torch-")), key=lambda s: rows[s]["samples_per_s"], default=None)
+    if "ours-2bw" in rows and strongest is not None:
+        lead = rows["ours-2bw"]["samples_per_s"] / rows[strongest]["samples_per_s"]
+        print(f"ours-2bw / the strongest torch schedule here ({strongest}): {lead:.2f}x")
     checks = check_targets(rows, args)
     if checks:
         print("\ntargets:")

@@ -16,7 +16,7 @@ def test_bench_finds_2bw_holds_one_more_weight_copy_than_flush_and_nothing_else(
         sys.executable,
         str(ROOT / "scripts" / "bench.py"),
         "--systems",
-        "ours-2bw,ours-flush,torch-1f1b",
+        "ours-2bw,ours-flush,torch-1f1b,torch-zbv",  # zbv: two stages per rank, V-shaped
         "--num-layers",
         "2",
         "--d-model",
@@ -45,8 +45,13 @@ def test_bench_finds_2bw_holds_one_more_weight_copy_than_flush_and_nothing_else(
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     data = json.loads(out.read_text())
     rows = {r["system"]: r for r in data["rows"]}
-    assert set(rows) == {"ours-2bw", "ours-flush", "torch-1f1b"}
+    assert set(rows) == {"ours-2bw", "ours-flush", "torch-1f1b", "torch-zbv"}
     assert all(r["samples_per_s"] > 0 and len(r["peak_rss_per_stage"]) == 2 for r in rows.values())
+    assert "ours-2bw / the strongest torch schedule here (torch-" in proc.stdout
+    # Where our ranks' time goes: every part of the traced steps named, summing to the step time.
+    for rank in rows["ours-2bw"]["breakdown_per_rank"]:
+        assert rank["compute"] > 0 and all(v >= 0 for v in rank.values())
+    assert len(rows["ours-2bw"]["breakdown_per_rank"]) == 2 and "where each rank's time goes" in proc.stdout
 
     two, flush = rows["ours-2bw"], rows["ours-flush"]
     weights = two["stage_weight_bytes"]

@@ -20,9 +20,10 @@ from dist_helper import run_ok, spawn, train_cli
 from reference import reference_eval, reference_train
 from test_semantics import assert_losses_close, tiny_config
 
-from pipedream2bw.config import ConfigError, validate
+from pipedream2bw.config import ConfigError, LayerListConfig, validate
 from pipedream2bw.data import (
     MicrobatchFeed,
+    check_data,
     data_resident_bytes,
     load_splits,
     make_feeds,
@@ -234,6 +235,46 @@ BAD_FILES = {  # what a token file holds -> the error every rank must give
 }
 
 
+class _Payload:
+    """Unpickling this calls os.system: what a crafted meta.pkl would do."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        import os
+
+        return os.system, (f"touch {self.marker}",)
+
+
+def test_nanogpt_meta_pkl_describes_the_vocabulary_without_running_code(tmp_path, caplog):
+    # nanoGPT writes meta.pkl ({'vocab_size', 'itos', 'stoi'}) beside train.bin: read as the .json
+    # sidecar is, by an unpickler that looks up no class or function, so a payload cannot run.
+    import pickle
+
+    cfg = token_config(tmp_path)  # the GPT's vocabulary is 300; the file's ids are below it
+    meta = tmp_path / "meta.pkl"
+    meta.write_bytes(pickle.dumps({"vocab_size": 300, "itos": {0: "a"}, "stoi": {"a": 0}}))
+    with caplog.at_level("WARNING", logger="pipedream2bw.data"):
+        info = check_data(cfg.data, vocab_size=50304, seq_len=16, need_val=False)
+    assert info.vocab_size == 300 and info.vocab_source == str(meta)
+    assert "the model's vocabulary (50304) is 168x the data's (300, from " in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="pipedream2bw.data"):
+        check_data(cfg.data, vocab_size=512, seq_len=16, need_val=False)
+    assert "vocabulary" not in caplog.text  # within 2x: no warning
+    marker = tmp_path / "ran"
+    meta.write_bytes(pickle.dumps({"vocab_size": _Payload(marker)}))
+    try:
+        with pytest.raises(ConfigError, match=r"meta.pkl \(the description of .*tokens.bin\) cannot be read: refusing"):
+            check_data(cfg.data, vocab_size=300, seq_len=16, need_val=False)
+    finally:
+        assert not marker.exists(), "the payload in meta.pkl ran"
+    (tmp_path / "tokens.bin.json").write_text("{not json")
+    with pytest.raises(ConfigError, match=r"tokens.bin.json \(the description of .*\) cannot be read"):
+        check_data(cfg.data, vocab_size=300, seq_len=16, need_val=False)
+
+
 def test_each_bad_token_file_stops_every_rank_before_any_group_starts(tmp_path):
     runs = []
     for bad, (content, _) in BAD_FILES.items():
@@ -309,6 +350,25 @@ def test_validation_loss_is_the_same_on_every_layout_and_that_of_the_final_weigh
         # The last pass ran with the weights the run ended with, on the same held-out windows.
         assert_losses_close([run_summary["final_val_loss"]], [reference_eval(run_cfg, run_weights)])
         assert all(r["eval_s"] > 0 for r in run_summary["ranks"])
+
+
+def test_validation_carries_tuple_and_dict_boundaries_as_training_does(tmp_path):
+    # Regression (validation on structured boundaries): the pass sent one tensor per crossing and
+    # raised NotImplementedError at the first evaluation of a model whose stages pass (hidden, ids)
+    # tuples and dicts; it now crosses through the same boundary.Channel as training.
+    val_losses = {}
+    for d in (1, 2, 4):
+        cfg = tiny_config(schedule="2bw", num_stages=d, num_microbatches=4, optim="sgd_momentum", num_steps=4)
+        cfg.model = LayerListConfig(target="custom_models.tuple_layers", kwargs={"width": 8}, seq_len=8)
+        cfg.data = dataclasses.replace(cfg.data, val_fraction=0.1)
+        cfg.train = dataclasses.replace(cfg.train, eval_every=2, eval_batches=1)
+        summary = run_ok(cfg, tmp_path / f"d{d}")
+        assert [v["step"] for v in summary["val_losses"]] == [2, 4]
+        val_losses[d] = [v["loss"] for v in summary["val_losses"]]
+        final = reference_eval(cfg, torch.load(tmp_path / f"d{d}" / "final_model.pt"))
+        assert_losses_close([summary["final_val_loss"]], [final])
+    assert_losses_close(val_losses[2], val_losses[1])
+    assert_losses_close(val_losses[4], val_losses[1])
 
 
 def test_validation_leaves_training_bit_identical(runs):

@@ -7,9 +7,11 @@ import os
 import subprocess
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from custom_models import tuple_layers
 from dist_helper import run_ok
 from reference import reference_run, reference_train
 from test_semantics import assert_losses_close, tiny_config
@@ -46,21 +48,27 @@ def assert_tied_result(run_dir: Path, summary: dict, cfg: Config, *, steps_check
     return weights
 
 
-@pytest.mark.parametrize("schedule,w", [("flush", 2), ("gpipe", 1)])
-def test_tied_gpt_flushing_schedules_match_minibatch_training(tmp_path, schedule, w):
-    # w=2: the tie's gradient is summed over 2 stages x 2 replicas, then averaged over the replicas.
-    cfg = tied_config(schedule, 2)
+@pytest.mark.parametrize("schedule,d,w", [("flush", 2, 2), ("gpipe", 2, 1), ("2bw", 2, 2), ("2bw", 4, 2)])
+def test_tied_gpt_with_data_parallelism_matches_the_reference(tmp_path, schedule, d, w):
+    # w=2: the tie's gradient is summed over d stages x 2 replicas, then averaged over the replicas.
+    # Regression (2bw + tie + w=2): the tie defers APPLY(t), and batch t+1's last backward re-armed
+    # the data-parallel reducer before it, so the step used the replica's own gradient, then crashed.
+    cfg = tied_config(schedule, d)
     cfg.pipeline.data_parallel, cfg.pipeline.microbatch_size = w, 2 // w
-    summary = run_ok(cfg, tmp_path)
+    summary = run_ok(cfg, tmp_path, timeout_s=240)
     assert_tied_result(tmp_path, summary, cfg, steps_checked=6)
-    assert summary["tie_allreduce_calls"] == [6] * (2 * w)  # one exchange per step on each holder
+    # one exchange per step on each holder (the first and last stage's replicas), none elsewhere
+    holders = [6 if s in (0, d - 1) else 0 for s in range(d) for _ in range(w)]
+    assert sorted(summary["tie_allreduce_calls"]) == sorted(holders)
 
 
-def test_tied_gpt_clipped_by_the_global_norm_counts_the_tie_once(tmp_path):
+@pytest.mark.parametrize("w", [1, 2])
+def test_tied_gpt_clipped_by_the_global_norm_counts_the_tie_once(tmp_path, w):
     # Regression (ties with clipping): the norm must see the tie's gradient summed over its stages,
     # counted once, as clip_grad_norm_ on the tied model does; the clip is active on every step.
     cfg = tied_config("2bw", 2)
     cfg.optim.clip_grad_norm = 1e-3
+    cfg.pipeline.data_parallel, cfg.pipeline.microbatch_size = w, 2 // w
     summary = run_ok(cfg, tmp_path)
     reference = tied_config("2bw", 1)
     reference.optim.clip_grad_norm = 1e-3
@@ -68,6 +76,24 @@ def test_tied_gpt_clipped_by_the_global_norm_counts_the_tie_once(tmp_path):
     assert min(expected.grad_norms) > cfg.optim.clip_grad_norm
     torch.testing.assert_close(torch.tensor(summary["grad_norms"]), torch.tensor(expected.grad_norms))
     torch.testing.assert_close(torch.load(tmp_path / "final_model.pt"), expected.weights)
+
+
+def test_tied_gpt_2bw_fp16_with_two_replicas_equals_the_scaled_reference(tmp_path):
+    """2bw + tie + w=2 under fp16 loss scaling (the scaler's agreement defers APPLY too): the 2bw
+    reference with the same scales, at fp16's tolerance (two replicas sum in another order)."""
+    cfg = tied_config("2bw", 2)
+    cfg.train.precision, cfg.train.loss_scale, cfg.train.loss_scale_growth_interval = "fp16", 1024.0, 2
+    cfg.pipeline.data_parallel, cfg.pipeline.microbatch_size = 2, 1
+    summary = run_ok(cfg, tmp_path)
+    reference = tied_config("2bw", 1)
+    reference.train = cfg.train
+    info = {}
+    expected, losses = reference_train(reference, delayed=True, balance=summary["balance"], info=info)
+    assert summary["loss_scale"]["per_step"] == info["loss_scales"] and max(info["loss_scales"]) > 1024.0
+    fp16_close = dict(rtol=1e-3, atol=1e-4)
+    weights = torch.load(tmp_path / "final_model.pt")
+    torch.testing.assert_close(weights, expected, **fp16_close)
+    torch.testing.assert_close(torch.tensor(summary["losses"]), torch.tensor(losses), **fp16_close)
 
 
 def test_tied_gpt_2bw_matches_delayed_rule_and_resumes_at_another_depth(tmp_path):
@@ -197,6 +223,29 @@ def test_bad_models_fail_before_any_group_starts(tmp_path, target, message):
     cfg.model = LayerListConfig(target=target)
     with pytest.raises(ConfigError, match=message):
         run(cfg, tmp_path)
+    assert not dist.is_initialized()
+
+
+def test_a_custom_models_vocabulary_is_read_from_its_layers_and_checked_before_any_group_starts(tmp_path):
+    # Regression (custom-model vocabularies): a layer list had no vocabulary, so a token id over its
+    # embedding's rows trained until a window held it, then ended in a bare IndexError on stage 0.
+    ids = np.arange(400, dtype=np.uint16) % 200
+    ids[50] = 300
+    ids.tofile(tmp_path / "tokens.bin")
+    cfg = tiny_config(schedule="2bw", num_stages=1, num_microbatches=2)  # one rank: refused before any group
+    cfg.model = LayerListConfig(target="custom_models.tuple_layers", kwargs={"width": 8}, seq_len=8)
+    cfg.data.path = str(tmp_path / "tokens.bin")
+    over = r"holds token id 300 \(first id >= 256 at position 50\), but the vocabulary of the model's layers"
+    with pytest.raises(ConfigError, match=over + r".* build the model's embedding and head for 301 or more ids"):
+        run(cfg, tmp_path)  # a factory: Embed's nn.Embedding(256) and Head's nn.Linear(8, 256)
+    with pytest.raises(ConfigError, match=over):
+        run(cfg, tmp_path, layers=tuple_layers(width=8, seed=0))  # the Python API's layers
+    cfg.model.vocab_size = 1000
+    with pytest.raises(ConfigError, match=r"model.vocab_size \(1000\) is more than the model's layers take \(256"):
+        run(cfg, tmp_path)
+    cfg.model.vocab_size = None
+    with pytest.raises(ConfigError, match=r"the model's vocabulary is unknown .* set model.vocab_size"):
+        run(cfg, tmp_path, layers=[nn.Linear(8, 8), nn.Linear(8, 8)], loss_fn=lambda out, y: out.mean())
     assert not dist.is_initialized()
 
 

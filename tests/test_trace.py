@@ -11,7 +11,7 @@ import pytest
 from dist_helper import spawn, train_sleepy
 
 from pipedream2bw.config import Config, ConfigError, GPTConfig, PipelineConfig, TrainConfig, WandbConfig, validate
-from pipedream2bw.timeline import Span, bubble_fraction
+from pipedream2bw.timeline import BREAKDOWN, Span, breakdown, bubble_fraction
 
 D, M, FIRST, STEPS = 4, 4, 2, 2  # trace steps 2 and 3 of 6: steady state, away from fill and drain
 
@@ -68,6 +68,10 @@ def test_one_event_per_action_per_rank(runs):
             }
             if s == 0:
                 expected["loss"] = STEPS  # rank 0 receives each batch's loss from the last stage
+            if s in (0, D - 1):
+                expected["data"] = n  # the feed: inputs on the first stage, targets on the last
+            # on_step of the step before the window, on_close of each traced step, on_step of all but the last
+            expected["hooks"] = 2 * STEPS
             assert dict(count) == expected, (schedule, s, count)
             assert len({e["name"] for e in mine if e["cat"] in "FBS"}) == 2 * n + STEPS  # each action once
             # Backwards of the traced batches, exactly; forwards run d-s-1 microbatches ahead under 2bw.
@@ -78,6 +82,44 @@ def test_one_event_per_action_per_rank(runs):
             assert all(e["dur"] >= 0 and e["ts"] >= 0 for e in mine)
             compute = sorted((e["ts"], e["ts"] + e["dur"]) for e in mine if e["tid"] == 0)
             assert all(a[1] <= b[0] + 1e-3 for a, b in zip(compute, compute[1:]))  # one rank's work never overlaps
+
+
+def test_the_breakdown_accounts_for_every_second_of_each_rank(runs):
+    for schedule, (summary, _) in runs.items():
+        for s, parts in enumerate(summary["trace"]["breakdown_per_rank"]):
+            assert set(parts) == set(BREAKDOWN) and all(v >= 0 for v in parts.values()), parts
+            # each stage sleeps 5 ms per forward and 10 ms per backward, M of each per step
+            assert parts["compute"] >= M * 0.015, (schedule, s, parts)
+            assert (parts["data"] > 0) == (s in (0, D - 1)) and parts["hooks"] > 0
+        if schedule == "flush":  # the flush bubble is time waiting on receives
+            assert sum(p["recv"] for p in summary["trace"]["breakdown_per_rank"]) > M * 0.015
+
+
+def test_breakdown_puts_each_second_in_one_part():
+    spans = [
+        Span("recv", 0, 0.0, 0.5),
+        Span("F", 0, 0.5, 2.0),
+        Span("data", 0, 0.5, 0.7),
+        Span("send", 0, 1.8, 2.0),
+        Span("S", 0, 2.5, 4.0),
+        Span("allreduce", 0, 3.0, 3.5),
+        Span("hooks", 0, 4.0, 4.2),
+    ]
+    parts = breakdown(spans, [0.0, 5.0])
+    assert parts == pytest.approx(
+        {
+            "compute": 1.1,
+            "recv": 0.5,
+            "send": 0.2,
+            "step": 1.0,
+            "allreduce": 0.5,
+            "loss": 0.0,
+            "data": 0.2,
+            "hooks": 0.2,
+            "dispatch": 1.3,
+        }
+    )
+    assert sum(parts.values()) == pytest.approx(5.0)
 
 
 def test_2bw_has_no_flush_bubble(runs):

@@ -1,0 +1,105 @@
+"""What crosses a stage boundary: a tensor, or a tuple/list/dict of tensors, sent element by element over P2P.
+
+Training's activations and input gradients and validation's activations all go through a
+``Channel``, so a structure that trains also validates. The receiver learns the structure (a
+pytree spec) once, from the first crossing, before its tensors; every later crossing must
+send the same structure. Element ``i`` travels on a tag of its own, so P2P agrees shape and
+dtype per element.
+"""
+
+from __future__ import annotations
+
+from typing import Any, List, Optional, Tuple
+
+import torch
+import torch.utils._pytree as pytree
+
+from pipedream2bw.comm import P2P, PipelineShapeError
+
+_STRUCTURE_TAG_OFFSET = 2  # a channel's structure goes on tag + 2 (channels use tags 0 and 1)
+
+
+def leaf_tag(tag: int, i: int) -> int:
+    """Tag of element ``i`` of a boundary's tuple/dict: element 0 keeps the channel's tag, so P2P
+    agrees shape and dtype per element (tags 10, 11, 12, ... for the others)."""
+    return tag if i == 0 else 8 + 2 * i + tag
+
+
+def flatten(tree: Any, what: str) -> Tuple[List[torch.Tensor], Any]:
+    """The tensors of a stage boundary (a tensor, or a tuple/list/dict of them) and its structure.
+
+    Raises:
+        TypeError: ``tree`` holds something other than tensors, or nothing.
+    """
+    leaves, spec = pytree.tree_flatten(tree)
+    bad = [type(x).__name__ for x in leaves if not torch.is_tensor(x)]
+    if bad or not leaves:
+        raise TypeError(
+            f"{what} must be a tensor or a tuple, list or dict of tensors; got {type(tree).__name__} "
+            f"holding {bad or 'nothing'}"
+        )
+    return leaves, spec
+
+
+def to_wire(tree: Any, dtype: torch.dtype) -> Any:
+    """The float32 elements of a boundary in ``dtype`` (the compute dtype travels); others as they are."""
+    return pytree.tree_map(lambda t: t.to(dtype) if t.dtype == torch.float32 else t, tree)
+
+
+def from_wire(tree: Any, dtype: torch.dtype) -> Any:
+    """The ``dtype`` elements of a received boundary back in float32, as one process would go on."""
+    return pytree.tree_map(lambda t: t.float() if t.dtype == dtype else t, tree)
+
+
+class Channel:
+    """One kind of crossing (``tag``) of this rank's stage boundaries over ``p2p``: what it sends to
+    one neighbour and receives from the other, with the structure agreed on the first crossing.
+
+    Args:
+        p2p: the transfers (training's group, or validation's).
+        tag: 0 or 1; ``tag + 2`` carries the structure, ``leaf_tag(tag, i)`` element ``i``.
+        what: names the crossing in errors ('a stage's output', 'an input gradient').
+        device: where the structure's bytes are staged (the backend's device).
+    """
+
+    def __init__(self, p2p: P2P, *, tag: int, what: str, device: torch.device):
+        self.p2p, self.tag, self.what, self.device = p2p, tag, what, device
+        self._sent: Optional[Any] = None  # the spec this rank sends (first crossing)
+        self._received: Optional[Any] = None  # the spec the neighbour sends (its first crossing)
+
+    def send(self, tree: Any, *, peer: int, defer: bool = False, token: Optional[int] = None) -> None:
+        """Sends ``tree``'s tensors to ``peer`` (``defer``/``token``: as ``P2P.send``).
+
+        Raises:
+            TypeError: ``tree`` is not a tensor or a tuple, list or dict of tensors.
+            PipelineShapeError: its structure differs from the first crossing's.
+        """
+        leaves, spec = flatten(tree, self.what)
+        if self._sent is None:  # the receiver learns the structure once, before the first tensors
+            self._sent = spec
+            text = torch.tensor(list(pytree.treespec_dumps(spec).encode()), dtype=torch.uint8, device=self.device)
+            self.p2p.send(text, peer=peer, tag=self.tag + _STRUCTURE_TAG_OFFSET, defer=defer, token=token)
+        elif spec != self._sent:
+            raise PipelineShapeError(
+                f"rank {self.p2p.ctx.rank} sends {spec} to rank {peer}, but the first microbatch agreed on "
+                f"{self._sent}; a stage must return the same structure for every microbatch"
+            )
+        for i, leaf in enumerate(leaves):
+            self.p2p.send(leaf, peer=peer, tag=leaf_tag(self.tag, i), defer=defer, token=token)
+
+    def post_recv(self, peer: int) -> List[tuple]:
+        """Posts the receives of one crossing from ``peer``: one per element of its structure, which
+        the first crossing brings (waited here, once)."""
+        if self._received is None:
+            tag = self.tag + _STRUCTURE_TAG_OFFSET
+            spec = self.p2p.wait_recv(self.p2p.post_recv(peer=peer, tag=tag), peer=peer)
+            self._received = pytree.treespec_loads(bytes(spec.cpu().tolist()).decode())
+        return [self.p2p.post_recv(peer=peer, tag=leaf_tag(self.tag, i)) for i in range(self._received.num_leaves)]
+
+    def wait_recv(self, posted: List[tuple], *, peer: int) -> Any:
+        """What ``post_recv``'s receives brought, in the structure ``peer`` sends."""
+        return pytree.tree_unflatten([self.p2p.wait_recv(p, peer=peer) for p in posted], self._received)
+
+    def recv(self, peer: int) -> Any:
+        """One crossing from ``peer``, posted and waited."""
+        return self.wait_recv(self.post_recv(peer), peer=peer)
