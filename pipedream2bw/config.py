@@ -103,6 +103,47 @@ class LayerListConfig:
 
 
 @dataclass
+class HFModelConfig:
+    """A transformers causal LM as a layer list (``model=hf``): [embedding, decoder layers..., final norm, head].
+
+    Llama, Mistral and Qwen2 (decoder layers that take rotary ``position_embeddings``) and GPT-2;
+    from a hand-written config (``model_type`` and ``config``), a local ``config.json``
+    (``config_path``) or a ``save_pretrained`` directory (``pretrained``). Nothing is downloaded.
+    """
+
+    name: str = "hf"
+    """Label for logs and plan files."""
+    model_type: Optional[str] = None
+    """transformers' model_type of a hand-written config: 'llama', 'mistral', 'qwen2' or 'gpt2'; null with
+    config_path or pretrained, whose config.json names it."""
+    config: Dict[str, Any] = field(default_factory=dict)
+    """Keys of a hand-written transformers config (hidden_size, intermediate_size, num_hidden_layers,
+    num_attention_heads, num_key_value_heads, vocab_size, tie_word_embeddings, ...; GPT-2: n_embd, n_layer, ...);
+    transformers' defaults fill in the rest. Must be empty with config_path or pretrained."""
+    config_path: Optional[str] = None
+    """A local config.json: the model it describes, randomly initialised (seeded per layer)."""
+    pretrained: Optional[str] = None
+    """A local save_pretrained directory (config.json plus model.safetensors, or shards listed by
+    model.safetensors.index.json): its weights, each rank reading only its own layers' tensors into
+    float32 master weights. A hub name is refused: download it first and pass the directory."""
+    seq_len: int = 128
+    """Tokens per sequence the data feed gives the first layer; at most the model's max_position_embeddings."""
+    dropout: Optional[float] = 0.0
+    """Every dropout probability of the config (attention_dropout; GPT-2's resid/embd/attn_pdrop) set to this;
+    null keeps the config's own. 0 makes the pipeline's numbers equal to a single-process run's."""
+    export_dtype: Optional[str] = None
+    """Dtype of exported weights (train.export_hf, export-hf): 'float32', 'bfloat16' or 'float16'; null: the
+    pretrained files' dtype (float32 for a model not loaded from one)."""
+
+    @property
+    def vocab_size(self) -> int:
+        """The model's vocabulary size (its config's ``vocab_size``): token files are checked against it."""
+        from pipedream2bw.models.hf import resolve_config  # models/ imports this module
+
+        return resolve_config(self).config.vocab_size
+
+
+@dataclass
 class OptimConfig:
     name: str = "adamw"
     """A torch.optim optimizer by name, case-insensitive: sgd, adam, adamw, rmsprop, ... (not lbfgs)."""
@@ -165,7 +206,8 @@ class TrainConfig:
     checkpoint_every: int = 0
     """Write a checkpoint every this many steps (and after the last); 0 writes none."""
     keep_checkpoints: int = 2
-    """Complete checkpoints to keep in <run dir>/checkpoints; older ones are deleted once a newer one is complete."""
+    """Complete checkpoints of this run's lineage to keep in <run dir>/checkpoints; older ones are deleted once a
+    newer one is complete (another run's checkpoints in the same directory never are)."""
     eval_every: int = 0
     """Validation loss on held-out data (data.val_fraction or data.val_path) every this many steps and
     after the last, with the newest weights (forward only); 0: never."""
@@ -175,7 +217,17 @@ class TrainConfig:
     resume: str = "auto"
     """'auto': continue from the newest complete checkpoint in the run directory, if any (how a job
     restarted by torchrun --max-restarts picks up); 'never'; or a path: a checkpoint, its
-    checkpoints/ directory, or a run directory, at any num_stages and data_parallel."""
+    checkpoints/ directory, or a run directory, at any num_stages and data_parallel. With 'auto', checkpoints
+    that are there but none loadable stop the run (exit 2) rather than start it again from step 0."""
+    resume_strict: bool = True
+    """Refuse a checkpoint written with other model settings (e.g. model.num_heads) or training settings
+    (train.precision, the optimizer and its kwargs, the learning-rate schedule, 2bw vs flush/gpipe), naming
+    them; false resumes anyway and logs the differences (another optimizer starts with fresh state)."""
+    preempt_signals: List[str] = field(default_factory=lambda: ["SIGTERM"])
+    """Signals that preempt the run (SLURM and Kubernetes send SIGTERM before they kill a job): every rank
+    stops within two steps at one agreed step, writes a checkpoint of it, summary.json says
+    "preempted", and the process exits with 128 + the signal's number (143) so that the scheduler
+    requeues it; [] leaves the signals' default action (die at once, unsaved)."""
     precision: str = "auto"
     """'fp32', 'bf16' or 'fp16': each stage's forward and loss under torch.autocast to that dtype,
     float32 master weights, p2p transfers in that dtype; fp16 adds dynamic loss scaling. 'auto':
@@ -191,6 +243,14 @@ class TrainConfig:
     """fp16 only: the loss scale doubles after this many clean steps in a row."""
     loss_scale_min: float = 1.0
     """fp16 only: the floor; a scale below it means training diverges (logged as an error)."""
+    save_final: str = "gathered"
+    """The final weights at the end of a run: 'gathered' (final_model.pt, one state_dict written by rank 0, which
+    holds the whole model for it), 'sharded' (final_model/: each stage writes its own layers as safetensors, with an
+    index; no rank holds the whole model) or 'none'."""
+    export_hf: Optional[str] = None
+    """model=hf only: at the end of the run, write the final weights to this directory as a Hugging Face model
+    (config.json, one safetensors shard per stage written by that stage, model.safetensors.index.json), which
+    AutoModelForCausalLM.from_pretrained loads; written whole or not at all. null: no export."""
 
 
 @dataclass
@@ -325,7 +385,8 @@ class SwapConfig:
 class Config:
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     model: Any = field(default_factory=GPTConfig)
-    """``GPTConfig`` (model=gpt) or ``LayerListConfig`` (a factory named by ``_target_``)."""
+    """``GPTConfig`` (model=gpt), ``HFModelConfig`` (model=hf) or ``LayerListConfig`` (a factory named by
+    ``_target_``)."""
     optim: Any = field(default_factory=OptimConfig)
     """``OptimConfig``; optim=custom's ``{_target_: cls, _partial_: true, ...}`` becomes one in ``from_hydra``."""
     data: DataConfig = field(default_factory=DataConfig)
@@ -350,6 +411,7 @@ def register_configs() -> None:
     # (base_gpt, base_optim); custom entries ({_target_: ...}) take any keys, typed by ``from_hydra``.
     cs.store(name="base_config", node=Config(model={}, optim={}))
     cs.store(group="model", name="base_gpt", node=GPTConfig)
+    cs.store(group="model", name="base_hf", node=HFModelConfig)
     cs.store(group="optim", name="base_optim", node=OptimConfig)
     cs.store(group="topology", name="base_topology", node=TopologyConfig)
     cs.store(group="partition", name="base_partition", node=PartitionConfig)
@@ -575,6 +637,48 @@ def _validate_precision(cfg: Config) -> None:
         )
 
 
+def validate_steps(t: TrainConfig) -> None:
+    """The training-length settings, which ``partition=auto`` checks before it profiles and plans.
+
+    Raises:
+        ConfigError: naming the value and the fix.
+    """
+    if t.num_steps < 1 or t.log_every < 1:
+        raise ConfigError(f"train.num_steps ({t.num_steps}) and train.log_every ({t.log_every}) must be >= 1")
+    if not 0 <= t.warmup_steps < t.num_steps:
+        raise ConfigError(
+            f"train.warmup_steps ({t.warmup_steps}) must be in [0, train.num_steps ({t.num_steps})) "
+            f"so that throughput is measured on at least one step; lower it"
+        )
+    from pipedream2bw.preempt import signal_numbers
+
+    try:
+        signal_numbers(t.preempt_signals)
+    except ValueError as e:
+        raise ConfigError(f"train.preempt_signals ({list(t.preempt_signals)}): {e}; or [] for none") from None
+
+
+SAVE_FINAL = ("gathered", "sharded", "none")
+
+
+def _validate_final(cfg: Config) -> None:
+    """What a run writes at its end: ``train.save_final`` and ``train.export_hf``."""
+    t = cfg.train
+    if t.save_final not in SAVE_FINAL:
+        raise ConfigError(f"train.save_final ({t.save_final!r}) is unknown; use one of {list(SAVE_FINAL)}")
+    if t.export_hf is not None:
+        if not isinstance(cfg.model, HFModelConfig):
+            raise ConfigError(
+                f"train.export_hf ({t.export_hf}) writes a Hugging Face model, which needs model=hf; use model=hf "
+                "(model.pretrained=DIR, model.config_path=... or a hand-written model.config) or drop train.export_hf"
+            )
+        parent = Path(t.export_hf).resolve().parent
+        if not parent.is_dir():
+            raise ConfigError(
+                f"train.export_hf ({t.export_hf}): its parent directory {parent} does not exist; create it first"
+            )
+
+
 def _model_vocab(mdl: Any, from_layers: Optional[int]) -> Optional[int]:
     """The vocabulary the data must fit: the GPT's ``vocab_size``; a layer list's ``model.vocab_size``, which
     may not exceed what its layers take, else what they take (None: unknown)."""
@@ -689,13 +793,7 @@ def validate(
     _validate_step_rules(cfg)
     _validate_sharding(cfg)
     t = cfg.train
-    if t.num_steps < 1 or t.log_every < 1:
-        raise ConfigError(f"train.num_steps ({t.num_steps}) and train.log_every ({t.log_every}) must be >= 1")
-    if not 0 <= t.warmup_steps < t.num_steps:
-        raise ConfigError(
-            f"train.warmup_steps ({t.warmup_steps}) must be in [0, train.num_steps ({t.num_steps})) "
-            f"so that throughput is measured on at least one step; lower it"
-        )
+    validate_steps(t)
     if t.checkpoint_every < 0 or t.keep_checkpoints < 1:
         raise ConfigError(
             f"train.checkpoint_every ({t.checkpoint_every}) must be >= 0 (0: no checkpoints) and "
@@ -725,6 +823,7 @@ def validate(
                 f"one of the train.num_steps ({t.num_steps}) steps and no more; lower them or raise train.num_steps"
             )
     _validate_precision(cfg)
+    _validate_final(cfg)
     if cfg.wandb.mode not in WANDB_MODES:
         raise ConfigError(f"wandb.mode ({cfg.wandb.mode!r}) is unknown; use one of {list(WANDB_MODES)}")
     if cfg.dist.backend not in BACKENDS:
@@ -753,6 +852,8 @@ def from_hydra(dcfg: Any) -> Config:
     """
     from omegaconf import OmegaConf
 
+    if not isinstance(dcfg, Config):
+        check_known_keys(dcfg)
     cfg = OmegaConf.to_object(dcfg) if not isinstance(dcfg, Config) else dcfg
     model, optim = cfg.model, cfg.optim
     if isinstance(model, dict):
@@ -760,6 +861,46 @@ def from_hydra(dcfg: Any) -> Config:
     if isinstance(optim, dict):
         optim = target_optim_config(optim)
     return dataclasses.replace(cfg, model=model, optim=optim)
+
+
+def check_known_keys(dcfg: Any) -> None:
+    """Refuses keys that no schema has (``+train.num_step=5`` is added by Hydra, then dropped by
+    ``OmegaConf.to_object``: the run would silently ignore it), naming the closest valid key. Entries
+    without a schema (a ``_target_`` model or optimizer, ``kwargs``) take any keys.
+
+    Raises:
+        ConfigError: naming every unknown key and, where one is close, the key meant.
+    """
+    import difflib
+
+    from omegaconf import DictConfig, OmegaConf
+
+    unknown = []
+
+    def walk(node: Any, prefix: str) -> None:
+        schema = OmegaConf.get_type(node)
+        if not dataclasses.is_dataclass(schema):
+            return  # a free-form entry
+        fields = [f.name for f in dataclasses.fields(schema)]
+        for key in node.keys():
+            name = f"{prefix}{key}"
+            if key not in fields:
+                close = difflib.get_close_matches(str(key), fields, n=1, cutoff=0.6)
+                hint = (
+                    f"did you mean {prefix}{close[0]}?" if close else f"{prefix or 'top level'} has {', '.join(fields)}"
+                )
+                unknown.append(f"{name} ({hint})")
+                continue
+            child = node._get_node(key)
+            if isinstance(child, DictConfig) and not child._is_missing() and not child._is_none():
+                walk(child, f"{name}.")
+
+    walk(dcfg, "")
+    if unknown:
+        raise ConfigError(
+            f"unknown config key{'s' if len(unknown) > 1 else ''}: {'; '.join(unknown)}; a key added with + must "
+            f"still be one the schema knows (python -m pipedream2bw.train --cfg job lists them)"
+        )
 
 
 def layer_list_config(entry: Dict[str, Any]) -> LayerListConfig:
