@@ -234,9 +234,10 @@ class TrainConfig:
     bf16 on a CUDA device that supports it, else fp32."""
     weight_dtype: str = "fp32"
     """What the weight versions are stored in: 'fp32' (the versions are the float32 masters the optimizer
-    steps) or 'compute' (bf16/fp16 under train.precision=bf16/fp16: two versions of 2 B per parameter under
-    2bw, refreshed at each step from float32 masters that the optimizer keeps, sharded or not; gradients
-    are summed over the microbatches in float32). Under fp32 both are the same."""
+    steps) or 'compute' (bf16 under train.precision=bf16: two versions of 2 B per parameter under 2bw,
+    refreshed at each step from float32 masters that the optimizer keeps, sharded or not; gradients are
+    summed over the microbatches in float32; refused under fp16 and with tied weights). Under fp32 both
+    are the same."""
     loss_scale: float = 65536.0
     """fp16 only: the first loss scale; halved on every step with a non-finite gradient (which is skipped)."""
     loss_scale_growth_interval: int = 2000
@@ -588,6 +589,12 @@ def _validate_sharding(cfg: Config) -> None:
         raise ConfigError(f"train.weight_dtype ({t.weight_dtype!r}) is unknown; use one of {list(WEIGHT_DTYPES)}")
     if t.weight_dtype == "compute" and t.precision != "fp32":
         _need_elementwise(cfg, "train.weight_dtype (compute)")
+        if t.precision == "fp16":
+            raise ConfigError(
+                "train.weight_dtype (compute) with train.precision (fp16): fp16 autocast runs layer norms in float32, "
+                "which then meet fp16 norm weights (torch refuses the mixed dtypes); use train.precision=bf16 or "
+                "train.weight_dtype=fp32"
+            )
         if getattr(cfg.model, "tie_embeddings", False):
             raise ConfigError(
                 "train.weight_dtype (compute) with model.tie_embeddings (true): the tie's float32 gradient sum "

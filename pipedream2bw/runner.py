@@ -285,6 +285,12 @@ def _run(
     )
     if cfg.train.export_hf is not None and model.source is None:
         raise ConfigError("train.export_hf needs model=hf built from config, not a layer list passed to run()")
+    precision = precisions.resolve(cfg.train.precision, "cuda" if torch.cuda.is_available() else "cpu")
+    if model.tied and cfg.train.weight_dtype == "compute" and precision != "fp32":  # ties of any model, found here
+        raise ConfigError(
+            f"train.weight_dtype (compute) with tied weights ({[list(t.names) for t in model.tied]}): the tie's "
+            "float32 gradient sum across stages is not written yet; set train.weight_dtype=fp32 or untie them"
+        )
     layout = make_layout(
         cfg.pipeline.num_stages,
         cfg.pipeline.data_parallel,
@@ -839,6 +845,8 @@ def _data(
             loss_fn=loss_fn,
             device=rt.device,
             precision=rt.precision,
+            # weights stored in the compute dtype (train.weight_dtype=compute): the stage runs in it, as in training
+            upcast=precisions.weight_dtype(rt.precision, train.weight_dtype) == torch.float32,
         )
     return feed, val_feed, evaluator
 

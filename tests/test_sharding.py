@@ -17,6 +17,7 @@ from test_semantics import tiny_config
 
 from pipedream2bw import checkpoint
 from pipedream2bw.config import Config, ConfigError, gpt_balance, validate
+from pipedream2bw.runner import run
 from pipedream2bw.sharding import BucketShard, ShardedVersions
 from pipedream2bw.versions import WeightVersions
 
@@ -275,3 +276,16 @@ def test_sharding_refuses_what_it_cannot_step():
     cfg.train.weight_dtype = "bf16"
     with pytest.raises(ConfigError, match=r"train.weight_dtype \('bf16'\) is unknown"):
         validate(cfg, world_size=2)
+
+
+def test_compute_weights_refuse_ties_of_any_model_before_a_group_starts(tmp_path):
+    """A layer list's tie is found by run() (not config): refused there, before any process group."""
+    from matrix import Cell, cell_config
+
+    cell = Cell(
+        **dict(schedule="2bw", d=1, w=1, resume=False, swap=False, precision="bf16", tied=True, clip=False),
+        **dict(skip=False, recompute=False, host_optim=False, validation=False, structured=True),
+        **dict(sharded=False, weight_dtype="compute"),
+    )
+    with pytest.raises(ConfigError, match=r"train.weight_dtype \(compute\) with tied weights \(\[\["):
+        run(cell_config(cell), tmp_path)
