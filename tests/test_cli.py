@@ -77,7 +77,7 @@ def test_multirun_runs_each_job_in_the_same_ranks(tmp_path):
         cwd=tmp_path,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    summaries = sorted((tmp_path / "multirun").glob("*/*/*/summary.json"))
+    summaries = sorted((tmp_path / "outputs" / "multirun").glob("*/*/*/summary.json"))
     assert [json.loads(p.read_text())["schedule"] for p in summaries] == ["2bw", "gpipe"]
 
 

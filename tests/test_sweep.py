@@ -47,9 +47,9 @@ def test_sweep_runs_every_job_and_tabulates_what_each_run_measured(tmp_path):
     # 2 depths x 3 schedules = 6 configurations; 'bogus' is a deliberately bad schedule.
     proc = sweep("-m", "pipeline.num_stages=1,2", "pipeline.schedule=2bw,gpipe,bogus", *TINY, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    [sweep_dir] = list((tmp_path / "sweeps").glob("*/*"))
+    [sweep_dir] = list((tmp_path / "outputs" / "sweeps").glob("*/*"))
     table = json.loads((sweep_dir / "sweep.json").read_text())
-    assert table["name"] == str(Path("sweeps") / sweep_dir.relative_to(tmp_path / "sweeps"))
+    assert table["name"] == str(Path("outputs", "sweeps") / sweep_dir.relative_to(tmp_path / "outputs" / "sweeps"))
     jobs = table["jobs"]
     assert sorted(j["job"] for j in jobs) == list(range(6))
     ok = [j for j in jobs if j["status"] == "ok"]
@@ -176,7 +176,7 @@ def test_optuna_searches_microbatches_and_learning_rate_and_reports_the_best_tri
         cwd=tmp_path,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    [sweep_dir] = list((tmp_path / "sweeps").glob("*/*"))
+    [sweep_dir] = list((tmp_path / "outputs" / "sweeps").glob("*/*"))
     table = json.loads((sweep_dir / "sweep.json").read_text())
     jobs = {j["job"]: j for j in table["jobs"]}
     assert sorted(jobs) == list(range(6)) and table["objective"] == "final_val_loss"
