@@ -47,47 +47,19 @@ Any key of the config can be overridden (key=value): python -m pipedream2bw.trai
 with their defaults."""
 
 
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
-
-
 def compose(overrides):
     """The run's Config from configs/ and ``overrides`` (as ``pipedream2bw.train`` composes it)."""
-    import os
+    from pipedream2bw.config import from_hydra
+    from pipedream2bw.config_docs import compose as compose_configs
 
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-    from omegaconf import OmegaConf
-
-    from pipedream2bw.config import from_hydra, register_configs
-
-    register_configs()
-    OmegaConf.register_new_resolver("pd2bw_run_stamp", lambda: os.environ.get("PD2BW_RUN_STAMP", "plan"), replace=True)
-    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
-        return from_hydra(hydra_compose(config_name="config", overrides=list(overrides)))
+    return from_hydra(compose_configs(overrides))
 
 
 def config_groups() -> str:
-    """configs/' groups and their options, one line each (``model: custom, gpt, ...``), as Hydra's --help shows them."""
-    from hydra import initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
+    """configs/' groups and their options, one line each (``model: custom, gpt, ...``), as the training --help."""
+    from pipedream2bw.config_docs import config_groups as groups
 
-    from pipedream2bw.config import register_configs
-
-    register_configs()  # the schemas (base_*) are options too, as in the training entry point's --help
-    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
-        loader = GlobalHydra.instance().config_loader()
-
-        def lines(parent: str):
-            for group in sorted(loader.list_groups(parent)):
-                path = f"{parent}/{group}" if parent else group
-                if path == "hydra" or path.startswith("hydra/"):
-                    continue  # Hydra's own groups, as its --help leaves them out
-                options = loader.get_group_options(path)
-                if options:
-                    yield f"{path}: {', '.join(options)}"
-                yield from lines(path)
-
-        return "\n".join(lines(""))
+    return "\n".join(f"{group}: {', '.join(options)}" for group, options in groups().items())
 
 
 def main(argv=None) -> int:

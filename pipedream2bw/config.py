@@ -260,7 +260,8 @@ class PartitionConfig:
     mode: str = "manual"
     """'manual' (pipeline.* as given), 'auto' (rank 0 profiles and plans at startup) or 'file' (run partition.path)."""
     path: Optional[str] = None
-    """Plan file to run ('file'), or where 'auto' and the CLI write theirs (null: plan.yaml in the run dir / cwd)."""
+    """Plan file to run ('file'), or where 'auto' and python -m partitioner plan write theirs (null: 'auto' writes
+    plan.yaml in the run directory, the CLI outputs/plans/<date>/<time>/plan.yaml; its --out comes first)."""
     objective: str = "throughput"
     """'throughput' (fastest plan that fits) or 'memory' (lowest peak memory per device)."""
     tolerance: float = 0.01

@@ -58,12 +58,28 @@ def _agree_on_run_stamp() -> None:
     os.environ.setdefault(_STAMP_ENV, stamp)
 
 
+HELP_FLAGS = ("--help", "-h")
+
+
+def print_help(argv, *, config_name: str) -> None:
+    """Our --help in place of Hydra's: usage, the config groups, every user-facing key with its default and
+    a one-line meaning (Hydra's lists the schemas as groups and the config as YAML, with no meanings)."""
+    from pipedream2bw.config_docs import help_text
+
+    print(help_text(argv, config_name=config_name))
+
+
 def cli() -> None:
+    if any(a in HELP_FLAGS for a in sys.argv[1:]):
+        print_help(sys.argv[1:], config_name="config")
+        return
     register_configs()
     OmegaConf.register_new_resolver("pd2bw_run_stamp", lambda: os.environ[_STAMP_ENV], replace=True)
     _agree_on_run_stamp()
     if comm.env_rank()[0] != 0:
         sys.argv.append("hydra.output_subdir=null")  # rank 0 alone writes .hydra/ into the shared run dir
+        # Hydra's own messages (a multirun's "Launching N jobs", each job's overrides) once, from rank 0
+        sys.argv.append("hydra/hydra_logging=disabled")
     main()
 
 
