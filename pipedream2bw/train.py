@@ -12,7 +12,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from pipedream2bw import comm
-from pipedream2bw.config import Config, from_hydra, register_configs
+from pipedream2bw.config import TINY_ENV, Config, from_hydra, register_configs, tiny
 from pipedream2bw.errors import ConfigError
 from pipedream2bw.runner import run
 
@@ -26,6 +26,8 @@ _store = None  # the rendezvous store, connected before Hydra so that all ranks 
 def main(dcfg: DictConfig) -> None:
     try:
         cfg: Config = from_hydra(dcfg)  # the DictConfig stops here
+        if os.environ.get(TINY_ENV, "0") not in ("", "0"):
+            cfg = tiny(cfg)
         run(cfg, HydraConfig.get().runtime.output_dir, store=_store)
     except ConfigError as e:
         log.error("bad configuration: %s", e)  # before any process group started
