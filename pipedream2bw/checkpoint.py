@@ -22,7 +22,8 @@ Parameters tied across layers (``manifest.json``'s ``ties``, canonical name firs
 once, in the layer file of the canonical name; loading gives every holder that entry.
 
 ``python -m pipedream2bw.checkpoint consolidate PATH`` writes the newest weights as one plain
-``state_dict`` (a tie's names all on one tensor, as torch's ``state_dict`` of the tied model).
+``state_dict`` (a tie's names all on one tensor, as torch's ``state_dict`` of the tied model);
+``export-hf PATH --out DIR`` (a model=hf run's) a Hugging Face model directory, one stage at a time.
 """
 
 from __future__ import annotations
@@ -429,11 +430,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     c.add_argument(
         "--out", type=Path, default=None, help="output file (default: consolidated_step_<n>.pt beside checkpoints/)"
     )
+    e = sub.add_parser(
+        "export-hf", help="write the newest weights of a model=hf checkpoint as a Hugging Face model directory"
+    )
+    e.add_argument("path", type=Path, help="a checkpoint, a checkpoints/ directory or a run directory")
+    e.add_argument("--out", type=Path, required=True, help="directory to write (config.json, safetensors shards)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
     try:
-        out = consolidate(args.path, args.out)
-    except FileNotFoundError as e:
+        if args.command == "export-hf":
+            from pipedream2bw.hf_io import export_checkpoint
+
+            out = export_checkpoint(args.path, args.out)
+        else:
+            out = consolidate(args.path, args.out)
+    except (FileNotFoundError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(out)

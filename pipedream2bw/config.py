@@ -103,6 +103,47 @@ class LayerListConfig:
 
 
 @dataclass
+class HFModelConfig:
+    """A transformers causal LM as a layer list (``model=hf``): [embedding, decoder layers..., final norm, head].
+
+    Llama, Mistral and Qwen2 (decoder layers that take rotary ``position_embeddings``) and GPT-2;
+    from a hand-written config (``model_type`` and ``config``), a local ``config.json``
+    (``config_path``) or a ``save_pretrained`` directory (``pretrained``). Nothing is downloaded.
+    """
+
+    name: str = "hf"
+    """Label for logs and plan files."""
+    model_type: Optional[str] = None
+    """transformers' model_type of a hand-written config: 'llama', 'mistral', 'qwen2' or 'gpt2'; null with
+    config_path or pretrained, whose config.json names it."""
+    config: Dict[str, Any] = field(default_factory=dict)
+    """Keys of a hand-written transformers config (hidden_size, intermediate_size, num_hidden_layers,
+    num_attention_heads, num_key_value_heads, vocab_size, tie_word_embeddings, ...; GPT-2: n_embd, n_layer, ...);
+    transformers' defaults fill in the rest. Must be empty with config_path or pretrained."""
+    config_path: Optional[str] = None
+    """A local config.json: the model it describes, randomly initialised (seeded per layer)."""
+    pretrained: Optional[str] = None
+    """A local save_pretrained directory (config.json plus model.safetensors, or shards listed by
+    model.safetensors.index.json): its weights, each rank reading only its own layers' tensors into
+    float32 master weights. A hub name is refused: download it first and pass the directory."""
+    seq_len: int = 128
+    """Tokens per sequence the data feed gives the first layer; at most the model's max_position_embeddings."""
+    dropout: Optional[float] = 0.0
+    """Every dropout probability of the config (attention_dropout; GPT-2's resid/embd/attn_pdrop) set to this;
+    null keeps the config's own. 0 makes the pipeline's numbers equal to a single-process run's."""
+    export_dtype: Optional[str] = None
+    """Dtype of exported weights (train.export_hf, export-hf): 'float32', 'bfloat16' or 'float16'; null: the
+    pretrained files' dtype (float32 for a model not loaded from one)."""
+
+    @property
+    def vocab_size(self) -> int:
+        """The model's vocabulary size (its config's ``vocab_size``): token files are checked against it."""
+        from pipedream2bw.models.hf import resolve_config  # models/ imports this module
+
+        return resolve_config(self).config.vocab_size
+
+
+@dataclass
 class OptimConfig:
     name: str = "adamw"
     """A torch.optim optimizer by name, case-insensitive: sgd, adam, adamw, rmsprop, ... (not lbfgs)."""
@@ -181,6 +222,14 @@ class TrainConfig:
     """fp16 only: the loss scale doubles after this many clean steps in a row."""
     loss_scale_min: float = 1.0
     """fp16 only: the floor; a scale below it means training diverges (logged as an error)."""
+    save_final: str = "gathered"
+    """The final weights at the end of a run: 'gathered' (final_model.pt, one state_dict written by rank 0, which
+    holds the whole model for it), 'sharded' (final_model/: each stage writes its own layers as safetensors, with an
+    index; no rank holds the whole model) or 'none'."""
+    export_hf: Optional[str] = None
+    """model=hf only: at the end of the run, write the final weights to this directory as a Hugging Face model
+    (config.json, one safetensors shard per stage written by that stage, model.safetensors.index.json), which
+    AutoModelForCausalLM.from_pretrained loads; written whole or not at all. null: no export."""
 
 
 @dataclass
@@ -313,7 +362,8 @@ class SwapConfig:
 class Config:
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     model: Any = field(default_factory=GPTConfig)
-    """``GPTConfig`` (model=gpt) or ``LayerListConfig`` (a factory named by ``_target_``)."""
+    """``GPTConfig`` (model=gpt), ``HFModelConfig`` (model=hf) or ``LayerListConfig`` (a factory named by
+    ``_target_``)."""
     optim: Any = field(default_factory=OptimConfig)
     """``OptimConfig``; optim=custom's ``{_target_: cls, _partial_: true, ...}`` becomes one in ``from_hydra``."""
     data: DataConfig = field(default_factory=DataConfig)
@@ -338,6 +388,7 @@ def register_configs() -> None:
     # (base_gpt, base_optim); custom entries ({_target_: ...}) take any keys, typed by ``from_hydra``.
     cs.store(name="base_config", node=Config(model={}, optim={}))
     cs.store(group="model", name="base_gpt", node=GPTConfig)
+    cs.store(group="model", name="base_hf", node=HFModelConfig)
     cs.store(group="optim", name="base_optim", node=OptimConfig)
     cs.store(group="topology", name="base_topology", node=TopologyConfig)
     cs.store(group="partition", name="base_partition", node=PartitionConfig)
@@ -578,6 +629,27 @@ def _validate_precision(cfg: Config) -> None:
         )
 
 
+SAVE_FINAL = ("gathered", "sharded", "none")
+
+
+def _validate_final(cfg: Config) -> None:
+    """What a run writes at its end: ``train.save_final`` and ``train.export_hf``."""
+    t = cfg.train
+    if t.save_final not in SAVE_FINAL:
+        raise ConfigError(f"train.save_final ({t.save_final!r}) is unknown; use one of {list(SAVE_FINAL)}")
+    if t.export_hf is not None:
+        if not isinstance(cfg.model, HFModelConfig):
+            raise ConfigError(
+                f"train.export_hf ({t.export_hf}) writes a Hugging Face model, which needs model=hf; use model=hf "
+                "(model.pretrained=DIR, model.config_path=... or a hand-written model.config) or drop train.export_hf"
+            )
+        parent = Path(t.export_hf).resolve().parent
+        if not parent.is_dir():
+            raise ConfigError(
+                f"train.export_hf ({t.export_hf}): its parent directory {parent} does not exist; create it first"
+            )
+
+
 def _model_vocab(mdl: Any, from_layers: Optional[int]) -> Optional[int]:
     """The vocabulary the data must fit: the GPT's ``vocab_size``; a layer list's ``model.vocab_size``, which
     may not exceed what its layers take, else what they take (None: unknown)."""
@@ -727,6 +799,7 @@ def validate(
                 f"one of the train.num_steps ({t.num_steps}) steps and no more; lower them or raise train.num_steps"
             )
     _validate_precision(cfg)
+    _validate_final(cfg)
     if cfg.wandb.mode not in WANDB_MODES:
         raise ConfigError(f"wandb.mode ({cfg.wandb.mode!r}) is unknown; use one of {list(WANDB_MODES)}")
     if cfg.dist.backend not in BACKENDS:

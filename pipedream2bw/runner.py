@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
+import torch.utils._pytree as pytree
 import torch.utils.checkpoint
 from torch import nn
 from tqdm.contrib.logging import logging_redirect_tqdm
@@ -85,10 +86,17 @@ class RecomputeSequential(nn.Sequential):
     """``nn.Sequential`` that keeps only each layer's input for backward and re-runs the layer there
     (``pipeline.recompute``); parameter names are those of ``nn.Sequential``."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: Any) -> Any:
         for layer in self:
-            x = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False)
+            # A tuple or dict input goes in as its tensors: checkpoint saves tensor arguments (where
+            # saved-tensor hooks, i.e. swapping, see them) and keeps anything else as a Python object.
+            leaves, spec = pytree.tree_flatten(x)
+            x = torch.utils.checkpoint.checkpoint(_call_unflattened, layer, spec, *leaves, use_reentrant=False)
         return x
+
+
+def _call_unflattened(layer: nn.Module, spec: Any, *leaves: torch.Tensor) -> Any:
+    return layer(pytree.tree_unflatten(list(leaves), spec))
 
 
 def stage_module(
@@ -215,6 +223,8 @@ def run(
         local_world_size=local_world_size,
         layers_vocab_size=None if gpt else model.vocab_size(),
     )
+    if cfg.train.export_hf is not None and model.source is None:
+        raise ConfigError("train.export_hf needs model=hf built from config, not a layer list passed to run()")
     layout = make_layout(
         cfg.pipeline.num_stages,
         cfg.pipeline.data_parallel,
@@ -509,6 +519,7 @@ def _train(
         stats = worker.run(actions, on_step=hooks.on_step, on_close=hooks.on_close)
     hooks.report_validation()
     tie_record = _close(rt, stats, evaluator, feed, val_feed, bar, saver, groups)
+    _write_final(rt, ctx, run_dir, versions=versions, model=model, train=cfg.train, dist=cfg.dist)
     return _gather_and_write(
         rt,
         ctx,
@@ -1015,6 +1026,7 @@ def _checkpointer(
             "ties": [list(t.names) for t in model.tied],
             "wandb_run_id": tracker.run_id if tracker is not None else None,
             "precision": rt.precision,
+            "hf": model.source.hf.manifest() if model.source is not None and model.source.hf is not None else None,
         },
     )
 
@@ -1156,10 +1168,10 @@ def _gather_and_write(
     # Replicas hold equal weights: replica 0 of each stage contributes its slice of the model.
     shard = (
         ties.drop_aliases({k: v.detach().cpu() for k, v in versions.newest().state_dict().items()}, tied)
-        if rt.replica == 0
+        if rt.replica == 0 and train.save_final == "gathered"
         else {}
     )
-    shards = comm.gather_to_rank0(ctx, shard)
+    shards = comm.gather_to_rank0(ctx, shard) if train.save_final == "gathered" else None
     tie_records = comm.gather_to_rank0(ctx, tie_record)
     if rt.rank != 0:
         return None
@@ -1208,10 +1220,10 @@ def _gather_and_write(
             title=title,
         )
     write_summary(summary, run_dir)
-    # As the tied model's own state_dict: every name of a tie on one tensor.
-    save_state_dict(
-        ties.add_aliases({k: v for shard in shards for k, v in shard.items()}, tied), run_dir / "final_model.pt"
-    )
+    if shards is not None:  # as the tied model's own state_dict: every name of a tie on one tensor
+        save_state_dict(
+            ties.add_aliases({k: v for shard in shards for k, v in shard.items()}, tied), run_dir / "final_model.pt"
+        )
     tracker.finish(summary)
     record.plot()
     record.metrics.close()
@@ -1224,6 +1236,49 @@ def _gather_and_write(
         run_dir,
     )
     return summary
+
+
+def _write_final(
+    rt: RankPlan,
+    ctx: comm.DistContext,
+    run_dir: Path,
+    *,
+    versions: WeightVersions,
+    model: _Model,
+    train: TrainConfig,
+    dist: DistConfig,
+) -> None:
+    """The final weights as shards, each stage's replica 0 writing its own at once (pipedream2bw.hf_io):
+    ``train.save_final=sharded`` (final_model/, layer-list names) and ``train.export_hf`` (a Hugging Face model)."""
+    from pipedream2bw import hf_io
+
+    writers = [rt.layout.ranks[s][0] for s in range(rt.num_stages)]
+    state = versions.newest().state_dict() if rt.replica == 0 else None
+    aliases = [n for t in model.tied for n in t.names[1:]]
+    common = dict(
+        shard=rt.stage,
+        num_shards=rt.num_stages,
+        rank=rt.rank,
+        writers=writers,
+        post=ctx.board.post,
+        read=lambda keys, timeout_s: ctx.board.read(keys, timeout_s=timeout_s),
+        timeout_s=dist.timeout_s,
+    )
+    if train.save_final == "sharded":
+        mine = None if state is None else {k: v.detach().cpu() for k, v in ties.drop_aliases(state, model.tied).items()}
+        hf_io.write_sharded(run_dir / "final_model", mine, key="final/sharded", **common)
+    if train.export_hf is not None:
+        hf = model.source.hf if model.source is not None else None
+        assert hf is not None, "run() refuses train.export_hf without model=hf"
+        mine = None if state is None else hf_io.to_hf_shard(hf, state, aliases)
+        hf_io.write_sharded(
+            Path(train.export_hf),
+            mine,
+            key="final/export_hf",
+            config=hf.export_config,
+            source_dir=hf.source_dir,
+            **common,
+        )
 
 
 def _precision_record(rt: RankPlan, optim: OptimConfig, rule: StepRule, stats: StageStats) -> Dict[str, Any]:

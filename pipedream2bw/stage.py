@@ -146,6 +146,9 @@ class StageWorker:
         # Under 2bw, APPLY(t) may wait for W(t+1)'s first use; elsewhere the flush comes first anyway.
         self.deferred = versions.schedule == "2bw" and (agreement is not None or bool(self.exchanges))
         self._loss_nonfinite: Dict[int, bool] = {}  # last stage: batch -> its loss was not finite
+        # rank 0 as a last stage: batch -> its own loss, until APPLY(t) logs it (a deferred APPLY(t) runs after
+        # batch t+1's forwards, which report that batch's loss)
+        self._own_losses: Dict[int, float] = {}
         # closed batch -> its data-parallel all-reduce, held until its APPLY: under 2bw batch t+1's last
         # backward arms the reducer again before a deferred APPLY(t) (one rule for every deferring feature)
         self._reductions: Dict[int, BatchReduction] = {}
@@ -285,7 +288,7 @@ class StageWorker:
             )
         self._loss_nonfinite[t] = not finite
         if self.peers.loss_sources:
-            self._own_loss = float(loss)
+            self._own_losses[t] = float(loss)
         else:
             self.p2p.send_loss(loss)
 
@@ -302,12 +305,10 @@ class StageWorker:
             exchange.start(t)
         if self.agreement is not None:
             self._wait_reducer(t)  # the norm needs the gradients averaged across replicas
-            excluded = set()
-            if self.rule.clip_grad_norm is not None:
-                # The norm needs the summed gradients of weights tied across stages, each counted
-                # once (on its first holder): here the exchange is waited at CLOSE, not deferred.
-                self._finish_exchanges(t)
-                excluded = {i for exchange in self.exchanges for i in getattr(exchange, "norm_excluded", ())}
+            # The norm (clipped by, or logged as the global norm) needs the summed gradients of weights
+            # tied across stages, each counted once (on its first holder): the exchange is waited here.
+            self._finish_exchanges(t)
+            excluded = {i for exchange in self.exchanges for i in getattr(exchange, "norm_excluded", ())}
             params = [p for i, p in enumerate(self.versions.module_for_batch(t).parameters()) if i not in excluded]
             scale = self.grad_scale * self.rule.unscale(t)
             sq = agreement.sq_norm([p.grad for p in params if p.grad is not None]) * scale**2
@@ -359,7 +360,7 @@ class StageWorker:
         if self.peers.loss_sources:  # rank 0: the batch loss is the mean over the replicas' last stages
             start = time.perf_counter()
             losses = [
-                self._own_loss if r == self.p2p.ctx.rank else self.p2p.recv_loss(peer=r)
+                self._own_losses.pop(t) if r == self.p2p.ctx.rank else self.p2p.recv_loss(peer=r)
                 for r in self.peers.loss_sources
             ]
             self.stats.losses.append(sum(losses) / len(losses))

@@ -3,14 +3,16 @@
     python scripts/prepare_tokens.py corpus.txt --out data/corpus.bin                      # byte-level (vocab 256)
     python scripts/prepare_tokens.py a.txt b.txt.gz --out data/ab.bin --tokenizer tokenizers:tokenizer.json
     python scripts/prepare_tokens.py corpus.txt --out data/gpt2.bin --tokenizer tiktoken:gpt2
+    python scripts/prepare_tokens.py corpus.txt --out data/ft.bin --tokenizer hf:path/to/model  # its tokenizer.json
 
 The output is what nanoGPT's prepare.py writes (ids back to back, native byte order), plus
 ``<out>.json`` saying its dtype, vocabulary size, token count and tokenizer, which training checks.
 Text is read and tokenized in chunks of whole lines, so a corpus larger than memory works. The
 tokenizer runs here only: training reads ids and never loads, let alone downloads, a tokenizer.
-``tokenizers:PATH`` loads a local ``tokenizer.json`` (pip install tokenizers); ``tiktoken:NAME``
-an encoding of tiktoken (pip install tiktoken; it fetches the encoding's file on first use and
-caches it).
+``tokenizers:PATH`` loads a local ``tokenizer.json`` (pip install tokenizers); ``hf:DIR`` the
+``tokenizer.json`` of a Hugging Face model directory (the one model.pretrained=DIR trains from);
+``tiktoken:NAME`` an encoding of tiktoken (pip install tiktoken; it downloads the encoding's file
+on first use and caches it: offline, only an encoding already cached works).
 """
 
 from __future__ import annotations
@@ -39,22 +41,44 @@ def make_tokenizer(spec: str) -> Tuple[Callable[[bytes], Sequence[int]], int]:
     kind, _, arg = spec.partition(":")
     if spec == "bytes":
         return (lambda raw: np.frombuffer(raw, dtype=np.uint8)), BYTE_VOCAB  # the bytes as they are
-    if kind == "tokenizers" and arg:
+    if kind in ("tokenizers", "hf") and arg:
         try:
             from tokenizers import Tokenizer
         except ImportError:
-            sys.exit("--tokenizer tokenizers:... needs the tokenizers package: pip install 'pipedream2bw[tokenize]'")
-        tok = Tokenizer.from_file(arg)
+            sys.exit(f"--tokenizer {kind}:... needs the tokenizers package: pip install 'pipedream2bw[tokenize]'")
+        file = Path(arg) / "tokenizer.json" if kind == "hf" else Path(arg)
+        if not file.is_file():
+            sys.exit(
+                f"--tokenizer {spec}: {file} is not a file; "
+                + (
+                    "the model directory needs its fast tokenizer's tokenizer.json (tokenizer.save_pretrained(DIR) "
+                    "writes it), or name one with tokenizers:<tokenizer.json>"
+                    if kind == "hf"
+                    else "give the path of a tokenizer.json"
+                )
+            )
+        tok = Tokenizer.from_file(str(file))
         return (lambda raw: tok.encode(_text(raw), add_special_tokens=False).ids), tok.get_vocab_size()
     if kind == "tiktoken" and arg:
         try:
             import tiktoken
         except ImportError:
             sys.exit("--tokenizer tiktoken:... needs the tiktoken package: pip install 'pipedream2bw[tokenize]'")
-        enc = tiktoken.get_encoding(arg)
+        try:
+            enc = tiktoken.get_encoding(arg)
+        except ValueError as e:  # not an encoding tiktoken knows
+            sys.exit(f"--tokenizer {spec}: {e}")
+        except Exception as e:  # requests' ConnectionError, an HTTP error, a proxy refusing: no file to be had
+            sys.exit(
+                f"--tokenizer {spec} needs the encoding's file, which tiktoken downloads on first use, and the "
+                f"download failed ({type(e).__name__}); run it once where the internet is reachable (tiktoken caches "
+                f"the file, in TIKTOKEN_CACHE_DIR if set), or use a local tokenizer: tokenizers:<tokenizer.json> or "
+                "hf:<model directory>"
+            )
         return (lambda raw: enc.encode_ordinary(_text(raw))), enc.n_vocab
     sys.exit(
-        f"--tokenizer {spec!r} is unknown; use bytes, tokenizers:<tokenizer.json> or tiktoken:<encoding, e.g. gpt2>"
+        f"--tokenizer {spec!r} is unknown; use bytes, tokenizers:<tokenizer.json>, hf:<model directory> or "
+        "tiktoken:<encoding, e.g. gpt2>"
     )
 
 
@@ -116,10 +140,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     if missing:
         sys.exit(f"not a file: {', '.join(missing)}")
     meta = prepare(args.inputs, args.out, tokenizer=args.tokenizer)
+    model = (
+        f"model=hf model.pretrained={args.tokenizer[3:]}"
+        if args.tokenizer.startswith("hf:")
+        else f"model.vocab_size={meta['vocab_size']}"
+    )
     print(
         f"{args.out}: {meta['num_tokens']} tokens ({meta['dtype']}), vocabulary {meta['vocab_size']}; train on it "
         "with\n"
-        f"  data.path={args.out} data.token_dtype={meta['dtype']} model.vocab_size={meta['vocab_size']}"
+        f"  data.path={args.out} data.token_dtype={meta['dtype']} {model}"
     )
 
 

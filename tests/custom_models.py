@@ -89,3 +89,39 @@ def shared_buffer_layers() -> List[nn.Module]:
     """Two layers sharing one buffer: not something stages can keep in step."""
     buf = torch.ones(4)
     return [nn.Embedding(256, 4), _Shared(buf), _Shared(buf), nn.Linear(4, 256)]
+
+
+class MaskedEmbed(nn.Module):
+    """ids (B, T) -> (hidden (B, T, W), attention_mask (B, T) int64): a tuple boundary with an integer mask
+    (0 where the id is a multiple of 4, as padding would be)."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.tok = nn.Embedding(256, width)
+
+    def forward(self, ids):
+        return self.tok(ids), (ids % 4 != 0).long()
+
+
+class MaskedMix(nn.Module):
+    """(h, mask) -> (h + the causal mean of tanh(lin(h)) over the unmasked positions so far, mask)."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+
+    def forward(self, x):
+        h, mask = x
+        keep = mask.unsqueeze(-1).float()  # (B, T, 1)
+        v = torch.tanh(self.lin(h)).float() * keep
+        return h + v.cumsum(1) / keep.cumsum(1).clamp(min=1.0), mask
+
+
+def masked_layers(*, width: int, tie: bool = False) -> List[nn.Module]:
+    """[MaskedEmbed, MaskedMix, MaskedMix, Norm, Head]: every boundary is (hidden, integer mask), as a
+    BERT-style encoder passes (hidden_states, attention_mask). ``tie``: the head's weight is the
+    embedding's (a weight tied across the first and last stage). A whole-list factory."""
+    layers = [MaskedEmbed(width), MaskedMix(width), MaskedMix(width), Norm(width), Head(width)]
+    if tie:
+        layers[-1].out.weight = layers[0].tok.weight
+    return layers

@@ -7,6 +7,7 @@ import math
 from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
+import torch.utils._pytree as pytree
 from torch import nn
 
 from pipedream2bw import precision as precisions
@@ -24,22 +25,35 @@ class Reference(NamedTuple):
     grad_norms: List[float]  # global norm of g(t) before clipping, as clip_grad_norm_ returns it
     skipped_steps: List[int]  # steps with a non-finite loss or gradient, not taken
     loss_scales: List[float]  # fp16: the loss scale each batch ran with
+    snapshots: Dict[int, Dict[str, torch.Tensor]]  # n -> the weights after n steps, for n in ``keep``
 
 
 class StageBoundaries(nn.Sequential):
     """The whole model in one process, with the activation rounded to ``dtype`` and back after the
-    layers ``after`` (a pipeline's p2p transfers in the compute dtype); float32 rounds nothing."""
+    layers ``after`` (a pipeline's p2p transfers in the compute dtype); float32 rounds nothing.
+    A boundary that is a tuple or dict has each floating element rounded (the stage sends each in
+    the compute dtype and the next one goes on in float32); integer elements (masks, ids) pass as they are."""
 
     def __init__(self, layers: Sequence[nn.Module], *, after: Sequence[int], dtype: torch.dtype):
         super().__init__(*layers)
         self.after, self.dtype = set(after), dtype
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _round(self, t: Any) -> Any:
+        if torch.is_tensor(t) and t.dtype in (torch.float32, self.dtype):
+            return t.to(self.dtype).float()
+        return t
+
+    def forward(self, x: Any) -> Any:
         for i, layer in enumerate(self):
             x = layer(x)
-            if i in self.after and x.dtype == torch.float32 and self.dtype != torch.float32:
-                x = x.to(self.dtype).float()
+            if i in self.after and self.dtype != torch.float32:
+                x = pytree.tree_map(self._round, x)
         return x
+
+
+def boundaries(balance: Sequence[int]) -> List[int]:
+    """The last layer of every stage but the last: where a pipeline of ``balance`` sends."""
+    return [sum(balance[: s + 1]) - 1 for s in range(len(balance) - 1)]
 
 
 def reference_train(
@@ -58,7 +72,13 @@ def reference_train(
 
 
 def reference_run(
-    cfg: Config, *, delayed: bool, layers: Optional[Sequence[nn.Module]] = None, balance: Sequence[int] = ()
+    cfg: Config,
+    *,
+    delayed: bool,
+    layers: Optional[Sequence[nn.Module]] = None,
+    balance: Sequence[int] = (),
+    relayout: Optional[Tuple[int, Sequence[int]]] = None,
+    keep: Sequence[int] = (),
 ) -> Reference:
     """Trains the unpartitioned model (``layers``, by default the model of ``cfg.model``) for
     ``cfg.train.num_steps`` batches.
@@ -74,23 +94,33 @@ def reference_run(
     under autocast, loss in float32) whose activations are rounded to the compute dtype where a
     pipeline of ``balance`` sends them. fp16 scales the loss by the scale the ``LossScaler`` had
     after the update of batch t-2 (2BW, delayed) or t-1: a pipeline applies step t-1 only while
-    batch t runs under 2bw.
+    batch t runs under 2bw. ``relayout`` = (step n, balance'): from batch n on, round where a pipeline
+    of balance' sends (a run resumed at another layout at step n). ``keep``: steps n after which the
+    weights are kept in ``snapshots`` (what validation after n steps evaluates).
     """
     threads = torch.get_num_threads()
     # As the ranks run: Adam turns reduction-order noise in ~zero gradients into lr-sized steps
     torch.set_num_threads(1)
     try:
-        return _train(cfg, delayed=delayed, layers=layers, balance=balance)
+        return _train(cfg, delayed=delayed, layers=layers, balance=balance, relayout=relayout, keep=keep)
     finally:
         torch.set_num_threads(threads)
 
 
-def _train(cfg: Config, *, delayed: bool, layers: Optional[Sequence[nn.Module]], balance: Sequence[int]) -> Reference:
+def _train(
+    cfg: Config,
+    *,
+    delayed: bool,
+    layers: Optional[Sequence[nn.Module]],
+    balance: Sequence[int],
+    relayout: Optional[Tuple[int, Sequence[int]]],
+    keep: Sequence[int],
+) -> Reference:
     torch.manual_seed(cfg.seed)
     m = cfg.pipeline.num_microbatches
     precision = precisions.resolve(cfg.train.precision, "cpu")
     source = model_source(cfg.model, seed=cfg.seed)  # the GPT, or a factory's layers (tied ones stay tied)
-    after = [sum(balance[: s + 1]) - 1 for s in range(len(balance) - 1)]  # last layer of every stage but the last
+    after = boundaries(balance)
     layers = layers if layers is not None else source.build()
     model = StageBoundaries(layers, after=after, dtype=precisions.compute_dtype(precision))  # W(t)
     lm_loss = source.loss_fn
@@ -111,8 +141,10 @@ def _train(cfg: Config, *, delayed: bool, layers: Optional[Sequence[nn.Module]],
     )
     lag = 2 if delayed else 1
     scales_after: List[float] = []  # fp16: the scale each step's update left
-    out = Reference(None, [], [], [], [], [])
+    out = Reference(None, [], [], [], [], [], {})
     for t in range(cfg.train.num_steps):
+        if relayout is not None and t == relayout[0]:
+            model.after = stale.after = set(boundaries(relayout[1]))
         stale.zero_grad(set_to_none=True)
         scale = 1.0 if scaler is None else (scales_after[t - lag] if t >= lag else t_cfg.loss_scale)
         batch_losses = []
@@ -138,22 +170,28 @@ def _train(cfg: Config, *, delayed: bool, layers: Optional[Sequence[nn.Module]],
             scaler.update(skip)
             scales_after.append(scaler.scale)
         if skip:
-            out.skipped_steps.append(t)
-            continue  # W(t+1) = W(t), optimizer state untouched
-        if cfg.optim.clip_grad_norm is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.clip_grad_norm)
-        for group in opt.param_groups:
-            group["lr"] = out.lrs[-1]
-        opt.step()
+            out.skipped_steps.append(t)  # W(t+1) = W(t), optimizer state untouched
+        else:
+            if cfg.optim.clip_grad_norm is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.clip_grad_norm)
+            for group in opt.param_groups:
+                group["lr"] = out.lrs[-1]
+            opt.step()
+        if t + 1 in keep:
+            out.snapshots[t + 1] = copy.deepcopy(model.state_dict())
     return out._replace(weights=model.state_dict())
 
 
-def reference_eval(cfg: Config, weights: Dict[str, torch.Tensor]) -> float:
+def reference_eval(cfg: Config, weights: Dict[str, torch.Tensor], *, balance: Sequence[int] = ()) -> float:
     """The validation loss of ``weights`` in one process: the mean microbatch loss over the
-    ``train.eval_batches`` global batches of held-out windows that the pipeline evaluates."""
+    ``train.eval_batches`` global batches of held-out windows that the pipeline evaluates. Under
+    bf16/fp16, forward under autocast with the activation rounded where a pipeline of ``balance``
+    sends it, as ``reference_run`` trains."""
     p = cfg.pipeline
+    precision = precisions.resolve(cfg.train.precision, "cpu")
     source = model_source(cfg.model, seed=cfg.seed)
-    model, lm_loss = nn.Sequential(*source.build()), source.loss_fn
+    model = StageBoundaries(source.build(), after=boundaries(balance), dtype=precisions.compute_dtype(precision))
+    lm_loss = source.loss_fn
     model.load_state_dict(weights)
     model.eval()
     # One replica of w*m microbatches draws the same windows, in the same order, as w replicas of m.
@@ -165,9 +203,10 @@ def reference_eval(cfg: Config, weights: Dict[str, torch.Tensor]) -> float:
         seed=cfg.seed,
         stream=VALIDATION,
     )
+    losses = []
     with torch.no_grad():
-        losses = [
-            lm_loss(model(x), y)
-            for x, y in map(feed.microbatch, range(cfg.train.eval_batches * p.data_parallel * p.num_microbatches))
-        ]
+        for x, y in map(feed.microbatch, range(cfg.train.eval_batches * p.data_parallel * p.num_microbatches)):
+            with precisions.autocast(precision, "cpu"):
+                out = model(x)
+            losses.append(lm_loss(out.float(), y))
     return float(torch.stack(losses).mean())

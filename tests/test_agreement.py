@@ -272,3 +272,32 @@ def test_deferred_steps_need_no_third_version(d, m):
         # F/B actions between CLOSE(t) and APPLY(t) in steady state: 2(m-d+1+s), from 2(m-d+1) >= 2
         # on stage 0 (one F and one B at m = d) to 2m on the last stage.
         assert min(slack.values()) == 2 * (m - d + 1 + s), (s, slack)
+
+
+@pytest.mark.parametrize("rank_map", [None, [[1], [0]]])
+def test_bug_rank0_as_last_stage_logged_the_next_batchs_loss_under_deferred_steps(tmp_path, rank_map):
+    """Bug (found by tests/test_matrix.py): rank 0 holding a last stage kept its own batch loss in one
+    slot, which batch t+1's last forward overwrote before the deferred APPLY(t) read it: under 2bw with
+    clipping at d=1 (or rank 0 mapped onto the last stage), losses [L0, L2, ..., L5, L5]. Training was right."""
+    d = 1 if rank_map is None else 2
+    cfg = clipped_config("2bw", d=d, m=4)
+    cfg.pipeline.rank_map = rank_map
+    summary = run_ok(cfg, tmp_path)
+    assert_matches_oracle(summary, weights(tmp_path), cfg, delayed=True)
+
+
+@pytest.mark.parametrize("schedule", ["2bw", "gpipe"])
+def test_bug_grad_norm_counted_tied_copies_unsummed_without_clipping(tmp_path, schedule):
+    """Bug (found by tests/test_matrix.py): with a weight tied across stages, the agreed norm summed
+    each holder's own (un-exchanged) gradient of the tie, unless clipping was on: under skip (or fp16)
+    alone, summary.json's grad_norms were not the global norm (training was right: only finiteness is read)."""
+    cfg = clipped_config(schedule, d=2, m=4)
+    cfg.optim.clip_grad_norm = None
+    cfg.model.tie_embeddings = True
+    cfg.train.on_nonfinite = "skip"
+    summary = run_ok(cfg, tmp_path)
+    ref_cfg = oracle_config(cfg)
+    ref_cfg.model.tie_embeddings = True
+    ref = reference_run(ref_cfg, delayed=schedule == "2bw")
+    torch.testing.assert_close(weights(tmp_path), ref.weights)
+    torch.testing.assert_close(torch.tensor(summary["grad_norms"]), torch.tensor(ref.grad_norms))

@@ -89,3 +89,21 @@ def test_swapping_gives_the_same_training_bit_for_bit(
         assert sw["peak_device_bytes"] <= (resident + 1) * sw["microbatch_bytes"] + sw["unswapped_bytes"]
         assert sw["peak_device_bytes"] < r["peak_stash_bytes"]
         assert sw["stall_s"] >= 0 and sw["copy_out_s"] > 0 and sw["copy_in_s"] > 0
+
+
+def test_bug_recompute_kept_a_tuple_input_where_swapping_cannot_see_it(tmp_path):
+    """Bug (found by tests/test_matrix.py): RecomputeSequential gave checkpoint a layer's (hidden, mask) input
+    as one Python object, which checkpoint keeps outside saved-tensor hooks: with pipeline.recompute, swapping
+    moved nothing on a model whose boundaries are tuples. Its tensors now go in as checkpoint's arguments."""
+    from matrix import Cell, cell_config
+
+    cell = Cell("flush", 2, 1, False, True, "fp32", False, False, False, True, False, False, True)
+    summary = run_ok(cell_config(cell), tmp_path / "swap")
+    cfg = cell_config(cell)
+    cfg.swap.enabled = False
+    plain = run_ok(cfg, tmp_path / "plain")
+    (sw,) = [r["swap"] for r in summary["ranks"] if r["swap"] is not None]  # stage 0: 2 microbatches in flight
+    assert sw["swapped_out"] > 0 and sw["swapped_in"] == sw["swapped_out"]
+    assert summary["losses"] == plain["losses"]
+    swapped, base = torch.load(tmp_path / "swap" / "final_model.pt"), torch.load(tmp_path / "plain" / "final_model.pt")
+    assert all(torch.equal(swapped[k], base[k]) for k in base)

@@ -1,4 +1,4 @@
-"""Layer lists from config: the GPT or a user's factory named by import path, built whole or by index."""
+"""Layer lists from config: the GPT, a transformers model (model=hf) or a user's factory, built whole or by index."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import torch
 from torch import nn
 
-from pipedream2bw.config import GPTConfig, LayerListConfig
+from pipedream2bw.config import GPTConfig, HFModelConfig, LayerListConfig
 from pipedream2bw.errors import ConfigError
 from pipedream2bw.models.gpt import build_gpt_layers, lm_loss
 
@@ -70,6 +70,7 @@ class ModelSource:
     _build: Callable[[Optional[Sequence[int]]], List[nn.Module]]
     by_index: bool  # builds a subset of layers without building the rest
     _meta: Optional[List[nn.Module]] = None
+    hf: Any = None  # model=hf: the resolved ``models.hf.HFModel`` (config, name map), for checkpoints and exports
 
     def build(self, indices: Optional[Sequence[int]] = None) -> List[nn.Module]:
         """Layers ``indices`` (all by default), with the same weights whichever subset is asked for."""
@@ -147,10 +148,12 @@ def model_source(model: Any, *, seed: int) -> ModelSource:
             by_index=True,
             _build=lambda indices: build_gpt_layers(model, seed=seed, indices=indices),
         )
+    if isinstance(model, HFModelConfig):
+        return _hf_source(model, seed=seed)
     if not isinstance(model, LayerListConfig):
         raise ConfigError(
-            f"model ({model!r}) is neither a GPT config nor a layer-list factory; use model=gpt or model=custom "
-            "model._target_=..."
+            f"model ({model!r}) is neither a GPT config, a model=hf config nor a layer-list factory; use model=gpt, "
+            "model=hf or model=custom model._target_=..."
         )
     factory = locate(model.target, what="model._target_")
     if not callable(factory):
@@ -183,3 +186,36 @@ def model_source(model: Any, *, seed: int) -> ModelSource:
         return layers
 
     return ModelSource(name=model.name, seq_len=model.seq_len, loss_fn=_loss(model), by_index=by_index, _build=build)
+
+
+def _hf_source(model: HFModelConfig, *, seed: int) -> ModelSource:
+    """model=hf: a transformers model's layers, random (seeded per layer) or from ``model.pretrained``,
+    whose safetensors headers are checked against the layer list here, before any process group."""
+    from pipedream2bw import hf_io, ties
+    from pipedream2bw.models.hf import build_hf_layers, resolve_config
+
+    hf = resolve_config(model)
+    meta = build_hf_layers(hf, seed=seed, meta=True)
+    pretrained = None
+    if model.pretrained is not None:
+        pretrained = hf_io.PretrainedDir(model.pretrained)
+        found = ties.find_ties(meta)
+        hf_io.check_pretrained(pretrained, hf, hf_io.expected_tensors(hf, meta, found))
+
+    def build(indices: Optional[List[int]]) -> List[nn.Module]:
+        indices = list(range(hf.num_layers)) if indices is None else list(indices)
+        if pretrained is None:
+            return build_hf_layers(hf, seed=seed, indices=indices)
+        layers = build_hf_layers(hf, seed=seed, indices=indices, meta=True)  # no memory until the tensors arrive
+        hf_io.load_layers(pretrained, hf, layers, indices, ties=found)
+        return layers
+
+    return ModelSource(
+        name=model.name,
+        seq_len=model.seq_len,
+        loss_fn=lm_loss,
+        by_index=True,
+        _build=build,
+        _meta=meta,
+        hf=hf,
+    )

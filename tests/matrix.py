@@ -1,0 +1,401 @@
+"""The feature matrix (docs/design.md section 9): covering arrays over what a run combines, run in shared ranks."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import math
+import re
+import time
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import covertable
+import torch
+from dist_helper import spawn
+from torch import nn
+
+from pipedream2bw import comm
+from pipedream2bw.config import (
+    Config,
+    DataConfig,
+    DistConfig,
+    GPTConfig,
+    LayerListConfig,
+    OptimConfig,
+    PipelineConfig,
+    SwapConfig,
+    TrainConfig,
+    WandbConfig,
+    even_balance,
+    gpt_balance,
+)
+from pipedream2bw.layout import default_layout
+from pipedream2bw.models.factory import model_source
+from pipedream2bw.runner import run
+
+# Every feature and its values, in the order the generator sees them (the constraints below read a
+# prefix of a row: schedule, d and w come first). The first value of each is the plain run.
+FACTORS: "OrderedDict[str, Tuple[Any, ...]]" = OrderedDict(
+    schedule=("2bw", "flush", "gpipe"),
+    d=(1, 2, 4),  # pipeline.num_stages
+    w=(1, 2),  # pipeline.data_parallel
+    resume=(False, True),  # half the steps at (d, w) with a checkpoint, the rest resumed at RESUME_AT[(d, w)]
+    swap=(False, True),  # activation swapping on every stage (swap.enabled, min_bytes 0, resident 0)
+    precision=("fp32", "bf16", "fp16"),  # train.precision; fp16 always runs with its loss scaler
+    tied=(False, True),  # a weight tied across the first and last stage (embedding and LM head)
+    clip=(False, True),  # optim.clip_grad_norm, below every step's norm
+    skip=(False, True),  # train.on_nonfinite=skip, with an inf put into one replica's gradient at batch SKIP_BATCH
+    recompute=(False, True),  # pipeline.recompute
+    host_optim=(False, True),  # swap.optimizer=host
+    validation=(False, True),  # train.eval_every=EVAL_EVERY on held-out data
+    structured=(False, True),  # masked_layers: every boundary a (hidden, integer mask) tuple; else the GPT
+)
+
+NUM_STEPS = 6  # the 2BW delay shows from step 1; step SKIP_BATCH is skipped; a resume at RESUME_STEP
+RESUME_STEP = 3
+SKIP_BATCH = 3  # the first batch a resumed run trains: the skip meets the state the resume restored
+EVAL_EVERY = 2  # validation after steps 2, 4 and 6
+GLOBAL_BATCH = 8  # sequences per batch: w * m * b with b = 1, so m = 8 / w >= d at every layout
+CLIP = 0.5  # below every step's gradient norm of these models (0.7 .. 15): clipping acts on every step,
+# and steps stay large enough for the 2BW delay to show above bf16's tolerance
+WIDTH, SEQ_LEN = 16, 8
+POISONED_LAYER = 1  # the first block (GPT) or mixing layer (structured): on stage 0 whenever d > 1
+
+# A resumed cell continues at another (d, w) with the same number of ranks (the same spawned group).
+RESUME_AT = {(1, 2): (2, 1), (2, 1): (1, 2), (2, 2): (4, 1), (4, 1): (2, 2)}
+
+# Tolerances against the single-process reference, per precision. fp32: float32 round-off (torch's
+# defaults). bf16/fp16: the reference rounds where the pipeline sends (reference.StageBoundaries), so
+# one layout is bit for bit; replicas (w = 2) and other splits sum gradients in another order, which
+# moves a few roundings of activations to the compute dtype by one unit (2**-8 bf16, 2**-11 fp16).
+TOLERANCE: Dict[str, Dict[str, float]] = {
+    "fp32": {},
+    "bf16": dict(rtol=1e-2, atol=1e-3),
+    "fp16": dict(rtol=1e-3, atol=1e-4),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Cell:
+    """One run of the matrix: a value for every factor."""
+
+    schedule: str
+    d: int
+    w: int
+    resume: bool
+    swap: bool
+    precision: str
+    tied: bool
+    clip: bool
+    skip: bool
+    recompute: bool
+    host_optim: bool
+    validation: bool
+    structured: bool
+
+    @property
+    def id(self) -> str:
+        """Readable test id, e.g. ``2bw-d2w2-bf16-tied-clip-resume-d4w1``."""
+        parts = [self.schedule, f"d{self.d}w{self.w}", self.precision]
+        flags = ("tied", "clip", "skip", "recompute", "swap", "host_optim", "validation", "structured")
+        short = {"recompute": "recomp", "host_optim": "hostopt", "validation": "val", "structured": "tuple"}
+        parts += [short.get(f, f) for f in flags if getattr(self, f)]
+        if self.resume:
+            d, w = RESUME_AT[(self.d, self.w)]
+            parts.append(f"resume-d{d}w{w}")
+        return "-".join(parts)
+
+    @property
+    def world_size(self) -> int:
+        return self.d * self.w
+
+    def layouts(self) -> List[Tuple[int, int]]:
+        """(d, w) of each run: one, or the first half's and the resumed half's."""
+        return [(self.d, self.w)] + ([RESUME_AT[(self.d, self.w)]] if self.resume else [])
+
+
+# The generator's constraints: (factors read, predicate on a row holding them, why). A row failing one is
+# no run at all, so the covering arrays leave its combinations out.
+CONSTRAINTS: List[Tuple[Tuple[str, ...], Callable[[Dict[str, Any]], bool], str]] = [
+    (("d", "w"), lambda r: r["d"] * r["w"] <= 8, "at most 8 ranks"),
+    (
+        ("resume", "d", "w"),
+        lambda r: not r["resume"] or (r["d"], r["w"]) in RESUME_AT,
+        "resume needs another layout with as many ranks (RESUME_AT): none for 1x1 and 4x2",
+    ),
+    (
+        ("swap", "d", "schedule"),
+        lambda r: not r["swap"] or r["d"] >= 2 or r["schedule"] == "gpipe",
+        "swapping needs a stage with more microbatches in flight than the one computing (resident 0): "
+        "d >= 2 under 1F1B, any d under gpipe",
+    ),
+    # 2bw's m >= d holds by construction (m = 8 / w); fp16 always runs with its loss scaler.
+]
+
+# Combinations the code refuses at config time: (factors read, predicate, the ConfigError's pattern, why,
+# the values of an example). Listed in README.md ("Supported combinations"). They are no cells of the
+# arrays (a refused run covers nothing); test_matrix validates each example and checks the refusal.
+REFUSED: List[Tuple[Tuple[str, ...], Callable[[Dict[str, Any]], bool], str, str, Dict[str, Any]]] = []
+
+# Rows every array holds (the generator fills their other factors): the combinations that once trained
+# silently wrong, which a pairwise array need not contain (they are 3- and 4-way interactions).
+PRESETS: List[Dict[str, Any]] = [
+    # issue 21: 2bw + a weight tied across stages + w >= 2, without clipping or skip (a deferred step with
+    # no agreement of its own): the step used one replica's un-averaged gradient
+    dict(schedule="2bw", d=2, w=2, tied=True, clip=False, skip=False, precision="fp32", resume=False),
+]
+
+
+def feasible(values: Dict[str, Any]) -> bool:
+    """False when a (partial) row breaks a constraint or is refused whose factors it all holds."""
+    rules = [(keys, ok) for keys, ok, _ in CONSTRAINTS] + [(keys, lambda r, f=f: not f(r)) for keys, f, *_ in REFUSED]
+    return all(ok(values) for keys, ok in rules if all(k in values for k in keys))
+
+
+def refusal(cell: Cell) -> Optional[str]:
+    """The pattern of the ConfigError that config validation must raise for ``cell``; None: it runs."""
+    row = dataclasses.asdict(cell)
+    return next((pattern for _, applies, pattern, *_ in REFUSED if applies(row)), None)
+
+
+def covering_array(strength: int) -> List[Cell]:
+    """The ``strength``-wise covering array (covertable) of FACTORS under the constraints and
+    refusals, PRESETS first: every feasible combination of values of any ``strength`` factors is in
+    at least one cell. Deterministic: covertable's hash sorter with a fixed salt orders the candidates."""
+    constraints = [{"operator": "fn", "requires": list(keys), "evaluate": ok} for keys, ok, _ in CONSTRAINTS] + [
+        {"operator": "fn", "requires": list(keys), "evaluate": lambda r, f=f: not f(r)} for keys, f, *_ in REFUSED
+    ]
+    rows = covertable.make(
+        {name: list(values) for name, values in FACTORS.items()},
+        strength=strength,
+        constraints=constraints,
+        presets=PRESETS,
+        salt="pd2bw",
+    )
+    return [Cell(**{name: row[name] for name in FACTORS}) for row in rows]
+
+
+def uncovered(cells: Sequence[Cell], strength: int) -> List[Dict[str, Any]]:
+    """Feasible value combinations of ``strength`` factors that no cell holds (feasible: some full
+    row of the product with those values passes ``feasible``)."""
+    names = list(FACTORS)
+    possible, covered = set(), set()
+    for row in itertools.product(*FACTORS.values()):
+        if feasible(dict(zip(names, row))):
+            possible.update(itertools.combinations(enumerate(row), strength))
+    for cell in cells:
+        row = [getattr(cell, n) for n in names]
+        covered.update(itertools.combinations(enumerate(row), strength))
+    return [{names[i]: v for i, v in combo} for combo in sorted(possible - covered, key=repr)]
+
+
+# ---- configs -----------------------------------------------------------------------------------
+
+
+def cell_config(cell: Cell, *, layout: Optional[Tuple[int, int]] = None, resume: str = "never") -> Config:
+    """The run of ``cell`` at ``layout`` (d, w), by default the cell's own; (1, 1) is the reference's."""
+    d, w = layout or (cell.d, cell.w)
+    if cell.structured:
+        model: Any = LayerListConfig(
+            target="custom_models.masked_layers", kwargs={"width": WIDTH, "tie": cell.tied}, seq_len=SEQ_LEN
+        )
+    else:
+        model = GPTConfig(num_layers=2, d_model=WIDTH, num_heads=2, seq_len=SEQ_LEN, tie_embeddings=cell.tied)
+    balance = gpt_balance(model, d) if isinstance(model, GPTConfig) else even_balance(5, d)
+    return Config(
+        pipeline=PipelineConfig(
+            schedule=cell.schedule,
+            num_stages=d,
+            data_parallel=w,
+            num_microbatches=GLOBAL_BATCH // w,
+            microbatch_size=1,
+            balance=balance,
+            recompute=cell.recompute,
+        ),
+        model=model,
+        # SGD with momentum: Adam blows reduction-order round-off on ~zero gradients up to lr-sized steps
+        optim=OptimConfig(
+            name="sgd",
+            lr=0.2,
+            kwargs={"momentum": 0.9},
+            scheduler="cosine",
+            warmup_steps=2,
+            min_lr=0.02,
+            clip_grad_norm=CLIP if cell.clip else None,
+        ),
+        data=DataConfig(val_fraction=0.1 if cell.validation else 0.0),
+        train=TrainConfig(
+            num_steps=NUM_STEPS,
+            log_every=100,
+            warmup_steps=1,
+            on_nonfinite="skip" if cell.skip else "stop",
+            precision=cell.precision,
+            loss_scale=1024.0,  # the scale grows every 2 clean steps: it changes within the run
+            loss_scale_growth_interval=2,
+            checkpoint_every=RESUME_STEP if cell.resume and layout is None else 0,
+            eval_every=EVAL_EVERY if cell.validation else 0,
+            eval_batches=1,
+            resume=resume,
+        ),
+        dist=DistConfig(timeout_s=60.0),
+        wandb=WandbConfig(mode="disabled"),
+        swap=SwapConfig(enabled=cell.swap, min_bytes=0, resident=0, optimizer="host" if cell.host_optim else "device"),
+        seed=3,
+    )
+
+
+class _InfOnBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, poison):
+        ctx.poison = poison
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (grad * math.inf if ctx.poison() else grad), None
+
+
+def poisoned_layers(cfg: Config, *, call: Optional[int]) -> List[nn.Module]:
+    """The model of ``cfg`` whose layer POISONED_LAYER passes an infinite gradient back on its
+    ``call``-th backward (1-based; None: never). Counted in backward (recomputation runs forwards
+    twice, validation forwards none), shared by both weight versions (a forward hook, so parameter
+    names stay the model's)."""
+    layers = model_source(cfg.model, seed=cfg.seed).build()
+    calls = [0]
+
+    def poison() -> bool:
+        calls[0] += 1
+        return calls[0] == call
+
+    def hook(module, inputs, output):
+        if isinstance(output, tuple):  # the hidden state; the mask carries no gradient
+            return (_InfOnBackward.apply(output[0], poison), *output[1:])
+        return _InfOnBackward.apply(output, poison)
+
+    layers[POISONED_LAYER].register_forward_hook(hook)
+    return layers
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """One run of a cell in the shared ranks: its config, directory and where an inf goes (skip)."""
+
+    cell_id: str
+    cfg: Config
+    run_dir: str
+    poison_rank: Optional[int]  # the rank whose POISONED_LAYER gets the inf
+    poison_call: Optional[int]  # ... on this backward call of it
+
+
+def jobs_of(cell: Cell, root: Path) -> List[Job]:
+    """The runs of ``cell``: one, or the first half (checkpoint at RESUME_STEP) and the resumed run."""
+    jobs = []
+    for i, layout in enumerate(cell.layouts()):
+        run_dir = root / cell.id / f"run{i}"
+        cfg = cell_config(cell, layout=None if i == 0 else layout)
+        if i == 1:
+            cfg = cell_config(
+                cell, layout=layout, resume=str(root / cell.id / "run0" / "checkpoints" / f"step_{RESUME_STEP:08d}")
+            )
+        rank = call = None
+        if cell.skip:  # the last replica of the stage holding the poisoned layer, first microbatch of SKIP_BATCH
+            d, w = layout
+            stage = next(s for s in range(d) if sum(cfg.pipeline.balance[: s + 1]) > POISONED_LAYER)
+            rank = default_layout(d, w, ranks_per_node=d * w).ranks[stage][w - 1]
+            first_step = RESUME_STEP if i == 1 else 0
+            call = (SKIP_BATCH - first_step) * cfg.pipeline.num_microbatches + 1
+        jobs.append(Job(cell.id, cfg, str(run_dir), rank, call))
+    return jobs
+
+
+def run_jobs(jobs: Sequence[Job]) -> None:
+    """On every rank: the jobs one after another, sharing the ranks and one rendezvous store (runner.run
+    makes and tears down each job's process groups). The first failure ends this rank (and, through the
+    failure monitor, the others): the caller re-spawns for the jobs after it."""
+    rank, world_size, _ = comm.env_rank()
+    store = comm.make_store(rank=rank, world_size=world_size, timeout_s=60)
+    for job in jobs:
+        print(f"=== job {job.cell_id} {Path(job.run_dir).name}", flush=True)
+        layers = None
+        if job.poison_call is not None:
+            layers = poisoned_layers(job.cfg, call=job.poison_call if rank == job.poison_rank else None)
+        run(job.cfg, Path(job.run_dir), layers=layers, store=store)
+
+
+@dataclasses.dataclass
+class CellRuns:
+    """What a cell's runs left: per run, summary.json and final_model.pt; or the failure's logs."""
+
+    summaries: List[Dict[str, Any]]
+    weights: List[Dict[str, torch.Tensor]]
+    error: Optional[str] = None
+
+
+class MatrixRunner:
+    """Runs cells in groups that share one spawn of ranks: all pending cells with the same number of
+    ranks, in order, their jobs one after another (``run_jobs``). A job that fails ends its spawn; the
+    cells after it are run by a new spawn, so one failing cell costs the others nothing but time."""
+
+    def __init__(self, root: Path, cells: Sequence[Cell]):
+        self.root, self.cells = Path(root), list(cells)
+        self.results: Dict[str, CellRuns] = {}
+        self.group_s: Dict[int, float] = {}  # world size -> wall time of its spawns
+
+    def result(self, cell: Cell) -> CellRuns:
+        if cell.id not in self.results:
+            group = [c for c in self.cells if c.world_size == cell.world_size and c.id not in self.results]
+            if cell not in group:
+                group.append(cell)
+            start = time.monotonic()
+            self._run_group(group)
+            self.group_s[cell.world_size] = self.group_s.get(cell.world_size, 0.0) + time.monotonic() - start
+        return self.results[cell.id]
+
+    def _run_group(self, cells: List[Cell]) -> None:
+        while cells:
+            jobs = [job for cell in cells for job in jobs_of(cell, self.root)]
+            log_dir = self.root / "logs" / f"{cells[0].id}"
+            results = spawn(
+                run_jobs,
+                world_size=cells[0].world_size,
+                args=(jobs,),
+                log_dir=log_dir,
+                timeout_s=60 + 30 * len(jobs),
+            )
+            logs = {r.rank: r.log for r in results}
+            rest = []
+            for i, cell in enumerate(cells):
+                runs = [j for j in jobs if j.cell_id == cell.id]
+                done = [Path(j.run_dir, "summary.json").exists() for j in runs]
+                if all(done):
+                    self.results[cell.id] = CellRuns(
+                        summaries=[json.loads(Path(j.run_dir, "summary.json").read_text()) for j in runs],
+                        weights=[torch.load(Path(j.run_dir, "final_model.pt")) for j in runs],
+                    )
+                    continue
+                self.results[cell.id] = CellRuns([], [], error=_failure(cell.id, logs, results))
+                rest = cells[i + 1 :]
+                break
+            cells = rest
+
+
+def _failure(cell_id: str, logs: Dict[int, str], results) -> str:
+    """Each rank's exit code and its log from the failing cell's first job on."""
+    out = []
+    for r in results:
+        text = r.log
+        at = text.find(f"=== job {cell_id} ")
+        out.append(f"--- rank {r.rank} exit {r.exitcode}\n{text[at if at >= 0 else 0 :][-6000:]}")
+    return "\n".join(out)
+
+
+def error_line(error: str) -> str:
+    """The first line naming an exception in a failure's logs, for a short report."""
+    for pattern in (r"failed: [^\n]+", r"\w+(Error|Exception): [^\n]+"):
+        m = re.search(pattern, error)
+        if m:
+            return m.group(0)[:300]
+    return error.strip().splitlines()[-1][:300] if error.strip() else "(no log)"
