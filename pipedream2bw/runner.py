@@ -234,11 +234,11 @@ def run(
     set_log_prefix(f"[stage {layout.position(rank)[0]}/rank {rank}]")
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    if rank == 0:
-        link_latest(run_dir)
     if store is None:  # made after validate: a bad config fails every rank at once, with no rendezvous
         store = comm.make_store(rank=rank, world_size=world_size, timeout_s=cfg.dist.timeout_s)
     resume = _choose_checkpoint(cfg.train, run_dir, agreed or comm.run_scope(store), rank, world_size, model)
+    if rank == 0:  # after the checkpoint is chosen: train.resume=outputs/latest means the run before this one
+        link_latest(run_dir)
     ctx = comm.init(
         store=store,
         rank=rank,
