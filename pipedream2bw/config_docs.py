@@ -11,6 +11,7 @@ import textwrap
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
+from pipedream2bw import config as config_module
 from pipedream2bw.config import Config, LayerListConfig, register_configs
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -65,6 +66,9 @@ def sections() -> List[Tuple[str, type, str]]:
         schema = f.default_factory
         if f.name == "model":
             out.append(("model", schema, "model=gpt (the default), model=gpt175b"))
+            hf = getattr(config_module, "HFModelConfig", None)
+            if hf is not None:
+                out.append(("model", hf, "model=hf, model=hf_llama: a transformers causal LM"))
             out.append(("model", LayerListConfig, "model=custom, model=hf_gpt2: a layer-list factory (`_target_`)"))
         elif f.name == "optim":
             out.append(("optim", schema, "optim=default; optim=custom takes `_target_` and its keys"))

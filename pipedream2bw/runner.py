@@ -336,7 +336,8 @@ def _choose_checkpoint(
         try:
             if t.resume == "auto":
                 checkpoint.clear_partials(run_dir / checkpoint.DIRNAME)
-            path, manifest = checkpoint.select(run_dir if t.resume == "auto" else Path(t.resume))
+            # resolved: a link (outputs/latest) may be re-pointed at this run before the other ranks read it
+            path, manifest = checkpoint.select(run_dir if t.resume == "auto" else Path(t.resume).resolve())
             if path is None and t.resume != "auto":
                 raise ConfigError(
                     f"train.resume ({t.resume}) holds no complete checkpoint with intact files; "

@@ -38,9 +38,10 @@ def torchrun(*overrides: str, cwd: Path, timeout_s: float = 240) -> subprocess.C
 def test_readme_command_trains_and_writes_results(tmp_path):
     proc = torchrun(*SHORT, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    run_dirs = list((tmp_path / "outputs").glob("*/*"))
+    run_dirs = list((tmp_path / "outputs").glob("*-*-*/*"))  # <date>/<time>; outputs/latest links it
     assert len(run_dirs) == 1, run_dirs  # every rank wrote into the same run directory
     run_dir = run_dirs[0]
+    assert (tmp_path / "outputs" / "latest").resolve() == run_dir.resolve()
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["schedule"] == "2bw" and summary["num_stages"] == 4 and len(summary["losses"]) == 40
     assert summary["losses"][0] > 5.0 and summary["final_loss"] < summary["losses"][0] - 1.5  # the loss falls clearly

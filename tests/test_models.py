@@ -195,7 +195,7 @@ def test_hf_gpt2_with_target_optimizer_from_the_command_line(tmp_path):
         cwd=tmp_path,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    (run_dir,) = list((tmp_path / "outputs").glob("*/*"))
+    (run_dir,) = list((tmp_path / "outputs").glob("*-*-*/*"))  # <date>/<time>, not outputs/latest
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["ties"] == [
         {"names": ["0.wte.weight", "4.weight"], "shape": [256, 32], "stages": [0, 1], "checked_steps": 4}
