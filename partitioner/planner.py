@@ -566,7 +566,51 @@ def plan_from_text(text: str, *, source: str = "plan") -> Plan:
             f"{source} is not a plan file: unknown keys {sorted(got - names)}, missing keys {sorted(required - got)}; "
             f"write one with `python -m partitioner plan ...`"
         )
+    _check_types(data, source)
     return Plan(**data)
+
+
+def _check_types(data: Dict[str, object], source: str) -> None:
+    """Refuses a plan value of the wrong type (``balance: abc``, ``num_stages: "2"``), naming it: an
+    edited plan must fail here, not as a TypeError or a comparison that reads 2 != 2 later.
+
+    Raises:
+        ConfigError: naming the key, its value and the type it needs.
+    """
+    import typing
+
+    def is_int(v):
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    def is_number(v):
+        return is_int(v) or isinstance(v, float)
+
+    checks = {
+        int: (is_int, "an integer"),
+        float: (is_number, "a number"),
+        str: (lambda v: isinstance(v, str), "a string"),
+        bool: (lambda v: isinstance(v, bool), "true or false"),
+        List[int]: (lambda v: isinstance(v, list) and all(map(is_int, v)), "a list of integers"),
+        List[float]: (lambda v: isinstance(v, list) and all(map(is_number, v)), "a list of numbers"),
+        List[List[int]]: (
+            lambda v: isinstance(v, list) and all(isinstance(r, list) and all(map(is_int, r)) for r in v),
+            "a list of lists of integers",
+        ),
+    }
+    hints = typing.get_type_hints(Plan)
+    for key, value in data.items():
+        hint = hints[key]
+        if typing.get_origin(hint) is dict:
+            ok, what = isinstance(value, dict), "a mapping"
+        elif hint in checks:
+            ok, what = checks[hint][0](value), checks[hint][1]
+        else:
+            continue
+        if not ok:
+            raise ConfigError(
+                f"{source}: {key} ({value!r}) must be {what}; correct it, or write the plan again with "
+                f"`python -m partitioner plan ...`"
+            )
 
 
 def save_plan(p: Plan, path) -> Path:

@@ -7,16 +7,20 @@ A checkpoint taken after ``n`` steps (batches) is a directory::
         layer_00003.pt      layer 3: {"weights": W(n), "previous": W(n-1) under 2bw else None,
                             "optimizer": per-parameter optimizer state}, names as in
                             nn.Sequential(*all_layers) ("3.attn.qkv.weight")
-        rng_rank0.pt ...    every rank's RNG states (restored when the layout is the same)
+        rng_rank0.pt ...    every rank's RNG states as tensors and plain values (restored when the
+                            layout is the same)
         manifest.json       written last: step, losses (learning rates, gradient norms, skipped
-                            steps) so far, layout, parameter shapes and the SHA-256 of every file
+                            steps) so far, layout, parameter shapes, the lineage (run id), the model
+                            and training settings a resume must match, the SHA-256 of every file
 
 Stages write their own layers at once (replica 0 of each stage) into
 ``.step_00000040.partial/``, in a background thread from copies taken at the step; rank 0
 waits until every rank has posted its files' checksums, writes the manifest and renames the
-directory into place, then prunes. A crash leaves a ``.partial`` directory that no resume
-reads. A checkpoint whose files do not match their checksums is reported, renamed aside and
-skipped in favour of the previous complete one.
+directory into place, then prunes this lineage's older checkpoints (rename to ``.trash``, then
+delete; never another lineage's). A crash leaves a ``.partial`` or ``.trash`` directory that no
+resume reads and the next start removes. A checkpoint whose files do not match their checksums is
+reported, renamed aside and skipped in favour of the previous complete one; if none is left, the
+resume is refused. Files are only ever loaded with ``weights_only=True``: nothing is unpickled.
 
 Parameters tied across layers (``manifest.json``'s ``ties``, canonical name first) are stored
 once, in the layer file of the canonical name; loading gives every holder that entry.
@@ -33,11 +37,13 @@ import copy
 import hashlib
 import json
 import logging
+import pickle
 import random
 import shutil
 import sys
 import threading
 import time
+import uuid
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -85,16 +91,35 @@ def _sha256(path: Path) -> str:
 
 
 def rng_state() -> Dict[str, Any]:
-    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    """This process's RNG states (torch, Python ``random``, numpy; CUDA if present) as tensors and plain
+    values: what ``torch.load(weights_only=True)`` reads back, so that a resume never unpickles code."""
+    version, mt, gauss_next = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {
+        "torch": torch.get_rng_state(),
+        "python": {"version": version, "state": torch.tensor(mt, dtype=torch.int64), "gauss_next": gauss_next},
+        "numpy": {
+            "kind": str(kind),
+            "keys": torch.from_numpy(keys.astype(np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached),
+        },
+    }
     if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        state["cuda"] = list(torch.cuda.get_rng_state_all())
     return state
 
 
 def set_rng_state(state: Mapping[str, Any]) -> None:
+    """Restores what ``rng_state`` returned."""
     torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    py = state["python"]
+    random.setstate((py["version"], tuple(py["state"].tolist()), py["gauss_next"]))
+    npy = state["numpy"]
+    np.random.set_state(
+        (npy["kind"], npy["keys"].numpy().astype(np.uint32), npy["pos"], npy["has_gauss"], npy["cached_gaussian"])
+    )
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
 
@@ -156,18 +181,19 @@ class Checkpointer:
         *,
         history: Optional[Dict[str, Any]] = None,
         rng: Optional[Dict[str, Any]] = None,
+        force: bool = False,
     ) -> None:
         """Starts writing the checkpoint of ``step`` steps if one is due. ``state`` makes the stage's
         copies (``WeightVersions.state``); ``losses`` are all losses so far (rank 0, else None);
         ``history``: more per-step records for the manifest (rank 0: learning rates, gradient
         norms, skipped steps; the fp16 loss scaler's state, which a resume at any layout loads);
         ``rng``: the RNG states to save, if not this moment's (a deferred step saves those taken
-        where the step's batch ended).
+        where the step's batch ended); ``force``: write one even if none is due (preemption).
 
         Raises:
             RuntimeError: the previous checkpoint's write failed on this rank.
         """
-        if not self.due(step):
+        if not (force or self.due(step)):
             return
         start = time.perf_counter()
         payload = split_by_layer(state(), self.layers) if self.layers else {}
@@ -248,9 +274,10 @@ class Checkpointer:
         if final.exists():  # from an attempt that crashed after this step: keep it, out of the way
             final.rename(final.with_name(f"{final.name}.replaced-{int(time.time())}"))
         atomic_rename(partial, final)  # the checkpoint exists once this rename is on disk
-        log.info("checkpoint of step %d written to %s", step, final)
-        for old in complete_checkpoints(self.root)[self.keep :]:
-            shutil.rmtree(old, ignore_errors=True)
+        log.info(
+            "checkpoint of step %d written to %s%s", step, final, " (preempted)" if history.get("preempted") else ""
+        )
+        prune(self.root, lineage=self.manifest.get("lineage"), keep=self.keep, newest=final)
         for stale in self.root.glob(".step_*.partial"):
             if int(stale.name[len(".step_") : -len(".partial")]) < step:
                 shutil.rmtree(stale, ignore_errors=True)
@@ -269,12 +296,82 @@ def complete_checkpoints(root: Path) -> List[Path]:
     return sorted(found, key=lambda p: int(p.name[5:]), reverse=True)
 
 
-def verify(path: Path) -> Tuple[Optional[Dict[str, Any]], Optional[str]]:
-    """(manifest, None) if every file of checkpoint ``path`` is there with its checksum, else (None, why)."""
+def _read_manifest(path: Path) -> Optional[Dict[str, Any]]:
     try:
         manifest = json.loads((Path(path) / MANIFEST).read_text())
-    except (OSError, ValueError) as e:
-        return None, f"unreadable manifest ({type(e).__name__}: {e})"
+    except (OSError, ValueError):
+        return None
+    return manifest if isinstance(manifest, dict) else None
+
+
+def new_lineage() -> str:
+    """A fresh run id: the lineage of a run that starts from step 0 (a resume keeps its checkpoint's)."""
+    return uuid.uuid4().hex
+
+
+def lineage_of(path: Path) -> Optional[str]:
+    """The lineage a checkpoint's manifest records; None if unreadable or written before lineages were."""
+    manifest = _read_manifest(path)
+    return manifest.get("lineage") if manifest is not None else None
+
+
+def _discard(path: Path) -> None:
+    """Removes a directory crash-safely: renamed to a ``.trash`` name (durably) first, then deleted. A kill
+    in between leaves a trash directory that ``clean_leftovers`` removes, never a half-deleted checkpoint
+    that looks like one."""
+    trash = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.trash")
+    atomic_rename(path, trash)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def prune(root: Path, *, lineage: Optional[str], keep: int, newest: Path) -> List[Path]:
+    """Removes this lineage's complete checkpoints beyond the ``keep`` newest, never ``newest`` (the one
+    just written) nor another lineage's (an earlier run in the same directory keeps its checkpoints).
+
+    Returns:
+        The checkpoints removed.
+    """
+    if lineage is None:  # nothing tells this run's checkpoints from another's: remove none
+        return []
+    mine = [p for p in complete_checkpoints(root) if p != Path(newest) and lineage_of(p) == lineage]
+    gone = mine[max(keep - 1, 0) :]
+    for old in gone:
+        _discard(old)
+    return gone
+
+
+def clean_leftovers(root: Path) -> List[Path]:
+    """Removes what an interrupted prune left (rank 0, before training): ``.trash`` directories and
+    ``step_*`` directories without a manifest (a checkpoint is renamed into place with its manifest,
+    so one without is never a checkpoint: earlier versions deleted old checkpoints in place).
+
+    Returns:
+        The directories removed.
+    """
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    gone = [
+        p
+        for p in root.iterdir()
+        if p.is_dir()
+        and (
+            (p.name.startswith(".step_") and p.name.endswith(".trash"))
+            or (p.name.startswith("step_") and p.name[5:].isdigit() and not (p / MANIFEST).exists())
+        )
+    ]
+    for p in gone:
+        log.warning("removing %s, left by an interrupted removal of old checkpoints", p)
+        shutil.rmtree(p, ignore_errors=True)
+    return gone
+
+
+def verify(path: Path) -> Tuple[Optional[Dict[str, Any]], Optional[str]]:
+    """(manifest, None) if every file of checkpoint ``path`` is there with its checksum and its layer
+    files hold only tensors and plain values, else (None, why)."""
+    manifest = _read_manifest(path)
+    if manifest is None:
+        return None, "unreadable manifest"
     if manifest.get("format") != FORMAT:
         return None, f"format {manifest.get('format')!r}, this version reads {FORMAT}"
     for name, sha in manifest["files"].items():
@@ -283,7 +380,36 @@ def verify(path: Path) -> Tuple[Optional[Dict[str, Any]], Optional[str]]:
             return None, f"{name} is missing"
         if _sha256(file) != sha:
             return None, f"{name} does not match its checksum (truncated or corrupted)"
+    for name in manifest["files"]:
+        if name.startswith("layer_"):
+            try:
+                safe_load(Path(path) / name, mmap=True)  # the pickle's structure only: tensors stay on disk
+            except UnsafeCheckpointError as e:
+                return None, str(e)
+            except Exception as e:  # not a torch file at all
+                return None, f"{name} does not load ({type(e).__name__}: {e})"
     return manifest, None
+
+
+class UnsafeCheckpointError(ValueError):
+    """A checkpoint file that holds more than tensors and plain values: loading it would run code."""
+
+
+def safe_load(path: Path, *, mmap: bool = False) -> Any:
+    """``torch.load`` restricted to tensors and plain values (``weights_only=True``): a file that would
+    run code when unpickled (a planted payload) is refused, never executed.
+
+    Raises:
+        UnsafeCheckpointError: naming the file.
+    """
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except pickle.UnpicklingError as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UnsafeCheckpointError(
+            f"{Path(path).name} holds more than tensors and plain values (an object that would run code when "
+            f"unpickled); it is not loaded ({first})"
+        ) from None
 
 
 def _checkpoints_root(path: Path) -> Path:
@@ -291,23 +417,55 @@ def _checkpoints_root(path: Path) -> Path:
     return path / DIRNAME if (path / DIRNAME).is_dir() else path
 
 
+class NoLoadableCheckpoint(ConfigError):
+    """Checkpoints are there, but none is complete and intact: resuming would silently start over."""
+
+
+def _candidates(root: Path) -> List[Path]:
+    """The checkpoints a resume from ``root`` may choose, best first: those of the lineage whose newest
+    checkpoint was written last (by ``written_at``; another run's in the same directory are never
+    chosen over it), newest step first, with any whose manifest is unreadable among them by step."""
+    found = complete_checkpoints(root)
+    manifests = {p: _read_manifest(p) for p in found}
+    readable = [p for p in found if manifests[p] is not None]
+    if not readable:
+        return found
+    latest = max(readable, key=lambda p: (manifests[p].get("written_at", 0), int(p.name[5:])))
+    lineage = manifests[latest].get("lineage")
+    return [p for p in found if manifests[p] is None or manifests[p].get("lineage") == lineage]
+
+
 def select(path: Path, *, set_aside: bool = True) -> Tuple[Optional[Path], Optional[Dict[str, Any]]]:
     """The newest complete, intact checkpoint at ``path`` (a checkpoint, a checkpoints/ directory
-    or a run directory), with its manifest; (None, None) if there is none.
+    or a run directory), with its manifest; (None, None) if there is none at all.
 
-    Checkpoints that fail their checksums are logged and, with ``set_aside``, renamed to
-    ``*.corrupt-<time>`` (kept for inspection; never read again), so that training continues
+    In a directory, the checkpoints of the latest lineage (``_candidates``) are tried newest first;
+    one that fails ``verify`` is logged and, with ``set_aside`` and an intact one to fall back to,
+    renamed to ``*.corrupt-<time>`` (kept for inspection; never read again), so that training continues
     from the previous one and later writes the same step afresh.
+
+    Raises:
+        NoLoadableCheckpoint: checkpoints are there but none verifies (none is renamed then), naming
+            them and the ways out.
     """
     path = Path(path)
-    candidates = [path] if (path / MANIFEST).is_file() else complete_checkpoints(_checkpoints_root(path))
+    candidates = [path] if (path / MANIFEST).is_file() else _candidates(_checkpoints_root(path))
+    problems = []
     for candidate in candidates:
         manifest, problem = verify(candidate)
         if manifest is not None:
+            for bad, _ in problems if set_aside else ():
+                bad.rename(bad.with_name(f"{bad.name}.corrupt-{int(time.time())}"))
             return candidate, manifest
         log.error("skipping checkpoint %s: %s", candidate, problem)
-        if set_aside and candidate is not path:
-            candidate.rename(candidate.with_name(f"{candidate.name}.corrupt-{int(time.time())}"))
+        problems.append((candidate, problem))
+    if problems:
+        listed = "; ".join(f"{p.name}: {why}" for p, why in problems)
+        raise NoLoadableCheckpoint(
+            f"none of the {len(problems)} checkpoint(s) at {path} can be loaded ({listed}); nothing was changed. "
+            f"Start afresh with train.resume=never (they stay, and are never pruned), or resume from another "
+            f"checkpoint with train.resume=<path>"
+        )
     return None, None
 
 
@@ -355,6 +513,54 @@ def check_ties(manifest: Mapping[str, Any], ties: Sequence[Sequence[str]], where
         )
 
 
+def settings_differences(
+    manifest: Mapping[str, Any], *, model: Mapping[str, Any], training: Mapping[str, Any]
+) -> List[str]:
+    """What differs between the model and training settings a checkpoint records (``model_settings``,
+    ``training_settings``; absent in checkpoints of earlier versions: nothing to compare) and this run's,
+    as ``"<setting>: checkpoint <value>, this run <value>"``."""
+    out = []
+    for part, ours in (("model_settings", model), ("training_settings", training)):
+        saved = manifest.get(part)
+        if saved is None:
+            continue
+        for key in sorted(set(saved) & set(ours)):  # a key one version does not record is not compared
+            a, b = saved.get(key), json.loads(json.dumps(ours.get(key)))  # as JSON has it: tuples are lists
+            if a == b:
+                continue
+            if isinstance(a, list) and isinstance(b, list) and len(a) == len(b) and key == "fingerprint":
+                out += [f"layer {i}: checkpoint {x}, this run {y}" for i, (x, y) in enumerate(zip(a, b)) if x != y]
+            else:
+                out.append(f"{key}: checkpoint {a!r}, this run {b!r}")
+    return out
+
+
+def check_settings(
+    manifest: Mapping[str, Any], *, model: Mapping[str, Any], training: Mapping[str, Any], where: Path, strict: bool
+) -> List[str]:
+    """Refuses a checkpoint whose model settings (same shapes, another model: e.g. another head count) or
+    training settings (precision, optimizer, schedule semantics, learning-rate schedule) differ from this
+    run's; with ``strict`` false, logs the differences and goes on.
+
+    Returns:
+        The differences (empty when none).
+
+    Raises:
+        ConfigError: ``strict`` and something differs, naming every difference.
+    """
+    differences = settings_differences(manifest, model=model, training=training)
+    if not differences:
+        return []
+    shown = "; ".join(differences[:8]) + (f"; and {len(differences) - 8} more" if len(differences) > 8 else "")
+    if strict:
+        raise ConfigError(
+            f"checkpoint {where} was written with other settings ({shown}); use the settings it was trained with, "
+            f"train.resume_strict=false to resume anyway, or train.resume=never to start afresh"
+        )
+    log.warning("train.resume_strict=false: resuming from %s although its settings differ: %s", where, shown)
+    return differences
+
+
 def load_layers(path: Path, indices: Sequence[int], *, ties: Sequence[Sequence[str]] = ()) -> Dict[str, Any]:
     """The part of checkpoint ``path`` that a stage holding layers ``indices`` loads, in the form
     of ``WeightVersions.state()``.
@@ -368,7 +574,7 @@ def load_layers(path: Path, indices: Sequence[int], *, ties: Sequence[Sequence[s
 
     def layer(i: int) -> Dict[str, Any]:
         if i not in cache:
-            cache[i] = torch.load(Path(path) / layer_file(i), map_location="cpu", weights_only=True)
+            cache[i] = safe_load(Path(path) / layer_file(i))
         return cache[i]
 
     for i in indices:
@@ -393,8 +599,16 @@ def load_layers(path: Path, indices: Sequence[int], *, ties: Sequence[Sequence[s
 
 
 def load_rng(path: Path, rank: int) -> Optional[Dict[str, Any]]:
+    """Rank ``rank``'s RNG states in checkpoint ``path`` (``rng_state``), None if absent or unsafe to load
+    (a file of an earlier version, which pickled numpy's state, or one tampered with: never unpickled)."""
     file = Path(path) / f"rng_rank{rank}.pt"
-    return torch.load(file, weights_only=False) if file.is_file() else None
+    if not file.is_file():
+        return None
+    try:
+        return safe_load(file)
+    except UnsafeCheckpointError as e:
+        log.warning("%s: RNG states not restored: %s", path, e)
+        return None
 
 
 def consolidate(path: Path, out: Optional[Path] = None) -> Path:
@@ -404,14 +618,15 @@ def consolidate(path: Path, out: Optional[Path] = None) -> Path:
         The file written (default: ``consolidated_step_<n>.pt`` beside the checkpoints directory).
 
     Raises:
-        FileNotFoundError: no complete, intact checkpoint at ``path``.
+        FileNotFoundError: no complete checkpoint at ``path``.
+        NoLoadableCheckpoint: checkpoints there, none intact.
     """
     chosen, manifest = select(Path(path), set_aside=False)
     if chosen is None:
         raise FileNotFoundError(f"no complete checkpoint with intact files at {path}")
     state: Dict[str, torch.Tensor] = {}
     for i in range(manifest["num_layers"]):
-        state.update(torch.load(chosen / layer_file(i), map_location="cpu", weights_only=True)["weights"])
+        state.update(safe_load(chosen / layer_file(i))["weights"])
     for names in manifest.get("ties", []):  # as the tied model's state_dict: every name on the one stored tensor
         for alias in names[1:]:
             state[alias] = state[names[0]]

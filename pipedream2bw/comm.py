@@ -296,9 +296,10 @@ def shutdown(ctx: DistContext) -> None:
     dist.destroy_process_group()
 
 
-def new_groups(ctx: DistContext, rank_lists: Sequence[Sequence[int]]) -> List[Any]:
-    """One process group per list, made on every rank in the same order (as torch requires)."""
-    return [dist.new_group(list(ranks), timeout=_group_timeout(ctx.timeout)) for ranks in rank_lists]
+def new_groups(ctx: DistContext, rank_lists: Sequence[Sequence[int]], *, backend: Optional[str] = None) -> List[Any]:
+    """One process group per list, made on every rank in the same order (as torch requires); ``backend``:
+    the main one if None, 'gloo' for CPU scalars that must not wait on the device."""
+    return [dist.new_group(list(ranks), timeout=_group_timeout(ctx.timeout), backend=backend) for ranks in rank_lists]
 
 
 def gather_to_rank0(ctx: DistContext, obj: Any) -> Optional[List[Any]]:

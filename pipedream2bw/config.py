@@ -201,7 +201,8 @@ class TrainConfig:
     checkpoint_every: int = 0
     """Write a checkpoint every this many steps (and after the last); 0 writes none."""
     keep_checkpoints: int = 2
-    """Complete checkpoints to keep in <run dir>/checkpoints; older ones are deleted once a newer one is complete."""
+    """Complete checkpoints of this run's lineage to keep in <run dir>/checkpoints; older ones are deleted once a
+    newer one is complete (another run's checkpoints in the same directory never are)."""
     eval_every: int = 0
     """Validation loss on held-out data (data.val_fraction or data.val_path) every this many steps and
     after the last, with the newest weights (forward only); 0: never."""
@@ -211,7 +212,17 @@ class TrainConfig:
     resume: str = "auto"
     """'auto': continue from the newest complete checkpoint in the run directory, if any (how a job
     restarted by torchrun --max-restarts picks up); 'never'; or a path: a checkpoint, its
-    checkpoints/ directory, or a run directory, at any num_stages and data_parallel."""
+    checkpoints/ directory, or a run directory, at any num_stages and data_parallel. With 'auto', checkpoints
+    that are there but none loadable stop the run (exit 2) rather than start it again from step 0."""
+    resume_strict: bool = True
+    """Refuse a checkpoint written with other model settings (e.g. model.num_heads) or training settings
+    (train.precision, the optimizer and its kwargs, the learning-rate schedule, 2bw vs flush/gpipe), naming
+    them; false resumes anyway and logs the differences (another optimizer starts with fresh state)."""
+    preempt_signals: List[str] = field(default_factory=lambda: ["SIGTERM"])
+    """Signals that preempt the run (SLURM and Kubernetes send SIGTERM before they kill a job): every rank
+    stops within two steps at one agreed step, writes a checkpoint of it, summary.json says
+    "preempted", and the process exits with 128 + the signal's number (143) so that the scheduler
+    requeues it; [] leaves the signals' default action (die at once, unsaved)."""
     precision: str = "auto"
     """'fp32', 'bf16' or 'fp16': each stage's forward and loss under torch.autocast to that dtype,
     float32 master weights, p2p transfers in that dtype; fp16 adds dynamic loss scaling. 'auto':
@@ -629,6 +640,27 @@ def _validate_precision(cfg: Config) -> None:
         )
 
 
+def validate_steps(t: TrainConfig) -> None:
+    """The training-length settings, which ``partition=auto`` checks before it profiles and plans.
+
+    Raises:
+        ConfigError: naming the value and the fix.
+    """
+    if t.num_steps < 1 or t.log_every < 1:
+        raise ConfigError(f"train.num_steps ({t.num_steps}) and train.log_every ({t.log_every}) must be >= 1")
+    if not 0 <= t.warmup_steps < t.num_steps:
+        raise ConfigError(
+            f"train.warmup_steps ({t.warmup_steps}) must be in [0, train.num_steps ({t.num_steps})) "
+            f"so that throughput is measured on at least one step; lower it"
+        )
+    from pipedream2bw.preempt import signal_numbers
+
+    try:
+        signal_numbers(t.preempt_signals)
+    except ValueError as e:
+        raise ConfigError(f"train.preempt_signals ({list(t.preempt_signals)}): {e}; or [] for none") from None
+
+
 SAVE_FINAL = ("gathered", "sharded", "none")
 
 
@@ -763,13 +795,7 @@ def validate(
     build_optimizer([torch.nn.Parameter(torch.zeros(1))], cfg.optim)
     _validate_step_rules(cfg)
     t = cfg.train
-    if t.num_steps < 1 or t.log_every < 1:
-        raise ConfigError(f"train.num_steps ({t.num_steps}) and train.log_every ({t.log_every}) must be >= 1")
-    if not 0 <= t.warmup_steps < t.num_steps:
-        raise ConfigError(
-            f"train.warmup_steps ({t.warmup_steps}) must be in [0, train.num_steps ({t.num_steps})) "
-            f"so that throughput is measured on at least one step; lower it"
-        )
+    validate_steps(t)
     if t.checkpoint_every < 0 or t.keep_checkpoints < 1:
         raise ConfigError(
             f"train.checkpoint_every ({t.checkpoint_every}) must be >= 0 (0: no checkpoints) and "
@@ -828,6 +854,8 @@ def from_hydra(dcfg: Any) -> Config:
     """
     from omegaconf import OmegaConf
 
+    if not isinstance(dcfg, Config):
+        check_known_keys(dcfg)
     cfg = OmegaConf.to_object(dcfg) if not isinstance(dcfg, Config) else dcfg
     model, optim = cfg.model, cfg.optim
     if isinstance(model, dict):
@@ -835,6 +863,46 @@ def from_hydra(dcfg: Any) -> Config:
     if isinstance(optim, dict):
         optim = target_optim_config(optim)
     return dataclasses.replace(cfg, model=model, optim=optim)
+
+
+def check_known_keys(dcfg: Any) -> None:
+    """Refuses keys that no schema has (``+train.num_step=5`` is added by Hydra, then dropped by
+    ``OmegaConf.to_object``: the run would silently ignore it), naming the closest valid key. Entries
+    without a schema (a ``_target_`` model or optimizer, ``kwargs``) take any keys.
+
+    Raises:
+        ConfigError: naming every unknown key and, where one is close, the key meant.
+    """
+    import difflib
+
+    from omegaconf import DictConfig, OmegaConf
+
+    unknown = []
+
+    def walk(node: Any, prefix: str) -> None:
+        schema = OmegaConf.get_type(node)
+        if not dataclasses.is_dataclass(schema):
+            return  # a free-form entry
+        fields = [f.name for f in dataclasses.fields(schema)]
+        for key in node.keys():
+            name = f"{prefix}{key}"
+            if key not in fields:
+                close = difflib.get_close_matches(str(key), fields, n=1, cutoff=0.6)
+                hint = (
+                    f"did you mean {prefix}{close[0]}?" if close else f"{prefix or 'top level'} has {', '.join(fields)}"
+                )
+                unknown.append(f"{name} ({hint})")
+                continue
+            child = node._get_node(key)
+            if isinstance(child, DictConfig) and not child._is_missing() and not child._is_none():
+                walk(child, f"{name}.")
+
+    walk(dcfg, "")
+    if unknown:
+        raise ConfigError(
+            f"unknown config key{'s' if len(unknown) > 1 else ''}: {'; '.join(unknown)}; a key added with + must "
+            f"still be one the schema knows (python -m pipedream2bw.train --cfg job lists them)"
+        )
 
 
 def layer_list_config(entry: Dict[str, Any]) -> LayerListConfig:

@@ -26,7 +26,10 @@ def atomic_open(path: Path, *, mode: Optional[int] = None) -> Iterator[BinaryIO]
             (0o666 less the umask; ``mkstemp`` alone makes 0o600).
     """
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    except OSError as e:
+        raise _naming(e, path) from e
     try:
         os.fchmod(fd, _open_mode() if mode is None else mode)
         with os.fdopen(fd, "wb") as f:
@@ -34,10 +37,20 @@ def atomic_open(path: Path, *, mode: Optional[int] = None) -> Iterator[BinaryIO]
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+    except OSError as e:
+        Path(tmp).unlink(missing_ok=True)
+        raise _naming(e, path) from e
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
     fsync_dir(path.parent)
+
+
+def _naming(error: OSError, path: Path) -> OSError:
+    """``error`` with the file it failed on in its message (a full disk's ENOSPC names none)."""
+    if error.filename is not None or str(path) in str(error):
+        return error
+    return type(error)(error.errno, f"{error.strerror or error} (writing {path})")
 
 
 def atomic_write(path: Path, data: bytes, *, mode: Optional[int] = None) -> None:

@@ -19,7 +19,7 @@ import torch.utils.checkpoint
 from torch import nn
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from pipedream2bw import checkpoint, comm, evaluate, schedule, ties, timeline
+from pipedream2bw import checkpoint, comm, evaluate, preempt, schedule, ties, timeline
 from pipedream2bw import precision as precisions
 from pipedream2bw.agreement import StepRule
 from pipedream2bw.config import (
@@ -37,6 +37,7 @@ from pipedream2bw.config import (
     optimizer_name,
     swap_stages,
     validate,
+    validate_steps,
 )
 from pipedream2bw.data import data_resident_bytes, make_feeds
 from pipedream2bw.errors import ConfigError
@@ -165,6 +166,47 @@ class _Model:
         """The vocabulary its layers take (``read_vocab_size``; the head counts under next-token loss)."""
         return read_vocab_size(self.whole(), lm_head=self.loss_fn is lm_loss)
 
+    def settings(self, model_cfg: Any) -> Dict[str, Any]:
+        """What a checkpoint records of the model beyond its shapes, for a resume to compare: each layer's
+        module types (a structural fingerprint) and, for a model from config, the settings that define it
+        (``model.*`` but its name and initialisation: another ``model.num_heads`` has the same shapes)."""
+        layers = self.layers if self.layers is not None else self.source.meta()
+        record: Dict[str, Any] = {
+            "fingerprint": [
+                type(layer).__name__
+                + "("
+                + ", ".join(f"{n}: {type(m).__name__}" for n, m in layer.named_modules() if n)
+                + ")"
+                for layer in layers
+            ]
+        }
+        if self.layers is None and dataclasses.is_dataclass(model_cfg):
+            # not what only starts or exports it: a name, the initialisation, the weights it was started from
+            ignored = ("name", "init_std", "pretrained", "export_dtype")
+            defining = {k: v for k, v in dataclasses.asdict(model_cfg).items() if k not in ignored}
+            record.update({f"model.{k}": v for k, v in defining.items()})
+        return json.loads(json.dumps(record, default=str))  # as the manifest holds it
+
+
+def training_settings(cfg: Config) -> Dict[str, Any]:
+    """What a checkpoint records of the training that a resume must continue unchanged (not the layout:
+    a resume at another num_stages or data_parallel is the same training)."""
+    o = cfg.optim
+    on_cuda = cfg.dist.backend == "nccl" or (cfg.dist.backend == "auto" and torch.cuda.is_available())
+    record = {
+        "train.precision": precisions.resolve(cfg.train.precision, "cuda" if on_cuda else "cpu"),
+        # flush and gpipe both train W(t+1) = W(t) - step(grad f(W(t))); 2bw uses W(t-1)
+        "pipeline.schedule": "2bw" if cfg.pipeline.schedule == "2bw" else "flush or gpipe",
+        "optim": optimizer_name(o),
+        "optim.kwargs": dict(o.kwargs),
+        "optim.no_decay_norms_and_biases": o.no_decay_norms_and_biases,
+        "optim.lr": o.lr,
+        "optim.scheduler": o.scheduler,
+        "optim.warmup_steps": o.warmup_steps,
+        "optim.min_lr": o.min_lr,
+    }
+    return json.loads(json.dumps(record, default=str))
+
 
 def run(
     cfg: Config,
@@ -173,6 +215,7 @@ def run(
     layers: Optional[Sequence[nn.Module]] = None,
     loss_fn: Optional[Callable[[Any, torch.Tensor], torch.Tensor]] = None,
     store: Optional[Any] = None,
+    on_start: Optional[Callable[[], None]] = None,
 ) -> Optional[Dict[str, Any]]:
     """Trains this rank's stage; on rank 0, writes and returns the summary.
 
@@ -185,12 +228,31 @@ def run(
         loss_fn: (last stage output, targets) -> scalar loss of a microbatch; by default
             ``cfg.model``'s (next-token cross-entropy unless ``model.loss`` names one).
         store: rendezvous store already connected (the entry point's); made here if None.
+        on_start: called once the config and the checkpoint to resume from are accepted, before any
+            process group starts (the entry point writes Hydra's record of the run then).
 
     Raises:
         ConfigError: bad config, a model factory that does not import or returns no layer list, or
             parameters shared in a way the runtime cannot honour: before any process group starts.
         comm.PeerFailure: another rank failed first.
+        preempt.Preempted: a signal of ``train.preempt_signals`` stopped every rank at one step, after a
+            checkpoint of it and summary.json (``"preempted"``) were written.
     """
+    with preempt.Watch(cfg.train.preempt_signals) as watch:
+        return _run(cfg, run_dir, layers=layers, loss_fn=loss_fn, store=store, watch=watch, on_start=on_start)
+
+
+def _run(
+    cfg: Config,
+    run_dir: Path,
+    *,
+    layers: Optional[Sequence[nn.Module]],
+    loss_fn: Optional[Callable[[Any, torch.Tensor], torch.Tensor]],
+    store: Optional[Any],
+    watch: preempt.Watch,
+    on_start: Optional[Callable[[], None]],
+) -> Optional[Dict[str, Any]]:
+    """``run``, with ``watch`` noting preemption signals."""
     source = None if layers is not None else model_source(cfg.model, seed=cfg.seed)
     if loss_fn is None:
         loss_fn = source.loss_fn if source is not None else model_source(cfg.model, seed=cfg.seed).loss_fn
@@ -236,9 +298,11 @@ def run(
     run_dir.mkdir(parents=True, exist_ok=True)
     if store is None:  # made after validate: a bad config fails every rank at once, with no rendezvous
         store = comm.make_store(rank=rank, world_size=world_size, timeout_s=cfg.dist.timeout_s)
-    resume = _choose_checkpoint(cfg.train, run_dir, agreed or comm.run_scope(store), rank, world_size, model)
+    resume = _choose_checkpoint(cfg, run_dir, agreed or comm.run_scope(store), rank, world_size, model)
     if rank == 0:  # after the checkpoint is chosen: train.resume=outputs/latest means the run before this one
         link_latest(run_dir)
+    if on_start is not None:
+        on_start()
     ctx = comm.init(
         store=store,
         rank=rank,
@@ -258,7 +322,7 @@ def run(
             }
         )
         rt = RankPlan.from_config(cfg, layout=layout, balance=balance, ctx=ctx, resume=resume)
-        summary = _train(cfg, rt, ctx, run_dir, model, resume, predictions)
+        summary, preempted = _train(cfg, rt, ctx, run_dir, model, resume, predictions, watch=watch)
     except BaseException as e:
         first = ctx.monitor.report(layout.position(rank)[0], e)
         failed_here = first.startswith(f"rank {rank} ")
@@ -272,6 +336,8 @@ def run(
             raise
         raise comm.PeerFailure(first) from e
     comm.shutdown(ctx)
+    if preempted is not None:
+        raise preempted
     return summary
 
 
@@ -318,17 +384,20 @@ def link_latest(run_dir: Path, *, cwd: Optional[Path] = None) -> Optional[Path]:
 
 
 def _choose_checkpoint(
-    train: TrainConfig, run_dir: Path, store: Any, rank: int, world_size: int, model: _Model
+    cfg: Config, run_dir: Path, store: Any, rank: int, world_size: int, model: _Model
 ) -> Optional[Tuple[Path, Dict[str, Any]]]:
     """The checkpoint to resume from, per ``train.resume``: rank 0 chooses (verifying checksums,
-    setting corrupt ones aside, refusing another model's) and every rank gets its choice,
-    before any process group starts.
+    setting corrupt ones aside, refusing another model's or other settings') and every rank gets its
+    choice, before any process group starts. Rank 0 first removes what an interrupted prune left.
 
     Raises:
         ConfigError: on every rank, when the checkpoint asked for is missing, of another
-            model, or already at ``train.num_steps``.
+            model or settings, already at ``train.num_steps``, or when checkpoints are there
+            but none can be loaded (``checkpoint.NoLoadableCheckpoint``).
     """
-    t = train
+    t = cfg.train
+    if rank == 0:
+        checkpoint.clean_leftovers(run_dir / checkpoint.DIRNAME)
     if t.resume == "never":
         return None
     answer, key = None, "resume"
@@ -346,6 +415,13 @@ def _choose_checkpoint(
             if path is not None:
                 checkpoint.check_model(manifest, model.param_shapes(), path)
                 checkpoint.check_ties(manifest, [list(t.names) for t in model.tied], path)
+                checkpoint.check_settings(
+                    manifest,
+                    model=model.settings(cfg.model),
+                    training=training_settings(cfg),
+                    where=path,
+                    strict=t.resume_strict,
+                )
                 if manifest["step"] >= t.num_steps:
                     raise ConfigError(
                         f"checkpoint {path} is at step {manifest['step']}, and train.num_steps is {t.num_steps}: "
@@ -391,6 +467,7 @@ def _resolve_partition(
     from partitioner.planner import load_plan, plan_from_text, plan_to_text, save_plan
 
     mode = cfg.partition.mode
+    validate_steps(cfg.train)  # before profiling and planning, which take a while
     if mode not in PARTITION_MODES:
         raise ConfigError(f"partition.mode ({mode!r}) is unknown; use one of {list(PARTITION_MODES)}")
     key, text = "plan", None
@@ -467,11 +544,17 @@ def _train(
     model: _Model,
     resume: Optional[Tuple[Path, Dict[str, Any]]],
     predictions: Dict[str, Any],
-) -> Optional[Dict[str, Any]]:
+    *,
+    watch: preempt.Watch,
+) -> Tuple[Optional[Dict[str, Any]], Optional[preempt.Preempted]]:
     """This rank's run as named steps; each takes ``rt`` and only the config sections it uses.
 
     Every rank makes every process group, in the same order: the ties' (build), the stages'
-    data-parallel ones and the step agreement's (groups), the evaluator's (data).
+    data-parallel ones and the step agreement's (groups), the evaluator's (data), the preemption
+    flag's (``train.preempt_signals``).
+
+    Returns:
+        (the summary on rank 0, else None; ``preempt.Preempted`` if a signal stopped the run, else None).
     """
     module, tie_groups = _build_stage(rt, ctx, model)
     versions, buckets, num_dp_buckets = _build_versions(
@@ -483,6 +566,10 @@ def _train(
     groups = _comm_groups(rt, ctx, versions, buckets[:num_dp_buckets], tie_groups, rule, cfg.pipeline.check_ties)
     peers = _peers(rt)
     feed, val_feed, evaluator = _data(rt, ctx, peers, cfg.data, cfg.train, model.loss_fn)
+    stop_rule = None
+    if watch.signals:  # a CPU scalar per step on a gloo group of its own: no device sync, no queueing behind training
+        channel = comm.AsyncSum(ctx, group=comm.new_groups(ctx, [range(ctx.world_size)], backend="gloo")[0])
+        stop_rule = preempt.Agreement(watch, channel, last_step=rt.num_steps - 1)
     actions = _actions(rt, batch_sends=_batch_sends(cfg.dist, rt))
     in_flight = schedule.in_flight(rt.schedule, rt.stage, rt.num_stages, rt.num_microbatches)
     swap = _swap_manager(cfg.swap, rt, in_flight, versions)
@@ -497,7 +584,7 @@ def _train(
     tracker, bar, progress, postfix, record = _tracking(
         rt, run_dir, resume, worker, cfg.wandb, cfg.train, config=config
     )
-    saver = _checkpointer(rt, ctx, run_dir, cfg.train, cfg.optim, cfg.dist, model, tracker)
+    saver = _checkpointer(rt, ctx, run_dir, cfg, model, tracker, resume)
     hooks = _StepHooks(
         rt,
         worker=worker,
@@ -512,16 +599,32 @@ def _train(
         postfix=postfix,
         tied=model.tied,
         eval_every=cfg.train.eval_every,
+        preemption=stop_rule,
     )
+    preempted = None
     with (
         logging_redirect_tqdm() if bar is not None and not bar.disable else contextlib.nullcontext(),
         torch.profiler.record_function(TRAIN_RANGE),
     ):
-        stats = worker.run(actions, on_step=hooks.on_step, on_close=hooks.on_close)
+        try:
+            stats = worker.run(actions, on_step=hooks.on_step, on_close=hooks.on_close)
+        except preempt.Preempted as e:  # every rank, after the same step: the rest of its actions is dropped
+            preempted, stats = e, worker.stats
+            worker._measure_memory()
     hooks.report_validation()
     tie_record = _close(rt, stats, evaluator, feed, val_feed, bar, saver, groups)
-    _write_final(rt, ctx, run_dir, versions=versions, model=model, train=cfg.train, dist=cfg.dist)
-    return _gather_and_write(
+    if preempted is not None and rt.rank == 0:
+        log.warning(
+            "preempted by %s: every rank stopped after step %d of %d; checkpoint %s; exiting with %d to be requeued",
+            signal_name(preempted.signum),
+            preempted.step,
+            rt.num_steps,
+            checkpoint.step_dir(run_dir / checkpoint.DIRNAME, preempted.step),
+            preempted.exit_code,
+        )
+    if preempted is None:  # the checkpoint holds a preempted run's weights
+        _write_final(rt, ctx, run_dir, versions=versions, model=model, train=cfg.train, dist=cfg.dist)
+    summary = _gather_and_write(
         rt,
         ctx,
         run_dir,
@@ -539,7 +642,15 @@ def _train(
         pipeline=cfg.pipeline,
         train=cfg.train,
         optim=cfg.optim,
+        preempted=preempted,
     )
+    return summary, preempted
+
+
+def signal_name(signum: int) -> str:
+    import signal
+
+    return signal.Signals(signum).name
 
 
 def _build_stage(
@@ -998,13 +1109,15 @@ def _checkpointer(
     rt: RankPlan,
     ctx: comm.DistContext,
     run_dir: Path,
-    train: TrainConfig,
-    optim: OptimConfig,
-    dist: DistConfig,
+    cfg: Config,
     model: _Model,
     tracker: Optional[Tracker],
+    resume: Optional[Tuple[Path, Dict[str, Any]]],
 ) -> checkpoint.Checkpointer:
-    """The checkpoint writer (``train.checkpoint_every``); replica 0 of each stage writes its layers."""
+    """The checkpoint writer (``train.checkpoint_every``); replica 0 of each stage writes its layers. Its
+    manifests carry the run's lineage (the resumed checkpoint's, else a new one), which pruning keeps to."""
+    train, optim, dist = cfg.train, cfg.optim, cfg.dist
+    lineage = (resume[1].get("lineage") if resume is not None else None) or checkpoint.new_lineage()
     return checkpoint.Checkpointer(
         run_dir / checkpoint.DIRNAME,
         every=train.checkpoint_every,
@@ -1024,6 +1137,9 @@ def _checkpointer(
             "global_batch_size": rt.global_batch,
             "seed": rt.seed,
             "param_shapes": model.param_shapes() if rt.rank == 0 else {},
+            "lineage": lineage,
+            "model_settings": model.settings(cfg.model) if rt.rank == 0 else {},
+            "training_settings": training_settings(cfg),
             "ties": [list(t.names) for t in model.tied],
             "wandb_run_id": tracker.run_id if tracker is not None else None,
             "precision": rt.precision,
@@ -1052,7 +1168,9 @@ class _StepHooks:
         postfix: Dict[str, str],
         tied: Sequence[ties.Tie],
         eval_every: int,
+        preemption: Optional[preempt.Agreement] = None,
     ):
+        self.preemption = preemption
         self.rt, self.worker, self.versions, self.evaluator = rt, worker, versions, evaluator
         self.checker, self.rule, self.saver, self.tracker, self.record = checker, rule, saver, tracker, record
         self.progress, self.postfix, self.tied, self.eval_every = progress, postfix, tied, eval_every
@@ -1073,7 +1191,7 @@ class _StepHooks:
         return bool(arrived)
 
     def on_close(self, t: int) -> None:
-        if self.saver.due(t + 1):
+        if self.saver.due(t + 1) or self.preemption is not None:  # a preemption may checkpoint any step
             self.rngs[t + 1] = checkpoint.rng_state()
 
     def _state(self) -> Dict[str, Any]:  # one tensor per tie: the canonical name's, written by its first holder
@@ -1101,9 +1219,20 @@ class _StepHooks:
             history["loss_scaler"] = self.rule.state_dict()
         if evaluator is not None and rank0:  # written in the background: it may list later passes, which a resume drops
             self.saver.manifest["val_losses"] = list(evaluator.losses)
+        # Every rank reads the same flags after the same step: all stop here, or none.
+        stop = self.preemption is not None and self.preemption.after_step(t)
+        if stop and history is not None:
+            history["preempted"] = signal_name(self.preemption.signum)
         self.saver.after_step(
-            t + 1, self._state, st.losses if rank0 else None, history=history, rng=self.rngs.pop(t + 1, None)
+            t + 1,
+            self._state,
+            st.losses if rank0 else None,
+            history=history,
+            rng=self.rngs.pop(t + 1, None),
+            force=stop,
         )
+        if stop:  # the validation pass due here, if any, is owed: the resumed run starts with it
+            raise preempt.Preempted(t + 1, self.preemption.signum)
         if evaluator is not None and evaluate.due(t + 1, every=self.eval_every, num_steps=self.rt.num_steps):
             evaluator.run(self.versions.newest(), step=t + 1)
 
@@ -1160,19 +1289,22 @@ def _gather_and_write(
     pipeline: PipelineConfig,
     train: TrainConfig,
     optim: OptimConfig,
+    preempted: Optional[preempt.Preempted] = None,
 ) -> Optional[Dict[str, Any]]:
     """Gathers every rank's stats, model slice and tie record on rank 0, which writes summary.json,
-    final_model.pt (and the trace), closes the wandb run and returns the summary; None elsewhere."""
+    final_model.pt (and the trace), closes the wandb run and returns the summary; None elsewhere. A
+    preempted run writes no final_model.pt (its checkpoint holds the weights) and no trace."""
     d, w, m, b = rt.num_stages, rt.data_parallel, rt.num_microbatches, rt.microbatch_size
     tied, balance = model.tied, list(rt.balance)
     all_stats = comm.gather_to_rank0(ctx, stats)
+    gathered = train.save_final == "gathered" and preempted is None  # a preempted run's weights are in its checkpoint
     # Replicas hold equal weights: replica 0 of each stage contributes its slice of the model.
     shard = (
         ties.drop_aliases({k: v.detach().cpu() for k, v in versions.newest().state_dict().items()}, tied)
-        if rt.replica == 0 and train.save_final == "gathered"
+        if rt.replica == 0 and gathered
         else {}
     )
-    shards = comm.gather_to_rank0(ctx, shard) if train.save_final == "gathered" else None
+    shards = comm.gather_to_rank0(ctx, shard) if gathered else None
     tie_records = comm.gather_to_rank0(ctx, tie_record)
     if rt.rank != 0:
         return None
@@ -1208,11 +1340,20 @@ def _gather_and_write(
         "tie_allreduce_calls": [r["tie_allreduce_calls"] for r in tie_records],
         "val_losses": [] if evaluator is None else [{"step": n, "loss": v} for n, v in evaluator.losses],
         "final_val_loss": evaluator.losses[-1][1] if evaluator is not None and evaluator.losses else None,
+        "status": "completed" if preempted is None else "preempted",
+        "preempted": None
+        if preempted is None
+        else {
+            "signal": signal_name(preempted.signum),
+            "step": preempted.step,
+            "checkpoint": str(checkpoint.step_dir(run_dir / checkpoint.DIRNAME, preempted.step)),
+            "exit_code": preempted.exit_code,
+        },
     }
-    # Throughput counts the steps this run took; a resumed run may have fewer than the warm-up.
-    warmup = min(train.warmup_steps, rt.num_steps - rt.first_step - 1)
+    # Throughput counts the steps this run took; a resumed (or preempted) run may have fewer than the warm-up.
+    warmup = min(train.warmup_steps, len(stats.step_end_times) - 1)
     summary = summarize(all_stats, meta=meta, warmup_steps=warmup, samples_per_step=rt.global_batch, seq_len=rt.seq_len)
-    if worker.trace is not None:
+    if worker.trace is not None and preempted is None:
         title = f"{rt.schedule}, d={d}, w={w}, m={m}, b={b}"
         summary["trace"] = _save_trace(
             all_stats,
@@ -1221,7 +1362,9 @@ def _gather_and_write(
             title=title,
         )
     write_summary(summary, run_dir)
-    if shards is not None:  # as the tied model's own state_dict: every name of a tie on one tensor
+    if (
+        shards is not None and preempted is None
+    ):  # as the tied model's own state_dict: every name of a tie on one tensor
         save_state_dict(
             ties.add_aliases({k: v for shard in shards for k, v in shard.items()}, tied), run_dir / "final_model.pt"
         )

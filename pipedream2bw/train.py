@@ -6,6 +6,8 @@ import logging
 import os
 import sys
 import time
+from pathlib import Path
+from typing import Optional
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -14,27 +16,48 @@ from omegaconf import DictConfig, OmegaConf
 from pipedream2bw import comm
 from pipedream2bw.config import TINY_ENV, Config, from_hydra, register_configs, tiny
 from pipedream2bw.errors import ConfigError
+from pipedream2bw.fileio import atomic_write_text
+from pipedream2bw.preempt import Preempted
 from pipedream2bw.runner import run
 
 log = logging.getLogger("pipedream2bw.train")
 
 _STAMP_ENV = "PD2BW_RUN_STAMP"
 _store = None  # the rendezvous store, connected before Hydra so that all ranks agree on the run directory
+_record_subdir: Optional[str] = ".hydra"  # hydra.output_subdir as the user set it: where _write_record writes
 
 
 @hydra.main(version_base="1.3", config_path="../configs", config_name="config")
 def main(dcfg: DictConfig) -> None:
+    run_dir = HydraConfig.get().runtime.output_dir
     try:
         cfg: Config = from_hydra(dcfg)  # the DictConfig stops here
         if os.environ.get(TINY_ENV, "0") not in ("", "0"):
             cfg = tiny(cfg)
-        run(cfg, HydraConfig.get().runtime.output_dir, store=_store)
+        run(cfg, run_dir, store=_store, on_start=lambda: _write_record(dcfg, run_dir))
     except ConfigError as e:
         log.error("bad configuration: %s", e)  # before any process group started
         _exit(2)
+    except Preempted as e:  # checkpointed and summarized; a non-zero status gets the job requeued
+        log.warning("exiting with %d: %s", e.exit_code, e)
+        _exit(e.exit_code)
     except BaseException as e:  # already logged with its cause by the runner
         log.error("exiting after failure: %s: %s", type(e).__name__, e)
         _exit(1)
+
+
+def _write_record(dcfg: DictConfig, run_dir: str) -> None:
+    """Rank 0 writes Hydra's record of the run (config.yaml, hydra.yaml, overrides.yaml in ``.hydra/``)
+    once the run is accepted: a relaunch refused for its config or its checkpoint leaves the record of
+    the run directory it was pointed at as it was."""
+    if comm.env_rank()[0] != 0 or _record_subdir is None:
+        return
+    hydra_cfg = HydraConfig.get()
+    out = Path(run_dir) / _record_subdir
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(out / "config.yaml", OmegaConf.to_yaml(dcfg))
+    atomic_write_text(out / "hydra.yaml", OmegaConf.to_yaml(OmegaConf.create({"hydra": hydra_cfg})))
+    atomic_write_text(out / "overrides.yaml", OmegaConf.to_yaml(list(hydra_cfg.overrides.task)))
 
 
 def _exit(code: int) -> None:
@@ -78,8 +101,14 @@ def cli() -> None:
     register_configs()
     OmegaConf.register_new_resolver("pd2bw_run_stamp", lambda: os.environ[_STAMP_ENV], replace=True)
     _agree_on_run_stamp()
+    global _record_subdir
+    for arg in [a for a in sys.argv[1:] if a.startswith("hydra.output_subdir=")]:
+        sys.argv.remove(arg)
+        value = arg.split("=", 1)[1]
+        _record_subdir = None if value in ("null", "None", "") else value
+    # Hydra would write .hydra/ before the run is checked; rank 0 writes it once accepted (_write_record).
+    sys.argv.append("hydra.output_subdir=null")
     if comm.env_rank()[0] != 0:
-        sys.argv.append("hydra.output_subdir=null")  # rank 0 alone writes .hydra/ into the shared run dir
         # Hydra's own messages (a multirun's "Launching N jobs", each job's overrides) once, from rank 0
         sys.argv.append("hydra/hydra_logging=disabled")
     main()

@@ -1,0 +1,133 @@
+"""Preemption: a signal (SIGTERM from SLURM or Kubernetes) makes every rank stop at one agreed step, checkpointed.
+
+A scheduler that preempts a job sends SIGTERM to its processes and kills them a grace period later
+(SLURM: 30 s by default; Kubernetes: 30 s). torchrun forwards the signal to its workers and waits
+30 s for them; ``srun`` sends it to every process at once. Either way some ranks see it and some
+may not (yet), at different points of their schedule. Here:
+
+- a handler (``Watch``) only notes the first signal of ``train.preempt_signals``;
+- after every step t, each rank starts summing its flag over all ranks in the background
+  (``Agreement``, one scalar all-reduce per step on a gloo group of its own, waited with
+  ``dist.timeout_s``) and, after step t+1, reads the sum of step t: every rank reads the same sum
+  after the same step, so all stop after the same step, with W(t+2), within two steps of the signal;
+- the stop is a checkpoint of that step (written whatever ``train.checkpoint_every``), then a
+  ``Preempted`` exception out of the stage's loop. A stage reaches its step using only what its
+  neighbours send before their own step (``evaluate``'s argument), so no rank waits on one that stopped.
+
+The entry point then writes summary.json (``"preempted"``) and exits with 128 + the signal's number
+(143 for SIGTERM), the status of a process ended by that signal: schedulers and launchers count it
+as a failure, so ``srun --requeue``, a Kubernetes restart policy or torchrun ``--max-restarts``
+start the job again, and ``train.resume=auto`` continues from the checkpoint, bit for bit.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from typing import Any, Dict, Optional, Sequence
+
+import torch
+
+log = logging.getLogger(__name__)
+
+UNCATCHABLE = ("SIGKILL", "SIGSTOP")
+
+
+class Preempted(BaseException):
+    """Every rank stopped after ``step`` steps on a preemption signal, with a checkpoint of that step.
+
+    A ``BaseException``, as ``KeyboardInterrupt``: the stage's loop lets it through without reporting
+    a failure, and no ``except Exception`` on the way mistakes it for one.
+    """
+
+    def __init__(self, step: int, signum: int):
+        super().__init__(f"preempted by {signal.Signals(signum).name}: stopped after step {step}, checkpointed")
+        self.step, self.signum = step, signum
+
+    @property
+    def exit_code(self) -> int:
+        """128 + the signal's number: what a process ended by that signal reports (143 for SIGTERM)."""
+        return 128 + self.signum
+
+
+def signal_numbers(names: Sequence[str]) -> Dict[str, int]:
+    """The signals ``train.preempt_signals`` names, by name.
+
+    Raises:
+        ValueError: a name that is no signal here, or one that cannot be caught.
+    """
+    out = {}
+    for name in names:
+        sig = getattr(signal.Signals, str(name).upper(), None) if str(name).upper().startswith("SIG") else None
+        if sig is None or sig.name in UNCATCHABLE:
+            catchable = sorted(
+                s.name for s in signal.Signals if s.name not in UNCATCHABLE and not s.name.startswith("SIG_")
+            )
+            raise ValueError(f"{name!r} is not a signal that can be caught here; use names such as {catchable[:12]}")
+        out[sig.name] = int(sig)
+    return out
+
+
+class Watch:
+    """Notes the first of ``signals`` this process receives (its handlers only set a flag); a context
+    manager that installs them and puts the previous ones back. Outside the main thread (where Python
+    cannot install handlers) it installs none and says so."""
+
+    def __init__(self, signals: Sequence[str]):
+        self.signals = signal_numbers(signals)
+        self.received: Optional[int] = None
+        self._previous: Dict[int, Any] = {}
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.received is None:
+            self.received = signum
+
+    def __enter__(self) -> "Watch":
+        if not self.signals:
+            return self
+        if threading.current_thread() is not threading.main_thread():
+            log.warning("train.preempt_signals: not in the main thread, so no handler: a signal ends the run unsaved")
+            return self
+        for signum in self.signals.values():
+            self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for signum, previous in self._previous.items():
+            signal.signal(signum, previous)
+        self._previous.clear()
+
+
+class Agreement:
+    """Every rank's decision to stop, the same on all: ``after_step(t)`` after each step t (in order).
+
+    Args:
+        watch: this process's signal flag.
+        channel: a ``comm.AsyncSum`` over all ranks (its own gloo group: a CPU scalar, no device sync).
+        last_step: the run's last step index (``num_steps - 1``): no sum is started after it.
+    """
+
+    def __init__(self, watch: Watch, channel: Any, *, last_step: int):
+        self.watch, self.channel, self.last_step = watch, channel, last_step
+        self._pending = False
+        self.signum = 0  # the signal every rank reports once they stop (the one most ranks got)
+
+    def after_step(self, t: int) -> bool:
+        """Whether every rank stops now, after step t (some rank had a signal by its step t-1).
+
+        Raises:
+            RuntimeError: the sum failed or took longer than ``dist.timeout_s``.
+        """
+        stop = False
+        if self._pending:
+            count, signums = self.channel.wait().tolist()  # ranks with a signal, the sum of their signals' numbers
+            self._pending = False
+            if count > 0:
+                stop, self.signum = True, int(round(signums / count))
+        if not stop and t < self.last_step:
+            got = self.watch.received
+            flag = torch.tensor([0.0, 0.0] if got is None else [1.0, float(got)], dtype=torch.float64)
+            self.channel.start(flag, what=f"the preemption flag of step {t}")
+            self._pending = True
+        return stop
