@@ -70,8 +70,8 @@ def test_bytes_per_parameter_and_the_planner_uses_them():
             blocks[precision] = layers[1].saved_bytes
     # bf16 activations take half the bytes, plus the 2-byte copy of each matmul weight per microbatch
     assert blocks["bf16"] == blocks["fp32"] // 2 + 2 * 12 * 64 * 64 == blocks["fp16"]
-    # ...and the README's table is that function's output, not figures written twice.
-    assert markdown_table() in (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    # ...and docs/precision.md's table is that function's output, not figures written twice.
+    assert markdown_table() in (Path(__file__).resolve().parent.parent / "docs" / "precision.md").read_text()
 
 
 def test_precision_config_is_checked_before_any_group_starts():
