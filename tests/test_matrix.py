@@ -162,12 +162,14 @@ def _run_and_check(cell: Cell, matrix: MatrixRunner) -> None:
     check_features_matter(cell)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("cell", PAIRWISE, ids=[c.id for c in PAIRWISE])
 def test_pairwise(cell, matrix):
     _run_and_check(cell, matrix)
 
 
+@pytest.mark.slow
 @pytest.mark.matrix_full
 @pytest.mark.timeout(1800)
 @pytest.mark.parametrize("cell", THREE_WISE, ids=[c.id for c in THREE_WISE])
