@@ -2,11 +2,12 @@
 
 Composes the repo's configs/ as training does, e.g.::
 
-    python -m partitioner plan model=gpt175b topology=cluster topology.nodes=128 train.global_batch_size=1536
-    python -m partitioner plan topology=cpu train.global_batch_size=64 partition.path=plan.yaml
+    python -m partitioner plan model=gpt175b topology=cluster topology.nodes=192 train.global_batch_size=1536
+    python -m partitioner plan --out plan.yaml topology=cpu train.global_batch_size=64
 
 prints the chosen plan and the runners-up as a table, the chosen plan's stages, and writes the
-plan file (``partition.path``, default ``plan.yaml``). Exit code 2 with the reason when nothing fits.
+plan file (``--out``, else ``partition.path``, else ``outputs/plans/<date>/<time>/plan.yaml``).
+Exit code 2 with the reason when nothing fits.
 """
 
 from __future__ import annotations
@@ -17,22 +18,25 @@ from pathlib import Path
 
 from partitioner.planner import save_plan, stage_table, table
 
-USAGE = "usage: python -m partitioner plan [hydra overrides, e.g. model=gpt topology=dgx train.global_batch_size=512]"
+USAGE = (
+    "usage: python -m partitioner plan [--out FILE] [hydra overrides, e.g. model=gpt topology=dgx "
+    "train.global_batch_size=512]"
+)
 HELP_FLAGS = ("-h", "--help")
 HELP = f"""{USAGE}
 
 commands:
-  plan    plan a model for a topology, print the best plans and write the chosen one to partition.path
+  plan    plan a model for a topology, print the best plans and write the chosen one to a plan file
           (python -m partitioner plan --help lists the config groups)"""
 PLAN_HELP = f"""{USAGE}
 
 Composes configs/ as training does, plans, prints the chosen plan and the runners-up as a table and
-the chosen plan's stages, and writes the plan file (partition.path, default plan.yaml), which
-`torchrun ... -m pipedream2bw.train partition=file partition.path=<file>` runs. Exit code 2 with the
-reason when nothing fits. Examples:
+the chosen plan's stages, and writes the plan file (--out FILE, else partition.path, else
+outputs/plans/<date>/<time>/plan.yaml), which `torchrun ... -m pipedream2bw.train partition=file
+partition.path=<file>` runs. Exit code 2 with the reason when nothing fits. Examples:
 
-  python -m partitioner plan topology=cpu train.global_batch_size=64 partition.path=plan.yaml
-  python -m partitioner plan model=gpt175b topology=cluster topology.nodes=128 train.global_batch_size=1536
+  python -m partitioner plan --out plan.yaml topology=cpu train.global_batch_size=64
+  python -m partitioner plan model=gpt175b topology=cluster topology.nodes=192 train.global_batch_size=1536
 
 == Configuration groups ==
 Compose your configuration from those groups (group=option)
@@ -43,47 +47,19 @@ Any key of the config can be overridden (key=value): python -m pipedream2bw.trai
 with their defaults."""
 
 
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
-
-
 def compose(overrides):
     """The run's Config from configs/ and ``overrides`` (as ``pipedream2bw.train`` composes it)."""
-    import os
+    from pipedream2bw.config import from_hydra
+    from pipedream2bw.config_docs import compose as compose_configs
 
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-    from omegaconf import OmegaConf
-
-    from pipedream2bw.config import from_hydra, register_configs
-
-    register_configs()
-    OmegaConf.register_new_resolver("pd2bw_run_stamp", lambda: os.environ.get("PD2BW_RUN_STAMP", "plan"), replace=True)
-    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
-        return from_hydra(hydra_compose(config_name="config", overrides=list(overrides)))
+    return from_hydra(compose_configs(overrides))
 
 
 def config_groups() -> str:
-    """configs/' groups and their options, one line each (``model: custom, gpt, ...``), as Hydra's --help shows them."""
-    from hydra import initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
+    """configs/' groups and their options, one line each (``model: custom, gpt, ...``), as the training --help."""
+    from pipedream2bw.config_docs import config_groups as groups
 
-    from pipedream2bw.config import register_configs
-
-    register_configs()  # the schemas (base_*) are options too, as in the training entry point's --help
-    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
-        loader = GlobalHydra.instance().config_loader()
-
-        def lines(parent: str):
-            for group in sorted(loader.list_groups(parent)):
-                path = f"{parent}/{group}" if parent else group
-                if path == "hydra" or path.startswith("hydra/"):
-                    continue  # Hydra's own groups, as its --help leaves them out
-                options = loader.get_group_options(path)
-                if options:
-                    yield f"{path}: {', '.join(options)}"
-                yield from lines(path)
-
-        return "\n".join(lines(""))
+    return "\n".join(f"{group}: {', '.join(options)}" for group, options in groups().items())
 
 
 def main(argv=None) -> int:
@@ -100,7 +76,11 @@ def main(argv=None) -> int:
     if any(a in HELP_FLAGS for a in argv[1:]):
         print(PLAN_HELP.format(groups=config_groups()))
         return 0
-    cfg = compose(argv[1:])
+    args, out = _out_option(argv[1:])
+    if args is None:
+        print(f"{out}\n{USAGE}", file=sys.stderr)
+        return 2
+    cfg = compose(args)
     start = time.perf_counter()
     try:
         plans = plan_config(cfg)
@@ -125,9 +105,35 @@ def main(argv=None) -> int:
     )
     print(table(plans))
     print(f"\nchosen plan (#0), per stage:\n{stage_table(best)}")
-    path = save_plan(best, cfg.partition.path or "plan.yaml")
-    print(f"\nplan written to {path}")
+    path = Path(out or cfg.partition.path or Path("outputs", "plans", time.strftime("%Y-%m-%d/%H-%M-%S"), "plan.yaml"))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path = save_plan(best, path)
+    nproc = best.num_stages * best.data_parallel
+    launch = f"torchrun --nproc-per-node {nproc}" if cfg.topology.nodes == 1 else f"torchrun ({nproc} ranks)"
+    print(
+        f"\nplan written to {path}; run it with\n  {launch} -m pipedream2bw.train partition=file partition.path={path}"
+    )
     return 0
+
+
+def _out_option(args):
+    """Splits ``--out FILE`` / ``--out=FILE`` from the Hydra overrides.
+
+    Returns:
+        (overrides, the file or None), or (None, an error message) when ``--out`` has no file.
+    """
+    rest, out = [], None
+    it = iter(args)
+    for a in it:
+        if a == "--out":
+            out = next(it, None)
+            if out is None:
+                return None, "--out needs a file name"
+        elif a.startswith("--out="):
+            out = a.split("=", 1)[1]
+        else:
+            rest.append(a)
+    return rest, out
 
 
 if __name__ == "__main__":

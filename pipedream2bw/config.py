@@ -331,7 +331,8 @@ class PartitionConfig:
     mode: str = "manual"
     """'manual' (pipeline.* as given), 'auto' (rank 0 profiles and plans at startup) or 'file' (run partition.path)."""
     path: Optional[str] = None
-    """Plan file to run ('file'), or where 'auto' and the CLI write theirs (null: plan.yaml in the run dir / cwd)."""
+    """Plan file to run ('file'), or where 'auto' and python -m partitioner plan write theirs (null: 'auto' writes
+    plan.yaml in the run directory, the CLI outputs/plans/<date>/<time>/plan.yaml; its --out comes first)."""
     sharded: Optional[bool] = False
     """Plan with optim.sharded (true), without (false), or let the search try both (null; the plan records its
     choice, which a run sets as optim.sharded)."""
@@ -495,6 +496,54 @@ def even_balance(num_layers: int, num_stages: int) -> List[int]:
     for s in middle_first[:extra]:
         counts[s] += 1
     return counts
+
+
+TINY_ENV = "PIPEDREAM2BW_TINY"
+"""Set to 1, the training entry point shrinks every run (``tiny``): the docs' test runs their commands so."""
+
+
+def tiny(cfg: Config) -> Config:
+    """``cfg`` at a size that runs in seconds on a CPU, for smoke-testing documented commands
+    (``PIPEDREAM2BW_TINY=1``): step counts and step intervals divided by 50 (at least 2 steps, an interval
+    at least 1), one validation batch, the GPT at d_model 32, 2 heads, seq_len at most 32, microbatches of
+    at most 2 (unless train.global_batch_size fixes the batch), wandb off. Layer counts, the layout and
+    everything else stay, so what the command checks (its keys, the layout, resuming) still holds.
+    """
+    t = cfg.train
+    num_steps = max(2, t.num_steps // 50)
+
+    def interval(n: int) -> int:
+        return max(1, n // 50) if n else 0
+
+    train = dataclasses.replace(
+        t,
+        num_steps=num_steps,
+        warmup_steps=min(t.warmup_steps, num_steps - 1),
+        log_every=interval(t.log_every),
+        checkpoint_every=interval(t.checkpoint_every),
+        eval_every=interval(t.eval_every),
+        eval_batches=min(t.eval_batches, 1),
+    )
+    model = cfg.model
+    if isinstance(model, GPTConfig):
+        model = dataclasses.replace(model, d_model=32, num_heads=2, seq_len=min(model.seq_len, 32))
+    pipeline = cfg.pipeline
+    if t.global_batch_size is None:
+        pipeline = dataclasses.replace(pipeline, microbatch_size=min(pipeline.microbatch_size, 2))
+    pipeline = dataclasses.replace(
+        pipeline, trace_steps=min(pipeline.trace_steps, num_steps - train.warmup_steps), trace_first_step=None
+    )
+    optim = cfg.optim
+    if isinstance(optim, OptimConfig):
+        optim = dataclasses.replace(optim, warmup_steps=min(optim.warmup_steps, num_steps))
+    return dataclasses.replace(
+        cfg,
+        train=train,
+        model=model,
+        pipeline=pipeline,
+        optim=optim,
+        wandb=dataclasses.replace(cfg.wandb, mode="disabled"),
+    )
 
 
 def model_num_layers(model: GPTConfig) -> int:

@@ -87,6 +87,27 @@ def atomic_rename(src: Path, dst: Path) -> None:
     fsync_dir(Path(dst).parent)
 
 
+def atomic_symlink(target: Path, link: Path) -> None:
+    """Makes ``link`` a symbolic link to ``target``, replacing what ``link`` was in one step: the link is
+    made under a temporary name beside it and renamed over it, so a reader sees the old or the new one.
+
+    Raises:
+        IsADirectoryError: ``link`` is a real directory (never replaced).
+    """
+    link = Path(link)
+    if link.is_dir() and not link.is_symlink():
+        raise IsADirectoryError(f"{link} is a directory, not a link: not replacing it")
+    tmp = link.with_name(f".{link.name}.{os.getpid()}.tmp")
+    tmp.unlink(missing_ok=True)
+    os.symlink(target, tmp)
+    try:
+        os.replace(tmp, link)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(link.parent)
+
+
 def fsync_dir(path: Path) -> None:
     """Flushes a directory's entries (the files created, renamed or removed in it) to disk."""
     fd = os.open(path, os.O_RDONLY)

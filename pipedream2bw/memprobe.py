@@ -14,6 +14,15 @@ import torch
 _MARKER_BYTES = 7919  # an odd size no real tensor of the block is likely to have first
 
 
+def process_peak_bytes(device: torch.device) -> int:
+    """This process's peak memory so far: CUDA's max allocated on ``device``, else the peak resident set."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
 @contextlib.contextmanager
 def tensor_peak(device: torch.device, *, within: Optional[str] = None) -> Iterator[Dict[str, int]]:
     """Yields a dict whose ``bytes`` is, after the block, the most tensor bytes alive at once in it.

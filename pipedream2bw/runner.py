@@ -7,6 +7,7 @@ import dataclasses
 import json
 import logging
 import os
+import sys
 import time
 from collections import OrderedDict
 from pathlib import Path
@@ -40,12 +41,13 @@ from pipedream2bw.config import (
 )
 from pipedream2bw.data import data_resident_bytes, make_feeds
 from pipedream2bw.errors import ConfigError
+from pipedream2bw.fileio import atomic_symlink, atomic_write
 from pipedream2bw.fileio import atomic_torch_save as save_state_dict
-from pipedream2bw.fileio import atomic_write
 from pipedream2bw.host_optim import HostOptimizerVersions
 from pipedream2bw.layout import Layout, make_layout
 from pipedream2bw.loss_scale import LossScaler, ScaledStepRule
 from pipedream2bw.lr_schedule import lr_at
+from pipedream2bw.memprobe import process_peak_bytes
 from pipedream2bw.models import lm_loss
 from pipedream2bw.models.factory import ModelSource, model_source, read_vocab_size
 from pipedream2bw.results import summarize, write_summary
@@ -54,7 +56,7 @@ from pipedream2bw.schedule import Action
 from pipedream2bw.sharding import ShardedVersions
 from pipedream2bw.stage import Peers, StageStats, StageWorker
 from pipedream2bw.swap import SwapManager, make_backend
-from pipedream2bw.tracking import Tracker, progress_bar
+from pipedream2bw.tracking import LOSS_PLOT, MetricsLog, Tracker, plot_losses, progress_bar
 from pipedream2bw.versions import WeightVersions, bucketize
 
 log = logging.getLogger(__name__)
@@ -258,6 +260,7 @@ def _run(
     tied = ties.find_ties(layers if layers is not None else source.meta())  # every rank, before any group
     model = _Model(layers, source, loss_fn, tied)
     rank, world_size, local_rank = comm.env_rank()
+    configure_logging(Path(run_dir))
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     set_log_prefix(f"[rank {rank}]")
     plan, agreed = None, None  # agreed: keys for what rank 0 decides before any group starts (plan, checkpoint)
@@ -303,6 +306,8 @@ def _run(
     if store is None:  # made after validate: a bad config fails every rank at once, with no rendezvous
         store = comm.make_store(rank=rank, world_size=world_size, timeout_s=cfg.dist.timeout_s)
     resume = _choose_checkpoint(cfg, run_dir, agreed or comm.run_scope(store), rank, world_size, model)
+    if rank == 0:  # after the checkpoint is chosen: train.resume=outputs/latest means the run before this one
+        link_latest(run_dir)
     if on_start is not None:
         on_start()
     ctx = comm.init(
@@ -343,6 +348,48 @@ def _run(
     return summary
 
 
+LOG_FORMAT = "[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"
+"""Hydra's default job-logging format, which the CLI's train.log and console use."""
+
+
+def configure_logging(run_dir: Path) -> None:
+    """Logs as the CLI does when the caller configured no logging (a programmatic ``run()``):
+    INFO and up to stderr and to ``<run_dir>/train.log``, in Hydra's format. Leaves logging
+    alone if the root logger has a handler already (Hydra's, or the caller's own)."""
+    root = logging.getLogger()
+    if root.handlers:
+        return
+    run_dir.mkdir(parents=True, exist_ok=True)
+    formatter = logging.Formatter(LOG_FORMAT)
+    for handler in (logging.StreamHandler(sys.stderr), logging.FileHandler(run_dir / "train.log")):
+        handler.setFormatter(formatter)
+        root.addHandler(handler)
+    root.setLevel(logging.INFO)
+
+
+def link_latest(run_dir: Path, *, cwd: Optional[Path] = None) -> Optional[Path]:
+    """Points ``<results folder>/latest`` at ``run_dir``: ``outputs/latest`` -> ``2026-11-23/10-48-49``.
+
+    The results folder is the first folder of ``run_dir``'s path below the working directory
+    (``outputs`` for ``outputs/<date>/<time>``, also for a multirun's and a sweep's jobs under
+    ``outputs/multirun/`` and ``outputs/sweeps/``). The link is relative, so the folder can move,
+    and replaced atomically (``fileio.atomic_symlink``). Nothing is linked for a run directory that
+    is not at least two folders below the working directory.
+
+    Returns:
+        The link, or None.
+    """
+    try:
+        rel = Path(run_dir).resolve().relative_to((cwd or Path.cwd()).resolve())
+    except ValueError:  # not below the working directory
+        return None
+    if len(rel.parts) < 2:
+        return None
+    link = (cwd or Path.cwd()) / rel.parts[0] / "latest"
+    atomic_symlink(Path(*rel.parts[1:]), link)
+    return link
+
+
 def _choose_checkpoint(
     cfg: Config, run_dir: Path, store: Any, rank: int, world_size: int, model: _Model
 ) -> Optional[Tuple[Path, Dict[str, Any]]]:
@@ -365,7 +412,8 @@ def _choose_checkpoint(
         try:
             if t.resume == "auto":
                 checkpoint.clear_partials(run_dir / checkpoint.DIRNAME)
-            path, manifest = checkpoint.select(run_dir if t.resume == "auto" else Path(t.resume))
+            # resolved: a link (outputs/latest) may be re-pointed at this run before the other ranks read it
+            path, manifest = checkpoint.select(run_dir if t.resume == "auto" else Path(t.resume).resolve())
             if path is None and t.resume != "auto":
                 raise ConfigError(
                     f"train.resume ({t.resume}) holds no complete checkpoint with intact files; "
@@ -541,10 +589,14 @@ def _train(
     worker = _worker(rt, ctx, peers, versions, feed, model.loss_fn, groups, rule, swap, cfg.optim, cfg.dist)
     _trace(rt, worker, cfg.pipeline, warmup_steps=cfg.train.warmup_steps)
     _log_start(rt, num_dp_buckets, tie_groups)
+    if rt.rank == 0:
+        _log_run(rt, cfg, model, feed, val_feed)
     if resume is not None:
         _resume_history(rt, resume, worker, evaluator, versions, eval_every=cfg.train.eval_every)
     config = dataclasses.asdict(cfg) if rt.rank == 0 else None  # wandb logs the resolved config, defaults filled in
-    tracker, bar, progress, postfix = _tracking(rt, run_dir, resume, worker, cfg.wandb, cfg.train, config=config)
+    tracker, bar, progress, postfix, record = _tracking(
+        rt, run_dir, resume, worker, cfg.wandb, cfg.train, config=config
+    )
     saver = _checkpointer(rt, ctx, run_dir, cfg, model, tracker, resume, shards=isinstance(versions, ShardedVersions))
     hooks = _StepHooks(
         rt,
@@ -555,6 +607,7 @@ def _train(
         rule=rule,
         saver=saver,
         tracker=tracker,
+        record=record,
         progress=progress,
         postfix=postfix,
         tied=model.tied,
@@ -598,6 +651,7 @@ def _train(
         resume=resume,
         predictions=predictions,
         tracker=tracker,
+        record=record,
         pipeline=cfg.pipeline,
         train=cfg.train,
         optim=cfg.optim,
@@ -926,15 +980,14 @@ def _trace(rt: RankPlan, worker: StageWorker, pipeline: PipelineConfig, *, warmu
 def _log_start(rt: RankPlan, num_dp_buckets: int, tie_groups) -> None:
     """Logs what this rank runs, and the ties it holds."""
     log.info(
-        "%s schedule, %d stages x %d replicas, replica %d, balance %s, layers %s, %d all-reduce buckets, "
-        "on %s (%s), precision %s",
+        "%s schedule, %s x %s, replica %d, balance %s, layers %s, %s, on %s (%s), precision %s",
         rt.schedule,
-        rt.num_stages,
-        rt.data_parallel,
+        _plural(rt.num_stages, "stage"),
+        _plural(rt.data_parallel, "replica"),
         rt.replica,
         list(rt.balance),
         rt.layer_indices,
-        num_dp_buckets,
+        _plural(num_dp_buckets, "all-reduce bucket"),
         rt.device,
         rt.backend,
         rt.precision,
@@ -946,6 +999,67 @@ def _log_start(rt: RankPlan, num_dp_buckets: int, tie_groups) -> None:
                 ties.holders(tie, rt.balance),
                 ", ".join(tie.names),
             )
+
+
+def format_duration(seconds: float) -> str:
+    """``3725.0`` -> ``'1h02m'``, ``83.0`` -> ``'1m23s'``, ``7.2`` -> ``'7s'``."""
+    s = int(round(seconds))
+    if s >= 3600:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
+def _log_run(rt: RankPlan, cfg: Config, model: _Model, feed: Any, val_feed: Any) -> None:
+    """Rank 0: the settings that matter, the parameters per stage and the data's size, at the start of the log."""
+    o = cfg.optim
+    sched = o.scheduler + (f", {o.warmup_steps} warm-up steps" if o.warmup_steps else "")
+    log.info(
+        "run: %s schedule, %s x %s (d=%d, w=%d), m=%d microbatches of b=%d sequences of %d tokens "
+        "(global batch %d sequences, %d tokens), %s steps, precision %s, optimizer %s lr %.4g (%s)%s",
+        rt.schedule,
+        _plural(rt.num_stages, "stage"),
+        _plural(rt.data_parallel, "replica"),
+        rt.num_stages,
+        rt.data_parallel,
+        rt.num_microbatches,
+        rt.microbatch_size,
+        rt.seq_len,
+        rt.global_batch,
+        rt.global_batch * rt.seq_len,
+        rt.num_steps if not rt.first_step else f"{rt.first_step}..{rt.num_steps}",
+        rt.precision,
+        optimizer_name(o),
+        o.lr,
+        sched,
+        f", clip {o.clip_grad_norm}" if o.clip_grad_norm is not None else "",
+    )
+    per_layer = [sum(p.numel() for p in layer.parameters()) for layer in model.whole()]
+    bounds = [sum(rt.balance[:s]) for s in range(rt.num_stages + 1)]
+    per_stage = [sum(per_layer[a:b]) for a, b in zip(bounds, bounds[1:])]
+    whole = sum(p.numel() for p in nn.Sequential(*model.whole()).parameters())  # a tied weight counts once
+    log.info(
+        "parameters: %s in all; per stage: %s",
+        f"{whole:,}",
+        ", ".join(f"{s}: {n:,} (layers {a}-{b - 1})" for s, (n, a, b) in enumerate(zip(per_stage, bounds, bounds[1:]))),
+    )
+    if feed is None:  # rank 0 is not a first or last stage (a custom rank_map): its data is not opened here
+        return
+    num_train = len(feed.data)
+    epochs = rt.num_steps * rt.global_batch * rt.seq_len / num_train
+    val = f", {len(val_feed.data):,} held out for validation" if val_feed is not None else ", no validation data"
+    log.info(
+        "data: %s, %s tokens to train on%s; %d steps read %s tokens (%.2f epochs)",
+        cfg.data.path or "the shipped corpus (bytes)",
+        f"{num_train:,}",
+        val,
+        rt.num_steps,
+        f"{rt.num_steps * rt.global_batch * rt.seq_len:,}",
+        epochs,
+    )
 
 
 def _resume_history(
@@ -980,23 +1094,61 @@ def _tracking(
     train: TrainConfig,
     *,
     config: Optional[Dict[str, Any]],
-) -> Tuple[Optional[Tracker], Any, Callable[[int], None], Dict[str, str]]:
-    """Rank 0's wandb run (continuing the checkpoint's), progress bar and per-step progress callback.
+) -> Tuple[Optional[Tracker], Any, Callable[[int], None], Dict[str, str], Optional["_RunRecord"]]:
+    """Rank 0's wandb run (continuing the checkpoint's), progress bar, per-step progress callback and
+    run-directory record (metrics.jsonl, loss.png).
 
     Returns:
-        (tracker, bar, progress callback, the bar's extra postfix), None and a no-op on other ranks.
+        (tracker, bar, progress callback, the bar's extra postfix, record), None and a no-op on other ranks.
     """
     postfix: Dict[str, str] = {}
     if rt.rank != 0:
-        return None, None, (lambda t: None), postfix
+        return None, None, (lambda t: None), postfix, None
     tracker = Tracker(
         wandb, run_dir, config=config, run_id=resume[1].get("wandb_run_id") if resume is not None else None
     )
     bar = progress_bar(rt.num_steps, initial=rt.first_step)
+    record = _RunRecord(rt, run_dir, worker)
     progress = _progress(
-        train, worker, tracker, bar, samples_per_step=rt.global_batch, seq_len=rt.seq_len, postfix=postfix
+        train,
+        worker,
+        tracker,
+        bar,
+        samples_per_step=rt.global_batch,
+        seq_len=rt.seq_len,
+        postfix=postfix,
+        metrics=record.metrics,
+        device=rt.device,
+        first_step=rt.first_step,
     )
-    return tracker, bar, progress, postfix
+    return tracker, bar, progress, postfix, record
+
+
+class _RunRecord:
+    """Rank 0's files in the run directory that show the run as it goes: metrics.jsonl (every step and
+    validation pass) and loss.png (redrawn at each validation pass, checkpoint and the end)."""
+
+    def __init__(self, rt: RankPlan, run_dir: Path, worker: StageWorker):
+        self.metrics = MetricsLog(run_dir, first_step=rt.first_step)
+        self.plot_path = run_dir / LOSS_PLOT
+        self.worker = worker
+        self.val_losses: List[Tuple[int, float]] = []
+        w = f", w={rt.data_parallel}" if rt.data_parallel > 1 else ""
+        self.title = (
+            f"{run_dir.parent.name}/{run_dir.name}: {rt.schedule}, d={rt.num_stages}{w}, m={rt.num_microbatches}, "
+            f"b={rt.microbatch_size}, {rt.precision}"
+        )
+
+    def validation(self, step: int, loss: float) -> None:
+        self.metrics.write({"step": step, "val_loss": loss, "val_perplexity": evaluate.perplexity(loss)})
+        self.val_losses.append((step, loss))
+
+    def plot(self) -> None:
+        """Redraws loss.png from every loss so far (a resumed run's include the checkpoint's)."""
+        try:
+            plot_losses(self.worker.stats.losses, self.val_losses, self.plot_path, title=self.title)
+        except Exception as e:  # a picture must never stop training
+            log.warning("could not draw %s: %s: %s", self.plot_path, type(e).__name__, e)
 
 
 def _checkpointer(
@@ -1061,6 +1213,7 @@ class _StepHooks:
         rule: StepRule,
         saver: checkpoint.Checkpointer,
         tracker: Optional[Tracker],
+        record: Optional[_RunRecord],
         progress: Callable[[int], None],
         postfix: Dict[str, str],
         tied: Sequence[ties.Tie],
@@ -1069,16 +1222,23 @@ class _StepHooks:
     ):
         self.preemption = preemption
         self.rt, self.worker, self.versions, self.evaluator = rt, worker, versions, evaluator
-        self.checker, self.rule, self.saver, self.tracker = checker, rule, saver, tracker
+        self.checker, self.rule, self.saver, self.tracker, self.record = checker, rule, saver, tracker, record
         self.progress, self.postfix, self.tied, self.eval_every = progress, postfix, tied, eval_every
         # step -> RNG states where its batch ended: a deferred APPLY runs after later batches' forwards
         self.rngs: Dict[int, Any] = {}
 
-    def report_validation(self) -> None:
-        """Rank 0: logs the validation losses that have arrived (console, wandb, progress bar)."""
-        for n, loss in self.evaluator.collect() if self.evaluator is not None else ():
+    def report_validation(self) -> bool:
+        """Rank 0: logs the validation losses that have arrived (console, wandb, progress bar, metrics.jsonl).
+
+        Returns:
+            Whether any arrived.
+        """
+        arrived = self.evaluator.collect() if self.evaluator is not None else []
+        for n, loss in arrived:
             self.tracker.log({"val/loss": loss, "val/perplexity": evaluate.perplexity(loss)}, step=n)
+            self.record.validation(n, loss)
             self.postfix["val_loss"] = f"{loss:.4f}"
+        return bool(arrived)
 
     def on_close(self, t: int) -> None:
         if self.saver.due(t + 1) or self.preemption is not None:  # a preemption may checkpoint any step
@@ -1099,8 +1259,11 @@ class _StepHooks:
         rank0, evaluator = self.rt.rank == 0, self.evaluator
         if self.checker is not None:
             self.checker(t)
-        self.report_validation()  # passes of earlier steps: their losses were sent before batch t's, received in step t
+        # passes of earlier steps: their losses were sent before batch t's, received in step t
+        validated = self.report_validation()
         self.progress(t)
+        if rank0 and (validated or self.saver.due(t + 1)) and t + 1 < self.rt.num_steps:  # the end: plotted last
+            self.record.plot()
         st = self.worker.stats
         history = {"lrs": st.lrs, "grad_norms": st.grad_norms, "skipped_steps": st.skipped_steps} if rank0 else None
         if history is not None and isinstance(self.rule, ScaledStepRule):
@@ -1173,6 +1336,7 @@ def _gather_and_write(
     resume: Optional[Tuple[Path, Dict[str, Any]]],
     predictions: Dict[str, Any],
     tracker: Optional[Tracker],
+    record: Optional[_RunRecord],
     pipeline: PipelineConfig,
     train: TrainConfig,
     optim: OptimConfig,
@@ -1256,6 +1420,8 @@ def _gather_and_write(
             ties.add_aliases({k: v for shard in shards for k, v in shard.items()}, tied), run_dir / "final_model.pt"
         )
     tracker.finish(summary)
+    record.plot()
+    record.metrics.close()
     log.info(
         "done: loss %.4f -> %.4f, %.1f samples/s, %.0f tokens/s; results in %s",
         summary["losses"][0],
@@ -1386,15 +1552,40 @@ def _progress(
     samples_per_step: int,
     seq_len: int,
     postfix: Optional[Dict[str, str]] = None,
+    metrics: Optional[MetricsLog] = None,
+    device: Optional[torch.device] = None,
+    first_step: int = 0,
 ) -> Callable[[int], None]:
-    """Rank 0's per-step callback: advance the progress bar; log loss and throughput every ``train.log_every`` steps.
+    """Rank 0's per-step callback: advance the progress bar, append the step to ``metrics`` (metrics.jsonl);
+    log loss, throughput and the time left every ``train.log_every`` steps.
     ``postfix``: more to show on the bar (the latest validation loss), updated by the caller."""
-    window = {"start": time.perf_counter(), "steps": 0}
+    start = time.perf_counter()
+    window = {"start": start, "steps": 0, "last": start}
+    device = device or torch.device("cpu")
 
     def on_step(t: int) -> None:
+        now = time.perf_counter()
         window["steps"] += 1
+        step_s, window["last"] = now - window["last"], now
         loss, lr, grad_norm = worker.stats.losses[-1], worker.stats.lrs[-1], worker.stats.grad_norms[-1]
         tracker.log({"loss": loss, "lr": lr, **({"grad_norm": grad_norm} if grad_norm is not None else {})}, step=t)
+        # The time left at this run's mean step time so far (its first steps' warm-up included).
+        eta_s = (train.num_steps - t - 1) * (now - start) / (t + 1 - first_step)
+        if metrics is not None:
+            metrics.write(
+                {
+                    "step": t + 1,
+                    "loss": loss,
+                    "lr": lr,
+                    "grad_norm": grad_norm,
+                    "samples_per_s": samples_per_step / step_s,
+                    "tokens_per_s": samples_per_step * seq_len / step_s,
+                    "step_time_s": step_s,
+                    "memory_bytes": process_peak_bytes(device),
+                    "eta_s": eta_s,
+                    "time": time.time(),
+                }
+            )
         if not bar.disable:
             steps_per_s = bar.format_dict["rate"] or 0.0  # tqdm's smoothed steps/s
             bar.set_postfix(
@@ -1406,13 +1597,13 @@ def _progress(
             bar.update(1)
         if (t + 1) % train.log_every and t + 1 != train.num_steps:
             return
-        now = time.perf_counter()
         rate = window["steps"] * samples_per_step / (now - window["start"])
         window.update(start=now, steps=0)
         tracker.log({"samples_per_s": rate, "tokens_per_s": rate * seq_len}, step=t)
         norm = f" grad norm {grad_norm:.4g}" if grad_norm is not None else ""
+        left = f", {format_duration(eta_s)} left" if t + 1 < train.num_steps else ""
         log.info(
-            "step %d/%d loss %.4f lr %.4g%s %.1f samples/s %.0f tokens/s",
+            "step %d/%d loss %.4f lr %.4g%s %.1f samples/s %.0f tokens/s%s",
             t + 1,
             train.num_steps,
             loss,
@@ -1420,6 +1611,7 @@ def _progress(
             norm,
             rate,
             rate * seq_len,
+            left,
         )
 
     return on_step

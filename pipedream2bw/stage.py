@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import resource
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -18,7 +17,7 @@ from pipedream2bw.agreement import NonFiniteError, StepDecision, StepOutcome, St
 from pipedream2bw.boundary import Channel, from_wire, to_wire
 from pipedream2bw.comm import P2P, AsyncSum, BatchReduction, GradReducer, ShardedReduction
 from pipedream2bw.data import MicrobatchFeed
-from pipedream2bw.memprobe import SavedBytes
+from pipedream2bw.memprobe import SavedBytes, process_peak_bytes
 from pipedream2bw.precision import autocast, compute_dtype
 from pipedream2bw.schedule import (
     BACKWARD,
@@ -452,7 +451,9 @@ class StageWorker:
         # sharded: each replica checks its float32 shards (the newest version may still be gathering)
         sharded = isinstance(self.versions, ShardedVersions)
         params = self.versions.shards if sharded else list(self.versions.newest().parameters())
-        if not math.isfinite(float(agreement.sq_norm(params))):
+        with torch.no_grad():  # a check, not a computation to differentiate: no graph over every parameter
+            sq = agreement.sq_norm(params)
+        if not math.isfinite(float(sq)):
             raise NonFiniteError(agreement.stop_message(f"non-finite gradient at step {t} on stage {self.stage_index}"))
 
     def _traced_wait(self, t: int, reduction: BatchReduction) -> Callable[[int], None]:
@@ -569,7 +570,4 @@ class StageWorker:
             for v in state.values()
             if torch.is_tensor(v)
         )
-        if self.device.type == "cuda":
-            st.peak_memory_bytes = torch.cuda.max_memory_allocated(self.device)
-        else:
-            st.peak_memory_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        st.peak_memory_bytes = process_peak_bytes(self.device)

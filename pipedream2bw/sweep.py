@@ -26,6 +26,7 @@ import logging
 import math
 import os
 import re
+import sys
 import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional
@@ -286,9 +287,23 @@ def main(dcfg: DictConfig) -> Optional[float]:
     return value
 
 
-def cli() -> None:
-    from pipedream2bw.train import _STAMP_ENV
+NOISY_LOGGERS = ("alembic", "optuna")
+"""Third-party loggers quieted to warnings: the Optuna sweeper imports alembic, whose plugins each log a
+"setup plugin" line, and Optuna announces its in-memory study (the sweeper logs the study itself)."""
 
+
+def cli() -> None:
+    from pipedream2bw.train import _STAMP_ENV, HELP_FLAGS, print_help
+
+    if any(a in HELP_FLAGS for a in sys.argv[1:]):
+        print_help(sys.argv[1:], config_name="sweep")
+        return
+    for name in NOISY_LOGGERS:
+        logging.getLogger(name).setLevel(logging.WARNING)
+    if any(a.startswith("hydra/sweeper=optuna") for a in sys.argv[1:]):
+        import optuna  # it sets its own logger's level when imported: quieted after that
+
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
     register_configs()
     os.environ.setdefault(_STAMP_ENV, time.strftime("%Y-%m-%d/%H-%M-%S"))  # one process: no ranks to agree with
     OmegaConf.register_new_resolver("pd2bw_run_stamp", lambda: os.environ[_STAMP_ENV], replace=True)

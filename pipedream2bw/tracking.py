@@ -1,19 +1,23 @@
-"""wandb tracking on rank 0: offline by default (no network), online or disabled on request.
+"""Rank 0's record of a run: metrics.jsonl, loss.png, the progress bar, and wandb (offline by default).
 
-One wandb run per training job. Rank 0 logs it: the loss and throughput as the run goes,
-then, from summary.json (which holds every rank's gathered ``StageStats``), per-stage peak
-memory, time waiting on neighbours and on the gradient all-reduce, the measured bubble, the
-timeline picture, and the planner's predictions and plan when the summary has them.
+``MetricsLog`` appends one JSON line per step (and one per validation pass) to the run directory's
+``metrics.jsonl``; ``plot_losses`` draws ``loss.png``. One wandb run per training job: the loss and
+throughput as the run goes, then, from summary.json (which holds every rank's gathered
+``StageStats``), per-stage peak memory, time waiting on neighbours and on the gradient all-reduce,
+the measured bubble, the timeline picture, and the planner's predictions and plan when the
+summary has them.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
 from pathlib import Path
-from typing import Any, Dict, List, Optional, TextIO
+from typing import Any, Dict, List, Optional, Sequence, TextIO, Tuple
 
 from pipedream2bw.config import WandbConfig
+from pipedream2bw.fileio import atomic_open, atomic_write_text
 
 log = logging.getLogger(__name__)
 
@@ -53,8 +57,86 @@ def plan_rows(plan: Dict[str, Any]) -> List[Dict[str, Any]]:
     return [{**scalars, **{k: str(v) for k, v in plan.items() if k not in scalars}}]
 
 
+METRICS_FILE = "metrics.jsonl"
+LOSS_PLOT = "loss.png"
+
+
+class MetricsLog:
+    """``<run_dir>/metrics.jsonl``: one JSON object per line, appended and flushed as the run goes.
+
+    A training line per step: ``step`` (steps done: batch t is step t + 1, as in the log and the
+    checkpoints' ``step_<n>``), ``loss``, ``lr``, ``grad_norm`` (null when no agreement computed it),
+    ``samples_per_s`` and ``tokens_per_s`` (of this step alone), ``step_time_s``, ``memory_bytes``
+    (rank 0's peak so far: CUDA max allocated, or the process's peak resident set on the CPU),
+    ``eta_s`` and ``time`` (Unix seconds). A validation line per pass: ``step``, ``val_loss``,
+    ``val_perplexity``. A resumed run keeps the lines up to its first step and appends after them
+    (the lines an interrupted attempt wrote past its checkpoint are dropped, as their steps run again).
+    """
+
+    def __init__(self, run_dir: Path, *, first_step: int = 0):
+        self.path = Path(run_dir) / METRICS_FILE
+        if self.path.is_file():
+            kept = [line for line in self.path.read_text().splitlines() if _step_of(line) <= first_step]
+            atomic_write_text(self.path, "".join(f"{line}\n" for line in kept))
+        self._file = open(self.path, "a", encoding="utf-8")  # open for the whole run; close() ends it
+
+    def write(self, record: Dict[str, Any]) -> None:
+        """Appends ``record`` as one line and flushes it (a crash loses at most the line being written)."""
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def _step_of(line: str) -> float:
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):  # a line cut short by a crash: dropped
+        return float("inf")
+
+
+def read_metrics(run_dir: Path) -> Tuple[List[Dict[str, Any]], List[Dict[str, Any]]]:
+    """A run directory's metrics.jsonl as (training lines, validation lines)."""
+    records = [json.loads(line) for line in (Path(run_dir) / METRICS_FILE).read_text().splitlines() if line]
+    return [r for r in records if "loss" in r], [r for r in records if "val_loss" in r]
+
+
+def plot_losses(
+    losses: Sequence[float], val_losses: Sequence[Tuple[int, float]], path: Path, *, title: str = ""
+) -> None:
+    """Draws training loss (batch t at step t + 1) and validation loss (after n steps) against the step
+    into the PNG file ``path``, written atomically (``loss.png`` is never seen half-drawn).
+
+    Args:
+        losses: the mean loss of every batch so far, from the first.
+        val_losses: (step, loss) of every validation pass so far.
+        path: the PNG file to write.
+        title: the figure's title (the run's settings).
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display: render to a file
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(range(1, len(losses) + 1), losses, label="training (batch mean)", color="tab:blue", linewidth=1)
+    if val_losses:
+        steps, values = zip(*val_losses)
+        ax.plot(steps, values, "o-", label="validation", color="tab:orange", linewidth=1.5, markersize=4)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    with atomic_open(Path(path)) as f:
+        fig.savefig(f, dpi=100, format="png")
+    plt.close(fig)
+
+
 def progress_bar(num_steps: int, *, initial: int = 0, file: Optional[TextIO] = None) -> Any:
-    """Rank 0's tqdm bar over the training steps (steps/s; loss and samples/s as postfix).
+    """Rank 0's tqdm bar over the training steps (steps/s, elapsed<remaining time; loss and samples/s as postfix).
 
     Disabled unless ``file`` (stderr by default) is a terminal, so that logs and CI output
     keep only the regular log lines."""

@@ -14,7 +14,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from pipedream2bw import comm
-from pipedream2bw.config import Config, from_hydra, register_configs
+from pipedream2bw.config import TINY_ENV, Config, from_hydra, register_configs, tiny
 from pipedream2bw.errors import ConfigError
 from pipedream2bw.fileio import atomic_write_text
 from pipedream2bw.preempt import Preempted
@@ -32,6 +32,8 @@ def main(dcfg: DictConfig) -> None:
     run_dir = HydraConfig.get().runtime.output_dir
     try:
         cfg: Config = from_hydra(dcfg)  # the DictConfig stops here
+        if os.environ.get(TINY_ENV, "0") not in ("", "0"):
+            cfg = tiny(cfg)
         run(cfg, run_dir, store=_store, on_start=lambda: _write_record(dcfg, run_dir))
     except ConfigError as e:
         log.error("bad configuration: %s", e)  # before any process group started
@@ -81,7 +83,21 @@ def _agree_on_run_stamp() -> None:
     os.environ.setdefault(_STAMP_ENV, stamp)
 
 
+HELP_FLAGS = ("--help", "-h")
+
+
+def print_help(argv, *, config_name: str) -> None:
+    """Our --help in place of Hydra's: usage, the config groups, every user-facing key with its default and
+    a one-line meaning (Hydra's lists the schemas as groups and the config as YAML, with no meanings)."""
+    from pipedream2bw.config_docs import help_text
+
+    print(help_text(argv, config_name=config_name))
+
+
 def cli() -> None:
+    if any(a in HELP_FLAGS for a in sys.argv[1:]):
+        print_help(sys.argv[1:], config_name="config")
+        return
     register_configs()
     OmegaConf.register_new_resolver("pd2bw_run_stamp", lambda: os.environ[_STAMP_ENV], replace=True)
     _agree_on_run_stamp()
@@ -92,6 +108,9 @@ def cli() -> None:
         _record_subdir = None if value in ("null", "None", "") else value
     # Hydra would write .hydra/ before the run is checked; rank 0 writes it once accepted (_write_record).
     sys.argv.append("hydra.output_subdir=null")
+    if comm.env_rank()[0] != 0:
+        # Hydra's own messages (a multirun's "Launching N jobs", each job's overrides) once, from rank 0
+        sys.argv.append("hydra/hydra_logging=disabled")
     main()
 
 

@@ -96,6 +96,16 @@ def train(cfg: Config, run_dir: str) -> None:
     run(cfg, Path(run_dir))
 
 
+def train_as_a_script(cfg: Config, run_dir: str) -> None:
+    """``run()`` as a user's script calls it: no logging configured; and torch's warning about
+    converting a tensor that requires grad to a scalar (once printed by every rank) is an error."""
+    import warnings
+
+    logging.getLogger().handlers.clear()
+    warnings.filterwarnings("error", message="Converting a tensor with requires_grad=True to a scalar")
+    run(cfg, Path(run_dir))
+
+
 class FailAt(nn.Module):
     """Wraps a layer and misbehaves on its ``call``-th forward: ``how`` is 'raise', 'hang'
     (sleeps for an hour) or 'reshape' (drops the last position of its output)."""

@@ -148,7 +148,7 @@ CONSTRAINTS: List[Tuple[Tuple[str, ...], Callable[[Dict[str, Any]], bool], str]]
 ]
 
 # Combinations the code refuses at config time: (factors read, predicate, the ConfigError's pattern, why,
-# the values of an example). Listed in README.md ("Supported combinations"). They are no cells of the
+# the values of an example). Listed in docs/concepts.md ("Supported combinations"). They are no cells of the
 # arrays (a refused run covers nothing); test_matrix validates each example and checks the refusal.
 REFUSED: List[Tuple[Tuple[str, ...], Callable[[Dict[str, Any]], bool], str, str, Dict[str, Any]]] = [
     (

@@ -62,6 +62,7 @@ def assert_matches_oracle(summary: dict, final: dict, cfg, *, delayed: bool, lay
     return ref
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule,d,w,m", [("flush", 2, 2, 2), ("gpipe", 2, 1, 4), ("2bw", 4, 1, 4)])
 def test_clipping_and_schedule_match_the_oracle(tmp_path, schedule, d, w, m):
     # flush 2x2: each stage counted once in the norm, though both replicas hold its gradient.
@@ -97,6 +98,7 @@ def test_clipping_and_schedule_match_the_oracle(tmp_path, schedule, d, w, m):
     assert all(r["agreement_exposed_s"] >= 0 for r in summary["ranks"])
 
 
+@pytest.mark.slow
 def test_2bw_clipping_matches_the_oracle_and_resumes_exactly(tmp_path):
     """2bw d=2: deferred steps give the oracle's weights, lrs and norms; resuming from the step-3
     checkpoint gives the same run bit for bit (the lr from the step, losses and norms so far from
@@ -118,6 +120,7 @@ def test_2bw_clipping_matches_the_oracle_and_resumes_exactly(tmp_path):
     assert_equal_bits(weights(tmp_path / "resumed"), weights(tmp_path / "straight"))
 
 
+@pytest.mark.slow
 def test_nonfinite_gradient_in_one_stage_skips_that_step_everywhere(tmp_path):
     # An inf in the gradient of layer 1 (stage 0) at batch 3; stage 1's gradients stay finite.
     # Every stage must skip step 3 and go on exactly as the oracle that skips it.
@@ -149,6 +152,7 @@ def run_ok_with(fn, cfg, run_dir: Path, *args) -> dict:
     return json.loads((Path(run_dir) / "summary.json").read_text())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "layer,how,what", [(5, "nan", "loss (nan) at step 4 on stage 1"), (1, "inf_grad", "gradient at step 4 on stage 0")]
 )

@@ -41,6 +41,7 @@ def assert_equal_bits(a: dict, b: dict) -> None:
         assert torch.equal(a[k], b[k]), k
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["2bw", "flush"])
 def test_resume_is_exact(tmp_path, schedule):
     """2N steps straight == N steps, stop, resume, N more: weights and every loss, bit for bit."""
@@ -57,6 +58,7 @@ def test_resume_is_exact(tmp_path, schedule):
         assert any(not torch.equal(layer["weights"][k], layer["previous"][k]) for k in layer["weights"])
 
 
+@pytest.mark.slow
 def test_checkpoint_written_at_2x2_resumes_at_other_layouts(tmp_path):
     """(d=2, w=2) -> (4, 1) and (1, 1): same weights loaded, same next-step loss to round-off."""
     reference = run_ok(config(d=2, w=2, steps=4), tmp_path / "ref")
@@ -72,6 +74,7 @@ def test_checkpoint_written_at_2x2_resumes_at_other_layouts(tmp_path):
     assert_equal_bits(torch.load(saved), weights(tmp_path / "src"))
 
 
+@pytest.mark.slow
 def test_corrupt_checkpoint_is_skipped_for_the_previous_one(tmp_path, caplog):
     run_ok(config(steps=4, every=2), tmp_path / "run")
     root = tmp_path / "run" / "checkpoints"
@@ -84,6 +87,7 @@ def test_corrupt_checkpoint_is_skipped_for_the_previous_one(tmp_path, caplog):
     assert [p.name for p in root.glob("step_00000004.corrupt-*")]  # kept aside, not deleted
 
 
+@pytest.mark.slow
 def test_resume_skips_corrupt_newest_and_trains_on(tmp_path):
     straight = run_ok(config(steps=6, every=2), tmp_path / "straight")
     run_ok(config(steps=4, every=2), tmp_path / "run")
@@ -95,6 +99,7 @@ def test_resume_skips_corrupt_newest_and_trains_on(tmp_path):
     assert kept == ["step_00000006", "step_00000004"]  # train.keep_checkpoints=2 pruned the rest
 
 
+@pytest.mark.slow
 def test_checkpoint_of_another_model_is_refused_on_every_rank(tmp_path):
     run_ok(config(steps=2, every=2), tmp_path / "src")
     other = config(steps=4, resume=str(tmp_path / "src"))
@@ -117,12 +122,14 @@ def test_check_model_names_the_mismatched_parameters():
         checkpoint.check_model(manifest, {"0.weight": [4, 3], "2.weight": [1]}, Path("ckpt"))
 
 
+@pytest.mark.slow
 def test_resume_path_without_checkpoint_is_a_config_error(tmp_path):
     cfg = config(steps=2, resume=str(tmp_path))
     results = spawn(train, world_size=2, args=(cfg, str(tmp_path / "run")), log_dir=tmp_path / "logs", timeout_s=60)
     assert all(r.exitcode != 0 and "holds no complete checkpoint" in r.log for r in results), [r.log for r in results]
 
 
+@pytest.mark.slow
 def test_consolidated_state_dict_loads_without_this_project(tmp_path):
     run_ok(config(steps=3, every=3), tmp_path / "run")
     out = checkpoint.main(["consolidate", str(tmp_path / "run")])
@@ -134,6 +141,7 @@ def test_consolidated_state_dict_loads_without_this_project(tmp_path):
     assert checkpoint.main(["consolidate", str(tmp_path / "nothing")]) == 2
 
 
+@pytest.mark.slow
 def test_partial_checkpoint_is_never_chosen(tmp_path):
     run_ok(config(steps=3, every=3), tmp_path / "run")
     root = tmp_path / "run" / "checkpoints"
@@ -157,6 +165,7 @@ def _children(pid: int) -> list:
     return kids
 
 
+@pytest.mark.slow
 def test_sigkilled_rank_restarts_under_torchrun_and_finishes_with_the_same_weights(tmp_path):
     overrides = [
         "pipeline.num_stages=2",
@@ -208,6 +217,7 @@ def test_sigkilled_rank_restarts_under_torchrun_and_finishes_with_the_same_weigh
     assert_equal_bits(weights(run_dir), weights(tmp_path / "uninterrupted"))
 
 
+@pytest.mark.slow
 def test_ranks_with_their_own_run_directories_agree_on_resuming(tmp_path):
     """What rank 0 decides before the groups start is keyed by run, not by its run directory."""
     from dist_helper import train_in_own_dir

@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 from torch import nn
 
@@ -33,12 +34,14 @@ def torchrun(*overrides: str, cwd: Path, timeout_s: float = 240) -> subprocess.C
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout_s)
 
 
+@pytest.mark.slow
 def test_readme_command_trains_and_writes_results(tmp_path):
     proc = torchrun(*SHORT, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    run_dirs = list((tmp_path / "outputs").glob("*/*"))
+    run_dirs = list((tmp_path / "outputs").glob("*-*-*/*"))  # <date>/<time>; outputs/latest links it
     assert len(run_dirs) == 1, run_dirs  # every rank wrote into the same run directory
     run_dir = run_dirs[0]
+    assert (tmp_path / "outputs" / "latest").resolve() == run_dir.resolve()
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["schedule"] == "2bw" and summary["num_stages"] == 4 and len(summary["losses"]) == 40
     assert summary["losses"][0] > 5.0 and summary["final_loss"] < summary["losses"][0] - 1.5  # the loss falls clearly
@@ -54,6 +57,7 @@ def test_readme_command_trains_and_writes_results(tmp_path):
     assert list((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
 
 
+@pytest.mark.slow
 def test_bad_input_fails_every_rank_fast(tmp_path):
     start = time.monotonic()
     proc = torchrun("pipeline.num_microbatches=2", "wandb.mode=disabled", cwd=tmp_path, timeout_s=120)
@@ -66,6 +70,7 @@ def test_bad_input_fails_every_rank_fast(tmp_path):
     assert "exitcode  : 2" in out, out
 
 
+@pytest.mark.slow
 def test_multirun_runs_each_job_in_the_same_ranks(tmp_path):
     proc = torchrun(
         "-m",
@@ -77,8 +82,12 @@ def test_multirun_runs_each_job_in_the_same_ranks(tmp_path):
         cwd=tmp_path,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    summaries = sorted((tmp_path / "multirun").glob("*/*/*/summary.json"))
+    summaries = sorted((tmp_path / "outputs" / "multirun").glob("*/*/*/summary.json"))
     assert [json.loads(p.read_text())["schedule"] for p in summaries] == ["2bw", "gpipe"]
+    # Hydra's launcher messages once, from rank 0 (they came once per rank); outputs/latest: the last job
+    out = proc.stdout + proc.stderr
+    assert out.count("Launching 2 jobs locally") == 1 and out.count("#1 : pipeline.schedule=gpipe") == 1, out
+    assert (tmp_path / "outputs" / "latest").resolve() == summaries[-1].parent.resolve()
 
 
 # Every entry point and what its --help must say: its usage line and, for Hydra ones, the config groups.
@@ -100,6 +109,7 @@ ENTRY_POINTS = {  # name: (arguments after python, what the help must contain)
 }
 
 
+@pytest.mark.slow
 def test_every_entry_point_answers_help(tmp_path):
     # All at once, each in its own interpreter (imports dominate: ~1-2.5 s each, ~12 s one after another).
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
@@ -135,3 +145,21 @@ def test_config_error_imports_without_torch():
     from pipedream2bw.errors import ConfigError
 
     assert reexported is ConfigError and issubclass(ConfigError, ValueError)
+
+
+def test_help_lists_user_facing_groups_and_every_key_with_a_meaning():
+    # Regression: --help listed the schemas (base_gpt, ...) as config groups, the config as bare YAML with
+    # no meanings, and a removed key (partition.analytic_dtype_bytes).
+    from pipedream2bw.config_docs import help_text, keys
+
+    text = help_text([], config_name="config")
+    assert "base_" not in text and "analytic_dtype_bytes" not in text
+    [models] = [ln for ln in text.splitlines() if ln.startswith("model: ")]
+    assert {"custom", "gpt", "gpt175b", "hf_gpt2"} <= set(models[len("model: ") :].split(", ")), models
+    for _, _, rows in keys():
+        for k in rows:
+            lines = [ln for ln in text.splitlines() if ln.strip().startswith(f"{k.name}=")]
+            assert lines and all(len(ln.split(maxsplit=1)[1]) > 5 for ln in lines), (k, lines)  # with a meaning
+    assert "  pipeline.schedule=2bw  " in text and "  wandb.mode=offline  " in text  # composed defaults
+    assert "  train.num_steps=7  " in help_text(["train.num_steps=7"], config_name="config")  # after overrides
+    assert "outputs/sweeps/<date>/<time>/" in help_text([], config_name="sweep")

@@ -275,6 +275,7 @@ def test_nanogpt_meta_pkl_describes_the_vocabulary_without_running_code(tmp_path
         check_data(cfg.data, vocab_size=300, seq_len=16, need_val=False)
 
 
+@pytest.mark.slow
 def test_each_bad_token_file_stops_every_rank_before_any_group_starts(tmp_path):
     runs = []
     for bad, (content, _) in BAD_FILES.items():
@@ -328,6 +329,7 @@ def runs(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_token_data_trains_the_same_on_every_layout(runs):
     cfg, summary, weights = runs["1x1"]
     expected, expected_losses = reference_train(cfg, delayed=True)  # the 2BW rule on the training split
@@ -338,6 +340,7 @@ def test_token_data_trains_the_same_on_every_layout(runs):
         assert_losses_close(runs[name][1]["losses"], summary["losses"])
 
 
+@pytest.mark.slow
 def test_validation_loss_is_the_same_on_every_layout_and_that_of_the_final_weights(runs):
     cfg, summary, weights = runs["1x1"]
     assert [v["step"] for v in summary["val_losses"]] == [2, 4, 6]
@@ -352,6 +355,7 @@ def test_validation_loss_is_the_same_on_every_layout_and_that_of_the_final_weigh
         assert all(r["eval_s"] > 0 for r in run_summary["ranks"])
 
 
+@pytest.mark.slow
 def test_validation_carries_tuple_and_dict_boundaries_as_training_does(tmp_path):
     # Regression (validation on structured boundaries): the pass sent one tensor per crossing and
     # raised NotImplementedError at the first evaluation of a model whose stages pass (hidden, ids)
@@ -371,6 +375,7 @@ def test_validation_carries_tuple_and_dict_boundaries_as_training_does(tmp_path)
     assert_losses_close(val_losses[4], val_losses[1])
 
 
+@pytest.mark.slow
 def test_validation_leaves_training_bit_identical(runs):
     # 4 stages under 2bw (the most work in flight when a pass starts), with swapping and batched sends.
     _, with_eval, weights = runs["4x1"]
@@ -381,6 +386,7 @@ def test_validation_leaves_training_bit_identical(runs):
     assert with_eval["ranks"][0]["swap"]["swapped_out_bytes"] > 0  # swapping really ran
 
 
+@pytest.mark.slow
 def test_only_the_first_and_last_stages_open_the_data(runs):
     _, summary, _ = runs["4x1"]
     resident = {r["stage"]: r["data_resident_bytes"] for r in summary["ranks"]}
@@ -388,6 +394,7 @@ def test_only_the_first_and_last_stages_open_the_data(runs):
     assert resident[0] == resident[3] == 0  # the ends mapped it, and hold none of its pages after reading
 
 
+@pytest.mark.slow
 def test_validation_under_flush_and_gpipe_and_after_a_resume(tmp_path):
     # flush for 4 steps with a checkpoint, then gpipe (one weight version too) with sends batched with
     # receives, resumed to 6 steps: the pass after step 4, whose loss the checkpoint could not hold

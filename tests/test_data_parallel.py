@@ -24,6 +24,7 @@ def layout_config(schedule: str, d: int, w: int, m: int, **pipeline):
     return cfg
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["2bw", "flush", "gpipe"])
 def test_layout_invariance(tmp_path, schedule):
     # The same global batches (8 sequences) on three layouts give the same weights and losses.
@@ -42,6 +43,7 @@ def test_layout_invariance(tmp_path, schedule):
         assert_losses_close(runs[(2, 2)][1], expected_losses)
 
 
+@pytest.mark.slow
 def test_one_all_reduce_per_stage_per_batch(tmp_path):
     cfg = layout_config("2bw", 2, 2, 2)
     summary = run_ok(cfg, tmp_path / "one")
@@ -60,6 +62,7 @@ def test_one_all_reduce_per_stage_per_batch(tmp_path):
     )
 
 
+@pytest.mark.slow
 def test_explicit_rank_map_with_rank0_on_the_last_stage(tmp_path):
     # rank 0 runs stage 1 of replica 0; it still collects and logs the loss.
     mapped = run_ok(layout_config("flush", 2, 2, 2, rank_map=[[1, 3], [0, 2]]), tmp_path / "mapped")

@@ -12,6 +12,7 @@ from test_semantics import tiny_config
 from pipedream2bw.schedule import FORWARD, Action, rank_actions
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("failing_layer,failing_rank", [(3, 2), (0, 0), (5, 3)])
 def test_rank_that_raises_stops_every_rank(tmp_path, failing_layer, failing_rank):
     cfg = tiny_config(schedule="2bw", num_stages=4, num_microbatches=4, num_steps=20)
@@ -32,6 +33,7 @@ def test_rank_that_raises_stops_every_rank(tmp_path, failing_layer, failing_rank
         assert f"rank {failing_rank} (stage {failing_rank}) failed: RuntimeError: injected fault" in r.log, r.log
 
 
+@pytest.mark.slow
 def test_hanging_rank_times_out_and_stops_every_rank(tmp_path):
     cfg = tiny_config(schedule="flush", num_stages=4, num_microbatches=4, num_steps=20)
     cfg.dist.timeout_s = 5.0
@@ -56,6 +58,7 @@ def test_hanging_rank_times_out_and_stops_every_rank(tmp_path):
     assert f"aborting because {first[0]}" in results[2].log, results[2].log
 
 
+@pytest.mark.slow
 def test_shape_change_is_a_clear_error_not_a_hang(tmp_path):
     # Regression guard for the classic pipeline hang: a stage whose output shape changes
     # mid-run. The sender names the mismatch; every rank stops.
@@ -72,6 +75,7 @@ def test_shape_change_is_a_clear_error_not_a_hang(tmp_path):
         assert expected in r.log, r.log
 
 
+@pytest.mark.slow
 def test_failure_in_a_replicated_stage_stops_every_rank(tmp_path):
     from test_data_parallel import layout_config
 
@@ -88,6 +92,7 @@ def test_failure_in_a_replicated_stage_stops_every_rank(tmp_path):
     assert all(first[0] in r.log for r in results)
 
 
+@pytest.mark.slow
 def test_failing_rank_logs_its_steps_with_the_failing_action_marked(tmp_path):
     # flush keeps one weight version, so the layer's 7th forward call is microbatch 6's: F6 on stage 1
     # (layers [0, 1, 2] on stage 0, [3, 4, 5] on stage 1). Its step, as lowered for gloo, is marked.

@@ -56,6 +56,7 @@ def first_batch(cfg: Config) -> torch.Tensor:
     return feed._batch_windows(0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "kind,tied,d,w",
     [(k, t, d, 1) for k, t in [("llama", True), ("llama", False), ("gpt2", True)] for d in (1, 2, 4)]
@@ -193,6 +194,7 @@ def test_a_directory_that_does_not_fit_is_named_before_any_weights_load(tmp_path
         model_source(HFModelConfig(pretrained=str(tmp_path), seq_len=SEQ), seed=0)
 
 
+@pytest.mark.slow
 def test_bad_sources_fail_every_rank_before_any_group_starts(tmp_path):
     """Through the command line, on each rank alone: a hub name (nothing is downloaded), a directory whose
     tensors do not fit, and train.export_hf without model=hf."""
@@ -248,6 +250,7 @@ def test_token_ids_are_checked_against_the_models_vocabulary(tmp_path):
         validate(cfg, world_size=2, num_layers=6)
 
 
+@pytest.mark.slow
 def test_sharded_final_weights_and_export_from_a_checkpoint(tmp_path):
     """train.save_final=sharded: each stage's own safetensors shard of final_model/ (layer-list names, each
     tie once); export-hf from the run's checkpoint: the pretrained tensors again, bit for bit."""
@@ -304,6 +307,7 @@ def walkthrough_script() -> str:
     return script
 
 
+@pytest.mark.slow
 def test_fine_tuning_walkthrough_of_the_docs(tmp_path):
     """docs/pretrained.md's commands on a tiny Llama whose directory holds a tokenizer.json trained here:
     tokenize with it, fine-tune at d = 2 (the loss falls), export at the end and from the checkpoint

@@ -50,6 +50,7 @@ def _plant(ckpt: Path, name: str, marker: Path) -> None:
     (ckpt / checkpoint.MANIFEST).write_text(json.dumps(manifest))
 
 
+@pytest.mark.slow
 def test_planted_pickle_in_any_file_a_resume_reads_never_runs(tmp_path):
     # Regression (issue 22): rng_rank<r>.pt was loaded with weights_only=False; a payload in it ran on resume.
     run_ok(config(steps=2, every=2), tmp_path / "run")
@@ -89,6 +90,7 @@ def test_rng_states_are_plain_tensors_and_restore_exactly():
 # --- pruning keeps to its lineage ---------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_resume_never_keeps_its_own_checkpoints_beside_an_older_runs_later_ones(tmp_path):
     # Regression (issue 22): pruning sorted by step over both runs, so the new run's checkpoints were
     # removed as soon as written and a later resume=auto picked the old run's step.
@@ -131,6 +133,7 @@ def test_prune_renames_before_it_deletes(tmp_path, monkeypatch):
 # --- no silent restart from zero ------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_all_checkpoints_unloadable_refuses_under_auto(tmp_path):
     # Regression (issue 22): each was logged and renamed aside, then the run started again at step 0 and exited 0.
     run_ok(config(steps=4, every=2), tmp_path / "run")
@@ -185,6 +188,7 @@ def test_free_form_entries_take_any_key():
     assert cfg.model.kwargs == {"width": 3} and cfg.optim.kwargs == {"momentum": 0.9}
 
 
+@pytest.mark.slow
 def test_refused_launch_exits_2_before_any_group_and_keeps_the_run_directorys_record(tmp_path):
     # Regressions (issue 22): +train.num_step=5 was accepted and ignored; Hydra wrote .hydra/ before the run
     # was checked, so a refused relaunch overwrote the record of the run directory it was pointed at.
@@ -205,6 +209,7 @@ def test_refused_launch_exits_2_before_any_group_and_keeps_the_run_directorys_re
 # --- strict resume ------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_resume_with_another_head_count_is_refused_unless_not_strict(tmp_path):
     # Regression (issue 22): same shapes, another model: the manifest stored no model settings.
     run_ok(config(steps=2, every=2), tmp_path / "src")
@@ -361,6 +366,7 @@ def _preempt_at(proc: subprocess.Popen, run_dir: Path, log: Path, *, after: int,
     return gone
 
 
+@pytest.mark.slow
 def test_sigterm_checkpoints_every_rank_at_one_step_and_the_requeued_run_is_bit_exact(tmp_path, launches):
     # Regression (issue 22): SIGTERM killed the ranks with no checkpoint, summary or log line.
     run_dir = tmp_path / "run"

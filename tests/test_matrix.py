@@ -188,12 +188,14 @@ def _params(cells):
     ]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("cell", _params(PAIRWISE))
 def test_pairwise(cell, matrix):
     _run_and_check(cell, matrix)
 
 
+@pytest.mark.slow
 @pytest.mark.matrix_full
 @pytest.mark.timeout(1800)
 @pytest.mark.parametrize("cell", _params(THREE_WISE))

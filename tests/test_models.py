@@ -48,6 +48,7 @@ def assert_tied_result(run_dir: Path, summary: dict, cfg: Config, *, steps_check
     return weights
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule,d,w", [("flush", 2, 2), ("gpipe", 2, 1), ("2bw", 2, 2), ("2bw", 4, 2)])
 def test_tied_gpt_with_data_parallelism_matches_the_reference(tmp_path, schedule, d, w):
     # w=2: the tie's gradient is summed over d stages x 2 replicas, then averaged over the replicas.
@@ -62,6 +63,7 @@ def test_tied_gpt_with_data_parallelism_matches_the_reference(tmp_path, schedule
     assert sorted(summary["tie_allreduce_calls"]) == sorted(holders)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("w", [1, 2])
 def test_tied_gpt_clipped_by_the_global_norm_counts_the_tie_once(tmp_path, w):
     # Regression (ties with clipping): the norm must see the tie's gradient summed over its stages,
@@ -78,6 +80,7 @@ def test_tied_gpt_clipped_by_the_global_norm_counts_the_tie_once(tmp_path, w):
     torch.testing.assert_close(torch.load(tmp_path / "final_model.pt"), expected.weights)
 
 
+@pytest.mark.slow
 def test_tied_gpt_2bw_fp16_with_two_replicas_equals_the_scaled_reference(tmp_path):
     """2bw + tie + w=2 under fp16 loss scaling (the scaler's agreement defers APPLY too): the 2bw
     reference with the same scales, at fp16's tolerance (two replicas sum in another order)."""
@@ -96,6 +99,7 @@ def test_tied_gpt_2bw_fp16_with_two_replicas_equals_the_scaled_reference(tmp_pat
     torch.testing.assert_close(torch.tensor(summary["losses"]), torch.tensor(losses), **fp16_close)
 
 
+@pytest.mark.slow
 def test_tied_gpt_2bw_matches_delayed_rule_and_resumes_at_another_depth(tmp_path):
     """d=2 straight (checkpoint at step 3), then d=4 resumed from that checkpoint: both end on the
     2bw reference's weights, the copies bit-identical after every step, one tensor per tie saved."""
@@ -131,6 +135,7 @@ def test_tied_gpt_2bw_matches_delayed_rule_and_resumes_at_another_depth(tmp_path
         checkpoint.check_ties(manifest, [], ckpt)
 
 
+@pytest.mark.slow
 def test_custom_tuple_model_planned_by_partition_auto(tmp_path):
     """A factory by import path whose layers pass tuples and dicts (with an integer tensor), planned
     by partition=auto (profiled here) on 2 stages, trains as the single-process model does."""
@@ -163,6 +168,7 @@ def torchrun(nproc: int, *overrides: str, cwd: Path, timeout_s: float = 240) -> 
     )
 
 
+@pytest.mark.slow
 def test_hf_gpt2_with_target_optimizer_from_the_command_line(tmp_path):
     """The README's model=hf_gpt2 (transformers' GPT2Block, tied head) with an optimizer class by
     _target_, 2 stages under 2bw: the weights of the single-process model built from the same config."""
@@ -189,7 +195,7 @@ def test_hf_gpt2_with_target_optimizer_from_the_command_line(tmp_path):
         cwd=tmp_path,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    (run_dir,) = list((tmp_path / "outputs").glob("*/*"))
+    (run_dir,) = list((tmp_path / "outputs").glob("*-*-*/*"))  # <date>/<time>, not outputs/latest
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["ties"] == [
         {"names": ["0.wte.weight", "4.weight"], "shape": [256, 32], "stages": [0, 1], "checked_steps": 4}

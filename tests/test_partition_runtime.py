@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+import pytest
 import torch
 from dist_helper import run_ok, spawn, train
 from reference import reference_train
@@ -32,6 +33,7 @@ def tiny(**pipeline) -> Config:
     )
 
 
+@pytest.mark.slow
 def test_recompute_gives_the_same_training(tmp_path):
     cfg = tiny(recompute=True)
     summary = run_ok(cfg, tmp_path)
@@ -44,6 +46,7 @@ def test_recompute_gives_the_same_training(tmp_path):
     assert max(r["peak_stash_bytes"] for r in summary["ranks"]) < max(r["peak_stash_bytes"] for r in plain["ranks"])
 
 
+@pytest.mark.slow
 def test_auto_plans_on_rank0_and_every_rank_runs_it(tmp_path):
     cfg = dataclasses.replace(
         tiny(),
@@ -77,6 +80,7 @@ def test_auto_plans_on_rank0_and_every_rank_runs_it(tmp_path):
     assert summary["balance"] == [2, 4] and summary["recompute"] is True
 
 
+@pytest.mark.slow
 def test_infeasible_auto_plan_fails_on_every_rank_before_any_group(tmp_path):
     cfg = dataclasses.replace(
         tiny(), partition=PartitionConfig(mode="auto", cache_dir=str(tmp_path / "cache"), repeats=1)

@@ -360,3 +360,19 @@ def test_near_ties_go_to_the_better_other_objective(objective):
     else:
         assert round(peak(old)) == 64
         assert best.predicted_samples_per_s >= 0.99 * old.predicted_samples_per_s and peak(best) < 0.5 * peak(old)
+
+
+def test_plan_command_writes_into_a_run_directory_or_out(tmp_path, monkeypatch, capsys):
+    # Regression: `python -m partitioner plan` wrote plan.yaml into the working directory.
+    from partitioner.__main__ import main
+
+    monkeypatch.chdir(tmp_path)
+    args = ["topology=dgx", "model.num_layers=4", "train.global_batch_size=64", "partition.costs=analytic"]
+    assert main(["plan", *args]) == 0
+    [written] = list(tmp_path.glob("outputs/plans/*/*/plan.yaml"))
+    out = capsys.readouterr().out
+    assert f"plan written to {written.relative_to(tmp_path)}" in out
+    assert f"-m pipedream2bw.train partition=file partition.path={written.relative_to(tmp_path)}" in out
+    assert load_plan(written).num_stages >= 1 and not (tmp_path / "plan.yaml").exists()
+    assert main(["plan", "--out", "mine/p.yaml", *args]) == 0 and load_plan(tmp_path / "mine" / "p.yaml")
+    assert main(["plan", "--out"]) == 2 and "--out needs a file name" in capsys.readouterr().err

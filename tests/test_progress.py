@@ -1,10 +1,11 @@
-"""Rank 0's progress bar: drawn on a terminal with steps/s, loss and samples/s; silent otherwise."""
+"""Rank 0's progress bar: drawn on a terminal with steps/s, the time left, loss and samples/s; silent otherwise."""
 
 from __future__ import annotations
 
 import fcntl
 import io
 import os
+import re
 import struct
 import termios
 from types import SimpleNamespace
@@ -46,6 +47,7 @@ def test_bar_on_a_terminal_shows_steps_loss_and_samples_per_s(tmp_path):
     shown = b"".join(chunks).decode()
     assert "3/3" in shown and ("step/s" in shown or "s/step" in shown), shown
     assert "loss=4.7500" in shown and "samples_per_s=" in shown, shown
+    assert re.search(r"\[\d\d:\d\d<\d\d:\d\d", shown), shown  # [elapsed<remaining: the ETA
 
 
 def test_bar_is_silent_when_not_a_terminal(tmp_path):

@@ -49,6 +49,7 @@ def max_abs_diff(a: dict, b: dict) -> float:
     return max(float((a[k] - b[k]).abs().max()) for k in a)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("optim", sorted(OPTIMIZERS))
 @pytest.mark.parametrize("d,m", [(2, 2), (2, 4), (4, 4), (4, 8)])
 def test_2bw_equals_delayed_update_rule(tmp_path, d, m, optim):
@@ -63,6 +64,7 @@ def test_2bw_equals_delayed_update_rule(tmp_path, d, m, optim):
     assert max_abs_diff(weights, synchronous) > 1e-3
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["flush", "gpipe"])
 @pytest.mark.parametrize("d,m", [(2, 2), (2, 4), (4, 4), (4, 8)])
 def test_flushing_schedules_equal_minibatch_training(tmp_path, schedule, d, m):
@@ -73,6 +75,7 @@ def test_flushing_schedules_equal_minibatch_training(tmp_path, schedule, d, m):
     assert_losses_close(summary["losses"], expected_losses)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["2bw", "flush", "gpipe"])
 def test_results_do_not_depend_on_depth(tmp_path, schedule):
     runs = {}
@@ -84,6 +87,7 @@ def test_results_do_not_depend_on_depth(tmp_path, schedule):
         assert_losses_close(runs[d][1], runs[1][1])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["2bw", "flush", "gpipe"])
 def test_sends_batched_with_the_next_receive_give_the_same_results(tmp_path, schedule):
     # The NCCL transfer mode (each send started with the next receive), exercised on gloo.
@@ -95,6 +99,7 @@ def test_sends_batched_with_the_next_receive_give_the_same_results(tmp_path, sch
     assert_losses_close(summary["losses"], expected_losses)
 
 
+@pytest.mark.slow
 def test_same_global_batch_split_differently_gives_the_same_training(tmp_path):
     # The coalescing contract: (m=4, b=2) and (m=2, b=4) see the same 8 sequences per batch.
     runs = []
@@ -107,6 +112,7 @@ def test_same_global_batch_split_differently_gives_the_same_training(tmp_path):
     assert_losses_close(runs[0][1], runs[1][1])
 
 
+@pytest.mark.slow
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
 @pytest.mark.parametrize("schedule", ["2bw", "flush", "gpipe"])
@@ -121,6 +127,7 @@ def test_nccl_pipeline_matches_the_oracle(tmp_path, schedule):
     torch.testing.assert_close(torch.tensor(summary["losses"]), torch.tensor(expected_losses), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["2bw", "flush", "gpipe"])
 def test_sent_tensors_are_freed_as_the_run_goes(tmp_path, schedule):
     """gloo reports a send complete only when waited on: without releases proven by the peers'

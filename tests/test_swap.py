@@ -175,6 +175,7 @@ def _backend(device: str) -> TransferBackend:
     return CudaBackend(torch.device(device)) if device == "cuda" else CpuBackend(overlap=False)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "device",
     [
@@ -246,6 +247,7 @@ def test_regression_swapped_storages_are_freed_and_peak_tensor_bytes_drop(device
         assert abs(measured - stats["peak_device_bytes"]) <= per_mb, (resident, measured, stats)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("resident", [0, 1])
 def test_swapping_under_bf16_autocast_changes_no_bit_and_moves_fewer_bytes(resident):
     # train.precision runs forwards under torch.autocast: saved tensors are bf16 (matmul inputs,
@@ -262,6 +264,7 @@ def test_swapping_under_bf16_autocast_changes_no_bit_and_moves_fewer_bytes(resid
     assert stats["microbatch_bytes"] < fp32["microbatch_bytes"]
 
 
+@pytest.mark.slow
 def test_swapping_composes_with_recomputation_bit_for_bit():
     # pipeline.recompute: each layer keeps only its input (non-reentrant checkpoint, whose own
     # saved-tensor hooks take the layer's insides); the swap hooks then move those inputs.

@@ -32,6 +32,7 @@ def _baseline(schedule: str):
         shutil.rmtree(run_dir, ignore_errors=True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "schedule,enabled,stages,resident,swapping,recompute",
     [

@@ -47,6 +47,7 @@ def runs(tmp_path_factory):
     return {schedule: (_sleepy_run(tmp, schedule), tmp / schedule) for schedule in ("2bw", "flush")}
 
 
+@pytest.mark.slow
 def test_one_event_per_action_per_rank(runs):
     for schedule, (summary, run_dir) in runs.items():
         assert summary["trace"]["steps"] == [FIRST, FIRST + 1]
@@ -84,6 +85,7 @@ def test_one_event_per_action_per_rank(runs):
             assert all(a[1] <= b[0] + 1e-3 for a, b in zip(compute, compute[1:]))  # one rank's work never overlaps
 
 
+@pytest.mark.slow
 def test_the_breakdown_accounts_for_every_second_of_each_rank(runs):
     for schedule, (summary, _) in runs.items():
         for s, parts in enumerate(summary["trace"]["breakdown_per_rank"]):
@@ -122,6 +124,7 @@ def test_breakdown_puts_each_second_in_one_part():
     assert sum(parts.values()) == pytest.approx(5.0)
 
 
+@pytest.mark.slow
 def test_2bw_has_no_flush_bubble(runs):
     bubble = {schedule: summary["trace"]["bubble_fraction"] for schedule, (summary, _) in runs.items()}
     # Flush drains the pipeline every batch: ideally (d-1)/(m+d-1) = 3/7 idle; 2bw about none.
@@ -149,6 +152,7 @@ def test_trace_window_must_fit_the_run():
         validate(cfg, world_size=4)
 
 
+@pytest.mark.slow
 def test_replicated_stages_trace_their_allreduce_waits_inside_the_step(tmp_path):
     cfg = Config(
         pipeline=PipelineConfig(

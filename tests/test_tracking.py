@@ -33,6 +33,7 @@ def traced_run(tmp_path_factory):
     return cfg, run_dir, run_ok(cfg, run_dir)
 
 
+@pytest.mark.slow
 def test_offline_run_holds_the_runs_figures(traced_run):
     cfg, run_dir, summary = traced_run
     records = _records(run_dir)
@@ -65,6 +66,7 @@ def test_offline_run_holds_the_runs_figures(traced_run):
     assert [row[1] for row in table["data"]] == summary["peak_memory_bytes"]
 
 
+@pytest.mark.slow
 def test_plan_and_predictions_are_logged_when_the_summary_has_them(traced_run, tmp_path):
     cfg, _, measured = traced_run
     # As the planner's summary.json will carry them (its figures here stand in for a prediction).
@@ -90,6 +92,7 @@ def test_disabled_writes_no_wandb_files(tmp_path):
     assert not (tmp_path / "wandb").exists()
 
 
+@pytest.mark.slow
 def test_a_resumed_job_continues_under_the_same_wandb_run_id(tmp_path):
     def cfg(steps):
         return Config(

@@ -1,0 +1,267 @@
+"""The docs cannot go stale: runnable blocks run, the others are checked against the config schema and
+``--help``, example outputs match what their commands print, docs/config.md is what the generator writes."""
+
+from __future__ import annotations
+
+import functools
+import gzip
+import os
+import re
+import shlex
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import List, Optional
+
+import pytest
+
+from pipedream2bw.config import TINY_ENV, from_hydra
+from pipedream2bw.config_docs import compose, config_groups, markdown
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+SHELL = {"bash", "sh", "shell"}
+README_MAX_LINES = 250
+
+
+@dataclass(frozen=True)
+class Block:
+    """A fenced code block: its page, first line, info string words and text."""
+
+    page: Path
+    line: int
+    info: tuple
+    text: str
+
+    @property
+    def id(self) -> str:
+        return f"{self.page.relative_to(ROOT)}:{self.line}"
+
+
+def blocks(page: Path) -> List[Block]:
+    out, info, start, body = [], None, 0, []
+    for n, line in enumerate(page.read_text().splitlines(), 1):
+        if line.startswith("```"):
+            if info is None:
+                info, start, body = tuple(line[3:].split()), n, []
+            else:
+                out.append(Block(page, start, info, "\n".join(body) + "\n"))
+                info = None
+        elif info is not None:
+            body.append(line)
+    assert info is None, f"{page}: unclosed code block at line {start}"
+    return out
+
+
+ALL = [b for page in PAGES for b in blocks(page)]
+RUNNABLE = [b for b in ALL if b.info[:1] and b.info[0] in SHELL and "runnable" in b.info]
+CHECKED = [b for b in ALL if b.info[:1] and b.info[0] in SHELL and "runnable" not in b.info]
+OUTPUTS = [b for b in ALL if "expected-output" in b.info]
+
+
+def commands(text: str) -> List[List[str]]:
+    """The block's commands as argument lists: continuations joined, comments dropped, split at && ; |."""
+    out = []
+    for line in text.replace("\\\n", " ").splitlines():
+        try:
+            tokens = shlex.split(line, comments=True)
+        except ValueError:  # an unbalanced quote in prose-like shell (a for loop's body): not a command
+            continue
+        cmd: List[str] = []
+        for tok in tokens + [";"]:
+            if tok in ("&&", ";", "|", "||"):
+                if cmd:
+                    out.append(cmd)
+                cmd = []
+            else:
+                cmd.append(tok)
+    return out
+
+
+# ---- checks of the blocks that do not run ------------------------------------------------------------
+
+
+def _sweep_value(value: str) -> bool:
+    depth, top_comma = 0, False
+    for ch in value:
+        depth += ch in "[({"
+        depth -= ch in "])}"
+        top_comma |= ch == "," and depth == 0
+    return top_comma or re.match(r"^(choice|range|interval|tag|glob)\(", value) is not None
+
+
+def check_overrides(args: List[str], *, config_name: str) -> None:
+    """Every ``group=option`` names an option of configs/, every ``key=value`` a key of the composed config,
+    and the overrides (sweep values aside) compose into a typed Config."""
+    groups = config_groups()
+    plain, swept = [], []
+    for a in args:
+        if a in ("-m", "--multirun") or "$" in a or a.startswith(("hydra.", "hydra/", "--")):
+            continue
+        assert "=" in a, f"not an override: {a!r}"
+        key, value = a.split("=", 1)
+        if key.lstrip("+~") in groups and not _sweep_value(value):
+            assert value in groups[key.lstrip("+~")], f"{a}: no option {value!r} in {groups[key]}"
+        (swept if _sweep_value(value) else plain).append(a)
+    from omegaconf import OmegaConf
+
+    cfg = compose(plain, config_name=config_name)
+    from_hydra(cfg)  # types and entries
+    missing = object()
+    for a in swept:
+        key = a.split("=", 1)[0].lstrip("+~")
+        if key not in groups:
+            assert OmegaConf.select(cfg, key, default=missing) is not missing, f"{a}: no key {key}"
+
+
+@functools.lru_cache(maxsize=None)
+def help_of(*argv: str) -> str:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, *argv, "--help"], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, f"{argv} --help exits {proc.returncode}:\n{proc.stdout}{proc.stderr}"
+    return proc.stdout
+
+
+def check_command(cmd: List[str], *, check: bool = True) -> Optional[str]:
+    """Checks one command (only classifies it without ``check``); returns what kind it was (None: not ours)."""
+    while cmd and re.match(r"^[A-Z_][A-Z0-9_]*=", cmd[0]):  # VAR=value prefixes
+        cmd = cmd[1:]
+    if not cmd:
+        return None
+    if cmd[0] == "torchrun":
+        assert "-m" in cmd, cmd
+        i = cmd.index("-m")
+        assert cmd[i + 1] == "pipedream2bw.train", cmd
+        if check:
+            check_overrides(cmd[i + 2 :], config_name="config")
+        return "train"
+    if cmd[0] != "python" or len(cmd) < 2:
+        return None
+    if cmd[1] == "-m" and cmd[2] in ("pipedream2bw.train", "pipedream2bw.sweep"):
+        if check:
+            check_overrides(cmd[3:], config_name="config" if cmd[2].endswith("train") else "sweep")
+        return cmd[2]
+    if cmd[1] == "-m" and cmd[2] == "partitioner":
+        assert cmd[3] == "plan", cmd
+        args = cmd[4:]
+        if "--out" in args:
+            i = args.index("--out")
+            args = args[:i] + args[i + 2 :]
+        if check:
+            check_overrides(args, config_name="config")
+        return "partitioner"
+    if cmd[1] == "-m" and cmd[2] == "pipedream2bw.checkpoint":
+        assert not check or cmd[3] in help_of("-m", "pipedream2bw.checkpoint"), cmd
+        return "checkpoint"
+    if cmd[1].startswith("scripts/"):
+        assert (ROOT / cmd[1]).is_file(), f"no script {cmd[1]}"
+        text = help_of(cmd[1]) if check else ""
+        for flag in (a.split("=", 1)[0] for a in cmd[2:] if a.startswith("--") and check):
+            assert flag in text, f"{cmd[1]} has no option {flag}"
+        return "script"
+    return None
+
+
+@pytest.mark.parametrize("block", CHECKED, ids=[b.id for b in CHECKED])
+def test_shell_block_names_real_keys_scripts_and_options(block):
+    # GPU and multi-node blocks cannot run here: their keys, groups, scripts and options must still exist.
+    for cmd in commands(block.text):
+        check_command(cmd)
+
+
+def test_checks_catch_a_stale_key_a_missing_script_and_a_removed_option():
+    with pytest.raises(Exception, match="pipeline.num_stagez"):
+        check_command(["torchrun", "-m", "pipedream2bw.train", "pipeline.num_stagez=2"])
+    with pytest.raises(AssertionError, match="no option 'gpt3'"):
+        check_command(["python", "-m", "pipedream2bw.sweep", "-m", "model=gpt3", "pipeline.num_stages=1,2"])
+    with pytest.raises(AssertionError, match="no key train.num_stepz"):
+        check_command(["python", "-m", "pipedream2bw.sweep", "-m", "train.num_stepz=1,2"])
+    with pytest.raises(AssertionError, match="no script"):
+        check_command(["python", "scripts/bench_everything.py"])
+    with pytest.raises(AssertionError, match="has no option --colour"):
+        check_command(["python", "scripts/show_schedule.py", "--colour"])
+    assert check_command(["python", "-m", "partitioner", "plan", "--out", "p.yaml", "topology=dgx"]) == "partitioner"
+
+
+def test_every_page_has_shell_blocks_the_checks_recognise():
+    kinds = {check_command(cmd, check=False) for b in CHECKED + RUNNABLE for cmd in commands(b.text)}
+    assert {"train", "pipedream2bw.sweep", "partitioner", "checkpoint", "script"} <= kinds, kinds
+    assert len(RUNNABLE) >= 5
+
+
+# ---- runnable blocks -----------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def doc_cwd(tmp_path):
+    """A fresh working directory as the docs assume one: scripts/ at hand and a corpus.txt to tokenize."""
+    (tmp_path / "scripts").symlink_to(ROOT / "scripts")
+    text = gzip.decompress((ROOT / "pipedream2bw" / "data" / "python_docs.txt.gz").read_bytes())
+    (tmp_path / "corpus.txt").write_bytes(text[:200_000])
+    return tmp_path
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("block", RUNNABLE, ids=[b.id for b in RUNNABLE])
+def test_runnable_block_runs_at_tiny_size(block, doc_cwd):
+    env = {**os.environ, TINY_ENV: "1", "PYTHONPATH": str(ROOT), "WANDB_SILENT": "true"}
+    proc = subprocess.run(
+        ["bash", "-euo", "pipefail", "-c", block.text],
+        cwd=doc_cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=420,
+    )
+    assert proc.returncode == 0, f"{block.id}:\n{block.text}\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
+
+
+# ---- example outputs ------------------------------------------------------------------------------------
+
+
+def output_pattern(expected: str) -> re.Pattern:
+    """``...`` alone on a line stands for any lines (none included), within a line for any text."""
+    parts = []
+    for line in expected.splitlines():
+        if line.strip() == "...":
+            parts.append(r"(?:[^\n]*\n)*?")
+        else:
+            parts.append(r"[^\n]*".join(re.escape(p) for p in line.rstrip().split("...")) + r"[ \t]*\n")
+    return re.compile("".join(parts))
+
+
+@pytest.mark.parametrize("block", OUTPUTS, ids=[b.id for b in OUTPUTS])
+def test_example_output_is_what_its_command_prints(block, tmp_path):
+    first, _, expected = block.text.partition("\n")
+    assert first.startswith("$ "), f"{block.id}: an expected-output block starts with '$ command'"
+    (tmp_path / "scripts").symlink_to(ROOT / "scripts")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop(TINY_ENV, None)
+    proc = subprocess.run(first[2:], shell=True, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    printed = "\n".join(line.rstrip() for line in proc.stdout.splitlines()) + "\n"
+    assert output_pattern(expected).fullmatch(printed), f"{block.id}: the page shows\n{expected}\nit prints\n{printed}"
+
+
+def test_output_pattern():
+    assert output_pattern("a\n...\nz ... s\n").fullmatch("a\nb\nc\nz 1.5 s\n")
+    assert output_pattern("a\n...\nz\n").fullmatch("a\nz\n")
+    assert not output_pattern("a\nb\n").fullmatch("a\nc\n")
+
+
+# ---- generated pages and size ---------------------------------------------------------------------------
+
+
+def test_config_reference_is_up_to_date():
+    # docs/config.md is written by scripts/gen_config_docs.py from pipedream2bw/config.py's field docstrings.
+    assert (ROOT / "docs" / "config.md").read_text() == markdown(), "run: python scripts/gen_config_docs.py"
+
+
+def test_readme_fits_on_a_few_screens_and_links_pages_that_exist():
+    text = (ROOT / "README.md").read_text()
+    assert len(text.splitlines()) <= README_MAX_LINES
+    for page in PAGES:
+        for link in re.findall(r"\]\(((?:docs/)?[\w./-]+\.md)\)", page.read_text()):
+            base = ROOT if page.name == "README.md" else page.parent
+            assert (base / link).is_file() or (ROOT / link).is_file(), f"{page.name} links {link}, which is missing"
