@@ -573,7 +573,7 @@ def _train(
     actions = _actions(rt, batch_sends=_batch_sends(cfg.dist, rt))
     in_flight = schedule.in_flight(rt.schedule, rt.stage, rt.num_stages, rt.num_microbatches)
     swap = _swap_manager(cfg.swap, rt, in_flight, versions)
-    worker = _worker(rt, ctx, peers, versions, feed, model.loss_fn, groups, rule, swap, cfg.optim, cfg.dist)
+    worker = _worker(rt, ctx, peers, versions, feed, model.loss_fn, groups, rule, swap, cfg.optim, cfg.dist, model.tied)
     _trace(rt, worker, cfg.pipeline, warmup_steps=cfg.train.warmup_steps)
     _log_start(rt, num_dp_buckets, tie_groups)
     if rt.rank == 0:
@@ -889,9 +889,11 @@ def _worker(
     swap: Optional[SwapManager],
     optim: OptimConfig,
     dist: DistConfig,
+    tied: Sequence[ties.Tie],
 ) -> StageWorker:
     """The stage worker that runs this rank's actions."""
     m, w = rt.num_microbatches, rt.data_parallel
+    exchanged = any(len(ties.holders(tie, rt.balance)) > 1 for tie in tied)  # on some stages, maybe not this one
     return StageWorker(
         stage_index=rt.stage,
         num_stages=rt.num_stages,
@@ -911,6 +913,7 @@ def _worker(
         lr_at=lambda t: lr_at(t, optim, num_steps=rt.num_steps),
         exchanges=[groups.exchange] if groups.exchange is not None else [],
         precision=rt.precision,
+        steps_wait_on_others=exchanged,
     )
 
 

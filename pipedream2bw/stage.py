@@ -102,8 +102,9 @@ class StageWorker:
     ``finish(t)``, wait for the agreement, let ``step_rule`` decide (clip, skip or stop), set
     the learning rate ``lr_at(t)`` and step the weights. Under flush and gpipe, and under 2bw
     with nothing to agree on, APPLY follows CLOSE at once. Under 2bw with an agreement or an
-    exchange, APPLY(t) waits until W(t+1) is needed (``agreement.apply_due``: before the first
-    forward of batch t+2 or the next S, whichever comes first), so the agreement travels while
+    exchange on any stage (``steps_wait_on_others``), APPLY(t) waits until W(t+1) is needed
+    (``agreement.apply_due``: before the first forward of batch t+2 or the next S, whichever
+    comes first), so the agreement travels while
     batch t+1 runs and costs no flush (except after the first batch, which shares W(0) and its
     gradient buffers with the second). ``on_step(t)`` (checkpoints, logging) runs after APPLY(t).
 
@@ -137,14 +138,20 @@ class StageWorker:
         exchanges: Sequence[Any] = (),
         lr_at: Optional[Callable[[int], float]] = None,
         precision: str = "fp32",
+        steps_wait_on_others: bool = False,
     ):
         self.m = num_microbatches
         self.stage_index, self.num_stages, self.replica = stage_index, num_stages, replica
         self.rule = step_rule if step_rule is not None else StepRule()
         assert agreement is not None or not self.rule.needs_agreement, "this step rule needs an agreement channel"
         self.agreement, self.exchanges, self.lr_at = agreement, list(exchanges), lr_at
-        # Under 2bw, APPLY(t) may wait for W(t+1)'s first use; elsewhere the flush comes first anyway.
-        self.deferred = versions.schedule == "2bw" and (agreement is not None or bool(self.exchanges))
+        # Under 2bw, APPLY(t) may wait for W(t+1)'s first use; elsewhere the flush comes first anyway. Every stage
+        # defers when any rank's step waits on other stages (``steps_wait_on_others``: a weight tied across stages
+        # that this stage may not hold), so on_step(t), and a validation pass in it, comes at the same point of
+        # every stage's schedule; a stage that stepped at once while a holder deferred deadlocked in the pass.
+        self.deferred = versions.schedule == "2bw" and (
+            agreement is not None or bool(self.exchanges) or steps_wait_on_others
+        )
         self._loss_nonfinite: Dict[int, bool] = {}  # last stage: batch -> its loss was not finite
         # rank 0 as a last stage: batch -> its own loss, until APPLY(t) logs it (a deferred APPLY(t) runs after
         # batch t+1's forwards, which report that batch's loss)
