@@ -2,7 +2,10 @@
 
 Every stage runs the pass right after its optimizer step ``t`` when ``t + 1`` is a multiple of
 ``train.eval_every`` (and after the last step), on its newest version ``W(t+1)``: the same
-weights on every stage, whichever schedule. The pass changes nothing that training uses: no
+weights on every stage, whichever schedule. Under 2bw a step is deferred on every stage or on
+none (``StageWorker``'s ``deferred``), so the pass comes at the same point of each stage's schedule:
+with a tie deferring only its holders, a stage that stepped at once waited in the pass for a
+holder that first needed that stage's next activation. The pass changes nothing that training uses: no
 weight version, gradient, optimizer state or RNG stream (the module runs in eval mode under
 ``no_grad``, so dropout draws nothing and autograd saves nothing), and its transfers go over a
 process group of their own (``EvalChannel``), so they never interleave with training's p2p.

@@ -586,7 +586,22 @@ def _train(
     actions = _actions(rt, batch_sends=_batch_sends(cfg.dist, rt))
     in_flight = schedule.in_flight(rt.schedule, rt.stage, rt.num_stages, rt.num_microbatches)
     swap = _swap_manager(cfg.swap, rt, in_flight, versions)
-    worker = _worker(rt, ctx, peers, versions, feed, model.loss_fn, groups, rule, swap, cfg.optim, cfg.dist)
+    worker = _worker(
+        rt,
+        ctx,
+        peers,
+        versions,
+        feed,
+        model.loss_fn,
+        groups,
+        rule,
+        swap,
+        cfg.optim,
+        cfg.dist,
+        model.tied,
+        # on_step passes through the stages (validation, the tie check): a sharded APPLY keeps apply_due's point
+        early_apply=not (cfg.train.eval_every or cfg.pipeline.check_ties),
+    )
     _trace(rt, worker, cfg.pipeline, warmup_steps=cfg.train.warmup_steps)
     _log_start(rt, num_dp_buckets, tie_groups)
     if rt.rank == 0:
@@ -935,9 +950,13 @@ def _worker(
     swap: Optional[SwapManager],
     optim: OptimConfig,
     dist: DistConfig,
+    tied: Sequence[ties.Tie],
+    *,
+    early_apply: bool = True,
 ) -> StageWorker:
-    """The stage worker that runs this rank's actions."""
+    """The stage worker that runs this rank's actions (``early_apply``: StageWorker's)."""
     m, w = rt.num_microbatches, rt.data_parallel
+    exchanged = any(len(ties.holders(tie, rt.balance)) > 1 for tie in tied)  # on some stages, maybe not this one
     return StageWorker(
         stage_index=rt.stage,
         num_stages=rt.num_stages,
@@ -957,6 +976,8 @@ def _worker(
         lr_at=lambda t: lr_at(t, optim, num_steps=rt.num_steps),
         exchanges=[groups.exchange] if groups.exchange is not None else [],
         precision=rt.precision,
+        steps_wait_on_others=exchanged,
+        early_apply=early_apply,
     )
 
 

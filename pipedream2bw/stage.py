@@ -104,8 +104,9 @@ class StageWorker:
     ``finish(t)``, wait for the agreement, let ``step_rule`` decide (clip, skip or stop), set
     the learning rate ``lr_at(t)`` and step the weights. Under flush and gpipe, and under 2bw
     with nothing to agree on, APPLY follows CLOSE at once. Under 2bw with an agreement or an
-    exchange, APPLY(t) waits until W(t+1) is needed (``agreement.apply_due``: before the first
-    forward of batch t+2 or the next S, whichever comes first), so the agreement travels while
+    exchange on any stage (``steps_wait_on_others``), APPLY(t) waits until W(t+1) is needed
+    (``agreement.apply_due``: before the first forward of batch t+2 or the next S, whichever
+    comes first), so the agreement travels while
     batch t+1 runs and costs no flush (except after the first batch, which shares W(0) and its
     gradient buffers with the second). ``on_step(t)`` (checkpoints, logging) runs after APPLY(t).
 
@@ -139,23 +140,32 @@ class StageWorker:
         exchanges: Sequence[Any] = (),
         lr_at: Optional[Callable[[int], float]] = None,
         precision: str = "fp32",
+        steps_wait_on_others: bool = False,
+        early_apply: bool = True,
     ):
         self.m = num_microbatches
         self.stage_index, self.num_stages, self.replica = stage_index, num_stages, replica
         self.rule = step_rule if step_rule is not None else StepRule()
         assert agreement is not None or not self.rule.needs_agreement, "this step rule needs an agreement channel"
         self.agreement, self.exchanges, self.lr_at = agreement, list(exchanges), lr_at
-        # Under 2bw, APPLY(t) may wait for W(t+1)'s first use; elsewhere the flush comes first anyway.
-        # optim.sharded: the reduce-scatter, the shard's step and the all-gather travel while batch t+1 runs
+        # Under 2bw, APPLY(t) may wait for W(t+1)'s first use; elsewhere the flush comes first anyway. Every stage
+        # defers when any rank's step waits on other stages (``steps_wait_on_others``: a weight tied across stages
+        # that this stage may not hold), so on_step(t), and a validation pass in it, comes at the same point of
+        # every stage's schedule; a stage that stepped at once while a holder deferred deadlocked in the pass.
+        # optim.sharded: the reduce-scatter, the shard's step and the all-gather travel while batch t+1 runs.
         sharded = reducer is not None and reducer.num_shards > 1
-        self.deferred = versions.schedule == "2bw" and (agreement is not None or bool(self.exchanges) or sharded)
+        self.deferred = versions.schedule == "2bw" and (
+            agreement is not None or bool(self.exchanges) or steps_wait_on_others or sharded
+        )
         # Sharded, APPLY(t) need not wait for W(t+1)'s first use: it runs after this many compute steps past
         # CLOSE(t) (at the same step on every replica: the stage's collectives keep one order), so that the
         # all-gather of W(t+1) travels until batch t+2's first forward (ShardedVersions.module_for_batch).
         # One step lets the last bucket's reduce-scatter arrive; with an agreement or a tie exchange, which
         # complete when stage 0 closes t, 2 more per stage this one is past stage 0 (a 1F1B pair per hop).
+        # Not with ``early_apply`` false: on_step(t) then holds a pass through the stages (validation, the tie
+        # check), which must come at the same point of every stage's schedule (apply_due's).
         self._apply_after = None
-        if sharded and self.deferred:
+        if sharded and self.deferred and early_apply:
             self._apply_after = 1 + (2 * stage_index if agreement is not None or self.exchanges else 0)
         self._loss_nonfinite: Dict[int, bool] = {}  # last stage: batch -> its loss was not finite
         # rank 0 as a last stage: batch -> its own loss, until APPLY(t) logs it (a deferred APPLY(t) runs after

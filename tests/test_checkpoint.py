@@ -202,7 +202,7 @@ def test_sigkilled_rank_restarts_under_torchrun_and_finishes_with_the_same_weigh
         assert proc.wait(timeout=180) == 0, (tmp_path / "torchrun.log").read_text()
     finally:
         proc.kill()
-    run_dir = next(tmp_path.glob("outputs/*/*"))  # the restart kept the run directory
+    run_dir = next(tmp_path.glob("outputs/*-*-*/*"))  # the restart kept the run directory (not outputs/latest)
     summary = json.loads((run_dir / "summary.json").read_text())
     assert 20 <= summary["first_step"] < 120, summary["first_step"]  # it did restart, from a checkpoint
     assert (

@@ -165,32 +165,9 @@ def _run_and_check(cell: Cell, matrix: MatrixRunner) -> None:
     check_features_matter(cell)
 
 
-# Bugs the arrays found that are not fixed yet: (predicate on a cell, why). Their cells run as strict xfails
-# (an unexpected pass fails: then remove the entry).
-KNOWN_BUGS = [
-    (
-        lambda c: c.schedule == "2bw" and c.tied and c.validation and c.d >= 4 and c.w == 2,
-        "deadlock (also on main before optim.sharded): a middle stage, which does not defer APPLY, enters the "
-        "validation pass at its APPLY and waits for stage 0's output, while stage 0 (a tie holder, deferring) "
-        "waits for that stage's backward",
-    ),
-]
-
-
-def _params(cells):
-    return [
-        pytest.param(
-            c,
-            id=c.id,
-            marks=[pytest.mark.xfail(strict=True, reason=why) for bug, why in KNOWN_BUGS if bug(c)],
-        )
-        for c in cells
-    ]
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("cell", _params(PAIRWISE))
+@pytest.mark.parametrize("cell", PAIRWISE, ids=[c.id for c in PAIRWISE])
 def test_pairwise(cell, matrix):
     _run_and_check(cell, matrix)
 
@@ -198,7 +175,7 @@ def test_pairwise(cell, matrix):
 @pytest.mark.slow
 @pytest.mark.matrix_full
 @pytest.mark.timeout(1800)
-@pytest.mark.parametrize("cell", _params(THREE_WISE))
+@pytest.mark.parametrize("cell", THREE_WISE, ids=[c.id for c in THREE_WISE])
 def test_three_wise(cell, matrix):
     _run_and_check(cell, matrix)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -13,7 +14,7 @@ import torch
 import torch.distributed as dist
 from custom_models import tuple_layers
 from dist_helper import run_ok
-from reference import reference_run, reference_train
+from reference import reference_eval, reference_run, reference_train
 from test_semantics import assert_losses_close, tiny_config
 from torch import nn
 
@@ -100,6 +101,26 @@ def test_tied_gpt_2bw_fp16_with_two_replicas_equals_the_scaled_reference(tmp_pat
 
 
 @pytest.mark.slow
+def test_tied_gpt_2bw_validates_at_four_stages(tmp_path):
+    # Regression (2bw + tie + validation at d >= 3): only the tie's holders (the first and last stage) deferred
+    # APPLY(t), so stage 2 ran the validation pass after its step at once and waited for the last stage, which
+    # reached the pass only after batch t+1's backwards, for which it needed stage 2's next activation: every rank
+    # timed out. Every stage now defers when any does, so the pass comes at the same point of each schedule.
+    cfg = tied_config("2bw", 4)
+    cfg.data = dataclasses.replace(cfg.data, val_fraction=0.1)
+    cfg.train = dataclasses.replace(cfg.train, eval_every=2, eval_batches=1)
+    cfg.dist.timeout_s = 60
+    summary = run_ok(cfg, tmp_path)
+    reference = tied_config("2bw", 1)
+    reference.data = cfg.data  # the same held-out tail
+    expected, expected_losses = reference_train(reference, delayed=True)
+    weights = torch.load(tmp_path / "final_model.pt")
+    torch.testing.assert_close(weights, expected)
+    assert_losses_close(summary["losses"], expected_losses)
+    assert [v["step"] for v in summary["val_losses"]] == [2, 4, 6]
+    assert_losses_close([summary["final_val_loss"]], [reference_eval(cfg, weights)])
+
+
 def test_tied_gpt_2bw_matches_delayed_rule_and_resumes_at_another_depth(tmp_path):
     """d=2 straight (checkpoint at step 3), then d=4 resumed from that checkpoint: both end on the
     2bw reference's weights, the copies bit-identical after every step, one tensor per tie saved."""
