@@ -120,6 +120,8 @@ def make_request(
         model=dataclasses.asdict(cfg.model),
         tolerance=cfg.partition.tolerance,
         precision=planned_precision(cfg, topo),
+        sharded=cfg.partition.sharded,
+        weight_dtype=cfg.train.weight_dtype,
     )
 
 

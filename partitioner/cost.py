@@ -9,7 +9,9 @@ Memory of stage s (bytes), ``n`` microbatches in flight (``in_flight``); ``W`` i
 stage's weights, float32 under every precision (``pipedream2bw.precision.param_memory``, whose bytes
 per parameter these terms are)::
 
-    versions*W + W (gradient) + O (optimizer state)
+    versions*W*c + W (gradient) + O/w' (optimizer state) + M (float32 masters, with the optimizer)
+                       c: weight_copy_bytes / 4 (train.weight_dtype); w' = w with optim.sharded, else 1;
+                       M = W/w' where the versions are not the masters (sharded or compute dtype), else 0
     + activations      n*A                      A: what autograd saves for one microbatch
                                                    (+ the stashed output the runtime keeps)
                        n*I' + A  (recompute)    I': stage input + stashed output
@@ -129,6 +131,8 @@ class StageContext:
     replica_link: Link = LOCAL  # among the stage's replicas
     host_device_bw: float = 10e9
     runtime_bytes: float = 0.0
+    sharded: bool = False  # optim.sharded: masters and optimizer state 1/w per replica, reduce-scatter + all-gather
+    weight_copy_bytes: int = 4  # bytes per parameter of one weight version (train.weight_dtype: 4, or 2 in bf16/fp16)
 
 
 def _swap_stall(t, fwd, bwd, *, schedule: str, resident: int):
@@ -144,7 +148,8 @@ def segment_costs(seg: Segments, i, j, ctx: StageContext) -> Dict[str, np.ndarra
 
     Keys: weights, gradients, optimizer, activations, buffers, workspace, runtime, memory (their
     sum); forward_s, backward_s, send_s, send_grad_s, stall_s (per microbatch), microbatch_s
-    (their sum), step_s, allreduce_s (per batch), batch_s (the stage's time per batch); and
+    (their sum), step_s, allreduce_s, exposed_s (per batch: data-parallel traffic, what is not hidden),
+    batch_s (the stage's time per batch); and
     act_per_microbatch, act_moved (its bytes that go to host when swapping), act_extra (for the
     simulator's own in-flight count).
     """
@@ -175,16 +180,32 @@ def segment_costs(seg: Segments, i, j, ctx: StageContext) -> Dict[str, np.ndarra
     send = _xfer(ctx.link_next, out_b)
     send_grad = _xfer(ctx.link_prev, np.where(s == 0, 0.0, in_b))
     microbatch = fwd + bwd + send + send_grad + stall
+    # optim.sharded: a reduce-scatter of the float32 gradient and an all-gather of the new weights (their
+    # stored dtype) move what an all-reduce would; under 2bw both travel while the next batch runs
+    # (APPLY(t) is deferred), under flush/gpipe the reduce-scatter overlaps the last backward, the
+    # all-gather is exposed. The shards' step is 1/w of the whole.
+    ws = w if ctx.sharded and w > 1 else 1
+    wc = ctx.weight_copy_bytes / 4
+    K = batch_multiplier(ctx.schedule, d, m)
     if w > 1 and ctx.replica_link.bandwidth != math.inf:
-        allreduce = 2 * (w - 1) / w * W / ctx.replica_link.bandwidth + 2 * (w - 1) * ctx.replica_link.latency
+        one_way, latency = (w - 1) / w / ctx.replica_link.bandwidth, 2 * (w - 1) * ctx.replica_link.latency
     else:
-        allreduce = np.zeros_like(W)
-    exposed = np.maximum(0.0, allreduce - bwd)  # it overlaps the batch's last backward
-    step = seg.S[j] - seg.S[i]
+        one_way, latency = 0.0, 0.0
+    allreduce = (1 + (wc if ws > 1 else 1)) * one_way * W + latency
+    if ws > 1 and ctx.schedule == "2bw":
+        exposed = np.maximum(0.0, allreduce - K * microbatch)
+    elif ws > 1:
+        exposed = np.maximum(0.0, one_way * W - bwd) + wc * one_way * W + latency / 2
+    else:
+        exposed = np.maximum(0.0, allreduce - bwd)  # it overlaps the batch's last backward
+    step = (seg.S[j] - seg.S[i]) / ws
+    # float32 masters of their own where the versions are not them (sharded, or in the compute dtype): counted
+    # with the optimizer state, which owns them
+    master = W / ws if (ws > 1 or ctx.weight_copy_bytes != 4) else 0.0 * W
     out = dict(
-        weights=num_versions(ctx.schedule) * W,
+        weights=num_versions(ctx.schedule) * W * wc,
         gradients=W,
-        optimizer=seg.O[j] - seg.O[i],
+        optimizer=(seg.O[j] - seg.O[i]) / ws + master,
         activations=resident * per_mb + (n - resident) * (per_mb - moved) + extra,
         buffers=2 * (in_b + out_b) + (W if w > 1 else 0.0),
         workspace=seg.RMAX[i, j],
@@ -197,7 +218,8 @@ def segment_costs(seg: Segments, i, j, ctx: StageContext) -> Dict[str, np.ndarra
         microbatch_s=microbatch,
         step_s=step,
         allreduce_s=allreduce,
-        batch_s=batch_multiplier(ctx.schedule, d, m) * microbatch + step + exposed,
+        exposed_s=exposed,
+        batch_s=K * microbatch + step + exposed,
         act_per_microbatch=per_mb,
         act_moved=moved,
         act_extra=extra,
@@ -268,7 +290,7 @@ def simulate(
         if a.kind == FORWARD:
             return st["forward_s"] + st["send_s"]
         if a.kind == STEP:
-            return st["step_s"] + max(0.0, st["allreduce_s"] - st["backward_s"])
+            return st["step_s"] + st["exposed_s"]
         return st["backward_s"] + st["send_grad_s"] + st["stall_s"]
 
     times = timings(lists, duration)

@@ -29,6 +29,7 @@ from partitioner.topology import GIB, LOCAL, host_device_bandwidth, make_rank_ma
 from pipedream2bw.config import TopologyConfig
 from pipedream2bw.errors import ConfigError
 from pipedream2bw.fileio import atomic_write_text
+from pipedream2bw.precision import param_memory
 
 OBJECTIVES = ("throughput", "memory")
 
@@ -60,6 +61,8 @@ class Plan:
     model: Dict[str, object] = field(default_factory=dict)
     swap_resident: int = 1  # microbatches whose activations stay on device on a swapping stage
     precision: str = "fp32"  # train.precision the costs were taken for (resolved: fp32, bf16, fp16)
+    sharded: bool = False  # optim.sharded: masters and optimizer state 1/w per replica
+    weight_dtype: str = "fp32"  # train.weight_dtype the memory was counted for
 
     @property
     def boundaries(self) -> List[int]:
@@ -73,6 +76,7 @@ class Plan:
             "b": str(self.microbatch_size),
             "m": str(self.num_microbatches),
             "recompute": "yes" if self.recompute else "no",
+            "sharded": "yes" if self.sharded else "no",
             "swap": _ranges(self.swap_stages) or "-",
             "balance": _short(self.balance),
             "samples/s": f"{self.predicted_samples_per_s:.4g}",
@@ -146,6 +150,8 @@ def stage_contexts(
     swap: bool,
     swap_resident: int,
     runtime_bytes,
+    sharded: bool = False,
+    weight_copy_bytes: int = 4,
 ) -> List[StageContext]:
     """Per-stage contexts; ``runtime_bytes`` is one figure for all stages or a list, one per stage."""
     d, w = len(rank_map), len(rank_map[0])
@@ -171,6 +177,8 @@ def stage_contexts(
             replica_link=rep[s],
             host_device_bw=host_device_bandwidth(topo),
             runtime_bytes=float(runtime_bytes[s]),
+            sharded=sharded,
+            weight_copy_bytes=weight_copy_bytes,
         )
         for s in range(d)
     ]
@@ -273,6 +281,8 @@ class Request:
     model: Dict[str, object] = field(default_factory=dict)
     tolerance: float = 0.01  # plans within this fraction of the best objective tie; the other objective decides
     precision: str = "fp32"  # resolved train.precision, recorded in the plan (the costs already follow it)
+    sharded: Optional[bool] = False  # optim.sharded; None: the search tries both
+    weight_dtype: str = "fp32"  # train.weight_dtype: what one weight version costs per parameter
 
 
 CostFn = Callable[[int], Sequence[LayerCost]]  # microbatch size -> per-layer costs
@@ -303,7 +313,9 @@ def _candidates(req: Request, num_layers: int):
             if req.schedule == "2bw" and m < d:
                 continue
             for rc in [req.recompute] if req.recompute is not None else [False, True]:
-                yield d, w, b, m, rc
+                for sh in [req.sharded] if req.sharded is not None else [False, True]:
+                    if not (sh and w == 1):  # nothing to shard over: the unsharded candidate
+                        yield d, w, b, m, rc, sh
 
 
 @dataclass(frozen=True)
@@ -359,6 +371,8 @@ def _make_plan(req: Request, split: _Split, *, simulate_it: bool) -> Plan:
         balance=[bounds[s + 1] - bounds[s] for s in range(d)],
         rank_map=[list(r) for r in split.rank_map],
         recompute=split.recompute,
+        sharded=split.contexts[0].sharded,
+        weight_dtype=req.weight_dtype,
         swap_stages=[s for s in range(d) if split.swap_flags[s]],
         objective=req.objective,
         topology=req.topology.name,
@@ -396,7 +410,7 @@ def plan(cost_fn: CostFn, req: Request, *, runners_up: int = 4) -> List[Plan]:
     num_layers = segments(1 if req.microbatch_sizes is None else req.microbatch_sizes[0]).n
     found: List[Tuple[tuple, Plan, _Split]] = []
     tried = 0
-    for d, w, b, m, rc in _candidates(req, num_layers):
+    for d, w, b, m, rc, sh in _candidates(req, num_layers):
         tried += 1
         seg = segments(b)
         rank_map = make_rank_map(req.topology, d, w)
@@ -409,6 +423,8 @@ def plan(cost_fn: CostFn, req: Request, *, runners_up: int = 4) -> List[Plan]:
             swap=False,
             swap_resident=req.swap_resident,
             runtime_bytes=req.runtime_bytes,
+            sharded=sh,
+            weight_copy_bytes=_weight_copy(req),
         )
         res = partition(seg, ctxs, capacity=req.memory_per_device_bytes, objective=req.objective, allow_swap=req.swap)
         if res is None:
@@ -477,7 +493,16 @@ def _order(plans: Sequence[Plan], objective: str, tolerance: float) -> List[int]
     return near + rest
 
 
-def _min_memory(seg: Segments, req: Request, d: int, w: int, b: int, m: int, *, devices_topo: TopologyConfig) -> float:
+def _weight_copy(req: Request) -> int:
+    """Bytes of one weight version per parameter (param_memory's: 4, or 2 with train.weight_dtype=compute)."""
+    return param_memory(
+        req.precision, schedule=req.schedule, optimizer="adam", weight_dtype_name=req.weight_dtype
+    ).weight_copy
+
+
+def _min_memory(
+    seg: Segments, req: Request, d: int, w: int, b: int, m: int, *, devices_topo: TopologyConfig, sharded: bool = False
+) -> float:
     """Lowest possible peak memory per device at (d, w, b), recomputing and swapping."""
     rank_map = make_rank_map(devices_topo, d, w)
     eps = req.runtime_bytes if isinstance(req.runtime_bytes, (int, float)) else max(req.runtime_bytes)
@@ -490,6 +515,8 @@ def _min_memory(seg: Segments, req: Request, d: int, w: int, b: int, m: int, *, 
         swap=False,
         swap_resident=req.swap_resident,
         runtime_bytes=eps,
+        sharded=sharded,
+        weight_copy_bytes=_weight_copy(req),
     )
     res = partition(seg, ctxs, capacity=math.inf, objective="memory", allow_swap=req.swap)
     return math.inf if res is None else res[0]
@@ -510,9 +537,9 @@ def _infeasible_message(segments: Callable[[int], Segments], req: Request, tried
     # The smallest per-device memory on these devices: the memory objective without a cap.
     best = math.inf
     relaxed = dataclasses.replace(req, microbatch_sizes=None, depths=None, recompute=None)
-    for d, w, b, m, rc in _candidates(relaxed, num_layers):
+    for d, w, b, m, rc, sh in _candidates(relaxed, num_layers):
         if rc:
-            best = min(best, _min_memory(segments(b), req, d, w, b, m, devices_topo=req.topology))
+            best = min(best, _min_memory(segments(b), req, d, w, b, m, devices_topo=req.topology, sharded=sh))
     # The fewest devices at this memory: deeper pipelines (w = 1, b = 1) until one fits.
     fewest = None
     big = dataclasses.replace(req.topology, nodes=1, devices_per_node=num_layers)

@@ -7,6 +7,11 @@ A checkpoint taken after ``n`` steps (batches) is a directory::
         layer_00003.pt      layer 3: {"weights": W(n), "previous": W(n-1) under 2bw else None,
                             "optimizer": per-parameter optimizer state}, names as in
                             nn.Sequential(*all_layers) ("3.attn.qkv.weight")
+        layer_00003.shard_rank00005.pt
+                            optim.sharded / train.weight_dtype=compute: the piece of each parameter
+                            of layer 3 that rank 5 steps, {name: {"range": [start, stop) of its flat
+                            elements, "numel", "master": float32 values, "state": optimizer state}};
+                            loading reassembles whole tensors (any (d, w), sharded or not)
         rng_rank0.pt ...    every rank's RNG states as tensors and plain values (restored when the
                             layout is the same)
         manifest.json       written last: step, losses (learning rates, gradient norms, skipped
@@ -72,6 +77,11 @@ def layer_file(index: int) -> str:
     return f"layer_{index:05d}.pt"
 
 
+def shard_file(index: int, rank: int) -> str:
+    """The file of layer ``index``'s parameter pieces that ``rank`` holds (sharding.ShardedVersions.shard_state)."""
+    return f"layer_{index:05d}.shard_rank{rank:05d}.pt"
+
+
 def _layer_index(name: str) -> int:
     """Layer index of a parameter name of ``nn.Sequential(*layers)``: "3.attn.qkv.weight" -> 3."""
     return int(name.split(".", 1)[0])
@@ -135,6 +145,51 @@ def split_by_layer(stage_state: Mapping[str, Any], indices: Sequence[int]) -> Di
     return layers
 
 
+def split_shards_by_layer(shards: Mapping[str, Any], indices: Sequence[int]) -> Dict[int, Dict[str, Any]]:
+    """A replica's ``shard_state`` (name -> piece) as one payload per layer of ``indices`` that has pieces."""
+    layers: Dict[int, Dict[str, Any]] = {}
+    for name, piece in shards.items():
+        if _layer_index(name) in indices:
+            layers.setdefault(_layer_index(name), {})[name] = piece
+    return layers
+
+
+def assemble_shards(pieces: Sequence[Mapping[str, Any]], shapes: Mapping[str, Sequence[int]]) -> Dict[str, Any]:
+    """Whole tensors from the pieces of shard files: {"masters": name -> float32 tensor, "optimizer":
+    name -> optimizer state}, each shaped as ``shapes`` says.
+
+    Raises:
+        RuntimeError: a parameter's pieces do not cover its elements exactly once.
+    """
+    by_name: Dict[str, List[Mapping[str, Any]]] = {}
+    for file in pieces:
+        for name, piece in file.items():
+            by_name.setdefault(name, []).append(piece)
+    masters, optimizer = {}, {}
+    for name, parts in by_name.items():
+        parts = sorted(parts, key=lambda p: p["range"][0])
+        edges = [0] + [e for p in parts for e in p["range"]] + [parts[0]["numel"]]
+        if any(edges[k] != edges[k + 1] for k in range(0, len(edges), 2)):
+            raise RuntimeError(
+                f"the checkpoint's pieces of {name} cover {[tuple(p['range']) for p in parts]}, not "
+                f"[0, {parts[0]['numel']}) once: a shard file is missing or from another run"
+            )
+        shape = tuple(shapes[name])
+        masters[name] = torch.cat([p["master"] for p in parts]).view(shape)
+        state = {}
+        for key, value in parts[0]["state"].items():
+            if (
+                torch.is_tensor(value)
+                and value.dim() == 1
+                and value.numel() == parts[0]["range"][1] - parts[0]["range"][0]
+            ):
+                state[key] = torch.cat([p["state"][key] for p in parts]).view(shape)
+            else:  # per parameter, not per element (Adam's step): every piece has the same
+                state[key] = value
+        optimizer[name] = state
+    return {"masters": masters, "optimizer": optimizer}
+
+
 class Checkpointer:
     """Writes this rank's part of a checkpoint after chosen steps; on rank 0, also completes it.
 
@@ -143,6 +198,8 @@ class Checkpointer:
         every: checkpoint after steps ``every``, ``2*every``, ... and after the last, ``num_steps``.
         layers: the layer indices whose files this rank writes (replica 0 of each stage; empty
             for the other replicas, which hold the same weights).
+        shard_layers: the layer indices whose shard files this rank writes (every replica of a stage
+            whose versions are ``sharding.ShardedVersions``: its ``state()['shards']``).
         post / read: the rendezvous board (``comm.Board``), to post this rank's checksums and,
             on rank 0, to read everybody's.
         manifest: what rank 0 puts in every manifest besides step, losses and files.
@@ -162,7 +219,9 @@ class Checkpointer:
         read: Callable[[Sequence[str], float], List[str]],
         timeout_s: float,
         manifest: Dict[str, Any],
+        shard_layers: Sequence[int] = (),
     ):
+        self.shard_layers = list(shard_layers)
         self.root, self.every, self.num_steps, self.keep = Path(root), every, num_steps, keep
         self.rank, self.world_size, self.layers = rank, world_size, list(layers)
         self.post, self.read, self.timeout_s, self.manifest = post, read, timeout_s, manifest
@@ -196,7 +255,11 @@ class Checkpointer:
         if not (force or self.due(step)):
             return
         start = time.perf_counter()
-        payload = split_by_layer(state(), self.layers) if self.layers else {}
+        st = state() if self.layers or self.shard_layers else {}
+        payload = {layer_file(i): p for i, p in split_by_layer(st, self.layers).items()} if self.layers else {}
+        if self.shard_layers:
+            shards = split_shards_by_layer(st["shards"], self.shard_layers)
+            payload.update({shard_file(i, self.rank): p for i, p in shards.items()})
         rng = rng if rng is not None else rng_state()
         self.wait()  # one checkpoint at a time: its copies are in memory until written
         self.write_s += time.perf_counter() - start
@@ -223,7 +286,7 @@ class Checkpointer:
     def _write(
         self,
         step: int,
-        payload: Dict[int, Dict[str, Any]],
+        payload: Dict[str, Dict[str, Any]],  # file name -> its content
         rng: Dict[str, Any],
         losses: Optional[List[float]],
         history: Dict[str, Any],
@@ -232,7 +295,7 @@ class Checkpointer:
         try:
             partial = _partial_dir(self.root, step)
             partial.mkdir(parents=True, exist_ok=True)
-            files = {layer_file(i): _save(p, partial / layer_file(i)) for i, p in sorted(payload.items())}
+            files = {name: _save(p, partial / name) for name, p in sorted(payload.items())}
             files[f"rng_rank{self.rank}.pt"] = _save(rng, partial / f"rng_rank{self.rank}.pt")
             self.post(key, json.dumps({"files": files}))
         except BaseException as e:
@@ -568,18 +631,20 @@ def load_layers(path: Path, indices: Sequence[int], *, ties: Sequence[Sequence[s
     A tie (names of one shared parameter, canonical first) is stored once, under its canonical
     name; every name of it in these layers gets that entry (read from the canonical's layer).
     """
-    out: Dict[str, Any] = {"weights": {}, "previous": {}, "optimizer": {}}
+    out: Dict[str, Any] = {"weights": {}, "previous": {}, "optimizer": {}, "masters": {}}
     has_previous = True
     cache: Dict[int, Dict[str, Any]] = {}
+    files = list(json.loads((Path(path) / MANIFEST).read_text())["files"])
 
     def layer(i: int) -> Dict[str, Any]:
         if i not in cache:
-            cache[i] = safe_load(Path(path) / layer_file(i))
+            cache[i] = _read_layer(Path(path), i, files)
         return cache[i]
 
     for i in indices:
         out["weights"].update(layer(i)["weights"])
         out["optimizer"].update(layer(i)["optimizer"])
+        out["masters"].update(layer(i)["masters"])
         if layer(i)["previous"] is None:
             has_previous = False
         else:
@@ -589,13 +654,23 @@ def load_layers(path: Path, indices: Sequence[int], *, ties: Sequence[Sequence[s
         if not here:
             continue
         source = layer(_layer_index(names[0]))
-        for part in ("weights", "previous", "optimizer"):
+        for part in ("weights", "previous", "optimizer", "masters"):
             if source[part] is not None and names[0] in source[part]:
                 for n in here:
                     out[part][n] = source[part][names[0]]
     if not has_previous:
         out["previous"] = None
     return out
+
+
+def _read_layer(path: Path, index: int, files: Sequence[str]) -> Dict[str, Any]:
+    """Layer ``index``'s file, its optimizer state completed and its float32 ``masters`` (empty if
+    the run kept none of its own) reassembled from the shard files among ``files``."""
+    out = safe_load(path / layer_file(index))
+    prefix = layer_file(index)[: -len(".pt")] + ".shard_"
+    pieces = [safe_load(path / f) for f in files if f.startswith(prefix)]
+    whole = assemble_shards(pieces, {k: v.shape for k, v in out["weights"].items()})
+    return {**out, "optimizer": {**out["optimizer"], **whole["optimizer"]}, "masters": whole["masters"]}
 
 
 def load_rng(path: Path, rank: int) -> Optional[Dict[str, Any]]:
@@ -625,8 +700,9 @@ def consolidate(path: Path, out: Optional[Path] = None) -> Path:
     if chosen is None:
         raise FileNotFoundError(f"no complete checkpoint with intact files at {path}")
     state: Dict[str, torch.Tensor] = {}
-    for i in range(manifest["num_layers"]):
-        state.update(safe_load(chosen / layer_file(i))["weights"])
+    for i in range(manifest["num_layers"]):  # float32 masters where the run kept its own (they are the weights)
+        layer = _read_layer(chosen, i, list(manifest["files"]))
+        state.update({**layer["weights"], **layer["masters"]})
     for names in manifest.get("ties", []):  # as the tied model's state_dict: every name on the one stored tensor
         for alias in names[1:]:
             state[alias] = state[names[0]]

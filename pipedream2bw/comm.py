@@ -16,6 +16,8 @@ from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from pipedream2bw.versions import grad_of, set_grad
+
 log = logging.getLogger(__name__)
 
 _FAILED_KEY = "failed"
@@ -492,8 +494,11 @@ class GradReducer:
         group: Any,
         replicas: Sequence[Sequence[torch.nn.Parameter]],
         buckets: Sequence[Sequence[int]],
+        sharded: bool = False,
     ):
         self.ctx, self.group, self.buckets = ctx, group, [list(b) for b in buckets]
+        # optim.sharded: buckets reduce-scatter, each replica receiving the sum of its shard (sharding.py)
+        self.num_shards = dist.get_world_size(group) if sharded else 1
         self.bucket_of = {i: b for b, idx in enumerate(self.buckets) for i in idx}
         self.replicas = [list(params) for params in replicas]
         self.num_collectives = 0
@@ -514,7 +519,7 @@ class GradReducer:
     def arm(self, replica_index: int) -> None:
         """The next backward is a batch's last on this replica of the weights: reduce as it goes."""
         assert self._armed is None, "a batch's reduction was armed and never taken by its CLOSE"
-        self._armed = BatchReduction(self, replica_index)
+        self._armed = (ShardedReduction if self.num_shards > 1 else BatchReduction)(self, replica_index)
 
     def take(self) -> "BatchReduction":
         """CLOSE(t): batch t's reduction (its buckets in flight), for its step to wait on."""
@@ -531,6 +536,7 @@ class BatchReduction:
         self.reducer, self.replica_index = reducer, replica_index
         self._missing = [len(b) for b in reducer.buckets]
         self._started: List[Tuple[Any, torch.Tensor]] = []
+        self._done: set = set()  # buckets already waited for
 
     def gradient_ready(self, b: int) -> None:
         self._missing[b] -= 1
@@ -542,7 +548,7 @@ class BatchReduction:
         params = r.replicas[self.replica_index]
         flat = torch.cat(
             [
-                (params[i].grad if params[i].grad is not None else torch.zeros_like(params[i])).reshape(-1)
+                (grad_of(params[i]) if grad_of(params[i]) is not None else torch.zeros_like(params[i])).reshape(-1)
                 for i in r.buckets[b]
             ]
         )
@@ -552,20 +558,97 @@ class BatchReduction:
     def wait(self, b: int) -> None:
         """Blocks until bucket ``b`` is summed across replicas, and puts the sums in the gradients.
         Buckets past the reducer's (the stage's tied parameters, after its own) return at once."""
-        r = self.reducer
-        if b >= len(r.buckets):
+        flat = self._wait(b)
+        if flat is None:
             return
-        start = time.perf_counter()
-        while len(self._started) <= b:  # a bucket whose gradients never came (unused parameters)
-            self._start(len(self._started))
-        work, flat = self._started[b]
-        wait_work(r.ctx, work, "gradient all-reduce")
-        r.exposed_s += time.perf_counter() - start
+        r = self.reducer
         params, offset = r.replicas[self.replica_index], 0
         for i in r.buckets[b]:
             n = params[i].numel()
-            params[i].grad = flat[offset : offset + n].view_as(params[i])
+            set_grad(params[i], flat[offset : offset + n].view_as(params[i]))
             offset += n
+
+    def _wait(self, b: int) -> Optional[torch.Tensor]:
+        """Bucket ``b``'s summed tensor once its collective is done (None: not one of the reducer's buckets)."""
+        r = self.reducer
+        if b >= len(r.buckets):
+            return None
+        if b in self._done:
+            return self._started[b][1]
+        start = time.perf_counter()
+        while len(self._started) <= b:  # a bucket whose gradients never came (unused parameters)
+            self._start(len(self._started))
+        work, out = self._started[b]
+        wait_work(r.ctx, work, "gradient all-reduce" if r.num_shards == 1 else "gradient reduce-scatter")
+        r.exposed_s += time.perf_counter() - start
+        self._done.add(b)
+        return out
+
+
+class ShardedReduction(BatchReduction):
+    """One batch's gradient reduce-scatter (optim.sharded): bucket ``b`` flattened, padded to w equal
+    shards (sharding.BucketShard's layout) and summed so that replica r receives shard r; the batch's
+    gradients are freed as each bucket starts. ``wait(b)`` returns this replica's summed shard."""
+
+    def _start(self, b: int) -> None:
+        self.release_done()
+        r = self.reducer
+        params = r.replicas[self.replica_index]
+        grads = [
+            grad_of(params[i]) if grad_of(params[i]) is not None else torch.zeros_like(params[i]) for i in r.buckets[b]
+        ]
+        numel = sum(g.numel() for g in grads)
+        shard = max(1, -(-numel // r.num_shards))  # ceil(numel / w), as sharding.BucketShard.shard_numel
+        flat = torch.zeros(shard * r.num_shards, dtype=torch.float32, device=grads[0].device)
+        torch.cat([g.reshape(-1).float() for g in grads], out=flat[:numel])
+        for i in r.buckets[b]:  # the flat copy is the gradient now; only this replica's shard of it is kept
+            set_grad(params[i], None)
+        if self._gloo:  # gloo's reduce-scatter all-reduces a clone of the whole input: all-reduce it in place
+            out, work = None, dist.all_reduce(flat, group=r.group, async_op=True)
+        else:
+            out = torch.empty(shard, dtype=torch.float32, device=flat.device)
+            work = dist.reduce_scatter_tensor(out, flat, group=r.group, async_op=True)
+        self._started.append((work, out))
+        self._inputs.append(flat)  # kept alive until the collective is done
+        r.num_collectives += 1
+
+    def __init__(self, reducer: "GradReducer", replica_index: int):
+        super().__init__(reducer, replica_index)
+        self._inputs: List[Optional[torch.Tensor]] = []
+        self._gloo = dist.get_backend(reducer.group) == "gloo"
+        self._shard_index = dist.get_rank(reducer.group)  # group ranks are sorted global ranks, as the shards
+
+    def release_done(self) -> None:
+        """Frees the flat inputs of the reductions already done: under 2bw APPLY(t), which waits for
+        them, comes after batch t+1's first backwards, whose gradients would otherwise meet them all."""
+        for k, (work, _) in enumerate(self._started):
+            if self._inputs[k] is not None and work is not None and work.is_completed():
+                self._keep_shard(k)
+
+    def _keep_shard(self, b: int) -> None:
+        """Bucket ``b``'s collective is done: keeps this replica's summed shard, frees the flat input."""
+        work, out = self._started[b]
+        if out is None:  # gloo: the whole bucket was summed in place
+            size = self._inputs[b].numel() // self.reducer.num_shards
+            out = self._inputs[b][self._shard_index * size : (self._shard_index + 1) * size].clone()
+        self._started[b], self._inputs[b] = (None, out), None  # the work may hold the input too
+        self._done.add(b)
+
+    def wait(self, b: int) -> Optional[torch.Tensor]:  # type: ignore[override]
+        """Blocks until bucket ``b``'s shard is summed across replicas; returns it (float32, shard-sized)."""
+        if b >= len(self.reducer.buckets):
+            return None
+        self._wait(b)
+        if self._inputs[b] is not None:
+            self._keep_shard(b)
+        return self._started[b][1]
+
+
+def all_gather_async(ctx: DistContext, shard: torch.Tensor, full: torch.Tensor, *, group: Any):
+    """Starts gathering every replica's ``shard`` of ``group`` into ``full`` (in rank order); returns the wait,
+    which has the run's timeout."""
+    work = dist.all_gather_into_tensor(full, shard, group=group, async_op=True)
+    return lambda: wait_work(ctx, work, "weight all-gather (optim.sharded)")
 
 
 class AsyncSum:

@@ -168,6 +168,11 @@ class OptimConfig:
     no_decay_norms_and_biases: bool = False
     """Two parameter groups: weight decay (``kwargs.weight_decay``) on weights of 2 or more dimensions,
     none on 1-D parameters (norm scales, biases), as GPT training usually does."""
+    sharded: bool = False
+    """ZeRO-1 over the data-parallel replicas (docs/design.md section 10): the w replicas of a stage each keep
+    1/w of the float32 master weights and optimizer state; gradients reduce-scatter in buckets, each replica
+    steps its shard, the new weights are all-gathered (under 2bw while the next batch runs). Needs an
+    elementwise optimizer (sgd, adam, adamw, ...); with data_parallel 1 it changes nothing."""
 
 
 @dataclass
@@ -227,6 +232,12 @@ class TrainConfig:
     """'fp32', 'bf16' or 'fp16': each stage's forward and loss under torch.autocast to that dtype,
     float32 master weights, p2p transfers in that dtype; fp16 adds dynamic loss scaling. 'auto':
     bf16 on a CUDA device that supports it, else fp32."""
+    weight_dtype: str = "fp32"
+    """What the weight versions are stored in: 'fp32' (the versions are the float32 masters the optimizer
+    steps) or 'compute' (bf16 under train.precision=bf16: two versions of 2 B per parameter under 2bw,
+    refreshed at each step from float32 masters that the optimizer keeps, sharded or not; gradients are
+    summed over the microbatches in float32; refused under fp16 and with tied weights). Under fp32 both
+    are the same."""
     loss_scale: float = 65536.0
     """fp16 only: the first loss scale; halved on every step with a non-finite gradient (which is skipped)."""
     loss_scale_growth_interval: int = 2000
@@ -322,6 +333,9 @@ class PartitionConfig:
     path: Optional[str] = None
     """Plan file to run ('file'), or where 'auto' and python -m partitioner plan write theirs (null: 'auto' writes
     plan.yaml in the run directory, the CLI outputs/plans/<date>/<time>/plan.yaml; its --out comes first)."""
+    sharded: Optional[bool] = False
+    """Plan with optim.sharded (true), without (false), or let the search try both (null; the plan records its
+    choice, which a run sets as optim.sharded)."""
     objective: str = "throughput"
     """'throughput' (fastest plan that fits) or 'memory' (lowest peak memory per device)."""
     tolerance: float = 0.01
@@ -611,6 +625,45 @@ def _validate_step_rules(cfg: Config) -> None:
         )
 
 
+# torch.optim optimizers whose update of an element reads only that element (and scalars): they may step shards
+ELEMENTWISE_OPTIMIZERS = ("sgd", "adam", "adamw", "nadam", "radam", "adamax", "rmsprop", "adagrad", "adadelta", "rprop")
+
+
+def _validate_sharding(cfg: Config) -> None:
+    """optim.sharded and train.weight_dtype: an elementwise optimizer; what does not compose yet is refused here."""
+    from pipedream2bw.precision import WEIGHT_DTYPES
+
+    t = cfg.train
+    if t.weight_dtype not in WEIGHT_DTYPES:
+        raise ConfigError(f"train.weight_dtype ({t.weight_dtype!r}) is unknown; use one of {list(WEIGHT_DTYPES)}")
+    if t.weight_dtype == "compute" and t.precision != "fp32":
+        _need_elementwise(cfg, "train.weight_dtype (compute)")
+        if t.precision == "fp16":
+            raise ConfigError(
+                "train.weight_dtype (compute) with train.precision (fp16): fp16 autocast runs layer norms in float32, "
+                "which then meet fp16 norm weights (torch refuses the mixed dtypes); use train.precision=bf16 or "
+                "train.weight_dtype=fp32"
+            )
+        if getattr(cfg.model, "tie_embeddings", False):
+            raise ConfigError(
+                "train.weight_dtype (compute) with model.tie_embeddings (true): the tie's float32 gradient sum "
+                "across stages is not written yet; set train.weight_dtype=fp32 or model.tie_embeddings=false"
+            )
+    o = cfg.optim
+    if not o.sharded or cfg.pipeline.data_parallel == 1:
+        return
+    _need_elementwise(cfg, "optim.sharded (true)")
+
+
+def _need_elementwise(cfg: Config, what: str) -> None:
+    o = cfg.optim
+    if o.target or o.name.lower() not in ELEMENTWISE_OPTIMIZERS:
+        raise ConfigError(
+            f"{what} steps pieces of every parameter (flat float32 masters), which needs an elementwise "
+            f"optimizer; {o.target or o.name} may not be one: use one of {list(ELEMENTWISE_OPTIMIZERS)}"
+        )
+
+
 def _validate_precision(cfg: Config) -> None:
     from pipedream2bw.precision import PRECISIONS
 
@@ -794,6 +847,7 @@ def validate(
         )
     build_optimizer([torch.nn.Parameter(torch.zeros(1))], cfg.optim)
     _validate_step_rules(cfg)
+    _validate_sharding(cfg)
     t = cfg.train
     validate_steps(t)
     if t.checkpoint_every < 0 or t.keep_checkpoints < 1:

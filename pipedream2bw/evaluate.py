@@ -70,7 +70,9 @@ class Evaluator:
         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
         device: torch.device,
         precision: str = "fp32",
+        upcast: bool = True,
     ):
+        self.upcast = upcast  # False: a received activation stays in the compute dtype (weights stored in it)
         self.prev, self.next, self.loss_sources, self.p2p, self.feed = prev, next, loss_sources, p2p, feed
         self.precision, self._wire_dtype = precision, compute_dtype(precision)
         # the same structured crossing as training's activations (a tensor, tuple or dict), on this group
@@ -93,8 +95,9 @@ class Evaluator:
             for e in range(self.num_microbatches):
                 if self.prev is None:
                     x = self.feed.inputs(e).to(self.device, non_blocking=True)
-                else:  # as training's stages do: the compute dtype travels, float32 goes on
-                    x = from_wire(self._channel.recv(self.prev), self._wire_dtype)
+                else:  # as training's stages do: the compute dtype travels, float32 goes on (or it, upcast False)
+                    x = self._channel.recv(self.prev)
+                    x = from_wire(x, self._wire_dtype) if self.upcast else x
                 with autocast(self.precision, self.device.type):
                     out = module(x)
                 if self.next is None:

@@ -58,6 +58,15 @@ def autocast(precision: str, device_type: str):
     return torch.autocast(device_type, dtype=compute_dtype(precision), enabled=precision != "fp32")
 
 
+WEIGHT_DTYPES = ("fp32", "compute")
+
+
+def weight_dtype(precision: str, name: str) -> torch.dtype:
+    """The dtype a stage stores its weight versions in under a resolved ``precision`` and
+    ``train.weight_dtype`` ``name``: float32 ('fp32'), or the compute dtype ('compute'; float32 under fp32)."""
+    return compute_dtype(precision) if name == "compute" else torch.float32
+
+
 def versions_held(schedule: str) -> int:
     """Weight versions a stage holds: two under 2bw, one under flush and gpipe."""
     return 2 if schedule == "2bw" else 1
@@ -86,7 +95,7 @@ class ParamMemory:
 
     weight_copy: int  # one weight version
     versions: int  # versions held
-    master: int  # a separate master copy (0: the versions are the float32 masters)
+    master: float  # a separate float32 master copy (0: the versions are the masters), / w when sharded
     gradient: int
     optimizer: float
     cast_per_microbatch: int  # compute-dtype weight copy per matmul parameter and microbatch in flight (activations)
@@ -101,19 +110,57 @@ class ParamMemory:
 
 
 def param_memory(
-    precision: str, *, schedule: str, optimizer: str, optimizer_kwargs: Optional[Dict] = None
+    precision: str,
+    *,
+    schedule: str,
+    optimizer: str,
+    optimizer_kwargs: Optional[Dict] = None,
+    weight_dtype_name: str = "fp32",
+    sharded: bool = False,
+    data_parallel: int = 1,
 ) -> ParamMemory:
-    """Bytes per parameter under a resolved ``precision`` (one of fp32, bf16, fp16): the one source
-    of these figures for summary.json, the README's table and the planner's memory model."""
-    reduced = torch.finfo(compute_dtype(precision)).bits // 8 if precision != "fp32" else 0
+    """Bytes per parameter under a resolved ``precision`` (one of fp32, bf16, fp16), ``train.weight_dtype``
+    and ``optim.sharded`` over ``data_parallel`` replicas: the one source of these figures for summary.json,
+    the README's table and the planner's memory model.
+
+    Versions in the compute dtype, or sharding, need float32 masters of their own (sharding.py): 4 B, or
+    4/w B sharded; sharding divides the optimizer state by w. Autocast's per-microbatch weight casts
+    are made only from float32 versions.
+    """
+    w = data_parallel if sharded else 1
+    stored = weight_dtype(precision, weight_dtype_name)
+    weight_copy = torch.finfo(stored).bits // 8
+    reduced = torch.finfo(compute_dtype(precision)).bits // 8 if precision != "fp32" and weight_copy == 4 else 0
     return ParamMemory(
-        weight_copy=FP32_BYTES,
+        weight_copy=weight_copy,
         versions=versions_held(schedule),
-        master=0,
+        master=FP32_BYTES / w if (w > 1 or weight_copy != FP32_BYTES) else 0,
         gradient=FP32_BYTES,
-        optimizer=FP32_BYTES * optimizer_state_factor(optimizer, optimizer_kwargs),
+        optimizer=FP32_BYTES * optimizer_state_factor(optimizer, optimizer_kwargs) / w,
         cast_per_microbatch=reduced,
     )
+
+
+def markdown_table_sharded(*, optimizer: str = "adamw", precision: str = "bf16") -> str:
+    """The README's table of bytes per parameter by weight_dtype, optim.sharded and w, from ``param_memory``."""
+    rows = ["| schedule | weight_dtype | sharded | w | versions | master | gradient | optimizer | total |"]
+    rows.append("|---|---|---|---|---|---|---|---|---|")
+    for schedule in ("2bw", "flush"):
+        for name in WEIGHT_DTYPES:
+            for sharded, w in ((False, 1), (True, 2), (True, 4), (True, 8)):
+                pm = param_memory(
+                    precision,
+                    schedule=schedule,
+                    optimizer=optimizer,
+                    weight_dtype_name=name,
+                    sharded=sharded,
+                    data_parallel=w,
+                )
+                rows.append(
+                    f"| {schedule} | {name} | {'yes' if sharded else 'no'} | {w} | {pm.versions} x {pm.weight_copy} B "
+                    f"| {pm.master:g} B | {pm.gradient} B | {pm.optimizer:g} B | {pm.total:g} B |"
+                )
+    return "\n".join(rows)
 
 
 def markdown_table(*, optimizer: str = "adamw") -> str:

@@ -55,6 +55,7 @@ def summarize(
                 "allreduce_calls": s.allreduce_calls,
                 "allreduce_exposed_s": s.allreduce_exposed_s,
                 "agreement_exposed_s": s.agreement_exposed_s,
+                "allgather_exposed_s": s.allgather_exposed_s,
                 "p2p_wait_s": s.p2p_wait_s,
                 "peak_pending_sends": s.peak_pending_sends,
                 "checkpoint_s": s.checkpoint_s,

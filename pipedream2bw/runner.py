@@ -53,6 +53,7 @@ from pipedream2bw.models.factory import ModelSource, model_source, read_vocab_si
 from pipedream2bw.results import summarize, write_summary
 from pipedream2bw.runtime import RankPlan
 from pipedream2bw.schedule import Action
+from pipedream2bw.sharding import ShardedVersions
 from pipedream2bw.stage import Peers, StageStats, StageWorker
 from pipedream2bw.swap import SwapManager, make_backend
 from pipedream2bw.tracking import LOSS_PLOT, MetricsLog, Tracker, plot_losses, progress_bar
@@ -287,6 +288,12 @@ def _run(
     )
     if cfg.train.export_hf is not None and model.source is None:
         raise ConfigError("train.export_hf needs model=hf built from config, not a layer list passed to run()")
+    precision = precisions.resolve(cfg.train.precision, "cuda" if torch.cuda.is_available() else "cpu")
+    if model.tied and cfg.train.weight_dtype == "compute" and precision != "fp32":  # ties of any model, found here
+        raise ConfigError(
+            f"train.weight_dtype (compute) with tied weights ({[list(t.names) for t in model.tied]}): the tie's "
+            "float32 gradient sum across stages is not written yet; set train.weight_dtype=fp32 or untie them"
+        )
     layout = make_layout(
         cfg.pipeline.num_stages,
         cfg.pipeline.data_parallel,
@@ -558,7 +565,13 @@ def _train(
     """
     module, tie_groups = _build_stage(rt, ctx, model)
     versions, buckets, num_dp_buckets = _build_versions(
-        rt, module, tie_groups, bucket_mb=cfg.pipeline.bucket_mb, swap=cfg.swap, optim=cfg.optim
+        rt,
+        module,
+        tie_groups,
+        bucket_mb=cfg.pipeline.bucket_mb,
+        swap=cfg.swap,
+        optim=cfg.optim,
+        weight_dtype_name=cfg.train.weight_dtype,
     )
     rule = _step_rule(rt, cfg.train, cfg.optim)
     if resume is not None:
@@ -573,7 +586,22 @@ def _train(
     actions = _actions(rt, batch_sends=_batch_sends(cfg.dist, rt))
     in_flight = schedule.in_flight(rt.schedule, rt.stage, rt.num_stages, rt.num_microbatches)
     swap = _swap_manager(cfg.swap, rt, in_flight, versions)
-    worker = _worker(rt, ctx, peers, versions, feed, model.loss_fn, groups, rule, swap, cfg.optim, cfg.dist, model.tied)
+    worker = _worker(
+        rt,
+        ctx,
+        peers,
+        versions,
+        feed,
+        model.loss_fn,
+        groups,
+        rule,
+        swap,
+        cfg.optim,
+        cfg.dist,
+        model.tied,
+        # on_step passes through the stages (validation, the tie check): a sharded APPLY keeps apply_due's point
+        early_apply=not (cfg.train.eval_every or cfg.pipeline.check_ties),
+    )
     _trace(rt, worker, cfg.pipeline, warmup_steps=cfg.train.warmup_steps)
     _log_start(rt, num_dp_buckets, tie_groups)
     if rt.rank == 0:
@@ -584,7 +612,7 @@ def _train(
     tracker, bar, progress, postfix, record = _tracking(
         rt, run_dir, resume, worker, cfg.wandb, cfg.train, config=config
     )
-    saver = _checkpointer(rt, ctx, run_dir, cfg, model, tracker, resume)
+    saver = _checkpointer(rt, ctx, run_dir, cfg, model, tracker, resume, shards=isinstance(versions, ShardedVersions))
     hooks = _StepHooks(
         rt,
         worker=worker,
@@ -670,7 +698,14 @@ def _build_stage(
 
 
 def _build_versions(
-    rt: RankPlan, module: nn.Module, tie_groups, *, bucket_mb: float, swap: SwapConfig, optim: OptimConfig
+    rt: RankPlan,
+    module: nn.Module,
+    tie_groups,
+    *,
+    bucket_mb: float,
+    swap: SwapConfig,
+    optim: OptimConfig,
+    weight_dtype_name: str = "fp32",
 ) -> Tuple[WeightVersions, List[List[int]], int]:
     """The stage's weight versions and optimizer, with its gradient buckets.
 
@@ -686,13 +721,27 @@ def _build_versions(
         [rest[j] for j in bucket] for bucket in bucketize([params[i] for i in rest], bucket_bytes=bucket_mb * 2**20)
     ]
     buckets = [bucket for bucket in buckets if bucket] + [[i] for i in tied_index]
-    versions = (HostOptimizerVersions if swap.optimizer == "host" else WeightVersions)(
-        module,
-        schedule=rt.schedule,
-        optimizer_factory=lambda params: build_optimizer(params, optim),
-        buckets=buckets,
-    )
-    return versions, buckets, len(buckets) - len(tied_index)
+    num_dp_buckets = len(buckets) - len(tied_index)
+    factory = lambda params: build_optimizer(params, optim)  # noqa: E731
+    sharded = optim.sharded and rt.data_parallel > 1
+    weight_dtype = precisions.weight_dtype(rt.precision, weight_dtype_name)
+    if sharded or weight_dtype != torch.float32:  # the replicas' group ranks are sorted global ranks
+        versions = ShardedVersions(
+            module,
+            schedule=rt.schedule,
+            optimizer_factory=factory,
+            buckets=buckets,
+            num_sharded=num_dp_buckets if sharded else 0,
+            shard_index=sorted(rt.layout.ranks[rt.stage]).index(rt.rank),
+            num_shards=rt.data_parallel if sharded else 1,
+            host=swap.optimizer == "host",
+            weight_dtype=weight_dtype,
+        )
+    else:
+        versions = (HostOptimizerVersions if swap.optimizer == "host" else WeightVersions)(
+            module, schedule=rt.schedule, optimizer_factory=factory, buckets=buckets
+        )
+    return versions, buckets, num_dp_buckets
 
 
 def _step_rule(rt: RankPlan, train: TrainConfig, optim: OptimConfig) -> StepRule:
@@ -750,7 +799,14 @@ def _restore(
             optimizer_name(optim),
         )
         state["optimizer"] = {}
-    versions.load_state(step=first_batch, **{k: state[k] for k in ("weights", "previous", "optimizer")})
+    masters = state["masters"]  # float32 masters of a sharded or weight_dtype=compute run: the truer weights
+    if isinstance(versions, ShardedVersions):
+        versions.load_state(
+            step=first_batch, masters=masters, **{k: state[k] for k in ("weights", "previous", "optimizer")}
+        )
+    else:
+        weights = {**state["weights"], **masters}
+        versions.load_state(step=first_batch, weights=weights, previous=state["previous"], optimizer=state["optimizer"])
     if isinstance(rule, ScaledStepRule) and manifest.get("loss_scaler") is not None:
         rule.load_state_dict(manifest["loss_scaler"])
     elif isinstance(rule, ScaledStepRule):
@@ -793,7 +849,10 @@ def _comm_groups(
                 group=group,
                 replicas=[list(r.parameters()) for r in versions.replicas],
                 buckets=dp_buckets,
+                sharded=isinstance(versions, ShardedVersions) and versions.num_sharded > 0,
             )
+        if isinstance(versions, ShardedVersions) and versions.num_sharded > 0:
+            versions.connect(lambda shard, full: comm.all_gather_async(ctx, shard, full, group=group))
     exchange = None
     if tie_groups:  # a copy whose canonical one (replica 0 of the first holder stage) is on another stage: norm there
         elsewhere = [i for _, src, held in tie_groups if rt.layout.position(src)[0] != rt.stage for _, i in held]
@@ -855,6 +914,8 @@ def _data(
             loss_fn=loss_fn,
             device=rt.device,
             precision=rt.precision,
+            # weights stored in the compute dtype (train.weight_dtype=compute): the stage runs in it, as in training
+            upcast=precisions.weight_dtype(rt.precision, train.weight_dtype) == torch.float32,
         )
     return feed, val_feed, evaluator
 
@@ -890,8 +951,10 @@ def _worker(
     optim: OptimConfig,
     dist: DistConfig,
     tied: Sequence[ties.Tie],
+    *,
+    early_apply: bool = True,
 ) -> StageWorker:
-    """The stage worker that runs this rank's actions."""
+    """The stage worker that runs this rank's actions (``early_apply``: StageWorker's)."""
     m, w = rt.num_microbatches, rt.data_parallel
     exchanged = any(len(ties.holders(tie, rt.balance)) > 1 for tie in tied)  # on some stages, maybe not this one
     return StageWorker(
@@ -914,6 +977,7 @@ def _worker(
         exchanges=[groups.exchange] if groups.exchange is not None else [],
         precision=rt.precision,
         steps_wait_on_others=exchanged,
+        early_apply=early_apply,
     )
 
 
@@ -1116,8 +1180,11 @@ def _checkpointer(
     model: _Model,
     tracker: Optional[Tracker],
     resume: Optional[Tuple[Path, Dict[str, Any]]],
+    *,
+    shards: bool = False,
 ) -> checkpoint.Checkpointer:
-    """The checkpoint writer (``train.checkpoint_every``); replica 0 of each stage writes its layers. Its
+    """The checkpoint writer (``train.checkpoint_every``); replica 0 of each stage writes its layers, and with
+    ``shards`` (sharding.ShardedVersions) every replica its pieces of the masters and optimizer state. Its
     manifests carry the run's lineage (the resumed checkpoint's, else a new one), which pruning keeps to."""
     train, optim, dist = cfg.train, cfg.optim, cfg.dist
     lineage = (resume[1].get("lineage") if resume is not None else None) or checkpoint.new_lineage()
@@ -1129,6 +1196,7 @@ def _checkpointer(
         rank=rt.rank,
         world_size=rt.world_size,
         layers=rt.layer_indices if rt.replica == 0 else [],
+        shard_layers=rt.layer_indices if shards else [],
         post=ctx.board.post,
         read=lambda keys, timeout_s: ctx.board.read(keys, timeout_s=timeout_s),
         timeout_s=dist.timeout_s,
@@ -1203,7 +1271,8 @@ class _StepHooks:
             **st,
             **{
                 k: ties.drop_aliases(st[k], self.tied) if st[k] is not None else None
-                for k in ("weights", "previous", "optimizer")
+                for k in ("weights", "previous", "optimizer", "shards")
+                if k in st
             },
         }
 
@@ -1329,7 +1398,7 @@ def _gather_and_write(
         "first_step": rt.first_step,
         "recompute": rt.recompute,
         **predictions,
-        **_precision_record(rt, optim, rule, worker.stats),
+        **_precision_record(rt, optim, rule, worker.stats, weight_dtype_name=train.weight_dtype),
         "ties": [
             {
                 **t,
@@ -1428,7 +1497,9 @@ def _write_final(
         )
 
 
-def _precision_record(rt: RankPlan, optim: OptimConfig, rule: StepRule, stats: StageStats) -> Dict[str, Any]:
+def _precision_record(
+    rt: RankPlan, optim: OptimConfig, rule: StepRule, stats: StageStats, *, weight_dtype_name: str = "fp32"
+) -> Dict[str, Any]:
     """summary.json's precision fields: the precision, its bytes per parameter, and under fp16 the loss scale."""
     record = {
         "precision": rt.precision,
@@ -1438,6 +1509,9 @@ def _precision_record(rt: RankPlan, optim: OptimConfig, rule: StepRule, stats: S
             schedule=rt.schedule,
             optimizer=optimizer_name(optim),
             optimizer_kwargs=optim.kwargs,
+            weight_dtype_name=weight_dtype_name,
+            sharded=optim.sharded,
+            data_parallel=rt.data_parallel,
         ).as_dict(),
     }
     if isinstance(rule, ScaledStepRule):  # every rank's scaler takes the same values; these are rank 0's

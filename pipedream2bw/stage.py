@@ -15,7 +15,7 @@ import torch.utils._pytree as pytree
 from pipedream2bw import agreement
 from pipedream2bw.agreement import NonFiniteError, StepDecision, StepOutcome, StepRule
 from pipedream2bw.boundary import Channel, from_wire, to_wire
-from pipedream2bw.comm import P2P, AsyncSum, BatchReduction, GradReducer
+from pipedream2bw.comm import P2P, AsyncSum, BatchReduction, GradReducer, ShardedReduction
 from pipedream2bw.data import MicrobatchFeed
 from pipedream2bw.memprobe import SavedBytes, process_peak_bytes
 from pipedream2bw.precision import autocast, compute_dtype
@@ -32,6 +32,7 @@ from pipedream2bw.schedule import (
     render_steps,
     steps,
 )
+from pipedream2bw.sharding import ShardedVersions
 from pipedream2bw.swap import SwapManager
 from pipedream2bw.timeline import Recorder
 from pipedream2bw.versions import WeightVersions
@@ -69,6 +70,7 @@ class StageStats:
     grad_norms: List[Optional[float]] = field(default_factory=list)
     skipped_steps: List[int] = field(default_factory=list)  # steps skipped everywhere for a non-finite loss or gradient
     agreement_exposed_s: float = 0.0  # time APPLY waited for the step agreement: not hidden behind other work
+    allgather_exposed_s: float = 0.0  # optim.sharded: time forwards and steps waited for the weights' all-gather
     peak_stash_bytes: int = 0  # activations autograd saves for one microbatch x most microbatches in flight
     weight_bytes: int = 0  # all weight versions held
     optimizer_state_bytes: int = 0
@@ -139,6 +141,7 @@ class StageWorker:
         lr_at: Optional[Callable[[int], float]] = None,
         precision: str = "fp32",
         steps_wait_on_others: bool = False,
+        early_apply: bool = True,
     ):
         self.m = num_microbatches
         self.stage_index, self.num_stages, self.replica = stage_index, num_stages, replica
@@ -149,9 +152,21 @@ class StageWorker:
         # defers when any rank's step waits on other stages (``steps_wait_on_others``: a weight tied across stages
         # that this stage may not hold), so on_step(t), and a validation pass in it, comes at the same point of
         # every stage's schedule; a stage that stepped at once while a holder deferred deadlocked in the pass.
+        # optim.sharded: the reduce-scatter, the shard's step and the all-gather travel while batch t+1 runs.
+        sharded = reducer is not None and reducer.num_shards > 1
         self.deferred = versions.schedule == "2bw" and (
-            agreement is not None or bool(self.exchanges) or steps_wait_on_others
+            agreement is not None or bool(self.exchanges) or steps_wait_on_others or sharded
         )
+        # Sharded, APPLY(t) need not wait for W(t+1)'s first use: it runs after this many compute steps past
+        # CLOSE(t) (at the same step on every replica: the stage's collectives keep one order), so that the
+        # all-gather of W(t+1) travels until batch t+2's first forward (ShardedVersions.module_for_batch).
+        # One step lets the last bucket's reduce-scatter arrive; with an agreement or a tie exchange, which
+        # complete when stage 0 closes t, 2 more per stage this one is past stage 0 (a 1F1B pair per hop).
+        # Not with ``early_apply`` false: on_step(t) then holds a pass through the stages (validation, the tie
+        # check), which must come at the same point of every stage's schedule (apply_due's).
+        self._apply_after = None
+        if sharded and self.deferred and early_apply:
+            self._apply_after = 1 + (2 * stage_index if agreement is not None or self.exchanges else 0)
         self._loss_nonfinite: Dict[int, bool] = {}  # last stage: batch -> its loss was not finite
         # rank 0 as a last stage: batch -> its own loss, until APPLY(t) logs it (a deferred APPLY(t) runs after
         # batch t+1's forwards, which report that batch's loss)
@@ -170,6 +185,9 @@ class StageWorker:
         # scale of its batch, and the rule (a ScaledStepRule) unscales and skips through the agreement.
         self.precision = precision
         self._wire_dtype = compute_dtype(precision)
+        # Weights stored in the compute dtype (train.weight_dtype=compute) run the whole stage in it: a
+        # received activation stays in the compute dtype (a float32 one would meet bf16 norm weights).
+        self._upcast = precision != "fp32" and getattr(versions, "weight_dtype", torch.float32) == torch.float32
         # X's tensors (F: activations, B: input gradients) come from one neighbour and go to the other.
         self._channel = {
             FORWARD: Channel(p2p, tag=ACTIVATION_TAG, what="a stage's output", device=device),
@@ -222,7 +240,7 @@ class StageWorker:
         with hooks if self.swap is not None else saved:
             # A reduced-precision activation goes on in float32, as it would have in one process: only
             # the transfer is rounded, not the rest of the stage's residual stream.
-            inp = from_wire(x, self._wire_dtype) if self.precision != "fp32" else x
+            inp = from_wire(x, self._wire_dtype) if self._upcast else x
             with autocast(self.precision, self.device.type):
                 out = module(inp)
             if self.last:  # the loss in float32, outside autocast
@@ -246,6 +264,9 @@ class StageWorker:
         gradient, and the reducer is armed for the batch's last backward (it reduces as backward goes)."""
         if self.swap is not None:
             self.swap.begin_backward(k)
+        for reduction in self._reductions.values():  # sharded: reduce-scatter inputs done with, freed here
+            if isinstance(reduction, ShardedReduction):
+                reduction.release_done()
         if self.reducer is not None and (k + 1) % self.m == 0:
             self.reducer.arm(self.versions.replicas.index(self.versions.module_for_batch(k // self.m)))
 
@@ -316,14 +337,23 @@ class StageWorker:
             # tied across stages, each counted once (on its first holder): the exchange is waited here.
             self._finish_exchanges(t)
             excluded = {i for exchange in self.exchanges for i in getattr(exchange, "norm_excluded", ())}
-            params = [p for i, p in enumerate(self.versions.module_for_batch(t).parameters()) if i not in excluded]
             scale = self.grad_scale * self.rule.unscale(t)
-            sq = agreement.sq_norm([p.grad for p in params if p.grad is not None]) * scale**2
+            if isinstance(self.versions, ShardedVersions):  # each replica counts its shards; whole buckets on replica 0
+                reduction = self._reductions.get(t)
+                sq = self.versions.grad_sq_norm(
+                    (lambda b: reduction.wait(b)) if reduction is not None else (lambda b: None),
+                    t,
+                    excluded=excluded,
+                    count_whole=self.replica == 0,
+                )
+            else:
+                params = [p for i, p in enumerate(self.versions.module_for_batch(t).parameters()) if i not in excluded]
+                sq = agreement.sq_norm([p.grad for p in params if p.grad is not None])
             share = agreement.encode(
                 stage_index=self.stage_index,
                 num_stages=self.num_stages,
-                sq=sq,
-                counts_norm=self.replica == 0,
+                sq=sq * scale**2,
+                counts_norm=self.replica == 0 or isinstance(self.versions, ShardedVersions),
                 loss_nonfinite=self._loss_nonfinite.pop(t, False),
             )
             self.agreement.start(share, what=f"the step agreement of batch {t}")
@@ -348,6 +378,7 @@ class StageWorker:
             self.stats.loss_scales.append(self.rule.loss_scale(t))
         outcome = self._agreed(t) if self.agreement is not None else None
         decision = self.rule.decide(outcome) if outcome is not None else StepDecision(skip=False)
+        bucket_wait = self._bucket_wait(t)
         if decision.skip:
             self.versions.skip(t)
             self.stats.skipped_steps.append(t)
@@ -359,7 +390,7 @@ class StageWorker:
                 )
         else:
             scale = self.grad_scale * self.rule.unscale(t) * decision.grad_multiplier
-            self.versions.step(t, grad_scale=scale, before_bucket=self._bucket_wait(t))
+            self.versions.step(t, grad_scale=scale, before_bucket=bucket_wait)
             if outcome is None and self.rule.on_nonfinite == "stop":
                 self._check_finite(t)
         if trace is not None:
@@ -389,7 +420,8 @@ class StageWorker:
     def _defers(self, t: int) -> bool:
         """Whether APPLY(t) may wait (``agreement.apply_due``): under 2bw with an agreement, unless batch
         t+1 runs on the same weights (the first batch: W(-1) = W(0)) and would add its gradients to t's."""
-        return self.deferred and self.versions.module_for_batch(t + 1) is not self.versions.module_for_batch(t)
+        v = self.versions
+        return self.deferred and v.replica_for_batch(t + 1) != v.replica_for_batch(t)
 
     def _agreed(self, t: int) -> StepOutcome:
         start = time.perf_counter()
@@ -401,14 +433,16 @@ class StageWorker:
         return agreement.decode(total, step=t, num_stages=self.num_stages)
 
     def _wait_reducer(self, t: int) -> None:
-        """Waits for every bucket of batch t's gradient all-reduce (once)."""
-        wait = self._bucket_wait(t)
-        for b in range(len(self.versions.buckets)):
-            wait(b)
+        """Waits for every bucket of batch t's gradient reduction; APPLY(t) takes the reduction (its
+        buckets, once waited, return at once; a sharded one keeps its summed shards until then)."""
+        reduction = self._reductions.get(t)
+        for b in range(len(self.versions.buckets) if reduction is not None else 0):
+            reduction.wait(b)
 
-    def _bucket_wait(self, t: int) -> Callable[[int], None]:
-        """What the optimizer step calls before bucket b: wait for batch t's all-reduce of it, unless
-        CLOSE(t) already waited for all of them (the norm needs the averaged gradients)."""
+    def _bucket_wait(self, t: int) -> Callable[[int], Any]:
+        """What the optimizer step calls before bucket b: wait for batch t's reduction of it (at once if
+        CLOSE(t) waited already: the norm needs the averaged gradients); a sharded reduction returns the
+        replica's summed shard of the bucket's gradient."""
         reduction = self._reductions.pop(t, None)
         if reduction is None:
             return lambda b: None
@@ -424,18 +458,22 @@ class StageWorker:
         Raises:
             NonFiniteError: naming the step and this stage.
         """
+        # sharded: each replica checks its float32 shards (the newest version may still be gathering)
+        sharded = isinstance(self.versions, ShardedVersions)
+        params = self.versions.shards if sharded else list(self.versions.newest().parameters())
         with torch.no_grad():  # a check, not a computation to differentiate: no graph over every parameter
-            sq = agreement.sq_norm(list(self.versions.newest().parameters()))
+            sq = agreement.sq_norm(params)
         if not math.isfinite(float(sq)):
             raise NonFiniteError(agreement.stop_message(f"non-finite gradient at step {t} on stage {self.stage_index}"))
 
     def _traced_wait(self, t: int, reduction: BatchReduction) -> Callable[[int], None]:
         """The reduction's per-bucket wait, recorded as an ``allreduce`` span of batch ``t``."""
 
-        def wait(b: int) -> None:
+        def wait(b: int) -> Any:
             start = time.perf_counter()
-            reduction.wait(b)
+            out = reduction.wait(b)
             self.trace.add("allreduce", t, start, time.perf_counter())
+            return out
 
         return wait
 
@@ -456,11 +494,13 @@ class StageWorker:
         """
         self.stats.start_time = time.perf_counter()
         pending = None  # a closed batch whose APPLY is deferred (2bw with an agreement)
+        early = None  # optim.sharded: the position of the step before which the pending APPLY runs, if not due sooner
         at, what = 0, None  # the action running (its position), or what else runs there: for the log of a failure
         try:
-            for step in steps(actions):
+            for k, step in enumerate(steps(actions)):
                 a = step.compute
-                if pending is not None and agreement.apply_due(a, pending, num_microbatches=self.m):
+                due = pending is not None and (early is not None and k >= early)
+                if pending is not None and (due or agreement.apply_due(a, pending, num_microbatches=self.m)):
                     at, what = step.start, f"the deferred APPLY({pending}) due before the step of {a}"
                     self.apply(pending)
                     self._hook(on_step, pending)
@@ -471,6 +511,7 @@ class StageWorker:
                     self._hook(on_close, a.index)
                     if self._defers(a.index):
                         pending = a.index
+                        early = k + 1 + self._apply_after if self._apply_after is not None else None
                     else:
                         self.apply(a.index, since=since)
                         self._hook(on_step, a.index)
@@ -506,6 +547,7 @@ class StageWorker:
                 render_steps(actions, mark=at if what is None else None, context=_LOG_CONTEXT_STEPS),
             )
             raise
+        self.stats.allgather_exposed_s = getattr(self.versions, "gather_wait_s", 0.0)
         if self.trace is not None:
             self.stats.trace = {"spans": self.trace.spans, "window": self.trace.window}
         if self.swap is not None:

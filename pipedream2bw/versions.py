@@ -72,6 +72,20 @@ def bucketize(params: Sequence[nn.Parameter], *, bucket_bytes: float) -> List[Li
     return buckets
 
 
+def grad_of(p: nn.Parameter) -> Optional[torch.Tensor]:
+    """``p``'s accumulated gradient: its float32 ``main_grad`` where the weights are stored in a lower
+    dtype (train.weight_dtype=compute, sharding.ShardedVersions), else ``p.grad``."""
+    return p.main_grad if hasattr(p, "main_grad") else p.grad
+
+
+def set_grad(p: nn.Parameter, grad: Optional[torch.Tensor]) -> None:
+    """Replaces ``p``'s accumulated gradient (``grad_of``'s)."""
+    if hasattr(p, "main_grad"):
+        p.main_grad = grad
+    else:
+        p.grad = grad
+
+
 def _alias_parameter(p: nn.Parameter) -> nn.Parameter:
     """A parameter on ``p``'s storage with a version counter of its own.
 
@@ -116,11 +130,11 @@ class WeightVersions:
         # module tree every call, a millisecond per step of Python on a GPT; parameters are stable objects).
         self._params: List[List[nn.Parameter]] = [list(r.parameters()) for r in self.replicas]
         self.master = self._make_masters(module)
-        self.buckets = [list(b) for b in buckets] if buckets is not None else [list(range(len(self.master)))]
-        assert sorted(i for b in self.buckets for i in b) == list(range(len(self.master))), (
+        self.buckets = [list(b) for b in buckets] if buckets is not None else [list(range(len(self._params[0])))]
+        assert sorted(i for b in self.buckets for i in b) == list(range(len(self._params[0]))), (
             "buckets must partition the parameters"
         )
-        self.optimizers = [optimizer_factory([self.master[i] for i in b]) for b in self.buckets]
+        self.optimizers = [optimizer_factory(self._bucket_masters(k, b)) for k, b in enumerate(self.buckets)]
         if schedule == "2bw" and any(True for _ in module.buffers()):
             log.warning(
                 "module buffers (e.g. BatchNorm statistics) are not versioned under 2bw; each replica keeps its own"
@@ -130,13 +144,21 @@ class WeightVersions:
         """The parameters the optimizers own: here aliases whose storage ``step`` points at a replica."""
         return [_alias_parameter(p) for p in module.parameters()]
 
+    def _bucket_masters(self, bucket_index: int, bucket: Sequence[int]) -> List[nn.Parameter]:
+        """What bucket ``bucket_index``'s optimizer steps: here the masters of its parameters."""
+        return [self.master[i] for i in bucket]
+
     def _replica_holding(self, version: int) -> int:
         assert version in self.holds, f"W({version}) is not alive; live versions: {self.holds}"
         return self.holds.index(version)
 
+    def replica_for_batch(self, batch_index: int) -> int:
+        """The index of the replica holding the version that batch ``batch_index`` uses."""
+        return self._replica_holding(version_of_batch(self.schedule, batch_index))
+
     def module_for_batch(self, batch_index: int) -> nn.Module:
         """The replica holding the version that batch ``batch_index`` uses."""
-        return self.replicas[self._replica_holding(version_of_batch(self.schedule, batch_index))]
+        return self.replicas[self.replica_for_batch(batch_index)]
 
     def newest(self) -> nn.Module:
         """The replica holding the newest version (what a checkpoint or export saves)."""

@@ -52,6 +52,8 @@ FACTORS: "OrderedDict[str, Tuple[Any, ...]]" = OrderedDict(
     host_optim=(False, True),  # swap.optimizer=host
     validation=(False, True),  # train.eval_every=EVAL_EVERY on held-out data
     structured=(False, True),  # masked_layers: every boundary a (hidden, integer mask) tuple; else the GPT
+    sharded=(False, True),  # optim.sharded: masters and optimizer state sharded over the w replicas (w=1: inert)
+    weight_dtype=("fp32", "compute"),  # train.weight_dtype: compute stores the versions in bf16/fp16 (fp32: inert)
 )
 
 NUM_STEPS = 6  # the 2BW delay shows from step 1; step SKIP_BATCH is skipped; a resume at RESUME_STEP
@@ -95,14 +97,18 @@ class Cell:
     host_optim: bool
     validation: bool
     structured: bool
+    sharded: bool
+    weight_dtype: str
 
     @property
     def id(self) -> str:
         """Readable test id, e.g. ``2bw-d2w2-bf16-tied-clip-resume-d4w1``."""
         parts = [self.schedule, f"d{self.d}w{self.w}", self.precision]
-        flags = ("tied", "clip", "skip", "recompute", "swap", "host_optim", "validation", "structured")
+        flags = ("tied", "clip", "skip", "recompute", "swap", "host_optim", "validation", "structured", "sharded")
         short = {"recompute": "recomp", "host_optim": "hostopt", "validation": "val", "structured": "tuple"}
         parts += [short.get(f, f) for f in flags if getattr(self, f)]
+        if self.weight_dtype == "compute":
+            parts.append("wcompute")
         if self.resume:
             d, w = RESUME_AT[(self.d, self.w)]
             parts.append(f"resume-d{d}w{w}")
@@ -132,13 +138,34 @@ CONSTRAINTS: List[Tuple[Tuple[str, ...], Callable[[Dict[str, Any]], bool], str]]
         "swapping needs a stage with more microbatches in flight than the one computing (resident 0): "
         "d >= 2 under 1F1B, any d under gpipe",
     ),
+    (
+        ("structured", "weight_dtype"),
+        lambda r: not (r["structured"] and r["weight_dtype"] == "compute"),
+        "weight_dtype=compute needs layers that take activations in the compute dtype: masked_layers computes "
+        "in float32 on purpose, which a bf16 LayerNorm refuses (torch's mixed-dtype error, not detectable before)",
+    ),
     # 2bw's m >= d holds by construction (m = 8 / w); fp16 always runs with its loss scaler.
 ]
 
 # Combinations the code refuses at config time: (factors read, predicate, the ConfigError's pattern, why,
 # the values of an example). Listed in docs/concepts.md ("Supported combinations"). They are no cells of the
 # arrays (a refused run covers nothing); test_matrix validates each example and checks the refusal.
-REFUSED: List[Tuple[Tuple[str, ...], Callable[[Dict[str, Any]], bool], str, str, Dict[str, Any]]] = []
+REFUSED: List[Tuple[Tuple[str, ...], Callable[[Dict[str, Any]], bool], str, str, Dict[str, Any]]] = [
+    (
+        ("precision", "tied", "weight_dtype"),
+        lambda r: r["weight_dtype"] == "compute" and r["precision"] == "bf16" and r["tied"],
+        r"train.weight_dtype \(compute\) with (model.tie_embeddings|tied weights)",
+        "the tie's float32 gradient sum across stages is not written yet",
+        dict(schedule="2bw", d=2, w=1, precision="bf16", tied=True, weight_dtype="compute", structured=False),
+    ),
+    (
+        ("precision", "weight_dtype"),
+        lambda r: r["weight_dtype"] == "compute" and r["precision"] == "fp16",
+        r"train.weight_dtype \(compute\) with train.precision \(fp16\)",
+        "fp16 autocast runs layer norms in float32, which meet fp16 norm weights",
+        dict(schedule="2bw", d=2, w=1, precision="fp16", tied=False, weight_dtype="compute"),
+    ),
+]
 
 # Rows every array holds (the generator fills their other factors): the combinations that once trained
 # silently wrong, which a pairwise array need not contain (they are 3- and 4-way interactions).
@@ -225,6 +252,7 @@ def cell_config(cell: Cell, *, layout: Optional[Tuple[int, int]] = None, resume:
             warmup_steps=2,
             min_lr=0.02,
             clip_grad_norm=CLIP if cell.clip else None,
+            sharded=cell.sharded,
         ),
         data=DataConfig(val_fraction=0.1 if cell.validation else 0.0),
         train=TrainConfig(
@@ -233,6 +261,7 @@ def cell_config(cell: Cell, *, layout: Optional[Tuple[int, int]] = None, resume:
             warmup_steps=1,
             on_nonfinite="skip" if cell.skip else "stop",
             precision=cell.precision,
+            weight_dtype=cell.weight_dtype,
             loss_scale=1024.0,  # the scale grows every 2 clean steps: it changes within the run
             loss_scale_growth_interval=2,
             checkpoint_every=RESUME_STEP if cell.resume and layout is None else 0,

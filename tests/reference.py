@@ -34,13 +34,13 @@ class StageBoundaries(nn.Sequential):
     A boundary that is a tuple or dict has each floating element rounded (the stage sends each in
     the compute dtype and the next one goes on in float32); integer elements (masks, ids) pass as they are."""
 
-    def __init__(self, layers: Sequence[nn.Module], *, after: Sequence[int], dtype: torch.dtype):
+    def __init__(self, layers: Sequence[nn.Module], *, after: Sequence[int], dtype: torch.dtype, upcast: bool = True):
         super().__init__(*layers)
-        self.after, self.dtype = set(after), dtype
+        self.after, self.dtype, self.upcast = set(after), dtype, upcast  # upcast False: weights in the compute dtype
 
     def _round(self, t: Any) -> Any:
         if torch.is_tensor(t) and t.dtype in (torch.float32, self.dtype):
-            return t.to(self.dtype).float()
+            return t.to(self.dtype).float() if self.upcast else t.to(self.dtype)
         return t
 
     def forward(self, x: Any) -> Any:
@@ -122,9 +122,12 @@ def _train(
     source = model_source(cfg.model, seed=cfg.seed)  # the GPT, or a factory's layers (tied ones stay tied)
     after = boundaries(balance)
     layers = layers if layers is not None else source.build()
-    model = StageBoundaries(layers, after=after, dtype=precisions.compute_dtype(precision))  # W(t)
+    # train.weight_dtype=compute: the versions that batches run with are the float32 masters (model) rounded
+    weight_dtype = precisions.weight_dtype(precision, cfg.train.weight_dtype)
+    rounded = weight_dtype != torch.float32
+    model = StageBoundaries(layers, after=after, dtype=precisions.compute_dtype(precision), upcast=not rounded)  # W(t)
     lm_loss = source.loss_fn
-    stale = copy.deepcopy(model) if delayed else model  # W(t-1): the weights batch t runs with
+    stale = copy.deepcopy(model).to(weight_dtype) if delayed or rounded else model  # W(t-1): batch t runs with
     opt = build_optimizer(model.parameters(), cfg.optim)
     feed = MicrobatchFeed(
         load_splits(cfg.data)[0],
@@ -155,9 +158,17 @@ def _train(
             loss = lm_loss(logits.float(), y)
             (loss * scale if scaler is not None else loss).backward()
             batch_losses.append(loss.detach())
+            if rounded:  # the microbatches' gradients summed in float32
+                for p in stale.parameters():
+                    if p.grad is not None:
+                        p.main_grad = p.grad.float() if getattr(p, "main_grad", None) is None else p.main_grad + p.grad
+                        p.grad = None
         out.losses.append(float(torch.stack(batch_losses).mean()))
         out.lrs.append(lr_at(t, cfg.optim, num_steps=cfg.train.num_steps))
-        grads = [None if p.grad is None else p.grad / (m * scale) for p in stale.parameters()]
+        sums = [getattr(p, "main_grad", None) if rounded else p.grad for p in stale.parameters()]
+        grads = [None if g is None else g / (m * scale) for g in sums]
+        for p in stale.parameters() if rounded else ():
+            p.main_grad = None
         if delayed:
             stale.load_state_dict(model.state_dict())  # batch t+1 runs with W(t)
         for p, g in zip(model.parameters(), grads):
@@ -177,6 +188,8 @@ def _train(
             for group in opt.param_groups:
                 group["lr"] = out.lrs[-1]
             opt.step()
+        if rounded and not delayed:
+            stale.load_state_dict(model.state_dict())  # batch t+1 runs with W(t+1), rounded
         if t + 1 in keep:
             out.snapshots[t + 1] = copy.deepcopy(model.state_dict())
     return out._replace(weights=model.state_dict())

@@ -1,0 +1,291 @@
+"""optim.sharded (ZeRO-1) and train.weight_dtype: oracles, measured memory, checkpoints, refusals.
+
+The runs share two spawns (test_precision's ``run_jobs``: one process group start-up per world size): 4 ranks
+for the d=2 x w=2 and d=4 x w=1 runs, 8 ranks for d=2 x w=4; each spawn runs once per session (a fixture).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from reference import reference_run, reference_train
+from test_models import tied_config
+from test_precision import fp16_config, inf_gradient_layers, run_jobs
+from test_semantics import tiny_config
+
+from pipedream2bw import checkpoint
+from pipedream2bw.config import Config, ConfigError, gpt_balance, validate
+from pipedream2bw.runner import run
+from pipedream2bw.sharding import BucketShard, ShardedVersions
+from pipedream2bw.versions import WeightVersions
+
+STEPS = 4
+FP16_SKIPPED = 2  # the batch whose stage-0 gradient is infinite on replica 1 only
+
+
+def _replicated(cfg: Config, w: int, *, sharded: bool = True) -> Config:
+    """``cfg``'s 4 microbatches of 4 sequences, split over ``w`` replicas (the same batches at every w)."""
+    cfg.pipeline.data_parallel, cfg.pipeline.microbatch_size = w, 4 // w
+    cfg.optim.sharded = sharded
+    return cfg
+
+
+def _tied_clipped(schedule: str, d: int, w: int, *, sharded: bool = True, every: int = 0, resume: str = "never"):
+    cfg = _replicated(tied_config(schedule, d, steps=STEPS), w, sharded=sharded)
+    cfg.optim.clip_grad_norm = 1e-3
+    cfg.optim.kwargs = {"momentum": 0.9, "weight_decay": 0.01}
+    cfg.train.checkpoint_every, cfg.train.resume = every, resume
+    return cfg
+
+
+def _bf16_versions(d: int, w: int, *, sharded: bool = False, every: int = 0, resume: str = "never") -> Config:
+    cfg = tiny_config(schedule="2bw", num_stages=d, num_microbatches=4, num_steps=STEPS)
+    cfg = _replicated(cfg, w, sharded=sharded)
+    cfg.train.precision, cfg.train.weight_dtype = "bf16", "compute"
+    cfg.train.checkpoint_every, cfg.train.resume = every, resume
+    return cfg
+
+
+def _adamw(w: int, *, sharded: bool, every: int = 0, resume: str = "never") -> Config:
+    cfg = _replicated(
+        tiny_config(schedule="2bw", num_stages=2, num_microbatches=4, num_steps=STEPS), w, sharded=sharded
+    )
+    cfg.optim.name, cfg.optim.kwargs = "adamw", {"weight_decay": 0.1}
+    cfg.train.checkpoint_every, cfg.train.resume = every, resume
+    return cfg
+
+
+def _fp16_composed() -> Config:
+    cfg = fp16_config(d=2, w=2, steps=STEPS)
+    cfg.train.checkpoint_every = 0
+    cfg.optim.sharded, cfg.swap.optimizer, cfg.swap.enabled, cfg.swap.min_bytes = True, "host", True, 0
+    cfg.swap.resident = 0  # stage 0 holds 2 microbatches in flight: one waits on the host
+    return cfg
+
+
+def _step(run_dir, n: int) -> str:
+    return str(run_dir / "checkpoints" / f"step_{n:08d}")
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory):
+    """One spawn of 4 ranks: {name: (run dir, summary, final weights)}."""
+    root = tmp_path_factory.mktemp("sharding4")
+    job = lambda i: root / f"job{i}"  # noqa: E731 (run_jobs's directories)
+    jobs = {
+        "2bw": _tied_clipped("2bw", 2, 2, every=2),
+        "flush": _tied_clipped("flush", 2, 2),
+        "fp16": _fp16_composed(),
+        "bf16": _bf16_versions(4, 1, every=2),
+        # a sharded d=2 x w=2 checkpoint resumed unsharded at d=4 x w=1; a bf16 one (float32 masters) at d=4
+        "2bw resumed d=4 w=1": _tied_clipped("2bw", 4, 1, sharded=False, resume=_step(job(0), 2)),
+        "bf16 resumed": _bf16_versions(4, 1, resume=_step(job(3), 2)),
+    }
+    m = jobs["fp16"].pipeline.num_microbatches
+    runs = run_jobs(root, list(jobs.values()), world_size=4, inject={2: (1, 1, FP16_SKIPPED * m + 1)}, timeout_s=300)
+    return {name: (job(i), *run) for i, (name, run) in enumerate(zip(jobs, runs))}
+
+
+@pytest.fixture(scope="module")
+def eight_ranks(tmp_path_factory, four_ranks):
+    """One spawn of 8 ranks (d=2 x w=4), after ``four_ranks`` (it resumes one of its checkpoints)."""
+    root = tmp_path_factory.mktemp("sharding8")
+    job = lambda i: root / f"job{i}"  # noqa: E731
+    jobs = {
+        "adamw": _adamw(4, sharded=False, every=2),
+        "adamw sharded": _adamw(4, sharded=True),
+        "adamw unsharded -> sharded": _adamw(4, sharded=True, resume=_step(job(0), 2)),
+        "2bw resumed w=4": _tied_clipped("2bw", 2, 4, resume=_step(four_ranks["2bw"][0], 2)),
+    }
+    runs = run_jobs(root, list(jobs.values()), world_size=8, timeout_s=300)
+    return {name: (job(i), *run) for i, (name, run) in enumerate(zip(jobs, runs))}
+
+
+def test_bucket_shards_cover_the_bucket_once():
+    numels = (5, 1, 7, 3)  # 16 elements: S = 6 at w = 3 (the last shard padded), S = 4 at w = 4
+    for w in (1, 2, 3, 4, 7, 20):
+        layouts = [BucketShard((3, 0, 2, 1), numels, r, w) for r in range(w)]
+        covered = [(p.param, e) for layout in layouts for p in layout.pieces() for e in range(p.start, p.stop)]
+        assert sorted(covered) == sorted((i, e) for i, n in zip((3, 0, 2, 1), numels) for e in range(n))
+        for layout in layouts:  # pieces sit in the shard in flat order, within its S elements
+            offsets = [(p.offset, p.offset + p.stop - p.start) for p in layout.pieces()]
+            assert all(0 <= a < b <= layout.shard_numel for a, b in offsets)
+
+
+@pytest.mark.parametrize("schedule", ["2bw", "flush"])
+def test_the_all_gather_lands_before_the_first_reader_and_not_before(schedule):
+    """Two replicas' ShardedVersions in one process, their all-gather a stand-in that writes only when
+    waited: after APPLY(t) nothing is written yet (the gather is in flight), and the replica batch t+2
+    (2bw; flush: t+1) reads holds the unsharded step's W(t+1), bucket by bucket."""
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))  # 23 elements, 2 buckets
+    buckets = [[0, 1], [2, 3]]
+    sgd = lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9)  # noqa: E731
+    plain = WeightVersions(copy.deepcopy(module), schedule=schedule, optimizer_factory=sgd, buckets=buckets)
+    shards = [
+        ShardedVersions(
+            copy.deepcopy(module),
+            schedule=schedule,
+            optimizer_factory=sgd,
+            buckets=buckets,
+            num_sharded=2,
+            shard_index=r,
+            num_shards=2,
+        )
+        for r in range(2)
+    ]
+    in_flight = []
+    for v in shards:  # writes every replica's stepped shard of bucket b into ``full``, once waited
+        v.connect(lambda shard, full: in_flight.append(full) or (lambda full=full: _gather_now(shards, full)))
+    reads = 2 if schedule == "2bw" else 1
+    for t in range(4):
+        grads = [torch.randn_like(p) for p in module.parameters()]
+        for p, g in zip(plain.module_for_batch(t).parameters(), grads):
+            p.grad = g.clone()
+        plain.step(t, grad_scale=0.5)
+        for r, v in enumerate(shards):
+            flat = [torch.cat([grads[i].reshape(-1) for i in b]) for b in buckets]
+            v.step(t, grad_scale=0.5, before_bucket=lambda b, r=r, flat=flat: _shard_of(flat[b], r, 2))
+        assert len(in_flight) == 4 and all(v._pending for v in shards)  # each replica: a gather per bucket, unwaited
+        for v in shards:
+            torch.testing.assert_close(
+                list(v.module_for_batch(t + reads).parameters()), list(plain.module_for_batch(t + reads).parameters())
+            )
+        in_flight.clear()
+
+
+def _shard_of(flat: torch.Tensor, r: int, w: int) -> torch.Tensor:
+    size = -(-flat.numel() // w)
+    padded = torch.zeros(size * w)
+    padded[: flat.numel()] = flat
+    return padded[r * size : (r + 1) * size].clone()
+
+
+def _gather_now(shards, full: torch.Tensor) -> None:
+    """The stand-in all-gather's write: the bucket whose flat storage is ``full``, from every replica's shard."""
+    b = next(b for v in shards for row in v.flat for b, f in enumerate(row) if f is full)
+    full.copy_(torch.cat([v.shards[b] for v in shards]))
+
+
+@pytest.mark.parametrize("schedule", ["2bw", "flush"])
+def test_sharded_tied_clipped_equals_the_reference(four_ranks, schedule):
+    """d=2 x w=2: the tied GPT with active clipping, sharded, ends on the single-process reference's weights
+    with its gradient norms (every shard counted once, the tie once)."""
+    _, summary, weights = four_ranks[schedule]
+    cfg = _tied_clipped(schedule, 2, 2)
+    reference = tied_config(schedule, 1, steps=STEPS)
+    reference.optim, reference.pipeline.microbatch_size = cfg.optim, 4
+    expected = reference_run(reference, delayed=schedule == "2bw")
+    assert min(expected.grad_norms) > cfg.optim.clip_grad_norm  # the clip is active on every step
+    torch.testing.assert_close(torch.tensor(summary["grad_norms"]), torch.tensor(expected.grad_norms))
+    torch.testing.assert_close(weights, expected.weights)
+    assert summary["ties"][0]["checked_steps"] == STEPS  # the tied copies stayed bit-identical
+
+
+def test_sharded_checkpoint_resumes_at_any_layout_and_consolidates(four_ranks, eight_ranks):
+    """A checkpoint of the sharded d=2 x w=2 run (step 2) holds each replica's pieces; resumed unsharded at
+    d=4 x w=1 and sharded at d=2 x w=4, both end on the straight run's weights and losses. An unsharded
+    AdamW checkpoint resumed sharded ends on the unsharded run's. ``consolidate`` gives the final weights."""
+    run_dir, straight, weights = four_ranks["2bw"]
+    files = sorted(p.name for p in (run_dir / "checkpoints" / "step_00000002").glob("layer_*.shard_*"))
+    assert {f.split(".shard_")[1] for f in files} == {f"rank{r:05d}.pt" for r in range(4)}, files
+    for name in ("2bw resumed d=4 w=1",):
+        _, summary, resumed = four_ranks[name]
+        torch.testing.assert_close(resumed, weights)
+        torch.testing.assert_close(torch.tensor(summary["losses"]), torch.tensor(straight["losses"]))
+    _, summary, resumed = eight_ranks["2bw resumed w=4"]
+    torch.testing.assert_close(resumed, weights)
+    assert summary["resumed_from"].endswith("step_00000002")
+    _, _, unsharded = eight_ranks["adamw"]
+    torch.testing.assert_close(eight_ranks["adamw unsharded -> sharded"][2], unsharded)
+    out = checkpoint.consolidate(run_dir)  # the step-4 checkpoint: the final weights
+    torch.testing.assert_close(torch.load(out), weights)
+
+
+def test_sharded_adamw_equals_unsharded_with_a_wth_of_the_optimizer_state(eight_ranks):
+    """d=2 x w=4, AdamW under 2bw: the sharded run's weights are the unsharded run's to float32 round-off,
+    and each rank measures 1/w of the unsharded run's optimizer state (within one bucket's padding)."""
+    _, plain, plain_weights = eight_ranks["adamw"]
+    _, sharded, sharded_weights = eight_ranks["adamw sharded"]
+    torch.testing.assert_close(sharded_weights, plain_weights)
+    assert sharded["losses"] == plain["losses"]
+    for a, b in zip(plain["ranks"], sharded["ranks"]):
+        # Adam: two float32 moments per element and a step count per parameter (or piece); the last replica's
+        # shard lacks the padding (at most w - 1 elements of the one bucket): 512 B is well within one bucket
+        assert abs(b["optimizer_state_bytes"] - a["optimizer_state_bytes"] / 4) <= 512, (a, b)
+
+
+def test_sharded_fp16_skip_host_optimizer_and_swapping_equal_the_scaled_reference(four_ranks):
+    """d=2 x w=2 under 2bw, sharded with the shards on the host (swap.optimizer=host), activations swapped,
+    fp16 loss scaling, an inf in stage 0's gradient on replica 1 only at batch 2: every rank skips batch 2
+    (replica 0's shard is finite: it skips by agreement), the scales follow the scaler, and the weights
+    are the reference's that skips batch 2, at fp16's tolerance (as test_precision's unsharded run)."""
+    _, summary, weights = four_ranks["fp16"]
+    batch = FP16_SKIPPED
+    assert [r["skipped_steps"] for r in summary["ranks"]] == [[batch]] * 4
+    assert [(r["swap"] or {}).get("swapped_out_bytes", 0) > 0 for r in summary["ranks"]] == [True, True, False, False]
+    oracle = fp16_config(d=1, w=1, steps=STEPS)
+    info = {}
+    expected, losses = reference_train(
+        oracle,
+        delayed=True,
+        balance=gpt_balance(oracle.model, 2),
+        layers=inf_gradient_layers(oracle, layer=1, call=batch * 4 + 4 // 2 + 1),
+        info=info,
+    )
+    assert info["skipped_steps"] == [batch] and summary["loss_scale"]["per_step"] == info["loss_scales"]
+    fp16_close = dict(rtol=1e-3, atol=1e-4)
+    torch.testing.assert_close(weights, expected, **fp16_close)
+    torch.testing.assert_close(torch.tensor(summary["losses"]), torch.tensor(losses), **fp16_close)
+
+
+def test_bf16_weight_versions_equal_the_rounded_masters_reference(four_ranks):
+    """train.weight_dtype=compute under bf16, 2bw, d=4 x w=1: the versions are bf16 roundings of float32
+    masters, microbatch gradients summed in float32, the stages run in bf16: equal to the single-process
+    reference applying that rule; the rounding shows (far from the float32-versions reference). Its
+    checkpoint keeps the float32 masters: resumed from step 2, the run ends on the same weights."""
+    _, summary, weights = four_ranks["bf16"]
+    reference = tiny_config(schedule="2bw", num_stages=1, num_microbatches=4, num_steps=STEPS)
+    reference.train, reference.pipeline.microbatch_size = _bf16_versions(4, 1).train, 4
+    expected = reference_run(reference, delayed=True, balance=summary["balance"])
+    assert all(v.dtype == torch.bfloat16 for v in weights.values())  # the newest version, as stored
+    torch.testing.assert_close(weights, {k: v.to(torch.bfloat16) for k, v in expected.weights.items()})
+    torch.testing.assert_close(torch.tensor(summary["losses"]), torch.tensor(expected.losses))
+    reference.train.weight_dtype = "fp32"
+    fp32_versions = reference_run(reference, delayed=True, balance=summary["balance"])
+    assert max(float((expected.weights[k] - fp32_versions.weights[k]).abs().max()) for k in weights) > 1e-3
+    _, _, resumed = four_ranks["bf16 resumed"]
+    torch.testing.assert_close(resumed, weights, rtol=0, atol=0)
+
+
+def test_sharding_refuses_what_it_cannot_step():
+    cfg = _replicated(tiny_config(schedule="2bw", num_stages=2, num_microbatches=4), 2)
+    cfg.optim.target = "torch.optim.SGD"
+    with pytest.raises(ConfigError, match=r"optim.sharded \(true\) steps pieces .* optimizer; torch.optim.SGD"):
+        validate(cfg, world_size=4)
+    cfg.optim.target, cfg.train.checkpoint_every = None, 2  # checkpoints are written per shard
+    validate(cfg, world_size=4)
+    cfg.pipeline.data_parallel = 1  # nothing to shard over: accepted, and a plain run
+    validate(cfg, world_size=2)
+    cfg.train.precision, cfg.train.weight_dtype = "bf16", "compute"
+    cfg.model.tie_embeddings = True
+    with pytest.raises(ConfigError, match=r"train.weight_dtype \(compute\) with model.tie_embeddings"):
+        validate(cfg, world_size=2)
+    cfg.train.weight_dtype = "bf16"
+    with pytest.raises(ConfigError, match=r"train.weight_dtype \('bf16'\) is unknown"):
+        validate(cfg, world_size=2)
+
+
+def test_compute_weights_refuse_ties_of_any_model_before_a_group_starts(tmp_path):
+    """A layer list's tie is found by run() (not config): refused there, before any process group."""
+    from matrix import Cell, cell_config
+
+    cell = Cell(
+        **dict(schedule="2bw", d=1, w=1, resume=False, swap=False, precision="bf16", tied=True, clip=False),
+        **dict(skip=False, recompute=False, host_optim=False, validation=False, structured=True),
+        **dict(sharded=False, weight_dtype="compute"),
+    )
+    with pytest.raises(ConfigError, match=r"train.weight_dtype \(compute\) with tied weights \(\[\["):
+        run(cell_config(cell), tmp_path)
