@@ -97,7 +97,23 @@ def test_bug_recompute_kept_a_tuple_input_where_swapping_cannot_see_it(tmp_path)
     moved nothing on a model whose boundaries are tuples. Its tensors now go in as checkpoint's arguments."""
     from matrix import Cell, cell_config
 
-    cell = Cell("flush", 2, 1, False, True, "fp32", False, False, False, True, False, False, True)
+    cell = Cell(
+        schedule="flush",
+        d=2,
+        w=1,
+        resume=False,
+        swap=True,
+        precision="fp32",
+        tied=False,
+        clip=False,
+        skip=False,
+        recompute=True,
+        host_optim=False,
+        validation=False,
+        structured=True,
+        sharded=False,
+        weight_dtype="fp32",
+    )
     summary = run_ok(cell_config(cell), tmp_path / "swap")
     cfg = cell_config(cell)
     cfg.swap.enabled = False
