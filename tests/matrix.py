@@ -173,6 +173,9 @@ PRESETS: List[Dict[str, Any]] = [
     # issue 21: 2bw + a weight tied across stages + w >= 2, without clipping or skip (a deferred step with
     # no agreement of its own): the step used one replica's un-averaged gradient
     dict(schedule="2bw", d=2, w=2, tied=True, clip=False, skip=False, precision="fp32", resume=False),
+    # 2bw + a tie + validation at d >= 3, no agreement: only the tie's holders deferred APPLY(t), and a middle
+    # stage's validation pass waited for the last stage, which first needed that stage's next activation
+    dict(schedule="2bw", d=4, w=1, tied=True, validation=True, clip=False, skip=False, precision="fp32"),
 ]
 
 
