@@ -222,8 +222,9 @@ class TrainConfig:
     that are there but none loadable stop the run (exit 2) rather than start it again from step 0."""
     resume_strict: bool = True
     """Refuse a checkpoint written with other model settings (e.g. model.num_heads) or training settings
-    (train.precision, the optimizer and its kwargs, the learning-rate schedule, 2bw vs flush/gpipe), naming
-    them; false resumes anyway and logs the differences (another optimizer starts with fresh state)."""
+    (train.precision, train.weight_dtype, the optimizer and its kwargs, the learning-rate schedule, 2bw vs
+    flush/gpipe), naming them; false resumes anyway and logs the differences (another optimizer starts with
+    fresh state)."""
     preempt_signals: List[str] = field(default_factory=lambda: ["SIGTERM"])
     """Signals that preempt the run (SLURM and Kubernetes send SIGTERM before they kill a job): every rank
     stops within two steps at one agreed step, writes a checkpoint of it, summary.json says
@@ -239,8 +240,8 @@ class TrainConfig:
     refreshed at each step from float32 masters that the optimizer keeps, sharded or not; gradients are
     summed over the microbatches in float32; refused under fp16 and with tied weights). Under fp32 both
     are the same. null: 'fp32', or under partition=auto|file the plan's (a value set here must agree with it).
-    Checkpoints and final_model.pt hold the float32 masters; resuming with another value is refused unless
-    train.resume_strict=false."""
+    Checkpoints and the final weights (final_model.pt, final_model/, train.export_hf) hold the float32 masters;
+    resuming with another value is refused unless train.resume_strict=false."""
     loss_scale: float = 65536.0
     """fp16 only: the first loss scale; halved on every step with a non-finite gradient (which is skipped)."""
     loss_scale_growth_interval: int = 2000
