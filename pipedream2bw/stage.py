@@ -171,6 +171,7 @@ class StageWorker:
         # rank 0 as a last stage: batch -> its own loss, until APPLY(t) logs it (a deferred APPLY(t) runs after
         # batch t+1's forwards, which report that batch's loss)
         self._own_losses: Dict[int, float] = {}
+        self._loss_posts: Dict[int, List[tuple]] = {}  # rank 0: batch -> its posted loss receives (P2P.post_loss)
         # closed batch -> its data-parallel all-reduce, held until its APPLY: under 2bw batch t+1's last
         # backward arms the reducer again before a deferred APPLY(t) (one rule for every deferring feature)
         self._reductions: Dict[int, BatchReduction] = {}
@@ -267,8 +268,13 @@ class StageWorker:
         for reduction in self._reductions.values():  # sharded: reduce-scatter inputs done with, freed here
             if isinstance(reduction, ShardedReduction):
                 reduction.release_done()
-        if self.reducer is not None and (k + 1) % self.m == 0:
-            self.reducer.arm(self.versions.replicas.index(self.versions.module_for_batch(k // self.m)))
+        if (k + 1) % self.m == 0:  # the batch's last backward
+            if self.reducer is not None:
+                self.reducer.arm(self.versions.replicas.index(self.versions.module_for_batch(k // self.m)))
+            # rank 0: the last stages sent this batch's loss before their last backward; received by APPLY
+            self._loss_posts[k // self.m] = [
+                self.p2p.post_loss(peer=r) for r in self.peers.loss_sources if r != self.p2p.ctx.rank
+            ]
 
     def backward(self, k: int) -> None:
         """B k: backward from the gradient WAIT_B k received (the loss's on the last stage); keeps the
@@ -397,8 +403,9 @@ class StageWorker:
             trace.add("S", t, start, time.perf_counter())
         if self.peers.loss_sources:  # rank 0: the batch loss is the mean over the replicas' last stages
             start = time.perf_counter()
+            posted = iter(self._loss_posts.pop(t))
             losses = [
-                self._own_losses.pop(t) if r == self.p2p.ctx.rank else self.p2p.recv_loss(peer=r)
+                self._own_losses.pop(t) if r == self.p2p.ctx.rank else self.p2p.take_loss(next(posted))
                 for r in self.peers.loss_sources
             ]
             self.stats.losses.append(sum(losses) / len(losses))
