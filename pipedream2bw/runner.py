@@ -596,7 +596,9 @@ def _train(
     feed, val_feed, evaluator = _data(rt, ctx, peers, cfg.data, cfg.train, model.loss_fn)
     stop_rule = None
     if watch.signals:  # a CPU scalar per step on a gloo group of its own: no device sync, no queueing behind training
-        channel = comm.AsyncSum(ctx, group=comm.new_groups(ctx, [range(ctx.world_size)], backend="gloo")[0])
+        channel = None
+        if ctx.world_size > 1:
+            channel = comm.AsyncSum(ctx, group=comm.new_groups(ctx, [range(ctx.world_size)], backend="gloo")[0])
         stop_rule = preempt.Agreement(watch, channel, last_step=rt.num_steps - 1)
     actions = _actions(rt, batch_sends=_batch_sends(cfg.dist, rt))
     in_flight = schedule.in_flight(rt.schedule, rt.stage, rt.num_stages, rt.num_microbatches)
