@@ -530,7 +530,8 @@ class GradReducer:
 
 class BatchReduction:
     """One batch's gradient all-reduce over a stage's replicas: buckets started as their gradients
-    become final; ``wait(b)`` puts bucket ``b``'s sums into that batch's gradients."""
+    become final, each flattened into one tensor that replaces the parameters' gradients (they are freed);
+    ``wait(b)`` puts views of bucket ``b``'s sums back as that batch's gradients."""
 
     def __init__(self, reducer: GradReducer, replica_index: int):
         self.reducer, self.replica_index = reducer, replica_index
@@ -552,6 +553,10 @@ class BatchReduction:
                 for i in r.buckets[b]
             ]
         )
+        # The flat copy is the gradient now: ``wait`` puts views of it back. Freeing the parameters' own
+        # gradients here keeps one gradient per parameter, not two, from here to the step (the step's peak).
+        for i in r.buckets[b]:
+            set_grad(params[i], None)
         self._started.append((dist.all_reduce(flat, group=r.group, async_op=True), flat))
         r.num_collectives += 1
 
