@@ -651,7 +651,7 @@ class ShardedReduction(BatchReduction):
 
 def all_gather_async(ctx: DistContext, shard: torch.Tensor, full: torch.Tensor, *, group: Any):
     """Starts gathering every replica's ``shard`` of ``group`` into ``full`` (in rank order); returns the wait,
-    which has the run's timeout."""
+    which has the run's timeout. ``shard`` may be this rank's own slice of ``full`` (in place, as FSDP gathers)."""
     work = dist.all_gather_into_tensor(full, shard, group=group, async_op=True)
     return lambda: wait_work(ctx, work, "weight all-gather (optim.sharded)")
 
