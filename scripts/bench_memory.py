@@ -46,7 +46,7 @@ from pipedream2bw.config import (  # noqa: E402
     TrainConfig,
     WandbConfig,
 )
-from pipedream2bw.precision import param_memory  # noqa: E402
+from pipedream2bw.precision import needs_agreement, param_memory, step_waits  # noqa: E402
 from pipedream2bw.schedule import in_flight  # noqa: E402
 
 MEMORY_MODEL = dict(num_layers=32, d_model=64, num_heads=4, seq_len=4, microbatch_size=1, num_microbatches=2)
@@ -66,8 +66,10 @@ def job(
     steps: int,
     model: dict,
     bucket_mb,
+    clip=None,
 ):
     return dict(
+        clip=clip,
         bucket_mb=bucket_mb,
         schedule=schedule,
         d=d,
@@ -94,7 +96,7 @@ def make_config(j: dict, *, cuda: bool) -> Config:
         model=GPTConfig(
             num_layers=m["num_layers"], d_model=m["d_model"], num_heads=m["num_heads"], seq_len=m["seq_len"]
         ),
-        optim=OptimConfig(name="adamw", lr=1e-4, sharded=j["sharded"]),
+        optim=OptimConfig(name="adamw", lr=1e-4, sharded=j["sharded"], clip_grad_norm=j.get("clip")),
         data=DataConfig(),
         train=TrainConfig(
             num_steps=j["steps"],
@@ -174,7 +176,14 @@ def launch(jobs: list, *, nproc: int, memory: bool) -> list:
         ]
 
 
-def _predicted(j: dict):
+def _predicted(j: dict, stage_index: int):
+    waits = step_waits(
+        j["schedule"],
+        agreement=needs_agreement(j["precision"], clip_grad_norm=j.get("clip"), on_nonfinite="stop"),
+        tied_across_stages=False,
+        sharded=j["sharded"] and j["w"] > 1,
+        stage_index=stage_index,
+    )
     return param_memory(
         j["precision"],
         schedule=j["schedule"],
@@ -182,6 +191,7 @@ def _predicted(j: dict):
         weight_dtype_name=j["weight_dtype"],
         sharded=j["sharded"],
         data_parallel=j["w"],
+        waits=waits,
     )
 
 
@@ -190,11 +200,11 @@ def measure(j: dict, ranks: list) -> dict:
     info = ranks[0]  # rank 0's record carries the summary's figures
     per_stage = stage_params(j["model"], info["balance"])
     summary = {r["rank"]: r for r in info["ranks"]}
-    pm = _predicted(j)
     out = []
     for r in ranks:
         stage = summary[r["rank"]]["stage"]
         params, matmul = per_stage[stage]
+        pm = _predicted(j, stage)
         casts = (
             pm.cast_per_microbatch * matmul * in_flight(j["schedule"], stage, j["d"], j["model"]["num_microbatches"])
         )
@@ -227,6 +237,7 @@ def memory_table(args) -> None:
                 steps=args.steps,
                 model=MEMORY_MODEL,
                 bucket_mb=args.bucket_mb,
+                clip=args.clip,
             )
             for s in ("2bw", "flush")
             for p, wd in COMBINATIONS
@@ -258,7 +269,7 @@ def memory_table(args) -> None:
             ratio = max(x["optimizer_state_bytes"] / unsharded_state[x["rank"]] for x in r["ranks"])
             state = f"{ratio:.4f} (1/{r['w']} = {1 / r['w']:.4f})"
             plain_worst = max(x["peak_bytes"] / x["params"] for x in plain["ranks"])
-            predicted = _predicted(plain).total - _predicted(r).total
+            predicted = _predicted(plain, worst["stage"]).total - _predicted(r, worst["stage"]).total
             fall = f"{plain_worst - measured:.2f} ({(plain_worst - measured) / predicted - 1:+.1%})"
             predicted_fall = f"{predicted:.2f}"
         print(
@@ -270,7 +281,7 @@ def memory_table(args) -> None:
     params = sorted({x["params"] for r in rows for x in r["ranks"]})
     print(
         f"\n(GPT {MEMORY_MODEL}: {', '.join(map(str, params))} parameters a stage; AdamW, {args.steps} steps, "
-        f"pipeline.bucket_mb={args.bucket_mb})"
+        f"pipeline.bucket_mb={args.bucket_mb}{f', optim.clip_grad_norm={args.clip}' if args.clip else ''})"
     )
 
 
@@ -331,6 +342,13 @@ def main() -> None:
         help="pipeline.bucket_mb: the memory GPT's largest parameter (64 KiB float32), about 1%% of its 6.5 MB, so "
         "that a bucket's temporaries (its flat copy as it starts, gloo's all-gather output) are a small part of a "
         "stage, as the default 25 MB is of a large one",
+    )
+    parser.add_argument(
+        "--clip",
+        type=float,
+        default=None,
+        help="memory table: optim.clip_grad_norm for every run (a step agreement: under 2bw the step waits and a "
+        "stage holds the closed batch's gradient, param_memory's held_gradient)",
     )
     parser.add_argument("--json", default=None, help="memory table: also write its rows to this file")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
