@@ -22,9 +22,11 @@ from pipedream2bw.config import (
     SCHEDULES,
     Config,
     GPTConfig,
+    OptimConfig,
     PipelineConfig,
     SwapConfig,
     TopologyConfig,
+    TrainConfig,
 )
 from pipedream2bw.errors import ConfigError
 
@@ -121,7 +123,7 @@ def make_request(
         tolerance=cfg.partition.tolerance,
         precision=planned_precision(cfg, topo),
         sharded=cfg.partition.sharded,
-        weight_dtype=cfg.train.weight_dtype,
+        weight_dtype=cfg.train.weight_dtype or "fp32",
         bucket_bytes=p.bucket_mb * 2**20,
         step_agreement=precisions.needs_agreement(
             planned_precision(cfg, topo), clip_grad_norm=cfg.optim.clip_grad_norm, on_nonfinite=cfg.train.on_nonfinite
@@ -222,3 +224,41 @@ def apply_plan(
         recompute=p.recompute,
     )
     return pipeline, dataclasses.replace(swap, enabled=False, stages=list(p.swap_stages), resident=p.swap_resident)
+
+
+def apply_choices(
+    optim: OptimConfig, train: TrainConfig, p: Plan, *, precision: str
+) -> Tuple[OptimConfig, TrainConfig]:
+    """The ``optim`` and ``train`` sections with the plan's ``sharded`` and ``weight_dtype`` (what its memory was
+    counted for): a value the run leaves null takes the plan's; one the run sets must agree with the plan's
+    where that changes the run (sharded: over the plan's w > 1 replicas; the weight dtype: under ``precision``,
+    the run's resolved one, where 'compute' under fp32 is float32 too).
+
+    Raises:
+        ConfigError: a value set by the run that the plan contradicts (naming both, and the fix), or a plan's
+            weight_dtype that is unknown.
+    """
+    if p.weight_dtype not in precisions.WEIGHT_DTYPES:
+        raise ConfigError(
+            f"the plan's weight_dtype ({p.weight_dtype!r}) is unknown; use one of {list(precisions.WEIGHT_DTYPES)} "
+            f"in the plan file, or plan again"
+        )
+    conflicts = []
+    if optim.sharded is not None and optim.sharded != p.sharded and p.data_parallel > 1:
+        run, planned = str(optim.sharded).lower(), str(p.sharded).lower()
+        conflicts.append(
+            f"optim.sharded ({run}) contradicts the plan's sharded ({planned}, over {p.data_parallel} replicas): drop "
+            f"optim.sharded or set optim.sharded={planned} to run the plan, or plan again with partition.sharded={run}"
+        )
+    dtype = precisions.weight_dtype
+    if train.weight_dtype is not None and dtype(precision, train.weight_dtype) != dtype(precision, p.weight_dtype):
+        conflicts.append(
+            f"train.weight_dtype ({train.weight_dtype}) contradicts the plan's weight_dtype ({p.weight_dtype}, under "
+            f"{precision}): drop train.weight_dtype or set train.weight_dtype={p.weight_dtype} to run the plan, or "
+            f"plan again with train.weight_dtype={train.weight_dtype}"
+        )
+    if conflicts:
+        raise ConfigError("; ".join(conflicts))
+    optim = optim if optim.sharded is not None else dataclasses.replace(optim, sharded=p.sharded)
+    train = train if train.weight_dtype is not None else dataclasses.replace(train, weight_dtype=p.weight_dtype)
+    return optim, train

@@ -673,6 +673,15 @@ def _read_layer(path: Path, index: int, files: Sequence[str]) -> Dict[str, Any]:
     return {**out, "optimizer": {**out["optimizer"], **whole["optimizer"]}, "masters": whole["masters"]}
 
 
+def layer_weights(path: Path, index: int, files: Sequence[str]) -> Dict[str, torch.Tensor]:
+    """Layer ``index``'s newest weights in checkpoint ``path`` at full precision: its float32 masters where the
+    run kept its own (optim.sharded, train.weight_dtype=compute; reassembled from the shard files among
+    ``files``), else the stored version, which then is the masters. A compute run's stored version is
+    rounded to its compute dtype: consolidate and export-hf read the masters."""
+    layer = _read_layer(Path(path), index, files)
+    return {**layer["weights"], **layer["masters"]}
+
+
 def load_rng(path: Path, rank: int) -> Optional[Dict[str, Any]]:
     """Rank ``rank``'s RNG states in checkpoint ``path`` (``rng_state``), None if absent or unsafe to load
     (a file of an earlier version, which pickled numpy's state, or one tampered with: never unpickled)."""
@@ -700,9 +709,8 @@ def consolidate(path: Path, out: Optional[Path] = None) -> Path:
     if chosen is None:
         raise FileNotFoundError(f"no complete checkpoint with intact files at {path}")
     state: Dict[str, torch.Tensor] = {}
-    for i in range(manifest["num_layers"]):  # float32 masters where the run kept its own (they are the weights)
-        layer = _read_layer(chosen, i, list(manifest["files"]))
-        state.update({**layer["weights"], **layer["masters"]})
+    for i in range(manifest["num_layers"]):
+        state.update(layer_weights(chosen, i, list(manifest["files"])))
     for names in manifest.get("ties", []):  # as the tied model's state_dict: every name on the one stored tensor
         for alias in names[1:]:
             state[alias] = state[names[0]]

@@ -448,12 +448,22 @@ class P2P:
         while len(self._loss_sends) > 2:
             self._wait(self._loss_sends.popleft()[0], "sending a loss to rank 0")
 
-    def recv_loss(self, *, peer: int, tag: int = _LOSS_TAG) -> float:
-        """Rank 0: the mean loss of the next batch (or, with ``EVAL_LOSS_TAG``, the next validation
-        loss) from the last stage on rank ``peer``."""
+    def post_loss(self, *, peer: int, tag: int = _LOSS_TAG) -> Tuple[Any, torch.Tensor, int]:
+        """Rank 0: posts the receive of the next batch's mean loss (or, with ``EVAL_LOSS_TAG``, the next
+        validation loss) from the last stage on rank ``peer``; ``take_loss`` waits for it. Posted ahead
+        of its use, the transfer (a rendezvous on gloo) runs behind rank 0's compute."""
         loss = torch.zeros(1, dtype=torch.float64)
-        self._wait(dist.irecv(loss, peer, group=self.ctx.control, tag=tag), f"receiving the loss from rank {peer}")
+        return dist.irecv(loss, peer, group=self.ctx.control, tag=tag), loss, peer
+
+    def take_loss(self, posted: Tuple[Any, torch.Tensor, int]) -> float:
+        """The loss a ``post_loss`` receive brings, once it has arrived."""
+        work, loss, peer = posted
+        self._wait(work, f"receiving the loss from rank {peer}")
         return float(loss)
+
+    def recv_loss(self, *, peer: int, tag: int = _LOSS_TAG) -> float:
+        """Rank 0: ``take_loss(post_loss(...))``, the next loss from rank ``peer`` at once."""
+        return self.take_loss(self.post_loss(peer=peer, tag=tag))
 
     def send_value(self, value: torch.Tensor, *, peer: int, tag: int) -> None:
         """Starts sending a scalar to ``peer`` over the CPU control group; only ``flush`` waits for it

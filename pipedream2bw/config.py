@@ -168,11 +168,12 @@ class OptimConfig:
     no_decay_norms_and_biases: bool = False
     """Two parameter groups: weight decay (``kwargs.weight_decay``) on weights of 2 or more dimensions,
     none on 1-D parameters (norm scales, biases), as GPT training usually does."""
-    sharded: bool = False
+    sharded: Optional[bool] = None
     """ZeRO-1 over the data-parallel replicas (docs/design.md section 10): the w replicas of a stage each keep
     1/w of the float32 master weights and optimizer state; gradients reduce-scatter in buckets, each replica
     steps its shard, the new weights are all-gathered (under 2bw while the next batch runs). Needs an
-    elementwise optimizer (sgd, adam, adamw, ...); with data_parallel 1 it changes nothing."""
+    elementwise optimizer (sgd, adam, adamw, ...); with data_parallel 1 it changes nothing. null: false, or
+    under partition=auto|file the plan's choice (a value set here must agree with the plan's)."""
 
 
 @dataclass
@@ -221,8 +222,9 @@ class TrainConfig:
     that are there but none loadable stop the run (exit 2) rather than start it again from step 0."""
     resume_strict: bool = True
     """Refuse a checkpoint written with other model settings (e.g. model.num_heads) or training settings
-    (train.precision, the optimizer and its kwargs, the learning-rate schedule, 2bw vs flush/gpipe), naming
-    them; false resumes anyway and logs the differences (another optimizer starts with fresh state)."""
+    (train.precision, train.weight_dtype, the optimizer and its kwargs, the learning-rate schedule, 2bw vs
+    flush/gpipe), naming them; false resumes anyway and logs the differences (another optimizer starts with
+    fresh state)."""
     preempt_signals: List[str] = field(default_factory=lambda: ["SIGTERM"])
     """Signals that preempt the run (SLURM and Kubernetes send SIGTERM before they kill a job): every rank
     stops within two steps at one agreed step, writes a checkpoint of it, summary.json says
@@ -232,12 +234,14 @@ class TrainConfig:
     """'fp32', 'bf16' or 'fp16': each stage's forward and loss under torch.autocast to that dtype,
     float32 master weights, p2p transfers in that dtype; fp16 adds dynamic loss scaling. 'auto':
     bf16 on a CUDA device that supports it, else fp32."""
-    weight_dtype: str = "fp32"
+    weight_dtype: Optional[str] = None
     """What the weight versions are stored in: 'fp32' (the versions are the float32 masters the optimizer
     steps) or 'compute' (bf16 under train.precision=bf16: two versions of 2 B per parameter under 2bw,
     refreshed at each step from float32 masters that the optimizer keeps, sharded or not; gradients are
     summed over the microbatches in float32; refused under fp16 and with tied weights). Under fp32 both
-    are the same."""
+    are the same. null: 'fp32', or under partition=auto|file the plan's (a value set here must agree with it).
+    Checkpoints and the final weights (final_model.pt, final_model/, train.export_hf) hold the float32 masters;
+    resuming with another value is refused unless train.resume_strict=false."""
     loss_scale: float = 65536.0
     """fp16 only: the first loss scale; halved on every step with a non-finite gradient (which is skipped)."""
     loss_scale_growth_interval: int = 2000
@@ -334,8 +338,8 @@ class PartitionConfig:
     """Plan file to run ('file'), or where 'auto' and python -m partitioner plan write theirs (null: 'auto' writes
     plan.yaml in the run directory, the CLI outputs/plans/<date>/<time>/plan.yaml; its --out comes first)."""
     sharded: Optional[bool] = False
-    """Plan with optim.sharded (true), without (false), or let the search try both (null; the plan records its
-    choice, which a run sets as optim.sharded)."""
+    """Plan with optim.sharded (true), without (false), or let the search try both (null). The plan records its
+    choice, which a run of it sets as optim.sharded (an optim.sharded set by the run must agree)."""
     objective: str = "throughput"
     """'throughput' (fastest plan that fits) or 'memory' (lowest peak memory per device)."""
     tolerance: float = 0.01
@@ -634,7 +638,7 @@ def _validate_sharding(cfg: Config) -> None:
     from pipedream2bw.precision import WEIGHT_DTYPES
 
     t = cfg.train
-    if t.weight_dtype not in WEIGHT_DTYPES:
+    if t.weight_dtype is not None and t.weight_dtype not in WEIGHT_DTYPES:
         raise ConfigError(f"train.weight_dtype ({t.weight_dtype!r}) is unknown; use one of {list(WEIGHT_DTYPES)}")
     if t.weight_dtype == "compute" and t.precision != "fp32":
         _need_elementwise(cfg, "train.weight_dtype (compute)")
@@ -712,6 +716,14 @@ def validate_steps(t: TrainConfig) -> None:
         signal_numbers(t.preempt_signals)
     except ValueError as e:
         raise ConfigError(f"train.preempt_signals ({list(t.preempt_signals)}): {e}; or [] for none") from None
+
+
+def default_plan_choices(cfg: Config) -> Config:
+    """``cfg`` with what a plan may choose and the run left null (optim.sharded, train.weight_dtype) at its
+    default: false, 'fp32'. ``partition=auto|file`` sets them from the plan first."""
+    optim = cfg.optim if cfg.optim.sharded is not None else dataclasses.replace(cfg.optim, sharded=False)
+    train = cfg.train if cfg.train.weight_dtype is not None else dataclasses.replace(cfg.train, weight_dtype="fp32")
+    return dataclasses.replace(cfg, optim=optim, train=train)
 
 
 SAVE_FINAL = ("gathered", "sharded", "none")

@@ -359,9 +359,8 @@ def export_checkpoint(path: Path, out: Path) -> Path:
     for s, count in enumerate(balance):
         first = sum(balance[:s])
         state: Dict[str, torch.Tensor] = {}
-        for i in range(first, first + count):
-            layer = torch.load(chosen / checkpoint.layer_file(i), map_location="cpu", weights_only=True)
-            state.update(layer["weights"])
+        for i in range(first, first + count):  # the float32 masters of a weight_dtype=compute run, not its bf16 version
+            state.update(checkpoint.layer_weights(chosen, i, list(manifest["files"])))
         parts.append(write_shard(partial, shard_name(s, len(balance)), to_hf_shard(hf, state, aliases)))
         del state
     return finish(partial, Path(out), parts, config=hf.export_config, source_dir=hf.source_dir)

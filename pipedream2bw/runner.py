@@ -33,6 +33,7 @@ from pipedream2bw.config import (
     TrainConfig,
     WandbConfig,
     build_optimizer,
+    default_plan_choices,
     model_num_layers,
     optimizer_name,
     swap_stages,
@@ -194,8 +195,15 @@ def training_settings(cfg: Config) -> Dict[str, Any]:
     a resume at another num_stages or data_parallel is the same training)."""
     o = cfg.optim
     on_cuda = cfg.dist.backend == "nccl" or (cfg.dist.backend == "auto" and torch.cuda.is_available())
+    precision = precisions.resolve(cfg.train.precision, "cuda" if on_cuda else "cpu")
     record = {
-        "train.precision": precisions.resolve(cfg.train.precision, "cuda" if on_cuda else "cpu"),
+        "train.precision": precision,
+        # what the forwards read: float32 versions, or versions rounded to the compute dtype (under fp32 the same).
+        # The checkpoint holds float32 masters either way, but the arithmetic that follows differs, as a
+        # train.precision change's does: refused, unless train.resume_strict=false
+        "train.weight_dtype": "compute"
+        if precisions.weight_dtype(precision, cfg.train.weight_dtype) != torch.float32
+        else "fp32",
         # flush and gpipe both train W(t+1) = W(t) - step(grad f(W(t))); 2bw uses W(t-1)
         "pipeline.schedule": "2bw" if cfg.pipeline.schedule == "2bw" else "flush or gpipe",
         "optim": optimizer_name(o),
@@ -277,6 +285,7 @@ def _run(
             run_dir=Path(run_dir),
             model=model,
         )
+    cfg = default_plan_choices(cfg)  # what no plan chose and the run left null
     gpt = layers is None and isinstance(cfg.model, GPTConfig)  # the GPT's own default split
     num_layers = None if gpt else model.num_layers
     balance = validate(
@@ -465,12 +474,13 @@ def _resolve_partition(
     through the rendezvous store, before any process group starts; every rank applies it.
 
     Returns:
-        (cfg with the plan's pipeline settings, the plan).
+        (cfg with the plan's pipeline settings, its optim.sharded and train.weight_dtype, the plan).
 
     Raises:
-        ConfigError: on every rank, when rank 0 could not plan (e.g. nothing fits).
+        ConfigError: on every rank, when rank 0 could not plan (e.g. nothing fits), or the run sets an
+            optim.sharded or train.weight_dtype that the plan contradicts.
     """
-    from partitioner.auto import PARTITION_MODES, apply_plan, plan_config, runtime_topology
+    from partitioner.auto import PARTITION_MODES, apply_choices, apply_plan, plan_config, runtime_topology
     from partitioner.planner import load_plan, plan_from_text, plan_to_text, save_plan
 
     mode = cfg.partition.mode
@@ -504,7 +514,8 @@ def _resolve_partition(
         raise ConfigError(text[len("ERROR ") :])
     plan = plan_from_text(text)
     log.info(
-        "partition=%s: %d stages x %d replicas, b=%d, m=%d, balance %s, recompute %s; predicted %.1f samples/s",
+        "partition=%s: %d stages x %d replicas, b=%d, m=%d, balance %s, recompute %s, sharded %s, weight_dtype %s; "
+        "predicted %.1f samples/s",
         mode,
         plan.num_stages,
         plan.data_parallel,
@@ -512,12 +523,16 @@ def _resolve_partition(
         plan.num_microbatches,
         plan.balance,
         plan.recompute,
+        plan.sharded,
+        plan.weight_dtype,
         plan.predicted_samples_per_s,
     )
+    precision = precisions.resolve(cfg.train.precision, "cuda" if torch.cuda.is_available() else "cpu")
+    optim, train = apply_choices(cfg.optim, cfg.train, plan, precision=precision)
     gpt = model.layers is None and isinstance(cfg.model, GPTConfig)
     num_layers = model_num_layers(cfg.model) if gpt else model.num_layers
     pipeline, swap = apply_plan(cfg.pipeline, cfg.swap, plan, world_size=world_size, num_layers=num_layers)
-    return dataclasses.replace(cfg, pipeline=pipeline, swap=swap), plan
+    return dataclasses.replace(cfg, pipeline=pipeline, swap=swap, optim=optim, train=train), plan
 
 
 def _tie_groups(ctx: comm.DistContext, layout: Layout, tied: Sequence[ties.Tie], balance, module: nn.Module):
@@ -581,7 +596,9 @@ def _train(
     feed, val_feed, evaluator = _data(rt, ctx, peers, cfg.data, cfg.train, model.loss_fn)
     stop_rule = None
     if watch.signals:  # a CPU scalar per step on a gloo group of its own: no device sync, no queueing behind training
-        channel = comm.AsyncSum(ctx, group=comm.new_groups(ctx, [range(ctx.world_size)], backend="gloo")[0])
+        channel = None
+        if ctx.world_size > 1:
+            channel = comm.AsyncSum(ctx, group=comm.new_groups(ctx, [range(ctx.world_size)], backend="gloo")[0])
         stop_rule = preempt.Agreement(watch, channel, last_step=rt.num_steps - 1)
     actions = _actions(rt, batch_sends=_batch_sends(cfg.dist, rt))
     in_flight = schedule.in_flight(rt.schedule, rt.stage, rt.num_stages, rt.num_microbatches)
@@ -650,8 +667,10 @@ def _train(
             checkpoint.step_dir(run_dir / checkpoint.DIRNAME, preempted.step),
             preempted.exit_code,
         )
+    final = None
     if preempted is None:  # the checkpoint holds a preempted run's weights
-        _write_final(rt, ctx, run_dir, versions=versions, model=model, train=cfg.train, dist=cfg.dist)
+        final = _final_weights(rt, versions, cfg.train)
+        _write_final(rt, ctx, run_dir, state=final, model=model, train=cfg.train, dist=cfg.dist)
     summary = _gather_and_write(
         rt,
         ctx,
@@ -659,7 +678,7 @@ def _train(
         stats=stats,
         tie_record=tie_record,
         worker=worker,
-        versions=versions,
+        final=final,
         evaluator=evaluator,
         rule=rule,
         model=model,
@@ -1350,7 +1369,7 @@ def _gather_and_write(
     stats: StageStats,
     tie_record: Dict[str, Any],
     worker: StageWorker,
-    versions: WeightVersions,
+    final: Optional[Dict[str, torch.Tensor]],
     evaluator: Optional[evaluate.Evaluator],
     rule: StepRule,
     model: _Model,
@@ -1372,9 +1391,7 @@ def _gather_and_write(
     gathered = train.save_final == "gathered" and preempted is None  # a preempted run's weights are in its checkpoint
     # Replicas hold equal weights: replica 0 of each stage contributes its slice of the model.
     shard = (
-        ties.drop_aliases({k: v.detach().cpu() for k, v in versions.newest().state_dict().items()}, tied)
-        if rt.replica == 0 and gathered
-        else {}
+        ties.drop_aliases({k: v.detach().cpu() for k, v in final.items()}, tied) if rt.replica == 0 and gathered else {}
     )
     shards = comm.gather_to_rank0(ctx, shard) if gathered else None
     tie_records = comm.gather_to_rank0(ctx, tie_record)
@@ -1467,22 +1484,33 @@ def _gather_and_write(
     return summary
 
 
+def _final_weights(rt: RankPlan, versions: WeightVersions, train: TrainConfig) -> Optional[Dict[str, torch.Tensor]]:
+    """This stage's final weights on its replica 0 (None on the others, and when the run writes none): the
+    newest version, or, where the versions are stored in the compute dtype (train.weight_dtype=compute),
+    the float32 masters, all-gathered over the replicas when sharded (every replica takes part)."""
+    if train.save_final == "none" and train.export_hf is None:
+        return None
+    if isinstance(versions, ShardedVersions) and versions.weight_dtype != torch.float32:
+        return versions.final_state(keep=rt.replica == 0)
+    return versions.newest().state_dict() if rt.replica == 0 else None
+
+
 def _write_final(
     rt: RankPlan,
     ctx: comm.DistContext,
     run_dir: Path,
     *,
-    versions: WeightVersions,
+    state: Optional[Dict[str, torch.Tensor]],
     model: _Model,
     train: TrainConfig,
     dist: DistConfig,
 ) -> None:
     """The final weights as shards, each stage's replica 0 writing its own at once (pipedream2bw.hf_io):
-    ``train.save_final=sharded`` (final_model/, layer-list names) and ``train.export_hf`` (a Hugging Face model)."""
+    ``train.save_final=sharded`` (final_model/, layer-list names) and ``train.export_hf`` (a Hugging Face model);
+    ``state``: this stage's final weights on its replica 0 (``_final_weights``), None on the others."""
     from pipedream2bw import hf_io
 
     writers = [rt.layout.ranks[s][0] for s in range(rt.num_stages)]
-    state = versions.newest().state_dict() if rt.replica == 0 else None
     aliases = [n for t in model.tied for n in t.names[1:]]
     common = dict(
         shard=rt.stage,

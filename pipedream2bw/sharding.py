@@ -320,6 +320,34 @@ class ShardedVersions(WeightVersions):
             "shards": self.shard_state(),
         }
 
+    @torch.no_grad()
+    def final_state(self, *, keep: bool = True) -> Optional[Dict[str, torch.Tensor]]:
+        """The newest weights at full precision, on the CPU: the newest version's state_dict in float32 with
+        every parameter's float32 master in its place (under train.weight_dtype=compute the versions are
+        rounded; the masters are the weights training holds). A sharded bucket's masters are all-gathered
+        over the stage's replicas, one bucket at a time: a collective, which every replica calls.
+
+        Args:
+            keep: false on a replica that writes nothing: it takes part in the gathers and returns None.
+        """
+        self.settle()
+        state = _float(_cpu_copy(self.newest().state_dict())) if keep else None
+        params = self._params[0]
+        names = [n for n, _ in self.replicas[0].named_parameters()]
+        for layout, shard in zip(self.layouts, self.shards):
+            flat = shard  # not sharded: the whole bucket's masters (S = N)
+            if layout.count > 1:
+                device = params[layout.params[0]].device
+                flat = torch.empty(layout.count * layout.shard_numel, dtype=torch.float32, device=device)
+                assert self.gather is not None, "a sharded bucket needs connect(gather) before final_state"
+                self.gather(shard.to(device, torch.float32), flat)()
+            start = 0
+            for i, n in zip(layout.params, layout.numels):
+                if state is not None:
+                    state[names[i]] = flat[start : start + n].view(params[i].shape).to("cpu", copy=True)
+                start += n
+        return state
+
     def shard_state(self) -> Dict[str, Dict[str, Any]]:
         """Per parameter name, the piece of it this replica writes to a checkpoint: ``range`` [start, stop)
         of its flat elements, ``numel`` (the whole parameter's), its float32 ``master`` values (flat) and

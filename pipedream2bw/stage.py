@@ -171,6 +171,12 @@ class StageWorker:
         # rank 0 as a last stage: batch -> its own loss, until APPLY(t) logs it (a deferred APPLY(t) runs after
         # batch t+1's forwards, which report that batch's loss)
         self._own_losses: Dict[int, float] = {}
+        # Rank 0: batch -> its posted loss receives (P2P.post_loss). Batch t+1's are posted at APPLY(t), before
+        # the last stages can have sent that loss: on gloo, posting a receive whose message has arrived waited
+        # for the rendezvous (2-10 ms a step, which the tightly coupled 1F1B passed on to the last stage). A run
+        # stopped after step t (preemption) leaves batch t+1's receive posted; shutting the group down drops it.
+        self._loss_posts: Dict[int, List[tuple]] = {}
+        self._last_batch = -1  # the last batch of the actions run
         # closed batch -> its data-parallel all-reduce, held until its APPLY: under 2bw batch t+1's last
         # backward arms the reducer again before a deferred APPLY(t) (one rule for every deferring feature)
         self._reductions: Dict[int, BatchReduction] = {}
@@ -320,6 +326,13 @@ class StageWorker:
         else:
             self.p2p.send_loss(loss)
 
+    def _post_losses(self, t: int) -> None:
+        """Rank 0: posts the receives of batch t's losses from the other replicas' last stages, once."""
+        if t not in self._loss_posts and t <= self._last_batch:
+            self._loss_posts[t] = [
+                self.p2p.post_loss(peer=r) for r in self.peers.loss_sources if r != self.p2p.ctx.rank
+            ]
+
     def close(self, t: int) -> float:
         """CLOSE(t): batch t's backwards are done; start what its step needs from the other ranks.
 
@@ -397,8 +410,11 @@ class StageWorker:
             trace.add("S", t, start, time.perf_counter())
         if self.peers.loss_sources:  # rank 0: the batch loss is the mean over the replicas' last stages
             start = time.perf_counter()
+            self._post_losses(t)
+            posted = iter(self._loss_posts.pop(t))
+            self._post_losses(t + 1)
             losses = [
-                self._own_losses.pop(t) if r == self.p2p.ctx.rank else self.p2p.recv_loss(peer=r)
+                self._own_losses.pop(t) if r == self.p2p.ctx.rank else self.p2p.take_loss(next(posted))
                 for r in self.peers.loss_sources
             ]
             self.stats.losses.append(sum(losses) / len(losses))
@@ -493,6 +509,10 @@ class StageWorker:
                 the failing action marked ``>like this<`` (``schedule.render_steps``).
         """
         self.stats.start_time = time.perf_counter()
+        batches = [a.index for a in actions if a.kind == STEP]
+        self._last_batch = max(batches, default=-1)
+        if self.peers.loss_sources and batches:
+            self._post_losses(batches[0])
         pending = None  # a closed batch whose APPLY is deferred (2bw with an agreement)
         early = None  # optim.sharded: the position of the step before which the pending APPLY runs, if not due sooner
         at, what = 0, None  # the action running (its position), or what else runs there: for the log of a failure

@@ -282,6 +282,30 @@ def test_sharded_final_weights_and_export_from_a_checkpoint(tmp_path):
     assert checkpoint.main(["export-hf", str(gpt), "--out", str(tmp_path / "x")]) == 2
 
 
+@pytest.mark.slow
+def test_compute_weight_versions_export_their_float32_masters(tmp_path):
+    """train.weight_dtype=compute (bf16 versions of float32 masters), one step of SGD: final_model/
+    (save_final=sharded), train.export_hf and export-hf from the checkpoint all hold the float32 masters, bit
+    for bit those consolidate reads, not their bf16 rounding. Regression (issue 23): they held the bf16 version."""
+    from pipedream2bw import checkpoint, hf_io
+    from pipedream2bw.models.factory import model_source
+
+    save_tiny(tmp_path / "pretrained", "llama", tied=False)  # float32: exported in float32
+    cfg = hf_config(tmp_path / "pretrained", 1, save_final="sharded", checkpoint_every=1, export_hf=str(tmp_path / "x"))
+    cfg.train.precision, cfg.train.weight_dtype, cfg.optim = "bf16", "compute", OptimConfig(name="sgd", lr=0.1)
+    run_ok(cfg, tmp_path / "run")
+    masters = torch.load(checkpoint.consolidate(tmp_path / "run"))  # layer-list names, float32
+    assert any(not torch.equal(v, v.bfloat16().float()) for v in masters.values())
+    final, _ = read_dir(tmp_path / "run" / "final_model")
+    assert final.keys() == masters.keys() and all(torch.equal(final[k], v) for k, v in masters.items())
+    expected = hf_io.to_hf_shard(model_source(cfg.model, seed=cfg.seed).hf, masters, [])
+    assert checkpoint.main(["export-hf", str(tmp_path / "run"), "--out", str(tmp_path / "from_checkpoint")]) == 0
+    for out in ("x", "from_checkpoint"):
+        exported, _ = read_dir(tmp_path / out)
+        assert exported.keys() == expected.keys(), out
+        assert all(torch.equal(exported[k], v) for k, v in expected.items()), out
+
+
 # --- the walk-through of docs/pretrained.md --------------------------------------------------------
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "pretrained.md"

@@ -9,6 +9,7 @@ import json
 import os
 import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -19,9 +20,10 @@ from hydra import compose, initialize_config_dir
 from test_checkpoint import _children, assert_equal_bits, config, weights
 from test_semantics import tiny_config
 
-from pipedream2bw import checkpoint, fileio
+from pipedream2bw import checkpoint, fileio, preempt
 from pipedream2bw.comm import free_port, torchrun_command
 from pipedream2bw.config import ConfigError, from_hydra, register_configs
+from pipedream2bw.runner import run
 
 CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "configs")
 
@@ -293,7 +295,6 @@ def test_full_disk_error_names_the_file(tmp_path, monkeypatch):
 
 def test_auto_partition_checks_warmup_before_it_profiles(tmp_path, monkeypatch):
     import partitioner.auto
-    from pipedream2bw.runner import run
 
     def never(*args, **kwargs):
         raise AssertionError("profiled and planned before rejecting the config")
@@ -414,3 +415,41 @@ def test_sigterm_checkpoints_every_rank_at_one_step_and_the_requeued_run_is_bit_
     expected = run_ok(reference, tmp_path / "uninterrupted", timeout_s=240)
     assert summary["losses"] == expected["losses"]
     assert_equal_bits(weights(run_dir), weights(tmp_path / "uninterrupted"))
+
+
+def test_one_process_decides_alone_after_the_step_it_got_the_signal():
+    # One process needs no agreement: the gloo all-reduce of the flag cost 1-2 ms a step (issue 26).
+    watch = preempt.Watch(["SIGTERM"])  # not entered: no handler installed, the flag is set by hand
+    agreement = preempt.Agreement(watch, None, last_step=9)
+    assert not agreement.after_step(0) and not agreement.after_step(1)
+    watch.received = int(signal.SIGTERM)
+    assert agreement.after_step(2) and agreement.signum == signal.SIGTERM
+
+
+def _signal_self_after(cfg, run_dir: str, step: int) -> None:
+    """One rank: sends itself SIGTERM once checkpoint ``step`` exists; the run must stop, checkpointed."""
+    run_dir = Path(run_dir)
+
+    def kill() -> None:
+        while not checkpoint.step_dir(run_dir / "checkpoints", step).is_dir():
+            time.sleep(0.002)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=kill, daemon=True).start()
+    try:
+        run(cfg, run_dir)
+    except preempt.Preempted as e:
+        assert e.exit_code == 143
+        return
+    raise AssertionError("the run was not preempted")
+
+
+def test_one_process_run_stops_on_sigterm_with_a_checkpoint(tmp_path):
+    cfg = tiny_config(schedule="2bw", num_stages=1, num_microbatches=2, num_steps=400)
+    cfg.train.checkpoint_every = 4
+    results = spawn(_signal_self_after, world_size=1, args=(cfg, str(tmp_path / "run"), 4), log_dir=tmp_path / "logs")
+    assert results[0].exitcode == 0, results[0].log
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    stopped = summary["preempted"]["step"]
+    assert summary["status"] == "preempted" and 4 < stopped < 400, summary
+    assert checkpoint.step_dir(tmp_path / "run" / "checkpoints", stopped).is_dir()

@@ -7,6 +7,7 @@ for the d=2 x w=2 and d=4 x w=1 runs, 8 ranks for d=2 x w=4; each spawn runs onc
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 from pathlib import Path
 from typing import Sequence
@@ -19,11 +20,22 @@ from test_models import tied_config
 from test_precision import fp16_config, inf_gradient_layers, run_jobs
 from test_semantics import tiny_config
 
+from partitioner.auto import apply_choices
+from partitioner.planner import Plan, save_plan
 from pipedream2bw import checkpoint, comm
-from pipedream2bw.config import Config, ConfigError, GPTConfig, OptimConfig, gpt_balance, validate
+from pipedream2bw.config import (
+    Config,
+    ConfigError,
+    GPTConfig,
+    OptimConfig,
+    PartitionConfig,
+    gpt_balance,
+    validate,
+)
+from pipedream2bw.layout import make_layout
 from pipedream2bw.memprobe import tensor_peak
 from pipedream2bw.precision import param_memory
-from pipedream2bw.runner import TRAIN_RANGE, run
+from pipedream2bw.runner import TRAIN_RANGE, run, training_settings
 from pipedream2bw.sharding import BucketShard, ShardedVersions
 from pipedream2bw.versions import WeightVersions
 
@@ -75,11 +87,49 @@ def _step(run_dir, n: int) -> str:
     return str(run_dir / "checkpoints" / f"step_{n:08d}")
 
 
+def _plan_of(cfg: Config, **choices) -> Plan:
+    """A plan file's content that runs ``cfg``'s pipeline as it is (balance, rank map: the defaults), with
+    ``choices`` (sharded, weight_dtype, precision); the predictions are placeholders."""
+    p, d, w = cfg.pipeline, cfg.pipeline.num_stages, cfg.pipeline.data_parallel
+    return Plan(
+        schedule=p.schedule,
+        num_stages=d,
+        data_parallel=w,
+        microbatch_size=p.microbatch_size,
+        num_microbatches=p.num_microbatches,
+        global_batch_size=w * p.num_microbatches * p.microbatch_size,
+        balance=gpt_balance(cfg.model, d),
+        rank_map=[list(r) for r in make_layout(d, w, ranks_per_node=d * w).ranks],
+        recompute=False,
+        swap_stages=[],
+        objective="throughput",
+        topology="cpu",
+        devices=d * w,
+        memory_per_device_bytes=2**30,
+        costs="analytic",
+        predicted_batch_time_s=1.0,
+        predicted_samples_per_s=1.0,
+        predicted_stage_time_s=[0.1] * d,
+        predicted_peak_memory_bytes=[1] * d,
+        **choices,
+    )
+
+
+def _from_plan(cfg: Config, path: Path) -> Config:
+    """``cfg`` run from the plan file ``path``, leaving optim.sharded and train.weight_dtype to it."""
+    cfg = copy.deepcopy(cfg)
+    cfg.optim.sharded, cfg.train.weight_dtype = None, None
+    cfg.partition = PartitionConfig(mode="file", path=str(path))
+    return cfg
+
+
 @pytest.fixture(scope="module")
 def four_ranks(tmp_path_factory):
     """One spawn of 4 ranks: {name: (run dir, summary, final weights)}."""
     root = tmp_path_factory.mktemp("sharding4")
     job = lambda i: root / f"job{i}"  # noqa: E731 (run_jobs's directories)
+    bf16_sharded = _bf16_versions(2, 2, sharded=True, every=2)
+    save_plan(_plan_of(bf16_sharded, sharded=True, weight_dtype="compute", precision="bf16"), root / "plan.yaml")
     jobs = {
         "2bw": _tied_clipped("2bw", 2, 2, every=2),
         "flush": _tied_clipped("flush", 2, 2),
@@ -88,6 +138,9 @@ def four_ranks(tmp_path_factory):
         # a sharded d=2 x w=2 checkpoint resumed unsharded at d=4 x w=1; a bf16 one (float32 masters) at d=4
         "2bw resumed d=4 w=1": _tied_clipped("2bw", 4, 1, sharded=False, resume=_step(job(0), 2)),
         "bf16 resumed": _bf16_versions(4, 1, resume=_step(job(3), 2)),
+        "bf16 sharded": bf16_sharded,
+        # the same run from a plan file that chose sharded and compute weights; the config leaves both unset
+        "bf16 sharded, from a plan": _from_plan(bf16_sharded, root / "plan.yaml"),
     }
     m = jobs["fp16"].pipeline.num_microbatches
     runs = run_jobs(root, list(jobs.values()), world_size=4, inject={2: (1, 1, FP16_SKIPPED * m + 1)}, timeout_s=300)
@@ -313,14 +366,15 @@ def test_sharded_fp16_skip_host_optimizer_and_swapping_equal_the_scaled_referenc
 def test_bf16_weight_versions_equal_the_rounded_masters_reference(four_ranks):
     """train.weight_dtype=compute under bf16, 2bw, d=4 x w=1: the versions are bf16 roundings of float32
     masters, microbatch gradients summed in float32, the stages run in bf16: equal to the single-process
-    reference applying that rule; the rounding shows (far from the float32-versions reference). Its
-    checkpoint keeps the float32 masters: resumed from step 2, the run ends on the same weights."""
+    reference applying that rule; final_model.pt holds its float32 masters; the rounding shows (far from
+    the float32-versions reference). Its checkpoint keeps the float32 masters: resumed from step 2, the run
+    ends on the same weights."""
     _, summary, weights = four_ranks["bf16"]
     reference = tiny_config(schedule="2bw", num_stages=1, num_microbatches=4, num_steps=STEPS)
     reference.train, reference.pipeline.microbatch_size = _bf16_versions(4, 1).train, 4
     expected = reference_run(reference, delayed=True, balance=summary["balance"])
-    assert all(v.dtype == torch.bfloat16 for v in weights.values())  # the newest version, as stored
-    torch.testing.assert_close(weights, {k: v.to(torch.bfloat16) for k, v in expected.weights.items()})
+    # final_model.pt: the float32 masters (regression, issue 23: it held the newest version as stored, in bf16)
+    torch.testing.assert_close(weights, expected.weights)
     torch.testing.assert_close(torch.tensor(summary["losses"]), torch.tensor(expected.losses))
     reference.train.weight_dtype = "fp32"
     fp32_versions = reference_run(reference, delayed=True, balance=summary["balance"])
@@ -358,3 +412,105 @@ def test_compute_weights_refuse_ties_of_any_model_before_a_group_starts(tmp_path
     )
     with pytest.raises(ConfigError, match=r"train.weight_dtype \(compute\) with tied weights \(\[\["):
         run(cell_config(cell), tmp_path)
+
+
+# --- issue 23's loose ends: a plan's choices, strict resume, full-precision final weights ------------------
+
+
+def test_compute_weights_final_model_holds_the_gathered_float32_masters(four_ranks):
+    """train.weight_dtype=compute sharded over d=2 x w=2: final_model.pt holds the float32 masters, gathered from
+    the replicas' shards, bit for bit what ``consolidate`` reads from the last checkpoint (each replica's pieces),
+    not their bf16 rounding. Regression (issue 23): it held the newest version as stored, in bf16."""
+    run_dir, _, weights = four_ranks["bf16 sharded"]
+    files = sorted(p.name for p in Path(_step(run_dir, STEPS)).glob("layer_*.shard_*"))
+    assert {f.split(".shard_")[1] for f in files} == {f"rank{r:05d}.pt" for r in range(4)}, files
+    masters = torch.load(checkpoint.consolidate(run_dir))
+    assert weights.keys() == masters.keys()
+    for name, tensor in weights.items():
+        assert tensor.dtype == torch.float32 and torch.equal(tensor, masters[name]), name
+    assert any(not torch.equal(v, v.bfloat16().float()) for v in weights.values())  # not the rounded version
+
+
+def test_a_run_of_a_plan_takes_its_sharded_and_weight_dtype_choices(four_ranks):
+    """A plan file that chose optim.sharded and weight_dtype=compute, run by a config that sets neither: the
+    run is the one that sets both (bytes per parameter, each rank's optimizer state, weights bit for bit).
+    Regression (issue 23): the run ignored both, training unsharded with float32 versions."""
+    _, explicit, weights = four_ranks["bf16 sharded"]
+    _, planned, planned_weights = four_ranks["bf16 sharded, from a plan"]
+    expected = param_memory(
+        "bf16", schedule="2bw", optimizer="adam", weight_dtype_name="compute", sharded=True, data_parallel=2
+    )
+    assert planned["bytes_per_parameter"] == explicit["bytes_per_parameter"] == expected.as_dict()
+    states = [[r["optimizer_state_bytes"] for r in s["ranks"]] for s in (planned, explicit)]
+    assert states[0] == states[1], states
+    assert planned["losses"] == explicit["losses"]
+    for name, tensor in weights.items():
+        assert torch.equal(planned_weights[name], tensor), name
+
+
+def test_plan_choices_fill_what_the_run_leaves_unset_and_refuse_a_contradiction():
+    """optim.sharded and train.weight_dtype from a plan: unset, the plan's; set, they must agree with it where
+    that changes the run; the refusal names both values and the fix. Regression (issue 23): runs of a plan
+    ignored both."""
+    cfg = _bf16_versions(2, 2, sharded=True)
+    plan = _plan_of(cfg, sharded=True, weight_dtype="compute", precision="bf16")
+    unset = _from_plan(cfg, Path("plan.yaml"))
+    optim, train = apply_choices(unset.optim, unset.train, plan, precision="bf16")
+    assert (optim.sharded, train.weight_dtype) == (True, "compute")
+    optim, train = apply_choices(cfg.optim, cfg.train, plan, precision="bf16")  # set as planned: kept
+    assert (optim.sharded, train.weight_dtype) == (True, "compute")
+    cfg.optim.sharded, cfg.train.weight_dtype = False, "fp32"
+    with pytest.raises(ConfigError) as refused:
+        apply_choices(cfg.optim, cfg.train, plan, precision="bf16")
+    assert str(refused.value) == (
+        "optim.sharded (false) contradicts the plan's sharded (true, over 2 replicas): drop optim.sharded or set "
+        "optim.sharded=true to run the plan, or plan again with partition.sharded=false; train.weight_dtype (fp32) "
+        "contradicts the plan's weight_dtype (compute, under bf16): drop train.weight_dtype or set "
+        "train.weight_dtype=compute to run the plan, or plan again with train.weight_dtype=fp32"
+    )
+    # where the difference changes nothing, a set value stands: no replicas to shard over; compute under fp32
+    one = dataclasses.replace(plan, data_parallel=1, sharded=False)
+    cfg.optim.sharded = True
+    assert apply_choices(cfg.optim, cfg.train, one, precision="fp32")[0].sharded is True
+    with pytest.raises(ConfigError, match=r"the plan's weight_dtype \('bf16'\) is unknown"):
+        apply_choices(unset.optim, unset.train, dataclasses.replace(plan, weight_dtype="bf16"), precision="bf16")
+
+
+def test_a_contradicted_plan_is_refused_before_any_group(tmp_path):
+    """partition=file with optim.sharded=false set against a plan that shards: refused by run() before any
+    process group starts (here in one process, before the launch's size is checked)."""
+    cfg = _bf16_versions(2, 2, sharded=False)
+    save_plan(_plan_of(cfg, sharded=True, weight_dtype="compute", precision="bf16"), tmp_path / "plan.yaml")
+    cfg.partition = PartitionConfig(mode="file", path=str(tmp_path / "plan.yaml"))
+    with pytest.raises(ConfigError, match=r"optim.sharded \(false\) contradicts the plan's sharded \(true"):
+        run(cfg, tmp_path / "run", store=torch.distributed.HashStore())
+    assert not torch.distributed.is_initialized()
+
+
+def test_resuming_with_another_weight_dtype_is_refused_unless_not_strict(four_ranks, tmp_path, caplog):
+    """A weight_dtype=compute checkpoint resumed with float32 versions. The checkpoint holds the float32 masters
+    (beside bf16 versions), which such a resume takes as its weights: the state carries over exactly, but from
+    there the forwards read float32 weights instead of bf16 ones, a change of the training as a train.precision
+    change is. Refused before any process group, naming it; train.resume_strict=false resumes and logs it.
+    Regression (issue 23): train.weight_dtype was not among the strict-resume settings."""
+    step = Path(_step(four_ranks["bf16"][0], 2))
+    manifest = json.loads((step / checkpoint.MANIFEST).read_text())
+    state = checkpoint.load_layers(step, range(manifest["num_layers"]))
+    assert all(torch.equal(v, v.bfloat16().float()) for v in state["weights"].values())  # the stored versions
+    assert state["masters"].keys() == state["weights"].keys()
+    assert any(not torch.equal(v, v.bfloat16().float()) for v in state["masters"].values())  # float32 masters
+    cfg = _bf16_versions(1, 1, resume=str(step))
+    cfg.train.weight_dtype = "fp32"
+    with pytest.raises(ConfigError, match=r"train.weight_dtype: checkpoint 'compute', this run 'fp32'.*resume_strict"):
+        run(cfg, tmp_path / "run", store=torch.distributed.HashStore())
+    assert not torch.distributed.is_initialized()
+    with caplog.at_level("WARNING"):
+        differences = checkpoint.check_settings(
+            manifest, model={}, training=training_settings(cfg), where=step, strict=False
+        )
+    assert differences == ["train.weight_dtype: checkpoint 'compute', this run 'fp32'"]
+    assert "train.resume_strict=false: resuming from" in caplog.text
+    # under fp32, compute stores float32 versions: the same training, not a difference
+    fp32_compute = _bf16_versions(1, 1)
+    fp32_compute.train.precision = cfg.train.precision = "fp32"
+    assert training_settings(fp32_compute) == training_settings(cfg)

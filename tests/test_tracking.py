@@ -11,7 +11,7 @@ import wandb
 import wandb_reader
 from dist_helper import run_ok
 
-from pipedream2bw.config import Config, GPTConfig, PipelineConfig, TrainConfig, WandbConfig
+from pipedream2bw.config import Config, GPTConfig, PipelineConfig, TrainConfig, WandbConfig, default_plan_choices
 from pipedream2bw.tracking import Tracker
 
 
@@ -39,8 +39,9 @@ def test_offline_run_holds_the_runs_figures(traced_run):
     records = _records(run_dir)
     assert wandb_reader.run_record(records).run_group == "sweep-a"
     config = wandb_reader.config(records)
-    # Resolved config
-    assert {k: config[k] for k in dataclasses.asdict(cfg)} == json.loads(json.dumps(dataclasses.asdict(cfg)))
+    # Resolved config: what no plan chose and the run left null (optim.sharded, train.weight_dtype) filled in
+    resolved = dataclasses.asdict(default_plan_choices(cfg))
+    assert {k: config[k] for k in resolved} == json.loads(json.dumps(resolved))
     rows = wandb_reader.history(records)
     assert [r["loss"] for r in rows if "loss" in r] == summary["losses"]  # every step's loss, in order
     assert [r["_step"] for r in rows if "samples_per_s" in r] == [2, 5]  # every train.log_every steps
