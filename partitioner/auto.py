@@ -124,6 +124,12 @@ def make_request(
         precision=planned_precision(cfg, topo),
         sharded=cfg.partition.sharded,
         weight_dtype=cfg.train.weight_dtype or "fp32",
+        bucket_bytes=p.bucket_mb * 2**20,
+        step_agreement=precisions.needs_agreement(
+            planned_precision(cfg, topo), clip_grad_norm=cfg.optim.clip_grad_norm, on_nonfinite=cfg.train.on_nonfinite
+        ),
+        tied=bool(getattr(cfg.model, "tie_embeddings", False)),
+        early_apply=not (cfg.train.eval_every or p.check_ties),
     )
 
 

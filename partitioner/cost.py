@@ -12,6 +12,8 @@ per parameter these terms are)::
     versions*W*c + W (gradient) + O/w' (optimizer state) + M (float32 masters, with the optimizer)
                        c: weight_copy_bytes / 4 (train.weight_dtype); w' = w with optim.sharded, else 1;
                        M = W/w' where the versions are not the masters (sharded or compute dtype), else 0
+    + W/w' (held)      where the step waits (``waits``: 2bw with a step agreement or ties): the closed
+                       batch's gradient (sharded: its shard) while the next batch's accumulates
     + activations      n*A                      A: what autograd saves for one microbatch
                                                    (+ the stashed output the runtime keeps)
                        n*I' + A  (recompute)    I': stage input + stashed output
@@ -19,7 +21,8 @@ per parameter these terms are)::
                                                 P: per microbatch (A, or I' with recompute);
                                                 U = min(P, I'): never swapped (the stage's input
                                                 and stashed output, held by the stage itself)
-    + buffers          p2p receive/send buffers and their gradients; w>1: flat all-reduce bucket
+    + buffers          p2p receive/send buffers and their gradients; w>1: one gradient bucket
+                       (``bucket_bytes``) flattened beside its gradients as its reduction starts
     + workspace        the largest layer's saved bytes + output: gradients alive in its backward
     + runtime          eps: memory the process has before any model (measured, not fitted)
 
@@ -133,6 +136,8 @@ class StageContext:
     runtime_bytes: float = 0.0
     sharded: bool = False  # optim.sharded: masters and optimizer state 1/w per replica, reduce-scatter + all-gather
     weight_copy_bytes: int = 4  # bytes per parameter of one weight version (train.weight_dtype: 4, or 2 in bf16/fp16)
+    bucket_bytes: float = 25 * 2**20  # pipeline.bucket_mb: the data-parallel reduction flattens a bucket at a time
+    waits: bool = False  # precision.step_waits: a closed batch's gradient is held while the next one's accumulates
 
 
 def _swap_stall(t, fwd, bwd, *, schedule: str, resident: int):
@@ -204,10 +209,10 @@ def segment_costs(seg: Segments, i, j, ctx: StageContext) -> Dict[str, np.ndarra
     master = W / ws if (ws > 1 or ctx.weight_copy_bytes != 4) else 0.0 * W
     out = dict(
         weights=num_versions(ctx.schedule) * W * wc,
-        gradients=W,
+        gradients=W + (W / ws if ctx.waits else 0.0),
         optimizer=(seg.O[j] - seg.O[i]) / ws + master,
         activations=resident * per_mb + (n - resident) * (per_mb - moved) + extra,
-        buffers=2 * (in_b + out_b) + (W if w > 1 else 0.0),
+        buffers=2 * (in_b + out_b) + (np.minimum(W, ctx.bucket_bytes) if w > 1 else 0.0),
         workspace=seg.RMAX[i, j],
         runtime=np.full(W.shape, float(ctx.runtime_bytes)),
         forward_s=fwd,

@@ -29,7 +29,7 @@ from partitioner.topology import GIB, LOCAL, host_device_bandwidth, make_rank_ma
 from pipedream2bw.config import TopologyConfig
 from pipedream2bw.errors import ConfigError
 from pipedream2bw.fileio import atomic_write_text
-from pipedream2bw.precision import param_memory
+from pipedream2bw.precision import param_memory, step_waits
 
 OBJECTIVES = ("throughput", "memory")
 
@@ -152,8 +152,11 @@ def stage_contexts(
     runtime_bytes,
     sharded: bool = False,
     weight_copy_bytes: int = 4,
+    bucket_bytes: float = 25 * 2**20,
+    waits: Optional[Sequence[bool]] = None,
 ) -> List[StageContext]:
-    """Per-stage contexts; ``runtime_bytes`` is one figure for all stages or a list, one per stage."""
+    """Per-stage contexts; ``runtime_bytes`` is one figure for all stages or a list, one per stage; ``waits``:
+    per stage, whether it holds a closed batch's gradient (``precision.step_waits``; default none)."""
     d, w = len(rank_map), len(rank_map[0])
     if isinstance(runtime_bytes, (int, float)):
         runtime_bytes = [runtime_bytes] * d
@@ -179,6 +182,8 @@ def stage_contexts(
             runtime_bytes=float(runtime_bytes[s]),
             sharded=sharded,
             weight_copy_bytes=weight_copy_bytes,
+            bucket_bytes=bucket_bytes,
+            waits=bool(waits[s]) if waits is not None else False,
         )
         for s in range(d)
     ]
@@ -283,6 +288,12 @@ class Request:
     precision: str = "fp32"  # resolved train.precision, recorded in the plan (the costs already follow it)
     sharded: Optional[bool] = False  # optim.sharded; None: the search tries both
     weight_dtype: str = "fp32"  # train.weight_dtype: what one weight version costs per parameter
+    bucket_bytes: float = 25 * 2**20  # pipeline.bucket_mb in bytes: the reduction's flattening, a bucket at a time
+    # precision.step_waits' inputs: a step agreement (clipping, skip, fp16), weights tied across the layers (held
+    # across stages at d > 1), validation or the tie check (a sharded step then waits as well)
+    step_agreement: bool = False
+    tied: bool = False
+    early_apply: bool = True
 
 
 CostFn = Callable[[int], Sequence[LayerCost]]  # microbatch size -> per-layer costs
@@ -425,6 +436,8 @@ def plan(cost_fn: CostFn, req: Request, *, runners_up: int = 4) -> List[Plan]:
             runtime_bytes=req.runtime_bytes,
             sharded=sh,
             weight_copy_bytes=_weight_copy(req),
+            bucket_bytes=req.bucket_bytes,
+            waits=_waits(req, d, w, sharded=sh),
         )
         res = partition(seg, ctxs, capacity=req.memory_per_device_bytes, objective=req.objective, allow_swap=req.swap)
         if res is None:
@@ -500,6 +513,21 @@ def _weight_copy(req: Request) -> int:
     ).weight_copy
 
 
+def _waits(req: Request, d: int, w: int, *, sharded: bool) -> List[bool]:
+    """``precision.step_waits`` per stage of a candidate: whether it holds a closed batch's gradient."""
+    return [
+        step_waits(
+            req.schedule,
+            agreement=req.step_agreement,
+            tied_across_stages=req.tied and d > 1,
+            sharded=sharded and w > 1,
+            early_apply=req.early_apply,
+            stage_index=s,
+        )
+        for s in range(d)
+    ]
+
+
 def _min_memory(
     seg: Segments, req: Request, d: int, w: int, b: int, m: int, *, devices_topo: TopologyConfig, sharded: bool = False
 ) -> float:
@@ -517,6 +545,8 @@ def _min_memory(
         runtime_bytes=eps,
         sharded=sharded,
         weight_copy_bytes=_weight_copy(req),
+        bucket_bytes=req.bucket_bytes,
+        waits=_waits(req, d, w, sharded=sharded),
     )
     res = partition(seg, ctxs, capacity=math.inf, objective="memory", allow_swap=req.swap)
     return math.inf if res is None else res[0]

@@ -540,7 +540,8 @@ class GradReducer:
 
 class BatchReduction:
     """One batch's gradient all-reduce over a stage's replicas: buckets started as their gradients
-    become final; ``wait(b)`` puts bucket ``b``'s sums into that batch's gradients."""
+    become final, each flattened into one tensor that replaces the parameters' gradients (they are freed);
+    ``wait(b)`` puts views of bucket ``b``'s sums back as that batch's gradients."""
 
     def __init__(self, reducer: GradReducer, replica_index: int):
         self.reducer, self.replica_index = reducer, replica_index
@@ -562,6 +563,10 @@ class BatchReduction:
                 for i in r.buckets[b]
             ]
         )
+        # The flat copy is the gradient now: ``wait`` puts views of it back. Freeing the parameters' own
+        # gradients here keeps one gradient per parameter, not two, from here to the step (the step's peak).
+        for i in r.buckets[b]:
+            set_grad(params[i], None)
         self._started.append((dist.all_reduce(flat, group=r.group, async_op=True), flat))
         r.num_collectives += 1
 
@@ -656,7 +661,7 @@ class ShardedReduction(BatchReduction):
 
 def all_gather_async(ctx: DistContext, shard: torch.Tensor, full: torch.Tensor, *, group: Any):
     """Starts gathering every replica's ``shard`` of ``group`` into ``full`` (in rank order); returns the wait,
-    which has the run's timeout."""
+    which has the run's timeout. ``shard`` may be this rank's own slice of ``full`` (in place, as FSDP gathers)."""
     work = dist.all_gather_into_tensor(full, shard, group=group, async_op=True)
     return lambda: wait_work(ctx, work, "weight all-gather (optim.sharded)")
 

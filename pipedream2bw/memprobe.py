@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
+import logging
 import tempfile
 import weakref
 from pathlib import Path
@@ -11,7 +13,10 @@ from typing import Any, Callable, Dict, Iterable, Iterator, Optional, Set
 
 import torch
 
+log = logging.getLogger(__name__)
+
 _MARKER_BYTES = 7919  # an odd size no real tensor of the block is likely to have first
+_EVERY_THREAD_FLAG = "FLAGS_caffe2_report_cpu_memory_usage"  # c10's: the CPU allocator counts every thread
 
 
 def process_peak_bytes(device: torch.device) -> int:
@@ -35,9 +40,11 @@ def tensor_peak(device: torch.device, *, within: Optional[str] = None) -> Iterat
     results after it, which CUDA memory does not see either). ``end_bytes`` is the running total
     at the block's last memory event (CPU) or the allocated bytes when it ends (CUDA).
 
-    CPU caveat: the profiler records memory events of the threads it profiles only, so a tensor
-    allocated here and freed by another thread (a worker's last reference) stays counted; run
-    such work inline while measuring (``swap.CpuBackend(overlap=False)``).
+    CPU: the profiler records the memory events of the thread it profiles only, but each event
+    carries the CPU allocator's running total, which (``_count_every_thread``) also counts what the
+    other threads allocate and free: a tensor whose last reference a collective's worker thread
+    drops (gloo) is counted freed, and a tensor another thread allocates is counted from this
+    thread's next memory event on.
 
     Raises:
         RuntimeError: ``within`` names a range that the block never opened (CPU).
@@ -53,7 +60,7 @@ def tensor_peak(device: torch.device, *, within: Optional[str] = None) -> Iterat
         return
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with _count_every_thread(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         # The profiler's running total also counts what earlier profiled blocks of this process
         # allocated and did not free: a marker's event gives that total, which is subtracted.
         marker = torch.empty(_MARKER_BYTES, dtype=torch.uint8)
@@ -80,6 +87,29 @@ def tensor_peak(device: torch.device, *, within: Optional[str] = None) -> Iterat
     ]
     box["bytes"] = max(totals, default=0)
     box["end_bytes"] = totals[-1] if totals else 0
+
+
+@contextlib.contextmanager
+def _count_every_thread() -> Iterator[None]:
+    """While active, the CPU allocator's running total (the profiler's "Total Allocated") counts the
+    allocations and frees of every thread. By default it counts a free only on a thread the profiler
+    profiles, so a tensor freed by a gloo worker thread (the last reference to a collective's input)
+    stayed counted for the rest of the block: an overcount that varied with the collectives' timing.
+    c10's flag ``caffe2_report_cpu_memory_usage`` makes the allocator count on every thread; it is set
+    in libc10 directly (torch has no Python setter). Without it (a build that does not export it) the
+    measurement goes on as before, with a warning."""
+    libs = sorted(Path(torch.__file__).parent.joinpath("lib").glob("libc10.*"))
+    try:
+        flag = ctypes.c_bool.in_dll(ctypes.CDLL(str(libs[0])), _EVERY_THREAD_FLAG)
+    except (IndexError, OSError, ValueError) as e:
+        log.warning("cannot count other threads' CPU frees (%s): tensors they free stay counted", e)
+        yield
+        return
+    before, flag.value = flag.value, True
+    try:
+        yield
+    finally:
+        flag.value = before
 
 
 def storage_ptrs(tensors: Iterable[torch.Tensor]) -> Set[int]:

@@ -7,8 +7,16 @@ first option). So, per parameter, a stage holds (``param_memory``)::
     versions x 4 B      weight versions (2 under 2bw, 1 under flush/gpipe), float32 = the masters
     + 4 B               gradient, accumulated in float32 over the batch's microbatches
     + k x 4 B           optimizer state, float32 (adam/adamw k = 2, sgd+momentum 1, sgd 0)
+    + 4 B               held gradient, only where the step waits (``step_waits``: under 2bw with a step
+                        agreement or ties, the closed batch's gradient waits for APPLY while the next
+                        batch's accumulates)
 
-the same under every precision. What reduced precision changes is elsewhere: activations
+the same under every precision (fp16's loss scaling always agrees, so under 2bw its step waits). What
+is not per parameter stays out: the data-parallel reduction flattens a bucket at a time into the
+tensor that becomes the gradient (``comm.BatchReduction``), the optimizers step a bucket at a time
+(their temporaries are a bucket's), the all-gather of optim.sharded writes in place; measured
+(``scripts/bench_memory.py``) a stage's peak is these bytes plus its activations, within 3%. What
+reduced precision changes is elsewhere: activations
 (autograd's saved tensors are mostly compute-dtype), p2p transfers (sent in the compute dtype,
 half the bytes), and autocast's compute-dtype copy of each matmul weight, made once per
 microbatch and saved for that microbatch's backward: up to 2 B per matmul parameter for every
@@ -67,6 +75,35 @@ def weight_dtype(precision: str, name: str) -> torch.dtype:
     return compute_dtype(precision) if name == "compute" else torch.float32
 
 
+def needs_agreement(precision: str, *, clip_grad_norm: Optional[float], on_nonfinite: str) -> bool:
+    """Whether batch t's step needs every stage's share (the step agreement, agreement.py): clipping,
+    ``train.on_nonfinite=skip``, or fp16 (its loss scaler skips through it); ``StepRule.needs_agreement``."""
+    return precision == "fp16" or clip_grad_norm is not None or on_nonfinite == "skip"
+
+
+def step_waits(
+    schedule: str,
+    *,
+    agreement: bool,
+    tied_across_stages: bool,
+    sharded: bool = False,
+    early_apply: bool = True,
+    stage_index: Optional[int] = None,
+) -> bool:
+    """Whether stage ``stage_index`` (None: the stage that holds the most) holds a closed batch's gradient
+    while the next batch's accumulates: under 2bw, APPLY(t) waits past batch t+1's first backward
+    (docs/design.md section 7) when a step needs the other stages (a step ``agreement``: clipping, skip,
+    fp16's loss scaling; weights tied across stages). Sharded (``StageWorker``), APPLY(t) runs 1 + 2s
+    compute steps after CLOSE(t) with those, else 1: before batch t+1's first backward, on stage 0 or
+    without them; with validation or the tie check (``early_apply`` false) it waits as unsharded.
+    """
+    if schedule != "2bw":
+        return False
+    if sharded and early_apply:
+        return (agreement or tied_across_stages) and (stage_index is None or stage_index > 0)
+    return agreement or tied_across_stages or sharded
+
+
 def versions_held(schedule: str) -> int:
     """Weight versions a stage holds: two under 2bw, one under flush and gpipe."""
     return 2 if schedule == "2bw" else 1
@@ -99,11 +136,14 @@ class ParamMemory:
     gradient: int
     optimizer: float
     cast_per_microbatch: int  # compute-dtype weight copy per matmul parameter and microbatch in flight (activations)
+    # the closed batch's gradient while the next accumulates, where the step waits (``step_waits``): 4 B, its
+    # 4/w shard when sharded (the replica's summed shard); 0 where APPLY comes before the next backward
+    held_gradient: float = 0.0
 
     @property
     def total(self) -> float:
-        """Weights + versions + master + gradients + optimizer state (activations excluded)."""
-        return self.versions * self.weight_copy + self.master + self.gradient + self.optimizer
+        """Versions + master + gradient + held gradient + optimizer state (activations excluded)."""
+        return self.versions * self.weight_copy + self.master + self.gradient + self.held_gradient + self.optimizer
 
     def as_dict(self) -> Dict[str, Any]:
         return {**asdict(self), "total": self.total}
@@ -118,10 +158,11 @@ def param_memory(
     weight_dtype_name: str = "fp32",
     sharded: bool = False,
     data_parallel: int = 1,
+    waits: bool = False,
 ) -> ParamMemory:
     """Bytes per parameter under a resolved ``precision`` (one of fp32, bf16, fp16), ``train.weight_dtype``
-    and ``optim.sharded`` over ``data_parallel`` replicas: the one source of these figures for summary.json,
-    the README's table and the planner's memory model.
+    and ``optim.sharded`` over ``data_parallel`` replicas, ``waits`` if the step waits (``step_waits``):
+    the one source of these figures for summary.json, the README's table and the planner's memory model.
 
     Versions in the compute dtype, or sharding, need float32 masters of their own (sharding.py): 4 B, or
     4/w B sharded; sharding divides the optimizer state by w. Autocast's per-microbatch weight casts
@@ -138,45 +179,55 @@ def param_memory(
         gradient=FP32_BYTES,
         optimizer=FP32_BYTES * optimizer_state_factor(optimizer, optimizer_kwargs) / w,
         cast_per_microbatch=reduced,
+        held_gradient=FP32_BYTES / w if waits else 0.0,
     )
 
 
 def markdown_table_sharded(*, optimizer: str = "adamw", precision: str = "bf16") -> str:
-    """The README's table of bytes per parameter by weight_dtype, optim.sharded and w, from ``param_memory``."""
-    rows = ["| schedule | weight_dtype | sharded | w | versions | master | gradient | optimizer | total |"]
-    rows.append("|---|---|---|---|---|---|---|---|---|")
+    """The README's table of bytes per parameter by weight_dtype, optim.sharded and w, from ``param_memory``;
+    the last column is what a waiting step (2bw with clipping, skip or ties: ``step_waits``) adds."""
+    rows = [
+        "| schedule | weight_dtype | sharded | w | versions | master | gradient | optimizer | total "
+        "| + held gradient if the step waits |"
+    ]
+    rows.append("|---|---|---|---|---|---|---|---|---|---|")
     for schedule in ("2bw", "flush"):
         for name in WEIGHT_DTYPES:
             for sharded, w in ((False, 1), (True, 2), (True, 4), (True, 8)):
-                pm = param_memory(
-                    precision,
-                    schedule=schedule,
-                    optimizer=optimizer,
-                    weight_dtype_name=name,
-                    sharded=sharded,
-                    data_parallel=w,
-                )
+                common = dict(schedule=schedule, optimizer=optimizer, weight_dtype_name=name, sharded=sharded)
+                pm = param_memory(precision, **common, data_parallel=w)
+                held = param_memory(precision, **common, data_parallel=w, waits=True).held_gradient
                 rows.append(
                     f"| {schedule} | {name} | {'yes' if sharded else 'no'} | {w} | {pm.versions} x {pm.weight_copy} B "
-                    f"| {pm.master:g} B | {pm.gradient} B | {pm.optimizer:g} B | {pm.total:g} B |"
+                    f"| {pm.master:g} B | {pm.gradient} B | {pm.optimizer:g} B | {pm.total:g} B "
+                    f"| {f'{held:g} B' if step_waits(schedule, agreement=True, tied_across_stages=False) else '-'} |"
                 )
     return "\n".join(rows)
 
 
 def markdown_table(*, optimizer: str = "adamw") -> str:
-    """The README's bytes-per-parameter table for ``optimizer``, from ``param_memory``."""
+    """The README's bytes-per-parameter table for ``optimizer``, from ``param_memory``: without clipping,
+    skip or ties (fp16's loss scaling makes a 2bw step wait: its total holds the held gradient)."""
     rows = [
-        "| precision | schedule | weight versions | master | gradients | optimizer | total | per microbatch in flight "
-        "|",
-        "|---|---|---|---|---|---|---|---|",
+        "| precision | schedule | weight versions | master | gradients | held gradient | optimizer | total "
+        "| per microbatch in flight |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for precision in ("fp32", "bf16", "fp16"):
         for schedule in ("2bw", "flush"):
-            pm = param_memory(precision, schedule=schedule, optimizer=optimizer)
+            agreement = needs_agreement(precision, clip_grad_norm=None, on_nonfinite="stop")
+            waits = step_waits(schedule, agreement=agreement, tied_across_stages=False)
+            pm = param_memory(precision, schedule=schedule, optimizer=optimizer, waits=waits)
+            if waits:
+                held = f"{pm.held_gradient:g} B"
+            elif step_waits(schedule, agreement=True, tied_across_stages=False):
+                held = "0 B (4 B with clipping, skip or ties)"
+            else:
+                held = "0 B"
             cast = f"{pm.cast_per_microbatch} B per matmul parameter" if pm.cast_per_microbatch else "-"
             rows.append(
                 f"| {precision} | {schedule if schedule == '2bw' else 'flush, gpipe'} | {pm.versions} x "
                 f"{pm.weight_copy} B | "
-                f"{pm.master} B | {pm.gradient} B | {pm.optimizer:g} B | {pm.total:g} B | {cast} |"
+                f"{pm.master} B | {pm.gradient} B | {held} | {pm.optimizer:g} B | {pm.total:g} B | {cast} |"
             )
     return "\n".join(rows)

@@ -1415,7 +1415,20 @@ def _gather_and_write(
         "first_step": rt.first_step,
         "recompute": rt.recompute,
         **predictions,
-        **_precision_record(rt, optim, rule, worker.stats, weight_dtype_name=train.weight_dtype),
+        **_precision_record(
+            rt,
+            optim,
+            rule,
+            worker.stats,
+            weight_dtype_name=train.weight_dtype,
+            waits=precisions.step_waits(
+                rt.schedule,
+                agreement=rule.needs_agreement,
+                tied_across_stages=any(len(ties.holders(tie, balance)) > 1 for tie in tied),
+                sharded=optim.sharded and w > 1,
+                early_apply=not (train.eval_every or pipeline.check_ties),
+            ),
+        ),
         "ties": [
             {
                 **t,
@@ -1526,9 +1539,16 @@ def _write_final(
 
 
 def _precision_record(
-    rt: RankPlan, optim: OptimConfig, rule: StepRule, stats: StageStats, *, weight_dtype_name: str = "fp32"
+    rt: RankPlan,
+    optim: OptimConfig,
+    rule: StepRule,
+    stats: StageStats,
+    *,
+    weight_dtype_name: str = "fp32",
+    waits: bool = False,
 ) -> Dict[str, Any]:
-    """summary.json's precision fields: the precision, its bytes per parameter, and under fp16 the loss scale."""
+    """summary.json's precision fields: the precision, its bytes per parameter (``waits``: the step waits,
+    ``precision.step_waits``), and under fp16 the loss scale."""
     record = {
         "precision": rt.precision,
         "compute_dtype": str(precisions.compute_dtype(rt.precision)).replace("torch.", ""),
@@ -1540,6 +1560,7 @@ def _precision_record(
             weight_dtype_name=weight_dtype_name,
             sharded=optim.sharded,
             data_parallel=rt.data_parallel,
+            waits=waits,
         ).as_dict(),
     }
     if isinstance(rule, ScaledStepRule):  # every rank's scaler takes the same values; these are rank 0's

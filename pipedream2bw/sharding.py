@@ -255,16 +255,24 @@ class ShardedVersions(WeightVersions):
 
     def _gather(self, b: int, layout: BucketShard, dst_index: int, dst: Sequence[nn.Parameter]) -> Callable[[], None]:
         """Starts putting every replica's stepped shard into replica ``dst_index``'s flat bucket (a bucket
-        not sharded: its masters copied at once); returns the wait."""
-        shard = self.shards[b].to(dst[layout.params[0]].device, self.weight_dtype, non_blocking=True)
+        not sharded: its masters copied at once); returns the wait.
+
+        The shard is cast (the weights' dtype) and moved (a host shard) straight into this replica's own
+        slice of the flat bucket, which the all-gather then sends in place: no copy of the shard is held
+        while the gather travels (under 2bw until batch t+2's first forward, past batch t+1's backwards).
+        """
+        shard = self.shards[b]
         if layout.count == 1:
             start = 0
             for i, n in zip(layout.params, layout.numels):
-                dst[i].view(-1).copy_(shard[start : start + n])
+                dst[i].view(-1).copy_(shard[start : start + n], non_blocking=True)
                 start += n
             return lambda: None
         assert self.gather is not None, "a sharded bucket needs connect(gather) before the first step"
-        return self.gather(shard, self.flat[dst_index][b])
+        full = self.flat[dst_index][b]
+        own = full[layout.index * layout.shard_numel : (layout.index + 1) * layout.shard_numel]
+        own.copy_(shard, non_blocking=True)
+        return self.gather(own, full)
 
     @torch.no_grad()
     def skip(self, batch_index: int) -> None:

@@ -1,15 +1,20 @@
 """Measured peak tensor bytes per rank against precision.param_memory, for every memory combination.
 
-    python scripts/bench_memory.py                 # the table: schedule x precision x weight_dtype x sharded, w=1,2,4
+    python scripts/bench_memory.py                 # the table: schedule x precision x weight_dtype x sharded,
+                                                   # one stage on w = 1, 2, 4 ranks and d=2 x w=4 (8 ranks)
     python scripts/bench_memory.py --time          # 4 ranks (d=2 x w=2): sharded vs unsharded samples/s, 2bw and flush
 
-Memory: one stage (``pipeline.num_stages=1``) on w data-parallel ranks of a tiny GPT whose parameters dwarf its
-activations, AdamW, a few steps per combination; all combinations of one w run in one launch (one torchrun, one
-rendezvous store). Each rank measures the peak tensor bytes of its training loop (CUDA: max allocated; CPU:
-``memprobe.tensor_peak``, torch.profiler's memory events); the table gives the largest over the ranks, in bytes
-per parameter beside ``param_memory``'s total, and, for a sharded run, how far its peak fell below the unsharded
-run's (measured) against the fall ``param_memory`` predicts. The measured peak also holds activations, the flat
-gradient copy of the all-reduce or reduce-scatter and the optimizer's temporaries, which param_memory leaves out.
+Memory: a GPT whose parameters dwarf its activations (32 blocks of d_model 64, 4 tokens a microbatch) and whose
+largest parameter, like each gradient bucket (``--bucket-mb``), is 1% of a stage, as a 25 MB bucket is of a large
+stage: what is per parameter shows, what is per bucket or per layer (the bucket being flattened, gloo's all-gather
+output, activations) stays small. AdamW, a few steps per combination; all combinations of one layout run in one
+launch (one torchrun, one rendezvous store). Each rank measures the peak tensor bytes of its training loop (CUDA:
+max allocated; CPU: ``memprobe.tensor_peak``, torch.profiler's memory events with every thread's frees counted),
+divided by its stage's parameters; a row gives the largest over the ranks beside what the model says:
+``param_memory``'s total plus, under bf16 with float32 versions, autocast's weight casts (``cast_per_microbatch``
+per matmul parameter and microbatch in flight). ``rest`` is the difference (activations, the backward's
+temporaries, a bucket or two in flight). For a sharded run: its optimizer state against the unsharded run's, per
+rank (1/w), and how far its peak fell below the unsharded run's, against the fall ``param_memory`` predicts.
 
 Time (``--time``): 4 ranks, sharded and unsharded under 2bw and flush, ``--repeats`` rounds alternating the four,
 median samples/s of each and the sharded / unsharded ratios, with the all-gather time forwards waited for.
@@ -41,9 +46,11 @@ from pipedream2bw.config import (  # noqa: E402
     TrainConfig,
     WandbConfig,
 )
-from pipedream2bw.precision import param_memory  # noqa: E402
+from pipedream2bw.precision import needs_agreement, param_memory, step_waits  # noqa: E402
+from pipedream2bw.schedule import in_flight  # noqa: E402
 
-MEMORY_MODEL = dict(num_layers=2, d_model=128, num_heads=4, seq_len=16, microbatch_size=1, num_microbatches=2)
+MEMORY_MODEL = dict(num_layers=32, d_model=64, num_heads=4, seq_len=4, microbatch_size=1, num_microbatches=2)
+MEMORY_LAYOUTS = ("1x1", "1x2", "1x4", "2x4")  # d x w
 TIME_MODEL = dict(num_layers=4, d_model=128, num_heads=4, seq_len=64, microbatch_size=2, num_microbatches=4)
 COMBINATIONS = [("fp32", "fp32"), ("bf16", "fp32"), ("bf16", "compute")]  # (precision, weight_dtype)
 
@@ -59,8 +66,10 @@ def job(
     steps: int,
     model: dict,
     bucket_mb,
+    clip=None,
 ):
     return dict(
+        clip=clip,
         bucket_mb=bucket_mb,
         schedule=schedule,
         d=d,
@@ -87,7 +96,7 @@ def make_config(j: dict, *, cuda: bool) -> Config:
         model=GPTConfig(
             num_layers=m["num_layers"], d_model=m["d_model"], num_heads=m["num_heads"], seq_len=m["seq_len"]
         ),
-        optim=OptimConfig(name="adamw", lr=1e-4, sharded=j["sharded"]),
+        optim=OptimConfig(name="adamw", lr=1e-4, sharded=j["sharded"], clip_grad_norm=j.get("clip")),
         data=DataConfig(),
         train=TrainConfig(
             num_steps=j["steps"],
@@ -131,16 +140,27 @@ def worker(args) -> None:
             record.update(
                 samples_per_s=summary["samples_per_s"],
                 allgather_exposed_s=[r.get("allgather_exposed_s", 0.0) for r in summary["ranks"]],
-                params=sum(p.numel() for p in _stage_params(cfg)),
+                balance=summary["balance"],
+                ranks=[{f: r[f] for f in ("rank", "stage", "optimizer_state_bytes")} for r in summary["ranks"]],
             )
         Path(args.out, f"job{k}_rank{rank}.json").write_text(json.dumps(record))
 
 
-def _stage_params(cfg: Config):
-    """The parameters of one stage (d=1: the whole GPT)."""
+def stage_params(model: dict, balance: list) -> list:
+    """Per stage of ``balance``: (parameters, parameters that autocast casts: nn.Linear weights)."""
     from pipedream2bw.models import build_gpt_layers
 
-    return [p for layer in build_gpt_layers(cfg.model, seed=cfg.seed) for p in layer.parameters()]
+    m = model
+    gpt = GPTConfig(num_layers=m["num_layers"], d_model=m["d_model"], num_heads=m["num_heads"], seq_len=m["seq_len"])
+    layers = build_gpt_layers(gpt, seed=0)
+    out, start = [], 0
+    for n in balance:
+        mods = layers[start : start + n]
+        start += n
+        params = sum(p.numel() for m in mods for p in m.parameters())
+        matmul = sum(x.weight.numel() for m in mods for x in m.modules() if isinstance(x, torch.nn.Linear))
+        out.append((params, matmul))
+    return out
 
 
 def launch(jobs: list, *, nproc: int, memory: bool) -> list:
@@ -156,13 +176,60 @@ def launch(jobs: list, *, nproc: int, memory: bool) -> list:
         ]
 
 
+def _predicted(j: dict, stage_index: int):
+    waits = step_waits(
+        j["schedule"],
+        agreement=needs_agreement(j["precision"], clip_grad_norm=j.get("clip"), on_nonfinite="stop"),
+        tied_across_stages=False,
+        sharded=j["sharded"] and j["w"] > 1,
+        stage_index=stage_index,
+    )
+    return param_memory(
+        j["precision"],
+        schedule=j["schedule"],
+        optimizer="adamw",
+        weight_dtype_name=j["weight_dtype"],
+        sharded=j["sharded"],
+        data_parallel=j["w"],
+        waits=waits,
+    )
+
+
+def measure(j: dict, ranks: list) -> dict:
+    """One run's row: per rank its stage, parameters, peak, modelled bytes and optimizer state."""
+    info = ranks[0]  # rank 0's record carries the summary's figures
+    per_stage = stage_params(j["model"], info["balance"])
+    summary = {r["rank"]: r for r in info["ranks"]}
+    out = []
+    for r in ranks:
+        stage = summary[r["rank"]]["stage"]
+        params, matmul = per_stage[stage]
+        pm = _predicted(j, stage)
+        casts = (
+            pm.cast_per_microbatch * matmul * in_flight(j["schedule"], stage, j["d"], j["model"]["num_microbatches"])
+        )
+        out.append(
+            dict(
+                rank=r["rank"],
+                stage=stage,
+                params=params,
+                peak_bytes=r["peak_bytes"],
+                modelled_bytes=pm.total * params + casts,
+                optimizer_state_bytes=summary[r["rank"]]["optimizer_state_bytes"],
+            )
+        )
+    worst = max(out, key=lambda r: r["peak_bytes"] / r["params"])
+    return {**j, "peak_bytes": worst["peak_bytes"], "params": worst["params"], "ranks": out}
+
+
 def memory_table(args) -> None:
     rows = []
-    for w in args.w:
+    for layout in args.layouts:
+        d, w = (int(x) for x in layout.split("x"))
         jobs = [
             job(
                 schedule=s,
-                d=1,
+                d=d,
                 w=w,
                 precision=p,
                 weight_dtype=wd,
@@ -170,51 +237,51 @@ def memory_table(args) -> None:
                 steps=args.steps,
                 model=MEMORY_MODEL,
                 bucket_mb=args.bucket_mb,
+                clip=args.clip,
             )
             for s in ("2bw", "flush")
             for p, wd in COMBINATIONS
             for sh in ((False, True) if w > 1 else (False,))
         ]
-        for j, ranks in zip(jobs, launch(jobs, nproc=w, memory=True)):
-            rows.append((j, max(r["peak_bytes"] for r in ranks), ranks[0]["params"]))
-        print(f"  w={w}: {len(jobs)} runs done", flush=True)
+        rows += [measure(j, ranks) for j, ranks in zip(jobs, launch(jobs, nproc=d * w, memory=True))]
+        print(f"  d={d} x w={w}: {len(jobs)} runs done", flush=True)
     kind = "CUDA max allocated" if torch.cuda.is_available() else "peak tensor bytes (torch.profiler)"
     if args.json:
-        records = [{**j, "peak_bytes": peak, "params": params} for j, peak, params in rows]
-        Path(args.json).write_text(json.dumps({"memory_kind": kind, "rows": records}, indent=1) + "\n")
-    print(f"\nmeasured: {kind} per rank (largest over the ranks); predicted: precision.param_memory (AdamW)")
-    header = "| schedule | precision | weight_dtype | sharded | w | measured B/param | predicted B/param | fall measured | fall predicted |"  # noqa: E501
-    print(header)
-    print("|---|---|---|---|---|---|---|---|---|")
-    peaks = {(j["schedule"], j["precision"], j["weight_dtype"], j["sharded"], j["w"]): peak for j, peak, _ in rows}
-    for j, peak, params in rows:
-        pm = param_memory(
-            j["precision"],
-            schedule=j["schedule"],
-            optimizer="adamw",
-            weight_dtype_name=j["weight_dtype"],
-            sharded=j["sharded"],
-            data_parallel=j["w"],
-        )
-        fall_measured = fall_predicted = ""
-        if j["sharded"]:
-            plain = peaks[(j["schedule"], j["precision"], j["weight_dtype"], False, j["w"])]
-            unsharded = param_memory(
-                j["precision"],
-                schedule=j["schedule"],
-                optimizer="adamw",
-                weight_dtype_name=j["weight_dtype"],
-                data_parallel=j["w"],
-            )
-            fall_measured = f"{(plain - peak) / params:.2f}"
-            fall_predicted = f"{unsharded.total - pm.total:.2f}"
-        print(
-            f"| {j['schedule']} | {j['precision']} | {j['weight_dtype']} | {'yes' if j['sharded'] else 'no'} "
-            f"| {j['w']} | {peak / params:.2f} | {pm.total:.2f} | {fall_measured} | {fall_predicted} |"
-        )
+        Path(args.json).write_text(json.dumps({"memory_kind": kind, "rows": rows}, indent=1) + "\n")
     print(
-        f"\n(GPT {MEMORY_MODEL}, {rows[0][2]} parameters, one stage, AdamW, {args.steps} steps, "
-        f"pipeline.bucket_mb={args.bucket_mb})"
+        f"\nmeasured: {kind} per rank / its stage's parameters, the largest over the ranks; modelled: "
+        "precision.param_memory (AdamW) + autocast's weight casts in flight"
+    )
+    print(
+        "| schedule | precision | weight_dtype | sharded | d x w | measured B/param | modelled B/param | rest "
+        "| optimizer state / unsharded | fall measured | fall predicted |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    key = lambda r, sharded: (r["schedule"], r["precision"], r["weight_dtype"], sharded, r["d"], r["w"])  # noqa: E731
+    by_key = {key(r, r["sharded"]): r for r in rows}
+    for r in rows:
+        worst = max(r["ranks"], key=lambda x: x["peak_bytes"] / x["params"])
+        measured, modelled = worst["peak_bytes"] / worst["params"], worst["modelled_bytes"] / worst["params"]
+        state = fall = predicted_fall = ""
+        if r["sharded"]:
+            plain = by_key[key(r, False)]
+            unsharded_state = {x["rank"]: x["optimizer_state_bytes"] for x in plain["ranks"]}
+            ratio = max(x["optimizer_state_bytes"] / unsharded_state[x["rank"]] for x in r["ranks"])
+            state = f"{ratio:.4f} (1/{r['w']} = {1 / r['w']:.4f})"
+            plain_worst = max(x["peak_bytes"] / x["params"] for x in plain["ranks"])
+            predicted = _predicted(plain, worst["stage"]).total - _predicted(r, worst["stage"]).total
+            fall = f"{plain_worst - measured:.2f} ({(plain_worst - measured) / predicted - 1:+.1%})"
+            predicted_fall = f"{predicted:.2f}"
+        print(
+            f"| {r['schedule']} | {r['precision']} | {r['weight_dtype']} | {'yes' if r['sharded'] else 'no'} "
+            f"| {r['d']} x {r['w']} | {measured:.2f} | {modelled:.2f} "
+            f"| {measured - modelled:+.2f} ({measured / modelled - 1:+.1%}) "
+            f"| {state} | {fall} | {predicted_fall} |"
+        )
+    params = sorted({x["params"] for r in rows for x in r["ranks"]})
+    print(
+        f"\n(GPT {MEMORY_MODEL}: {', '.join(map(str, params))} parameters a stage; AdamW, {args.steps} steps, "
+        f"pipeline.bucket_mb={args.bucket_mb}{f', optim.clip_grad_norm={args.clip}' if args.clip else ''})"
     )
 
 
@@ -260,15 +327,28 @@ def time_table(args) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--time", action="store_true", help="samples/s, sharded vs unsharded, 4 ranks")
-    parser.add_argument("--w", type=int, nargs="+", default=[1, 2, 4], help="data-parallel widths (memory table)")
+    parser.add_argument(
+        "--layouts",
+        nargs="+",
+        default=list(MEMORY_LAYOUTS),
+        help="memory table: d x w layouts, d stages of w replicas (d * w ranks each)",
+    )
     parser.add_argument("--steps", type=int, default=None, help="default: 3 (memory), 12 (time)")
     parser.add_argument("--repeats", type=int, default=3, help="--time: rounds of the four runs")
     parser.add_argument(
         "--bucket-mb",
         type=float,
-        default=0.125,
-        help="pipeline.bucket_mb: 1/15 of the tiny GPT's 1.8 MB, so that the collectives' temporaries (per bucket: "
-        "gloo's copies) are a small part of a stage, as the default 25 MB is of a large one",
+        default=0.0625,
+        help="pipeline.bucket_mb: the memory GPT's largest parameter (64 KiB float32), about 1%% of its 6.5 MB, so "
+        "that a bucket's temporaries (its flat copy as it starts, gloo's all-gather output) are a small part of a "
+        "stage, as the default 25 MB is of a large one",
+    )
+    parser.add_argument(
+        "--clip",
+        type=float,
+        default=None,
+        help="memory table: optim.clip_grad_norm for every run (a step agreement: under 2bw the step waits and a "
+        "stage holds the closed batch's gradient, param_memory's held_gradient)",
     )
     parser.add_argument("--json", default=None, help="memory table: also write its rows to this file")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)

@@ -12,7 +12,7 @@ The checks (each a script of this repository; their JSON lands in ``--out``):
   <= 10% more step time, weights bit-identical with and without swapping (deterministic kernels);
 - the tests marked ``gpu`` (``pytest -m gpu``): all pass, none skipped;
 - ``train.weight_dtype=compute`` against float32 versions under bf16, and optim.sharded at w=1 is a no-op
-  (scripts/bench_memory.py --w 1, CUDA max allocated): the measured bytes per parameter of each beside
+  (scripts/bench_memory.py --layouts 1x1, CUDA max allocated): the measured bytes per parameter of each beside
   ``precision.param_memory``'s, within 15% (activations and autocast's weight casts are not in param_memory).
 
 NOT VERIFIED ON A GPU: this script was written and its --dry-run tested on a CPU-only machine; the first run on
@@ -121,8 +121,8 @@ def checks(out: Path) -> List[Check]:
         ),
         Check(
             "weight_dtype=compute vs fp32 versions: measured B/param = param_memory's (within 15%)",
-            [py, str(ROOT / "scripts/bench_memory.py"), "--w", "1", "--json", str(out / "memory.json")],
-            ["--w", "--json"],
+            [py, str(ROOT / "scripts/bench_memory.py"), "--layouts", "1x1", "--json", str(out / "memory.json")],
+            ["--layouts", "--json"],
             lambda: _bench_memory(out / "memory.json"),
         ),
     ]

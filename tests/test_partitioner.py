@@ -203,7 +203,7 @@ def test_rank_map_keeps_replicas_on_the_fastest_level():
 
 def test_175b_gpt_on_1536_gpus_plans_fast_and_fits():
     # bf16 as the runtime trains it: float32 weight versions, gradients and Adam state, 20 bytes per
-    # parameter (+ 4 for the all-reduce copy): a 1.8B-parameter block per stage, so 96+ stages, and
+    # parameter (the all-reduce flattens a bucket at a time): a 1.8B-parameter block per stage, so 96+ stages, and
     # 1024 GPUs (d must divide them, d <= 99 layers) no longer fit; 1536 do (d = 96).
     cluster = dataclasses.replace(CLUSTER, nodes=192)
     req = Request(
@@ -358,7 +358,8 @@ def test_near_ties_go_to_the_better_other_objective(objective):
         assert best.recompute and peak(best) <= peak(old) * 1.01
         assert best.predicted_samples_per_s >= old.predicted_samples_per_s
     else:
-        assert round(peak(old)) == 64
+        # 64 GiB in the issue; 59 since the all-reduce's flat copy replaces the gradients (not 4 B more)
+        assert round(peak(old)) == 59
         assert best.predicted_samples_per_s >= 0.99 * old.predicted_samples_per_s and peak(best) < 0.5 * peak(old)
 
 

@@ -20,7 +20,7 @@ from pipedream2bw import comm
 from pipedream2bw.config import Config, ConfigError, GPTConfig, OptimConfig, TopologyConfig, gpt_balance, validate
 from pipedream2bw.loss_scale import LossScaler
 from pipedream2bw.models import build_gpt_layers
-from pipedream2bw.precision import markdown_table, param_memory
+from pipedream2bw.precision import markdown_table, markdown_table_sharded, needs_agreement, param_memory, step_waits
 from pipedream2bw.runner import run
 
 # ---- pure -------------------------------------------------------------------------------------
@@ -56,6 +56,25 @@ def test_bytes_per_parameter_and_the_planner_uses_them():
     assert param_memory("fp32", schedule="flush", optimizer="torch.optim.SGD").total == 4 + 4
     assert param_memory("bf16", schedule="2bw", optimizer="adam").cast_per_microbatch == 2
     assert param_memory("fp32", schedule="2bw", optimizer="adam").cast_per_microbatch == 0
+    # A waiting step holds the closed batch's gradient (sharded: its shard) while the next one accumulates:
+    # under 2bw with a step agreement (fp16's loss scaling is one) or ties; sharded, also with validation.
+    assert param_memory("fp32", schedule="2bw", optimizer="adamw", waits=True).total == 2 * 4 + 4 + 4 + 8
+    held = param_memory("bf16", schedule="2bw", optimizer="adamw", sharded=True, data_parallel=4, waits=True)
+    assert held.held_gradient == 1 and held.total == 2 * 4 + 1 + 4 + 1 + 2
+    assert step_waits(
+        "2bw", agreement=needs_agreement("fp16", clip_grad_norm=None, on_nonfinite="stop"), tied_across_stages=False
+    )
+    assert not step_waits("flush", agreement=True, tied_across_stages=True)
+    assert step_waits("2bw", agreement=False, tied_across_stages=True)
+    assert not step_waits("2bw", agreement=False, tied_across_stages=False, sharded=True)  # APPLY before t+1's B
+    assert step_waits("2bw", agreement=False, tied_across_stages=False, sharded=True, early_apply=False)
+    # sharded with clipping, APPLY(t) runs 1 + 2s compute steps after CLOSE(t): stage 0 holds nothing
+    assert [
+        step_waits("2bw", agreement=True, tied_across_stages=False, sharded=True, stage_index=s) for s in (0, 1)
+    ] == [
+        False,
+        True,
+    ]
     # The planner's memory model holds exactly those bytes per parameter for a stage's weights,
     # gradients and optimizer state, at every precision, and its activations follow the compute dtype.
     model = GPTConfig(num_layers=4, d_model=64, num_heads=2, seq_len=32)
@@ -67,11 +86,18 @@ def test_bytes_per_parameter_and_the_planner_uses_them():
             num_params = 2 * (12 * 64 * 64 + 13 * 64)
             held = cost["weights"] + cost["gradients"] + cost["optimizer"]
             assert held == num_params * param_memory(precision, schedule=schedule, optimizer="adamw").total
+            waits = step_waits(schedule, agreement=True, tied_across_stages=False)  # e.g. with clipping
+            waiting = StageCost.of(Segments(layers), 1, 3, StageContext(0, 2, 4, 1, schedule=schedule, waits=waits))
+            held = waiting["weights"] + waiting["gradients"] + waiting["optimizer"]
+            pm = param_memory(precision, schedule=schedule, optimizer="adamw", waits=waits)
+            assert held == num_params * pm.total
             blocks[precision] = layers[1].saved_bytes
     # bf16 activations take half the bytes, plus the 2-byte copy of each matmul weight per microbatch
     assert blocks["bf16"] == blocks["fp32"] // 2 + 2 * 12 * 64 * 64 == blocks["fp16"]
     # ...and docs/precision.md's table is that function's output, not figures written twice.
-    assert markdown_table() in (Path(__file__).resolve().parent.parent / "docs" / "precision.md").read_text()
+    docs = Path(__file__).resolve().parent.parent / "docs"
+    assert markdown_table() in (docs / "precision.md").read_text()
+    assert markdown_table_sharded() in (docs / "sharding.md").read_text()
 
 
 def test_precision_config_is_checked_before_any_group_starts():

@@ -10,9 +10,11 @@ import copy
 import dataclasses
 import json
 from pathlib import Path
+from typing import Sequence
 
 import pytest
 import torch
+from dist_helper import spawn
 from reference import reference_run, reference_train
 from test_models import tied_config
 from test_precision import fp16_config, inf_gradient_layers, run_jobs
@@ -20,11 +22,20 @@ from test_semantics import tiny_config
 
 from partitioner.auto import apply_choices
 from partitioner.planner import Plan, save_plan
-from pipedream2bw import checkpoint
-from pipedream2bw.config import Config, ConfigError, PartitionConfig, gpt_balance, validate
+from pipedream2bw import checkpoint, comm
+from pipedream2bw.config import (
+    Config,
+    ConfigError,
+    GPTConfig,
+    OptimConfig,
+    PartitionConfig,
+    gpt_balance,
+    validate,
+)
 from pipedream2bw.layout import make_layout
+from pipedream2bw.memprobe import tensor_peak
 from pipedream2bw.precision import param_memory
-from pipedream2bw.runner import run, training_settings
+from pipedream2bw.runner import TRAIN_RANGE, run, training_settings
 from pipedream2bw.sharding import BucketShard, ShardedVersions
 from pipedream2bw.versions import WeightVersions
 
@@ -263,6 +274,69 @@ def test_sharded_adamw_equals_unsharded_with_a_wth_of_the_optimizer_state(eight_
         # Adam: two float32 moments per element and a step count per parameter (or piece); the last replica's
         # shard lacks the padding (at most w - 1 elements of the one bucket): 512 B is well within one bucket
         assert abs(b["optimizer_state_bytes"] - a["optimizer_state_bytes"] / 4) <= 512, (a, b)
+
+
+def train_measured(cfgs: Sequence[Config], run_dirs: Sequence[str]) -> None:
+    """Runs the jobs one after another in the same ranks, each under ``memprobe.tensor_peak``: this rank's
+    peak tensor bytes of the training loop go to ``peak_rank{R}.txt`` in the job's directory."""
+    rank, world_size, _ = comm.env_rank()
+    store = comm.make_store(rank=rank, world_size=world_size, timeout_s=60)
+    for cfg, run_dir in zip(cfgs, run_dirs):
+        with tensor_peak(torch.device("cpu"), within=TRAIN_RANGE) as peak:
+            run(cfg, Path(run_dir), store=store)
+        Path(run_dir, f"peak_rank{rank}.txt").write_text(str(peak["bytes"]))
+
+
+def _memory_config(schedule: str, precision: str, weight_dtype: str, *, sharded: bool) -> Config:
+    """One stage on 2 replicas of a GPT whose largest parameter and gradient buckets are 4% of it
+    (scripts/bench_memory.py's at a quarter of the depth): per-bucket transients stay within the tolerance.
+    Two steps: the second batch's last backward, the peak, meets the optimizer state the first step made."""
+    cfg = tiny_config(schedule=schedule, num_stages=1, num_microbatches=2, num_steps=2)
+    cfg.model = GPTConfig(num_layers=8, d_model=64, num_heads=4, seq_len=4)
+    cfg.optim = OptimConfig(name="adamw", lr=1e-4, sharded=sharded)
+    cfg.pipeline.data_parallel, cfg.pipeline.microbatch_size, cfg.pipeline.bucket_mb = 2, 1, 0.0625
+    cfg.train.precision, cfg.train.weight_dtype = precision, weight_dtype
+    return cfg
+
+
+MEMORY_CASES = [("2bw", "bf16", "compute"), ("flush", "fp32", "fp32")]
+
+
+@pytest.mark.slow
+def test_sharding_at_w2_holds_half_the_optimizer_state_and_the_peak_falls_as_param_memory_says(tmp_path):
+    """Measured, not counted (memprobe: peak tensor bytes of the training loop, every thread's frees counted):
+    at w=2 each rank's AdamW state is 1/2 of the unsharded run's (within one bucket's padding), and the
+    peak falls from the unsharded run's by param_memory's prediction within 5% (2bw, bf16 versions: 6 B
+    per parameter; flush, fp32: 2 B). Regressions it guards: the unsharded all-reduce kept both the
+    gradients and their flat copy until the step (4 B more unsharded); the sharded all-gather held a
+    cast copy of the shard past the next batch's backwards (2/w B more sharded, 2bw with bf16 versions)."""
+    cfgs = [_memory_config(*case, sharded=sh) for case in MEMORY_CASES for sh in (False, True)]
+    dirs = [str(tmp_path / f"job{i}") for i in range(len(cfgs))]
+    results = spawn(train_measured, world_size=2, args=(cfgs, dirs), log_dir=tmp_path / "logs", timeout_s=120)
+    assert all(r.exitcode == 0 for r in results), "\n".join(r.log for r in results)
+    params = sum(p.numel() for p in torch.load(Path(dirs[0], "final_model.pt")).values())
+    measured = []
+    for d in dirs:
+        summary = json.loads(Path(d, "summary.json").read_text())
+        peaks = [int(Path(d, f"peak_rank{r}.txt").read_text()) for r in range(2)]
+        measured.append((max(peaks) / params, [r["optimizer_state_bytes"] for r in summary["ranks"]]))
+    for k, (schedule, precision, weight_dtype) in enumerate(MEMORY_CASES):
+        (plain, plain_state), (sharded, sharded_state) = measured[2 * k], measured[2 * k + 1]
+        for a, b in zip(plain_state, sharded_state):  # Adam's step counts and the last shard's padding: < 512 B
+            assert abs(b - a / 2) <= 512, (schedule, plain_state, sharded_state)
+        predicted = [
+            param_memory(
+                precision,
+                schedule=schedule,
+                optimizer="adamw",
+                weight_dtype_name=weight_dtype,
+                sharded=sh,
+                data_parallel=2,
+            ).total
+            for sh in (False, True)
+        ]
+        fall = predicted[0] - predicted[1]
+        assert abs((plain - sharded) - fall) <= 0.05 * fall, (schedule, precision, plain, sharded, fall)
 
 
 def test_sharded_fp16_skip_host_optimizer_and_swapping_equal_the_scaled_reference(four_ranks):
