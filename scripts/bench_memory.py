@@ -310,7 +310,8 @@ def time_table(args) -> None:
         rates[key].append(ranks[0]["samples_per_s"])
         exposed[key].append(max(ranks[0]["allgather_exposed_s"]) / args.steps * 1e3)
     print(
-        f"\nd=2 x w=2 on {'GPU' if torch.cuda.is_available() else 'CPU'}, GPT {TIME_MODEL}, AdamW, {args.steps} steps"
+        f"\nd=2 x w=2 on {'GPU' if torch.cuda.is_available() else 'CPU'}, GPT {TIME_MODEL}, AdamW, {args.steps} steps, "
+        f"pipeline.bucket_mb={args.bucket_mb}"
     )
     print("| schedule | sharded | samples/s (median) | runs | all-gather waited, ms/step (most of a rank) |")
     print("|---|---|---|---|---|")
@@ -333,15 +334,16 @@ def main() -> None:
         default=list(MEMORY_LAYOUTS),
         help="memory table: d x w layouts, d stages of w replicas (d * w ranks each)",
     )
-    parser.add_argument("--steps", type=int, default=None, help="default: 3 (memory), 12 (time)")
+    parser.add_argument("--steps", type=int, default=None, help="default: 3 (memory), 60 (time)")
     parser.add_argument("--repeats", type=int, default=3, help="--time: rounds of the four runs")
     parser.add_argument(
         "--bucket-mb",
         type=float,
-        default=0.0625,
-        help="pipeline.bucket_mb: the memory GPT's largest parameter (64 KiB float32), about 1%% of its 6.5 MB, so "
-        "that a bucket's temporaries (its flat copy as it starts, gloo's all-gather output) are a small part of a "
-        "stage, as the default 25 MB is of a large one",
+        default=None,
+        help="pipeline.bucket_mb. Memory table, default 0.0625: the memory GPT's largest parameter (64 KiB float32), "
+        "about 1%% of its 6.5 MB, so that a bucket's temporaries (its flat copy as it starts, gloo's all-gather "
+        "output) are a small part of a stage, as the default 25 MB is of a large one. Time: the run's default (25), "
+        "one bucket a stage; a smaller one adds a reduce-scatter and an all-gather per bucket to a sharded step",
     )
     parser.add_argument(
         "--clip",
@@ -358,7 +360,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.worker:
         return worker(args)
-    args.steps = args.steps or (12 if args.time else 3)
+    args.steps = args.steps or (60 if args.time else 3)
+    if args.bucket_mb is None:
+        args.bucket_mb = PipelineConfig().bucket_mb if args.time else 0.0625
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     print("command:", " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]))
     print(
