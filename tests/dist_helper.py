@@ -250,6 +250,10 @@ def train_cli(runs: Sequence[Sequence[str]]) -> None:
 
     comm.init, os_exit = no_groups, os._exit
     os._exit = leave
+    # The run-stamp agreement would have rank 1 connect to a store that rank 0 hosts, and rank 0, refusing its
+    # config at once, may leave before rank 1 gets there (torchrun would then stop rank 1; this harness does not):
+    # every rank gets the stamp here, so no store is made.
+    os.environ.setdefault("PD2BW_RUN_STAMP", time.strftime("%Y-%m-%d/%H-%M-%S"))
     try:
         for overrides in runs:
             sys.argv = ["pipedream2bw.train", *overrides]
