@@ -410,8 +410,7 @@ class StageWorker:
             trace.add("S", t, start, time.perf_counter())
         if self.peers.loss_sources:  # rank 0: the batch loss is the mean over the replicas' last stages
             start = time.perf_counter()
-            self._post_losses(t)
-            posted = iter(self._loss_posts.pop(t))
+            posted = iter(self._loss_posts.pop(t))  # posted by run() (the first batch) or APPLY(t-1)
             self._post_losses(t + 1)
             losses = [
                 self._own_losses.pop(t) if r == self.p2p.ctx.rank else self.p2p.take_loss(next(posted))
