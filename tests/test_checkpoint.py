@@ -165,25 +165,27 @@ def _children(pid: int) -> list:
     return kids
 
 
+# tiny_config(schedule="2bw", num_stages=2, num_microbatches=2, optim="sgd_momentum") with optim.lr 0.05, as
+# command-line overrides of a torchrun launch (the tests that signal or kill its processes)
+TINY_TORCHRUN_OVERRIDES = [
+    "pipeline.num_stages=2",
+    "pipeline.num_microbatches=2",
+    "pipeline.microbatch_size=2",
+    "model.num_layers=3",
+    "model.d_model=32",
+    "model.num_heads=2",
+    "model.seq_len=16",
+    "optim.name=sgd",
+    "optim.lr=0.05",
+    "+optim.kwargs.momentum=0.9",
+    "wandb.mode=disabled",
+    "seed=3",
+]
+
+
 @pytest.mark.slow
 def test_sigkilled_rank_restarts_under_torchrun_and_finishes_with_the_same_weights(tmp_path):
-    overrides = [
-        "pipeline.num_stages=2",
-        "pipeline.num_microbatches=2",
-        "pipeline.microbatch_size=2",
-        "model.num_layers=3",
-        "model.d_model=32",
-        "model.num_heads=2",
-        "model.seq_len=16",
-        "optim.name=sgd",
-        "optim.lr=0.05",
-        "+optim.kwargs.momentum=0.9",
-        "train.num_steps=120",
-        "train.checkpoint_every=10",
-        "train.log_every=100",
-        "wandb.mode=disabled",
-        "seed=3",
-    ]
+    overrides = [*TINY_TORCHRUN_OVERRIDES, "train.num_steps=120", "train.checkpoint_every=10", "train.log_every=100"]
     cmd = [
         *torchrun_command(2, "--max-restarts", "1"),
         "-m",

@@ -17,7 +17,7 @@ import pytest
 import torch
 from dist_helper import run_ok, spawn, train, train_cli
 from hydra import compose, initialize_config_dir
-from test_checkpoint import _children, assert_equal_bits, config, weights
+from test_checkpoint import TINY_TORCHRUN_OVERRIDES, _children, assert_equal_bits, config, weights
 from test_semantics import tiny_config
 
 from pipedream2bw import checkpoint, fileio, preempt
@@ -310,21 +310,10 @@ def test_auto_partition_checks_warmup_before_it_profiles(tmp_path, monkeypatch):
 # --- preemption ---------------------------------------------------------------------------------------------
 
 PREEMPT_OVERRIDES = [
-    "pipeline.num_stages=2",
-    "pipeline.num_microbatches=2",
-    "pipeline.microbatch_size=2",
-    "model.num_layers=3",
-    "model.d_model=32",
-    "model.num_heads=2",
-    "model.seq_len=16",
-    "optim.name=sgd",
-    "optim.lr=0.05",
-    "+optim.kwargs.momentum=0.9",
+    *TINY_TORCHRUN_OVERRIDES,
     "train.num_steps=200",
     "train.checkpoint_every=40",
     "train.log_every=1000",
-    "wandb.mode=disabled",
-    "seed=3",
 ]
 
 

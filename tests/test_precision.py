@@ -211,6 +211,21 @@ def fp16_config(*, d: int, w: int, steps: int, resume: str = "never") -> Config:
     return cfg
 
 
+def fp16_skip_reference(*, steps: int, batch: int):
+    """The single-process 2bw reference of ``fp16_config`` whose stage-0 gradient is inf at ``batch`` (the
+    second-stage layer's backward of that batch's microbatch 2 of 4): (weights, losses, info)."""
+    oracle = fp16_config(d=1, w=1, steps=steps)
+    info = {}
+    expected, losses = reference_train(
+        oracle,
+        delayed=True,
+        balance=gpt_balance(oracle.model, 2),
+        layers=inf_gradient_layers(oracle, layer=1, call=batch * 4 + 4 // 2 + 1),
+        info=info,
+    )
+    return expected, losses, info
+
+
 @pytest.mark.slow
 def test_fp16_inf_in_one_stage_skips_that_batch_everywhere_and_resumes_exactly(tmp_path):
     """d=2 x w=2, fp16, an inf in the gradient of stage 0 on replica 1 only, at batch 3: every rank
@@ -231,21 +246,14 @@ def test_fp16_inf_in_one_stage_skips_that_batch_everywhere_and_resumes_exactly(t
     # runs): growth every 2 clean steps, halved by batch 3's overflow from batch 5 on.
     expected_scales = [1024.0, 1024.0, 1024.0, 2048.0, 2048.0, 1024.0, 1024.0, 2048.0]
     assert s0["loss_scale"]["per_step"] == expected_scales
-    oracle_cfg = fp16_config(d=1, w=1, steps=steps)
-    info = {}
-    expected, losses = reference_train(
-        oracle_cfg,
-        delayed=True,
-        balance=gpt_balance(oracle_cfg.model, 2),
-        layers=inf_gradient_layers(oracle_cfg, layer=1, call=batch * 4 + 4 // 2 + 1),
-        info=info,
-    )
+    expected, losses, info = fp16_skip_reference(steps=steps, batch=batch)
     assert info["skipped_steps"] == [batch] and info["loss_scales"] == expected_scales
     # Two replicas sum their float32 gradients in another order than one process: round-off that
     # moves a few fp16 roundings of activations by one unit (2**-11 relative), hence fp16's tolerance.
     fp16_close = dict(rtol=1e-3, atol=1e-4)
     torch.testing.assert_close(w0, expected, **fp16_close)
     torch.testing.assert_close(torch.tensor(s0["losses"]), torch.tensor(losses), **fp16_close)
+    oracle_cfg = fp16_config(d=1, w=1, steps=steps)
     not_skipped, _ = reference_train(oracle_cfg, delayed=True, balance=gpt_balance(oracle_cfg.model, 2))
     assert max_abs_diff(w0, not_skipped) > 1e-2  # skipping a step is far above that tolerance
 

@@ -15,9 +15,9 @@ from typing import Sequence
 import pytest
 import torch
 from dist_helper import spawn
-from reference import reference_run, reference_train
+from reference import reference_run
 from test_models import tied_config
-from test_precision import fp16_config, inf_gradient_layers, run_jobs
+from test_precision import fp16_config, fp16_skip_reference, run_jobs
 from test_semantics import tiny_config
 
 from partitioner.auto import apply_choices
@@ -348,15 +348,7 @@ def test_sharded_fp16_skip_host_optimizer_and_swapping_equal_the_scaled_referenc
     batch = FP16_SKIPPED
     assert [r["skipped_steps"] for r in summary["ranks"]] == [[batch]] * 4
     assert [(r["swap"] or {}).get("swapped_out_bytes", 0) > 0 for r in summary["ranks"]] == [True, True, False, False]
-    oracle = fp16_config(d=1, w=1, steps=STEPS)
-    info = {}
-    expected, losses = reference_train(
-        oracle,
-        delayed=True,
-        balance=gpt_balance(oracle.model, 2),
-        layers=inf_gradient_layers(oracle, layer=1, call=batch * 4 + 4 // 2 + 1),
-        info=info,
-    )
+    expected, losses, info = fp16_skip_reference(steps=STEPS, batch=batch)
     assert info["skipped_steps"] == [batch] and summary["loss_scale"]["per_step"] == info["loss_scales"]
     fp16_close = dict(rtol=1e-3, atol=1e-4)
     torch.testing.assert_close(weights, expected, **fp16_close)
