@@ -6,7 +6,7 @@ one stage; its arguments may be numpy index arrays, so the planner's dynamic pro
 every segment at once with the very same formulas that the final plan reports.
 
 Memory of stage s (bytes), ``n`` microbatches in flight (``in_flight``); ``W`` is one copy of the
-stage's weights, float32 under every precision (``pipedream2bw.precision.param_memory``, whose bytes
+stage's weights, float32 under every precision (``pipedream2bw.memory.precision.param_memory``, whose bytes
 per parameter these terms are)::
 
     versions*W*c + W (gradient) + O/w' (optimizer state) + M (float32 masters, with the optimizer)
@@ -47,8 +47,10 @@ from typing import Dict, List, Optional, Sequence
 import numpy as np
 
 from partitioner.topology import LOCAL, Link
-from pipedream2bw.precision import optimizer_state_factor, versions_held
-from pipedream2bw.schedule import (  # in_flight: the runtime's own bound, re-exported for the memory model's callers
+from pipedream2bw.memory.precision import optimizer_state_factor, versions_held
+
+# in_flight: the runtime's own bound, re-exported for the memory model's callers
+from pipedream2bw.pipeline.schedule import (
     FORWARD,
     STEP,
     in_flight,
@@ -57,7 +59,9 @@ from pipedream2bw.schedule import (  # in_flight: the runtime's own bound, re-ex
     timings,
 )
 
-__all__ = ["optimizer_state_factor"]  # re-exported: its home is pipedream2bw.precision, with the bytes per parameter
+__all__ = [
+    "optimizer_state_factor"
+]  # re-exported: its home is pipedream2bw.memory.precision, with the bytes per parameter
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from typing import List, Optional
 import pytest
 
 from pipedream2bw.config import TINY_ENV, from_hydra
-from pipedream2bw.config_docs import compose, config_groups, markdown
+from pipedream2bw.config.docs import compose, config_groups, markdown
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -254,7 +254,7 @@ def test_output_pattern():
 
 
 def test_config_reference_is_up_to_date():
-    # docs/config.md is written by scripts/gen_config_docs.py from pipedream2bw/config.py's field docstrings.
+    # docs/config.md is written by scripts/gen_config_docs.py from pipedream2bw/config/schema.py's field docstrings.
     assert (ROOT / "docs" / "config.md").read_text() == markdown(), "run: python scripts/gen_config_docs.py"
 
 

@@ -11,8 +11,8 @@ import termios
 from types import SimpleNamespace
 
 from pipedream2bw.config import Config, TrainConfig, WandbConfig
-from pipedream2bw.runner import _progress
-from pipedream2bw.tracking import Tracker, progress_bar
+from pipedream2bw.io.tracking import Tracker, progress_bar
+from pipedream2bw.run.runner import _progress
 
 
 def _drive(bar, tmp_path, losses):

@@ -22,7 +22,7 @@ from pipedream2bw.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
-SHIPPED_CORPUS = Path(__file__).parent / "data" / "python_docs.txt.gz"
+SHIPPED_CORPUS = Path(__file__).parent / "python_docs.txt.gz"
 TOKEN_SUFFIX = ".bin"
 TOKEN_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 BYTE_VOCAB = 256

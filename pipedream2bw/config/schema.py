@@ -5,13 +5,15 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import signal
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
-from pipedream2bw.errors import ConfigError  # re-exported: users' code imports it from here
+from pipedream2bw.config.locate import locate
+from pipedream2bw.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -20,6 +22,9 @@ WANDB_MODES = ("offline", "online", "disabled")
 BACKENDS = ("auto", "gloo", "nccl")
 LR_SCHEDULERS = ("constant", "cosine", "linear")
 ON_NONFINITE = ("stop", "skip")
+PRECISIONS = ("auto", "fp32", "bf16", "fp16")  # train.precision (memory/precision.py gives them their dtypes)
+WEIGHT_DTYPES = ("fp32", "compute")  # train.weight_dtype
+UNCATCHABLE = ("SIGKILL", "SIGSTOP")  # what train.preempt_signals cannot name
 
 
 @dataclass
@@ -134,13 +139,6 @@ class HFModelConfig:
     export_dtype: Optional[str] = None
     """Dtype of exported weights (train.export_hf, export-hf): 'float32', 'bfloat16' or 'float16'; null: the
     pretrained files' dtype (float32 for a model not loaded from one)."""
-
-    @property
-    def vocab_size(self) -> int:
-        """The model's vocabulary size (its config's ``vocab_size``): token files are checked against it."""
-        from pipedream2bw.models.hf import resolve_config  # models/ imports this module
-
-        return resolve_config(self).config.vocab_size
 
 
 @dataclass
@@ -368,7 +366,7 @@ class PartitionConfig:
 
 @dataclass
 class SwapConfig:
-    """Swapping of stashed activations to host memory (docs/design.md section 5; pipedream2bw/swap.py)."""
+    """Swapping of stashed activations to host memory (docs/design.md section 5; pipedream2bw/memory/swap.py)."""
 
     enabled: bool = False
     """Swap on every stage; false swaps only the stages listed in ``stages``."""
@@ -450,8 +448,6 @@ def optimizer_name(cfg: OptimConfig) -> str:
 def _optimizer_of(cfg: OptimConfig) -> type:
     if not cfg.target:
         return optimizer_class(cfg.name)
-    from pipedream2bw.models.factory import locate  # models/ imports config: import here
-
     cls = locate(cfg.target, what="optim._target_")
     if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
         raise ConfigError(
@@ -635,8 +631,6 @@ ELEMENTWISE_OPTIMIZERS = ("sgd", "adam", "adamw", "nadam", "radam", "adamax", "r
 
 def _validate_sharding(cfg: Config) -> None:
     """optim.sharded and train.weight_dtype: an elementwise optimizer; what does not compose yet is refused here."""
-    from pipedream2bw.precision import WEIGHT_DTYPES
-
     t = cfg.train
     if t.weight_dtype is not None and t.weight_dtype not in WEIGHT_DTYPES:
         raise ConfigError(f"train.weight_dtype ({t.weight_dtype!r}) is unknown; use one of {list(WEIGHT_DTYPES)}")
@@ -669,8 +663,6 @@ def _need_elementwise(cfg: Config, what: str) -> None:
 
 
 def _validate_precision(cfg: Config) -> None:
-    from pipedream2bw.precision import PRECISIONS
-
     t = cfg.train
     if cfg.partition.analytic_dtype_bytes is not None:
         raise ConfigError(
@@ -697,6 +689,24 @@ def _validate_precision(cfg: Config) -> None:
         )
 
 
+def signal_numbers(names: Sequence[str]) -> Dict[str, int]:
+    """The signals ``train.preempt_signals`` names, by name.
+
+    Raises:
+        ValueError: a name that is no signal here, or one that cannot be caught.
+    """
+    out = {}
+    for name in names:
+        sig = getattr(signal.Signals, str(name).upper(), None) if str(name).upper().startswith("SIG") else None
+        if sig is None or sig.name in UNCATCHABLE:
+            catchable = sorted(
+                s.name for s in signal.Signals if s.name not in UNCATCHABLE and not s.name.startswith("SIG_")
+            )
+            raise ValueError(f"{name!r} is not a signal that can be caught here; use names such as {catchable[:12]}")
+        out[sig.name] = int(sig)
+    return out
+
+
 def validate_steps(t: TrainConfig) -> None:
     """The training-length settings, which ``partition=auto`` checks before it profiles and plans.
 
@@ -710,8 +720,6 @@ def validate_steps(t: TrainConfig) -> None:
             f"train.warmup_steps ({t.warmup_steps}) must be in [0, train.num_steps ({t.num_steps})) "
             f"so that throughput is measured on at least one step; lower it"
         )
-    from pipedream2bw.preempt import signal_numbers
-
     try:
         signal_numbers(t.preempt_signals)
     except ValueError as e:
@@ -747,38 +755,21 @@ def _validate_final(cfg: Config) -> None:
             )
 
 
-def _model_vocab(mdl: Any, from_layers: Optional[int]) -> Optional[int]:
-    """The vocabulary the data must fit: the GPT's ``vocab_size``; a layer list's ``model.vocab_size``, which
-    may not exceed what its layers take, else what they take (None: unknown)."""
-    if isinstance(mdl, GPTConfig):
-        return mdl.vocab_size
-    given = getattr(mdl, "vocab_size", None)
-    if given is not None and given < 1:
-        raise ConfigError(f"model.vocab_size ({given}) must be >= 1, or null to read it from the model's layers")
-    if given is not None and from_layers is not None and given > from_layers:
-        raise ConfigError(
-            f"model.vocab_size ({given}) is more than the model's layers take ({from_layers}: its embedding rows or "
-            f"head outputs); ids from {from_layers} on would fail inside the model; set model.vocab_size<={from_layers}"
-        )
-    return given if given is not None else from_layers
-
-
 def validate(
     cfg: Config,
     *,
     world_size: int,
     num_layers: Optional[int] = None,
     local_world_size: int = 1,
-    layers_vocab_size: Optional[int] = None,
 ) -> List[int]:
-    """Checks a config before any process group starts.
+    """Checks a config before any process group starts: all that needs no model and no data file
+    (``pipedream2bw.run.preflight.check`` adds those, and calls this first).
 
     Args:
         cfg: the run's config.
         world_size: number of ranks that will run it.
         local_world_size: ranks on this node (one GPU each under NCCL).
         num_layers: length of a user's layer list; None for the GPT that ``cfg.model`` describes.
-        layers_vocab_size: a layer list's vocabulary as read from its layers (``read_vocab_size``).
 
     Returns:
         The balance (layers per stage) the run will use: ``pipeline.balance``, else
@@ -872,12 +863,6 @@ def validate(
             f"train.eval_every ({t.eval_every}) must be >= 0 (0: no validation) and train.eval_batches "
             f"({t.eval_batches}) >= 1"
         )
-    from pipedream2bw.data import check_data  # data.py imports this module
-
-    vocab = _model_vocab(mdl, layers_vocab_size)
-    read = isinstance(mdl, LayerListConfig) and mdl.vocab_size is None and vocab is not None
-    vocab_from = "the vocabulary of the model's layers (embedding rows, head outputs)" if read else "model.vocab_size"
-    check_data(cfg.data, vocab_size=vocab, seq_len=mdl.seq_len, need_val=t.eval_every > 0, vocab_from=vocab_from)
     if t.resume not in ("auto", "never") and not Path(t.resume).exists():
         raise ConfigError(
             f"train.resume ({t.resume}) is neither 'auto', 'never' nor an existing path; "

@@ -19,9 +19,6 @@ import torch.utils.checkpoint
 from torch import nn
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from pipedream2bw import checkpoint, comm, evaluate, preempt, schedule, ties, timeline
-from pipedream2bw import precision as precisions
-from pipedream2bw.agreement import StepRule
 from pipedream2bw.config import (
     Config,
     DataConfig,
@@ -37,28 +34,32 @@ from pipedream2bw.config import (
     model_num_layers,
     optimizer_name,
     swap_stages,
-    validate,
     validate_steps,
 )
 from pipedream2bw.data import data_resident_bytes, make_feeds
 from pipedream2bw.errors import ConfigError
-from pipedream2bw.fileio import atomic_symlink, atomic_write
-from pipedream2bw.fileio import atomic_torch_save as save_state_dict
-from pipedream2bw.host_optim import HostOptimizerVersions
-from pipedream2bw.layout import Layout, make_layout
-from pipedream2bw.loss_scale import LossScaler, ScaledStepRule
-from pipedream2bw.lr_schedule import lr_at
-from pipedream2bw.memprobe import process_peak_bytes
+from pipedream2bw.io import checkpoint, timeline
+from pipedream2bw.io.fileio import atomic_symlink, atomic_write
+from pipedream2bw.io.fileio import atomic_torch_save as save_state_dict
+from pipedream2bw.io.tracking import LOSS_PLOT, MetricsLog, Tracker, plot_losses, progress_bar
+from pipedream2bw.memory import precision as precisions
+from pipedream2bw.memory.host_optim import HostOptimizerVersions
+from pipedream2bw.memory.loss_scale import LossScaler, ScaledStepRule
+from pipedream2bw.memory.memprobe import process_peak_bytes
+from pipedream2bw.memory.sharding import ShardedVersions
+from pipedream2bw.memory.swap import SwapManager, make_backend
 from pipedream2bw.models import lm_loss
 from pipedream2bw.models.factory import ModelSource, model_source, read_vocab_size
-from pipedream2bw.results import summarize, write_summary
-from pipedream2bw.runtime import RankPlan
-from pipedream2bw.schedule import Action
-from pipedream2bw.sharding import ShardedVersions
-from pipedream2bw.stage import Peers, StageStats, StageWorker
-from pipedream2bw.swap import SwapManager, make_backend
-from pipedream2bw.tracking import LOSS_PLOT, MetricsLog, Tracker, plot_losses, progress_bar
-from pipedream2bw.versions import WeightVersions, bucketize
+from pipedream2bw.pipeline import comm, schedule, ties
+from pipedream2bw.pipeline.agreement import StepRule
+from pipedream2bw.pipeline.layout import Layout, make_layout
+from pipedream2bw.pipeline.schedule import Action
+from pipedream2bw.pipeline.versions import WeightVersions, bucketize
+from pipedream2bw.run import evaluate, preempt, preflight
+from pipedream2bw.run.lr_schedule import lr_at
+from pipedream2bw.run.results import summarize, write_summary
+from pipedream2bw.run.runtime import RankPlan
+from pipedream2bw.run.stage import Peers, StageStats, StageWorker
 
 log = logging.getLogger(__name__)
 
@@ -288,7 +289,7 @@ def _run(
     cfg = default_plan_choices(cfg)  # what no plan chose and the run left null
     gpt = layers is None and isinstance(cfg.model, GPTConfig)  # the GPT's own default split
     num_layers = None if gpt else model.num_layers
-    balance = validate(
+    balance = preflight.check(
         cfg,
         world_size=world_size,
         num_layers=num_layers,
@@ -1505,10 +1506,10 @@ def _write_final(
     train: TrainConfig,
     dist: DistConfig,
 ) -> None:
-    """The final weights as shards, each stage's replica 0 writing its own at once (pipedream2bw.hf_io):
+    """The final weights as shards, each stage's replica 0 writing its own at once (pipedream2bw.models.hf_io):
     ``train.save_final=sharded`` (final_model/, layer-list names) and ``train.export_hf`` (a Hugging Face model);
     ``state``: this stage's final weights on its replica 0 (``_final_weights``), None on the others."""
-    from pipedream2bw import hf_io
+    from pipedream2bw.models import hf_io
 
     writers = [rt.layout.ranks[s][0] for s in range(rt.num_stages)]
     aliases = [n for t in model.tied for n in t.names[1:]]

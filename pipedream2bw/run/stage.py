@@ -12,14 +12,17 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.utils._pytree as pytree
 
-from pipedream2bw import agreement
-from pipedream2bw.agreement import NonFiniteError, StepDecision, StepOutcome, StepRule
-from pipedream2bw.boundary import Channel, from_wire, to_wire
-from pipedream2bw.comm import P2P, AsyncSum, BatchReduction, GradReducer, ShardedReduction
 from pipedream2bw.data import MicrobatchFeed
-from pipedream2bw.memprobe import SavedBytes, process_peak_bytes
-from pipedream2bw.precision import autocast, compute_dtype
-from pipedream2bw.schedule import (
+from pipedream2bw.io.timeline import Recorder
+from pipedream2bw.memory.memprobe import SavedBytes, process_peak_bytes
+from pipedream2bw.memory.precision import autocast, compute_dtype
+from pipedream2bw.memory.sharding import ShardedVersions
+from pipedream2bw.memory.swap import SwapManager
+from pipedream2bw.pipeline import agreement
+from pipedream2bw.pipeline.agreement import NonFiniteError, StepDecision, StepOutcome, StepRule
+from pipedream2bw.pipeline.boundary import Channel, from_wire, to_wire
+from pipedream2bw.pipeline.comm import P2P, AsyncSum, BatchReduction, GradReducer, ShardedReduction
+from pipedream2bw.pipeline.schedule import (
     BACKWARD,
     FORWARD,
     FREE,
@@ -32,10 +35,7 @@ from pipedream2bw.schedule import (
     render_steps,
     steps,
 )
-from pipedream2bw.sharding import ShardedVersions
-from pipedream2bw.swap import SwapManager
-from pipedream2bw.timeline import Recorder
-from pipedream2bw.versions import WeightVersions
+from pipedream2bw.pipeline.versions import WeightVersions
 
 log = logging.getLogger(__name__)
 
