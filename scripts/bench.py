@@ -163,7 +163,7 @@ def _stage_compute_s(cfg, stage_index: int, num_stages: int, device, *, reps: in
 
     from pipedream2bw.config import gpt_balance
     from pipedream2bw.models import lm_loss
-    from pipedream2bw.run.runner import build_stage_module
+    from pipedream2bw.run.model import build_stage_module
 
     balance = gpt_balance(cfg.model, num_stages)
     module = _Autocast(cfg, device).wrap(
@@ -218,7 +218,7 @@ def _timing(ends, *, warmup: int, samples_per_step: int) -> dict:
 def _stage_weight_bytes(cfg, stage_index: int, num_stages: int) -> int:
     """Bytes of one copy of this stage's parameters (what a second 2bw version costs)."""
     from pipedream2bw.config import gpt_balance
-    from pipedream2bw.run.runner import build_stage_module
+    from pipedream2bw.run.model import build_stage_module
 
     return _param_bytes(build_stage_module(cfg, gpt_balance(cfg.model, num_stages), stage_index, None))
 
@@ -263,7 +263,7 @@ def worker_torch(args, schedule: str, device) -> dict:
     from torch.distributed.pipelining import PipelineStage, schedules
 
     from pipedream2bw.config import build_optimizer, gpt_balance
-    from pipedream2bw.run.runner import build_stage_module
+    from pipedream2bw.run.model import build_stage_module
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")

@@ -38,7 +38,8 @@ from pipedream2bw.memory.sharding import BucketShard, ShardedVersions
 from pipedream2bw.pipeline import comm
 from pipedream2bw.pipeline.layout import make_layout
 from pipedream2bw.pipeline.versions import WeightVersions
-from pipedream2bw.run.runner import TRAIN_RANGE, run, training_settings
+from pipedream2bw.run.model import training_settings
+from pipedream2bw.run.runner import TRAIN_RANGE, run
 
 STEPS = 4
 FP16_SKIPPED = 2  # the batch whose stage-0 gradient is infinite on replica 1 only

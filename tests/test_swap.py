@@ -268,7 +268,7 @@ def test_swapping_under_bf16_autocast_changes_no_bit_and_moves_fewer_bytes(resid
 def test_swapping_composes_with_recomputation_bit_for_bit():
     # pipeline.recompute: each layer keeps only its input (non-reentrant checkpoint, whose own
     # saved-tensor hooks take the layer's insides); the swap hooks then move those inputs.
-    from pipedream2bw.run.runner import RecomputeSequential
+    from pipedream2bw.run.model import RecomputeSequential
 
     actions = _fb("gpipe", 0, 4)
     _, grads, _, _, _ = _train(actions, None)
