@@ -2,13 +2,18 @@
 Imports only errors (and torch, hydra, omegaconf): nothing of data, models, io, or torch.distributed.
 """
 
+from pipedream2bw.config.optim import (
+    ELEMENTWISE_OPTIMIZERS,
+    build_optimizer,
+    optimizer_class,
+    optimizer_name,
+    param_groups,
+)
 from pipedream2bw.config.schema import (
     BACKENDS,
-    ELEMENTWISE_OPTIMIZERS,
     LR_SCHEDULERS,
     ON_NONFINITE,
     PRECISIONS,
-    SAVE_FINAL,
     SCHEDULES,
     TINY_ENV,
     UNCATCHABLE,
@@ -28,7 +33,6 @@ from pipedream2bw.config.schema import (
     TopologyConfig,
     TrainConfig,
     WandbConfig,
-    build_optimizer,
     check_known_keys,
     default_plan_choices,
     even_balance,
@@ -36,14 +40,14 @@ from pipedream2bw.config.schema import (
     gpt_balance,
     layer_list_config,
     model_num_layers,
-    optimizer_class,
-    optimizer_name,
-    param_groups,
     register_configs,
-    signal_numbers,
     swap_stages,
     target_optim_config,
     tiny,
+)
+from pipedream2bw.config.validate import (
+    SAVE_FINAL,
+    signal_numbers,
     validate,
     validate_steps,
 )
