@@ -1,4 +1,4 @@
-"""One rank's training run: validate, start the groups, build the stage, run its schedule, save results."""
+"""One rank's training run, as its phases: start (before any process group), build, the steps, finish."""
 
 from __future__ import annotations
 
