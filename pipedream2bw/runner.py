@@ -19,7 +19,7 @@ import torch.utils.checkpoint
 from torch import nn
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from pipedream2bw import checkpoint, comm, evaluate, preempt, schedule, ties, timeline
+from pipedream2bw import checkpoint, comm, evaluate, preempt, schedule, stateful, ties, timeline
 from pipedream2bw import precision as precisions
 from pipedream2bw.agreement import StepRule
 from pipedream2bw.config import (
@@ -85,20 +85,28 @@ def set_log_prefix(prefix: str) -> None:
     _log_prefix = prefix + " "
 
 
-class RecomputeSequential(nn.Sequential):
-    """``nn.Sequential`` that keeps only each layer's input for backward and re-runs the layer there
-    (``pipeline.recompute``); parameter names are those of ``nn.Sequential``."""
+class RecomputeSequential(stateful.StageSequential):
+    """``StageSequential`` that keeps only each layer's input for backward and re-runs the layer there
+    (``pipeline.recompute``) on the same random stream, putting back the buffers it changes (BatchNorm
+    statistics count once: ``stateful.RecomputeContexts``); parameter names are those of ``nn.Sequential``."""
 
     def forward(self, x: Any) -> Any:
-        for layer in self:
+        key = stateful.current_key()
+        contexts = self.__dict__.setdefault("_recompute_contexts", {})
+        for name, layer in self._modules.items():
+            if name not in contexts:
+                contexts[name] = stateful.RecomputeContexts(layer)
             # A tuple or dict input goes in as its tensors: checkpoint saves tensor arguments (where
             # saved-tensor hooks, i.e. swapping, see them) and keeps anything else as a Python object.
             leaves, spec = pytree.tree_flatten(x)
-            x = torch.utils.checkpoint.checkpoint(_call_unflattened, layer, spec, *leaves, use_reentrant=False)
+            x = torch.utils.checkpoint.checkpoint(
+                _call_unflattened, layer, (key, int(name)), spec, *leaves, use_reentrant=False, context_fn=contexts[name]
+            )
         return x
 
 
-def _call_unflattened(layer: nn.Module, spec: Any, *leaves: torch.Tensor) -> Any:
+def _call_unflattened(layer: nn.Module, stream: Tuple[Any, int], spec: Any, *leaves: torch.Tensor) -> Any:
+    stateful.reseed(*stream)  # the recomputation, in backward, runs outside the forward's microbatch_streams
     return layer(pytree.tree_unflatten(list(leaves), spec))
 
 
@@ -118,7 +126,7 @@ def stage_module(
     refer to one parameter; ``recompute`` (``pipeline.recompute``) re-runs each layer in backward.
     """
     own = [layers[i] for i in indices] if layers is not None else source.build(indices)
-    cls = RecomputeSequential if recompute else nn.Sequential
+    cls = RecomputeSequential if recompute else stateful.StageSequential
     module = cls(OrderedDict((str(i), layer) for i, layer in zip(indices, own)))
     ties.retie(module, tied)
     return module
@@ -997,6 +1005,8 @@ def _worker(
         precision=rt.precision,
         steps_wait_on_others=exchanged,
         early_apply=early_apply,
+        seed=rt.seed,
+        num_replicas=w,
     )
 
 
@@ -1286,6 +1296,10 @@ class _StepHooks:
 
     def _state(self) -> Dict[str, Any]:  # one tensor per tie: the canonical name's, written by its first holder
         st = self.versions.state()
+        # buffers training changes, as the resumed run's first forward must find them (stateful.py)
+        for k in ("weights", "previous"):
+            if st.get(k) is not None:
+                st[k].update(self.worker.buffers_at_start(st["step"]))
         return {
             **st,
             **{

@@ -125,3 +125,38 @@ def masked_layers(*, width: int, tie: bool = False) -> List[nn.Module]:
     if tie:
         layers[-1].out.weight = layers[0].tok.weight
     return layers
+
+
+class DropBlock(nn.Module):
+    """(h, ids) -> (h + dropout(tanh(lin(h))), ids): draws a mask in every training forward."""
+
+    def __init__(self, width: int, p: float):
+        super().__init__()
+        self.lin, self.drop = nn.Linear(width, width), nn.Dropout(p)
+
+    def forward(self, x):
+        h, ids = x
+        return h + self.drop(torch.tanh(self.lin(h))), ids
+
+
+class NormBlock(nn.Module):
+    """(h, ids) -> (h + BatchNorm over the features of every position, ids): running statistics change in training."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.bn = nn.BatchNorm1d(width)
+
+    def forward(self, x):
+        h, ids = x  # (B, T, W)
+        return h + self.bn(h.transpose(1, 2)).transpose(1, 2), ids
+
+
+def stateful_layers(*, width: int, seed: int, p: float = 0.1, indices: Optional[Sequence[int]] = None) -> List[nn.Module]:
+    """[Embed, DropBlock, NormBlock, DropBlock, Norm, Head]: dropout on both sides of a BatchNorm (a layer with
+    state besides its parameters). Builds only ``indices``, each layer seeded by its index."""
+    kinds = [Embed, lambda w: DropBlock(w, p), NormBlock, lambda w: DropBlock(w, p), Norm, Head]
+    out = []
+    for i in range(len(kinds)) if indices is None else indices:
+        torch.manual_seed(seed * 1000 + i)
+        out.append(kinds[i](width))
+    return out
