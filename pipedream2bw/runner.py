@@ -100,7 +100,13 @@ class RecomputeSequential(stateful.StageSequential):
             # saved-tensor hooks, i.e. swapping, see them) and keeps anything else as a Python object.
             leaves, spec = pytree.tree_flatten(x)
             x = torch.utils.checkpoint.checkpoint(
-                _call_unflattened, layer, (key, int(name)), spec, *leaves, use_reentrant=False, context_fn=contexts[name]
+                _call_unflattened,
+                layer,
+                (key, int(name)),
+                spec,
+                *leaves,
+                use_reentrant=False,
+                context_fn=contexts[name],
             )
         return x
 

@@ -61,7 +61,9 @@ def sample_microbatch(k: int, *, num_microbatches: int, num_replicas: int, repli
 def microbatch_streams(seed: int, microbatch: int, device: torch.device) -> Iterator[None]:
     """Runs a stage's forward on ``microbatch``: ``StageSequential`` reseeds before each layer; the
     generators are restored on exit."""
-    devices = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
+    devices = (
+        [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
+    )
     with torch.random.fork_rng(devices=devices, device_type="cuda"):
         token = _current.set(StreamKey(seed, microbatch, device))
         try:

@@ -151,7 +151,9 @@ class NormBlock(nn.Module):
         return h + self.bn(h.transpose(1, 2)).transpose(1, 2), ids
 
 
-def stateful_layers(*, width: int, seed: int, p: float = 0.1, indices: Optional[Sequence[int]] = None) -> List[nn.Module]:
+def stateful_layers(
+    *, width: int, seed: int, p: float = 0.1, indices: Optional[Sequence[int]] = None
+) -> List[nn.Module]:
     """[Embed, DropBlock, NormBlock, DropBlock, Norm, Head]: dropout on both sides of a BatchNorm (a layer with
     state besides its parameters). Builds only ``indices``, each layer seeded by its index."""
     kinds = [Embed, lambda w: DropBlock(w, p), NormBlock, lambda w: DropBlock(w, p), Norm, Head]
