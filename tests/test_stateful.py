@@ -132,3 +132,23 @@ def test_2bw_buffers_are_named_only_when_training_changes_them(caplog):
     versions.replicas[1](torch.randn(4, 8))  # either version's forward updates the one set
     watch.after(bn)
     assert watch.names == ["0.num_batches_tracked", "0.running_mean", "0.running_var"]
+
+
+@pytest.mark.slow
+def test_2bw_hf_gpt2_with_dropout_resumes_bit_for_bit(tmp_path):
+    """Issue 33: model=hf GPT-2 with model.dropout=0.1 under 2bw at d=2 resumed with other losses from step 3."""
+    pytest.importorskip("transformers", reason="model=hf needs the optional extra: pip install -e '.[hf]'")
+    from hf_models import save_tiny
+
+    from pipedream2bw.config import HFModelConfig
+
+    save_tiny(tmp_path / "pretrained", "gpt2")
+    cfg = tiny_config(schedule="2bw", num_stages=2, num_microbatches=2, optim="sgd_momentum", num_steps=4)
+    cfg.model = HFModelConfig(pretrained=str(tmp_path / "pretrained"), seq_len=16, dropout=0.1)
+    cfg.train.checkpoint_every = 2
+    straight = run_ok(cfg, tmp_path / "straight")
+    cfg.train.resume = str(tmp_path / "straight/checkpoints/step_00000002")
+    resumed = run_ok(cfg, tmp_path / "resumed")
+    assert resumed["first_step"] == 2
+    assert resumed["losses"] == straight["losses"]
+    assert_equal_bits(weights(tmp_path / "resumed"), weights(tmp_path / "straight"))
