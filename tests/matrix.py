@@ -17,7 +17,6 @@ import torch
 from dist_helper import spawn
 from torch import nn
 
-from pipedream2bw import comm
 from pipedream2bw.config import (
     Config,
     DataConfig,
@@ -32,9 +31,10 @@ from pipedream2bw.config import (
     even_balance,
     gpt_balance,
 )
-from pipedream2bw.layout import default_layout
 from pipedream2bw.models.factory import model_source
-from pipedream2bw.runner import run
+from pipedream2bw.pipeline import comm
+from pipedream2bw.pipeline.layout import default_layout
+from pipedream2bw.run.runner import run
 
 # Every feature and its values, in the order the generator sees them (the constraints below read a
 # prefix of a row: schedule, d and w come first). The first value of each is the plain run.
@@ -52,7 +52,7 @@ FACTORS: "OrderedDict[str, Tuple[Any, ...]]" = OrderedDict(
     host_optim=(False, True),  # swap.optimizer=host
     validation=(False, True),  # train.eval_every=EVAL_EVERY on held-out data
     # masked_layers: every boundary a (hidden, integer mask) tuple, with dropout (masks per layer and
-    # microbatch, the same at every layout: pipedream2bw/stateful.py); else the GPT
+    # microbatch, the same at every layout: pipedream2bw/pipeline/stateful.py); else the GPT
     structured=(False, True),
     sharded=(False, True),  # optim.sharded: masters and optimizer state sharded over the w replicas (w=1: inert)
     weight_dtype=("fp32", "compute"),  # train.weight_dtype: compute stores the versions in bf16/fp16 (fp32: inert)

@@ -1,5 +1,5 @@
 """Layers with state besides parameters: dropout's random streams and BatchNorm's statistics, exact under 2bw,
-resume, recomputation and any partition (pipedream2bw/stateful.py)."""
+resume, recomputation and any partition (pipedream2bw/pipeline/stateful.py)."""
 
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ from test_checkpoint import assert_equal_bits, weights
 from test_semantics import tiny_config
 from torch import nn
 
-from pipedream2bw import stateful
 from pipedream2bw.config import LayerListConfig
-from pipedream2bw.runner import stage_module
-from pipedream2bw.versions import WeightVersions
+from pipedream2bw.pipeline import stateful
+from pipedream2bw.pipeline.versions import WeightVersions
+from pipedream2bw.run.model import stage_module
 
 
 def stateful_config(*, d: int = 2, m: int = 2, steps: int = 4, recompute: bool = False, every: int = 0):
