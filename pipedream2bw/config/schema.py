@@ -413,7 +413,8 @@ class Config:
     """Only for ``python -m pipedream2bw.sweep``; training ignores it."""
     swap: SwapConfig = field(default_factory=SwapConfig)
     seed: int = 0
-    """Seeds weight initialisation (per layer) and the batch order."""
+    """Seeds weight initialisation (per layer), the batch order and each layer's random stream per microbatch
+    (dropout masks: the same at every layout, schedule and resume; docs/concepts.md)."""
 
 
 def register_configs() -> None:

@@ -365,6 +365,8 @@ def worker(
         precision=rt.precision,
         steps_wait_on_others=exchanged,
         early_apply=early_apply,
+        seed=rt.seed,
+        num_replicas=w,
     )
 
 

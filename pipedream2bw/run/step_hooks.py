@@ -218,6 +218,10 @@ class StepHooks:
 
     def _state(self) -> Dict[str, Any]:  # one tensor per tie: the canonical name's, written by its first holder
         st = self.versions.state()
+        # buffers training changes, as the resumed run's first forward must find them (pipeline/stateful.py)
+        for k in ("weights", "previous"):
+            if st.get(k) is not None:
+                st[k].update(self.worker.buffers_at_start(st["step"]))
         return {
             **st,
             **{
