@@ -157,7 +157,10 @@ class FailureMonitor:
     """
 
     def __init__(self, store: dist.Store, *, rank: int, world_size: int, poll_s: float = 0.25):
-        self.store, self.rank, self.world_size, self.poll_s = store, rank, world_size, poll_s
+        # A connection of its own: the store client serializes its calls, and a set-up collective
+        # (init_process_group, new_group) blocks in it waiting for a rank that failed; on a shared
+        # connection the monitor would wait behind it and never see the failure (issue 34)
+        self.store, self.rank, self.world_size, self.poll_s = _own_connection(store), rank, world_size, poll_s
         self._stop = threading.Event()
         self._leave_lock, self._left = threading.Lock(), False
         self._thread = threading.Thread(target=self._watch, name="pd2bw-failure-monitor", daemon=True)
@@ -212,6 +215,14 @@ class FailureMonitor:
                 self.leave()
                 logging.shutdown()
                 os._exit(1)
+
+
+def _own_connection(store: dist.Store) -> dist.Store:
+    """``store`` (with its key prefixes) on a new connection to the same server, where the store can clone."""
+    try:
+        return store.clone()
+    except (AttributeError, RuntimeError, NotImplementedError):  # a store of another kind (tests' HashStore)
+        return store
 
 
 def _group_timeout(timeout: timedelta) -> timedelta:
