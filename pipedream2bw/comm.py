@@ -262,10 +262,19 @@ def init(
     monitor = FailureMonitor(store, rank=rank, world_size=world_size).start()
     kwargs = {"device_id": device} if backend == "nccl" else {}
     group_timeout = _group_timeout(timeout)
-    dist.init_process_group(
-        backend, store=dist.PrefixStore("pg", store), rank=rank, world_size=world_size, timeout=group_timeout, **kwargs
-    )
-    control = dist.new_group(backend="gloo", timeout=group_timeout) if backend != "gloo" else dist.group.WORLD
+    try:
+        dist.init_process_group(
+            backend,
+            store=dist.PrefixStore("pg", store),
+            rank=rank,
+            world_size=world_size,
+            timeout=group_timeout,
+            **kwargs,
+        )
+        control = dist.new_group(backend="gloo", timeout=group_timeout) if backend != "gloo" else dist.group.WORLD
+    except BaseException:  # no context for the caller to stop the monitor with: stop it here
+        monitor.stop()
+        raise
     return DistContext(rank, world_size, device, backend, timeout, control, monitor, Board(store))
 
 

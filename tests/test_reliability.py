@@ -1,0 +1,120 @@
+"""The reliability promises at their edges (issue 34): a run directory in use, links planted in it, mixed
+preemption signals, rank 0's memory over a long run."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from pathlib import Path
+
+import pytest
+from test_semantics import tiny_config
+
+from pipedream2bw import checkpoint, rundir
+from pipedream2bw.comm import free_port
+from pipedream2bw.config import ConfigError
+from pipedream2bw.runner import run
+
+
+@pytest.fixture
+def one_rank(monkeypatch):
+    """A one-process ``run()`` in this process (its store on a free port)."""
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    cfg = tiny_config(schedule="2bw", num_stages=1, num_microbatches=2, num_steps=2)
+    cfg.train.resume = "auto"
+    return cfg
+
+
+def _leftovers(root: Path) -> list:
+    """What start-up clean-up deletes in a checkpoints directory: a prune's trash, a step without a manifest."""
+    made = [root / ".step_00000003.0badc0de.trash", root / "step_00000099"]
+    for d in made:
+        d.mkdir(parents=True)
+        (d / "layer_00000.pt").write_bytes(b"x")
+    return made
+
+
+# --- a run directory in use --------------------------------------------------------------------------------
+
+
+def test_second_run_in_a_live_run_directory_is_refused_before_it_touches_it(tmp_path, one_rank):
+    # Issue 34: a second run in a directory a live run was writing broke the first one's checkpoint write, and
+    # with resume=auto resumed from it, deleted its checkpoint in progress and replaced its metrics.jsonl
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    live = rundir.RunLock()
+    live.acquire(run_dir)  # the live run (this process: flock locks are per open file, so it conflicts all the same)
+    try:
+        kept = _leftovers(run_dir / "checkpoints")
+        with pytest.raises(rundir.RunDirInUse, match=rf"run directory {run_dir} is in use by a live run \(host "):
+            run(one_rank, run_dir)
+        assert f"pid {os.getpid()}" in (run_dir / rundir.LOCK).read_text()
+        assert all(d.exists() for d in kept)  # untouched: the live run's own
+        assert not (run_dir / "summary.json").exists()
+    finally:
+        live.release()
+
+
+def test_lock_of_a_run_that_ended_is_taken_over(tmp_path):
+    # flock: the kernel drops a lock with its descriptor (its process), so a dead run's lock file holds no one
+    (tmp_path / rundir.LOCK).write_text("host elsewhere, pid 1, since 2026-01-01 00:00:00 UTC\n")
+    with rundir.RunLock() as first:
+        first.acquire(tmp_path)
+        assert (tmp_path / rundir.LOCK).read_text().startswith(f"host {socket.gethostname()}, pid {os.getpid()},")
+    with rundir.RunLock() as second:
+        second.acquire(tmp_path)  # released by the first's context: no refusal
+
+
+# --- links inside the run directory ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["checkpoints", "train.log", "metrics.jsonl"])
+def test_link_planted_in_a_run_directory_is_refused_and_nothing_behind_it_is_deleted(tmp_path, one_rank, name):
+    # Issue 34: a planted `checkpoints` link sent checkpoints outside the run directory, and start-up clean-up
+    # deleted the target's step_00000099/ and .step_*.trash/; train.log and metrics.jsonl were appended through
+    outside = tmp_path / "outside"
+    kept = _leftovers(outside)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / name).symlink_to(outside)
+    with pytest.raises(ConfigError, match=rf"{run_dir / name} is a symbolic link \(to {outside}\)"):
+        run(one_rank, run_dir)
+    assert all(d.exists() for d in kept)
+    assert sorted(p.name for p in outside.iterdir()) == sorted(d.name for d in kept)
+
+
+def test_partial_checkpoint_link_is_refused(tmp_path, one_rank):
+    # a planted .partial link would have a checkpoint written outside the run directory
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints").mkdir(parents=True)
+    (run_dir / "checkpoints" / ".step_00000002.partial").symlink_to(outside)
+    with pytest.raises(ConfigError, match=r"\.step_00000002\.partial is a symbolic link"):
+        run(one_rank, run_dir)
+    assert list(outside.iterdir()) == []
+
+
+@pytest.mark.parametrize("name", ["../../outside.bin", "/etc/hostname", "..", "a/../../b"])
+def test_manifest_naming_a_file_outside_its_checkpoint_is_refused(tmp_path, name):
+    ckpt = tmp_path / "run" / "checkpoints" / "step_00000002"
+    ckpt.mkdir(parents=True)
+    (tmp_path / "outside.bin").write_bytes(b"secret")
+    manifest = {"format": checkpoint.FORMAT, "step": 2, "files": {name: "0" * 64}}
+    (ckpt / checkpoint.MANIFEST).write_text(json.dumps(manifest))
+    got, why = checkpoint.verify(ckpt)
+    assert got is None and why == f"its manifest names a file outside it ({name!r})"
+
+
+def test_manifest_file_that_is_a_link_is_refused(tmp_path):
+    ckpt = tmp_path / "step_00000002"
+    ckpt.mkdir()
+    (tmp_path / "outside.bin").write_bytes(b"secret")
+    (ckpt / "layer_00000.pt").symlink_to(tmp_path / "outside.bin")
+    sha = checkpoint._sha256(tmp_path / "outside.bin")
+    (ckpt / checkpoint.MANIFEST).write_text(
+        json.dumps({"format": checkpoint.FORMAT, "step": 2, "files": {"layer_00000.pt": sha}})
+    )
+    got, why = checkpoint.verify(ckpt)
+    assert got is None and why.startswith("layer_00000.pt is a symbolic link"), why
