@@ -680,8 +680,9 @@ def _train(
     tie_record = _close(rt, stats, evaluator, feed, val_feed, bar, saver, groups)
     if preempted is not None and rt.rank == 0:
         log.warning(
-            "preempted by %s: every rank stopped after step %d of %d; checkpoint %s; exiting with %d to be requeued",
+            "preempted by %s%s: every rank stopped after step %d of %d; checkpoint %s; exiting with %d to be requeued",
             signal_name(preempted.signum),
+            f" (ranks got {preempt.describe(preempted.received)})" if preempted.received else "",
             preempted.step,
             rt.num_steps,
             checkpoint.step_dir(run_dir / checkpoint.DIRNAME, preempted.step),
@@ -1343,7 +1344,7 @@ class _StepHooks:
             force=stop,
         )
         if stop:  # the validation pass due here, if any, is owed: the resumed run starts with it
-            raise preempt.Preempted(t + 1, self.preemption.signum)
+            raise preempt.Preempted(t + 1, self.preemption.signum, self.preemption.received)
         if evaluator is not None and evaluate.due(t + 1, every=self.eval_every, num_steps=self.rt.num_steps):
             evaluator.run(self.versions.newest(), step=t + 1)
 

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 from pathlib import Path
 
 import pytest
 from test_semantics import tiny_config
 
-from pipedream2bw import checkpoint, rundir
+from pipedream2bw import checkpoint, preempt, rundir
 from pipedream2bw.comm import free_port
 from pipedream2bw.config import ConfigError
 from pipedream2bw.runner import run
@@ -118,3 +119,47 @@ def test_manifest_file_that_is_a_link_is_refused(tmp_path):
     )
     got, why = checkpoint.verify(ckpt)
     assert got is None and why.startswith("layer_00000.pt is a symbolic link"), why
+
+
+# --- mixed preemption signals -----------------------------------------------------------------------------------
+
+
+class _Sum:
+    """What ``comm.AsyncSum`` does for ranks in one process: each ``start``s its share, ``wait`` gives the sum."""
+
+    def __init__(self, num_ranks: int):
+        self.num_ranks, self.shares = num_ranks, []
+
+    def start(self, tensor, *, what: str) -> None:
+        self.shares.append(tensor.clone())
+
+    def wait(self):
+        assert len(self.shares) >= self.num_ranks
+        return sum(self.shares[: self.num_ranks])
+
+
+@pytest.mark.parametrize(
+    "got,expected",
+    [
+        (["SIGTERM", "SIGUSR1"], "SIGUSR1"),  # one each: the lowest number
+        (["SIGTERM", "SIGUSR1", "SIGTERM"], "SIGTERM"),  # the one most ranks got
+        (["SIGTERM", None, None], "SIGTERM"),
+    ],
+)
+def test_ranks_with_different_signals_agree_on_one_that_was_sent(got, expected):
+    # Issue 34: the agreement averaged the signals' numbers: SIGTERM (15) on one rank and SIGUSR1 (10) on
+    # another stopped the run "preempted by SIGUSR2" with exit 140, a signal nobody sent
+    channel = _Sum(len(got))
+    agreements = []
+    for name in got:
+        watch = preempt.Watch(["SIGTERM", "SIGUSR1", "SIGUSR2"])  # not entered: the flag is set by hand
+        watch.received = None if name is None else int(signal.Signals[name])
+        agreements.append(preempt.Agreement(watch, channel, last_step=9))
+    assert not any(a.after_step(0) for a in agreements)  # each starts its flag of step 0
+    assert all(a.after_step(1) for a in agreements)  # and reads the sum after step 1: all stop
+    assert {signal.Signals(a.signum).name for a in agreements} == {expected}
+    counts = {n: got.count(n) for n in sorted(set(got) - {None})}
+    assert (
+        preempt.Preempted(2, agreements[0].signum, agreements[0].received).exit_code == 128 + signal.Signals[expected]
+    )
+    assert all(a.received == counts for a in agreements)
