@@ -51,6 +51,7 @@ from pipedream2bw.lr_schedule import lr_at
 from pipedream2bw.memprobe import process_peak_bytes
 from pipedream2bw.models import lm_loss
 from pipedream2bw.models.factory import ModelSource, model_source, read_vocab_size
+from pipedream2bw.ranges import check_ranges
 from pipedream2bw.results import summarize, write_summary
 from pipedream2bw.runtime import RankPlan
 from pipedream2bw.schedule import Action
@@ -266,6 +267,7 @@ def _run(
     lock: Optional[rundir.RunLock] = None,
 ) -> Optional[Dict[str, Any]]:
     """``run``, with ``watch`` noting preemption signals."""
+    check_ranges(cfg)  # before anything is built from it: a model of d_model -32 dies building it
     source = None if layers is not None else model_source(cfg.model, seed=cfg.seed)
     if loss_fn is None:
         loss_fn = source.loss_fn if source is not None else model_source(cfg.model, seed=cfg.seed).loss_fn

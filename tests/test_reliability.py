@@ -4,7 +4,9 @@ preemption signals, rank 0's memory over a long run."""
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
 import signal
 import socket
 from pathlib import Path
@@ -199,3 +201,90 @@ def test_plot_draws_a_bounded_number_of_points_that_keep_the_mean():
     assert len(steps) == len(values) == PLOT_POINTS
     assert steps[0] > 1 and steps[-1] < len(losses) and steps == sorted(steps)
     assert abs(sum(values) / len(values) - sum(losses) / len(losses)) < 0.01
+
+
+# --- bad numbers are refused before anything is built ----------------------------------------------------------
+
+
+def _numeric_keys() -> list:
+    from pipedream2bw.config import Config, HFModelConfig, LayerListConfig
+    from pipedream2bw.ranges import numeric_fields
+
+    keys = {k for k, _ in numeric_fields(Config())}
+    for model in (HFModelConfig(), LayerListConfig(target="x.y")):
+        keys |= {k for k, _ in numeric_fields(Config(model=model))}
+    return sorted(keys)
+
+
+def _set(cfg, key: str, value) -> None:
+    *path, name = key.split(".")
+    node = cfg
+    for part in path:
+        node = getattr(node, part)
+    setattr(node, name, value)
+
+
+def test_every_numeric_field_has_a_range():
+    from pipedream2bw.ranges import RANGES
+
+    assert [k for k in _numeric_keys() if k not in RANGES and not k.startswith("topology.")] == []
+
+
+def _fuzz_cases():
+    import hypothesis.strategies as st
+
+    bad = st.one_of(
+        st.floats(max_value=-1e-9, allow_nan=False),
+        st.integers(max_value=-1),
+        st.sampled_from([math.nan, math.inf, -math.inf]),
+    )
+    return st.tuples(st.sampled_from(_numeric_keys()), bad)
+
+
+def test_numeric_fields_refuse_negative_nan_inf_naming_the_key():
+    # Issue 34: model.d_model=-32 died building a tensor, dist.timeout_s=nan converting NaN to an integer,
+    # both after the process groups started. hypothesis draws a field and a value no field accepts.
+    from hypothesis import given, settings
+
+    from pipedream2bw.config import Config, HFModelConfig
+    from pipedream2bw.ranges import check_ranges
+
+    @settings(max_examples=100, deadline=None, derandomize=True)
+    @given(_fuzz_cases())
+    def refused(case):
+        key, value = case
+        cfg = Config(model=HFModelConfig()) if key == "model.dropout" else Config()
+        _set(cfg, key, value)
+        with pytest.raises(ConfigError, match=rf"^{re.escape(key)} \({re.escape(str(value))}\) must be "):
+            check_ranges(cfg)
+
+    refused()
+
+
+def test_zero_and_huge_sizes_are_refused_and_the_defaults_accepted():
+    from pipedream2bw.config import Config, HFModelConfig
+    from pipedream2bw.ranges import AT_LEAST_1, BIG, POSITIVE, RANGES, check_ranges
+
+    check_ranges(Config())
+    check_ranges(Config(model=HFModelConfig()))
+    for key in [k for k in _numeric_keys() if RANGES.get(k, POSITIVE) in (AT_LEAST_1, POSITIVE)]:
+        cfg = Config(model=HFModelConfig()) if key == "model.dropout" else Config()
+        _set(cfg, key, 0)
+        with pytest.raises(ConfigError, match=rf"^{re.escape(key)} \(0\) must be "):
+            check_ranges(cfg)
+    for key in [k for k in _numeric_keys() if RANGES.get(k) == AT_LEAST_1]:
+        cfg = Config()
+        _set(cfg, key, BIG + 1)
+        with pytest.raises(ConfigError, match=rf"^{re.escape(key)} \({BIG + 1}\) must be >= 1 and <= {BIG}"):
+            check_ranges(cfg)
+    cfg = Config()
+    cfg.data.val_fraction = 1.0
+    with pytest.raises(ConfigError, match=r"data.val_fraction \(1.0\) must be >= 0 and < 1"):
+        check_ranges(cfg)
+
+
+@pytest.mark.parametrize("key,value", [("model.d_model", -32), ("model.d_model", 0), ("dist.timeout_s", math.nan)])
+def test_run_refuses_a_bad_number_before_it_builds_anything(tmp_path, one_rank, key, value):
+    _set(one_rank, key, value)
+    with pytest.raises(ConfigError, match=rf"^{re.escape(key)} \({value}\) must be "):
+        run(one_rank, tmp_path / "run")
