@@ -41,6 +41,7 @@ from pipedream2bw.config import (
     validate_steps,
 )
 from pipedream2bw.data import data_resident_bytes, make_feeds
+from pipedream2bw.data import fingerprint as data_fingerprint
 from pipedream2bw.errors import ConfigError
 from pipedream2bw.fileio import atomic_symlink, atomic_write
 from pipedream2bw.fileio import atomic_torch_save as save_state_dict
@@ -214,6 +215,8 @@ def training_settings(cfg: Config) -> Dict[str, Any]:
         "optim.scheduler": o.scheduler,
         "optim.warmup_steps": o.warmup_steps,
         "optim.min_lr": o.min_lr,
+        "seed": cfg.seed,  # the batch order: another seed trains on other batches from the resumed step on
+        "data.path": data_fingerprint(cfg.data.path),
     }
     return json.loads(json.dumps(record, default=str))
 

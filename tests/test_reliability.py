@@ -288,3 +288,22 @@ def test_run_refuses_a_bad_number_before_it_builds_anything(tmp_path, one_rank, 
     _set(one_rank, key, value)
     with pytest.raises(ConfigError, match=rf"^{re.escape(key)} \({value}\) must be "):
         run(one_rank, tmp_path / "run")
+
+
+# --- a resume that changes what it should not ----------------------------------------------------------------
+
+
+@pytest.mark.slow  # two short runs in this process
+def test_resume_with_another_seed_or_other_data_is_refused_naming_it(tmp_path, one_rank):
+    # Issue 34: seed=4 on resume and a token file replaced between save and resume were accepted without a word
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("the quick brown fox jumps over the lazy dog. " * 40)
+    one_rank.data.path, one_rank.train.checkpoint_every = str(corpus), 2
+    run(one_rank, tmp_path / "run")
+    one_rank.train.num_steps, one_rank.seed = 4, 4
+    with pytest.raises(ConfigError, match=r"other settings \(seed: checkpoint 3, this run 4\)"):
+        run(one_rank, tmp_path / "run")
+    one_rank.seed = 3
+    corpus.write_text("pack my box with five dozen liquor jugs. " * 40)
+    with pytest.raises(ConfigError, match=r"other settings \(data.path: checkpoint 'corpus.txt, 1800 bytes, sha256"):
+        run(one_rank, tmp_path / "run")
