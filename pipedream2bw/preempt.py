@@ -29,6 +29,8 @@ from typing import Any, Dict, Optional, Sequence
 
 import torch
 
+from pipedream2bw.errors import ConfigError
+
 log = logging.getLogger(__name__)
 
 UNCATCHABLE = ("SIGKILL", "SIGSTOP")
@@ -61,7 +63,7 @@ def signal_numbers(names: Sequence[str]) -> Dict[str, int]:
     """The signals ``train.preempt_signals`` names, by name.
 
     Raises:
-        ValueError: a name that is no signal here, or one that cannot be caught.
+        ConfigError: a name that is no signal here, or one that cannot be caught (bad input: exit 2).
     """
     out = {}
     for name in names:
@@ -70,7 +72,10 @@ def signal_numbers(names: Sequence[str]) -> Dict[str, int]:
             catchable = sorted(
                 s.name for s in signal.Signals if s.name not in UNCATCHABLE and not s.name.startswith("SIG_")
             )
-            raise ValueError(f"{name!r} is not a signal that can be caught here; use names such as {catchable[:12]}")
+            raise ConfigError(
+                f"train.preempt_signals: {name!r} is not a signal that can be caught here; use names such as "
+                f"{catchable[:12]}"
+            )
         out[sig.name] = int(sig)
     return out
 

@@ -12,6 +12,7 @@ import socket
 from pathlib import Path
 
 import pytest
+from dist_helper import spawn, train_cli
 from test_semantics import tiny_config
 
 from pipedream2bw import checkpoint, preempt, rundir
@@ -307,3 +308,23 @@ def test_resume_with_another_seed_or_other_data_is_refused_naming_it(tmp_path, o
     corpus.write_text("pack my box with five dozen liquor jugs. " * 40)
     with pytest.raises(ConfigError, match=r"other settings \(data.path: checkpoint 'corpus.txt, 1800 bytes, sha256"):
         run(one_rank, tmp_path / "run")
+
+
+# --- one exit code for bad input ----------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_hydras_own_refusals_and_a_bad_signal_name_exit_2(tmp_path):
+    # Issue 34: Hydra's refusals (a value of the wrong type, a key typo without +, an output directory it cannot
+    # create) and a bad
+    # train.preempt_signals exited 1, where bad input exits 2 (docs/checkpoints.md)
+    common = ["wandb.mode=disabled", "pipeline.num_stages=1", f"hydra.run.dir={tmp_path / 'run'}"]
+    runs = [
+        ["train.num_steps=abc", *common],
+        ["train.num_stepz=5", *common],
+        ["train.preempt_signals=[SIGFOO]", *common],
+    ]
+    results = spawn(train_cli, world_size=1, args=(runs,), log_dir=tmp_path / "logs", timeout_s=90)
+    log = results[0].log
+    assert log.count("EXIT 2") == 2 and "process group was started" not in log, log
+    assert "train.preempt_signals: 'SIGFOO' is not a signal that can be caught here" in log, log
