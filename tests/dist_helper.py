@@ -15,10 +15,10 @@ from typing import Any, Callable, List, Sequence
 import torch
 from torch import nn
 
-from pipedream2bw.comm import free_port
 from pipedream2bw.config import Config
 from pipedream2bw.models import build_gpt_layers
-from pipedream2bw.runner import run
+from pipedream2bw.pipeline.comm import free_port
+from pipedream2bw.run.runner import run
 
 
 @dataclass
@@ -135,16 +135,16 @@ def train_with_fault(cfg: Config, run_dir: str, layer_index: int, call: int, how
 def train_failing_in_setup(cfg: Config, run_dir: str, failing_rank: int) -> None:
     """``run()`` whose ``failing_rank`` raises while it sets up its stage (where it would restore a checkpoint),
     after the process groups started and before the others' set-up collectives (the step agreement's group)."""
-    from pipedream2bw import runner
+    from pipedream2bw.run import build
 
-    step_rule = runner._step_rule
+    step_rule = build.step_rule
 
     def failing(rt, *args, **kwargs):
         if rt.rank == failing_rank:
             raise RuntimeError("injected set-up fault")
         return step_rule(rt, *args, **kwargs)
 
-    runner._step_rule = failing
+    build.step_rule = failing
     run(cfg, Path(run_dir))
 
 
@@ -256,7 +256,7 @@ def train_cli(runs: Sequence[Sequence[str]]) -> None:
     where the run would have left the process with that exit code."""
     import runpy
 
-    from pipedream2bw import comm
+    from pipedream2bw.pipeline import comm
 
     def no_groups(**kwargs):
         raise AssertionError("a process group was started")

@@ -15,10 +15,11 @@ import pytest
 from dist_helper import spawn, train_cli
 from test_semantics import tiny_config
 
-from pipedream2bw import checkpoint, preempt, rundir
-from pipedream2bw.comm import free_port
 from pipedream2bw.config import ConfigError
-from pipedream2bw.runner import run
+from pipedream2bw.io import checkpoint, rundir
+from pipedream2bw.pipeline.comm import free_port
+from pipedream2bw.run import preempt
+from pipedream2bw.run.runner import run
 
 
 @pytest.fixture
@@ -182,7 +183,7 @@ def test_redrawing_the_loss_plot_keeps_memory_flat(tmp_path):
     # from 256 to 357 MiB here. Now each is freed at once, whatever the run's length.
     import random
 
-    from pipedream2bw.tracking import plot_losses
+    from pipedream2bw.io.tracking import plot_losses
 
     losses = [5 + random.random() for _ in range(500)]
     val = [(s, 4.0) for s in range(50, 500, 50)]
@@ -194,7 +195,7 @@ def test_redrawing_the_loss_plot_keeps_memory_flat(tmp_path):
 
 
 def test_plot_draws_a_bounded_number_of_points_that_keep_the_mean():
-    from pipedream2bw.tracking import PLOT_POINTS, downsample
+    from pipedream2bw.io.tracking import PLOT_POINTS, downsample
 
     assert downsample([3.0, 1.0]) == ([1.0, 2.0], [3.0, 1.0])
     losses = [float(t % 7) for t in range(10 * PLOT_POINTS + 3)]
@@ -209,7 +210,7 @@ def test_plot_draws_a_bounded_number_of_points_that_keep_the_mean():
 
 def _numeric_keys() -> list:
     from pipedream2bw.config import Config, HFModelConfig, LayerListConfig
-    from pipedream2bw.ranges import numeric_fields
+    from pipedream2bw.config.ranges import numeric_fields
 
     keys = {k for k, _ in numeric_fields(Config())}
     for model in (HFModelConfig(), LayerListConfig(target="x.y")):
@@ -226,7 +227,7 @@ def _set(cfg, key: str, value) -> None:
 
 
 def test_every_numeric_field_has_a_range():
-    from pipedream2bw.ranges import RANGES
+    from pipedream2bw.config.ranges import RANGES
 
     assert [k for k in _numeric_keys() if k not in RANGES and not k.startswith("topology.")] == []
 
@@ -248,7 +249,7 @@ def test_numeric_fields_refuse_negative_nan_inf_naming_the_key():
     from hypothesis import given, settings
 
     from pipedream2bw.config import Config, HFModelConfig
-    from pipedream2bw.ranges import check_ranges
+    from pipedream2bw.config.ranges import check_ranges
 
     @settings(max_examples=100, deadline=None, derandomize=True)
     @given(_fuzz_cases())
@@ -264,7 +265,7 @@ def test_numeric_fields_refuse_negative_nan_inf_naming_the_key():
 
 def test_zero_and_huge_sizes_are_refused_and_the_defaults_accepted():
     from pipedream2bw.config import Config, HFModelConfig
-    from pipedream2bw.ranges import AT_LEAST_1, BIG, POSITIVE, RANGES, check_ranges
+    from pipedream2bw.config.ranges import AT_LEAST_1, BIG, POSITIVE, RANGES, check_ranges
 
     check_ranges(Config())
     check_ranges(Config(model=HFModelConfig()))
@@ -322,4 +323,4 @@ def test_hydras_own_refusals_and_a_bad_signal_name_exit_2(tmp_path):
     results = spawn(train_cli, world_size=1, args=(runs,), log_dir=tmp_path / "logs", timeout_s=90)
     log = results[0].log
     assert log.count("EXIT 2") == 2 and "process group was started" not in log, log
-    assert "train.preempt_signals: 'SIGFOO' is not a signal that can be caught here" in log, log
+    assert "'SIGFOO' is not a signal that can be caught here" in log, log

@@ -29,11 +29,9 @@ from typing import Any, Dict, Optional, Sequence
 
 import torch
 
-from pipedream2bw.errors import ConfigError
+from pipedream2bw.config import UNCATCHABLE, signal_numbers  # noqa: F401  (re-exported)
 
 log = logging.getLogger(__name__)
-
-UNCATCHABLE = ("SIGKILL", "SIGSTOP")
 
 
 class Preempted(BaseException):
@@ -57,27 +55,6 @@ class Preempted(BaseException):
 def describe(received: Dict[str, int]) -> str:
     """E.g. 'SIGTERM on 1 rank, SIGUSR1 on 3 ranks'."""
     return ", ".join(f"{name} on {n} rank{'s' if n > 1 else ''}" for name, n in received.items())
-
-
-def signal_numbers(names: Sequence[str]) -> Dict[str, int]:
-    """The signals ``train.preempt_signals`` names, by name.
-
-    Raises:
-        ConfigError: a name that is no signal here, or one that cannot be caught (bad input: exit 2).
-    """
-    out = {}
-    for name in names:
-        sig = getattr(signal.Signals, str(name).upper(), None) if str(name).upper().startswith("SIG") else None
-        if sig is None or sig.name in UNCATCHABLE:
-            catchable = sorted(
-                s.name for s in signal.Signals if s.name not in UNCATCHABLE and not s.name.startswith("SIG_")
-            )
-            raise ConfigError(
-                f"train.preempt_signals: {name!r} is not a signal that can be caught here; use names such as "
-                f"{catchable[:12]}"
-            )
-        out[sig.name] = int(sig)
-    return out
 
 
 class Watch:
