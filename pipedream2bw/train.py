@@ -111,7 +111,12 @@ def cli() -> None:
     if comm.env_rank()[0] != 0:
         # Hydra's own messages (a multirun's "Launching N jobs", each job's overrides) once, from rank 0
         sys.argv.append("hydra/hydra_logging=disabled")
-    main()
+    try:
+        main()
+    except SystemExit as e:  # main() itself leaves with os._exit: this is Hydra refusing the command line
+        if e.code not in (0, None):  # a key typo, train.num_steps=abc, an output directory it cannot create
+            _exit(2)  # bad input, as ConfigError; Hydra printed why
+        raise
 
 
 if __name__ == "__main__":

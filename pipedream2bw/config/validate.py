@@ -153,7 +153,8 @@ def signal_numbers(names: Sequence[str]) -> Dict[str, int]:
     """The signals ``train.preempt_signals`` names, by name.
 
     Raises:
-        ValueError: a name that is no signal here, or one that cannot be caught.
+        ConfigError: a name that is no signal here, or one that cannot be caught (bad input: exit 2, also where
+            ``run()`` installs the handlers before any other check).
     """
     out = {}
     for name in names:
@@ -162,7 +163,7 @@ def signal_numbers(names: Sequence[str]) -> Dict[str, int]:
             catchable = sorted(
                 s.name for s in signal.Signals if s.name not in UNCATCHABLE and not s.name.startswith("SIG_")
             )
-            raise ValueError(f"{name!r} is not a signal that can be caught here; use names such as {catchable[:12]}")
+            raise ConfigError(f"{name!r} is not a signal that can be caught here; use names such as {catchable[:12]}")
         out[sig.name] = int(sig)
     return out
 

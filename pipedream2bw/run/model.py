@@ -17,6 +17,7 @@ from pipedream2bw.config import (
     Config,
     optimizer_name,
 )
+from pipedream2bw.data.tokens import fingerprint as data_fingerprint
 from pipedream2bw.memory import precision as precisions
 from pipedream2bw.models import lm_loss
 from pipedream2bw.models.factory import ModelSource, model_source, read_vocab_size
@@ -180,5 +181,7 @@ def training_settings(cfg: Config) -> Dict[str, Any]:
         "optim.scheduler": o.scheduler,
         "optim.warmup_steps": o.warmup_steps,
         "optim.min_lr": o.min_lr,
+        "seed": cfg.seed,  # the batch order: another seed trains on other batches from the resumed step on
+        "data.path": data_fingerprint(cfg.data.path),
     }
     return json.loads(json.dumps(record, default=str))

@@ -259,7 +259,7 @@ class StepHooks:
             force=stop,
         )
         if stop:  # the validation pass due here, if any, is owed: the resumed run starts with it
-            raise preempt.Preempted(t + 1, self.preemption.signum)
+            raise preempt.Preempted(t + 1, self.preemption.signum, self.preemption.received)
         if evaluator is not None and evaluate.due(t + 1, every=self.eval_every, num_steps=self.rt.num_steps):
             evaluator.run(self.versions.newest(), step=t + 1)
 
