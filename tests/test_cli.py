@@ -183,3 +183,20 @@ def test_help_lists_user_facing_groups_and_every_key_with_a_meaning():
     assert "  pipeline.schedule=2bw  " in text and "  wandb.mode=offline  " in text  # composed defaults
     assert "  train.num_steps=7  " in help_text(["train.num_steps=7"], config_name="config")  # after overrides
     assert "outputs/sweeps/<date>/<time>/" in help_text([], config_name="sweep")
+
+
+def test_a_refused_launch_removes_a_run_directory_holding_only_its_log(tmp_path):
+    from pipedream2bw.train import _remove_if_only_log
+
+    refused, kept = tmp_path / "outputs" / "2026-11-25" / "10-00-00", tmp_path / "outputs" / "2026-11-25" / "09-00-00"
+    for d in (refused, kept):
+        d.mkdir(parents=True)
+        (d / "train.log").write_text("bad configuration: ...\n")
+    (kept / "checkpoints").mkdir()  # an earlier run's directory, relaunched and refused: kept whole
+    _remove_if_only_log(refused)
+    _remove_if_only_log(kept)
+    assert not refused.exists() and (kept / "train.log").is_file()
+    _remove_if_only_log(refused.parent / "nothing")  # absent: nothing to do
+    (kept / "checkpoints").rmdir()
+    _remove_if_only_log(kept)
+    assert not (tmp_path / "outputs" / "2026-11-25").exists()  # the date folder went with its last run
