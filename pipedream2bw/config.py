@@ -181,8 +181,9 @@ class DataConfig:
     path: Optional[str] = None
     """A token file (.bin: token ids as written by scripts/prepare_tokens.py, memory-mapped), or a text
     file (.txt or .txt.gz, byte-level, read whole); null uses the shipped text."""
-    token_dtype: str = "uint16"
-    """Dtype of a .bin file's ids: 'uint16' (vocabularies up to 65536) or 'uint32'."""
+    token_dtype: str = "auto"
+    """Dtype of a .bin file's ids: 'uint16' (vocabularies up to 65536) or 'uint32'; 'auto': what the file's
+    <file>.json says (scripts/prepare_tokens.py writes it), else uint16."""
     val_fraction: float = 0.0
     """Share of data.path held out for validation: its last tokens, never trained on; 0: none."""
     val_path: Optional[str] = None

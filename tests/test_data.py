@@ -160,7 +160,15 @@ def test_bad_data_is_rejected_with_the_value_and_the_fix(tmp_path):
     rejects(
         r"holds uint32 ids \(says .*as32.bin.json\), but data.token_dtype is uint16; set data.token_dtype=uint32",
         path=str(as32),
+        token_dtype="uint16",
     )
+    # The default (auto) takes the dtype its description names (regression, issue 35: the default was uint16,
+    # and docs/pretrained.md hard-coded uint32, which every vocabulary of 65,536 or fewer then refused)
+    auto = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, path=str(as32), val_fraction=0.1))
+    assert auto.data.token_dtype == "auto"
+    validate(auto, world_size=2)
+    train, val = load_splits(auto.data)
+    assert train.dtype == np.uint32 and len(train) + len(val) == 200 and set(train.tolist()) == {5}
     cfg.model.vocab_size = 200
     with pytest.raises(ConfigError, match=r"model.vocab_size \(200\) must be >= 256 for byte-level text"):
         validate(dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, path=None)), world_size=2)
