@@ -200,3 +200,14 @@ def test_a_refused_launch_removes_a_run_directory_holding_only_its_log(tmp_path)
     (kept / "checkpoints").rmdir()
     _remove_if_only_log(kept)
     assert not (tmp_path / "outputs" / "2026-11-25").exists()  # the date folder went with its last run
+
+
+def test_help_wraps_each_meaning_whole_instead_of_cutting_it():
+    # Regression (issue 35): --help cut 41 meanings at 100 characters with " ...".
+    from pipedream2bw.config_docs import HELP_WIDTH, help_text
+
+    lines = help_text([], config_name="config").splitlines()
+    assert not [line for line in lines if line.endswith("...")]
+    assert max(len(line) for line in lines) <= HELP_WIDTH
+    text = " ".join(line.strip() for line in lines)
+    assert "null keeps a stage's replicas on one node when they fit." in text
