@@ -320,9 +320,23 @@ def _check_file(path: Optional[str], key: str, *, dtype: str, vocab_size: Option
     )
 
 
+_SCANNED: Dict[Tuple[Any, ...], Tuple[int, Optional[int]]] = {}
+"""_scan_ids' answers in this process, by (path, size, mtime, dtype, vocab_size): the entry point's check at start
+(``precheck``) and the runner's validation read a file once between them."""
+
+
 def _scan_ids(path: Path, dtype: type, *, vocab_size: int) -> Tuple[int, Optional[int]]:
     """(largest id, position of the first id >= ``vocab_size`` or None), ``_SCAN_TOKENS`` at a time
-    through a mapping whose pages are dropped after each chunk: this process never holds the file."""
+    through a mapping whose pages are dropped after each chunk: this process never holds the file.
+    Remembered for the file as it is (``_SCANNED``)."""
+    st = Path(path).stat()
+    key = (str(Path(path).resolve()), st.st_size, st.st_mtime_ns, np.dtype(dtype).str, vocab_size)
+    if key not in _SCANNED:
+        _SCANNED[key] = _scan(path, dtype, vocab_size=vocab_size)
+    return _SCANNED[key]
+
+
+def _scan(path: Path, dtype: type, *, vocab_size: int) -> Tuple[int, Optional[int]]:
     start, max_id, first_bad = time.perf_counter(), -1, None
     tokens = np.memmap(path, dtype=dtype, mode="r")
     raw = getattr(tokens, "_mmap", None)

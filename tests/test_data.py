@@ -418,3 +418,19 @@ def test_validation_under_flush_and_gpipe_and_after_a_resume(tmp_path):
     assert_losses_close(
         [summary["final_val_loss"]], [reference_eval(cfg, torch.load(tmp_path / "run" / "final_model.pt"))]
     )
+
+
+def test_a_token_file_is_scanned_once_for_the_check_at_start_and_the_runners(tmp_path, monkeypatch):
+    # The entry point checks the config at start (precheck) and the runner validates it again: one read of the ids.
+    from pipedream2bw import data as data_mod
+
+    cfg = token_config(tmp_path)
+    reads = []
+    scan = data_mod._scan
+    monkeypatch.setattr(data_mod, "_scan", lambda *a, **k: reads.append(a[0]) or scan(*a, **k))
+    validate(cfg, world_size=2)
+    validate(cfg, world_size=2)
+    assert len(reads) == 1
+    write_tokens(Path(cfg.data.path), [7] * 300)  # the file changed: read again
+    validate(cfg, world_size=2)
+    assert len(reads) == 2
