@@ -64,7 +64,7 @@ def check(argv: Sequence[str], *, world_size: int, local_world_size: int, config
     """The first mistake of a training command line, as one line, or None (None also where it cannot tell
     here: a multirun, Hydra's own flags, a model or partition whose checks need the model built or a plan).
 
-    Checks what the runner's ``validate`` checks for the GPT under a manual partition, and for every
+    Checks what the runner's ``preflight.check`` checks for the GPT under a manual partition, and for every
     model what composing the config and typing it (``from_hydra``) checks."""
     if any(a.startswith("-") for a in argv):  # --multirun, --cfg job, --info, ...: Hydra's business
         return None
@@ -85,9 +85,9 @@ def check(argv: Sequence[str], *, world_size: int, local_world_size: int, config
         if os.environ.get(TINY_ENV, "0") not in ("", "0"):
             cfg = tiny(cfg)
         if isinstance(cfg.model, GPTConfig) and cfg.partition.mode == "manual":
-            from pipedream2bw.config import validate
+            from pipedream2bw.run.preflight import check as preflight_check
 
-            validate(default_plan_choices(cfg), world_size=world_size, local_world_size=local_world_size)
+            preflight_check(default_plan_choices(cfg), world_size=world_size, local_world_size=local_world_size)
     except ConfigError as e:
         return str(e)
     except MissingMandatoryValue as e:  # model=custom without model._target_

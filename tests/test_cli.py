@@ -13,9 +13,9 @@ import pytest
 import torch
 from torch import nn
 
-from pipedream2bw.comm import torchrun_command
 from pipedream2bw.config import GPTConfig
 from pipedream2bw.models import build_gpt_layers
+from pipedream2bw.pipeline.comm import torchrun_command
 
 ROOT = Path(__file__).resolve().parents[1]
 # The README's default command, shortened: a smaller GPT for fewer steps, same 4-stage 2bw pipeline.
@@ -170,7 +170,7 @@ def test_config_error_imports_without_torch():
 def test_help_lists_user_facing_groups_and_every_key_with_a_meaning():
     # Regression: --help listed the schemas (base_gpt, ...) as config groups, the config as bare YAML with
     # no meanings, and a removed key (partition.analytic_dtype_bytes).
-    from pipedream2bw.config_docs import help_text, keys
+    from pipedream2bw.config.docs import help_text, keys
 
     text = help_text([], config_name="config")
     assert "base_" not in text and "analytic_dtype_bytes" not in text
@@ -204,7 +204,7 @@ def test_a_refused_launch_removes_a_run_directory_holding_only_its_log(tmp_path)
 
 def test_help_wraps_each_meaning_whole_instead_of_cutting_it():
     # Regression (issue 35): --help cut 41 meanings at 100 characters with " ...".
-    from pipedream2bw.config_docs import HELP_WIDTH, help_text
+    from pipedream2bw.config.docs import HELP_WIDTH, help_text
 
     lines = help_text([], config_name="config").splitlines()
     assert not [line for line in lines if line.endswith("...")]

@@ -20,7 +20,7 @@ from dist_helper import run_ok, spawn, train_cli
 from reference import reference_eval, reference_train
 from test_semantics import assert_losses_close, tiny_config
 
-from pipedream2bw.config import ConfigError, LayerListConfig, validate
+from pipedream2bw.config import ConfigError, LayerListConfig
 from pipedream2bw.data import (
     MicrobatchFeed,
     check_data,
@@ -30,6 +30,7 @@ from pipedream2bw.data import (
     mapped_resident_bytes,
     meta_path,
 )
+from pipedream2bw.run.preflight import check
 
 VOCAB = 300  # not byte-level: the model's vocabulary comes from the token file's
 
@@ -129,7 +130,7 @@ def test_bad_data_is_rejected_with_the_value_and_the_fix(tmp_path):
     def rejects(match, **data):
         bad = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, **data))
         with pytest.raises(ConfigError, match=match):
-            validate(bad, world_size=2)
+            check(bad, world_size=2)
 
     odd = tmp_path / "odd.bin"
     odd.write_bytes(b"\x01\x00" * 100 + b"\x01")
@@ -166,12 +167,12 @@ def test_bad_data_is_rejected_with_the_value_and_the_fix(tmp_path):
     # and docs/pretrained.md hard-coded uint32, which every vocabulary of 65,536 or fewer then refused)
     auto = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, path=str(as32), val_fraction=0.1))
     assert auto.data.token_dtype == "auto"
-    validate(auto, world_size=2)
+    check(auto, world_size=2)
     train, val = load_splits(auto.data)
     assert train.dtype == np.uint32 and len(train) + len(val) == 200 and set(train.tolist()) == {5}
     cfg.model.vocab_size = 200
     with pytest.raises(ConfigError, match=r"model.vocab_size \(200\) must be >= 256 for byte-level text"):
-        validate(dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, path=None)), world_size=2)
+        check(dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, path=None)), world_size=2)
 
 
 def _prepare_tokens():
@@ -202,7 +203,7 @@ def test_prepare_tokens_writes_a_token_file_training_accepts(tmp_path):
     )
     cfg = token_config(tmp_path)
     cfg.data.path, cfg.model.vocab_size = str(tmp_path / "bytes.bin"), 256
-    validate(cfg, world_size=2)
+    check(cfg, world_size=2)
     # A subword tokenizer from a local tokenizer.json (trained here: nothing downloaded).
     tokenizers = pytest.importorskip(
         "tokenizers", reason="the optional extra is not installed: pip install 'pipedream2bw[tokenize]'"
@@ -227,7 +228,7 @@ def test_prepare_tokens_writes_a_token_file_training_accepts(tmp_path):
         and meta["vocab_size"] == tok.get_vocab_size()
     )
     cfg.data.path, cfg.model.vocab_size = str(tmp_path / "bpe.bin"), meta["vocab_size"]
-    validate(cfg, world_size=2)
+    check(cfg, world_size=2)
 
 
 BAD_FILES = {  # what a token file holds -> the error every rank must give
@@ -422,15 +423,15 @@ def test_validation_under_flush_and_gpipe_and_after_a_resume(tmp_path):
 
 def test_a_token_file_is_scanned_once_for_the_check_at_start_and_the_runners(tmp_path, monkeypatch):
     # The entry point checks the config at start (precheck) and the runner validates it again: one read of the ids.
-    from pipedream2bw import data as data_mod
+    from pipedream2bw.data import tokens as data_mod
 
     cfg = token_config(tmp_path)
     reads = []
     scan = data_mod._scan
     monkeypatch.setattr(data_mod, "_scan", lambda *a, **k: reads.append(a[0]) or scan(*a, **k))
-    validate(cfg, world_size=2)
-    validate(cfg, world_size=2)
+    check(cfg, world_size=2)
+    check(cfg, world_size=2)
     assert len(reads) == 1
     write_tokens(Path(cfg.data.path), [7] * 300)  # the file changed: read again
-    validate(cfg, world_size=2)
+    check(cfg, world_size=2)
     assert len(reads) == 2

@@ -21,10 +21,11 @@ from hydra import compose, initialize_config_dir
 from test_checkpoint import TINY_TORCHRUN_OVERRIDES, _children, assert_equal_bits, config, weights
 from test_semantics import tiny_config
 
-from pipedream2bw import checkpoint, fileio, preempt
-from pipedream2bw.comm import free_port, torchrun_command
 from pipedream2bw.config import ConfigError, from_hydra, register_configs
-from pipedream2bw.runner import run
+from pipedream2bw.io import checkpoint, fileio
+from pipedream2bw.pipeline.comm import free_port, torchrun_command
+from pipedream2bw.run import preempt
+from pipedream2bw.run.runner import run
 
 CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "configs")
 
@@ -455,7 +456,7 @@ def test_a_second_ctrl_c_exits_at_once_and_the_same_ctrl_c_twice_does_not(tmp_pa
     # SIGINTs at once, which must not abort the checkpoint; a second Ctrl-C later must not wait for it.
     script = """
 import os, signal, sys, time
-from pipedream2bw import preempt
+from pipedream2bw.run import preempt
 preempt.AGAIN_AFTER_S = 0.2
 with preempt.Watch(["SIGTERM", "SIGINT"]) as watch:
     os.kill(os.getpid(), signal.SIGINT)

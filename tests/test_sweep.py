@@ -219,7 +219,7 @@ def test_launched_ranks_get_one_thread_each_unless_the_user_set_it(tmp_path, mon
     # (and bench_layouts.py's) ranks each ran a thread per core and measured 4-10x too low on a small machine.
     import torch.distributed.launcher.api as launcher_api
 
-    from pipedream2bw import launch
+    from pipedream2bw.run import launch
 
     seen = []
 
