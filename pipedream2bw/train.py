@@ -13,6 +13,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
+from pipedream2bw import precheck
 from pipedream2bw.config import TINY_ENV, Config, from_hydra, register_configs, tiny
 from pipedream2bw.errors import ConfigError
 from pipedream2bw.io.fileio import atomic_write_text
@@ -35,15 +36,32 @@ def main(dcfg: DictConfig) -> None:
         if os.environ.get(TINY_ENV, "0") not in ("", "0"):
             cfg = tiny(cfg)
         run(cfg, run_dir, store=_store, on_start=lambda: _write_record(dcfg, run_dir))
-    except ConfigError as e:
-        log.error("bad configuration: %s", e)  # before any process group started
+    except ConfigError as e:  # before any process group started; reported once (precheck.report)
+        rank, world_size, _ = comm.env_rank()
+        precheck.report(f"bad configuration: {e}", rank=rank, world_size=world_size, emit=log.error)
+        if rank == 0:
+            _remove_if_only_log(Path(run_dir))
         _exit(2)
     except Preempted as e:  # checkpointed and summarized; a non-zero status gets the job requeued
         log.warning("exiting with %d: %s", e.exit_code, e)
         _exit(e.exit_code)
     except BaseException as e:  # already logged with its cause by the runner
         log.error("exiting after failure: %s: %s", type(e).__name__, e)
+        precheck.write_error_file(f"{type(e).__name__}: {e}")  # torchrun's summary names it
         _exit(1)
+
+
+def _remove_if_only_log(run_dir: Path) -> None:
+    """Removes the run directory of a refused launch when it holds nothing but the train.log Hydra opened for it
+    (and its date folder when that is then empty): a refused launch leaves no run behind."""
+    try:
+        if {p.name for p in run_dir.iterdir()} - {"train.log"}:
+            return
+        (run_dir / "train.log").unlink(missing_ok=True)
+        run_dir.rmdir()
+        run_dir.parent.rmdir()  # outputs/<date>/ when this was its only run; fails (kept) otherwise
+    except OSError:
+        pass
 
 
 def _write_record(dcfg: DictConfig, run_dir: str) -> None:
@@ -98,6 +116,13 @@ def cli() -> None:
     if any(a in HELP_FLAGS for a in sys.argv[1:]):
         print_help(sys.argv[1:], config_name="config")
         return
+    rank, world_size, _ = comm.env_rank()
+    mistake = precheck.check(
+        sys.argv[1:], world_size=world_size, local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    )
+    if mistake is not None:  # before the store, Hydra's run directory and the model: one line, at once
+        precheck.report(f"bad configuration: {mistake}", rank=rank, world_size=world_size)
+        _exit(2)
     register_configs()
     OmegaConf.register_new_resolver("pd2bw_run_stamp", lambda: os.environ[_STAMP_ENV], replace=True)
     _agree_on_run_stamp()

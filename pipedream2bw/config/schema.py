@@ -189,8 +189,9 @@ class DataConfig:
     path: Optional[str] = None
     """A token file (.bin: token ids as written by scripts/prepare_tokens.py, memory-mapped), or a text
     file (.txt or .txt.gz, byte-level, read whole); null uses the shipped text."""
-    token_dtype: str = "uint16"
-    """Dtype of a .bin file's ids: 'uint16' (vocabularies up to 65536) or 'uint32'."""
+    token_dtype: str = "auto"
+    """Dtype of a .bin file's ids: 'uint16' (vocabularies up to 65536) or 'uint32'; 'auto': what the file's
+    <file>.json says (scripts/prepare_tokens.py writes it), else uint16."""
     val_fraction: float = 0.0
     """Share of data.path held out for validation: its last tokens, never trained on; 0: none."""
     val_path: Optional[str] = None
@@ -233,11 +234,11 @@ class TrainConfig:
     (train.precision, train.weight_dtype, the optimizer and its kwargs, the learning-rate schedule, 2bw vs
     flush/gpipe), naming them; false resumes anyway and logs the differences (another optimizer starts with
     fresh state)."""
-    preempt_signals: List[str] = field(default_factory=lambda: ["SIGTERM"])
-    """Signals that preempt the run (SLURM and Kubernetes send SIGTERM before they kill a job): every rank
-    stops within two steps at one agreed step, writes a checkpoint of it, summary.json says
-    "preempted", and the process exits with 128 + the signal's number (143) so that the scheduler
-    requeues it; [] leaves the signals' default action (die at once, unsaved)."""
+    preempt_signals: List[str] = field(default_factory=lambda: ["SIGTERM", "SIGINT"])
+    """Signals that preempt the run (SLURM and Kubernetes send SIGTERM before they kill a job; SIGINT is
+    Ctrl-C): every rank stops within two steps at one agreed step, writes a checkpoint of it, summary.json
+    says "preempted", and the process exits with 128 + the signal's number (143, 130) so that the scheduler
+    requeues it; a second Ctrl-C exits at once; [] leaves the signals' default action (die at once, unsaved)."""
     precision: str = "auto"
     """'fp32', 'bf16' or 'fp16': each stage's forward and loss under torch.autocast to that dtype,
     float32 master weights, p2p transfers in that dtype; fp16 adds dynamic loss scaling. 'auto':

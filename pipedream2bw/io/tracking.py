@@ -71,18 +71,33 @@ class MetricsLog:
     (rank 0's peak so far: CUDA max allocated, or the process's peak resident set on the CPU),
     ``eta_s`` and ``time`` (Unix seconds). A validation line per pass: ``step``, ``val_loss``,
     ``val_perplexity``. A resumed run keeps the lines up to its first step and appends after them
-    (the lines an interrupted attempt wrote past its checkpoint are dropped, as their steps run again).
+    (the lines an interrupted attempt wrote past its checkpoint are dropped, as their steps run again);
+    resumed into a new run directory, it starts with the lines up to its first step of ``earlier``'s
+    metrics.jsonl (the run directory that holds the checkpoint), so that it holds the whole history as
+    summary.json and loss.png do. Either way a step's validation line appears once.
     """
 
-    def __init__(self, run_dir: Path, *, first_step: int = 0):
+    def __init__(self, run_dir: Path, *, first_step: int = 0, earlier: Optional[Path] = None):
         self.path = Path(run_dir) / METRICS_FILE
-        if self.path.is_file():
-            kept = [line for line in self.path.read_text().splitlines() if _step_of(line) <= first_step]
+        self.copied_from: Optional[Path] = None  # earlier's metrics.jsonl, when its lines were copied
+        self._kept_vals: set = set()  # the first step's validation line, when kept: not written again
+        source = self.path
+        if first_step and not self.path.is_file() and earlier is not None and (Path(earlier) / METRICS_FILE).is_file():
+            source = self.copied_from = Path(earlier) / METRICS_FILE
+        if source.is_file():
+            kept = [line for line in source.read_text().splitlines() if _step_of(line) <= first_step]
+            # a checkpoint is written before its step's validation pass, which the resumed run then repeats
+            self._kept_vals = {first_step} & {_step_of(line) for line in kept if '"val_loss"' in line}
             atomic_write_text(self.path, "".join(f"{line}\n" for line in kept))
         self._file = open(self.path, "a", encoding="utf-8")  # open for the whole run; close() ends it
 
     def write(self, record: Dict[str, Any]) -> None:
-        """Appends ``record`` as one line and flushes it (a crash loses at most the line being written)."""
+        """Appends ``record`` as one line and flushes it (a crash loses at most the line being written). A
+        validation pass at the resumed run's first step whose line is kept (the same pass, on the same
+        weights, that the earlier run wrote) is not written again."""
+        if "val_loss" in record and record["step"] in self._kept_vals:
+            self._kept_vals.discard(record["step"])
+            return
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
 

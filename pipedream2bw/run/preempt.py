@@ -5,7 +5,8 @@ A scheduler that preempts a job sends SIGTERM to its processes and kills them a 
 30 s for them; ``srun`` sends it to every process at once. Either way some ranks see it and some
 may not (yet), at different points of their schedule. Here:
 
-- a handler (``Watch``) only notes the first signal of ``train.preempt_signals``;
+- a handler (``Watch``) only notes the first signal of ``train.preempt_signals`` (SIGTERM and SIGINT by
+  default: Ctrl-C stops a run as a preemption does; Ctrl-C again, ``AGAIN_AFTER_S`` later, exits at once);
 - after every step t, each rank starts summing its flag over all ranks in the background
   (``Agreement``, one scalar all-reduce per step on a gloo group of its own, waited with
   ``dist.timeout_s``) and, after step t+1, reads the sum of step t: every rank reads the same sum
@@ -23,8 +24,10 @@ start the job again, and ``train.resume=auto`` continues from the checkpoint, bi
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
+import time
 from typing import Any, Dict, Optional, Sequence
 
 import torch
@@ -32,6 +35,9 @@ import torch
 from pipedream2bw.config import UNCATCHABLE, signal_numbers  # noqa: F401  (re-exported)
 
 log = logging.getLogger(__name__)
+AGAIN_AFTER_S = 2.0
+"""A second SIGINT this long after the first aborts at once (Ctrl-C twice). Sooner, it is the same Ctrl-C
+arriving twice: the terminal sends it to every process, and torchrun passes its own on to its workers."""
 
 
 class Preempted(BaseException):
@@ -65,11 +71,17 @@ class Watch:
     def __init__(self, signals: Sequence[str]):
         self.signals = signal_numbers(signals)
         self.received: Optional[int] = None
+        self._at = 0.0  # when the first signal came (time.monotonic())
         self._previous: Dict[int, Any] = {}
 
     def _handle(self, signum: int, frame: Any) -> None:
         if self.received is None:
-            self.received = signum
+            self.received, self._at = signum, time.monotonic()
+        elif signum == signal.SIGINT and time.monotonic() - self._at >= AGAIN_AFTER_S:
+            # Ctrl-C again: the user does not want to wait for the checkpoint. No logging here (a handler may
+            # interrupt a thread holding the logging lock): one write, then leave as SIGINT's default would.
+            os.write(2, b"interrupted again: exiting at once, without a checkpoint of the last steps\n")
+            os._exit(128 + signal.SIGINT)
 
     def __enter__(self) -> "Watch":
         if not self.signals:

@@ -129,7 +129,8 @@ def _select_checkpoint(cfg: Config, run_dir: Path, model: RunModel) -> Optional[
         if manifest["step"] >= t.num_steps:
             raise ConfigError(
                 f"checkpoint {path} is at step {manifest['step']}, and train.num_steps is {t.num_steps}: "
-                f"nothing left to train; raise train.num_steps"
+                f"nothing left to train; to train further, raise train.num_steps "
+                f"(e.g. train.num_steps={2 * manifest['step']}), or start afresh with train.resume=never"
             )
     return path
 
