@@ -41,6 +41,10 @@ from pipedream2bw.config import Config, register_configs, validate
 from pipedream2bw.errors import ConfigError
 from pipedream2bw.fileio import atomic_write
 from pipedream2bw.launch import LaunchError, launch_train
+from pipedream2bw.train import _run_stamp
+
+# a submitit job (hydra/launcher=slurm) imports this module to run main() and resolves hydra.sweep.dir there
+OmegaConf.register_new_resolver("pd2bw_run_stamp", _run_stamp, replace=True)
 
 log = logging.getLogger("pipedream2bw.sweep")
 
@@ -306,7 +310,6 @@ def cli() -> None:
         optuna.logging.set_verbosity(optuna.logging.WARNING)
     register_configs()
     os.environ.setdefault(_STAMP_ENV, time.strftime("%Y-%m-%d/%H-%M-%S"))  # one process: no ranks to agree with
-    OmegaConf.register_new_resolver("pd2bw_run_stamp", lambda: os.environ[_STAMP_ENV], replace=True)
     main()
 
 
