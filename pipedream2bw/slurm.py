@@ -12,7 +12,7 @@ Requeue: SLURM sends a signal some time before the job's time limit (``--signal`
 checkpointed (pipedream2bw/preempt.py); then rank 0 asks SLURM to requeue the job
 (``scontrol requeue``), which starts it again with the same command, hence the same run directory,
 where ``train.resume=auto`` (the default) continues from the checkpoint. A job cancelled with
-``scancel`` cannot be requeued: SLURM refuses and the run ends preempted.
+``scancel`` (its ranks get SIGTERM too) is not requeued: it is no longer RUNNING; the run ends preempted.
 """
 
 from __future__ import annotations
@@ -104,11 +104,29 @@ def job_id(environ: Mapping[str, str] = os.environ) -> Optional[str]:
     return environ.get("SLURM_JOB_ID")
 
 
+def job_state(jid: str) -> Optional[str]:
+    """The job's state as ``scontrol show job`` gives it (RUNNING, CANCELLED, ...); None if unknown."""
+    try:
+        out = subprocess.run(["scontrol", "show", "job", "-o", jid], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    match = re.search(r"\bJobState=(\S+)", out.stdout)
+    return match.group(1) if match else None
+
+
 def requeue(environ: Mapping[str, str] = os.environ) -> bool:
-    """Asks SLURM to requeue this job (``scontrol requeue``); whether it accepted. Call on rank 0 only,
-    once every rank has stopped checkpointed: SLURM ends every process of the job at once."""
+    """Asks SLURM to requeue this job (``scontrol requeue``) if it is still running; whether it did. Call on
+    rank 0 only, once every rank has stopped checkpointed: SLURM ends every process of the job at once.
+
+    A job that ``scancel`` ended (SIGTERM too, but the job is CANCELLED) is not requeued: SLURM would
+    accept the request for a job still completing and bring the cancelled job back.
+    """
     jid = job_id(environ)
     if jid is None:
+        return False
+    state = job_state(jid)
+    if state != "RUNNING":
+        log.warning("SLURM job %s not requeued: it is %s, not RUNNING (cancelled?)", jid, state or "of unknown state")
         return False
     try:
         out = subprocess.run(["scontrol", "requeue", jid], capture_output=True, text=True, timeout=60)
@@ -116,7 +134,7 @@ def requeue(environ: Mapping[str, str] = os.environ) -> bool:
         log.error("SLURM job %s not requeued: scontrol requeue failed: %s", jid, e)
         return False
     if out.returncode != 0:
-        log.error("SLURM job %s not requeued (cancelled?): %s", jid, (out.stderr or out.stdout).strip())
+        log.error("SLURM job %s not requeued: %s", jid, (out.stderr or out.stdout).strip())
         return False
     log.warning("SLURM job %s requeued: it starts again in this run directory and resumes from the checkpoint", jid)
     return True

@@ -24,7 +24,7 @@ CPUS = 4  # declared to SLURM (config_overrides): room for a 2-rank job and a sw
 
 
 def missing() -> Optional[str]:
-    """Why no cluster can start here (a binary missing, not root), with the command that installs them; None if one can."""
+    """Why no cluster can start here (a binary missing, not root) and the command that installs them; None if it can."""
     absent = [b for b in BINARIES if shutil.which(b) is None and not Path("/usr/sbin", b).exists()]
     if absent:
         return f"SLURM binaries missing ({', '.join(absent)}): install them with `{INSTALL}` (as root)"
@@ -142,7 +142,9 @@ class Cluster:
             if dead or time.monotonic() > deadline:
                 tail = log.read_text(errors="replace")[-2000:] if log.exists() else "(no log)"
                 self.stop()
-                raise RuntimeError(f"{what} did not come up ({'exited: ' + str(dead) if dead else 'timed out'}):\n{tail}")
+                raise RuntimeError(
+                    f"{what} did not come up ({'exited: ' + str(dead) if dead else 'timed out'}):\n{tail}"
+                )
             time.sleep(0.2)
 
     def run(self, *cmd: str, check: bool = True, **kwargs) -> subprocess.CompletedProcess:
@@ -167,9 +169,12 @@ class Cluster:
         raise TimeoutError(f"job {job_id} still {state or 'unknown'} after {timeout_s:g} s")
 
     def stop(self) -> None:
-        """Cancels every job, stops the daemons (SIGTERM, then SIGKILL) and the steps they left."""
+        """Cancels every job, stops the daemons (SIGTERM, then SIGKILL) and the processes of jobs left over."""
         if self.env:
             self.run("scancel", "--user=root", check=False)
+            deadline = time.monotonic() + 15
+            while self.run("squeue", "-h", check=False).stdout.strip() and time.monotonic() < deadline:
+                time.sleep(0.2)
         for p in reversed(self.procs):
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGTERM)
@@ -180,3 +185,19 @@ class Cluster:
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
         self.procs.clear()
+        for pid in self._leftovers():  # slurmstepd and job processes: this cluster's SLURM_CONF in their environment
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def _leftovers(self) -> List[int]:
+        mark = f"SLURM_CONF={self.conf}".encode()
+        pids = []
+        for proc in Path("/proc").glob("[0-9]*"):
+            try:
+                if int(proc.name) != os.getpid() and mark in (proc / "environ").read_bytes().split(b"\0"):
+                    pids.append(int(proc.name))
+            except (OSError, ValueError):
+                continue
+        return pids
