@@ -93,10 +93,19 @@ def rank_env(environ: Mapping[str, str] = os.environ) -> Dict[str, str]:
 
 
 def set_rank_env() -> None:
-    """Sets ``rank_env()`` in this process's environment (nothing under torchrun or outside SLURM)."""
+    """Sets ``rank_env()`` in this process's environment (nothing under torchrun or outside SLURM); with
+    several ranks on the node and no OMP_NUM_THREADS, one intra-op thread per rank, as torchrun sets: the
+    ranks do not oversubscribe the node's cores, and a run gives the same bits as under torchrun (CPU
+    reductions split across threads round differently)."""
     env = rank_env()
-    if env:
-        os.environ.update(env)
+    if not env:
+        return
+    os.environ.update(env)
+    if int(env["LOCAL_WORLD_SIZE"]) > 1 and "OMP_NUM_THREADS" not in os.environ:
+        import torch
+
+        os.environ["OMP_NUM_THREADS"] = "1"
+        torch.set_num_threads(1)
 
 
 def job_id(environ: Mapping[str, str] = os.environ) -> Optional[str]:

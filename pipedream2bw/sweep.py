@@ -237,7 +237,10 @@ class SweepTable(Callback):
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         sweep_dir = Path(config.hydra.sweep.dir)
-        rows = [json.loads(p.read_text()) for p in sorted(sweep_dir.glob(f"*/{RESULT_FILE}"))]
+        # not through a link: a job's run also links <results folder>/latest to it, which is the sweep
+        # directory itself when that is one folder below the working directory (hydra.sweep.dir=mysweep)
+        found = sorted(sweep_dir.glob(f"*/{RESULT_FILE}"))
+        rows = [json.loads(p.read_text()) for p in found if not p.parent.is_symlink()]
         name = config.sweep.name or str(sweep_dir)
         objective = config.sweep.get("objective")
         table = write_table(sweep_dir, rows, name=name, objective=objective)
