@@ -96,6 +96,7 @@ def test_the_slurm_launcher_signals_sigterm_before_the_limit_and_makes_the_job_r
 # --- a real cluster ---------------------------------------------------------------------------------------
 
 needs_slurm = pytest.mark.skipif(missing() is not None, reason=str(missing()))
+on_cluster = pytest.mark.slurm
 
 
 def _submitit_missing():
@@ -154,6 +155,7 @@ def _assert_requeued_and_bit_exact(run_dir: Path, log: str, uninterrupted) -> No
 
 
 @pytest.mark.slow
+@on_cluster
 @pytest.mark.timeout(SLOW_MACHINE_S)
 @needs_slurm
 def test_sbatch_job_signalled_before_its_limit_is_requeued_and_resumes_bit_for_bit(cluster, tmp_path, uninterrupted):
@@ -177,6 +179,7 @@ def test_sbatch_job_signalled_before_its_limit_is_requeued_and_resumes_bit_for_b
 
 
 @pytest.mark.slow
+@on_cluster
 @pytest.mark.timeout(SLOW_MACHINE_S)
 @needs_slurm
 @needs_submitit
@@ -195,7 +198,7 @@ def test_launcher_job_signalled_before_its_limit_is_requeued_and_resumes_bit_for
     log = tmp_path / "launcher.log"
     proc = subprocess.Popen(cmd, cwd=tmp_path, env=_env(cluster), stdout=open(log, "w"), stderr=subprocess.STDOUT)
     try:
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 240  # the submitting process alone took over 60 s at load 15
         while not list(sweep_dir.glob(".submitit/*/*_submitted.pkl")):
             assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
             time.sleep(0.05)
@@ -211,6 +214,7 @@ def test_launcher_job_signalled_before_its_limit_is_requeued_and_resumes_bit_for
 
 
 @pytest.mark.slow
+@on_cluster
 @needs_slurm
 def test_a_cancelled_job_is_not_requeued(cluster, tmp_path):
     # Bug: scancel sends SIGTERM too; rank 0's scontrol requeue, accepted while the job was still completing,
@@ -232,6 +236,7 @@ def test_a_cancelled_job_is_not_requeued(cluster, tmp_path):
 
 
 @pytest.mark.slow
+@on_cluster
 @pytest.mark.timeout(SLOW_MACHINE_S)
 @needs_slurm
 @needs_submitit
