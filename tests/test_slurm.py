@@ -18,8 +18,9 @@ from slurm_cluster import INSTALL, Cluster, missing
 from test_checkpoint import TINY_TORCHRUN_OVERRIDES, assert_equal_bits, weights
 from test_semantics import tiny_config
 
-from pipedream2bw import checkpoint, slurm
 from pipedream2bw.config import register_configs
+from pipedream2bw.io import checkpoint
+from pipedream2bw.run import slurm
 
 ROOT = Path(__file__).resolve().parents[1]
 SBATCH = ROOT / "scripts" / "slurm" / "train.sbatch"
@@ -220,7 +221,7 @@ def test_a_cancelled_job_is_not_requeued(cluster, tmp_path):
     # Bug: scancel sends SIGTERM too; rank 0's scontrol requeue, accepted while the job was still completing,
     # brought the cancelled job back (seen with the module's cluster teardown).
     script, out = tmp_path / "job.sh", tmp_path / "job.out"
-    (tmp_path / "requeue.py").write_text("from pipedream2bw import slurm\nprint('requeued:', slurm.requeue())\n")
+    (tmp_path / "requeue.py").write_text("from pipedream2bw.run import slurm\nprint('requeued:', slurm.requeue())\n")
     script.write_text(
         f"#!/bin/bash\ntrap '{sys.executable} {tmp_path / 'requeue.py'}; exit 0' TERM\n"
         "echo started\nfor i in $(seq 600); do sleep 0.1; done\n"
