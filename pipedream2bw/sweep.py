@@ -42,6 +42,10 @@ from pipedream2bw.errors import ConfigError
 from pipedream2bw.io.fileio import atomic_write
 from pipedream2bw.run import preflight
 from pipedream2bw.run.launch import LaunchError, launch_train, worker_threads
+from pipedream2bw.train import _run_stamp
+
+# a submitit job (hydra/launcher=slurm) imports this module to run main() and resolves hydra.sweep.dir there
+OmegaConf.register_new_resolver("pd2bw_run_stamp", _run_stamp, replace=True)
 
 log = logging.getLogger("pipedream2bw.sweep")
 
@@ -239,7 +243,10 @@ class SweepTable(Callback):
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         sweep_dir = Path(config.hydra.sweep.dir)
-        rows = [json.loads(p.read_text()) for p in sorted(sweep_dir.glob(f"*/{RESULT_FILE}"))]
+        # not through a link: a job's run also links <results folder>/latest to it, which is the sweep
+        # directory itself when that is one folder below the working directory (hydra.sweep.dir=mysweep)
+        found = sorted(sweep_dir.glob(f"*/{RESULT_FILE}"))
+        rows = [json.loads(p.read_text()) for p in found if not p.parent.is_symlink()]
         name = config.sweep.name or str(sweep_dir)
         objective = config.sweep.get("objective")
         table = write_table(sweep_dir, rows, name=name, objective=objective)
@@ -312,7 +319,6 @@ def cli() -> None:
         optuna.logging.set_verbosity(optuna.logging.WARNING)
     register_configs()
     os.environ.setdefault(_STAMP_ENV, time.strftime("%Y-%m-%d/%H-%M-%S"))  # one process: no ranks to agree with
-    OmegaConf.register_new_resolver("pd2bw_run_stamp", lambda: os.environ[_STAMP_ENV], replace=True)
     main()
 
 

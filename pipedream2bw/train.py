@@ -18,6 +18,7 @@ from pipedream2bw.config import TINY_ENV, Config, from_hydra, register_configs, 
 from pipedream2bw.errors import ConfigError
 from pipedream2bw.io.fileio import atomic_write_text
 from pipedream2bw.pipeline import comm
+from pipedream2bw.run import slurm
 from pipedream2bw.run.preempt import Preempted
 from pipedream2bw.run.runner import run
 
@@ -30,6 +31,7 @@ _record_subdir: Optional[str] = ".hydra"  # hydra.output_subdir as the user set 
 
 @hydra.main(version_base="1.3", config_path="../configs", config_name="config")
 def main(dcfg: DictConfig) -> None:
+    slurm.set_rank_env()  # hydra/launcher=slurm runs this in every task of the job, each a rank (not via cli)
     run_dir = HydraConfig.get().runtime.output_dir
     try:
         cfg: Config = from_hydra(dcfg)  # the DictConfig stops here
@@ -44,6 +46,8 @@ def main(dcfg: DictConfig) -> None:
         _exit(2)
     except Preempted as e:  # checkpointed and summarized; a non-zero status gets the job requeued
         log.warning("exiting with %d: %s", e.exit_code, e)
+        if slurm.job_id() is not None and comm.env_rank()[0] == 0:
+            slurm.requeue()  # every rank has stopped, checkpointed: SLURM starts the job again, it resumes
         _exit(e.exit_code)
     except BaseException as e:  # already logged with its cause by the runner
         log.error("exiting after failure: %s: %s", type(e).__name__, e)
@@ -101,6 +105,14 @@ def _agree_on_run_stamp() -> None:
     os.environ.setdefault(_STAMP_ENV, stamp)
 
 
+def _run_stamp() -> str:
+    return os.environ[_STAMP_ENV]
+
+
+# At import, not in cli(): a submitit job (hydra/launcher=slurm) imports this module to run main(), and
+# resolves hydra.sweep.dir there, with the stamp its submitter set (SLURM passes the environment on).
+OmegaConf.register_new_resolver("pd2bw_run_stamp", _run_stamp, replace=True)
+
 HELP_FLAGS = ("--help", "-h")
 
 
@@ -124,7 +136,7 @@ def cli() -> None:
         precheck.report(f"bad configuration: {mistake}", rank=rank, world_size=world_size)
         _exit(2)
     register_configs()
-    OmegaConf.register_new_resolver("pd2bw_run_stamp", lambda: os.environ[_STAMP_ENV], replace=True)
+    slurm.set_rank_env()  # srun without torchrun: each task a rank (before the ranks agree on the run stamp)
     _agree_on_run_stamp()
     global _record_subdir
     for arg in [a for a in sys.argv[1:] if a.startswith("hydra.output_subdir=")]:

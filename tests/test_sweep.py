@@ -239,3 +239,20 @@ def test_launched_ranks_get_one_thread_each_unless_the_user_set_it(tmp_path, mon
     assert seen == ["1", "3"] and launch.worker_threads(4) == "3"
     row = job_row(0, [], tmp_path / "a", 1.0, "failed", threads=launch.worker_threads(4))
     assert row["threads_per_rank"] == "3" and "threads" in format_table([row])
+
+
+def test_the_table_counts_each_job_once_when_a_run_links_latest_inside_the_sweep(tmp_path, capsys):
+    # Bug: with hydra.sweep.dir one folder below the working directory (hydra.sweep.dir=mysweep), each run's
+    # <results folder>/latest link is mysweep/latest, and the table read the last job twice (through the link).
+    from omegaconf import OmegaConf
+
+    from pipedream2bw.sweep import RESULT_FILE, SweepTable
+
+    for job in range(2):
+        (tmp_path / str(job)).mkdir()
+        row = {"job": job, "status": "failed", "error": "x", "overrides": "", "run_dir": "", "wall_s": 0.0}
+        (tmp_path / str(job) / RESULT_FILE).write_text(json.dumps(row))
+    (tmp_path / "latest").symlink_to("1")
+    config = OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path)}}, "sweep": {"name": "s", "objective": None}})
+    SweepTable().on_multirun_end(config)
+    assert [r["job"] for r in json.loads((tmp_path / "sweep.json").read_text())["jobs"]] == [0, 1]
