@@ -385,6 +385,14 @@ class SwapConfig:
     optimizer: str = "device"
     """'device', or 'host': every stage keeps its optimizer state and runs its update in host memory
     (KARMA, ZeRO-Offload); gradients go to the host at the step, new weights come back."""
+    weights: bool = False
+    """Stream weights (docs/memory.md): on the stages that swap, the weight versions, gradient accumulators and
+    optimizer state live in host memory and each layer's weights come to the device only for its forward and its
+    backward (pipedream2bw/stream.py); needs swap.optimizer=host. A stage then needs device memory for
+    swap.weight_prefetch + 1 layers' weights, not all of them."""
+    weight_prefetch: int = 1
+    """Streamed stages: layers whose weights are copied ahead of the one computing (0: each layer's copy starts
+    when it is needed, no overlap)."""
 
 
 @dataclass
@@ -599,6 +607,40 @@ def _validate_swap(swap: SwapConfig, num_stages: int) -> None:
         raise ConfigError(
             f"swap.resident ({swap.resident}) must be >= 0: the number of waiting microbatches kept on the device"
         )
+
+
+def _validate_weight_stream(cfg: Config) -> None:
+    """swap.weights=true: what weight streaming (pipedream2bw/stream.py) composes with; the rest is refused."""
+    s = cfg.swap
+    if s.weight_prefetch < 0:
+        raise ConfigError(f"swap.weight_prefetch ({s.weight_prefetch}) must be >= 0: layers copied ahead of use")
+    if not s.weights:
+        return
+    why = None
+    if not swap_stages(s, cfg.pipeline.num_stages):
+        why = "no stage swaps; set swap.enabled=true or swap.stages=[...] to name the stages that stream"
+    elif s.optimizer != "host":
+        why = "a streamed stage's optimizer steps where its weights live, on the host; set swap.optimizer=host"
+    elif cfg.pipeline.data_parallel > 1:
+        why = (
+            f"pipeline.data_parallel ({cfg.pipeline.data_parallel}): the all-reduce of host-accumulated gradients "
+            "is not written yet; use data_parallel=1"
+        )
+    elif cfg.train.weight_dtype != "fp32":
+        why = f"train.weight_dtype ({cfg.train.weight_dtype}): streamed versions are float32; use fp32"
+    elif cfg.train.precision == "fp16":
+        why = "train.precision (fp16): the loss scaler's checks of host gradients are not written; use bf16 or fp32"
+    elif cfg.optim.clip_grad_norm is not None or cfg.train.on_nonfinite != "stop":
+        why = (
+            "optim.clip_grad_norm or train.on_nonfinite=skip: the step agreement over host gradients is not "
+            "verified yet; unset optim.clip_grad_norm and keep train.on_nonfinite=stop"
+        )
+    elif cfg.train.eval_every:
+        why = f"train.eval_every ({cfg.train.eval_every}): validation passes do not stream weights yet; set it to 0"
+    elif cfg.partition.mode != "manual":
+        why = f"partition.mode ({cfg.partition.mode}): the planner does not model streamed stages yet; use manual"
+    if why is not None:
+        raise ConfigError(f"swap.weights (true) with {why}")
 
 
 def _validate_step_rules(cfg: Config) -> None:
@@ -907,6 +949,7 @@ def validate(
     if cfg.dist.timeout_s <= 0:
         raise ConfigError(f"dist.timeout_s ({cfg.dist.timeout_s}) must be > 0")
     _validate_swap(cfg.swap, d)
+    _validate_weight_stream(cfg)
     return balance
 
 
