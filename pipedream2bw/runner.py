@@ -56,6 +56,7 @@ from pipedream2bw.runtime import RankPlan
 from pipedream2bw.schedule import Action
 from pipedream2bw.sharding import ShardedVersions
 from pipedream2bw.stage import Peers, StageStats, StageWorker
+from pipedream2bw.stream import StreamedVersions, WeightStream
 from pipedream2bw.swap import SwapManager, make_backend
 from pipedream2bw.tracking import LOSS_PLOT, MetricsLog, Tracker, plot_losses, progress_bar
 from pipedream2bw.versions import WeightVersions, bucketize
@@ -303,6 +304,8 @@ def _run(
             f"train.weight_dtype (compute) with tied weights ({[list(t.names) for t in model.tied]}): the tie's "
             "float32 gradient sum across stages is not written yet; set train.weight_dtype=fp32 or untie them"
         )
+    if cfg.swap.weights:
+        _check_weight_stream(cfg, model.tied, balance, precision)
     layout = make_layout(
         cfg.pipeline.num_stages,
         cfg.pipeline.data_parallel,
@@ -578,7 +581,8 @@ def _train(
     Returns:
         (the summary on rank 0, else None; ``preempt.Preempted`` if a signal stopped the run, else None).
     """
-    module, tie_groups = _build_stage(rt, ctx, model)
+    streamed = cfg.swap.weights and rt.stage in swap_stages(cfg.swap, rt.num_stages)
+    module, tie_groups = _build_stage(rt, ctx, model, streamed=streamed)
     versions, buckets, num_dp_buckets = _build_versions(
         rt,
         module,
@@ -603,6 +607,7 @@ def _train(
     actions = _actions(rt, batch_sends=_batch_sends(cfg.dist, rt))
     in_flight = schedule.in_flight(rt.schedule, rt.stage, rt.num_stages, rt.num_microbatches)
     swap = _swap_manager(cfg.swap, rt, in_flight, versions)
+    stream = _weight_stream(cfg.swap, rt, versions)
     worker = _worker(
         rt,
         ctx,
@@ -618,6 +623,7 @@ def _train(
         model.tied,
         # on_step passes through the stages (validation, the tie check): a sharded APPLY keeps apply_due's point
         early_apply=not (cfg.train.eval_every or cfg.pipeline.check_ties),
+        stream=stream,
     )
     _trace(rt, worker, cfg.pipeline, warmup_steps=cfg.train.warmup_steps)
     _log_start(rt, num_dp_buckets, tie_groups)
@@ -701,13 +707,17 @@ def signal_name(signum: int) -> str:
 
 
 def _build_stage(
-    rt: RankPlan, ctx: comm.DistContext, model: _Model
+    rt: RankPlan, ctx: comm.DistContext, model: _Model, *, streamed: bool = False
 ) -> Tuple[nn.Module, List[Tuple[Any, int, List[Tuple[ties.Tie, int]]]]]:
     """This rank's stage module on its device and the groups of its tied parameters (``_tie_groups``),
     every tied copy set to its canonical one."""
     torch.manual_seed(rt.seed)
     module = stage_module(rt.layer_indices, model.layers, model.source, recompute=rt.recompute, tied=model.tied)
-    module = module.to(rt.device)
+    if streamed:  # swap.weights: the parameters stay in host memory (StreamedVersions moves them to its buffers)
+        for m in module.modules():
+            m._buffers.update({k: b.to(rt.device) for k, b in m._buffers.items() if b is not None})
+    else:
+        module = module.to(rt.device)
     tie_groups = _tie_groups(ctx, rt.layout, model.tied, rt.balance, module)
     with torch.no_grad():  # every copy starts as the canonical one (a rank building its layers alone made its own)
         for group, src, held in tie_groups:
@@ -744,6 +754,11 @@ def _build_versions(
     factory = lambda params: build_optimizer(params, optim)  # noqa: E731
     sharded = optim.sharded and rt.data_parallel > 1
     weight_dtype = precisions.weight_dtype(rt.precision, weight_dtype_name)
+    if swap.weights and rt.stage in swap_stages(swap, rt.num_stages):  # swap.weights: versions in host buffers
+        versions = StreamedVersions(
+            module, pin=rt.device.type == "cuda", schedule=rt.schedule, optimizer_factory=factory
+        )  # one optimizer bucket per layer; data_parallel=1 and no ties (validated): no exchange needs buckets
+        return versions, versions.buckets, len(versions.buckets)
     if sharded or weight_dtype != torch.float32:  # the replicas' group ranks are sorted global ranks
         versions = ShardedVersions(
             module,
@@ -972,6 +987,7 @@ def _worker(
     tied: Sequence[ties.Tie],
     *,
     early_apply: bool = True,
+    stream: Optional[WeightStream] = None,
 ) -> StageWorker:
     """The stage worker that runs this rank's actions (``early_apply``: StageWorker's)."""
     m, w = rt.num_microbatches, rt.data_parallel
@@ -997,6 +1013,7 @@ def _worker(
         precision=rt.precision,
         steps_wait_on_others=exchanged,
         early_apply=early_apply,
+        stream=stream,
     )
 
 
@@ -1587,6 +1604,36 @@ def _save_trace(all_stats: Sequence[StageStats], run_dir: Path, *, steps: range,
         "steps": list(steps),
         "files": ["trace.json", "timeline.png"],
     }
+
+
+def _check_weight_stream(cfg: Config, tied: Sequence[ties.Tie], balance: Sequence[int], precision: str) -> None:
+    """swap.weights: what the config alone could not tell (ties, the resolved precision), before any group.
+
+    Raises:
+        ConfigError: a streamed stage holds a tied weight, or train.precision=auto resolved to fp16.
+    """
+    streamed = set(swap_stages(cfg.swap, cfg.pipeline.num_stages))
+    held = [list(t.names) for t in tied if streamed & set(ties.holders(t, balance))]
+    if held:
+        raise ConfigError(
+            f"swap.weights (true) with tied weights {held} on a streamed stage: a tied weight would travel once per "
+            "layer that uses it and its gradients be summed in another order; untie them or stream other stages"
+        )
+    if precision == "fp16":
+        raise ConfigError("swap.weights (true) with train.precision resolved to fp16: not supported; use bf16 or fp32")
+
+
+def _weight_stream(swap: SwapConfig, rt: RankPlan, versions: WeightVersions) -> Optional[WeightStream]:
+    """swap.weights: this stage's weight streamer, if it streams (its versions are then ``StreamedVersions``)."""
+    if not isinstance(versions, StreamedVersions):
+        return None
+    log.info(
+        "swap.weights: %d layers' weights (%.1f MiB in all versions) stream from host memory, %d ahead",
+        len(versions.layers),
+        versions.host_weight_bytes() / 2**20,
+        swap.weight_prefetch,
+    )
+    return WeightStream(versions, make_backend(rt.device), window=swap.weight_prefetch, recompute=rt.recompute)
 
 
 def _swap_manager(swap: SwapConfig, rt: RankPlan, in_flight: int, versions: WeightVersions) -> Optional[SwapManager]:
