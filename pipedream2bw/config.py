@@ -626,7 +626,7 @@ def _validate_weight_stream(cfg: Config) -> None:
             f"pipeline.data_parallel ({cfg.pipeline.data_parallel}): the all-reduce of host-accumulated gradients "
             "is not written yet; use data_parallel=1"
         )
-    elif cfg.train.weight_dtype != "fp32":
+    elif cfg.train.weight_dtype == "compute":
         why = f"train.weight_dtype ({cfg.train.weight_dtype}): streamed versions are float32; use fp32"
     elif cfg.train.precision == "fp16":
         why = "train.precision (fp16): the loss scaler's checks of host gradients are not written; use bf16 or fp32"

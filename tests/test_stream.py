@@ -161,3 +161,59 @@ def test_streaming_gives_the_same_training_bit_for_bit(schedule, num_stages, rec
         assert st is not None and st["loads"] > 0 and st["grad_bytes_out"] > 0, st
         # every layer with weights travels in each forward of 4 microbatches x 3 steps, and again in backward
         assert st["loads"] > 4 * 3 * st["layers"], st
+
+
+@pytest.mark.parametrize(
+    "overrides,match",
+    [
+        (["swap.weights=true", "swap.optimizer=host"], r"swap.weights \(true\) with no stage swaps; set swap.enabled"),
+        (["swap.weights=true", "swap.enabled=true"], r"optimizer steps where its weights live.*swap.optimizer=host"),
+        (["swap.weight_prefetch=-1"], r"swap.weight_prefetch \(-1\) must be >= 0"),
+        (
+            ["swap.weights=true", "swap.enabled=true", "swap.optimizer=host", "pipeline.data_parallel=2"],
+            r"pipeline.data_parallel \(2\).*use data_parallel=1",
+        ),
+        (
+            ["swap.weights=true", "swap.stages=[0]", "swap.optimizer=host", "train.precision=fp16"],
+            r"train.precision \(fp16\)",
+        ),
+        (
+            ["swap.weights=true", "swap.stages=[0]", "swap.optimizer=host", "optim.clip_grad_norm=1.0"],
+            r"optim.clip_grad_norm",
+        ),
+        (
+            [
+                "swap.weights=true",
+                "swap.enabled=true",
+                "swap.optimizer=host",
+                "train.eval_every=5",
+                "data.val_fraction=0.1",
+            ],
+            r"eval_every \(5\)",
+        ),
+    ],
+)
+def test_unsupported_streaming_is_refused_at_config_time(overrides, match):
+    from test_config import make
+
+    from pipedream2bw.config import ConfigError, validate
+
+    validate(make("swap.weights=true", "swap.enabled=true", "swap.optimizer=host"), world_size=4)
+    with pytest.raises(ConfigError, match=match):
+        validate(make(*overrides), world_size=8 if "pipeline.data_parallel=2" in overrides else 4)
+
+
+def test_tied_weights_on_a_streamed_stage_are_refused():
+    from pipedream2bw import ties
+    from pipedream2bw.config import ConfigError
+    from pipedream2bw.runner import _check_weight_stream
+
+    cfg = tiny_config(schedule="2bw", num_stages=2, num_microbatches=2)
+    cfg.swap.weights, cfg.swap.stages, cfg.swap.optimizer = True, [1], "host"
+    tie = ties.Tie(names=("0.weight", "3.weight"), shape=(4, 4))
+    _check_weight_stream(cfg, [], [2, 2], "fp32")
+    with pytest.raises(ConfigError, match=r"tied weights \[\['0.weight', '3.weight'\]\] on a streamed stage"):
+        _check_weight_stream(cfg, [tie], [2, 2], "fp32")
+    cfg.swap.stages = [0]
+    with pytest.raises(ConfigError, match="resolved to fp16"):
+        _check_weight_stream(cfg, [], [2, 2], "fp16")
