@@ -217,3 +217,22 @@ def test_tied_weights_on_a_streamed_stage_are_refused():
     cfg.swap.stages = [0]
     with pytest.raises(ConfigError, match="resolved to fp16"):
         _check_weight_stream(cfg, [], [2, 2], "fp16")
+
+
+def test_checkpoint_state_round_trips_into_host_buffers():
+    # A checkpoint (WeightVersions.state) of a streamed stage, loaded into a fresh one: the same versions and
+    # optimizer state, and the loaded weights still live in the stage's host buffers (load_state copies in place).
+    *_, versions = _stage_loop("2bw", stream=True)
+    state = versions.state()
+    fresh = StreamedVersions(nn.Sequential(*_blocks()), pin=False, schedule="2bw", optimizer_factory=ADAM)
+    host = {f.untyped_storage().data_ptr() for flats in fresh.flats for f in flats}
+    fresh.load_state(**state)
+    again = fresh.state()
+    for key in ("weights", "previous"):
+        assert all(torch.equal(state[key][n], again[key][n]) for n in state[key])
+    assert all(
+        torch.equal(state["optimizer"][n][k], again["optimizer"][n][k])
+        for n in state["optimizer"]
+        for k in state["optimizer"][n]
+    )
+    assert all(p.untyped_storage().data_ptr() in host for r in fresh.replicas for p in r.parameters())
