@@ -34,12 +34,12 @@ import torch
 from torch import nn
 
 from pipedream2bw.config import GPTConfig
-from pipedream2bw.memprobe import tensor_peak
+from pipedream2bw.memory.memprobe import tensor_peak
+from pipedream2bw.memory.stream import StreamedVersions, WeightStream, device_bytes_model
+from pipedream2bw.memory.swap import CpuBackend, make_backend
 from pipedream2bw.models import build_gpt_layers
-from pipedream2bw.schedule import BACKWARD, FORWARD, STEP, stage_actions
-from pipedream2bw.stream import StreamedVersions, WeightStream, device_bytes_model
-from pipedream2bw.swap import CpuBackend, make_backend
-from pipedream2bw.versions import WeightVersions
+from pipedream2bw.pipeline.schedule import BACKWARD, FORWARD, STEP, stage_actions
+from pipedream2bw.pipeline.versions import WeightVersions
 
 GPU_DEFAULTS = dict(d_model=2048, num_heads=16, seq_len=512, microbatch_size=2, layers=8)
 CPU_DEFAULTS = dict(d_model=256, num_heads=4, seq_len=8, microbatch_size=1, layers=8)  # small activations

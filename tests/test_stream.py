@@ -1,5 +1,5 @@
-"""Weight streaming (swap.weights, pipedream2bw/stream.py): the same training bit for bit, device bytes held to the
-prefetch window, and what it does not compose with refused at config time."""
+"""Weight streaming (swap.weights, pipedream2bw/memory/stream.py): the same training bit for bit, device bytes
+held to the prefetch window, and what it does not compose with refused at config time."""
 
 from __future__ import annotations
 
@@ -15,13 +15,13 @@ from dist_helper import run_ok
 from test_semantics import tiny_config
 from torch import nn
 
-from pipedream2bw.memprobe import tensor_peak
-from pipedream2bw.precision import autocast
-from pipedream2bw.runner import RecomputeSequential
-from pipedream2bw.schedule import BACKWARD, FORWARD, STEP, stage_actions
-from pipedream2bw.stream import StreamedVersions, WeightStream, device_bytes_model
-from pipedream2bw.swap import CpuBackend
-from pipedream2bw.versions import WeightVersions
+from pipedream2bw.memory.memprobe import tensor_peak
+from pipedream2bw.memory.precision import autocast
+from pipedream2bw.memory.stream import StreamedVersions, WeightStream, device_bytes_model
+from pipedream2bw.memory.swap import CpuBackend
+from pipedream2bw.pipeline.schedule import BACKWARD, FORWARD, STEP, stage_actions
+from pipedream2bw.pipeline.versions import WeightVersions
+from pipedream2bw.run.model import RecomputeSequential
 
 ADAM = lambda params: torch.optim.Adam(params, lr=0.01)  # noqa: E731
 
@@ -204,19 +204,19 @@ def test_unsupported_streaming_is_refused_at_config_time(overrides, match):
 
 
 def test_tied_weights_on_a_streamed_stage_are_refused():
-    from pipedream2bw import ties
     from pipedream2bw.config import ConfigError
-    from pipedream2bw.runner import _check_weight_stream
+    from pipedream2bw.pipeline import ties
+    from pipedream2bw.run.start import check_weight_stream
 
     cfg = tiny_config(schedule="2bw", num_stages=2, num_microbatches=2)
     cfg.swap.weights, cfg.swap.stages, cfg.swap.optimizer = True, [1], "host"
     tie = ties.Tie(names=("0.weight", "3.weight"), shape=(4, 4))
-    _check_weight_stream(cfg, [], [2, 2], "fp32")
+    check_weight_stream(cfg, [], [2, 2], "fp32")
     with pytest.raises(ConfigError, match=r"tied weights \[\['0.weight', '3.weight'\]\] on a streamed stage"):
-        _check_weight_stream(cfg, [tie], [2, 2], "fp32")
+        check_weight_stream(cfg, [tie], [2, 2], "fp32")
     cfg.swap.stages = [0]
     with pytest.raises(ConfigError, match="resolved to fp16"):
-        _check_weight_stream(cfg, [], [2, 2], "fp16")
+        check_weight_stream(cfg, [], [2, 2], "fp16")
 
 
 def test_checkpoint_state_round_trips_into_host_buffers():

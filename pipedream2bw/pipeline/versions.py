@@ -15,7 +15,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
 import torch
 from torch import nn
 
-from pipedream2bw.schedule import BACKWARD, FORWARD, STEP, Action, ScheduleError
+from pipedream2bw.pipeline.schedule import BACKWARD, FORWARD, STEP, Action, ScheduleError
 
 log = logging.getLogger(__name__)
 

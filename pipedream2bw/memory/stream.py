@@ -33,8 +33,8 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
-from pipedream2bw.swap import HostPool, Transfer, TransferBackend
-from pipedream2bw.versions import WeightVersions
+from pipedream2bw.memory.swap import HostPool, Transfer, TransferBackend
+from pipedream2bw.pipeline.versions import WeightVersions
 
 _ALIGN = 64  # bytes: each parameter of a layer's flat buffer starts here, so any dtype can view it
 
