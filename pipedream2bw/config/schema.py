@@ -394,6 +394,14 @@ class SwapConfig:
     optimizer: str = "device"
     """'device', or 'host': every stage keeps its optimizer state and runs its update in host memory
     (KARMA, ZeRO-Offload); gradients go to the host at the step, new weights come back."""
+    weights: bool = False
+    """Stream weights (docs/memory.md): on the stages that swap, the weight versions, gradient accumulators and
+    optimizer state live in host memory and each layer's weights come to the device only for its forward and its
+    backward (pipedream2bw/memory/stream.py); needs swap.optimizer=host. A stage then needs device memory for
+    swap.weight_prefetch + 1 layers' weights, not all of them."""
+    weight_prefetch: int = 1
+    """Streamed stages: layers whose weights are copied ahead of the one computing (0: each layer's copy starts
+    when it is needed, no overlap)."""
 
 
 @dataclass

@@ -17,6 +17,7 @@ from pipedream2bw.io.timeline import Recorder
 from pipedream2bw.memory.memprobe import SavedBytes, process_peak_bytes
 from pipedream2bw.memory.precision import autocast, compute_dtype
 from pipedream2bw.memory.sharding import ShardedVersions
+from pipedream2bw.memory.stream import WeightStream
 from pipedream2bw.memory.swap import SwapManager
 from pipedream2bw.pipeline import agreement, stateful
 from pipedream2bw.pipeline.agreement import NonFiniteError, StepDecision, StepOutcome, StepRule
@@ -83,6 +84,7 @@ class StageStats:
     data_resident_bytes: Optional[int] = None
     trace: Optional[dict] = None  # pipeline.trace: {"spans": [timeline.Span], "window": [start, end]}
     swap: Optional[Dict[str, Any]] = None  # SwapStats of a stage that swaps activations to host
+    stream: Optional[Dict[str, Any]] = None  # stream.StreamStats of a stage that streams its weights (swap.weights)
     loss_scales: List[float] = field(default_factory=list)  # fp16: the loss scale each batch ran with
 
 
@@ -144,6 +146,7 @@ class StageWorker:
         early_apply: bool = True,
         seed: int = 0,
         num_replicas: int = 1,
+        stream: Optional[WeightStream] = None,
     ):
         self.m = num_microbatches
         # Each layer draws from its own stream per microbatch (pipeline/stateful.py), whatever the schedule.
@@ -161,6 +164,7 @@ class StageWorker:
         self.loss_fn, self.device, self.reducer, self.grad_scale = loss_fn, device, reducer, grad_scale
         self.stats = StageStats(stage_index, p2p.ctx.rank)
         self.swap = swap
+        self.stream = stream  # swap.weights: the stage's weights come from host memory layer by layer
         # Reduced precision: forwards under autocast; activations and their gradients cross stages
         # in the compute dtype. fp16: the last stage's loss is multiplied by the step rule's loss
         # scale of its batch, and the rule (a ScaledStepRule) unscales and skips through the agreement.
@@ -245,6 +249,9 @@ class StageWorker:
         """F k: the stage on microbatch k's input (the feed's on stage 0, else what WAIT_F k received)
         with its batch's weight version; keeps the output for SEND_F k (the loss on the last stage)."""
         module = self.versions.module_for_batch(k // self.m)
+        if self.stream is not None:
+            replica = self.versions.replica_for_batch(k // self.m)
+            self.stream.begin_forward(k, replica)
         if self.first:
             x = self._data(self.feed.inputs, k)
         else:
@@ -266,7 +273,7 @@ class StageWorker:
             # the transfer is rounded, not the rest of the stage's residual stream.
             inp = from_wire(x, self._wire_dtype) if self._upcast else x
             with autocast(self.precision, self.device.type):
-                out = module(inp)
+                out = module(inp) if self.stream is None else self.stream.forward(module, k, replica, inp)
             if self.last:  # the loss in float32, outside autocast
                 out = self.loss_fn(out.float(), self._data(self.feed.targets, k))
             elif self.precision != "fp32":
@@ -315,6 +322,8 @@ class StageWorker:
         gradient, and the reducer is armed for the batch's last backward (it reduces as backward goes)."""
         if self.swap is not None:
             self.swap.begin_backward(k)
+        if self.stream is not None:
+            self.stream.begin_backward(k)
         for reduction in self._reductions.values():  # sharded: reduce-scatter inputs done with, freed here
             if isinstance(reduction, ShardedReduction):
                 reduction.release_done()
@@ -340,6 +349,8 @@ class StageWorker:
                 torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         if self.swap is not None:
             self.swap.end_backward(k)
+        if self.stream is not None:
+            self.stream.end_backward(k)
         if not self.first:
             inputs = [t for t in pytree.tree_leaves(x) if t.is_floating_point()]
             self._outbox[(BACKWARD, k)] = [t.grad if t.grad is not None else torch.zeros_like(t) for t in inputs]
@@ -448,6 +459,8 @@ class StageWorker:
                 )
         else:
             scale = self.grad_scale * self.rule.unscale(t) * decision.grad_multiplier
+            if self.stream is not None:
+                self.stream.quiesce()
             self.versions.step(t, grad_scale=scale, before_bucket=bucket_wait)
             if outcome is None and self.rule.on_nonfinite == "stop":
                 self._check_finite(t)
@@ -576,6 +589,8 @@ class StageWorker:
             self.stats.trace = {"spans": self.trace.spans, "window": self.trace.window}
         if self.swap is not None:
             self.stats.swap = self.swap.close()
+        if self.stream is not None:
+            self.stats.stream = self.stream.close()
         self._measure_memory()
         return self.stats
 

@@ -19,6 +19,7 @@ from pipedream2bw.config import (
     GPTConfig,
     default_plan_choices,
     model_num_layers,
+    swap_stages,
     validate_steps,
 )
 from pipedream2bw.config.ranges import check_ranges
@@ -26,7 +27,7 @@ from pipedream2bw.errors import ConfigError
 from pipedream2bw.io import checkpoint, rundir
 from pipedream2bw.io.fileio import atomic_symlink
 from pipedream2bw.memory import precision as precisions
-from pipedream2bw.pipeline import comm
+from pipedream2bw.pipeline import comm, ties
 from pipedream2bw.pipeline.layout import Layout, make_layout
 from pipedream2bw.run import logs, preflight
 from pipedream2bw.run.model import RunModel, training_settings
@@ -308,7 +309,26 @@ def _check(cfg: Config, model: RunModel, *, world_size: int, local_world_size: i
             f"train.weight_dtype (compute) with tied weights ({[list(t.names) for t in model.tied]}): the tie's "
             "float32 gradient sum across stages is not written yet; set train.weight_dtype=fp32 or untie them"
         )
+    if cfg.swap.weights:
+        check_weight_stream(cfg, model.tied, balance, precision)
     return balance
+
+
+def check_weight_stream(cfg: Config, tied: Sequence[ties.Tie], balance: Sequence[int], precision: str) -> None:
+    """swap.weights: what the config alone could not tell (ties, the resolved precision), before any group.
+
+    Raises:
+        ConfigError: a streamed stage holds a tied weight, or train.precision=auto resolved to fp16.
+    """
+    streamed = set(swap_stages(cfg.swap, cfg.pipeline.num_stages))
+    held = [list(t.names) for t in tied if streamed & set(ties.holders(t, balance))]
+    if held:
+        raise ConfigError(
+            f"swap.weights (true) with tied weights {held} on a streamed stage: a tied weight would travel once per "
+            "layer that uses it and its gradients be summed in another order; untie them or stream other stages"
+        )
+    if precision == "fp16":
+        raise ConfigError("swap.weights (true) with train.precision resolved to fp16: not supported; use bf16 or fp32")
 
 
 def _predictions(plan: Any) -> Dict[str, Any]:
