@@ -174,6 +174,27 @@ class OptimConfig:
     steps its shard, the new weights are all-gathered (under 2bw while the next batch runs). Needs an
     elementwise optimizer (sgd, adam, adamw, ...); with data_parallel 1 it changes nothing. null: false, or
     under partition=auto|file the plan's choice (a value set here must agree with the plan's)."""
+    # --- Muon and the 2bw delay corrections (pipedream2bw/optimizers.py; docs/convergence.md) ---
+    muon_kwargs: Dict[str, Any] = field(default_factory=dict)
+    """optim.name=muon: keyword arguments for torch.optim.Muon (its defaults: momentum 0.95, nesterov, weight_decay
+    0.1), with adjust_lr_fn 'match_rms_adamw' unless set here, so that optim.lr serves Muon and the other
+    optimizer alike (the schedule sets the same lr on both); optim.kwargs go to the other optimizer."""
+    muon_others: str = "adamw"
+    """optim.name=muon: the torch.optim optimizer (by name) for what Muon does not take: parameters that are not
+    2-D and those optim.muon_exclude matches."""
+    muon_exclude: List[str] = field(default_factory=lambda: ["*Embedding*", "*Head*", "*head*"])
+    """optim.name=muon: fnmatch patterns (case-sensitive) over each parameter's name within its stage and the class
+    names of the modules on its path; a 2-D parameter matching any goes to optim.muon_others, not Muon. The
+    default keeps embeddings (nn.Embedding) and the LM head (LMHead, lm_head) out of Muon. A tied weight must
+    match on every stage that holds it (the default patterns do)."""
+    delay_correction: str = "none"
+    """Under pipeline.schedule=2bw, a correction of the one-step gradient delay, run in the deferred step on each
+    stage (no extra communication): 'none'; 'error_feedback' (Zmushko et al. 2026: W(t+1) = W(t) + u(t) +
+    beta * (u(t) - u(t-1)), u the optimizer's update; 4 bytes per parameter); 'lookahead' (Ajanthan et al.
+    2025: Nesterov look-ahead with momentum 0.99, i.e. NAdamW for adamw and Muon's momentum 0.99 for muon; no
+    extra state). flush and gpipe have no delay: refused there. docs/design.md states the exact rules."""
+    error_feedback_beta: float = 1.0
+    """optim.delay_correction=error_feedback: the weight beta of the previous step's estimated error."""
 
 
 @dataclass
@@ -478,6 +499,10 @@ def build_optimizer(params, cfg: OptimConfig) -> torch.optim.Optimizer:
     Raises:
         ConfigError: unknown optimizer, or keyword arguments it does not take.
     """
+    if _uses_optimizers_module(cfg):
+        from pipedream2bw.optimizers import build_optimizer as build_extended
+
+        return build_extended(param_groups(params, cfg), cfg)
     cls = _optimizer_of(cfg)
     try:
         return cls(param_groups(params, cfg), lr=cfg.lr, **dict(cfg.kwargs))
@@ -486,6 +511,63 @@ def build_optimizer(params, cfg: OptimConfig) -> torch.optim.Optimizer:
             f"optim.kwargs ({dict(cfg.kwargs)}) are not valid for {cls.__name__}: {e}; "
             f"fix or remove them (e.g. optim.kwargs={{}})"
         ) from e
+
+
+def _uses_optimizers_module(cfg: OptimConfig) -> bool:
+    return (not cfg.target and cfg.name.lower() == "muon") or cfg.delay_correction != "none"
+
+
+DELAY_CORRECTIONS = ("none", "error_feedback", "lookahead")
+
+
+def _validate_optim_extras(cfg: Config) -> None:
+    """optim.name=muon and optim.delay_correction: what composes, and what is refused and why."""
+    o = cfg.optim
+    if o.delay_correction not in DELAY_CORRECTIONS:
+        raise ConfigError(
+            f"optim.delay_correction ({o.delay_correction!r}) is unknown; use one of {list(DELAY_CORRECTIONS)}"
+        )
+    muon = not o.target and o.name.lower() == "muon"
+    if muon:
+        others = optimizer_class(o.muon_others)  # raises for an unknown name
+        if others is torch.optim.Muon:
+            raise ConfigError(
+                "optim.muon_others (muon): Muon takes only 2-D parameters; name the optimizer for the rest, "
+                "e.g. optim.muon_others=adamw"
+            )
+        if o.sharded and cfg.pipeline.data_parallel > 1:
+            raise ConfigError(
+                "optim.name (muon) with optim.sharded (true) at pipeline.data_parallel > 1: Muon orthogonalizes "
+                "whole matrices, and sharding gives each replica a flat piece of every parameter; set "
+                "optim.sharded=false (or use an elementwise optimizer such as adamw)"
+            )
+    if o.delay_correction == "none":
+        return
+    if cfg.pipeline.schedule != "2bw":
+        raise ConfigError(
+            f"optim.delay_correction ({o.delay_correction}) with pipeline.schedule ({cfg.pipeline.schedule}): "
+            "flush and gpipe take every gradient at the weights it updates, so there is no delay to correct; "
+            "set optim.delay_correction=none (or pipeline.schedule=2bw)"
+        )
+    if o.delay_correction == "error_feedback" and not (
+        math.isfinite(o.error_feedback_beta) and o.error_feedback_beta >= 0
+    ):
+        raise ConfigError(f"optim.error_feedback_beta ({o.error_feedback_beta}) must be a finite number >= 0")
+    if o.delay_correction == "lookahead":
+        name = "custom" if o.target else o.name.lower()
+        if name not in ("adamw", "muon") or (muon and o.muon_others.lower() != "adamw"):
+            raise ConfigError(
+                f"optim.delay_correction (lookahead) with optim.name ({o.target or o.name})"
+                + (f" and optim.muon_others ({o.muon_others})" if muon else "")
+                + ": the look-ahead is Nesterov momentum 0.99 in place of AdamW's heavy ball (NAdamW) and Muon's "
+                "momentum; it is defined for adamw and muon (with muon_others=adamw); use one of them, or "
+                "optim.delay_correction=error_feedback, which wraps any optimizer"
+            )
+        if "betas" in o.kwargs and o.kwargs["betas"][0] != 0.99 or "momentum" in o.muon_kwargs:
+            raise ConfigError(
+                "optim.delay_correction (lookahead) sets beta1 (optim.kwargs.betas[0]) and Muon's momentum to "
+                "0.99; remove them from optim.kwargs / optim.muon_kwargs (betas[1] may stay: give betas=[0.99, b2])"
+            )
 
 
 def even_balance(num_layers: int, num_stages: int) -> List[int]:
@@ -859,6 +941,7 @@ def validate(
         )
     build_optimizer([torch.nn.Parameter(torch.zeros(1))], cfg.optim)
     _validate_step_rules(cfg)
+    _validate_optim_extras(cfg)
     _validate_sharding(cfg)
     t = cfg.train
     validate_steps(t)

@@ -51,6 +51,7 @@ from pipedream2bw.lr_schedule import lr_at
 from pipedream2bw.memprobe import process_peak_bytes
 from pipedream2bw.models import lm_loss
 from pipedream2bw.models.factory import ModelSource, model_source, read_vocab_size
+from pipedream2bw.optimizers import extra_optim_settings, tag_muon_params
 from pipedream2bw.results import summarize, write_summary
 from pipedream2bw.runtime import RankPlan
 from pipedream2bw.schedule import Action
@@ -214,6 +215,7 @@ def training_settings(cfg: Config) -> Dict[str, Any]:
         "optim.warmup_steps": o.warmup_steps,
         "optim.min_lr": o.min_lr,
     }
+    record.update(extra_optim_settings(o))  # Muon's and the delay correction's, where set
     return json.loads(json.dumps(record, default=str))
 
 
@@ -741,6 +743,8 @@ def _build_versions(
     ]
     buckets = [bucket for bucket in buckets if bucket] + [[i] for i in tied_index]
     num_dp_buckets = len(buckets) - len(tied_index)
+    if not optim.target and optim.name.lower() == "muon":  # which parameters Muon takes: see OptimConfig.muon_exclude
+        tag_muon_params(module, optim.muon_exclude)
     factory = lambda params: build_optimizer(params, optim)  # noqa: E731
     sharded = optim.sharded and rt.data_parallel > 1
     weight_dtype = precisions.weight_dtype(rt.precision, weight_dtype_name)
