@@ -192,7 +192,8 @@ class OptimConfig:
     stage (no extra communication): 'none'; 'error_feedback' (Zmushko et al. 2026: W(t+1) = W(t) + u(t) +
     beta * (u(t) - u(t-1)), u the optimizer's update; 4 bytes per parameter); 'lookahead' (Ajanthan et al.
     2025: Nesterov look-ahead with momentum 0.99, i.e. NAdamW for adamw and Muon's momentum 0.99 for muon; no
-    extra state). flush and gpipe have no delay: refused there. docs/design.md states the exact rules."""
+    extra state). flush and gpipe have no delay: the correction is off there (logged). docs/design.md states the
+    exact rules."""
     error_feedback_beta: float = 1.0
     """optim.delay_correction=error_feedback: the weight beta of the previous step's estimated error."""
 
@@ -544,10 +545,11 @@ def _validate_optim_extras(cfg: Config) -> None:
     if o.delay_correction == "none":
         return
     if cfg.pipeline.schedule != "2bw":
-        raise ConfigError(
-            f"optim.delay_correction ({o.delay_correction}) with pipeline.schedule ({cfg.pipeline.schedule}): "
-            "flush and gpipe take every gradient at the weights it updates, so there is no delay to correct; "
-            "set optim.delay_correction=none (or pipeline.schedule=2bw)"
+        log.info(
+            "optim.delay_correction (%s) is off under pipeline.schedule=%s: every gradient is taken at the weights it "
+            "updates, so there is no delay to correct",
+            o.delay_correction,
+            cfg.pipeline.schedule,
         )
     if o.delay_correction == "error_feedback" and not (
         math.isfinite(o.error_feedback_beta) and o.error_feedback_beta >= 0
@@ -939,9 +941,9 @@ def validate(
         raise ConfigError(
             "optim (lbfgs) re-evaluates the loss through a closure, which a pipeline cannot; use sgd, adam, adamw, ..."
         )
+    _validate_optim_extras(cfg)  # before the trial build: it names what Muon and the corrections refuse
     build_optimizer([torch.nn.Parameter(torch.zeros(1))], cfg.optim)
     _validate_step_rules(cfg)
-    _validate_optim_extras(cfg)
     _validate_sharding(cfg)
     t = cfg.train
     validate_steps(t)

@@ -743,6 +743,8 @@ def _build_versions(
     ]
     buckets = [bucket for bucket in buckets if bucket] + [[i] for i in tied_index]
     num_dp_buckets = len(buckets) - len(tied_index)
+    if rt.schedule != "2bw" and optim.delay_correction != "none":  # flush, gpipe: no delay, nothing to correct
+        optim = dataclasses.replace(optim, delay_correction="none")
     if not optim.target and optim.name.lower() == "muon":  # which parameters Muon takes: see OptimConfig.muon_exclude
         tag_muon_params(module, optim.muon_exclude)
     factory = lambda params: build_optimizer(params, optim)  # noqa: E731
