@@ -111,6 +111,14 @@ def _summary(out: Path, spec: Dict[str, Any]) -> Optional[Dict[str, Any]]:
     return s if s.get("status") == "completed" else None
 
 
+def _num_params(args) -> int:
+    from pipedream2bw.config import GPTConfig
+    from pipedream2bw.models.gpt import build_gpt_layers
+
+    cfg = GPTConfig(num_layers=args.num_layers, d_model=args.d_model, num_heads=args.num_heads, seq_len=args.seq_len)
+    return sum(p.numel() for layer in build_gpt_layers(cfg, seed=0) for p in layer.parameters())
+
+
 def steps_to(curve: List[Dict[str, float]], target: float) -> Optional[int]:
     """The first evaluated step whose validation loss is at most ``target``; None if none is."""
     return next((c["step"] for c in curve if c["loss"] <= target), None)
@@ -130,7 +138,7 @@ def report(args, out: Path) -> Dict[str, Any]:
                 val_losses=s["val_losses"],
                 samples_per_s=s["samples_per_s"],
                 step_time_s=s["step_time_s"],
-                optimizer_state_bytes_per_param=rank["optimizer_state_bytes"] / (rank["weight_bytes"] / 4),
+                optimizer_state_bytes_per_param=rank["optimizer_state_bytes"] / _num_params(args),
             )
         )
     print("\nruns (final validation loss, samples/s):")
@@ -143,9 +151,9 @@ def report(args, out: Path) -> Dict[str, Any]:
     table = []
     print(
         "\n| optimizer | lr | flush | 2bw correction | 2bw | gap (mean, min..max over seeds) | steps to flush's loss "
-        "| samples/s | extra B/param | seeds |"
+        f"| steps to flush-{args.optimizers[0]}'s loss | samples/s | extra B/param | seeds |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for optimizer in args.optimizers:
         for lr in args.lrs:
             flush = {r["seed"]: r for r in pick(schedule="flush", optimizer=optimizer, lr=lr)}
@@ -158,13 +166,13 @@ def report(args, out: Path) -> Dict[str, Any]:
                     continue
                 gaps = [b["final_val_loss"] - f["final_val_loss"] for f, b in paired]
                 reach = [steps_to(b["val_losses"], f["final_val_loss"]) for f, b in paired]
-                reached = [x for x in reach if x is not None]
-                steps = (
-                    f"{statistics.mean(reached):.0f}"
-                    + ("" if len(reached) == len(reach) else f" ({len(reached)}/{len(reach)})")
-                    if reached
-                    else f">{args.steps}"
-                )
+                default_flush = {r["seed"]: r for r in pick(schedule="flush", optimizer=args.optimizers[0], lr=lr)}
+                reach0 = [
+                    steps_to(b["val_losses"], default_flush[b["seed"]]["final_val_loss"])
+                    for _, b in paired
+                    if b["seed"] in default_flush
+                ]
+                steps = _steps(reach, args.steps)
                 extra = (
                     statistics.median([b["optimizer_state_bytes_per_param"] for _, b in paired]) - base_state
                     if base_state is not None
@@ -181,6 +189,7 @@ def report(args, out: Path) -> Dict[str, Any]:
                     gap_min=min(gaps),
                     gap_max=max(gaps),
                     steps_to_flush_loss=reach,
+                    steps_to_default_flush_loss=reach0,
                     samples_per_s=statistics.median(b["samples_per_s"] for _, b in paired),
                     flush_samples_per_s=statistics.median(f["samples_per_s"] for f, _ in paired),
                     extra_bytes_per_param=extra,
@@ -189,13 +198,21 @@ def report(args, out: Path) -> Dict[str, Any]:
                 print(
                     f"| {optimizer} | {lr:g} | {entry['flush']:.3f} | {correction} | {entry['twobw']:.3f} | "
                     f"{entry['gap']:+.3f} ({entry['gap_min']:+.3f}..{entry['gap_max']:+.3f}) | {steps} | "
-                    f"{entry['samples_per_s']:.0f} | {extra:.1f} | {len(paired)} |"
+                    f"{_steps(reach0, args.steps)} | {entry['samples_per_s']:.0f} | {extra:.1f} | {len(paired)} |"
                 )
     result = dict(command=" ".join(map(shlex.quote, sys.argv)), config=_config(args), runs=rows, table=table)
     (out / "results.json").write_text(json.dumps(result, indent=1))
     if rows and not args.no_plot:
         plot(args, rows, out / "curves.png")
     return result
+
+
+def _steps(reach: List[Optional[int]], num_steps: int) -> str:
+    """Mean steps to a loss over the seeds that reached it ('>N' if none did; '(k/n)' if only k of n did)."""
+    reached = [x for x in reach if x is not None]
+    if not reached:
+        return f">{num_steps}"
+    return f"{statistics.mean(reached):.0f}" + ("" if len(reached) == len(reach) else f" ({len(reached)}/{len(reach)})")
 
 
 def plot(args, rows, path: Path) -> None:
