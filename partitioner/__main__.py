@@ -50,14 +50,14 @@ with their defaults."""
 def compose(overrides):
     """The run's Config from configs/ and ``overrides`` (as ``pipedream2bw.train`` composes it)."""
     from pipedream2bw.config import from_hydra
-    from pipedream2bw.config_docs import compose as compose_configs
+    from pipedream2bw.config.docs import compose as compose_configs
 
     return from_hydra(compose_configs(overrides))
 
 
 def config_groups() -> str:
     """configs/' groups and their options, one line each (``model: custom, gpt, ...``), as the training --help."""
-    from pipedream2bw.config_docs import config_groups as groups
+    from pipedream2bw.config.docs import config_groups as groups
 
     return "\n".join(f"{group}: {', '.join(options)}" for group, options in groups().items())
 

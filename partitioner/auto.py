@@ -17,7 +17,6 @@ import torch
 from partitioner.planner import Plan, Request, plan
 from partitioner.profile import analytic_gpt, profile_gpt, profile_layer_list, runtime_baseline_bytes
 from partitioner.topology import GIB, num_devices
-from pipedream2bw import precision as precisions
 from pipedream2bw.config import (
     SCHEDULES,
     Config,
@@ -29,6 +28,7 @@ from pipedream2bw.config import (
     TrainConfig,
 )
 from pipedream2bw.errors import ConfigError
+from pipedream2bw.memory import precision as precisions
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ one stage; its arguments may be numpy index arrays, so the planner's dynamic pro
 every segment at once with the very same formulas that the final plan reports.
 
 Memory of stage s (bytes), ``n`` microbatches in flight (``in_flight``); ``W`` is one copy of the
-stage's weights, float32 under every precision (``pipedream2bw.precision.param_memory``, whose bytes
+stage's weights, float32 under every precision (``pipedream2bw.memory.precision.param_memory``, whose bytes
 per parameter these terms are)::
 
     versions*W*c + W (gradient) + O/w' (optimizer state) + M (float32 masters, with the optimizer)
@@ -47,8 +47,10 @@ from typing import Dict, List, Optional, Sequence
 import numpy as np
 
 from partitioner.topology import LOCAL, Link
-from pipedream2bw.precision import optimizer_state_factor, versions_held
-from pipedream2bw.schedule import (  # in_flight: the runtime's own bound, re-exported for the memory model's callers
+from pipedream2bw.memory.precision import optimizer_state_factor, versions_held
+
+# in_flight: the runtime's own bound, re-exported for the memory model's callers
+from pipedream2bw.pipeline.schedule import (
     FORWARD,
     STEP,
     in_flight,
@@ -57,7 +59,9 @@ from pipedream2bw.schedule import (  # in_flight: the runtime's own bound, re-ex
     timings,
 )
 
-__all__ = ["optimizer_state_factor"]  # re-exported: its home is pipedream2bw.precision, with the bytes per parameter
+__all__ = [
+    "optimizer_state_factor"
+]  # re-exported: its home is pipedream2bw.memory.precision, with the bytes per parameter
 
 
 @dataclass(frozen=True)
@@ -148,6 +152,32 @@ def _swap_stall(t, fwd, bwd, *, schedule: str, resident: int):
     return fetch if fetch is not None else np.maximum(0.0, t - (fwd + bwd))
 
 
+def _data_parallel_s(ctx: StageContext, W, bwd, microbatch, *, ws: int, wc: float, K: int):
+    """A stage's data-parallel traffic per batch (s): the all-reduce (or reduce-scatter and all-gather) of
+    its ``W`` bytes of float32 gradients, and what of it the batch does not hide.
+
+    Returns:
+        (allreduce_s, exposed_s).
+    """
+    # optim.sharded: a reduce-scatter of the float32 gradient and an all-gather of the new weights (their
+    # stored dtype) move what an all-reduce would; under 2bw both travel while the next batch runs
+    # (APPLY(t) is deferred), under flush/gpipe the reduce-scatter overlaps the last backward, the
+    # all-gather is exposed. The shards' step is 1/w of the whole.
+    w = ctx.data_parallel
+    if w > 1 and ctx.replica_link.bandwidth != math.inf:
+        one_way, latency = (w - 1) / w / ctx.replica_link.bandwidth, 2 * (w - 1) * ctx.replica_link.latency
+    else:
+        one_way, latency = 0.0, 0.0
+    allreduce = (1 + (wc if ws > 1 else 1)) * one_way * W + latency
+    if ws > 1 and ctx.schedule == "2bw":
+        exposed = np.maximum(0.0, allreduce - K * microbatch)
+    elif ws > 1:
+        exposed = np.maximum(0.0, one_way * W - bwd) + wc * one_way * W + latency / 2
+    else:
+        exposed = np.maximum(0.0, allreduce - bwd)  # it overlaps the batch's last backward
+    return allreduce, exposed
+
+
 def segment_costs(seg: Segments, i, j, ctx: StageContext) -> Dict[str, np.ndarray]:
     """Memory (bytes) and time (s) of the stage holding layers ``[i, j)``; ``i``/``j`` may be arrays.
 
@@ -173,7 +203,7 @@ def segment_costs(seg: Segments, i, j, ctx: StageContext) -> Dict[str, np.ndarra
         per_mb, extra = A, np.zeros_like(A)
     fwd = F
     bwd = seg.B[j] - seg.B[i] + (F if ctx.recompute else 0.0)
-    swapped = ctx.swap and n > ctx.swap_resident + 1  # as the runtime decides (runner._swap_manager)
+    swapped = ctx.swap and n > ctx.swap_resident + 1  # as the runtime decides (run/build.py: swap_manager)
     kept = np.minimum(per_mb, in_b + out_b)  # the stash holds each microbatch's input and output: never swapped
     moved = per_mb - kept if swapped else np.zeros_like(per_mb)
     resident = min(n, ctx.swap_resident + 1) if swapped else n  # the microbatch computing + K waiting
@@ -185,24 +215,8 @@ def segment_costs(seg: Segments, i, j, ctx: StageContext) -> Dict[str, np.ndarra
     send = _xfer(ctx.link_next, out_b)
     send_grad = _xfer(ctx.link_prev, np.where(s == 0, 0.0, in_b))
     microbatch = fwd + bwd + send + send_grad + stall
-    # optim.sharded: a reduce-scatter of the float32 gradient and an all-gather of the new weights (their
-    # stored dtype) move what an all-reduce would; under 2bw both travel while the next batch runs
-    # (APPLY(t) is deferred), under flush/gpipe the reduce-scatter overlaps the last backward, the
-    # all-gather is exposed. The shards' step is 1/w of the whole.
-    ws = w if ctx.sharded and w > 1 else 1
-    wc = ctx.weight_copy_bytes / 4
-    K = batch_multiplier(ctx.schedule, d, m)
-    if w > 1 and ctx.replica_link.bandwidth != math.inf:
-        one_way, latency = (w - 1) / w / ctx.replica_link.bandwidth, 2 * (w - 1) * ctx.replica_link.latency
-    else:
-        one_way, latency = 0.0, 0.0
-    allreduce = (1 + (wc if ws > 1 else 1)) * one_way * W + latency
-    if ws > 1 and ctx.schedule == "2bw":
-        exposed = np.maximum(0.0, allreduce - K * microbatch)
-    elif ws > 1:
-        exposed = np.maximum(0.0, one_way * W - bwd) + wc * one_way * W + latency / 2
-    else:
-        exposed = np.maximum(0.0, allreduce - bwd)  # it overlaps the batch's last backward
+    ws, wc, K = (w if ctx.sharded and w > 1 else 1), ctx.weight_copy_bytes / 4, batch_multiplier(ctx.schedule, d, m)
+    allreduce, exposed = _data_parallel_s(ctx, W, bwd, microbatch, ws=ws, wc=wc, K=K)
     step = (seg.S[j] - seg.S[i]) / ws
     # float32 masters of their own where the versions are not them (sharded, or in the compute dtype): counted
     # with the optimizer state, which owns them

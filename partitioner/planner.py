@@ -28,8 +28,8 @@ from partitioner.cost import MEMORY_PARTS, LayerCost, Segments, StageContext, St
 from partitioner.topology import GIB, LOCAL, host_device_bandwidth, make_rank_map, p2p_links, replica_links
 from pipedream2bw.config import TopologyConfig
 from pipedream2bw.errors import ConfigError
-from pipedream2bw.fileio import atomic_write_text
-from pipedream2bw.precision import param_memory, step_waits
+from pipedream2bw.io.fileio import atomic_write_text
+from pipedream2bw.memory.precision import param_memory, step_waits
 
 OBJECTIVES = ("throughput", "memory")
 

@@ -35,7 +35,6 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from partitioner.cost import LayerCost
-from pipedream2bw import precision as precisions
 from pipedream2bw.config import (
     GPTConfig,
     OptimConfig,
@@ -44,8 +43,9 @@ from pipedream2bw.config import (
     model_num_layers,
     optimizer_name,
 )
-from pipedream2bw.fileio import atomic_write_text
-from pipedream2bw.memprobe import saved_bytes
+from pipedream2bw.io.fileio import atomic_write_text
+from pipedream2bw.memory import precision as precisions
+from pipedream2bw.memory.memprobe import saved_bytes
 from pipedream2bw.models import build_gpt_layers, lm_loss
 from pipedream2bw.models.gpt import layer_kind
 

@@ -3,7 +3,7 @@
 Two levels: within a node (NVLink; loopback on this machine) and across nodes (InfiniBand).
 Rank ``r`` sits on node ``r // devices_per_node``. A stage's replicas average a whole
 gradient every batch while neighbouring stages exchange only activations, so
-``make_rank_map`` keeps replicas on the fastest level first (``pipedream2bw.layout``'s default
+``make_rank_map`` keeps replicas on the fastest level first (``pipedream2bw.pipeline.layout``'s default
 placement, which the runtime uses), and the cost model charges each transfer the slowest link it crosses.
 """
 
@@ -14,7 +14,7 @@ from typing import List, Sequence
 
 from pipedream2bw.config import TopologyConfig
 from pipedream2bw.errors import ConfigError
-from pipedream2bw.layout import default_layout
+from pipedream2bw.pipeline.layout import default_layout
 
 GIB = 2**30
 
@@ -64,7 +64,7 @@ def slowest(links: Sequence[Link]) -> Link:
 
 def make_rank_map(topo: TopologyConfig, num_stages: int, data_parallel: int) -> List[List[int]]:
     """``rank_map[stage][replica]``: the placement the runtime uses by default
-    (``pipedream2bw.layout.default_layout``, a node's ranks being its ``devices_per_node``): a stage's
+    (``pipedream2bw.pipeline.layout.default_layout``, a node's ranks being its ``devices_per_node``): a stage's
     replicas on one node when ``w`` divides a node's devices (stage-major), else each replica's
     stages on consecutive ranks (replica-major).
 

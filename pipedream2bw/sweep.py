@@ -37,10 +37,11 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from pipedream2bw.config import Config, register_configs, validate
+from pipedream2bw.config import Config, register_configs
 from pipedream2bw.errors import ConfigError
-from pipedream2bw.fileio import atomic_write
-from pipedream2bw.launch import LaunchError, launch_train
+from pipedream2bw.io.fileio import atomic_write
+from pipedream2bw.run import preflight
+from pipedream2bw.run.launch import LaunchError, launch_train
 
 log = logging.getLogger("pipedream2bw.sweep")
 
@@ -136,7 +137,8 @@ def run_job(cfg: Config, task_overrides: List[str], *, job: int, run_dir: Path, 
     log.info("job %d: %d processes: %s", job, nproc, " ".join(overrides))
     start, error = time.monotonic(), None
     try:
-        validate(cfg, world_size=nproc, local_world_size=nproc)  # a bad config fails here, without starting processes
+        # a bad config fails here, without starting processes
+        preflight.check(cfg, world_size=nproc, local_world_size=nproc)
         launch_train(overrides, nproc=nproc, run_dir=run_dir, timeout_s=cfg.sweep.timeout_s)
     except ConfigError as e:
         error = f"bad configuration: {e}"

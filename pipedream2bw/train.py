@@ -13,12 +13,12 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from pipedream2bw import comm
 from pipedream2bw.config import TINY_ENV, Config, from_hydra, register_configs, tiny
 from pipedream2bw.errors import ConfigError
-from pipedream2bw.fileio import atomic_write_text
-from pipedream2bw.preempt import Preempted
-from pipedream2bw.runner import run
+from pipedream2bw.io.fileio import atomic_write_text
+from pipedream2bw.pipeline import comm
+from pipedream2bw.run.preempt import Preempted
+from pipedream2bw.run.runner import run
 
 log = logging.getLogger("pipedream2bw.train")
 
@@ -89,7 +89,7 @@ HELP_FLAGS = ("--help", "-h")
 def print_help(argv, *, config_name: str) -> None:
     """Our --help in place of Hydra's: usage, the config groups, every user-facing key with its default and
     a one-line meaning (Hydra's lists the schemas as groups and the config as YAML, with no meanings)."""
-    from pipedream2bw.config_docs import help_text
+    from pipedream2bw.config.docs import help_text
 
     print(help_text(argv, config_name=config_name))
 

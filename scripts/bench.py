@@ -72,7 +72,7 @@ def _sync(device) -> None:
 
 def _memory_probe(args, device, *, within: Optional[str] = None):
     """``memprobe.tensor_peak`` on a memory pass, else a no-op that yields an empty dict."""
-    from pipedream2bw.memprobe import tensor_peak
+    from pipedream2bw.memory.memprobe import tensor_peak
 
     return tensor_peak(device, within=within) if args.memory_pass else contextlib.nullcontext({})
 
@@ -124,7 +124,7 @@ class _Autocast:
     received reduced-precision activations continued in float32."""
 
     def __init__(self, cfg, device):
-        from pipedream2bw.precision import compute_dtype, resolve
+        from pipedream2bw.memory.precision import compute_dtype, resolve
 
         self.precision = resolve(cfg.train.precision, device.type)
         self.dtype, self.device_type = compute_dtype(self.precision), device.type
@@ -140,7 +140,7 @@ class _Autocast:
                 self.inner = module
 
             def forward(self, x):
-                from pipedream2bw.precision import autocast
+                from pipedream2bw.memory.precision import autocast
 
                 if x.is_floating_point():
                     x = x.float()
@@ -163,7 +163,7 @@ def _stage_compute_s(cfg, stage_index: int, num_stages: int, device, *, reps: in
 
     from pipedream2bw.config import gpt_balance
     from pipedream2bw.models import lm_loss
-    from pipedream2bw.runner import build_stage_module
+    from pipedream2bw.run.model import build_stage_module
 
     balance = gpt_balance(cfg.model, num_stages)
     module = _Autocast(cfg, device).wrap(
@@ -218,13 +218,13 @@ def _timing(ends, *, warmup: int, samples_per_step: int) -> dict:
 def _stage_weight_bytes(cfg, stage_index: int, num_stages: int) -> int:
     """Bytes of one copy of this stage's parameters (what a second 2bw version costs)."""
     from pipedream2bw.config import gpt_balance
-    from pipedream2bw.runner import build_stage_module
+    from pipedream2bw.run.model import build_stage_module
 
     return _param_bytes(build_stage_module(cfg, gpt_balance(cfg.model, num_stages), stage_index, None))
 
 
 def worker_ours(args, schedule: str, device) -> dict:
-    from pipedream2bw.runner import TRAIN_RANGE, run
+    from pipedream2bw.run.runner import TRAIN_RANGE, run
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     cfg = _config(args, schedule, world)
@@ -263,7 +263,7 @@ def worker_torch(args, schedule: str, device) -> dict:
     from torch.distributed.pipelining import PipelineStage, schedules
 
     from pipedream2bw.config import build_optimizer, gpt_balance
-    from pipedream2bw.runner import build_stage_module
+    from pipedream2bw.run.model import build_stage_module
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
@@ -365,7 +365,7 @@ class SystemFailed(Exception):
 
 def launch(system: str, args, argv_model, *, memory_pass: bool = False) -> dict:
     """One run of ``system``; its figures, or with ``memory_pass`` its per-stage peak tensor bytes."""
-    from pipedream2bw.comm import torchrun_command
+    from pipedream2bw.pipeline.comm import torchrun_command
 
     with tempfile.TemporaryDirectory() as out:
         nproc = 1 if system == "single" else args.nproc
@@ -405,7 +405,7 @@ def launch(system: str, args, argv_model, *, memory_pass: bool = False) -> dict:
 
 def print_breakdowns(rows: dict) -> None:
     """Our systems' per-rank wall time per step by what it went to (timeline.BREAKDOWN), medians over repeats."""
-    from pipedream2bw.timeline import BREAKDOWN
+    from pipedream2bw.io.timeline import BREAKDOWN
 
     ours = [s for s, row in rows.items() if "breakdown_per_rank" in row["runs"][0]]
     if not ours:

@@ -83,7 +83,7 @@ def _one(args, spec: Dict[str, Any], run_dir: Path) -> None:
     import torch
 
     torch.set_num_threads(args.threads)
-    from pipedream2bw.runner import run
+    from pipedream2bw.run.runner import run
 
     run(run_config(args, **spec), run_dir)
 

@@ -17,7 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from pipedream2bw.launch import LaunchError, launch_train
+from pipedream2bw.run.launch import LaunchError, launch_train
 
 
 def run_layout(
@@ -25,7 +25,7 @@ def run_layout(
 ) -> dict:
     m = global_batch // (w * microbatch_size)
     run_dir = out_dir / f"{d}x{w}-{time.monotonic_ns()}"
-    try:  # the real training command, launched as torchrun does (pipedream2bw.launch)
+    try:  # the real training command, launched as torchrun does (pipedream2bw.run.launch)
         launch_train(
             [
                 f"pipeline.schedule={schedule}",

@@ -35,7 +35,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from pipedream2bw import comm  # noqa: E402
 from pipedream2bw.config import (  # noqa: E402
     Config,
     DataConfig,
@@ -46,8 +45,9 @@ from pipedream2bw.config import (  # noqa: E402
     TrainConfig,
     WandbConfig,
 )
-from pipedream2bw.precision import needs_agreement, param_memory, step_waits  # noqa: E402
-from pipedream2bw.schedule import in_flight  # noqa: E402
+from pipedream2bw.memory.precision import needs_agreement, param_memory, step_waits  # noqa: E402
+from pipedream2bw.pipeline import comm  # noqa: E402
+from pipedream2bw.pipeline.schedule import in_flight  # noqa: E402
 
 MEMORY_MODEL = dict(num_layers=32, d_model=64, num_heads=4, seq_len=4, microbatch_size=1, num_microbatches=2)
 MEMORY_LAYOUTS = ("1x1", "1x2", "1x4", "2x4")  # d x w
@@ -113,8 +113,8 @@ def make_config(j: dict, *, cuda: bool) -> Config:
 
 def worker(args) -> None:
     """One rank: every job in order, one rendezvous store; writes its figures per job."""
-    from pipedream2bw.memprobe import tensor_peak
-    from pipedream2bw.runner import TRAIN_RANGE, run
+    from pipedream2bw.memory.memprobe import tensor_peak
+    from pipedream2bw.run.runner import TRAIN_RANGE, run
 
     rank, world_size, local_rank = comm.env_rank()
     cuda = torch.cuda.is_available()

@@ -28,7 +28,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from pipedream2bw import comm  # noqa: E402
 from pipedream2bw.config import (  # noqa: E402
     Config,
     DataConfig,
@@ -41,10 +40,11 @@ from pipedream2bw.config import (  # noqa: E402
     build_optimizer,
 )
 from pipedream2bw.data import MicrobatchFeed, load_bytes  # noqa: E402
-from pipedream2bw.memprobe import tensor_peak  # noqa: E402
+from pipedream2bw.memory.memprobe import tensor_peak  # noqa: E402
+from pipedream2bw.memory.precision import autocast, resolve  # noqa: E402
 from pipedream2bw.models import build_gpt_layers, lm_loss  # noqa: E402
-from pipedream2bw.precision import autocast, resolve  # noqa: E402
-from pipedream2bw.runner import TRAIN_RANGE, run  # noqa: E402
+from pipedream2bw.pipeline import comm  # noqa: E402
+from pipedream2bw.run.runner import TRAIN_RANGE, run  # noqa: E402
 
 TARGET = 0.95
 GPU_MODEL = dict(num_layers=12, d_model=1024, num_heads=16, seq_len=1024, microbatch_size=8, num_microbatches=4)

@@ -48,13 +48,13 @@ import torch
 from torch import nn
 
 from pipedream2bw.config import GPTConfig, gpt_balance
-from pipedream2bw.fileio import atomic_write
-from pipedream2bw.memprobe import SavedBytes, tensor_peak
+from pipedream2bw.io.fileio import atomic_write
+from pipedream2bw.memory.memprobe import SavedBytes, tensor_peak
+from pipedream2bw.memory.swap import CpuBackend, SwapManager, TransferBackend, make_backend
 from pipedream2bw.models import build_gpt_layers
-from pipedream2bw.schedule import BACKWARD, FORWARD, STEP, stage_actions
-from pipedream2bw.schedule import in_flight as schedule_in_flight
-from pipedream2bw.swap import CpuBackend, SwapManager, TransferBackend, make_backend
-from pipedream2bw.versions import WeightVersions
+from pipedream2bw.pipeline.schedule import BACKWARD, FORWARD, STEP, stage_actions
+from pipedream2bw.pipeline.schedule import in_flight as schedule_in_flight
+from pipedream2bw.pipeline.versions import WeightVersions
 
 GPU_DEFAULTS = dict(d_model=2048, num_heads=16, seq_len=1024, microbatch_size=4, num_layers=8)
 CPU_DEFAULTS = dict(d_model=128, num_heads=4, seq_len=128, microbatch_size=8, num_layers=8)

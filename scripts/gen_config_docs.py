@@ -1,4 +1,4 @@
-"""Writes docs/config.md, the configuration reference, from the field docstrings in pipedream2bw/config.py."""
+"""Writes docs/config.md, the configuration reference, from the field docstrings in pipedream2bw/config/schema.py."""
 
 from __future__ import annotations
 
@@ -9,14 +9,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from pipedream2bw.config_docs import markdown  # noqa: E402  (after the path: runs from a checkout)
-from pipedream2bw.fileio import atomic_write_text  # noqa: E402
+from pipedream2bw.config.docs import markdown  # noqa: E402  (after the path: runs from a checkout)
+from pipedream2bw.io.fileio import atomic_write_text  # noqa: E402
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
         prog="gen_config_docs.py",
-        description="Write docs/config.md from pipedream2bw/config.py's field docstrings "
+        description="Write docs/config.md from pipedream2bw/config/schema.py's field docstrings "
         "(tests/test_docs.py checks it is up to date).",
     )
     parser.add_argument("--out", default=str(ROOT / "docs" / "config.md"), help="the file to write")

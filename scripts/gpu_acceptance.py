@@ -75,7 +75,7 @@ def _pytest_gpu(path: Path) -> Tuple[str, bool]:
 
 
 def _bench_memory(path: Path) -> Tuple[str, bool]:
-    from pipedream2bw.precision import param_memory
+    from pipedream2bw.memory.precision import param_memory
 
     res = json.loads(path.read_text())
     parts, ok = [], res["memory_kind"].startswith("CUDA")

@@ -46,8 +46,8 @@ def _safe_open_read(self, names, *, dtype=None):
 def rank_main(directory: str, indices: list, reader: str) -> None:
     import torch
 
-    from pipedream2bw import hf_io
     from pipedream2bw.config import HFModelConfig
+    from pipedream2bw.models import hf_io
     from pipedream2bw.models.factory import model_source
 
     if reader == "safe_open":

@@ -27,7 +27,7 @@ from typing import Callable, Iterator, Sequence, Tuple
 import numpy as np
 
 from pipedream2bw.data import BYTE_VOCAB, TOKEN_SUFFIX, meta_path
-from pipedream2bw.fileio import atomic_open, atomic_write
+from pipedream2bw.io.fileio import atomic_open, atomic_write
 
 CHUNK_BYTES = 1 << 22  # text tokenized at a time (about 4 MiB), in whole lines
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import argparse
 
-from pipedream2bw.schedule import STEP, pipeline_actions, rank_actions, render, render_lowered, simulate
-from pipedream2bw.versions import max_versions_alive
+from pipedream2bw.pipeline.schedule import STEP, pipeline_actions, rank_actions, render, render_lowered, simulate
+from pipedream2bw.pipeline.versions import max_versions_alive
 
 
 def main() -> None:

@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _torchrun(nproc: int, args, timeout_s: float = 900) -> subprocess.CompletedProcess:
-    from pipedream2bw.comm import torchrun_command
+    from pipedream2bw.pipeline.comm import torchrun_command
 
     cmd = [*torchrun_command(nproc), *args]
     env = {
@@ -55,7 +55,7 @@ def link_rank(out_dir: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from pipedream2bw import comm
+    from pipedream2bw.pipeline import comm
 
     rank, world_size, local_rank = comm.env_rank()
     store = comm.make_store(rank=rank, world_size=world_size, timeout_s=120)

@@ -8,7 +8,7 @@ multiprocessing.set_forkserver_preload(
     [
         "torch",
         "torch.distributed",
-        "pipedream2bw.runner",
+        "pipedream2bw.run.runner",
         "dist_helper",
         "matrix",  # tests/test_matrix.py's ranks: the cells, their jobs and the covering-array library
         # model=hf ranks: transformers takes seconds to import; an absent optional extra is skipped

@@ -15,10 +15,10 @@ from typing import Any, Callable, List, Sequence
 import torch
 from torch import nn
 
-from pipedream2bw.comm import free_port
 from pipedream2bw.config import Config
 from pipedream2bw.models import build_gpt_layers
-from pipedream2bw.runner import run
+from pipedream2bw.pipeline.comm import free_port
+from pipedream2bw.run.runner import run
 
 
 @dataclass
@@ -240,7 +240,7 @@ def train_cli(runs: Sequence[Sequence[str]]) -> None:
     where the run would have left the process with that exit code."""
     import runpy
 
-    from pipedream2bw import comm
+    from pipedream2bw.pipeline import comm
 
     def no_groups(**kwargs):
         raise AssertionError("a process group was started")

@@ -17,7 +17,6 @@ import torch
 from dist_helper import spawn
 from torch import nn
 
-from pipedream2bw import comm
 from pipedream2bw.config import (
     Config,
     DataConfig,
@@ -32,9 +31,10 @@ from pipedream2bw.config import (
     even_balance,
     gpt_balance,
 )
-from pipedream2bw.layout import default_layout
 from pipedream2bw.models.factory import model_source
-from pipedream2bw.runner import run
+from pipedream2bw.pipeline import comm
+from pipedream2bw.pipeline.layout import default_layout
+from pipedream2bw.run.runner import run
 
 # Every feature and its values, in the order the generator sees them (the constraints below read a
 # prefix of a row: schedule, d and w come first). The first value of each is the plain run.

@@ -11,12 +11,12 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
-from pipedream2bw import precision as precisions
 from pipedream2bw.config import Config, build_optimizer
 from pipedream2bw.data import VALIDATION, MicrobatchFeed, load_splits
-from pipedream2bw.loss_scale import LossScaler
-from pipedream2bw.lr_schedule import lr_at
+from pipedream2bw.memory import precision as precisions
+from pipedream2bw.memory.loss_scale import LossScaler
 from pipedream2bw.models.factory import model_source
+from pipedream2bw.run.lr_schedule import lr_at
 
 
 class Reference(NamedTuple):

@@ -16,12 +16,12 @@ from test_checkpoint import assert_equal_bits, weights
 from test_semantics import assert_losses_close, tiny_config
 from torch import nn
 
-from pipedream2bw import checkpoint
-from pipedream2bw.agreement import NonFiniteError, StepOutcome, StepRule, apply_due, clip_coefficient
 from pipedream2bw.config import ConfigError, OptimConfig, validate
-from pipedream2bw.lr_schedule import lr_at
-from pipedream2bw.schedule import STEP, stage_actions
-from pipedream2bw.versions import WeightVersions
+from pipedream2bw.io import checkpoint
+from pipedream2bw.pipeline.agreement import NonFiniteError, StepOutcome, StepRule, apply_due, clip_coefficient
+from pipedream2bw.pipeline.schedule import STEP, stage_actions
+from pipedream2bw.pipeline.versions import WeightVersions
+from pipedream2bw.run.lr_schedule import lr_at
 
 CLIP = 0.3  # below every step's gradient norm in these runs (1.0 .. 3.0): clipping acts on every step
 

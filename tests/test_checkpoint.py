@@ -16,10 +16,11 @@ from dist_helper import run_ok, spawn, train
 from test_semantics import assert_losses_close, tiny_config
 from torch import nn
 
-from pipedream2bw import checkpoint
-from pipedream2bw.comm import torchrun_command
+from pipedream2bw import checkpoint as checkpoint_cli
 from pipedream2bw.config import ConfigError, GPTConfig
+from pipedream2bw.io import checkpoint
 from pipedream2bw.models import build_gpt_layers
+from pipedream2bw.pipeline.comm import torchrun_command
 
 
 def config(schedule="2bw", *, d=2, w=1, m=2, steps=6, every=3, optim="sgd_momentum", resume="auto"):
@@ -132,13 +133,13 @@ def test_resume_path_without_checkpoint_is_a_config_error(tmp_path):
 @pytest.mark.slow
 def test_consolidated_state_dict_loads_without_this_project(tmp_path):
     run_ok(config(steps=3, every=3), tmp_path / "run")
-    out = checkpoint.main(["consolidate", str(tmp_path / "run")])
+    out = checkpoint_cli.main(["consolidate", str(tmp_path / "run")])
     assert out == 0
     state = torch.load(tmp_path / "run" / "consolidated_step_00000003.pt")
     model = nn.Sequential(*build_gpt_layers(GPTConfig(num_layers=3, d_model=32, num_heads=2, seq_len=16), seed=0))
     model.load_state_dict(state)  # strict: every name of the unpartitioned model, nothing else
     assert_equal_bits(state, weights(tmp_path / "run"))
-    assert checkpoint.main(["consolidate", str(tmp_path / "nothing")]) == 2
+    assert checkpoint_cli.main(["consolidate", str(tmp_path / "nothing")]) == 2
 
 
 @pytest.mark.slow

@@ -14,9 +14,9 @@ import pytest
 import torch
 from torch import nn
 
-from pipedream2bw.comm import torchrun_command
 from pipedream2bw.config import GPTConfig
 from pipedream2bw.models import build_gpt_layers
+from pipedream2bw.pipeline.comm import torchrun_command
 
 ROOT = Path(__file__).resolve().parents[1]
 # The README's default command, shortened: a smaller GPT for fewer steps, same 4-stage 2bw pipeline.
@@ -150,7 +150,7 @@ def test_config_error_imports_without_torch():
 def test_help_lists_user_facing_groups_and_every_key_with_a_meaning():
     # Regression: --help listed the schemas (base_gpt, ...) as config groups, the config as bare YAML with
     # no meanings, and a removed key (partition.analytic_dtype_bytes).
-    from pipedream2bw.config_docs import help_text, keys
+    from pipedream2bw.config.docs import help_text, keys
 
     text = help_text([], config_name="config")
     assert "base_" not in text and "analytic_dtype_bytes" not in text

@@ -10,13 +10,13 @@ import dataclasses
 import pytest
 import torch
 from dist_helper import run_ok
+from pipedream2bw.config.optimizers import EF_STATE, MUON_ROLE, tag_muon_params
 from reference import ReferenceOptimizer, reference_train
 from test_semantics import tiny_config
 from torch import nn
 
 from pipedream2bw.config import ConfigError, GPTConfig, OptimConfig, build_optimizer, validate
 from pipedream2bw.models.gpt import build_gpt_layers
-from pipedream2bw.optimizers import EF_STATE, MUON_ROLE, tag_muon_params
 
 
 def _config(schedule="2bw", d=2, w=1, **optim):

@@ -20,7 +20,7 @@ from dist_helper import run_ok, spawn, train_cli
 from reference import reference_eval, reference_train
 from test_semantics import assert_losses_close, tiny_config
 
-from pipedream2bw.config import ConfigError, LayerListConfig, validate
+from pipedream2bw.config import ConfigError, LayerListConfig
 from pipedream2bw.data import (
     MicrobatchFeed,
     check_data,
@@ -30,6 +30,7 @@ from pipedream2bw.data import (
     mapped_resident_bytes,
     meta_path,
 )
+from pipedream2bw.run.preflight import check
 
 VOCAB = 300  # not byte-level: the model's vocabulary comes from the token file's
 
@@ -129,7 +130,7 @@ def test_bad_data_is_rejected_with_the_value_and_the_fix(tmp_path):
     def rejects(match, **data):
         bad = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, **data))
         with pytest.raises(ConfigError, match=match):
-            validate(bad, world_size=2)
+            check(bad, world_size=2)
 
     odd = tmp_path / "odd.bin"
     odd.write_bytes(b"\x01\x00" * 100 + b"\x01")
@@ -163,7 +164,7 @@ def test_bad_data_is_rejected_with_the_value_and_the_fix(tmp_path):
     )
     cfg.model.vocab_size = 200
     with pytest.raises(ConfigError, match=r"model.vocab_size \(200\) must be >= 256 for byte-level text"):
-        validate(dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, path=None)), world_size=2)
+        check(dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, path=None)), world_size=2)
 
 
 def _prepare_tokens():
@@ -194,7 +195,7 @@ def test_prepare_tokens_writes_a_token_file_training_accepts(tmp_path):
     )
     cfg = token_config(tmp_path)
     cfg.data.path, cfg.model.vocab_size = str(tmp_path / "bytes.bin"), 256
-    validate(cfg, world_size=2)
+    check(cfg, world_size=2)
     # A subword tokenizer from a local tokenizer.json (trained here: nothing downloaded).
     tokenizers = pytest.importorskip(
         "tokenizers", reason="the optional extra is not installed: pip install 'pipedream2bw[tokenize]'"
@@ -219,7 +220,7 @@ def test_prepare_tokens_writes_a_token_file_training_accepts(tmp_path):
         and meta["vocab_size"] == tok.get_vocab_size()
     )
     cfg.data.path, cfg.model.vocab_size = str(tmp_path / "bpe.bin"), meta["vocab_size"]
-    validate(cfg, world_size=2)
+    check(cfg, world_size=2)
 
 
 BAD_FILES = {  # what a token file holds -> the error every rank must give

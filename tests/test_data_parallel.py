@@ -10,9 +10,9 @@ from dist_helper import run_ok
 from test_semantics import _oracle, assert_losses_close, tiny_config
 
 from pipedream2bw.config import ConfigError, gpt_balance, validate
-from pipedream2bw.layout import default_layout, make_layout
-from pipedream2bw.runner import build_stage_module
-from pipedream2bw.versions import bucketize
+from pipedream2bw.pipeline.layout import default_layout, make_layout
+from pipedream2bw.pipeline.versions import bucketize
+from pipedream2bw.run.model import build_stage_module
 
 
 def layout_config(schedule: str, d: int, w: int, m: int, **pipeline):

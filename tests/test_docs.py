@@ -17,7 +17,7 @@ from typing import List, Optional
 import pytest
 
 from pipedream2bw.config import TINY_ENV, from_hydra
-from pipedream2bw.config_docs import compose, config_groups, markdown
+from pipedream2bw.config.docs import compose, config_groups, markdown
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -254,7 +254,7 @@ def test_output_pattern():
 
 
 def test_config_reference_is_up_to_date():
-    # docs/config.md is written by scripts/gen_config_docs.py from pipedream2bw/config.py's field docstrings.
+    # docs/config.md is written by scripts/gen_config_docs.py from pipedream2bw/config/schema.py's field docstrings.
     assert (ROOT / "docs" / "config.md").read_text() == markdown(), "run: python scripts/gen_config_docs.py"
 
 
@@ -265,3 +265,37 @@ def test_readme_fits_on_a_few_screens_and_links_pages_that_exist():
         for link in re.findall(r"\]\(((?:docs/)?[\w./-]+\.md)\)", page.read_text()):
             base = ROOT if page.name == "README.md" else page.parent
             assert (base / link).is_file() or (ROOT / link).is_file(), f"{page.name} links {link}, which is missing"
+
+
+def _layout_picture() -> str:
+    """docs/develop.md's picture of the layers: the first code block of its "Layout" section."""
+    text = (ROOT / "docs" / "develop.md").read_text()
+    section = text[text.index("## Layout\n") :]
+    return section.split("```\n", 2)[1]
+
+
+def test_layout_picture_shows_every_module_in_its_folder():
+    # A folder's paragraph runs from the line naming it ("  run/", "| models/", "partitioner/") to the next folder's.
+    folder_line = re.compile(r"^(?:\|\s*|\s*)([a-z_]+)/\s")
+    paragraphs: dict = {}
+    current = None
+    for line in _layout_picture().splitlines():
+        m = folder_line.match(line)
+        if m:
+            current = m.group(1)
+        if current is not None:
+            paragraphs[current] = paragraphs.get(current, "") + line + "\n"
+    picture = _layout_picture()
+    missing = []
+    for path in sorted((ROOT / "pipedream2bw").rglob("*.py")) + sorted((ROOT / "partitioner").glob("*.py")):
+        rel = path.relative_to(ROOT)
+        if path.name == "__init__.py" and rel.parent.name != "pipedream2bw":
+            continue  # a folder's own docstring, not a module of its layer
+        if rel.parent == Path("pipedream2bw"):  # the entry points, errors.py: anywhere in the picture
+            found = path.name == "__init__.py" or re.search(rf"\b{re.escape(path.name)}\b", picture)
+        else:
+            folder = rel.parent.name
+            found = re.search(rf"\b{re.escape(path.name)}\b", paragraphs.get(folder, ""))
+        if not found:
+            missing.append(str(rel))
+    assert not missing, f"docs/develop.md's Layout picture lacks {missing}: add each to its folder's paragraph"

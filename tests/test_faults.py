@@ -9,7 +9,7 @@ import pytest
 from dist_helper import spawn, train_with_fault
 from test_semantics import tiny_config
 
-from pipedream2bw.schedule import FORWARD, Action, rank_actions
+from pipedream2bw.pipeline.schedule import FORWARD, Action, rank_actions
 
 
 @pytest.mark.slow

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from pipedream2bw import fileio
+from pipedream2bw.io import fileio
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -33,9 +33,9 @@ def test_a_failed_write_leaves_the_old_file_and_no_temporary(tmp_path, error):
 def test_writers_do_not_import_the_stage_worker():
     # results imported stage for a type hint, which put checkpoint (and the partitioner's writers) above the worker.
     code = (
-        "import sys; import pipedream2bw.fileio; assert 'torch' not in sys.modules, 'fileio imports torch'; "
-        "import pipedream2bw.checkpoint, pipedream2bw.results, partitioner.topology, partitioner.planner; "
-        "bad = sorted(m for m in ('pipedream2bw.stage', 'pipedream2bw.comm') "
+        "import sys; import pipedream2bw.io.fileio; assert 'torch' not in sys.modules, 'fileio imports torch'; "
+        "import pipedream2bw.io.checkpoint, pipedream2bw.run.results, partitioner.topology, partitioner.planner; "
+        "bad = sorted(m for m in ('pipedream2bw.run.stage', 'pipedream2bw.pipeline.comm') "
         "if m in sys.modules); assert not bad, bad"
     )
     proc = subprocess.run(

@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from pipedream2bw.precision import param_memory
+from pipedream2bw.memory.precision import param_memory
 
 ROOT = Path(__file__).resolve().parent.parent
 

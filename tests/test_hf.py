@@ -97,8 +97,9 @@ def test_pretrained_round_trip_and_first_loss(tmp_path, kind, tied, d, w):
 def test_layer_list_computes_the_transformers_model(tmp_path, kind):
     """Loaded from a sharded directory and run layer after layer: transformers' logits; the layer list's
     tensors are the model's, name for name and shape for shape (ties once)."""
-    from pipedream2bw import hf_io, ties
+    from pipedream2bw.models import hf_io
     from pipedream2bw.models.factory import model_source
+    from pipedream2bw.pipeline import ties
 
     original = save_tiny(tmp_path, kind, shard="20KB")
     assert len(list(tmp_path.glob("*.safetensors"))) > 2  # sharded, with an index
@@ -132,7 +133,7 @@ def test_random_init_from_a_config_file_matches_the_pretrained_names(tmp_path):
 def test_bf16_weights_load_into_float32_masters_and_export_as_bf16(tmp_path):
     """dtypes are explicit: bf16 tensors become float32 parameters (exactly), and an export writes the
     files' dtype back, bit for bit."""
-    from pipedream2bw import hf_io
+    from pipedream2bw.models import hf_io
     from pipedream2bw.models.factory import model_source
 
     save_tiny(tmp_path, "llama", dtype=torch.bfloat16)
@@ -239,15 +240,15 @@ def test_token_ids_are_checked_against_the_models_vocabulary(tmp_path):
     """The vocabulary of model=hf is its config's (config.json here), as model.vocab_size is the GPT's."""
     import numpy as np
 
-    from pipedream2bw.config import validate
+    from pipedream2bw.run.preflight import check, hf_vocab_size
 
     save_tiny(tmp_path, "llama")
     cfg = hf_config(tmp_path, 2)
-    assert cfg.model.vocab_size == 300
+    assert hf_vocab_size(cfg.model) == 300
     np.array([5] * 50 + [300] * 50, dtype=np.uint16).tofile(tmp_path / "tokens.bin")
     cfg.data.path = str(tmp_path / "tokens.bin")
     with pytest.raises(ConfigError, match=r"holds token id 300 \(first id >= 300 at position 50\)"):
-        validate(cfg, world_size=2, num_layers=6)
+        check(cfg, world_size=2, num_layers=6)
 
 
 @pytest.mark.slow
@@ -256,7 +257,7 @@ def test_sharded_final_weights_and_export_from_a_checkpoint(tmp_path):
     tie once); export-hf from the run's checkpoint: the pretrained tensors again, bit for bit."""
     from safetensors.torch import load_file
 
-    from pipedream2bw import checkpoint
+    from pipedream2bw import checkpoint as checkpoint_cli
 
     save_tiny(tmp_path / "pretrained", "llama", tied=True)
     cfg = hf_config(tmp_path / "pretrained", 2, save_final="sharded", checkpoint_every=1)
@@ -269,7 +270,7 @@ def test_sharded_final_weights_and_export_from_a_checkpoint(tmp_path):
     assert index["0.embed_tokens.weight"] == "model-00001-of-00002.safetensors" and "5.weight" not in index
     assert torch.equal(load_file(final / index["4.weight"])["4.weight"], original["model.norm.weight"])
 
-    assert checkpoint.main(["export-hf", str(tmp_path / "run"), "--out", str(tmp_path / "export")]) == 0
+    assert checkpoint_cli.main(["export-hf", str(tmp_path / "run"), "--out", str(tmp_path / "export")]) == 0
     exported, files = read_dir(tmp_path / "export")
     assert len(files) == 2 and sorted(exported) == sorted(original)
     assert all(torch.equal(exported[k], v) for k, v in original.items())
@@ -279,7 +280,7 @@ def test_sharded_final_weights_and_export_from_a_checkpoint(tmp_path):
     (gpt / "step_00000001").mkdir(parents=True)
     manifest = json.loads((tmp_path / "run" / "checkpoints" / "step_00000001" / "manifest.json").read_text())
     (gpt / "step_00000001" / "manifest.json").write_text(json.dumps({**manifest, "files": {}, "hf": None}))
-    assert checkpoint.main(["export-hf", str(gpt), "--out", str(tmp_path / "x")]) == 2
+    assert checkpoint_cli.main(["export-hf", str(gpt), "--out", str(tmp_path / "x")]) == 2
 
 
 @pytest.mark.slow
@@ -287,7 +288,9 @@ def test_compute_weight_versions_export_their_float32_masters(tmp_path):
     """train.weight_dtype=compute (bf16 versions of float32 masters), one step of SGD: final_model/
     (save_final=sharded), train.export_hf and export-hf from the checkpoint all hold the float32 masters, bit
     for bit those consolidate reads, not their bf16 rounding. Regression (issue 23): they held the bf16 version."""
-    from pipedream2bw import checkpoint, hf_io
+    from pipedream2bw import checkpoint as checkpoint_cli
+    from pipedream2bw.io import checkpoint
+    from pipedream2bw.models import hf_io
     from pipedream2bw.models.factory import model_source
 
     save_tiny(tmp_path / "pretrained", "llama", tied=False)  # float32: exported in float32
@@ -299,7 +302,7 @@ def test_compute_weight_versions_export_their_float32_masters(tmp_path):
     final, _ = read_dir(tmp_path / "run" / "final_model")
     assert final.keys() == masters.keys() and all(torch.equal(final[k], v) for k, v in masters.items())
     expected = hf_io.to_hf_shard(model_source(cfg.model, seed=cfg.seed).hf, masters, [])
-    assert checkpoint.main(["export-hf", str(tmp_path / "run"), "--out", str(tmp_path / "from_checkpoint")]) == 0
+    assert checkpoint_cli.main(["export-hf", str(tmp_path / "run"), "--out", str(tmp_path / "from_checkpoint")]) == 0
     for out in ("x", "from_checkpoint"):
         exported, _ = read_dir(tmp_path / out)
         assert exported.keys() == expected.keys(), out
@@ -346,8 +349,8 @@ def test_fine_tuning_walkthrough_of_the_docs(tmp_path):
         "tokenizers", reason="the walk-through needs the extra: pip install -e '.[tokenize]'"
     )
 
-    from pipedream2bw.comm import free_port
     from pipedream2bw.data import SHIPPED_CORPUS
+    from pipedream2bw.pipeline.comm import free_port
 
     repo = DOCS.parents[1]
     text = __import__("gzip").decompress(SHIPPED_CORPUS.read_bytes())[:60_000].decode("utf-8", "replace")

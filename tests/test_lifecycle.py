@@ -20,10 +20,11 @@ from hydra import compose, initialize_config_dir
 from test_checkpoint import TINY_TORCHRUN_OVERRIDES, _children, assert_equal_bits, config, weights
 from test_semantics import tiny_config
 
-from pipedream2bw import checkpoint, fileio, preempt
-from pipedream2bw.comm import free_port, torchrun_command
 from pipedream2bw.config import ConfigError, from_hydra, register_configs
-from pipedream2bw.runner import run
+from pipedream2bw.io import checkpoint, fileio
+from pipedream2bw.pipeline.comm import free_port, torchrun_command
+from pipedream2bw.run import preempt
+from pipedream2bw.run.runner import run
 
 CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "configs")
 

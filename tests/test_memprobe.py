@@ -6,7 +6,7 @@ import threading
 
 import torch
 
-from pipedream2bw.memprobe import tensor_peak
+from pipedream2bw.memory.memprobe import tensor_peak
 
 MB = 1 << 20
 

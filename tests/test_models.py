@@ -18,10 +18,10 @@ from reference import reference_eval, reference_run, reference_train
 from test_semantics import assert_losses_close, tiny_config
 from torch import nn
 
-from pipedream2bw import checkpoint
-from pipedream2bw.comm import torchrun_command
 from pipedream2bw.config import Config, ConfigError, LayerListConfig, OptimConfig, PartitionConfig
-from pipedream2bw.runner import run
+from pipedream2bw.io import checkpoint
+from pipedream2bw.pipeline.comm import torchrun_command
+from pipedream2bw.run.runner import run
 
 TIE = ["0.tok.weight", "5.out.weight"]  # tiny_config's GPT: embedding, 3 blocks, norm, head
 
@@ -336,7 +336,7 @@ def validate_optim(optim: OptimConfig) -> None:
 
 def test_no_decay_groups_by_shape_and_their_checkpoint_state_by_name():
     from pipedream2bw.config import build_optimizer
-    from pipedream2bw.versions import WeightVersions
+    from pipedream2bw.pipeline.versions import WeightVersions
 
     optim = OptimConfig(
         target="torch.optim.AdamW", lr=0.1, kwargs={"weight_decay": 0.5}, no_decay_norms_and_biases=True

@@ -16,12 +16,18 @@ from test_semantics import assert_losses_close, max_abs_diff, tiny_config
 
 from partitioner.cost import Segments, StageContext, StageCost
 from partitioner.profile import analytic_gpt
-from pipedream2bw import comm
 from pipedream2bw.config import Config, ConfigError, GPTConfig, OptimConfig, TopologyConfig, gpt_balance, validate
-from pipedream2bw.loss_scale import LossScaler
+from pipedream2bw.memory.loss_scale import LossScaler
+from pipedream2bw.memory.precision import (
+    markdown_table,
+    markdown_table_sharded,
+    needs_agreement,
+    param_memory,
+    step_waits,
+)
 from pipedream2bw.models import build_gpt_layers
-from pipedream2bw.precision import markdown_table, markdown_table_sharded, needs_agreement, param_memory, step_waits
-from pipedream2bw.runner import run
+from pipedream2bw.pipeline import comm
+from pipedream2bw.run.runner import run
 
 # ---- pure -------------------------------------------------------------------------------------
 

@@ -11,14 +11,14 @@ import termios
 from types import SimpleNamespace
 
 from pipedream2bw.config import Config, TrainConfig, WandbConfig
-from pipedream2bw.runner import _progress
-from pipedream2bw.tracking import Tracker, progress_bar
+from pipedream2bw.io.tracking import Tracker, progress_bar
+from pipedream2bw.run.step_hooks import progress_callback
 
 
 def _drive(bar, tmp_path, losses):
     cfg = Config(train=TrainConfig(num_steps=len(losses), log_every=100), wandb=WandbConfig(mode="disabled"))
     worker = SimpleNamespace(stats=SimpleNamespace(losses=[], lrs=[], grad_norms=[]))
-    on_step = _progress(
+    on_step = progress_callback(
         cfg.train, worker, Tracker(cfg.wandb, tmp_path), bar, samples_per_step=8, seq_len=cfg.model.seq_len
     )
     for t, loss in enumerate(losses):

@@ -10,9 +10,10 @@ import pytest
 from dist_helper import spawn, train_as_a_script
 
 from pipedream2bw.config import Config, DataConfig, GPTConfig, PipelineConfig, TrainConfig, WandbConfig
-from pipedream2bw.fileio import atomic_symlink
-from pipedream2bw.runner import format_duration, link_latest
-from pipedream2bw.tracking import MetricsLog, plot_losses, read_metrics
+from pipedream2bw.io.fileio import atomic_symlink
+from pipedream2bw.io.tracking import MetricsLog, plot_losses, read_metrics
+from pipedream2bw.run.logs import format_duration
+from pipedream2bw.run.start import link_latest
 
 BLUE, ORANGE = (31, 119, 180), (255, 127, 14)  # matplotlib's tab:blue (training) and tab:orange (validation)
 

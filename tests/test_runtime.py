@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from pipedream2bw.config import Config, GPTConfig, PipelineConfig, TrainConfig, validate
-from pipedream2bw.layout import make_layout
-from pipedream2bw.runtime import RankPlan
+from pipedream2bw.pipeline.layout import make_layout
+from pipedream2bw.run.runtime import RankPlan
 
 
 def test_every_rank_of_a_rank_map_gets_its_stage_replica_neighbours_and_layers():

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from pipedream2bw.schedule import (
+from pipedream2bw.pipeline.schedule import (
     BACKWARD,
     COMPUTE_KINDS,
     FORWARD,
@@ -31,7 +31,7 @@ from pipedream2bw.schedule import (
     stage_actions,
     steps,
 )
-from pipedream2bw.versions import max_versions_alive
+from pipedream2bw.pipeline.versions import max_versions_alive
 
 GRID = [(d, m) for d in range(1, 6) for m in range(1, 11)]
 NUM_BATCHES = 3

@@ -22,7 +22,6 @@ from test_semantics import tiny_config
 
 from partitioner.auto import apply_choices
 from partitioner.planner import Plan, save_plan
-from pipedream2bw import checkpoint, comm
 from pipedream2bw.config import (
     Config,
     ConfigError,
@@ -32,12 +31,15 @@ from pipedream2bw.config import (
     gpt_balance,
     validate,
 )
-from pipedream2bw.layout import make_layout
-from pipedream2bw.memprobe import tensor_peak
-from pipedream2bw.precision import param_memory
-from pipedream2bw.runner import TRAIN_RANGE, run, training_settings
-from pipedream2bw.sharding import BucketShard, ShardedVersions
-from pipedream2bw.versions import WeightVersions
+from pipedream2bw.io import checkpoint
+from pipedream2bw.memory.memprobe import tensor_peak
+from pipedream2bw.memory.precision import param_memory
+from pipedream2bw.memory.sharding import BucketShard, ShardedVersions
+from pipedream2bw.pipeline import comm
+from pipedream2bw.pipeline.layout import make_layout
+from pipedream2bw.pipeline.versions import WeightVersions
+from pipedream2bw.run.model import training_settings
+from pipedream2bw.run.runner import TRAIN_RANGE, run
 
 STEPS = 4
 FP16_SKIPPED = 2  # the batch whose stage-0 gradient is infinite on replica 1 only

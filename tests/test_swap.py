@@ -13,10 +13,10 @@ import torch
 from torch import nn
 
 from pipedream2bw.config import GPTConfig
-from pipedream2bw.memprobe import SavedBytes, tensor_peak
+from pipedream2bw.memory.memprobe import SavedBytes, tensor_peak
+from pipedream2bw.memory.swap import CpuBackend, SwapManager, TransferBackend
 from pipedream2bw.models import build_gpt_layers, lm_loss
-from pipedream2bw.schedule import BACKWARD, FORWARD, Action, stage_actions
-from pipedream2bw.swap import CpuBackend, SwapManager, TransferBackend
+from pipedream2bw.pipeline.schedule import BACKWARD, FORWARD, Action, stage_actions
 
 
 def _model() -> nn.Sequential:
@@ -169,7 +169,7 @@ class _Watch:
 
 
 def _backend(device: str) -> TransferBackend:
-    from pipedream2bw.swap import CudaBackend
+    from pipedream2bw.memory.swap import CudaBackend
 
     # CPU: copies inline, so that the live bytes at every moment do not depend on thread timing.
     return CudaBackend(torch.device(device)) if device == "cuda" else CpuBackend(overlap=False)
@@ -268,7 +268,7 @@ def test_swapping_under_bf16_autocast_changes_no_bit_and_moves_fewer_bytes(resid
 def test_swapping_composes_with_recomputation_bit_for_bit():
     # pipeline.recompute: each layer keeps only its input (non-reentrant checkpoint, whose own
     # saved-tensor hooks take the layer's insides); the swap hooks then move those inputs.
-    from pipedream2bw.runner import RecomputeSequential
+    from pipedream2bw.run.model import RecomputeSequential
 
     actions = _fb("gpipe", 0, 4)
     _, grads, _, _, _ = _train(actions, None)
@@ -361,7 +361,7 @@ def test_backend_interface_is_what_the_manager_uses():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_backend_round_trip_bit_for_bit():
-    from pipedream2bw.swap import CudaBackend
+    from pipedream2bw.memory.swap import CudaBackend
 
     backend = CudaBackend(torch.device("cuda"))
     src = torch.randn(1 << 20, device="cuda")
@@ -421,7 +421,7 @@ def test_bad_swap_config_names_value_and_fix(overrides, match):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("resident", [0, 1])
 def test_cuda_swapping_changes_no_bit(resident):
-    from pipedream2bw.swap import CudaBackend
+    from pipedream2bw.memory.swap import CudaBackend
 
     actions = _fb("2bw", 0, 4)
     _, grads, _, _, _ = _train(actions, None, device="cuda")
@@ -444,8 +444,8 @@ def test_cuda_swapping_changes_no_bit(resident):
 @pytest.mark.parametrize("schedule", ["2bw", "flush"])
 @pytest.mark.parametrize("optim", ["adam", "sgd"])
 def test_host_optimizer_gives_the_same_weights_bit_for_bit(schedule, optim):
-    from pipedream2bw.host_optim import HostOptimizerVersions
-    from pipedream2bw.versions import WeightVersions
+    from pipedream2bw.memory.host_optim import HostOptimizerVersions
+    from pipedream2bw.pipeline.versions import WeightVersions
 
     factory = (
         (lambda p: torch.optim.Adam(p, lr=0.05))

@@ -11,7 +11,7 @@ import pytest
 from dist_helper import spawn, train_sleepy
 
 from pipedream2bw.config import Config, ConfigError, GPTConfig, PipelineConfig, TrainConfig, WandbConfig, validate
-from pipedream2bw.timeline import BREAKDOWN, Span, breakdown, bubble_fraction
+from pipedream2bw.io.timeline import BREAKDOWN, Span, breakdown, bubble_fraction
 
 D, M, FIRST, STEPS = 4, 4, 2, 2  # trace steps 2 and 3 of 6: steady state, away from fill and drain
 

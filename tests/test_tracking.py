@@ -12,7 +12,7 @@ import wandb_reader
 from dist_helper import run_ok
 
 from pipedream2bw.config import Config, GPTConfig, PipelineConfig, TrainConfig, WandbConfig, default_plan_choices
-from pipedream2bw.tracking import Tracker
+from pipedream2bw.io.tracking import Tracker
 
 
 def _records(run_dir: Path):

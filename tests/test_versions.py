@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from pipedream2bw.host_optim import HostOptimizerVersions
-from pipedream2bw.versions import WeightVersions, bucketize
+from pipedream2bw.memory.host_optim import HostOptimizerVersions
+from pipedream2bw.pipeline.versions import WeightVersions, bucketize
 
 
 def _sgd(params):

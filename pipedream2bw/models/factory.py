@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import importlib
 import inspect
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence
@@ -12,43 +11,9 @@ import torch
 from torch import nn
 
 from pipedream2bw.config import GPTConfig, HFModelConfig, LayerListConfig
+from pipedream2bw.config.locate import locate
 from pipedream2bw.errors import ConfigError
 from pipedream2bw.models.gpt import build_gpt_layers, lm_loss
-
-
-def locate(path: str, *, what: str) -> Any:
-    """The object at import path ``pkg.module.attr`` (attributes may nest: ``pkg.mod.Class.method``).
-
-    Raises:
-        ConfigError: naming ``what`` (the config key), the path and the import error.
-    """
-    if not isinstance(path, str) or not path or "." not in path:
-        raise ConfigError(f"{what} ({path!r}) is not an import path; write it as pkg.module.name")
-    parts = path.split(".")
-    error: Optional[BaseException] = None
-    for cut in range(len(parts) - 1, 0, -1):
-        module_name = ".".join(parts[:cut])
-        try:
-            obj = importlib.import_module(module_name)
-        except ModuleNotFoundError as e:
-            if e.name is not None and not module_name.startswith(e.name):  # the module exists but its own import failed
-                raise ConfigError(f"{what} ({path}): importing {module_name} failed: {e}; install what it needs") from e
-            error = e
-            continue
-        except Exception as e:
-            raise ConfigError(f"{what} ({path}): importing {module_name} failed: {type(e).__name__}: {e}") from e
-        try:
-            for attr in parts[cut:]:
-                obj = getattr(obj, attr)
-        except AttributeError as e:
-            raise ConfigError(
-                f"{what} ({path}): module {module_name} has no {'.'.join(parts[cut:])}; check the name"
-            ) from e
-        return obj
-    raise ConfigError(
-        f"{what} ({path}) does not import: {error}; check the path and that its package is installed "
-        f"(or on PYTHONPATH on every rank)"
-    )
 
 
 def _accepts(fn: Callable, name: str) -> bool:
@@ -191,8 +156,9 @@ def model_source(model: Any, *, seed: int) -> ModelSource:
 def _hf_source(model: HFModelConfig, *, seed: int) -> ModelSource:
     """model=hf: a transformers model's layers, random (seeded per layer) or from ``model.pretrained``,
     whose safetensors headers are checked against the layer list here, before any process group."""
-    from pipedream2bw import hf_io, ties
+    from pipedream2bw.models import hf_io
     from pipedream2bw.models.hf import build_hf_layers, resolve_config
+    from pipedream2bw.pipeline import ties
 
     hf = resolve_config(model)
     meta = build_hf_layers(hf, seed=seed, meta=True)

@@ -106,7 +106,7 @@ def build_gpt_layers(cfg: GPTConfig, *, seed: int, indices: Optional[Iterable[in
     last = model_num_layers(cfg) - 1
     if cfg.tie_embeddings and 0 in indices and last in indices:
         # The head's weight is the token embedding's (V, C) parameter itself. A rank building the
-        # head alone gets a weight of its own, which the runtime ties (pipedream2bw.ties).
+        # head alone gets a weight of its own, which the runtime ties (pipedream2bw.pipeline.ties).
         layers[indices.index(last)].out.weight = layers[indices.index(0)].tok.weight
     return layers
 

@@ -5,7 +5,7 @@ layers) built from transformers' own decoder-layer classes, so a stage computes 
 transformers model computes. ``HFModel`` holds the config and the name map between the layer
 list's names (``nn.Sequential(*layers)``: ``"3.layer.mlp.up_proj.weight"``) and the Hugging Face
 checkpoint's (``"model.layers.2.mlp.up_proj.weight"``), which runs both ways: loading a
-``save_pretrained`` directory (``pipedream2bw.hf_io``) and exporting to one. With
+``save_pretrained`` directory (``pipedream2bw.models.hf_io``) and exporting to one. With
 ``tie_word_embeddings`` the head's weight is the token embedding's parameter (one tensor in the
 file, ``embed_tokens.weight`` / ``wte.weight``), which the runtime keeps tied across stages.
 
@@ -344,7 +344,7 @@ def build_hf_layers(
 ) -> List[nn.Module]:
     """Layers ``indices`` (all by default) of the model, each randomly initialised from its own seed
     (so any partition starts from the same weights), or with ``meta`` on the meta device, uninitialised
-    (for shapes and names, or to be filled by ``pipedream2bw.hf_io.load_layers``).
+    (for shapes and names, or to be filled by ``pipedream2bw.models.hf_io.load_layers``).
 
     Returns:
         The layers, in order; with ``tie_word_embeddings`` the head shares the embedding's weight

@@ -37,7 +37,9 @@ from typing import Any, Dict, Optional
 
 import torch
 
-PRECISIONS = ("auto", "fp32", "bf16", "fp16")
+# the names of train.precision and train.weight_dtype, re-exported
+from pipedream2bw.config import PRECISIONS, WEIGHT_DTYPES  # noqa: F401
+
 COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 FP32_BYTES = 4
 
@@ -64,9 +66,6 @@ def compute_dtype(precision: str) -> torch.dtype:
 def autocast(precision: str, device_type: str):
     """The context a stage's forward runs in: ``torch.autocast`` to the compute dtype, or off under fp32."""
     return torch.autocast(device_type, dtype=compute_dtype(precision), enabled=precision != "fp32")
-
-
-WEIGHT_DTYPES = ("fp32", "compute")
 
 
 def weight_dtype(precision: str, name: str) -> torch.dtype:

@@ -165,7 +165,7 @@ def plot_timeline(traces: Sequence[dict], path: Path, *, title: str = "") -> Non
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
-    from pipedream2bw.fileio import atomic_open
+    from pipedream2bw.io.fileio import atomic_open
 
     t0 = min(tr["window"][0] for tr in traces)
     t1 = max(tr["window"][1] for tr in traces)

@@ -7,9 +7,9 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from pipedream2bw import precision as precisions
 from pipedream2bw.config import Config
-from pipedream2bw.layout import Layout
+from pipedream2bw.memory import precision as precisions
+from pipedream2bw.pipeline.layout import Layout
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from typing import Any, Dict, Optional
 
-from pipedream2bw.agreement import NonFiniteError, StepDecision, StepOutcome, StepRule, stop_message
+from pipedream2bw.pipeline.agreement import NonFiniteError, StepDecision, StepOutcome, StepRule, stop_message
 
 
 class LossScaler:

@@ -29,9 +29,9 @@ from typing import Any, Dict, Optional, Sequence
 
 import torch
 
-log = logging.getLogger(__name__)
+from pipedream2bw.config import UNCATCHABLE, signal_numbers  # noqa: F401  (re-exported)
 
-UNCATCHABLE = ("SIGKILL", "SIGSTOP")
+log = logging.getLogger(__name__)
 
 
 class Preempted(BaseException):
@@ -49,24 +49,6 @@ class Preempted(BaseException):
     def exit_code(self) -> int:
         """128 + the signal's number: what a process ended by that signal reports (143 for SIGTERM)."""
         return 128 + self.signum
-
-
-def signal_numbers(names: Sequence[str]) -> Dict[str, int]:
-    """The signals ``train.preempt_signals`` names, by name.
-
-    Raises:
-        ValueError: a name that is no signal here, or one that cannot be caught.
-    """
-    out = {}
-    for name in names:
-        sig = getattr(signal.Signals, str(name).upper(), None) if str(name).upper().startswith("SIG") else None
-        if sig is None or sig.name in UNCATCHABLE:
-            catchable = sorted(
-                s.name for s in signal.Signals if s.name not in UNCATCHABLE and not s.name.startswith("SIG_")
-            )
-            raise ValueError(f"{name!r} is not a signal that can be caught here; use names such as {catchable[:12]}")
-        out[sig.name] = int(sig)
-    return out
 
 
 class Watch:

@@ -22,7 +22,7 @@ from pipedream2bw.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
-SHIPPED_CORPUS = Path(__file__).parent / "data" / "python_docs.txt.gz"
+SHIPPED_CORPUS = Path(__file__).parent / "python_docs.txt.gz"
 TOKEN_SUFFIX = ".bin"
 TOKEN_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 BYTE_VOCAB = 256
@@ -182,33 +182,7 @@ def check_data(
     Raises:
         ConfigError: naming the file, what is wrong and the fix.
     """
-    if data.token_dtype not in TOKEN_DTYPES:
-        raise ConfigError(f"data.token_dtype ({data.token_dtype!r}) is unknown; use one of {list(TOKEN_DTYPES)}")
-    if not 0 <= data.val_fraction < 1:
-        raise ConfigError(
-            f"data.val_fraction ({data.val_fraction}) must be in [0, 1): the share of the data held out for validation"
-        )
-    if data.val_path is not None and data.val_fraction > 0:
-        raise ConfigError(
-            f"data.val_path ({data.val_path}) and data.val_fraction ({data.val_fraction}) both choose held-out data; "
-            f"set data.val_fraction=0 to validate on data.val_path, or data.val_path=null"
-        )
-    if need_val and data.val_path is None and data.val_fraction == 0:
-        raise ConfigError(
-            "train.eval_every needs held-out data: set data.val_fraction (e.g. 0.05, the tail of data.path) "
-            "or data.val_path, or train.eval_every=0"
-        )
-    if data.val_path is not None and is_token_file(data.val_path) != is_token_file(data.path):
-        raise ConfigError(
-            f"data.val_path ({data.val_path}) and data.path ({data.path or 'the shipped text'}) must be of one kind, "
-            f"both token files ({TOKEN_SUFFIX}) or both text"
-        )
-    if vocab_size is None and (is_token_file(data.path) or is_token_file(data.val_path)):
-        raise ConfigError(
-            f"the model's vocabulary is unknown (no nn.Embedding in its first layer), so the ids of "
-            f"{data.path or data.val_path} cannot be checked against it; set model.vocab_size to the vocabulary its "
-            "first layer takes (the tokenizer's: scripts/prepare_tokens.py prints it and writes it in <file>.json)"
-        )
+    _check_settings(data, vocab_size=vocab_size, need_val=need_val)
     check = functools.partial(_check_file, dtype=data.token_dtype, vocab_size=vocab_size, vocab_from=vocab_from)
     info = check(data.path, "data.path")
     if vocab_size is not None and info.vocab_size is not None and vocab_size >= 2 * info.vocab_size:
@@ -246,6 +220,37 @@ def check_data(
             f"hold out more data"
         )
     return info
+
+
+def _check_settings(data: DataConfig, *, vocab_size: Optional[int], need_val: bool) -> None:
+    """``check_data``'s checks of the settings alone, before any file is read."""
+    if data.token_dtype not in TOKEN_DTYPES:
+        raise ConfigError(f"data.token_dtype ({data.token_dtype!r}) is unknown; use one of {list(TOKEN_DTYPES)}")
+    if not 0 <= data.val_fraction < 1:
+        raise ConfigError(
+            f"data.val_fraction ({data.val_fraction}) must be in [0, 1): the share of the data held out for validation"
+        )
+    if data.val_path is not None and data.val_fraction > 0:
+        raise ConfigError(
+            f"data.val_path ({data.val_path}) and data.val_fraction ({data.val_fraction}) both choose held-out data; "
+            f"set data.val_fraction=0 to validate on data.val_path, or data.val_path=null"
+        )
+    if need_val and data.val_path is None and data.val_fraction == 0:
+        raise ConfigError(
+            "train.eval_every needs held-out data: set data.val_fraction (e.g. 0.05, the tail of data.path) "
+            "or data.val_path, or train.eval_every=0"
+        )
+    if data.val_path is not None and is_token_file(data.val_path) != is_token_file(data.path):
+        raise ConfigError(
+            f"data.val_path ({data.val_path}) and data.path ({data.path or 'the shipped text'}) must be of one kind, "
+            f"both token files ({TOKEN_SUFFIX}) or both text"
+        )
+    if vocab_size is None and (is_token_file(data.path) or is_token_file(data.val_path)):
+        raise ConfigError(
+            f"the model's vocabulary is unknown (no nn.Embedding in its first layer), so the ids of "
+            f"{data.path or data.val_path} cannot be checked against it; set model.vocab_size to the vocabulary its "
+            "first layer takes (the tokenizer's: scripts/prepare_tokens.py prints it and writes it in <file>.json)"
+        )
 
 
 def _check_file(path: Optional[str], key: str, *, dtype: str, vocab_size: Optional[int], vocab_from: str) -> DataInfo:

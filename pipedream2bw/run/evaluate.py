@@ -32,10 +32,10 @@ from typing import Callable, List, Optional, Tuple
 import torch
 from torch import nn
 
-from pipedream2bw.boundary import Channel, from_wire, to_wire
-from pipedream2bw.comm import EVAL_LOSS_TAG, P2P
 from pipedream2bw.data import MicrobatchFeed
-from pipedream2bw.precision import autocast, compute_dtype
+from pipedream2bw.memory.precision import autocast, compute_dtype
+from pipedream2bw.pipeline.boundary import Channel, from_wire, to_wire
+from pipedream2bw.pipeline.comm import EVAL_LOSS_TAG, P2P
 
 log = logging.getLogger(__name__)
 

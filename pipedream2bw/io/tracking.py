@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, TextIO, Tuple
 
 from pipedream2bw.config import WandbConfig
-from pipedream2bw.fileio import atomic_open, atomic_write_text
+from pipedream2bw.io.fileio import atomic_open, atomic_write_text
 
 log = logging.getLogger(__name__)
 

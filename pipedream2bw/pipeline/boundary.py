@@ -14,7 +14,7 @@ from typing import Any, List, Optional, Tuple
 import torch
 import torch.utils._pytree as pytree
 
-from pipedream2bw.comm import P2P, PipelineShapeError
+from pipedream2bw.pipeline.comm import P2P, PipelineShapeError
 
 _STRUCTURE_TAG_OFFSET = 2  # a channel's structure goes on tag + 2 (channels use tags 0 and 1)
 

@@ -1,25 +1,40 @@
-"""Typed configuration (dataclasses registered with Hydra's ConfigStore) and its validation."""
+"""The typed config: the dataclasses Hydra composes (one per section, each field documented), how a
+composed config becomes one, and the values derived from it (balances, swap stages, the tiny run)."""
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-import torch
-
-from pipedream2bw.errors import ConfigError  # re-exported: users' code imports it from here
+from pipedream2bw.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
+
 SCHEDULES = ("2bw", "flush", "gpipe")
+
+
 WANDB_MODES = ("offline", "online", "disabled")
+
+
 BACKENDS = ("auto", "gloo", "nccl")
+
+
 LR_SCHEDULERS = ("constant", "cosine", "linear")
+
+
 ON_NONFINITE = ("stop", "skip")
+
+
+PRECISIONS = ("auto", "fp32", "bf16", "fp16")  # train.precision (memory/precision.py gives them their dtypes)
+
+
+WEIGHT_DTYPES = ("fp32", "compute")  # train.weight_dtype
+
+
+UNCATCHABLE = ("SIGKILL", "SIGSTOP")  # what train.preempt_signals cannot name
 
 
 @dataclass
@@ -134,13 +149,6 @@ class HFModelConfig:
     export_dtype: Optional[str] = None
     """Dtype of exported weights (train.export_hf, export-hf): 'float32', 'bfloat16' or 'float16'; null: the
     pretrained files' dtype (float32 for a model not loaded from one)."""
-
-    @property
-    def vocab_size(self) -> int:
-        """The model's vocabulary size (its config's ``vocab_size``): token files are checked against it."""
-        from pipedream2bw.models.hf import resolve_config  # models/ imports this module
-
-        return resolve_config(self).config.vocab_size
 
 
 @dataclass
@@ -390,7 +398,7 @@ class PartitionConfig:
 
 @dataclass
 class SwapConfig:
-    """Swapping of stashed activations to host memory (docs/design.md section 5; pipedream2bw/swap.py)."""
+    """Swapping of stashed activations to host memory (docs/design.md section 5; pipedream2bw/memory/swap.py)."""
 
     enabled: bool = False
     """Swap on every stage; false swaps only the stages listed in ``stages``."""
@@ -443,133 +451,6 @@ def register_configs() -> None:
     cs.store(group="optim", name="base_optim", node=OptimConfig)
     cs.store(group="topology", name="base_topology", node=TopologyConfig)
     cs.store(group="partition", name="base_partition", node=PartitionConfig)
-
-
-def optimizer_class(name: str) -> type:
-    """The torch.optim class called ``name`` (case-insensitive).
-
-    Raises:
-        ConfigError: no such optimizer in torch.optim.
-    """
-    classes = {
-        n.lower(): c
-        for n, c in vars(torch.optim).items()
-        if isinstance(c, type) and issubclass(c, torch.optim.Optimizer) and c is not torch.optim.Optimizer
-    }
-    try:
-        return classes[name.lower()]
-    except KeyError:
-        raise ConfigError(
-            f"optim.name ({name!r}) is not a torch.optim optimizer; use one of {sorted(classes)}"
-        ) from None
-
-
-def optimizer_name(cfg: OptimConfig) -> str:
-    """What a checkpoint records of the optimizer: ``optim.target`` if set, else ``optim.name`` lower-cased."""
-    return cfg.target if cfg.target else cfg.name.lower()
-
-
-def _optimizer_of(cfg: OptimConfig) -> type:
-    if not cfg.target:
-        return optimizer_class(cfg.name)
-    from pipedream2bw.models.factory import locate  # models/ imports config: import here
-
-    cls = locate(cfg.target, what="optim._target_")
-    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
-        raise ConfigError(
-            f"optim._target_ ({cfg.target}) is {cls!r}, not a torch.optim.Optimizer subclass; name an optimizer class"
-        )
-    return cls
-
-
-def param_groups(params, cfg: OptimConfig) -> list:
-    """``params`` as the optimizer takes them: one list, or with ``no_decay_norms_and_biases`` two groups
-    (1-D parameters without weight decay). Decided by shape, never by name, so that every stage
-    holding a copy of a tied weight puts it in the same group."""
-    params = list(params)
-    if not cfg.no_decay_norms_and_biases:
-        return params
-    decay = [p for p in params if p.dim() >= 2]
-    no_decay = [p for p in params if p.dim() < 2]
-    return [g for g in ({"params": decay}, {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
-
-
-def build_optimizer(params, cfg: OptimConfig) -> torch.optim.Optimizer:
-    """Builds the optimizer that ``cfg`` names (``target`` or ``name``) over ``params``.
-
-    Raises:
-        ConfigError: unknown optimizer, or keyword arguments it does not take.
-    """
-    if _uses_optimizers_module(cfg):
-        from pipedream2bw.optimizers import build_optimizer as build_extended
-
-        return build_extended(param_groups(params, cfg), cfg)
-    cls = _optimizer_of(cfg)
-    try:
-        return cls(param_groups(params, cfg), lr=cfg.lr, **dict(cfg.kwargs))
-    except (TypeError, ValueError) as e:
-        raise ConfigError(
-            f"optim.kwargs ({dict(cfg.kwargs)}) are not valid for {cls.__name__}: {e}; "
-            f"fix or remove them (e.g. optim.kwargs={{}})"
-        ) from e
-
-
-def _uses_optimizers_module(cfg: OptimConfig) -> bool:
-    return (not cfg.target and cfg.name.lower() == "muon") or cfg.delay_correction != "none"
-
-
-DELAY_CORRECTIONS = ("none", "error_feedback", "lookahead")
-
-
-def _validate_optim_extras(cfg: Config) -> None:
-    """optim.name=muon and optim.delay_correction: what composes, and what is refused and why."""
-    o = cfg.optim
-    if o.delay_correction not in DELAY_CORRECTIONS:
-        raise ConfigError(
-            f"optim.delay_correction ({o.delay_correction!r}) is unknown; use one of {list(DELAY_CORRECTIONS)}"
-        )
-    muon = not o.target and o.name.lower() == "muon"
-    if muon:
-        others = optimizer_class(o.muon_others)  # raises for an unknown name
-        if others is torch.optim.Muon:
-            raise ConfigError(
-                "optim.muon_others (muon): Muon takes only 2-D parameters; name the optimizer for the rest, "
-                "e.g. optim.muon_others=adamw"
-            )
-        if o.sharded and cfg.pipeline.data_parallel > 1:
-            raise ConfigError(
-                "optim.name (muon) with optim.sharded (true) at pipeline.data_parallel > 1: Muon orthogonalizes "
-                "whole matrices, and sharding gives each replica a flat piece of every parameter; set "
-                "optim.sharded=false (or use an elementwise optimizer such as adamw)"
-            )
-    if o.delay_correction == "none":
-        return
-    if cfg.pipeline.schedule != "2bw":
-        log.info(
-            "optim.delay_correction (%s) is off under pipeline.schedule=%s: every gradient is taken at the weights it "
-            "updates, so there is no delay to correct",
-            o.delay_correction,
-            cfg.pipeline.schedule,
-        )
-    if o.delay_correction == "error_feedback" and not (
-        math.isfinite(o.error_feedback_beta) and o.error_feedback_beta >= 0
-    ):
-        raise ConfigError(f"optim.error_feedback_beta ({o.error_feedback_beta}) must be a finite number >= 0")
-    if o.delay_correction == "lookahead":
-        name = "custom" if o.target else o.name.lower()
-        if name not in ("adamw", "muon") or (muon and o.muon_others.lower() != "adamw"):
-            raise ConfigError(
-                f"optim.delay_correction (lookahead) with optim.name ({o.target or o.name})"
-                + (f" and optim.muon_others ({o.muon_others})" if muon else "")
-                + ": the look-ahead is Nesterov momentum 0.99 in place of AdamW's heavy ball (NAdamW) and Muon's "
-                "momentum; it is defined for adamw and muon (with muon_others=adamw); use one of them, or "
-                "optim.delay_correction=error_feedback, which wraps any optimizer"
-            )
-        if "betas" in o.kwargs and o.kwargs["betas"][0] != 0.99 or "momentum" in o.muon_kwargs:
-            raise ConfigError(
-                "optim.delay_correction (lookahead) sets beta1 (optim.kwargs.betas[0]) and Muon's momentum to "
-                "0.99; remove them from optim.kwargs / optim.muon_kwargs (betas[1] may stay: give betas=[0.99, b2])"
-            )
 
 
 def even_balance(num_layers: int, num_stages: int) -> List[int]:
@@ -659,340 +540,12 @@ def swap_stages(swap: SwapConfig, num_stages: int) -> List[int]:
     return list(range(num_stages)) if swap.enabled else sorted(swap.stages or [])
 
 
-def _validate_swap(swap: SwapConfig, num_stages: int) -> None:
-    if swap.stages is not None:
-        stages = list(swap.stages)
-        bad = [s for s in stages if not 0 <= s < num_stages]
-        if bad:
-            raise ConfigError(
-                f"swap.stages ({stages}) lists {bad}, not a stage of this {num_stages}-stage pipeline; "
-                f"use indices 0..{num_stages - 1}"
-            )
-        if len(set(stages)) != len(stages):
-            raise ConfigError(f"swap.stages ({stages}) lists a stage twice; list each stage once")
-        if swap.enabled and sorted(stages) != list(range(num_stages)):
-            raise ConfigError(
-                f"swap.enabled (true) swaps every stage but swap.stages ({stages}) lists only some; "
-                f"set swap.enabled=false to swap only those, or swap.stages=null to swap all"
-            )
-    if swap.optimizer not in ("device", "host"):
-        raise ConfigError(f"swap.optimizer ({swap.optimizer!r}) is unknown; use 'device' or 'host'")
-    if swap.min_bytes < 0:
-        raise ConfigError(f"swap.min_bytes ({swap.min_bytes}) must be >= 0 (0 swaps every saved storage)")
-    if swap.resident < 0:
-        raise ConfigError(
-            f"swap.resident ({swap.resident}) must be >= 0: the number of waiting microbatches kept on the device"
-        )
-
-
-def _validate_step_rules(cfg: Config) -> None:
-    """The learning-rate schedule, gradient clipping and non-finite handling (optim.*, train.on_nonfinite)."""
-    o, n = cfg.optim, cfg.train.num_steps
-    if o.scheduler not in LR_SCHEDULERS:
-        raise ConfigError(f"optim.scheduler ({o.scheduler!r}) is unknown; use one of {list(LR_SCHEDULERS)}")
-    if not 0 <= o.warmup_steps <= n:
-        raise ConfigError(
-            f"optim.warmup_steps ({o.warmup_steps}) must be in [0, train.num_steps ({n})]: the learning-rate warm-up "
-            f"runs within the training steps; lower it"
-        )
-    if not (math.isfinite(o.min_lr) and 0 <= o.min_lr <= o.lr):
-        raise ConfigError(
-            f"optim.min_lr ({o.min_lr}) must be in [0, optim.lr ({o.lr})]: the decay goes from optim.lr down to it"
-        )
-    if o.scheduler == "constant" and o.min_lr != 0:
-        log.warning(
-            "optim.min_lr (%g) is ignored by optim.scheduler=constant; use cosine or linear to decay to it", o.min_lr
-        )
-    if o.clip_grad_norm is not None and not (math.isfinite(o.clip_grad_norm) and o.clip_grad_norm > 0):
-        raise ConfigError(
-            f"optim.clip_grad_norm ({o.clip_grad_norm}) must be a positive number, or null for no clipping"
-        )
-    if cfg.train.on_nonfinite not in ON_NONFINITE:
-        raise ConfigError(
-            f"train.on_nonfinite ({cfg.train.on_nonfinite!r}) is unknown; use one of {list(ON_NONFINITE)}"
-        )
-
-
-# torch.optim optimizers whose update of an element reads only that element (and scalars): they may step shards
-ELEMENTWISE_OPTIMIZERS = ("sgd", "adam", "adamw", "nadam", "radam", "adamax", "rmsprop", "adagrad", "adadelta", "rprop")
-
-
-def _validate_sharding(cfg: Config) -> None:
-    """optim.sharded and train.weight_dtype: an elementwise optimizer; what does not compose yet is refused here."""
-    from pipedream2bw.precision import WEIGHT_DTYPES
-
-    t = cfg.train
-    if t.weight_dtype is not None and t.weight_dtype not in WEIGHT_DTYPES:
-        raise ConfigError(f"train.weight_dtype ({t.weight_dtype!r}) is unknown; use one of {list(WEIGHT_DTYPES)}")
-    if t.weight_dtype == "compute" and t.precision != "fp32":
-        _need_elementwise(cfg, "train.weight_dtype (compute)")
-        if t.precision == "fp16":
-            raise ConfigError(
-                "train.weight_dtype (compute) with train.precision (fp16): fp16 autocast runs layer norms in float32, "
-                "which then meet fp16 norm weights (torch refuses the mixed dtypes); use train.precision=bf16 or "
-                "train.weight_dtype=fp32"
-            )
-        if getattr(cfg.model, "tie_embeddings", False):
-            raise ConfigError(
-                "train.weight_dtype (compute) with model.tie_embeddings (true): the tie's float32 gradient sum "
-                "across stages is not written yet; set train.weight_dtype=fp32 or model.tie_embeddings=false"
-            )
-    o = cfg.optim
-    if not o.sharded or cfg.pipeline.data_parallel == 1:
-        return
-    _need_elementwise(cfg, "optim.sharded (true)")
-
-
-def _need_elementwise(cfg: Config, what: str) -> None:
-    o = cfg.optim
-    if o.target or o.name.lower() not in ELEMENTWISE_OPTIMIZERS:
-        raise ConfigError(
-            f"{what} steps pieces of every parameter (flat float32 masters), which needs an elementwise "
-            f"optimizer; {o.target or o.name} may not be one: use one of {list(ELEMENTWISE_OPTIMIZERS)}"
-        )
-
-
-def _validate_precision(cfg: Config) -> None:
-    from pipedream2bw.precision import PRECISIONS
-
-    t = cfg.train
-    if cfg.partition.analytic_dtype_bytes is not None:
-        raise ConfigError(
-            f"partition.analytic_dtype_bytes ({cfg.partition.analytic_dtype_bytes}) was replaced by train.precision, "
-            "which the planner's costs now follow (weights, activations, transfers); drop it and set "
-            "train.precision=bf16, fp16 or fp32"
-        )
-    if t.precision not in PRECISIONS:
-        raise ConfigError(f"train.precision ({t.precision!r}) is unknown; use one of {list(PRECISIONS)}")
-    on_cuda = cfg.dist.backend == "nccl" or (cfg.dist.backend == "auto" and torch.cuda.is_available())
-    if t.precision == "bf16" and on_cuda and not torch.cuda.is_bf16_supported():
-        raise ConfigError(
-            f"train.precision (bf16) is not supported by this GPU ({torch.cuda.get_device_name()}); "
-            f"use train.precision=fp16 (with loss scaling) or fp32"
-        )
-    if (
-        not (t.loss_scale > 0 and math.isfinite(t.loss_scale))
-        or t.loss_scale_growth_interval < 1
-        or not t.loss_scale_min > 0
-    ):
-        raise ConfigError(
-            f"train.loss_scale ({t.loss_scale}) and train.loss_scale_min ({t.loss_scale_min}) must be positive numbers "
-            f"and train.loss_scale_growth_interval ({t.loss_scale_growth_interval}) >= 1"
-        )
-
-
-def validate_steps(t: TrainConfig) -> None:
-    """The training-length settings, which ``partition=auto`` checks before it profiles and plans.
-
-    Raises:
-        ConfigError: naming the value and the fix.
-    """
-    if t.num_steps < 1 or t.log_every < 1:
-        raise ConfigError(f"train.num_steps ({t.num_steps}) and train.log_every ({t.log_every}) must be >= 1")
-    if not 0 <= t.warmup_steps < t.num_steps:
-        raise ConfigError(
-            f"train.warmup_steps ({t.warmup_steps}) must be in [0, train.num_steps ({t.num_steps})) "
-            f"so that throughput is measured on at least one step; lower it"
-        )
-    from pipedream2bw.preempt import signal_numbers
-
-    try:
-        signal_numbers(t.preempt_signals)
-    except ValueError as e:
-        raise ConfigError(f"train.preempt_signals ({list(t.preempt_signals)}): {e}; or [] for none") from None
-
-
 def default_plan_choices(cfg: Config) -> Config:
     """``cfg`` with what a plan may choose and the run left null (optim.sharded, train.weight_dtype) at its
     default: false, 'fp32'. ``partition=auto|file`` sets them from the plan first."""
     optim = cfg.optim if cfg.optim.sharded is not None else dataclasses.replace(cfg.optim, sharded=False)
     train = cfg.train if cfg.train.weight_dtype is not None else dataclasses.replace(cfg.train, weight_dtype="fp32")
     return dataclasses.replace(cfg, optim=optim, train=train)
-
-
-SAVE_FINAL = ("gathered", "sharded", "none")
-
-
-def _validate_final(cfg: Config) -> None:
-    """What a run writes at its end: ``train.save_final`` and ``train.export_hf``."""
-    t = cfg.train
-    if t.save_final not in SAVE_FINAL:
-        raise ConfigError(f"train.save_final ({t.save_final!r}) is unknown; use one of {list(SAVE_FINAL)}")
-    if t.export_hf is not None:
-        if not isinstance(cfg.model, HFModelConfig):
-            raise ConfigError(
-                f"train.export_hf ({t.export_hf}) writes a Hugging Face model, which needs model=hf; use model=hf "
-                "(model.pretrained=DIR, model.config_path=... or a hand-written model.config) or drop train.export_hf"
-            )
-        parent = Path(t.export_hf).resolve().parent
-        if not parent.is_dir():
-            raise ConfigError(
-                f"train.export_hf ({t.export_hf}): its parent directory {parent} does not exist; create it first"
-            )
-
-
-def _model_vocab(mdl: Any, from_layers: Optional[int]) -> Optional[int]:
-    """The vocabulary the data must fit: the GPT's ``vocab_size``; a layer list's ``model.vocab_size``, which
-    may not exceed what its layers take, else what they take (None: unknown)."""
-    if isinstance(mdl, GPTConfig):
-        return mdl.vocab_size
-    given = getattr(mdl, "vocab_size", None)
-    if given is not None and given < 1:
-        raise ConfigError(f"model.vocab_size ({given}) must be >= 1, or null to read it from the model's layers")
-    if given is not None and from_layers is not None and given > from_layers:
-        raise ConfigError(
-            f"model.vocab_size ({given}) is more than the model's layers take ({from_layers}: its embedding rows or "
-            f"head outputs); ids from {from_layers} on would fail inside the model; set model.vocab_size<={from_layers}"
-        )
-    return given if given is not None else from_layers
-
-
-def validate(
-    cfg: Config,
-    *,
-    world_size: int,
-    num_layers: Optional[int] = None,
-    local_world_size: int = 1,
-    layers_vocab_size: Optional[int] = None,
-) -> List[int]:
-    """Checks a config before any process group starts.
-
-    Args:
-        cfg: the run's config.
-        world_size: number of ranks that will run it.
-        local_world_size: ranks on this node (one GPU each under NCCL).
-        num_layers: length of a user's layer list; None for the GPT that ``cfg.model`` describes.
-        layers_vocab_size: a layer list's vocabulary as read from its layers (``read_vocab_size``).
-
-    Returns:
-        The balance (layers per stage) the run will use: ``pipeline.balance``, else
-        ``gpt_balance`` for the GPT and ``even_balance`` for other layer lists.
-
-    Raises:
-        ConfigError: naming the value, why it is wrong and how to fix it.
-    """
-    p, mdl = cfg.pipeline, cfg.model
-    gpt = num_layers is None
-    if gpt and not isinstance(mdl, GPTConfig):
-        raise ConfigError(
-            f"model ({mdl!r}) is not a GPTConfig; pass its layer count (the runner does) or use model=gpt"
-        )
-    num_layers = model_num_layers(mdl) if gpt else num_layers
-    d, m = p.num_stages, p.num_microbatches
-    if p.schedule not in SCHEDULES:
-        raise ConfigError(f"pipeline.schedule ({p.schedule!r}) is unknown; use one of {list(SCHEDULES)}")
-    if d < 1:
-        raise ConfigError(f"pipeline.num_stages ({d}) must be >= 1")
-    if m < 1 or p.microbatch_size < 1:
-        raise ConfigError(
-            f"pipeline.num_microbatches ({m}) and pipeline.microbatch_size ({p.microbatch_size}) must be >= 1"
-        )
-    w = p.data_parallel
-    if w < 1:
-        raise ConfigError(f"pipeline.data_parallel ({w}) must be >= 1")
-    if world_size % d:
-        raise ConfigError(
-            f"world size ({world_size}) is not divisible by pipeline.num_stages ({d}); "
-            f"launch a multiple of {d} ranks or change pipeline.num_stages"
-        )
-    if world_size != d * w:
-        raise ConfigError(
-            f"world size ({world_size}) must equal pipeline.num_stages ({d}) x pipeline.data_parallel ({w}) = {d * w}; "
-            f"launch with torchrun --nproc-per-node {d * w} or set pipeline.data_parallel={world_size // d}"
-        )
-    per_batch = w * p.microbatch_size
-    B = cfg.train.global_batch_size
-    if B is not None and (B % per_batch or B // per_batch != m):
-        fix = (
-            f"set pipeline.num_microbatches={B // per_batch}"
-            if B % per_batch == 0 and B > 0
-            else (f"use a multiple of data_parallel x microbatch_size = {per_batch}")
-        )
-        raise ConfigError(
-            f"train.global_batch_size ({B}) must equal pipeline.data_parallel ({w}) x pipeline.num_microbatches ({m}) "
-            f"x pipeline.microbatch_size ({p.microbatch_size}) = {w * m * p.microbatch_size}; {fix}"
-        )
-    if p.bucket_mb <= 0:
-        raise ConfigError(f"pipeline.bucket_mb ({p.bucket_mb}) must be > 0")
-    if d > num_layers:
-        raise ConfigError(
-            f"pipeline.num_stages ({d}) is more than the model's {num_layers} layers; "
-            f"lower pipeline.num_stages or add layers (model.num_layers)"
-        )
-    default = gpt_balance(mdl, d) if gpt else even_balance(num_layers, d)
-    balance = list(p.balance) if p.balance is not None else default
-    if len(balance) != d or any(n < 1 for n in balance) or sum(balance) != num_layers:
-        raise ConfigError(
-            f"pipeline.balance ({balance}) must list {d} positive layer counts (one per stage) "
-            f"summing to the model's {num_layers} layers; e.g. pipeline.balance={default}"
-        )
-    if p.schedule == "2bw" and m < d:
-        raise ConfigError(
-            f"pipeline.num_microbatches ({m}) must be >= pipeline.num_stages ({d}) for 2bw "
-            f"(two weight versions suffice only then); raise pipeline.num_microbatches to {d} or more"
-        )
-    if isinstance(mdl, GPTConfig) and mdl.d_model % mdl.num_heads:
-        raise ConfigError(f"model.num_heads ({mdl.num_heads}) must divide model.d_model ({mdl.d_model})")
-    if mdl.seq_len < 1:
-        raise ConfigError(f"model.seq_len ({mdl.seq_len}) must be >= 1")
-    if cfg.optim.lr <= 0 or not math.isfinite(cfg.optim.lr):
-        raise ConfigError(f"optim.lr ({cfg.optim.lr}) must be a positive number")
-    if _optimizer_of(cfg.optim) is torch.optim.LBFGS:
-        raise ConfigError(
-            "optim (lbfgs) re-evaluates the loss through a closure, which a pipeline cannot; use sgd, adam, adamw, ..."
-        )
-    _validate_optim_extras(cfg)  # before the trial build: it names what Muon and the corrections refuse
-    build_optimizer([torch.nn.Parameter(torch.zeros(1))], cfg.optim)
-    _validate_step_rules(cfg)
-    _validate_sharding(cfg)
-    t = cfg.train
-    validate_steps(t)
-    if t.checkpoint_every < 0 or t.keep_checkpoints < 1:
-        raise ConfigError(
-            f"train.checkpoint_every ({t.checkpoint_every}) must be >= 0 (0: no checkpoints) and "
-            f"train.keep_checkpoints ({t.keep_checkpoints}) >= 1"
-        )
-    if t.eval_every < 0 or t.eval_batches < 1:
-        raise ConfigError(
-            f"train.eval_every ({t.eval_every}) must be >= 0 (0: no validation) and train.eval_batches "
-            f"({t.eval_batches}) >= 1"
-        )
-    from pipedream2bw.data import check_data  # data.py imports this module
-
-    vocab = _model_vocab(mdl, layers_vocab_size)
-    read = isinstance(mdl, LayerListConfig) and mdl.vocab_size is None and vocab is not None
-    vocab_from = "the vocabulary of the model's layers (embedding rows, head outputs)" if read else "model.vocab_size"
-    check_data(cfg.data, vocab_size=vocab, seq_len=mdl.seq_len, need_val=t.eval_every > 0, vocab_from=vocab_from)
-    if t.resume not in ("auto", "never") and not Path(t.resume).exists():
-        raise ConfigError(
-            f"train.resume ({t.resume}) is neither 'auto', 'never' nor an existing path; "
-            f"point it at a checkpoint, a checkpoints/ directory or a run directory"
-        )
-    if p.trace:
-        first = t.warmup_steps if p.trace_first_step is None else p.trace_first_step
-        if p.trace_steps < 1 or first < 0 or first + p.trace_steps > t.num_steps:
-            raise ConfigError(
-                f"pipeline.trace_first_step ({first}) and pipeline.trace_steps ({p.trace_steps}) must trace at least "
-                f"one of the train.num_steps ({t.num_steps}) steps and no more; lower them or raise train.num_steps"
-            )
-    _validate_precision(cfg)
-    _validate_final(cfg)
-    if cfg.wandb.mode not in WANDB_MODES:
-        raise ConfigError(f"wandb.mode ({cfg.wandb.mode!r}) is unknown; use one of {list(WANDB_MODES)}")
-    if cfg.dist.backend not in BACKENDS:
-        raise ConfigError(f"dist.backend ({cfg.dist.backend!r}) is unknown; use one of {list(BACKENDS)}")
-    if cfg.dist.backend == "nccl" and not torch.cuda.is_available():
-        raise ConfigError("dist.backend (nccl) needs CUDA, which is not available here; use dist.backend=gloo")
-    uses_nccl = cfg.dist.backend == "nccl" or (cfg.dist.backend == "auto" and torch.cuda.is_available())
-    if uses_nccl and local_world_size > torch.cuda.device_count():
-        raise ConfigError(
-            f"{local_world_size} ranks on this node but {torch.cuda.device_count()} GPUs: NCCL needs one GPU per rank "
-            f"(LOCAL_RANK); launch at most {torch.cuda.device_count()} ranks per node or use dist.backend=gloo"
-        )
-    if cfg.dist.timeout_s <= 0:
-        raise ConfigError(f"dist.timeout_s ({cfg.dist.timeout_s}) must be > 0")
-    _validate_swap(cfg.swap, d)
-    return balance
 
 
 def from_hydra(dcfg: Any) -> Config:

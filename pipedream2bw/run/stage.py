@@ -12,14 +12,17 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.utils._pytree as pytree
 
-from pipedream2bw import agreement
-from pipedream2bw.agreement import NonFiniteError, StepDecision, StepOutcome, StepRule
-from pipedream2bw.boundary import Channel, from_wire, to_wire
-from pipedream2bw.comm import P2P, AsyncSum, BatchReduction, GradReducer, ShardedReduction
 from pipedream2bw.data import MicrobatchFeed
-from pipedream2bw.memprobe import SavedBytes, process_peak_bytes
-from pipedream2bw.precision import autocast, compute_dtype
-from pipedream2bw.schedule import (
+from pipedream2bw.io.timeline import Recorder
+from pipedream2bw.memory.memprobe import SavedBytes, process_peak_bytes
+from pipedream2bw.memory.precision import autocast, compute_dtype
+from pipedream2bw.memory.sharding import ShardedVersions
+from pipedream2bw.memory.swap import SwapManager
+from pipedream2bw.pipeline import agreement
+from pipedream2bw.pipeline.agreement import NonFiniteError, StepDecision, StepOutcome, StepRule
+from pipedream2bw.pipeline.boundary import Channel, from_wire, to_wire
+from pipedream2bw.pipeline.comm import P2P, AsyncSum, BatchReduction, GradReducer, ShardedReduction
+from pipedream2bw.pipeline.schedule import (
     BACKWARD,
     FORWARD,
     FREE,
@@ -32,10 +35,7 @@ from pipedream2bw.schedule import (
     render_steps,
     steps,
 )
-from pipedream2bw.sharding import ShardedVersions
-from pipedream2bw.swap import SwapManager
-from pipedream2bw.timeline import Recorder
-from pipedream2bw.versions import WeightVersions
+from pipedream2bw.pipeline.versions import WeightVersions
 
 log = logging.getLogger(__name__)
 
@@ -148,39 +148,8 @@ class StageWorker:
         self.rule = step_rule if step_rule is not None else StepRule()
         assert agreement is not None or not self.rule.needs_agreement, "this step rule needs an agreement channel"
         self.agreement, self.exchanges, self.lr_at = agreement, list(exchanges), lr_at
-        # Under 2bw, APPLY(t) may wait for W(t+1)'s first use; elsewhere the flush comes first anyway. Every stage
-        # defers when any rank's step waits on other stages (``steps_wait_on_others``: a weight tied across stages
-        # that this stage may not hold), so on_step(t), and a validation pass in it, comes at the same point of
-        # every stage's schedule; a stage that stepped at once while a holder deferred deadlocked in the pass.
-        # optim.sharded: the reduce-scatter, the shard's step and the all-gather travel while batch t+1 runs.
-        sharded = reducer is not None and reducer.num_shards > 1
-        self.deferred = versions.schedule == "2bw" and (
-            agreement is not None or bool(self.exchanges) or steps_wait_on_others or sharded
-        )
-        # Sharded, APPLY(t) need not wait for W(t+1)'s first use: it runs after this many compute steps past
-        # CLOSE(t) (at the same step on every replica: the stage's collectives keep one order), so that the
-        # all-gather of W(t+1) travels until batch t+2's first forward (ShardedVersions.module_for_batch).
-        # One step lets the last bucket's reduce-scatter arrive; with an agreement or a tie exchange, which
-        # complete when stage 0 closes t, 2 more per stage this one is past stage 0 (a 1F1B pair per hop).
-        # Not with ``early_apply`` false: on_step(t) then holds a pass through the stages (validation, the tie
-        # check), which must come at the same point of every stage's schedule (apply_due's).
-        self._apply_after = None
-        if sharded and self.deferred and early_apply:
-            self._apply_after = 1 + (2 * stage_index if agreement is not None or self.exchanges else 0)
-        self._loss_nonfinite: Dict[int, bool] = {}  # last stage: batch -> its loss was not finite
-        # rank 0 as a last stage: batch -> its own loss, until APPLY(t) logs it (a deferred APPLY(t) runs after
-        # batch t+1's forwards, which report that batch's loss)
-        self._own_losses: Dict[int, float] = {}
-        # Rank 0: batch -> its posted loss receives (P2P.post_loss). Batch t+1's are posted at APPLY(t), before
-        # the last stages can have sent that loss: on gloo, posting a receive whose message has arrived waited
-        # for the rendezvous (2-10 ms a step, which the tightly coupled 1F1B passed on to the last stage). A run
-        # stopped after step t (preemption) leaves batch t+1's receive posted; shutting the group down drops it.
-        self._loss_posts: Dict[int, List[tuple]] = {}
-        self._last_batch = -1  # the last batch of the actions run
-        # closed batch -> its data-parallel all-reduce, held until its APPLY: under 2bw batch t+1's last
-        # backward arms the reducer again before a deferred APPLY(t) (one rule for every deferring feature)
-        self._reductions: Dict[int, BatchReduction] = {}
-        self._exchanged: Optional[int] = None  # batch whose exchanges have finished
+        self._plan_apply(versions, reducer, steps_wait_on_others=steps_wait_on_others, early_apply=early_apply)
+        self._init_batch_state()
         self.first, self.last = stage_index == 0, stage_index == num_stages - 1
         self.peers, self.versions, self.p2p, self.feed = peers, versions, p2p, feed
         self.loss_fn, self.device, self.reducer, self.grad_scale = loss_fn, device, reducer, grad_scale
@@ -209,6 +178,47 @@ class StageWorker:
         self.trace: Optional[Recorder] = None  # set for pipeline.trace; spans are recorded while trace.on
         self._recv_from = {FORWARD: peers.prev, BACKWARD: peers.next}
         self._send_to = {FORWARD: peers.next, BACKWARD: peers.prev}
+
+    def _plan_apply(
+        self, versions: WeightVersions, reducer: Optional[GradReducer], *, steps_wait_on_others: bool, early_apply: bool
+    ) -> None:
+        """Whether APPLY(t) is deferred (``self.deferred``) and, sharded, how many compute steps after CLOSE(t)."""
+        # Under 2bw, APPLY(t) may wait for W(t+1)'s first use; elsewhere the flush comes first anyway. Every stage
+        # defers when any rank's step waits on other stages (``steps_wait_on_others``: a weight tied across stages
+        # that this stage may not hold), so on_step(t), and a validation pass in it, comes at the same point of
+        # every stage's schedule; a stage that stepped at once while a holder deferred deadlocked in the pass.
+        # optim.sharded: the reduce-scatter, the shard's step and the all-gather travel while batch t+1 runs.
+        sharded = reducer is not None and reducer.num_shards > 1
+        self.deferred = versions.schedule == "2bw" and (
+            self.agreement is not None or bool(self.exchanges) or steps_wait_on_others or sharded
+        )
+        # Sharded, APPLY(t) need not wait for W(t+1)'s first use: it runs after this many compute steps past
+        # CLOSE(t) (at the same step on every replica: the stage's collectives keep one order), so that the
+        # all-gather of W(t+1) travels until batch t+2's first forward (ShardedVersions.module_for_batch).
+        # One step lets the last bucket's reduce-scatter arrive; with an agreement or a tie exchange, which
+        # complete when stage 0 closes t, 2 more per stage this one is past stage 0 (a 1F1B pair per hop).
+        # Not with ``early_apply`` false: on_step(t) then holds a pass through the stages (validation, the tie
+        # check), which must come at the same point of every stage's schedule (apply_due's).
+        self._apply_after = None
+        if sharded and self.deferred and early_apply:
+            self._apply_after = 1 + (2 * self.stage_index if self.agreement is not None or self.exchanges else 0)
+
+    def _init_batch_state(self) -> None:
+        """The per-batch bookkeeping between a batch's CLOSE and its APPLY, empty."""
+        self._loss_nonfinite: Dict[int, bool] = {}  # last stage: batch -> its loss was not finite
+        # rank 0 as a last stage: batch -> its own loss, until APPLY(t) logs it (a deferred APPLY(t) runs after
+        # batch t+1's forwards, which report that batch's loss)
+        self._own_losses: Dict[int, float] = {}
+        # Rank 0: batch -> its posted loss receives (P2P.post_loss). Batch t+1's are posted at APPLY(t), before
+        # the last stages can have sent that loss: on gloo, posting a receive whose message has arrived waited
+        # for the rendezvous (2-10 ms a step, which the tightly coupled 1F1B passed on to the last stage). A run
+        # stopped after step t (preemption) leaves batch t+1's receive posted; shutting the group down drops it.
+        self._loss_posts: Dict[int, List[tuple]] = {}
+        self._last_batch = -1  # the last batch of the actions run
+        # closed batch -> its data-parallel all-reduce, held until its APPLY: under 2bw batch t+1's last
+        # backward arms the reducer again before a deferred APPLY(t) (one rule for every deferring feature)
+        self._reductions: Dict[int, BatchReduction] = {}
+        self._exchanged: Optional[int] = None  # batch whose exchanges have finished
 
     def _communicate(self, op: str, x: str, k: int) -> None:
         """Runs one lowered communication action ``OP_X k`` (schedule's module docstring)."""
@@ -512,52 +522,12 @@ class StageWorker:
         self._last_batch = max(batches, default=-1)
         if self.peers.loss_sources and batches:
             self._post_losses(batches[0])
-        pending = None  # a closed batch whose APPLY is deferred (2bw with an agreement)
-        early = None  # optim.sharded: the position of the step before which the pending APPLY runs, if not due sooner
-        at, what = 0, None  # the action running (its position), or what else runs there: for the log of a failure
+        # the action running (its position), or what else runs there: for the log of a failure
+        self._at, self._what = 0, None
         try:
-            for k, step in enumerate(steps(actions)):
-                a = step.compute
-                due = pending is not None and (early is not None and k >= early)
-                if pending is not None and (due or agreement.apply_due(a, pending, num_microbatches=self.m)):
-                    at, what = step.start, f"the deferred APPLY({pending}) due before the step of {a}"
-                    self.apply(pending)
-                    self._hook(on_step, pending)
-                    pending, what = None, None
-                if a.kind == STEP:
-                    at = step.at
-                    since = self.close(a.index)
-                    self._hook(on_close, a.index)
-                    if self._defers(a.index):
-                        pending = a.index
-                        early = k + 1 + self._apply_after if self._apply_after is not None else None
-                    else:
-                        self.apply(a.index, since=since)
-                        self._hook(on_step, a.index)
-                    continue
-                if a.kind == BACKWARD:
-                    at = step.start
-                    self._before_backward(a.index)
-                received = compute = None  # when the step's receives and its compute started
-                for at in range(step.start, step.stop):
-                    if at == step.at:
-                        compute = time.perf_counter()
-                        if received is not None:
-                            self._waited(a.index, received, compute)
-                        (self.forward if a.kind == FORWARD else self.backward)(a.index)
-                    else:
-                        received = time.perf_counter() if received is None and at < step.at else received
-                        self._communicate(*comm_op(actions[at].kind), actions[at].index)
-                if self.trace is not None and self.trace.on:  # F and B spans end once their sends are posted
-                    self.trace.add(a.kind, a.index, compute, time.perf_counter())
-            at, what = len(actions), "the last deferred APPLY or the final flush of sends"
-            if pending is not None:
-                self.apply(pending)
-                self._hook(on_step, pending)
-            start = time.perf_counter()
-            self.p2p.flush()
-            self.stats.p2p_wait_s += time.perf_counter() - start
+            self._dispatch(actions, on_step=on_step, on_close=on_close)
         except Exception:
+            at, what = self._at, self._what
             log.error(  # the log's prefix names the stage and rank
                 "failed in %s (position %d of %d); this rank's steps, the failing one >marked<:\n%s",
                 what or f"action {actions[at]}",
@@ -573,6 +543,60 @@ class StageWorker:
             self.stats.swap = self.swap.close()
         self._measure_memory()
         return self.stats
+
+    def _dispatch(
+        self, actions: Sequence[Action], *, on_step: Callable[[int], None], on_close: Callable[[int], None]
+    ) -> None:
+        """``run``'s loop: each step's compute with its communication, CLOSE and APPLY (deferred or not)."""
+        pending = None  # a closed batch whose APPLY is deferred (2bw with an agreement)
+        early = None  # optim.sharded: the position of the step before which the pending APPLY runs, if not due sooner
+        for k, step in enumerate(steps(actions)):
+            a = step.compute
+            due = pending is not None and (early is not None and k >= early)
+            if pending is not None and (due or agreement.apply_due(a, pending, num_microbatches=self.m)):
+                self._at, self._what = step.start, f"the deferred APPLY({pending}) due before the step of {a}"
+                self.apply(pending)
+                self._hook(on_step, pending)
+                pending, self._what = None, None
+            if a.kind == STEP:
+                self._at = step.at
+                since = self.close(a.index)
+                self._hook(on_close, a.index)
+                if self._defers(a.index):
+                    pending = a.index
+                    early = k + 1 + self._apply_after if self._apply_after is not None else None
+                else:
+                    self.apply(a.index, since=since)
+                    self._hook(on_step, a.index)
+                continue
+            if a.kind == BACKWARD:
+                self._at = step.start
+                self._before_backward(a.index)
+            self._compute_step(actions, step)
+        self._at, self._what = len(actions), "the last deferred APPLY or the final flush of sends"
+        if pending is not None:
+            self.apply(pending)
+            self._hook(on_step, pending)
+        start = time.perf_counter()
+        self.p2p.flush()
+        self.stats.p2p_wait_s += time.perf_counter() - start
+
+    def _compute_step(self, actions: Sequence[Action], step: Any) -> None:
+        """One step's F or B with the communication lowered around it, in order."""
+        a = step.compute
+        received = compute = None  # when the step's receives and its compute started
+        for at in range(step.start, step.stop):
+            self._at = at
+            if at == step.at:
+                compute = time.perf_counter()
+                if received is not None:
+                    self._waited(a.index, received, compute)
+                (self.forward if a.kind == FORWARD else self.backward)(a.index)
+            else:
+                received = time.perf_counter() if received is None and at < step.at else received
+                self._communicate(*comm_op(actions[at].kind), actions[at].index)
+        if self.trace is not None and self.trace.on:  # F and B spans end once their sends are posted
+            self.trace.add(a.kind, a.index, compute, time.perf_counter())
 
     def _hook(self, fn: Callable[[int], None], t: int) -> None:
         """The caller's ``on_close``/``on_step`` for batch t (a ``hooks`` span when tracing)."""

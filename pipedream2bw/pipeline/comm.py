@@ -16,7 +16,7 @@ from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from pipedream2bw.versions import grad_of, set_grad
+from pipedream2bw.pipeline.versions import grad_of, set_grad
 
 log = logging.getLogger(__name__)
 

@@ -6,10 +6,10 @@ import statistics
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Dict, List, Sequence
 
-from pipedream2bw.fileio import atomic_write_json
+from pipedream2bw.io.fileio import atomic_write_json
 
 if TYPE_CHECKING:  # annotations only: results (and what imports it) stays below the stage worker
-    from pipedream2bw.stage import StageStats
+    from pipedream2bw.run.stage import StageStats
 
 
 def throughput(

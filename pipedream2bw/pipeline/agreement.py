@@ -24,7 +24,7 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
-from pipedream2bw.schedule import FORWARD, STEP, Action
+from pipedream2bw.pipeline.schedule import FORWARD, STEP, Action
 
 
 class NonFiniteError(RuntimeError):

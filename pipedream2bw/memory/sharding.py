@@ -28,7 +28,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 import torch
 from torch import nn
 
-from pipedream2bw.versions import WeightVersions, _cpu_copy, grad_of, set_grad, version_of_batch
+from pipedream2bw.pipeline.versions import WeightVersions, _cpu_copy, grad_of, set_grad, version_of_batch
 
 # (shard, full) -> a wait: starts gathering every replica's ``shard`` into ``full`` (comm.all_gather_async)
 Gather = Callable[[torch.Tensor, torch.Tensor], Callable[[], None]]
@@ -292,7 +292,7 @@ class ShardedVersions(WeightVersions):
         """This replica's part of batch t's squared gradient norm (float64, unscaled): its shards of the
         sharded buckets (each element counted by one replica), and, if ``count_whole`` (replica 0: the
         replicas hold the same whole gradients), the other buckets' gradients but ``excluded`` parameters."""
-        from pipedream2bw.agreement import sq_norm
+        from pipedream2bw.pipeline.agreement import sq_norm
 
         module_params = list(self.module_for_batch(t).parameters())
         grads = []

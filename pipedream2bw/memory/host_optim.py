@@ -7,7 +7,7 @@ from typing import List, Optional
 import torch
 from torch import nn
 
-from pipedream2bw.versions import WeightVersions
+from pipedream2bw.pipeline.versions import WeightVersions
 
 
 class HostOptimizerVersions(WeightVersions):

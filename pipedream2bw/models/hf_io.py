@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from pipedream2bw.errors import ConfigError
-from pipedream2bw.fileio import atomic_rename, atomic_write, atomic_write_json, fsync_dir
+from pipedream2bw.io.fileio import atomic_rename, atomic_write, atomic_write_json, fsync_dir
 from pipedream2bw.models.hf import HFModel, tie
 
 log = logging.getLogger(__name__)
@@ -342,7 +342,7 @@ def export_checkpoint(path: Path, out: Path) -> Path:
         FileNotFoundError: no complete, intact checkpoint at ``path``.
         ConfigError: the checkpoint is not of a model=hf run.
     """
-    from pipedream2bw import checkpoint
+    from pipedream2bw.io import checkpoint
 
     chosen, manifest = checkpoint.select(Path(path), set_aside=False)
     if chosen is None:

@@ -146,7 +146,7 @@ class TieExchange:
     ranks (ties with the same holders share it), started in the same order on every member.
 
     Args:
-        comm: module with ``all_reduce_async`` and ``wait_work`` (pipedream2bw.comm).
+        comm: module with ``all_reduce_async`` and ``wait_work`` (pipedream2bw.pipeline.comm).
         versions: the stage's ``WeightVersions``; batch t's gradients are in ``module_for_batch(t)``.
         groups: [(process group, [parameter index in the stage module per tie])], in tie order.
         norm_excluded: indices of this stage's tied copies whose canonical copy is on another

@@ -170,12 +170,13 @@ def build_optimizer(groups: List[Any], cfg) -> torch.optim.Optimizer:
     Raises:
         ConfigError: keyword arguments the optimizers do not take.
     """
-    from pipedream2bw.config import ConfigError, _optimizer_of, optimizer_class
+    from pipedream2bw.config.optim import optimizer_class, optimizer_of
+    from pipedream2bw.errors import ConfigError
 
     lookahead = cfg.delay_correction == "lookahead"
     kwargs = dict(cfg.kwargs)
     muon = not cfg.target and cfg.name.lower() == "muon"
-    others = optimizer_class(cfg.muon_others) if muon else _optimizer_of(cfg)
+    others = optimizer_class(cfg.muon_others) if muon else optimizer_of(cfg)
     if lookahead:  # AdamW -> NAdamW with beta1 0.99 (validated: others is AdamW)
         others = torch.optim.NAdam
         betas = tuple(kwargs.pop("betas", (LOOKAHEAD_MOMENTUM, 0.999)))

@@ -1,0 +1,437 @@
+"""The checks of a config's values before any process group starts, each naming the value, why and the fix
+(``run/preflight.py`` adds those that need the model or the data files)."""
+
+from __future__ import annotations
+
+import logging
+import math
+import signal
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+import torch
+
+from pipedream2bw.config.optim import ELEMENTWISE_OPTIMIZERS, build_optimizer, optimizer_class, optimizer_of
+from pipedream2bw.config.schema import (
+    BACKENDS,
+    LR_SCHEDULERS,
+    ON_NONFINITE,
+    PRECISIONS,
+    SCHEDULES,
+    UNCATCHABLE,
+    WANDB_MODES,
+    WEIGHT_DTYPES,
+    Config,
+    GPTConfig,
+    HFModelConfig,
+    SwapConfig,
+    TrainConfig,
+    even_balance,
+    gpt_balance,
+    model_num_layers,
+)
+from pipedream2bw.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+def _validate_swap(swap: SwapConfig, num_stages: int) -> None:
+    if swap.stages is not None:
+        stages = list(swap.stages)
+        bad = [s for s in stages if not 0 <= s < num_stages]
+        if bad:
+            raise ConfigError(
+                f"swap.stages ({stages}) lists {bad}, not a stage of this {num_stages}-stage pipeline; "
+                f"use indices 0..{num_stages - 1}"
+            )
+        if len(set(stages)) != len(stages):
+            raise ConfigError(f"swap.stages ({stages}) lists a stage twice; list each stage once")
+        if swap.enabled and sorted(stages) != list(range(num_stages)):
+            raise ConfigError(
+                f"swap.enabled (true) swaps every stage but swap.stages ({stages}) lists only some; "
+                f"set swap.enabled=false to swap only those, or swap.stages=null to swap all"
+            )
+    if swap.optimizer not in ("device", "host"):
+        raise ConfigError(f"swap.optimizer ({swap.optimizer!r}) is unknown; use 'device' or 'host'")
+    if swap.min_bytes < 0:
+        raise ConfigError(f"swap.min_bytes ({swap.min_bytes}) must be >= 0 (0 swaps every saved storage)")
+    if swap.resident < 0:
+        raise ConfigError(
+            f"swap.resident ({swap.resident}) must be >= 0: the number of waiting microbatches kept on the device"
+        )
+
+
+def _validate_step_rules(cfg: Config) -> None:
+    """The learning-rate schedule, gradient clipping and non-finite handling (optim.*, train.on_nonfinite)."""
+    o, n = cfg.optim, cfg.train.num_steps
+    if o.scheduler not in LR_SCHEDULERS:
+        raise ConfigError(f"optim.scheduler ({o.scheduler!r}) is unknown; use one of {list(LR_SCHEDULERS)}")
+    if not 0 <= o.warmup_steps <= n:
+        raise ConfigError(
+            f"optim.warmup_steps ({o.warmup_steps}) must be in [0, train.num_steps ({n})]: the learning-rate warm-up "
+            f"runs within the training steps; lower it"
+        )
+    if not (math.isfinite(o.min_lr) and 0 <= o.min_lr <= o.lr):
+        raise ConfigError(
+            f"optim.min_lr ({o.min_lr}) must be in [0, optim.lr ({o.lr})]: the decay goes from optim.lr down to it"
+        )
+    if o.scheduler == "constant" and o.min_lr != 0:
+        log.warning(
+            "optim.min_lr (%g) is ignored by optim.scheduler=constant; use cosine or linear to decay to it", o.min_lr
+        )
+    if o.clip_grad_norm is not None and not (math.isfinite(o.clip_grad_norm) and o.clip_grad_norm > 0):
+        raise ConfigError(
+            f"optim.clip_grad_norm ({o.clip_grad_norm}) must be a positive number, or null for no clipping"
+        )
+    if cfg.train.on_nonfinite not in ON_NONFINITE:
+        raise ConfigError(
+            f"train.on_nonfinite ({cfg.train.on_nonfinite!r}) is unknown; use one of {list(ON_NONFINITE)}"
+        )
+
+
+def _validate_sharding(cfg: Config) -> None:
+    """optim.sharded and train.weight_dtype: an elementwise optimizer; what does not compose yet is refused here."""
+    t = cfg.train
+    if t.weight_dtype is not None and t.weight_dtype not in WEIGHT_DTYPES:
+        raise ConfigError(f"train.weight_dtype ({t.weight_dtype!r}) is unknown; use one of {list(WEIGHT_DTYPES)}")
+    if t.weight_dtype == "compute" and t.precision != "fp32":
+        _need_elementwise(cfg, "train.weight_dtype (compute)")
+        if t.precision == "fp16":
+            raise ConfigError(
+                "train.weight_dtype (compute) with train.precision (fp16): fp16 autocast runs layer norms in float32, "
+                "which then meet fp16 norm weights (torch refuses the mixed dtypes); use train.precision=bf16 or "
+                "train.weight_dtype=fp32"
+            )
+        if getattr(cfg.model, "tie_embeddings", False):
+            raise ConfigError(
+                "train.weight_dtype (compute) with model.tie_embeddings (true): the tie's float32 gradient sum "
+                "across stages is not written yet; set train.weight_dtype=fp32 or model.tie_embeddings=false"
+            )
+    o = cfg.optim
+    if not o.sharded or cfg.pipeline.data_parallel == 1:
+        return
+    _need_elementwise(cfg, "optim.sharded (true)")
+
+
+def _need_elementwise(cfg: Config, what: str) -> None:
+    o = cfg.optim
+    if o.target or o.name.lower() not in ELEMENTWISE_OPTIMIZERS:
+        raise ConfigError(
+            f"{what} steps pieces of every parameter (flat float32 masters), which needs an elementwise "
+            f"optimizer; {o.target or o.name} may not be one: use one of {list(ELEMENTWISE_OPTIMIZERS)}"
+        )
+
+
+def _validate_precision(cfg: Config) -> None:
+    t = cfg.train
+    if cfg.partition.analytic_dtype_bytes is not None:
+        raise ConfigError(
+            f"partition.analytic_dtype_bytes ({cfg.partition.analytic_dtype_bytes}) was replaced by train.precision, "
+            "which the planner's costs now follow (weights, activations, transfers); drop it and set "
+            "train.precision=bf16, fp16 or fp32"
+        )
+    if t.precision not in PRECISIONS:
+        raise ConfigError(f"train.precision ({t.precision!r}) is unknown; use one of {list(PRECISIONS)}")
+    on_cuda = cfg.dist.backend == "nccl" or (cfg.dist.backend == "auto" and torch.cuda.is_available())
+    if t.precision == "bf16" and on_cuda and not torch.cuda.is_bf16_supported():
+        raise ConfigError(
+            f"train.precision (bf16) is not supported by this GPU ({torch.cuda.get_device_name()}); "
+            f"use train.precision=fp16 (with loss scaling) or fp32"
+        )
+    if (
+        not (t.loss_scale > 0 and math.isfinite(t.loss_scale))
+        or t.loss_scale_growth_interval < 1
+        or not t.loss_scale_min > 0
+    ):
+        raise ConfigError(
+            f"train.loss_scale ({t.loss_scale}) and train.loss_scale_min ({t.loss_scale_min}) must be positive numbers "
+            f"and train.loss_scale_growth_interval ({t.loss_scale_growth_interval}) >= 1"
+        )
+
+
+def signal_numbers(names: Sequence[str]) -> Dict[str, int]:
+    """The signals ``train.preempt_signals`` names, by name.
+
+    Raises:
+        ValueError: a name that is no signal here, or one that cannot be caught.
+    """
+    out = {}
+    for name in names:
+        sig = getattr(signal.Signals, str(name).upper(), None) if str(name).upper().startswith("SIG") else None
+        if sig is None or sig.name in UNCATCHABLE:
+            catchable = sorted(
+                s.name for s in signal.Signals if s.name not in UNCATCHABLE and not s.name.startswith("SIG_")
+            )
+            raise ValueError(f"{name!r} is not a signal that can be caught here; use names such as {catchable[:12]}")
+        out[sig.name] = int(sig)
+    return out
+
+
+def validate_steps(t: TrainConfig) -> None:
+    """The training-length settings, which ``partition=auto`` checks before it profiles and plans.
+
+    Raises:
+        ConfigError: naming the value and the fix.
+    """
+    if t.num_steps < 1 or t.log_every < 1:
+        raise ConfigError(f"train.num_steps ({t.num_steps}) and train.log_every ({t.log_every}) must be >= 1")
+    if not 0 <= t.warmup_steps < t.num_steps:
+        raise ConfigError(
+            f"train.warmup_steps ({t.warmup_steps}) must be in [0, train.num_steps ({t.num_steps})) "
+            f"so that throughput is measured on at least one step; lower it"
+        )
+    try:
+        signal_numbers(t.preempt_signals)
+    except ValueError as e:
+        raise ConfigError(f"train.preempt_signals ({list(t.preempt_signals)}): {e}; or [] for none") from None
+
+
+SAVE_FINAL = ("gathered", "sharded", "none")
+
+
+def _validate_final(cfg: Config) -> None:
+    """What a run writes at its end: ``train.save_final`` and ``train.export_hf``."""
+    t = cfg.train
+    if t.save_final not in SAVE_FINAL:
+        raise ConfigError(f"train.save_final ({t.save_final!r}) is unknown; use one of {list(SAVE_FINAL)}")
+    if t.export_hf is not None:
+        if not isinstance(cfg.model, HFModelConfig):
+            raise ConfigError(
+                f"train.export_hf ({t.export_hf}) writes a Hugging Face model, which needs model=hf; use model=hf "
+                "(model.pretrained=DIR, model.config_path=... or a hand-written model.config) or drop train.export_hf"
+            )
+        parent = Path(t.export_hf).resolve().parent
+        if not parent.is_dir():
+            raise ConfigError(
+                f"train.export_hf ({t.export_hf}): its parent directory {parent} does not exist; create it first"
+            )
+
+
+def validate(
+    cfg: Config,
+    *,
+    world_size: int,
+    num_layers: Optional[int] = None,
+    local_world_size: int = 1,
+) -> List[int]:
+    """Checks a config before any process group starts: all that needs no model and no data file
+    (``pipedream2bw.run.preflight.check`` adds those, and calls this first).
+
+    Args:
+        cfg: the run's config.
+        world_size: number of ranks that will run it.
+        local_world_size: ranks on this node (one GPU each under NCCL).
+        num_layers: length of a user's layer list; None for the GPT that ``cfg.model`` describes.
+
+    Returns:
+        The balance (layers per stage) the run will use: ``pipeline.balance``, else
+        ``gpt_balance`` for the GPT and ``even_balance`` for other layer lists.
+
+    Raises:
+        ConfigError: naming the value, why it is wrong and how to fix it.
+    """
+    p, mdl = cfg.pipeline, cfg.model
+    gpt = num_layers is None
+    if gpt and not isinstance(mdl, GPTConfig):
+        raise ConfigError(
+            f"model ({mdl!r}) is not a GPTConfig; pass its layer count (the runner does) or use model=gpt"
+        )
+    num_layers = model_num_layers(mdl) if gpt else num_layers
+    _validate_shape(cfg, world_size)
+    balance = _validate_balance(cfg, num_layers, gpt=gpt)
+    _validate_model_and_optim(cfg)
+    _validate_train(cfg)
+    _validate_run(cfg, local_world_size)
+    _validate_swap(cfg.swap, p.num_stages)
+    return balance
+
+
+def _validate_shape(cfg: Config, world_size: int) -> None:
+    """The pipeline's shape: schedule, stages, microbatches, replicas, against the ranks launched."""
+    p = cfg.pipeline
+    d, m = p.num_stages, p.num_microbatches
+    if p.schedule not in SCHEDULES:
+        raise ConfigError(f"pipeline.schedule ({p.schedule!r}) is unknown; use one of {list(SCHEDULES)}")
+    if d < 1:
+        raise ConfigError(f"pipeline.num_stages ({d}) must be >= 1")
+    if m < 1 or p.microbatch_size < 1:
+        raise ConfigError(
+            f"pipeline.num_microbatches ({m}) and pipeline.microbatch_size ({p.microbatch_size}) must be >= 1"
+        )
+    w = p.data_parallel
+    if w < 1:
+        raise ConfigError(f"pipeline.data_parallel ({w}) must be >= 1")
+    if world_size % d:
+        raise ConfigError(
+            f"world size ({world_size}) is not divisible by pipeline.num_stages ({d}); "
+            f"launch a multiple of {d} ranks or change pipeline.num_stages"
+        )
+    if world_size != d * w:
+        raise ConfigError(
+            f"world size ({world_size}) must equal pipeline.num_stages ({d}) x pipeline.data_parallel ({w}) = {d * w}; "
+            f"launch with torchrun --nproc-per-node {d * w} or set pipeline.data_parallel={world_size // d}"
+        )
+
+
+def _validate_balance(cfg: Config, num_layers: int, *, gpt: bool) -> List[int]:
+    """The global batch, the buckets and the split of the model's ``num_layers`` layers into stages.
+
+    Returns:
+        The balance: ``pipeline.balance``, else the GPT's or an even split.
+    """
+    p, mdl = cfg.pipeline, cfg.model
+    d, m, w = p.num_stages, p.num_microbatches, p.data_parallel
+    per_batch = w * p.microbatch_size
+    B = cfg.train.global_batch_size
+    if B is not None and (B % per_batch or B // per_batch != m):
+        fix = (
+            f"set pipeline.num_microbatches={B // per_batch}"
+            if B % per_batch == 0 and B > 0
+            else (f"use a multiple of data_parallel x microbatch_size = {per_batch}")
+        )
+        raise ConfigError(
+            f"train.global_batch_size ({B}) must equal pipeline.data_parallel ({w}) x pipeline.num_microbatches ({m}) "
+            f"x pipeline.microbatch_size ({p.microbatch_size}) = {w * m * p.microbatch_size}; {fix}"
+        )
+    if p.bucket_mb <= 0:
+        raise ConfigError(f"pipeline.bucket_mb ({p.bucket_mb}) must be > 0")
+    if d > num_layers:
+        raise ConfigError(
+            f"pipeline.num_stages ({d}) is more than the model's {num_layers} layers; "
+            f"lower pipeline.num_stages or add layers (model.num_layers)"
+        )
+    default = gpt_balance(mdl, d) if gpt else even_balance(num_layers, d)
+    balance = list(p.balance) if p.balance is not None else default
+    if len(balance) != d or any(n < 1 for n in balance) or sum(balance) != num_layers:
+        raise ConfigError(
+            f"pipeline.balance ({balance}) must list {d} positive layer counts (one per stage) "
+            f"summing to the model's {num_layers} layers; e.g. pipeline.balance={default}"
+        )
+    if p.schedule == "2bw" and m < d:
+        raise ConfigError(
+            f"pipeline.num_microbatches ({m}) must be >= pipeline.num_stages ({d}) for 2bw "
+            f"(two weight versions suffice only then); raise pipeline.num_microbatches to {d} or more"
+        )
+    return balance
+
+
+def _validate_model_and_optim(cfg: Config) -> None:
+    """The GPT's heads, the sequence length, the optimizer (built once, on a scalar), its step rules and sharding."""
+    mdl = cfg.model
+    if isinstance(mdl, GPTConfig) and mdl.d_model % mdl.num_heads:
+        raise ConfigError(f"model.num_heads ({mdl.num_heads}) must divide model.d_model ({mdl.d_model})")
+    if mdl.seq_len < 1:
+        raise ConfigError(f"model.seq_len ({mdl.seq_len}) must be >= 1")
+    if cfg.optim.lr <= 0 or not math.isfinite(cfg.optim.lr):
+        raise ConfigError(f"optim.lr ({cfg.optim.lr}) must be a positive number")
+    if optimizer_of(cfg.optim) is torch.optim.LBFGS:
+        raise ConfigError(
+            "optim (lbfgs) re-evaluates the loss through a closure, which a pipeline cannot; use sgd, adam, adamw, ..."
+        )
+    _validate_optim_extras(cfg)  # before the trial build: it names what Muon and the corrections refuse
+    build_optimizer([torch.nn.Parameter(torch.zeros(1))], cfg.optim)
+    _validate_step_rules(cfg)
+    _validate_sharding(cfg)
+
+
+DELAY_CORRECTIONS = ("none", "error_feedback", "lookahead")
+
+
+def _validate_optim_extras(cfg: Config) -> None:
+    """optim.name=muon and optim.delay_correction: what composes, and what is refused and why."""
+    o = cfg.optim
+    if o.delay_correction not in DELAY_CORRECTIONS:
+        raise ConfigError(
+            f"optim.delay_correction ({o.delay_correction!r}) is unknown; use one of {list(DELAY_CORRECTIONS)}"
+        )
+    muon = not o.target and o.name.lower() == "muon"
+    if muon:
+        others = optimizer_class(o.muon_others)  # raises for an unknown name
+        if others is torch.optim.Muon:
+            raise ConfigError(
+                "optim.muon_others (muon): Muon takes only 2-D parameters; name the optimizer for the rest, "
+                "e.g. optim.muon_others=adamw"
+            )
+        if o.sharded and cfg.pipeline.data_parallel > 1:
+            raise ConfigError(
+                "optim.name (muon) with optim.sharded (true) at pipeline.data_parallel > 1: Muon orthogonalizes "
+                "whole matrices, and sharding gives each replica a flat piece of every parameter; set "
+                "optim.sharded=false (or use an elementwise optimizer such as adamw)"
+            )
+    if o.delay_correction == "none":
+        return
+    if cfg.pipeline.schedule != "2bw":
+        log.info(
+            "optim.delay_correction (%s) is off under pipeline.schedule=%s: every gradient is taken at the weights it "
+            "updates, so there is no delay to correct",
+            o.delay_correction,
+            cfg.pipeline.schedule,
+        )
+    if o.delay_correction == "error_feedback" and not (
+        math.isfinite(o.error_feedback_beta) and o.error_feedback_beta >= 0
+    ):
+        raise ConfigError(f"optim.error_feedback_beta ({o.error_feedback_beta}) must be a finite number >= 0")
+    if o.delay_correction == "lookahead":
+        name = "custom" if o.target else o.name.lower()
+        if name not in ("adamw", "muon") or (muon and o.muon_others.lower() != "adamw"):
+            raise ConfigError(
+                f"optim.delay_correction (lookahead) with optim.name ({o.target or o.name})"
+                + (f" and optim.muon_others ({o.muon_others})" if muon else "")
+                + ": the look-ahead is Nesterov momentum 0.99 in place of AdamW's heavy ball (NAdamW) and Muon's "
+                "momentum; it is defined for adamw and muon (with muon_others=adamw); use one of them, or "
+                "optim.delay_correction=error_feedback, which wraps any optimizer"
+            )
+        if "betas" in o.kwargs and o.kwargs["betas"][0] != 0.99 or "momentum" in o.muon_kwargs:
+            raise ConfigError(
+                "optim.delay_correction (lookahead) sets beta1 (optim.kwargs.betas[0]) and Muon's momentum to "
+                "0.99; remove them from optim.kwargs / optim.muon_kwargs (betas[1] may stay: give betas=[0.99, b2])"
+            )
+
+
+def _validate_train(cfg: Config) -> None:
+    """The training loop's settings: steps, checkpoints, validation, what to resume, what to trace."""
+    p = cfg.pipeline
+    t = cfg.train
+    validate_steps(t)
+    if t.checkpoint_every < 0 or t.keep_checkpoints < 1:
+        raise ConfigError(
+            f"train.checkpoint_every ({t.checkpoint_every}) must be >= 0 (0: no checkpoints) and "
+            f"train.keep_checkpoints ({t.keep_checkpoints}) >= 1"
+        )
+    if t.eval_every < 0 or t.eval_batches < 1:
+        raise ConfigError(
+            f"train.eval_every ({t.eval_every}) must be >= 0 (0: no validation) and train.eval_batches "
+            f"({t.eval_batches}) >= 1"
+        )
+    if t.resume not in ("auto", "never") and not Path(t.resume).exists():
+        raise ConfigError(
+            f"train.resume ({t.resume}) is neither 'auto', 'never' nor an existing path; "
+            f"point it at a checkpoint, a checkpoints/ directory or a run directory"
+        )
+    if p.trace:
+        first = t.warmup_steps if p.trace_first_step is None else p.trace_first_step
+        if p.trace_steps < 1 or first < 0 or first + p.trace_steps > t.num_steps:
+            raise ConfigError(
+                f"pipeline.trace_first_step ({first}) and pipeline.trace_steps ({p.trace_steps}) must trace at least "
+                f"one of the train.num_steps ({t.num_steps}) steps and no more; lower them or raise train.num_steps"
+            )
+
+
+def _validate_run(cfg: Config, local_world_size: int) -> None:
+    """Precision, what the run writes at its end, tracking and the process groups' backend."""
+    _validate_precision(cfg)
+    _validate_final(cfg)
+    if cfg.wandb.mode not in WANDB_MODES:
+        raise ConfigError(f"wandb.mode ({cfg.wandb.mode!r}) is unknown; use one of {list(WANDB_MODES)}")
+    if cfg.dist.backend not in BACKENDS:
+        raise ConfigError(f"dist.backend ({cfg.dist.backend!r}) is unknown; use one of {list(BACKENDS)}")
+    if cfg.dist.backend == "nccl" and not torch.cuda.is_available():
+        raise ConfigError("dist.backend (nccl) needs CUDA, which is not available here; use dist.backend=gloo")
+    uses_nccl = cfg.dist.backend == "nccl" or (cfg.dist.backend == "auto" and torch.cuda.is_available())
+    if uses_nccl and local_world_size > torch.cuda.device_count():
+        raise ConfigError(
+            f"{local_world_size} ranks on this node but {torch.cuda.device_count()} GPUs: NCCL needs one GPU per rank "
+            f"(LOCAL_RANK); launch at most {torch.cuda.device_count()} ranks per node or use dist.backend=gloo"
+        )
+    if cfg.dist.timeout_s <= 0:
+        raise ConfigError(f"dist.timeout_s ({cfg.dist.timeout_s}) must be > 0")

@@ -1,0 +1,51 @@
+"""Token data: byte-level text or token-id files, split, windowed and fed as microbatches; the shipped corpus.
+Imports config and errors only.
+"""
+
+from pipedream2bw.data.tokens import (
+    BYTE_VOCAB,
+    SHIPPED_CORPUS,
+    TOKEN_DTYPES,
+    TOKEN_SUFFIX,
+    TRAIN,
+    VALIDATION,
+    Array,
+    DataInfo,
+    MicrobatchFeed,
+    check_data,
+    data_resident_bytes,
+    describe_tokens,
+    is_token_file,
+    load_bytes,
+    load_splits,
+    make_feeds,
+    mapped_resident_bytes,
+    meta_path,
+    open_tokens,
+    read_windows,
+    split_sizes,
+)
+
+__all__ = [
+    "SHIPPED_CORPUS",
+    "TOKEN_SUFFIX",
+    "TRAIN",
+    "VALIDATION",
+    "TOKEN_DTYPES",
+    "BYTE_VOCAB",
+    "Array",
+    "is_token_file",
+    "meta_path",
+    "describe_tokens",
+    "load_bytes",
+    "open_tokens",
+    "split_sizes",
+    "load_splits",
+    "make_feeds",
+    "DataInfo",
+    "check_data",
+    "MicrobatchFeed",
+    "read_windows",
+    "mapped_resident_bytes",
+    "data_resident_bytes",
+]

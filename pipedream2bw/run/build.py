@@ -1,0 +1,509 @@
+"""Build: this rank's components from the config sections each uses (the stage module and its tied copies,
+weight versions and optimizer, step rule, process groups, data and evaluator, actions, swapper, worker)."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
+
+import torch
+import torch.utils.checkpoint
+from torch import nn
+
+from pipedream2bw.config import (
+    Config,
+    DataConfig,
+    DistConfig,
+    OptimConfig,
+    PipelineConfig,
+    SwapConfig,
+    TrainConfig,
+    build_optimizer,
+    optimizer_name,
+    swap_stages,
+)
+from pipedream2bw.config.optimizers import tag_muon_params
+from pipedream2bw.data import make_feeds
+from pipedream2bw.io import checkpoint, timeline
+from pipedream2bw.memory import precision as precisions
+from pipedream2bw.memory.host_optim import HostOptimizerVersions
+from pipedream2bw.memory.loss_scale import LossScaler, ScaledStepRule
+from pipedream2bw.memory.sharding import ShardedVersions
+from pipedream2bw.memory.swap import SwapManager, make_backend
+from pipedream2bw.pipeline import comm, schedule, ties
+from pipedream2bw.pipeline.agreement import StepRule
+from pipedream2bw.pipeline.layout import Layout
+from pipedream2bw.pipeline.schedule import Action
+from pipedream2bw.pipeline.versions import WeightVersions, bucketize
+from pipedream2bw.run import evaluate, preempt
+from pipedream2bw.run.lr_schedule import lr_at
+from pipedream2bw.run.model import RunModel, stage_module
+from pipedream2bw.run.runtime import RankPlan
+from pipedream2bw.run.stage import Peers, StageWorker
+
+log = logging.getLogger(__name__)
+
+
+def _tie_groups(ctx: comm.DistContext, layout: Layout, tied: Sequence[ties.Tie], balance, module: nn.Module):
+    """One process group per distinct set of ranks holding tied copies (made on every rank, in the
+    same order); returns [(group, source rank, [(tie, parameter index in ``module``)])] for the
+    groups this rank is in. The source, the first holder stage's replica 0, owns the canonical copy."""
+    sets: Dict[Tuple[int, ...], List[ties.Tie]] = {}
+    for tie in tied:
+        stages = ties.holders(tie, balance)
+        if len(stages) > 1:
+            sets.setdefault(tuple(sorted(r for st in stages for r in layout.ranks[st])), []).append(tie)
+    groups = comm.new_groups(ctx, list(sets)) if sets else []
+    index = {id(q): i for i, q in enumerate(module.parameters())}
+    mine = []
+    for group, (ranks, group_ties) in zip(groups, sets.items()):
+        if ctx.rank in ranks:
+            src = layout.ranks[ties.holders(group_ties[0], balance)[0]][0]
+            held = []
+            for tie in group_ties:
+                name = next(n for n in tie.names if n.split(".", 1)[0] in module._modules)
+                held.append((tie, index[id(module.get_parameter(name))]))
+            mine.append((group, src, held))
+    return mine
+
+
+def build_stage(
+    rt: RankPlan, ctx: comm.DistContext, model: RunModel
+) -> Tuple[nn.Module, List[Tuple[Any, int, List[Tuple[ties.Tie, int]]]]]:
+    """This rank's stage module on its device and the groups of its tied parameters (``_tie_groups``),
+    every tied copy set to its canonical one."""
+    torch.manual_seed(rt.seed)
+    module = stage_module(rt.layer_indices, model.layers, model.source, recompute=rt.recompute, tied=model.tied)
+    module = module.to(rt.device)
+    tie_groups = _tie_groups(ctx, rt.layout, model.tied, rt.balance, module)
+    with torch.no_grad():  # every copy starts as the canonical one (a rank building its layers alone made its own)
+        for group, src, held in tie_groups:
+            for _, i in held:
+                comm.broadcast(list(module.parameters())[i].data, src=src, group=group)
+    return module, tie_groups
+
+
+def build_versions(
+    rt: RankPlan,
+    module: nn.Module,
+    tie_groups,
+    *,
+    bucket_mb: float,
+    swap: SwapConfig,
+    optim: OptimConfig,
+    weight_dtype_name: str = "fp32",
+) -> Tuple[WeightVersions, List[List[int]], int]:
+    """The stage's weight versions and optimizer, with its gradient buckets.
+
+    Returns:
+        (versions, buckets as parameter indices, how many of them are data-parallel ones).
+    """
+    # Tied parameters are summed across their holders (TieExchange), one bucket each, after the
+    # data-parallel buckets that the GradReducer averages across this stage's replicas.
+    params = list(module.parameters())
+    tied_index = [i for _, _, held in tie_groups for _, i in held]
+    rest = [i for i in range(len(params)) if i not in set(tied_index)]
+    buckets = [
+        [rest[j] for j in bucket] for bucket in bucketize([params[i] for i in rest], bucket_bytes=bucket_mb * 2**20)
+    ]
+    buckets = [bucket for bucket in buckets if bucket] + [[i] for i in tied_index]
+    num_dp_buckets = len(buckets) - len(tied_index)
+    if rt.schedule != "2bw" and optim.delay_correction != "none":  # flush, gpipe: no delay, nothing to correct
+        optim = dataclasses.replace(optim, delay_correction="none")
+    if not optim.target and optim.name.lower() == "muon":  # which parameters Muon takes: see OptimConfig.muon_exclude
+        tag_muon_params(module, optim.muon_exclude)
+    factory = lambda params: build_optimizer(params, optim)  # noqa: E731
+    sharded = optim.sharded and rt.data_parallel > 1
+    weight_dtype = precisions.weight_dtype(rt.precision, weight_dtype_name)
+    if sharded or weight_dtype != torch.float32:  # the replicas' group ranks are sorted global ranks
+        versions = ShardedVersions(
+            module,
+            schedule=rt.schedule,
+            optimizer_factory=factory,
+            buckets=buckets,
+            num_sharded=num_dp_buckets if sharded else 0,
+            shard_index=sorted(rt.layout.ranks[rt.stage]).index(rt.rank),
+            num_shards=rt.data_parallel if sharded else 1,
+            host=swap.optimizer == "host",
+            weight_dtype=weight_dtype,
+        )
+    else:
+        versions = (HostOptimizerVersions if swap.optimizer == "host" else WeightVersions)(
+            module, schedule=rt.schedule, optimizer_factory=factory, buckets=buckets
+        )
+    return versions, buckets, num_dp_buckets
+
+
+def step_rule(rt: RankPlan, train: TrainConfig, optim: OptimConfig) -> StepRule:
+    """What a step does with its gradient: clip, and skip or stop on non-finite values (fp16: the loss scaler's)."""
+    if rt.precision != "fp16":
+        return StepRule(clip_grad_norm=optim.clip_grad_norm, on_nonfinite=train.on_nonfinite)
+    # The loss scaler owns skipping; its scale changes reach batches one (2bw: two) later.
+    scaler = LossScaler(
+        init_scale=train.loss_scale,
+        growth_interval=train.loss_scale_growth_interval,
+        min_scale=train.loss_scale_min,
+    )
+    return ScaledStepRule(
+        scaler,
+        lag=2 if rt.schedule == "2bw" else 1,
+        clip_grad_norm=optim.clip_grad_norm,
+        on_nonfinite=train.on_nonfinite,
+    )
+
+
+def restore(
+    rt: RankPlan,
+    resume: Tuple[Path, Dict[str, Any]],
+    versions: WeightVersions,
+    rule: StepRule,
+    *,
+    optim: OptimConfig,
+    tied: Sequence[ties.Tie],
+) -> None:
+    """Loads this stage's weights, optimizer, loss scaler and (under the same layout) RNG states from the checkpoint."""
+    path, manifest = resume
+    first_batch = rt.first_step
+    state = checkpoint.load_layers(path, rt.layer_indices, ties=[list(t.names) for t in tied])
+    if rt.schedule == "2bw" and state["previous"] is None:
+        log.warning(
+            "%s holds one weight version (a %s run): batch %d runs with W(%d), not W(%d)",
+            path,
+            manifest["schedule"],
+            first_batch,
+            first_batch,
+            first_batch - 1,
+        )
+    if manifest["global_batch_size"] != rt.global_batch:
+        log.warning(
+            "%s was trained with global batch %d, this run uses %d: training continues, but not as the same run",
+            path,
+            manifest["global_batch_size"],
+            rt.global_batch,
+        )
+    if manifest["optimizer"] != optimizer_name(optim):
+        log.warning(
+            "%s holds %s state; this run's optimizer is %s: it starts afresh",
+            path,
+            manifest["optimizer"],
+            optimizer_name(optim),
+        )
+        state["optimizer"] = {}
+    masters = state["masters"]  # float32 masters of a sharded or weight_dtype=compute run: the truer weights
+    if isinstance(versions, ShardedVersions):
+        versions.load_state(
+            step=first_batch, masters=masters, **{k: state[k] for k in ("weights", "previous", "optimizer")}
+        )
+    else:
+        weights = {**state["weights"], **masters}
+        versions.load_state(step=first_batch, weights=weights, previous=state["previous"], optimizer=state["optimizer"])
+    if isinstance(rule, ScaledStepRule) and manifest.get("loss_scaler") is not None:
+        rule.load_state_dict(manifest["loss_scaler"])
+    elif isinstance(rule, ScaledStepRule):
+        log.warning(
+            "%s holds no loss scaler state (a %s run): the loss scale starts afresh at %g",
+            path,
+            manifest.get("precision", "fp32"),
+            rule.scaler.scale,
+        )
+    rng = checkpoint.load_rng(path, rt.rank) if manifest["layout"] == rt.layout_record else None
+    if rng is not None:
+        checkpoint.set_rng_state(rng)
+
+
+class Groups(NamedTuple):
+    """What this rank talks to its peers through besides p2p (None: not needed by this run)."""
+
+    reducer: Optional[comm.GradReducer]  # averages the data-parallel buckets over the stage's replicas
+    exchange: Optional[ties.TieExchange]  # sums tied gradients over their holders
+    checker: Optional[ties.TieChecker]  # pipeline.check_ties: checks tied copies stay equal
+    agreement: Optional[comm.AsyncSum]  # the step rule's sums over all ranks
+
+
+def comm_groups(
+    rt: RankPlan,
+    ctx: comm.DistContext,
+    versions: WeightVersions,
+    dp_buckets: List[List[int]],
+    tie_groups,
+    rule: StepRule,
+    check_ties: bool,
+) -> Groups:
+    """The gradient all-reduce, tie exchange and checker, and step agreement of this rank."""
+    reducer = None
+    if rt.data_parallel > 1:  # every rank makes every stage's group, in the same order
+        group = comm.new_groups(ctx, rt.layout.ranks)[rt.stage]
+        if dp_buckets:
+            reducer = comm.GradReducer(
+                ctx,
+                group=group,
+                replicas=[list(r.parameters()) for r in versions.replicas],
+                buckets=dp_buckets,
+                sharded=isinstance(versions, ShardedVersions) and versions.num_sharded > 0,
+            )
+        if isinstance(versions, ShardedVersions) and versions.num_sharded > 0:
+            versions.connect(lambda shard, full: comm.all_gather_async(ctx, shard, full, group=group))
+    exchange = None
+    if tie_groups:  # a copy whose canonical one (replica 0 of the first holder stage) is on another stage: norm there
+        elsewhere = [i for _, src, held in tie_groups if rt.layout.position(src)[0] != rt.stage for _, i in held]
+        exchange = ties.TieExchange(
+            comm, ctx, versions, [(g, [i for _, i in held]) for g, _, held in tie_groups], norm_excluded=elsewhere
+        )
+    checker = None
+    if check_ties and tie_groups:
+        checker = ties.TieChecker(
+            comm,
+            ctx,
+            versions,
+            [(g, [i for _, i in held], [t.canonical for t, _ in held]) for g, _, held in tie_groups],
+        )
+    # The step agreement's own group of all ranks, made (or not: the config decides) on every rank in the same order.
+    agreement = (
+        comm.AsyncSum(ctx, group=comm.new_groups(ctx, [range(ctx.world_size)])[0]) if rule.needs_agreement else None
+    )
+    return Groups(reducer, exchange, checker, agreement)
+
+
+def peers(rt: RankPlan) -> Peers:
+    """This rank's neighbours in its replica's pipeline; rank 0 also hears every replica's loss from the last stage."""
+    return Peers(
+        prev=rt.prev_rank,
+        next=rt.next_rank,
+        loss_sources=tuple(rt.layout.ranks[rt.num_stages - 1]) if rt.rank == 0 else (),
+    )
+
+
+def data(
+    rt: RankPlan, ctx: comm.DistContext, peers: Peers, data: DataConfig, train: TrainConfig, loss_fn: Callable
+) -> Tuple[Any, Any, Optional[evaluate.Evaluator]]:
+    """The training and validation feeds (first and last stages only) and the evaluator (``train.eval_every``).
+
+    Returns:
+        (training feed, validation feed, evaluator), None where this rank has none.
+    """
+    feed = val_feed = None
+    if rt.stage in (0, rt.num_stages - 1):  # only the first (inputs) and last (targets) stages open the data
+        feed, val_feed = make_feeds(
+            data,
+            seq_len=rt.seq_len,
+            microbatch_size=rt.microbatch_size,
+            num_microbatches=rt.num_microbatches,
+            seed=rt.seed,
+            num_replicas=rt.data_parallel,
+            replica=rt.replica,
+        )
+    evaluator = None
+    if train.eval_every:  # its own group (made on every rank): validation transfers never queue behind training's
+        evaluator = evaluate.Evaluator(
+            prev=peers.prev,
+            next=peers.next,
+            loss_sources=peers.loss_sources,
+            feed=val_feed,
+            p2p=comm.P2P(ctx, group=comm.new_groups(ctx, [range(ctx.world_size)])[0]),
+            num_microbatches=train.eval_batches * rt.num_microbatches,
+            loss_fn=loss_fn,
+            device=rt.device,
+            precision=rt.precision,
+            # weights stored in the compute dtype (train.weight_dtype=compute): the stage runs in it, as in training
+            upcast=precisions.weight_dtype(rt.precision, train.weight_dtype) == torch.float32,
+        )
+    return feed, val_feed, evaluator
+
+
+def batch_sends(dist: DistConfig, rt: RankPlan) -> bool:
+    """Whether sends are held for the next receive (``dist.batch_p2p``; null: under NCCL)."""
+    return dist.batch_p2p if dist.batch_p2p is not None else rt.backend == "nccl"
+
+
+def actions(rt: RankPlan, *, batch_sends: bool) -> List[Action]:
+    """This rank's actions for this run's batches, checked and with its communication lowered."""
+    return schedule.rank_actions(
+        rt.schedule,
+        stage_index=rt.stage,
+        num_stages=rt.num_stages,
+        num_microbatches=rt.num_microbatches,
+        first_batch=rt.first_step,
+        num_batches=rt.num_steps - rt.first_step,
+        batch_sends=batch_sends,
+    )
+
+
+def worker(
+    rt: RankPlan,
+    ctx: comm.DistContext,
+    peers: Peers,
+    versions: WeightVersions,
+    feed: Any,
+    loss_fn: Callable,
+    groups: Groups,
+    rule: StepRule,
+    swap: Optional[SwapManager],
+    optim: OptimConfig,
+    dist: DistConfig,
+    tied: Sequence[ties.Tie],
+    *,
+    early_apply: bool = True,
+) -> StageWorker:
+    """The stage worker that runs this rank's actions (``early_apply``: StageWorker's)."""
+    m, w = rt.num_microbatches, rt.data_parallel
+    exchanged = any(len(ties.holders(tie, rt.balance)) > 1 for tie in tied)  # on some stages, maybe not this one
+    return StageWorker(
+        stage_index=rt.stage,
+        num_stages=rt.num_stages,
+        num_microbatches=m,
+        peers=peers,
+        versions=versions,
+        feed=feed,
+        p2p=comm.P2P(ctx, batch_sends=batch_sends(dist, rt)),
+        loss_fn=loss_fn,
+        device=rt.device,
+        reducer=groups.reducer,
+        grad_scale=1.0 / (m * w),
+        swap=swap,
+        replica=rt.replica,
+        step_rule=rule,
+        agreement=groups.agreement,
+        lr_at=lambda t: lr_at(t, optim, num_steps=rt.num_steps),
+        exchanges=[groups.exchange] if groups.exchange is not None else [],
+        precision=rt.precision,
+        steps_wait_on_others=exchanged,
+        early_apply=early_apply,
+    )
+
+
+def trace(rt: RankPlan, worker: StageWorker, pipeline: PipelineConfig, *, warmup_steps: int) -> None:
+    """``pipeline.trace``: sets the worker's timeline recorder over the traced steps."""
+    p = pipeline
+    if not p.trace:
+        return
+    first_batch = rt.first_step  # traced steps are counted from 0, whatever step a resumed run starts at
+    first = max(first_batch, warmup_steps if p.trace_first_step is None else p.trace_first_step)
+    if first + p.trace_steps <= rt.num_steps:
+        worker.trace = timeline.Recorder(first_step=first, num_steps=p.trace_steps, run_start=first_batch)
+    else:
+        log.warning(
+            "pipeline.trace: steps %d..%d were trained before this resumed run; nothing traced",
+            first,
+            first + p.trace_steps - 1,
+        )
+
+
+def swap_manager(swap: SwapConfig, rt: RankPlan, in_flight: int, versions: WeightVersions) -> Optional[SwapManager]:
+    """This stage's activation swapper, if ``swap`` selects it and it can help."""
+    s = rt.stage
+    if s not in swap_stages(swap, rt.num_stages):
+        return None
+    if in_flight <= swap.resident + 1:
+        log.warning(
+            "swap: stage %d has at most %d microbatch(es) in flight and swap.resident=%d keeps %d of them besides the "
+            "one computing: nothing to swap, so it does not",
+            s,
+            in_flight,
+            swap.resident,
+            swap.resident,
+        )
+        return None
+    held = [t for r in versions.replicas for t in (*r.parameters(), *r.buffers())]  # never swapped
+    log.info(
+        "swap: activations of waiting microbatches >= %d bytes to host, %d kept on the device",
+        swap.min_bytes,
+        swap.resident,
+    )
+    return SwapManager(make_backend(rt.device), min_bytes=swap.min_bytes, resident=swap.resident, exclude=held)
+
+
+@dataclasses.dataclass
+class Components:
+    """This rank's parts of the run, as ``components`` builds them (None: not needed by this run or rank)."""
+
+    tie_groups: List[Tuple[Any, int, List[Tuple[ties.Tie, int]]]]
+    versions: WeightVersions
+    num_dp_buckets: int
+    rule: StepRule
+    groups: Groups
+    feed: Any
+    val_feed: Any
+    evaluator: Optional[evaluate.Evaluator]
+    preemption: Optional[preempt.Agreement]
+    actions: List[Action]
+    worker: StageWorker
+
+
+def components(
+    cfg: Config,
+    rt: RankPlan,
+    ctx: comm.DistContext,
+    model: RunModel,
+    resume: Optional[Tuple[Path, Dict[str, Any]]],
+    *,
+    watch: preempt.Watch,
+) -> Components:
+    """This rank's components, each from ``rt`` and only the config sections it uses, restored from ``resume``.
+
+    Every rank makes every process group, in the same order: the ties' (build_stage), the stages'
+    data-parallel ones and the step agreement's (comm_groups), the evaluator's (data), the preemption
+    flag's (``train.preempt_signals``).
+    """
+    module, tie_groups = build_stage(rt, ctx, model)
+    versions, buckets, num_dp_buckets = build_versions(
+        rt,
+        module,
+        tie_groups,
+        bucket_mb=cfg.pipeline.bucket_mb,
+        swap=cfg.swap,
+        optim=cfg.optim,
+        weight_dtype_name=cfg.train.weight_dtype,
+    )
+    rule = step_rule(rt, cfg.train, cfg.optim)
+    if resume is not None:
+        restore(rt, resume, versions, rule, optim=cfg.optim, tied=model.tied)
+    groups = comm_groups(rt, ctx, versions, buckets[:num_dp_buckets], tie_groups, rule, cfg.pipeline.check_ties)
+    neighbours = peers(rt)
+    feed, val_feed, evaluator = data(rt, ctx, neighbours, cfg.data, cfg.train, model.loss_fn)
+    stop_rule = preemption(rt, ctx, watch)
+    own_actions = actions(rt, batch_sends=batch_sends(cfg.dist, rt))
+    in_flight = schedule.in_flight(rt.schedule, rt.stage, rt.num_stages, rt.num_microbatches)
+    swapper = swap_manager(cfg.swap, rt, in_flight, versions)
+    stage_worker = worker(
+        rt,
+        ctx,
+        neighbours,
+        versions,
+        feed,
+        model.loss_fn,
+        groups,
+        rule,
+        swapper,
+        cfg.optim,
+        cfg.dist,
+        model.tied,
+        # on_step passes through the stages (validation, the tie check): a sharded APPLY keeps apply_due's point
+        early_apply=not (cfg.train.eval_every or cfg.pipeline.check_ties),
+    )
+    trace(rt, stage_worker, cfg.pipeline, warmup_steps=cfg.train.warmup_steps)
+    return Components(
+        tie_groups=tie_groups,
+        versions=versions,
+        num_dp_buckets=num_dp_buckets,
+        rule=rule,
+        groups=groups,
+        feed=feed,
+        val_feed=val_feed,
+        evaluator=evaluator,
+        preemption=stop_rule,
+        actions=own_actions,
+        worker=stage_worker,
+    )
+
+
+def preemption(rt: RankPlan, ctx: comm.DistContext, watch: preempt.Watch) -> Optional[preempt.Agreement]:
+    """The agreement on a preemption stop (``train.preempt_signals``; None without signals)."""
+    if not watch.signals:
+        return None
+    # a CPU scalar per step on a gloo group of its own: no device sync, no queueing behind training
+    channel = None
+    if ctx.world_size > 1:
+        channel = comm.AsyncSum(ctx, group=comm.new_groups(ctx, [range(ctx.world_size)], backend="gloo")[0])
+    return preempt.Agreement(watch, channel, last_step=rt.num_steps - 1)

@@ -1,0 +1,149 @@
+"""What a run logs: the record prefix, logging for a programmatic run, the settings and sizes at its start."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from pipedream2bw.config import (
+    Config,
+    optimizer_name,
+)
+from pipedream2bw.pipeline import ties
+from pipedream2bw.run.model import RunModel
+from pipedream2bw.run.runtime import RankPlan
+
+log = logging.getLogger(__name__)
+
+
+LOG_FORMAT = "[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"
+"""Hydra's default job-logging format, which the CLI's train.log and console use."""
+
+
+_log_prefix = ""
+
+
+def set_log_prefix(prefix: str) -> None:
+    """Prefixes every later log record of this process with ``prefix`` (e.g. ``[stage s/rank r]``)."""
+    global _log_prefix
+    if not _log_prefix:
+        base = logging.getLogRecordFactory()
+
+        def factory(*args, **kwargs):
+            record = base(*args, **kwargs)
+            if isinstance(record.msg, str):
+                record.msg = _log_prefix + record.msg
+            return record
+
+        logging.setLogRecordFactory(factory)
+    _log_prefix = prefix + " "
+
+
+def configure_logging(run_dir: Path) -> None:
+    """Logs as the CLI does when the caller configured no logging (a programmatic ``run()``):
+    INFO and up to stderr and to ``<run_dir>/train.log``, in Hydra's format. Leaves logging
+    alone if the root logger has a handler already (Hydra's, or the caller's own)."""
+    root = logging.getLogger()
+    if root.handlers:
+        return
+    run_dir.mkdir(parents=True, exist_ok=True)
+    formatter = logging.Formatter(LOG_FORMAT)
+    for handler in (logging.StreamHandler(sys.stderr), logging.FileHandler(run_dir / "train.log")):
+        handler.setFormatter(formatter)
+        root.addHandler(handler)
+    root.setLevel(logging.INFO)
+
+
+def log_start(rt: RankPlan, num_dp_buckets: int, tie_groups) -> None:
+    """Logs what this rank runs, and the ties it holds."""
+    log.info(
+        "%s schedule, %s x %s, replica %d, balance %s, layers %s, %s, on %s (%s), precision %s",
+        rt.schedule,
+        _plural(rt.num_stages, "stage"),
+        _plural(rt.data_parallel, "replica"),
+        rt.replica,
+        list(rt.balance),
+        rt.layer_indices,
+        _plural(num_dp_buckets, "all-reduce bucket"),
+        rt.device,
+        rt.backend,
+        rt.precision,
+    )
+    for _, _, held in tie_groups:
+        for tie, _ in held:
+            log.info(
+                "tied across stages %s: %s; gradients summed over its holders",
+                ties.holders(tie, rt.balance),
+                ", ".join(tie.names),
+            )
+
+
+def format_duration(seconds: float) -> str:
+    """``3725.0`` -> ``'1h02m'``, ``83.0`` -> ``'1m23s'``, ``7.2`` -> ``'7s'``."""
+    s = int(round(seconds))
+    if s >= 3600:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
+def log_run(rt: RankPlan, cfg: Config, model: RunModel, feed: Any, val_feed: Any) -> None:
+    """Rank 0: the settings that matter, the parameters per stage and the data's size, at the start of the log."""
+    o = cfg.optim
+    sched = o.scheduler + (f", {o.warmup_steps} warm-up steps" if o.warmup_steps else "")
+    log.info(
+        "run: %s schedule, %s x %s (d=%d, w=%d), m=%d microbatches of b=%d sequences of %d tokens "
+        "(global batch %d sequences, %d tokens), %s steps, precision %s, optimizer %s lr %.4g (%s)%s",
+        rt.schedule,
+        _plural(rt.num_stages, "stage"),
+        _plural(rt.data_parallel, "replica"),
+        rt.num_stages,
+        rt.data_parallel,
+        rt.num_microbatches,
+        rt.microbatch_size,
+        rt.seq_len,
+        rt.global_batch,
+        rt.global_batch * rt.seq_len,
+        rt.num_steps if not rt.first_step else f"{rt.first_step}..{rt.num_steps}",
+        rt.precision,
+        optimizer_name(o),
+        o.lr,
+        sched,
+        f", clip {o.clip_grad_norm}" if o.clip_grad_norm is not None else "",
+    )
+    per_layer = [sum(p.numel() for p in layer.parameters()) for layer in model.whole()]
+    bounds = [sum(rt.balance[:s]) for s in range(rt.num_stages + 1)]
+    per_stage = [sum(per_layer[a:b]) for a, b in zip(bounds, bounds[1:])]
+    whole = sum(p.numel() for p in nn.Sequential(*model.whole()).parameters())  # a tied weight counts once
+    log.info(
+        "parameters: %s in all; per stage: %s",
+        f"{whole:,}",
+        ", ".join(f"{s}: {n:,} (layers {a}-{b - 1})" for s, (n, a, b) in enumerate(zip(per_stage, bounds, bounds[1:]))),
+    )
+    if feed is None:  # rank 0 is not a first or last stage (a custom rank_map): its data is not opened here
+        return
+    num_train = len(feed.data)
+    epochs = rt.num_steps * rt.global_batch * rt.seq_len / num_train
+    val = f", {len(val_feed.data):,} held out for validation" if val_feed is not None else ", no validation data"
+    log.info(
+        "data: %s, %s tokens to train on%s; %d steps read %s tokens (%.2f epochs)",
+        cfg.data.path or "the shipped corpus (bytes)",
+        f"{num_train:,}",
+        val,
+        rt.num_steps,
+        f"{rt.num_steps * rt.global_batch * rt.seq_len:,}",
+        epochs,
+    )
+
+
+def signal_name(signum: int) -> str:
+    import signal
+
+    return signal.Signals(signum).name

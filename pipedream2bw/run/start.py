@@ -1,0 +1,302 @@
+"""Start and resume, before any process group: the plan (partition=auto|file) and the checkpoint rank 0
+chooses and shares through the rendezvous store; the outputs/latest link."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.utils.checkpoint
+from torch import nn
+
+from pipedream2bw.config import (
+    Config,
+    GPTConfig,
+    default_plan_choices,
+    model_num_layers,
+    validate_steps,
+)
+from pipedream2bw.errors import ConfigError
+from pipedream2bw.io import checkpoint
+from pipedream2bw.io.fileio import atomic_symlink
+from pipedream2bw.memory import precision as precisions
+from pipedream2bw.pipeline import comm
+from pipedream2bw.pipeline.layout import Layout, make_layout
+from pipedream2bw.run import logs, preflight
+from pipedream2bw.run.model import RunModel, training_settings
+
+log = logging.getLogger(__name__)
+
+
+def link_latest(run_dir: Path, *, cwd: Optional[Path] = None) -> Optional[Path]:
+    """Points ``<results folder>/latest`` at ``run_dir``: ``outputs/latest`` -> ``2026-11-23/10-48-49``.
+
+    The results folder is the first folder of ``run_dir``'s path below the working directory
+    (``outputs`` for ``outputs/<date>/<time>``, also for a multirun's and a sweep's jobs under
+    ``outputs/multirun/`` and ``outputs/sweeps/``). The link is relative, so the folder can move,
+    and replaced atomically (``fileio.atomic_symlink``). Nothing is linked for a run directory that
+    is not at least two folders below the working directory.
+
+    Returns:
+        The link, or None.
+    """
+    try:
+        rel = Path(run_dir).resolve().relative_to((cwd or Path.cwd()).resolve())
+    except ValueError:  # not below the working directory
+        return None
+    if len(rel.parts) < 2:
+        return None
+    link = (cwd or Path.cwd()) / rel.parts[0] / "latest"
+    atomic_symlink(Path(*rel.parts[1:]), link)
+    return link
+
+
+def choose_checkpoint(
+    cfg: Config, run_dir: Path, store: Any, rank: int, world_size: int, model: RunModel
+) -> Optional[Tuple[Path, Dict[str, Any]]]:
+    """The checkpoint to resume from, per ``train.resume``: rank 0 chooses (verifying checksums,
+    setting corrupt ones aside, refusing another model's or other settings') and every rank gets its
+    choice, before any process group starts. Rank 0 first removes what an interrupted prune left.
+
+    Raises:
+        ConfigError: on every rank, when the checkpoint asked for is missing, of another
+            model or settings, already at ``train.num_steps``, or when checkpoints are there
+            but none can be loaded (``checkpoint.NoLoadableCheckpoint``).
+    """
+    t = cfg.train
+    if rank == 0:
+        checkpoint.clean_leftovers(run_dir / checkpoint.DIRNAME)
+    if t.resume == "never":
+        return None
+    answer, key = None, "resume"
+    if rank == 0:
+        try:
+            if t.resume == "auto":
+                checkpoint.clear_partials(run_dir / checkpoint.DIRNAME)
+            # resolved: a link (outputs/latest) may be re-pointed at this run before the other ranks read it
+            path, manifest = checkpoint.select(run_dir if t.resume == "auto" else Path(t.resume).resolve())
+            if path is None and t.resume != "auto":
+                raise ConfigError(
+                    f"train.resume ({t.resume}) holds no complete checkpoint with intact files; "
+                    f"point it at another checkpoint or use train.resume=never"
+                )
+            if path is not None:
+                checkpoint.check_model(manifest, model.param_shapes(), path)
+                checkpoint.check_ties(manifest, [list(t.names) for t in model.tied], path)
+                checkpoint.check_settings(
+                    manifest,
+                    model=model.settings(cfg.model),
+                    training=training_settings(cfg),
+                    where=path,
+                    strict=t.resume_strict,
+                )
+                if manifest["step"] >= t.num_steps:
+                    raise ConfigError(
+                        f"checkpoint {path} is at step {manifest['step']}, and train.num_steps is {t.num_steps}: "
+                        f"nothing left to train; raise train.num_steps"
+                    )
+            answer = json.dumps({"path": None if path is None else str(path)})
+        except Exception as e:  # the other ranks wait for an answer: give them this one
+            comm.share_from_rank0(
+                store, key, json.dumps({"error": str(e), "config": isinstance(e, ConfigError)}), world_size=world_size
+            )
+            raise
+    answer = json.loads(comm.share_from_rank0(store, key, answer, world_size=world_size))
+    if "error" in answer:
+        raise (ConfigError if answer["config"] else RuntimeError)(answer["error"])
+    if answer["path"] is None:
+        return None
+    path = Path(answer["path"])
+    manifest = json.loads((path / checkpoint.MANIFEST).read_text())
+    log.info("resuming from %s (step %d of %d)", path, manifest["step"], t.num_steps)
+    return path, manifest
+
+
+def resolve_partition(
+    cfg: Config,
+    store: Any,
+    *,
+    rank: int,
+    world_size: int,
+    local_world_size: int,
+    run_dir: Path,
+    model: RunModel,
+):
+    """``partition=auto|file``: rank 0 plans (or reads the plan file) and shares the plan's text
+    through the rendezvous store, before any process group starts; every rank applies it.
+
+    Returns:
+        (cfg with the plan's pipeline settings, its optim.sharded and train.weight_dtype, the plan).
+
+    Raises:
+        ConfigError: on every rank, when rank 0 could not plan (e.g. nothing fits), or the run sets an
+            optim.sharded or train.weight_dtype that the plan contradicts.
+    """
+    from partitioner.auto import PARTITION_MODES, apply_choices, apply_plan, plan_config, runtime_topology
+    from partitioner.planner import load_plan, plan_from_text, plan_to_text, save_plan
+
+    mode = cfg.partition.mode
+    validate_steps(cfg.train)  # before profiling and planning, which take a while
+    if mode not in PARTITION_MODES:
+        raise ConfigError(f"partition.mode ({mode!r}) is unknown; use one of {list(PARTITION_MODES)}")
+    key, text = "plan", None
+    if rank == 0:
+        try:
+            if mode == "file":
+                if not cfg.partition.path:
+                    raise ConfigError("partition=file needs partition.path=<plan file>")
+                text = plan_to_text(load_plan(cfg.partition.path))
+            else:
+                topo = runtime_topology(cfg.topology, world_size=world_size, local_world_size=local_world_size)
+                best = plan_config(cfg, devices=world_size, topology=topo, layers=model.layers, loss_fn=model.loss_fn)[
+                    0
+                ]
+                run_dir.mkdir(parents=True, exist_ok=True)
+                save_plan(best, cfg.partition.path or run_dir / "plan.yaml")
+                text = plan_to_text(best)
+        except ConfigError as e:
+            text = "ERROR " + str(e)
+        except Exception as e:  # the other ranks wait for the plan: tell them, then fail here
+            comm.share_from_rank0(
+                store, key, f"ERROR rank 0 could not plan: {type(e).__name__}: {e}", world_size=world_size
+            )
+            raise
+    text = comm.share_from_rank0(store, key, text if rank == 0 else None, world_size=world_size)
+    if text.startswith("ERROR "):
+        raise ConfigError(text[len("ERROR ") :])
+    plan = plan_from_text(text)
+    log.info(
+        "partition=%s: %d stages x %d replicas, b=%d, m=%d, balance %s, recompute %s, sharded %s, weight_dtype %s; "
+        "predicted %.1f samples/s",
+        mode,
+        plan.num_stages,
+        plan.data_parallel,
+        plan.microbatch_size,
+        plan.num_microbatches,
+        plan.balance,
+        plan.recompute,
+        plan.sharded,
+        plan.weight_dtype,
+        plan.predicted_samples_per_s,
+    )
+    precision = precisions.resolve(cfg.train.precision, "cuda" if torch.cuda.is_available() else "cpu")
+    optim, train = apply_choices(cfg.optim, cfg.train, plan, precision=precision)
+    gpt = model.layers is None and isinstance(cfg.model, GPTConfig)
+    num_layers = model_num_layers(cfg.model) if gpt else model.num_layers
+    pipeline, swap = apply_plan(cfg.pipeline, cfg.swap, plan, world_size=world_size, num_layers=num_layers)
+    return dataclasses.replace(cfg, pipeline=pipeline, swap=swap, optim=optim, train=train), plan
+
+
+@dataclasses.dataclass(frozen=True)
+class Started:
+    """What a rank knows once its run is accepted, before any process group: the config as planned, the
+    model, where this rank runs, the checkpoint to resume from and the plan's predictions."""
+
+    cfg: Config
+    model: RunModel
+    run_dir: Path
+    rank: int
+    world_size: int
+    local_rank: int
+    layout: Layout
+    balance: List[int]
+    store: Any
+    resume: Optional[Tuple[Path, Dict[str, Any]]]
+    predictions: Dict[str, Any]
+
+
+def start(
+    cfg: Config,
+    run_dir: Path,
+    *,
+    layers: Optional[Sequence[nn.Module]],
+    loss_fn: Optional[Callable[[Any, torch.Tensor], torch.Tensor]],
+    store: Optional[Any],
+    on_start: Optional[Callable[[], None]],
+) -> Started:
+    """Everything before the process groups, on every rank: the model, the plan (``partition=auto|file``),
+    every check of the config against the model and the data, the layout, the checkpoint to resume from.
+
+    Raises:
+        ConfigError: on every rank, before any process group starts.
+    """
+    model = RunModel.of(cfg, layers, loss_fn)
+    rank, world_size, local_rank = comm.env_rank()
+    logs.configure_logging(run_dir)
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    logs.set_log_prefix(f"[rank {rank}]")
+    plan, agreed = None, None  # agreed: keys for what rank 0 decides before any group starts (plan, checkpoint)
+    if cfg.partition.mode != "manual":
+        if store is None:
+            store = comm.make_store(rank=rank, world_size=world_size, timeout_s=cfg.dist.timeout_s)
+        agreed = comm.run_scope(store)
+        cfg, plan = resolve_partition(
+            cfg,
+            agreed,
+            rank=rank,
+            world_size=world_size,
+            local_world_size=local_world_size,
+            run_dir=run_dir,
+            model=model,
+        )
+    cfg = default_plan_choices(cfg)  # what no plan chose and the run left null
+    balance = _check(cfg, model, world_size=world_size, local_world_size=local_world_size)
+    layout = make_layout(
+        cfg.pipeline.num_stages,
+        cfg.pipeline.data_parallel,
+        ranks_per_node=local_world_size,
+        rank_map=cfg.pipeline.rank_map,
+    )
+    logs.set_log_prefix(f"[stage {layout.position(rank)[0]}/rank {rank}]")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if store is None:  # made after validate: a bad config fails every rank at once, with no rendezvous
+        store = comm.make_store(rank=rank, world_size=world_size, timeout_s=cfg.dist.timeout_s)
+    resume = choose_checkpoint(cfg, run_dir, agreed or comm.run_scope(store), rank, world_size, model)
+    if rank == 0:  # after the checkpoint is chosen: train.resume=outputs/latest means the run before this one
+        link_latest(run_dir)
+    if on_start is not None:
+        on_start()
+    return Started(
+        cfg, model, run_dir, rank, world_size, local_rank, layout, balance, store, resume, _predictions(plan)
+    )
+
+
+def _check(cfg: Config, model: RunModel, *, world_size: int, local_world_size: int) -> List[int]:
+    """``preflight.check`` with the model's layer count and vocabulary, then what only the built model shows.
+
+    Returns:
+        The balance (layers per stage).
+    """
+    gpt = model.layers is None and isinstance(cfg.model, GPTConfig)  # the GPT's own default split
+    balance = preflight.check(
+        cfg,
+        world_size=world_size,
+        num_layers=None if gpt else model.num_layers,
+        local_world_size=local_world_size,
+        layers_vocab_size=None if gpt else model.vocab_size(),
+    )
+    if cfg.train.export_hf is not None and model.source is None:
+        raise ConfigError("train.export_hf needs model=hf built from config, not a layer list passed to run()")
+    precision = precisions.resolve(cfg.train.precision, "cuda" if torch.cuda.is_available() else "cpu")
+    if model.tied and cfg.train.weight_dtype == "compute" and precision != "fp32":  # ties of any model, found here
+        raise ConfigError(
+            f"train.weight_dtype (compute) with tied weights ({[list(t.names) for t in model.tied]}): the tie's "
+            "float32 gradient sum across stages is not written yet; set train.weight_dtype=fp32 or untie them"
+        )
+    return balance
+
+
+def _predictions(plan: Any) -> Dict[str, Any]:
+    """What summary.json records of the plan a ``partition=auto|file`` run follows (nothing without one)."""
+    if plan is None:
+        return {}
+    return {
+        "predicted_samples_per_s": plan.predicted_samples_per_s,
+        "predicted_peak_memory_bytes": list(plan.predicted_peak_memory_bytes),
+        "plan": dataclasses.asdict(plan),  # logged to wandb as a table
+    }
