@@ -10,12 +10,12 @@ import dataclasses
 import pytest
 import torch
 from dist_helper import run_ok
-from pipedream2bw.config.optimizers import EF_STATE, MUON_ROLE, tag_muon_params
 from reference import ReferenceOptimizer, reference_train
 from test_semantics import tiny_config
 from torch import nn
 
 from pipedream2bw.config import ConfigError, GPTConfig, OptimConfig, build_optimizer, validate
+from pipedream2bw.config.optimizers import EF_STATE, MUON_ROLE, tag_muon_params
 from pipedream2bw.models.gpt import build_gpt_layers
 
 
