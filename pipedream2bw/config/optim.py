@@ -65,7 +65,9 @@ def build_optimizer(params, cfg: OptimConfig) -> torch.optim.Optimizer:
     if uses_optimizers_module(cfg):
         from pipedream2bw.config.optimizers import build_optimizer as build_extended
 
-        return build_extended(param_groups(params, cfg), cfg)
+        muon = not cfg.target and cfg.name.lower() == "muon"
+        others = optimizer_class(cfg.muon_others) if muon else optimizer_of(cfg)
+        return build_extended(param_groups(params, cfg), cfg, others=others)
     cls = optimizer_of(cfg)
     try:
         return cls(param_groups(params, cfg), lr=cfg.lr, **dict(cfg.kwargs))

@@ -163,20 +163,19 @@ def _groups(params: Iterable) -> List[Dict[str, Any]]:
     return [{"params": params}]
 
 
-def build_optimizer(groups: List[Any], cfg) -> torch.optim.Optimizer:
+def build_optimizer(groups: List[Any], cfg, *, others: type) -> torch.optim.Optimizer:
     """The optimizer of ``cfg`` (an ``OptimConfig``) with Muon and/or a delay correction over ``groups`` (params or
-    param groups, as ``config.param_groups`` gives them). ``config.build_optimizer`` calls it.
+    param groups, as ``config.optim.param_groups`` gives them): ``others`` is the torch optimizer class for what
+    Muon does not take (optim.muon_others), or the one optim.name names. ``config.optim.build_optimizer`` calls it.
 
     Raises:
         ConfigError: keyword arguments the optimizers do not take.
     """
-    from pipedream2bw.config.optim import optimizer_class, optimizer_of
     from pipedream2bw.errors import ConfigError
 
     lookahead = cfg.delay_correction == "lookahead"
     kwargs = dict(cfg.kwargs)
     muon = not cfg.target and cfg.name.lower() == "muon"
-    others = optimizer_class(cfg.muon_others) if muon else optimizer_of(cfg)
     if lookahead:  # AdamW -> NAdamW with beta1 0.99 (validated: others is AdamW)
         others = torch.optim.NAdam
         betas = tuple(kwargs.pop("betas", (LOOKAHEAD_MOMENTUM, 0.999)))
