@@ -182,6 +182,28 @@ class OptimConfig:
     steps its shard, the new weights are all-gathered (under 2bw while the next batch runs). Needs an
     elementwise optimizer (sgd, adam, adamw, ...); with data_parallel 1 it changes nothing. null: false, or
     under partition=auto|file the plan's choice (a value set here must agree with the plan's)."""
+    # --- Muon and the 2bw delay corrections (pipedream2bw/optimizers.py; docs/convergence.md) ---
+    muon_kwargs: Dict[str, Any] = field(default_factory=dict)
+    """optim.name=muon: keyword arguments for torch.optim.Muon (its defaults: momentum 0.95, nesterov, weight_decay
+    0.1), with adjust_lr_fn 'match_rms_adamw' unless set here, so that optim.lr serves Muon and the other
+    optimizer alike (the schedule sets the same lr on both); optim.kwargs go to the other optimizer."""
+    muon_others: str = "adamw"
+    """optim.name=muon: the torch.optim optimizer (by name) for what Muon does not take: parameters that are not
+    2-D and those optim.muon_exclude matches."""
+    muon_exclude: List[str] = field(default_factory=lambda: ["*Embedding*", "*Head*", "*head*"])
+    """optim.name=muon: fnmatch patterns (case-sensitive) over each parameter's name within its stage and the class
+    names of the modules on its path; a 2-D parameter matching any goes to optim.muon_others, not Muon. The
+    default keeps embeddings (nn.Embedding) and the LM head (LMHead, lm_head) out of Muon. A tied weight must
+    match on every stage that holds it (the default patterns do)."""
+    delay_correction: str = "none"
+    """Under pipeline.schedule=2bw, a correction of the one-step gradient delay, run in the deferred step on each
+    stage (no extra communication): 'none'; 'error_feedback' (Zmushko et al. 2026: W(t+1) = W(t) + u(t) +
+    beta * (u(t) - u(t-1)), u the optimizer's update; 4 bytes per parameter); 'lookahead' (Ajanthan et al.
+    2025: Nesterov look-ahead with momentum 0.99, i.e. NAdamW for adamw and Muon's momentum 0.99 for muon; no
+    extra state). flush and gpipe have no delay: the correction is off there (logged). docs/design.md states the
+    exact rules."""
+    error_feedback_beta: float = 1.0
+    """optim.delay_correction=error_feedback: the weight beta of the previous step's estimated error."""
 
 
 @dataclass

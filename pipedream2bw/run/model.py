@@ -17,6 +17,7 @@ from pipedream2bw.config import (
     Config,
     optimizer_name,
 )
+from pipedream2bw.config.optimizers import extra_optim_settings
 from pipedream2bw.data.tokens import fingerprint as data_fingerprint
 from pipedream2bw.memory import precision as precisions
 from pipedream2bw.models import lm_loss
@@ -184,4 +185,5 @@ def training_settings(cfg: Config) -> Dict[str, Any]:
         "seed": cfg.seed,  # the batch order: another seed trains on other batches from the resumed step on
         "data.path": data_fingerprint(cfg.data.path),
     }
+    record.update(extra_optim_settings(o))  # Muon's and the delay correction's, where set
     return json.loads(json.dumps(record, default=str))
