@@ -178,7 +178,9 @@ def test_help_lists_user_facing_groups_and_every_key_with_a_meaning():
     assert {"custom", "gpt", "gpt175b", "hf_gpt2"} <= set(models[len("model: ") :].split(", ")), models
     for _, _, rows in keys():
         for k in rows:
-            lines = [ln for ln in text.splitlines() if ln.strip().startswith(f"{k.name}=")]
+            lines = [
+                ln for ln in text.splitlines() if ln.startswith(f"  {k.name}=")
+            ]  # a key's own line, not a wrapped one
             assert lines and all(len(ln.split(maxsplit=1)[1]) > 5 for ln in lines), (k, lines)  # with a meaning
     assert "  pipeline.schedule=2bw  " in text and "  wandb.mode=offline  " in text  # composed defaults
     assert "  train.num_steps=7  " in help_text(["train.num_steps=7"], config_name="config")  # after overrides

@@ -172,7 +172,7 @@ class OptimConfig:
     the whole model); null: no clipping. The norm is logged every step."""
     target: Optional[str] = None
     """An optimizer class by import path (e.g. torch.optim.SGD or my_pkg.Lion), used instead of ``name``;
-    ``optim=custom optim._target_=... +optim.momentum=0.9`` writes it Hydra's way (``_partial_: true``)."""
+    ``optim=custom optim._target_=torch.optim.SGD +optim.momentum=0.9`` writes it Hydra's way (``_partial_: true``)."""
     no_decay_norms_and_biases: bool = False
     """Two parameter groups: weight decay (``kwargs.weight_decay``) on weights of 2 or more dimensions,
     none on 1-D parameters (norm scales, biases), as GPT training usually does."""
