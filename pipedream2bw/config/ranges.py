@@ -44,6 +44,7 @@ RANGES: Dict[str, _Range] = {
     "optim.warmup_steps": AT_LEAST_0,
     "optim.min_lr": NON_NEGATIVE,
     "optim.clip_grad_norm": POSITIVE,
+    "optim.error_feedback_beta": NON_NEGATIVE,
     "data.val_fraction": FRACTION,
     "train.num_steps": AT_LEAST_1,
     "train.log_every": AT_LEAST_1,
@@ -68,6 +69,7 @@ RANGES: Dict[str, _Range] = {
     "partition.repeats": AT_LEAST_1,
     "swap.min_bytes": AT_LEAST_0,
     "swap.resident": AT_LEAST_0,
+    "swap.weight_prefetch": AT_LEAST_0,
     "seed": (0, False, 2**63 - 1, False),
 }
 """Every numeric field's range by key; a float field of ``topology`` not named here must be > 0."""
