@@ -51,7 +51,9 @@ FACTORS: "OrderedDict[str, Tuple[Any, ...]]" = OrderedDict(
     recompute=(False, True),  # pipeline.recompute
     host_optim=(False, True),  # swap.optimizer=host
     validation=(False, True),  # train.eval_every=EVAL_EVERY on held-out data
-    structured=(False, True),  # masked_layers: every boundary a (hidden, integer mask) tuple; else the GPT
+    # masked_layers: every boundary a (hidden, integer mask) tuple, with dropout (masks per layer and
+    # microbatch, the same at every layout: pipedream2bw/pipeline/stateful.py); else the GPT
+    structured=(False, True),
     sharded=(False, True),  # optim.sharded: masters and optimizer state sharded over the w replicas (w=1: inert)
     weight_dtype=("fp32", "compute"),  # train.weight_dtype: compute stores the versions in bf16/fp16 (fp32: inert)
     muon=(
@@ -72,6 +74,7 @@ GLOBAL_BATCH = 8  # sequences per batch: w * m * b with b = 1, so m = 8 / w >= d
 CLIP = 0.5  # below every step's gradient norm of these models (0.7 .. 15): clipping acts on every step,
 # and steps stay large enough for the 2BW delay to show above bf16's tolerance
 WIDTH, SEQ_LEN = 16, 8
+DROPOUT = 0.2  # structured cells' mixing layers
 POISONED_LAYER = 1  # the first block (GPT) or mixing layer (structured): on stage 0 whenever d > 1
 
 # A resumed cell continues at another (d, w) with the same number of ranks (the same spawned group).
@@ -264,7 +267,9 @@ def cell_config(cell: Cell, *, layout: Optional[Tuple[int, int]] = None, resume:
     d, w = layout or (cell.d, cell.w)
     if cell.structured:
         model: Any = LayerListConfig(
-            target="custom_models.masked_layers", kwargs={"width": WIDTH, "tie": cell.tied}, seq_len=SEQ_LEN
+            target="custom_models.masked_layers",
+            kwargs={"width": WIDTH, "tie": cell.tied, "dropout": DROPOUT},
+            seq_len=SEQ_LEN,
         )
     else:
         model = GPTConfig(num_layers=2, d_model=WIDTH, num_heads=2, seq_len=SEQ_LEN, tie_embeddings=cell.tied)

@@ -16,6 +16,7 @@ from pipedream2bw.data import VALIDATION, MicrobatchFeed, load_splits
 from pipedream2bw.memory import precision as precisions
 from pipedream2bw.memory.loss_scale import LossScaler
 from pipedream2bw.models.factory import model_source
+from pipedream2bw.pipeline import stateful
 from pipedream2bw.run.lr_schedule import lr_at
 
 
@@ -45,7 +46,9 @@ class StageBoundaries(nn.Sequential):
         return t
 
     def forward(self, x: Any) -> Any:
+        key = stateful.current_key()
         for i, layer in enumerate(self):
+            stateful.reseed(key, i)  # each layer's random stream on this microbatch, as a pipeline's stage draws it
             x = layer(x)
             if i in self.after and self.dtype != torch.float32:
                 x = pytree.tree_map(self._round, x)
@@ -155,7 +158,7 @@ def _train(
         batch_losses = []
         for j in range(m):
             x, y = feed.microbatch(t * m + j)
-            with precisions.autocast(precision, "cpu"):
+            with precisions.autocast(precision, "cpu"), stateful.microbatch_streams(cfg.seed, t * m + j, x.device):
                 logits = stale(x)
             loss = lm_loss(logits.float(), y)
             (loss * scale if scaler is not None else loss).backward()
@@ -172,7 +175,7 @@ def _train(
         for p in stale.parameters() if rounded else ():
             p.main_grad = None
         if delayed:
-            stale.load_state_dict(model.state_dict())  # batch t+1 runs with W(t)
+            _load_parameters(stale, model)  # batch t+1 runs with W(t)
         for p, g in zip(model.parameters(), grads):
             p.grad = g
         norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), math.inf))  # the norm only: nothing clipped
@@ -189,10 +192,24 @@ def _train(
                 torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.clip_grad_norm)
             opt.step(out.lrs[-1])
         if rounded and not delayed:
-            stale.load_state_dict(model.state_dict())  # batch t+1 runs with W(t+1), rounded
+            _load_parameters(stale, model)  # batch t+1 runs with W(t+1), rounded
         if t + 1 in keep:
-            out.snapshots[t + 1] = copy.deepcopy(model.state_dict())
-    return out._replace(weights=model.state_dict())
+            out.snapshots[t + 1] = copy.deepcopy(_with_buffers(model, stale))
+    return out._replace(weights=_with_buffers(model, stale))
+
+
+@torch.no_grad()
+def _load_parameters(dst: nn.Module, src: nn.Module) -> None:
+    """``src``'s parameters into ``dst``; buffers stay: one set of statistics (BatchNorm's), updated by every
+    forward in order, whatever version it runs with (the pipeline's 2bw versions share theirs)."""
+    for p, q in zip(dst.parameters(), src.parameters()):
+        p.copy_(q)
+
+
+def _with_buffers(model: nn.Module, ran: nn.Module) -> Dict[str, torch.Tensor]:
+    """``model``'s state_dict with the buffers of ``ran``, the module the forwards ran on."""
+    buffers = {n: b.to(model.state_dict()[n].dtype) for n, b in ran.named_buffers() if n in model.state_dict()}
+    return {**model.state_dict(), **buffers}
 
 
 class ReferenceOptimizer:

@@ -172,7 +172,7 @@ class OptimConfig:
     the whole model); null: no clipping. The norm is logged every step."""
     target: Optional[str] = None
     """An optimizer class by import path (e.g. torch.optim.SGD or my_pkg.Lion), used instead of ``name``;
-    ``optim=custom optim._target_=... +optim.momentum=0.9`` writes it Hydra's way (``_partial_: true``)."""
+    ``optim=custom optim._target_=torch.optim.SGD +optim.momentum=0.9`` writes it Hydra's way (``_partial_: true``)."""
     no_decay_norms_and_biases: bool = False
     """Two parameter groups: weight decay (``kwargs.weight_decay``) on weights of 2 or more dimensions,
     none on 1-D parameters (norm scales, biases), as GPT training usually does."""
@@ -211,8 +211,9 @@ class DataConfig:
     path: Optional[str] = None
     """A token file (.bin: token ids as written by scripts/prepare_tokens.py, memory-mapped), or a text
     file (.txt or .txt.gz, byte-level, read whole); null uses the shipped text."""
-    token_dtype: str = "uint16"
-    """Dtype of a .bin file's ids: 'uint16' (vocabularies up to 65536) or 'uint32'."""
+    token_dtype: str = "auto"
+    """Dtype of a .bin file's ids: 'uint16' (vocabularies up to 65536) or 'uint32'; 'auto': what the file's
+    <file>.json says (scripts/prepare_tokens.py writes it), else uint16."""
     val_fraction: float = 0.0
     """Share of data.path held out for validation: its last tokens, never trained on; 0: none."""
     val_path: Optional[str] = None
@@ -255,11 +256,11 @@ class TrainConfig:
     (train.precision, train.weight_dtype, the optimizer and its kwargs, the learning-rate schedule, 2bw vs
     flush/gpipe), naming them; false resumes anyway and logs the differences (another optimizer starts with
     fresh state)."""
-    preempt_signals: List[str] = field(default_factory=lambda: ["SIGTERM"])
-    """Signals that preempt the run (SLURM and Kubernetes send SIGTERM before they kill a job): every rank
-    stops within two steps at one agreed step, writes a checkpoint of it, summary.json says
-    "preempted", and the process exits with 128 + the signal's number (143) so that the scheduler
-    requeues it; [] leaves the signals' default action (die at once, unsaved)."""
+    preempt_signals: List[str] = field(default_factory=lambda: ["SIGTERM", "SIGINT"])
+    """Signals that preempt the run (SLURM and Kubernetes send SIGTERM before they kill a job; SIGINT is
+    Ctrl-C): every rank stops within two steps at one agreed step, writes a checkpoint of it, summary.json
+    says "preempted", and the process exits with 128 + the signal's number (143, 130) so that the scheduler
+    requeues it; a second Ctrl-C exits at once; [] leaves the signals' default action (die at once, unsaved)."""
     precision: str = "auto"
     """'fp32', 'bf16' or 'fp16': each stage's forward and loss under torch.autocast to that dtype,
     float32 master weights, p2p transfers in that dtype; fp16 adds dynamic loss scaling. 'auto':
@@ -415,6 +416,14 @@ class SwapConfig:
     optimizer: str = "device"
     """'device', or 'host': every stage keeps its optimizer state and runs its update in host memory
     (KARMA, ZeRO-Offload); gradients go to the host at the step, new weights come back."""
+    weights: bool = False
+    """Stream weights (docs/memory.md): on the stages that swap, the weight versions, gradient accumulators and
+    optimizer state live in host memory and each layer's weights come to the device only for its forward and its
+    backward (pipedream2bw/memory/stream.py); needs swap.optimizer=host. A stage then needs device memory for
+    swap.weight_prefetch + 1 layers' weights, not all of them."""
+    weight_prefetch: int = 1
+    """Streamed stages: layers whose weights are copied ahead of the one computing (0: each layer's copy starts
+    when it is needed, no overlap)."""
 
 
 @dataclass
@@ -435,7 +444,8 @@ class Config:
     """Only for ``python -m pipedream2bw.sweep``; training ignores it."""
     swap: SwapConfig = field(default_factory=SwapConfig)
     seed: int = 0
-    """Seeds weight initialisation (per layer) and the batch order."""
+    """Seeds weight initialisation (per layer), the batch order and each layer's random stream per microbatch
+    (dropout masks: the same at every layout, schedule and resume; docs/concepts.md)."""
 
 
 def register_configs() -> None:

@@ -29,6 +29,7 @@ from pipedream2bw.config.schema import (
     even_balance,
     gpt_balance,
     model_num_layers,
+    swap_stages,
 )
 from pipedream2bw.errors import ConfigError
 
@@ -59,6 +60,40 @@ def _validate_swap(swap: SwapConfig, num_stages: int) -> None:
         raise ConfigError(
             f"swap.resident ({swap.resident}) must be >= 0: the number of waiting microbatches kept on the device"
         )
+
+
+def _validate_weight_stream(cfg: Config) -> None:
+    """swap.weights=true: what weight streaming (pipedream2bw/memory/stream.py) composes with; the rest is refused."""
+    s = cfg.swap
+    if s.weight_prefetch < 0:
+        raise ConfigError(f"swap.weight_prefetch ({s.weight_prefetch}) must be >= 0: layers copied ahead of use")
+    if not s.weights:
+        return
+    why = None
+    if not swap_stages(s, cfg.pipeline.num_stages):
+        why = "no stage swaps; set swap.enabled=true or swap.stages=[...] to name the stages that stream"
+    elif s.optimizer != "host":
+        why = "a streamed stage's optimizer steps where its weights live, on the host; set swap.optimizer=host"
+    elif cfg.pipeline.data_parallel > 1:
+        why = (
+            f"pipeline.data_parallel ({cfg.pipeline.data_parallel}): the all-reduce of host-accumulated gradients "
+            "is not written yet; use data_parallel=1"
+        )
+    elif cfg.train.weight_dtype == "compute":
+        why = f"train.weight_dtype ({cfg.train.weight_dtype}): streamed versions are float32; use fp32"
+    elif cfg.train.precision == "fp16":
+        why = "train.precision (fp16): the loss scaler's checks of host gradients are not written; use bf16 or fp32"
+    elif cfg.optim.clip_grad_norm is not None or cfg.train.on_nonfinite != "stop":
+        why = (
+            "optim.clip_grad_norm or train.on_nonfinite=skip: the step agreement over host gradients is not "
+            "verified yet; unset optim.clip_grad_norm and keep train.on_nonfinite=stop"
+        )
+    elif cfg.train.eval_every:
+        why = f"train.eval_every ({cfg.train.eval_every}): validation passes do not stream weights yet; set it to 0"
+    elif cfg.partition.mode != "manual":
+        why = f"partition.mode ({cfg.partition.mode}): the planner does not model streamed stages yet; use manual"
+    if why is not None:
+        raise ConfigError(f"swap.weights (true) with {why}")
 
 
 def _validate_step_rules(cfg: Config) -> None:
@@ -153,7 +188,8 @@ def signal_numbers(names: Sequence[str]) -> Dict[str, int]:
     """The signals ``train.preempt_signals`` names, by name.
 
     Raises:
-        ValueError: a name that is no signal here, or one that cannot be caught.
+        ConfigError: a name that is no signal here, or one that cannot be caught (bad input: exit 2, also where
+            ``run()`` installs the handlers before any other check).
     """
     out = {}
     for name in names:
@@ -162,7 +198,7 @@ def signal_numbers(names: Sequence[str]) -> Dict[str, int]:
             catchable = sorted(
                 s.name for s in signal.Signals if s.name not in UNCATCHABLE and not s.name.startswith("SIG_")
             )
-            raise ValueError(f"{name!r} is not a signal that can be caught here; use names such as {catchable[:12]}")
+            raise ConfigError(f"{name!r} is not a signal that can be caught here; use names such as {catchable[:12]}")
         out[sig.name] = int(sig)
     return out
 
@@ -243,6 +279,7 @@ def validate(
     _validate_train(cfg)
     _validate_run(cfg, local_world_size)
     _validate_swap(cfg.swap, p.num_stages)
+    _validate_weight_stream(cfg)
     return balance
 
 

@@ -115,6 +115,15 @@ class TransferBackend:
     def recycle(self, off: Transfer, pre: Optional[Transfer]) -> None:
         raise NotImplementedError
 
+    def landed(self, host: torch.Tensor) -> Transfer:
+        """A transfer whose ``.host`` is ``host``, already there: ``to_device`` of it loads a host buffer that
+        nothing writes meanwhile (stream.py's weights)."""
+        raise NotImplementedError
+
+    def drop(self, pre: Transfer) -> None:
+        """Forgets a copy back that will not be consumed; its device buffer may be reused once it lands."""
+        raise NotImplementedError
+
     def stall_s(self) -> float:
         raise NotImplementedError
 
@@ -213,6 +222,14 @@ class CpuBackend(TransferBackend):
         # Back to the pool once the last copy from it is done; the future, not the transfer, is
         # kept: the transfer holds the device copy, which must go as soon as autograd is done.
         self._recycle.append((off.host, (pre or off).future))
+
+    def landed(self, host: torch.Tensor) -> Transfer:
+        done: Future = Future()
+        done.set_result(None)
+        return _FutureTransfer(done, host=host)
+
+    def drop(self, pre: Transfer) -> None:
+        pass  # the worker holds the buffer it fills; Python frees it after
 
     def stall_s(self) -> float:
         return self._stall
@@ -316,6 +333,14 @@ class CudaBackend(TransferBackend):
             torch.cuda.current_stream(self.device).wait_event(pre.event)
         self._recycle.append((off.host, (pre or off).event))
         self._reclaim()
+
+    def landed(self, host: torch.Tensor) -> Transfer:
+        event = self._event()
+        event.record(torch.cuda.current_stream(self.device))
+        return _CudaTransfer(event, host=host)
+
+    def drop(self, pre: Transfer) -> None:
+        torch.cuda.current_stream(self.device).wait_event(pre.event)  # its block returns to compute's pool
 
     def _reclaim(self) -> None:
         while self._recycle and self._recycle[0][1].query():

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from pipedream2bw.config.optimizers import MUON_ROLE
+from pipedream2bw.pipeline import stateful
 from pipedream2bw.pipeline.schedule import BACKWARD, FORWARD, STEP, Action, ScheduleError
 
 log = logging.getLogger(__name__)
@@ -139,10 +140,8 @@ class WeightVersions:
             "buckets must partition the parameters"
         )
         self.optimizers = [optimizer_factory(self._bucket_masters(k, b)) for k, b in enumerate(self.buckets)]
-        if schedule == "2bw" and any(True for _ in module.buffers()):
-            log.warning(
-                "module buffers (e.g. BatchNorm statistics) are not versioned under 2bw; each replica keeps its own"
-            )
+        if schedule == "2bw":  # buffers are not versioned: one set, which the worker names if training changes it
+            stateful.share_buffers(self.replicas[1], module)
 
     def _make_masters(self, module: nn.Module) -> List[nn.Parameter]:
         """The parameters the optimizers own: here aliases whose storage ``step`` points at a replica."""

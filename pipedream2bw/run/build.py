@@ -31,6 +31,7 @@ from pipedream2bw.memory import precision as precisions
 from pipedream2bw.memory.host_optim import HostOptimizerVersions
 from pipedream2bw.memory.loss_scale import LossScaler, ScaledStepRule
 from pipedream2bw.memory.sharding import ShardedVersions
+from pipedream2bw.memory.stream import StreamedVersions, WeightStream
 from pipedream2bw.memory.swap import SwapManager, make_backend
 from pipedream2bw.pipeline import comm, schedule, ties
 from pipedream2bw.pipeline.agreement import StepRule
@@ -70,13 +71,17 @@ def _tie_groups(ctx: comm.DistContext, layout: Layout, tied: Sequence[ties.Tie],
 
 
 def build_stage(
-    rt: RankPlan, ctx: comm.DistContext, model: RunModel
+    rt: RankPlan, ctx: comm.DistContext, model: RunModel, *, streamed: bool = False
 ) -> Tuple[nn.Module, List[Tuple[Any, int, List[Tuple[ties.Tie, int]]]]]:
     """This rank's stage module on its device and the groups of its tied parameters (``_tie_groups``),
     every tied copy set to its canonical one."""
     torch.manual_seed(rt.seed)
     module = stage_module(rt.layer_indices, model.layers, model.source, recompute=rt.recompute, tied=model.tied)
-    module = module.to(rt.device)
+    if streamed:  # swap.weights: the parameters stay in host memory (StreamedVersions moves them to its buffers)
+        for m in module.modules():
+            m._buffers.update({k: b.to(rt.device) for k, b in m._buffers.items() if b is not None})
+    else:
+        module = module.to(rt.device)
     tie_groups = _tie_groups(ctx, rt.layout, model.tied, rt.balance, module)
     with torch.no_grad():  # every copy starts as the canonical one (a rank building its layers alone made its own)
         for group, src, held in tie_groups:
@@ -117,6 +122,11 @@ def build_versions(
     factory = lambda params: build_optimizer(params, optim)  # noqa: E731
     sharded = optim.sharded and rt.data_parallel > 1
     weight_dtype = precisions.weight_dtype(rt.precision, weight_dtype_name)
+    if swap.weights and rt.stage in swap_stages(swap, rt.num_stages):  # swap.weights: versions in host buffers
+        versions = StreamedVersions(
+            module, pin=rt.device.type == "cuda", schedule=rt.schedule, optimizer_factory=factory
+        )  # one optimizer bucket per layer; data_parallel=1 and no ties (validated): no exchange needs buckets
+        return versions, versions.buckets, len(versions.buckets)
     if sharded or weight_dtype != torch.float32:  # the replicas' group ranks are sorted global ranks
         versions = ShardedVersions(
             module,
@@ -345,6 +355,7 @@ def worker(
     tied: Sequence[ties.Tie],
     *,
     early_apply: bool = True,
+    stream: Optional[WeightStream] = None,
 ) -> StageWorker:
     """The stage worker that runs this rank's actions (``early_apply``: StageWorker's)."""
     m, w = rt.num_microbatches, rt.data_parallel
@@ -370,6 +381,9 @@ def worker(
         precision=rt.precision,
         steps_wait_on_others=exchanged,
         early_apply=early_apply,
+        seed=rt.seed,
+        num_replicas=w,
+        stream=stream,
     )
 
 
@@ -388,6 +402,19 @@ def trace(rt: RankPlan, worker: StageWorker, pipeline: PipelineConfig, *, warmup
             first,
             first + p.trace_steps - 1,
         )
+
+
+def weight_stream(swap: SwapConfig, rt: RankPlan, versions: WeightVersions) -> Optional[WeightStream]:
+    """swap.weights: this stage's weight streamer, if it streams (its versions are then ``StreamedVersions``)."""
+    if not isinstance(versions, StreamedVersions):
+        return None
+    log.info(
+        "swap.weights: %d layers' weights (%.1f MiB in all versions) stream from host memory, %d ahead",
+        len(versions.layers),
+        versions.host_weight_bytes() / 2**20,
+        swap.weight_prefetch,
+    )
+    return WeightStream(versions, make_backend(rt.device), window=swap.weight_prefetch, recompute=rt.recompute)
 
 
 def swap_manager(swap: SwapConfig, rt: RankPlan, in_flight: int, versions: WeightVersions) -> Optional[SwapManager]:
@@ -446,7 +473,8 @@ def components(
     data-parallel ones and the step agreement's (comm_groups), the evaluator's (data), the preemption
     flag's (``train.preempt_signals``).
     """
-    module, tie_groups = build_stage(rt, ctx, model)
+    streamed = cfg.swap.weights and rt.stage in swap_stages(cfg.swap, rt.num_stages)
+    module, tie_groups = build_stage(rt, ctx, model, streamed=streamed)
     versions, buckets, num_dp_buckets = build_versions(
         rt,
         module,
@@ -481,6 +509,7 @@ def components(
         model.tied,
         # on_step passes through the stages (validation, the tie check): a sharded APPLY keeps apply_due's point
         early_apply=not (cfg.train.eval_every or cfg.pipeline.check_ties),
+        stream=weight_stream(cfg.swap, rt, versions),
     )
     trace(rt, stage_worker, cfg.pipeline, warmup_steps=cfg.train.warmup_steps)
     return Components(

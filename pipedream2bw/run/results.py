@@ -66,6 +66,7 @@ def summarize(
                 "peak_stash_bytes": s.peak_stash_bytes,
                 "peak_memory_bytes": s.peak_memory_bytes,
                 "swap": s.swap,
+                "stream": s.stream,
                 "skipped_steps": s.skipped_steps,  # fp16: batches whose step this rank skipped (the same on every rank)
             }
             for s in stats

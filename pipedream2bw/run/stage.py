@@ -17,8 +17,9 @@ from pipedream2bw.io.timeline import Recorder
 from pipedream2bw.memory.memprobe import SavedBytes, process_peak_bytes
 from pipedream2bw.memory.precision import autocast, compute_dtype
 from pipedream2bw.memory.sharding import ShardedVersions
+from pipedream2bw.memory.stream import WeightStream
 from pipedream2bw.memory.swap import SwapManager
-from pipedream2bw.pipeline import agreement
+from pipedream2bw.pipeline import agreement, stateful
 from pipedream2bw.pipeline.agreement import NonFiniteError, StepDecision, StepOutcome, StepRule
 from pipedream2bw.pipeline.boundary import Channel, from_wire, to_wire
 from pipedream2bw.pipeline.comm import P2P, AsyncSum, BatchReduction, GradReducer, ShardedReduction
@@ -83,6 +84,7 @@ class StageStats:
     data_resident_bytes: Optional[int] = None
     trace: Optional[dict] = None  # pipeline.trace: {"spans": [timeline.Span], "window": [start, end]}
     swap: Optional[Dict[str, Any]] = None  # SwapStats of a stage that swaps activations to host
+    stream: Optional[Dict[str, Any]] = None  # stream.StreamStats of a stage that streams its weights (swap.weights)
     loss_scales: List[float] = field(default_factory=list)  # fp16: the loss scale each batch ran with
 
 
@@ -142,8 +144,15 @@ class StageWorker:
         precision: str = "fp32",
         steps_wait_on_others: bool = False,
         early_apply: bool = True,
+        seed: int = 0,
+        num_replicas: int = 1,
+        stream: Optional[WeightStream] = None,
     ):
         self.m = num_microbatches
+        # Each layer draws from its own stream per microbatch (pipeline/stateful.py), whatever the schedule.
+        self.seed, self.num_replicas = seed, num_replicas
+        self._buffers = stateful.BufferWatch()  # the stage's buffers that training changes (BatchNorm statistics)
+        self._batch_start_buffers: Dict[int, Dict[str, torch.Tensor]] = {}  # batch -> them before its first forward
         self.stage_index, self.num_stages, self.replica = stage_index, num_stages, replica
         self.rule = step_rule if step_rule is not None else StepRule()
         assert agreement is not None or not self.rule.needs_agreement, "this step rule needs an agreement channel"
@@ -155,6 +164,7 @@ class StageWorker:
         self.loss_fn, self.device, self.reducer, self.grad_scale = loss_fn, device, reducer, grad_scale
         self.stats = StageStats(stage_index, p2p.ctx.rank)
         self.swap = swap
+        self.stream = stream  # swap.weights: the stage's weights come from host memory layer by layer
         # Reduced precision: forwards under autocast; activations and their gradients cross stages
         # in the compute dtype. fp16: the last stage's loss is multiplied by the step rule's loss
         # scale of its batch, and the rule (a ScaledStepRule) unscales and skips through the agreement.
@@ -239,6 +249,9 @@ class StageWorker:
         """F k: the stage on microbatch k's input (the feed's on stage 0, else what WAIT_F k received)
         with its batch's weight version; keeps the output for SEND_F k (the loss on the last stage)."""
         module = self.versions.module_for_batch(k // self.m)
+        if self.stream is not None:
+            replica = self.versions.replica_for_batch(k // self.m)
+            self.stream.begin_forward(k, replica)
         if self.first:
             x = self._data(self.feed.inputs, k)
         else:
@@ -253,16 +266,20 @@ class StageWorker:
             hooks = self.swap.forward(
                 k, inputs=pytree.tree_leaves(x), outer=saved if self._saved_bytes is None else None
             )
-        with hooks if self.swap is not None else saved:
+        self._watch_buffers(module, k)
+        g = stateful.sample_microbatch(k, num_microbatches=self.m, num_replicas=self.num_replicas, replica=self.replica)
+        with hooks if self.swap is not None else saved, stateful.microbatch_streams(self.seed, g, self.device):
             # A reduced-precision activation goes on in float32, as it would have in one process: only
             # the transfer is rounded, not the rest of the stage's residual stream.
             inp = from_wire(x, self._wire_dtype) if self._upcast else x
             with autocast(self.precision, self.device.type):
-                out = module(inp)
+                out = module(inp) if self.stream is None else self.stream.forward(module, k, replica, inp)
             if self.last:  # the loss in float32, outside autocast
                 out = self.loss_fn(out.float(), self._data(self.feed.targets, k))
             elif self.precision != "fp32":
                 out = to_wire(out, self._wire_dtype)  # sent in the compute dtype; backward casts its gradient back
+        if self._buffers.names is None:
+            self._found_buffers(module)
         if self._saved_bytes is None:
             self._saved_bytes = saved.nbytes
         if self.last:
@@ -275,11 +292,38 @@ class StageWorker:
         self._stash[k] = (x, out)
         self.stats.peak_stash_bytes = max(self.stats.peak_stash_bytes, len(self._stash) * self._saved_bytes)
 
+    def _watch_buffers(self, module: torch.nn.Module, k: int) -> None:
+        """Before F k: the first forward finds the buffers training changes; the first of each batch keeps them
+        as they are, which a checkpoint of the batch's start saves (under 2bw, stage 0 runs batch t+1's
+        first forwards before step t's checkpoint)."""
+        self._buffers.before(module)
+        if k % self.m == 0 and self._buffers.names:
+            t = k // self.m  # on_step(t-1), which may come after batch t's first forwards, takes batch t's
+            self._batch_start_buffers = {u: b for u, b in self._batch_start_buffers.items() if u >= t - 1}
+            self._batch_start_buffers[t] = self._buffers.snapshot(module)
+
+    def _found_buffers(self, module: torch.nn.Module) -> None:
+        """After the first forward: which buffers it changed; under 2bw, says they are not versioned."""
+        self._buffers.after(module)
+        if self._buffers.names and self.versions.schedule == "2bw":
+            log.warning(
+                "buffers %s change in training and are not versioned under 2bw: both weight versions share "
+                "them, updated by every forward in microbatch order (batch t+1's with W(t), not W(t+1))",
+                ", ".join(self._buffers.names),
+            )
+
+    def buffers_at_start(self, t: int) -> Dict[str, torch.Tensor]:
+        """The buffers training changes as they were before batch ``t``'s first forward on this stage; empty when
+        that forward has not run yet (the buffers are those now) or when the stage has none."""
+        return self._batch_start_buffers.get(t, {})
+
     def _before_backward(self, k: int) -> None:
         """Starts B k's step, before its receives: the swap prefetch then overlaps the wait for the
         gradient, and the reducer is armed for the batch's last backward (it reduces as backward goes)."""
         if self.swap is not None:
             self.swap.begin_backward(k)
+        if self.stream is not None:
+            self.stream.begin_backward(k)
         for reduction in self._reductions.values():  # sharded: reduce-scatter inputs done with, freed here
             if isinstance(reduction, ShardedReduction):
                 reduction.release_done()
@@ -305,6 +349,8 @@ class StageWorker:
                 torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         if self.swap is not None:
             self.swap.end_backward(k)
+        if self.stream is not None:
+            self.stream.end_backward(k)
         if not self.first:
             inputs = [t for t in pytree.tree_leaves(x) if t.is_floating_point()]
             self._outbox[(BACKWARD, k)] = [t.grad if t.grad is not None else torch.zeros_like(t) for t in inputs]
@@ -413,6 +459,8 @@ class StageWorker:
                 )
         else:
             scale = self.grad_scale * self.rule.unscale(t) * decision.grad_multiplier
+            if self.stream is not None:
+                self.stream.quiesce()
             self.versions.step(t, grad_scale=scale, before_bucket=bucket_wait)
             if outcome is None and self.rule.on_nonfinite == "stop":
                 self._check_finite(t)
@@ -541,6 +589,8 @@ class StageWorker:
             self.stats.trace = {"spans": self.trace.spans, "window": self.trace.window}
         if self.swap is not None:
             self.stats.swap = self.swap.close()
+        if self.stream is not None:
+            self.stats.stream = self.stream.close()
         self._measure_memory()
         return self.stats
 

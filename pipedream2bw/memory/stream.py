@@ -1,0 +1,388 @@
+"""Weight streaming (swap.weights): a stage's weights, gradients and optimizer state live in host memory and each
+layer's weights visit the device only for its forward and its backward (Harmony, KARMA, LMS; docs/memory.md).
+
+Host side (``StreamedVersions``): every weight version (two under 2bw) is one flat host buffer per layer (pinned on
+CUDA; on the CPU allocated outside torch's allocator, as swap.HostPool's buffers are, so that the live tensor bytes
+torch.profiler reports stand for the device's), and the replicas' parameters are views into it. Gradients accumulate
+over the batch's microbatches in host buffers; the optimizer steps the host masters (``WeightVersions.step``
+unchanged) and its state is moved into host buffers after its first step.
+
+Device side (``WeightStream``): microbatch k's forward runs the stage layer by layer; before layer i it takes
+the device copy of layer i's weights in the version k's batch uses (``versions.replica_for_batch``), while the
+copies of the next ``window`` layers are already on their way (``swap.TransferBackend``: a copy stream on CUDA,
+a worker thread on the CPU). The copy enters autograd through ``_ToDevice``, whose backward sends the layer's
+weight gradients to the host accumulators. What autograd saves of a weight copy is replaced by a reference
+(saved-tensor hooks, chained with any already active, e.g. activation swapping's), so the copy is freed when the
+layer's forward ends; the backward of k fetches the layers it needs in reverse order, ``window`` ahead, and frees
+each once autograd has unpacked all it saved of it. With recomputation (``pipeline.recompute``) the layer's
+recomputed forward takes its copy in the same reverse order.
+
+Device bytes for weights, gradients and optimizer state: at most ``window`` copies in flight, the copy in use and
+one layer's gradients (``device_bytes_model``); every version, accumulator and optimizer state stays on the host.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections import deque
+from dataclasses import asdict, dataclass
+from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+import torch.utils._pytree as pytree
+from torch import nn
+
+from pipedream2bw.memory.swap import HostPool, Transfer, TransferBackend
+from pipedream2bw.pipeline.versions import WeightVersions
+
+_ALIGN = 64  # bytes: each parameter of a layer's flat buffer starts here, so any dtype can view it
+
+
+def device_bytes_model(layer_bytes: Sequence[int], *, window: int) -> int:
+    """Peak device bytes of a streamed stage's weights and gradients: the ``window`` largest copies in flight,
+    the copy in use and one layer's gradients (optimizer state: none; it is on the host).
+
+    Args:
+        layer_bytes: each layer's parameter bytes (as laid out: ``StreamedVersions.layer_bytes``).
+        window: swap.weight_prefetch.
+    """
+    largest = sorted(layer_bytes, reverse=True)
+    return sum(largest[: window + 1]) + (largest[0] if largest else 0)
+
+
+@dataclass
+class StreamStats:
+    """What a streamed stage moved; goes to summary.json ``ranks[i].stream``."""
+
+    window: int = 0
+    layers: int = 0  # layers with parameters
+    host_weight_bytes: int = 0  # all versions, in host buffers
+    host_buffer_bytes: int = 0  # all host buffers: versions, gradient accumulators, optimizer state
+    loads: int = 0  # layer copies to the device
+    bytes_in: int = 0
+    grad_bytes_out: int = 0  # gradients to the host
+    dropped: int = 0  # copies fetched ahead and never used
+    stall_s: float = 0.0  # compute waiting for a copy (GPU: measured on the compute stream)
+    copy_in_s: float = 0.0
+
+
+def _layout(layer: nn.Module) -> Tuple[List[Tuple[str, int]], int]:
+    """(name, byte offset) of each parameter of ``layer`` in its flat buffer, and the buffer's size."""
+    offsets, size = [], 0
+    for name, p in layer.named_parameters():
+        offsets.append((name, size))
+        size += -(-p.numel() * p.element_size() // _ALIGN) * _ALIGN
+    return offsets, size
+
+
+def _view(flat: torch.Tensor, offset: int, like: torch.Tensor) -> torch.Tensor:
+    n = like.numel() * like.element_size()
+    return flat[offset : offset + n].view(like.dtype).view(like.shape)
+
+
+def layer_buckets(module: nn.Module) -> List[List[int]]:
+    """One optimizer bucket per child of ``module``, last first: the optimizer state a first step makes in
+    torch's allocator before it moves to the host is then one layer's."""
+    index = {id(p): i for i, p in enumerate(module.parameters())}
+    buckets = [[index[id(p)] for p in layer.parameters()] for layer in module.children()]
+    return [b for b in reversed(buckets) if b]
+
+
+class StreamedVersions(WeightVersions):
+    """``WeightVersions`` whose replicas, gradient accumulators and optimizer state are in host memory.
+
+    ``layers[j]``: the j-th child of the stage with parameters, as (its name, its parameter indices);
+    ``flats[r][j]``: replica r's flat host buffer of that layer.
+    """
+
+    def __init__(self, module: nn.Module, *, pin: bool, buckets: Optional[Sequence[Sequence[int]]] = None, **kwargs):
+        self.pool = HostPool(pin=pin)
+        if buckets is None:
+            buckets = layer_buckets(module)
+        super().__init__(module, buckets=buckets, **kwargs)
+        self._optimizer_of = {i: opt for b, opt in zip(self.buckets, self.optimizers) for i in b}
+        self._homed: set = set()  # ids of optimizer state tensors in host buffers
+
+    def _make_masters(self, module: nn.Module) -> List[nn.Parameter]:
+        """Moves every replica's parameters into per-layer host buffers, then aliases them as
+        ``WeightVersions`` does (the optimizers step the host replicas in place)."""
+        index = {id(p): i for i, p in enumerate(module.parameters())}
+        self.layers: List[Tuple[str, List[int]]] = []
+        self.flats: List[List[torch.Tensor]] = [[] for _ in self.replicas]
+        self.layer_bytes: List[int] = []
+        self._offsets: List[List[Tuple[str, int]]] = []
+        for name, layer in module.named_children():
+            if not any(True for _ in layer.parameters()):
+                continue
+            offsets, size = _layout(layer)
+            self.layers.append((name, [index[id(p)] for p in layer.parameters()]))
+            self._offsets.append(offsets)
+            self.layer_bytes.append(size)
+            for r, replica in enumerate(self.replicas):
+                flat = self.pool.get(size)
+                for (_, off), p in zip(offsets, replica.get_submodule(name).parameters()):
+                    view = _view(flat, off, p)
+                    view.copy_(p.detach())
+                    p.data = view
+                self.flats[r].append(flat)
+        # replica 0 is ``module``, whose parameters were just moved: the list of all is rebuilt from it
+        self._params = [list(r.parameters()) for r in self.replicas]
+        self._grads: Dict[Tuple[int, int], torch.Tensor] = {}
+        return super()._make_masters(module)
+
+    def names(self, j: int) -> List[str]:
+        """Layer j's parameter names, relative to the layer (what ``functional_call`` takes)."""
+        return [name for name, _ in self._offsets[j]]
+
+    def device_views(self, j: int, flat: torch.Tensor) -> List[torch.Tensor]:
+        """Layer j's parameters as views of ``flat``, its flat buffer on the device."""
+        return [_view(flat, off, self._params[0][i]) for (_, off), i in zip(self._offsets[j], self.layers[j][1])]
+
+    def accumulate(self, replica: int, j: int, grads: Sequence[Optional[torch.Tensor]]) -> int:
+        """Adds one microbatch's gradients of layer j (on the device) to replica's host accumulators, in the
+        order autograd's own accumulation would (the first is copied, the next added). Returns the bytes moved."""
+        moved = 0
+        for i, g in zip(self.layers[j][1], grads):
+            if g is None:
+                continue
+            p = self._params[replica][i]
+            moved += g.numel() * g.element_size()
+            if p.grad is None:
+                buf = self._grads.get((replica, i))
+                if buf is None:
+                    raw = self.pool.get(p.numel() * p.element_size())
+                    buf = self._grads[(replica, i)] = raw.view(p.dtype).view(p.shape)
+                buf.copy_(g)
+                p.grad = buf
+            else:
+                p.grad.add_(g if g.device == p.grad.device else g.to(p.grad.device))
+        return moved
+
+    def _detach_master(self, i: int, dst: nn.Parameter) -> None:
+        """After its bucket's step: the optimizer state of parameter i moves into host buffers (once: it is
+        made lazily by the first step, in torch's allocator, and updated in place afterwards)."""
+        super()._detach_master(i, dst)
+        state = self._optimizer_of[i].state.get(self.master[i])
+        for key, v in (state or {}).items():
+            if torch.is_tensor(v) and id(v) not in self._homed and v.numel() > 0:
+                home = self.pool.get(v.numel() * v.element_size()).view(v.dtype).view(v.shape)
+                home.copy_(v)
+                state[key] = home
+                self._homed.add(id(home))
+
+    def host_weight_bytes(self) -> int:
+        return sum(f.numel() for flats in self.flats for f in flats)
+
+
+class _ToDevice(torch.autograd.Function):
+    """A layer's device copy as a function of its host parameters: forward hands out the copy (``box``),
+    backward sends the gradients to the host accumulators (``sink``) and returns none to autograd."""
+
+    @staticmethod
+    def forward(ctx: Any, box: Tuple[Callable, List[torch.Tensor]], *hosts: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+        ctx.sink = box[0]
+        return tuple(v.detach() for v in box[1])  # new tensors (not views of an input) on the copy's storage
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> Tuple[None, ...]:
+        ctx.sink(grads)
+        return (None,) * (len(grads) + 1)
+
+
+class _Ref:
+    """What autograd holds for a saved view of a weight copy: its layer record and how to view it again."""
+
+    __slots__ = ("rec", "dtype", "size", "stride", "offset")
+
+    def __init__(self, rec: "_Use", t: torch.Tensor):
+        self.rec, self.dtype, self.size, self.stride = rec, t.dtype, t.size(), t.stride()
+        self.offset = t.storage_offset()
+
+
+class _Use:
+    """Layer j's copy of replica r as microbatch k's forward used it: saved views to give back in backward."""
+
+    __slots__ = ("key", "packs", "unpacks", "dev")
+
+    def __init__(self, key: Tuple[int, int, int]):
+        self.key, self.packs, self.unpacks, self.dev = key, 0, 0, None
+
+
+class WeightStream:
+    """Brings a streamed stage's layers to the device for each forward and backward (module docstring).
+
+    Fetch order is planned per action (``begin_forward``, ``begin_backward``): the keys (k, layer, replica) in
+    the order the action takes them; up to ``window`` are issued ahead of the one taken. A take that is not the
+    next planned one drops the planned ones before it (a layer whose backward saved nothing), or loads at once.
+    """
+
+    def __init__(self, versions: StreamedVersions, backend: TransferBackend, *, window: int, recompute: bool):
+        self.versions, self.backend, self.window, self.recompute = versions, backend, window, recompute
+        self._plan: Deque[Tuple[int, int, int]] = deque()
+        self._issued: Deque[Tuple[Tuple[int, int, int], Transfer]] = deque()
+        self._uses: Dict[int, Dict[int, _Use]] = {}  # k -> layer -> its forward's use (no recomputation)
+        self._live: Dict[int, Tuple[_Use, Any]] = {}  # storage pointer -> (use, weak ref): copies in this forward
+        self._replica_of: Dict[int, int] = {}  # k -> the replica its forward used
+        self.stats = StreamStats(window=window, layers=len(versions.layers))
+
+    # -- fetching ----------------------------------------------------------------------------
+
+    def _pump(self) -> None:
+        while self._plan and len(self._issued) < self.window:
+            key = self._plan.popleft()
+            self._issued.append((key, self._load(key)))
+
+    def _load(self, key: Tuple[int, int, int]) -> Transfer:
+        _, j, r = key
+        host = self.versions.flats[r][j]
+        self.stats.loads += 1
+        self.stats.bytes_in += host.numel()
+        return self.backend.to_device(self.backend.landed(host))
+
+    def take(self, key: Tuple[int, int, int]) -> torch.Tensor:
+        """The device copy (flat uint8) of layer key[1] of replica key[2] for microbatch key[0]."""
+        pre = None
+        if any(k == key for k, _ in self._issued):
+            while pre is None:
+                k, tr = self._issued.popleft()
+                if k == key:
+                    pre = tr
+                else:
+                    self._drop(tr)
+        else:
+            for _, tr in list(self._issued):
+                self._drop(tr)
+            self._issued.clear()
+            if key in self._plan:
+                while self._plan.popleft() != key:
+                    pass
+            pre = self._load(key)
+        self._pump()
+        return self.backend.consume(pre)
+
+    def _drop(self, tr: Transfer) -> None:
+        self.stats.dropped += 1
+        self.backend.drop(tr)
+
+    def _begin(self, keys: Sequence[Tuple[int, int, int]]) -> None:
+        for _, tr in self._issued:
+            self._drop(tr)
+        self._issued.clear()
+        self._plan = deque(keys)
+        self._pump()
+
+    def begin_forward(self, k: int, replica: int) -> None:
+        """Microbatch k's forward comes next, with ``replica``'s weights: its first layers start coming."""
+        self._begin([(k, j, replica) for j in range(len(self.versions.layers))])
+
+    def begin_backward(self, k: int) -> None:
+        """Microbatch k's backward comes next: the layers it needs start coming, last first."""
+        if self.recompute:
+            r = self._replica_of.get(k, 0)
+            self._begin([(k, j, r) for j in reversed(range(len(self.versions.layers)))])
+        else:
+            uses = self._uses.get(k, {})
+            self._begin([uses[j].key for j in sorted(uses, reverse=True) if uses[j].packs])
+
+    def end_backward(self, k: int) -> None:
+        """Microbatch k's backward is done: what is left of its copies goes."""
+        self._uses.pop(k, None)
+        self._replica_of.pop(k, None)
+        self._begin([])
+
+    # -- forward -----------------------------------------------------------------------------
+
+    def forward(self, module: nn.Module, k: int, replica: int, x: Any) -> Any:
+        """Microbatch k's forward through the stage ``module`` (the replica's) with streamed weights."""
+        self._replica_of[k] = replica
+        self._uses[k] = {}
+        with self._hooks():
+            j = 0
+            for name, layer in module.named_children():
+                if j < len(self.versions.layers) and self.versions.layers[j][0] == name:
+                    x = self._run_layer(k, j, replica, layer, x)
+                    j += 1
+                else:  # no parameters: nothing to stream
+                    x = self._checkpointed(layer, x) if self.recompute else layer(x)
+        self._live.clear()
+        return x
+
+    def _checkpointed(self, fn: Callable, x: Any) -> Any:
+        leaves, spec = pytree.tree_flatten(x)
+        return torch.utils.checkpoint.checkpoint(
+            lambda *leaves: fn(pytree.tree_unflatten(list(leaves), spec)), *leaves, use_reentrant=False
+        )
+
+    def _run_layer(self, k: int, j: int, r: int, layer: nn.Module, x: Any) -> Any:
+        key = (k, j, r)
+        if self.recompute:  # the recomputation in backward takes the layer again, in backward order
+            return self._checkpointed(lambda x: self._call(key, layer, x), x)
+        use = self._uses[k][j] = _Use(key)
+        return self._call(key, layer, x, use=use)
+
+    def _call(self, key: Tuple[int, int, int], layer: nn.Module, x: Any, *, use: Optional[_Use] = None) -> Any:
+        _, j, r = key
+        v = self.versions
+        flat = self.take(key)
+        if use is not None:
+            storage = flat.untyped_storage()
+            self._live[storage.data_ptr()] = (use, weakref.ref(storage))
+        hosts = [v._params[r][i] for i in v.layers[j][1]]
+        devs = _ToDevice.apply((lambda grads: self._sink(r, j, grads), v.device_views(j, flat)), *hosts)
+        del flat
+        return torch.func.functional_call(layer, dict(zip(v.names(j), devs)), (x,), strict=False)
+
+    def _sink(self, r: int, j: int, grads: Sequence[Optional[torch.Tensor]]) -> None:
+        self.stats.grad_bytes_out += self.versions.accumulate(r, j, grads)
+
+    # -- saved-tensor hooks ------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _hooks(self) -> Iterator[None]:
+        """Saved views of weight copies become ``_Ref``s; anything else goes to the hooks active before
+        (activation swapping's, the saved-bytes probe's), as torch applies only the innermost pair."""
+        outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        outer_pack, outer_unpack = outer if outer is not None else (None, None)
+
+        def pack(t: torch.Tensor) -> Any:
+            if type(t) is torch.Tensor and t.layout == torch.strided:
+                storage = t.untyped_storage()
+                held = self._live.get(storage.data_ptr())
+                if held is not None and held[1]() is storage:
+                    held[0].packs += 1
+                    return _Ref(held[0], t)
+            return outer_pack(t) if outer_pack is not None else t
+
+        def unpack(packed: Any) -> torch.Tensor:
+            if not isinstance(packed, _Ref):
+                return outer_unpack(packed) if outer_unpack is not None else packed
+            use = packed.rec
+            if use.dev is None:
+                use.dev = self.take(use.key)
+            out = torch.empty(0, dtype=packed.dtype, device=use.dev.device).set_(
+                use.dev.untyped_storage(), packed.offset, packed.size, packed.stride
+            )
+            use.unpacks += 1
+            if use.unpacks == use.packs:
+                use.dev = None  # autograd holds the views it needs; the stream lets go
+            return out
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            yield
+
+    def quiesce(self) -> None:
+        """Before the host step writes a replica: no copy from it may still be in flight."""
+        self._begin([])
+        if self.backend.device.type == "cuda":
+            torch.cuda.synchronize(self.backend.device)
+
+    def close(self) -> Dict[str, Any]:
+        """Stops the backend; returns the stats as a dict."""
+        st = self.stats
+        st.host_weight_bytes = self.versions.host_weight_bytes()
+        st.host_buffer_bytes = self.versions.pool.allocated_bytes
+        st.stall_s = self.backend.stall_s()
+        st.copy_in_s = self.backend.busy_s()[1]
+        self.backend.close()
+        return asdict(st)

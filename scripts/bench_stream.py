@@ -1,0 +1,177 @@
+"""Weight streaming (swap.weights) on one stage of GPT blocks: device bytes, bytes moved, stall, speed, bit identity.
+
+    python scripts/bench_stream.py                       # CUDA if available, else CPU with small defaults
+    python scripts/bench_stream.py --layers 8 --d-model 256 --window 2 --json out.json
+
+The stage is ``--layers`` GPT blocks (equal layers) run as stage 0 of a 2-stage pipeline runs them
+(``schedule.stage_actions``: forwards of the next batch before the step of this one under 2bw), with
+AdamW, the squared mean of the output as each microbatch's loss. It runs once with its weights on the
+device (``WeightVersions``) and once streamed (``StreamedVersions`` + ``WeightStream``, a prefetch window of
+``--window`` layers), each from the same weights, and reports for each:
+
+- peak device tensor bytes: CUDA, the allocator's peak over the run (weights built on the device for the
+  plain run; streamed, in pinned host memory); CPU, torch.profiler's live tensor bytes while the stage
+  computes (forwards and backwards; host buffers come from outside torch's allocator, as pinned memory is
+  outside CUDA's; the host step's temporaries, host memory on a GPU, are left out), in a separate untimed run;
+- the memory model's figure for the streamed stage (``stream.device_bytes_model``) and the layers' bytes;
+- bytes moved to the device (weights) and to the host (gradients), the stall (compute waiting for a copy;
+  on CUDA measured on the compute stream), samples/s over the timed run;
+- whether the streamed run's losses and final weights are bit for bit the plain run's.
+
+On a CPU the "device" is host memory and copies are worker-thread memcpys: the bytes and the bit check
+are what the CPU shows; speed and stall need a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import time
+from typing import Any, Dict, List
+
+import torch
+from torch import nn
+
+from pipedream2bw.config import GPTConfig
+from pipedream2bw.memory.memprobe import tensor_peak
+from pipedream2bw.memory.stream import StreamedVersions, WeightStream, device_bytes_model
+from pipedream2bw.memory.swap import CpuBackend, make_backend
+from pipedream2bw.models import build_gpt_layers
+from pipedream2bw.pipeline.schedule import BACKWARD, FORWARD, STEP, stage_actions
+from pipedream2bw.pipeline.versions import WeightVersions
+
+GPU_DEFAULTS = dict(d_model=2048, num_heads=16, seq_len=512, microbatch_size=2, layers=8)
+CPU_DEFAULTS = dict(d_model=256, num_heads=4, seq_len=8, microbatch_size=1, layers=8)  # small activations
+
+
+def _blocks(args: argparse.Namespace) -> List[nn.Module]:
+    cfg = GPTConfig(num_layers=args.layers, d_model=args.d_model, num_heads=args.num_heads, seq_len=args.seq_len)
+    return build_gpt_layers(cfg, seed=0, indices=range(1, args.layers + 1))  # the blocks: no embedding or head
+
+
+def run_stage(args: argparse.Namespace, device: torch.device, *, stream: bool, probe: bool) -> Dict[str, Any]:
+    """One run of the stage; ``probe``: CPU memory measurement (compute spans named ``compute``)."""
+    module = nn.Sequential(*_blocks(args))
+    factory = lambda p: torch.optim.AdamW(p, lr=1e-3)  # noqa: E731
+    ws = None
+    if stream:
+        if device.type == "cuda":  # only the buffers go to the device; the weights stay in host memory
+            for m in module.modules():
+                m._buffers.update({k: b.to(device) for k, b in m._buffers.items() if b is not None})
+        versions = StreamedVersions(
+            module, pin=device.type == "cuda", schedule=args.schedule, optimizer_factory=factory
+        )
+        backend = CpuBackend(overlap=not probe) if device.type == "cpu" else make_backend(device)
+        ws = WeightStream(versions, backend, window=args.window, recompute=False)
+    else:
+        versions = WeightVersions(module.to(device), schedule=args.schedule, optimizer_factory=factory)
+    layer_bytes = getattr(versions, "layer_bytes", None)
+    del module
+    m, b = args.num_microbatches, args.microbatch_size
+    g = torch.Generator().manual_seed(1)
+    xs = [torch.randn(b, args.seq_len, args.d_model, generator=g).to(device) for _ in range(m * args.batches)]
+    outs, losses = {}, []
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    start = time.perf_counter()
+    for a in stage_actions(args.schedule, stage_index=0, num_stages=2, num_microbatches=m, num_batches=args.batches):
+        k = a.index
+        with torch.profiler.record_function("compute") if probe and a.kind != STEP else contextlib.nullcontext():
+            if a.kind == FORWARD:
+                r = versions.replica_for_batch(k // m)
+                if ws is not None:
+                    ws.begin_forward(k, r)
+                    out = ws.forward(versions.replicas[r], k, r, xs[k])
+                else:
+                    out = versions.replicas[r](xs[k])
+                outs[k] = out.float().pow(2).mean()
+                losses.append(outs[k].detach())
+            elif a.kind == BACKWARD:
+                if ws is not None:
+                    ws.begin_backward(k)
+                outs.pop(k).backward()
+                if ws is not None:
+                    ws.end_backward(k)
+        if a.kind == STEP:
+            if ws is not None:
+                ws.quiesce()
+            versions.step(k, grad_scale=1 / m)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elapsed = time.perf_counter() - start
+    result = {
+        "samples_per_s": m * b * args.batches / elapsed,
+        "losses": [float(x) for x in losses],
+        "weights": {n: t.detach().cpu().clone() for n, t in versions.newest().state_dict().items()},
+        "stream": ws.close() if ws is not None else None,
+        "layer_bytes": layer_bytes,
+    }
+    if device.type == "cuda":
+        result["peak_device_bytes"] = torch.cuda.max_memory_allocated(device)
+    return result
+
+
+def measure(args: argparse.Namespace, device: torch.device, *, stream: bool) -> Dict[str, Any]:
+    out = run_stage(args, device, stream=stream, probe=False)
+    if device.type == "cpu":
+        with tensor_peak(device, within="compute") as box:
+            run_stage(args, device, stream=stream, probe=True)
+        out["peak_device_bytes"] = box["bytes"]
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--layers", type=int, default=None, help="GPT blocks in the stage (equal layers)")
+    p.add_argument("--d-model", type=int, default=None)
+    p.add_argument("--num-heads", type=int, default=None)
+    p.add_argument("--seq-len", type=int, default=None)
+    p.add_argument("--microbatch-size", type=int, default=None)
+    p.add_argument("--num-microbatches", type=int, default=2)
+    p.add_argument("--batches", type=int, default=3)
+    p.add_argument("--schedule", default="2bw", choices=["2bw", "flush", "gpipe"])
+    p.add_argument("--window", type=int, default=1, help="swap.weight_prefetch: layers copied ahead")
+    p.add_argument("--json", default=None, help="also write the figures to this file")
+    args = p.parse_args()
+    device = torch.device(args.device)
+    for k, v in (GPU_DEFAULTS if device.type == "cuda" else CPU_DEFAULTS).items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    plain = measure(args, device, stream=False)
+    streamed = measure(args, device, stream=True)
+    same = streamed["losses"] == plain["losses"] and all(
+        torch.equal(plain["weights"][n], streamed["weights"][n]) for n in plain["weights"]
+    )
+    st = streamed["stream"]
+    model = device_bytes_model(streamed["layer_bytes"], window=args.window)
+    report = {
+        "device": str(device),
+        "layers": args.layers,
+        "layer_bytes": streamed["layer_bytes"][0],
+        "window": args.window,
+        "plain_peak_device_bytes": plain["peak_device_bytes"],
+        "streamed_peak_device_bytes": streamed["peak_device_bytes"],
+        "reduction": plain["peak_device_bytes"] / streamed["peak_device_bytes"],
+        "model_streamed_bytes": model,
+        "bytes_to_device": st["bytes_in"],
+        "bytes_to_host": st["grad_bytes_out"],
+        "stall_s": st["stall_s"],
+        "plain_samples_per_s": plain["samples_per_s"],
+        "streamed_samples_per_s": streamed["samples_per_s"],
+        "bit_for_bit": same,
+    }
+    width = max(map(len, report))
+    for k, v in report.items():
+        print(f"{k:<{width}}  {v:.4g}" if isinstance(v, float) else f"{k:<{width}}  {v}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+    if not same:
+        raise SystemExit("streamed weights or losses differ from the plain run's")
+
+
+if __name__ == "__main__":
+    main()

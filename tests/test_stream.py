@@ -1,0 +1,238 @@
+"""Weight streaming (swap.weights, pipedream2bw/memory/stream.py): the same training bit for bit, device bytes
+held to the prefetch window, and what it does not compose with refused at config time."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+from dist_helper import run_ok
+from test_semantics import tiny_config
+from torch import nn
+
+from pipedream2bw.memory.memprobe import tensor_peak
+from pipedream2bw.memory.precision import autocast
+from pipedream2bw.memory.stream import StreamedVersions, WeightStream, device_bytes_model
+from pipedream2bw.memory.swap import CpuBackend
+from pipedream2bw.pipeline.schedule import BACKWARD, FORWARD, STEP, stage_actions
+from pipedream2bw.pipeline.versions import WeightVersions
+from pipedream2bw.run.model import RecomputeSequential
+
+ADAM = lambda params: torch.optim.Adam(params, lr=0.01)  # noqa: E731
+
+
+def _blocks(width: int = 16, depth: int = 3) -> list:
+    torch.manual_seed(0)
+    blocks = [nn.Sequential(nn.LayerNorm(width), nn.Linear(width, width), nn.GELU()) for _ in range(depth)]
+    return [*blocks, nn.Tanh(), nn.Linear(width, 1)]  # a layer without weights between streamed ones
+
+
+def _stage_loop(schedule, *, stream, recompute=False, precision="fp32", window=1, layers=None, probe=None, width=16):
+    """Stage 0 of 2 runs its actions (F, B, S) in one process, the output's squared mean as the loss; with
+    ``stream``, through StreamedVersions and a WeightStream. Returns (losses, newest weights, stream stats)."""
+    layers = layers if layers is not None else _blocks()
+    module = (RecomputeSequential if recompute and not stream else nn.Sequential)(*layers)
+    if stream:
+        versions = StreamedVersions(module, pin=False, schedule=schedule, optimizer_factory=ADAM)
+        ws = WeightStream(versions, CpuBackend(overlap=probe is None), window=window, recompute=recompute)
+    else:
+        versions, ws = WeightVersions(module, schedule=schedule, optimizer_factory=ADAM), None
+    del module, layers
+    m = 2
+    xs = torch.randn(4 * m, 3, width, generator=torch.Generator().manual_seed(1))
+    outs, losses = {}, []
+    for a in stage_actions(schedule, stage_index=0, num_stages=2, num_microbatches=m, num_batches=3):
+        k = a.index
+        with torch.profiler.record_function("compute") if probe else contextlib.nullcontext():
+            if a.kind == FORWARD:
+                r = versions.replica_for_batch(k // m)
+                with autocast(precision, "cpu"):
+                    if ws is not None:
+                        ws.begin_forward(k, r)
+                        out = ws.forward(versions.replicas[r], k, r, xs[k])
+                    else:
+                        out = versions.replicas[r](xs[k])
+                outs[k] = out.float().pow(2).mean()
+                losses.append(outs[k].item())
+            elif a.kind == BACKWARD:
+                if ws is not None:
+                    ws.begin_backward(k)
+                outs.pop(k).backward()
+                if ws is not None:
+                    ws.end_backward(k)
+        if a.kind == STEP:
+            if ws is not None:
+                ws.quiesce()
+            versions.step(k, grad_scale=1 / m)
+    weights = {n: t.clone() for n, t in versions.newest().state_dict().items()}
+    return losses, weights, ws.close() if ws is not None else None, versions
+
+
+@pytest.mark.parametrize(
+    "schedule,recompute,precision,window",
+    [
+        ("2bw", False, "fp32", 1),
+        ("2bw", True, "bf16", 2),
+        ("flush", True, "fp32", 0),
+        ("flush", False, "bf16", 1),
+        ("gpipe", False, "fp32", 1),
+        ("gpipe", True, "bf16", 1),
+    ],
+)
+def test_streamed_stage_trains_bit_for_bit(schedule, recompute, precision, window):
+    losses, weights, _, _ = _stage_loop(schedule, stream=False, recompute=recompute, precision=precision)
+    s_losses, s_weights, stats, versions = _stage_loop(
+        schedule, stream=True, recompute=recompute, precision=precision, window=window
+    )
+    assert s_losses == losses
+    assert weights.keys() == s_weights.keys() and all(torch.equal(weights[n], s_weights[n]) for n in weights)
+    assert stats["loads"] >= 2 * len(losses) and stats["grad_bytes_out"] > 0, stats
+    # everything of the stage is in host buffers: no parameter, gradient or optimizer state outside them
+    host = {f.untyped_storage().data_ptr() for flats in versions.flats for f in flats}
+    assert all(p.untyped_storage().data_ptr() in host for r in versions.replicas for p in r.parameters())
+    homed = [v for o in versions.optimizers for st in o.state.values() for v in st.values() if torch.is_tensor(v)]
+    assert homed and all(id(v) in versions._homed for v in homed)
+
+
+def test_streamed_stage_device_bytes_fall_to_the_prefetch_window():
+    # 8 equal layers of 256 x 256 float32 (256 KiB each), 2bw with Adam: without streaming the stage holds two
+    # versions, the gradients and two moments (5 x 2 MiB); streamed, the window: (window + 1) layers' copies and
+    # one layer's gradients. Measured while the stage computes (torch.profiler's live tensor bytes, copies inline);
+    # the host step's own temporaries, host memory on a GPU, are not the device's.
+    def layers():
+        torch.manual_seed(0)
+        return [nn.Linear(256, 256, bias=False) for _ in range(8)]
+
+    def peak(stream, window=1):
+        with tensor_peak(torch.device("cpu"), within="compute") as box:
+            *_, versions = _stage_loop("2bw", stream=stream, window=window, layers=layers(), probe=True, width=256)
+        return box["bytes"], versions
+
+    plain, _ = peak(False)
+    for window in (1, 2):
+        streamed, versions = peak(True, window)
+        model = device_bytes_model(versions.layer_bytes, window=window)
+        assert plain >= 5 * streamed, (plain, streamed)
+        assert abs(streamed - model) <= 0.1 * model, (window, streamed, model)
+
+
+def _config(schedule: str, num_stages: int, *, recompute: bool, precision: str):
+    cfg = tiny_config(schedule=schedule, num_stages=num_stages, num_microbatches=4, num_steps=3)
+    cfg.pipeline.recompute = recompute
+    cfg.train.precision = precision
+    return cfg
+
+
+def _train(cfg, stream: bool):
+    cfg = dataclasses.replace(cfg, swap=dataclasses.replace(cfg.swap))
+    if stream:
+        cfg.swap.enabled, cfg.swap.weights, cfg.swap.optimizer = True, True, "host"
+        cfg.swap.resident, cfg.swap.min_bytes = 0, 4096  # activations of waiting microbatches swap too
+    run_dir = Path(tempfile.mkdtemp(prefix="stream-"))
+    try:
+        summary = run_ok(cfg, run_dir)
+        return summary, torch.load(run_dir / "final_model.pt")
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "schedule,num_stages,recompute,precision",
+    [
+        ("2bw", 2, False, "fp32"),  # two versions on the host; stage 0 also swaps activations (resident 0)
+        ("gpipe", 1, True, "bf16"),  # recomputation takes each layer again in backward; autocast
+    ],
+)
+def test_streaming_gives_the_same_training_bit_for_bit(schedule, num_stages, recompute, precision):
+    cfg = _config(schedule, num_stages, recompute=recompute, precision=precision)
+    base, base_weights = _train(cfg, stream=False)
+    summary, weights = _train(cfg, stream=True)
+    assert weights.keys() == base_weights.keys()
+    assert all(torch.equal(weights[k], base_weights[k]) for k in weights)  # not to round-off: bit for bit
+    assert summary["losses"] == base["losses"]
+    for r in summary["ranks"]:
+        st = r["stream"]
+        assert st is not None and st["loads"] > 0 and st["grad_bytes_out"] > 0, st
+        # every layer with weights travels in each forward of 4 microbatches x 3 steps, and again in backward
+        assert st["loads"] > 4 * 3 * st["layers"], st
+
+
+@pytest.mark.parametrize(
+    "overrides,match",
+    [
+        (["swap.weights=true", "swap.optimizer=host"], r"swap.weights \(true\) with no stage swaps; set swap.enabled"),
+        (["swap.weights=true", "swap.enabled=true"], r"optimizer steps where its weights live.*swap.optimizer=host"),
+        (["swap.weight_prefetch=-1"], r"swap.weight_prefetch \(-1\) must be >= 0"),
+        (
+            ["swap.weights=true", "swap.enabled=true", "swap.optimizer=host", "pipeline.data_parallel=2"],
+            r"pipeline.data_parallel \(2\).*use data_parallel=1",
+        ),
+        (
+            ["swap.weights=true", "swap.stages=[0]", "swap.optimizer=host", "train.precision=fp16"],
+            r"train.precision \(fp16\)",
+        ),
+        (
+            ["swap.weights=true", "swap.stages=[0]", "swap.optimizer=host", "optim.clip_grad_norm=1.0"],
+            r"optim.clip_grad_norm",
+        ),
+        (
+            [
+                "swap.weights=true",
+                "swap.enabled=true",
+                "swap.optimizer=host",
+                "train.eval_every=5",
+                "data.val_fraction=0.1",
+            ],
+            r"eval_every \(5\)",
+        ),
+    ],
+)
+def test_unsupported_streaming_is_refused_at_config_time(overrides, match):
+    from test_config import make
+
+    from pipedream2bw.config import ConfigError, validate
+
+    validate(make("swap.weights=true", "swap.enabled=true", "swap.optimizer=host"), world_size=4)
+    with pytest.raises(ConfigError, match=match):
+        validate(make(*overrides), world_size=8 if "pipeline.data_parallel=2" in overrides else 4)
+
+
+def test_tied_weights_on_a_streamed_stage_are_refused():
+    from pipedream2bw.config import ConfigError
+    from pipedream2bw.pipeline import ties
+    from pipedream2bw.run.start import check_weight_stream
+
+    cfg = tiny_config(schedule="2bw", num_stages=2, num_microbatches=2)
+    cfg.swap.weights, cfg.swap.stages, cfg.swap.optimizer = True, [1], "host"
+    tie = ties.Tie(names=("0.weight", "3.weight"), shape=(4, 4))
+    check_weight_stream(cfg, [], [2, 2], "fp32")
+    with pytest.raises(ConfigError, match=r"tied weights \[\['0.weight', '3.weight'\]\] on a streamed stage"):
+        check_weight_stream(cfg, [tie], [2, 2], "fp32")
+    cfg.swap.stages = [0]
+    with pytest.raises(ConfigError, match="resolved to fp16"):
+        check_weight_stream(cfg, [], [2, 2], "fp16")
+
+
+def test_checkpoint_state_round_trips_into_host_buffers():
+    # A checkpoint (WeightVersions.state) of a streamed stage, loaded into a fresh one: the same versions and
+    # optimizer state, and the loaded weights still live in the stage's host buffers (load_state copies in place).
+    *_, versions = _stage_loop("2bw", stream=True)
+    state = versions.state()
+    fresh = StreamedVersions(nn.Sequential(*_blocks()), pin=False, schedule="2bw", optimizer_factory=ADAM)
+    host = {f.untyped_storage().data_ptr() for flats in fresh.flats for f in flats}
+    fresh.load_state(**state)
+    again = fresh.state()
+    for key in ("weights", "previous"):
+        assert all(torch.equal(state[key][n], again[key][n]) for n in state[key])
+    assert all(
+        torch.equal(state["optimizer"][n][k], again["optimizer"][n][k])
+        for n in state["optimizer"]
+        for k in state["optimizer"][n]
+    )
+    assert all(p.untyped_storage().data_ptr() in host for r in fresh.replicas for p in r.parameters())
