@@ -122,9 +122,11 @@ def table(plans: Sequence[Plan]) -> str:
 
 
 def stage_table(plan: Plan) -> str:
-    """Per-stage predictions of one plan: layers, time per microbatch, memory and its parts."""
+    """Per-stage predictions of one plan: layers, time per microbatch, memory and its parts (GiB, whole names)."""
+    widths = [max(len(p), 7) for p in MEMORY_PARTS]
     lines = [
-        f"{'stage':>5} {'layers':>9} {'ms/mb':>9} {'peak GiB':>9}  " + " ".join(f"{p[:6]:>7}" for p in MEMORY_PARTS)
+        f"{'stage':>5} {'layers':>9} {'ms/mb':>9} {'peak GiB':>9}  "
+        + " ".join(f"{p:>{w}}" for p, w in zip(MEMORY_PARTS, widths))
     ]
     for s in range(plan.num_stages):
         start = plan.boundaries[s]
@@ -132,7 +134,7 @@ def stage_table(plan: Plan) -> str:
         lines.append(
             f"{s:>5} {f'{start}-{start + plan.balance[s] - 1}':>9} {plan.predicted_stage_time_s[s] * 1e3:>9.3f} "
             f"{plan.predicted_peak_memory_bytes[s] / GIB:>9.3f}  "
-            + " ".join(f"{parts.get(p, 0) / GIB:>7.3f}" for p in MEMORY_PARTS)
+            + " ".join(f"{parts.get(p, 0) / GIB:>{w}.3f}" for p, w in zip(MEMORY_PARTS, widths))
         )
     return "\n".join(lines)
 

@@ -41,7 +41,11 @@ from pipedream2bw.config import Config, register_configs
 from pipedream2bw.errors import ConfigError
 from pipedream2bw.io.fileio import atomic_write
 from pipedream2bw.run import preflight
-from pipedream2bw.run.launch import LaunchError, launch_train
+from pipedream2bw.run.launch import LaunchError, launch_train, worker_threads
+from pipedream2bw.train import _run_stamp
+
+# a submitit job (hydra/launcher=slurm) imports this module to run main() and resolves hydra.sweep.dir there
+OmegaConf.register_new_resolver("pd2bw_run_stamp", _run_stamp, replace=True)
 
 log = logging.getLogger("pipedream2bw.sweep")
 
@@ -62,6 +66,7 @@ COLUMNS = [  # the printed table; sweep.csv and sweep.json hold every field
     ("max_peak_memory_mib", "peak MiB", "{:.0f}"),
     ("bubble_fraction", "bubble", "{:.2f}"),
     ("wall_s", "wall s", "{:.1f}"),
+    ("threads_per_rank", "threads", "{}"),  # OMP_NUM_THREADS of each rank (launch.worker_threads)
     ("error", "error", "{}"),
 ]
 OBJECTIVES = {  # sweep.objective -> the direction in which it gets better
@@ -83,9 +88,12 @@ def train_overrides(task_overrides: List[str], *, group: str) -> List[str]:
     return out
 
 
-def job_row(job: int, overrides: List[str], run_dir: Path, wall_s: float, error: Optional[str]) -> Dict[str, Any]:
+def job_row(
+    job: int, overrides: List[str], run_dir: Path, wall_s: float, error: Optional[str], *, threads: str = ""
+) -> Dict[str, Any]:
     """One job's row: its settings and figures from its summary.json, or its error."""
     row: Dict[str, Any] = {"job": job, "overrides": " ".join(overrides), "run_dir": str(run_dir), "wall_s": wall_s}
+    row["threads_per_rank"] = threads or "all cores"
     summary_path = run_dir / "summary.json"
     if error is not None or not summary_path.is_file():
         return {**row, "status": "failed", "error": error or "no summary.json"}
@@ -146,7 +154,7 @@ def run_job(cfg: Config, task_overrides: List[str], *, job: int, run_dir: Path, 
         error = failure_reason(run_dir, str(e))
     except Exception as e:  # the launcher itself failed (e.g. rendezvous): still only this job
         error = f"launch failed: {type(e).__name__}: {e}"
-    row = job_row(job, overrides, run_dir, time.monotonic() - start, error)
+    row = job_row(job, overrides, run_dir, time.monotonic() - start, error, threads=worker_threads(nproc))
     atomic_write(run_dir / RESULT_FILE, (json.dumps(row, indent=2) + "\n").encode())
     log.info("job %d %s%s", job, row["status"], f": {error}" if error else f": {row['samples_per_s']:.1f} samples/s")
     return row
@@ -235,7 +243,10 @@ class SweepTable(Callback):
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         sweep_dir = Path(config.hydra.sweep.dir)
-        rows = [json.loads(p.read_text()) for p in sorted(sweep_dir.glob(f"*/{RESULT_FILE}"))]
+        # not through a link: a job's run also links <results folder>/latest to it, which is the sweep
+        # directory itself when that is one folder below the working directory (hydra.sweep.dir=mysweep)
+        found = sorted(sweep_dir.glob(f"*/{RESULT_FILE}"))
+        rows = [json.loads(p.read_text()) for p in found if not p.parent.is_symlink()]
         name = config.sweep.name or str(sweep_dir)
         objective = config.sweep.get("objective")
         table = write_table(sweep_dir, rows, name=name, objective=objective)
@@ -308,7 +319,6 @@ def cli() -> None:
         optuna.logging.set_verbosity(optuna.logging.WARNING)
     register_configs()
     os.environ.setdefault(_STAMP_ENV, time.strftime("%Y-%m-%d/%H-%M-%S"))  # one process: no ranks to agree with
-    OmegaConf.register_new_resolver("pd2bw_run_stamp", lambda: os.environ[_STAMP_ENV], replace=True)
     main()
 
 

@@ -13,10 +13,12 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
+from pipedream2bw import precheck
 from pipedream2bw.config import TINY_ENV, Config, from_hydra, register_configs, tiny
 from pipedream2bw.errors import ConfigError
 from pipedream2bw.io.fileio import atomic_write_text
 from pipedream2bw.pipeline import comm
+from pipedream2bw.run import slurm
 from pipedream2bw.run.preempt import Preempted
 from pipedream2bw.run.runner import run
 
@@ -29,21 +31,41 @@ _record_subdir: Optional[str] = ".hydra"  # hydra.output_subdir as the user set 
 
 @hydra.main(version_base="1.3", config_path="../configs", config_name="config")
 def main(dcfg: DictConfig) -> None:
+    slurm.set_rank_env()  # hydra/launcher=slurm runs this in every task of the job, each a rank (not via cli)
     run_dir = HydraConfig.get().runtime.output_dir
     try:
         cfg: Config = from_hydra(dcfg)  # the DictConfig stops here
         if os.environ.get(TINY_ENV, "0") not in ("", "0"):
             cfg = tiny(cfg)
         run(cfg, run_dir, store=_store, on_start=lambda: _write_record(dcfg, run_dir))
-    except ConfigError as e:
-        log.error("bad configuration: %s", e)  # before any process group started
+    except ConfigError as e:  # before any process group started; reported once (precheck.report)
+        rank, world_size, _ = comm.env_rank()
+        precheck.report(f"bad configuration: {e}", rank=rank, world_size=world_size, emit=log.error)
+        if rank == 0:
+            _remove_if_only_log(Path(run_dir))
         _exit(2)
     except Preempted as e:  # checkpointed and summarized; a non-zero status gets the job requeued
         log.warning("exiting with %d: %s", e.exit_code, e)
+        if slurm.job_id() is not None and comm.env_rank()[0] == 0:
+            slurm.requeue()  # every rank has stopped, checkpointed: SLURM starts the job again, it resumes
         _exit(e.exit_code)
     except BaseException as e:  # already logged with its cause by the runner
         log.error("exiting after failure: %s: %s", type(e).__name__, e)
+        precheck.write_error_file(f"{type(e).__name__}: {e}")  # torchrun's summary names it
         _exit(1)
+
+
+def _remove_if_only_log(run_dir: Path) -> None:
+    """Removes the run directory of a refused launch when it holds nothing but the train.log Hydra opened for it
+    (and its date folder when that is then empty): a refused launch leaves no run behind."""
+    try:
+        if {p.name for p in run_dir.iterdir()} - {"train.log"}:
+            return
+        (run_dir / "train.log").unlink(missing_ok=True)
+        run_dir.rmdir()
+        run_dir.parent.rmdir()  # outputs/<date>/ when this was its only run; fails (kept) otherwise
+    except OSError:
+        pass
 
 
 def _write_record(dcfg: DictConfig, run_dir: str) -> None:
@@ -83,6 +105,14 @@ def _agree_on_run_stamp() -> None:
     os.environ.setdefault(_STAMP_ENV, stamp)
 
 
+def _run_stamp() -> str:
+    return os.environ[_STAMP_ENV]
+
+
+# At import, not in cli(): a submitit job (hydra/launcher=slurm) imports this module to run main(), and
+# resolves hydra.sweep.dir there, with the stamp its submitter set (SLURM passes the environment on).
+OmegaConf.register_new_resolver("pd2bw_run_stamp", _run_stamp, replace=True)
+
 HELP_FLAGS = ("--help", "-h")
 
 
@@ -98,8 +128,15 @@ def cli() -> None:
     if any(a in HELP_FLAGS for a in sys.argv[1:]):
         print_help(sys.argv[1:], config_name="config")
         return
+    rank, world_size, _ = comm.env_rank()
+    mistake = precheck.check(
+        sys.argv[1:], world_size=world_size, local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    )
+    if mistake is not None:  # before the store, Hydra's run directory and the model: one line, at once
+        precheck.report(f"bad configuration: {mistake}", rank=rank, world_size=world_size)
+        _exit(2)
     register_configs()
-    OmegaConf.register_new_resolver("pd2bw_run_stamp", lambda: os.environ[_STAMP_ENV], replace=True)
+    slurm.set_rank_env()  # srun without torchrun: each task a rank (before the ranks agree on the run stamp)
     _agree_on_run_stamp()
     global _record_subdir
     for arg in [a for a in sys.argv[1:] if a.startswith("hydra.output_subdir=")]:
@@ -111,7 +148,12 @@ def cli() -> None:
     if comm.env_rank()[0] != 0:
         # Hydra's own messages (a multirun's "Launching N jobs", each job's overrides) once, from rank 0
         sys.argv.append("hydra/hydra_logging=disabled")
-    main()
+    try:
+        main()
+    except SystemExit as e:  # main() itself leaves with os._exit: this is Hydra refusing the command line
+        if e.code not in (0, None):  # a key typo, train.num_steps=abc, an output directory it cannot create
+            _exit(2)  # bad input, as ConfigError; Hydra printed why
+        raise
 
 
 if __name__ == "__main__":

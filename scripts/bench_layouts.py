@@ -2,7 +2,8 @@
 
     python scripts/bench_layouts.py [--layouts 2x2,4x1,1x4] [--repeats 3] [--steps 20] [overrides ...]
 
-Each run is the real command (python -m pipedream2bw.train, launched as torchrun does); layouts alternate within each
+Each run is the real command (python -m pipedream2bw.train, launched as torchrun does: one thread per rank unless
+OMP_NUM_THREADS is set); layouts alternate within each
 repeat so that machine drift hits them alike. Prints the command, the configuration and a
 table of medians, and writes it as JSON.
 """
@@ -17,7 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from pipedream2bw.run.launch import LaunchError, launch_train
+from pipedream2bw.run.launch import LaunchError, launch_train, worker_threads
 
 
 def run_layout(
@@ -65,9 +66,11 @@ def main() -> None:
     args = parser.parse_args()
     layouts = [tuple(int(x) for x in item.split("x")) for item in args.layouts.split(",")]
     print("command:", " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]))
+    threads = ", ".join(f"{d}x{w}: {worker_threads(d * w) or 'all cores'}" for d, w in layouts)
     print(
         f"config: schedule={args.schedule} global_batch={args.global_batch} microbatch_size={args.microbatch_size} "
-        f"steps={args.steps} (first 3 left out) repeats={args.repeats} overrides={args.overrides}"
+        f"steps={args.steps} (first 3 left out) repeats={args.repeats} overrides={args.overrides}; "
+        f"OMP_NUM_THREADS per rank: {threads}"
     )
     results = {layout: [] for layout in layouts}
     with tempfile.TemporaryDirectory() as tmp:

@@ -106,22 +106,60 @@ class MaskedEmbed(nn.Module):
 class MaskedMix(nn.Module):
     """(h, mask) -> (h + the causal mean of tanh(lin(h)) over the unmasked positions so far, mask)."""
 
-    def __init__(self, width: int):
+    def __init__(self, width: int, dropout: float = 0.0):
         super().__init__()
-        self.lin = nn.Linear(width, width)
+        self.lin, self.drop = nn.Linear(width, width), nn.Dropout(dropout)
 
     def forward(self, x):
         h, mask = x
         keep = mask.unsqueeze(-1).float()  # (B, T, 1)
-        v = torch.tanh(self.lin(h)).float() * keep
+        v = self.drop(torch.tanh(self.lin(h))).float() * keep
         return h + v.cumsum(1) / keep.cumsum(1).clamp(min=1.0), mask
 
 
-def masked_layers(*, width: int, tie: bool = False) -> List[nn.Module]:
+def masked_layers(*, width: int, tie: bool = False, dropout: float = 0.0) -> List[nn.Module]:
     """[MaskedEmbed, MaskedMix, MaskedMix, Norm, Head]: every boundary is (hidden, integer mask), as a
     BERT-style encoder passes (hidden_states, attention_mask). ``tie``: the head's weight is the
-    embedding's (a weight tied across the first and last stage). A whole-list factory."""
-    layers = [MaskedEmbed(width), MaskedMix(width), MaskedMix(width), Norm(width), Head(width)]
+    embedding's (a weight tied across the first and last stage); ``dropout``: each mixing layer's. A
+    whole-list factory."""
+    layers = [MaskedEmbed(width), MaskedMix(width, dropout), MaskedMix(width, dropout), Norm(width), Head(width)]
     if tie:
         layers[-1].out.weight = layers[0].tok.weight
     return layers
+
+
+class DropBlock(nn.Module):
+    """(h, ids) -> (h + dropout(tanh(lin(h))), ids): draws a mask in every training forward."""
+
+    def __init__(self, width: int, p: float):
+        super().__init__()
+        self.lin, self.drop = nn.Linear(width, width), nn.Dropout(p)
+
+    def forward(self, x):
+        h, ids = x
+        return h + self.drop(torch.tanh(self.lin(h))), ids
+
+
+class NormBlock(nn.Module):
+    """(h, ids) -> (h + BatchNorm over the features of every position, ids): running statistics change in training."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.bn = nn.BatchNorm1d(width)
+
+    def forward(self, x):
+        h, ids = x  # (B, T, W)
+        return h + self.bn(h.transpose(1, 2)).transpose(1, 2), ids
+
+
+def stateful_layers(
+    *, width: int, seed: int, p: float = 0.1, indices: Optional[Sequence[int]] = None
+) -> List[nn.Module]:
+    """[Embed, DropBlock, NormBlock, DropBlock, Norm, Head]: dropout on both sides of a BatchNorm (a layer with
+    state besides its parameters). Builds only ``indices``, each layer seeded by its index."""
+    kinds = [Embed, lambda w: DropBlock(w, p), NormBlock, lambda w: DropBlock(w, p), Norm, Head]
+    out = []
+    for i in range(len(kinds)) if indices is None else indices:
+        torch.manual_seed(seed * 1000 + i)
+        out.append(kinds[i](width))
+    return out

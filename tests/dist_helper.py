@@ -132,6 +132,22 @@ def train_with_fault(cfg: Config, run_dir: str, layer_index: int, call: int, how
     run(cfg, Path(run_dir), layers=layers)
 
 
+def train_failing_in_setup(cfg: Config, run_dir: str, failing_rank: int) -> None:
+    """``run()`` whose ``failing_rank`` raises while it sets up its stage (where it would restore a checkpoint),
+    after the process groups started and before the others' set-up collectives (the step agreement's group)."""
+    from pipedream2bw.run import build
+
+    step_rule = build.step_rule
+
+    def failing(rt, *args, **kwargs):
+        if rt.rank == failing_rank:
+            raise RuntimeError("injected set-up fault")
+        return step_rule(rt, *args, **kwargs)
+
+    build.step_rule = failing
+    run(cfg, Path(run_dir))
+
+
 class _Sleep(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, forward_s: float, backward_s: float):

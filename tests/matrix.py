@@ -51,9 +51,19 @@ FACTORS: "OrderedDict[str, Tuple[Any, ...]]" = OrderedDict(
     recompute=(False, True),  # pipeline.recompute
     host_optim=(False, True),  # swap.optimizer=host
     validation=(False, True),  # train.eval_every=EVAL_EVERY on held-out data
-    structured=(False, True),  # masked_layers: every boundary a (hidden, integer mask) tuple; else the GPT
+    # masked_layers: every boundary a (hidden, integer mask) tuple, with dropout (masks per layer and
+    # microbatch, the same at every layout: pipedream2bw/pipeline/stateful.py); else the GPT
+    structured=(False, True),
     sharded=(False, True),  # optim.sharded: masters and optimizer state sharded over the w replicas (w=1: inert)
     weight_dtype=("fp32", "compute"),  # train.weight_dtype: compute stores the versions in bf16/fp16 (fp32: inert)
+    muon=(
+        False,
+        True,
+    ),  # optim.name=muon: Muon for the hidden matrices, optim.muon_others=sgd (the cells' SGD) for the rest
+    correction=(
+        "none",
+        "error_feedback",
+    ),  # optim.delay_correction (off under flush, gpipe); lookahead: test_corrections.py
 )
 
 NUM_STEPS = 6  # the 2BW delay shows from step 1; step SKIP_BATCH is skipped; a resume at RESUME_STEP
@@ -64,6 +74,7 @@ GLOBAL_BATCH = 8  # sequences per batch: w * m * b with b = 1, so m = 8 / w >= d
 CLIP = 0.5  # below every step's gradient norm of these models (0.7 .. 15): clipping acts on every step,
 # and steps stay large enough for the 2BW delay to show above bf16's tolerance
 WIDTH, SEQ_LEN = 16, 8
+DROPOUT = 0.2  # structured cells' mixing layers
 POISONED_LAYER = 1  # the first block (GPT) or mixing layer (structured): on stage 0 whenever d > 1
 
 # A resumed cell continues at another (d, w) with the same number of ranks (the same spawned group).
@@ -99,6 +110,8 @@ class Cell:
     structured: bool
     sharded: bool
     weight_dtype: str
+    muon: bool = False
+    correction: str = "none"
 
     @property
     def id(self) -> str:
@@ -109,6 +122,10 @@ class Cell:
         parts += [short.get(f, f) for f in flags if getattr(self, f)]
         if self.weight_dtype == "compute":
             parts.append("wcompute")
+        if self.muon:
+            parts.append("muon")
+        if self.correction != "none":
+            parts.append({"error_feedback": "ef"}.get(self.correction, self.correction))
         if self.resume:
             d, w = RESUME_AT[(self.d, self.w)]
             parts.append(f"resume-d{d}w{w}")
@@ -144,6 +161,12 @@ CONSTRAINTS: List[Tuple[Tuple[str, ...], Callable[[Dict[str, Any]], bool], str]]
         "weight_dtype=compute needs layers that take activations in the compute dtype: masked_layers computes "
         "in float32 on purpose, which a bf16 LayerNorm refuses (torch's mixed-dtype error, not detectable before)",
     ),
+    (
+        ("schedule", "correction"),
+        lambda r: r["correction"] == "none" or r["schedule"] == "2bw",
+        "a delay correction is off under flush and gpipe (no delay; test_corrections.py shows it inert): a cell "
+        "there would cover its pairs with nothing",
+    ),
     # 2bw's m >= d holds by construction (m = 8 / w); fp16 always runs with its loss scaler.
 ]
 
@@ -164,6 +187,20 @@ REFUSED: List[Tuple[Tuple[str, ...], Callable[[Dict[str, Any]], bool], str, str,
         r"train.weight_dtype \(compute\) with train.precision \(fp16\)",
         "fp16 autocast runs layer norms in float32, which meet fp16 norm weights",
         dict(schedule="2bw", d=2, w=1, precision="fp16", tied=False, weight_dtype="compute"),
+    ),
+    (
+        ("d", "w", "resume", "sharded", "muon"),
+        lambda r: r["muon"] and r["sharded"] and (r["w"] > 1 or r["resume"] and RESUME_AT[(r["d"], r["w"])][1] > 1),
+        r"optim.name \(muon\) with optim.sharded \(true\)",
+        "Muon orthogonalizes whole matrices; sharding steps flat pieces",
+        dict(schedule="2bw", d=1, w=2, sharded=True, muon=True),
+    ),
+    (
+        ("precision", "weight_dtype", "muon"),
+        lambda r: r["muon"] and r["weight_dtype"] == "compute" and r["precision"] == "bf16",
+        r"train.weight_dtype \(compute\) steps pieces of every parameter",
+        "versions in the compute dtype keep flat float32 masters, which need an elementwise optimizer",
+        dict(schedule="2bw", d=2, w=1, precision="bf16", tied=False, weight_dtype="compute", muon=True),
     ),
 ]
 
@@ -230,7 +267,9 @@ def cell_config(cell: Cell, *, layout: Optional[Tuple[int, int]] = None, resume:
     d, w = layout or (cell.d, cell.w)
     if cell.structured:
         model: Any = LayerListConfig(
-            target="custom_models.masked_layers", kwargs={"width": WIDTH, "tie": cell.tied}, seq_len=SEQ_LEN
+            target="custom_models.masked_layers",
+            kwargs={"width": WIDTH, "tie": cell.tied, "dropout": DROPOUT},
+            seq_len=SEQ_LEN,
         )
     else:
         model = GPTConfig(num_layers=2, d_model=WIDTH, num_heads=2, seq_len=SEQ_LEN, tie_embeddings=cell.tied)
@@ -248,7 +287,7 @@ def cell_config(cell: Cell, *, layout: Optional[Tuple[int, int]] = None, resume:
         model=model,
         # SGD with momentum: Adam blows reduction-order round-off on ~zero gradients up to lr-sized steps
         optim=OptimConfig(
-            name="sgd",
+            **({} if cell.muon else dict(name="sgd")),
             lr=0.2,
             kwargs={"momentum": 0.9},
             scheduler="cosine",
@@ -256,6 +295,9 @@ def cell_config(cell: Cell, *, layout: Optional[Tuple[int, int]] = None, resume:
             min_lr=0.02,
             clip_grad_norm=CLIP if cell.clip else None,
             sharded=cell.sharded,
+            # muon: Muon (its own lr scaling, 'original') for the hidden matrices, the same SGD for the rest
+            **(dict(name="muon", muon_others="sgd", muon_kwargs={"adjust_lr_fn": "original"}) if cell.muon else {}),
+            delay_correction=cell.correction,
         ),
         data=DataConfig(val_fraction=0.1 if cell.validation else 0.0),
         train=TrainConfig(

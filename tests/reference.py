@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
@@ -15,6 +16,7 @@ from pipedream2bw.data import VALIDATION, MicrobatchFeed, load_splits
 from pipedream2bw.memory import precision as precisions
 from pipedream2bw.memory.loss_scale import LossScaler
 from pipedream2bw.models.factory import model_source
+from pipedream2bw.pipeline import stateful
 from pipedream2bw.run.lr_schedule import lr_at
 
 
@@ -44,7 +46,9 @@ class StageBoundaries(nn.Sequential):
         return t
 
     def forward(self, x: Any) -> Any:
+        key = stateful.current_key()
         for i, layer in enumerate(self):
+            stateful.reseed(key, i)  # each layer's random stream on this microbatch, as a pipeline's stage draws it
             x = layer(x)
             if i in self.after and self.dtype != torch.float32:
                 x = pytree.tree_map(self._round, x)
@@ -128,7 +132,8 @@ def _train(
     model = StageBoundaries(layers, after=after, dtype=precisions.compute_dtype(precision), upcast=not rounded)  # W(t)
     lm_loss = source.loss_fn
     stale = copy.deepcopy(model).to(weight_dtype) if delayed or rounded else model  # W(t-1): batch t runs with
-    opt = build_optimizer(model.parameters(), cfg.optim)
+    # flush, gpipe (not delayed): no delay, so no correction
+    opt = ReferenceOptimizer(model, cfg.optim if delayed else dataclasses.replace(cfg.optim, delay_correction="none"))
     feed = MicrobatchFeed(
         load_splits(cfg.data)[0],
         seq_len=cfg.model.seq_len,
@@ -153,7 +158,7 @@ def _train(
         batch_losses = []
         for j in range(m):
             x, y = feed.microbatch(t * m + j)
-            with precisions.autocast(precision, "cpu"):
+            with precisions.autocast(precision, "cpu"), stateful.microbatch_streams(cfg.seed, t * m + j, x.device):
                 logits = stale(x)
             loss = lm_loss(logits.float(), y)
             (loss * scale if scaler is not None else loss).backward()
@@ -170,7 +175,7 @@ def _train(
         for p in stale.parameters() if rounded else ():
             p.main_grad = None
         if delayed:
-            stale.load_state_dict(model.state_dict())  # batch t+1 runs with W(t)
+            _load_parameters(stale, model)  # batch t+1 runs with W(t)
         for p, g in zip(model.parameters(), grads):
             p.grad = g
         norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), math.inf))  # the norm only: nothing clipped
@@ -185,14 +190,85 @@ def _train(
         else:
             if cfg.optim.clip_grad_norm is not None:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.clip_grad_norm)
-            for group in opt.param_groups:
-                group["lr"] = out.lrs[-1]
-            opt.step()
+            opt.step(out.lrs[-1])
         if rounded and not delayed:
-            stale.load_state_dict(model.state_dict())  # batch t+1 runs with W(t+1), rounded
+            _load_parameters(stale, model)  # batch t+1 runs with W(t+1), rounded
         if t + 1 in keep:
-            out.snapshots[t + 1] = copy.deepcopy(model.state_dict())
-    return out._replace(weights=model.state_dict())
+            out.snapshots[t + 1] = copy.deepcopy(_with_buffers(model, stale))
+    return out._replace(weights=_with_buffers(model, stale))
+
+
+@torch.no_grad()
+def _load_parameters(dst: nn.Module, src: nn.Module) -> None:
+    """``src``'s parameters into ``dst``; buffers stay: one set of statistics (BatchNorm's), updated by every
+    forward in order, whatever version it runs with (the pipeline's 2bw versions share theirs)."""
+    for p, q in zip(dst.parameters(), src.parameters()):
+        p.copy_(q)
+
+
+def _with_buffers(model: nn.Module, ran: nn.Module) -> Dict[str, torch.Tensor]:
+    """``model``'s state_dict with the buffers of ``ran``, the module the forwards ran on."""
+    buffers = {n: b.to(model.state_dict()[n].dtype) for n, b in ran.named_buffers() if n in model.state_dict()}
+    return {**model.state_dict(), **buffers}
+
+
+class ReferenceOptimizer:
+    """The update rule of ``optim`` written out on the whole model, apart from ``pipedream2bw.optimizers``:
+
+    - optim.name=muon: torch.optim.Muon (adjust_lr_fn 'match_rms_adamw' unless optim.muon_kwargs says otherwise)
+      for the 2-D parameters that are neither an nn.Embedding's nor under a module whose class name ends in
+      'Head'; optim.muon_others (with optim.kwargs) for the rest; one learning rate for both.
+    - optim.delay_correction=lookahead: AdamW becomes NAdam(betas=(0.99, beta2), decoupled_weight_decay=True, its
+      weight decay AdamW's), Muon's momentum 0.99 with Nesterov.
+    - optim.delay_correction=error_feedback: with u(t) = W after the step - W before, the step sets
+      W(t+1) = W(t) + u(t) + beta * (u(t) - u(t-1)); no correction at the first step taken; a skipped step
+      (``step`` not called) changes nothing.
+    """
+
+    def __init__(self, model: nn.Module, optim) -> None:
+        self.cfg = optim
+        lookahead = optim.delay_correction == "lookahead"
+        muon = not optim.target and optim.name.lower() == "muon"
+        if not muon and not lookahead:
+            self.opts = [build_optimizer(model.parameters(), dataclasses.replace(optim, delay_correction="none"))]
+        else:
+            kwargs = dict(optim.kwargs)
+            others = optim.muon_others if muon else optim.name
+            if lookahead:
+                assert others.lower() == "adamw"
+                b2 = tuple(kwargs.pop("betas", (0.9, 0.999)))[1]
+                cls, kwargs = torch.optim.NAdam, dict(kwargs, betas=(0.99, b2), decoupled_weight_decay=True)
+                kwargs.setdefault("weight_decay", 1e-2)
+            else:
+                cls = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD, "adam": torch.optim.Adam}[others.lower()]
+            heads = {id(p) for mod in model.modules() if type(mod).__name__.endswith("Head") for p in mod.parameters()}
+            embeds = {id(p) for mod in model.modules() if isinstance(mod, nn.Embedding) for p in mod.parameters()}
+            params = list(model.parameters())
+            mu = [p for p in params if p.dim() == 2 and id(p) not in heads | embeds] if muon else []
+            rest = [p for p in params if all(p is not q for q in mu)]
+            self.opts = [cls(rest, lr=optim.lr, **kwargs)]
+            if mu:
+                muon_kwargs = dict({"adjust_lr_fn": "match_rms_adamw"}, **optim.muon_kwargs)
+                if lookahead:
+                    muon_kwargs.update(momentum=0.99, nesterov=True)
+                self.opts.append(torch.optim.Muon(mu, lr=optim.lr, **muon_kwargs))
+        self.params = list(model.parameters())
+        self.prev: Optional[List[torch.Tensor]] = None  # error feedback: u(t-1)
+
+    @torch.no_grad()
+    def step(self, lr: float) -> None:
+        before = [p.detach().clone() for p in self.params]
+        for opt in self.opts:
+            for group in opt.param_groups:
+                group["lr"] = lr
+            opt.step()
+        if self.cfg.delay_correction != "error_feedback":
+            return
+        update = [p.detach() - b for p, b in zip(self.params, before)]
+        if self.prev is not None:
+            for p, u, q in zip(self.params, update, self.prev):
+                p.add_(u - q, alpha=self.cfg.error_feedback_beta)
+        self.prev = update
 
 
 def reference_eval(cfg: Config, weights: Dict[str, torch.Tensor], *, balance: Sequence[int] = ()) -> float:

@@ -161,7 +161,15 @@ def test_bad_data_is_rejected_with_the_value_and_the_fix(tmp_path):
     rejects(
         r"holds uint32 ids \(says .*as32.bin.json\), but data.token_dtype is uint16; set data.token_dtype=uint32",
         path=str(as32),
+        token_dtype="uint16",
     )
+    # The default (auto) takes the dtype its description names (regression, issue 35: the default was uint16,
+    # and docs/pretrained.md hard-coded uint32, which every vocabulary of 65,536 or fewer then refused)
+    auto = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, path=str(as32), val_fraction=0.1))
+    assert auto.data.token_dtype == "auto"
+    check(auto, world_size=2)
+    train, val = load_splits(auto.data)
+    assert train.dtype == np.uint32 and len(train) + len(val) == 200 and set(train.tolist()) == {5}
     cfg.model.vocab_size = 200
     with pytest.raises(ConfigError, match=r"model.vocab_size \(200\) must be >= 256 for byte-level text"):
         check(dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, path=None)), world_size=2)
@@ -411,3 +419,19 @@ def test_validation_under_flush_and_gpipe_and_after_a_resume(tmp_path):
     assert_losses_close(
         [summary["final_val_loss"]], [reference_eval(cfg, torch.load(tmp_path / "run" / "final_model.pt"))]
     )
+
+
+def test_a_token_file_is_scanned_once_for_the_check_at_start_and_the_runners(tmp_path, monkeypatch):
+    # The entry point checks the config at start (precheck) and the runner validates it again: one read of the ids.
+    from pipedream2bw.data import tokens as data_mod
+
+    cfg = token_config(tmp_path)
+    reads = []
+    scan = data_mod._scan
+    monkeypatch.setattr(data_mod, "_scan", lambda *a, **k: reads.append(a[0]) or scan(*a, **k))
+    check(cfg, world_size=2)
+    check(cfg, world_size=2)
+    assert len(reads) == 1
+    write_tokens(Path(cfg.data.path), [7] * 300)  # the file changed: read again
+    check(cfg, world_size=2)
+    assert len(reads) == 2

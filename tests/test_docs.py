@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import functools
-import gzip
 import os
 import re
 import shlex
@@ -97,6 +96,13 @@ def check_overrides(args: List[str], *, config_name: str) -> None:
     groups = config_groups()
     plain, swept = [], []
     for a in args:
+        if a.startswith("hydra/launcher="):  # ours (configs/hydra/launcher/) or a plugin's
+            name = a.split("=", 1)[1]
+            assert (ROOT / "configs" / "hydra" / "launcher" / f"{name}.yaml").is_file() or name in (
+                "basic",
+                "submitit_slurm",
+                "submitit_local",
+            ), f"{a}: no launcher {name!r}"
         if a in ("-m", "--multirun") or "$" in a or a.startswith(("hydra.", "hydra/", "--")):
             continue
         assert "=" in a, f"not an override: {a!r}"
@@ -136,6 +142,12 @@ def check_command(cmd: List[str], *, check: bool = True) -> Optional[str]:
         if check:
             check_overrides(cmd[i + 2 :], config_name="config")
         return "train"
+    if cmd[0] == "sbatch":  # sbatch [its options] scripts/slurm/<script>.sbatch <training overrides>
+        i = next(i for i, a in enumerate(cmd) if a.endswith(".sbatch"))
+        assert (ROOT / cmd[i]).is_file(), f"no script {cmd[i]}"
+        if check:
+            check_overrides(cmd[i + 1 :], config_name="config")
+        return "sbatch"
     if cmd[0] != "python" or len(cmd) < 2:
         return None
     if cmd[1] == "-m" and cmd[2] in ("pipedream2bw.train", "pipedream2bw.sweep"):
@@ -179,6 +191,10 @@ def test_checks_catch_a_stale_key_a_missing_script_and_a_removed_option():
         check_command(["python", "-m", "pipedream2bw.sweep", "-m", "train.num_stepz=1,2"])
     with pytest.raises(AssertionError, match="no script"):
         check_command(["python", "scripts/bench_everything.py"])
+    with pytest.raises(AssertionError, match="no launcher 'slurmm'"):
+        check_command(["python", "-m", "pipedream2bw.train", "-m", "hydra/launcher=slurmm"])
+    with pytest.raises(AssertionError, match="no script scripts/slurm/trian.sbatch"):
+        check_command(["sbatch", "--nodes", "2", "scripts/slurm/trian.sbatch"])
     with pytest.raises(AssertionError, match="has no option --colour"):
         check_command(["python", "scripts/show_schedule.py", "--colour"])
     assert check_command(["python", "-m", "partitioner", "plan", "--out", "p.yaml", "topology=dgx"]) == "partitioner"
@@ -186,7 +202,7 @@ def test_checks_catch_a_stale_key_a_missing_script_and_a_removed_option():
 
 def test_every_page_has_shell_blocks_the_checks_recognise():
     kinds = {check_command(cmd, check=False) for b in CHECKED + RUNNABLE for cmd in commands(b.text)}
-    assert {"train", "pipedream2bw.sweep", "partitioner", "checkpoint", "script"} <= kinds, kinds
+    assert {"train", "pipedream2bw.sweep", "partitioner", "checkpoint", "script", "sbatch"} <= kinds, kinds
     assert len(RUNNABLE) >= 5
 
 
@@ -195,10 +211,12 @@ def test_every_page_has_shell_blocks_the_checks_recognise():
 
 @pytest.fixture
 def doc_cwd(tmp_path):
-    """A fresh working directory as the docs assume one: scripts/ at hand and a corpus.txt to tokenize."""
-    (tmp_path / "scripts").symlink_to(ROOT / "scripts")
-    text = gzip.decompress((ROOT / "pipedream2bw" / "data" / "python_docs.txt.gz").read_bytes())
-    (tmp_path / "corpus.txt").write_bytes(text[:200_000])
+    """A fresh working directory as the repository's root, for what the docs' commands name there: scripts/,
+    examples/ and the shipped corpus; no file the docs do not say how to get (a corpus.txt was made up here)."""
+    for name in ("scripts", "examples"):
+        (tmp_path / name).symlink_to(ROOT / name)
+    (tmp_path / "pipedream2bw").mkdir()  # no __init__.py: the installed package still imports
+    (tmp_path / "pipedream2bw" / "data").symlink_to(ROOT / "pipedream2bw" / "data")
     return tmp_path
 
 

@@ -6,7 +6,7 @@ import re
 import time
 
 import pytest
-from dist_helper import spawn, train_with_fault
+from dist_helper import spawn, train_failing_in_setup, train_with_fault
 from test_semantics import tiny_config
 
 from pipedream2bw.pipeline.schedule import FORWARD, Action, rank_actions
@@ -112,3 +112,15 @@ def test_failing_rank_logs_its_steps_with_the_failing_action_marked(tmp_path):
     assert "step    16: B6 SEND_B6" in log  # the steps around it, as they were lowered
     expected = "rank 1 (stage 1) failed: RuntimeError: injected fault on forward call 7"  # re-raised as it was
     assert expected in results[0].log, results[0].log
+
+
+@pytest.mark.slow
+def test_failure_during_set_up_stops_every_rank_naming_it(tmp_path):
+    # Issue 34: rank 0 failed while it set up its stage; rank 1, in a set-up collective (new_group) waiting on
+    # the store, shared the failure monitor's store connection, so the monitor never saw the failure: rank 1
+    # hung until the launcher killed it (or, here, died of a lost connection, naming no cause)
+    cfg = tiny_config(schedule="2bw", num_stages=2, num_microbatches=2, num_steps=4)
+    results = spawn(train_failing_in_setup, world_size=2, args=(cfg, str(tmp_path), 0), log_dir=tmp_path, timeout_s=60)
+    assert all(r.exitcode not in (0, -9) for r in results), [(r.rank, r.exitcode) for r in results]
+    expected = "aborting because rank 0 (stage 0) failed: RuntimeError: injected set-up fault"
+    assert expected in results[1].log, results[1].log

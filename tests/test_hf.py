@@ -317,7 +317,6 @@ TINY = {
     "MODEL=path/to/Llama-3.2-1B": "MODEL=$TEST_MODEL",
     "CORPUS=my_corpus.txt": "CORPUS=$TEST_CORPUS",
     "model.seq_len=512": "model.seq_len=32",
-    "data.token_dtype=uint32": "data.token_dtype=uint16",
     "optim.lr=2e-5 train.num_steps=500 train.checkpoint_every=250": "optim.lr=1e-2 train.num_steps=4 "
     "train.checkpoint_every=2",
     "hydra.run.dir=outputs/finetune": "hydra.run.dir=outputs/finetune wandb.mode=disabled",

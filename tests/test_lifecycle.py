@@ -9,6 +9,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -416,30 +417,58 @@ def test_one_process_decides_alone_after_the_step_it_got_the_signal():
     assert agreement.after_step(2) and agreement.signum == signal.SIGTERM
 
 
-def _signal_self_after(cfg, run_dir: str, step: int) -> None:
-    """One rank: sends itself SIGTERM once checkpoint ``step`` exists; the run must stop, checkpointed."""
+def _signal_self_after(cfg, run_dir: str, step: int, signum: int = signal.SIGTERM) -> None:
+    """One rank: sends itself ``signum`` once checkpoint ``step`` exists; the run must stop, checkpointed."""
     run_dir = Path(run_dir)
 
     def kill() -> None:
         while not checkpoint.step_dir(run_dir / "checkpoints", step).is_dir():
             time.sleep(0.002)
-        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signum)
 
     threading.Thread(target=kill, daemon=True).start()
     try:
         run(cfg, run_dir)
     except preempt.Preempted as e:
-        assert e.exit_code == 143
+        assert e.exit_code == 128 + signum
         return
     raise AssertionError("the run was not preempted")
 
 
-def test_one_process_run_stops_on_sigterm_with_a_checkpoint(tmp_path):
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_one_process_run_stops_on_sigterm_or_ctrl_c_with_a_checkpoint(tmp_path, signum):
+    # Regression (issue 35): Ctrl-C (SIGINT) printed a traceback and exited 1, with no checkpoint and no summary.
     cfg = tiny_config(schedule="2bw", num_stages=1, num_microbatches=2, num_steps=400)
     cfg.train.checkpoint_every = 4
-    results = spawn(_signal_self_after, world_size=1, args=(cfg, str(tmp_path / "run"), 4), log_dir=tmp_path / "logs")
+    assert cfg.train.preempt_signals == ["SIGTERM", "SIGINT"]  # the default
+    results = spawn(
+        _signal_self_after, world_size=1, args=(cfg, str(tmp_path / "run"), 4, signum), log_dir=tmp_path / "logs"
+    )
     assert results[0].exitcode == 0, results[0].log
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     stopped = summary["preempted"]["step"]
     assert summary["status"] == "preempted" and 4 < stopped < 400, summary
     assert checkpoint.step_dir(tmp_path / "run" / "checkpoints", stopped).is_dir()
+
+
+def test_a_second_ctrl_c_exits_at_once_and_the_same_ctrl_c_twice_does_not(tmp_path):
+    # The terminal sends Ctrl-C to torchrun and its workers, and torchrun passes its own on: a worker gets two
+    # SIGINTs at once, which must not abort the checkpoint; a second Ctrl-C later must not wait for it.
+    script = """
+import os, signal, sys, time
+from pipedream2bw.run import preempt
+preempt.AGAIN_AFTER_S = 0.2
+with preempt.Watch(["SIGTERM", "SIGINT"]) as watch:
+    os.kill(os.getpid(), signal.SIGINT)
+    os.kill(os.getpid(), signal.SIGINT)  # the same Ctrl-C, passed on by torchrun
+    time.sleep(0.05)
+    print("noted", watch.received, flush=True)
+    time.sleep(0.3)
+    os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C again
+    time.sleep(5)
+print("not reached", flush=True)
+"""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 130 and proc.stdout.split() == ["noted", str(int(signal.SIGINT))], proc
+    assert proc.stderr.strip() == "interrupted again: exiting at once, without a checkpoint of the last steps"

@@ -143,8 +143,8 @@ def differs(a: dict, b: dict, tol: dict) -> bool:
 
 
 def check_features_matter(cell: Cell) -> None:
-    """The delay, the skip and the clipping each move the reference's weights by more than the tolerance:
-    a run that ignored one would fail ``check_cell``."""
+    """The delay, the skip, the clipping, the correction and Muon each move the reference's weights by more than
+    the tolerance: a run that ignored one would fail ``check_cell``."""
     tol, delayed = TOLERANCE[cell.precision], cell.schedule == "2bw"
     ref = reference(cell, delayed=delayed, skip=cell.skip, clip=cell.clip).weights
     if delayed:
@@ -153,6 +153,10 @@ def check_features_matter(cell: Cell) -> None:
         assert differs(ref, reference(cell, delayed=delayed, skip=False, clip=cell.clip).weights, tol)
     if cell.clip:
         assert differs(ref, reference(cell, delayed=delayed, skip=cell.skip, clip=False).weights, tol)
+    for other in [dataclasses.replace(cell, correction="none")] * (cell.correction != "none") + [
+        dataclasses.replace(cell, muon=False)
+    ] * cell.muon:  # the delay correction and Muon each move the weights
+        assert differs(ref, reference(other, delayed=delayed, skip=cell.skip, clip=cell.clip).weights, tol)
 
 
 def _run_and_check(cell: Cell, matrix: MatrixRunner) -> None:

@@ -32,13 +32,17 @@ def script_run(tmp_path_factory):
         pipeline=PipelineConfig(num_stages=2, num_microbatches=2, microbatch_size=2),
         model=GPTConfig(d_model=32, seq_len=32, num_layers=2),
         data=DataConfig(val_fraction=0.1),
-        train=TrainConfig(num_steps=6, warmup_steps=1, log_every=3, eval_every=3, eval_batches=1),
+        train=TrainConfig(num_steps=6, warmup_steps=1, log_every=3, eval_every=3, eval_batches=1, checkpoint_every=3),
         wandb=WandbConfig(mode="disabled"),
     )
+    return run_dir, _spawn_ok(cfg, run_dir)
+
+
+def _spawn_ok(cfg: Config, run_dir: Path) -> list:
     results = spawn(train_as_a_script, world_size=2, args=(cfg, str(run_dir)), log_dir=run_dir.parent / "logs")
     bad = [r for r in results if r.exitcode != 0]
     assert not bad, "\n".join(f"--- rank {r.rank} exit {r.exitcode}\n{r.log}" for r in bad)
-    return run_dir, results
+    return results
 
 
 def test_metrics_jsonl_has_a_line_per_step_and_per_validation_pass(script_run):
@@ -55,6 +59,37 @@ def test_metrics_jsonl_has_a_line_per_step_and_per_validation_pass(script_run):
     assert steps[-1]["eta_s"] == 0
     assert [(v["step"], v["val_loss"]) for v in vals] == [(x["step"], x["loss"]) for x in summary["val_losses"]]
     assert [v["step"] for v in vals] == [3, 6]
+
+
+@pytest.mark.slow
+def test_a_run_resumed_into_a_new_directory_keeps_the_history_up_to_its_checkpoint(script_run, tmp_path):
+    # Regression (issue 35): the new directory's metrics.jsonl held only the steps after the checkpoint, though
+    # its summary.json and loss.png showed them all and docs/results.md said it keeps the lines before.
+    run_dir, _ = script_run
+    resumed = Config(
+        pipeline=PipelineConfig(num_stages=2, num_microbatches=2, microbatch_size=2),
+        model=GPTConfig(d_model=32, seq_len=32, num_layers=2),
+        data=DataConfig(val_fraction=0.1),
+        train=TrainConfig(
+            num_steps=4,
+            warmup_steps=1,
+            log_every=3,
+            eval_every=3,
+            eval_batches=1,
+            resume=str(run_dir / "checkpoints" / "step_00000003"),
+        ),
+        wandb=WandbConfig(mode="disabled"),
+    )
+    _spawn_ok(resumed, tmp_path / "resumed")
+    before, after = (run_dir / "metrics.jsonl").read_text(), (tmp_path / "resumed" / "metrics.jsonl").read_text()
+    steps, vals = read_metrics(tmp_path / "resumed")
+    assert [r["step"] for r in steps] == [1, 2, 3, 4] and [v["step"] for v in vals] == [3, 4]
+    kept = [line for line in before.splitlines() if json.loads(line)["step"] <= 3]
+    assert after.splitlines()[: len(kept)] == kept  # the earlier run's lines, as they were
+    assert (
+        f"steps 1..3 copied from {run_dir.resolve() / 'metrics.jsonl'}"
+        in (tmp_path / "resumed" / "train.log").read_text()
+    )
 
 
 def test_loss_png_draws_training_and_validation(script_run):
@@ -99,6 +134,7 @@ def test_metrics_log_on_resume_keeps_lines_up_to_the_checkpoint(tmp_path):
     with open(tmp_path / "metrics.jsonl", "a") as f:
         f.write('{"step": 6, "lo')  # a line cut short by a crash
     log = MetricsLog(tmp_path, first_step=3)  # resumed from step_3: steps 4.. run again
+    log.write({"step": 3, "val_loss": 9.0})  # step 3's validation pass, repeated: its line is there already
     log.write({"step": 4, "loss": 40.0})
     log.close()
     steps, vals = read_metrics(tmp_path)

@@ -17,7 +17,15 @@ import pytest
 from omegaconf import OmegaConf
 
 from pipedream2bw.config import Config, ConfigError
-from pipedream2bw.sweep import check_objective, objective_value, sort_rows, sweeper_direction, train_overrides
+from pipedream2bw.sweep import (
+    check_objective,
+    format_table,
+    job_row,
+    objective_value,
+    sort_rows,
+    sweeper_direction,
+    train_overrides,
+)
 
 TINY = [
     "model.d_model=32",
@@ -204,3 +212,47 @@ def test_optuna_searches_microbatches_and_learning_rate_and_reports_the_best_tri
     assert f"best final_val_loss: {best['final_val_loss']:.6g}, job {best['job']}" in proc.stdout
     # Quiet: the sweep opened with a "setup plugin alembic..." line per alembic plugin and Optuna's own study line
     assert "setup plugin" not in proc.stderr + proc.stdout and "A new study created" not in proc.stderr + proc.stdout
+
+
+def test_launched_ranks_get_one_thread_each_unless_the_user_set_it(tmp_path, monkeypatch):
+    # Regression (issue 35): the elastic launch API, unlike torchrun, left OMP_NUM_THREADS unset, so a sweep's
+    # (and bench_layouts.py's) ranks each ran a thread per core and measured 4-10x too low on a small machine.
+    import torch.distributed.launcher.api as launcher_api
+
+    from pipedream2bw.run import launch
+
+    seen = []
+
+    class FakeLaunch:  # records what the ranks would inherit
+        def __init__(self, config, entrypoint):
+            pass
+
+        def __call__(self, *args):
+            seen.append(os.environ.get("OMP_NUM_THREADS"))
+
+    monkeypatch.setattr(launcher_api, "elastic_launch", FakeLaunch)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    launch.launch_train([], nproc=4, run_dir=tmp_path / "a")
+    assert seen == ["1"] and "OMP_NUM_THREADS" not in os.environ  # put back as it was
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    launch.launch_train([], nproc=4, run_dir=tmp_path / "b")
+    assert seen == ["1", "3"] and launch.worker_threads(4) == "3"
+    row = job_row(0, [], tmp_path / "a", 1.0, "failed", threads=launch.worker_threads(4))
+    assert row["threads_per_rank"] == "3" and "threads" in format_table([row])
+
+
+def test_the_table_counts_each_job_once_when_a_run_links_latest_inside_the_sweep(tmp_path, capsys):
+    # Bug: with hydra.sweep.dir one folder below the working directory (hydra.sweep.dir=mysweep), each run's
+    # <results folder>/latest link is mysweep/latest, and the table read the last job twice (through the link).
+    from omegaconf import OmegaConf
+
+    from pipedream2bw.sweep import RESULT_FILE, SweepTable
+
+    for job in range(2):
+        (tmp_path / str(job)).mkdir()
+        row = {"job": job, "status": "failed", "error": "x", "overrides": "", "run_dir": "", "wall_s": 0.0}
+        (tmp_path / str(job) / RESULT_FILE).write_text(json.dumps(row))
+    (tmp_path / "latest").symlink_to("1")
+    config = OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path)}}, "sweep": {"name": "s", "objective": None}})
+    SweepTable().on_multirun_end(config)
+    assert [r["job"] for r in json.loads((tmp_path / "sweep.json").read_text())["jobs"]] == [0, 1]

@@ -16,7 +16,7 @@ from pipedream2bw.config import Config, LayerListConfig, register_configs
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 HIDDEN_PREFIXES = ("Removed", "Internal")  # a field whose docstring starts so is left out of --help and the docs
-SUMMARY_CHARS = 100  # --help's meaning column
+HELP_WIDTH = 120  # --help's lines wrap here (the meaning column's continuation lines under its first)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,13 +30,10 @@ class Key:
 
     @property
     def summary(self) -> str:
-        """The docstring's first sentence on one line, cut to ``SUMMARY_CHARS`` at a word."""
+        """The docstring's first sentence on one line, whole (--help wraps it, never cuts it)."""
         text = " ".join(self.doc.replace("``", "").split())
         m = re.search(r"(?<!e\.g)(?<!i\.e)\.\s+(?=[A-Z])", text)
-        text = text[: m.start() + 1] if m else text
-        if len(text) > SUMMARY_CHARS:
-            text = text[: text.rfind(" ", 0, SUMMARY_CHARS - 4)].rstrip(",;:") + " ..."
-        return text
+        return text[: m.start() + 1] if m else text
 
 
 def field_docs(cls: type) -> Dict[str, str]:
@@ -199,7 +196,10 @@ def help_text(argv: Sequence[str], *, config_name: str = "config") -> str:
         lines.append(f"{prefix or 'top level'}{f' [{selects}]' if selects else ''}:")
         width = max(len(f"{k.name}={fmt(k.default)}") for k in rows)
         for k in rows:
-            lines.append(f"  {f'{k.name}={fmt(k.default)}':<{width}}  {k.summary}")
+            first = f"  {f'{k.name}={fmt(k.default)}':<{width}}  "
+            wrapped = textwrap.wrap(k.summary, width=max(HELP_WIDTH - len(first), 40), break_on_hyphens=False)
+            lines.append(first + (wrapped[0] if wrapped else ""))
+            lines += [" " * len(first) + more for more in wrapped[1:]]
     lines += ["", "Use --hydra-help to view Hydra's own options (launchers, sweepers, logging)."]
     return "\n".join(lines)
 

@@ -62,6 +62,12 @@ def build_optimizer(params, cfg: OptimConfig) -> torch.optim.Optimizer:
     Raises:
         ConfigError: unknown optimizer, or keyword arguments it does not take.
     """
+    if uses_optimizers_module(cfg):
+        from pipedream2bw.config.optimizers import build_optimizer as build_extended
+
+        muon = not cfg.target and cfg.name.lower() == "muon"
+        others = optimizer_class(cfg.muon_others) if muon else optimizer_of(cfg)
+        return build_extended(param_groups(params, cfg), cfg, others=others)
     cls = optimizer_of(cfg)
     try:
         return cls(param_groups(params, cfg), lr=cfg.lr, **dict(cfg.kwargs))
@@ -74,3 +80,8 @@ def build_optimizer(params, cfg: OptimConfig) -> torch.optim.Optimizer:
 
 # torch.optim optimizers whose update of an element reads only that element (and scalars): they may step shards
 ELEMENTWISE_OPTIMIZERS = ("sgd", "adam", "adamw", "nadam", "radam", "adamax", "rmsprop", "adagrad", "adadelta", "rprop")
+
+
+def uses_optimizers_module(cfg: OptimConfig) -> bool:
+    """optim.name=muon or a delay correction: built by ``config.optimizers``."""
+    return (not cfg.target and cfg.name.lower() == "muon") or cfg.delay_correction != "none"

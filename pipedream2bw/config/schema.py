@@ -172,7 +172,7 @@ class OptimConfig:
     the whole model); null: no clipping. The norm is logged every step."""
     target: Optional[str] = None
     """An optimizer class by import path (e.g. torch.optim.SGD or my_pkg.Lion), used instead of ``name``;
-    ``optim=custom optim._target_=... +optim.momentum=0.9`` writes it Hydra's way (``_partial_: true``)."""
+    ``optim=custom optim._target_=torch.optim.SGD +optim.momentum=0.9`` writes it Hydra's way (``_partial_: true``)."""
     no_decay_norms_and_biases: bool = False
     """Two parameter groups: weight decay (``kwargs.weight_decay``) on weights of 2 or more dimensions,
     none on 1-D parameters (norm scales, biases), as GPT training usually does."""
@@ -182,6 +182,28 @@ class OptimConfig:
     steps its shard, the new weights are all-gathered (under 2bw while the next batch runs). Needs an
     elementwise optimizer (sgd, adam, adamw, ...); with data_parallel 1 it changes nothing. null: false, or
     under partition=auto|file the plan's choice (a value set here must agree with the plan's)."""
+    # --- Muon and the 2bw delay corrections (pipedream2bw/optimizers.py; docs/convergence.md) ---
+    muon_kwargs: Dict[str, Any] = field(default_factory=dict)
+    """optim.name=muon: keyword arguments for torch.optim.Muon (its defaults: momentum 0.95, nesterov, weight_decay
+    0.1), with adjust_lr_fn 'match_rms_adamw' unless set here, so that optim.lr serves Muon and the other
+    optimizer alike (the schedule sets the same lr on both); optim.kwargs go to the other optimizer."""
+    muon_others: str = "adamw"
+    """optim.name=muon: the torch.optim optimizer (by name) for what Muon does not take: parameters that are not
+    2-D and those optim.muon_exclude matches."""
+    muon_exclude: List[str] = field(default_factory=lambda: ["*Embedding*", "*Head*", "*head*"])
+    """optim.name=muon: fnmatch patterns (case-sensitive) over each parameter's name within its stage and the class
+    names of the modules on its path; a 2-D parameter matching any goes to optim.muon_others, not Muon. The
+    default keeps embeddings (nn.Embedding) and the LM head (LMHead, lm_head) out of Muon. A tied weight must
+    match on every stage that holds it (the default patterns do)."""
+    delay_correction: str = "none"
+    """Under pipeline.schedule=2bw, a correction of the one-step gradient delay, run in the deferred step on each
+    stage (no extra communication): 'none'; 'error_feedback' (Zmushko et al. 2026: W(t+1) = W(t) + u(t) +
+    beta * (u(t) - u(t-1)), u the optimizer's update; 4 bytes per parameter); 'lookahead' (Ajanthan et al.
+    2025: Nesterov look-ahead with momentum 0.99, i.e. NAdamW for adamw and Muon's momentum 0.99 for muon; no
+    extra state). flush and gpipe have no delay: the correction is off there (logged). docs/design.md states the
+    exact rules."""
+    error_feedback_beta: float = 1.0
+    """optim.delay_correction=error_feedback: the weight beta of the previous step's estimated error."""
 
 
 @dataclass
@@ -189,8 +211,9 @@ class DataConfig:
     path: Optional[str] = None
     """A token file (.bin: token ids as written by scripts/prepare_tokens.py, memory-mapped), or a text
     file (.txt or .txt.gz, byte-level, read whole); null uses the shipped text."""
-    token_dtype: str = "uint16"
-    """Dtype of a .bin file's ids: 'uint16' (vocabularies up to 65536) or 'uint32'."""
+    token_dtype: str = "auto"
+    """Dtype of a .bin file's ids: 'uint16' (vocabularies up to 65536) or 'uint32'; 'auto': what the file's
+    <file>.json says (scripts/prepare_tokens.py writes it), else uint16."""
     val_fraction: float = 0.0
     """Share of data.path held out for validation: its last tokens, never trained on; 0: none."""
     val_path: Optional[str] = None
@@ -233,11 +256,11 @@ class TrainConfig:
     (train.precision, train.weight_dtype, the optimizer and its kwargs, the learning-rate schedule, 2bw vs
     flush/gpipe), naming them; false resumes anyway and logs the differences (another optimizer starts with
     fresh state)."""
-    preempt_signals: List[str] = field(default_factory=lambda: ["SIGTERM"])
-    """Signals that preempt the run (SLURM and Kubernetes send SIGTERM before they kill a job): every rank
-    stops within two steps at one agreed step, writes a checkpoint of it, summary.json says
-    "preempted", and the process exits with 128 + the signal's number (143) so that the scheduler
-    requeues it; [] leaves the signals' default action (die at once, unsaved)."""
+    preempt_signals: List[str] = field(default_factory=lambda: ["SIGTERM", "SIGINT"])
+    """Signals that preempt the run (SLURM and Kubernetes send SIGTERM before they kill a job; SIGINT is
+    Ctrl-C): every rank stops within two steps at one agreed step, writes a checkpoint of it, summary.json
+    says "preempted", and the process exits with 128 + the signal's number (143, 130) so that the scheduler
+    requeues it; a second Ctrl-C exits at once; [] leaves the signals' default action (die at once, unsaved)."""
     precision: str = "auto"
     """'fp32', 'bf16' or 'fp16': each stage's forward and loss under torch.autocast to that dtype,
     float32 master weights, p2p transfers in that dtype; fp16 adds dynamic loss scaling. 'auto':
@@ -421,7 +444,8 @@ class Config:
     """Only for ``python -m pipedream2bw.sweep``; training ignores it."""
     swap: SwapConfig = field(default_factory=SwapConfig)
     seed: int = 0
-    """Seeds weight initialisation (per layer) and the batch order."""
+    """Seeds weight initialisation (per layer), the batch order and each layer's random stream per microbatch
+    (dropout masks: the same at every layout, schedule and resume; docs/concepts.md)."""
 
 
 def register_configs() -> None:

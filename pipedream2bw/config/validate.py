@@ -11,7 +11,7 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from pipedream2bw.config.optim import ELEMENTWISE_OPTIMIZERS, build_optimizer, optimizer_of
+from pipedream2bw.config.optim import ELEMENTWISE_OPTIMIZERS, build_optimizer, optimizer_class, optimizer_of
 from pipedream2bw.config.schema import (
     BACKENDS,
     LR_SCHEDULERS,
@@ -188,7 +188,8 @@ def signal_numbers(names: Sequence[str]) -> Dict[str, int]:
     """The signals ``train.preempt_signals`` names, by name.
 
     Raises:
-        ValueError: a name that is no signal here, or one that cannot be caught.
+        ConfigError: a name that is no signal here, or one that cannot be caught (bad input: exit 2, also where
+            ``run()`` installs the handlers before any other check).
     """
     out = {}
     for name in names:
@@ -197,7 +198,7 @@ def signal_numbers(names: Sequence[str]) -> Dict[str, int]:
             catchable = sorted(
                 s.name for s in signal.Signals if s.name not in UNCATCHABLE and not s.name.startswith("SIG_")
             )
-            raise ValueError(f"{name!r} is not a signal that can be caught here; use names such as {catchable[:12]}")
+            raise ConfigError(f"{name!r} is not a signal that can be caught here; use names such as {catchable[:12]}")
         out[sig.name] = int(sig)
     return out
 
@@ -364,9 +365,64 @@ def _validate_model_and_optim(cfg: Config) -> None:
         raise ConfigError(
             "optim (lbfgs) re-evaluates the loss through a closure, which a pipeline cannot; use sgd, adam, adamw, ..."
         )
+    _validate_optim_extras(cfg)  # before the trial build: it names what Muon and the corrections refuse
     build_optimizer([torch.nn.Parameter(torch.zeros(1))], cfg.optim)
     _validate_step_rules(cfg)
     _validate_sharding(cfg)
+
+
+DELAY_CORRECTIONS = ("none", "error_feedback", "lookahead")
+
+
+def _validate_optim_extras(cfg: Config) -> None:
+    """optim.name=muon and optim.delay_correction: what composes, and what is refused and why."""
+    o = cfg.optim
+    if o.delay_correction not in DELAY_CORRECTIONS:
+        raise ConfigError(
+            f"optim.delay_correction ({o.delay_correction!r}) is unknown; use one of {list(DELAY_CORRECTIONS)}"
+        )
+    muon = not o.target and o.name.lower() == "muon"
+    if muon:
+        others = optimizer_class(o.muon_others)  # raises for an unknown name
+        if others is torch.optim.Muon:
+            raise ConfigError(
+                "optim.muon_others (muon): Muon takes only 2-D parameters; name the optimizer for the rest, "
+                "e.g. optim.muon_others=adamw"
+            )
+        if o.sharded and cfg.pipeline.data_parallel > 1:
+            raise ConfigError(
+                "optim.name (muon) with optim.sharded (true) at pipeline.data_parallel > 1: Muon orthogonalizes "
+                "whole matrices, and sharding gives each replica a flat piece of every parameter; set "
+                "optim.sharded=false (or use an elementwise optimizer such as adamw)"
+            )
+    if o.delay_correction == "none":
+        return
+    if cfg.pipeline.schedule != "2bw":
+        log.info(
+            "optim.delay_correction (%s) is off under pipeline.schedule=%s: every gradient is taken at the weights it "
+            "updates, so there is no delay to correct",
+            o.delay_correction,
+            cfg.pipeline.schedule,
+        )
+    if o.delay_correction == "error_feedback" and not (
+        math.isfinite(o.error_feedback_beta) and o.error_feedback_beta >= 0
+    ):
+        raise ConfigError(f"optim.error_feedback_beta ({o.error_feedback_beta}) must be a finite number >= 0")
+    if o.delay_correction == "lookahead":
+        name = "custom" if o.target else o.name.lower()
+        if name not in ("adamw", "muon") or (muon and o.muon_others.lower() != "adamw"):
+            raise ConfigError(
+                f"optim.delay_correction (lookahead) with optim.name ({o.target or o.name})"
+                + (f" and optim.muon_others ({o.muon_others})" if muon else "")
+                + ": the look-ahead is Nesterov momentum 0.99 in place of AdamW's heavy ball (NAdamW) and Muon's "
+                "momentum; it is defined for adamw and muon (with muon_others=adamw); use one of them, or "
+                "optim.delay_correction=error_feedback, which wraps any optimizer"
+            )
+        if "betas" in o.kwargs and o.kwargs["betas"][0] != 0.99 or "momentum" in o.muon_kwargs:
+            raise ConfigError(
+                "optim.delay_correction (lookahead) sets beta1 (optim.kwargs.betas[0]) and Muon's momentum to "
+                "0.99; remove them from optim.kwargs / optim.muon_kwargs (betas[1] may stay: give betas=[0.99, b2])"
+            )
 
 
 def _validate_train(cfg: Config) -> None:

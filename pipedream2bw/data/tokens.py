@@ -7,6 +7,7 @@ import gzip
 import json
 import logging
 import mmap
+import os
 import pickle
 import time
 from dataclasses import dataclass
@@ -89,9 +90,26 @@ def load_bytes(path: Optional[str] = None) -> torch.Tensor:
     return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
 
 
+AUTO_DTYPE = "auto"
+"""``data.token_dtype=auto``: the dtype a token file's ``<file>.json`` names (prepare_tokens writes it), else uint16."""
+
+
+def file_dtype(path: Union[str, Path], dtype: str) -> str:
+    """The dtype of token file ``path``'s ids: ``dtype``, or for ``auto`` what its ``<file>.json`` says (uint16
+    without one, or where it names no dtype this package reads)."""
+    if dtype != AUTO_DTYPE:
+        return dtype
+    meta = meta_path(path)
+    if meta.is_file():
+        described, _ = describe_tokens(path)
+        if described.get("dtype") in TOKEN_DTYPES:
+            return described["dtype"]
+    return "uint16"
+
+
 def open_tokens(path: Union[str, Path], dtype: str) -> np.memmap:
     """A token file as a read-only ``np.memmap``: pages are read when a window touches them, never the whole file."""
-    tokens = np.memmap(path, dtype=TOKEN_DTYPES[dtype], mode="r")
+    tokens = np.memmap(path, dtype=TOKEN_DTYPES[file_dtype(path, dtype)], mode="r")
     # Windows are drawn at random: read only the pages a window touches, not the kernel's
     # read-around (up to 128 KiB per fault) that suits sequential reads.
     raw = getattr(tokens, "_mmap", None)
@@ -224,8 +242,10 @@ def check_data(
 
 def _check_settings(data: DataConfig, *, vocab_size: Optional[int], need_val: bool) -> None:
     """``check_data``'s checks of the settings alone, before any file is read."""
-    if data.token_dtype not in TOKEN_DTYPES:
-        raise ConfigError(f"data.token_dtype ({data.token_dtype!r}) is unknown; use one of {list(TOKEN_DTYPES)}")
+    if data.token_dtype not in (AUTO_DTYPE, *TOKEN_DTYPES):
+        raise ConfigError(
+            f"data.token_dtype ({data.token_dtype!r}) is unknown; use one of {[AUTO_DTYPE, *TOKEN_DTYPES]}"
+        )
     if not 0 <= data.val_fraction < 1:
         raise ConfigError(
             f"data.val_fraction ({data.val_fraction}) must be in [0, 1): the share of the data held out for validation"
@@ -262,6 +282,7 @@ def _check_file(path: Optional[str], key: str, *, dtype: str, vocab_size: Option
         p = Path(path) if path else SHIPPED_CORPUS
         num_bytes = len(gzip.decompress(p.read_bytes())) if p.suffix == ".gz" else p.stat().st_size
         return DataInfo("text", num_bytes, vocab_size=BYTE_VOCAB, vocab_source="byte-level text")
+    dtype = file_dtype(path, dtype)
     itemsize = np.dtype(TOKEN_DTYPES[dtype]).itemsize
     size = Path(path).stat().st_size
     if size % itemsize:
@@ -305,9 +326,23 @@ def _check_file(path: Optional[str], key: str, *, dtype: str, vocab_size: Option
     )
 
 
+_SCANNED: Dict[Tuple[Any, ...], Tuple[int, Optional[int]]] = {}
+"""_scan_ids' answers in this process, by (path, size, mtime, dtype, vocab_size): the entry point's check at start
+(``precheck``) and the runner's validation read a file once between them."""
+
+
 def _scan_ids(path: Path, dtype: type, *, vocab_size: int) -> Tuple[int, Optional[int]]:
     """(largest id, position of the first id >= ``vocab_size`` or None), ``_SCAN_TOKENS`` at a time
-    through a mapping whose pages are dropped after each chunk: this process never holds the file."""
+    through a mapping whose pages are dropped after each chunk: this process never holds the file.
+    Remembered for the file as it is (``_SCANNED``)."""
+    st = Path(path).stat()
+    key = (str(Path(path).resolve()), st.st_size, st.st_mtime_ns, np.dtype(dtype).str, vocab_size)
+    if key not in _SCANNED:
+        _SCANNED[key] = _scan(path, dtype, vocab_size=vocab_size)
+    return _SCANNED[key]
+
+
+def _scan(path: Path, dtype: type, *, vocab_size: int) -> Tuple[int, Optional[int]]:
     start, max_id, first_bad = time.perf_counter(), -1, None
     tokens = np.memmap(path, dtype=dtype, mode="r")
     raw = getattr(tokens, "_mmap", None)
@@ -435,3 +470,27 @@ def data_resident_bytes(*feeds: Optional[MicrobatchFeed]) -> Optional[int]:
         if raw is not None:
             sizes[id(raw)] = mapped_resident_bytes(feed.data)
     return None if not sizes or None in sizes.values() else sum(sizes.values())
+
+
+def fingerprint(path: Optional[str], *, edge_bytes: int = 1 << 16) -> str:
+    """What a checkpoint records of its training data, to tell other data on resume: the file's name, size
+    and a SHA-256 of its first and last ``edge_bytes`` (a file replaced or grown between save and resume was
+    accepted unnoticed; issue 34); 'shipped text' for the default.
+
+    Raises:
+        ConfigError: the file cannot be read, naming it.
+    """
+    import hashlib
+
+    if path is None:
+        return "shipped text"
+    file = Path(path)
+    try:
+        with open(file, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            digest = hashlib.sha256(f.read(edge_bytes))
+            f.seek(max(size - edge_bytes, 0))
+            digest.update(f.read(edge_bytes))
+    except OSError as e:
+        raise ConfigError(f"data.path ({path}) cannot be read ({e.strerror or e}); point it at a readable file") from e
+    return f"{file.name}, {size} bytes, sha256 of its ends {digest.hexdigest()[:16]}"

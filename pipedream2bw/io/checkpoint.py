@@ -41,6 +41,7 @@ import copy
 import hashlib
 import json
 import logging
+import os
 import pickle
 import random
 import shutil
@@ -436,7 +437,11 @@ def verify(path: Path) -> Tuple[Optional[Dict[str, Any]], Optional[str]]:
     if manifest.get("format") != FORMAT:
         return None, f"format {manifest.get('format')!r}, this version reads {FORMAT}"
     for name, sha in manifest["files"].items():
+        if not _plain_name(name):
+            return None, f"its manifest names a file outside it ({name!r})"
         file = Path(path) / name
+        if file.is_symlink():
+            return None, f"{name} is a symbolic link (to {os.readlink(file)}), not a file of the checkpoint"
         if not file.is_file():
             return None, f"{name} is missing"
         if _sha256(file) != sha:
@@ -450,6 +455,11 @@ def verify(path: Path) -> Tuple[Optional[Dict[str, Any]], Optional[str]]:
             except Exception as e:  # not a torch file at all
                 return None, f"{name} does not load ({type(e).__name__}: {e})"
     return manifest, None
+
+
+def _plain_name(name: Any) -> bool:
+    """A file name inside the checkpoint directory: no separator, no ``..``, not absolute (issue 34)."""
+    return isinstance(name, str) and name not in ("", ".", "..") and not any(c in name for c in "/\\\0")
 
 
 class UnsafeCheckpointError(ValueError):

@@ -10,6 +10,7 @@ summary has them.
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import sys
@@ -70,18 +71,33 @@ class MetricsLog:
     (rank 0's peak so far: CUDA max allocated, or the process's peak resident set on the CPU),
     ``eta_s`` and ``time`` (Unix seconds). A validation line per pass: ``step``, ``val_loss``,
     ``val_perplexity``. A resumed run keeps the lines up to its first step and appends after them
-    (the lines an interrupted attempt wrote past its checkpoint are dropped, as their steps run again).
+    (the lines an interrupted attempt wrote past its checkpoint are dropped, as their steps run again);
+    resumed into a new run directory, it starts with the lines up to its first step of ``earlier``'s
+    metrics.jsonl (the run directory that holds the checkpoint), so that it holds the whole history as
+    summary.json and loss.png do. Either way a step's validation line appears once.
     """
 
-    def __init__(self, run_dir: Path, *, first_step: int = 0):
+    def __init__(self, run_dir: Path, *, first_step: int = 0, earlier: Optional[Path] = None):
         self.path = Path(run_dir) / METRICS_FILE
-        if self.path.is_file():
-            kept = [line for line in self.path.read_text().splitlines() if _step_of(line) <= first_step]
+        self.copied_from: Optional[Path] = None  # earlier's metrics.jsonl, when its lines were copied
+        self._kept_vals: set = set()  # the first step's validation line, when kept: not written again
+        source = self.path
+        if first_step and not self.path.is_file() and earlier is not None and (Path(earlier) / METRICS_FILE).is_file():
+            source = self.copied_from = Path(earlier) / METRICS_FILE
+        if source.is_file():
+            kept = [line for line in source.read_text().splitlines() if _step_of(line) <= first_step]
+            # a checkpoint is written before its step's validation pass, which the resumed run then repeats
+            self._kept_vals = {first_step} & {_step_of(line) for line in kept if '"val_loss"' in line}
             atomic_write_text(self.path, "".join(f"{line}\n" for line in kept))
         self._file = open(self.path, "a", encoding="utf-8")  # open for the whole run; close() ends it
 
     def write(self, record: Dict[str, Any]) -> None:
-        """Appends ``record`` as one line and flushes it (a crash loses at most the line being written)."""
+        """Appends ``record`` as one line and flushes it (a crash loses at most the line being written). A
+        validation pass at the resumed run's first step whose line is kept (the same pass, on the same
+        weights, that the earlier run wrote) is not written again."""
+        if "val_loss" in record and record["step"] in self._kept_vals:
+            self._kept_vals.discard(record["step"])
+            return
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
 
@@ -102,11 +118,45 @@ def read_metrics(run_dir: Path) -> Tuple[List[Dict[str, Any]], List[Dict[str, An
     return [r for r in records if "loss" in r], [r for r in records if "val_loss" in r]
 
 
+PLOT_POINTS = 2000
+"""At most this many training-loss points in loss.png: a long run's batches are averaged in equal runs."""
+
+
+def downsample(losses: Sequence[float], max_points: int = PLOT_POINTS) -> Tuple[List[float], List[float]]:
+    """(steps, losses) to draw: every batch's loss (batch t at step t + 1) when there are at most
+    ``max_points``, else the mean of each of ``max_points`` runs of consecutive batches, at its middle step.
+    A picture's cost stays bounded whatever the run's length (issue 34: all 6,000 points of a long run,
+    redrawn at every checkpoint, grew rank 0's memory by hundreds of MiB)."""
+    n = len(losses)
+    if n <= max_points:
+        return [float(t) for t in range(1, n + 1)], [float(x) for x in losses]
+    steps, means = [], []
+    for i in range(max_points):
+        lo, hi = i * n // max_points, (i + 1) * n // max_points
+        steps.append((lo + 1 + hi) / 2)
+        means.append(sum(losses[lo:hi]) / (hi - lo))
+    return steps, means
+
+
+def _release_freed_memory() -> None:
+    """Hands what the drawing freed back to the system (glibc keeps freed heap pages for reuse otherwise)."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
 def plot_losses(
     losses: Sequence[float], val_losses: Sequence[Tuple[int, float]], path: Path, *, title: str = ""
 ) -> None:
     """Draws training loss (batch t at step t + 1) and validation loss (after n steps) against the step
     into the PNG file ``path``, written atomically (``loss.png`` is never seen half-drawn).
+
+    Memory stays bounded: at most ``PLOT_POINTS`` training points (``downsample``) and as many validation
+    points, a figure of its own (no pyplot state) collected at once, and the freed memory returned to the system.
 
     Args:
         losses: the mean loss of every batch so far, from the first.
@@ -114,14 +164,18 @@ def plot_losses(
         path: the PNG file to write.
         title: the figure's title (the run's settings).
     """
-    import matplotlib
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
 
-    matplotlib.use("Agg")  # no display: render to a file
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(range(1, len(losses) + 1), losses, label="training (batch mean)", color="tab:blue", linewidth=1)
+    fig = Figure(figsize=(7, 4))
+    FigureCanvasAgg(fig)  # no display: render to a file
+    ax = fig.subplots()
+    steps, values = downsample(losses)
+    ax.plot(steps, values, label="training (batch mean)", color="tab:blue", linewidth=1)
     if val_losses:
+        val_losses = list(val_losses)
+        if len(val_losses) > PLOT_POINTS:
+            val_losses = [val_losses[i * len(val_losses) // PLOT_POINTS] for i in range(PLOT_POINTS)] + val_losses[-1:]
         steps, values = zip(*val_losses)
         ax.plot(steps, values, "o-", label="validation", color="tab:orange", linewidth=1.5, markersize=4)
     ax.set_xlabel("step")
@@ -132,7 +186,9 @@ def plot_losses(
     fig.tight_layout()
     with atomic_open(Path(path)) as f:
         fig.savefig(f, dpi=100, format="png")
-    plt.close(fig)
+    del fig, ax
+    gc.collect()  # a figure is a web of reference cycles, with its canvas's pixel buffer: free it now, not at
+    _release_freed_memory()  # some later collection (figures piled up between redraws; issue 34)
 
 
 def progress_bar(num_steps: int, *, initial: int = 0, file: Optional[TextIO] = None) -> Any:

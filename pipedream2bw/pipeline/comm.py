@@ -157,7 +157,10 @@ class FailureMonitor:
     """
 
     def __init__(self, store: dist.Store, *, rank: int, world_size: int, poll_s: float = 0.25):
-        self.store, self.rank, self.world_size, self.poll_s = store, rank, world_size, poll_s
+        # A connection of its own: the store client serializes its calls, and a set-up collective
+        # (init_process_group, new_group) blocks in it waiting for a rank that failed; on a shared
+        # connection the monitor would wait behind it and never see the failure (issue 34)
+        self.store, self.rank, self.world_size, self.poll_s = _own_connection(store), rank, world_size, poll_s
         self._stop = threading.Event()
         self._leave_lock, self._left = threading.Lock(), False
         self._thread = threading.Thread(target=self._watch, name="pd2bw-failure-monitor", daemon=True)
@@ -214,6 +217,14 @@ class FailureMonitor:
                 os._exit(1)
 
 
+def _own_connection(store: dist.Store) -> dist.Store:
+    """``store`` (with its key prefixes) on a new connection to the same server, where the store can clone."""
+    try:
+        return store.clone()
+    except (AttributeError, RuntimeError, NotImplementedError):  # a store of another kind (tests' HashStore)
+        return store
+
+
 def _group_timeout(timeout: timedelta) -> timedelta:
     """Groups get a generous default (it also bounds connection set-up); every transfer and
     gradient all-reduce waits with the run's own timeout, passed explicitly."""
@@ -251,10 +262,19 @@ def init(
     monitor = FailureMonitor(store, rank=rank, world_size=world_size).start()
     kwargs = {"device_id": device} if backend == "nccl" else {}
     group_timeout = _group_timeout(timeout)
-    dist.init_process_group(
-        backend, store=dist.PrefixStore("pg", store), rank=rank, world_size=world_size, timeout=group_timeout, **kwargs
-    )
-    control = dist.new_group(backend="gloo", timeout=group_timeout) if backend != "gloo" else dist.group.WORLD
+    try:
+        dist.init_process_group(
+            backend,
+            store=dist.PrefixStore("pg", store),
+            rank=rank,
+            world_size=world_size,
+            timeout=group_timeout,
+            **kwargs,
+        )
+        control = dist.new_group(backend="gloo", timeout=group_timeout) if backend != "gloo" else dist.group.WORLD
+    except BaseException:  # no context for the caller to stop the monitor with: stop it here
+        monitor.stop()
+        raise
     return DistContext(rank, world_size, device, backend, timeout, control, monitor, Board(store))
 
 

@@ -15,6 +15,8 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
 import torch
 from torch import nn
 
+from pipedream2bw.config.optimizers import MUON_ROLE
+from pipedream2bw.pipeline import stateful
 from pipedream2bw.pipeline.schedule import BACKWARD, FORWARD, STEP, Action, ScheduleError
 
 log = logging.getLogger(__name__)
@@ -130,15 +132,16 @@ class WeightVersions:
         # module tree every call, a millisecond per step of Python on a GPT; parameters are stable objects).
         self._params: List[List[nn.Parameter]] = [list(r.parameters()) for r in self.replicas]
         self.master = self._make_masters(module)
+        for p, m in zip(self._params[0], self.master):  # optim.name=muon: which optimizer steps it (config.optimizers)
+            if hasattr(p, MUON_ROLE):
+                setattr(m, MUON_ROLE, getattr(p, MUON_ROLE))
         self.buckets = [list(b) for b in buckets] if buckets is not None else [list(range(len(self._params[0])))]
         assert sorted(i for b in self.buckets for i in b) == list(range(len(self._params[0]))), (
             "buckets must partition the parameters"
         )
         self.optimizers = [optimizer_factory(self._bucket_masters(k, b)) for k, b in enumerate(self.buckets)]
-        if schedule == "2bw" and any(True for _ in module.buffers()):
-            log.warning(
-                "module buffers (e.g. BatchNorm statistics) are not versioned under 2bw; each replica keeps its own"
-            )
+        if schedule == "2bw":  # buffers are not versioned: one set, which the worker names if training changes it
+            stateful.share_buffers(self.replicas[1], module)
 
     def _make_masters(self, module: nn.Module) -> List[nn.Parameter]:
         """The parameters the optimizers own: here aliases whose storage ``step`` points at a replica."""

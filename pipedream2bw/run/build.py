@@ -24,6 +24,7 @@ from pipedream2bw.config import (
     optimizer_name,
     swap_stages,
 )
+from pipedream2bw.config.optimizers import tag_muon_params
 from pipedream2bw.data import make_feeds
 from pipedream2bw.io import checkpoint, timeline
 from pipedream2bw.memory import precision as precisions
@@ -114,6 +115,10 @@ def build_versions(
     ]
     buckets = [bucket for bucket in buckets if bucket] + [[i] for i in tied_index]
     num_dp_buckets = len(buckets) - len(tied_index)
+    if rt.schedule != "2bw" and optim.delay_correction != "none":  # flush, gpipe: no delay, nothing to correct
+        optim = dataclasses.replace(optim, delay_correction="none")
+    if not optim.target and optim.name.lower() == "muon":  # which parameters Muon takes: see OptimConfig.muon_exclude
+        tag_muon_params(module, optim.muon_exclude)
     factory = lambda params: build_optimizer(params, optim)  # noqa: E731
     sharded = optim.sharded and rt.data_parallel > 1
     weight_dtype = precisions.weight_dtype(rt.precision, weight_dtype_name)
@@ -376,6 +381,8 @@ def worker(
         precision=rt.precision,
         steps_wait_on_others=exchanged,
         early_apply=early_apply,
+        seed=rt.seed,
+        num_replicas=w,
         stream=stream,
     )
 

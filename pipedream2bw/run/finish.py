@@ -89,8 +89,9 @@ def finish(
     tie_record = close(rt, stats, parts.evaluator, parts.feed, parts.val_feed, hooks.bar, hooks.saver, parts.groups)
     if preempted is not None and rt.rank == 0:
         log.warning(
-            "preempted by %s: every rank stopped after step %d of %d; checkpoint %s; exiting with %d to be requeued",
+            "preempted by %s%s: every rank stopped after step %d of %d; checkpoint %s; exiting with %d to be requeued",
             logs.signal_name(preempted.signum),
+            f" (ranks got {preempt.describe(preempted.received)})" if preempted.received else "",
             preempted.step,
             rt.num_steps,
             checkpoint.step_dir(run_dir / checkpoint.DIRNAME, preempted.step),

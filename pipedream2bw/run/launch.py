@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import signal
 import sys
 import threading
@@ -47,6 +48,26 @@ def _deadline(timeout_s: Optional[float]) -> Iterator[None]:
             signal.setitimer(signal.ITIMER_REAL, max(previous_left - (time.monotonic() - start), 1e-3))
 
 
+def worker_threads(nproc: int) -> str:
+    """The OMP_NUM_THREADS a launch of ``nproc`` local ranks gives each: the caller's, else 1 where several ranks
+    share the node (what torchrun sets: each rank's threads would otherwise fight the others' for the cores, and a
+    sweep or benchmark would measure that), else torch's default ('' here: all cores)."""
+    return os.environ.get("OMP_NUM_THREADS") or ("1" if nproc > 1 else "")
+
+
+@contextlib.contextmanager
+def _worker_env(nproc: int) -> Iterator[None]:
+    """OMP_NUM_THREADS=worker_threads(nproc) in this process's environment, which the launched ranks inherit."""
+    threads, before = worker_threads(nproc), os.environ.get("OMP_NUM_THREADS")
+    if threads:
+        os.environ["OMP_NUM_THREADS"] = threads
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+
+
 def train_args(overrides: Sequence[str], *, run_dir: Path) -> list:
     """The arguments after ``python``: ``-m pipedream2bw.train <overrides> hydra.run.dir=<run_dir>``."""
     return ["-m", "pipedream2bw.train", *overrides, f"hydra.run.dir='{Path(run_dir).resolve()}'"]
@@ -56,7 +77,8 @@ def launch_train(overrides: Sequence[str], *, nproc: int, run_dir: Path, timeout
     """Runs ``python -m pipedream2bw.train <overrides>`` on ``nproc`` local ranks in ``run_dir``.
 
     Each rank's stdout and stderr go to ``run_dir/launch/`` (the ranks also log to
-    ``run_dir/train.log``). No restarts: a failed run is reported, not retried.
+    ``run_dir/train.log``). No restarts: a failed run is reported, not retried. Each rank runs with
+    ``OMP_NUM_THREADS=worker_threads(nproc)``, as under torchrun.
 
     Raises:
         LaunchError: a rank exited with an error, or the run took longer than ``timeout_s``
@@ -80,7 +102,7 @@ def launch_train(overrides: Sequence[str], *, nproc: int, run_dir: Path, timeout
         logs_specs=DefaultLogsSpecs(log_dir=str(run_dir / "launch"), redirects=Std.ALL, tee=Std.NONE),
     )
     try:
-        with _deadline(timeout_s):
+        with _deadline(timeout_s), _worker_env(nproc):
             elastic_launch(config, sys.executable)(*train_args(overrides, run_dir=run_dir))
     except _TimedOut:
         raise LaunchError(f"timed out after {timeout_s:g} s (sweep.timeout_s); its ranks were stopped") from None

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections import OrderedDict
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.utils._pytree as pytree
@@ -17,26 +17,42 @@ from pipedream2bw.config import (
     Config,
     optimizer_name,
 )
+from pipedream2bw.config.optimizers import extra_optim_settings
+from pipedream2bw.data.tokens import fingerprint as data_fingerprint
 from pipedream2bw.memory import precision as precisions
 from pipedream2bw.models import lm_loss
 from pipedream2bw.models.factory import ModelSource, model_source, read_vocab_size
-from pipedream2bw.pipeline import ties
+from pipedream2bw.pipeline import stateful, ties
 
 
-class RecomputeSequential(nn.Sequential):
-    """``nn.Sequential`` that keeps only each layer's input for backward and re-runs the layer there
-    (``pipeline.recompute``); parameter names are those of ``nn.Sequential``."""
+class RecomputeSequential(stateful.StageSequential):
+    """``StageSequential`` that keeps only each layer's input for backward and re-runs the layer there
+    (``pipeline.recompute``) on the same random stream, putting back the buffers it changes (BatchNorm
+    statistics count once: ``stateful.RecomputeContexts``); parameter names are those of ``nn.Sequential``."""
 
     def forward(self, x: Any) -> Any:
-        for layer in self:
+        key = stateful.current_key()
+        contexts = self.__dict__.setdefault("_recompute_contexts", {})
+        for name, layer in self._modules.items():
+            if name not in contexts:
+                contexts[name] = stateful.RecomputeContexts(layer)
             # A tuple or dict input goes in as its tensors: checkpoint saves tensor arguments (where
             # saved-tensor hooks, i.e. swapping, see them) and keeps anything else as a Python object.
             leaves, spec = pytree.tree_flatten(x)
-            x = torch.utils.checkpoint.checkpoint(_call_unflattened, layer, spec, *leaves, use_reentrant=False)
+            x = torch.utils.checkpoint.checkpoint(
+                _call_unflattened,
+                layer,
+                (key, int(name)),
+                spec,
+                *leaves,
+                use_reentrant=False,
+                context_fn=contexts[name],
+            )
         return x
 
 
-def _call_unflattened(layer: nn.Module, spec: Any, *leaves: torch.Tensor) -> Any:
+def _call_unflattened(layer: nn.Module, stream: Tuple[Any, int], spec: Any, *leaves: torch.Tensor) -> Any:
+    stateful.reseed(*stream)  # the recomputation, in backward, runs outside the forward's microbatch_streams
     return layer(pytree.tree_unflatten(list(leaves), spec))
 
 
@@ -56,7 +72,7 @@ def stage_module(
     refer to one parameter; ``recompute`` (``pipeline.recompute``) re-runs each layer in backward.
     """
     own = [layers[i] for i in indices] if layers is not None else source.build(indices)
-    cls = RecomputeSequential if recompute else nn.Sequential
+    cls = RecomputeSequential if recompute else stateful.StageSequential
     module = cls(OrderedDict((str(i), layer) for i, layer in zip(indices, own)))
     ties.retie(module, tied)
     return module
@@ -166,5 +182,8 @@ def training_settings(cfg: Config) -> Dict[str, Any]:
         "optim.scheduler": o.scheduler,
         "optim.warmup_steps": o.warmup_steps,
         "optim.min_lr": o.min_lr,
+        "seed": cfg.seed,  # the batch order: another seed trains on other batches from the resumed step on
+        "data.path": data_fingerprint(cfg.data.path),
     }
+    record.update(extra_optim_settings(o))  # Muon's and the delay correction's, where set
     return json.loads(json.dumps(record, default=str))

@@ -5,7 +5,8 @@ A scheduler that preempts a job sends SIGTERM to its processes and kills them a 
 30 s for them; ``srun`` sends it to every process at once. Either way some ranks see it and some
 may not (yet), at different points of their schedule. Here:
 
-- a handler (``Watch``) only notes the first signal of ``train.preempt_signals``;
+- a handler (``Watch``) only notes the first signal of ``train.preempt_signals`` (SIGTERM and SIGINT by
+  default: Ctrl-C stops a run as a preemption does; Ctrl-C again, ``AGAIN_AFTER_S`` later, exits at once);
 - after every step t, each rank starts summing its flag over all ranks in the background
   (``Agreement``, one scalar all-reduce per step on a gloo group of its own, waited with
   ``dist.timeout_s``) and, after step t+1, reads the sum of step t: every rank reads the same sum
@@ -23,8 +24,10 @@ start the job again, and ``train.resume=auto`` continues from the checkpoint, bi
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
+import time
 from typing import Any, Dict, Optional, Sequence
 
 import torch
@@ -32,6 +35,9 @@ import torch
 from pipedream2bw.config import UNCATCHABLE, signal_numbers  # noqa: F401  (re-exported)
 
 log = logging.getLogger(__name__)
+AGAIN_AFTER_S = 2.0
+"""A second SIGINT this long after the first aborts at once (Ctrl-C twice). Sooner, it is the same Ctrl-C
+arriving twice: the terminal sends it to every process, and torchrun passes its own on to its workers."""
 
 
 class Preempted(BaseException):
@@ -41,14 +47,20 @@ class Preempted(BaseException):
     a failure, and no ``except Exception`` on the way mistakes it for one.
     """
 
-    def __init__(self, step: int, signum: int):
-        super().__init__(f"preempted by {signal.Signals(signum).name}: stopped after step {step}, checkpointed")
-        self.step, self.signum = step, signum
+    def __init__(self, step: int, signum: int, received: Optional[Dict[str, int]] = None):
+        got = "" if not received or len(received) < 2 else f" (ranks got {describe(received)})"
+        super().__init__(f"preempted by {signal.Signals(signum).name}{got}: stopped after step {step}, checkpointed")
+        self.step, self.signum, self.received = step, signum, dict(received or {})
 
     @property
     def exit_code(self) -> int:
         """128 + the signal's number: what a process ended by that signal reports (143 for SIGTERM)."""
         return 128 + self.signum
+
+
+def describe(received: Dict[str, int]) -> str:
+    """E.g. 'SIGTERM on 1 rank, SIGUSR1 on 3 ranks'."""
+    return ", ".join(f"{name} on {n} rank{'s' if n > 1 else ''}" for name, n in received.items())
 
 
 class Watch:
@@ -59,11 +71,17 @@ class Watch:
     def __init__(self, signals: Sequence[str]):
         self.signals = signal_numbers(signals)
         self.received: Optional[int] = None
+        self._at = 0.0  # when the first signal came (time.monotonic())
         self._previous: Dict[int, Any] = {}
 
     def _handle(self, signum: int, frame: Any) -> None:
         if self.received is None:
-            self.received = signum
+            self.received, self._at = signum, time.monotonic()
+        elif signum == signal.SIGINT and time.monotonic() - self._at >= AGAIN_AFTER_S:
+            # Ctrl-C again: the user does not want to wait for the checkpoint. No logging here (a handler may
+            # interrupt a thread holding the logging lock): one write, then leave as SIGINT's default would.
+            os.write(2, b"interrupted again: exiting at once, without a checkpoint of the last steps\n")
+            os._exit(128 + signal.SIGINT)
 
     def __enter__(self) -> "Watch":
         if not self.signals:
@@ -95,7 +113,9 @@ class Agreement:
     def __init__(self, watch: Watch, channel: Any, *, last_step: int):
         self.watch, self.channel, self.last_step = watch, channel, last_step
         self._pending = False
-        self.signum = 0  # the signal every rank reports once they stop (the one most ranks got)
+        self.signum = 0  # the signal every rank reports once they stop (agreed_signal: one some rank got)
+        self.received: Dict[str, int] = {}  # once they stop: how many ranks got each signal, by name
+        self._order = sorted(watch.signals.values())  # one flag per signal the run watches, the same on every rank
 
     def after_step(self, t: int) -> bool:
         """Whether every rank stops now, after step t (some rank had a signal by its step t-1).
@@ -109,13 +129,21 @@ class Agreement:
             return self.watch.received is not None
         stop = False
         if self._pending:
-            count, signums = self.channel.wait().tolist()  # ranks with a signal, the sum of their signals' numbers
+            counts = self.channel.wait().tolist()  # per watched signal: how many ranks got it
             self._pending = False
-            if count > 0:
-                stop, self.signum = True, int(round(signums / count))
+            if any(counts):
+                stop, self.signum = True, agreed_signal(dict(zip(self._order, counts)))
+                self.received = {signal.Signals(n).name: int(c) for n, c in zip(self._order, counts) if c}
         if not stop and t < self.last_step:
             got = self.watch.received
-            flag = torch.tensor([0.0, 0.0] if got is None else [1.0, float(got)], dtype=torch.float64)
+            flag = torch.tensor([float(n == got) for n in self._order], dtype=torch.float64)
             self.channel.start(flag, what=f"the preemption flag of step {t}")
             self._pending = True
         return stop
+
+
+def agreed_signal(counts: Dict[int, float]) -> int:
+    """The signal every rank reports, from how many ranks got each: the one most ranks got, the lowest
+    number among equals; always one that some rank received (an average of their numbers was not: SIGTERM (15)
+    on one rank and SIGUSR1 (10) on another reported SIGUSR2 (12), which nobody sent; issue 34)."""
+    return min((n for n, c in counts.items() if c > 0), key=lambda n: (-counts[n], n))

@@ -1,4 +1,4 @@
-"""One rank's training run: validate, start the groups, build the stage, run its schedule, save results."""
+"""One rank's training run, as its phases: start (before any process group), build, the steps, finish."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 from pipedream2bw.config import (
     Config,
 )
+from pipedream2bw.io import rundir
 from pipedream2bw.pipeline import comm
 from pipedream2bw.run import build, finish, logs, preempt, start, step_hooks
 from pipedream2bw.run.model import RunModel
@@ -58,8 +59,11 @@ def run(
         preempt.Preempted: a signal of ``train.preempt_signals`` stopped every rank at one step, after a
             checkpoint of it and summary.json (``"preempted"``) were written.
     """
-    with preempt.Watch(cfg.train.preempt_signals) as watch:
-        return _run(cfg, run_dir, layers=layers, loss_fn=loss_fn, store=store, watch=watch, on_start=on_start)
+    # rank 0 locks the run directory before it looks at its checkpoints, until the run ends (rundir.RunLock)
+    with preempt.Watch(cfg.train.preempt_signals) as watch, rundir.RunLock() as lock:
+        return _run(
+            cfg, run_dir, layers=layers, loss_fn=loss_fn, store=store, watch=watch, on_start=on_start, lock=lock
+        )
 
 
 def _run(
@@ -71,10 +75,11 @@ def _run(
     store: Optional[Any],
     watch: preempt.Watch,
     on_start: Optional[Callable[[], None]],
+    lock: Optional[rundir.RunLock] = None,
 ) -> Optional[Dict[str, Any]]:
     """``run``, with ``watch`` noting preemption signals: start (every check, the plan and the checkpoint,
     before any process group), then the groups, then this rank's training."""
-    s = start.start(cfg, Path(run_dir), layers=layers, loss_fn=loss_fn, store=store, on_start=on_start)
+    s = start.start(cfg, Path(run_dir), layers=layers, loss_fn=loss_fn, store=store, on_start=on_start, lock=lock)
     ctx = comm.init(
         store=s.store,
         rank=s.rank,

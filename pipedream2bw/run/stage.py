@@ -19,7 +19,7 @@ from pipedream2bw.memory.precision import autocast, compute_dtype
 from pipedream2bw.memory.sharding import ShardedVersions
 from pipedream2bw.memory.stream import WeightStream
 from pipedream2bw.memory.swap import SwapManager
-from pipedream2bw.pipeline import agreement
+from pipedream2bw.pipeline import agreement, stateful
 from pipedream2bw.pipeline.agreement import NonFiniteError, StepDecision, StepOutcome, StepRule
 from pipedream2bw.pipeline.boundary import Channel, from_wire, to_wire
 from pipedream2bw.pipeline.comm import P2P, AsyncSum, BatchReduction, GradReducer, ShardedReduction
@@ -144,9 +144,15 @@ class StageWorker:
         precision: str = "fp32",
         steps_wait_on_others: bool = False,
         early_apply: bool = True,
+        seed: int = 0,
+        num_replicas: int = 1,
         stream: Optional[WeightStream] = None,
     ):
         self.m = num_microbatches
+        # Each layer draws from its own stream per microbatch (pipeline/stateful.py), whatever the schedule.
+        self.seed, self.num_replicas = seed, num_replicas
+        self._buffers = stateful.BufferWatch()  # the stage's buffers that training changes (BatchNorm statistics)
+        self._batch_start_buffers: Dict[int, Dict[str, torch.Tensor]] = {}  # batch -> them before its first forward
         self.stage_index, self.num_stages, self.replica = stage_index, num_stages, replica
         self.rule = step_rule if step_rule is not None else StepRule()
         assert agreement is not None or not self.rule.needs_agreement, "this step rule needs an agreement channel"
@@ -260,7 +266,9 @@ class StageWorker:
             hooks = self.swap.forward(
                 k, inputs=pytree.tree_leaves(x), outer=saved if self._saved_bytes is None else None
             )
-        with hooks if self.swap is not None else saved:
+        self._watch_buffers(module, k)
+        g = stateful.sample_microbatch(k, num_microbatches=self.m, num_replicas=self.num_replicas, replica=self.replica)
+        with hooks if self.swap is not None else saved, stateful.microbatch_streams(self.seed, g, self.device):
             # A reduced-precision activation goes on in float32, as it would have in one process: only
             # the transfer is rounded, not the rest of the stage's residual stream.
             inp = from_wire(x, self._wire_dtype) if self._upcast else x
@@ -270,6 +278,8 @@ class StageWorker:
                 out = self.loss_fn(out.float(), self._data(self.feed.targets, k))
             elif self.precision != "fp32":
                 out = to_wire(out, self._wire_dtype)  # sent in the compute dtype; backward casts its gradient back
+        if self._buffers.names is None:
+            self._found_buffers(module)
         if self._saved_bytes is None:
             self._saved_bytes = saved.nbytes
         if self.last:
@@ -281,6 +291,31 @@ class StageWorker:
             self._outbox[(FORWARD, k)] = pytree.tree_map(torch.Tensor.detach, out)
         self._stash[k] = (x, out)
         self.stats.peak_stash_bytes = max(self.stats.peak_stash_bytes, len(self._stash) * self._saved_bytes)
+
+    def _watch_buffers(self, module: torch.nn.Module, k: int) -> None:
+        """Before F k: the first forward finds the buffers training changes; the first of each batch keeps them
+        as they are, which a checkpoint of the batch's start saves (under 2bw, stage 0 runs batch t+1's
+        first forwards before step t's checkpoint)."""
+        self._buffers.before(module)
+        if k % self.m == 0 and self._buffers.names:
+            t = k // self.m  # on_step(t-1), which may come after batch t's first forwards, takes batch t's
+            self._batch_start_buffers = {u: b for u, b in self._batch_start_buffers.items() if u >= t - 1}
+            self._batch_start_buffers[t] = self._buffers.snapshot(module)
+
+    def _found_buffers(self, module: torch.nn.Module) -> None:
+        """After the first forward: which buffers it changed; under 2bw, says they are not versioned."""
+        self._buffers.after(module)
+        if self._buffers.names and self.versions.schedule == "2bw":
+            log.warning(
+                "buffers %s change in training and are not versioned under 2bw: both weight versions share "
+                "them, updated by every forward in microbatch order (batch t+1's with W(t), not W(t+1))",
+                ", ".join(self._buffers.names),
+            )
+
+    def buffers_at_start(self, t: int) -> Dict[str, torch.Tensor]:
+        """The buffers training changes as they were before batch ``t``'s first forward on this stage; empty when
+        that forward has not run yet (the buffers are those now) or when the stage has none."""
+        return self._batch_start_buffers.get(t, {})
 
     def _before_backward(self, k: int) -> None:
         """Starts B k's step, before its receives: the swap prefetch then overlaps the wait for the

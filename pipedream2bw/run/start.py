@@ -22,8 +22,9 @@ from pipedream2bw.config import (
     swap_stages,
     validate_steps,
 )
+from pipedream2bw.config.ranges import check_ranges
 from pipedream2bw.errors import ConfigError
-from pipedream2bw.io import checkpoint
+from pipedream2bw.io import checkpoint, rundir
 from pipedream2bw.io.fileio import atomic_symlink
 from pipedream2bw.memory import precision as precisions
 from pipedream2bw.pipeline import comm, ties
@@ -58,49 +59,35 @@ def link_latest(run_dir: Path, *, cwd: Optional[Path] = None) -> Optional[Path]:
 
 
 def choose_checkpoint(
-    cfg: Config, run_dir: Path, store: Any, rank: int, world_size: int, model: RunModel
+    cfg: Config,
+    run_dir: Path,
+    store: Any,
+    rank: int,
+    world_size: int,
+    model: RunModel,
+    *,
+    lock: Optional[rundir.RunLock] = None,
 ) -> Optional[Tuple[Path, Dict[str, Any]]]:
     """The checkpoint to resume from, per ``train.resume``: rank 0 chooses (verifying checksums,
     setting corrupt ones aside, refusing another model's or other settings') and every rank gets its
-    choice, before any process group starts. Rank 0 first removes what an interrupted prune left.
+    choice, before any process group starts. Rank 0 first takes the run directory's ``lock``, refuses
+    links inside it, and removes what an interrupted prune left.
 
     Raises:
         ConfigError: on every rank, when the checkpoint asked for is missing, of another
             model or settings, already at ``train.num_steps``, or when checkpoints are there
-            but none can be loaded (``checkpoint.NoLoadableCheckpoint``).
+            but none can be loaded (``checkpoint.NoLoadableCheckpoint``); when a live run holds the
+            run directory (``rundir.RunDirInUse``) or a link is planted in it.
     """
     t = cfg.train
-    if rank == 0:
-        checkpoint.clean_leftovers(run_dir / checkpoint.DIRNAME)
-    if t.resume == "never":
-        return None
     answer, key = None, "resume"
     if rank == 0:
         try:
-            if t.resume == "auto":
-                checkpoint.clear_partials(run_dir / checkpoint.DIRNAME)
-            # resolved: a link (outputs/latest) may be re-pointed at this run before the other ranks read it
-            path, manifest = checkpoint.select(run_dir if t.resume == "auto" else Path(t.resume).resolve())
-            if path is None and t.resume != "auto":
-                raise ConfigError(
-                    f"train.resume ({t.resume}) holds no complete checkpoint with intact files; "
-                    f"point it at another checkpoint or use train.resume=never"
-                )
-            if path is not None:
-                checkpoint.check_model(manifest, model.param_shapes(), path)
-                checkpoint.check_ties(manifest, [list(t.names) for t in model.tied], path)
-                checkpoint.check_settings(
-                    manifest,
-                    model=model.settings(cfg.model),
-                    training=training_settings(cfg),
-                    where=path,
-                    strict=t.resume_strict,
-                )
-                if manifest["step"] >= t.num_steps:
-                    raise ConfigError(
-                        f"checkpoint {path} is at step {manifest['step']}, and train.num_steps is {t.num_steps}: "
-                        f"nothing left to train; raise train.num_steps"
-                    )
+            if lock is not None:
+                lock.acquire(run_dir)
+            rundir.check_no_links(run_dir)
+            checkpoint.clean_leftovers(run_dir / checkpoint.DIRNAME)
+            path = None if t.resume == "never" else _select_checkpoint(cfg, run_dir, model)
             answer = json.dumps({"path": None if path is None else str(path)})
         except Exception as e:  # the other ranks wait for an answer: give them this one
             comm.share_from_rank0(
@@ -116,6 +103,37 @@ def choose_checkpoint(
     manifest = json.loads((path / checkpoint.MANIFEST).read_text())
     log.info("resuming from %s (step %d of %d)", path, manifest["step"], t.num_steps)
     return path, manifest
+
+
+def _select_checkpoint(cfg: Config, run_dir: Path, model: RunModel) -> Optional[Path]:
+    """Rank 0's choice for ``choose_checkpoint`` (``train.resume`` auto or a path), checked against this run."""
+    t = cfg.train
+    if t.resume == "auto":
+        checkpoint.clear_partials(run_dir / checkpoint.DIRNAME)
+    # resolved: a link (outputs/latest) may be re-pointed at this run before the other ranks read it
+    path, manifest = checkpoint.select(run_dir if t.resume == "auto" else Path(t.resume).resolve())
+    if path is None and t.resume != "auto":
+        raise ConfigError(
+            f"train.resume ({t.resume}) holds no complete checkpoint with intact files; "
+            f"point it at another checkpoint or use train.resume=never"
+        )
+    if path is not None:
+        checkpoint.check_model(manifest, model.param_shapes(), path)
+        checkpoint.check_ties(manifest, [list(t.names) for t in model.tied], path)
+        checkpoint.check_settings(
+            manifest,
+            model=model.settings(cfg.model),
+            training=training_settings(cfg),
+            where=path,
+            strict=t.resume_strict,
+        )
+        if manifest["step"] >= t.num_steps:
+            raise ConfigError(
+                f"checkpoint {path} is at step {manifest['step']}, and train.num_steps is {t.num_steps}: "
+                f"nothing left to train; to train further, raise train.num_steps "
+                f"(e.g. train.num_steps={2 * manifest['step']}), or start afresh with train.resume=never"
+            )
+    return path
 
 
 def resolve_partition(
@@ -219,6 +237,7 @@ def start(
     loss_fn: Optional[Callable[[Any, torch.Tensor], torch.Tensor]],
     store: Optional[Any],
     on_start: Optional[Callable[[], None]],
+    lock: Optional[rundir.RunLock] = None,
 ) -> Started:
     """Everything before the process groups, on every rank: the model, the plan (``partition=auto|file``),
     every check of the config against the model and the data, the layout, the checkpoint to resume from.
@@ -226,6 +245,7 @@ def start(
     Raises:
         ConfigError: on every rank, before any process group starts.
     """
+    check_ranges(cfg)  # before anything is built from it: a model of d_model -32 dies building it
     model = RunModel.of(cfg, layers, loss_fn)
     rank, world_size, local_rank = comm.env_rank()
     logs.configure_logging(run_dir)
@@ -257,7 +277,7 @@ def start(
     run_dir.mkdir(parents=True, exist_ok=True)
     if store is None:  # made after validate: a bad config fails every rank at once, with no rendezvous
         store = comm.make_store(rank=rank, world_size=world_size, timeout_s=cfg.dist.timeout_s)
-    resume = choose_checkpoint(cfg, run_dir, agreed or comm.run_scope(store), rank, world_size, model)
+    resume = choose_checkpoint(cfg, run_dir, agreed or comm.run_scope(store), rank, world_size, model, lock=lock)
     if rank == 0:  # after the checkpoint is chosen: train.resume=outputs/latest means the run before this one
         link_latest(run_dir)
     if on_start is not None:

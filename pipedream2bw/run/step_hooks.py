@@ -79,7 +79,7 @@ def tracking(
         wandb, run_dir, config=config, run_id=resume[1].get("wandb_run_id") if resume is not None else None
     )
     bar = progress_bar(rt.num_steps, initial=rt.first_step)
-    record = RunRecord(rt, run_dir, worker)
+    record = RunRecord(rt, run_dir, worker, earlier=_checkpoint_run_dir(resume))
     progress = progress_callback(
         train,
         worker,
@@ -95,12 +95,21 @@ def tracking(
     return tracker, bar, progress, postfix, record
 
 
+def _checkpoint_run_dir(resume: Optional[Tuple[Path, Dict[str, Any]]]) -> Optional[Path]:
+    """The run directory holding the checkpoint resumed from (``<run dir>/checkpoints/step_<n>``), or None."""
+    if resume is None or resume[0].parent.name != checkpoint.DIRNAME:
+        return None
+    return resume[0].parent.parent
+
+
 class RunRecord:
     """Rank 0's files in the run directory that show the run as it goes: metrics.jsonl (every step and
     validation pass) and loss.png (redrawn at each validation pass, checkpoint and the end)."""
 
-    def __init__(self, rt: RankPlan, run_dir: Path, worker: StageWorker):
-        self.metrics = MetricsLog(run_dir, first_step=rt.first_step)
+    def __init__(self, rt: RankPlan, run_dir: Path, worker: StageWorker, *, earlier: Optional[Path] = None):
+        self.metrics = MetricsLog(run_dir, first_step=rt.first_step, earlier=earlier)
+        if self.metrics.copied_from is not None:
+            log.info("metrics.jsonl: steps 1..%d copied from %s", rt.first_step, self.metrics.copied_from)
         self.plot_path = run_dir / LOSS_PLOT
         self.worker = worker
         self.val_losses: List[Tuple[int, float]] = []
@@ -218,6 +227,10 @@ class StepHooks:
 
     def _state(self) -> Dict[str, Any]:  # one tensor per tie: the canonical name's, written by its first holder
         st = self.versions.state()
+        # buffers training changes, as the resumed run's first forward must find them (pipeline/stateful.py)
+        for k in ("weights", "previous"):
+            if st.get(k) is not None:
+                st[k].update(self.worker.buffers_at_start(st["step"]))
         return {
             **st,
             **{
@@ -255,7 +268,7 @@ class StepHooks:
             force=stop,
         )
         if stop:  # the validation pass due here, if any, is owed: the resumed run starts with it
-            raise preempt.Preempted(t + 1, self.preemption.signum)
+            raise preempt.Preempted(t + 1, self.preemption.signum, self.preemption.received)
         if evaluator is not None and evaluate.due(t + 1, every=self.eval_every, num_steps=self.rt.num_steps):
             evaluator.run(self.versions.newest(), step=t + 1)
 

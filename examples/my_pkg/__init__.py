@@ -1,0 +1,1 @@
+"""An example model package for ``model=custom`` (docs/models.md)."""

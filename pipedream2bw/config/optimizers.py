@@ -1,0 +1,225 @@
+"""Muon for the hidden matrices with AdamW for the rest, and the 2bw delay corrections (error feedback, look-ahead).
+
+Each is one ``torch.optim.Optimizer``: its ``param_groups`` and ``state`` are those of the optimizers inside it
+(the same dict objects), so the weight versions, the host optimizer, checkpoints (``state_dict`` /
+``load_state_dict``, keyed by position over ``param_groups``), the learning-rate schedule (it sets every group's
+``lr``) and the step agreements (clip, skip, fp16: they act on the gradients before ``step`` or skip it) treat it
+as any torch optimizer. docs/design.md ("Optimizers under the one-step delay") states what each computes.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from typing import Any, Dict, Iterable, List, Sequence
+
+import torch
+from torch import nn
+
+MUON_ROLE = "_pd2bw_muon"
+"""The attribute ``tag_muon_params`` sets on each parameter: True for Muon, False for the other optimizer."""
+
+EF_STATE = "ef_prev_update"
+"""The error-feedback state of a parameter: the update u(t-1) its optimizer made at the previous step."""
+
+LOOKAHEAD_MOMENTUM = 0.99
+"""beta1 of the look-ahead (NAdamW) and Muon's momentum under it: Ajanthan et al.'s run.bash (``--momentum 0.99
+--optimizer nadamw``)."""
+
+
+def muon_param_roles(module: nn.Module, exclude: Sequence[str]) -> Dict[int, bool]:
+    """id(parameter) -> True where Muon steps it: a 2-D parameter none of whose names, nor the class names of
+    the modules on its path (e.g. ``LMHead``, ``Linear``), match a pattern of ``exclude`` (fnmatch,
+    case-sensitive). The rest (norms, biases, embeddings, the LM head) go to the other optimizer. A parameter
+    held by several modules (a tie) is Muon's only if every holder says so."""
+    roles: Dict[int, bool] = {}
+
+    def walk(mod: nn.Module, prefix: str, classes: List[str]) -> None:
+        classes = classes + [type(mod).__name__]
+        for name, p in mod.named_parameters(recurse=False):
+            labels = [prefix + name] + classes
+            muon = p.dim() == 2 and not any(fnmatch.fnmatchcase(x, pat) for x in labels for pat in exclude)
+            roles[id(p)] = roles.get(id(p), True) and muon
+        for child_name, child in mod.named_children():
+            walk(child, f"{prefix}{child_name}.", classes)
+
+    walk(module, "", [])
+    return roles
+
+
+def tag_muon_params(module: nn.Module, exclude: Sequence[str]) -> None:
+    """Marks each parameter of ``module`` for Muon (True) or the other optimizer (False): ``muon_param_roles``."""
+    roles = muon_param_roles(module, exclude)
+    for p in module.parameters():
+        setattr(p, MUON_ROLE, roles[id(p)])
+
+
+class CompositeOptimizer(torch.optim.Optimizer):
+    """An optimizer made of ``children``: its ``param_groups`` are theirs, in order, and all of them share its
+    ``state`` (keyed by parameter, so they never collide). ``state_dict``/``load_state_dict`` are torch's over
+    that union; a load replaces the group dicts and the state, which are then handed back to the children."""
+
+    def __init__(self, children: Sequence[torch.optim.Optimizer]):
+        self._children = list(children)
+        groups = [g for c in self._children for g in c.param_groups]
+        super().__init__(groups, defaults={})  # appends the same group dicts
+        for c in self._children:
+            self.state.update(c.state)
+        self._link()
+
+    def _link(self) -> None:
+        i = 0
+        for c in self._children:
+            n = len(c.param_groups)
+            c.param_groups = self.param_groups[i : i + n]
+            c.state = self.state
+            if isinstance(c, CompositeOptimizer):
+                c._link()
+            i += n
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        self._link()
+
+    def _inner_step(self) -> None:
+        for c in self._children:
+            c.step()
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        assert closure is None, "closures are not supported"
+        self._inner_step()
+
+
+class MuonWithOthers(CompositeOptimizer):
+    """torch.optim.Muon for the parameters tagged for it (``tag_muon_params``), ``others`` for the rest; both at
+    the same ``lr`` (Muon with ``adjust_lr_fn='match_rms_adamw'`` by default, so an AdamW learning rate suits
+    both: Moonlight's scaling, update RMS 0.2 * sqrt(max(rows, cols)) times Muon's)."""
+
+    def __init__(
+        self,
+        params: Iterable,
+        *,
+        lr: float,
+        muon_kwargs: Dict[str, Any],
+        others: type,
+        others_kwargs: Dict[str, Any],
+    ):
+        groups = _groups(params)
+        muon_groups, other_groups = [], []
+        for g in groups:
+            untagged = [p for p in g["params"] if p.dim() == 2 and not hasattr(p, MUON_ROLE)]
+            assert not untagged, "optim.name=muon: tag the parameters first (optimizers.tag_muon_params)"
+            extra = {k: v for k, v in g.items() if k != "params"}
+            mu = [p for p in g["params"] if getattr(p, MUON_ROLE, False)]
+            rest = [p for p in g["params"] if not getattr(p, MUON_ROLE, False)]
+            if mu:
+                muon_groups.append({"params": mu, **extra})
+            if rest:
+                other_groups.append({"params": rest, **extra})
+        kw = {"adjust_lr_fn": "match_rms_adamw", **muon_kwargs}
+        children = []
+        if muon_groups:
+            children.append(torch.optim.Muon(muon_groups, lr=lr, **kw))
+        if other_groups:
+            children.append(others(other_groups, lr=lr, **others_kwargs))
+        super().__init__(children)
+
+
+class ErrorFeedback(CompositeOptimizer):
+    """Error feedback on the one-step delay (after Zmushko et al., arXiv 2606.30634, section 3), around any
+    optimizer ``inner``: with u(t) the update ``inner`` makes at step t (W(t) -> W(t) + u(t)), from a gradient
+    taken at W(t-1), the update applied is
+
+        W(t+1) = W(t) + u(t) + beta * (u(t) - u(t-1))
+
+    u(t) - u(t-1) estimates the error of the previous step: u(t) is computed from a gradient at W(t-1), the point
+    step t-1 should have used. u(-1) is taken as u(0) (no correction at the first step). Per parameter it keeps
+    u(t-1) (float32, the master's size: ``EF_STATE`` in the optimizer state, saved in checkpoints); a step that is
+    skipped (``step`` not called) leaves it as it was. Elementwise, so it shards with the masters."""
+
+    def __init__(self, inner: torch.optim.Optimizer, *, beta: float):
+        self.beta = beta
+        super().__init__([inner])
+
+    def _inner_step(self) -> None:
+        params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+        before = [p.detach().clone() for p in params]
+        self._children[0].step()
+        if not params:
+            return
+        updates = torch._foreach_sub([p.detach() for p in params], before)  # u(t)
+        prev = [self.state[p].get(EF_STATE) for p in params]
+        corr = [u if q is None else q for u, q in zip(updates, prev)]  # u(t-1); u(0) at the first step
+        diff = torch._foreach_sub(updates, corr)
+        torch._foreach_add_([p.data for p in params], diff, alpha=self.beta)
+        for p, u in zip(params, updates):
+            self.state[p][EF_STATE] = u
+
+
+def _groups(params: Iterable) -> List[Dict[str, Any]]:
+    params = list(params)
+    if params and isinstance(params[0], dict):
+        return [dict(g, params=list(g["params"])) for g in params]
+    return [{"params": params}]
+
+
+def build_optimizer(groups: List[Any], cfg, *, others: type) -> torch.optim.Optimizer:
+    """The optimizer of ``cfg`` (an ``OptimConfig``) with Muon and/or a delay correction over ``groups`` (params or
+    param groups, as ``config.optim.param_groups`` gives them): ``others`` is the torch optimizer class for what
+    Muon does not take (optim.muon_others), or the one optim.name names. ``config.optim.build_optimizer`` calls it.
+
+    Raises:
+        ConfigError: keyword arguments the optimizers do not take.
+    """
+    from pipedream2bw.errors import ConfigError
+
+    lookahead = cfg.delay_correction == "lookahead"
+    kwargs = dict(cfg.kwargs)
+    muon = not cfg.target and cfg.name.lower() == "muon"
+    if lookahead:  # AdamW -> NAdamW with beta1 0.99 (validated: others is AdamW)
+        others = torch.optim.NAdam
+        betas = tuple(kwargs.pop("betas", (LOOKAHEAD_MOMENTUM, 0.999)))
+        kwargs = {
+            "betas": (LOOKAHEAD_MOMENTUM, betas[1]),
+            "weight_decay": kwargs.pop("weight_decay", 1e-2),  # AdamW's default
+            "decoupled_weight_decay": True,
+            **kwargs,
+        }
+    try:
+        if muon:
+            muon_kwargs = dict(cfg.muon_kwargs)
+            if lookahead:
+                muon_kwargs.update(momentum=LOOKAHEAD_MOMENTUM, nesterov=True)
+            torch.optim.Muon([torch.zeros(2, 2)], lr=cfg.lr, **muon_kwargs)  # its kwargs, checked even with no matrix
+            opt: torch.optim.Optimizer = MuonWithOthers(
+                groups, lr=cfg.lr, muon_kwargs=muon_kwargs, others=others, others_kwargs=kwargs
+            )
+        else:
+            opt = others(groups, lr=cfg.lr, **kwargs)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(
+            f"optim.kwargs ({dict(cfg.kwargs)}) or optim.muon_kwargs ({dict(cfg.muon_kwargs)}) are not valid for "
+            f"{cfg.target or cfg.name}: {e}; fix or remove them"
+        ) from e
+    if cfg.delay_correction == "error_feedback":
+        opt = ErrorFeedback(opt, beta=cfg.error_feedback_beta)
+    return opt
+
+
+def extra_optim_settings(cfg) -> Dict[str, Any]:
+    """What a checkpoint records of Muon and the delay correction, beside the optimizer's name and kwargs: only
+    what differs from the default, so checkpoints written before these settings existed still match."""
+    out: Dict[str, Any] = {}
+    if cfg.delay_correction != "none":
+        out["optim.delay_correction"] = cfg.delay_correction
+        if cfg.delay_correction == "error_feedback":
+            out["optim.error_feedback_beta"] = cfg.error_feedback_beta
+    if not cfg.target and cfg.name.lower() == "muon":
+        out.update(
+            {
+                "optim.muon_kwargs": dict(cfg.muon_kwargs),
+                "optim.muon_others": cfg.muon_others.lower(),
+                "optim.muon_exclude": list(cfg.muon_exclude),
+            }
+        )
+    return out

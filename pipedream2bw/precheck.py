@@ -1,0 +1,130 @@
+"""The training entry point's first look at its command line: composes the config and checks it before the
+rendezvous store, Hydra's run directory and the model are made, so that a mistake is one line, at once.
+
+Under torchrun every rank checks the same command line and finds the same mistake: rank 0 prints it; the
+other ranks wait for torchrun to stop them (it does once rank 0 exits) and print it only if rank 0 did not
+(a mistake only they can see). The rank that reports it also writes it to torchrun's error file
+(``TORCHELASTIC_ERROR_FILE``), so that torchrun's failure summary names it as the root cause.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import List, Optional, Sequence
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+_HELP = "; python -m pipedream2bw.train --help lists every key"
+PEER_WAIT_S = 15.0
+"""How long a rank other than 0 waits, under torchrun, for rank 0 to report the mistake and torchrun to stop it."""
+
+
+def _first_line(e: BaseException) -> str:
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    return lines[0] if lines else type(e).__name__
+
+
+def _hydra_error(e: BaseException, overrides: Sequence[str], config_name: str) -> str:
+    """Hydra's composition error as one line; an override of a key no schema has gets the key meant."""
+    from hydra.errors import MissingConfigException
+
+    text = str(e)
+    if text.startswith("Could not override '"):
+        key = text[len("Could not override '") :].split("'", 1)[0]
+        added = [f"+{o}" if o.split("=", 1)[0] == key else o for o in overrides]
+        try:  # added with +, the key reaches check_known_keys, which names the closest valid key
+            from pipedream2bw.config import check_known_keys
+
+            check_known_keys(_compose(added, config_name))
+        except Exception as again:  # ConfigError (the usual case), or Hydra's refusal of the + form
+            if "unknown config key" in str(again):  # without check_known_keys' advice on the + form
+                return _first_line(again).split("; a key added with +")[0] + _HELP
+        return f"unknown config key: {key}{_HELP}"
+    if isinstance(e, MissingConfigException):  # model=gtp: the options, without the schemas (base_*)
+        missing = text.split("Could not find '", 1)[-1].split("'", 1)[0]
+        options = [o for o in (getattr(e, "options", None) or []) if not o.startswith("base_")]
+        if "/" in missing and options:
+            group, option = missing.rsplit("/", 1)
+            return f"{group}={option}: no such option in {group}; use one of {', '.join(options)}"
+    cause = e.__cause__
+    return _first_line(e) + (f": {_first_line(cause)}" if cause is not None else "")
+
+
+def _compose(overrides: Sequence[str], config_name: str):
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        return compose(config_name, overrides=list(overrides))
+
+
+def check(argv: Sequence[str], *, world_size: int, local_world_size: int, config_name: str = "config") -> Optional[str]:
+    """The first mistake of a training command line, as one line, or None (None also where it cannot tell
+    here: a multirun, Hydra's own flags, a model or partition whose checks need the model built or a plan).
+
+    Checks what the runner's ``preflight.check`` checks for the GPT under a manual partition, and for every
+    model what composing the config and typing it (``from_hydra``) checks."""
+    if any(a.startswith("-") for a in argv):  # --multirun, --cfg job, --info, ...: Hydra's business
+        return None
+    overrides: List[str] = [a for a in argv if not a.startswith(("hydra.", "hydra/", "+hydra", "~hydra"))]
+    from hydra.errors import HydraException
+    from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
+
+    from pipedream2bw.config import TINY_ENV, GPTConfig, default_plan_choices, from_hydra, register_configs, tiny
+    from pipedream2bw.errors import ConfigError
+
+    register_configs()
+    try:
+        dcfg = _compose(overrides, config_name)
+    except (HydraException, OmegaConfBaseException) as e:
+        return _hydra_error(e, overrides, config_name)
+    try:
+        cfg = from_hydra(dcfg)
+        if os.environ.get(TINY_ENV, "0") not in ("", "0"):
+            cfg = tiny(cfg)
+        if isinstance(cfg.model, GPTConfig) and cfg.partition.mode == "manual":
+            from pipedream2bw.run.preflight import check as preflight_check
+
+            preflight_check(default_plan_choices(cfg), world_size=world_size, local_world_size=local_world_size)
+    except ConfigError as e:
+        return str(e)
+    except MissingMandatoryValue as e:  # model=custom without model._target_
+        key = getattr(e, "full_key", None) or "a value"
+        return f"{key} has no value (??? in configs/); set it: {key}=..."
+    except (HydraException, OmegaConfBaseException) as e:  # e.g. a value of the wrong type in to_object
+        return _first_line(e)
+    return None
+
+
+def write_error_file(message: str) -> None:
+    """Writes ``message`` where torchrun's agent reads a worker's failure (its summary's root cause)."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    try:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        # torch's ErrorHandler format; the summary prints py_callstack, here the message alone
+        info = {"py_callstack": message, "timestamp": str(int(time.time()))}
+        Path(path).write_text(json.dumps({"message": {"message": message, "extraInfo": info}}))
+    except OSError:
+        pass  # the message is on the console as well
+
+
+def report(message: str, *, rank: int, world_size: int, emit=None) -> None:
+    """Reports a refused configuration once: rank 0 reports it; another rank under torchrun waits for torchrun to
+    stop it after rank 0 exits, and reports it only if that does not happen (rank 0 found no mistake).
+
+    Args:
+        message: the line, e.g. ``bad configuration: ...``.
+        emit: prints the line (default: to stderr, ``[rank R] `` first when there are several ranks).
+    """
+    if rank != 0 and "TORCHELASTIC_RUN_ID" in os.environ:
+        time.sleep(PEER_WAIT_S)  # an error file written before would be torchrun's root cause: the first in time
+    write_error_file(message)
+    if emit is not None:
+        emit(message)
+    else:
+        prefix = f"[rank {rank}] " if world_size > 1 else ""
+        print(f"{prefix}{message}", file=sys.stderr, flush=True)

@@ -1,0 +1,310 @@
+"""Convergence under the one-step delay: flush (the synchronous reference) against 2bw, same model and batches.
+
+    nice -n 10 python scripts/bench_convergence.py [--steps 300] [--lrs 3e-3,1e-3] [--seeds 0,1,2]
+        [--optimizers adamw,muon] [--corrections none,error_feedback,lookahead] [--data-path FILE] [--out DIR]
+
+Every run trains the same GPT (4 blocks, d_model 64, 4 heads, seq 64; 32 sequences a step as 4 microbatches of 8)
+for --steps steps as one stage, through the project's ``run()`` on one rank (the delay is one step at any depth:
+docs/design.md section 2), each in its own process with --threads threads. The batches depend on the seed only, so
+flush and 2bw see the same ones. Validation loss on held-out data (the last 10% of the text) every --eval-every
+steps. flush runs each optimizer with no correction (it has no delay to correct); 2bw runs each optimizer with
+each correction. Runs already in --out (their summary.json) are reused, so a grid can be grown seed by seed.
+
+Prints the command, the configuration, each run's final validation loss, then per optimizer and learning rate:
+flush's final validation loss, 2bw's for each correction, the gap (2bw - flush, paired by seed: mean and
+min..max over seeds), the steps 2bw took to reach flush's final validation loss (mean over seeds; '>N' if it
+never did), samples/s (median) and the extra optimizer-state bytes per parameter that the correction costs
+(measured: the run's optimizer state over the same optimizer's without the correction). Draws the validation
+curves to <out>/curves.png and writes <out>/results.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import socket
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_config(args, *, schedule: str, optimizer: str, correction: str, lr: float, seed: int):
+    """The run's Config: the model and batches of every run, with this schedule, optimizer and correction."""
+    from pipedream2bw.config import (
+        Config,
+        DataConfig,
+        GPTConfig,
+        OptimConfig,
+        PipelineConfig,
+        TrainConfig,
+        WandbConfig,
+    )
+
+    return Config(
+        pipeline=PipelineConfig(
+            schedule=schedule,
+            num_stages=1,
+            num_microbatches=args.num_microbatches,
+            microbatch_size=args.microbatch_size,
+        ),
+        model=GPTConfig(
+            num_layers=args.num_layers, d_model=args.d_model, num_heads=args.num_heads, seq_len=args.seq_len
+        ),
+        optim=OptimConfig(name=optimizer, lr=lr, delay_correction=correction, warmup_steps=args.warmup),
+        data=DataConfig(path=args.data_path, val_fraction=args.val_fraction),
+        train=TrainConfig(
+            num_steps=args.steps,
+            log_every=max(1, args.steps // 5),
+            warmup_steps=min(10, args.steps - 1),
+            eval_every=args.eval_every,
+            eval_batches=args.eval_batches,
+        ),
+        wandb=WandbConfig(mode="disabled"),
+        seed=seed,
+    )
+
+
+def _one(args, spec: Dict[str, Any], run_dir: Path) -> None:
+    """In a child process: one run on one rank."""
+    os.environ.update(
+        RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(_free_port()),
+    )  # fmt: skip
+    import torch
+
+    torch.set_num_threads(args.threads)
+    from pipedream2bw.run.runner import run
+
+    run(run_config(args, **spec), run_dir)
+
+
+def _name(spec: Dict[str, Any]) -> str:
+    return f"{spec['schedule']}-{spec['optimizer']}-{spec['correction']}-lr{spec['lr']:g}-s{spec['seed']}"
+
+
+def grid(args) -> List[Dict[str, Any]]:
+    specs = []
+    for seed in args.seeds:
+        for lr in args.lrs:
+            for optimizer in args.optimizers:
+                specs.append(dict(schedule="flush", optimizer=optimizer, correction="none", lr=lr, seed=seed))
+                for correction in args.corrections:
+                    specs.append(dict(schedule="2bw", optimizer=optimizer, correction=correction, lr=lr, seed=seed))
+    return specs
+
+
+def _summary(out: Path, spec: Dict[str, Any]) -> Optional[Dict[str, Any]]:
+    path = out / _name(spec) / "summary.json"
+    if not path.exists():
+        return None
+    s = json.loads(path.read_text())
+    return s if s.get("status") == "completed" else None
+
+
+def _num_params(args) -> int:
+    from pipedream2bw.config import GPTConfig
+    from pipedream2bw.models.gpt import build_gpt_layers
+
+    cfg = GPTConfig(num_layers=args.num_layers, d_model=args.d_model, num_heads=args.num_heads, seq_len=args.seq_len)
+    return sum(p.numel() for layer in build_gpt_layers(cfg, seed=0) for p in layer.parameters())
+
+
+def steps_to(curve: List[Dict[str, float]], target: float) -> Optional[int]:
+    """The first evaluated step whose validation loss is at most ``target``; None if none is."""
+    return next((c["step"] for c in curve if c["loss"] <= target), None)
+
+
+def report(args, out: Path) -> Dict[str, Any]:
+    rows = []
+    for spec in grid(args):
+        s = _summary(out, spec)
+        if s is None:
+            continue
+        rank = s["ranks"][0]
+        rows.append(
+            dict(
+                spec,
+                final_val_loss=s["final_val_loss"],
+                val_losses=s["val_losses"],
+                samples_per_s=s["samples_per_s"],
+                step_time_s=s["step_time_s"],
+                optimizer_state_bytes_per_param=rank["optimizer_state_bytes"] / _num_params(args),
+            )
+        )
+    print("\nruns (final validation loss, samples/s):")
+    for r in rows:
+        print(f"  {_name(r):42s} {r['final_val_loss']:.4f}  {r['samples_per_s']:.1f}")
+
+    def pick(**kw):
+        return [r for r in rows if all(r[k] == v for k, v in kw.items())]
+
+    table = []
+    print(
+        "\n| optimizer | lr | flush | 2bw correction | 2bw | gap (mean, min..max over seeds) | steps to flush's loss "
+        f"| steps to flush-{args.optimizers[0]}'s loss | samples/s | extra B/param | seeds |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for optimizer in args.optimizers:
+        for lr in args.lrs:
+            flush = {r["seed"]: r for r in pick(schedule="flush", optimizer=optimizer, lr=lr)}
+            base = pick(schedule="2bw", optimizer=optimizer, lr=lr, correction="none")
+            base_state = statistics.median([r["optimizer_state_bytes_per_param"] for r in base]) if base else None
+            for correction in args.corrections:
+                runs = [r for r in pick(schedule="2bw", optimizer=optimizer, lr=lr, correction=correction)]
+                paired = [(flush[r["seed"]], r) for r in runs if r["seed"] in flush]
+                if not paired:
+                    continue
+                gaps = [b["final_val_loss"] - f["final_val_loss"] for f, b in paired]
+                reach = [steps_to(b["val_losses"], f["final_val_loss"]) for f, b in paired]
+                default_flush = {r["seed"]: r for r in pick(schedule="flush", optimizer=args.optimizers[0], lr=lr)}
+                reach0 = [
+                    steps_to(b["val_losses"], default_flush[b["seed"]]["final_val_loss"])
+                    for _, b in paired
+                    if b["seed"] in default_flush
+                ]
+                steps = _steps(reach, args.steps)
+                extra = (
+                    statistics.median([b["optimizer_state_bytes_per_param"] for _, b in paired]) - base_state
+                    if base_state is not None
+                    else float("nan")
+                )
+                entry = dict(
+                    optimizer=optimizer,
+                    lr=lr,
+                    correction=correction,
+                    seeds=[b["seed"] for _, b in paired],
+                    flush=statistics.mean(f["final_val_loss"] for f, _ in paired),
+                    twobw=statistics.mean(b["final_val_loss"] for _, b in paired),
+                    gap=statistics.mean(gaps),
+                    gap_min=min(gaps),
+                    gap_max=max(gaps),
+                    steps_to_flush_loss=reach,
+                    steps_to_default_flush_loss=reach0,
+                    samples_per_s=statistics.median(b["samples_per_s"] for _, b in paired),
+                    flush_samples_per_s=statistics.median(f["samples_per_s"] for f, _ in paired),
+                    extra_bytes_per_param=extra,
+                )
+                table.append(entry)
+                print(
+                    f"| {optimizer} | {lr:g} | {entry['flush']:.3f} | {correction} | {entry['twobw']:.3f} | "
+                    f"{entry['gap']:+.3f} ({entry['gap_min']:+.3f}..{entry['gap_max']:+.3f}) | {steps} | "
+                    f"{_steps(reach0, args.steps)} | {entry['samples_per_s']:.0f} | {extra:.1f} | {len(paired)} |"
+                )
+    result = dict(command=" ".join(map(shlex.quote, sys.argv)), config=_config(args), runs=rows, table=table)
+    (out / "results.json").write_text(json.dumps(result, indent=1))
+    if rows and not args.no_plot:
+        plot(args, rows, out / "curves.png")
+    return result
+
+
+def _steps(reach: List[Optional[int]], num_steps: int) -> str:
+    """Mean steps to a loss over the seeds that reached it ('>N' if none did; '(k/n)' if only k of n did)."""
+    reached = [x for x in reach if x is not None]
+    if not reached:
+        return f">{num_steps}"
+    return f"{statistics.mean(reached):.0f}" + ("" if len(reached) == len(reach) else f" ({len(reached)}/{len(reach)})")
+
+
+def plot(args, rows, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(
+        len(args.optimizers), len(args.lrs), figsize=(4.2 * len(args.lrs), 3.2 * len(args.optimizers)), squeeze=False
+    )
+    colors = {"flush": "black", "none": "tab:red", "error_feedback": "tab:blue", "lookahead": "tab:green"}
+    for i, optimizer in enumerate(args.optimizers):
+        for j, lr in enumerate(args.lrs):
+            ax = axes[i][j]
+            for r in rows:
+                if r["optimizer"] != optimizer or r["lr"] != lr:
+                    continue
+                key = "flush" if r["schedule"] == "flush" else r["correction"]
+                label = key if r["seed"] == min(args.seeds) else None
+                steps = [c["step"] for c in r["val_losses"]]
+                ax.plot(steps, [c["loss"] for c in r["val_losses"]], color=colors[key], lw=1, alpha=0.8, label=label)
+            ax.set_title(f"{optimizer} lr {lr:g}", fontsize=9)
+            ax.set_xlabel("step", fontsize=8)
+            ax.set_ylabel("validation loss", fontsize=8)
+            ax.set_ylim(top=3.4)
+            ax.tick_params(labelsize=7)
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=70)
+    print(f"\ncurves: {path}")
+
+
+def _config(args) -> Dict[str, Any]:
+    return {k: v for k, v in vars(args).items() if k not in ("one", "report_only")}
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    floats = lambda s: [float(x) for x in s.split(",")]  # noqa: E731
+    ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
+    words = lambda s: s.split(",")  # noqa: E731
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--lrs", type=floats, default=[3e-3, 1e-3])
+    p.add_argument("--seeds", type=ints, default=[0, 1, 2])
+    p.add_argument("--optimizers", type=words, default=["adamw", "muon"])
+    p.add_argument("--corrections", type=words, default=["none", "error_feedback", "lookahead"])
+    p.add_argument("--warmup", type=int, default=0, help="optim.warmup_steps")
+    p.add_argument("--num-layers", type=int, default=4)
+    p.add_argument("--d-model", type=int, default=64)
+    p.add_argument("--num-heads", type=int, default=4)
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--num-microbatches", type=int, default=4)
+    p.add_argument("--microbatch-size", type=int, default=8)
+    p.add_argument("--data-path", default=None, help="data.path (default: the shipped text)")
+    p.add_argument("--val-fraction", type=float, default=0.1)
+    p.add_argument("--eval-every", type=int, default=25)
+    p.add_argument("--eval-batches", type=int, default=4)
+    p.add_argument("--threads", type=int, default=1, help="torch threads per run")
+    p.add_argument("--jobs", type=int, default=1, help="runs at once")
+    p.add_argument("--out", default="outputs/convergence")
+    p.add_argument("--report-only", action="store_true", help="only report the runs already in --out")
+    p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--one", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    out = Path(args.out)
+    if args.one:
+        spec = json.loads(args.one)
+        _one(args, spec, out / _name(spec))
+        return
+    print("command:", " ".join(map(shlex.quote, [sys.executable, *sys.argv])))
+    print("config:", json.dumps(_config(args)))
+    todo = [s for s in grid(args) if _summary(out, s) is None]
+    if not args.report_only:
+        print(f"{len(grid(args)) - len(todo)} runs found in {out}, {len(todo)} to run", flush=True)
+        running: List[subprocess.Popen] = []
+        base = [a for a in (argv if argv is not None else sys.argv[1:])]
+        for spec in todo:
+            while len(running) >= args.jobs:
+                running[0].wait()
+                running = [r for r in running if r.poll() is None]
+            log = out / f"{_name(spec)}.log"
+            log.parent.mkdir(parents=True, exist_ok=True)
+            cmd = [sys.executable, __file__, *base, "--one", json.dumps(spec)]
+            running.append(subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT))
+            print(f"started {_name(spec)}", flush=True)
+        for r in running:
+            r.wait()
+    report(args, out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,133 @@
+"""optim.name=muon and optim.delay_correction (pipedream2bw/optimizers.py): config refusals, the optimizer object's
+state and checkpoints, and the pipeline's weights against the single-process reference (reference.ReferenceOptimizer)
+at d = 1, 2, 4. The pairwise matrix (test_matrix.py) crosses Muon and error feedback with the other features."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+from dist_helper import run_ok
+from reference import ReferenceOptimizer, reference_train
+from test_semantics import tiny_config
+from torch import nn
+
+from pipedream2bw.config import ConfigError, GPTConfig, OptimConfig, build_optimizer, validate
+from pipedream2bw.config.optimizers import EF_STATE, MUON_ROLE, tag_muon_params
+from pipedream2bw.models.gpt import build_gpt_layers
+
+
+def _config(schedule="2bw", d=2, w=1, **optim):
+    cfg = tiny_config(schedule=schedule, num_stages=d, num_microbatches=4)
+    cfg.pipeline.data_parallel = w
+    cfg.optim = dataclasses.replace(cfg.optim, **{"name": "adamw", "lr": 1e-2, **optim})
+    return cfg
+
+
+@pytest.mark.parametrize(
+    "optim,w,pattern",
+    [
+        (dict(delay_correction="ef"), 1, r"optim.delay_correction \('ef'\) is unknown"),
+        (dict(name="muon", sharded=True), 2, r"optim.name \(muon\) with optim.sharded \(true\).*whole matrices"),
+        (dict(name="muon", muon_others="muon"), 1, r"optim.muon_others \(muon\)"),
+        (dict(name="sgd", delay_correction="lookahead"), 1, r"optim.delay_correction \(lookahead\) with optim.name"),
+        (dict(delay_correction="lookahead", kwargs={"betas": [0.9, 0.95]}), 1, r"sets beta1"),
+        (dict(delay_correction="error_feedback", error_feedback_beta=-1.0), 1, r"optim.error_feedback_beta \(-1.0\)"),
+    ],
+)
+def test_refused_at_config_time(optim, w, pattern):
+    with pytest.raises(ConfigError, match=pattern):
+        validate(_config(w=w, **optim), world_size=2 * w)
+
+
+def test_muon_takes_the_hidden_matrices_only():
+    """The default split: Muon for the blocks' 2-D weights; embeddings, the LM head (tied or not), norms and biases
+    go to the other optimizer; optim.muon_exclude overrides it."""
+    for tie in (False, True):
+        model = nn.Sequential(*build_gpt_layers(GPTConfig(num_layers=2, d_model=16, tie_embeddings=tie), seed=0))
+        tag_muon_params(model, OptimConfig().muon_exclude)
+        muon = {n for n, p in model.named_parameters() if getattr(p, MUON_ROLE)}
+        assert muon == {f"{b}.{k}.weight" for b in (1, 2) for k in ("qkv", "proj", "fc", "fc_proj")}
+    tag_muon_params(model, ["*fc*", "*Embedding*", "*Head*"])
+    assert {n for n, p in model.named_parameters() if getattr(p, MUON_ROLE)} == {"1.qkv.weight", "1.proj.weight"} | {
+        "2.qkv.weight",
+        "2.proj.weight",
+    }
+
+
+@pytest.mark.parametrize(
+    "optim",
+    [
+        dict(name="muon", delay_correction="error_feedback"),
+        dict(name="muon", delay_correction="lookahead"),
+        dict(delay_correction="error_feedback", error_feedback_beta=0.5),
+    ],
+)
+def test_one_optimizer_that_resumes_and_matches_the_reference(optim):
+    """Muon with AdamW and the corrections are one Optimizer: its state_dict holds every part's state (the error
+    feedback's u(t-1) too), a fresh one loaded from it continues exactly as the original, and both follow the
+    reference's rule (ReferenceOptimizer, written apart)."""
+    cfg = OptimConfig(lr=1e-2, **optim)
+    torch.manual_seed(0)
+    base = nn.Sequential(*build_gpt_layers(GPTConfig(num_layers=1, d_model=16, num_heads=2, seq_len=8), seed=0))
+    a, ref = copy.deepcopy(base), copy.deepcopy(base)
+    tag_muon_params(a, cfg.muon_exclude)  # a deep copy does not carry the tags
+    opt, ref_opt = build_optimizer(a.parameters(), cfg), ReferenceOptimizer(ref, cfg)
+    x = torch.randint(0, 256, (2, 8))
+
+    def step(model, o, lr=None):
+        model.zero_grad()
+        model(x).float().square().mean().backward()
+        o.step() if lr is None else o.step(lr)
+
+    for _ in range(3):
+        step(a, opt)
+        step(ref, ref_opt, cfg.lr)
+    torch.testing.assert_close(a.state_dict(), ref.state_dict())
+    saved = opt.state_dict()
+    if cfg.delay_correction == "error_feedback":
+        assert all(EF_STATE in s for s in saved["state"].values())
+    b = copy.deepcopy(a)
+    tag_muon_params(b, cfg.muon_exclude)
+    fresh = build_optimizer(b.parameters(), cfg)
+    fresh.load_state_dict(copy.deepcopy(saved))
+    for lr in (cfg.lr, cfg.lr / 3):  # the schedule sets every group's lr: it reaches every part
+        for model, o in ((a, opt), (b, fresh)):
+            for g in o.param_groups:
+                g["lr"] = lr
+            step(model, o)
+        step(ref, ref_opt, lr)
+    torch.testing.assert_close(b.state_dict(), a.state_dict(), rtol=0, atol=0)
+    torch.testing.assert_close(a.state_dict(), ref.state_dict())
+
+
+CASES = [  # (schedule, d, optim); the matrix crosses Muon and error feedback with the other features
+    ("2bw", 1, dict(name="adamw", delay_correction="error_feedback")),
+    ("2bw", 2, dict(name="muon", delay_correction="lookahead")),
+    ("2bw", 4, dict(name="muon", delay_correction="error_feedback")),
+    ("flush", 1, dict(name="muon", delay_correction="error_feedback")),  # no delay: the correction is off
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "schedule,d,optim", CASES, ids=[f"{s}-d{d}-{o['name']}-{o['delay_correction']}" for s, d, o in CASES]
+)
+def test_pipeline_equals_the_reference(tmp_path, schedule, d, optim):
+    """2bw at d stages with Muon and a correction: the weights equal the reference's to float32 round-off, and the
+    correction moved them (the uncorrected rule's weights are far off). flush: the uncorrected rule's weights."""
+    cfg = _config(schedule=schedule, d=d, **optim)
+    run_ok(cfg, tmp_path)
+    weights = torch.load(tmp_path / "final_model.pt")
+    delayed = schedule == "2bw"
+    uncorrected, _ = reference_train(
+        _config(schedule=schedule, d=d, **dict(optim, delay_correction="none")), delayed=delayed
+    )
+    if not delayed:
+        torch.testing.assert_close(weights, uncorrected)
+        return
+    expected, _ = reference_train(cfg, delayed=True)
+    torch.testing.assert_close(weights, expected)
+    assert max(float((weights[k] - uncorrected[k]).abs().max()) for k in weights) > 1e-3
