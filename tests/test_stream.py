@@ -99,6 +99,7 @@ def test_streamed_stage_trains_bit_for_bit(schedule, recompute, precision, windo
     assert homed and all(id(v) in versions._homed for v in homed)
 
 
+@pytest.mark.slow  # three profiled runs (torch.profiler's memory events)
 def test_streamed_stage_device_bytes_fall_to_the_prefetch_window():
     # 8 equal layers of 256 x 256 float32 (256 KiB each), 2bw with Adam: without streaming the stage holds two
     # versions, the gradients and two moments (5 x 2 MiB); streamed, the window: (window + 1) layers' copies and
