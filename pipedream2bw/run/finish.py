@@ -91,7 +91,7 @@ def finish(
         log.warning(
             "preempted by %s%s: every rank stopped after step %d of %d; checkpoint %s; exiting with %d to be requeued",
             logs.signal_name(preempted.signum),
-            f" (ranks got {preempt.describe(preempted.received)})" if preempted.received else "",
+            f" (ranks got {preempt.describe(preempted.received)})" if len(preempted.received) > 1 else "",
             preempted.step,
             rt.num_steps,
             checkpoint.step_dir(run_dir / checkpoint.DIRNAME, preempted.step),
