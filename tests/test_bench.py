@@ -13,6 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_bench_finds_2bw_holds_one_more_weight_copy_than_flush_and_nothing_else(tmp_path):
     out = tmp_path / "bench.json"
     cmd = [

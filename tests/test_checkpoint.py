@@ -185,6 +185,7 @@ TINY_TORCHRUN_OVERRIDES = [
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_sigkilled_rank_restarts_under_torchrun_and_finishes_with_the_same_weights(tmp_path):
     overrides = [*TINY_TORCHRUN_OVERRIDES, "train.num_steps=120", "train.checkpoint_every=10", "train.log_every=100"]
     cmd = [

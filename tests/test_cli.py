@@ -34,6 +34,7 @@ def torchrun(*overrides: str, cwd: Path, timeout_s: float = 240) -> subprocess.C
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_readme_command_trains_and_writes_results(tmp_path):
     proc = torchrun(*SHORT, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -91,6 +92,7 @@ def test_a_key_typo_gets_the_key_meant_in_one_line_and_exit_2(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_multirun_runs_each_job_in_the_same_ranks(tmp_path):
     proc = torchrun(
         "-m",
@@ -130,6 +132,7 @@ ENTRY_POINTS = {  # name: (arguments after python, what the help must contain)
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_every_entry_point_answers_help(tmp_path):
     # All at once, each in its own interpreter (imports dominate: ~1-2.5 s each, ~12 s one after another).
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}

@@ -222,6 +222,7 @@ def doc_cwd(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("block", RUNNABLE, ids=[b.id for b in RUNNABLE])
+@pytest.mark.long
 def test_runnable_block_runs_at_tiny_size(block, doc_cwd):
     env = {**os.environ, TINY_ENV: "1", "PYTHONPATH": str(ROOT), "WANDB_SILENT": "true"}
     proc = subprocess.run(

@@ -334,6 +334,7 @@ def walkthrough_script() -> str:
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_fine_tuning_walkthrough_of_the_docs(tmp_path):
     """docs/pretrained.md's commands on a tiny Llama whose directory holds a tokenizer.json trained here:
     tokenize with it, fine-tune at d = 2 (the loss falls), export at the end and from the checkpoint

@@ -359,6 +359,7 @@ def _preempt_at(proc: subprocess.Popen, run_dir: Path, log: Path, *, after: int,
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_sigterm_checkpoints_every_rank_at_one_step_and_the_requeued_run_is_bit_exact(tmp_path, launches):
     # Regression (issue 22): SIGTERM killed the ranks with no checkpoint, summary or log line.
     run_dir = tmp_path / "run"

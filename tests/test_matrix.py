@@ -185,7 +185,7 @@ def test_three_wise(cell, matrix):
 # ---- pure ---------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("strength,cells", [(2, PAIRWISE), (3, THREE_WISE)])
+@pytest.mark.parametrize("strength,cells", [(2, PAIRWISE), pytest.param(3, THREE_WISE, marks=pytest.mark.long)])
 def test_arrays_cover_every_feasible_combination(strength, cells):
     """Every value combination of any ``strength`` factors that some run can have is in a cell; no cell
     breaks a constraint; the ids are unique; the arrays hold the presets and do not change between calls."""

@@ -190,6 +190,7 @@ def torchrun(nproc: int, *overrides: str, cwd: Path, timeout_s: float = 240) -> 
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_hf_gpt2_with_target_optimizer_from_the_command_line(tmp_path):
     """The README's model=hf_gpt2 (transformers' GPT2Block, tied head) with an optimizer class by
     _target_, 2 stages under 2bw: the weights of the single-process model built from the same config."""

@@ -52,6 +52,7 @@ def sweep(*args: str, cwd: Path, timeout_s: float = 300) -> subprocess.Completed
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_sweep_runs_every_job_and_tabulates_what_each_run_measured(tmp_path):
     # 2 depths x 3 schedules = 6 configurations; 'bogus' is a deliberately bad schedule.
     proc = sweep("-m", "pipeline.num_stages=1,2", "pipeline.schedule=2bw,gpipe,bogus", *TINY, cwd=tmp_path)
@@ -171,6 +172,7 @@ def _has_optuna_sweeper() -> bool:
     not _has_optuna_sweeper(),
     reason="the optional extra is not installed: pip install 'pipedream2bw[optuna]' (hydra-optuna-sweeper)",
 )
+@pytest.mark.long
 def test_optuna_searches_microbatches_and_learning_rate_and_reports_the_best_trial(tmp_path):
     # The README's search, shrunk: 6 trials; m=4 breaks train.global_batch_size=4, so those trials fail
     # before launching and must come back as the worst value rather than stop the search.

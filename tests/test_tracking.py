@@ -94,6 +94,7 @@ def test_disabled_writes_no_wandb_files(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_a_resumed_job_continues_under_the_same_wandb_run_id(tmp_path):
     def cfg(steps):
         return Config(
