@@ -324,3 +324,44 @@ def test_hydras_own_refusals_and_a_bad_signal_name_exit_2(tmp_path):
     log = results[0].log
     assert log.count("EXIT 2") == 2 and "process group was started" not in log, log
     assert "'SIGFOO' is not a signal that can be caught here" in log, log
+
+
+# --- an optimizer whose state no longer fits its settings ------------------------------------------------------
+
+
+@pytest.mark.slow  # three short runs in this process
+def test_optimizer_state_that_no_longer_fits_its_settings_starts_afresh_with_a_warning(tmp_path, one_rank, caplog):
+    # Issue 34: +optim.kwargs.amsgrad=true with train.resume_strict=false crashed at the first step with
+    # KeyError: 'max_exp_avg_sq' (Adam's state of the checkpoint has no such entry)
+    one_rank.train.checkpoint_every = 2
+    run(one_rank, tmp_path / "run")
+    one_rank.train.num_steps = 4
+    one_rank.optim.kwargs = {"amsgrad": True}
+    with pytest.raises(
+        ConfigError, match=r"other settings \(optim.kwargs: checkpoint \{\}, this run \{'amsgrad': True\}"
+    ):
+        run(one_rank, tmp_path / "run")  # strict: refused at start-up, naming the setting
+    one_rank.train.resume_strict = False
+    with caplog.at_level("WARNING"):
+        summary = run(one_rank, tmp_path / "run")
+    assert summary["first_step"] == 2 and len(summary["losses"]) == 4 and all(map(math.isfinite, summary["losses"]))
+    warned = [r.getMessage() for r in caplog.records if "starts afresh" in r.getMessage()]
+    assert len(warned) == 1 and "lacks 'max_exp_avg_sq'" in warned[0] and "optim.kwargs" in warned[0], warned
+
+
+def test_optimizer_state_misfits_are_what_a_step_would_miss():
+    from pipedream2bw.config import Config
+    from pipedream2bw.config.optim import state_misfits
+
+    adam = [
+        ("matrix", frozenset({"step", "exp_avg", "exp_avg_sq"})),
+        ("vector", frozenset({"step", "exp_avg", "exp_avg_sq"})),
+    ]
+    o = Config().optim  # adamw
+    assert state_misfits(o, adam) == {}
+    o.kwargs = {"amsgrad": True}
+    assert state_misfits(o, adam) == {"matrix": ["max_exp_avg_sq"], "vector": ["max_exp_avg_sq"]}
+    o.kwargs, o.delay_correction = {}, "error_feedback"
+    assert state_misfits(o, adam) == {}  # error feedback makes its entry when missing: no misfit
+    o.delay_correction, o.name = "none", "lbfgs"
+    assert state_misfits(o, adam) is None  # needs a closure: the probe cannot tell

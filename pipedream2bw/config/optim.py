@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Dict, FrozenSet, Iterable, List, Optional, Tuple
+
 import torch
 
 from pipedream2bw.config.locate import locate
@@ -85,3 +87,56 @@ ELEMENTWISE_OPTIMIZERS = ("sgd", "adam", "adamw", "nadam", "radam", "adamax", "r
 def uses_optimizers_module(cfg: OptimConfig) -> bool:
     """optim.name=muon or a delay correction: built by ``config.optimizers``."""
     return (not cfg.target and cfg.name.lower() == "muon") or cfg.delay_correction != "none"
+
+
+PROBE_KINDS = ("muon", "matrix", "vector")
+"""What a parameter is to the optimizer, as ``state_keys`` probes it: a matrix Muon steps, another matrix, a vector."""
+
+
+def probe_kind(param: torch.Tensor) -> str:
+    """``param``'s ``PROBE_KINDS`` entry: tagged for Muon (``optimizers.tag_muon_params``), else by its shape."""
+    from pipedream2bw.config.optimizers import MUON_ROLE
+
+    if getattr(param, MUON_ROLE, False):
+        return "muon"
+    return "matrix" if param.dim() >= 2 else "vector"
+
+
+def _probe(cfg: OptimConfig) -> Tuple[Dict[str, torch.nn.Parameter], torch.optim.Optimizer]:
+    """The optimizer of ``cfg`` over one small parameter of each ``PROBE_KINDS``, each with a gradient."""
+    from pipedream2bw.config.optimizers import MUON_ROLE
+
+    params = {kind: torch.nn.Parameter(torch.ones(4, 4) if kind != "vector" else torch.ones(4)) for kind in PROBE_KINDS}
+    for kind, p in params.items():
+        setattr(p, MUON_ROLE, kind == "muon")
+        p.grad = torch.full_like(p, 0.5)
+    return params, build_optimizer(list(params.values()), cfg)
+
+
+def state_misfits(cfg: OptimConfig, saved: Iterable[Tuple[str, FrozenSet[str]]]) -> Optional[Dict[str, List[str]]]:
+    """Which saved per-parameter optimizer states the optimizer of ``cfg`` cannot step from: ``saved`` holds
+    (``probe_kind``, the state's entries) pairs; the answer maps each kind whose state lacks an entry that a step
+    reads (Adam with ``amsgrad`` reads ``max_exp_avg_sq``, which Adam without it never made) to the entries it
+    lacks. Found by stepping a probe (one small parameter of each kind) from such a state, so it holds for any
+    optimizer and settings; an entry a step makes when missing (error feedback's) is no misfit. None when the
+    probe cannot step at all (an optimizer that needs a closure or sparse gradients): nothing can be said."""
+    try:
+        params, opt = _probe(cfg)
+        opt.step()
+    except Exception:  # noqa: BLE001 - a probe: the run's own optimizer reports its errors where it steps
+        return None
+    full = {kind: dict(opt.state[p]) for kind, p in params.items()}
+    out: Dict[str, List[str]] = {}
+    for kind, keys in sorted(set(saved)):
+        missing = sorted(set(full[kind]) - set(keys))
+        if not keys or not missing or kind in out:
+            continue
+        params, opt = _probe(cfg)
+        opt.state[params[kind]] = {
+            k: v.clone() if torch.is_tensor(v) else v for k, v in full[kind].items() if k in keys
+        }
+        try:
+            opt.step()
+        except Exception:  # noqa: BLE001 - KeyError ('max_exp_avg_sq'), or whatever the optimizer raises
+            out[kind] = missing
+    return out

@@ -24,6 +24,7 @@ from pipedream2bw.config import (
     optimizer_name,
     swap_stages,
 )
+from pipedream2bw.config.optim import probe_kind, state_misfits
 from pipedream2bw.config.optimizers import tag_muon_params
 from pipedream2bw.data import make_feeds
 from pipedream2bw.io import checkpoint, timeline
@@ -40,7 +41,7 @@ from pipedream2bw.pipeline.schedule import Action
 from pipedream2bw.pipeline.versions import WeightVersions, bucketize
 from pipedream2bw.run import evaluate, preempt
 from pipedream2bw.run.lr_schedule import lr_at
-from pipedream2bw.run.model import RunModel, stage_module
+from pipedream2bw.run.model import RunModel, optim_settings, stage_module
 from pipedream2bw.run.runtime import RankPlan
 from pipedream2bw.run.stage import Peers, StageWorker
 
@@ -164,6 +165,34 @@ def step_rule(rt: RankPlan, train: TrainConfig, optim: OptimConfig) -> StepRule:
     )
 
 
+def _optimizer_state_misfits(
+    path: Path, manifest: Dict[str, Any], versions: WeightVersions, saved: Dict[str, dict], optim: OptimConfig
+) -> bool:
+    """Whether this run's optimizer cannot step from the checkpoint's state (``optim.state_misfits``: e.g. Adam's
+    ``amsgrad`` turned on under ``train.resume_strict=false`` reads a ``max_exp_avg_sq`` the state lacks, which
+    crashed the first step), warning why: then the state starts afresh."""
+    kinds = {n: probe_kind(p) for n, p in versions.replicas[0].named_parameters()}
+    misfits = state_misfits(optim, {(kinds[n], frozenset(st)) for n, st in saved.items() if n in kinds})
+    if not misfits:
+        return False
+    recorded, ours = manifest.get("training_settings") or {}, optim_settings(optim)
+    changed = [
+        f"{k}: checkpoint {recorded[k]!r}, this run {ours[k]!r}"
+        for k in ours
+        if k in recorded and recorded[k] != ours[k]
+    ]
+    lacks = sorted({key for keys in misfits.values() for key in keys})
+    log.warning(
+        "%s: its optimizer state lacks %s, which this run's optimizer (%s) needs to step (%s): the optimizer state "
+        "starts afresh",
+        path,
+        ", ".join(repr(k) for k in lacks),
+        optimizer_name(optim),
+        "; ".join(changed) or "its settings changed",
+    )
+    return True
+
+
 def restore(
     rt: RankPlan,
     resume: Tuple[Path, Dict[str, Any]],
@@ -200,6 +229,8 @@ def restore(
             manifest["optimizer"],
             optimizer_name(optim),
         )
+        state["optimizer"] = {}
+    elif state["optimizer"] and _optimizer_state_misfits(path, manifest, versions, state["optimizer"], optim):
         state["optimizer"] = {}
     masters = state["masters"]  # float32 masters of a sharded or weight_dtype=compute run: the truer weights
     if isinstance(versions, ShardedVersions):

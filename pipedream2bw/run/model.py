@@ -15,6 +15,7 @@ from torch import nn
 
 from pipedream2bw.config import (
     Config,
+    OptimConfig,
     optimizer_name,
 )
 from pipedream2bw.config.optimizers import extra_optim_settings
@@ -175,6 +176,16 @@ def training_settings(cfg: Config) -> Dict[str, Any]:
         else "fp32",
         # flush and gpipe both train W(t+1) = W(t) - step(grad f(W(t))); 2bw uses W(t-1)
         "pipeline.schedule": "2bw" if cfg.pipeline.schedule == "2bw" else "flush or gpipe",
+        **optim_settings(o),
+        "seed": cfg.seed,  # the batch order: another seed trains on other batches from the resumed step on
+        "data.path": data_fingerprint(cfg.data.path),
+    }
+    return json.loads(json.dumps(record, default=str))
+
+
+def optim_settings(o: OptimConfig) -> Dict[str, Any]:
+    """What ``training_settings`` records of the optimizer (``optim`` and ``optim.*``), as the manifest holds it."""
+    record = {
         "optim": optimizer_name(o),
         "optim.kwargs": dict(o.kwargs),
         "optim.no_decay_norms_and_biases": o.no_decay_norms_and_biases,
@@ -182,8 +193,6 @@ def training_settings(cfg: Config) -> Dict[str, Any]:
         "optim.scheduler": o.scheduler,
         "optim.warmup_steps": o.warmup_steps,
         "optim.min_lr": o.min_lr,
-        "seed": cfg.seed,  # the batch order: another seed trains on other batches from the resumed step on
-        "data.path": data_fingerprint(cfg.data.path),
+        **extra_optim_settings(o),  # Muon's and the delay correction's, where set
     }
-    record.update(extra_optim_settings(o))  # Muon's and the delay correction's, where set
     return json.loads(json.dumps(record, default=str))
