@@ -692,4 +692,11 @@ def load_plan(path) -> Plan:
             f"partition.path ({path}) is not a file; "
             f"write a plan with `python -m partitioner plan ...` and point partition.path at it"
         )
-    return plan_from_text(path.read_text(), source=str(path))
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(
+            f"partition.path ({path}) cannot be read as a plan file (YAML text): {type(e).__name__}: {e}; "
+            f"write a plan with `python -m partitioner plan ...` and point partition.path at it"
+        ) from e
+    return plan_from_text(text, source=str(path))

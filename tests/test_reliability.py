@@ -365,3 +365,67 @@ def test_optimizer_state_misfits_are_what_a_step_would_miss():
     assert state_misfits(o, adam) == {}  # error feedback makes its entry when missing: no misfit
     o.delay_correction, o.name = "none", "lbfgs"
     assert state_misfits(o, adam) is None  # needs a closure: the probe cannot tell
+
+
+# --- files and directories that cannot be used are refused, naming them ----------------------------------------
+
+
+def _unreadable_inputs(tmp_path: Path) -> dict:
+    """A corrupt .gz text file, a binary plan file, a run directory under a file, a planted train.log link."""
+    (tmp_path / "corrupt.txt.gz").write_bytes(b"\x1f\x8b\x08\x00 this is no gzip stream")
+    (tmp_path / "plan.yaml").write_bytes(bytes(range(128, 256)) * 4)
+    (tmp_path / "a_file").write_text("not a directory\n")
+    linked = tmp_path / "linked"
+    linked.mkdir()
+    (linked / "train.log").symlink_to(tmp_path / "outside.log")
+    return {
+        "gz": tmp_path / "corrupt.txt.gz",
+        "plan": tmp_path / "plan.yaml",
+        "under_file": tmp_path / "a_file" / "sub",
+        "linked": linked,
+    }
+
+
+def test_unreadable_data_and_plan_files_are_refused_naming_them(tmp_path, one_rank):
+    # Issue 34: a corrupt .gz text file died with BadGzipFile, a binary plan file with UnicodeDecodeError, neither
+    # naming the file, after the process groups started
+    from partitioner.planner import load_plan
+    from pipedream2bw.config import DataConfig
+    from pipedream2bw.data import check_data, load_splits
+
+    paths = _unreadable_inputs(tmp_path)
+    gz = re.escape(str(paths["gz"]))
+    with pytest.raises(ConfigError, match=rf"^data.path \({gz}\) cannot be read as gzip-compressed text \(.gz\): "):
+        check_data(DataConfig(path=str(paths["gz"])), vocab_size=256, seq_len=8, need_val=False)
+    with pytest.raises(ConfigError, match=rf"^data.val_path \({gz}\) cannot be read as gzip"):
+        load_splits(DataConfig(path=None, val_path=str(paths["gz"])))
+    with pytest.raises(
+        ConfigError, match=rf"^partition.path \({re.escape(str(paths['plan']))}\) cannot be read as a plan"
+    ):
+        load_plan(paths["plan"])
+    one_rank.partition.mode, one_rank.partition.path = "file", str(paths["plan"])
+    with pytest.raises(ConfigError, match=r"cannot be read as a plan file \(YAML text\): UnicodeDecodeError"):
+        run(one_rank, tmp_path / "run")  # before any process group: run() makes them after the plan
+
+
+@pytest.mark.slow  # four launches of the entry point in one process
+def test_unreadable_files_and_unusable_run_directories_exit_2_in_one_line(tmp_path):
+    # Issue 34: each was exit 1 with a traceback (a read-only output directory: four of them); a planted
+    # train.log link was appended through by Hydra's log before the run refused it
+    paths = _unreadable_inputs(tmp_path)
+    common = ["wandb.mode=disabled", "pipeline.num_stages=1", "train.num_steps=5"]
+    run_dir = f"hydra.run.dir={tmp_path / 'run'}"
+    runs = [
+        [*common, f"data.path={paths['gz']}", run_dir],
+        [*common, "partition=file", f"partition.path={paths['plan']}", run_dir],
+        [*common, f"hydra.run.dir={paths['under_file']}"],
+        [*common, f"hydra.run.dir={paths['linked']}"],
+    ]
+    results = spawn(train_cli, world_size=1, args=(runs,), log_dir=tmp_path / "logs", timeout_s=120)
+    log = results[0].log
+    assert log.count("EXIT 2") == 4 and "process group was started" not in log and "Traceback" not in log, log
+    assert f"data.path ({paths['gz']}) cannot be read as gzip-compressed text" in log, log
+    assert f"partition.path ({paths['plan']}) cannot be read as a plan file" in log, log
+    assert f"hydra.run.dir ({paths['under_file']}) cannot be made: {paths['a_file']} is a file" in log, log
+    assert f"{paths['linked'] / 'train.log'} is a symbolic link" in log, log
+    assert not (tmp_path / "outside.log").exists()  # nothing written through the link

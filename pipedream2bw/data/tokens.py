@@ -10,6 +10,7 @@ import mmap
 import os
 import pickle
 import time
+import zlib
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -84,10 +85,30 @@ def describe_tokens(path: Union[str, Path]) -> Tuple[Dict[str, Any], Optional[Pa
 
 
 def load_bytes(path: Optional[str] = None) -> torch.Tensor:
-    """Reads a text file (plain or .gz) as a uint8 tensor of bytes; the shipped corpus by default."""
+    """Reads a text file (plain or .gz) as a uint8 tensor of bytes; the shipped corpus by default.
+
+    Raises:
+        ConfigError: the file cannot be read (a corrupt or truncated .gz, no permission), naming it.
+    """
+    return torch.frombuffer(bytearray(read_text_bytes(path)), dtype=torch.uint8)
+
+
+def read_text_bytes(path: Optional[str], key: str = "data.path") -> bytes:
+    """The bytes of text file ``path`` (decompressed if .gz; the shipped corpus for None).
+
+    Raises:
+        ConfigError: the file cannot be read, naming it (as ``key``) and why: a .gz that is not gzip
+            (``BadGzipFile``), corrupt (``zlib.error``) or cut short (``EOFError``), or an OSError.
+    """
     p = Path(path) if path else SHIPPED_CORPUS  # config.validate checked that it exists
-    raw = gzip.decompress(p.read_bytes()) if p.suffix == ".gz" else p.read_bytes()
-    return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    try:
+        return gzip.decompress(p.read_bytes()) if p.suffix == ".gz" else p.read_bytes()
+    except (OSError, EOFError, zlib.error) as e:
+        what = "gzip-compressed text (.gz)" if p.suffix == ".gz" else "text"
+        raise ConfigError(
+            f"{key} ({p}) cannot be read as {what}: {type(e).__name__}: {e}; point {key} at an intact file"
+            + (" (gzip -t tests one; a .gz name is read as gzip)" if p.suffix == ".gz" else "")
+        ) from e
 
 
 AUTO_DTYPE = "auto"
@@ -118,11 +139,11 @@ def open_tokens(path: Union[str, Path], dtype: str) -> np.memmap:
     return tokens
 
 
-def _open(path: Optional[str], dtype: str) -> np.ndarray:
-    """One file's tokens as a 1-D array: a memmap of a token file, or the bytes of a text file."""
+def _open(path: Optional[str], dtype: str, key: str) -> np.ndarray:
+    """One file's tokens as a 1-D array: a memmap of a token file, or the bytes of a text file (``key`` names it)."""
     if is_token_file(path):
         return open_tokens(path, dtype)
-    return load_bytes(path).numpy()
+    return np.frombuffer(bytearray(read_text_bytes(path, key)), dtype=np.uint8)
 
 
 def split_sizes(num_tokens: int, val_fraction: float) -> Tuple[int, int]:
@@ -137,9 +158,9 @@ def load_splits(data: DataConfig) -> Tuple[np.ndarray, Optional[np.ndarray]]:
     With ``val_fraction`` the held-out part is the file's tail: contiguous, so that no training
     window (drawn inside the training part) overlaps it. Token files stay memory-mapped.
     """
-    tokens = _open(data.path, data.token_dtype)
+    tokens = _open(data.path, data.token_dtype, "data.path")
     if data.val_path is not None:
-        return tokens, _open(data.val_path, data.token_dtype)
+        return tokens, _open(data.val_path, data.token_dtype, "data.val_path")
     if data.val_fraction > 0:
         num_train, _ = split_sizes(len(tokens), data.val_fraction)
         return tokens[:num_train], tokens[num_train:]
@@ -280,7 +301,7 @@ def _check_file(path: Optional[str], key: str, *, dtype: str, vocab_size: Option
         if vocab_size is not None and vocab_size < BYTE_VOCAB:
             raise ConfigError(f"{vocab_from} ({vocab_size}) must be >= {BYTE_VOCAB} for byte-level text")
         p = Path(path) if path else SHIPPED_CORPUS
-        num_bytes = len(gzip.decompress(p.read_bytes())) if p.suffix == ".gz" else p.stat().st_size
+        num_bytes = len(read_text_bytes(path, key)) if p.suffix == ".gz" else p.stat().st_size
         return DataInfo("text", num_bytes, vocab_size=BYTE_VOCAB, vocab_source="byte-level text")
     dtype = file_dtype(path, dtype)
     itemsize = np.dtype(TOKEN_DTYPES[dtype]).itemsize
