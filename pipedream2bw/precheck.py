@@ -53,11 +53,11 @@ def _hydra_error(e: BaseException, overrides: Sequence[str], config_name: str) -
     return _first_line(e) + (f": {_first_line(cause)}" if cause is not None else "")
 
 
-def _compose(overrides: Sequence[str], config_name: str):
+def _compose(overrides: Sequence[str], config_name: str, *, hydra: bool = False):
     from hydra import compose, initialize_config_dir
 
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
-        return compose(config_name, overrides=list(overrides))
+        return compose(config_name, overrides=list(overrides), return_hydra_config=hydra)
 
 
 def check(argv: Sequence[str], *, world_size: int, local_world_size: int, config_name: str = "config") -> Optional[str]:
@@ -95,6 +95,49 @@ def check(argv: Sequence[str], *, world_size: int, local_world_size: int, config
         return f"{key} has no value (??? in configs/); set it: {key}=..."
     except (HydraException, OmegaConfBaseException) as e:  # e.g. a value of the wrong type in to_object
         return _first_line(e)
+    return None
+
+
+def check_run_dir(argv: Sequence[str], *, config_name: str = "config") -> Optional[str]:
+    """What makes the run directory this command line names (``hydra.run.dir``, resolved as Hydra will) unusable,
+    as one line, or None: checked before Hydra makes it and opens ``train.log`` there, which would fail with raw
+    tracebacks (a directory under a file, or not writable) or append through a link planted in it. The directory
+    is made here, as Hydra makes it next. None also where it cannot tell: a multirun or Hydra's own flags, a
+    directory it cannot resolve (Hydra then reports that itself)."""
+    if any(a.startswith("-") for a in argv):
+        return None
+    from omegaconf import OmegaConf
+
+    from pipedream2bw.config import register_configs
+    from pipedream2bw.errors import ConfigError
+    from pipedream2bw.io import rundir
+
+    register_configs()
+    try:
+        run_dir = Path(str(OmegaConf.select(_compose(argv, config_name, hydra=True), "hydra.run.dir")))
+    except Exception:  # noqa: BLE001 - Hydra's own refusal, which Hydra reports
+        return None
+    where = f"hydra.run.dir ({run_dir})"
+    fix = "point hydra.run.dir at a directory this user can write"
+    existing = run_dir
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        made = "is not a directory" if existing == run_dir else f"cannot be made: {existing} is a file"
+        return f"{where} {made}; {fix}"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"{where} cannot be written: {existing} is not writable (a read-only directory or file system); {fix}"
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)  # as Hydra would next: what access() cannot foresee (/proc/x)
+    except OSError as e:
+        return f"{where} cannot be made: {e.strerror or e} ({e.filename or run_dir}); {fix}"
+    log_file = run_dir / "train.log"
+    if log_file.exists() and not log_file.is_symlink() and not log_file.is_file():
+        return f"{where} holds a train.log that is not a file, where the run logs; remove it, or {fix}"
+    try:
+        rundir.check_no_links(run_dir)
+    except ConfigError as e:
+        return str(e)
     return None
 
 

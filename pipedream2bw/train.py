@@ -138,6 +138,10 @@ def cli() -> None:
     register_configs()
     slurm.set_rank_env()  # srun without torchrun: each task a rank (before the ranks agree on the run stamp)
     _agree_on_run_stamp()
+    unusable = precheck.check_run_dir(sys.argv[1:], config_name="config")
+    if unusable is not None:  # before Hydra makes the directory and opens train.log in it
+        precheck.report(f"bad configuration: {unusable}", rank=rank, world_size=world_size)
+        _exit(2)
     global _record_subdir
     for arg in [a for a in sys.argv[1:] if a.startswith("hydra.output_subdir=")]:
         sys.argv.remove(arg)

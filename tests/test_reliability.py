@@ -426,6 +426,27 @@ def test_unreadable_files_and_unusable_run_directories_exit_2_in_one_line(tmp_pa
     assert log.count("EXIT 2") == 4 and "process group was started" not in log and "Traceback" not in log, log
     assert f"data.path ({paths['gz']}) cannot be read as gzip-compressed text" in log, log
     assert f"partition.path ({paths['plan']}) cannot be read as a plan file" in log, log
-    assert f"hydra.run.dir ({paths['under_file']}) cannot be made: {paths['a_file']} is a file" in log, log
+    assert f"hydra.run.dir ({paths['under_file']}) cannot be made: {paths['under_file'].parent} is a file" in log, log
     assert f"{paths['linked'] / 'train.log'} is a symbolic link" in log, log
     assert not (tmp_path / "outside.log").exists()  # nothing written through the link
+
+
+def test_unusable_run_directory_is_named_before_hydra_makes_it(tmp_path):
+    from pipedream2bw.precheck import check_run_dir
+
+    paths = _unreadable_inputs(tmp_path)
+    fix = "point hydra.run.dir at a directory this user can write"
+
+    def problem(run_dir):
+        return check_run_dir([f"hydra.run.dir={run_dir}", "pipeline.num_stages=1"])
+
+    under = paths["under_file"]
+    assert problem(under) == f"hydra.run.dir ({under}) cannot be made: {under.parent} is a file; {fix}"
+    assert problem(under.parent) == f"hydra.run.dir ({under.parent}) is not a directory; {fix}"
+    assert problem(paths["linked"]).startswith(f"{paths['linked'] / 'train.log'} is a symbolic link")
+    assert problem(tmp_path / "new" / "run") is None and (tmp_path / "new" / "run").is_dir()
+    if os.geteuid() != 0:  # root writes through a mode of 0555
+        (tmp_path / "ro").mkdir(mode=0o555)
+        assert problem(tmp_path / "ro" / "run").startswith(
+            f"hydra.run.dir ({tmp_path / 'ro' / 'run'}) cannot be written"
+        )

@@ -105,8 +105,9 @@ def read_text_bytes(path: Optional[str], key: str = "data.path") -> bytes:
         return gzip.decompress(p.read_bytes()) if p.suffix == ".gz" else p.read_bytes()
     except (OSError, EOFError, zlib.error) as e:
         what = "gzip-compressed text (.gz)" if p.suffix == ".gz" else "text"
+        name = "zlib.error" if isinstance(e, zlib.error) else type(e).__name__
         raise ConfigError(
-            f"{key} ({p}) cannot be read as {what}: {type(e).__name__}: {e}; point {key} at an intact file"
+            f"{key} ({p}) cannot be read as {what}: {name}: {e}; point {key} at an intact file"
             + (" (gzip -t tests one; a .gz name is read as gzip)" if p.suffix == ".gz" else "")
         ) from e
 
