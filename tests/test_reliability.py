@@ -450,3 +450,39 @@ def test_unusable_run_directory_is_named_before_hydra_makes_it(tmp_path):
         assert problem(tmp_path / "ro" / "run").startswith(
             f"hydra.run.dir ({tmp_path / 'ro' / 'run'}) cannot be written"
         )
+
+
+# --- a token file that shrinks under a run ---------------------------------------------------------------------
+
+
+def train_cutting_its_data(cfg, run_dir: str, at_batch: int) -> None:
+    """``run()``, rank 0 cutting the token file to nothing just before it reads batch ``at_batch``."""
+    from pipedream2bw.data import tokens
+
+    read = tokens.MicrobatchFeed._batch_windows
+
+    def cut_then_read(feed, batch_index):
+        if batch_index == at_batch and int(os.environ["RANK"]) == 0:
+            os.truncate(cfg.data.path, 0)
+        return read(feed, batch_index)
+
+    tokens.MicrobatchFeed._batch_windows = cut_then_read
+    run(cfg, Path(run_dir))
+
+
+@pytest.mark.slow
+def test_token_file_cut_under_a_run_is_named_on_every_rank(tmp_path):
+    # Issue 34: a token file truncated mid-run killed a rank with SIGBUS (its memory mapping read past the file's
+    # new end) while the other reported a misleading connection reset; the file was never named
+    import numpy as np
+
+    path = tmp_path / "tokens.bin"
+    np.arange(6000, dtype=np.uint16).__mod__(300).astype(np.uint16).tofile(path)
+    cfg = tiny_config(schedule="2bw", num_stages=2, num_microbatches=2, num_steps=8)
+    cfg.model.vocab_size, cfg.data.path = 300, str(path)
+    results = spawn(
+        train_cutting_its_data, world_size=2, args=(cfg, str(tmp_path / "run"), 3), log_dir=tmp_path / "logs"
+    )
+    said = f"token file {path} shrank while the run reads it: 0 bytes now, 12000 when the run opened it (batch 3)"
+    for r in results:
+        assert r.exitcode not in (0, -signal.SIGBUS, -9) and said in r.log, (r.rank, r.exitcode, r.log[-3000:])

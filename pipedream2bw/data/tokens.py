@@ -381,6 +381,10 @@ def _scan(path: Path, dtype: type, *, vocab_size: int) -> Tuple[int, Optional[in
     return max_id, first_bad
 
 
+class DataFileChanged(RuntimeError):
+    """A token file changed under a running feed (shrank, or was removed)."""
+
+
 class MicrobatchFeed:
     """Microbatch ``k`` of one replica as (inputs, targets), both (b, T) int64, the same on every rank.
 
@@ -414,6 +418,10 @@ class MicrobatchFeed:
         self.seed, self.stream = seed, stream
         self.num_replicas, self.replica = num_replicas, replica
         self._windows = lru_cache(maxsize=4)(self._batch_windows)
+        # a token file's mapping: its file and size as mapped, checked before each batch's reads (check_unchanged)
+        raw = getattr(self.data, "_mmap", None)
+        self._file = getattr(self.data, "filename", None) if raw is not None else None
+        self._mapped_bytes = len(raw) if raw is not None else 0
 
     def starts(self, batch_index: int) -> torch.Tensor:
         """Where the ``w * m * b`` windows of batch ``batch_index`` start in ``data``, replica 0's first."""
@@ -421,8 +429,33 @@ class MicrobatchFeed:
         global_batch = self.num_replicas * self.num_microbatches * self.microbatch_size
         return torch.randint(0, len(self.data) - self.seq_len - 1, (global_batch,), generator=gen)
 
+    def check_unchanged(self, batch_index: int) -> None:
+        """Refuses to read a token file that shrank since it was mapped: a read past its new end would kill the
+        process with SIGBUS, naming nothing (issue 34). One ``stat`` per batch; a file cut between this check
+        and the reads still ends in SIGBUS.
+
+        Raises:
+            DataFileChanged: naming the file and both sizes.
+        """
+        if self._file is None:
+            return
+        try:
+            now = os.stat(self._file).st_size
+        except OSError as e:
+            raise DataFileChanged(
+                f"token file {self._file} cannot be read any more at batch {batch_index} ({e.strerror or e}): it was "
+                "removed or replaced while the run reads it"
+            ) from e
+        if now < self._mapped_bytes:
+            raise DataFileChanged(
+                f"token file {self._file} shrank while the run reads it: {now} bytes now, {self._mapped_bytes} when "
+                f"the run opened it (batch {batch_index}); a run's data must not change under it: write new data to "
+                "another file and point data.path at it"
+            )
+
     def _batch_windows(self, batch_index: int) -> torch.Tensor:
         # (w*m*b, T+1)
+        self.check_unchanged(batch_index)
         return torch.from_numpy(read_windows(self.data, self.starts(batch_index).numpy(), self.seq_len + 1))
 
     def _window(self, mb_index: int) -> torch.Tensor:
