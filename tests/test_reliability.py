@@ -12,6 +12,7 @@ import socket
 from pathlib import Path
 
 import pytest
+import torch
 from dist_helper import spawn, train_cli
 from test_semantics import tiny_config
 
@@ -486,3 +487,37 @@ def test_token_file_cut_under_a_run_is_named_on_every_rank(tmp_path):
     said = f"token file {path} shrank while the run reads it: 0 bytes now, 12000 when the run opened it (batch 3)"
     for r in results:
         assert r.exitcode not in (0, -signal.SIGBUS, -9) and said in r.log, (r.rank, r.exitcode, r.log[-3000:])
+
+
+# --- a failed run() leaves no process group behind ----------------------------------------------------------
+
+
+class _FailsAt(torch.nn.Module):
+    """A layer whose third forward raises."""
+
+    def __init__(self, layer):
+        super().__init__()
+        self.layer, self.calls = layer, 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls == 3:
+            raise RuntimeError("planted failure")
+        return self.layer(x)
+
+
+@pytest.mark.slow  # two short runs in this process
+def test_failed_run_leaves_no_process_group_and_the_next_run_starts(tmp_path, one_rank, monkeypatch):
+    # Issue 34: a run() that failed after its groups started left the default group initialised, so a second
+    # run() in the same process failed at once ("trying to initialize the default process group twice")
+    import torch.distributed as dist
+
+    from pipedream2bw.models import build_gpt_layers
+
+    layers = build_gpt_layers(one_rank.model, seed=one_rank.seed)
+    layers[1] = _FailsAt(layers[1])
+    with pytest.raises(RuntimeError, match="planted failure"):
+        run(one_rank, tmp_path / "failed", layers=layers)
+    assert not dist.is_initialized()
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    assert run(one_rank, tmp_path / "next")["status"] == "completed"

@@ -318,6 +318,31 @@ def shutdown(ctx: DistContext) -> None:
     dist.destroy_process_group()
 
 
+ABANDON_WAIT_S = 2.0
+"""How long a failed rank waits for its process groups to be torn down before it goes on without."""
+
+
+def abandon() -> None:
+    """After a failure (the monitor already stopped): tears the process groups down without a barrier, so that
+    ``run()`` called again in this process can make new ones (it found the default group still initialised;
+    issue 34). In a thread, waited on ``ABANDON_WAIT_S`` at most: a backend that blocks on work a dead peer never
+    finishes must not hold up the failure's report."""
+
+    def destroy() -> None:
+        try:
+            dist.destroy_process_group()
+        except Exception as e:  # noqa: BLE001 - best effort, on the way out of a failure
+            log.debug("tearing the process groups down after a failure: %s: %s", type(e).__name__, e)
+
+    if not dist.is_initialized():
+        return
+    done = threading.Thread(target=destroy, name="pd2bw-abandon", daemon=True)
+    done.start()
+    done.join(ABANDON_WAIT_S)
+    if done.is_alive():
+        log.warning("the process groups were not torn down within %.0f s after the failure", ABANDON_WAIT_S)
+
+
 def new_groups(ctx: DistContext, rank_lists: Sequence[Sequence[int]], *, backend: Optional[str] = None) -> List[Any]:
     """One process group per list, made on every rank in the same order (as torch requires); ``backend``:
     the main one if None, 'gloo' for CPU scalars that must not wait on the device."""

@@ -93,6 +93,7 @@ def _run(
         summary, preempted = _train(s.cfg, rt, ctx, s.run_dir, s.model, s.resume, s.predictions, watch=watch)
     except BaseException as e:
         peer_failure = _leave(ctx, s.layout.position(s.rank)[0], s.rank, e)
+        comm.abandon()  # another run() in this process can start afresh
         if peer_failure is None:
             raise
         raise peer_failure from e
