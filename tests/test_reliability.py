@@ -299,9 +299,10 @@ def test_run_refuses_a_bad_number_before_it_builds_anything(tmp_path, one_rank, 
 @pytest.mark.slow  # two short runs in this process
 def test_resume_with_another_seed_or_other_data_is_refused_naming_it(tmp_path, one_rank):
     # Issue 34: seed=4 on resume and a token file replaced between save and resume were accepted without a word
-    corpus = tmp_path / "corpus.txt"
+    corpus, held_out = tmp_path / "corpus.txt", tmp_path / "held_out.txt"
     corpus.write_text("the quick brown fox jumps over the lazy dog. " * 40)
-    one_rank.data.path, one_rank.train.checkpoint_every = str(corpus), 2
+    held_out.write_text("sphinx of black quartz, judge my vow. " * 10)
+    one_rank.data.path, one_rank.data.val_path, one_rank.train.checkpoint_every = str(corpus), str(held_out), 2
     run(one_rank, tmp_path / "run")
     one_rank.train.num_steps, one_rank.seed = 4, 4
     with pytest.raises(ConfigError, match=r"other settings \(seed: checkpoint 3, this run 4\)"):
@@ -309,6 +310,10 @@ def test_resume_with_another_seed_or_other_data_is_refused_naming_it(tmp_path, o
     one_rank.seed = 3
     corpus.write_text("pack my box with five dozen liquor jugs. " * 40)
     with pytest.raises(ConfigError, match=r"other settings \(data.path: checkpoint 'corpus.txt, 1800 bytes, sha256"):
+        run(one_rank, tmp_path / "run")
+    corpus.write_text("the quick brown fox jumps over the lazy dog. " * 40)
+    held_out.write_text("how vexingly quick daft zebras jump! " * 10)  # the held-out data: validation losses differ
+    with pytest.raises(ConfigError, match=r"other settings \(data.val_path: checkpoint 'held_out.txt, 380 bytes"):
         run(one_rank, tmp_path / "run")
 
 

@@ -527,7 +527,7 @@ def data_resident_bytes(*feeds: Optional[MicrobatchFeed]) -> Optional[int]:
     return None if not sizes or None in sizes.values() else sum(sizes.values())
 
 
-def fingerprint(path: Optional[str], *, edge_bytes: int = 1 << 16) -> str:
+def fingerprint(path: Optional[str], *, edge_bytes: int = 1 << 16, key: str = "data.path") -> str:
     """What a checkpoint records of its training data, to tell other data on resume: the file's name, size
     and a SHA-256 of its first and last ``edge_bytes`` (a file replaced or grown between save and resume was
     accepted unnoticed; issue 34); 'shipped text' for the default.
@@ -547,5 +547,5 @@ def fingerprint(path: Optional[str], *, edge_bytes: int = 1 << 16) -> str:
             f.seek(max(size - edge_bytes, 0))
             digest.update(f.read(edge_bytes))
     except OSError as e:
-        raise ConfigError(f"data.path ({path}) cannot be read ({e.strerror or e}); point it at a readable file") from e
+        raise ConfigError(f"{key} ({path}) cannot be read ({e.strerror or e}); point it at a readable file") from e
     return f"{file.name}, {size} bytes, sha256 of its ends {digest.hexdigest()[:16]}"

@@ -180,6 +180,9 @@ def training_settings(cfg: Config) -> Dict[str, Any]:
         "seed": cfg.seed,  # the batch order: another seed trains on other batches from the resumed step on
         "data.path": data_fingerprint(cfg.data.path),
     }
+    if cfg.data.val_path is not None:  # recorded where set: other held-out data makes the validation losses
+        # incomparable; adding or dropping it on resume is no change to compare (nothing is recorded without it)
+        record["data.val_path"] = data_fingerprint(cfg.data.val_path, key="data.val_path")
     return json.loads(json.dumps(record, default=str))
 
 
