@@ -72,6 +72,23 @@ def test_lock_of_a_run_that_ended_is_taken_over(tmp_path):
         second.acquire(tmp_path)  # released by the first's context: no refusal
 
 
+def test_resume_from_inside_a_live_run_directory_is_refused(tmp_path, one_rank):
+    # Issue 34: train.resume=PATH into a run directory a live run was writing was read without its lock: the live
+    # run's pruning could delete the checkpoint being read
+    live_dir = tmp_path / "live"
+    source = live_dir / "checkpoints" / "step_00000002"
+    source.mkdir(parents=True)
+    one_rank.train.resume = str(source)
+    with rundir.RunLock() as live:
+        live.acquire(live_dir)
+        with pytest.raises(
+            rundir.RunDirInUse, match=rf"train.resume \({source}\) is inside run directory {live_dir}, "
+        ):
+            run(one_rank, tmp_path / "run")
+    with pytest.raises(ConfigError, match=r"holds no complete checkpoint"):  # the live run ended: read as usual
+        run(one_rank, tmp_path / "run")
+
+
 # --- links inside the run directory ---------------------------------------------------------------------------
 
 

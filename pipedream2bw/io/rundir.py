@@ -83,6 +83,41 @@ class RunLock:
         self.release()
 
 
+def live_holder(run_dir: Path) -> Optional[str]:
+    """Who holds ``run_dir``'s lock (the host and PID it wrote) while a live run does; None when no run holds it."""
+    try:
+        fd = os.open(Path(run_dir) / LOCK, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:  # no lock file (or a link, which check_no_links refuses where it matters): no live run
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # taken (then dropped with the descriptor) unless one holds it
+        return None
+    except BlockingIOError:
+        return os.read(fd, 4096).decode(errors="replace").strip() or "a process that has not written its name"
+    finally:
+        os.close(fd)
+
+
+def check_resume_source(path: Path, *, own: Path) -> None:
+    """Refuses to resume from ``path`` (``train.resume``: a checkpoint, a ``checkpoints/`` directory or a run
+    directory) inside another run directory that a live run holds: its pruning may delete the checkpoint while
+    this run reads it, and ``resume=auto`` there would take a checkpoint the live run is still adding to.
+
+    Raises:
+        RunDirInUse: naming the path, the run directory and the live run's host and PID.
+    """
+    path, own = Path(path).resolve(), Path(own).resolve()
+    if own == path or own in path.parents:  # this run's own directory: its lock is this run's
+        return
+    for run_dir in (path, path.parent, path.parent.parent):
+        holder = live_holder(run_dir)
+        if holder is not None:
+            raise RunDirInUse(
+                f"train.resume ({path}) is inside run directory {run_dir}, in use by a live run ({holder}); wait for "
+                "it to end, or copy the checkpoint out of it and resume from the copy"
+            )
+
+
 def check_no_links(run_dir: Path) -> None:
     """Refuses a run directory where the run would write or delete through a symbolic link.
 

@@ -110,6 +110,8 @@ def _select_checkpoint(cfg: Config, run_dir: Path, model: RunModel) -> Optional[
     t = cfg.train
     if t.resume == "auto":
         checkpoint.clear_partials(run_dir / checkpoint.DIRNAME)
+    else:
+        rundir.check_resume_source(Path(t.resume), own=run_dir)
     # resolved: a link (outputs/latest) may be re-pointed at this run before the other ranks read it
     path, manifest = checkpoint.select(run_dir if t.resume == "auto" else Path(t.resume).resolve())
     if path is None and t.resume != "auto":
