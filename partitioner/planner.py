@@ -403,7 +403,7 @@ def _make_plan(req: Request, split: _Split, *, simulate_it: bool) -> Plan:
     )
 
 
-def plan(cost_fn: CostFn, req: Request, *, runners_up: int = 4) -> List[Plan]:
+def plan(cost_fn: CostFn, req: Request, *, runners_up: int = 4, explain: bool = True) -> List[Plan]:
     """The best plan for ``req`` first, then up to ``runners_up`` others, best first.
 
     Throughput: highest predicted samples/s; memory: lowest peak memory per device. Plans within
@@ -411,7 +411,8 @@ def plan(cost_fn: CostFn, req: Request, *, runners_up: int = 4) -> List[Plan]:
     (``_order``). The finalists' figures come from the simulator.
 
     Raises:
-        ConfigError: nothing fits; says the smallest per-device memory, or the fewest devices, that would.
+        ConfigError: nothing fits; says the smallest per-device memory, or the fewest devices, that would, and
+            (``explain``) which of the search's options left out would find a plan.
     """
     cache: Dict[int, Segments] = {}
 
@@ -459,7 +460,7 @@ def plan(cost_fn: CostFn, req: Request, *, runners_up: int = 4) -> List[Plan]:
         p = _make_plan(req, split, simulate_it=False)
         found.append((_rank_key(req.objective, p), p, split))
     if not found:
-        raise ConfigError(_infeasible_message(segments, req, tried, num_layers))
+        raise ConfigError(_infeasible_message(segments, req, tried, num_layers) if explain else "no plan fits")
     order = _order([p for _, p, _ in found], req.objective, req.tolerance)
     found = [found[i] for i in order]
     finalists = []
@@ -563,8 +564,8 @@ def _infeasible_message(segments: Callable[[int], Segments], req: Request, tried
     if tried == 0:
         return (
             f"{what}: no (d, w, b) divides the global batch with d*w = {req.devices} devices "
-            f"(2bw also needs m >= d); change train.global_batch_size, the device count "
-            f"or partition.depths/microbatch_sizes"
+            f"(2bw also needs m >= d){_what_would_fit(segments, req)}; change train.global_batch_size, the device "
+            f"count or partition.depths/microbatch_sizes"
         )
     # The smallest per-device memory on these devices: the memory objective without a cap.
     best = math.inf
@@ -590,9 +591,54 @@ def _infeasible_message(segments: Callable[[int], Segments], req: Request, tried
         else f"; even a {num_layers}-stage pipeline does not fit in {cap:.3g} GiB"
     )
     return (
-        f"{what}: it {fix}; raise topology.memory_per_device_gib "
+        f"{what}: it {fix}{_what_would_fit(segments, req)}; raise topology.memory_per_device_gib "
         f"(topology.host_memory_gib for ranks sharing a CPU host) or the device count, or lower the batch"
     )
+
+
+# What the search left out, each as (what it is, the setting that lets the planner use it, the Request it changes),
+# offered when the request leaves it out: the "no plan" message says which of them finds a plan.
+_LEFT_OUT = (
+    ("sharding", "partition.sharded=null", lambda r: r.sharded is False, {"sharded": None}),
+    ("activation swapping", "partition.swap=true", lambda r: not r.swap, {"swap": True}),
+    ("recomputation", "partition.recompute=null", lambda r: r.recompute is False, {"recompute": None}),
+    (
+        "any microbatch size",
+        "partition.microbatch_sizes=null",
+        lambda r: r.microbatch_sizes is not None,
+        {"microbatch_sizes": None},
+    ),
+    ("any depth", "partition.depths=null", lambda r: r.depths is not None, {"depths": None}),
+)
+
+
+def _what_would_fit(segments: Callable[[int], Segments], req: Request) -> str:
+    """``'; with sharding (partition.sharded=null) it fits: 2 x 4, b 1, peak 3.1 GiB'``: the search run again with
+    each option ``req`` leaves out (``_LEFT_OUT``), then with all of them together; ``''`` when it leaves none out."""
+    left_out = [(name, key, change) for name, key, applies, change in _LEFT_OUT if applies(req)]
+    if not left_out:
+        return ""
+
+    def best(changes: Dict[str, object]) -> Optional[Plan]:
+        try:
+            costs = lambda b: segments(b).layers  # noqa: E731 (the costs already taken, kept by the caller's cache)
+            return plan(costs, dataclasses.replace(req, **changes), runners_up=0, explain=False)[0]
+        except ConfigError:
+            return None
+
+    def fits(p: Plan) -> str:
+        peak = max(p.predicted_peak_memory_bytes) / GIB
+        return f"{p.num_stages} x {p.data_parallel}, b {p.microbatch_size}, peak {peak:.3g} GiB"
+
+    found = [(name, key, p) for name, key, change in left_out if (p := best(change)) is not None]
+    if found:
+        return "; " + "; ".join(f"with {name} ({key}) it fits: {fits(p)}" for name, key, p in found)
+    keys = " ".join(key for _, key, _ in left_out)
+    together = best({k: v for _, _, change in left_out for k, v in change.items()}) if len(left_out) > 1 else None
+    if together is not None:
+        return f"; with {', '.join(name for name, _, _ in left_out)} together ({keys}) it fits: {fits(together)}"
+    names = " or ".join(name for name, _, _ in left_out)
+    return f"; {names} ({keys}) would not find a plan either{', alone or together' if len(left_out) > 1 else ''}"
 
 
 # ---------------------------------------------------------------- plan files
