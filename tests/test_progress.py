@@ -68,7 +68,7 @@ def _screen(raw: str) -> list:
             lines.append("".join(line).rstrip())
             line, col = [], 0
         else:
-            line[col:col + 1] = [ch]
+            line[col : col + 1] = [ch]
             col += 1
     return lines + ["".join(line).rstrip()]
 
