@@ -325,7 +325,7 @@ def test_each_bad_token_file_stops_every_rank_before_any_group_starts(tmp_path):
                 f"hydra.run.dir={tmp_path / bad}",
             ]
         )
-    results = spawn(train_cli, world_size=2, args=(runs,), log_dir=tmp_path / "logs", timeout_s=60)
+    results = spawn(train_cli, world_size=2, args=(runs,), log_dir=tmp_path / "logs", timeout_s=240)
     for r in results:  # each rank on its own: exit 2 with the error, no process group ever started
         assert r.exitcode == 0 and "process group was started" not in r.log, r.log
         assert r.log.count("EXIT 2") == len(BAD_FILES), r.log
