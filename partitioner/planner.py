@@ -553,9 +553,8 @@ def _streams(req: Request, w: int) -> bool:
         req.stream
         and w == 1
         and req.topology.device == "cuda"
-        and req.precision != "fp16"
         and req.weight_dtype == "fp32"
-        and not (req.step_agreement or req.tied)
+        and not (req.step_agreement or req.tied)  # fp16, clipping and skip need a step agreement
     )
 
 
