@@ -511,9 +511,7 @@ def plan(cost_fn: CostFn, req: Request, *, runners_up: int = 4) -> List[Plan]:
                 swap_only_if_needed=True,
                 stream=split.stream,
             )
-            if lean is not None and not (
-                split.stream and not _host_fits(req, dataclasses.replace(split, starts=lean[1]))
-            ):
+            if lean is not None and _streaming_ok(req, split, lean):
                 split = dataclasses.replace(split, starts=lean[1], swap_flags=lean[2])
         finalists.append(_make_plan(req, split, simulate_it=True))
     finalists = [finalists[i] for i in _order(finalists, req.objective, req.tolerance)]
@@ -556,6 +554,13 @@ def _streams(req: Request, w: int) -> bool:
         and req.weight_dtype == "fp32"
         and not (req.step_agreement or req.tied)  # fp16, clipping and skip need a step agreement
     )
+
+
+def _streaming_ok(req: Request, split: "_Split", lean) -> bool:
+    """Whether the second pass's split ``lean`` of a streaming ``split`` still streams (its costs count
+    swap.optimizer=host, which only a plan that streams sets) and fits the host."""
+    lean_split = dataclasses.replace(split, starts=lean[1], swap_flags=lean[2])
+    return not split.stream or (any(lean[2]) and _host_fits(req, lean_split))
 
 
 def _host_fits(req: Request, split: "_Split") -> bool:
