@@ -237,7 +237,13 @@ def test_infeasible_request_names_the_memory_and_devices_that_would_fit():
     costs = lambda b: analytic_gpt(cfg, OptimConfig(), b, DGX)  # noqa: E731
     small = dataclasses.replace(DGX, devices_per_node=2)
     req = Request(
-        global_batch_size=16, topology=small, devices=2, memory_per_device_bytes=3 * 2**20, runtime_bytes=0, swap=False
+        global_batch_size=16,
+        topology=small,
+        devices=2,
+        memory_per_device_bytes=3 * 2**20,
+        runtime_bytes=0,
+        swap=False,
+        stream=False,
     )
     with pytest.raises(ConfigError) as err:
         plan(costs, req)

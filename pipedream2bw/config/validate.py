@@ -90,8 +90,6 @@ def _validate_weight_stream(cfg: Config) -> None:
         )
     elif cfg.train.eval_every:
         why = f"train.eval_every ({cfg.train.eval_every}): validation passes do not stream weights yet; set it to 0"
-    elif cfg.partition.mode != "manual":
-        why = f"partition.mode ({cfg.partition.mode}): the planner does not model streamed stages yet; use manual"
     if why is not None:
         raise ConfigError(f"swap.weights (true) with {why}")
 
