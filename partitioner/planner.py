@@ -672,6 +672,7 @@ def _infeasible_message(segments: Callable[[int], Segments], req: Request, tried
 _LEFT_OUT = (
     ("sharding", "partition.sharded=null", lambda r: r.sharded is False, {"sharded": None}),
     ("activation swapping", "partition.swap=true", lambda r: not r.swap, {"swap": True}),
+    ("weight streaming", "partition.stream=true", lambda r: not r.stream, {"stream": True}),
     ("recomputation", "partition.recompute=null", lambda r: r.recompute is False, {"recompute": None}),
     (
         "any microbatch size",
