@@ -105,6 +105,8 @@ def make_request(
             topo.runtime_overhead_gib * GIB if topo.runtime_overhead_gib is not None else runtime_baseline_bytes()
         )
     profile = uses_profile(cfg)
+    # Muon orthogonalizes whole matrices: the run refuses optim.sharded at w > 1, so the search never shards it
+    muon = not cfg.optim.target and cfg.optim.name.lower() == "muon"
     return Request(
         global_batch_size=B,
         topology=topo,
@@ -122,7 +124,8 @@ def make_request(
         model=dataclasses.asdict(cfg.model),
         tolerance=cfg.partition.tolerance,
         precision=planned_precision(cfg, topo),
-        sharded=cfg.partition.sharded,
+        sharded=False if muon else cfg.partition.sharded,
+        shardable=not muon,
         weight_dtype=cfg.train.weight_dtype or "fp32",
         bucket_bytes=p.bucket_mb * 2**20,
         step_agreement=precisions.needs_agreement(

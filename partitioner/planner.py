@@ -307,6 +307,7 @@ class Request:
     tolerance: float = 0.01  # plans within this fraction of the best objective tie; the other objective decides
     precision: str = "fp32"  # resolved train.precision, recorded in the plan (the costs already follow it)
     sharded: Optional[bool] = False  # optim.sharded; None: the search tries both
+    shardable: bool = True  # False: the optimizer cannot step flat pieces (optim.name=muon), so never suggest it
     weight_dtype: str = "fp32"  # train.weight_dtype: what one weight version costs per parameter
     bucket_bytes: float = 25 * 2**20  # pipeline.bucket_mb in bytes: the reduction's flattening, a bucket at a time
     # precision.step_waits' inputs: a step agreement (clipping, skip, fp16), weights tied across the layers (held
@@ -670,7 +671,7 @@ def _infeasible_message(segments: Callable[[int], Segments], req: Request, tried
 # What the search left out, each as (what it is, the setting that lets the planner use it, the Request it changes),
 # offered when the request leaves it out: the "no plan" message says which of them finds a plan.
 _LEFT_OUT = (
-    ("sharding", "partition.sharded=null", lambda r: r.sharded is False, {"sharded": None}),
+    ("sharding", "partition.sharded=null", lambda r: r.sharded is False and r.shardable, {"sharded": None}),
     ("activation swapping", "partition.swap=true", lambda r: not r.swap, {"swap": True}),
     ("weight streaming", "partition.stream=true", lambda r: not r.stream, {"stream": True}),
     ("recomputation", "partition.recompute=null", lambda r: r.recompute is False, {"recompute": None}),

@@ -393,6 +393,12 @@ def _validate_optim_extras(cfg: Config) -> None:
                 "whole matrices, and sharding gives each replica a flat piece of every parameter; set "
                 "optim.sharded=false (or use an elementwise optimizer such as adamw)"
             )
+        if cfg.partition.sharded and cfg.partition.mode == "auto":
+            raise ConfigError(
+                "partition.sharded (true) with optim.name (muon): the plan's replicas would shard the optimizer, and "
+                "Muon orthogonalizes whole matrices; drop partition.sharded (the search then never shards Muon) or "
+                "use an elementwise optimizer such as optim.name=adamw"
+            )
     if o.delay_correction == "none":
         return
     if cfg.pipeline.schedule != "2bw":
