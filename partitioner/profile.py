@@ -43,6 +43,7 @@ from pipedream2bw.config import (
     model_num_layers,
     optimizer_name,
 )
+from pipedream2bw.config.optimizers import extra_optim_settings, tag_muon_params
 from pipedream2bw.io.fileio import atomic_write_text
 from pipedream2bw.memory import precision as precisions
 from pipedream2bw.memory.memprobe import saved_bytes
@@ -129,6 +130,7 @@ def profile_layer(
     ``precision``'s autocast with float32 weights, as a stage runs it; inputs and outputs in the
     compute dtype, as they cross stages."""
     layer = layer.to(device)
+    tag_muon_params(layer, optim.muon_exclude)  # optim.name=muon: which parameters Muon steps, as a stage tags them
     params = list(layer.parameters())
     T, C = cfg.seq_len, cfg.d_model
     wire = precisions.compute_dtype(precision)
@@ -205,7 +207,7 @@ def _cache_key(
         {
             "v": CACHE_VERSION,
             "model": dataclasses.asdict(cfg),
-            "optim": {"name": optim.name.lower(), "kwargs": dict(optim.kwargs)},
+            "optim": {"name": optim.name.lower(), "kwargs": dict(optim.kwargs), **extra_optim_settings(optim)},
             "b": b,
             "device": str(device) if device.type != "cuda" else torch.cuda.get_device_name(device),
             "dtype": str(dtype),
@@ -280,7 +282,11 @@ def analytic_gpt(
     T, C, V = cfg.seq_len, cfg.d_model, cfg.vocab_size
     flops, bw = topo.peak_tflops * 1e12, topo.memory_bw_gbps * 1e9
     pm = precisions.param_memory(
-        precision, schedule="flush", optimizer=optimizer_name(optim), optimizer_kwargs=optim.kwargs
+        precision,
+        schedule="flush",
+        optimizer=optimizer_name(optim),
+        optimizer_kwargs=optim.kwargs,
+        delay_correction=optim.delay_correction,
     )
     dtype_bytes = precisions.compute_dtype(precision).itemsize
     btc = b * T * C * dtype_bytes
@@ -398,6 +404,7 @@ def profile_any_layer(
     ``loss_fn`` (the last layer) the loss is part of its forward, as the last stage runs it."""
     import torch.utils._pytree as pytree
 
+    tag_muon_params(layer, optim.muon_exclude)
     params = list(layer.parameters())
     gen = torch.Generator().manual_seed(0)
     float_inputs = [t for t in pytree.tree_leaves(x) if t.is_floating_point()]

@@ -7,8 +7,10 @@ Schedule1F1B and ScheduleGPipe driving our stage modules (our split), and its st
 which hold two stages per rank (Interleaved1F1B, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV:
 the GPT split into 2d stages, looped or V-shaped; a schedule that refuses the shape shows n/a); and
 the whole model in one process with one thread (the physical limit: d stages on d cores can
-at best run d times its throughput). Runs alternate between systems within each repeat, so
-drift hits all alike. Prints the command, the configuration and one table of medians
+at best run d times its throughput). A system may name its optimizer and, for ours-2bw, a delay
+correction: SYSTEM@OPTIMIZER[+CORRECTION], e.g. ours-2bw@muon+error_feedback, torch-zbv@muon (AdamW with no
+correction otherwise). Runs alternate between systems within each repeat, so drift hits all alike.
+Prints the command, the configuration and one table of medians
 (samples/s, pipeline efficiency = samples/s / (d x single-process samples/s), idle fraction =
 1 - the stage's own compute time / wall time per step, per-stage peak resident memory and
 per-stage peak tensor memory), checks the issue's targets and writes it all as JSON.
@@ -45,6 +47,30 @@ TORCH_SCHEDULES = {
 }
 SYSTEMS = ["ours-2bw", "ours-flush", "ours-gpipe", *(f"torch-{name}" for name in TORCH_SCHEDULES), "single"]
 STRONGEST = [f"torch-{name}" for name, (_, per_rank, _) in TORCH_SCHEDULES.items() if per_rank == 2]
+OPTIMIZERS = ("adamw", "muon")
+CORRECTIONS = ("none", "error_feedback", "lookahead")
+
+
+def parse_system(spec: str) -> tuple:
+    """``SYSTEM[@OPTIMIZER[+CORRECTION]]`` (e.g. ``ours-2bw@muon+error_feedback``, ``torch-zbv@muon``) ->
+    (system, optimizer, correction); AdamW with no correction by default. A delay correction only applies to 2bw
+    (the one schedule with a delay).
+
+    Raises:
+        ValueError: an unknown system, optimizer or correction, or a correction on another system.
+    """
+    system, _, optim = spec.partition("@")
+    optimizer, _, correction = (optim or "adamw").partition("+")
+    correction = correction or "none"
+    if system not in SYSTEMS:
+        raise ValueError(f"unknown system {system!r} in {spec!r}; choose from {SYSTEMS}")
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"unknown optimizer {optimizer!r} in {spec!r}; choose from {list(OPTIMIZERS)}")
+    if correction not in CORRECTIONS:
+        raise ValueError(f"unknown delay correction {correction!r} in {spec!r}; choose from {list(CORRECTIONS)}")
+    if correction != "none" and system != "ours-2bw":
+        raise ValueError(f"{spec!r}: a delay correction applies to ours-2bw only (the other schedules have no delay)")
+    return system, optimizer, correction
 
 
 def _uses_cuda(args) -> bool:
@@ -81,7 +107,7 @@ def _param_bytes(module) -> int:
     return sum(p.numel() * p.element_size() for p in module.parameters())
 
 
-def _config(args, schedule: str, num_stages: int):
+def _config(args, schedule: str, num_stages: int, *, optimizer: str = "adamw", correction: str = "none"):
     from pipedream2bw.config import (
         Config,
         DataConfig,
@@ -107,7 +133,7 @@ def _config(args, schedule: str, num_stages: int):
             seq_len=args.seq_len,
             vocab_size=256,
         ),
-        optim=OptimConfig(name="adamw", lr=1e-3),
+        optim=OptimConfig(name=optimizer, lr=1e-3, delay_correction=correction),
         data=DataConfig(),
         train=TrainConfig(num_steps=args.steps, log_every=10**6, warmup_steps=args.warmup, precision=args.precision),
         wandb=WandbConfig(mode="disabled"),
@@ -223,11 +249,11 @@ def _stage_weight_bytes(cfg, stage_index: int, num_stages: int) -> int:
     return _param_bytes(build_stage_module(cfg, gpt_balance(cfg.model, num_stages), stage_index, None))
 
 
-def worker_ours(args, schedule: str, device) -> dict:
+def worker_ours(args, schedule: str, device, *, optimizer: str, correction: str) -> dict:
     from pipedream2bw.run.runner import TRAIN_RANGE, run
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    cfg = _config(args, schedule, world)
+    cfg = _config(args, schedule, world, optimizer=optimizer, correction=correction)
     if not args.memory_pass:  # the timed steps traced: where each rank's time goes (a few clock reads per action)
         cfg.pipeline.trace, cfg.pipeline.trace_first_step = True, args.warmup
         cfg.pipeline.trace_steps = args.steps - args.warmup
@@ -257,17 +283,18 @@ def _torch_stage_indices(rank: int, world: int, per_rank: int, style: str) -> li
     return [rank + i * world for i in range(per_rank)]
 
 
-def worker_torch(args, schedule: str, device) -> dict:
+def worker_torch(args, schedule: str, device, *, optimizer: str) -> dict:
     import torch
     import torch.distributed as dist
     from torch.distributed.pipelining import PipelineStage, schedules
 
     from pipedream2bw.config import build_optimizer, gpt_balance
+    from pipedream2bw.config.optimizers import tag_muon_params
     from pipedream2bw.run.model import build_stage_module
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    cfg = _config(args, "flush", world)
+    cfg = _config(args, "flush", world, optimizer=optimizer)
     m, b = cfg.pipeline.num_microbatches, cfg.pipeline.microbatch_size
     name, per_rank, style = TORCH_SCHEDULES[schedule]
     num_stages = world * per_rank
@@ -281,6 +308,8 @@ def worker_torch(args, schedule: str, device) -> dict:
         ]
         cls = getattr(schedules, name)
         sched = cls(stages[0] if per_rank == 1 else stages, m, loss_fn=_loss)
+        for mod in modules:  # Muon's split, as ours makes it (a no-op tag for AdamW)
+            tag_muon_params(mod, cfg.optim.muon_exclude)
         params = [p for mod in modules for p in mod.parameters()]
         opt = build_optimizer(params, cfg.optim)
         feed = _feed(cfg, num_microbatches=m)
@@ -309,19 +338,21 @@ def worker_torch(args, schedule: str, device) -> dict:
     }
 
 
-def worker_single(args, device) -> dict:
+def worker_single(args, device, *, optimizer: str) -> dict:
     import torch
     from torch import nn
 
     from pipedream2bw.config import build_optimizer
+    from pipedream2bw.config.optimizers import tag_muon_params
     from pipedream2bw.models import build_gpt_layers
 
     torch.set_num_threads(1)
-    cfg = _config(args, "flush", 1)
+    cfg = _config(args, "flush", 1, optimizer=optimizer)
     m, b = cfg.pipeline.num_microbatches, cfg.pipeline.microbatch_size
     with _memory_probe(args, device) as peak:
         model = nn.Sequential(*build_gpt_layers(cfg.model, seed=cfg.seed)).to(device)
         run_model = _Autocast(cfg, device).wrap(model, last=True)
+        tag_muon_params(model, cfg.optim.muon_exclude)
         opt = build_optimizer(model.parameters(), cfg.optim)
         feed = _feed(cfg, num_microbatches=m)
         ends = [time.perf_counter()]
@@ -344,13 +375,13 @@ def worker_single(args, device) -> dict:
 
 
 def run_worker(args) -> None:
-    system, device = args.worker, _device(args)
+    (system, optimizer, correction), device = parse_system(args.worker), _device(args)
     if system.startswith("ours-"):
-        result = worker_ours(args, system.split("-", 1)[1], device)
+        result = worker_ours(args, system.split("-", 1)[1], device, optimizer=optimizer, correction=correction)
     elif system.startswith("torch-"):
-        result = worker_torch(args, system.split("-", 1)[1], device)
+        result = worker_torch(args, system.split("-", 1)[1], device, optimizer=optimizer)
     else:
-        result = worker_single(args, device)
+        result = worker_single(args, device, optimizer=optimizer)
     Path(args.out, f"rank{result['rank']}.json").write_text(json.dumps(result))
 
 
@@ -368,7 +399,7 @@ def launch(system: str, args, argv_model, *, memory_pass: bool = False) -> dict:
     from pipedream2bw.pipeline.comm import torchrun_command
 
     with tempfile.TemporaryDirectory() as out:
-        nproc = 1 if system == "single" else args.nproc
+        nproc = 1 if parse_system(system)[0] == "single" else args.nproc
         extra = ["--memory-pass", f"--steps={args.memory_steps}", "--warmup=0"] if memory_pass else []
         cmd = [
             *torchrun_command(nproc),
@@ -391,7 +422,9 @@ def launch(system: str, args, argv_model, *, memory_pass: bool = False) -> dict:
         }
     r0 = ranks[0]
     idle = (
-        [1 - args.num_microbatches * r["compute_s"] / r0["step_time_s"] for r in ranks] if system != "single" else [0.0]
+        [1 - args.num_microbatches * r["compute_s"] / r0["step_time_s"] for r in ranks]
+        if parse_system(system)[0] != "single"
+        else [0.0]
     )
     peaks = r0["peak_rss_per_stage"] if "peak_rss_per_stage" in r0 else [r["peak_rss"] for r in ranks]
     return {
@@ -454,10 +487,16 @@ def check_targets(rows: dict, args) -> list:
         eff = rows["ours-2bw"]["efficiency"]
         for bound, spec in [(0.92, (2, 2, 16)), (0.95, (2, 8, 4))]:
             add(f"ours-2bw pipeline efficiency >= {bound}", f"{eff:.2f}", eff >= bound, spec)
-    for theirs in [s for s in rows if s.startswith("torch-")]:
+    for theirs in [s for s in rows if s.startswith("torch-") and "ours-2bw" in rows]:
         r = ratio("ours-2bw", theirs)
         for spec in [(2, 2, 16), (2, 8, 4)]:
             add(f"ours-2bw ahead of {theirs} (> 1.00x)", f"{r:.2f}x", r > 1.0, spec)
+    for corrected in [s for s in rows if s.startswith("ours-2bw@") and parse_system(s)[2] != "none"]:
+        _, optimizer, _ = parse_system(corrected)
+        plain = next((s for s in rows if parse_system(s) == ("ours-2bw", optimizer, "none")), None)
+        if plain is not None:
+            r = ratio(corrected, plain)
+            add(f"{corrected} >= 0.98x {plain} samples/s", f"{r:.3f}x", r >= 0.98, None)
     for ours, theirs in [("ours-flush", "torch-1f1b"), ("ours-gpipe", "torch-gpipe")]:
         r = ratio(ours, theirs)
         if r is not None:
@@ -544,9 +583,11 @@ def main() -> None:
         ]
     ]
     systems = args.systems.split(",")
-    unknown = sorted(set(systems) - set(SYSTEMS))
-    if unknown:
-        parser.error(f"--systems: unknown {unknown}; choose from {SYSTEMS}")
+    for spec in systems:
+        try:
+            parse_system(spec)
+        except ValueError as e:
+            parser.error(f"--systems: {e} (a system is SYSTEM[@OPTIMIZER[+CORRECTION]])")
     if args.memory_steps < 0:
         parser.error(f"--memory-steps ({args.memory_steps}) must be >= 0 (0 skips the peak tensor memory run)")
     import torch
@@ -558,7 +599,8 @@ def main() -> None:
     print(
         f"config: {args.nproc} processes x {where}, GPT {args.num_layers} blocks d_model {args.d_model} "
         f"heads {args.num_heads} seq {args.seq_len} vocab 256, m={args.num_microbatches} b={args.microbatch_size}, "
-        f"AdamW, precision {args.precision}, {args.steps} steps "
+        f"AdamW unless a system names its optimizer (@muon, +correction), lr 1e-3, precision {args.precision}, "
+        f"{args.steps} steps "
         f"({args.warmup} warm-up left out), {args.repeats} repeats, systems alternate; torch {torch.__version__}"
     )
     results = {s: [] for s in systems}
@@ -568,7 +610,7 @@ def main() -> None:
             try:
                 results[system].append(launch(system, args, argv_model))
             except SystemFailed as e:
-                if system not in STRONGEST:
+                if parse_system(system)[0] not in STRONGEST:
                     raise SystemExit(str(e)) from e
                 refused[system] = e.reason
                 del results[system]
@@ -588,7 +630,7 @@ def main() -> None:
     )
     for system, runs in results.items():
         sps = statistics.median(r["samples_per_s"] for r in runs)
-        d = 1 if system == "single" else args.nproc
+        d = 1 if parse_system(system)[0] == "single" else args.nproc
         eff = sps / (d * single) if single else None
         peaks = [statistics.median(r["peak_rss"][s] for r in runs) for s in range(len(runs[0]["peak_rss"]))]
         idle = statistics.median(r["idle_fraction"] for r in runs)

@@ -201,10 +201,77 @@ def report(args, out: Path) -> Dict[str, Any]:
                     f"{_steps(reach0, args.steps)} | {entry['samples_per_s']:.0f} | {extra:.1f} | {len(paired)} |"
                 )
     result = dict(command=" ".join(map(shlex.quote, sys.argv)), config=_config(args), runs=rows, table=table)
+    if args.time_to_loss and rows:
+        result["time_to_loss"] = time_to_loss(args, rows, out)
     (out / "results.json").write_text(json.dumps(result, indent=1))
     if rows and not args.no_plot:
         plot(args, rows, out / "curves.png")
     return result
+
+
+def time_to_loss(args, rows: List[Dict[str, Any]], out: Path) -> Dict[str, Any]:
+    """Wall time to the default flushing run's final validation loss (or --target-loss), at --nproc ranks:
+    steps (from the runs above, mean over seeds; the delay, hence the losses, is the same at any depth) x step
+    time, every step time measured in one scripts/bench.py run that alternates the systems. Ours: each 2bw
+    setting that reached the loss in every seed; theirs: torch.distributed.pipelining's strongest schedules (two
+    stages per rank) with each optimizer whose flush run reached it (a synchronous schedule's losses are
+    flush's)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench.py, beside this script
+    from bench import STRONGEST
+
+    lr = args.lrs[0]
+    default = [r for r in rows if (r["schedule"], r["optimizer"], r["lr"]) == ("flush", args.optimizers[0], lr)]
+    target = args.target_loss if args.target_loss is not None else statistics.mean(r["final_val_loss"] for r in default)
+    systems: Dict[str, float] = {}  # bench system -> steps to the target
+    for key in sorted({(r["schedule"], r["optimizer"], r["correction"]) for r in rows if r["lr"] == lr}):
+        runs = [r for r in rows if (r["schedule"], r["optimizer"], r["correction"], r["lr"]) == (*key, lr)]
+        reach = [steps_to(r["val_losses"], target) for r in runs]
+        if None in reach:
+            continue
+        schedule, optimizer, correction = key
+        if schedule == "2bw":
+            systems[f"ours-2bw@{optimizer}+{correction}"] = statistics.mean(reach)
+        else:
+            systems.update({f"{theirs}@{optimizer}": statistics.mean(reach) for theirs in STRONGEST})
+    where = "--target-loss" if args.target_loss is not None else f"flush-{args.optimizers[0]}'s final, lr {lr:g}"
+    print(f"\ntime to validation loss {target:.3f} ({where}) at {args.nproc} ranks:")
+    if not any(s.startswith("ours-") for s in systems) or not any(s.startswith("torch-") for s in systems):
+        print("  not measured: no 2bw setting or no flush run reached it in every seed")
+        return dict(target=target, systems={})
+    json_path = out / "time_to_loss_bench.json"
+    cmd = [
+        sys.executable,
+        str(Path(__file__).with_name("bench.py")),
+        f"--nproc={args.nproc}",
+        f"--num-microbatches={args.num_microbatches}",
+        f"--microbatch-size={args.microbatch_size}",
+        f"--num-layers={args.num_layers}",
+        f"--d-model={args.d_model}",
+        f"--num-heads={args.num_heads}",
+        f"--seq-len={args.seq_len}",
+        f"--repeats={args.bench_repeats}",
+        "--memory-steps=0",
+        "--device=cpu",
+        f"--systems={','.join(systems)}",
+        f"--json={json_path}",
+    ]
+    print("  step times:", " ".join(map(shlex.quote, cmd)), flush=True)
+    subprocess.run(cmd, check=True)
+    measured = {r["system"]: r for r in json.loads(json_path.read_text())["rows"]}
+    table = {}
+    print(f"\n| system | steps to {target:.3f} | step time (s, median) | time to {target:.3f} (s) |")
+    print("|---|---|---|---|")
+    for system, steps in sorted(systems.items(), key=lambda kv: kv[0]):
+        if system not in measured:  # a torch schedule that refused the shape
+            continue
+        step_time = args.num_microbatches * args.microbatch_size / measured[system]["samples_per_s"]
+        table[system] = dict(steps=steps, step_time_s=step_time, time_s=steps * step_time)
+        print(f"| {system} | {steps:.0f} | {step_time:.4f} | {steps * step_time:.1f} |")
+    ours = min((s for s in table if s.startswith("ours-")), key=lambda s: table[s]["time_s"])
+    theirs = min((s for s in table if s.startswith("torch-")), key=lambda s: table[s]["time_s"])
+    ratio = table[ours]["time_s"] / table[theirs]["time_s"]
+    print(f"\nours ({ours}) / torch's fastest ({theirs}): {ratio:.2f}x the time to {target:.3f}")
+    return dict(target=target, systems=table, ours=ours, theirs=theirs, ratio=ratio)
 
 
 def _steps(reach: List[Optional[int]], num_steps: int) -> str:
@@ -278,6 +345,15 @@ def main(argv=None) -> None:
     p.add_argument("--out", default="outputs/convergence")
     p.add_argument("--report-only", action="store_true", help="only report the runs already in --out")
     p.add_argument("--no-plot", action="store_true")
+    p.add_argument(
+        "--time-to-loss",
+        action="store_true",
+        help="then time each setting that reached the default flush run's final loss (first --lrs) with "
+        "scripts/bench.py at --nproc ranks, ours against torch's strongest schedules",
+    )
+    p.add_argument("--nproc", type=int, default=2, help="ranks of the --time-to-loss step times")
+    p.add_argument("--target-loss", type=float, default=None, help="--time-to-loss to this validation loss instead")
+    p.add_argument("--bench-repeats", type=int, default=3, help="scripts/bench.py --repeats for --time-to-loss")
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     out = Path(args.out)

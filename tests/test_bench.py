@@ -67,3 +67,49 @@ def test_bench_finds_2bw_holds_one_more_weight_copy_than_flush_and_nothing_else(
     applying = [c for c in data["targets"] if c["applies"]]
     assert len(applying) == 2 and all(c["met"] and c["target"].startswith("stage ") for c in applying)
     assert "targets:" in proc.stdout and "would be" in proc.stdout
+
+
+def _script(name: str):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_bench_system_names_its_optimizer_and_a_correction_only_where_there_is_a_delay():
+    bench = _script("bench")
+    assert bench.parse_system("ours-2bw") == ("ours-2bw", "adamw", "none")
+    assert bench.parse_system("ours-2bw@muon+error_feedback") == ("ours-2bw", "muon", "error_feedback")
+    assert bench.parse_system("torch-zbv@muon") == ("torch-zbv", "muon", "none")
+    for bad, why in [
+        ("torch-zbv@adamw+lookahead", "ours-2bw only"),
+        ("ours-2bw@sgd", "unknown optimizer"),
+        ("ours-2bw@adamw+ema", "unknown delay correction"),
+        ("theirs-2bw", "unknown system"),
+    ]:
+        with pytest.raises(ValueError, match=why):
+            bench.parse_system(bad)
+
+
+@pytest.mark.slow
+@pytest.mark.long
+def test_bench_convergence_times_each_setting_to_the_flush_loss_against_torch(tmp_path):
+    """A few steps of the grid, then --time-to-loss: every setting that reached the loss is timed at 2 ranks beside
+    torch's strongest schedules, and the ratio printed is the table's."""
+    cmd = [sys.executable, str(ROOT / "scripts" / "bench_convergence.py"), "--steps=12", "--seeds=0", "--lrs=3e-3"]
+    cmd += ["--optimizers=adamw", "--corrections=none", "--eval-every=3", "--num-layers=1", "--d-model=32"]
+    cmd += ["--seq-len=32", "--time-to-loss", "--target-loss=4.5", "--bench-repeats=1", "--no-plot"]
+    cmd += [f"--out={tmp_path}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads((tmp_path / "results.json").read_text())
+    ttl = result["time_to_loss"]
+    runs = {r["schedule"]: r for r in result["runs"]}
+    assert ttl["target"] == 4.5 and ttl["ours"] == "ours-2bw@adamw+none" and ttl["theirs"].endswith("@adamw")
+    ours, theirs = ttl["systems"][ttl["ours"]], ttl["systems"][ttl["theirs"]]
+    for system, schedule in [(ours, "2bw"), (theirs, "flush")]:  # the first evaluation at or below the target
+        assert system["steps"] == next(c["step"] for c in runs[schedule]["val_losses"] if c["loss"] <= 4.5)
+    assert ttl["ratio"] == pytest.approx(ours["time_s"] / theirs["time_s"])
+    assert f"{ttl['ratio']:.2f}x the time to" in proc.stdout

@@ -284,6 +284,21 @@ def test_profile_measures_saved_bytes_and_caches(tmp_path, monkeypatch):
     assert profile_gpt(cfg, OptimConfig(name="adamw"), 2, cache_dir=tmp_path, repeats=3) == layers
 
 
+def test_error_feedback_costs_the_planner_one_float32_copy_per_parameter(tmp_path):
+    """Measured and analytic costs both count error feedback's previous update (4 B per parameter)."""
+    cfg = GPTConfig(num_layers=1, d_model=32, num_heads=2, seq_len=16)
+    plain, ef = OptimConfig(name="adamw"), OptimConfig(name="adamw", delay_correction="error_feedback")
+    for costs in (
+        lambda optim: analytic_gpt(cfg, optim, 2, DGX),
+        lambda optim: profile_gpt(cfg, optim, 2, cache_dir=tmp_path, repeats=1),
+    ):
+        for a, b in zip(costs(plain), costs(ef)):
+            assert b.optimizer_bytes - a.optimizer_bytes == pytest.approx(a.param_bytes, rel=1e-3), a.name
+    # Muon profiles (its parameters tagged as a stage tags them): a momentum buffer for the blocks' matrices.
+    muon = profile_gpt(cfg, OptimConfig(name="muon"), 2, cache_dir=tmp_path, repeats=1)
+    assert muon[1].optimizer_bytes < 2 * muon[1].param_bytes
+
+
 def test_apply_plan_sets_the_pipeline_and_checks_the_launch():
     from partitioner.auto import apply_plan
     from pipedream2bw.config import Config, model_num_layers

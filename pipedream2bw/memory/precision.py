@@ -158,6 +158,7 @@ def param_memory(
     sharded: bool = False,
     data_parallel: int = 1,
     waits: bool = False,
+    delay_correction: str = "none",
 ) -> ParamMemory:
     """Bytes per parameter under a resolved ``precision`` (one of fp32, bf16, fp16), ``train.weight_dtype``
     and ``optim.sharded`` over ``data_parallel`` replicas, ``waits`` if the step waits (``step_waits``):
@@ -165,9 +166,11 @@ def param_memory(
 
     Versions in the compute dtype, or sharding, need float32 masters of their own (sharding.py): 4 B, or
     4/w B sharded; sharding divides the optimizer state by w. Autocast's per-microbatch weight casts
-    are made only from float32 versions.
+    are made only from float32 versions. ``optim.delay_correction=error_feedback`` keeps one more float32 copy
+    (the previous update) in the optimizer state, sharded with it.
     """
     w = data_parallel if sharded else 1
+    extra_state = 1.0 if delay_correction == "error_feedback" else 0.0
     stored = weight_dtype(precision, weight_dtype_name)
     weight_copy = torch.finfo(stored).bits // 8
     reduced = torch.finfo(compute_dtype(precision)).bits // 8 if precision != "fp32" and weight_copy == 4 else 0
@@ -176,7 +179,7 @@ def param_memory(
         versions=versions_held(schedule),
         master=FP32_BYTES / w if (w > 1 or weight_copy != FP32_BYTES) else 0,
         gradient=FP32_BYTES,
-        optimizer=FP32_BYTES * optimizer_state_factor(optimizer, optimizer_kwargs) / w,
+        optimizer=FP32_BYTES * (optimizer_state_factor(optimizer, optimizer_kwargs) + extra_state) / w,
         cast_per_microbatch=reduced,
         held_gradient=FP32_BYTES / w if waits else 0.0,
     )

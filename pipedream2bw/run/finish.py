@@ -332,6 +332,7 @@ def precision_record(
             sharded=optim.sharded,
             data_parallel=rt.data_parallel,
             waits=waits,
+            delay_correction=optim.delay_correction,
         ).as_dict(),
     }
     if isinstance(rule, ScaledStepRule):  # every rank's scaler takes the same values; these are rank 0's
