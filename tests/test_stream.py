@@ -240,6 +240,7 @@ def test_checkpoint_state_round_trips_into_host_buffers():
 
 
 @pytest.mark.slow
+@pytest.mark.long  # three launches: 42 s on the loaded machine
 def test_a_streamed_stage_resumes_through_the_trainer_bit_for_bit(tmp_path):
     """4 steps straight == 2 steps, a checkpoint, a resume and 2 more, on a streamed stage (2bw: both versions and
     Adam's state go through the checkpoint into the host buffers): every loss and the final weights, bit for bit."""
