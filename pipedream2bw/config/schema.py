@@ -389,6 +389,10 @@ class PartitionConfig:
     """Let the planner swap activations to host memory on stages that would not fit otherwise."""
     swap_resident: int = 1
     """Microbatches whose activations stay on device on a swapping stage (swap.resident)."""
+    stream: bool = True
+    """Let the planner stream weights from host memory (swap.weights, docs/memory.md) on stages that would not fit
+    otherwise: on GPUs, with data_parallel=1 and what swap.weights accepts; such a stage swaps its activations too,
+    and the plan sets swap.optimizer=host."""
     cache_dir: Optional[str] = None
     """Profile cache directory; null: ~/.cache/pipedream2bw."""
     repeats: int = 5

@@ -92,8 +92,6 @@ def _validate_weight_stream(cfg: Config) -> None:
         )
     elif cfg.train.eval_every:
         why = f"train.eval_every ({cfg.train.eval_every}): validation passes do not stream weights yet; set it to 0"
-    elif cfg.partition.mode != "manual":
-        why = f"partition.mode ({cfg.partition.mode}): the planner does not model streamed stages yet; use manual"
     if why is not None:
         raise ConfigError(f"swap.weights (true) with {why}")
 
@@ -423,6 +421,12 @@ def _validate_optim_extras(cfg: Config) -> None:
                 "optim.name (muon) with optim.sharded (true) at pipeline.data_parallel > 1: Muon orthogonalizes "
                 "whole matrices, and sharding gives each replica a flat piece of every parameter; set "
                 "optim.sharded=false (or use an elementwise optimizer such as adamw)"
+            )
+        if cfg.partition.sharded and cfg.partition.mode == "auto":
+            raise ConfigError(
+                "partition.sharded (true) with optim.name (muon): the plan's replicas would shard the optimizer, and "
+                "Muon orthogonalizes whole matrices; drop partition.sharded (the search then never shards Muon) or "
+                "use an elementwise optimizer such as optim.name=adamw"
             )
     if o.delay_correction == "none":
         return
