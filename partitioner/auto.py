@@ -105,6 +105,8 @@ def make_request(
             topo.runtime_overhead_gib * GIB if topo.runtime_overhead_gib is not None else runtime_baseline_bytes()
         )
     profile = uses_profile(cfg)
+    # Muon orthogonalizes whole matrices: the run refuses optim.sharded at w > 1, so the search never shards it
+    muon = not cfg.optim.target and cfg.optim.name.lower() == "muon"
     return Request(
         global_batch_size=B,
         topology=topo,
@@ -122,7 +124,8 @@ def make_request(
         model=dataclasses.asdict(cfg.model),
         tolerance=cfg.partition.tolerance,
         precision=planned_precision(cfg, topo),
-        sharded=cfg.partition.sharded,
+        sharded=False if muon else cfg.partition.sharded,
+        shardable=not muon,
         weight_dtype=cfg.train.weight_dtype or "fp32",
         bucket_bytes=p.bucket_mb * 2**20,
         step_agreement=precisions.needs_agreement(
@@ -130,6 +133,9 @@ def make_request(
         ),
         tied=bool(getattr(cfg.model, "tie_embeddings", False)),
         early_apply=not (cfg.train.eval_every or p.check_ties),
+        # the rest of what swap.weights refuses (fp16, clipping, ties, w > 1, ...) the search checks itself
+        stream=cfg.partition.stream and not cfg.train.eval_every,
+        weight_prefetch=cfg.swap.weight_prefetch,
     )
 
 
@@ -189,7 +195,9 @@ def plan_config(cfg: Config, *, runners_up: int = 4, layers=None, loss_fn=None, 
 def apply_plan(
     pipeline: PipelineConfig, swap: SwapConfig, p: Plan, *, world_size: int, num_layers: int
 ) -> Tuple[PipelineConfig, SwapConfig]:
-    """The ``pipeline`` and ``swap`` config sections with the plan's pipeline settings and its ``swap.stages``.
+    """The ``pipeline`` and ``swap`` config sections with the plan's pipeline settings and its ``swap.stages``;
+    a plan that streams weights also sets ``swap.weights``, ``swap.weight_prefetch`` and ``swap.optimizer=host``
+    (what streaming needs).
 
     Args:
         pipeline: the run's ``pipeline`` section.
@@ -199,7 +207,8 @@ def apply_plan(
         num_layers: length of the model's layer list.
 
     Raises:
-        ConfigError: the plan needs another number of ranks, or another model.
+        ConfigError: the plan needs another number of ranks, or another model; the run sets swap.weights and
+            the plan streams nothing; the plan streams stages that do not swap (the runtime streams exactly those).
     """
     if p.num_stages * p.data_parallel != world_size:
         raise ConfigError(
@@ -223,7 +232,20 @@ def apply_plan(
         rank_map=[list(r) for r in p.rank_map],
         recompute=p.recompute,
     )
-    return pipeline, dataclasses.replace(swap, enabled=False, stages=list(p.swap_stages), resident=p.swap_resident)
+    if p.stream_stages and sorted(p.stream_stages) != sorted(p.swap_stages):
+        raise ConfigError(
+            f"the plan streams stages {p.stream_stages} but swaps {p.swap_stages}: swap.weights streams exactly the "
+            "stages that swap; list the same stages in both, or plan again"
+        )
+    if swap.weights and not p.stream_stages:
+        raise ConfigError(
+            "swap.weights (true) with a plan that streams no stage: under partition=auto|file the plan decides which "
+            "stages stream (partition.stream lets the planner choose it); drop swap.weights"
+        )
+    stream = dict(weights=True, weight_prefetch=p.weight_prefetch, optimizer="host") if p.stream_stages else {}
+    return pipeline, dataclasses.replace(
+        swap, enabled=False, stages=list(p.swap_stages), resident=p.swap_resident, **stream
+    )
 
 
 def apply_choices(

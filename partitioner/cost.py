@@ -36,6 +36,22 @@ before it does. Under 1F1B an F and a B lie between two offloads and between two
 ``stall = max(0, t - (F + B))``, or ``t`` with K = 0 (each fetch starts at its own backward).
 GPipe runs its forwards back to back, then its backwards: ``max(0, t - F)`` plus
 ``max(0, t - B)`` (``t`` with K = 0). A stage with ``n <= K + 1`` in flight does not swap.
+
+Streamed stage (``swap.weights``; ``pipedream2bw/memory/stream.py``): its weight versions, gradient accumulators and
+optimizer state are in host memory; the device holds what ``stream.device_bytes_model`` says (the ``window + 1``
+largest layers' weights and one layer's gradients: weights and gradients below, optimizer 0), and the stage also
+swaps its activations (the runtime's ``swap.stages`` name both). Time, per microbatch, with ``t_k`` layer k's
+float32 weights over the host-device bandwidth and one copy stream: the forward takes layer k's copy while layer
+k+1's is coming (window >= 1), so it stalls ``t_first + sum max(0, t_(k+1) - F_k)``; the backward takes them in
+reverse, each layer's gradients leaving synchronously on the compute stream (``t_k`` more, exposed), so it stalls
+``t_last + sum max(0, t_(k-1) - (B_k + t_k)) + sum t_k`` (B_k + F_k with recomputation). Window 0: every copy
+is exposed. Exact for window 1 with the first copy of each pass exposed; for larger windows an upper bound (they
+smooth uneven layers, the copy stream's total is the same). Host bytes: versions + gradient accumulators +
+optimizer state (``host_bytes``). ``swap.optimizer=host``, which streaming needs and sets on every stage, leaves
+a stage that does not stream its versions and gradients, with its optimizer state and float32 masters on the host
+and the step's gradients out and new weights in (``2 W / host_device_bw``) charged to the step. Not charged: the
+host's own step time (the topology has no figure for the host's CPU), nor the host's sums of a streamed stage's
+gradients over the microbatches.
 """
 
 from __future__ import annotations
@@ -48,6 +64,7 @@ import numpy as np
 
 from partitioner.topology import LOCAL, Link
 from pipedream2bw.memory.precision import optimizer_state_factor, versions_held
+from pipedream2bw.memory.stream import device_bytes_model
 
 # in_flight: the runtime's own bound, re-exported for the memory model's callers
 from pipedream2bw.pipeline.schedule import (
@@ -112,6 +129,31 @@ class Segments:
         for i in range(n):
             rmax[i, i + 1 :] = np.maximum.accumulate(peak[i:])
         self.RMAX = rmax
+        self._stream: Dict[int, tuple] = {}
+
+    def stream_device(self, window: int):
+        """(DEV, MAXW): ``DEV[i, j]``: a streamed stage of layers i..j-1's device bytes for weights and gradients
+        (``stream.device_bytes_model``, the runtime's own model); ``MAXW[i, j]``: its largest layer (the gradients)."""
+        if window not in self._stream:
+            sizes = [c.param_bytes for c in self.layers]
+            dev, maxw = np.zeros((self.n + 1, self.n + 1)), np.zeros((self.n + 1, self.n + 1))
+            for i in range(self.n):
+                for j in range(i + 1, self.n + 1):
+                    dev[i, j] = device_bytes_model(sizes[i:j], window=window)
+                    maxw[i, j] = max(sizes[i:j])
+            self._stream[window] = (dev, maxw)
+        return self._stream[window]
+
+    def stream_stalls(self, host_device_bw: float, *, recompute: bool):
+        """Prefix sums of the streamed stall's per-layer terms (module docstring): (t, PF, PB, BB) with ``t[k]``
+        layer k's copy time, ``PF[k] = sum_(q<k) max(0, t[q+1] - F_q)``, ``PB[k] = sum_(0<q<k) max(0, t[q-1] - BB_q)``
+        and ``BB_q`` = the backward's own time per layer (B, + F with recomputation, + the gradients out)."""
+        t = np.asarray([c.param_bytes for c in self.layers], dtype=np.float64) / host_device_bw
+        f = np.asarray([c.forward_s for c in self.layers], dtype=np.float64)
+        bb = np.asarray([c.backward_s for c in self.layers], dtype=np.float64) + t + (f if recompute else 0.0)
+        pf = np.concatenate([[0.0], np.cumsum(np.maximum(0.0, t[1:] - f[:-1])), [0.0]])
+        pb = np.concatenate([[0.0, 0.0], np.cumsum(np.maximum(0.0, t[:-1] - bb[1:]))])
+        return np.concatenate([t, [0.0]]), pf, pb, np.concatenate([[0.0], np.cumsum(t)])
 
 
 def _xfer(link: Link, nbytes):
@@ -142,6 +184,9 @@ class StageContext:
     weight_copy_bytes: int = 4  # bytes per parameter of one weight version (train.weight_dtype: 4, or 2 in bf16/fp16)
     bucket_bytes: float = 25 * 2**20  # pipeline.bucket_mb: the data-parallel reduction flattens a bucket at a time
     waits: bool = False  # precision.step_waits: a closed batch's gradient is held while the next one's accumulates
+    stream: bool = False  # swap.weights on this stage (with swap: the runtime swaps a streamed stage's activations)
+    stream_window: int = 1  # swap.weight_prefetch
+    host_optimizer: bool = False  # swap.optimizer=host (every stage of a plan that streams): state and masters on host
 
 
 def _swap_stall(t, fwd, bwd, *, schedule: str, resident: int):
@@ -150,6 +195,15 @@ def _swap_stall(t, fwd, bwd, *, schedule: str, resident: int):
     if schedule == "gpipe":
         return np.maximum(0.0, t - fwd) + (fetch if fetch is not None else np.maximum(0.0, t - bwd))
     return fetch if fetch is not None else np.maximum(0.0, t - (fwd + bwd))
+
+
+def _stream_stalls(seg: Segments, i, j, ctx: StageContext):
+    """A streamed stage's (forward, backward) stall per microbatch: the module docstring's formulas."""
+    t, pf, pb, tc = seg.stream_stalls(ctx.host_device_bw, recompute=ctx.recompute)
+    total = tc[j] - tc[i]
+    if ctx.stream_window == 0:
+        return total, 2 * total
+    return t[i] + pf[j - 1] - pf[i], t[j - 1] + pb[j] - pb[np.minimum(i + 1, seg.n)] + total
 
 
 def _data_parallel_s(ctx: StageContext, W, bwd, microbatch, *, ws: int, wc: float, K: int):
@@ -178,13 +232,36 @@ def _data_parallel_s(ctx: StageContext, W, bwd, microbatch, *, ws: int, wc: floa
     return allreduce, exposed
 
 
+def _weight_state(seg: Segments, i, j, ctx: StageContext, *, ws: int, wc: float):
+    """A stage's device bytes of weights, gradients and optimizer state, its host bytes of them and its step (s).
+
+    Returns:
+        (weights, gradients, optimizer, host, step_s).
+    """
+    W = seg.W[j] - seg.W[i]
+    step = (seg.S[j] - seg.S[i]) / ws
+    # float32 masters of their own where the versions are not them (sharded, or in the compute dtype): counted
+    # with the optimizer state, which owns them
+    master = W / ws if (ws > 1 or ctx.weight_copy_bytes != 4) else 0.0 * W
+    weights, gradients = num_versions(ctx.schedule) * W * wc, W + (W / ws if ctx.waits else 0.0)
+    optimizer = (seg.O[j] - seg.O[i]) / ws + master
+    if ctx.stream:  # on the host: every version, the gradient accumulators, the optimizer state
+        dev, maxw = seg.stream_device(ctx.stream_window)
+        return dev[i, j] - maxw[i, j], maxw[i, j], np.zeros_like(W), weights + W + optimizer, step
+    if ctx.host_optimizer:  # host_optim.py: the masters and state on the host; gradients out, weights in at the step
+        return weights, gradients, np.zeros_like(W), optimizer + W, step + 2 * W / ctx.host_device_bw
+    return weights, gradients, optimizer, np.zeros_like(W), step
+
+
 def segment_costs(seg: Segments, i, j, ctx: StageContext) -> Dict[str, np.ndarray]:
     """Memory (bytes) and time (s) of the stage holding layers ``[i, j)``; ``i``/``j`` may be arrays.
 
     Keys: weights, gradients, optimizer, activations, buffers, workspace, runtime, memory (their
-    sum); forward_s, backward_s, send_s, send_grad_s, stall_s (per microbatch), microbatch_s
-    (their sum), step_s, allreduce_s, exposed_s (per batch: data-parallel traffic, what is not hidden),
-    batch_s (the stage's time per batch); and
+    sum); forward_s, backward_s, send_s, send_grad_s, stall_s (per microbatch: swapping's and streaming's),
+    stream_s and stream_fwd_s (streaming's part, and its forward's), microbatch_s (their sum), host_bytes (what
+    the stage keeps in host memory: swapped activations, a streamed stage's weights and state); step_s,
+    allreduce_s, exposed_s (per batch: data-parallel traffic, what is not hidden), batch_s (the stage's time
+    per batch); and
     act_per_microbatch, act_moved (its bytes that go to host when swapping), act_extra (for the
     simulator's own in-flight count).
     """
@@ -212,19 +289,19 @@ def segment_costs(seg: Segments, i, j, ctx: StageContext) -> Dict[str, np.ndarra
         if swapped
         else np.zeros_like(F)
     )
+    stream_fwd, stream_bwd = _stream_stalls(seg, i, j, ctx) if ctx.stream else (np.zeros_like(F),) * 2
+    stall = stall + stream_fwd + stream_bwd
     send = _xfer(ctx.link_next, out_b)
     send_grad = _xfer(ctx.link_prev, np.where(s == 0, 0.0, in_b))
     microbatch = fwd + bwd + send + send_grad + stall
     ws, wc, K = (w if ctx.sharded and w > 1 else 1), ctx.weight_copy_bytes / 4, batch_multiplier(ctx.schedule, d, m)
     allreduce, exposed = _data_parallel_s(ctx, W, bwd, microbatch, ws=ws, wc=wc, K=K)
-    step = (seg.S[j] - seg.S[i]) / ws
-    # float32 masters of their own where the versions are not them (sharded, or in the compute dtype): counted
-    # with the optimizer state, which owns them
-    master = W / ws if (ws > 1 or ctx.weight_copy_bytes != 4) else 0.0 * W
+    weights, gradients, optimizer, host, step = _weight_state(seg, i, j, ctx, ws=ws, wc=wc)
+    host = host + (n - resident) * moved
     out = dict(
-        weights=num_versions(ctx.schedule) * W * wc,
-        gradients=W + (W / ws if ctx.waits else 0.0),
-        optimizer=(seg.O[j] - seg.O[i]) / ws + master,
+        weights=weights,
+        gradients=gradients,
+        optimizer=optimizer,
         activations=resident * per_mb + (n - resident) * (per_mb - moved) + extra,
         buffers=2 * (in_b + out_b) + (np.minimum(W, ctx.bucket_bytes) if w > 1 else 0.0),
         workspace=seg.RMAX[i, j],
@@ -234,6 +311,9 @@ def segment_costs(seg: Segments, i, j, ctx: StageContext) -> Dict[str, np.ndarra
         send_s=send,
         send_grad_s=send_grad,
         stall_s=stall,
+        stream_fwd_s=stream_fwd,
+        stream_s=stream_fwd + stream_bwd,
+        host_bytes=host,
         microbatch_s=microbatch,
         step_s=step,
         allreduce_s=allreduce,
@@ -307,10 +387,10 @@ def simulate(
     def duration(a) -> float:
         st = stages[a.stage_index]
         if a.kind == FORWARD:
-            return st["forward_s"] + st["send_s"]
+            return st["forward_s"] + st["send_s"] + st["stream_fwd_s"]
         if a.kind == STEP:
             return st["step_s"] + st["exposed_s"]
-        return st["backward_s"] + st["send_grad_s"] + st["stall_s"]
+        return st["backward_s"] + st["send_grad_s"] + st["stall_s"] - st["stream_fwd_s"]
 
     times = timings(lists, duration)
     step_end = [end for a, (_, end) in zip(lists[0], times[0]) if a.kind == STEP]

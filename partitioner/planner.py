@@ -63,6 +63,9 @@ class Plan:
     precision: str = "fp32"  # train.precision the costs were taken for (resolved: fp32, bf16, fp16)
     sharded: bool = False  # optim.sharded: masters and optimizer state 1/w per replica
     weight_dtype: str = "fp32"  # train.weight_dtype the memory was counted for
+    stream_stages: List[int] = field(default_factory=list)  # swap.weights: these stages (all of swap_stages) stream
+    weight_prefetch: int = 1  # swap.weight_prefetch the streamed stages were costed with
+    predicted_stall_s: List[float] = field(default_factory=list)  # per stage and microbatch: swapping's + streaming's
 
     @property
     def boundaries(self) -> List[int]:
@@ -78,6 +81,7 @@ class Plan:
             "recompute": "yes" if self.recompute else "no",
             "sharded": "yes" if self.sharded else "no",
             "swap": _ranges(self.swap_stages) or "-",
+            "stream": _ranges(self.stream_stages) or "-",
             "balance": _short(self.balance),
             "samples/s": f"{self.predicted_samples_per_s:.4g}",
             "batch s": f"{self.predicted_batch_time_s:.4g}",
@@ -114,6 +118,8 @@ def table(plans: Sequence[Plan]) -> str:
     if not plans:
         return "(no plan)"
     rows = [{"#": str(k), **p.row()} for k, p in enumerate(plans)]
+    if not any(p.stream_stages for p in plans):  # the column only where a plan streams weights
+        rows = [{c: v for c, v in r.items() if c != "stream"} for r in rows]
     cols = list(rows[0])
     widths = {c: max(len(c), *(len(r[c]) for r in rows)) for c in cols}
     lines = ["  ".join(c.rjust(widths[c]) for c in cols)]
@@ -122,18 +128,24 @@ def table(plans: Sequence[Plan]) -> str:
 
 
 def stage_table(plan: Plan) -> str:
-    """Per-stage predictions of one plan: layers, time per microbatch, memory and its parts (GiB, whole names)."""
+    """Per-stage predictions of one plan: layers, time per microbatch, memory and its parts (GiB, whole names);
+    for a plan that streams weights, also whether each stage streams and its stall per microbatch (ms)."""
     widths = [max(len(p), 7) for p in MEMORY_PARTS]
+    streams = bool(plan.stream_stages)
     lines = [
-        f"{'stage':>5} {'layers':>9} {'ms/mb':>9} {'peak GiB':>9}  "
+        f"{'stage':>5} {'layers':>9} {'ms/mb':>9} "
+        + (f"{'stream':>6} {'stall ms':>9} " if streams else "")
+        + f"{'peak GiB':>9}  "
         + " ".join(f"{p:>{w}}" for p, w in zip(MEMORY_PARTS, widths))
     ]
     for s in range(plan.num_stages):
         start = plan.boundaries[s]
         parts = plan.predicted_memory_breakdown[s] if plan.predicted_memory_breakdown else {}
+        stall = plan.predicted_stall_s[s] if plan.predicted_stall_s else 0.0
         lines.append(
             f"{s:>5} {f'{start}-{start + plan.balance[s] - 1}':>9} {plan.predicted_stage_time_s[s] * 1e3:>9.3f} "
-            f"{plan.predicted_peak_memory_bytes[s] / GIB:>9.3f}  "
+            + (f"{'yes' if s in plan.stream_stages else 'no':>6} {stall * 1e3:>9.3f} " if streams else "")
+            + f"{plan.predicted_peak_memory_bytes[s] / GIB:>9.3f}  "
             + " ".join(f"{parts.get(p, 0) / GIB:>{w}.3f}" for p, w in zip(MEMORY_PARTS, widths))
         )
     return "\n".join(lines)
@@ -156,6 +168,7 @@ def stage_contexts(
     weight_copy_bytes: int = 4,
     bucket_bytes: float = 25 * 2**20,
     waits: Optional[Sequence[bool]] = None,
+    stream_window: int = 1,
 ) -> List[StageContext]:
     """Per-stage contexts; ``runtime_bytes`` is one figure for all stages or a list, one per stage; ``waits``:
     per stage, whether it holds a closed batch's gradient (``precision.step_waits``; default none)."""
@@ -186,6 +199,7 @@ def stage_contexts(
             weight_copy_bytes=weight_copy_bytes,
             bucket_bytes=bucket_bytes,
             waits=bool(waits[s]) if waits is not None else False,
+            stream_window=stream_window,
         )
         for s in range(d)
     ]
@@ -200,6 +214,7 @@ def partition(
     allow_swap: bool = True,
     time_limit: float = math.inf,
     swap_only_if_needed: Optional[bool] = None,
+    stream: bool = False,
 ) -> Optional[Tuple[float, List[int], List[bool]]]:
     """Exact min-max stage boundaries for the stages described by ``contexts``.
 
@@ -210,6 +225,8 @@ def partition(
             planner's second pass: the least memory among splits as fast as the fastest).
         swap_only_if_needed: a stage swaps only when it does not fit otherwise (default: for
             'throughput'); else whenever swapping lowers its memory.
+        stream: the alternative to a plain stage is a streamed one (weights from host memory, activations
+            swapped: the runtime's swap.weights streams every stage that swaps), not one swapping activations only.
 
     Returns:
         (bottleneck value, first layer of each stage, swap flag of each stage), or None when
@@ -229,12 +246,13 @@ def partition(
     dp = None
     choices, swaps = [], []
     for s, ctx in enumerate(contexts):
+        ctx = dataclasses.replace(ctx, host_optimizer=ctx.host_optimizer or stream)  # streaming sets it on all
         plain = segment_costs(seg, seg_i, seg_j, ctx)
         ok = (plain["memory"] <= capacity) & (plain["batch_s"] <= limit)
         value = np.where(ok, plain[key], np.inf)
         swapped = np.zeros_like(ok)
-        if allow_swap and ctx.num_microbatches > 1:
-            sw = segment_costs(seg, seg_i, seg_j, dataclasses.replace(ctx, swap=True))
+        if stream or (allow_swap and ctx.num_microbatches > 1):
+            sw = segment_costs(seg, seg_i, seg_j, dataclasses.replace(ctx, swap=True, stream=stream))
             sw_ok = (sw["memory"] <= capacity) & (sw["batch_s"] <= limit)
             better = sw_ok & (~ok if swap_only_if_needed else sw[key] < value)
             value = np.where(better, sw[key], value)
@@ -289,6 +307,7 @@ class Request:
     tolerance: float = 0.01  # plans within this fraction of the best objective tie; the other objective decides
     precision: str = "fp32"  # resolved train.precision, recorded in the plan (the costs already follow it)
     sharded: Optional[bool] = False  # optim.sharded; None: the search tries both
+    shardable: bool = True  # False: the optimizer cannot step flat pieces (optim.name=muon), so never suggest it
     weight_dtype: str = "fp32"  # train.weight_dtype: what one weight version costs per parameter
     bucket_bytes: float = 25 * 2**20  # pipeline.bucket_mb in bytes: the reduction's flattening, a bucket at a time
     # precision.step_waits' inputs: a step agreement (clipping, skip, fp16), weights tied across the layers (held
@@ -296,6 +315,8 @@ class Request:
     step_agreement: bool = False
     tied: bool = False
     early_apply: bool = True
+    stream: bool = True  # partition.stream: may stages stream their weights from host memory (w = 1, see _streams)
+    weight_prefetch: int = 1  # swap.weight_prefetch: the streamed stages' window
 
 
 CostFn = Callable[[int], Sequence[LayerCost]]  # microbatch size -> per-layer costs
@@ -344,6 +365,7 @@ class _Split:
     swap_flags: List[bool]  # whether each stage swaps its activations
     rank_map: List[List[int]]
     contexts: Sequence[StageContext]  # one per stage, built with swap=False; swap_flags decide
+    stream: bool = False  # the stages that swap_flags name stream their weights too (swap.weights)
 
     @property
     def num_stages(self) -> int:
@@ -353,7 +375,17 @@ class _Split:
         """Each stage's time and memory, swapping where ``swap_flags`` says."""
         bounds = [*self.starts, self.seg.n]
         return [
-            StageCost.of(self.seg, bounds[s], bounds[s + 1], dataclasses.replace(ctx, swap=self.swap_flags[s]))
+            StageCost.of(
+                self.seg,
+                bounds[s],
+                bounds[s + 1],
+                dataclasses.replace(
+                    ctx,
+                    swap=self.swap_flags[s],
+                    stream=self.stream and self.swap_flags[s],
+                    host_optimizer=self.stream,
+                ),
+            )
             for s, ctx in enumerate(self.contexts)
         ]
 
@@ -387,6 +419,9 @@ def _make_plan(req: Request, split: _Split, *, simulate_it: bool) -> Plan:
         sharded=split.contexts[0].sharded,
         weight_dtype=req.weight_dtype,
         swap_stages=[s for s in range(d) if split.swap_flags[s]],
+        stream_stages=[s for s in range(d) if split.stream and split.swap_flags[s]],
+        weight_prefetch=req.weight_prefetch,
+        predicted_stall_s=[float(st["stall_s"]) for st in stages],
         objective=req.objective,
         topology=req.topology.name,
         devices=req.devices,
@@ -403,7 +438,7 @@ def _make_plan(req: Request, split: _Split, *, simulate_it: bool) -> Plan:
     )
 
 
-def plan(cost_fn: CostFn, req: Request, *, runners_up: int = 4) -> List[Plan]:
+def plan(cost_fn: CostFn, req: Request, *, runners_up: int = 4, explain: bool = True) -> List[Plan]:
     """The best plan for ``req`` first, then up to ``runners_up`` others, best first.
 
     Throughput: highest predicted samples/s; memory: lowest peak memory per device. Plans within
@@ -411,7 +446,8 @@ def plan(cost_fn: CostFn, req: Request, *, runners_up: int = 4) -> List[Plan]:
     (``_order``). The finalists' figures come from the simulator.
 
     Raises:
-        ConfigError: nothing fits; says the smallest per-device memory, or the fewest devices, that would.
+        ConfigError: nothing fits; says the smallest per-device memory, or the fewest devices, that would, and
+            (``explain``) which of the search's options left out would find a plan.
     """
     cache: Dict[int, Segments] = {}
 
@@ -440,26 +476,27 @@ def plan(cost_fn: CostFn, req: Request, *, runners_up: int = 4) -> List[Plan]:
             weight_copy_bytes=_weight_copy(req),
             bucket_bytes=req.bucket_bytes,
             waits=_waits(req, d, w, sharded=sh),
+            stream_window=req.weight_prefetch,
         )
-        res = partition(seg, ctxs, capacity=req.memory_per_device_bytes, objective=req.objective, allow_swap=req.swap)
-        if res is None:
-            continue
-        _, starts, flags = res
-        split = _Split(
-            seg=seg,
-            data_parallel=w,
-            microbatch_size=b,
-            num_microbatches=m,
-            recompute=rc,
-            starts=starts,
-            swap_flags=flags,
-            rank_map=rank_map,
-            contexts=ctxs,
-        )
-        p = _make_plan(req, split, simulate_it=False)
-        found.append((_rank_key(req.objective, p), p, split))
+        for stream in [False, True] if _streams(req, w) else [False]:
+            res = partition(
+                seg,
+                ctxs,
+                capacity=req.memory_per_device_bytes,
+                objective=req.objective,
+                allow_swap=req.swap,
+                stream=stream,
+            )
+            if res is None or (stream and not any(res[2])):  # fits without streaming: the first pass has it
+                continue
+            split = _Split(seg, w, b, m, rc, starts=res[1], swap_flags=res[2], rank_map=rank_map, contexts=ctxs)
+            split = dataclasses.replace(split, stream=stream)
+            if stream and not _host_fits(req, split):
+                continue
+            p = _make_plan(req, split, simulate_it=False)
+            found.append((_rank_key(req.objective, p), p, split))
     if not found:
-        raise ConfigError(_infeasible_message(segments, req, tried, num_layers))
+        raise ConfigError(_infeasible_message(segments, req, tried, num_layers) if explain else "no plan fits")
     order = _order([p for _, p, _ in found], req.objective, req.tolerance)
     found = [found[i] for i in order]
     finalists = []
@@ -474,8 +511,9 @@ def plan(cost_fn: CostFn, req: Request, *, runners_up: int = 4) -> List[Plan]:
                 allow_swap=req.swap,
                 time_limit=fastest,
                 swap_only_if_needed=True,
+                stream=split.stream,
             )
-            if lean is not None:
+            if lean is not None and _streaming_ok(req, split, lean):
                 split = dataclasses.replace(split, starts=lean[1], swap_flags=lean[2])
         finalists.append(_make_plan(req, split, simulate_it=True))
     finalists = [finalists[i] for i in _order(finalists, req.objective, req.tolerance)]
@@ -506,6 +544,37 @@ def _order(plans: Sequence[Plan], objective: str, tolerance: float) -> List[int]
         near.sort(key=lambda i: (peak[i], -speed[i]))
     rest = sorted((i for i in range(len(plans)) if i not in set(near)), key=lambda i: _rank_key(objective, plans[i]))
     return near + rest
+
+
+def _streams(req: Request, w: int) -> bool:
+    """Whether a candidate with ``w`` replicas may stream weights: what the runtime's swap.weights accepts
+    (config/validate.py, run/start.py) and where it saves device memory (a GPU's, not the host's own)."""
+    return (
+        req.stream
+        and w == 1
+        and req.topology.device == "cuda"
+        and req.weight_dtype == "fp32"
+        and not (req.step_agreement or req.tied)  # fp16, clipping and skip need a step agreement
+    )
+
+
+def _streaming_ok(req: Request, split: "_Split", lean) -> bool:
+    """Whether the second pass's split ``lean`` of a streaming ``split`` still streams (its costs count
+    swap.optimizer=host, which only a plan that streams sets) and fits the host."""
+    lean_split = dataclasses.replace(split, starts=lean[1], swap_flags=lean[2])
+    return not split.stream or (any(lean[2]) and _host_fits(req, lean_split))
+
+
+def _host_fits(req: Request, split: "_Split") -> bool:
+    """Whether each node's host memory holds what its stages keep there (streamed weights and state, swapped
+    activations)."""
+    used: Dict[int, float] = {}
+    for row, st in zip(split.rank_map, split.stage_costs()):
+        for r in row:
+            used[r // req.topology.devices_per_node] = (
+                used.get(r // req.topology.devices_per_node, 0.0) + st["host_bytes"]
+            )
+    return max(used.values()) <= req.topology.host_memory_gib * GIB
 
 
 def _weight_copy(req: Request) -> int:
@@ -549,9 +618,13 @@ def _min_memory(
         weight_copy_bytes=_weight_copy(req),
         bucket_bytes=req.bucket_bytes,
         waits=_waits(req, d, w, sharded=sharded),
+        stream_window=req.weight_prefetch,
     )
-    res = partition(seg, ctxs, capacity=math.inf, objective="memory", allow_swap=req.swap)
-    return math.inf if res is None else res[0]
+    best = math.inf
+    for stream in [False, True] if _streams(req, w) else [False]:
+        res = partition(seg, ctxs, capacity=math.inf, objective="memory", allow_swap=req.swap, stream=stream)
+        best = min(best, math.inf if res is None else res[0])
+    return best
 
 
 def _infeasible_message(segments: Callable[[int], Segments], req: Request, tried: int, num_layers: int) -> str:
@@ -563,8 +636,8 @@ def _infeasible_message(segments: Callable[[int], Segments], req: Request, tried
     if tried == 0:
         return (
             f"{what}: no (d, w, b) divides the global batch with d*w = {req.devices} devices "
-            f"(2bw also needs m >= d); change train.global_batch_size, the device count "
-            f"or partition.depths/microbatch_sizes"
+            f"(2bw also needs m >= d){_what_would_fit(segments, req)}; change train.global_batch_size, the device "
+            f"count or partition.depths/microbatch_sizes"
         )
     # The smallest per-device memory on these devices: the memory objective without a cap.
     best = math.inf
@@ -590,9 +663,55 @@ def _infeasible_message(segments: Callable[[int], Segments], req: Request, tried
         else f"; even a {num_layers}-stage pipeline does not fit in {cap:.3g} GiB"
     )
     return (
-        f"{what}: it {fix}; raise topology.memory_per_device_gib "
+        f"{what}: it {fix}{_what_would_fit(segments, req)}; raise topology.memory_per_device_gib "
         f"(topology.host_memory_gib for ranks sharing a CPU host) or the device count, or lower the batch"
     )
+
+
+# What the search left out, each as (what it is, the setting that lets the planner use it, the Request it changes),
+# offered when the request leaves it out: the "no plan" message says which of them finds a plan.
+_LEFT_OUT = (
+    ("sharding", "partition.sharded=null", lambda r: r.sharded is False and r.shardable, {"sharded": None}),
+    ("activation swapping", "partition.swap=true", lambda r: not r.swap, {"swap": True}),
+    ("weight streaming", "partition.stream=true", lambda r: not r.stream, {"stream": True}),
+    ("recomputation", "partition.recompute=null", lambda r: r.recompute is False, {"recompute": None}),
+    (
+        "any microbatch size",
+        "partition.microbatch_sizes=null",
+        lambda r: r.microbatch_sizes is not None,
+        {"microbatch_sizes": None},
+    ),
+    ("any depth", "partition.depths=null", lambda r: r.depths is not None, {"depths": None}),
+)
+
+
+def _what_would_fit(segments: Callable[[int], Segments], req: Request) -> str:
+    """``'; with sharding (partition.sharded=null) it fits: 2 x 4, b 1, peak 3.1 GiB'``: the search run again with
+    each option ``req`` leaves out (``_LEFT_OUT``), then with all of them together; ``''`` when it leaves none out."""
+    left_out = [(name, key, change) for name, key, applies, change in _LEFT_OUT if applies(req)]
+    if not left_out:
+        return ""
+
+    def best(changes: Dict[str, object]) -> Optional[Plan]:
+        try:
+            costs = lambda b: segments(b).layers  # noqa: E731 (the costs already taken, kept by the caller's cache)
+            return plan(costs, dataclasses.replace(req, **changes), runners_up=0, explain=False)[0]
+        except ConfigError:
+            return None
+
+    def fits(p: Plan) -> str:
+        peak = max(p.predicted_peak_memory_bytes) / GIB
+        return f"{p.num_stages} x {p.data_parallel}, b {p.microbatch_size}, peak {peak:.3g} GiB"
+
+    found = [(name, key, p) for name, key, change in left_out if (p := best(change)) is not None]
+    if found:
+        return "; " + "; ".join(f"with {name} ({key}) it fits: {fits(p)}" for name, key, p in found)
+    keys = " ".join(key for _, key, _ in left_out)
+    together = best({k: v for _, _, change in left_out for k, v in change.items()}) if len(left_out) > 1 else None
+    if together is not None:
+        return f"; with {', '.join(name for name, _, _ in left_out)} together ({keys}) it fits: {fits(together)}"
+    names = " or ".join(name for name, _, _ in left_out)
+    return f"; {names} ({keys}) would not find a plan either{', alone or together' if len(left_out) > 1 else ''}"
 
 
 # ---------------------------------------------------------------- plan files

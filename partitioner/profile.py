@@ -277,16 +277,21 @@ def analytic_gpt(
 
     Under a resolved ``precision`` (fp32, bf16, fp16) as the runtime trains: activations in the
     compute dtype, plus autocast's compute-dtype copy of the matmul weights per microbatch;
-    weights, gradient and optimizer state per parameter from ``precision.param_memory``.
+    weights, gradient and optimizer state per parameter from ``precision.param_memory`` (under Muon, its state
+    for the blocks' matrices and optim.muon_others' for the rest).
     """
     T, C, V = cfg.seq_len, cfg.d_model, cfg.vocab_size
     flops, bw = topo.peak_tflops * 1e12, topo.memory_bw_gbps * 1e9
-    pm = precisions.param_memory(
-        precision,
-        schedule="flush",
-        optimizer=optimizer_name(optim),
-        optimizer_kwargs=optim.kwargs,
-        delay_correction=optim.delay_correction,
+    muon = optimizer_name(optim) == "muon"
+    pm, pm_matrices = (
+        precisions.param_memory(
+            precision,
+            schedule="flush",
+            optimizer=name,
+            optimizer_kwargs=optim.kwargs,
+            delay_correction=optim.delay_correction,
+        )
+        for name in ((optim.muon_others, "muon") if muon else (optimizer_name(optim),) * 2)
     )
     dtype_bytes = precisions.compute_dtype(precision).itemsize
     btc = b * T * C * dtype_bytes
@@ -295,8 +300,11 @@ def analytic_gpt(
         return 3 * nbytes / bw
 
     def make(name, fwd_flops, fwd_bytes, params, saved, inp, out, matmul_params=0) -> LayerCost:
+        # optim.name=muon steps a block's matrices (the default optim.muon_exclude leaves the embedding and head
+        # to optim.muon_others, with the norms and biases)
         pbytes = params * pm.weight_copy
-        state = params * (pm.optimizer + pm.master)
+        state = (params - matmul_params) * (pm.optimizer + pm.master)
+        state += matmul_params * ((pm_matrices if "block" in name else pm).optimizer + pm.master)
         saved += matmul_params * pm.cast_per_microbatch
         fwd = max(fwd_flops / flops, fwd_bytes / bw)
         return LayerCost(

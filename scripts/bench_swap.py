@@ -3,6 +3,7 @@
     python scripts/bench_swap.py                      # CUDA if available, else CPU with small defaults
     python scripts/bench_swap.py --d-model 2048 --seq-len 1024 --microbatch-size 4 --resident 1
     python scripts/bench_swap.py --schedule gpipe --num-stages 2   # all m microbatches in flight
+    python scripts/bench_swap.py --host-step-compare      # swap.optimizer=host: step time, host step sync vs background
 
 The stage is the first of a ``--num-stages`` split of the GPT (embedding + its blocks), run
 alone with its real action list (``schedule.stage_actions``; under 2bw up to d microbatches in
@@ -30,6 +31,12 @@ a plain pinned copy measured the same way. On a CPU the "device" is host memory,
 PCIe link and copies are worker-thread memcpys: the figures then only show the mechanism
 works, and the script says so. GPU target: >= 40% less activation memory for <= 10% more
 step time.
+
+``--host-step-compare`` measures swap.host_step instead (no swapping): the same stage with its optimizer on
+the host (``HostOptimizerVersions``), the step on the training thread ('sync') against on a thread of its own
+while the next batch computes ('background', 2bw only), alternating for ``--repeats`` rounds; it prints the
+median step time of each (the median over a round's timed batches, then over rounds), the background thread's
+step time and how much of it training waited for, and whether the weights are bit for bit the same.
 """
 
 from __future__ import annotations
@@ -49,6 +56,7 @@ from torch import nn
 
 from pipedream2bw.config import GPTConfig, gpt_balance
 from pipedream2bw.io.fileio import atomic_write
+from pipedream2bw.memory.host_optim import HostOptimizerVersions
 from pipedream2bw.memory.memprobe import SavedBytes, tensor_peak
 from pipedream2bw.memory.swap import CpuBackend, SwapManager, TransferBackend, make_backend
 from pipedream2bw.models import build_gpt_layers
@@ -132,11 +140,19 @@ def run_stage(args, device: torch.device, *, swap: bool, memory: bool, timed: bo
     return out
 
 
-def _train_stage(args, device: torch.device, *, backend: Optional[TransferBackend], timed: bool):
+def _train_stage(
+    args, device: torch.device, *, backend: Optional[TransferBackend], timed: bool, host_step: Optional[str] = None
+):
+    """``host_step`` ('sync' or 'background'): the optimizer on the host (swap.optimizer=host, swap.host_step)."""
     torch.manual_seed(0)
-    versions = WeightVersions(
-        build_stage(args, device), schedule=args.schedule, optimizer_factory=lambda ps: torch.optim.AdamW(ps, lr=1e-4)
-    )
+    factory = lambda ps: torch.optim.AdamW(ps, lr=1e-4)  # noqa: E731
+    module = build_stage(args, device)
+    if host_step is None:
+        versions = WeightVersions(module, schedule=args.schedule, optimizer_factory=factory)
+    else:
+        versions = HostOptimizerVersions(
+            module, schedule=args.schedule, optimizer_factory=factory, background=host_step == "background"
+        )
     m, b, T, C = args.num_microbatches, args.microbatch_size, args.seq_len, args.d_model
     gen = torch.Generator().manual_seed(1)
     inputs = [torch.randint(0, 256, (b, T), generator=gen).to(device) for _ in range(m)]
@@ -181,7 +197,10 @@ def _train_stage(args, device: torch.device, *, backend: Optional[TransferBacken
             if a.index >= args.warmup:
                 step_times.append(now - t0)
             t0 = now
+    versions.settle()  # a background host step still running
     out: Dict[str, Any] = {
+        "host_step_s": getattr(versions, "host_step_s", 0.0),
+        "host_step_wait_s": getattr(versions, "host_step_wait_s", 0.0),
         "step_time_s": statistics.median(step_times) if timed else None,
         "saved_bytes_per_microbatch": saved_one,
         "weights": {k: v.detach().cpu() for k, v in versions.newest().state_dict().items()},
@@ -230,6 +249,11 @@ def main() -> None:
         default="auto",
         help="torch.use_deterministic_algorithms for every run (auto: on with CUDA; CPU kernels are deterministic)",
     )
+    parser.add_argument(
+        "--host-step-compare",
+        action="store_true",
+        help="measure swap.host_step (sync against background, optimizer on the host) instead of swapping",
+    )
     parser.add_argument("--json", default="bench_swap.json")
     args = parser.parse_args()
     device = torch.device(
@@ -253,6 +277,8 @@ def main() -> None:
             " they show the mechanism runs, not what a GPU gains)"
         )
     print("config:", {k: v for k, v in vars(args).items()})
+    if args.host_step_compare:
+        return compare_host_step(args, device)
 
     cuda = device.type == "cuda"
     runs = {"no_swap": [], "swap": []}
@@ -292,6 +318,44 @@ def main() -> None:
         "counted_activation_reduction": 1 - sw["peak_device_bytes"] / base["expected_activation_bytes"],
     }
     _print(result)
+    atomic_write(Path(args.json), (json.dumps(result, indent=2) + "\n").encode())
+    print(f"wrote {args.json}")
+
+
+def compare_host_step(args, device: torch.device) -> None:
+    """--host-step-compare: the stage with its optimizer on the host, the step sync against background."""
+    runs: Dict[str, list] = {"sync": [], "background": []}
+    for _ in range(args.repeats):
+        for mode in runs:
+            gc.collect()
+            runs[mode].append(_train_stage(args, device, backend=None, timed=True, host_step=mode)[0])
+    base_w = runs["sync"][0]["weights"]
+    rows = {
+        mode: {
+            "step_time_s": statistics.median(r["step_time_s"] for r in rs),
+            "host_step_s_per_run": statistics.median(r["host_step_s"] for r in rs),
+            "host_step_wait_s_per_run": statistics.median(r["host_step_wait_s"] for r in rs),
+        }
+        for mode, rs in runs.items()
+    }
+    result = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "args": vars(args),
+        "rows": rows,
+        "weights_identical": all(
+            torch.equal(r["weights"][k], base_w[k]) for rs in runs.values() for r in rs for k in base_w
+        ),
+        "speedup": rows["sync"]["step_time_s"] / rows["background"]["step_time_s"],
+    }
+    for mode, row in rows.items():
+        print(
+            f"  host step {mode:10s} step {row['step_time_s'] * 1e3:8.2f} ms  (background thread "
+            f"{row['host_step_s_per_run'] * 1e3:.1f} ms a run, training waited "
+            f"{row['host_step_wait_s_per_run'] * 1e3:.1f} ms)"
+        )
+    print(
+        f"  sync / background step time: {result['speedup']:.3f}x; weights bit-identical: {result['weights_identical']}"
+    )
     atomic_write(Path(args.json), (json.dumps(result, indent=2) + "\n").encode())
     print(f"wrote {args.json}")
 

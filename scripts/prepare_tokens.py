@@ -18,6 +18,7 @@ on first use and caches it: offline, only an encoding already cached works).
 from __future__ import annotations
 
 import argparse
+import codecs
 import gzip
 import json
 import sys
@@ -82,19 +83,52 @@ def make_tokenizer(spec: str) -> Tuple[Callable[[bytes], Sequence[int]], int]:
     )
 
 
+class _Replaced:
+    """What decoding for a text tokenizer replaced: invalid UTF-8 bytes, the lines holding them, the first one."""
+
+    def __init__(self) -> None:
+        self.bytes, self.lines, self.first = 0, 0, ""
+        self.chunk: Tuple[str, int] = ("", 0)  # the file being read, and the line its current chunk starts at
+
+    def decode(self, raw: bytes) -> str:
+        """``raw`` as text, each invalid byte sequence replaced with U+FFFD, counted."""
+        lines = set()
+
+        def count(e: UnicodeDecodeError) -> Tuple[str, int]:
+            self.bytes += e.end - e.start
+            line = e.object.count(b"\n", 0, e.start)
+            lines.add(line)
+            if not self.first:
+                self.first = f"{self.chunk[0]} line {self.chunk[1] + line + 1}"
+            return "\ufffd", e.end
+
+        codecs.register_error(_ERRORS, count)  # (re-)registered for this chunk's set of lines
+        text = raw.decode("utf-8", errors=_ERRORS)
+        self.lines += len(lines)
+        return text
+
+
+_ERRORS = "prepare_tokens_count"
+REPLACED = _Replaced()  # reset by each prepare()
+
+
 def _text(raw: bytes) -> str:
-    return raw.decode("utf-8", errors="replace")  # a chunk ends at a newline, never inside a character
+    return REPLACED.decode(raw)  # a chunk ends at a newline, never inside a character
 
 
 def read_chunks(paths: Sequence[Path], chunk_bytes: int = CHUNK_BYTES) -> Iterator[bytes]:
     """The contents of ``paths`` (plain or .gz) in pieces of whole lines of about ``chunk_bytes``."""
     for path in paths:
         with (gzip.open if path.suffix == ".gz" else open)(path, "rb") as f:
+            line = 0
             while True:
                 raw = f.read(chunk_bytes)
                 if not raw:
                     break
-                yield raw + f.readline()  # end on a line boundary
+                raw += f.readline()  # end on a line boundary
+                REPLACED.chunk = (str(path), line)
+                yield raw
+                line += raw.count(b"\n")
 
 
 def prepare(inputs: Sequence[Path], out: Path, *, tokenizer: str) -> dict:
@@ -106,6 +140,7 @@ def prepare(inputs: Sequence[Path], out: Path, *, tokenizer: str) -> dict:
     if out.suffix != TOKEN_SUFFIX:
         sys.exit(f"--out ({out}) must end in {TOKEN_SUFFIX}: training reads data.path as token ids only then")
     encode, vocab_size = make_tokenizer(tokenizer)
+    REPLACED.__init__()
     dtype = "uint16" if vocab_size <= 1 << 16 else "uint32"
     out.parent.mkdir(parents=True, exist_ok=True)
     count = 0
@@ -123,6 +158,7 @@ def prepare(inputs: Sequence[Path], out: Path, *, tokenizer: str) -> dict:
         "num_tokens": count,
         "tokenizer": tokenizer,
         "sources": [str(p) for p in inputs],
+        "replaced_bytes": REPLACED.bytes,  # invalid UTF-8 a text tokenizer saw as U+FFFD
     }
     atomic_write(meta_path(out), (json.dumps(meta, indent=2) + "\n").encode())
     return meta
@@ -140,6 +176,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     if missing:
         sys.exit(f"not a file: {', '.join(missing)}")
     meta = prepare(args.inputs, args.out, tokenizer=args.tokenizer)
+    if REPLACED.bytes:
+        print(
+            f"prepare_tokens.py: {REPLACED.bytes} bytes of invalid UTF-8 on {REPLACED.lines} "
+            f"line{'s' if REPLACED.lines != 1 else ''} (the first: {REPLACED.first}) were tokenized as U+FFFD; "
+            "convert the text to UTF-8 first (iconv -f <its encoding> -t utf-8), or use --tokenizer bytes, "
+            "which keeps the bytes as they are",
+            file=sys.stderr,
+        )
     model = (
         f"model=hf model.pretrained={args.tokenizer[3:]}"
         if args.tokenizer.startswith("hf:")

@@ -8,9 +8,23 @@ python scripts/show_schedule.py --batch-sends    # the lowering under NCCL: send
 from __future__ import annotations
 
 import argparse
+import sys
 
 from pipedream2bw.pipeline.schedule import STEP, pipeline_actions, rank_actions, render, render_lowered, simulate
 from pipedream2bw.pipeline.versions import max_versions_alive
+
+
+def refusal(schedule: str, d: int, m: int, num_batches: int) -> str:
+    """Why the runtime would not run these values (one line with the fix), or ``''``."""
+    for flag, value in (("--num-stages", d), ("--num-microbatches", m), ("--num-batches", num_batches)):
+        if value < 1:
+            return f"{flag} ({value}) must be at least 1"
+    if schedule == "2bw" and m < d:  # as pipeline.num_microbatches >= pipeline.num_stages (config/validate.py)
+        return (
+            f"--num-microbatches ({m}) must be >= --num-stages ({d}) for 2bw (two weight versions suffice only then; "
+            f"training refuses it too); raise --num-microbatches to {d} or more, or use --schedule flush"
+        )
+    return ""
 
 
 def main() -> None:
@@ -26,6 +40,10 @@ def main() -> None:
     )
     args = parser.parse_args()
     d, m = args.num_stages, args.num_microbatches
+    problem = refusal(args.schedule, d, m, args.num_batches)
+    if problem:
+        print(f"show_schedule.py: {problem}", file=sys.stderr)
+        sys.exit(2)
     actions = pipeline_actions(args.schedule, num_stages=d, num_microbatches=m, num_batches=args.num_batches)
     grid = simulate(actions)
     print(render(grid))

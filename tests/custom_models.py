@@ -71,6 +71,17 @@ def tuple_layers(*, width: int, seed: int, indices: Optional[Sequence[int]] = No
     return out
 
 
+def all_layers_whatever_the_indices(*, width: int = 4, indices: Optional[Sequence[int]] = None) -> List[nn.Module]:
+    """Takes ``indices`` and ignores them: the whole list every time (a mistake, for the tests)."""
+    return tuple_layers(width=width, seed=0)
+
+
+def first_layers_whatever_the_indices(*, width: int = 4, indices: Optional[Sequence[int]] = None) -> List[nn.Module]:
+    """As many layers as ``indices`` holds, but the list's first ones (a mistake, for the tests)."""
+    whole = tuple_layers(width=width, seed=0)
+    return whole if indices is None else whole[: len(indices)]
+
+
 def not_a_list(*, width: int = 4):
     return nn.Linear(width, width)
 

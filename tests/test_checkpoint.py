@@ -105,7 +105,7 @@ def test_checkpoint_of_another_model_is_refused_on_every_rank(tmp_path):
     run_ok(config(steps=2, every=2), tmp_path / "src")
     other = config(steps=4, resume=str(tmp_path / "src"))
     other.model.d_model = 48
-    results = spawn(train, world_size=2, args=(other, str(tmp_path / "dst")), log_dir=tmp_path / "logs", timeout_s=60)
+    results = spawn(train, world_size=2, args=(other, str(tmp_path / "dst")), log_dir=tmp_path / "logs", timeout_s=240)
     for r in results:
         assert r.exitcode != 0
         assert "ConfigError" in r.log and "written for another model" in r.log, r.log
@@ -126,7 +126,7 @@ def test_check_model_names_the_mismatched_parameters():
 @pytest.mark.slow
 def test_resume_path_without_checkpoint_is_a_config_error(tmp_path):
     cfg = config(steps=2, resume=str(tmp_path))
-    results = spawn(train, world_size=2, args=(cfg, str(tmp_path / "run")), log_dir=tmp_path / "logs", timeout_s=60)
+    results = spawn(train, world_size=2, args=(cfg, str(tmp_path / "run")), log_dir=tmp_path / "logs", timeout_s=240)
     assert all(r.exitcode != 0 and "holds no complete checkpoint" in r.log for r in results), [r.log for r in results]
 
 
@@ -231,7 +231,7 @@ def test_ranks_with_their_own_run_directories_agree_on_resuming(tmp_path):
         world_size=2,
         args=(config(steps=2, every=2), str(tmp_path)),
         log_dir=tmp_path / "logs",
-        timeout_s=90,
+        timeout_s=240,
     )
     assert all(r.exitcode == 0 for r in results), [r.log for r in results]
     assert json.loads((tmp_path / "rank0" / "summary.json").read_text())["first_step"] == 0

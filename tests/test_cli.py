@@ -162,7 +162,7 @@ def test_every_entry_point_answers_help(tmp_path):
 def test_config_error_imports_without_torch():
     # ConfigError's module must stay torch-free: tools that only raise or catch it need not load torch.
     code = "import sys; from pipedream2bw.errors import ConfigError; assert 'torch' not in sys.modules, 'torch'"
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     from pipedream2bw.config import ConfigError as reexported
     from pipedream2bw.errors import ConfigError

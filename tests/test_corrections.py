@@ -42,6 +42,18 @@ def test_refused_at_config_time(optim, w, pattern):
         validate(_config(w=w, **optim), world_size=2 * w)
 
 
+def test_the_planner_never_shards_muon_nor_suggests_it():
+    from partitioner.auto import make_request
+
+    cfg = _config(name="muon")
+    cfg.partition = dataclasses.replace(cfg.partition, mode="auto", sharded=None)  # "let the search try both"
+    req = make_request(cfg, devices=4)
+    assert req.sharded is False and not req.shardable  # a sharded plan would be refused when it runs
+    cfg.partition = dataclasses.replace(cfg.partition, sharded=True)
+    with pytest.raises(ConfigError, match=r"partition.sharded \(true\) with optim.name \(muon\)"):
+        validate(cfg, world_size=2)
+
+
 def test_muon_takes_the_hidden_matrices_only():
     """The default split: Muon for the blocks' 2-D weights; embeddings, the LM head (tied or not), norms and biases
     go to the other optimizer; optim.muon_exclude overrides it."""

@@ -231,6 +231,31 @@ def test_prepare_tokens_writes_a_token_file_training_accepts(tmp_path):
     check(cfg, world_size=2)
 
 
+def test_prepare_tokens_says_how_much_invalid_utf8_a_text_tokenizer_saw_replaced(tmp_path, capsys):
+    # issue 35: a text tokenizer's input was decoded with errors="replace" without a word.
+    prepare = _prepare_tokens()
+    tokenizers = pytest.importorskip(
+        "tokenizers", reason="the optional extra is not installed: pip install 'pipedream2bw[tokenize]'"
+    )
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({"[UNK]": 0, "a": 1}, unk_token="[UNK]"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    text = tmp_path / "latin1.txt"
+    text.write_bytes(b"a a\ncaf\xe9 a\na\n\xff\xfe a\n")  # Latin-1 bytes: 3 invalid on lines 2 and 4
+    args = [str(text), "--out", str(tmp_path / "t.bin"), "--tokenizer", f"tokenizers:{tmp_path / 'tokenizer.json'}"]
+    prepare.main(args)
+    err = capsys.readouterr().err.splitlines()
+    assert err == [
+        f"prepare_tokens.py: 3 bytes of invalid UTF-8 on 2 lines (the first: {text} line 2) were tokenized as U+FFFD; "
+        "convert the text to UTF-8 first (iconv -f <its encoding> -t utf-8), or use --tokenizer bytes, which keeps "
+        "the bytes as they are"
+    ]
+    assert json.loads(meta_path(tmp_path / "t.bin").read_text())["replaced_bytes"] == 3
+    text.write_bytes("a caf\u00e9\n".encode())  # valid UTF-8: nothing said
+    prepare.main(args)
+    assert capsys.readouterr().err == ""
+
+
 BAD_FILES = {  # what a token file holds -> the error every rank must give
     "odd_size": (b"\x01\x00" * 100 + b"\x01", r"has 201 bytes, not a multiple of 2: not a file of uint16 token ids"),
     "id_over_vocab": (
@@ -300,7 +325,7 @@ def test_each_bad_token_file_stops_every_rank_before_any_group_starts(tmp_path):
                 f"hydra.run.dir={tmp_path / bad}",
             ]
         )
-    results = spawn(train_cli, world_size=2, args=(runs,), log_dir=tmp_path / "logs", timeout_s=60)
+    results = spawn(train_cli, world_size=2, args=(runs,), log_dir=tmp_path / "logs", timeout_s=240)
     for r in results:  # each rank on its own: exit 2 with the error, no process group ever started
         assert r.exitcode == 0 and "process group was started" not in r.log, r.log
         assert r.log.count("EXIT 2") == len(BAD_FILES), r.log

@@ -207,7 +207,7 @@ def test_bad_sources_fail_every_rank_before_any_group_starts(tmp_path):
         ["model=hf", f"model.pretrained={tmp_path / 'bad'}", *common, f"hydra.run.dir={tmp_path / 'b'}"],
         ["model=gpt", f"train.export_hf={tmp_path / 'out'}", *common, f"hydra.run.dir={tmp_path / 'c'}"],
     ]
-    results = spawn(train_cli, world_size=2, args=(runs,), log_dir=tmp_path / "logs", timeout_s=90)
+    results = spawn(train_cli, world_size=2, args=(runs,), log_dir=tmp_path / "logs", timeout_s=240)
     for r in results:
         assert r.exitcode == 0 and "process group was started" not in r.log and r.log.count("EXIT 2") == 3, r.log
         assert re.search(r"model.pretrained \(meta-llama/Llama-3.2-1B\) is not a local directory. It looks like a "

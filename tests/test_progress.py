@@ -56,3 +56,56 @@ def test_bar_is_silent_when_not_a_terminal(tmp_path):
     assert bar.disable
     _drive(bar, tmp_path, [5.5, 5.25, 4.75])
     assert out.getvalue() == ""
+
+
+def _screen(raw: str) -> list:
+    """The lines a terminal shows for ``raw``: '\\r' returns to column 0, '\\n' starts a line, escapes skipped."""
+    lines, line, col = [], [], 0
+    for ch in re.sub(r"\x1b\[[0-9;]*[A-Za-z]", "", raw):
+        if ch == "\r":
+            col = 0
+        elif ch == "\n":
+            lines.append("".join(line).rstrip())
+            line, col = [], 0
+        else:
+            line[col : col + 1] = [ch]
+            col += 1
+    return lines + ["".join(line).rstrip()]
+
+
+def test_a_log_line_or_a_warning_does_not_land_on_the_bar_line(tmp_path, monkeypatch):
+    # issue 35: a log line written while the bar was drawn (the last validation losses, logged by finish()
+    # before it closes the bar) continued the bar's line: "train: 67%|...| 2/3 [...]validation loss ...".
+    import logging
+    import warnings
+
+    master, slave = os.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))
+    with os.fdopen(slave, "w") as tty:
+        monkeypatch.setattr("sys.stderr", tty)  # the console handler writes where the bar draws, as a run's do
+        handler = logging.StreamHandler(tty)
+        logging.getLogger().addHandler(handler)
+        try:
+            bar = progress_bar(3)
+            bar.update(2)
+            bar.refresh()
+            logging.getLogger("pipedream2bw.run.step_hooks").warning("validation loss 4.5")
+            warnings.warn("a torch warning", UserWarning, stacklevel=1)
+            bar.update(1)
+            bar.close()
+        finally:
+            logging.getLogger().removeHandler(handler)
+    os.set_blocking(master, False)
+    chunks = []
+    while True:
+        try:
+            chunks.append(os.read(master, 1 << 16))
+        except (BlockingIOError, OSError):
+            break
+    os.close(master)
+    screen = _screen(b"".join(chunks).decode())
+    # a line of its own, the bar's text nowhere on it (an earlier test may have set a "[rank r]" log prefix)
+    assert any(line.endswith("validation loss 4.5") and "|" not in line for line in screen), screen
+    assert any(line.endswith("UserWarning: a torch warning") for line in screen), screen
+    assert not any("train" in line and "warning" in line for line in screen), screen
+    assert any("3/3" in line for line in screen), screen  # the bar, redrawn below, finishes

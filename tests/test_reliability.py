@@ -343,7 +343,7 @@ def test_hydras_own_refusals_and_a_bad_signal_name_exit_2(tmp_path):
     # create) and a bad train.preempt_signals exited 1, where bad input exits 2 (docs/checkpoints.md)
     common = ["wandb.mode=disabled", "pipeline.num_stages=1", f"hydra.run.dir={tmp_path / 'run'}"]
     runs = [["train.num_steps=abc", *common], ["train.preempt_signals=[SIGFOO]", *common]]
-    results = spawn(train_cli, world_size=1, args=(runs,), log_dir=tmp_path / "logs", timeout_s=90)
+    results = spawn(train_cli, world_size=1, args=(runs,), log_dir=tmp_path / "logs", timeout_s=240)
     log = results[0].log
     assert log.count("EXIT 2") == 2 and "process group was started" not in log, log
     assert "'SIGFOO' is not a signal that can be caught here" in log, log

@@ -297,3 +297,17 @@ def test_show_schedule_prints_sends_and_receives(monkeypatch, capsys):
         "   3  RECV_B0 RECV_B1 WAIT_B0 FREE_F0 B0  RECV_F2 WAIT_F1 F1",
     ]
     assert len(table) == 1 + 12  # the header and the compute grid's 12 ticks
+
+
+def test_show_schedule_refuses_fewer_microbatches_than_stages_for_2bw(monkeypatch, capsys):
+    # issue 35: m < d under 2bw printed an invalid grid, then a ScheduleError traceback; training refuses m < d.
+    script = Path(__file__).resolve().parents[1] / "scripts" / "show_schedule.py"
+    monkeypatch.setattr(sys, "argv", [str(script), "--num-stages", "4", "--num-microbatches", "2"])
+    with pytest.raises(SystemExit) as exit_:
+        runpy.run_path(str(script), run_name="__main__")
+    out, err = capsys.readouterr()
+    assert exit_.value.code == 2 and out == ""
+    assert err.splitlines() == [
+        "show_schedule.py: --num-microbatches (2) must be >= --num-stages (4) for 2bw (two weight versions suffice "
+        "only then; training refuses it too); raise --num-microbatches to 4 or more, or use --schedule flush"
+    ]

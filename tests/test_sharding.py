@@ -508,3 +508,28 @@ def test_resuming_with_another_weight_dtype_is_refused_unless_not_strict(four_ra
     fp32_compute = _bf16_versions(1, 1)
     fp32_compute.train.precision = cfg.train.precision = "fp32"
     assert training_settings(fp32_compute) == training_settings(cfg)
+
+
+def test_sharded_collectives_raise_no_deprecation_warning():
+    # issue 35: optim.sharded=true printed torch's FutureWarning (all_gather_into_tensor, reduce_scatter_tensor are
+    # deprecated from torch 2.13) on every rank. One process, a group of one, every warning an error.
+    import datetime
+    import warnings
+    from types import SimpleNamespace
+
+    from pipedream2bw.pipeline import comm
+
+    dist = torch.distributed
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            full = torch.zeros(4)
+            comm.all_gather_async(
+                SimpleNamespace(rank=0, timeout=datetime.timedelta(seconds=60)), torch.arange(4.0), full, group=None
+            )()
+            out = torch.zeros(4)
+            comm._REDUCE_SCATTER(out, torch.arange(4.0), group=None)
+    finally:
+        dist.destroy_process_group()
+    assert full.tolist() == out.tolist() == [0.0, 1.0, 2.0, 3.0]

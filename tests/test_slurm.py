@@ -209,7 +209,7 @@ def test_launcher_job_signalled_before_its_limit_is_requeued_and_resumes_bit_for
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert cluster.wait_job(job_id, timeout_s=30) == "COMPLETED"
+    assert cluster.wait_job(job_id, timeout_s=300) == "COMPLETED"
     tasks = "".join(p.read_text() for p in sorted(sweep_dir.glob(f".submitit/{job_id}/*_log.*")))
     _assert_requeued_and_bit_exact(sweep_dir / "0", tasks + (sweep_dir / "0" / "train.log").read_text(), uninterrupted)
 
@@ -232,7 +232,7 @@ def test_a_cancelled_job_is_not_requeued(cluster, tmp_path):
         assert time.monotonic() < deadline
         time.sleep(0.05)
     cluster.run("scancel", job_id.strip())
-    assert cluster.wait_job(job_id.strip(), timeout_s=60) == "CANCELLED"
+    assert cluster.wait_job(job_id.strip(), timeout_s=300) == "CANCELLED"
     assert "requeued: False" in out.read_text(), out.read_text()
 
 

@@ -237,3 +237,21 @@ def test_checkpoint_state_round_trips_into_host_buffers():
         for k in state["optimizer"][n]
     )
     assert all(p.untyped_storage().data_ptr() in host for r in fresh.replicas for p in r.parameters())
+
+
+@pytest.mark.slow
+@pytest.mark.long  # three launches: 42 s on the loaded machine
+def test_a_streamed_stage_resumes_through_the_trainer_bit_for_bit(tmp_path):
+    """4 steps straight == 2 steps, a checkpoint, a resume and 2 more, on a streamed stage (2bw: both versions and
+    Adam's state go through the checkpoint into the host buffers): every loss and the final weights, bit for bit."""
+    cfg = tiny_config(schedule="2bw", num_stages=1, num_microbatches=2, num_steps=4)
+    cfg.swap.enabled, cfg.swap.weights, cfg.swap.optimizer = True, True, "host"
+    cfg.train.checkpoint_every = 2
+    straight = run_ok(cfg, tmp_path / "straight")
+    first = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, num_steps=2))
+    run_ok(first, tmp_path / "resumed")
+    resumed = run_ok(cfg, tmp_path / "resumed")  # train.resume=auto: from the run directory's checkpoint of step 2
+    assert resumed["first_step"] == 2 and resumed["ranks"][0]["stream"]["loads"] > 0
+    assert resumed["losses"] == straight["losses"]
+    a, b = torch.load(tmp_path / "resumed" / "final_model.pt"), torch.load(tmp_path / "straight" / "final_model.pt")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

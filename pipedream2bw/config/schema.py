@@ -389,6 +389,10 @@ class PartitionConfig:
     """Let the planner swap activations to host memory on stages that would not fit otherwise."""
     swap_resident: int = 1
     """Microbatches whose activations stay on device on a swapping stage (swap.resident)."""
+    stream: bool = True
+    """Let the planner stream weights from host memory (swap.weights, docs/memory.md) on stages that would not fit
+    otherwise: on GPUs, with data_parallel=1 and what swap.weights accepts; such a stage swaps its activations too,
+    and the plan sets swap.optimizer=host."""
     cache_dir: Optional[str] = None
     """Profile cache directory; null: ~/.cache/pipedream2bw."""
     repeats: int = 5
@@ -416,6 +420,11 @@ class SwapConfig:
     optimizer: str = "device"
     """'device', or 'host': every stage keeps its optimizer state and runs its update in host memory
     (KARMA, ZeRO-Offload); gradients go to the host at the step, new weights come back."""
+    host_step: str = "auto"
+    """swap.optimizer=host: where the host optimizer step runs. 'background': on a thread of its own, while the next
+    batch computes (2bw only: W(t+1) is first read by batch t+2's forward; bit for bit the synchronous step);
+    'sync': on the training thread; 'auto': background where it can be (2bw, and a stage whose masters are not
+    sharded, compute-dtype or streamed), else sync."""
     weights: bool = False
     """Stream weights (docs/memory.md): on the stages that swap, the weight versions, gradient accumulators and
     optimizer state live in host memory and each layer's weights come to the device only for its forward and its

@@ -54,6 +54,8 @@ def _validate_swap(swap: SwapConfig, num_stages: int) -> None:
             )
     if swap.optimizer not in ("device", "host"):
         raise ConfigError(f"swap.optimizer ({swap.optimizer!r}) is unknown; use 'device' or 'host'")
+    if swap.host_step not in HOST_STEPS:
+        raise ConfigError(f"swap.host_step ({swap.host_step!r}) is unknown; use one of {list(HOST_STEPS)}")
     if swap.min_bytes < 0:
         raise ConfigError(f"swap.min_bytes ({swap.min_bytes}) must be >= 0 (0 swaps every saved storage)")
     if swap.resident < 0:
@@ -90,10 +92,34 @@ def _validate_weight_stream(cfg: Config) -> None:
         )
     elif cfg.train.eval_every:
         why = f"train.eval_every ({cfg.train.eval_every}): validation passes do not stream weights yet; set it to 0"
-    elif cfg.partition.mode != "manual":
-        why = f"partition.mode ({cfg.partition.mode}): the planner does not model streamed stages yet; use manual"
     if why is not None:
         raise ConfigError(f"swap.weights (true) with {why}")
+
+
+HOST_STEPS = ("auto", "background", "sync")  # swap.host_step
+
+
+def _validate_host_step(cfg: Config) -> None:
+    """swap.host_step=background: where the host step can leave the training thread (memory/host_optim.py)."""
+    s, p = cfg.swap, cfg.pipeline
+    if s.host_step != "background":
+        return
+    why = None
+    if s.optimizer != "host":
+        why = f"swap.optimizer ({s.optimizer!r}): only a host optimizer steps on a thread; set swap.optimizer=host"
+    elif p.schedule != "2bw":
+        why = (
+            f"pipeline.schedule ({p.schedule!r}): batch t+1's first forward reads W(t+1) at once, so there is no "
+            "batch to overlap the step with; use schedule=2bw or swap.host_step=sync"
+        )
+    elif s.weights:
+        why = "swap.weights (true): streamed stages step their host layers synchronously; use swap.host_step=auto"
+    elif cfg.optim.sharded and p.data_parallel > 1:
+        why = "optim.sharded: sharded masters step synchronously; use swap.host_step=auto or sync"
+    elif cfg.train.weight_dtype == "compute" and cfg.train.precision != "fp32":
+        why = "train.weight_dtype (compute): compute-dtype weights step synchronously; use swap.host_step=auto or sync"
+    if why is not None:
+        raise ConfigError(f"swap.host_step (background) with {why}")
 
 
 def _validate_step_rules(cfg: Config) -> None:
@@ -280,6 +306,7 @@ def validate(
     _validate_run(cfg, local_world_size)
     _validate_swap(cfg.swap, p.num_stages)
     _validate_weight_stream(cfg)
+    _validate_host_step(cfg)
     return balance
 
 
@@ -394,6 +421,12 @@ def _validate_optim_extras(cfg: Config) -> None:
                 "optim.name (muon) with optim.sharded (true) at pipeline.data_parallel > 1: Muon orthogonalizes "
                 "whole matrices, and sharding gives each replica a flat piece of every parameter; set "
                 "optim.sharded=false (or use an elementwise optimizer such as adamw)"
+            )
+        if cfg.partition.sharded and cfg.partition.mode == "auto":
+            raise ConfigError(
+                "partition.sharded (true) with optim.name (muon): the plan's replicas would shard the optimizer, and "
+                "Muon orthogonalizes whole matrices; drop partition.sharded (the search then never shards Muon) or "
+                "use an elementwise optimizer such as optim.name=adamw"
             )
     if o.delay_correction == "none":
         return

@@ -19,6 +19,9 @@ from typing import Dict, List, NamedTuple, Optional, Sequence
 COMPUTE_KINDS = ("F", "B", "S")  # forward, backward, optimizer step: the rank's own work
 COMM_KINDS = ("send", "recv", "allreduce", "loss")  # posting a send; waiting on a receive, an all-reduce, a loss
 HOST_KINDS = ("data", "hooks")  # the feed's microbatch (inside F); on_close/on_step (logging, checkpoints, validation)
+# Work on a thread of the rank's own beside its training thread: the host optimizer step of swap.host_step=background,
+# which overlaps the next batch; not the rank's compute (the bubble) and not in ``breakdown``'s training-thread time.
+BACKGROUND_KINDS = ("hoststep",)
 # Where a rank's traced wall time goes (``breakdown``): each second in exactly one.
 BREAKDOWN = ("compute", "recv", "send", "step", "allreduce", "loss", "data", "hooks", "dispatch")
 COLORS = {
@@ -31,11 +34,12 @@ COLORS = {
     "loss": "#937860",
     "data": "#da8bc3",
     "hooks": "#ccb974",
+    "hoststep": "#64b5cd",
 }
 
 
 class Span(NamedTuple):
-    kind: str  # one of COMPUTE_KINDS or COMM_KINDS
+    kind: str  # one of COMPUTE_KINDS, COMM_KINDS, HOST_KINDS or BACKGROUND_KINDS
     index: int  # microbatch k for F, B and their transfers; batch t for S, allreduce and loss
     start: float  # perf_counter seconds
     end: float
@@ -122,7 +126,8 @@ def bubble_summary(traces: Sequence[dict]) -> Dict[str, object]:
 
 
 def chrome_trace(traces: Sequence[dict], *, title: str = "") -> dict:
-    """Chrome trace event JSON: one process per rank (named by stage), a compute, a comm and a host thread.
+    """Chrome trace event JSON: one process per rank (named by stage), a compute, a comm and a host thread, and a
+    host optimizer thread (the background host step's spans: they overlap the compute thread's).
 
     Each element of ``traces``: {"rank", "stage", "replica", "spans", "window"}. Times are
     microseconds from the earliest traced span of any rank."""
@@ -139,7 +144,7 @@ def chrome_trace(traces: Sequence[dict], *, title: str = "") -> dict:
             }
         )
         events.append({"ph": "M", "name": "process_sort_index", "pid": pid, "args": {"sort_index": pid}})
-        for tid, name in ((0, "compute"), (1, "comm"), (2, "host")):
+        for tid, name in ((0, "compute"), (1, "comm"), (2, "host"), (3, "host optimizer")):
             events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": name}})
         for s in tr["spans"]:
             events.append(
@@ -148,7 +153,7 @@ def chrome_trace(traces: Sequence[dict], *, title: str = "") -> dict:
                     "name": f"{s.kind}{s.index}",
                     "cat": s.kind,
                     "pid": pid,
-                    "tid": 0 if s.kind in COMPUTE_KINDS else 2 if s.kind in HOST_KINDS else 1,
+                    "tid": _thread_of(s.kind),
                     "ts": (s.start - t0) * 1e6,
                     "dur": (s.end - s.start) * 1e6,
                     "args": {"index": s.index},
@@ -157,8 +162,16 @@ def chrome_trace(traces: Sequence[dict], *, title: str = "") -> dict:
     return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"title": title}}
 
 
+def _thread_of(kind: str) -> int:
+    """The Chrome trace thread (``chrome_trace``'s tid) of a span kind."""
+    if kind in COMPUTE_KINDS:
+        return 0
+    return 2 if kind in HOST_KINDS else 3 if kind in BACKGROUND_KINDS else 1
+
+
 def plot_timeline(traces: Sequence[dict], path: Path, *, title: str = "") -> None:
-    """A Gantt chart of the traced steps: one row per rank (compute above, comm below) as PNG."""
+    """A Gantt chart of the traced steps: one row per rank (compute in the middle, comm below, a background host
+    step above) as PNG."""
     import matplotlib
 
     matplotlib.use("Agg")  # no display: render to a file
@@ -175,7 +188,9 @@ def plot_timeline(traces: Sequence[dict], path: Path, *, title: str = "") -> Non
         for s in tr["spans"]:
             compute = s.kind in COMPUTE_KINDS
             x, width = (s.start - t0) * 1e3, max((s.end - s.start) * 1e3, 1e-3)
-            ybar, height = (y + 0.3, 0.5) if compute else (y + 0.05, 0.2)
+            ybar, height = (
+                (y + 0.3, 0.5) if compute else (y + 0.84, 0.12) if s.kind in BACKGROUND_KINDS else (y + 0.05, 0.2)
+            )
             ax.broken_barh(
                 [(x, width)],
                 (ybar, height),

@@ -10,12 +10,13 @@ summary has them.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import logging
 import sys
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, TextIO, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, TextIO, Tuple
 
 from pipedream2bw.config import WandbConfig
 from pipedream2bw.io.fileio import atomic_open, atomic_write_text
@@ -195,11 +196,25 @@ def progress_bar(num_steps: int, *, initial: int = 0, file: Optional[TextIO] = N
     """Rank 0's tqdm bar over the training steps (steps/s, elapsed<remaining time; loss and samples/s as postfix).
 
     Disabled unless ``file`` (stderr by default) is a terminal, so that logs and CI output
-    keep only the regular log lines."""
+    keep only the regular log lines. While a bar is drawn (until its ``close()``), console log lines and
+    Python warnings go through ``tqdm.write``: each clears the bar, takes its own line, and the bar is
+    redrawn below it (they otherwise land on the bar's line)."""
     from tqdm import tqdm
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
+    class Bar(tqdm):
+        redirect: Optional[contextlib.ExitStack] = None
+
+        def close(self) -> None:
+            try:
+                super().close()
+            finally:
+                if self.redirect is not None:  # the console handlers and showwarning as they were
+                    self.redirect, redirect = None, self.redirect
+                    redirect.close()
 
     file = sys.stderr if file is None else file
-    return tqdm(
+    bar = Bar(
         total=num_steps,
         initial=initial,
         desc="train",
@@ -209,6 +224,28 @@ def progress_bar(num_steps: int, *, initial: int = 0, file: Optional[TextIO] = N
         dynamic_ncols=True,
         leave=True,
     )
+    if not bar.disable:
+        bar.redirect = contextlib.ExitStack()
+        bar.redirect.enter_context(logging_redirect_tqdm())
+        bar.redirect.enter_context(_warnings_through(tqdm, file))
+    return bar
+
+
+@contextlib.contextmanager
+def _warnings_through(tqdm: Any, file: TextIO) -> Iterator[None]:
+    """Python warnings printed with ``tqdm.write`` to ``file`` (so on their own line, not a bar's)."""
+    import warnings
+
+    shown = warnings.showwarning
+
+    def show(message, category, filename, lineno, file_=None, line=None):  # noqa: ARG001 (showwarning's signature)
+        tqdm.write(warnings.formatwarning(message, category, filename, lineno, line).rstrip("\n"), file=file)
+
+    warnings.showwarning = show
+    try:
+        yield
+    finally:
+        warnings.showwarning = shown
 
 
 class Tracker:

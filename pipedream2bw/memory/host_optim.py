@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
-from typing import List, Optional
+import threading
+import time
+from typing import Callable, List, Optional, Sequence
 
 import torch
 from torch import nn
 
-from pipedream2bw.pipeline.versions import WeightVersions
+from pipedream2bw.pipeline.versions import WeightVersions, version_of_batch
+
+# ``after(weights)``: a check of the new weights W(t+1) (host copies, bit for bit the device's), run once they are made
+After = Optional[Callable[[Sequence[torch.Tensor]], None]]
+# ``span(t, start, end)``: the host step of batch t ran from start to end (perf_counter), on its own thread
+Span = Optional[Callable[[int, float, float], None]]
 
 
 class HostOptimizerVersions(WeightVersions):
@@ -20,7 +27,29 @@ class HostOptimizerVersions(WeightVersions):
     the weight versions and the gradient being accumulated, but no optimizer state. The update
     rule is unchanged (docs/design.md section 2); on a GPU the host's float32 arithmetic may round
     differently from the GPU's.
+
+    ``background`` (2bw only, swap.host_step): W(t+1) is first read by batch t+2's forward, so ``step(t)``
+    takes batch t's gradients to the host on the calling thread and leaves the optimizer step, and the
+    copy of W(t+1) into its replica, to a thread of its own, which runs while batch t+1 computes. Whatever
+    reads what that thread writes waits for it first (``settle``): the forward of a batch that uses W(t+1)
+    (``module_for_batch``), the next step or skip, ``set_lr``, ``newest`` (export, validation), ``state``
+    (checkpoints) and ``load_state``. The arithmetic is the same, in the same order: bit for bit the
+    synchronous step. An exception in the thread is raised by the ``settle`` that waits for it.
     """
+
+    def __init__(self, module: nn.Module, *, background: bool = False, **kwargs):
+        super().__init__(module, **kwargs)
+        assert not background or self.schedule == "2bw", "a background host step needs 2bw (config validation)"
+        self.background = background
+        self.host_step_s = 0.0  # seconds the background thread spent stepping
+        self.host_step_wait_s = 0.0  # seconds the calling thread waited for it: the part not hidden
+        self._pending: Optional[_Pending] = None
+        device = next(module.parameters()).device
+        cuda = background and device.type == "cuda"
+        # CUDA: W(t+1) goes to the device on a stream of its own, after batch t's use of the replica (``ready``)
+        # and before the next use (``settle``: the compute stream waits for ``_copied``).
+        self._copy_stream = torch.cuda.Stream(device) if cuda else None
+        self._copied: Optional[torch.cuda.Event] = None
 
     def _make_masters(self, module: nn.Module) -> List[nn.Parameter]:
         """Host copies of the weights (pinned when the module is on a GPU); optimizer state is made lazily, so none
@@ -49,6 +78,131 @@ class HostOptimizerVersions(WeightVersions):
     @torch.no_grad()
     def load_state(self, **state) -> None:
         """``WeightVersions.load_state``, then the host masters take the newest version (they always hold it)."""
+        self.settle()
         super().load_state(**state)
         for master, p in zip(self.master, self.replicas[0].parameters()):  # replica 0 holds the newest after a load
             master.copy_(p)
+
+    @torch.no_grad()
+    def step(
+        self,
+        batch_index: int,
+        *,
+        grad_scale: float,
+        before_bucket: Callable[[int], None] = lambda i: None,
+        after: After = None,
+        span: Span = None,
+    ) -> None:
+        """``WeightVersions.step``; ``background``: the optimizer's part runs on a thread (the class docstring).
+
+        ``after(weights)`` runs on the new weights once they are made (on the thread in the background);
+        ``span(t, start, end)`` is told when a background step ran.
+        """
+        if not self.background:
+            super().step(batch_index, grad_scale=grad_scale, before_bucket=before_bucket)
+            if after is not None:
+                after(list(self.newest().parameters()))
+            return
+        self.settle()  # the masters hold W(t) once the previous step is done
+        t = batch_index
+        src = self._params[self._replica_holding(version_of_batch(self.schedule, t))]
+        dst_index = self._destination(t)
+        dst = self._params[dst_index]
+        for bucket_index, bucket in enumerate(self.buckets):  # the all-reduce waits stay on the calling thread
+            before_bucket(bucket_index)
+            self._take_gradients(bucket, src, dst, grad_scale)
+        self.holds[dst_index] = t + 1
+        ready = None
+        if self._copy_stream is not None:  # batch t's last use of the destination replica is queued before this
+            ready = torch.cuda.Event()
+            ready.record()
+        pending = _Pending(t, dst_index, span)
+        pending.thread = threading.Thread(
+            target=pending.run,
+            args=(lambda: self._host_step(dst, ready, after),),
+            name=f"host-step-{t}",
+            daemon=True,  # bounded work; a training thread that failed elsewhere does not wait for it
+        )
+        self._pending = pending
+        pending.thread.start()
+
+    def _host_step(self, dst: Sequence[nn.Parameter], ready: Optional[torch.cuda.Event], after: After) -> None:
+        """The background thread: the buckets' optimizer steps on the masters, W(t+1) into ``dst``, ``after``."""
+        with torch.no_grad():  # grad mode is per thread
+            if self._copied is not None:  # the previous step's copies read the masters this step writes
+                self._copied.synchronize()
+            for optimizer in self.optimizers:
+                optimizer.step()
+            if self._copy_stream is None:
+                for i, d in enumerate(dst):
+                    self._detach_master(i, d)
+            else:
+                with torch.cuda.stream(self._copy_stream):
+                    self._copy_stream.wait_event(ready)
+                    for i, d in enumerate(dst):
+                        self._detach_master(i, d)
+                    self._copied = torch.cuda.Event()
+                    self._copied.record(self._copy_stream)
+            if after is not None:
+                after(self.master)
+
+    def settle(self) -> None:
+        """Waits for the background step, if one runs, and raises what it raised (with a note naming it)."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        start = time.perf_counter()
+        pending.thread.join()
+        self.host_step_wait_s += time.perf_counter() - start
+        self.host_step_s += pending.end - pending.start
+        if pending.error is not None:
+            pending.error.add_note(
+                f"raised by the host optimizer step of batch {pending.t}, which runs on a thread of its own "
+                "(swap.host_step=background; swap.host_step=sync runs it on the training thread)"
+            )
+            raise pending.error
+        if self._copied is not None:  # the compute stream reads W(t+1) after its copy
+            torch.cuda.current_stream(self._copy_stream.device).wait_event(self._copied)
+        if pending.span is not None:
+            pending.span(pending.t, pending.start, pending.end)
+
+    def module_for_batch(self, batch_index: int) -> nn.Module:
+        """``WeightVersions.module_for_batch``, after the background step that writes that replica, if one runs."""
+        if self._pending is not None and self.replica_for_batch(batch_index) == self._pending.dst_index:
+            self.settle()
+        return super().module_for_batch(batch_index)
+
+    def newest(self) -> nn.Module:
+        self.settle()
+        return super().newest()
+
+    def skip(self, batch_index: int) -> None:
+        self.settle()
+        super().skip(batch_index)
+
+    def set_lr(self, lr: float) -> None:
+        self.settle()  # the thread's optimizer reads the learning rate
+        super().set_lr(lr)
+
+    def state(self) -> dict:
+        self.settle()  # a checkpoint holds the step's result
+        return super().state()
+
+
+class _Pending:
+    """One background host step: its batch, the replica it writes, and how it ended."""
+
+    def __init__(self, t: int, dst_index: int, span: Span):
+        self.t, self.dst_index, self.span = t, dst_index, span
+        self.thread: Optional[threading.Thread] = None
+        self.error: Optional[BaseException] = None
+        self.start = self.end = 0.0
+
+    def run(self, fn: Callable[[], None]) -> None:
+        self.start = time.perf_counter()
+        try:
+            fn()
+        except BaseException as e:  # raised on the training thread by ``settle``
+            self.error = e
+        finally:
+            self.end = time.perf_counter()

@@ -134,7 +134,9 @@ class ScaledStepRule(StepRule):
                     stop_message(
                         f"{outcome.describe()}: the fp16 loss scale fell to {self.scaler.scale:g}, below "
                         "train.loss_scale_min "
-                        f"({self.scaler.min_scale:g}); the gradients keep overflowing"
+                        f"({self.scaler.min_scale:g}); the gradients keep overflowing",
+                        fixes="set train.precision=bf16 (float32's range: no loss scale to overflow), lower "
+                        f"train.loss_scale_min (now {self.scaler.min_scale:g}), lower optim.lr",
                     )
                 )
             return StepDecision(skip=True)

@@ -109,8 +109,8 @@ def versions_held(schedule: str) -> int:
 
 
 def optimizer_state_factor(name: str, kwargs: Optional[Dict] = None) -> float:
-    """Optimizer state per parameter byte: adam/adamw 2 (two moments), sgd with momentum 1,
-    plain sgd 0, rmsprop 1 (+1 with momentum), adagrad 1; unknown optimizers 2 (conservative).
+    """Optimizer state per parameter byte: adam/adamw 2 (two moments), sgd with momentum 1, muon 1 (for the
+    matrices it steps), plain sgd 0, rmsprop 1 (+1 with momentum), adagrad 1; unknown optimizers 2 (conservative).
     ``name``: a torch.optim name or an optimizer's import path (``optim._target_``, e.g. torch.optim.SGD)."""
     kwargs = dict(kwargs or {})
     name = name.rsplit(".", 1)[-1].lower()
@@ -122,6 +122,8 @@ def optimizer_state_factor(name: str, kwargs: Optional[Dict] = None) -> float:
         return 1.0 + (1.0 if kwargs.get("momentum", 0) else 0.0) + (1.0 if kwargs.get("centered") else 0.0)
     if name in ("adagrad", "adadelta"):
         return 1.0 if name == "adagrad" else 2.0
+    if name == "muon":  # its momentum, for the matrices it steps (optim.muon_others' state for the rest)
+        return 1.0
     return 2.0
 
 

@@ -36,13 +36,49 @@ class ModelSource:
     by_index: bool  # builds a subset of layers without building the rest
     _meta: Optional[List[nn.Module]] = None
     hf: Any = None  # model=hf: the resolved ``models.hf.HFModel`` (config, name map), for checkpoints and exports
+    target: Optional[str] = None  # a user's factory (model._target_): what it builds by index is checked
 
     def build(self, indices: Optional[Sequence[int]] = None) -> List[nn.Module]:
-        """Layers ``indices`` (all by default), with the same weights whichever subset is asked for."""
+        """Layers ``indices`` (all by default), with the same weights whichever subset is asked for.
+
+        Raises:
+            ConfigError: a user's factory built, for ``indices``, layers other than the whole list's at those
+                indices (another type, or other parameter shapes), naming the factory and the first such layer.
+        """
         if indices is None or self.by_index:
-            return self._build(None if indices is None else list(indices))
+            layers = self._build(None if indices is None else list(indices))
+            if indices is not None and self.target is not None:
+                self._check_subset(list(indices), layers)
+            return layers
         layers = self._build(None)  # a whole-list factory: build all, keep the slice
         return [layers[i] for i in indices]
+
+    def check_by_index(self) -> None:
+        """A user's factory that takes ``indices`` builds the second half of its list on the meta device, to be
+        compared with the whole list's: one that ignores them is refused before any process group starts.
+
+        Raises:
+            ConfigError: as ``build``.
+        """
+        n = self.num_layers
+        if self.target is None or not self.by_index or n < 2:
+            return
+        indices = list(range(n // 2, n))
+        with torch.device("meta"):
+            self.build(indices)
+
+    def _check_subset(self, indices: List[int], layers: List[nn.Module]) -> None:
+        """Each of ``layers`` has the type and the tensor shapes of the whole list's layer at its index (issue 35:
+        a factory that ignored ``indices`` failed on the first step with a raw shape error)."""
+        whole = self.meta()
+        for i, layer in zip(indices, layers):
+            want, got = _signature(whole[i]), _signature(layer)
+            if got != want:
+                raise ConfigError(
+                    f"model._target_ ({self.target}) built {got[0]} as layer {i} for indices {indices}, where its "
+                    f"whole list (indices=None) has {want[0]}{'' if got[0] != want[0] else ' of other shapes'}: with "
+                    f"indices, build exactly the whole list's layers at those indices, in order (docs/models.md)"
+                )
 
     def meta(self) -> List[nn.Module]:
         """The whole layer list on the meta device (built once): shapes and shared parameters only."""
@@ -54,6 +90,11 @@ class ModelSource:
     @property
     def num_layers(self) -> int:
         return len(self.meta())
+
+
+def _signature(layer: nn.Module) -> tuple:
+    """(type name, ((tensor name, shape), ...)): what must match between a layer built alone and in the list."""
+    return type(layer).__name__, tuple((k, tuple(v.shape)) for k, v in layer.state_dict(keep_vars=True).items())
 
 
 def read_vocab_size(layers: Sequence[nn.Module], *, lm_head: bool) -> Optional[int]:
@@ -145,12 +186,20 @@ def model_source(model: Any, *, seed: int) -> ModelSource:
         layers = _checked(layers, model.target)
         if indices is not None and len(layers) != len(indices):
             raise ConfigError(
-                f"model._target_ ({model.target}) returned {len(layers)} layers for indices {indices}; "
-                "build exactly those"
+                f"model._target_ ({model.target}) returned {len(layers)} layers for the {len(indices)} indices "
+                f"{indices} it was given: with indices, build exactly the whole list's layers at those indices "
+                "(docs/models.md)"
             )
         return layers
 
-    return ModelSource(name=model.name, seq_len=model.seq_len, loss_fn=_loss(model), by_index=by_index, _build=build)
+    return ModelSource(
+        name=model.name,
+        seq_len=model.seq_len,
+        loss_fn=_loss(model),
+        by_index=by_index,
+        _build=build,
+        target=model.target,
+    )
 
 
 def _hf_source(model: HFModelConfig, *, seed: int) -> ModelSource:

@@ -109,10 +109,14 @@ class StepRule:
         return StepDecision(skip=False, grad_multiplier=clip_coefficient(outcome.grad_norm, self.clip_grad_norm))
 
 
-def stop_message(what: str) -> str:
+STOP_FIXES = "lower optim.lr, set optim.clip_grad_norm or optim.warmup_steps"
+"""What the stop message proposes before train.on_nonfinite=skip (fp16's loss scaler proposes its own)."""
+
+
+def stop_message(what: str, *, fixes: str = STOP_FIXES) -> str:
     return (
-        f"{what}; train.on_nonfinite=stop ends the run (the last complete checkpoint is kept): lower optim.lr, "
-        f"set optim.clip_grad_norm or optim.warmup_steps, or set train.on_nonfinite=skip to skip such steps"
+        f"{what}; train.on_nonfinite=stop ends the run (the last complete checkpoint is kept): {fixes}, "
+        f"or set train.on_nonfinite=skip to skip such steps"
     )
 
 

@@ -667,7 +667,7 @@ class ShardedReduction(BatchReduction):
             out, work = None, dist.all_reduce(flat, group=r.group, async_op=True)
         else:
             out = torch.empty(shard, dtype=torch.float32, device=flat.device)
-            work = dist.reduce_scatter_tensor(out, flat, group=r.group, async_op=True)
+            work = _REDUCE_SCATTER(out, flat, group=r.group, async_op=True)
         self._started.append((work, out))
         self._inputs.append(flat)  # kept alive until the collective is done
         r.num_collectives += 1
@@ -704,10 +704,16 @@ class ShardedReduction(BatchReduction):
         return self._started[b][1]
 
 
+# torch's current names for the flat collectives; the older ones (all_gather_into_tensor, reduce_scatter_tensor)
+# warn FutureWarning on every rank from torch 2.13 (issue 35: eight warnings per optim.sharded=true run).
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 def all_gather_async(ctx: DistContext, shard: torch.Tensor, full: torch.Tensor, *, group: Any):
     """Starts gathering every replica's ``shard`` of ``group`` into ``full`` (in rank order); returns the wait,
     which has the run's timeout. ``shard`` may be this rank's own slice of ``full`` (in place, as FSDP gathers)."""
-    work = dist.all_gather_into_tensor(full, shard, group=group, async_op=True)
+    work = _ALL_GATHER(full, shard, group=group, async_op=True)
     return lambda: wait_work(ctx, work, "weight all-gather (optim.sharded)")
 
 

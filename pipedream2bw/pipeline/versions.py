@@ -182,17 +182,32 @@ class WeightVersions:
         self._prepare_destination(dst_index, t)
         for bucket_index, (bucket, optimizer) in enumerate(zip(self.buckets, self.optimizers)):
             before_bucket(bucket_index)
-            grads = [src[i].grad for i in bucket if src[i].grad is not None]
-            if grads and grad_scale != 1.0:
-                # one kernel per bucket, not one per parameter (GPU launch overhead)
-                torch._foreach_mul_(grads, grad_scale)
-            for i in bucket:
-                self._attach_master(i, dst[i], src[i].grad)
-                src[i].grad = None
-            optimizer.step()
-            for i in bucket:
-                self._detach_master(i, dst[i])
+            self._take_gradients(bucket, src, dst, grad_scale)
+            self._step_bucket(bucket, optimizer, dst)
         self.holds[dst_index] = t + 1
+
+    def _take_gradients(
+        self, bucket: Sequence[int], src: Sequence[nn.Parameter], dst: Sequence[nn.Parameter], grad_scale: float
+    ) -> None:
+        """Scales a bucket's gradients and gives them to its masters; the replica ``src`` lets go of them."""
+        grads = [src[i].grad for i in bucket if src[i].grad is not None]
+        if grads and grad_scale != 1.0:
+            # one kernel per bucket, not one per parameter (GPU launch overhead)
+            torch._foreach_mul_(grads, grad_scale)
+        for i in bucket:
+            self._attach_master(i, dst[i], src[i].grad)
+            src[i].grad = None
+
+    def _step_bucket(
+        self, bucket: Sequence[int], optimizer: torch.optim.Optimizer, dst: Sequence[nn.Parameter]
+    ) -> None:
+        """A bucket's optimizer step on its masters, whose new weights W(t+1) end in ``dst``."""
+        optimizer.step()
+        for i in bucket:
+            self._detach_master(i, dst[i])
+
+    def settle(self) -> None:
+        """Waits for a step still running (``host_optim``'s background host step); here every step is done."""
 
     def _prepare_destination(self, dst_index: int, t: int) -> None:
         """Before a step: the optimizers step the masters in place on replica ``dst_index``'s storage,

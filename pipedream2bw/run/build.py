@@ -140,10 +140,13 @@ def build_versions(
             host=swap.optimizer == "host",
             weight_dtype=weight_dtype,
         )
-    else:
-        versions = (HostOptimizerVersions if swap.optimizer == "host" else WeightVersions)(
-            module, schedule=rt.schedule, optimizer_factory=factory, buckets=buckets
+    elif swap.optimizer == "host":  # swap.host_step: under 2bw, off the training thread unless told sync
+        background = swap.host_step != "sync" and rt.schedule == "2bw"
+        versions = HostOptimizerVersions(
+            module, schedule=rt.schedule, optimizer_factory=factory, buckets=buckets, background=background
         )
+    else:
+        versions = WeightVersions(module, schedule=rt.schedule, optimizer_factory=factory, buckets=buckets)
     return versions, buckets, num_dp_buckets
 
 

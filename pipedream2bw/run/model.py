@@ -119,6 +119,8 @@ class RunModel:
         source = None if layers is not None else model_source(cfg.model, seed=cfg.seed)
         if loss_fn is None:
             loss_fn = source.loss_fn if source is not None else model_source(cfg.model, seed=cfg.seed).loss_fn
+        if source is not None:
+            source.check_by_index()  # a factory that ignores the indices it is given: refused here, not on step 1
         tied = ties.find_ties(layers if layers is not None else source.meta())  # every rank, before any group
         return cls(layers, source, loss_fn, tied)
 

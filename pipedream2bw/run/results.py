@@ -56,6 +56,8 @@ def summarize(
                 "allreduce_exposed_s": s.allreduce_exposed_s,
                 "agreement_exposed_s": s.agreement_exposed_s,
                 "allgather_exposed_s": s.allgather_exposed_s,
+                "host_step_s": s.host_step_s,
+                "host_step_wait_s": s.host_step_wait_s,
                 "p2p_wait_s": s.p2p_wait_s,
                 "peak_pending_sends": s.peak_pending_sends,
                 "checkpoint_s": s.checkpoint_s,

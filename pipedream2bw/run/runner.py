@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from pathlib import Path
 from typing import Any, Callable, Dict, Optional, Sequence, Tuple
@@ -10,7 +9,6 @@ from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 import torch
 import torch.utils.checkpoint
 from torch import nn
-from tqdm.contrib.logging import logging_redirect_tqdm
 
 from pipedream2bw.config import (
     Config,
@@ -133,11 +131,8 @@ def _train(
 
 def _steps(parts: build.Components, hooks: step_hooks.StepHooks) -> Tuple[StageStats, Optional[preempt.Preempted]]:
     """Runs this rank's actions, the hooks after each step; a preemption stops every rank after the same step."""
-    bar, worker = hooks.bar, parts.worker
-    with (
-        logging_redirect_tqdm() if bar is not None and not bar.disable else contextlib.nullcontext(),
-        torch.profiler.record_function(TRAIN_RANGE),
-    ):
+    worker = parts.worker
+    with torch.profiler.record_function(TRAIN_RANGE):  # the bar keeps log lines off its line (progress_bar)
         try:
             return worker.run(parts.actions, on_step=hooks.on_step, on_close=hooks.on_close), None
         except preempt.Preempted as e:  # every rank, after the same step: the rest of its actions is dropped

@@ -72,6 +72,8 @@ class StageStats:
     skipped_steps: List[int] = field(default_factory=list)  # steps skipped everywhere for a non-finite loss or gradient
     agreement_exposed_s: float = 0.0  # time APPLY waited for the step agreement: not hidden behind other work
     allgather_exposed_s: float = 0.0  # optim.sharded: time forwards and steps waited for the weights' all-gather
+    host_step_s: float = 0.0  # swap.host_step=background: seconds the host optimizer steps ran on their thread
+    host_step_wait_s: float = 0.0  # ... and seconds training waited for them (the part not hidden)
     peak_stash_bytes: int = 0  # activations autograd saves for one microbatch x most microbatches in flight
     weight_bytes: int = 0  # all weight versions held
     optimizer_state_bytes: int = 0
@@ -461,9 +463,7 @@ class StageWorker:
             scale = self.grad_scale * self.rule.unscale(t) * decision.grad_multiplier
             if self.stream is not None:
                 self.stream.quiesce()
-            self.versions.step(t, grad_scale=scale, before_bucket=bucket_wait)
-            if outcome is None and self.rule.on_nonfinite == "stop":
-                self._check_finite(t)
+            self._step(t, scale, bucket_wait, check=outcome is None and self.rule.on_nonfinite == "stop")
         if trace is not None:
             trace.add("S", t, start, time.perf_counter())
         if self.peers.loss_sources:  # rank 0: the batch loss is the mean over the replicas' last stages
@@ -482,6 +482,23 @@ class StageWorker:
         self.stats.step_end_times.append(time.perf_counter())
         if self.trace is not None:
             self.trace.step_done(t, self.stats.step_end_times[-1])
+
+    def _step(self, t: int, scale: float, bucket_wait: Callable[[int], Any], *, check: bool) -> None:
+        """The versions' step of batch t, then (``check``) this stage's finite check of W(t+1). A background host
+        step (swap.host_step) runs the check on its thread; its error surfaces where W(t+1) is next needed."""
+        if not getattr(self.versions, "background", False):
+            self.versions.step(t, grad_scale=scale, before_bucket=bucket_wait)
+            if check:
+                self._check_finite(t)
+            return
+        trace = self.trace if self.trace is not None and self.trace.on else None
+        self.versions.step(
+            t,
+            grad_scale=scale,
+            before_bucket=bucket_wait,
+            after=(lambda weights: self._check_finite(t, weights)) if check else None,
+            span=(lambda b, start, end: trace.add("hoststep", b, start, end)) if trace is not None else None,
+        )
 
     def _finish_exchanges(self, t: int) -> None:
         """``finish(t)`` of every exchange, once per batch (CLOSE(t) may have done it for the norm)."""
@@ -523,17 +540,21 @@ class StageWorker:
             return self._traced_wait(t, reduction)
         return reduction.wait
 
-    def _check_finite(self, t: int) -> None:
+    def _check_finite(self, t: int, weights: Optional[Sequence[torch.Tensor]] = None) -> None:
         """Under on_nonfinite=stop without an agreement each rank checks its own stage, on the new
-        weights W(t+1): a non-finite gradient makes them non-finite (SGD, Adam), and the check runs
-        after the gradients are freed, adding nothing to the step's peak memory. One host sync.
+        weights W(t+1) (``weights``: given by a background host step, its host copies): a non-finite gradient
+        makes them non-finite (SGD, Adam), and the check runs after the gradients are freed, adding nothing to
+        the step's peak memory. One host sync.
 
         Raises:
             NonFiniteError: naming the step and this stage.
         """
         # sharded: each replica checks its float32 shards (the newest version may still be gathering)
         sharded = isinstance(self.versions, ShardedVersions)
-        params = self.versions.shards if sharded else list(self.versions.newest().parameters())
+        if weights is not None:
+            params = list(weights)
+        else:
+            params = self.versions.shards if sharded else list(self.versions.newest().parameters())
         with torch.no_grad():  # a check, not a computation to differentiate: no graph over every parameter
             sq = agreement.sq_norm(params)
         if not math.isfinite(float(sq)):
@@ -584,6 +605,9 @@ class StageWorker:
                 render_steps(actions, mark=at if what is None else None, context=_LOG_CONTEXT_STEPS),
             )
             raise
+        self.versions.settle()  # a background host step still running (swap.host_step); raises what it raised
+        self.stats.host_step_s = getattr(self.versions, "host_step_s", 0.0)
+        self.stats.host_step_wait_s = getattr(self.versions, "host_step_wait_s", 0.0)
         self.stats.allgather_exposed_s = getattr(self.versions, "gather_wait_s", 0.0)
         if self.trace is not None:
             self.stats.trace = {"spans": self.trace.spans, "window": self.trace.window}

@@ -1,0 +1,148 @@
+"""swap.host_step=background (pipedream2bw/memory/host_optim.py): the host optimizer step of batch t runs on a thread
+of its own while batch t+1 computes; bit for bit the synchronous step, waited for by whatever reads its result."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+from pipedream2bw.memory.host_optim import HostOptimizerVersions
+from pipedream2bw.pipeline.schedule import BACKWARD, FORWARD, STEP, stage_actions
+
+M = 2  # microbatches per batch
+
+
+def _versions(background: bool, factory=None) -> HostOptimizerVersions:
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
+    factory = factory or (lambda p: torch.optim.AdamW(p, lr=0.05))
+    # two buckets, last parameters first, as build.py makes them
+    return HostOptimizerVersions(
+        module, schedule="2bw", optimizer_factory=factory, buckets=[[5, 4, 3, 2], [1, 0]], background=background
+    )
+
+
+def _train(versions: HostOptimizerVersions, batches: int, *, states=None, after=None):
+    """Stage 0 of 2 under 2bw (batch t+1's forwards run before batch t's step); the losses."""
+    g = torch.Generator().manual_seed(1)
+    xs = [torch.randn(4, 8, generator=g) for _ in range(M * batches)]
+    outs, losses = {}, []
+    for a in stage_actions("2bw", stage_index=0, num_stages=2, num_microbatches=M, num_batches=batches):
+        k = a.index
+        if a.kind == FORWARD:
+            outs[k] = versions.module_for_batch(k // M)(xs[k]).pow(2).mean()
+            losses.append(outs[k].item())
+        elif a.kind == BACKWARD:
+            outs.pop(k).backward()
+        elif a.kind == STEP:
+            versions.set_lr(0.05 / (k + 1))  # the schedule changes the learning rate every step
+            versions.step(k, grad_scale=1 / M, after=after)
+            if states is not None:
+                states.append(versions.state())  # a checkpoint after every step
+    versions.settle()
+    return losses
+
+
+def _same_state(a: dict, b: dict) -> bool:
+    return all(
+        a[part].keys() == b[part].keys()
+        and all(
+            torch.equal(a[part][n], b[part][n])
+            if torch.is_tensor(a[part][n])
+            else all(torch.equal(torch.as_tensor(a[part][n][k]), torch.as_tensor(b[part][n][k])) for k in a[part][n])
+            for n in a[part]
+        )
+        for part in ("weights", "previous", "optimizer")
+    )
+
+
+def test_background_host_step_is_bit_for_bit_the_synchronous_one():
+    sync_states, bg_states = [], []
+    sync, bg = _versions(False), _versions(True)
+    sync_losses = _train(sync, 4, states=sync_states)
+    bg_losses = _train(bg, 4, states=bg_states)
+    assert bg_losses == sync_losses  # the forwards read W(t+1) only after the step that makes it
+    assert len(bg_states) == 4 and all(_same_state(s, b) for s, b in zip(sync_states, bg_states))  # checkpoints wait
+    assert bg.host_step_s > 0  # it did step in the background
+
+
+def test_the_next_batch_runs_while_the_step_is_pending_and_the_one_after_waits():
+    gate = threading.Event()
+
+    class Gated(torch.optim.SGD):
+        def step(self, closure=None):
+            assert gate.wait(timeout=30), "the test never opened the gate"
+            return super().step(closure)
+
+    versions = _versions(True, factory=lambda p: Gated(p, lr=0.5))
+    x = torch.ones(2, 8)
+    before = [p.clone() for p in versions.module_for_batch(0).parameters()]
+    versions.module_for_batch(0)(x).sum().backward()
+    versions.step(0, grad_scale=1.0)  # returns while the optimizer is held at the gate
+    assert versions.module_for_batch(1) is versions.replicas[0]  # batch 1 runs with W(0): no wait
+    assert versions._pending is not None
+    threading.Timer(0.05, gate.set).start()
+    m2 = versions.module_for_batch(2)  # batch 2 reads W(1): waits for the step
+    assert versions._pending is None
+    assert all(not torch.equal(p, q) for p, q in zip(m2.parameters(), before))  # and gets W(1), not W(-1)
+
+
+def test_an_exception_in_the_thread_surfaces_on_the_training_thread():
+    versions = _versions(True)
+    _train(versions, 1)
+
+    def check(weights):
+        raise FloatingPointError("non-finite weights after the step")
+
+    versions.module_for_batch(1)(torch.ones(2, 8)).sum().backward()
+    versions.step(1, grad_scale=1.0, after=check)  # the check of W(2) runs on the thread
+    with pytest.raises(FloatingPointError) as info:
+        versions.module_for_batch(3)  # uses W(2): waits, and raises what the thread raised
+    assert "host optimizer step of batch 1" in "".join(getattr(info.value, "__notes__", []))
+    versions.settle()  # raised once, then nothing pending: the end of training does not hang or raise again
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("d", [pytest.param(1, marks=pytest.mark.long), 2])  # d=1: 47 s on the loaded machine
+def test_a_pipeline_trains_bit_for_bit_with_the_step_in_the_background(tmp_path, d):
+    """Through the trainer (gloo, CPU), 2bw, d stages: swap.host_step=background (the default 'auto' under 2bw)
+    gives sync's losses and final weights bit for bit, and the trace shows the step on its own thread."""
+    import json
+
+    from dist_helper import run_ok
+    from test_semantics import tiny_config
+
+    out = {}
+    for mode in ("sync", "background"):
+        cfg = tiny_config(schedule="2bw", num_stages=d, num_microbatches=2, num_steps=4)
+        cfg.swap.optimizer, cfg.swap.host_step = "host", mode
+        cfg.pipeline.trace, cfg.pipeline.trace_first_step, cfg.pipeline.trace_steps = True, 1, 2
+        summary = run_ok(cfg, tmp_path / mode)
+        out[mode] = summary, torch.load(tmp_path / mode / "final_model.pt")
+    (sync, sync_w), (bg, bg_w) = out["sync"], out["background"]
+    assert bg["losses"] == sync["losses"]
+    assert bg_w.keys() == sync_w.keys() and all(torch.equal(bg_w[k], sync_w[k]) for k in bg_w)
+    assert all(r["host_step_s"] > 0 for r in bg["ranks"]) and all(r["host_step_s"] == 0 for r in sync["ranks"])
+    trace = json.loads((tmp_path / "background" / "trace.json").read_text())
+    steps = [e for e in trace["traceEvents"] if e.get("cat") == "hoststep"]
+    assert sorted(e["pid"] for e in steps) == sorted(list(range(d)) * 2)  # each rank, each traced step
+    assert all(e["tid"] == 3 for e in steps)  # on the host optimizer's row, beside the compute
+
+
+def test_background_is_refused_where_nothing_can_overlap_the_step():
+    from test_semantics import tiny_config
+
+    from pipedream2bw.config import ConfigError, validate
+
+    cfg = tiny_config(schedule="flush", num_stages=2, num_microbatches=2)
+    cfg.swap.optimizer, cfg.swap.host_step = "host", "background"
+    with pytest.raises(ConfigError, match=r"swap.host_step \(background\) with pipeline.schedule \('flush'\)"):
+        validate(cfg, world_size=2)
+    cfg.swap.host_step = "auto"  # flush steps on the training thread: no error
+    validate(cfg, world_size=2)
+    cfg.swap.host_step = "later"
+    with pytest.raises(ConfigError, match=r"swap.host_step \('later'\) is unknown"):
+        validate(cfg, world_size=2)
