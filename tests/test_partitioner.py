@@ -400,6 +400,8 @@ def test_near_ties_go_to_the_better_other_objective(objective):
         "partition.costs=analytic",
         f"partition.objective={objective}",
         "train.precision=fp32",
+        "optim.name=adamw",  # the figures: AdamW's state, no correction
+        "optim.delay_correction=none",
     ]
     plans = plan_config(compose(overrides))
     strict = plan_config(compose(overrides + ["partition.tolerance=0"]))

@@ -205,6 +205,11 @@ def build_optimizer(groups: List[Any], cfg, *, others: type) -> torch.optim.Opti
         else:
             opt = others(groups, lr=cfg.lr, **kwargs)
     except (TypeError, ValueError) as e:
+        if not muon:  # the message config.optim.build_optimizer gives without a correction
+            raise ConfigError(
+                f"optim.kwargs ({dict(cfg.kwargs)}) are not valid for {others.__name__}: {e}; "
+                f"fix or remove them (e.g. optim.kwargs={{}})"
+            ) from e
         raise ConfigError(
             f"optim.kwargs ({dict(cfg.kwargs)}) or optim.muon_kwargs ({dict(cfg.muon_kwargs)}) are not valid for "
             f"{cfg.target or cfg.name}: {e}; fix or remove them"
