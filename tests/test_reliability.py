@@ -431,7 +431,8 @@ def test_unreadable_data_and_plan_files_are_refused_naming_them(tmp_path, one_ra
         run(one_rank, tmp_path / "run")  # before any process group: run() makes them after the plan
 
 
-@pytest.mark.slow  # four launches of the entry point in one process
+@pytest.mark.slow
+@pytest.mark.long  # four launches of the entry point; the checks themselves are unit-tested above
 def test_unreadable_files_and_unusable_run_directories_exit_2_in_one_line(tmp_path):
     # Issue 34: each was exit 1 with a traceback (a read-only output directory: four of them); a planted
     # train.log link was appended through by Hydra's log before the run refused it
