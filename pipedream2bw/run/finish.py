@@ -332,7 +332,7 @@ def precision_record(
             sharded=optim.sharded,
             data_parallel=rt.data_parallel,
             waits=waits,
-            delay_correction=optim.delay_correction,
+            delay_correction=optim.delay_correction if rt.schedule == "2bw" else "none",  # off under flush, gpipe
         ).as_dict(),
     }
     if isinstance(rule, ScaledStepRule):  # every rank's scaler takes the same values; these are rank 0's
