@@ -60,6 +60,7 @@ def test_resume_is_exact(tmp_path, schedule):
 
 
 @pytest.mark.slow
+@pytest.mark.long  # 11 to 15 s loaded: run with the long ones to keep the suite under 10 min
 def test_checkpoint_written_at_2x2_resumes_at_other_layouts(tmp_path):
     """(d=2, w=2) -> (4, 1) and (1, 1): same weights loaded, same next-step loss to round-off."""
     reference = run_ok(config(d=2, w=2, steps=4), tmp_path / "ref")
@@ -89,6 +90,7 @@ def test_corrupt_checkpoint_is_skipped_for_the_previous_one(tmp_path, caplog):
 
 
 @pytest.mark.slow
+@pytest.mark.long  # 11 to 15 s loaded: run with the long ones to keep the suite under 10 min
 def test_resume_skips_corrupt_newest_and_trains_on(tmp_path):
     straight = run_ok(config(steps=6, every=2), tmp_path / "straight")
     run_ok(config(steps=4, every=2), tmp_path / "run")

@@ -95,6 +95,7 @@ def test_rng_states_are_plain_tensors_and_restore_exactly():
 
 
 @pytest.mark.slow
+@pytest.mark.long  # 11 to 15 s loaded: run with the long ones to keep the suite under 10 min
 def test_resume_never_keeps_its_own_checkpoints_beside_an_older_runs_later_ones(tmp_path):
     # Regression (issue 22): pruning sorted by step over both runs, so the new run's checkpoints were
     # removed as soon as written and a later resume=auto picked the old run's step.

@@ -252,6 +252,7 @@ def fp16_skip_reference(*, steps: int, batch: int):
 
 
 @pytest.mark.slow
+@pytest.mark.long  # 11 to 15 s loaded: run with the long ones to keep the suite under 10 min
 def test_fp16_inf_in_one_stage_skips_that_batch_everywhere_and_resumes_exactly(tmp_path):
     """d=2 x w=2, fp16, an inf in the gradient of stage 0 on replica 1 only, at batch 3: every rank
     of both stages skips exactly batch 3 (stage 1's own gradients are finite: it skips by

@@ -305,6 +305,7 @@ MEMORY_CASES = [("2bw", "bf16", "compute"), ("flush", "fp32", "fp32")]
 
 
 @pytest.mark.slow
+@pytest.mark.long  # 11 to 15 s loaded: run with the long ones to keep the suite under 10 min
 def test_sharding_at_w2_holds_half_the_optimizer_state_and_the_peak_falls_as_param_memory_says(tmp_path):
     """Measured, not counted (memprobe: peak tensor bytes of the training loop, every thread's frees counted):
     at w=2 each rank's AdamW state is 1/2 of the unsharded run's (within one bucket's padding), and the
