@@ -27,6 +27,7 @@ from pipedream2bw.config import (
     TopologyConfig,
     TrainConfig,
 )
+from pipedream2bw.config.optimizers import is_muon
 from pipedream2bw.errors import ConfigError
 from pipedream2bw.memory import precision as precisions
 
@@ -106,7 +107,7 @@ def make_request(
         )
     profile = uses_profile(cfg)
     # Muon orthogonalizes whole matrices: the run refuses optim.sharded at w > 1, so the search never shards it
-    muon = not cfg.optim.target and cfg.optim.name.lower() == "muon"
+    muon = is_muon(cfg.optim)
     return Request(
         global_batch_size=B,
         topology=topo,

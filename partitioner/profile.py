@@ -43,7 +43,7 @@ from pipedream2bw.config import (
     model_num_layers,
     optimizer_name,
 )
-from pipedream2bw.config.optimizers import extra_optim_settings, tag_muon_params
+from pipedream2bw.config.optimizers import extra_optim_settings, is_muon, tag_muon_params
 from pipedream2bw.io.fileio import atomic_write_text
 from pipedream2bw.memory import precision as precisions
 from pipedream2bw.memory.memprobe import saved_bytes
@@ -282,7 +282,7 @@ def analytic_gpt(
     """
     T, C, V = cfg.seq_len, cfg.d_model, cfg.vocab_size
     flops, bw = topo.peak_tflops * 1e12, topo.memory_bw_gbps * 1e9
-    muon = optimizer_name(optim) == "muon"
+    muon = is_muon(optim)
     pm, pm_matrices = (
         precisions.param_memory(
             precision,

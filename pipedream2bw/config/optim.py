@@ -7,6 +7,7 @@ from typing import Dict, FrozenSet, Iterable, List, Optional, Tuple
 import torch
 
 from pipedream2bw.config.locate import locate
+from pipedream2bw.config.optimizers import is_muon
 from pipedream2bw.config.schema import OptimConfig
 from pipedream2bw.errors import ConfigError
 
@@ -67,7 +68,7 @@ def build_optimizer(params, cfg: OptimConfig) -> torch.optim.Optimizer:
     if uses_optimizers_module(cfg):
         from pipedream2bw.config.optimizers import build_optimizer as build_extended
 
-        muon = not cfg.target and cfg.name.lower() == "muon"
+        muon = is_muon(cfg)
         others = optimizer_class(cfg.muon_others) if muon else optimizer_of(cfg)
         return build_extended(param_groups(params, cfg), cfg, others=others)
     cls = optimizer_of(cfg)
@@ -86,7 +87,7 @@ ELEMENTWISE_OPTIMIZERS = ("sgd", "adam", "adamw", "nadam", "radam", "adamax", "r
 
 def uses_optimizers_module(cfg: OptimConfig) -> bool:
     """optim.name=muon or a delay correction: built by ``config.optimizers``."""
-    return (not cfg.target and cfg.name.lower() == "muon") or cfg.delay_correction != "none"
+    return is_muon(cfg) or cfg.delay_correction != "none"
 
 
 PROBE_KINDS = ("muon", "matrix", "vector")

@@ -26,6 +26,11 @@ LOOKAHEAD_MOMENTUM = 0.99
 --optimizer nadamw``)."""
 
 
+def is_muon(cfg) -> bool:
+    """Whether ``cfg`` (an ``OptimConfig``) names Muon (``optim.name=muon``, no ``optim._target_``)."""
+    return not cfg.target and cfg.name.lower() == "muon"
+
+
 def muon_param_roles(module: nn.Module, exclude: Sequence[str]) -> Dict[int, bool]:
     """id(parameter) -> True where Muon steps it: a 2-D parameter none of whose names, nor the class names of
     the modules on its path (e.g. ``LMHead``, ``Linear``), match a pattern of ``exclude`` (fnmatch,
@@ -175,7 +180,7 @@ def build_optimizer(groups: List[Any], cfg, *, others: type) -> torch.optim.Opti
 
     lookahead = cfg.delay_correction == "lookahead"
     kwargs = dict(cfg.kwargs)
-    muon = not cfg.target and cfg.name.lower() == "muon"
+    muon = is_muon(cfg)
     if lookahead:  # AdamW -> NAdamW with beta1 0.99 (validated: others is AdamW)
         others = torch.optim.NAdam
         betas = tuple(kwargs.pop("betas", (LOOKAHEAD_MOMENTUM, 0.999)))
@@ -219,7 +224,7 @@ def extra_optim_settings(cfg) -> Dict[str, Any]:
         out["optim.delay_correction"] = cfg.delay_correction
         if cfg.delay_correction == "error_feedback":
             out["optim.error_feedback_beta"] = cfg.error_feedback_beta
-    if not cfg.target and cfg.name.lower() == "muon":
+    if is_muon(cfg):
         out.update(
             {
                 "optim.muon_kwargs": dict(cfg.muon_kwargs),

@@ -12,6 +12,7 @@ from typing import Dict, List, Optional, Sequence
 import torch
 
 from pipedream2bw.config.optim import ELEMENTWISE_OPTIMIZERS, build_optimizer, optimizer_class, optimizer_of
+from pipedream2bw.config.optimizers import is_muon
 from pipedream2bw.config.schema import (
     BACKENDS,
     LR_SCHEDULERS,
@@ -408,7 +409,7 @@ def _validate_optim_extras(cfg: Config) -> None:
         raise ConfigError(
             f"optim.delay_correction ({o.delay_correction!r}) is unknown; use one of {list(DELAY_CORRECTIONS)}"
         )
-    muon = not o.target and o.name.lower() == "muon"
+    muon = is_muon(o)
     if muon:
         others = optimizer_class(o.muon_others)  # raises for an unknown name
         if others is torch.optim.Muon:
