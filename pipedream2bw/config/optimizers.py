@@ -31,6 +31,12 @@ def is_muon(cfg) -> bool:
     return not cfg.target and cfg.name.lower() == "muon"
 
 
+def correction_in_effect(cfg, schedule: str) -> str:
+    """``cfg.delay_correction`` where it runs: under 2bw; ``none`` under flush and gpipe, whose gradients are taken
+    at the weights they update (no delay to correct)."""
+    return cfg.delay_correction if schedule == "2bw" else "none"
+
+
 def muon_param_roles(module: nn.Module, exclude: Sequence[str]) -> Dict[int, bool]:
     """id(parameter) -> True where Muon steps it: a 2-D parameter none of whose names, nor the class names of
     the modules on its path (e.g. ``LMHead``, ``Linear``), match a pattern of ``exclude`` (fnmatch,

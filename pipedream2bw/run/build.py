@@ -25,7 +25,7 @@ from pipedream2bw.config import (
     swap_stages,
 )
 from pipedream2bw.config.optim import probe_kind, state_misfits
-from pipedream2bw.config.optimizers import tag_muon_params
+from pipedream2bw.config.optimizers import correction_in_effect, is_muon, tag_muon_params
 from pipedream2bw.data import make_feeds
 from pipedream2bw.io import checkpoint, timeline
 from pipedream2bw.memory import precision as precisions
@@ -116,9 +116,8 @@ def build_versions(
     ]
     buckets = [bucket for bucket in buckets if bucket] + [[i] for i in tied_index]
     num_dp_buckets = len(buckets) - len(tied_index)
-    if rt.schedule != "2bw" and optim.delay_correction != "none":  # flush, gpipe: no delay, nothing to correct
-        optim = dataclasses.replace(optim, delay_correction="none")
-    if not optim.target and optim.name.lower() == "muon":  # which parameters Muon takes: see OptimConfig.muon_exclude
+    optim = dataclasses.replace(optim, delay_correction=correction_in_effect(optim, rt.schedule))
+    if is_muon(optim):  # which parameters Muon takes: see OptimConfig.muon_exclude
         tag_muon_params(module, optim.muon_exclude)
     factory = lambda params: build_optimizer(params, optim)  # noqa: E731
     sharded = optim.sharded and rt.data_parallel > 1

@@ -18,6 +18,7 @@ from pipedream2bw.config import (
     TrainConfig,
     optimizer_name,
 )
+from pipedream2bw.config.optimizers import correction_in_effect
 from pipedream2bw.data import data_resident_bytes
 from pipedream2bw.io import checkpoint, timeline
 from pipedream2bw.io.fileio import atomic_torch_save as save_state_dict
@@ -332,7 +333,7 @@ def precision_record(
             sharded=optim.sharded,
             data_parallel=rt.data_parallel,
             waits=waits,
-            delay_correction=optim.delay_correction if rt.schedule == "2bw" else "none",  # off under flush, gpipe
+            delay_correction=correction_in_effect(optim, rt.schedule),
         ).as_dict(),
     }
     if isinstance(rule, ScaledStepRule):  # every rank's scaler takes the same values; these are rank 0's
