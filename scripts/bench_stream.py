@@ -14,8 +14,10 @@ device (``WeightVersions``) and once streamed (``StreamedVersions`` + ``WeightSt
   computes (forwards and backwards; host buffers come from outside torch's allocator, as pinned memory is
   outside CUDA's; the host step's temporaries, host memory on a GPU, are left out), in a separate untimed run;
 - the memory model's figure for the streamed stage (``stream.device_bytes_model``) and the layers' bytes;
-- bytes moved to the device (weights) and to the host (gradients), the stall (compute waiting for a copy;
-  on CUDA measured on the compute stream), samples/s over the timed run;
+- bytes moved to the device (weights) and to the host (gradients), the stall (compute waiting for a weight
+  copy; on CUDA measured on the compute stream), the step's wait for the last gradient copies (``grad_wait_s``:
+  on CUDA gradients leave on the offload stream, off compute; on the CPU they are added inline, 0), the copy
+  streams' busy time each way, samples/s over the timed run;
 - whether the streamed run's losses and final weights are bit for bit the plain run's.
 
 On a CPU the "device" is host memory and copies are worker-thread memcpys: the bytes and the bit check
@@ -159,6 +161,9 @@ def main() -> None:
         "bytes_to_device": st["bytes_in"],
         "bytes_to_host": st["grad_bytes_out"],
         "stall_s": st["stall_s"],
+        "grad_wait_s": st["grad_wait_s"],
+        "copy_in_s": st["copy_in_s"],
+        "copy_out_s": st["copy_out_s"],
         "plain_samples_per_s": plain["samples_per_s"],
         "streamed_samples_per_s": streamed["samples_per_s"],
         "bit_for_bit": same,

@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -15,10 +16,11 @@ from dist_helper import run_ok
 from test_semantics import tiny_config
 from torch import nn
 
+from pipedream2bw.memory.host_optim import HostOptimizerVersions
 from pipedream2bw.memory.memprobe import tensor_peak
 from pipedream2bw.memory.precision import autocast
 from pipedream2bw.memory.stream import StreamedVersions, WeightStream, device_bytes_model
-from pipedream2bw.memory.swap import CpuBackend
+from pipedream2bw.memory.swap import CpuBackend, CudaBackend, _FutureTransfer
 from pipedream2bw.pipeline.schedule import BACKWARD, FORWARD, STEP, stage_actions
 from pipedream2bw.pipeline.versions import WeightVersions
 from pipedream2bw.run.model import RecomputeSequential
@@ -32,26 +34,44 @@ def _blocks(width: int = 16, depth: int = 3) -> list:
     return [*blocks, nn.Tanh(), nn.Linear(width, 1)]  # a layer without weights between streamed ones
 
 
-def _stage_loop(schedule, *, stream, recompute=False, precision="fp32", window=1, layers=None, probe=None, width=16):
+def _stage_loop(
+    schedule,
+    *,
+    stream,
+    recompute=False,
+    precision="fp32",
+    window=1,
+    layers=None,
+    probe=None,
+    width=16,
+    device="cpu",
+    backend=None,
+    host_optim=False,
+):
     """Stage 0 of 2 runs its actions (F, B, S) in one process, the output's squared mean as the loss; with
-    ``stream``, through StreamedVersions and a WeightStream. Returns (losses, newest weights, stream stats)."""
-    layers = layers if layers is not None else _blocks()
+    ``stream``, through StreamedVersions and a WeightStream (``backend``: CpuBackend unless given); else with its
+    weights on ``device`` (``host_optim``: HostOptimizerVersions). Returns (losses, newest weights, stream stats,
+    versions)."""
+    dev = torch.device(device)
+    layers = layers if layers is not None else _blocks(width)
     module = (RecomputeSequential if recompute and not stream else nn.Sequential)(*layers)
     if stream:
-        versions = StreamedVersions(module, pin=False, schedule=schedule, optimizer_factory=ADAM)
-        ws = WeightStream(versions, CpuBackend(overlap=probe is None), window=window, recompute=recompute)
+        versions = StreamedVersions(module, pin=dev.type == "cuda", schedule=schedule, optimizer_factory=ADAM)
+        backend = backend if backend is not None else CpuBackend(overlap=probe is None)
+        ws = WeightStream(versions, backend, window=window, recompute=recompute)
     else:
-        versions, ws = WeightVersions(module, schedule=schedule, optimizer_factory=ADAM), None
+        kind = HostOptimizerVersions if host_optim else WeightVersions
+        versions, ws = kind(module.to(dev), schedule=schedule, optimizer_factory=ADAM), None
     del module, layers
     m = 2
-    xs = torch.randn(4 * m, 3, width, generator=torch.Generator().manual_seed(1))
+    xs = torch.randn(4 * m, 3, width, generator=torch.Generator().manual_seed(1)).to(dev)
     outs, losses = {}, []
     for a in stage_actions(schedule, stage_index=0, num_stages=2, num_microbatches=m, num_batches=3):
         k = a.index
         with torch.profiler.record_function("compute") if probe else contextlib.nullcontext():
             if a.kind == FORWARD:
                 r = versions.replica_for_batch(k // m)
-                with autocast(precision, "cpu"):
+                with autocast(precision, dev.type):
                     if ws is not None:
                         ws.begin_forward(k, r)
                         out = ws.forward(versions.replicas[r], k, r, xs[k])
@@ -69,7 +89,7 @@ def _stage_loop(schedule, *, stream, recompute=False, precision="fp32", window=1
             if ws is not None:
                 ws.quiesce()
             versions.step(k, grad_scale=1 / m)
-    weights = {n: t.clone() for n, t in versions.newest().state_dict().items()}
+    weights = {n: t.detach().cpu().clone() for n, t in versions.newest().state_dict().items()}
     return losses, weights, ws.close() if ws is not None else None, versions
 
 
@@ -97,6 +117,68 @@ def test_streamed_stage_trains_bit_for_bit(schedule, recompute, precision, windo
     assert all(p.untyped_storage().data_ptr() in host for r in versions.replicas for p in r.parameters())
     homed = [v for o in versions.optimizers for st in o.state.values() for v in st.values() if torch.is_tensor(v)]
     assert homed and all(id(v) in versions._homed for v in homed)
+
+
+class _GradsOnWorker(CpuBackend):
+    """CpuBackend whose gradients leave as CudaBackend's do: copied on the offload worker (each a little late),
+    read by the stream only once landed."""
+
+    def grad_to_host(self, g):
+        host = self.pool.get(g.numel() * g.element_size())
+        tensor, keep = host.view(g.dtype).view(g.shape), [g]
+
+        def copy():
+            time.sleep(0.002)  # still in flight when the layer's sink returns
+            tensor.copy_(keep.pop())
+
+        transfer = _FutureTransfer(self._out.submit(copy), host=host)
+        transfer.tensor = tensor
+        return transfer
+
+
+def test_gradients_copied_out_asynchronously_reach_the_step_whole_and_in_order():
+    # WeightStream's path for a backend that copies gradients out asynchronously (CudaBackend's), run on the CPU:
+    # each microbatch's gradients are added once landed, in the order made, and the step waits for the last.
+    losses, weights, _, _ = _stage_loop("2bw", stream=False)
+    s_losses, s_weights, stats, _ = _stage_loop("2bw", stream=True, backend=_GradsOnWorker())
+    assert s_losses == losses
+    assert all(torch.equal(weights[n], s_weights[n]) for n in weights)
+    assert stats["grad_bytes_out"] > 0
+
+
+class _GradsInline(CudaBackend):
+    """CudaBackend as it was before gradients left on the offload stream: each read where the backward made it
+    (a synchronous copy on the compute stream)."""
+
+    def grad_to_host(self, g):
+        return None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("schedule,recompute,precision", [("2bw", False, "fp32"), ("gpipe", True, "bf16")])
+def test_a_streamed_cuda_stage_copies_gradients_off_the_compute_stream_bit_for_bit(schedule, recompute, precision):
+    # The same stage on the GPU three ways: weights on the device with the optimizer on the host
+    # (HostOptimizerVersions, as swap.optimizer=host: the same host Adam), streamed with the gradients copied out on
+    # the offload stream, and streamed with the synchronous copy it replaced. Every loss and weight bit for bit.
+    cuda = torch.device("cuda")
+    kw = dict(recompute=recompute, precision=precision, width=64)
+    base, base_weights, _, _ = _stage_loop(schedule, stream=False, device=cuda, host_optim=True, **kw)
+    runs = {
+        name: _stage_loop(schedule, stream=True, device=cuda, backend=backend, window=2, **kw)
+        for name, backend in (("stream", CudaBackend(cuda)), ("inline", _GradsInline(cuda)))
+    }
+    for name, (losses, weights, _, _) in runs.items():
+        assert losses == base, name
+        assert weights.keys() == base_weights.keys(), name
+        assert all(torch.equal(weights[n], base_weights[n]) for n in weights), name
+    st, inline = runs["stream"][2], runs["inline"][2]
+    assert st["grad_bytes_out"] == inline["grad_bytes_out"] > 0
+    # the gradients went out on the offload stream (its busy time is measured there); inline, nothing used it
+    assert st["copy_out_s"] > 0 and inline["copy_out_s"] == 0, (st, inline)
+    # the stall (compute waiting for weight copies, measured on the compute stream) and the step's wait for the
+    # last gradient copies are reported
+    assert st["loads"] > 0 and st["stall_s"] >= 0 and st["grad_wait_s"] >= 0 and st["copy_in_s"] > 0, st
 
 
 @pytest.mark.slow  # three profiled runs (torch.profiler's memory events)

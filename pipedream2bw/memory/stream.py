@@ -11,7 +11,9 @@ Device side (``WeightStream``): microbatch k's forward runs the stage layer by l
 the device copy of layer i's weights in the version k's batch uses (``versions.replica_for_batch``), while the
 copies of the next ``window`` layers are already on their way (``swap.TransferBackend``: a copy stream on CUDA,
 a worker thread on the CPU). The copy enters autograd through ``_ToDevice``, whose backward sends the layer's
-weight gradients to the host accumulators. What autograd saves of a weight copy is replaced by a reference
+weight gradients to the host accumulators: on a GPU each is copied on the offload stream once the backward that
+made it is done, and added on the host once landed, in the order made; the step first waits for the last
+(``quiesce``). On the CPU they are added at once. What autograd saves of a weight copy is replaced by a reference
 (saved-tensor hooks, chained with any already active, e.g. activation swapping's), so the copy is freed when the
 layer's forward ends; the backward of k fetches the layers it needs in reverse order, ``window`` ahead, and frees
 each once autograd has unpacked all it saved of it. With recomputation (``pipeline.recompute``) the layer's
@@ -24,6 +26,7 @@ one layer's gradients (``device_bytes_model``); every version, accumulator and o
 from __future__ import annotations
 
 import contextlib
+import time
 import weakref
 from collections import deque
 from dataclasses import asdict, dataclass
@@ -64,7 +67,9 @@ class StreamStats:
     grad_bytes_out: int = 0  # gradients to the host
     dropped: int = 0  # copies fetched ahead and never used
     stall_s: float = 0.0  # compute waiting for a copy (GPU: measured on the compute stream)
-    copy_in_s: float = 0.0
+    grad_wait_s: float = 0.0  # the step waiting for gradient copies still in flight (GPU; the CPU copies inline)
+    copy_in_s: float = 0.0  # transfer busy time: weights to the device
+    copy_out_s: float = 0.0  # gradients to the host (GPU; the CPU's are inline, in compute)
 
 
 def _layout(layer: nn.Module) -> Tuple[List[Tuple[str, int]], int]:
@@ -139,25 +144,19 @@ class StreamedVersions(WeightVersions):
         """Layer j's parameters as views of ``flat``, its flat buffer on the device."""
         return [_view(flat, off, self._params[0][i]) for (_, off), i in zip(self._offsets[j], self.layers[j][1])]
 
-    def accumulate(self, replica: int, j: int, grads: Sequence[Optional[torch.Tensor]]) -> int:
-        """Adds one microbatch's gradients of layer j (on the device) to replica's host accumulators, in the
-        order autograd's own accumulation would (the first is copied, the next added). Returns the bytes moved."""
-        moved = 0
-        for i, g in zip(self.layers[j][1], grads):
-            if g is None:
-                continue
-            p = self._params[replica][i]
-            moved += g.numel() * g.element_size()
-            if p.grad is None:
-                buf = self._grads.get((replica, i))
-                if buf is None:
-                    raw = self.pool.get(p.numel() * p.element_size())
-                    buf = self._grads[(replica, i)] = raw.view(p.dtype).view(p.shape)
-                buf.copy_(g)
-                p.grad = buf
-            else:
-                p.grad.add_(g if g.device == p.grad.device else g.to(p.grad.device))
-        return moved
+    def add_grad(self, replica: int, i: int, g: torch.Tensor) -> None:
+        """Adds one microbatch's gradient of parameter i (on the device, or its host copy) to replica's host
+        accumulator, in the order autograd's own accumulation would (the first is copied, the next added)."""
+        p = self._params[replica][i]
+        if p.grad is None:
+            buf = self._grads.get((replica, i))
+            if buf is None:
+                raw = self.pool.get(p.numel() * p.element_size())
+                buf = self._grads[(replica, i)] = raw.view(p.dtype).view(p.shape)
+            buf.copy_(g)
+            p.grad = buf
+        else:
+            p.grad.add_(g if g.device == p.grad.device else g.to(p.grad.device))
 
     def _detach_master(self, i: int, dst: nn.Parameter) -> None:
         """After its bucket's step: the optimizer state of parameter i moves into host buffers (once: it is
@@ -224,6 +223,7 @@ class WeightStream:
         self._uses: Dict[int, Dict[int, _Use]] = {}  # k -> layer -> its forward's use (no recomputation)
         self._live: Dict[int, Tuple[_Use, Any]] = {}  # storage pointer -> (use, weak ref): copies in this forward
         self._replica_of: Dict[int, int] = {}  # k -> the replica its forward used
+        self._grads_out: Deque[Tuple[int, int, Transfer]] = deque()  # (replica, parameter, copy): not yet added
         self.stats = StreamStats(window=window, layers=len(versions.layers))
 
     # -- fetching ----------------------------------------------------------------------------
@@ -334,7 +334,31 @@ class WeightStream:
         return torch.func.functional_call(layer, dict(zip(v.names(j), devs)), (x,), strict=False)
 
     def _sink(self, r: int, j: int, grads: Sequence[Optional[torch.Tensor]]) -> None:
-        self.stats.grad_bytes_out += self.versions.accumulate(r, j, grads)
+        """Layer j's gradients, as its backward made them, go to replica r's host accumulators: at once on the
+        CPU; on a GPU copied off the compute stream (``TransferBackend.grad_to_host``) and added in the order
+        made once landed (``_settle``)."""
+        for i, g in zip(self.versions.layers[j][1], grads):
+            if g is None:
+                continue
+            self.stats.grad_bytes_out += g.numel() * g.element_size()
+            copy = self.backend.grad_to_host(g)
+            if copy is None:
+                self.versions.add_grad(r, i, g)
+            else:
+                self._grads_out.append((r, i, copy))
+        self._settle(wait=False)
+
+    def _settle(self, *, wait: bool) -> None:
+        """Adds the gradient copies that have landed to the host accumulators, in the order they were made
+        (``wait``: all of them, waiting for those in flight): what the host step reads is then complete."""
+        while self._grads_out and (wait or self._grads_out[0][2].ready()):
+            r, i, copy = self._grads_out.popleft()
+            if not copy.ready():
+                t0 = time.perf_counter()
+                copy.wait()
+                self.stats.grad_wait_s += time.perf_counter() - t0
+            self.versions.add_grad(r, i, copy.tensor)
+            self.backend.recycle(copy, None)
 
     # -- saved-tensor hooks ------------------------------------------------------------------
 
@@ -372,17 +396,20 @@ class WeightStream:
             yield
 
     def quiesce(self) -> None:
-        """Before the host step writes a replica: no copy from it may still be in flight."""
+        """Before the host step reads the gradients and writes a replica: every gradient copy has landed and been
+        added, and no weight copy from a replica is still in flight."""
+        self._settle(wait=True)
         self._begin([])
         if self.backend.device.type == "cuda":
             torch.cuda.synchronize(self.backend.device)
 
     def close(self) -> Dict[str, Any]:
         """Stops the backend; returns the stats as a dict."""
+        self._settle(wait=True)
         st = self.stats
         st.host_weight_bytes = self.versions.host_weight_bytes()
         st.host_buffer_bytes = self.versions.pool.allocated_bytes
         st.stall_s = self.backend.stall_s()
-        st.copy_in_s = self.backend.busy_s()[1]
+        st.copy_out_s, st.copy_in_s = self.backend.busy_s()
         self.backend.close()
         return asdict(st)

@@ -124,6 +124,13 @@ class TransferBackend:
         """Forgets a copy back that will not be consumed; its device buffer may be reused once it lands."""
         raise NotImplementedError
 
+    def grad_to_host(self, g: torch.Tensor) -> Optional[Transfer]:
+        """Starts copying ``g`` (a gradient the backward just made, any dtype and shape) to the host, off the
+        compute stream. The transfer's ``.tensor`` is the host copy, to read once ``ready()``/``wait()``;
+        ``recycle(it, None)`` then gives its buffer back. None: this backend does not (the CPU's: its device is
+        the host; the caller reads ``g`` itself)."""
+        return None
+
     def stall_s(self) -> float:
         raise NotImplementedError
 
@@ -247,6 +254,7 @@ class _CudaTransfer(Transfer):
         self, event: "torch.cuda.Event", *, host: Optional[torch.Tensor] = None, device: Optional[torch.Tensor] = None
     ):
         self.event, self.host, self.device = event, host, device
+        self.tensor: Optional[torch.Tensor] = None  # grad_to_host: the host copy, typed
 
     def ready(self) -> bool:
         return self.event.query()
@@ -341,6 +349,18 @@ class CudaBackend(TransferBackend):
 
     def drop(self, pre: Transfer) -> None:
         torch.cuda.current_stream(self.device).wait_event(pre.event)  # its block returns to compute's pool
+
+    def grad_to_host(self, g: torch.Tensor) -> Transfer:
+        # On the offload stream, after the compute work queued so far (the backward that made g); record_stream
+        # keeps g's block from reuse until the copy has read it, whenever autograd drops g.
+        self._reclaim()
+        host = self.pool.get(g.numel() * g.element_size())
+        tensor = host.view(g.dtype).view(g.shape)
+        self._out_stream.wait_stream(torch.cuda.current_stream(self.device))
+        transfer = _CudaTransfer(self._copy(self._out_stream, 0, tensor, g), host=host)
+        g.record_stream(self._out_stream)
+        transfer.tensor = tensor
+        return transfer
 
     def _reclaim(self) -> None:
         while self._recycle and self._recycle[0][1].query():

@@ -450,6 +450,8 @@ class StageWorker:
         outcome = self._agreed(t) if self.agreement is not None else None
         decision = self.rule.decide(outcome) if outcome is not None else StepDecision(skip=False)
         bucket_wait = self._bucket_wait(t)
+        if self.stream is not None:  # the host gradients complete, no weight copy in flight: a step or skip may go
+            self.stream.quiesce()
         if decision.skip:
             self.versions.skip(t)
             self.stats.skipped_steps.append(t)
@@ -461,8 +463,6 @@ class StageWorker:
                 )
         else:
             scale = self.grad_scale * self.rule.unscale(t) * decision.grad_multiplier
-            if self.stream is not None:
-                self.stream.quiesce()
             self._step(t, scale, bucket_wait, check=outcome is None and self.rule.on_nonfinite == "stop")
         if trace is not None:
             trace.add("S", t, start, time.perf_counter())
