@@ -64,6 +64,9 @@ FACTORS: "OrderedDict[str, Tuple[Any, ...]]" = OrderedDict(
         "none",
         "error_feedback",
     ),  # optim.delay_correction (off under flush, gpipe); lookahead: test_corrections.py
+    # swap.weights on every stage (swap.enabled): weights, gradients and optimizer state in host memory, each layer
+    # streamed to the "device" for its forward and backward; activations swap only where ``swap`` is set too
+    stream=(False, True),
 )
 
 NUM_STEPS = 6  # the 2BW delay shows from step 1; step SKIP_BATCH is skipped; a resume at RESUME_STEP
@@ -112,6 +115,7 @@ class Cell:
     weight_dtype: str
     muon: bool = False
     correction: str = "none"
+    stream: bool = False
 
     @property
     def id(self) -> str:
@@ -126,6 +130,8 @@ class Cell:
             parts.append("muon")
         if self.correction != "none":
             parts.append({"error_feedback": "ef"}.get(self.correction, self.correction))
+        if self.stream:
+            parts.append("stream")
         if self.resume:
             d, w = RESUME_AT[(self.d, self.w)]
             parts.append(f"resume-d{d}w{w}")
@@ -170,6 +176,12 @@ CONSTRAINTS: List[Tuple[Tuple[str, ...], Callable[[Dict[str, Any]], bool], str]]
     # 2bw's m >= d holds by construction (m = 8 / w); fp16 always runs with its loss scaler.
 ]
 
+# What a streamed cell (swap.weights) keeps to, so that an example breaking one of it is refused for that alone.
+STREAMS: Dict[str, Any] = dict(
+    schedule="2bw", d=2, w=1, resume=False, precision="fp32", tied=False, clip=False, skip=False, host_optim=True,
+    validation=False, weight_dtype="fp32", stream=True,
+)  # fmt: skip
+
 # Combinations the code refuses at config time: (factors read, predicate, the ConfigError's pattern, why,
 # the values of an example). Listed in docs/concepts.md ("Supported combinations"). They are no cells of the
 # arrays (a refused run covers nothing); test_matrix validates each example and checks the refusal.
@@ -201,6 +213,57 @@ REFUSED: List[Tuple[Tuple[str, ...], Callable[[Dict[str, Any]], bool], str, str,
         r"train.weight_dtype \(compute\) steps pieces of every parameter",
         "versions in the compute dtype keep flat float32 masters, which need an elementwise optimizer",
         dict(schedule="2bw", d=2, w=1, precision="bf16", tied=False, weight_dtype="compute", muon=True),
+    ),
+    # swap.weights (config/validate.py _validate_weight_stream; ties: run/start.py check_weight_stream, which the
+    # built model's ties need). Each example streams and breaks one of them (STREAMS: what a streamed cell keeps).
+    (
+        ("stream", "host_optim"),
+        lambda r: r["stream"] and not r["host_optim"],
+        r"swap.weights \(true\) with a streamed stage's optimizer steps where its weights live",
+        "a streamed stage's optimizer steps where its weights live, on the host",
+        dict(STREAMS, host_optim=False),
+    ),
+    (
+        ("d", "w", "resume", "stream"),
+        lambda r: r["stream"] and (r["w"] > 1 or r["resume"] and RESUME_AT[(r["d"], r["w"])][1] > 1),
+        r"swap.weights \(true\) with pipeline.data_parallel \(2\)",
+        "the all-reduce of host-accumulated gradients is not written (every resume's layouts have a w = 2 side)",
+        dict(STREAMS, d=1, w=2),
+    ),
+    (
+        ("weight_dtype", "stream"),
+        lambda r: r["stream"] and r["weight_dtype"] == "compute",
+        r"swap.weights \(true\) with train.weight_dtype \(compute\)",
+        "streamed versions are float32",
+        dict(STREAMS, precision="bf16", weight_dtype="compute"),
+    ),
+    (
+        ("precision", "stream"),
+        lambda r: r["stream"] and r["precision"] == "fp16",
+        r"swap.weights \(true\) with train.precision \(fp16\)",
+        "the loss scaler's checks of host gradients are not written",
+        dict(STREAMS, precision="fp16"),
+    ),
+    (
+        ("clip", "skip", "stream"),
+        lambda r: r["stream"] and (r["clip"] or r["skip"]),
+        r"swap.weights \(true\) with optim.clip_grad_norm or train.on_nonfinite=skip",
+        "the step agreement over host gradients is not verified",
+        dict(STREAMS, skip=True),
+    ),
+    (
+        ("validation", "stream"),
+        lambda r: r["stream"] and r["validation"],
+        r"swap.weights \(true\) with train.eval_every \(2\)",
+        "validation passes do not stream weights",
+        dict(STREAMS, validation=True),
+    ),
+    (
+        ("tied", "stream"),
+        lambda r: r["stream"] and r["tied"],
+        r"swap.weights \(true\) with tied weights .* on a streamed stage",
+        "a tied weight would travel once per layer that uses it (refused when the run starts, from the model's ties)",
+        dict(STREAMS, tied=True),
     ),
 ]
 
@@ -316,7 +379,15 @@ def cell_config(cell: Cell, *, layout: Optional[Tuple[int, int]] = None, resume:
         ),
         dist=DistConfig(timeout_s=60.0),
         wandb=WandbConfig(mode="disabled"),
-        swap=SwapConfig(enabled=cell.swap, min_bytes=0, resident=0, optimizer="host" if cell.host_optim else "device"),
+        # stream without swap: every stage streams its weights (swap.enabled) and keeps all its microbatches'
+        # activations (resident GLOBAL_BATCH: no swap manager)
+        swap=SwapConfig(
+            enabled=cell.swap or cell.stream,
+            min_bytes=0,
+            resident=GLOBAL_BATCH if cell.stream and not cell.swap else 0,
+            optimizer="host" if cell.host_optim else "device",
+            weights=cell.stream,
+        ),
         seed=3,
     )
 

@@ -37,6 +37,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from pipedream2bw.memory.swap import HostPool, Transfer, TransferBackend
+from pipedream2bw.pipeline import stateful
 from pipedream2bw.pipeline.versions import WeightVersions
 
 _ALIGN = 64  # bytes: each parameter of a layer's flat buffer starts here, so any dtype can view it
@@ -223,6 +224,7 @@ class WeightStream:
         self._uses: Dict[int, Dict[int, _Use]] = {}  # k -> layer -> its forward's use (no recomputation)
         self._live: Dict[int, Tuple[_Use, Any]] = {}  # storage pointer -> (use, weak ref): copies in this forward
         self._replica_of: Dict[int, int] = {}  # k -> the replica its forward used
+        self._contexts: Dict[int, stateful.RecomputeContexts] = {}  # id(layer) -> its recomputation's contexts
         self._grads_out: Deque[Tuple[int, int, Transfer]] = deque()  # (replica, parameter, copy): not yet added
         self.stats = StreamStats(window=window, layers=len(versions.layers))
 
@@ -294,30 +296,42 @@ class WeightStream:
     # -- forward -----------------------------------------------------------------------------
 
     def forward(self, module: nn.Module, k: int, replica: int, x: Any) -> Any:
-        """Microbatch k's forward through the stage ``module`` (the replica's) with streamed weights."""
+        """Microbatch k's forward through the stage ``module`` (the replica's) with streamed weights. As the stage's
+        own ``StageSequential`` would, each layer runs on its own random stream (dropout masks per layer and
+        microbatch) and, recomputed, puts back the buffers its forward changed (``stateful.RecomputeContexts``)."""
         self._replica_of[k] = replica
         self._uses[k] = {}
+        stream = stateful.current_key() if isinstance(module, stateful.StageSequential) else None
         with self._hooks():
             j = 0
             for name, layer in module.named_children():
+                if stream is not None:
+                    stateful.reseed(stream, int(name))
                 if j < len(self.versions.layers) and self.versions.layers[j][0] == name:
                     x = self._run_layer(k, j, replica, layer, x)
                     j += 1
                 else:  # no parameters: nothing to stream
-                    x = self._checkpointed(layer, x) if self.recompute else layer(x)
+                    x = self._checkpointed(layer, layer, x) if self.recompute else layer(x)
         self._live.clear()
         return x
 
-    def _checkpointed(self, fn: Callable, x: Any) -> Any:
+    def _checkpointed(self, layer: nn.Module, fn: Callable, x: Any) -> Any:
+        """``fn(x)`` (``layer``'s forward) kept for recomputation in backward: on the random stream it ran on (the
+        checkpoint restores it), with ``layer``'s buffers put back after the recomputation."""
+        if id(layer) not in self._contexts:
+            self._contexts[id(layer)] = stateful.RecomputeContexts(layer)
         leaves, spec = pytree.tree_flatten(x)
         return torch.utils.checkpoint.checkpoint(
-            lambda *leaves: fn(pytree.tree_unflatten(list(leaves), spec)), *leaves, use_reentrant=False
+            lambda *leaves: fn(pytree.tree_unflatten(list(leaves), spec)),
+            *leaves,
+            use_reentrant=False,
+            context_fn=self._contexts[id(layer)],
         )
 
     def _run_layer(self, k: int, j: int, r: int, layer: nn.Module, x: Any) -> Any:
         key = (k, j, r)
         if self.recompute:  # the recomputation in backward takes the layer again, in backward order
-            return self._checkpointed(lambda x: self._call(key, layer, x), x)
+            return self._checkpointed(layer, lambda x: self._call(key, layer, x), x)
         use = self._uses[k][j] = _Use(key)
         return self._call(key, layer, x, use=use)
 
