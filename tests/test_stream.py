@@ -21,7 +21,9 @@ from pipedream2bw.memory.memprobe import tensor_peak
 from pipedream2bw.memory.precision import autocast
 from pipedream2bw.memory.stream import StreamedVersions, WeightStream, device_bytes_model
 from pipedream2bw.memory.swap import CpuBackend, CudaBackend, _FutureTransfer
+from pipedream2bw.pipeline import stateful
 from pipedream2bw.pipeline.schedule import BACKWARD, FORWARD, STEP, stage_actions
+from pipedream2bw.pipeline.stateful import StageSequential
 from pipedream2bw.pipeline.versions import WeightVersions
 from pipedream2bw.run.model import RecomputeSequential
 
@@ -48,13 +50,14 @@ def _stage_loop(
     backend=None,
     host_optim=False,
 ):
-    """Stage 0 of 2 runs its actions (F, B, S) in one process, the output's squared mean as the loss; with
+    """Stage 0 of 2 runs its actions (F, B, S) in one process, the output's squared mean as the loss (each layer on
+    its random stream, as in the trainer: ``stateful.microbatch_streams``); with
     ``stream``, through StreamedVersions and a WeightStream (``backend``: CpuBackend unless given); else with its
     weights on ``device`` (``host_optim``: HostOptimizerVersions). Returns (losses, newest weights, stream stats,
     versions)."""
     dev = torch.device(device)
     layers = layers if layers is not None else _blocks(width)
-    module = (RecomputeSequential if recompute and not stream else nn.Sequential)(*layers)
+    module = (RecomputeSequential if recompute and not stream else StageSequential)(*layers)
     if stream:
         versions = StreamedVersions(module, pin=dev.type == "cuda", schedule=schedule, optimizer_factory=ADAM)
         backend = backend if backend is not None else CpuBackend(overlap=probe is None)
@@ -71,7 +74,7 @@ def _stage_loop(
         with torch.profiler.record_function("compute") if probe else contextlib.nullcontext():
             if a.kind == FORWARD:
                 r = versions.replica_for_batch(k // m)
-                with autocast(precision, dev.type):
+                with autocast(precision, dev.type), stateful.microbatch_streams(0, k, dev):
                     if ws is not None:
                         ws.begin_forward(k, r)
                         out = ws.forward(versions.replicas[r], k, r, xs[k])
@@ -117,6 +120,34 @@ def test_streamed_stage_trains_bit_for_bit(schedule, recompute, precision, windo
     assert all(p.untyped_storage().data_ptr() in host for r in versions.replicas for p in r.parameters())
     homed = [v for o in versions.optimizers for st in o.state.values() for v in st.values() if torch.is_tensor(v)]
     assert homed and all(id(v) in versions._homed for v in homed)
+
+
+class _DropNorm(nn.Module):
+    """Linear, dropout, then a BatchNorm over the features: a random mask and running statistics each forward."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.lin, self.drop, self.bn = nn.Linear(width, width), nn.Dropout(0.3), nn.BatchNorm1d(width)
+
+    def forward(self, x):
+        h = self.drop(self.lin(x))
+        return self.bn(h.flatten(0, -2)).view_as(h)
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_streamed_layers_draw_their_own_dropout_masks_and_count_batchnorm_once(recompute):
+    # As the stage's StageSequential: each layer reseeded on its own stream before its forward (a streamed stage drew
+    # every layer's mask from one stream), and a recomputed forward puts its BatchNorm statistics back (they counted
+    # twice). Weights and running statistics (in the state dict) bit for bit.
+    def layers():
+        torch.manual_seed(0)
+        return [_DropNorm(16), _DropNorm(16), nn.Linear(16, 1)]
+
+    losses, weights, _, _ = _stage_loop("flush", stream=False, recompute=recompute, layers=layers())
+    s_losses, s_weights, _, _ = _stage_loop("flush", stream=True, recompute=recompute, layers=layers())
+    assert s_losses == losses
+    assert any("running_mean" in n for n in weights) and weights.keys() == s_weights.keys()
+    assert all(torch.equal(weights[n], s_weights[n]) for n in weights)
 
 
 class _GradsOnWorker(CpuBackend):
