@@ -263,7 +263,7 @@ REFUSED: List[Tuple[Tuple[str, ...], Callable[[Dict[str, Any]], bool], str, str,
         lambda r: r["stream"] and r["tied"],
         r"swap.weights \(true\) with tied weights .* on a streamed stage",
         "a tied weight would travel once per layer that uses it (refused when the run starts, from the model's ties)",
-        dict(STREAMS, tied=True),
+        dict(STREAMS, tied=True, structured=False),
     ),
 ]
 
@@ -308,18 +308,30 @@ def covering_array(strength: int) -> List[Cell]:
     return [Cell(**{name: row[name] for name in FACTORS}) for row in rows]
 
 
+def completes(values: Dict[str, Any]) -> bool:
+    """Whether some full row of the product holding ``values`` passes ``feasible``: a search that fills the other
+    factors in order and leaves a partial row as soon as a rule whose factors it holds fails."""
+    if not feasible(values):
+        return False
+    name = next((n for n in FACTORS if n not in values), None)
+    return name is None or any(completes({**values, name: v}) for v in FACTORS[name])
+
+
 def uncovered(cells: Sequence[Cell], strength: int) -> List[Dict[str, Any]]:
     """Feasible value combinations of ``strength`` factors that no cell holds (feasible: some full
-    row of the product with those values passes ``feasible``)."""
+    row of the product with those values passes ``feasible``: ``completes``)."""
     names = list(FACTORS)
-    possible, covered = set(), set()
-    for row in itertools.product(*FACTORS.values()):
-        if feasible(dict(zip(names, row))):
-            possible.update(itertools.combinations(enumerate(row), strength))
+    covered = set()
     for cell in cells:
         row = [getattr(cell, n) for n in names]
         covered.update(itertools.combinations(enumerate(row), strength))
-    return [{names[i]: v for i, v in combo} for combo in sorted(possible - covered, key=repr)]
+    missing = []
+    for positions in itertools.combinations(range(len(names)), strength):
+        for values in itertools.product(*(FACTORS[names[i]] for i in positions)):
+            combo = tuple(zip(positions, values))
+            if combo not in covered and completes({names[i]: v for i, v in combo}):
+                missing.append(combo)
+    return [{names[i]: v for i, v in combo} for combo in sorted(missing, key=repr)]
 
 
 # ---- configs -----------------------------------------------------------------------------------

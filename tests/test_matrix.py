@@ -35,6 +35,8 @@ from matrix import (
 from reference import Reference, reference_eval, reference_run
 
 from pipedream2bw.config import ConfigError, validate
+from pipedream2bw.run.model import RunModel
+from pipedream2bw.run.start import check_weight_stream
 
 PAIRWISE = covering_array(2)
 THREE_WISE = covering_array(3)
@@ -121,6 +123,9 @@ def check_cell(cell: Cell, runs) -> None:
     if cell.tied:
         (tie,) = summary["ties"]
         assert tie["stages"] == sorted({0, summary["num_stages"] - 1})  # across the first and last stage
+    if cell.stream:  # every stage streamed its weights
+        streamed = [r["stream"] for r in summary["ranks"]]
+        assert all(st is not None and st["loads"] > 0 and st["grad_bytes_out"] > 0 for st in streamed), streamed
     if cell.swap:
         swapped = [r["swap"]["swapped_out"] for s in runs.summaries for r in s["ranks"] if r["swap"]]
         assert swapped and max(swapped) > 0
@@ -200,7 +205,8 @@ def test_arrays_cover_every_feasible_combination(strength, cells):
 def test_refused_combinations_fail_at_config_time_with_their_reason():
     """Each REFUSED combination, and 2bw with m < d (which the cells avoid by construction: m = 8 / w):
     validate(), which every rank runs before any process group starts, raises a ConfigError naming the
-    values; the generator leaves refused combinations out of the arrays."""
+    values (swap.weights with tied weights: when the run starts, from the built model's ties, also before any
+    group); the generator leaves refused combinations out of the arrays."""
     cell = next(c for c in PAIRWISE if c.schedule == "2bw" and c.d == 4)
     cfg = cell_config(cell)
     cfg.pipeline.num_microbatches = 2
@@ -213,3 +219,6 @@ def test_refused_combinations_fail_at_config_time_with_their_reason():
     for c, cfg, pattern in cases:
         with pytest.raises(ConfigError, match=pattern):
             validate(cfg, world_size=c.world_size, num_layers=5 if c.structured else None)
+            if cfg.swap.weights:  # what only the built model shows, before any group too (run/start.py)
+                tied = RunModel.of(cfg, None, None).tied
+                check_weight_stream(cfg, tied, cfg.pipeline.balance, cfg.train.precision)
