@@ -10,6 +10,7 @@ import dataclasses
 import functools
 import math
 import time
+from typing import Tuple
 
 import pytest
 import torch
@@ -39,7 +40,33 @@ from pipedream2bw.run.model import RunModel
 from pipedream2bw.run.start import check_weight_stream
 
 PAIRWISE = covering_array(2)
-THREE_WISE = covering_array(3)
+
+
+@functools.lru_cache(maxsize=None)
+def three_wise() -> Tuple[Cell, ...]:
+    """The 3-wise array: made when a test asks for it (about 10 s of CPU), not in every collection."""
+    return tuple(covering_array(3))
+
+
+def pytest_generate_tests(metafunc):
+    """test_three_wise's cells, where the session's mark expression can select it (``-m matrix_full``); elsewhere
+    none (deselected anyway), so that collecting the default suite does not build the 3-wise array."""
+    if metafunc.definition.name == "test_three_wise":
+        cells = three_wise() if _selects(metafunc.config, {m.name for m in metafunc.definition.iter_markers()}) else ()
+        metafunc.parametrize("cell", cells, ids=[c.id for c in cells])
+
+
+def _selects(config, markers) -> bool:
+    """Whether ``-m``'s expression selects a test with ``markers``; True where that cannot be told."""
+    expr = config.getoption("markexpr")
+    if not expr:
+        return True
+    try:
+        from _pytest.mark.expression import Expression
+
+        return bool(Expression.compile(expr).evaluate(lambda name, **_: name in markers))
+    except Exception:  # noqa: BLE001 -- pytest's parser moved or changed: build the array
+        return True
 
 
 @pytest.fixture(scope="session")
@@ -182,7 +209,6 @@ def test_pairwise(cell, matrix):
 @pytest.mark.slow
 @pytest.mark.matrix_full
 @pytest.mark.timeout(1800)
-@pytest.mark.parametrize("cell", THREE_WISE, ids=[c.id for c in THREE_WISE])
 def test_three_wise(cell, matrix):
     _run_and_check(cell, matrix)
 
@@ -190,10 +216,11 @@ def test_three_wise(cell, matrix):
 # ---- pure ---------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("strength,cells", [(2, PAIRWISE), pytest.param(3, THREE_WISE, marks=pytest.mark.long)])
-def test_arrays_cover_every_feasible_combination(strength, cells):
+@pytest.mark.parametrize("strength", [2, pytest.param(3, marks=pytest.mark.long)])
+def test_arrays_cover_every_feasible_combination(strength):
     """Every value combination of any ``strength`` factors that some run can have is in a cell; no cell
     breaks a constraint; the ids are unique; the arrays hold the presets and do not change between calls."""
+    cells = PAIRWISE if strength == 2 else list(three_wise())
     assert uncovered(cells, strength) == []
     assert all(feasible(dataclasses.asdict(c)) for c in cells)
     assert len({c.id for c in cells}) == len(cells)
@@ -214,7 +241,7 @@ def test_refused_combinations_fail_at_config_time_with_their_reason():
     for _, applies, pattern, _, example in REFUSED:
         refused = Cell(**{**dataclasses.asdict(PAIRWISE[0]), **example})
         assert applies(dataclasses.asdict(refused)) and not feasible(dataclasses.asdict(refused))
-        assert all(refusal(c) is None for c in PAIRWISE + THREE_WISE)
+        assert all(refusal(c) is None for c in PAIRWISE)  # and the 3-wise array's: feasible (the coverage test)
         cases.append((refused, cell_config(refused), pattern))
     for c, cfg, pattern in cases:
         with pytest.raises(ConfigError, match=pattern):
