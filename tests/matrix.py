@@ -291,21 +291,38 @@ def refusal(cell: Cell) -> Optional[str]:
     return next((pattern for _, applies, pattern, *_ in REFUSED if applies(row)), None)
 
 
+# Factors added after the arrays were first drawn, in order: each is laid over the arrays of the factors before it,
+# whose cells stay as they were (the new factor at its plain value); the generator then adds the cells the new
+# factor's combinations need. Adding a factor thus adds its own cells only, instead of redrawing every cell.
+LAYERED = ("stream",)
+
+
 def covering_array(strength: int) -> List[Cell]:
     """The ``strength``-wise covering array (covertable) of FACTORS under the constraints and
     refusals, PRESETS first: every feasible combination of values of any ``strength`` factors is in
-    at least one cell. Deterministic: covertable's hash sorter with a fixed salt orders the candidates."""
-    constraints = [{"operator": "fn", "requires": list(keys), "evaluate": ok} for keys, ok, _ in CONSTRAINTS] + [
-        {"operator": "fn", "requires": list(keys), "evaluate": lambda r, f=f: not f(r)} for keys, f, *_ in REFUSED
+    at least one cell. Deterministic: covertable's hash sorter with a fixed salt orders the candidates.
+    Built in layers (``LAYERED``)."""
+    names = [n for n in FACTORS if n not in LAYERED]
+    rows = _make(names, strength, PRESETS)
+    for name in LAYERED:
+        names.append(name)
+        rows = _make(names, strength, [{**row, name: FACTORS[name][0]} for row in rows])
+    return [Cell(**{name: row[name] for name in FACTORS}) for row in rows]
+
+
+def _make(names: Sequence[str], strength: int, presets: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """covertable's array over the factors ``names``, under the rules that read only those."""
+    rules = [(keys, ok) for keys, ok, _ in CONSTRAINTS] + [(keys, lambda r, f=f: not f(r)) for keys, f, *_ in REFUSED]
+    constraints = [
+        {"operator": "fn", "requires": list(keys), "evaluate": ok} for keys, ok in rules if set(keys) <= set(names)
     ]
-    rows = covertable.make(
-        {name: list(values) for name, values in FACTORS.items()},
+    return covertable.make(
+        {name: list(FACTORS[name]) for name in names},
         strength=strength,
         constraints=constraints,
-        presets=PRESETS,
+        presets=list(presets),
         salt="pd2bw",
     )
-    return [Cell(**{name: row[name] for name in FACTORS}) for row in rows]
 
 
 def completes(values: Dict[str, Any]) -> bool:
