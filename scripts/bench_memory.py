@@ -50,6 +50,12 @@ from pipedream2bw.pipeline import comm  # noqa: E402
 from pipedream2bw.pipeline.schedule import in_flight  # noqa: E402
 
 MEMORY_MODEL = dict(num_layers=32, d_model=64, num_heads=4, seq_len=4, microbatch_size=1, num_microbatches=2)
+# On a GPU the caching allocator holds ~69 MB more, whatever the model (H200, 2026-11-26: a 101.8 MB peak against
+# param_memory's 32.7 MB for the 1.6M parameters above; cuBLAS's workspaces, most likely): 42 B a parameter against
+# param_memory's 20. A 100M-parameter GPT of the same shape keeps that near 3%, and its largest parameter (4 MiB)
+# sets the bucket at the same 1% of a stage.
+MEMORY_MODEL_CUDA = dict(MEMORY_MODEL, d_model=512, num_heads=8)
+MEMORY_BUCKET_MB = {False: 0.0625, True: 4.0}  # CUDA or not
 MEMORY_LAYOUTS = ("1x1", "1x2", "1x4", "2x4")  # d x w
 TIME_MODEL = dict(num_layers=4, d_model=128, num_heads=4, seq_len=64, microbatch_size=2, num_microbatches=4)
 COMBINATIONS = [("fp32", "fp32"), ("bf16", "fp32"), ("bf16", "compute")]  # (precision, weight_dtype)
@@ -235,7 +241,7 @@ def memory_table(args) -> None:
                 weight_dtype=wd,
                 sharded=sh,
                 steps=args.steps,
-                model=MEMORY_MODEL,
+                model=MEMORY_MODEL_CUDA if torch.cuda.is_available() else MEMORY_MODEL,
                 bucket_mb=args.bucket_mb,
                 clip=args.clip,
             )
@@ -279,8 +285,9 @@ def memory_table(args) -> None:
             f"| {state} | {fall} | {predicted_fall} |"
         )
     params = sorted({x["params"] for r in rows for x in r["ranks"]})
+    model = MEMORY_MODEL_CUDA if torch.cuda.is_available() else MEMORY_MODEL
     print(
-        f"\n(GPT {MEMORY_MODEL}: {', '.join(map(str, params))} parameters a stage; AdamW, {args.steps} steps, "
+        f"\n(GPT {model}: {', '.join(map(str, params))} parameters a stage; AdamW, {args.steps} steps, "
         f"pipeline.bucket_mb={args.bucket_mb}{f', optim.clip_grad_norm={args.clip}' if args.clip else ''})"
     )
 
@@ -340,7 +347,8 @@ def main() -> None:
         "--bucket-mb",
         type=float,
         default=None,
-        help="pipeline.bucket_mb. Memory table, default 0.0625: the memory GPT's largest parameter (64 KiB float32), "
+        help="pipeline.bucket_mb. Memory table, default 0.0625 (4 on a GPU, its larger GPT): the memory GPT's largest "
+        "parameter (64 KiB float32), "
         "about 1%% of its 6.5 MB, so that a bucket's temporaries (its flat copy as it starts, gloo's all-gather "
         "output) are a small part of a stage, as the default 25 MB is of a large one. Time: the run's default (25), "
         "one bucket a stage; a smaller one adds a reduce-scatter and an all-gather per bucket to a sharded step",
@@ -362,7 +370,7 @@ def main() -> None:
         return worker(args)
     args.steps = args.steps or (60 if args.time else 3)
     if args.bucket_mb is None:
-        args.bucket_mb = PipelineConfig().bucket_mb if args.time else 0.0625
+        args.bucket_mb = PipelineConfig().bucket_mb if args.time else MEMORY_BUCKET_MB[torch.cuda.is_available()]
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     print("command:", " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]))
     print(

@@ -22,6 +22,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Dict
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -121,6 +122,35 @@ def peak_memory(args, system) -> int:
     return peak["bytes"]
 
 
+def profile(args, out: Path) -> Dict[str, float]:
+    """``--profile``: each system once more under torch.profiler; its busiest kernels and operators to
+    ``out/<system>.txt``, and the device time against the wall time per step: where the ratio comes from
+    (more device work, or a device left idle by the host)."""
+    from torch.profiler import ProfilerActivity
+
+    out.mkdir(parents=True, exist_ok=True)
+    figures = {}
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device.type == "cuda" else [])
+    for name, system in {"ours": ours, "plain-autocast": plain}.items():
+        steps = args.warmup + 3
+        with torch.profiler.profile(activities=activities) as prof:
+            start = time.perf_counter()
+            system(args, steps=steps)
+            wall = time.perf_counter() - start
+        events = prof.key_averages()
+        device_us = sum(e.self_device_time_total for e in events)
+        text = [
+            f"{name}: {steps} steps (setup and warm-up included), wall {wall:.3f} s, "
+            f"device (self) {device_us / 1e6:.3f} s",
+            events.table(sort_by="self_device_time_total" if device_us else "self_cpu_time_total", row_limit=30),
+            events.table(sort_by="self_cpu_time_total", row_limit=20),
+        ]
+        (out / f"{name}.txt").write_text("\n".join(text) + "\n")
+        figures[f"{name}_device_s_per_step"] = device_us / 1e6 / steps
+        print(f"  profile {name:>15}: device {device_us / 1e6 / steps * 1e3:.1f} ms a step; {out / (name + '.txt')}")
+    return figures
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
@@ -137,6 +167,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", default="bench_precision.json")
+    parser.add_argument("--profile", type=Path, default=None, help="also profile each system; tables to this folder")
     args = parser.parse_args()
     cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -194,6 +225,8 @@ def main() -> None:
         "memory_kind": kind,
         "gpu": cuda,
     }
+    if args.profile is not None:
+        payload["profile"] = profile(args, args.profile)
     Path(args.json).write_text(json.dumps(payload, indent=2) + "\n")
     print(f"wrote {args.json}")
 

@@ -7,7 +7,10 @@ The stage is ``--layers`` GPT blocks (equal layers) run as stage 0 of a 2-stage 
 (``schedule.stage_actions``: forwards of the next batch before the step of this one under 2bw), with
 AdamW, the squared mean of the output as each microbatch's loss. It runs once with its weights on the
 device (``WeightVersions``) and once streamed (``StreamedVersions`` + ``WeightStream``, a prefetch window of
-``--window`` layers), each from the same weights, and reports for each:
+``--window`` layers), each from the same weights; on a GPU a third run keeps the weights on the device and steps
+the optimizer on the host (``HostOptimizerVersions``, swap.optimizer=host), as the streamed run does: a CUDA
+AdamW rounds differently from the host's, so that run is the bit-for-bit reference there. The first
+``--warmup`` batches are not timed. It reports for each:
 
 - peak device tensor bytes: CUDA, the allocator's peak over the run (weights built on the device for the
   plain run; streamed, in pinned host memory); CPU, torch.profiler's live tensor bytes while the stage
@@ -15,7 +18,8 @@ device (``WeightVersions``) and once streamed (``StreamedVersions`` + ``WeightSt
   outside CUDA's; the host step's temporaries, host memory on a GPU, are left out), in a separate untimed run;
 - the memory model's figure for the streamed stage (``stream.device_bytes_model``) and the layers' bytes;
 - bytes moved to the device (weights) and to the host (gradients), the stall (compute waiting for a copy;
-  on CUDA measured on the compute stream), samples/s over the timed run;
+  on CUDA measured on the compute stream), the seconds in the optimizer steps (the host steps a streamed
+  stage runs on the training thread), samples/s over the timed batches;
 - whether the streamed run's losses and final weights are bit for bit the plain run's.
 
 On a CPU the "device" is host memory and copies are worker-thread memcpys: the bytes and the bit check
@@ -34,6 +38,7 @@ import torch
 from torch import nn
 
 from pipedream2bw.config import GPTConfig
+from pipedream2bw.memory.host_optim import HostOptimizerVersions
 from pipedream2bw.memory.memprobe import tensor_peak
 from pipedream2bw.memory.stream import StreamedVersions, WeightStream, device_bytes_model
 from pipedream2bw.memory.swap import CpuBackend, make_backend
@@ -41,7 +46,7 @@ from pipedream2bw.models import build_gpt_layers
 from pipedream2bw.pipeline.schedule import BACKWARD, FORWARD, STEP, stage_actions
 from pipedream2bw.pipeline.versions import WeightVersions
 
-GPU_DEFAULTS = dict(d_model=2048, num_heads=16, seq_len=512, microbatch_size=2, layers=8)
+GPU_DEFAULTS = dict(d_model=2048, num_heads=16, seq_len=256, microbatch_size=2, layers=8)
 CPU_DEFAULTS = dict(d_model=256, num_heads=4, seq_len=8, microbatch_size=1, layers=8)  # small activations
 
 
@@ -50,8 +55,11 @@ def _blocks(args: argparse.Namespace) -> List[nn.Module]:
     return build_gpt_layers(cfg, seed=0, indices=range(1, args.layers + 1))  # the blocks: no embedding or head
 
 
-def run_stage(args: argparse.Namespace, device: torch.device, *, stream: bool, probe: bool) -> Dict[str, Any]:
-    """One run of the stage; ``probe``: CPU memory measurement (compute spans named ``compute``)."""
+def run_stage(
+    args: argparse.Namespace, device: torch.device, *, stream: bool, probe: bool, host_optimizer: bool = False
+) -> Dict[str, Any]:
+    """One run of the stage; ``probe``: CPU memory measurement (compute spans named ``compute``);
+    ``host_optimizer``: weights on the device, optimizer on the host (not with ``stream``)."""
     module = nn.Sequential(*_blocks(args))
     factory = lambda p: torch.optim.AdamW(p, lr=1e-3)  # noqa: E731
     ws = None
@@ -64,6 +72,11 @@ def run_stage(args: argparse.Namespace, device: torch.device, *, stream: bool, p
         )
         backend = CpuBackend(overlap=not probe) if device.type == "cpu" else make_backend(device)
         ws = WeightStream(versions, backend, window=args.window, recompute=False)
+    elif host_optimizer:
+        n = len(list(module.parameters()))
+        versions = HostOptimizerVersions(
+            module.to(device), schedule=args.schedule, optimizer_factory=factory, buckets=[list(range(n))[::-1]]
+        )
     else:
         versions = WeightVersions(module.to(device), schedule=args.schedule, optimizer_factory=factory)
     layer_bytes = getattr(versions, "layer_bytes", None)
@@ -75,9 +88,13 @@ def run_stage(args: argparse.Namespace, device: torch.device, *, stream: bool, p
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
-    start = time.perf_counter()
+    start, step_s = time.perf_counter(), 0.0
     for a in stage_actions(args.schedule, stage_index=0, num_stages=2, num_microbatches=m, num_batches=args.batches):
         k = a.index
+        if a.kind == FORWARD and k == m * args.warmup:  # the first timed batch begins
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            start, step_s = time.perf_counter(), 0.0
         with torch.profiler.record_function("compute") if probe and a.kind != STEP else contextlib.nullcontext():
             if a.kind == FORWARD:
                 r = versions.replica_for_batch(k // m)
@@ -95,14 +112,17 @@ def run_stage(args: argparse.Namespace, device: torch.device, *, stream: bool, p
                 if ws is not None:
                     ws.end_backward(k)
         if a.kind == STEP:
+            t0 = time.perf_counter()
             if ws is not None:
                 ws.quiesce()
             versions.step(k, grad_scale=1 / m)
+            step_s += time.perf_counter() - t0
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     elapsed = time.perf_counter() - start
     result = {
-        "samples_per_s": m * b * args.batches / elapsed,
+        "samples_per_s": m * b * (args.batches - args.warmup) / elapsed,
+        "step_s": step_s,
         "losses": [float(x) for x in losses],
         "weights": {n: t.detach().cpu().clone() for n, t in versions.newest().state_dict().items()},
         "stream": ws.close() if ws is not None else None,
@@ -113,8 +133,8 @@ def run_stage(args: argparse.Namespace, device: torch.device, *, stream: bool, p
     return result
 
 
-def measure(args: argparse.Namespace, device: torch.device, *, stream: bool) -> Dict[str, Any]:
-    out = run_stage(args, device, stream=stream, probe=False)
+def measure(args: argparse.Namespace, device: torch.device, *, stream: bool, **kw: bool) -> Dict[str, Any]:
+    out = run_stage(args, device, stream=stream, probe=False, **kw)
     if device.type == "cpu":
         with tensor_peak(device, within="compute") as box:
             run_stage(args, device, stream=stream, probe=True)
@@ -131,7 +151,8 @@ def main() -> None:
     p.add_argument("--seq-len", type=int, default=None)
     p.add_argument("--microbatch-size", type=int, default=None)
     p.add_argument("--num-microbatches", type=int, default=2)
-    p.add_argument("--batches", type=int, default=3)
+    p.add_argument("--batches", type=int, default=4)
+    p.add_argument("--warmup", type=int, default=1, help="batches run before the timing starts")
     p.add_argument("--schedule", default="2bw", choices=["2bw", "flush", "gpipe"])
     p.add_argument("--window", type=int, default=1, help="swap.weight_prefetch: layers copied ahead")
     p.add_argument("--json", default=None, help="also write the figures to this file")
@@ -140,10 +161,14 @@ def main() -> None:
     for k, v in (GPU_DEFAULTS if device.type == "cuda" else CPU_DEFAULTS).items():
         if getattr(args, k) is None:
             setattr(args, k, v)
+    if not 0 <= args.warmup < args.batches:
+        raise SystemExit(f"--warmup ({args.warmup}) must be below --batches ({args.batches})")
     plain = measure(args, device, stream=False)
     streamed = measure(args, device, stream=True)
-    same = streamed["losses"] == plain["losses"] and all(
-        torch.equal(plain["weights"][n], streamed["weights"][n]) for n in plain["weights"]
+    # the bit-for-bit reference steps where the streamed run does: on a CPU, that is plain; on a GPU, the host
+    reference = plain if device.type == "cpu" else measure(args, device, stream=False, host_optimizer=True)
+    same = streamed["losses"] == reference["losses"] and all(
+        torch.equal(reference["weights"][n], streamed["weights"][n]) for n in reference["weights"]
     )
     st = streamed["stream"]
     model = device_bytes_model(streamed["layer_bytes"], window=args.window)
@@ -161,6 +186,10 @@ def main() -> None:
         "stall_s": st["stall_s"],
         "plain_samples_per_s": plain["samples_per_s"],
         "streamed_samples_per_s": streamed["samples_per_s"],
+        "plain_step_s": plain["step_s"],
+        "streamed_step_s": streamed["step_s"],
+        "host_optimizer_samples_per_s": reference["samples_per_s"] if reference is not plain else None,
+        "host_optimizer_peak_device_bytes": reference["peak_device_bytes"] if reference is not plain else None,
         "bit_for_bit": same,
     }
     width = max(map(len, report))

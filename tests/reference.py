@@ -12,6 +12,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from pipedream2bw.config import Config, build_optimizer
+from pipedream2bw.config.optimizers import Muon
 from pipedream2bw.data import VALIDATION, MicrobatchFeed, load_splits
 from pipedream2bw.memory import precision as precisions
 from pipedream2bw.memory.loss_scale import LossScaler
@@ -215,7 +216,8 @@ def _with_buffers(model: nn.Module, ran: nn.Module) -> Dict[str, torch.Tensor]:
 class ReferenceOptimizer:
     """The update rule of ``optim`` written out on the whole model, apart from ``pipedream2bw.optimizers``:
 
-    - optim.name=muon: torch.optim.Muon (adjust_lr_fn 'match_rms_adamw' unless optim.muon_kwargs says otherwise)
+    - optim.name=muon: torch.optim.Muon's step (config.optimizers.Muon; adjust_lr_fn 'match_rms_adamw' unless
+      optim.muon_kwargs says otherwise)
       for the 2-D parameters that are neither an nn.Embedding's nor under a module whose class name ends in
       'Head'; optim.muon_others (with optim.kwargs) for the rest; one learning rate for both.
     - optim.delay_correction=lookahead: AdamW becomes NAdam(betas=(0.99, beta2), decoupled_weight_decay=True, its
@@ -251,7 +253,9 @@ class ReferenceOptimizer:
                 muon_kwargs = dict({"adjust_lr_fn": "match_rms_adamw"}, **optim.muon_kwargs)
                 if lookahead:
                     muon_kwargs.update(momentum=0.99, nesterov=True)
-                self.opts.append(torch.optim.Muon(mu, lr=optim.lr, **muon_kwargs))
+                # torch.optim.Muon's step with its Newton-Schulz in optim.muon_kwargs.ns_dtype (float32 on a CPU):
+                # test_corrections checks it against torch's, bit for bit in bfloat16 and to float64 in float32
+                self.opts.append(Muon(mu, lr=optim.lr, **muon_kwargs))
         self.params = list(model.parameters())
         self.prev: Optional[List[torch.Tensor]] = None  # error feedback: u(t-1)
 

@@ -15,7 +15,7 @@ from test_semantics import tiny_config
 from torch import nn
 
 from pipedream2bw.config import ConfigError, GPTConfig, OptimConfig, build_optimizer, validate
-from pipedream2bw.config.optimizers import EF_STATE, MUON_ROLE, tag_muon_params
+from pipedream2bw.config.optimizers import EF_STATE, MUON_ROLE, Muon, tag_muon_params
 from pipedream2bw.models.gpt import build_gpt_layers
 
 
@@ -67,6 +67,53 @@ def test_muon_takes_the_hidden_matrices_only():
         "2.qkv.weight",
         "2.proj.weight",
     }
+
+
+def _newton_schulz64(g: torch.Tensor, steps: int = 5) -> torch.Tensor:
+    """torch.optim.Muon's quintic iteration (its coefficients), in float64: the reference for the float32 one."""
+    a, b, c = (3.4445, -4.7750, 2.0315)
+    x = g.double().T if g.size(0) > g.size(1) else g.double()
+    x = x / x.norm().clamp(min=1e-7)
+    for _ in range(steps):
+        gram = x @ x.T
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    return x.T if g.size(0) > g.size(1) else x
+
+
+@pytest.mark.parametrize("adjust_lr_fn,nesterov", [(None, True), ("match_rms_adamw", False)])
+def test_muon_is_torchs_step_with_its_newton_schulz_in_the_dtype_asked(adjust_lr_fn, nesterov):
+    """optim.muon_kwargs.ns_dtype: 'bfloat16' is torch.optim.Muon bit for bit; 'auto' on a CPU is 'float32', whose
+    update is torch's iteration to float32 round-off, not torch's bfloat16 one (what a CPU emulates 10-20x slower)."""
+    torch.manual_seed(0)
+    shapes = [(24, 8), (8, 24)]  # both orientations: the iteration runs on the wide one
+    start = [torch.randn(*s) for s in shapes]
+    runs = {}
+    for name, cls, kw in [
+        ("torch", torch.optim.Muon, {}),
+        ("bfloat16", Muon, {"ns_dtype": "bfloat16"}),
+        ("auto", Muon, {}),
+        ("float32", Muon, {"ns_dtype": "float32"}),
+    ]:
+        params = [nn.Parameter(p.clone()) for p in start]
+        opt = cls(params, lr=0.02, adjust_lr_fn=adjust_lr_fn, nesterov=nesterov, weight_decay=0.0, **kw)
+        g = torch.Generator().manual_seed(1)
+        for _ in range(3):
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=g)
+            before = [p.detach().clone() for p in params]
+            opt.step()
+        runs[name] = ([p.detach() for p in params], [p - q for p, q in zip(params, before)], opt, params)
+    same = lambda x, y: all(torch.equal(a, b) for a, b in zip(runs[x][0], runs[y][0]))  # noqa: E731
+    assert same("torch", "bfloat16") and same("auto", "float32") and not same("torch", "float32")
+    _, updates, opt, params = runs["float32"]
+    for p, u in zip(params, updates):  # the last step's update: -lr * ratio * NS(nesterov or plain momentum)
+        buf = opt.state[p]["momentum_buffer"]
+        rows, cols = p.shape
+        ratio = 0.2 * max(rows, cols) ** 0.5 if adjust_lr_fn else max(1, rows / cols) ** 0.5
+        expected = -0.02 * ratio * _newton_schulz64(p.grad.lerp(buf, 0.95) if nesterov else buf)
+        torch.testing.assert_close(u.double(), expected, rtol=0, atol=1e-6)
+    with pytest.raises(ValueError, match="ns_dtype 'float16'"):
+        Muon(params, ns_dtype="float16")
 
 
 @pytest.mark.parametrize(

@@ -25,7 +25,7 @@ def test_dry_run_lists_every_check_and_finds_their_options(tmp_path, capsys):
     assert ga.main(["--dry-run", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "has not been run on a GPU" in out
-    assert out.count("| pass |") == len(ga.checks(tmp_path)) == 4
+    assert out.count("| pass |") == len(ga.checks(tmp_path)) == 5
 
 
 def test_verdicts_follow_the_targets(tmp_path):
@@ -48,3 +48,15 @@ def test_verdicts_follow_the_targets(tmp_path):
     assert not ga._bench_memory(tmp_path / "m.json")[1]
     (tmp_path / "t.txt").write_text("3 passed, 1 skipped in 2.0s\n")  # a skipped gpu test is not a pass
     assert not ga._pytest_gpu(tmp_path / "t.txt")[1]
+    one_gpu = f"SKIPPED [1] tests/test_semantics.py:115: {ga.ONE_GPU_SKIP}\n"
+    (tmp_path / "t.txt").write_text(one_gpu + "3 passed, 1 skipped in 2.0s\n")  # NCCL: one GPU per rank
+    assert ga._pytest_gpu(tmp_path / "t.txt")[1]
+    (tmp_path / "t.txt").write_text(one_gpu + "3 passed, 2 skipped in 2.0s\n")  # and one skipped for another reason
+    assert not ga._pytest_gpu(tmp_path / "t.txt")[1]
+    stream = {"device": "cuda", "layers": 8, "layer_bytes": 2**20, "window": 1, "model_streamed_bytes": 2**21}
+    stream |= {"stall_s": 0.1, "streamed_samples_per_s": 1.0, "plain_samples_per_s": 2.0, "bit_for_bit": True}
+    stream |= {"plain_peak_device_bytes": 2**24, "streamed_peak_device_bytes": 2**22, "reduction": 4.0}
+    (tmp_path / "s.json").write_text(json.dumps(stream))
+    assert ga._bench_stream(tmp_path / "s.json")[1]
+    (tmp_path / "s.json").write_text(json.dumps({**stream, "bit_for_bit": False}))
+    assert not ga._bench_stream(tmp_path / "s.json")[1]

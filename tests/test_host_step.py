@@ -106,11 +106,24 @@ def test_an_exception_in_the_thread_surfaces_on_the_training_thread():
 
 
 @pytest.mark.slow
-@pytest.mark.long  # two trainings per depth (29 to 47 s on the loaded machine); the unit tests above hold the rules
-@pytest.mark.parametrize("d", [1, 2])
-def test_a_pipeline_trains_bit_for_bit_with_the_step_in_the_background(tmp_path, d):
-    """Through the trainer (gloo, CPU), 2bw, d stages: swap.host_step=background (the default 'auto' under 2bw)
-    gives sync's losses and final weights bit for bit, and the trace shows the step on its own thread."""
+@pytest.mark.parametrize(
+    "d,backend",
+    [
+        # two trainings per depth (29 to 47 s on the loaded machine); the unit tests above hold the rules
+        pytest.param(1, "gloo", marks=pytest.mark.long),
+        pytest.param(2, "gloo", marks=pytest.mark.long),
+        # one GPU: gradients copied out of the device, the step on the host thread, W(t+1) copied back in
+        pytest.param(
+            1,
+            "nccl",
+            marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")],
+        ),
+    ],
+)
+def test_a_pipeline_trains_bit_for_bit_with_the_step_in_the_background(tmp_path, d, backend):
+    """Through the trainer (gloo on CPU, or NCCL on one GPU), 2bw, d stages: swap.host_step=background (the default
+    'auto' under 2bw) gives sync's losses and final weights bit for bit, and the trace shows the step on its own
+    thread."""
     import json
 
     from dist_helper import run_ok
@@ -119,7 +132,7 @@ def test_a_pipeline_trains_bit_for_bit_with_the_step_in_the_background(tmp_path,
     out = {}
     for mode in ("sync", "background"):
         cfg = tiny_config(schedule="2bw", num_stages=d, num_microbatches=2, num_steps=4)
-        cfg.swap.optimizer, cfg.swap.host_step = "host", mode
+        cfg.swap.optimizer, cfg.swap.host_step, cfg.dist.backend = "host", mode, backend
         cfg.pipeline.trace, cfg.pipeline.trace_first_step, cfg.pipeline.trace_steps = True, 1, 2
         summary = run_ok(cfg, tmp_path / mode)
         out[mode] = summary, torch.load(tmp_path / mode / "final_model.pt")

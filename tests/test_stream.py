@@ -23,6 +23,7 @@ from pipedream2bw.pipeline.schedule import BACKWARD, FORWARD, STEP, stage_action
 from pipedream2bw.pipeline.versions import WeightVersions
 from pipedream2bw.run.model import RecomputeSequential
 
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 ADAM = lambda params: torch.optim.Adam(params, lr=0.01)  # noqa: E731
 
 
@@ -134,6 +135,8 @@ def _train(cfg, stream: bool):
     if stream:
         cfg.swap.enabled, cfg.swap.weights, cfg.swap.optimizer = True, True, "host"
         cfg.swap.resident, cfg.swap.min_bytes = 0, 4096  # activations of waiting microbatches swap too
+    elif cfg.dist.backend == "nccl":
+        cfg.swap.optimizer = "host"  # the streamed run's optimizer steps on the host: a CUDA AdamW rounds otherwise
     run_dir = Path(tempfile.mkdtemp(prefix="stream-"))
     try:
         summary = run_ok(cfg, run_dir)
@@ -148,10 +151,15 @@ def _train(cfg, stream: bool):
     [
         ("2bw", 2, False, "fp32"),  # two versions on the host; stage 0 also swaps activations (resident 0)
         ("gpipe", 1, True, "bf16"),  # recomputation takes each layer again in backward; autocast
+        # one GPU (NCCL, one rank): pinned host buffers, the copy streams, and both 2bw versions on the host
+        pytest.param("2bw", 1, False, "bf16", marks=[pytest.mark.gpu, CUDA], id="cuda-2bw-bf16"),
+        pytest.param("flush", 1, True, "fp32", marks=[pytest.mark.gpu, CUDA], id="cuda-flush-recompute"),
     ],
 )
-def test_streaming_gives_the_same_training_bit_for_bit(schedule, num_stages, recompute, precision):
+def test_streaming_gives_the_same_training_bit_for_bit(schedule, num_stages, recompute, precision, request):
     cfg = _config(schedule, num_stages, recompute=recompute, precision=precision)
+    if request.node.callspec.id.startswith("cuda"):
+        cfg.dist.backend = "nccl"
     base, base_weights = _train(cfg, stream=False)
     summary, weights = _train(cfg, stream=True)
     assert weights.keys() == base_weights.keys()

@@ -186,7 +186,9 @@ class OptimConfig:
     muon_kwargs: Dict[str, Any] = field(default_factory=dict)
     """optim.name=muon: keyword arguments for torch.optim.Muon (its defaults: momentum 0.95, nesterov, weight_decay
     0.1), with adjust_lr_fn 'match_rms_adamw' unless set here, so that optim.lr serves Muon and the other
-    optimizer alike (the schedule sets the same lr on both); optim.kwargs go to the other optimizer."""
+    optimizer alike (the schedule sets the same lr on both); optim.kwargs go to the other optimizer. Also
+    ns_dtype: the Newton-Schulz iteration's dtype, 'auto' (bfloat16 on a GPU as torch's, float32 on a CPU, where
+    bfloat16 is emulated at 10-20x the cost), 'bfloat16' or 'float32'."""
     muon_others: str = "adamw"
     """optim.name=muon: the torch.optim optimizer (by name) for what Muon does not take: parameters that are not
     2-D and those optim.muon_exclude matches."""
