@@ -321,7 +321,6 @@ def test_error_feedback_costs_the_planner_one_float32_copy_per_parameter(tmp_pat
     ):
         for a, b in zip(costs(plain), costs(ef)):
             assert b.optimizer_bytes - a.optimizer_bytes == pytest.approx(a.param_bytes, rel=1e-3), a.name
-    # Muon profiles (its parameters tagged as a stage tags them): a momentum buffer for the blocks' matrices.
     # Muon profiles (its parameters tagged as a stage tags them), and the analytic costs count what it measures:
     # a momentum buffer for the blocks' matrices, optim.muon_others' (AdamW's) two moments for the rest.
     for optim in (OptimConfig(name="muon"), OptimConfig(name="muon", delay_correction="error_feedback")):
@@ -331,6 +330,20 @@ def test_error_feedback_costs_the_planner_one_float32_copy_per_parameter(tmp_pat
                 optim.name,
                 a.name,
             )  # steps
+
+
+def test_error_feedback_costs_a_plan_only_under_2bw():
+    """Error feedback runs only under 2bw (``correction_in_effect``): a flush plan's peak is the uncorrected one's."""
+    from partitioner.__main__ import compose
+    from partitioner.auto import plan_config
+
+    def peak(schedule, correction):
+        overrides = ["model.num_layers=4", "partition.costs=analytic", "optim.name=adamw"]
+        cfg = compose([*overrides, f"pipeline.schedule={schedule}", f"optim.delay_correction={correction}"])
+        return max(plan_config(cfg, runtime_bytes=GIB)[0].predicted_peak_memory_bytes)  # not this process's RSS
+
+    assert peak("flush", "error_feedback") == peak("flush", "none")
+    assert peak("2bw", "error_feedback") > peak("2bw", "none")
 
 
 def test_apply_plan_sets_the_pipeline_and_checks_the_launch():
