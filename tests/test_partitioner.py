@@ -447,7 +447,9 @@ def test_plan_command_writes_into_a_run_directory_or_out(tmp_path, monkeypatch, 
     [written] = list(tmp_path.glob("outputs/plans/*/*/plan.yaml"))
     out = capsys.readouterr().out
     assert f"plan written to {written.relative_to(tmp_path)}" in out
-    assert f"-m pipedream2bw.train partition=file partition.path={written.relative_to(tmp_path)}" in out
+    # the run line carries what shapes the run (the planner's own topology and partition overrides stay behind)
+    run = "model.num_layers=4 train.global_batch_size=64 partition=file"
+    assert f"-m pipedream2bw.train {run} partition.path={written.relative_to(tmp_path)}" in out
     assert load_plan(written).num_stages >= 1 and not (tmp_path / "plan.yaml").exists()
     assert main(["plan", "--out", "mine/p.yaml", *args]) == 0 and load_plan(tmp_path / "mine" / "p.yaml")
     assert main(["plan", "--out"]) == 2 and "--out needs a file name" in capsys.readouterr().err
