@@ -110,8 +110,12 @@ def main(argv=None) -> int:
     path = save_plan(best, path)
     nproc = best.num_stages * best.data_parallel
     launch = f"torchrun --nproc-per-node {nproc}" if cfg.topology.nodes == 1 else f"torchrun ({nproc} ranks)"
+    # the run trains what was planned: the overrides that shape it (model, optimizer, precision, batch...) go along;
+    # the planner's own (topology, partition) do not
+    run_overrides = [a for a in args if not a.lstrip("+~").startswith(("topology", "partition"))]
     print(
-        f"\nplan written to {path}; run it with\n  {launch} -m pipedream2bw.train partition=file partition.path={path}"
+        f"\nplan written to {path}; run it with\n  {launch} -m pipedream2bw.train "
+        + " ".join([*run_overrides, "partition=file", f"partition.path={path}"])
     )
     return 0
 

@@ -27,7 +27,7 @@ from pipedream2bw.config import (
     TopologyConfig,
     TrainConfig,
 )
-from pipedream2bw.config.optimizers import is_muon
+from pipedream2bw.config.optimizers import correction_in_effect, is_muon
 from pipedream2bw.errors import ConfigError
 from pipedream2bw.memory import precision as precisions
 
@@ -150,6 +150,8 @@ def plan_config(cfg: Config, *, runners_up: int = 4, layers=None, loss_fn=None, 
             costs asked for a model that is not the GPT.
     """
     req = make_request(cfg, **request_kwargs)
+    # error feedback's state exists only under 2bw: a flush or gpipe plan does not pay its 4 B a parameter
+    optim = dataclasses.replace(cfg.optim, delay_correction=correction_in_effect(cfg.optim, cfg.pipeline.schedule))
     if layers is not None or not isinstance(cfg.model, GPTConfig):
         if req.costs != "profile":
             raise ConfigError(
@@ -169,7 +171,7 @@ def plan_config(cfg: Config, *, runners_up: int = 4, layers=None, loss_fn=None, 
 
         def cost_fn(b):
             return profile_layer_list(
-                get, num, loss, cfg.optim, b, seq_len=cfg.model.seq_len, repeats=cfg.partition.repeats
+                get, num, loss, optim, b, seq_len=cfg.model.seq_len, repeats=cfg.partition.repeats
             )
 
         return plan(cost_fn, req, runners_up=runners_up)
@@ -178,7 +180,7 @@ def plan_config(cfg: Config, *, runners_up: int = 4, layers=None, loss_fn=None, 
         def cost_fn(b):
             return profile_gpt(
                 cfg.model,
-                cfg.optim,
+                optim,
                 b,
                 repeats=cfg.partition.repeats,
                 cache_dir=cfg.partition.cache_dir,
@@ -188,7 +190,7 @@ def plan_config(cfg: Config, *, runners_up: int = 4, layers=None, loss_fn=None, 
     else:
 
         def cost_fn(b):
-            return analytic_gpt(cfg.model, cfg.optim, b, req.topology, precision=req.precision)
+            return analytic_gpt(cfg.model, optim, b, req.topology, precision=req.precision)
 
     return plan(cost_fn, req, runners_up=runners_up)
 

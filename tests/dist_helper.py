@@ -76,6 +76,24 @@ def spawn(
     ]
 
 
+CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
+
+
+def cli_config(*overrides: str) -> Config:
+    """The Config ``python -m pipedream2bw.train *overrides`` trains: configs/ composed with the overrides, every
+    default of configs/ included, then typed as ``train.main`` types it. A test that compares a launched run with
+    an in-process one builds the latter's config here, from the same overrides (issue 32: references built in
+    Python lacked configs/optim/default.yaml's error feedback and differed from loss 3 on)."""
+    from hydra import compose, initialize_config_dir
+
+    from pipedream2bw.config import TINY_ENV, from_hydra, register_configs, tiny
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        cfg = from_hydra(compose(config_name="config", overrides=list(overrides)))
+    return tiny(cfg) if os.environ.get(TINY_ENV, "0") not in ("", "0") else cfg
+
+
 def run_ok(cfg: Config, run_dir: Path, *, timeout_s: float = 120) -> dict:
     """Runs the pipeline on d * w ranks, asserts success, returns summary.json."""
     import json

@@ -7,12 +7,13 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from dist_helper import run_ok, spawn, train
+from dist_helper import cli_config, run_ok, spawn, train
 from test_semantics import assert_losses_close, tiny_config
 from torch import nn
 
@@ -168,8 +169,9 @@ def _children(pid: int) -> list:
     return kids
 
 
-# tiny_config(schedule="2bw", num_stages=2, num_microbatches=2, optim="sgd_momentum") with optim.lr 0.05, as
-# command-line overrides of a torchrun launch (the tests that signal or kill its processes)
+# A tiny 2-stage 2bw run, sgd with momentum at lr 0.05, as command-line overrides of a torchrun launch (the tests
+# that signal or kill its processes); the rest is configs/'s defaults, so their uninterrupted reference runs
+# cli_config(the same overrides)
 TINY_TORCHRUN_OVERRIDES = [
     "pipeline.num_stages=2",
     "pipeline.num_microbatches=2",
@@ -184,6 +186,40 @@ TINY_TORCHRUN_OVERRIDES = [
     "wandb.mode=disabled",
     "seed=3",
 ]
+
+
+def _cli_and_in_process(overrides, cfg, cli_dir: str, in_process_dir: str) -> None:
+    """On one rank: ``python -m pipedream2bw.train *overrides`` (as ``-m`` runs it) into ``cli_dir``, then the
+    in-process run of ``cfg`` into ``in_process_dir``."""
+    import runpy
+
+    from pipedream2bw.run.runner import run
+
+    sys.argv = ["pipedream2bw.train", *overrides, f"hydra.run.dir={cli_dir}"]
+    runpy.run_module("pipedream2bw.train", run_name="__main__")
+    run(cfg, Path(in_process_dir))
+
+
+@pytest.mark.slow
+def test_a_launched_run_trains_what_its_in_process_reference_trains(tmp_path):
+    """The restart and requeue tests (a SIGKILL here, SIGTERM in test_lifecycle, requeues in test_slurm) launch
+    ``python -m pipedream2bw.train`` and compare it bit for bit with an in-process run of cli_config(the same
+    overrides). Regression (issue 32): their references were Python configs, which lack the defaults of configs/:
+    with error feedback the default (configs/optim/default.yaml), the launched runs corrected their steps and the
+    references did not; under 2bw loss 3 is the first taken at weights a correction moved (step 1's), and all four
+    tests failed there, which read as a resume that was not bit for bit."""
+    overrides = [*TINY_TORCHRUN_OVERRIDES, "pipeline.num_stages=1", "train.num_steps=4", "train.log_every=100"]
+    reference = cli_config(*overrides)
+    assert reference.optim.delay_correction == "error_feedback"  # the default, which the overrides leave alone
+    cli, in_process = tmp_path / "cli", tmp_path / "in_process"
+    (result,) = spawn(
+        _cli_and_in_process, world_size=1, args=(overrides, reference, str(cli), str(in_process)), log_dir=tmp_path
+    )
+    assert result.exitcode == 0, result.log
+    losses = [json.loads((d / "summary.json").read_text())["losses"] for d in (cli, in_process)]
+    assert len(losses[0]) == 4 and losses[0] == losses[1]
+    assert "optimizer sgd lr 0.05 (constant), delay correction error_feedback" in (cli / "train.log").read_text()
+    assert_equal_bits(weights(cli), weights(in_process))
 
 
 @pytest.mark.slow
@@ -216,9 +252,7 @@ def test_sigkilled_rank_restarts_under_torchrun_and_finishes_with_the_same_weigh
         in (tmp_path / "torchrun.log").read_text()
     )
 
-    reference = tiny_config(schedule="2bw", num_stages=2, num_microbatches=2, optim="sgd_momentum", num_steps=120)
-    reference.optim.lr = 0.05
-    expected = run_ok(reference, tmp_path / "uninterrupted")
+    expected = run_ok(cli_config(*overrides), tmp_path / "uninterrupted")  # what torchrun trained, uninterrupted
     assert summary["losses"] == expected["losses"]
     assert_equal_bits(weights(run_dir), weights(tmp_path / "uninterrupted"))
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from dist_helper import run_ok, spawn, train, train_cli
+from dist_helper import cli_config, run_ok, spawn, train, train_cli
 from hydra import compose, initialize_config_dir
 from test_checkpoint import TINY_TORCHRUN_OVERRIDES, _children, assert_equal_bits, config, weights
 from test_semantics import tiny_config
@@ -398,9 +398,7 @@ def test_sigterm_checkpoints_every_rank_at_one_step_and_the_requeued_run_is_bit_
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["first_step"] == second
 
-    reference = tiny_config(schedule="2bw", num_stages=2, num_microbatches=2, optim="sgd_momentum", num_steps=200)
-    reference.optim.lr = 0.05
-    expected = run_ok(reference, tmp_path / "uninterrupted", timeout_s=240)
+    expected = run_ok(cli_config(*PREEMPT_OVERRIDES), tmp_path / "uninterrupted", timeout_s=240)
     assert summary["losses"] == expected["losses"]
     assert_equal_bits(weights(run_dir), weights(tmp_path / "uninterrupted"))
 

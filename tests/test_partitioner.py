@@ -321,7 +321,6 @@ def test_error_feedback_costs_the_planner_one_float32_copy_per_parameter(tmp_pat
     ):
         for a, b in zip(costs(plain), costs(ef)):
             assert b.optimizer_bytes - a.optimizer_bytes == pytest.approx(a.param_bytes, rel=1e-3), a.name
-    # Muon profiles (its parameters tagged as a stage tags them): a momentum buffer for the blocks' matrices.
     # Muon profiles (its parameters tagged as a stage tags them), and the analytic costs count what it measures:
     # a momentum buffer for the blocks' matrices, optim.muon_others' (AdamW's) two moments for the rest.
     for optim in (OptimConfig(name="muon"), OptimConfig(name="muon", delay_correction="error_feedback")):
@@ -331,6 +330,20 @@ def test_error_feedback_costs_the_planner_one_float32_copy_per_parameter(tmp_pat
                 optim.name,
                 a.name,
             )  # steps
+
+
+def test_error_feedback_costs_a_plan_only_under_2bw():
+    """Error feedback runs only under 2bw (``correction_in_effect``): a flush plan's peak is the uncorrected one's."""
+    from partitioner.__main__ import compose
+    from partitioner.auto import plan_config
+
+    def peak(schedule, correction):
+        overrides = ["model.num_layers=4", "partition.costs=analytic", "optim.name=adamw"]
+        cfg = compose([*overrides, f"pipeline.schedule={schedule}", f"optim.delay_correction={correction}"])
+        return max(plan_config(cfg, runtime_bytes=GIB)[0].predicted_peak_memory_bytes)  # not this process's RSS
+
+    assert peak("flush", "error_feedback") == peak("flush", "none")
+    assert peak("2bw", "error_feedback") > peak("2bw", "none")
 
 
 def test_apply_plan_sets_the_pipeline_and_checks_the_launch():
@@ -434,7 +447,9 @@ def test_plan_command_writes_into_a_run_directory_or_out(tmp_path, monkeypatch, 
     [written] = list(tmp_path.glob("outputs/plans/*/*/plan.yaml"))
     out = capsys.readouterr().out
     assert f"plan written to {written.relative_to(tmp_path)}" in out
-    assert f"-m pipedream2bw.train partition=file partition.path={written.relative_to(tmp_path)}" in out
+    # the run line carries what shapes the run (the planner's own topology and partition overrides stay behind)
+    run = "model.num_layers=4 train.global_batch_size=64 partition=file"
+    assert f"-m pipedream2bw.train {run} partition.path={written.relative_to(tmp_path)}" in out
     assert load_plan(written).num_stages >= 1 and not (tmp_path / "plan.yaml").exists()
     assert main(["plan", "--out", "mine/p.yaml", *args]) == 0 and load_plan(tmp_path / "mine" / "p.yaml")
     assert main(["plan", "--out"]) == 2 and "--out needs a file name" in capsys.readouterr().err

@@ -12,11 +12,10 @@ import time
 from pathlib import Path
 
 import pytest
-from dist_helper import run_ok
+from dist_helper import cli_config, run_ok
 from hydra import compose, initialize_config_dir
 from slurm_cluster import INSTALL, Cluster, missing
 from test_checkpoint import TINY_TORCHRUN_OVERRIDES, assert_equal_bits, weights
-from test_semantics import tiny_config
 
 from pipedream2bw.config import register_configs
 from pipedream2bw.io import checkpoint
@@ -124,10 +123,8 @@ def cluster(tmp_path_factory):
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
     """The run every SLURM run below must reproduce, bit for bit: the same config, uninterrupted, in-process ranks."""
-    cfg = tiny_config(schedule="2bw", num_stages=2, num_microbatches=2, optim="sgd_momentum", num_steps=NUM_STEPS)
-    cfg.optim.lr = 0.05
     run_dir = tmp_path_factory.mktemp("uninterrupted")
-    return run_ok(cfg, run_dir, timeout_s=240), run_dir
+    return run_ok(cli_config(*RUN_OVERRIDES), run_dir, timeout_s=240), run_dir
 
 
 def _env(cluster: Cluster) -> dict:

@@ -13,6 +13,7 @@ from pipedream2bw.config import (
     Config,
     optimizer_name,
 )
+from pipedream2bw.config.optimizers import correction_in_effect
 from pipedream2bw.pipeline import ties
 from pipedream2bw.run.model import RunModel
 from pipedream2bw.run.runtime import RankPlan
@@ -98,9 +99,10 @@ def log_run(rt: RankPlan, cfg: Config, model: RunModel, feed: Any, val_feed: Any
     """Rank 0: the settings that matter, the parameters per stage and the data's size, at the start of the log."""
     o = cfg.optim
     sched = o.scheduler + (f", {o.warmup_steps} warm-up steps" if o.warmup_steps else "")
+    correction = correction_in_effect(o, rt.schedule)
     log.info(
         "run: %s schedule, %s x %s (d=%d, w=%d), m=%d microbatches of b=%d sequences of %d tokens "
-        "(global batch %d sequences, %d tokens), %s steps, precision %s, optimizer %s lr %.4g (%s)%s",
+        "(global batch %d sequences, %d tokens), %s steps, precision %s, optimizer %s lr %.4g (%s)%s%s",
         rt.schedule,
         _plural(rt.num_stages, "stage"),
         _plural(rt.data_parallel, "replica"),
@@ -117,6 +119,7 @@ def log_run(rt: RankPlan, cfg: Config, model: RunModel, feed: Any, val_feed: Any
         o.lr,
         sched,
         f", clip {o.clip_grad_norm}" if o.clip_grad_norm is not None else "",
+        f", delay correction {correction}" if correction != "none" else "",
     )
     per_layer = [sum(p.numel() for p in layer.parameters()) for layer in model.whole()]
     bounds = [sum(rt.balance[:s]) for s in range(rt.num_stages + 1)]
