@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import time
 from typing import Any, Dict, List
 
@@ -163,9 +164,21 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=1, help="batches run before the timing starts")
     p.add_argument("--schedule", default="2bw", choices=["2bw", "flush", "gpipe"])
     p.add_argument("--window", type=int, default=1, help="swap.weight_prefetch: layers copied ahead")
+    p.add_argument(
+        "--deterministic",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="torch.use_deterministic_algorithms (auto: on with CUDA, whose attention backward is not deterministic "
+        "otherwise; CPU kernels are)",
+    )
     p.add_argument("--json", default=None, help="also write the figures to this file")
     args = p.parse_args()
     device = torch.device(args.device)
+    if args.deterministic == "on" or (args.deterministic == "auto" and device.type == "cuda"):
+        # two runs of the same training differ on a GPU otherwise (H200, 2026-11-26: not bit for bit, as
+        # scripts/bench_swap.py found for swapping); set before cuBLAS starts
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
     for k, v in (GPU_DEFAULTS if device.type == "cuda" else CPU_DEFAULTS).items():
         if getattr(args, k) is None:
             setattr(args, k, v)
