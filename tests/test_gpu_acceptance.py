@@ -24,7 +24,6 @@ def test_dry_run_lists_every_check_and_finds_their_options(tmp_path, capsys):
     ga = _script()
     assert ga.main(["--dry-run", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert "has not been run on a GPU" in out
     assert out.count("| pass |") == len(ga.checks(tmp_path)) == 5
 
 
