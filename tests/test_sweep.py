@@ -103,6 +103,7 @@ def test_sweep_runs_every_job_and_tabulates_what_each_run_measured(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.long  # a sweep job stopped at its timeout (9 s quiet); the suite measured 9 min 55 s with it
 def test_a_job_past_its_timeout_is_stopped_and_reported(tmp_path):
     # thousands of steps: the job cannot end within the timeout (4 steps did, on a quiet machine, and wrote its summary)
     steps = [a if not a.startswith("train.num_steps=") else "train.num_steps=5000" for a in TINY]
