@@ -58,7 +58,7 @@ def test_readme_command_trains_and_writes_results(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.long  # a torchrun launch of 4 ranks (11 s quiet); test_config and test_errors hold each refusal
+@pytest.mark.long  # a torchrun launch of 4 ranks (11 s quiet); test_config holds each refusal
 def test_bad_input_is_one_line_exit_2_and_leaves_no_run_directory(tmp_path):
     proc = torchrun("pipeline.num_microbatches=2", "wandb.mode=disabled", cwd=tmp_path, timeout_s=300)
     assert proc.returncode != 0  # torchrun's own status is 1 whatever its workers' are
