@@ -178,6 +178,26 @@ def test_gradients_copied_out_asynchronously_reach_the_step_whole_and_in_order()
     assert stats["grad_bytes_out"] > 0
 
 
+def test_the_gradients_a_norm_reads_are_whole_once_landed():
+    # The step agreement (clipping, on_nonfinite=skip) reads the host gradients at CLOSE, before the step's quiesce:
+    # StageWorker.close calls grads_landed first. With gradients still in flight, the norm would miss a microbatch.
+    torch.manual_seed(0)
+    versions = StreamedVersions(nn.Sequential(*_blocks()), pin=False, schedule="flush", optimizer_factory=ADAM)
+    ws = WeightStream(versions, _GradsOnWorker(), window=1, recompute=False)
+    x = torch.randn(2, 3, 16)
+    for k in range(2):  # two microbatches of one batch
+        ws.begin_forward(k, 0)
+        out = ws.forward(versions.replicas[0], k, 0, x[k : k + 1])
+        ws.begin_backward(k)
+        out.pow(2).mean().backward()
+        ws.end_backward(k)
+    ws.grads_landed()
+    got = [p.grad.clone() for p in versions.replicas[0].parameters()]
+    ws.quiesce()  # everything landed: the sums cannot change any more
+    assert all(torch.equal(g, p.grad) for g, p in zip(got, versions.replicas[0].parameters()))
+    ws.close()
+
+
 class _GradsInline(CudaBackend):
     """CudaBackend as it was before gradients left on the offload stream: each read where the backward made it
     (a synchronous copy on the compute stream)."""

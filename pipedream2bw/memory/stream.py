@@ -409,6 +409,11 @@ class WeightStream:
         with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
             yield
 
+    def grads_landed(self) -> None:
+        """Every gradient copy has landed and been added to the host accumulators: what a norm or finite check of
+        the gradients (the step agreement at CLOSE) reads is then whole."""
+        self._settle(wait=True)
+
     def quiesce(self) -> None:
         """Before the host step reads the gradients and writes a replica: every gradient copy has landed and been
         added, and no weight copy from a replica is still in flight."""

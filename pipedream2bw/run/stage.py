@@ -403,6 +403,8 @@ class StageWorker:
         for exchange in self.exchanges:
             exchange.start(t)
         if self.agreement is not None:
+            if self.stream is not None:  # a streamed stage's gradients may still be on their way to the host
+                self.stream.grads_landed()
             self._wait_reducer(t)  # the norm needs the gradients averaged across replicas
             # The norm (clipped by, or logged as the global norm) needs the summed gradients of weights
             # tied across stages, each counted once (on its first holder): the exchange is waited here.
