@@ -84,6 +84,7 @@ def reference_run(
     balance: Sequence[int] = (),
     relayout: Optional[Tuple[int, Sequence[int]]] = None,
     keep: Sequence[int] = (),
+    replicas: Sequence[int] = (1, 1),
 ) -> Reference:
     """Trains the unpartitioned model (``layers``, by default the model of ``cfg.model``) for
     ``cfg.train.num_steps`` batches.
@@ -101,13 +102,19 @@ def reference_run(
     after the update of batch t-2 (2BW, delayed) or t-1: a pipeline applies step t-1 only while
     batch t runs under 2bw. ``relayout`` = (step n, balance'): from batch n on, round where a pipeline
     of balance' sends (a run resumed at another layout at step n). ``keep``: steps n after which the
-    weights are kept in ``snapshots`` (what validation after n steps evaluates).
+    weights are kept in ``snapshots`` (what validation after n steps evaluates). ``replicas``: the
+    pipeline's data_parallel w before and after ``relayout``'s step (1 or 2); w = 2 sums each batch's
+    microbatch gradients as its replicas do, each replica's half first, then the two halves (the
+    all-reduce of two: exact, whatever the order): the other order of float32 additions moves a
+    weight by ~1e-7, which fp16's forward and Muon's normalized step can turn into ~4e-4 (issue 32).
     """
     threads = torch.get_num_threads()
     # As the ranks run: Adam turns reduction-order noise in ~zero gradients into lr-sized steps
     torch.set_num_threads(1)
     try:
-        return _train(cfg, delayed=delayed, layers=layers, balance=balance, relayout=relayout, keep=keep)
+        return _train(
+            cfg, delayed=delayed, layers=layers, balance=balance, relayout=relayout, keep=keep, replicas=replicas
+        )
     finally:
         torch.set_num_threads(threads)
 
@@ -120,7 +127,9 @@ def _train(
     balance: Sequence[int],
     relayout: Optional[Tuple[int, Sequence[int]]],
     keep: Sequence[int],
+    replicas: Sequence[int],
 ) -> Reference:
+    assert set(replicas) <= {1, 2}, f"replicas {replicas}: the reference sums the gradients of 1 or 2 replicas"
     torch.manual_seed(cfg.seed)
     m = cfg.pipeline.num_microbatches
     precision = precisions.resolve(cfg.train.precision, "cpu")
@@ -157,7 +166,11 @@ def _train(
         stale.zero_grad(set_to_none=True)
         scale = 1.0 if scaler is None else (scales_after[t - lag] if t >= lag else t_cfg.loss_scale)
         batch_losses = []
+        w = replicas[1] if relayout is not None and t >= relayout[0] else replicas[0]
+        halves: List[Optional[torch.Tensor]] = []  # w = 2: the first replica's sums
         for j in range(m):
+            if w == 2 and j == m // 2:
+                halves = _take_grads(stale, rounded)
             x, y = feed.microbatch(t * m + j)
             with precisions.autocast(precision, "cpu"), stateful.microbatch_streams(cfg.seed, t * m + j, x.device):
                 logits = stale(x)
@@ -169,6 +182,9 @@ def _train(
                     if p.grad is not None:
                         p.main_grad = p.grad.float() if getattr(p, "main_grad", None) is None else p.main_grad + p.grad
                         p.grad = None
+        if halves:  # the second replica's sums added to the first's, as the all-reduce adds them
+            for p, h, g in zip(stale.parameters(), halves, _take_grads(stale, rounded)):
+                _set_grad(p, rounded, h if g is None else g if h is None else h + g)
         out.losses.append(float(torch.stack(batch_losses).mean()))
         out.lrs.append(lr_at(t, cfg.optim, num_steps=cfg.train.num_steps))
         sums = [getattr(p, "main_grad", None) if rounded else p.grad for p in stale.parameters()]
@@ -197,6 +213,21 @@ def _train(
         if t + 1 in keep:
             out.snapshots[t + 1] = copy.deepcopy(_with_buffers(model, stale))
     return out._replace(weights=_with_buffers(model, stale))
+
+
+def _take_grads(model: nn.Module, rounded: bool) -> List[Optional[torch.Tensor]]:
+    """The gradient sums of ``model``'s parameters (``main_grad`` where the weights are rounded), unset there."""
+    sums = [getattr(p, "main_grad", None) if rounded else p.grad for p in model.parameters()]
+    for p in model.parameters():
+        _set_grad(p, rounded, None)
+    return sums
+
+
+def _set_grad(p: nn.Parameter, rounded: bool, g: Optional[torch.Tensor]) -> None:
+    if rounded:
+        p.main_grad = g
+    else:
+        p.grad = g
 
 
 @torch.no_grad()

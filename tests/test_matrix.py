@@ -17,6 +17,7 @@ import torch
 from matrix import (
     CLIP,
     EVAL_EVERY,
+    EXTRA,
     NUM_STEPS,
     PRESETS,
     REFUSED,
@@ -93,7 +94,8 @@ def matrix(request, tmp_path_factory):
 @functools.lru_cache(maxsize=None)
 def reference(cell: Cell, *, delayed: bool, skip: bool, clip: bool) -> Reference:
     """The single-process run of ``cell``'s model, data and step rules on (1, 1), rounding where the
-    cell's first layout sends (and, resumed, from RESUME_STEP on where its second one does)."""
+    cell's first layout sends (and, resumed, from RESUME_STEP on where its second one does), its microbatch
+    gradients summed as the replicas of that layout sum them."""
     cfg = cell_config(cell, layout=(1, 1))
     if not clip:
         cfg.optim.clip_grad_norm = None
@@ -106,6 +108,7 @@ def reference(cell: Cell, *, delayed: bool, skip: bool, clip: bool) -> Reference
         balance=balances[0],
         relayout=(RESUME_STEP, balances[1]) if cell.resume else None,
         keep=range(EVAL_EVERY, NUM_STEPS + 1, EVAL_EVERY) if cell.validation else (),
+        replicas=[w for _, w in cell.layouts()] * (2 // len(cell.layouts())),
     )
 
 
@@ -203,6 +206,15 @@ def _run_and_check(cell: Cell, matrix: MatrixRunner) -> None:
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("cell", PAIRWISE, ids=[c.id for c in PAIRWISE])
 def test_pairwise(cell, matrix):
+    _run_and_check(cell, matrix)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("cell", EXTRA, ids=[c.id for c in EXTRA])
+def test_extra_cells(cell, matrix):
+    """matrix.EXTRA's cells, in the spawns of the arrays' cells with as many ranks."""
+    assert refusal(cell) is None and cell not in PAIRWISE
     _run_and_check(cell, matrix)
 
 
