@@ -63,10 +63,13 @@ FACTORS: "OrderedDict[str, Tuple[Any, ...]]" = OrderedDict(
     correction=(
         "none",
         "error_feedback",
-    ),  # optim.delay_correction (off under flush, gpipe); lookahead: test_corrections.py
+    ),  # optim.delay_correction (off under flush, gpipe); lookahead: its own factor, below
     # swap.weights on every stage (swap.enabled): weights, gradients and optimizer state in host memory, each layer
     # streamed to the "device" for its forward and backward; activations swap only where ``swap`` is set too
     stream=(False, True),
+    # optim.delay_correction=lookahead (2bw, the Muon cells): Muon with Nesterov momentum 0.99 for the hidden matrices,
+    # NAdamW (beta1 0.99) for the rest (optim.muon_others=adamw): LOOKAHEAD; refused with the plain cells' SGD
+    lookahead=(False, True),
 )
 
 NUM_STEPS = 6  # the 2BW delay shows from step 1; step SKIP_BATCH is skipped; a resume at RESUME_STEP
@@ -116,6 +119,7 @@ class Cell:
     muon: bool = False
     correction: str = "none"
     stream: bool = False
+    lookahead: bool = False
 
     @property
     def id(self) -> str:
@@ -130,6 +134,8 @@ class Cell:
             parts.append("muon")
         if self.correction != "none":
             parts.append({"error_feedback": "ef"}.get(self.correction, self.correction))
+        if self.lookahead:
+            parts.append("lookahead")
         if self.stream:
             parts.append("stream")
         if self.resume:
@@ -173,6 +179,16 @@ CONSTRAINTS: List[Tuple[Tuple[str, ...], Callable[[Dict[str, Any]], bool], str]]
         "a delay correction is off under flush and gpipe (no delay; test_corrections.py shows it inert): a cell "
         "there would cover its pairs with nothing",
     ),
+    (
+        ("schedule", "lookahead"),
+        lambda r: not r["lookahead"] or r["schedule"] == "2bw",
+        "the look-ahead is off under flush and gpipe (no delay), as the correction factor is",
+    ),
+    (
+        ("correction", "lookahead"),
+        lambda r: not (r["lookahead"] and r["correction"] != "none"),
+        "one optim.delay_correction per run: the correction factor's or the look-ahead",
+    ),
     # 2bw's m >= d holds by construction (m = 8 / w); fp16 always runs with its loss scaler.
 ]
 
@@ -206,6 +222,14 @@ REFUSED: List[Tuple[Tuple[str, ...], Callable[[Dict[str, Any]], bool], str, str,
         r"optim.name \(muon\) with optim.sharded \(true\)",
         "Muon orthogonalizes whole matrices; sharding steps flat pieces",
         dict(schedule="2bw", d=1, w=2, sharded=True, muon=True),
+    ),
+    (
+        ("muon", "lookahead"),
+        lambda r: r["lookahead"] and not r["muon"],
+        r"optim.delay_correction \(lookahead\) with optim.name \(sgd\)",
+        "the look-ahead is Nesterov momentum in place of AdamW's and Muon's: defined for adamw and muon (with "
+        "muon_others=adamw), not for the plain cells' SGD",
+        dict(schedule="2bw", d=2, w=1, muon=False, lookahead=True, correction="none"),
     ),
     (
         ("precision", "weight_dtype", "muon"),
@@ -308,7 +332,7 @@ def refusal(cell: Cell) -> Optional[str]:
 # Factors added after the arrays were first drawn, in order: each is laid over the arrays of the factors before it,
 # whose cells stay as they were (the new factor at its plain value); the generator then adds the cells the new
 # factor's combinations need. Adding a factor thus adds its own cells only, instead of redrawing every cell.
-LAYERED = ("stream",)
+LAYERED = ("stream", "lookahead")
 
 
 def covering_array(strength: int) -> List[Cell]:
@@ -391,19 +415,25 @@ def cell_config(cell: Cell, *, layout: Optional[Tuple[int, int]] = None, resume:
             recompute=cell.recompute,
         ),
         model=model,
-        # SGD with momentum: Adam blows reduction-order round-off on ~zero gradients up to lr-sized steps
+        # SGD with momentum: Adam blows reduction-order round-off on ~zero gradients up to lr-sized steps (LOOKAHEAD's
+        # cells take AdamW's NAdamW for the parameters Muon does not step)
         optim=OptimConfig(
-            **({} if cell.muon else dict(name="sgd")),
-            lr=0.2,
-            kwargs={"momentum": 0.9},
-            scheduler="cosine",
-            warmup_steps=2,
-            min_lr=0.02,
-            clip_grad_norm=CLIP if cell.clip else None,
-            sharded=cell.sharded,
-            # muon: Muon (its own lr scaling, 'original') for the hidden matrices, the same SGD for the rest
-            **(dict(name="muon", muon_others="sgd", muon_kwargs={"adjust_lr_fn": "original"}) if cell.muon else {}),
-            delay_correction=cell.correction,
+            **{
+                **dict(
+                    name="sgd",
+                    lr=0.2,
+                    kwargs={"momentum": 0.9},
+                    scheduler="cosine",
+                    warmup_steps=2,
+                    min_lr=0.02,
+                    clip_grad_norm=CLIP if cell.clip else None,
+                    sharded=cell.sharded,
+                    delay_correction=cell.correction,
+                ),
+                # muon: Muon (its own lr scaling, 'original') for the hidden matrices, the same SGD for the rest
+                **(dict(name="muon", muon_others="sgd", muon_kwargs={"adjust_lr_fn": "original"}) if cell.muon else {}),
+                **(LOOKAHEAD if cell.lookahead else {}),
+            }
         ),
         data=DataConfig(val_fraction=0.1 if cell.validation else 0.0),
         train=TrainConfig(
@@ -433,6 +463,21 @@ def cell_config(cell: Cell, *, layout: Optional[Tuple[int, int]] = None, resume:
         ),
         seed=3,
     )
+
+
+# A look-ahead cell's optimizer: Muon and NAdamW (optim.muon_others=adamw; the look-ahead sets beta1 and Muon's momentum
+# to 0.99), lr 0.02 with Muon's 'match_rms_adamw' scaling (AdamW-sized steps for both). Adam divides by the root of its
+# second moment, so a gradient that is zero but for round-off (a key's bias: softmax ignores it) steps by ~lr: the
+# reason the plain cells use SGD. The pairwise array's look-ahead cells meet the tolerances with Adam's own eps (1e-8),
+# the reference summing in the replicas' order (issue 32; the 3-wise array's were not run when this was written).
+LOOKAHEAD: Dict[str, Any] = dict(
+    muon_others="adamw",
+    lr=0.02,
+    min_lr=0.002,
+    kwargs={},
+    muon_kwargs={"adjust_lr_fn": "match_rms_adamw"},
+    delay_correction="lookahead",
+)
 
 
 class _InfOnBackward(torch.autograd.Function):
