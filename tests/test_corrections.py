@@ -69,6 +69,22 @@ def test_muon_takes_the_hidden_matrices_only():
     }
 
 
+def test_error_feedback_steps_with_one_temporary_the_size_of_the_weights():
+    """The correction's step allocates one copy of the weights (W(t), which becomes u(t), the new state), not three
+    (W(t), u(t) and u(t) - u(t-1) alive together: 8 B a parameter more at the step's peak)."""
+    from pipedream2bw.config.optimizers import ErrorFeedback
+    from pipedream2bw.memory.memprobe import tensor_peak
+
+    w = nn.Parameter(torch.randn(128, 128))
+    opt = ErrorFeedback(torch.optim.SGD([w], lr=0.1), beta=1.0)
+    for _ in range(3):  # from the second step on, u(t-1) is there
+        w.grad = torch.randn_like(w)
+        with tensor_peak(torch.device("cpu")) as box:
+            opt.step()
+    nbytes = w.numel() * w.element_size()
+    assert nbytes <= box["bytes"] < 2 * nbytes, box
+
+
 def _newton_schulz64(g: torch.Tensor, steps: int = 5) -> torch.Tensor:
     """torch.optim.Muon's quintic iteration (its coefficients), in float64: the reference for the float32 one."""
     a, b, c = (3.4445, -4.7750, 2.0315)
