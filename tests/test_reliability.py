@@ -195,6 +195,7 @@ def _rss_mib() -> float:
 
 
 @pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="reads RSS from /proc")
+@pytest.mark.long  # many redraws (6.5 s quiet): with the long ones, to keep the suite under 10 minutes
 def test_redrawing_the_loss_plot_keeps_memory_flat(tmp_path):
     # Issue 34: rank 0 redraws loss.png at every checkpoint and validation pass; each figure (reference cycles
     # holding its canvas's pixels) waited for a later garbage collection: 6,000 points x 40 redraws grew RSS
