@@ -324,10 +324,15 @@ EXTRA: List[Cell] = [
 ]  # fmt: skip
 
 
+# Every rule a row must keep, as (its factors, whether a row keeps it): the constraints, and not being refused.
+RULES: List[Tuple[Tuple[str, ...], Callable[[Dict[str, Any]], bool]]] = [(keys, ok) for keys, ok, _ in CONSTRAINTS] + [
+    (keys, lambda r, f=f: not f(r)) for keys, f, *_ in REFUSED
+]
+
+
 def feasible(values: Dict[str, Any]) -> bool:
     """False when a (partial) row breaks a constraint or is refused whose factors it all holds."""
-    rules = [(keys, ok) for keys, ok, _ in CONSTRAINTS] + [(keys, lambda r, f=f: not f(r)) for keys, f, *_ in REFUSED]
-    return all(ok(values) for keys, ok in rules if all(k in values for k in keys))
+    return all(ok(values) for keys, ok in RULES if all(k in values for k in keys))
 
 
 def refusal(cell: Cell) -> Optional[str]:
@@ -362,9 +367,8 @@ def covering_array(strength: int) -> List[Cell]:
 
 def _make(names: Sequence[str], strength: int, presets: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
     """covertable's array over the factors ``names``, under the rules that read only those."""
-    rules = [(keys, ok) for keys, ok, _ in CONSTRAINTS] + [(keys, lambda r, f=f: not f(r)) for keys, f, *_ in REFUSED]
     constraints = [
-        {"operator": "fn", "requires": list(keys), "evaluate": ok} for keys, ok in rules if set(keys) <= set(names)
+        {"operator": "fn", "requires": list(keys), "evaluate": ok} for keys, ok in RULES if set(keys) <= set(names)
     ]
     return covertable.make(
         {name: list(FACTORS[name]) for name in names},
