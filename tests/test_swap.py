@@ -6,7 +6,7 @@ import collections
 import time
 import weakref
 from functools import partial
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import pytest
 import torch
@@ -150,14 +150,16 @@ class _Watch:
     def __init__(self, backend: TransferBackend):
         self.backend, self.current = backend, -1
         self._micro_of: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # offload -> microbatch
-        self.sent: List["weakref.ref"] = []
+        self.sent: List[Tuple["weakref.ref", Any]] = []  # (the original's storage, its transfer)
         self.fetched: List[Tuple[int, "weakref.ref"]] = []
         to_host, to_device = backend.to_host, backend.to_device
 
         def watched_to_host(src):
             off = to_host(src)
             self._micro_of[off] = self.current
-            self.sent.append(weakref.ref(src.untyped_storage()))
+            if not hasattr(off, "src"):
+                off.src = None  # the CPU's: its worker alone holds the source
+            self.sent.append((weakref.ref(src.untyped_storage()), off))
             return off
 
         def watched_to_device(off):
@@ -208,7 +210,9 @@ def test_regression_swapped_storages_are_freed_and_peak_tensor_bytes_drop(device
         def check(a, watch=watch, done_backward=done_backward, resident=resident):
             """After each action: nothing of a finished offload or of a finished backward may live."""
             if a.kind == FORWARD:
-                alive = [i for i, ref in enumerate(watch.sent) if ref() is not None]
+                # CUDA: an original may live on while its transfer holds it (``src``: counted on the device until
+                # released), never past that
+                alive = [i for i, (ref, off) in enumerate(watch.sent) if ref() is not None and off.src is None]
                 assert not alive, (
                     f"resident={resident}: after F{a.index}, {len(alive)} of {len(watch.sent)} offloaded device "
                     "storages still alive"
@@ -352,9 +356,44 @@ def test_slow_transfers_stall_but_give_the_same_results():
     assert differs
 
 
+class _StreamOrderedBackend(CpuBackend):
+    """Slow offloads, released as a GPU releases them (compute waits on the device, so the host need not): the
+    manager must then never wait on the host for an offload."""
+
+    def __init__(self):
+        super().__init__()
+        self.released = 0
+
+    def to_host(self, src):
+        off = super().to_host(src)
+        self._out.submit(lambda: time.sleep(0.01))  # the next offload lands 10 ms later: not before the budget asks
+
+        def no_host_wait():
+            raise AssertionError("the manager waited on the host for an offload a GPU would release on the device")
+
+        off.wait = no_host_wait
+        return off
+
+    def release(self, offs):
+        self.released += len(offs)
+        return True
+
+
+def test_budget_releases_offloads_without_a_host_wait_where_the_backend_orders_it():
+    # Issue 42: the stage waited on the host for offloads to land (SwapManager._enforce_budget), and on a GPU each
+    # wait drained the queue of compute (+31% step time on an H200). A GPU lets the bytes go stream-ordered.
+    actions = _fb("gpipe", 0, 4, m=4, batches=1)
+    _, grads, _, _, _ = _train(actions, None)
+    backend = _StreamOrderedBackend()
+    _, s_grads, _, stats, _ = _train(actions, partial(SwapManager, backend, min_bytes=4096, resident=1))
+    assert all(torch.equal(grads[n], s_grads[n]) for n in grads)
+    assert stats["swapped_out"] > 0 and backend.released >= stats["swapped_out"] and stats["offload_wait_s"] == 0
+    assert stats["peak_waiting_bytes"] <= stats["microbatch_bytes"]  # the budget held: one waiting microbatch
+
+
 def test_backend_interface_is_what_the_manager_uses():
     # CpuBackend implements every method of the interface (the CUDA one is checked on a GPU).
-    for name in ("to_host", "to_device", "consume", "recycle", "stall_s", "busy_s"):
+    for name in ("to_host", "to_device", "consume", "recycle", "release", "stall_s", "busy_s"):
         assert getattr(CpuBackend, name) is not getattr(TransferBackend, name)
 
 
