@@ -379,15 +379,29 @@ class _StreamOrderedBackend(CpuBackend):
         return True
 
 
-def test_budget_releases_offloads_without_a_host_wait_where_the_backend_orders_it():
+@pytest.mark.parametrize("schedule", ["gpipe", "2bw"])
+def test_budget_releases_offloads_without_a_host_wait_where_the_backend_orders_it(schedule):
     # Issue 42: the stage waited on the host for offloads to land (SwapManager._enforce_budget), and on a GPU each
     # wait drained the queue of compute (+31% step time on an H200). A GPU lets the bytes go stream-ordered.
-    actions = _fb("gpipe", 0, 4, m=4, batches=1)
+    # Nor may offloads in flight hold back the prefetch of the next backward's activations (that stall cost as much).
+    actions = _fb(schedule, 0, 4, m=4, batches=2)
     _, grads, _, _, _ = _train(actions, None)
-    backend = _StreamOrderedBackend()
-    _, s_grads, _, stats, _ = _train(actions, partial(SwapManager, backend, min_bytes=4096, resident=1))
+    backend, managers, late = _StreamOrderedBackend(), [], []
+
+    def make(**kw):
+        managers.append(SwapManager(backend, min_bytes=4096, resident=1, **kw))
+        return managers[-1]
+
+    def prefetched(a):
+        """After a backward: the next microbatch to be backwarded is on its way back already."""
+        waiting = sorted(k for k, m in managers[0]._micros.items() if m.phase == "W")
+        if a.kind == BACKWARD and waiting and managers[0]._micros[waiting[0]].unfetched:
+            late.append(waiting[0])
+
+    _, s_grads, _, stats, _ = _train(actions, make, after=prefetched)
     assert all(torch.equal(grads[n], s_grads[n]) for n in grads)
     assert stats["swapped_out"] > 0 and backend.released >= stats["swapped_out"] and stats["offload_wait_s"] == 0
+    assert not late, f"microbatches {late} not fetched during the backward before theirs"
     assert stats["peak_waiting_bytes"] <= stats["microbatch_bytes"]  # the budget held: one waiting microbatch
 
 

@@ -569,19 +569,35 @@ class SwapManager:
         return sorted((m for m in self._micros.values() if m.phase == "W"), key=lambda m: m.k)
 
     def _pump(self) -> None:
-        """Fetches the next R waiting microbatches, in backward order, as the budget allows."""
+        """Fetches the next R waiting microbatches, in backward order, as the budget allows.
+
+        Offloads still in flight would make a copy back exceed the budget: its own (its bytes twice, the original
+        and the copy) and other microbatches' (they count as on the device). Where the backend lets their originals
+        go on the device (``release``: later compute waits for the copies, the host does not) they go now, so that
+        the prefetch overlaps the backward that comes before; else a later hook call retries."""
         self._poll()
         for micro in self._waiting()[: self.resident]:
             if not micro.unfetched:
                 continue
-            if micro.sending:
-                # Its offloads have not all landed: a copy back now would hold its bytes twice
-                # (the original and the copy) and exceed the budget. A later hook call retries.
+            if micro.sending and not self._let_go([r for r in self._outgoing if r.micro is micro]):
                 return
-            on_device = sum(m is not self._current and m.device_bytes > 0 for m in self._micros.values())
-            if on_device >= self.resident:
-                return  # another microbatch's offload still in flight holds the budget; a later hook call retries
+            if self._others_on_device() >= self.resident:
+                leaving = [r for r in self._outgoing if r.micro is not self._current]
+                if not leaving or not self._let_go(leaving) or self._others_on_device() >= self.resident:
+                    return
             self._fetch(micro)
+
+    def _others_on_device(self) -> int:
+        return sum(m is not self._current and m.device_bytes > 0 for m in self._micros.values())
+
+    def _let_go(self, recs: List[_Record]) -> bool:
+        """Lets the originals of the offloads ``recs`` (in flight, in issue order) go, if the backend can now."""
+        if not self.backend.release([r.off for r in recs]):
+            return False
+        for rec in recs:
+            self._outgoing.remove(rec)
+            self._landed(rec)
+        return True
 
     def _enforce_budget(self) -> None:
         """Lets offloads' originals go until at most R microbatches besides the current one are on the device:
@@ -596,15 +612,13 @@ class SwapManager:
                 (r for r in self._outgoing if r.micro in others and r.pre is None and not r.micro.keep), None
             )
             assert leaving is not None, "swap budget exceeded by kept or fetched microbatches"
-            going = [r for r in self._outgoing if r.micro is leaving.micro and r.pre is None]
-            if not self.backend.release([r.off for r in going]):
-                going = [leaving]
-                t0 = time.perf_counter()
-                leaving.off.wait()
-                self.stats.offload_wait_s += time.perf_counter() - t0
-            for rec in going:
-                self._outgoing.remove(rec)
-                self._landed(rec)
+            if self._let_go([r for r in self._outgoing if r.micro is leaving.micro and r.pre is None]):
+                continue
+            t0 = time.perf_counter()
+            leaving.off.wait()
+            self.stats.offload_wait_s += time.perf_counter() - t0
+            self._outgoing.remove(leaving)
+            self._landed(leaving)
 
     # -- the hooks ---------------------------------------------------------------------------
 
