@@ -170,10 +170,32 @@ class _Watch:
         backend.to_host, backend.to_device = watched_to_host, watched_to_device
 
 
+class _HeldBackend(CpuBackend):
+    """CUDA's memory semantics on the CPU: each transfer holds its device original (``src``) until the manager
+    releases it, as ``CudaBackend`` does, and reads as in flight until then (a GPU's copies land late in host time:
+    the host queues ahead); copies inline."""
+
+    def __init__(self):
+        super().__init__(overlap=False)
+
+    def to_host(self, src):
+        off = super().to_host(src)
+        off.src = src
+        off.ready = lambda: off.src is None
+        return off
+
+    def release(self, offs):
+        for off in offs:
+            off.src = None
+        return True
+
+
 def _backend(device: str) -> TransferBackend:
     from pipedream2bw.memory.swap import CudaBackend
 
     # CPU: copies inline, so that the live bytes at every moment do not depend on thread timing.
+    if device == "cpu-held":
+        return _HeldBackend()
     return CudaBackend(torch.device(device)) if device == "cuda" else CpuBackend(overlap=False)
 
 
@@ -182,6 +204,7 @@ def _backend(device: str) -> TransferBackend:
     "device",
     [
         "cpu",
+        "cpu-held",
         pytest.param(
             "cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
         ),
@@ -196,6 +219,8 @@ def test_regression_swapped_storages_are_freed_and_peak_tensor_bytes_drop(device
     # and really allocated (torch.profiler's live tensor bytes on the CPU, the caching
     # allocator's peak on CUDA) on a stage holding 4 microbatches in flight (gpipe, m=4).
     # Two batches: gradients (never zeroed here) exist at every later peak, with or without swapping.
+    # cpu-held: the originals held until released, as on CUDA (stream-ordered release, issue 42)
+    backend_kind, device = device, device.removesuffix("-held")
     actions = _fb("gpipe", 0, 4, m=4, batches=2)
     n_in_flight, dev = 4, torch.device(device)
     with tensor_peak(dev) as plain:
@@ -205,7 +230,7 @@ def test_regression_swapped_storages_are_freed_and_peak_tensor_bytes_drop(device
     # What is alive at the peak and not saved for backward.
     transient = plain["bytes"] - static - n_in_flight * saved_one
     for resident in (1, 0):
-        watch, done_backward = _Watch(_backend(device)), set()
+        watch, done_backward = _Watch(_backend(backend_kind)), set()
 
         def check(a, watch=watch, done_backward=done_backward, resident=resident):
             """After each action: nothing of a finished offload or of a finished backward may live."""
