@@ -198,6 +198,38 @@ def test_the_gradients_a_norm_reads_are_whole_once_landed():
     ws.close()
 
 
+@pytest.mark.parametrize("backend", [CpuBackend, _GradsOnWorker])
+def test_each_gradient_is_reported_once_it_is_in_the_host_accumulator(backend):
+    # Data parallelism (StageWorker._host_grad_ready): the reducer starts a layer's all-reduce once the batch's last
+    # microbatch has added each of its gradients. ``on_grad(k, replica, i)`` must come after the add (not when a copy
+    # leaves, on a GPU), once per microbatch and parameter, with the microbatch it belongs to.
+    torch.manual_seed(0)
+    versions = StreamedVersions(nn.Sequential(*_blocks()), pin=False, schedule="flush", optimizer_factory=ADAM)
+    ws = WeightStream(versions, backend(), window=1, recompute=False)
+    params = versions.replicas[0].parameters()
+    heard = []
+
+    def on_grad(k, r, i):
+        p = list(versions.replicas[r].parameters())[i]
+        heard.append((k, r, i, p.grad.clone()))
+
+    ws.on_grad = on_grad
+    x = torch.randn(2, 3, 16)
+    for k in range(2):
+        ws.begin_forward(k, 0)
+        out = ws.forward(versions.replicas[0], k, 0, x[k : k + 1])
+        ws.begin_backward(k)
+        out.pow(2).mean().backward()
+        ws.end_backward(k)
+    ws.grads_landed()
+    n = len(list(versions.replicas[0].parameters()))
+    assert sorted((k, i) for k, _, i, _ in heard) == [(k, i) for k in range(2) for i in range(n)]
+    assert all(r == 0 for _, r, _, _ in heard)
+    last = {i: g for k, _, i, g in heard if k == 1}  # what the reducer would sum: the batch's whole gradient
+    assert all(torch.equal(last[i], p.grad) for i, p in enumerate(params))
+    ws.close()
+
+
 class _GradsInline(CudaBackend):
     """CudaBackend as it was before gradients left on the offload stream: each read where the backward made it
     (a synchronous copy on the compute stream)."""
@@ -305,6 +337,38 @@ def test_streaming_gives_the_same_training_bit_for_bit(schedule, num_stages, rec
         assert st["loads"] > 4 * 3 * st["layers"], st
 
 
+COMPOSED = {
+    # global clipping (the norm over host gradients, every step clipped: 0.05 is below each step's norm) and a
+    # validation pass through streamed weights after every step, across a stage boundary
+    "clip-eval-d2": dict(num_stages=2, data_parallel=1, clip=0.05, eval_every=1),
+    # the host gradients all-reduced over 2 replicas, a bucket per layer; with clipping (the norm counted once)
+    "dp-clip-d1w2": dict(num_stages=1, data_parallel=2, clip=0.05, eval_every=0),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(COMPOSED))
+def test_streaming_composes_bit_for_bit(case):
+    """Streamed == unstreamed, bit for bit, with what a streamed stage used to refuse: every loss, the agreed
+    gradient norms, the validation losses and the final weights; the passes streamed, the replicas all-reduced."""
+    c = COMPOSED[case]
+    cfg = tiny_config(schedule="2bw", num_stages=c["num_stages"], num_microbatches=2, num_steps=3)
+    cfg.pipeline.data_parallel = c["data_parallel"]
+    cfg.optim.clip_grad_norm = c["clip"]
+    cfg.train.eval_every, cfg.train.eval_batches = c["eval_every"], 1
+    cfg.data.val_fraction = 0.1 if c["eval_every"] else 0.0
+    base, base_weights = _train(cfg, stream=False)
+    summary, weights = _train(cfg, stream=True)
+    assert weights.keys() == base_weights.keys()
+    assert all(torch.equal(weights[k], base_weights[k]) for k in weights)
+    assert summary["losses"] == base["losses"] and summary["grad_norms"] == base["grad_norms"]
+    assert all(n is not None and n > c["clip"] for n in summary["grad_norms"])  # clipping acted on every step
+    assert summary["val_losses"] == base["val_losses"]
+    for r in summary["ranks"]:
+        assert r["stream"]["eval_loads"] == (3 * 2 * r["stream"]["layers"] if c["eval_every"] else 0), r["stream"]
+        assert r["allreduce_calls"] == (3 * r["stream"]["layers"] if c["data_parallel"] > 1 else 0), r
+
+
 @pytest.mark.parametrize(
     "overrides,match",
     [
@@ -312,26 +376,13 @@ def test_streaming_gives_the_same_training_bit_for_bit(schedule, num_stages, rec
         (["swap.weights=true", "swap.enabled=true"], r"optimizer steps where its weights live.*swap.optimizer=host"),
         (["swap.weight_prefetch=-1"], r"swap.weight_prefetch \(-1\) must be >= 0"),
         (
-            ["swap.weights=true", "swap.enabled=true", "swap.optimizer=host", "pipeline.data_parallel=2"],
-            r"pipeline.data_parallel \(2\).*use data_parallel=1",
-        ),
-        (
             ["swap.weights=true", "swap.stages=[0]", "swap.optimizer=host", "train.precision=fp16"],
             r"train.precision \(fp16\)",
         ),
         (
-            ["swap.weights=true", "swap.stages=[0]", "swap.optimizer=host", "optim.clip_grad_norm=1.0"],
-            r"optim.clip_grad_norm",
-        ),
-        (
-            [
-                "swap.weights=true",
-                "swap.enabled=true",
-                "swap.optimizer=host",
-                "train.eval_every=5",
-                "data.val_fraction=0.1",
-            ],
-            r"eval_every \(5\)",
+            ["swap.weights=true", "swap.stages=[0]", "swap.optimizer=host", "train.precision=bf16"]
+            + ["train.weight_dtype=compute", "optim.name=adamw"],
+            r"train.weight_dtype \(compute\).*use train.weight_dtype=fp32",
         ),
     ],
 )
@@ -342,7 +393,18 @@ def test_unsupported_streaming_is_refused_at_config_time(overrides, match):
 
     validate(make("swap.weights=true", "swap.enabled=true", "swap.optimizer=host"), world_size=4)
     with pytest.raises(ConfigError, match=match):
-        validate(make(*overrides), world_size=8 if "pipeline.data_parallel=2" in overrides else 4)
+        validate(make(*overrides), world_size=4)
+
+
+def test_streaming_validates_with_what_it_composes_with():
+    """What a streamed stage used to refuse and now composes with (test_streaming_composes_bit_for_bit)."""
+    from test_config import make
+
+    from pipedream2bw.config import validate
+
+    on = ["swap.weights=true", "swap.enabled=true", "swap.optimizer=host"]
+    validate(make(*on, "pipeline.data_parallel=2", "optim.clip_grad_norm=1.0", "train.on_nonfinite=skip"), world_size=8)
+    validate(make(*on, "train.eval_every=5", "data.val_fraction=0.1", "train.precision=bf16"), world_size=4)
 
 
 def test_tied_weights_on_a_streamed_stage_are_refused():
