@@ -19,7 +19,7 @@ from torch import nn
 from pipedream2bw.memory.host_optim import HostOptimizerVersions
 from pipedream2bw.memory.memprobe import tensor_peak
 from pipedream2bw.memory.precision import autocast
-from pipedream2bw.memory.stream import StreamedVersions, WeightStream, device_bytes_model
+from pipedream2bw.memory.stream import StreamedVersions, WeightStream, device_bytes_model, host_bytes_model
 from pipedream2bw.memory.swap import CpuBackend, CudaBackend, _FutureTransfer
 from pipedream2bw.pipeline import stateful
 from pipedream2bw.pipeline.schedule import BACKWARD, FORWARD, STEP, stage_actions
@@ -421,6 +421,38 @@ def test_tied_weights_on_a_streamed_stage_are_refused():
     cfg.swap.stages = [0]
     with pytest.raises(ConfigError, match="resolved to fp16"):
         check_weight_stream(cfg, [], [2, 2], "fp16")
+
+
+@pytest.mark.parametrize("schedule", ["2bw", "flush"])
+def test_the_host_bytes_model_is_what_the_streamed_buffers_take(schedule):
+    # run/start.py refuses a host that cannot hold a plan's streamed buffers from host_bytes_model, on meta layers:
+    # it must be what StreamedVersions' pool takes once the stage has stepped (Adam: two moments; each parameter's
+    # step count, a 4-byte scalar, is the only state it leaves out)
+    *_, versions = _stage_loop(schedule, stream=True)
+    with torch.device("meta"):
+        layers = _blocks()
+    model = host_bytes_model(layers, versions=2 if schedule == "2bw" else 1, optimizer_factor=2.0)
+    num_params = sum(1 for _ in versions.replicas[0].parameters())
+    assert model <= versions.pool.allocated_bytes <= model + 4 * num_params, (model, versions.pool.allocated_bytes)
+
+
+def test_a_small_host_is_refused_naming_the_bytes_and_the_setting():
+    from pipedream2bw.config import ConfigError
+    from pipedream2bw.pipeline.layout import default_layout
+    from pipedream2bw.run.model import RunModel
+    from pipedream2bw.run.start import check_stream_host_memory
+
+    cfg = tiny_config(schedule="2bw", num_stages=2, num_microbatches=2)
+    cfg.swap.weights, cfg.swap.stages, cfg.swap.optimizer = True, [1], "host"
+    model, layout = RunModel.of(cfg, None, None), default_layout(2, 1, ranks_per_node=2)
+    with torch.device("meta"):
+        need = host_bytes_model(model.whole()[3:], versions=2, optimizer_factor=2.0)  # stage 1: layers 3..5, Adam
+    for rank in (0, 1):  # both ranks on one host: each counts the host's streamed stages (stage 1 only)
+        check_stream_host_memory(cfg, model, [3, 3], layout, rank=rank, local_world_size=2, available=need)
+        with pytest.raises(ConfigError, match=rf"stages \[1\], 1 ranks\) need {need} bytes .* has {need - 1} bytes"):
+            check_stream_host_memory(cfg, model, [3, 3], layout, rank=rank, local_world_size=2, available=need - 1)
+    # one rank per host: rank 0's host streams nothing
+    check_stream_host_memory(cfg, model, [3, 3], layout, rank=0, local_world_size=1, available=0)
 
 
 def test_checkpoint_state_round_trips_into_host_buffers():
