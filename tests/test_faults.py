@@ -8,7 +8,6 @@ import signal
 from pathlib import Path
 
 import pytest
-import torch
 from dist_helper import spawn, train_failing_in_setup, train_with_fault
 from test_semantics import tiny_config
 
@@ -133,12 +132,13 @@ def _streamed(cfg):
 @pytest.mark.slow
 def test_a_rank_killed_mid_stream_stops_every_rank_and_its_checkpoints_resume(tmp_path):
     """swap.weights on both stages; rank 1 is SIGKILLed in the forward of batch 5 (between its layers' weight
-    copies, one in flight): the other rank exits non-zero naming rank 1, and the checkpoints written before (step 4,
-    maybe step 6 in flight) still load: the resumed run ends bit for bit where an uninterrupted one does."""
-    cfg = _streamed(tiny_config(schedule="2bw", num_stages=2, num_microbatches=2, num_steps=8))
+    copies, one in flight): the other rank exits non-zero naming rank 1, and the checkpoint written before (step 4)
+    still loads: the resumed run trains the last steps from it (test_stream's resume test shows a streamed resume
+    bit for bit)."""
+    cfg = _streamed(tiny_config(schedule="2bw", num_stages=2, num_microbatches=2, num_steps=6))
     cfg.train.checkpoint_every, cfg.dist.timeout_s = 2, 30.0
     # the LM head, on stage 1 (layers 3..5); each 2bw replica has its own copy of the wrapper: replica 0 runs batches
-    # 0, 1, 3, 5, 7, and its 7th forward is batch 5's first microbatch
+    # 0, 1, 3, 5, and its 7th forward is batch 5's first microbatch
     last = 5
     run_dir = tmp_path / "run"
     results = spawn(
@@ -148,23 +148,17 @@ def test_a_rank_killed_mid_stream_stops_every_rank_and_its_checkpoints_resume(tm
         (r.rank, r.exitcode) for r in results
     ]
     assert "rank 0 (stage 0) failed: RuntimeError: rank 0: receiving from rank 1 failed" in results[0].log
+    assert not (run_dir / "summary.json").exists()
     saved = sorted(p.name for p in (run_dir / "checkpoints").glob("step_*"))
     assert "step_00000004" in saved, saved
     never = 10**9  # the same layers (names), no fault
     resumed = spawn(
-        train_with_fault, world_size=2, args=(cfg, str(run_dir), last, never, "kill"), log_dir=tmp_path / "r"
+        train_with_fault, world_size=2, args=(cfg, str(run_dir), last, never, "kill"), log_dir=tmp_path / "resumed"
     )
-    straight = spawn(
-        train_with_fault,
-        world_size=2,
-        args=(cfg, str(tmp_path / "straight"), last, never, "kill"),
-        log_dir=tmp_path / "s",
-    )
-    assert all(r.exitcode == 0 for r in resumed + straight), [r.log for r in resumed + straight]
-    a, b = (json.loads((d / "summary.json").read_text()) for d in (run_dir, tmp_path / "straight"))
-    assert a["first_step"] in (4, 6) and a["losses"] == b["losses"]
-    wa, wb = (torch.load(d / "final_model.pt") for d in (run_dir, tmp_path / "straight"))
-    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert all(r.exitcode == 0 for r in resumed), [r.log for r in resumed]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["first_step"] == 4 and len(summary["losses"]) == 6, summary["first_step"]
+    assert all(r["stream"]["loads"] > 0 for r in summary["ranks"])
 
 
 def _train_on_a_small_host(cfg, run_dir: str, available: int) -> None:

@@ -5,14 +5,16 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import shutil
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 import pytest
 import torch
-from dist_helper import run_ok
+from dist_helper import run_ok, spawn
 from test_semantics import tiny_config
 from torch import nn
 
@@ -295,7 +297,9 @@ def _config(schedule: str, num_stages: int, *, recompute: bool, precision: str):
     return cfg
 
 
-def _train(cfg, stream: bool):
+def _train(cfg, stream: bool, *, poison: Optional[int] = None):
+    """Trains ``cfg`` (``stream``: every stage streams its weights); ``poison``: an inf in layer 1's gradient on its
+    ``poison``-th backward (matrix.poisoned_layers). Returns (summary.json, final_model.pt)."""
     cfg = dataclasses.replace(cfg, swap=dataclasses.replace(cfg.swap))
     if stream:
         cfg.swap.enabled, cfg.swap.weights, cfg.swap.optimizer = True, True, "host"
@@ -304,10 +308,28 @@ def _train(cfg, stream: bool):
         cfg.swap.optimizer = "host"  # the streamed run's optimizer steps on the host: a CUDA AdamW rounds otherwise
     run_dir = Path(tempfile.mkdtemp(prefix="stream-"))
     try:
-        summary = run_ok(cfg, run_dir)
+        if poison is None:
+            summary = run_ok(cfg, run_dir)
+        else:
+            results = spawn(
+                _train_poisoned,
+                world_size=cfg.pipeline.num_stages * cfg.pipeline.data_parallel,
+                args=(cfg, str(run_dir), poison),
+                log_dir=run_dir / "logs",
+            )
+            assert all(r.exitcode == 0 for r in results), [r.log for r in results]
+            summary = json.loads((run_dir / "summary.json").read_text())
         return summary, torch.load(run_dir / "final_model.pt")
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def _train_poisoned(cfg, run_dir: str, call: int) -> None:
+    from matrix import poisoned_layers
+
+    from pipedream2bw.run.runner import run
+
+    run(cfg, Path(run_dir), layers=poisoned_layers(cfg, call=call))
 
 
 @pytest.mark.slow
@@ -338,11 +360,12 @@ def test_streaming_gives_the_same_training_bit_for_bit(schedule, num_stages, rec
 
 
 COMPOSED = {
-    # global clipping (the norm over host gradients, every step clipped: 0.05 is below each step's norm) and a
-    # validation pass through streamed weights after every step, across a stage boundary
-    "clip-eval-d2": dict(num_stages=2, data_parallel=1, clip=0.05, eval_every=1),
+    # global clipping (the norm over host gradients, every step clipped: 0.05 is below each step's norm),
+    # on_nonfinite=skip (an inf in layer 1's gradient, on stage 0, in batch 1's first backward: step 1 skipped on
+    # both stages) and a validation pass through streamed weights after every step, across a stage boundary
+    "clip-skip-eval-d2": dict(num_stages=2, data_parallel=1, clip=0.05, eval_every=1, skip=1),
     # the host gradients all-reduced over 2 replicas, a bucket per layer; with clipping (the norm counted once)
-    "dp-clip-d1w2": dict(num_stages=1, data_parallel=2, clip=0.05, eval_every=0),
+    "dp-clip-d1w2": dict(num_stages=1, data_parallel=2, clip=0.05, eval_every=0, skip=None),
 }
 
 
@@ -350,22 +373,30 @@ COMPOSED = {
 @pytest.mark.parametrize("case", list(COMPOSED))
 def test_streaming_composes_bit_for_bit(case):
     """Streamed == unstreamed, bit for bit, with what a streamed stage used to refuse: every loss, the agreed
-    gradient norms, the validation losses and the final weights; the passes streamed, the replicas all-reduced."""
+    gradient norms, the skipped step, the validation losses and the final weights; the passes streamed, the
+    replicas all-reduced."""
     c = COMPOSED[case]
-    cfg = tiny_config(schedule="2bw", num_stages=c["num_stages"], num_microbatches=2, num_steps=3)
+    m = 2
+    cfg = tiny_config(schedule="2bw", num_stages=c["num_stages"], num_microbatches=m, num_steps=3)
     cfg.pipeline.data_parallel = c["data_parallel"]
     cfg.optim.clip_grad_norm = c["clip"]
     cfg.train.eval_every, cfg.train.eval_batches = c["eval_every"], 1
     cfg.data.val_fraction = 0.1 if c["eval_every"] else 0.0
-    base, base_weights = _train(cfg, stream=False)
-    summary, weights = _train(cfg, stream=True)
+    poison = None
+    if c["skip"] is not None:
+        cfg.train.on_nonfinite, poison = "skip", c["skip"] * m + 1
+    base, base_weights = _train(cfg, stream=False, poison=poison)
+    summary, weights = _train(cfg, stream=True, poison=poison)
     assert weights.keys() == base_weights.keys()
     assert all(torch.equal(weights[k], base_weights[k]) for k in weights)
-    assert summary["losses"] == base["losses"] and summary["grad_norms"] == base["grad_norms"]
-    assert all(n is not None and n > c["clip"] for n in summary["grad_norms"])  # clipping acted on every step
+    skipped = [] if c["skip"] is None else [c["skip"]]
+    assert summary["skipped_steps"] == base["skipped_steps"] == skipped
+    norms = [n for t, n in enumerate(summary["grad_norms"]) if t not in skipped]
+    assert norms == [n for t, n in enumerate(base["grad_norms"]) if t not in skipped]
+    assert summary["losses"] == base["losses"] and all(n is not None and n > c["clip"] for n in norms)  # all clipped
     assert summary["val_losses"] == base["val_losses"]
     for r in summary["ranks"]:
-        assert r["stream"]["eval_loads"] == (3 * 2 * r["stream"]["layers"] if c["eval_every"] else 0), r["stream"]
+        assert r["stream"]["eval_loads"] == (3 * m * r["stream"]["layers"] if c["eval_every"] else 0), r["stream"]
         assert r["allreduce_calls"] == (3 * r["stream"]["layers"] if c["data_parallel"] > 1 else 0), r
 
 
