@@ -130,6 +130,7 @@ def _streamed(cfg):
 
 
 @pytest.mark.slow
+@pytest.mark.long  # 2 launches, ~37 s on the loaded 2-core machine (the default tier has ~15 s to spare)
 def test_a_rank_killed_mid_stream_stops_every_rank_and_its_checkpoints_resume(tmp_path):
     """swap.weights on both stages; rank 1 is SIGKILLed in the forward of batch 5 (between its layers' weight
     copies, one in flight): the other rank exits non-zero naming rank 1, and the checkpoint written before (step 4)

@@ -370,7 +370,8 @@ COMPOSED = {
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", list(COMPOSED))
+@pytest.mark.long  # 4 launches, ~75 s on the loaded 2-core machine; the matrix's streamed cells cover these pairs
+@pytest.mark.parametrize("case", list(COMPOSED))  # in the default tier (against the reference, to round-off)
 def test_streaming_composes_bit_for_bit(case):
     """Streamed == unstreamed, bit for bit, with what a streamed stage used to refuse: every loss, the agreed
     gradient norms, the skipped step, the validation losses and the final weights; the passes streamed, the
