@@ -155,9 +155,12 @@ def check_cell(cell: Cell, runs) -> None:
     if cell.tied:
         (tie,) = summary["ties"]
         assert tie["stages"] == sorted({0, summary["num_stages"] - 1})  # across the first and last stage
-    if cell.stream:  # every stage streamed its weights
+    if cell.stream:  # every stage streamed its weights, in validation passes too; the replicas reduced host gradients
         streamed = [r["stream"] for r in summary["ranks"]]
         assert all(st is not None and st["loads"] > 0 and st["grad_bytes_out"] > 0 for st in streamed), streamed
+        assert all((st["eval_loads"] > 0) == cell.validation for st in streamed), streamed
+        w = summary["data_parallel"]
+        assert all((r["allreduce_calls"] > 0) == (w > 1) for r in summary["ranks"]), summary["ranks"]
     if cell.swap:
         swapped = [r["swap"]["swapped_out"] for s in runs.summaries for r in s["ranks"] if r["swap"]]
         assert swapped and max(swapped) > 0

@@ -130,7 +130,7 @@ def build_versions(
     if swap.weights and rt.stage in swap_stages(swap, rt.num_stages):  # swap.weights: versions in host buffers
         versions = StreamedVersions(
             module, pin=rt.device.type == "cuda", schedule=rt.schedule, optimizer_factory=factory
-        )  # one optimizer bucket per layer; data_parallel=1 and no ties (validated): no exchange needs buckets
+        )  # one optimizer bucket per layer, each also a bucket of the replicas' all-reduce; no ties (validated)
         return versions, versions.buckets, len(versions.buckets)
     if sharded or weight_dtype != torch.float32:  # the replicas' group ranks are sorted global ranks
         versions = ShardedVersions(
@@ -278,11 +278,17 @@ def comm_groups(
     tie_groups,
     rule: StepRule,
     check_ties: bool,
+    *,
+    host_grads: bool = False,
 ) -> Groups:
-    """The gradient all-reduce, tie exchange and checker, and step agreement of this rank."""
+    """The gradient all-reduce, tie exchange and checker, and step agreement of this rank (``host_grads``: some
+    stage streams its weights, swap.weights, and all-reduces host gradients: over gloo groups, made on every rank)."""
     reducer = None
     if rt.data_parallel > 1:  # every rank makes every stage's group, in the same order
         group = comm.new_groups(ctx, rt.layout.ranks)[rt.stage]
+        if host_grads and rt.backend != "gloo":  # swap.weights: host gradients, which NCCL cannot reduce
+            host_group = comm.new_groups(ctx, rt.layout.ranks, backend="gloo")[rt.stage]
+            group = host_group if isinstance(versions, StreamedVersions) else group
         if dp_buckets:
             reducer = comm.GradReducer(
                 ctx,
@@ -525,13 +531,17 @@ def components(
     rule = step_rule(rt, cfg.train, cfg.optim)
     if resume is not None:
         restore(rt, resume, versions, rule, optim=cfg.optim, tied=model.tied)
-    groups = comm_groups(rt, ctx, versions, buckets[:num_dp_buckets], tie_groups, rule, cfg.pipeline.check_ties)
+    dp_buckets, check_ties = buckets[:num_dp_buckets], cfg.pipeline.check_ties
+    groups = comm_groups(rt, ctx, versions, dp_buckets, tie_groups, rule, check_ties, host_grads=cfg.swap.weights)
     neighbours = peers(rt)
     feed, val_feed, evaluator = data(rt, ctx, neighbours, cfg.data, cfg.train, model.loss_fn)
     stop_rule = preemption(rt, ctx, watch)
     own_actions = actions(rt, batch_sends=batch_sends(cfg.dist, rt))
     in_flight = schedule.in_flight(rt.schedule, rt.stage, rt.num_stages, rt.num_microbatches)
     swapper = swap_manager(cfg.swap, rt, in_flight, versions)
+    stream = weight_stream(cfg.swap, rt, versions)
+    if stream is not None and evaluator is not None:  # validation passes stream the newest version's weights too
+        evaluator.forward = stream.evaluate
     stage_worker = worker(
         rt,
         ctx,
@@ -547,7 +557,7 @@ def components(
         model.tied,
         # on_step passes through the stages (validation, the tie check): a sharded APPLY keeps apply_due's point
         early_apply=not (cfg.train.eval_every or cfg.pipeline.check_ties),
-        stream=weight_stream(cfg.swap, rt, versions),
+        stream=stream,
     )
     trace(rt, stage_worker, cfg.pipeline, warmup_steps=cfg.train.warmup_steps)
     return Components(
