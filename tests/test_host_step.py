@@ -9,7 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from pipedream2bw.memory.host_optim import HostOptimizerVersions
+from pipedream2bw.config import OptimConfig
+from pipedream2bw.memory.host_optim import HostOptimizerVersions, host_kernel, measure_host_step
 from pipedream2bw.pipeline.schedule import BACKWARD, FORWARD, STEP, stage_actions
 
 M = 2  # microbatches per batch
@@ -160,3 +161,51 @@ def test_background_is_refused_where_nothing_can_overlap_the_step():
     cfg.swap.host_step = "later"
     with pytest.raises(ConfigError, match=r"swap.host_step \('later'\) is unknown"):
         validate(cfg, world_size=2)
+
+
+@pytest.mark.parametrize(
+    "cfg,fused",
+    [
+        (OptimConfig(name="adamw"), True),
+        (OptimConfig(name="Adam", kwargs={"betas": (0.9, 0.95)}), True),
+        (OptimConfig(name="adamw", kwargs={"foreach": False}), False),  # the user chose a kernel: kept
+        (OptimConfig(name="sgd", kwargs={"momentum": 0.9}), False),  # fused gained nothing measured: torch's default
+        (OptimConfig(name="muon"), True),  # the kernel of muon_others (adamw); Muon's own step is unchanged
+        (OptimConfig(name="muon", muon_others="sgd"), False),
+        (OptimConfig(name="muon", delay_correction="lookahead"), False),  # NAdam: no fused kernel
+        (OptimConfig(target="torch.optim.AdamW"), True),
+    ],
+)
+def test_the_host_step_takes_the_fused_kernel_where_torch_has_a_faster_one(cfg, fused):
+    out = host_kernel(cfg)
+    assert out.kwargs.get("fused", False) is fused
+    assert {k: v for k, v in out.kwargs.items() if k != "fused" or not fused} == dict(cfg.kwargs)
+
+
+def test_the_fused_host_step_is_reproducible_at_any_thread_count():
+    # The fused kernel rounds some elements otherwise than torch's per-tensor loop (scripts/bench_host_step.py measures
+    # how far each is from a float64 step); runs must still give the same bits, run to run and at 1 or 2 threads.
+    def run(threads: int) -> torch.Tensor:
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            g = torch.Generator().manual_seed(0)
+            p = nn.Parameter(torch.randn(100_003, generator=g))  # an odd size: a vectorized body and a scalar tail
+            opt = torch.optim.AdamW([p], lr=1e-2, weight_decay=0.1, **host_kernel(OptimConfig(name="adamw")).kwargs)
+            for k in range(3):
+                p.grad = torch.randn(p.shape, generator=g) * 10.0**-k
+                opt.step()
+            return p.detach()
+        finally:
+            torch.set_num_threads(before)
+
+    one = run(1)
+    assert torch.equal(one, run(1)) and torch.equal(one, run(2))
+
+
+def test_measure_host_step_gives_the_planner_its_figures_once():
+    figures = measure_host_step(2**16, num_tensors=2, threads=1, repeats=1)
+    assert figures.params_per_s > 0 and figures.copy_bytes_per_s > 0 and figures.threads == 1
+    assert figures.bytes_per_param == 28  # AdamW: weight and two moments read and written, the gradient read
+    assert figures.bound_params_per_s == figures.copy_bytes_per_s / 28
+    assert measure_host_step(2**16, num_tensors=2, threads=1, repeats=1) is figures  # cached: measured once
