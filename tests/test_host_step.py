@@ -163,6 +163,65 @@ def test_background_is_refused_where_nothing_can_overlap_the_step():
         validate(cfg, world_size=2)
 
 
+def _muon_pair(device: str):
+    """Two Muon steps' setups over the same matrices: the parameters and state on ``device``, and on the host with the
+    Newton-Schulz iterations sent to ``device`` (``orthogonalize_on``, as build_versions does for swap.optimizer=host).
+    """
+    from pipedream2bw.config.optimizers import Muon, orthogonalize_on
+
+    torch.manual_seed(0)
+    weights = [torch.randn(48, 24), torch.randn(24, 80)]  # both orientations (the iteration transposes a tall one)
+    on_device = [nn.Parameter(w.to(device)) for w in weights]
+    on_host = [nn.Parameter(w.clone()) for w in weights]
+    kw = dict(lr=0.02, adjust_lr_fn="match_rms_adamw", weight_decay=0.1)
+    host_opt = Muon(on_host, **kw)
+    assert orthogonalize_on(host_opt, torch.device(device)) == 1
+    return (on_device, Muon(on_device, **kw)), (on_host, host_opt)
+
+
+def test_muon_finds_its_orthogonalizer_inside_composites():
+    from pipedream2bw.config import OptimConfig, build_optimizer
+    from pipedream2bw.config.optimizers import MUON_ROLE, orthogonalize_on
+
+    params = [nn.Parameter(torch.randn(4, 4)), nn.Parameter(torch.randn(4))]
+    setattr(params[0], MUON_ROLE, True)
+    setattr(params[1], MUON_ROLE, False)
+    opt = build_optimizer(params, OptimConfig(name="muon", delay_correction="error_feedback"))  # EF(Muon + AdamW)
+    assert orthogonalize_on(opt, torch.device("cpu")) == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_muon_with_host_state_orthogonalizes_on_the_device_bit_for_bit():
+    # swap.optimizer=host with optim.name=muon: the momentum stays on the host, each matrix goes to the GPU for its
+    # Newton-Schulz iterations (bfloat16 there, as the device step's) and comes back: the same weights as Muon
+    # stepping on the GPU, bit for bit, and no matrix product on the host.
+    (dev, dev_opt), (host, host_opt) = _muon_pair("cuda")
+    g = torch.Generator().manual_seed(1)
+    matmul_devices = set()
+    real = torch.addmm
+
+    def spy(*args, **kwargs):
+        matmul_devices.add(args[0].device.type)
+        return real(*args, **kwargs)
+
+    for _ in range(4):
+        grads = [torch.randn(p.shape, generator=g) for p in host]
+        for p, q, gr in zip(dev, host, grads):
+            p.grad, q.grad = gr.cuda(), gr.clone()
+        dev_opt.step()
+        torch.addmm = spy
+        try:
+            host_opt.step()
+        finally:
+            torch.addmm = real
+    assert matmul_devices == {"cuda"}
+    assert all(torch.equal(p.cpu(), q.detach()) for p, q in zip(dev, host))
+    assert all(q.device.type == "cpu" for q in host) and all(
+        st["momentum_buffer"].device.type == "cpu" for st in host_opt.state.values()
+    )
+
+
 @pytest.mark.parametrize(
     "cfg,fused",
     [

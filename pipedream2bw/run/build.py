@@ -26,7 +26,7 @@ from pipedream2bw.config import (
     swap_stages,
 )
 from pipedream2bw.config.optim import probe_kind, state_misfits
-from pipedream2bw.config.optimizers import correction_in_effect, is_muon, tag_muon_params
+from pipedream2bw.config.optimizers import correction_in_effect, is_muon, orthogonalize_on, tag_muon_params
 from pipedream2bw.data import make_feeds
 from pipedream2bw.io import checkpoint, timeline
 from pipedream2bw.memory import precision as precisions
@@ -127,7 +127,16 @@ def build_versions(
         tag_muon_params(module, optim.muon_exclude)
     if swap.optimizer == "host":  # the step runs on the host (swap.weights too): the fastest CPU kernel
         optim = host_kernel(optim)
-    factory = lambda params: build_optimizer(params, optim)  # noqa: E731
+    # Muon with its state on the host (swap.optimizer=host, swap.weights): the Newton-Schulz iterations run on the
+    # stage's device, never on the host's cores (a CPU run's device is the host)
+    ns_device = rt.device if is_muon(optim) and swap.optimizer == "host" and rt.device.type != "cpu" else None
+
+    def factory(params):
+        opt = build_optimizer(params, optim)
+        if ns_device is not None:
+            orthogonalize_on(opt, ns_device)
+        return opt
+
     sharded = optim.sharded and rt.data_parallel > 1
     background = swap.host_step != "sync" and rt.schedule == "2bw"  # swap.host_step: off the training thread
     if swap.weights and rt.stage in swap_stages(swap, rt.num_stages):  # swap.weights: versions in host buffers
