@@ -340,6 +340,8 @@ def test_streaming_gives_the_same_training_bit_for_bit(schedule, num_stages, rec
     for r in summary["ranks"]:
         st = r["stream"]
         assert st is not None and st["loads"] > 0 and st["grad_bytes_out"] > 0, st
+        # swap.host_step=auto: under 2bw a streamed stage's host step runs on its own thread (0 s: synchronous)
+        assert (r["host_step_s"] > 0) == (schedule == "2bw"), r["host_step_s"]
         # every layer with weights travels in each forward of 4 microbatches x 3 steps, and again in backward
         assert st["loads"] > 4 * 3 * st["layers"], st
 
