@@ -268,3 +268,5 @@ def test_measure_host_step_gives_the_planner_its_figures_once():
     assert figures.bytes_per_param == 28  # AdamW: weight and two moments read and written, the gradient read
     assert figures.bound_params_per_s == figures.copy_bytes_per_s / 28
     assert measure_host_step(2**16, num_tensors=2, threads=1, repeats=1) is figures  # cached: measured once
+    # per optimizer: SGD with momentum moves the weight and its buffer both ways, and the gradient
+    assert measure_host_step(2**16, optimizer="sgd", num_tensors=2, threads=1, repeats=1).bytes_per_param == 20

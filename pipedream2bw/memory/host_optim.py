@@ -50,7 +50,7 @@ class HostStepFigures:
 
     params_per_s: float  # parameters the host step (``host_kernel``'s) steps per second
     copy_bytes_per_s: float  # host memory bandwidth: bytes read plus written per second (``copy_bandwidth``)
-    bytes_per_param: int  # bytes the step must read and write per parameter (AdamW: 28)
+    bytes_per_param: float  # bytes the step must read and write per parameter (``step_bytes``; AdamW: 28)
     threads: int  # torch's intra-op threads during the measurement
 
     @property
@@ -82,13 +82,32 @@ def adam_step_bytes(grad_dtype: torch.dtype = torch.float32) -> int:
     return 3 * 2 * 4 + torch.empty(0, dtype=grad_dtype).element_size()
 
 
+def step_bytes(optimizer: torch.optim.Optimizer) -> float:
+    """Bytes per parameter that a step of ``optimizer`` (stepped once, so its state exists) reads and writes: each
+    parameter and its state tensors read and written, its gradient read (AdamW over float32: 28; SGD with momentum:
+    20; without: 12). Scalars in the state (Adam's step count) are left out."""
+    params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+    moved = 0
+    for p in params:
+        state = [v for v in optimizer.state.get(p, {}).values() if torch.is_tensor(v) and v.numel() == p.numel()]
+        moved += 2 * (p.numel() * p.element_size() + sum(v.numel() * v.element_size() for v in state))
+        moved += p.grad.numel() * p.grad.element_size()
+    return moved / sum(p.numel() for p in params)
+
+
 @functools.lru_cache(maxsize=None)
 def measure_host_step(
-    num_params: int = 2**23, *, num_tensors: int = 8, threads: Optional[int] = None, repeats: int = 5
+    num_params: int = 2**23,
+    *,
+    optimizer: str = "adamw",
+    num_tensors: int = 8,
+    threads: Optional[int] = None,
+    repeats: int = 5,
 ) -> HostStepFigures:
-    """Measures, once per process and arguments (cached), the host step: parameters per second of AdamW with
-    ``host_kernel``'s kernel over ``num_params`` float32 parameters in ``num_tensors`` tensors (the median of
-    ``repeats`` steps after one that makes the state), and the host's copy bandwidth, for the planner's time model.
+    """Measures, once per process and arguments (cached), the host step: parameters per second of ``optimizer``
+    (a torch.optim name, elementwise: adamw, adam, sgd, ...; its defaults, ``host_kernel``'s kernel) over
+    ``num_params`` float32 parameters in ``num_tensors`` tensors (the median of ``repeats`` steps after one that
+    makes the state), the bytes a parameter's step moves, and the host's bandwidth, for the planner's time model.
 
     Args:
         threads: torch's intra-op threads to measure with (restored after); None: as set now.
@@ -100,19 +119,20 @@ def measure_host_step(
         params = [nn.Parameter(torch.randn(num_params // num_tensors)) for _ in range(num_tensors)]
         for p in params:
             p.grad = torch.randn_like(p)
-        opt = torch.optim.AdamW(params, lr=1e-3, **host_kernel(OptimConfig(name="adamw")).kwargs)
+        cfg = host_kernel(OptimConfig(name=optimizer, kwargs={"momentum": 0.9} if optimizer == "sgd" else {}))
+        opt = optimizer_of(cfg)(params, lr=1e-3, **cfg.kwargs)
         times = []
-        for _ in range(repeats + 1):  # the first makes the moments
+        for _ in range(repeats + 1):  # the first makes the state
             start = time.perf_counter()
             opt.step()
             times.append(time.perf_counter() - start)
         step_s = statistics.median(times[1:])
-        n = sum(p.numel() for p in params)
+        n, moved = sum(p.numel() for p in params), step_bytes(opt)
         del params, opt
         return HostStepFigures(
             params_per_s=n / step_s,
             copy_bytes_per_s=copy_bandwidth(repeats=repeats),
-            bytes_per_param=adam_step_bytes(),
+            bytes_per_param=moved,
             threads=torch.get_num_threads(),
         )
     finally:
