@@ -270,3 +270,15 @@ def test_measure_host_step_gives_the_planner_its_figures_once():
     assert measure_host_step(2**16, num_tensors=2, threads=1, repeats=1) is figures  # cached: measured once
     # per optimizer: SGD with momentum moves the weight and its buffer both ways, and the gradient
     assert measure_host_step(2**16, optimizer="sgd", num_tensors=2, threads=1, repeats=1).bytes_per_param == 20
+
+
+def test_background_is_accepted_on_a_streamed_stage():
+    # swap.weights once refused swap.host_step=background ("streamed stages step their host layers synchronously");
+    # StreamedVersions now steps on the thread (tests/test_stream.py::test_a_streamed_stage_steps_in_the_background...)
+    from test_semantics import tiny_config
+
+    from pipedream2bw.config import validate
+
+    cfg = tiny_config(schedule="2bw", num_stages=2, num_microbatches=2)
+    cfg.swap.weights, cfg.swap.enabled, cfg.swap.optimizer, cfg.swap.host_step = True, True, "host", "background"
+    validate(cfg, world_size=2)
