@@ -282,3 +282,13 @@ def test_background_is_accepted_on_a_streamed_stage():
     cfg = tiny_config(schedule="2bw", num_stages=2, num_microbatches=2)
     cfg.swap.weights, cfg.swap.enabled, cfg.swap.optimizer, cfg.swap.host_step = True, True, "host", "background"
     validate(cfg, world_size=2)
+
+
+def test_a_bf16_gradient_reaches_the_float32_master_cast():
+    # torch lets no bf16 gradient sit on a float32 parameter, and the fused kernel takes one dtype: a gradient in the
+    # compute dtype (a bf16 transfer) is cast to the master's on the host
+    versions = _versions(False)
+    p = versions._params[0][0]
+    grad = torch.randn(p.shape).to(torch.bfloat16)
+    versions._attach_master(0, p, grad)
+    assert versions.master[0].grad.dtype == torch.float32 and torch.equal(versions.master[0].grad, grad.float())
