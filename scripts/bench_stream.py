@@ -20,8 +20,10 @@ AdamW rounds differently from the host's, so that run is the bit-for-bit referen
 - bytes moved to the device (weights) and to the host (gradients), the stall (compute waiting for a weight
   copy; on CUDA measured on the compute stream), the step's wait for the last gradient copies (``grad_wait_s``:
   on CUDA gradients leave on the offload stream, off compute; on the CPU they are added inline, 0), the copy
-  streams' busy time each way (these four over the timed batches), the seconds in the optimizer steps (the host
-  steps a streamed stage runs on the training thread), samples/s over the timed batches;
+  streams' busy time each way (these four over the timed batches), the seconds in the optimizer step calls on the
+  training thread, and with ``--host-step background`` (2bw, the default: swap.host_step=auto's choice) the seconds
+  the host step ran on its thread and training waited for of it, samples/s over the timed batches and the
+  streamed run's time over the plain run's;
 - whether the streamed run's losses and final weights are bit for bit the plain run's.
 
 On a CPU the "device" is host memory and copies are worker-thread memcpys: the bytes and the bit check
@@ -40,8 +42,8 @@ from typing import Any, Dict, List
 import torch
 from torch import nn
 
-from pipedream2bw.config import GPTConfig
-from pipedream2bw.memory.host_optim import HostOptimizerVersions
+from pipedream2bw.config import GPTConfig, OptimConfig
+from pipedream2bw.memory.host_optim import HostOptimizerVersions, host_kernel
 from pipedream2bw.memory.memprobe import tensor_peak
 from pipedream2bw.memory.stream import StreamedVersions, WeightStream, device_bytes_model
 from pipedream2bw.memory.swap import CpuBackend, make_backend
@@ -64,21 +66,30 @@ def run_stage(
     """One run of the stage; ``probe``: CPU memory measurement (compute spans named ``compute``);
     ``host_optimizer``: weights on the device, optimizer on the host (not with ``stream``)."""
     module = nn.Sequential(*_blocks(args))
-    factory = lambda p: torch.optim.AdamW(p, lr=1e-3)  # noqa: E731
+    # AdamW, with the host step's kernel (memory/host_optim.py::host_kernel: fused) wherever it steps host memory:
+    # streamed, host optimizer, and the CPU's plain run (so that the bit check compares one kernel)
+    host = stream or host_optimizer or device.type == "cpu"
+    kernel = host_kernel(OptimConfig(name="adamw")).kwargs if host else {}
+    factory = lambda p: torch.optim.AdamW(p, lr=1e-3, **kernel)  # noqa: E731
+    background = args.host_step == "background" and args.schedule == "2bw"  # swap.host_step (2bw: auto's choice)
     ws = None
     if stream:
         if device.type == "cuda":  # only the buffers go to the device; the weights stay in host memory
             for m in module.modules():
                 m._buffers.update({k: b.to(device) for k, b in m._buffers.items() if b is not None})
         versions = StreamedVersions(
-            module, pin=device.type == "cuda", schedule=args.schedule, optimizer_factory=factory
+            module, pin=device.type == "cuda", schedule=args.schedule, optimizer_factory=factory, background=background
         )
         backend = CpuBackend(overlap=not probe) if device.type == "cpu" else make_backend(device)
         ws = WeightStream(versions, backend, window=args.window, recompute=False)
     elif host_optimizer:
         n = len(list(module.parameters()))
         versions = HostOptimizerVersions(
-            module.to(device), schedule=args.schedule, optimizer_factory=factory, buckets=[list(range(n))[::-1]]
+            module.to(device),
+            schedule=args.schedule,
+            optimizer_factory=factory,
+            buckets=[list(range(n))[::-1]],
+            background=background,
         )
     else:
         versions = WeightVersions(module.to(device), schedule=args.schedule, optimizer_factory=factory)
@@ -102,6 +113,7 @@ def run_stage(
                 warm = (ws.backend.stall_s(), ws.stats.grad_wait_s, *ws.backend.busy_s())
         with torch.profiler.record_function("compute") if probe and a.kind != STEP else contextlib.nullcontext():
             if a.kind == FORWARD:
+                versions.module_for_batch(k // m)  # as the stage worker: waits for a background step writing it
                 r = versions.replica_for_batch(k // m)
                 if ws is not None:
                     ws.begin_forward(k, r)
@@ -122,6 +134,7 @@ def run_stage(
                 ws.quiesce()
             versions.step(k, grad_scale=1 / m)
             step_s += time.perf_counter() - t0
+    versions.settle()  # the last background step counts in the time
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     elapsed = time.perf_counter() - start
@@ -136,6 +149,8 @@ def run_stage(
         "weights": {n: t.detach().cpu().clone() for n, t in versions.newest().state_dict().items()},
         "stream": st,
         "layer_bytes": layer_bytes,
+        "host_step_s": getattr(versions, "host_step_s", 0.0),  # background: the thread's stepping
+        "host_step_wait_s": getattr(versions, "host_step_wait_s", 0.0),  # ... and what training waited for of it
     }
     if device.type == "cuda":
         result["peak_device_bytes"] = torch.cuda.max_memory_allocated(device)
@@ -164,6 +179,12 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=1, help="batches run before the timing starts")
     p.add_argument("--schedule", default="2bw", choices=["2bw", "flush", "gpipe"])
     p.add_argument("--window", type=int, default=1, help="swap.weight_prefetch: layers copied ahead")
+    p.add_argument(
+        "--host-step",
+        choices=["background", "sync"],
+        default="background",
+        help="swap.host_step of the streamed and host-optimizer runs (background: 2bw only, as swap.host_step=auto)",
+    )
     p.add_argument(
         "--deterministic",
         choices=["auto", "on", "off"],
@@ -212,6 +233,10 @@ def main() -> None:
         "streamed_samples_per_s": streamed["samples_per_s"],
         "plain_step_s": plain["step_s"],
         "streamed_step_s": streamed["step_s"],
+        "host_step": "background" if args.host_step == "background" and args.schedule == "2bw" else "sync",
+        "streamed_host_step_s": streamed["host_step_s"],
+        "streamed_host_step_wait_s": streamed["host_step_wait_s"],
+        "streamed_over_plain_time": plain["samples_per_s"] / streamed["samples_per_s"],
         "host_optimizer_samples_per_s": reference["samples_per_s"] if reference is not plain else None,
         "host_optimizer_peak_device_bytes": reference["peak_device_bytes"] if reference is not plain else None,
         "bit_for_bit": same,

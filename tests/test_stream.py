@@ -52,30 +52,37 @@ def _stage_loop(
     device="cpu",
     backend=None,
     host_optim=False,
+    background=False,
+    factory=ADAM,
+    num_batches=3,
 ):
     """Stage 0 of 2 runs its actions (F, B, S) in one process, the output's squared mean as the loss (each layer on
     its random stream, as in the trainer: ``stateful.microbatch_streams``); with
-    ``stream``, through StreamedVersions and a WeightStream (``backend``: CpuBackend unless given); else with its
-    weights on ``device`` (``host_optim``: HostOptimizerVersions). Returns (losses, newest weights, stream stats,
-    versions)."""
+    ``stream``, through StreamedVersions and a WeightStream (``backend``: CpuBackend unless given; ``background``:
+    swap.host_step=background); else with its weights on ``device`` (``host_optim``: HostOptimizerVersions). Each
+    forward first asks for its batch's module, as the stage worker does (``module_for_batch``: a background step
+    writing that replica is waited for). Returns (losses, newest weights, stream stats, versions)."""
     dev = torch.device(device)
     layers = layers if layers is not None else _blocks(width)
     module = (RecomputeSequential if recompute and not stream else StageSequential)(*layers)
     if stream:
-        versions = StreamedVersions(module, pin=dev.type == "cuda", schedule=schedule, optimizer_factory=ADAM)
+        versions = StreamedVersions(
+            module, pin=dev.type == "cuda", schedule=schedule, optimizer_factory=factory, background=background
+        )
         backend = backend if backend is not None else CpuBackend(overlap=probe is None)
         ws = WeightStream(versions, backend, window=window, recompute=recompute)
     else:
         kind = HostOptimizerVersions if host_optim else WeightVersions
-        versions, ws = kind(module.to(dev), schedule=schedule, optimizer_factory=ADAM), None
+        versions, ws = kind(module.to(dev), schedule=schedule, optimizer_factory=factory), None
     del module, layers
     m = 2
-    xs = torch.randn(4 * m, 3, width, generator=torch.Generator().manual_seed(1)).to(dev)
+    xs = torch.randn(max(num_batches + 1, 4) * m, 3, width, generator=torch.Generator().manual_seed(1)).to(dev)
     outs, losses = {}, []
-    for a in stage_actions(schedule, stage_index=0, num_stages=2, num_microbatches=m, num_batches=3):
+    for a in stage_actions(schedule, stage_index=0, num_stages=2, num_microbatches=m, num_batches=num_batches):
         k = a.index
         with torch.profiler.record_function("compute") if probe else contextlib.nullcontext():
             if a.kind == FORWARD:
+                versions.module_for_batch(k // m)
                 r = versions.replica_for_batch(k // m)
                 with autocast(precision, dev.type), stateful.microbatch_streams(0, k, dev):
                     if ws is not None:
@@ -123,6 +130,38 @@ def test_streamed_stage_trains_bit_for_bit(schedule, recompute, precision, windo
     assert all(p.untyped_storage().data_ptr() in host for r in versions.replicas for p in r.parameters())
     homed = [v for o in versions.optimizers for st in o.state.values() for v in st.values() if torch.is_tensor(v)]
     assert homed and all(id(v) in versions._homed for v in homed)
+
+
+class _SlowAdam(torch.optim.Adam):
+    """Adam that takes a while to step: a background step is then still running when the next batch starts, and any
+    read of what it writes that does not wait for it (``settle``) sees the weights half made or not made at all."""
+
+    def step(self, closure=None):
+        time.sleep(0.05)  # a layer's step: 4 layers, 0.2 s, far longer than batch t+1's compute of this small stage
+        return super().step(closure)
+
+
+@pytest.mark.parametrize("recompute,precision,window", [(False, "fp32", 1), (True, "bf16", 2)])
+def test_a_streamed_stage_steps_in_the_background_bit_for_bit(recompute, precision, window):
+    # swap.host_step=background on a streamed stage (2bw): step t on its thread while batch t+1 streams W(t); batch
+    # t+2's forward, the first to read W(t+1), waits for it. The same losses and weights as the synchronous streamed
+    # step and as the stage unstreamed, bit for bit, over 6 batches (the thread's step runs behind a slow Adam, so a
+    # read that did not wait would see W(t-1) or a half-stepped W(t+1)).
+    kw = dict(recompute=recompute, precision=precision, num_batches=6)
+    slow = lambda params: _SlowAdam(params, lr=0.01)  # noqa: E731
+    base, base_weights, _, _ = _stage_loop("2bw", stream=False, **kw)
+    sync, sync_weights, _, _ = _stage_loop("2bw", stream=True, window=window, **kw)
+    bg, bg_weights, stats, versions = _stage_loop(
+        "2bw", stream=True, window=window, background=True, factory=slow, **kw
+    )
+    assert bg == sync == base
+    for weights in (sync_weights, bg_weights):
+        assert weights.keys() == base_weights.keys() and all(torch.equal(weights[n], base_weights[n]) for n in weights)
+    assert versions.background and versions._pending is None and stats["loads"] > 0
+    # the steps ran on the thread (0.05 s a layer: the slow Adam's), and training waited for less than all of them:
+    # batch t+1 computed meanwhile
+    assert versions.host_step_s > 5 * 0.05 * len(versions.optimizers)
+    assert versions.host_step_wait_s < versions.host_step_s
 
 
 class _DropNorm(nn.Module):
@@ -304,8 +343,8 @@ def _train(cfg, stream: bool, *, poison: Optional[int] = None):
     if stream:
         cfg.swap.enabled, cfg.swap.weights, cfg.swap.optimizer = True, True, "host"
         cfg.swap.resident, cfg.swap.min_bytes = 0, 4096  # activations of waiting microbatches swap too
-    elif cfg.dist.backend == "nccl":
-        cfg.swap.optimizer = "host"  # the streamed run's optimizer steps on the host: a CUDA AdamW rounds otherwise
+    else:  # the streamed run's optimizer steps on the host: a CUDA AdamW, and torch's default CPU loop, which the
+        cfg.swap.optimizer = "host"  # host step's fused kernel replaces (memory/host_optim.py), round otherwise
     run_dir = Path(tempfile.mkdtemp(prefix="stream-"))
     try:
         if poison is None:
@@ -355,6 +394,8 @@ def test_streaming_gives_the_same_training_bit_for_bit(schedule, num_stages, rec
     for r in summary["ranks"]:
         st = r["stream"]
         assert st is not None and st["loads"] > 0 and st["grad_bytes_out"] > 0, st
+        # swap.host_step=auto: under 2bw a streamed stage's host step runs on its own thread (0 s: synchronous)
+        assert (r["host_step_s"] > 0) == (schedule == "2bw"), r["host_step_s"]
         # every layer with weights travels in each forward of 4 microbatches x 3 steps, and again in backward
         assert st["loads"] > 4 * 3 * st["layers"], st
 

@@ -112,8 +112,6 @@ def _validate_host_step(cfg: Config) -> None:
             f"pipeline.schedule ({p.schedule!r}): batch t+1's first forward reads W(t+1) at once, so there is no "
             "batch to overlap the step with; use schedule=2bw or swap.host_step=sync"
         )
-    elif s.weights:
-        why = "swap.weights (true): streamed stages step their host layers synchronously; use swap.host_step=auto"
     elif cfg.optim.sharded and p.data_parallel > 1:
         why = "optim.sharded: sharded masters step synchronously; use swap.host_step=auto or sync"
     elif cfg.train.weight_dtype == "compute" and cfg.train.precision != "fp32":

@@ -37,9 +37,9 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
+from pipedream2bw.memory.host_optim import After, BackgroundStep
 from pipedream2bw.memory.swap import HostPool, Transfer, TransferBackend
 from pipedream2bw.pipeline import stateful
-from pipedream2bw.pipeline.versions import WeightVersions
 
 _ALIGN = 64  # bytes: each parameter of a layer's flat buffer starts here, so any dtype can view it
 
@@ -115,11 +115,15 @@ def layer_buckets(module: nn.Module) -> List[List[int]]:
     return [b for b in reversed(buckets) if b]
 
 
-class StreamedVersions(WeightVersions):
+class StreamedVersions(BackgroundStep):
     """``WeightVersions`` whose replicas, gradient accumulators and optimizer state are in host memory.
 
     ``layers[j]``: the j-th child of the stage with parameters, as (its name, its parameter indices);
     ``flats[r][j]``: replica r's flat host buffer of that layer.
+
+    ``background`` (``BackgroundStep``, swap.host_step): the thread copies W(t) into the replica that receives W(t+1)
+    and steps it there, host memory only, while batch t+1 streams the other replica's layers; the forward of batch
+    t+2, the first to read W(t+1), waits for it before its first layer is fetched (``module_for_batch``).
     """
 
     def __init__(self, module: nn.Module, *, pin: bool, buckets: Optional[Sequence[Sequence[int]]] = None, **kwargs):
@@ -156,6 +160,29 @@ class StreamedVersions(WeightVersions):
         self._params = [list(r.parameters()) for r in self.replicas]
         self._grads: Dict[Tuple[int, int], torch.Tensor] = {}
         return super()._make_masters(module)
+
+    def step(self, batch_index: int, **kwargs: Any) -> None:
+        """``BackgroundStep.step``; the first batch's step in the background is waited for at once: batch 1 runs
+        with W(-1) = W(0), on the replica whose host gradient buffers (``add_grad`` reuses them) the step reads."""
+        shared = self.background and self.replica_for_batch(batch_index + 1) == self.replica_for_batch(batch_index)
+        super().step(batch_index, **kwargs)
+        if shared:
+            self.settle()
+
+    def _host_work(self, newest: int, dst_index: int, after: After) -> Callable[[], None]:
+        return lambda: self._host_step(newest, dst_index, after)
+
+    @torch.no_grad()
+    def _host_step(self, newest: int, dst_index: int, after: After) -> None:
+        """The background thread: W(t) (replica ``newest``) into replica ``dst_index``, each bucket's step there (the
+        synchronous step's ``_prepare_destination`` and ``_step_bucket``), then ``after`` on W(t+1)."""
+        dst = self._params[dst_index]
+        for d, w in zip(dst, self._params[newest]):
+            d.copy_(w)
+        for bucket, optimizer in zip(self.buckets, self.optimizers):
+            self._step_bucket(bucket, optimizer, dst)
+        if after is not None:
+            after(dst)
 
     def names(self, j: int) -> List[str]:
         """Layer j's parameter names, relative to the layer (what ``functional_call`` takes)."""

@@ -26,11 +26,11 @@ from pipedream2bw.config import (
     swap_stages,
 )
 from pipedream2bw.config.optim import probe_kind, state_misfits
-from pipedream2bw.config.optimizers import correction_in_effect, is_muon, tag_muon_params
+from pipedream2bw.config.optimizers import correction_in_effect, is_muon, orthogonalize_on, tag_muon_params
 from pipedream2bw.data import make_feeds
 from pipedream2bw.io import checkpoint, timeline
 from pipedream2bw.memory import precision as precisions
-from pipedream2bw.memory.host_optim import HostOptimizerVersions
+from pipedream2bw.memory.host_optim import HostOptimizerVersions, host_kernel
 from pipedream2bw.memory.loss_scale import LossScaler, ScaledStepRule
 from pipedream2bw.memory.sharding import ShardedVersions
 from pipedream2bw.memory.stream import StreamedVersions, WeightStream
@@ -125,11 +125,23 @@ def build_versions(
     optim = dataclasses.replace(optim, delay_correction=correction_in_effect(optim, rt.schedule))
     if is_muon(optim):  # which parameters Muon takes: see OptimConfig.muon_exclude
         tag_muon_params(module, optim.muon_exclude)
-    factory = lambda params: build_optimizer(params, optim)  # noqa: E731
+    if swap.optimizer == "host":  # the step runs on the host (swap.weights too): the fastest CPU kernel
+        optim = host_kernel(optim)
+    # Muon with its state on the host (swap.optimizer=host, swap.weights): the Newton-Schulz iterations run on the
+    # stage's device, never on the host's cores (a CPU run's device is the host)
+    ns_device = rt.device if is_muon(optim) and swap.optimizer == "host" and rt.device.type != "cpu" else None
+
+    def factory(params):
+        opt = build_optimizer(params, optim)
+        if ns_device is not None:
+            orthogonalize_on(opt, ns_device)
+        return opt
+
     sharded = optim.sharded and rt.data_parallel > 1
+    background = swap.host_step != "sync" and rt.schedule == "2bw"  # swap.host_step: off the training thread
     if swap.weights and rt.stage in swap_stages(swap, rt.num_stages):  # swap.weights: versions in host buffers
         versions = StreamedVersions(
-            module, pin=rt.device.type == "cuda", schedule=rt.schedule, optimizer_factory=factory
+            module, pin=rt.device.type == "cuda", schedule=rt.schedule, optimizer_factory=factory, background=background
         )  # one optimizer bucket per layer, each also a bucket of the replicas' all-reduce; no ties (validated)
         return versions, versions.buckets, len(versions.buckets)
     if sharded or weight_dtype != torch.float32:  # the replicas' group ranks are sorted global ranks
@@ -144,8 +156,7 @@ def build_versions(
             host=swap.optimizer == "host",
             weight_dtype=weight_dtype,
         )
-    elif swap.optimizer == "host":  # swap.host_step: under 2bw, off the training thread unless told sync
-        background = swap.host_step != "sync" and rt.schedule == "2bw"
+    elif swap.optimizer == "host":
         versions = HostOptimizerVersions(
             module, schedule=rt.schedule, optimizer_factory=factory, buckets=buckets, background=background
         )
