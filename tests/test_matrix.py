@@ -23,7 +23,6 @@ from matrix import (
     REFUSED,
     RESUME_STEP,
     SKIP_BATCH,
-    TOLERANCE,
     Cell,
     MatrixRunner,
     cell_config,
@@ -32,6 +31,7 @@ from matrix import (
     feasible,
     poisoned_layers,
     refusal,
+    tolerance,
     uncovered,
 )
 from reference import Reference, reference_eval, reference_run
@@ -118,7 +118,7 @@ def check_cell(cell: Cell, runs) -> None:
     """The cell's last run against the reference: final weights, every step's loss, learning rate and
     gradient norm (where the run agreed on one), skipped steps, loss scales (fp16), validation losses;
     and that each feature did act (tie across stages, swapped bytes, resume from the checkpoint)."""
-    tol = TOLERANCE[cell.precision]
+    tol = tolerance(cell)
     ref = reference(cell, delayed=cell.schedule == "2bw", skip=cell.skip, clip=cell.clip)
     summary, weights = runs.summaries[-1], runs.weights[-1]
     assert weights.keys() == ref.weights.keys()
@@ -185,7 +185,7 @@ def differs(a: dict, b: dict, tol: dict) -> bool:
 def check_features_matter(cell: Cell) -> None:
     """The delay, the skip, the clipping, the correction and Muon each move the reference's weights by more than
     the tolerance: a run that ignored one would fail ``check_cell``."""
-    tol, delayed = TOLERANCE[cell.precision], cell.schedule == "2bw"
+    tol, delayed = tolerance(cell), cell.schedule == "2bw"
     ref = reference(cell, delayed=delayed, skip=cell.skip, clip=cell.clip).weights
     if delayed:
         assert differs(ref, reference(cell, delayed=False, skip=cell.skip, clip=cell.clip).weights, tol)
