@@ -22,11 +22,21 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from partitioner.cost import MEMORY_PARTS, LayerCost, Segments, StageContext, StageCost, segment_costs, simulate
+from partitioner.cost import (
+    MEMORY_PARTS,
+    RESOURCES,
+    LayerCost,
+    Segments,
+    StageContext,
+    StageCost,
+    segment_costs,
+    simulate,
+)
 
 # the plan and its file: re-exported, the planner's callers import them from here
 from partitioner.plans import (  # noqa: F401
     Plan,
+    bound_line,
     load_plan,
     plan_from_text,
     plan_to_text,
@@ -45,6 +55,19 @@ OBJECTIVES = ("throughput", "memory")
 # ---------------------------------------------------------------- the dynamic program
 
 
+@dataclass(frozen=True)
+class HostFigures:
+    """The host as the cost model takes it (``partitioner.host.HostProfile``; the defaults: no figure, its work is
+    charged nothing): bytes per second its optimizer step reads and writes and one copy moves, swap.host_step, and
+    the figures in words for the plan."""
+
+    step_bw: float = math.inf
+    copy_bw: float = math.inf
+    step: str = "auto"
+    text: str = ""
+    cores: int = 0  # the host's cores: a node's ranks beyond them take turns (0: as many as ranks)
+
+
 def stage_contexts(
     topo: TopologyConfig,
     rank_map,
@@ -60,9 +83,12 @@ def stage_contexts(
     bucket_bytes: float = 25 * 2**20,
     waits: Optional[Sequence[bool]] = None,
     stream_window: int = 1,
+    host: HostFigures = HostFigures(),
 ) -> List[StageContext]:
     """Per-stage contexts; ``runtime_bytes`` is one figure for all stages or a list, one per stage; ``waits``:
-    per stage, whether it holds a closed batch's gradient (``precision.step_waits``; default none)."""
+    per stage, whether it holds a closed batch's gradient (``precision.step_waits``; default none); ``host``: the host's
+    figures, shared by the ranks of a node (a stage's ``host_share``: the plan's ranks on its first rank's node per
+    core of the host, at least 1)."""
     d, w = len(rank_map), len(rank_map[0])
     if isinstance(runtime_bytes, (int, float)):
         runtime_bytes = [runtime_bytes] * d
@@ -71,6 +97,7 @@ def stage_contexts(
             f"runtime bytes per stage ({len(runtime_bytes)} figures) must be one figure or one per stage ({d})"
         )
     nxt, rep = p2p_links(topo, rank_map), replica_links(topo, rank_map)
+    node = [r // topo.devices_per_node for row in rank_map for r in row]
     return [
         StageContext(
             stage_index=s,
@@ -91,6 +118,11 @@ def stage_contexts(
             bucket_bytes=bucket_bytes,
             waits=bool(waits[s]) if waits is not None else False,
             stream_window=stream_window,
+            host_step_bw=host.step_bw,
+            host_copy_bw=host.copy_bw,
+            host_share=max(1.0, node.count(rank_map[s][0] // topo.devices_per_node) / (host.cores or math.inf)),
+            host_step=host.step,
+            host_is_device=topo.device == "cpu",
         )
         for s in range(d)
     ]
@@ -208,6 +240,7 @@ class Request:
     early_apply: bool = True
     stream: bool = True  # partition.stream: may stages stream their weights from host memory (w = 1, see _streams)
     weight_prefetch: int = 1  # swap.weight_prefetch: the streamed stages' window
+    host: HostFigures = HostFigures()  # the host's step and copies (a streaming plan steps every stage there)
 
 
 CostFn = Callable[[int], Sequence[LayerCost]]  # microbatch size -> per-layer costs
@@ -313,6 +346,12 @@ def _make_plan(req: Request, split: _Split, *, simulate_it: bool) -> Plan:
         stream_stages=[s for s in range(d) if split.stream and split.swap_flags[s]],
         weight_prefetch=req.weight_prefetch,
         predicted_stall_s=[float(st["stall_s"]) for st in stages],
+        predicted_host_step_s=[float(st["host_step_s"]) for st in stages],
+        predicted_host_sum_s=[float(st["host_sum_s"]) for st in stages],
+        predicted_stage_bound=[RESOURCES[int(st["bound"])] for st in stages],
+        predicted_bound=RESOURCES[int(max(stages, key=lambda st: st["batch_s"])["bound"])],
+        host=req.host.text if split.stream else "",
+        host_optimizer=split.stream,
         objective=req.objective,
         topology=req.topology.name,
         devices=req.devices,
@@ -326,6 +365,27 @@ def _make_plan(req: Request, split: _Split, *, simulate_it: bool) -> Plan:
         model=dict(req.model),
         swap_resident=req.swap_resident,
         precision=req.precision,
+    )
+
+
+def _contexts(req: Request, rank_map, *, m: int, recompute: bool, sharded: bool) -> List[StageContext]:
+    """``stage_contexts`` of one candidate of ``req``."""
+    d, w = len(rank_map), len(rank_map[0])
+    return stage_contexts(
+        req.topology,
+        rank_map,
+        schedule=req.schedule,
+        num_microbatches=m,
+        recompute=recompute,
+        swap=False,
+        swap_resident=req.swap_resident,
+        runtime_bytes=req.runtime_bytes,
+        sharded=sharded,
+        weight_copy_bytes=_weight_copy(req),
+        bucket_bytes=req.bucket_bytes,
+        waits=_waits(req, d, w, sharded=sharded),
+        stream_window=req.weight_prefetch,
+        host=req.host,
     )
 
 
@@ -354,21 +414,8 @@ def plan(cost_fn: CostFn, req: Request, *, runners_up: int = 4, explain: bool = 
         tried += 1
         seg = segments(b)
         rank_map = make_rank_map(req.topology, d, w)
-        ctxs = stage_contexts(
-            req.topology,
-            rank_map,
-            schedule=req.schedule,
-            num_microbatches=m,
-            recompute=rc,
-            swap=False,
-            swap_resident=req.swap_resident,
-            runtime_bytes=req.runtime_bytes,
-            sharded=sh,
-            weight_copy_bytes=_weight_copy(req),
-            bucket_bytes=req.bucket_bytes,
-            waits=_waits(req, d, w, sharded=sh),
-            stream_window=req.weight_prefetch,
-        )
+        ctxs = _contexts(req, rank_map, m=m, recompute=rc, sharded=sh)
+        resident = False
         for stream in [False, True] if _streams(req, w) else [False]:
             res = partition(
                 seg,
@@ -378,7 +425,10 @@ def plan(cost_fn: CostFn, req: Request, *, runners_up: int = 4, explain: bool = 
                 allow_swap=req.swap,
                 stream=stream,
             )
-            if res is None or (stream and not any(res[2])):  # fits without streaming: the first pass has it
+            # the second pass costs swap.optimizer=host on every stage: where the first found a plan, only one that
+            # streams is new; where it did not, one that keeps its optimizer state on the host without streaming is
+            resident = resident or (res is not None and not stream)
+            if res is None or (stream and resident and not any(res[2])):
                 continue
             split = _Split(seg, w, b, m, rc, starts=res[1], swap_flags=res[2], rank_map=rank_map, contexts=ctxs)
             split = dataclasses.replace(split, stream=stream)
@@ -453,7 +503,7 @@ def _streaming_ok(req: Request, split: "_Split", lean) -> bool:
     """Whether the second pass's split ``lean`` of a streaming ``split`` still streams (its costs count
     swap.optimizer=host, which only a plan that streams sets) and fits the host."""
     lean_split = dataclasses.replace(split, starts=lean[1], swap_flags=lean[2])
-    return not split.stream or (any(lean[2]) and _host_fits(req, lean_split))
+    return not split.stream or _host_fits(req, lean_split)
 
 
 def _host_fits(req: Request, split: "_Split") -> bool:

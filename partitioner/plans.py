@@ -47,6 +47,17 @@ class Plan:
     stream_stages: List[int] = field(default_factory=list)  # swap.weights: these stages (all of swap_stages) stream
     weight_prefetch: int = 1  # swap.weight_prefetch the streamed stages were costed with
     predicted_stall_s: List[float] = field(default_factory=list)  # per stage and microbatch: swapping's + streaming's
+    predicted_host_step_s: List[float] = field(default_factory=list)  # per stage and batch: its host optimizer step
+    predicted_host_sum_s: List[float] = field(default_factory=list)  # per stage and batch: host sums of its gradients
+    predicted_stage_bound: List[str] = field(default_factory=list)  # per stage: its busiest resource (cost.RESOURCES)
+    predicted_bound: str = ""  # the slowest stage's busiest resource: what bounds the plan
+    host: str = ""  # the host's figures (partitioner.host) that its host steps were costed with
+    host_optimizer: bool = False  # swap.optimizer=host on every stage: a plan that may stream (stream_stages or none)
+
+    @property
+    def steps_on_host(self) -> bool:
+        """Whether the plan's stages step their optimizers on the host (it streams, or keeps the state there)."""
+        return self.host_optimizer or bool(self.stream_stages)
 
     @property
     def boundaries(self) -> List[int]:
@@ -65,6 +76,7 @@ class Plan:
             "stream": _ranges(self.stream_stages) or "-",
             "balance": _short(self.balance),
             "samples/s": f"{self.predicted_samples_per_s:.4g}",
+            "bound": self.predicted_bound or "-",
             "batch s": f"{self.predicted_batch_time_s:.4g}",
             "peak GiB": f"{max(self.predicted_peak_memory_bytes) / GIB:.3g}",
         }
@@ -99,8 +111,8 @@ def table(plans: Sequence[Plan]) -> str:
     if not plans:
         return "(no plan)"
     rows = [{"#": str(k), **p.row()} for k, p in enumerate(plans)]
-    if not any(p.stream_stages for p in plans):  # the column only where a plan streams weights
-        rows = [{c: v for c, v in r.items() if c != "stream"} for r in rows]
+    if not any(p.steps_on_host for p in plans):  # the columns only where a plan streams weights or steps on the host
+        rows = [{c: v for c, v in r.items() if c not in ("stream", "bound")} for r in rows]
     cols = list(rows[0])
     widths = {c: max(len(c), *(len(r[c]) for r in rows)) for c in cols}
     lines = ["  ".join(c.rjust(widths[c]) for c in cols)]
@@ -110,12 +122,14 @@ def table(plans: Sequence[Plan]) -> str:
 
 def stage_table(plan: Plan) -> str:
     """Per-stage predictions of one plan: layers, time per microbatch, memory and its parts (GiB, whole names);
-    for a plan that streams weights, also whether each stage streams and its stall per microbatch (ms)."""
+    for a plan that streams weights, also whether each stage streams, its stall per microbatch (ms), its host
+    optimizer step and its host sums of its gradients over the microbatches per batch (s), and its busiest resource
+    (compute, copy or host)."""
     widths = [max(len(p), 7) for p in MEMORY_PARTS]
-    streams = bool(plan.stream_stages)
+    streams = plan.steps_on_host
     lines = [
         f"{'stage':>5} {'layers':>9} {'ms/mb':>9} "
-        + (f"{'stream':>6} {'stall ms':>9} " if streams else "")
+        + (f"{'stream':>6} {'stall ms':>9} {'step s':>8} {'sums s':>8} {'bound':>7} " if streams else "")
         + f"{'peak GiB':>9}  "
         + " ".join(f"{p:>{w}}" for p, w in zip(MEMORY_PARTS, widths))
     ]
@@ -123,13 +137,34 @@ def stage_table(plan: Plan) -> str:
         start = plan.boundaries[s]
         parts = plan.predicted_memory_breakdown[s] if plan.predicted_memory_breakdown else {}
         stall = plan.predicted_stall_s[s] if plan.predicted_stall_s else 0.0
+        step = plan.predicted_host_step_s[s] if plan.predicted_host_step_s else 0.0
+        sums = plan.predicted_host_sum_s[s] if plan.predicted_host_sum_s else 0.0
+        bound = plan.predicted_stage_bound[s] if plan.predicted_stage_bound else "-"
+        streamed = f"{'yes' if s in plan.stream_stages else 'no':>6} {stall * 1e3:>9.3f} {step:>8.3f} {sums:>8.3f} "
+        streamed += f"{bound:>7} "
         lines.append(
             f"{s:>5} {f'{start}-{start + plan.balance[s] - 1}':>9} {plan.predicted_stage_time_s[s] * 1e3:>9.3f} "
-            + (f"{'yes' if s in plan.stream_stages else 'no':>6} {stall * 1e3:>9.3f} " if streams else "")
+            + (streamed if streams else "")
             + f"{plan.predicted_peak_memory_bytes[s] / GIB:>9.3f}  "
             + " ".join(f"{parts.get(p, 0) / GIB:>{w}.3f}" for p, w in zip(MEMORY_PARTS, widths))
         )
     return "\n".join(lines)
+
+
+BOUNDS = {  # cost.RESOURCES in words
+    "compute": "the devices' compute",
+    "copy": "the host-device copies",
+    "host": "the host's optimizer step and gradient sums",
+}
+
+
+def bound_line(plan: Plan) -> str:
+    """What a plan that steps on the host predicts, what bounds it, and the host figures it took."""
+    slowest = plan.predicted_stage_bound.index(plan.predicted_bound) if plan.predicted_stage_bound else 0
+    return (
+        f"predicted {plan.predicted_samples_per_s:.4g} samples/s ({plan.predicted_batch_time_s:.4g} s a batch), bound "
+        f"by {BOUNDS.get(plan.predicted_bound, plan.predicted_bound)} (stage {slowest}); {plan.host}"
+    )
 
 
 # ---------------------------------------------------------------- plan files

@@ -40,6 +40,7 @@ from typing import Any, Dict, List
 import torch
 from torch import nn
 
+from partitioner.host import adamw_kernel
 from pipedream2bw.config import GPTConfig
 from pipedream2bw.memory.host_optim import HostOptimizerVersions
 from pipedream2bw.memory.memprobe import tensor_peak
@@ -64,7 +65,8 @@ def run_stage(
     """One run of the stage; ``probe``: CPU memory measurement (compute spans named ``compute``);
     ``host_optimizer``: weights on the device, optimizer on the host (not with ``stream``)."""
     module = nn.Sequential(*_blocks(args))
-    factory = lambda p: torch.optim.AdamW(p, lr=1e-3)  # noqa: E731
+    # the host's AdamW kernel (fused where torch has one on the CPU), as swap.optimizer=host steps and the planner times
+    factory = lambda p: torch.optim.AdamW(p, lr=1e-3, **{adamw_kernel(): True})  # noqa: E731
     ws = None
     if stream:
         if device.type == "cuda":  # only the buffers go to the device; the weights stay in host memory
@@ -142,6 +144,45 @@ def run_stage(
     return result
 
 
+def predict(args: argparse.Namespace, device: torch.device) -> Dict[str, Any]:
+    """What the planner's cost model (``partitioner.cost``) predicts for the streamed run: the stage's blocks profiled
+    as the planner profiles a layer (``profile_layer``, with this process's threads), this host's figures
+    (``partitioner.host``, cached), the host step on the training thread (this script steps there: sync); on a CPU
+    the copies are host copies and the host is the device (a GPU's link has no measured figure here: CPU only)."""
+    from partitioner.cost import Segments, StageContext, segment_costs
+    from partitioner.host import host_profile
+    from partitioner.profile import profile_layer
+    from pipedream2bw.config import OptimConfig
+
+    cfg = GPTConfig(num_layers=args.layers, d_model=args.d_model, num_heads=args.num_heads, seq_len=args.seq_len)
+    optim = OptimConfig(name="adamw")
+    block = profile_layer(_blocks(args)[0], cfg, optim, "block", args.microbatch_size, device=device, repeats=20)
+    host = host_profile()
+    ctx = StageContext(
+        stage_index=0,
+        num_stages=2,
+        num_microbatches=args.num_microbatches,
+        data_parallel=1,
+        schedule=args.schedule,
+        stream=True,
+        stream_window=args.window,
+        host_optimizer=True,
+        host_device_bw=host.copy_bytes_per_s,
+        host_step_bw=host.step_bytes_per_s,
+        host_copy_bw=host.copy_bytes_per_s,
+        host_step="sync",
+        host_is_device=True,
+    )
+    costs = segment_costs(Segments([block] * args.layers), 0, args.layers, ctx)
+    return {
+        "predicted_samples_per_s": args.num_microbatches * args.microbatch_size / float(costs["batch_s"]),
+        "predicted_host_step_s": float(costs["host_step_s"]),
+        "predicted_host_sum_s": float(costs["host_sum_s"]),
+        "predicted_stall_s": float(costs["stall_s"]),
+        "host": host.describe(),
+    }
+
+
 def measure(args: argparse.Namespace, device: torch.device, *, stream: bool, **kw: bool) -> Dict[str, Any]:
     out = run_stage(args, device, stream=stream, probe=False, **kw)
     if device.type == "cpu":
@@ -170,6 +211,12 @@ def main() -> None:
         default="auto",
         help="torch.use_deterministic_algorithms (auto: on with CUDA, whose attention backward is not deterministic "
         "otherwise; CPU kernels are)",
+    )
+    p.add_argument(
+        "--predict",
+        action="store_true",
+        help="also print the planner's predicted samples/s for the streamed run (CPU only: partitioner.cost with this "
+        "host's measured figures)",
     )
     p.add_argument("--json", default=None, help="also write the figures to this file")
     args = p.parse_args()
@@ -216,6 +263,11 @@ def main() -> None:
         "host_optimizer_peak_device_bytes": reference["peak_device_bytes"] if reference is not plain else None,
         "bit_for_bit": same,
     }
+    if args.predict:
+        if device.type != "cpu":
+            raise SystemExit("--predict: CPU only (the planner has no measured figure of a GPU's link here)")
+        report.update(predict(args, device))
+        report["predicted_over_measured"] = report["predicted_samples_per_s"] / report["streamed_samples_per_s"]
     width = max(map(len, report))
     for k, v in report.items():
         print(f"{k:<{width}}  {v:.4g}" if isinstance(v, float) else f"{k:<{width}}  {v}")
