@@ -93,13 +93,13 @@ def run_stage(
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
-    start, step_s = time.perf_counter(), 0.0
+    start, step_s, cpu_start = time.perf_counter(), 0.0, time.process_time()
     for a in stage_actions(args.schedule, stage_index=0, num_stages=2, num_microbatches=m, num_batches=args.batches):
         k = a.index
         if a.kind == FORWARD and k == m * args.warmup:  # the first timed batch begins
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
-            start, step_s = time.perf_counter(), 0.0
+            start, step_s, cpu_start = time.perf_counter(), 0.0, time.process_time()
             if ws is not None:  # the stream's times so far (stall, gradient waits, copies): the warm-up's, left out
                 warm = (ws.backend.stall_s(), ws.stats.grad_wait_s, *ws.backend.busy_s())
         with torch.profiler.record_function("compute") if probe and a.kind != STEP else contextlib.nullcontext():
@@ -126,13 +126,16 @@ def run_stage(
             step_s += time.perf_counter() - t0
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    elapsed = time.perf_counter() - start
+    elapsed, cpu_s = time.perf_counter() - start, time.process_time() - cpu_start
     st = ws.close() if ws is not None else None
     if st is not None and args.warmup:
         for key, before in zip(("stall_s", "grad_wait_s", "copy_out_s", "copy_in_s"), warm):
             st[key] -= before
     result = {
         "samples_per_s": m * b * (args.batches - args.warmup) / elapsed,
+        # per second of this process's CPU time (all its threads): on a shared CPU, what it gets of the cores
+        # moves the wall clock's figure, far less this one
+        "samples_per_cpu_s": m * b * (args.batches - args.warmup) / cpu_s,
         "step_s": step_s,
         "losses": [float(x) for x in losses],
         "weights": {n: t.detach().cpu().clone() for n, t in versions.newest().state_dict().items()},
@@ -267,7 +270,9 @@ def main() -> None:
         if device.type != "cpu":
             raise SystemExit("--predict: CPU only (the planner has no measured figure of a GPU's link here)")
         report.update(predict(args, device))
+        report["streamed_samples_per_cpu_s"] = streamed["samples_per_cpu_s"]
         report["predicted_over_measured"] = report["predicted_samples_per_s"] / report["streamed_samples_per_s"]
+        report["predicted_over_measured_cpu"] = report["predicted_samples_per_s"] / streamed["samples_per_cpu_s"]
     width = max(map(len, report))
     for k, v in report.items():
         print(f"{k:<{width}}  {v:.4g}" if isinstance(v, float) else f"{k:<{width}}  {v}")
