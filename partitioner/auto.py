@@ -309,8 +309,8 @@ def apply_choices(
     the run's resolved one, where 'compute' under fp32 is float32 too).
 
     Raises:
-        ConfigError: a value set by the run that the plan contradicts (naming both, and the fix), or a plan's
-            weight_dtype that is unknown.
+        ConfigError: a value set by the run that the plan contradicts (naming both, and the fix), a plan's
+            weight_dtype that is unknown, or optim.name=muon with a plan that steps on the host (``host_optimizer``).
     """
     if p.weight_dtype not in precisions.WEIGHT_DTYPES:
         raise ConfigError(
@@ -330,6 +330,13 @@ def apply_choices(
             f"train.weight_dtype ({train.weight_dtype}) contradicts the plan's weight_dtype ({p.weight_dtype}, under "
             f"{precision}): drop train.weight_dtype or set train.weight_dtype={p.weight_dtype} to run the plan, or "
             f"plan again with train.weight_dtype={train.weight_dtype}"
+        )
+    host = host_optimizer(optim)
+    if p.steps_on_host and host.name != optim.name:
+        conflicts.append(
+            f"optim.name ({optim.name}) with a plan whose stages step their optimizers on the host "
+            f"(swap.optimizer=host), which never runs Muon's Newton-Schulz iterations: set optim.name={host.name} (the "
+            "plan was costed with it), or plan again with partition.stream=false"
         )
     if conflicts:
         raise ConfigError("; ".join(conflicts))

@@ -49,9 +49,16 @@ is exposed. Exact for window 1 with the first copy of each pass exposed; for lar
 smooth uneven layers, the copy stream's total is the same). Host bytes: versions + gradient accumulators +
 optimizer state (``host_bytes``). ``swap.optimizer=host``, which streaming needs and sets on every stage, leaves
 a stage that does not stream its versions and gradients, with its optimizer state and float32 masters on the host
-and the step's gradients out and new weights in (``2 W / host_device_bw``) charged to the step. Not charged: the
-host's own step time (the topology has no figure for the host's CPU), nor the host's sums of a streamed stage's
-gradients over the microbatches.
+and the step's gradients out and new weights in (``2 W / host_device_bw``) charged to the step.
+
+The host (``_host_work``, ``_batch_s``; figures from ``partitioner.host``, measured once and cached): a stage whose
+optimizer steps there runs no step on the device; the host's step reads the gradient and reads and writes the weights
+and the optimizer state (AdamW: 28 B a parameter) at the host's measured step bandwidth, and a streamed stage's host
+also sums its gradients over the m microbatches (the first copied, the rest added: 1.5 copies each) at the measured
+copy bandwidth; a node's ranks beyond its cores take turns. Three resources per batch: the device (K microbatches with
+their stalls), the link (each direction's copies) and the host. A synchronous step (``host_step_overlaps``: not
+background) adds: ``max(device, link, sums) + step``; in the background the step of batch t overlaps batch t+1
+(``max(device + sums, step)``); a CPU "device" is the host, where everything adds. ``bound`` names the busiest.
 """
 
 from __future__ import annotations

@@ -55,7 +55,7 @@ def test_llama13b_on_four_24gib_gpus_fits_only_by_streaming_and_runs_as_planned(
         assert parts["optimizer"] == 0 and best.predicted_stall_s[s] > 0
     assert "stream" in table(plans).splitlines()[0] and "stall ms" in stage_table(best)
     # what partition=auto|file then runs: the plan's streamed stages, with what streaming needs; and it validates
-    run = llama13b(partition=dict(mode="auto"))
+    run = llama13b(partition=dict(mode="auto"), optim=dict(name="adamw"))  # what the plan steps on the host
     optim, train = apply_choices(run.optim, run.train, best, precision="bf16")
     pipeline, swap = apply_plan(run.pipeline, run.swap, best, world_size=4, num_layers=43)
     assert (swap.weights, swap.optimizer, swap.stages) == (True, "host", best.stream_stages)
@@ -253,6 +253,8 @@ def test_muon_plans_that_stream_step_adamw_on_the_host_and_say_so(fixed_host, ca
     assert best.stream_stages and run_overrides(cfg.optim, best) == ["optim.name=adamw"]
     adamw = plan_config(llama13b(optim=dict(name="adamw")))[0]  # costed as what runs: AdamW's state on the host
     assert best.predicted_host_step_s == adamw.predicted_host_step_s
+    with pytest.raises(ConfigError, match=r"optim.name \(muon\) with a plan whose stages step .* optim.name=adamw"):
+        apply_choices(cfg.optim, cfg.train, best, precision="bf16")  # partition=auto|file: refused, naming the fix
     resident = dataclasses.replace(best, stream_stages=[], swap_stages=[], host_optimizer=False)
     assert run_overrides(cfg.optim, resident) == []  # Muon on the devices
     out = tmp_path / "plan.yaml"
