@@ -58,7 +58,7 @@ also sums its gradients over the m microbatches (the first copied, the rest adde
 copy bandwidth; a node's ranks beyond its cores take turns. Three resources per batch: the device (K microbatches with
 their stalls), the link (each direction's copies) and the host. A synchronous step (``host_step_overlaps``: not
 background) adds: ``max(device, link, sums) + step``; in the background the step of batch t overlaps batch t+1
-(``max(device + sums, step)``); a CPU "device" is the host, where everything adds. ``bound`` names the busiest.
+(``max(device, link, sums, step)``); a CPU "device" is the host, where everything adds. ``bound`` names the busiest.
 """
 
 from __future__ import annotations
@@ -198,9 +198,8 @@ class StageContext:
     host_optimizer: bool = False  # swap.optimizer=host (every stage of a plan that streams): state and masters on host
     # the host (``partitioner.host``; the defaults, no figure, charge it nothing): bytes per second its optimizer step
     # reads and writes, and one host copy moves (one thread); the node's ranks stepping there per core of its host, at
-    # least 1 (beyond its cores they take turns); where
-    # the step runs (swap.host_step: ``host_step_overlaps``); whether the host is the device (a CPU: its work and the
-    # stage's compute take turns on the same cores)
+    # least 1 (beyond its cores they take turns); where the step runs (swap.host_step: ``host_step_overlaps``);
+    # whether the host is the device (a CPU: its work and the stage's compute take turns on the same cores)
     host_step_bw: float = math.inf
     host_copy_bw: float = math.inf
     host_share: float = 1.0
@@ -302,7 +301,7 @@ def _host_work(seg: Segments, i, j, ctx: StageContext):
 
 
 def _batch_s(ctx: StageContext, *, device, copy, host_step, host_sum, link_step):
-    """A stage's seconds per batch from its three resources (docs/design.md section 13), and the step's part on the
+    """A stage's seconds per batch from its three resources (the module docstring), and the step's part on the
     training thread (what the simulator's STEP action takes).
 
     Args:
