@@ -261,3 +261,17 @@ def test_muon_plans_that_stream_step_adamw_on_the_host_and_say_so(fixed_host, ca
     assert main(["plan", "--out", str(out), "model=llama13b", "topology=commodity", "train.global_batch_size=64"]) == 0
     run_line = capsys.readouterr().out.strip().splitlines()[-1]
     assert "optim.name=adamw" in run_line and "optim.name=muon" not in run_line
+
+
+def test_where_only_the_optimizer_state_must_leave_the_plan_keeps_it_on_the_host_and_streams_nothing(fixed_host):
+    # 8 blocks at b = 2: no plan with the state on the devices; with it on the host every stage fits unstreamed, which
+    # is faster than streaming (its host sums); before, the search dropped that split and found no plan at all
+    cfg = llama13b(model=dict(num_layers=8), partition=dict(microbatch_sizes=[2]), optim=dict(name="adamw"))
+    with pytest.raises(ConfigError, match="no plan fits"):
+        plan_config(llama13b(model=dict(num_layers=8), partition=dict(microbatch_sizes=[2], stream=False)))
+    best = plan_config(cfg)[0]
+    assert best.host_optimizer and best.steps_on_host and not best.stream_stages
+    assert all(parts["optimizer"] == 0 for parts in best.predicted_memory_breakdown)
+    assert "step s" in stage_table(best) and all(step > 0 for step in best.predicted_host_step_s)
+    pipeline, swap = apply_plan(cfg.pipeline, cfg.swap, best, world_size=4, num_layers=11)
+    assert (swap.optimizer, swap.weights, swap.stages) == ("host", False, [])
