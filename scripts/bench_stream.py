@@ -22,9 +22,12 @@ AdamW rounds differently from the host's, so that run is the bit-for-bit referen
   on CUDA gradients leave on the offload stream, off compute; on the CPU they are added inline, 0), the copy
   streams' busy time each way (these four over the timed batches), the seconds in the optimizer steps (the host
   steps a streamed stage runs on the training thread), samples/s over the timed batches;
-- whether the streamed run's losses and final weights are bit for bit the plain run's.
+- whether the streamed run's losses and final weights are bit for bit the plain run's;
+- with ``--predict`` (CPU), what the planner's cost model predicts for the plain and the streamed run (``predict``),
+  and the streamed run's samples per second of the process's CPU time beside the wall clock's.
 
-On a CPU the "device" is host memory and copies are worker-thread memcpys: the bytes and the bit check
+AdamW steps with the host's kernel (``partitioner.host.adamw_kernel``: fused where torch has one on the CPU), in
+both runs. On a CPU the "device" is host memory and copies are worker-thread memcpys: the bytes and the bit check
 are what the CPU shows; speed and stall need a GPU.
 """
 
