@@ -247,7 +247,7 @@ def apply_plan(
 ) -> Tuple[PipelineConfig, SwapConfig]:
     """The ``pipeline`` and ``swap`` config sections with the plan's pipeline settings and its ``swap.stages``;
     a plan that streams weights also sets ``swap.weights``, ``swap.weight_prefetch`` and ``swap.optimizer=host``
-    (what streaming needs).
+    (what streaming needs); one that keeps its optimizer state on the host without streaming, ``swap.optimizer=host``.
 
     Args:
         pipeline: the run's ``pipeline`` section.
