@@ -44,6 +44,11 @@ ACTIVATION_TAG, GRADIENT_TAG = 0, 1  # the two boundary.Channels of training's p
 _LOG_CONTEXT_STEPS = 8  # a failure logs this many of the rank's steps either side of the failing one
 
 
+def _leaves(tree: Any) -> List[torch.Tensor]:
+    """``pytree.tree_leaves(tree)``, without its 8 Python calls for the usual stage boundary, one tensor (issue 47)."""
+    return [tree] if isinstance(tree, torch.Tensor) else pytree.tree_leaves(tree)
+
+
 @dataclass(frozen=True)
 class Peers:
     """Ranks a stage talks to: ``prev``/``next`` in its replica's chain (None at the ends), and
@@ -259,16 +264,14 @@ class StageWorker:
             x = self._data(self.feed.inputs, k)
         else:
             x = self._received.pop((FORWARD, k))
-            for leaf in pytree.tree_leaves(x):
+            for leaf in _leaves(x):
                 if leaf.is_floating_point():  # integer elements (masks, ids) carry no gradient
                     leaf.requires_grad_()
         # Shapes are fixed (P2P checks them), so what autograd saves is measured on the first
         # microbatch only, keeping the hooks' per-tensor Python calls off the hot path.
         saved = SavedBytes(self._param_ptrs) if self._saved_bytes is None else contextlib.nullcontext()
         if self.swap is not None:  # one pair of hooks applies at a time: the swap hooks chain SavedBytes'
-            hooks = self.swap.forward(
-                k, inputs=pytree.tree_leaves(x), outer=saved if self._saved_bytes is None else None
-            )
+            hooks = self.swap.forward(k, inputs=_leaves(x), outer=saved if self._saved_bytes is None else None)
         self._watch_buffers(module, k)
         g = stateful.sample_microbatch(k, num_microbatches=self.m, num_replicas=self.num_replicas, replica=self.replica)
         with hooks if self.swap is not None else saved, stateful.microbatch_streams(self.seed, g, self.device):
@@ -293,7 +296,9 @@ class StageWorker:
             if len(losses) == self.m:  # the batch's losses are all known: report them now, not after the step
                 self._report_loss(torch.stack(self._batch_losses.pop(k // self.m)).mean(), k // self.m)
         else:
-            self._outbox[(FORWARD, k)] = pytree.tree_map(torch.Tensor.detach, out)
+            self._outbox[(FORWARD, k)] = (
+                out.detach() if isinstance(out, torch.Tensor) else pytree.tree_map(torch.Tensor.detach, out)
+            )
         self._stash[k] = (x, out)
         self.stats.peak_stash_bytes = max(self.stats.peak_stash_bytes, len(self._stash) * self._saved_bytes)
 
@@ -346,9 +351,7 @@ class StageWorker:
         else:
             # grad: one gradient per floating-point element of out, in order (see below)
             pairs = [
-                (o, g)
-                for o, g in zip((o for o in pytree.tree_leaves(out) if o.is_floating_point()), grad)
-                if o.requires_grad
+                (o, g) for o, g in zip((o for o in _leaves(out) if o.is_floating_point()), grad) if o.requires_grad
             ]
             if pairs:
                 torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
@@ -357,7 +360,7 @@ class StageWorker:
         if self.stream is not None:
             self.stream.end_backward(k)
         if not self.first:
-            inputs = [t for t in pytree.tree_leaves(x) if t.is_floating_point()]
+            inputs = [t for t in _leaves(x) if t.is_floating_point()]
             self._outbox[(BACKWARD, k)] = [t.grad if t.grad is not None else torch.zeros_like(t) for t in inputs]
 
     def _data(self, read: Callable[[int], torch.Tensor], k: int) -> torch.Tensor:
