@@ -521,6 +521,53 @@ def check_targets(rows: dict, args) -> list:
     return checks
 
 
+def _argv_model(args) -> list:
+    """The worker's arguments that shape a run (model, batch, steps, device, precision)."""
+    return [
+        f"--{k}={v}"
+        for k, v in [
+            ("num-microbatches", args.num_microbatches),
+            ("microbatch-size", args.microbatch_size),
+            ("num-layers", args.num_layers),
+            ("d-model", args.d_model),
+            ("num-heads", args.num_heads),
+            ("seq-len", args.seq_len),
+            ("steps", args.steps),
+            ("warmup", args.warmup),
+            ("batch-p2p", args.batch_p2p),
+            ("device", args.device),
+            ("precision", args.precision),
+        ]
+    ]
+
+
+def run_check(parser, args) -> None:
+    """``--check``: each recorded shape's ours-2bw and single, alternating, ``--repeats`` times; the medians'
+    efficiency against docs/benchmarks.md's figure (bench_check). Exits 1 when one regressed."""
+    import bench_check
+
+    shapes = bench_check.recorded(bench_check.DOC.read_text())
+    today = {}
+    for shape in shapes:
+        shape_args = parser.parse_args([*shape.argv, f"--repeats={args.repeats}", f"--device={args.device}"])
+        print(
+            f"{shape.name}: python scripts/bench.py {' '.join(shape.argv)} --systems ours-2bw,single "
+            f"--repeats {args.repeats} --memory-steps 0",
+            flush=True,
+        )
+        runs = {"ours-2bw": [], "single": []}
+        for _ in range(args.repeats):
+            for system, out in runs.items():
+                out.append(launch(system, shape_args, _argv_model(shape_args))["samples_per_s"])
+        ours, single = statistics.median(runs["ours-2bw"]), statistics.median(runs["single"])
+        today[shape.name] = ours / (shape_args.nproc * single)
+        print(f"  ours-2bw {ours:.1f} samples/s, single {single:.1f}: efficiency {today[shape.name]:.2f}", flush=True)
+    lines = bench_check.verdicts(shapes, today, tolerance=args.check_tolerance)
+    print("\nthroughput guard (docs/benchmarks.md):\n" + "\n".join(lines))
+    if any(line.lstrip().startswith("REGRESSED") for line in lines):
+        raise SystemExit(1)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nproc", type=int, default=2, help="pipeline stages (one process each)")
@@ -558,30 +605,26 @@ def main() -> None:
         "--strict", action="store_true", help="exit 1 when a target set for this configuration is missed"
     )
     parser.add_argument("--json", default="bench.json")
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="the throughput guard: ours-2bw's efficiency at the shapes recorded in docs/benchmarks.md (a small and a "
+        "large microbatch), today against the record; exit 1 naming each shape that regressed",
+    )
+    parser.add_argument(
+        "--check-tolerance", type=float, default=0.05, help="--check: how far below the record is a regression"
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     parser.add_argument("--memory-pass", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         return run_worker(args)
+    if args.check:
+        return run_check(parser, args)
     if args.steps <= args.warmup + 1:
         parser.error(f"--steps ({args.steps}) must exceed --warmup ({args.warmup}) by at least 2 to time a step")
-    argv_model = [
-        f"--{k}={v}"
-        for k, v in [
-            ("num-microbatches", args.num_microbatches),
-            ("microbatch-size", args.microbatch_size),
-            ("num-layers", args.num_layers),
-            ("d-model", args.d_model),
-            ("num-heads", args.num_heads),
-            ("seq-len", args.seq_len),
-            ("steps", args.steps),
-            ("warmup", args.warmup),
-            ("batch-p2p", args.batch_p2p),
-            ("device", args.device),
-            ("precision", args.precision),
-        ]
-    ]
+    argv_model = _argv_model(args)
     systems = args.systems.split(",")
     for spec in systems:
         try:

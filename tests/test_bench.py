@@ -93,6 +93,24 @@ def test_a_bench_system_names_its_optimizer_and_a_correction_only_where_there_is
             bench.parse_system(bad)
 
 
+def test_the_throughput_guard_reads_a_small_and_a_large_microbatch_from_the_doc_and_names_what_regressed():
+    """bench.py --check's figures (issue 47): the shapes recorded in docs/benchmarks.md, and which fell by more than
+    the tolerance. The timed runs themselves are no test (noisy machines); this is what they are compared with."""
+    check = _script("bench_check")
+    shapes = check.recorded(check.DOC.read_text())
+    names = [s.name for s in shapes]
+    assert names == ["small microbatch", "large microbatch"]
+    for shape in shapes:
+        assert "--microbatch-size" in shape.argv and 0 < shape.efficiency <= 1, shape
+    lines = check.verdicts(
+        shapes, {"small microbatch": shapes[0].efficiency - 0.06, "large microbatch": 1.0}, tolerance=0.05
+    )
+    assert lines[0].lstrip().startswith("REGRESSED") and "small microbatch" in lines[0]
+    assert lines[1].lstrip().startswith("ok")
+    with pytest.raises(ValueError, match="no throughput guard table"):
+        check.recorded("# Benchmarks\n")
+
+
 @pytest.mark.slow
 @pytest.mark.long
 def test_bench_convergence_times_each_setting_to_the_flush_loss_against_torch(tmp_path):

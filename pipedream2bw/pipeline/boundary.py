@@ -25,6 +25,9 @@ def leaf_tag(tag: int, i: int) -> int:
     return tag if i == 0 else 8 + 2 * i + tag
 
 
+_LEAF = pytree.tree_flatten(torch.empty(0))[1]  # the structure of a boundary that is one tensor
+
+
 def flatten(tree: Any, what: str) -> Tuple[List[torch.Tensor], Any]:
     """The tensors of a stage boundary (a tensor, or a tuple/list/dict of them) and its structure.
 
@@ -66,6 +69,7 @@ class Channel:
         self.p2p, self.tag, self.what, self.device = p2p, tag, what, device
         self._sent: Optional[Any] = None  # the spec this rank sends (first crossing)
         self._received: Optional[Any] = None  # the spec the neighbour sends (its first crossing)
+        self._received_leaf = False  # ... and it is one tensor
 
     def send(self, tree: Any, *, peer: int, defer: bool = False, token: Optional[int] = None) -> None:
         """Sends ``tree``'s tensors to ``peer`` (``defer``/``token``: as ``P2P.send``).
@@ -74,12 +78,15 @@ class Channel:
             TypeError: ``tree`` is not a tensor or a tuple, list or dict of tensors.
             PipelineShapeError: its structure differs from the first crossing's.
         """
-        leaves, spec = flatten(tree, self.what)
+        if self._sent is _LEAF and isinstance(tree, torch.Tensor):  # the usual boundary: no flattening (issue 47)
+            leaves, spec = [tree], _LEAF
+        else:
+            leaves, spec = flatten(tree, self.what)
         if self._sent is None:  # the receiver learns the structure once, before the first tensors
-            self._sent = spec
+            self._sent = _LEAF if spec == _LEAF else spec
             text = torch.tensor(list(pytree.treespec_dumps(spec).encode()), dtype=torch.uint8, device=self.device)
             self.p2p.send(text, peer=peer, tag=self.tag + _STRUCTURE_TAG_OFFSET, defer=defer, token=token)
-        elif spec != self._sent:
+        elif spec is not self._sent and spec != self._sent:
             raise PipelineShapeError(
                 f"rank {self.p2p.ctx.rank} sends {spec} to rank {peer}, but the first microbatch agreed on "
                 f"{self._sent}; a stage must return the same structure for every microbatch"
@@ -94,10 +101,13 @@ class Channel:
             tag = self.tag + _STRUCTURE_TAG_OFFSET
             spec = self.p2p.wait_recv(self.p2p.post_recv(peer=peer, tag=tag), peer=peer)
             self._received = pytree.treespec_loads(bytes(spec.cpu().tolist()).decode())
+            self._received_leaf = self._received.is_leaf()
         return [self.p2p.post_recv(peer=peer, tag=leaf_tag(self.tag, i)) for i in range(self._received.num_leaves)]
 
     def wait_recv(self, posted: List[tuple], *, peer: int) -> Any:
         """What ``post_recv``'s receives brought, in the structure ``peer`` sends."""
+        if self._received_leaf:  # one tensor (issue 47: tree_unflatten's Python calls)
+            return self.p2p.wait_recv(posted[0], peer=peer)
         return pytree.tree_unflatten([self.p2p.wait_recv(p, peer=peer) for p in posted], self._received)
 
     def recv(self, peer: int) -> Any:

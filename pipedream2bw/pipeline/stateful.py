@@ -57,19 +57,36 @@ def sample_microbatch(k: int, *, num_microbatches: int, num_replicas: int, repli
     return (t * num_replicas + replica) * num_microbatches + j
 
 
-@contextlib.contextmanager
-def microbatch_streams(seed: int, microbatch: int, device: torch.device) -> Iterator[None]:
+class microbatch_streams:  # noqa: N801 - used as a function: ``with microbatch_streams(seed, k, device):``
     """Runs a stage's forward on ``microbatch``: ``StageSequential`` reseeds before each layer; the
-    generators are restored on exit."""
-    devices = (
-        [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
-    )
-    with torch.random.fork_rng(devices=devices, device_type="cuda"):
-        token = _current.set(StreamKey(seed, microbatch, device))
-        try:
-            yield
-        finally:
-            _current.reset(token)
+    generators (the CPU's, and ``device``'s on CUDA) are restored on exit.
+
+    What ``torch.random.fork_rng`` does for these generators, without its per-call device lookups and
+    generator-based context manager: this runs once per forward, on the hot path (issue 47).
+    """
+
+    __slots__ = ("_key", "_generators", "_states", "_token")
+
+    def __init__(self, seed: int, microbatch: int, device: torch.device):
+        self._key = StreamKey(seed, microbatch, device)
+        self._generators = _generators(device)
+
+    def __enter__(self) -> None:
+        self._states = [g.get_state() for g in self._generators]
+        self._token = _current.set(self._key)
+
+    def __exit__(self, *exc: Any) -> None:
+        _current.reset(self._token)
+        for g, state in zip(self._generators, self._states):
+            g.set_state(state)
+
+
+def _generators(device: torch.device) -> Tuple[torch.Generator, ...]:
+    """The default generators a forward on ``device`` draws from: the CPU's, and the CUDA device's."""
+    if device.type != "cuda":
+        return (torch.default_generator,)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return (torch.default_generator, torch.cuda.default_generators[index])
 
 
 def current_key() -> Optional[StreamKey]:

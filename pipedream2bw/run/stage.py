@@ -44,6 +44,11 @@ ACTIVATION_TAG, GRADIENT_TAG = 0, 1  # the two boundary.Channels of training's p
 _LOG_CONTEXT_STEPS = 8  # a failure logs this many of the rank's steps either side of the failing one
 
 
+def _leaves(tree: Any) -> List[torch.Tensor]:
+    """``pytree.tree_leaves(tree)``, without its 8 Python calls for the usual stage boundary, one tensor (issue 47)."""
+    return [tree] if isinstance(tree, torch.Tensor) else pytree.tree_leaves(tree)
+
+
 @dataclass(frozen=True)
 class Peers:
     """Ranks a stage talks to: ``prev``/``next`` in its replica's chain (None at the ends), and
@@ -174,6 +179,7 @@ class StageWorker:
         # scale of its batch, and the rule (a ScaledStepRule) unscales and skips through the agreement.
         self.precision = precision
         self._wire_dtype = compute_dtype(precision)
+        self._autocast = precision != "fp32"  # forwards under torch.autocast
         # Weights stored in the compute dtype (train.weight_dtype=compute) run the whole stage in it: a
         # received activation stays in the compute dtype (a float32 one would meet bf16 norm weights).
         self._upcast = precision != "fp32" and getattr(versions, "weight_dtype", torch.float32) == torch.float32
@@ -260,23 +266,23 @@ class StageWorker:
             x = self._data(self.feed.inputs, k)
         else:
             x = self._received.pop((FORWARD, k))
-            for leaf in pytree.tree_leaves(x):
+            for leaf in _leaves(x):
                 if leaf.is_floating_point():  # integer elements (masks, ids) carry no gradient
                     leaf.requires_grad_()
         # Shapes are fixed (P2P checks them), so what autograd saves is measured on the first
         # microbatch only, keeping the hooks' per-tensor Python calls off the hot path.
         saved = SavedBytes(self._param_ptrs) if self._saved_bytes is None else contextlib.nullcontext()
         if self.swap is not None:  # one pair of hooks applies at a time: the swap hooks chain SavedBytes'
-            hooks = self.swap.forward(
-                k, inputs=pytree.tree_leaves(x), outer=saved if self._saved_bytes is None else None
-            )
+            hooks = self.swap.forward(k, inputs=_leaves(x), outer=saved if self._saved_bytes is None else None)
         self._watch_buffers(module, k)
         g = stateful.sample_microbatch(k, num_microbatches=self.m, num_replicas=self.num_replicas, replica=self.replica)
         with hooks if self.swap is not None else saved, stateful.microbatch_streams(self.seed, g, self.device):
             # A reduced-precision activation goes on in float32, as it would have in one process: only
             # the transfer is rounded, not the rest of the stage's residual stream.
             inp = from_wire(x, self._wire_dtype) if self._upcast else x
-            with autocast(self.precision, self.device.type):
+            # fp32: no context at all (torch.autocast(enabled=False) costs 28 Python calls a forward; the worker
+            # never runs inside an autocast region it would have to turn off)
+            with autocast(self.precision, self.device.type) if self._autocast else contextlib.nullcontext():
                 out = module(inp) if self.stream is None else self.stream.forward(module, k, replica, inp)
             if self.last:  # the loss in float32, outside autocast
                 out = self.loss_fn(out.float(), self._data(self.feed.targets, k))
@@ -292,7 +298,9 @@ class StageWorker:
             if len(losses) == self.m:  # the batch's losses are all known: report them now, not after the step
                 self._report_loss(torch.stack(self._batch_losses.pop(k // self.m)).mean(), k // self.m)
         else:
-            self._outbox[(FORWARD, k)] = pytree.tree_map(torch.Tensor.detach, out)
+            self._outbox[(FORWARD, k)] = (
+                out.detach() if isinstance(out, torch.Tensor) else pytree.tree_map(torch.Tensor.detach, out)
+            )
         self._stash[k] = (x, out)
         self.stats.peak_stash_bytes = max(self.stats.peak_stash_bytes, len(self._stash) * self._saved_bytes)
 
@@ -351,9 +359,7 @@ class StageWorker:
         else:
             # grad: one gradient per floating-point element of out, in order (see below)
             pairs = [
-                (o, g)
-                for o, g in zip((o for o in pytree.tree_leaves(out) if o.is_floating_point()), grad)
-                if o.requires_grad
+                (o, g) for o, g in zip((o for o in _leaves(out) if o.is_floating_point()), grad) if o.requires_grad
             ]
             if pairs:
                 torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
@@ -362,7 +368,7 @@ class StageWorker:
         if self.stream is not None:
             self.stream.end_backward(k)
         if not self.first:
-            inputs = [t for t in pytree.tree_leaves(x) if t.is_floating_point()]
+            inputs = [t for t in _leaves(x) if t.is_floating_point()]
             self._outbox[(BACKWARD, k)] = [t.grad if t.grad is not None else torch.zeros_like(t) for t in inputs]
 
     def _data(self, read: Callable[[int], torch.Tensor], k: int) -> torch.Tensor:

@@ -1,0 +1,110 @@
+"""Python function calls a step of ours-2bw, per rank: what an action costs in Python, which load does not change.
+
+    python scripts/bench_calls.py [--num-microbatches 8] [--microbatch-size 1] [--num-layers 4] [--d-model 128]
+
+Runs scripts/bench.py's ours-2bw worker twice (``--short`` and ``--long`` steps) with cProfile over the training
+loop (the ``pipedream2bw.train`` range) of each rank, and prints (long - short) / (long - short steps): the calls
+a step, the same on every run of a tree. A commit that adds Python work to each forward, backward, send or
+receive shows exactly, where wall time on a shared machine varies by 2x (issue 47's bisect: copy this file into
+an old tree and run it there, with that tree on PYTHONPATH). ``--top N`` also lists the N functions with the most
+calls a step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import os
+import pstats
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+def _profiled_worker(out: str) -> None:
+    """In a rank: bench.py's worker, with cProfile on while the training loop's profiler range is open."""
+    import torch
+
+    sys.path.insert(0, str(HERE))
+    import bench
+
+    try:
+        from pipedream2bw.run import runner
+    except ImportError:  # a tree from before the package's layers (issue 47's bisect reaches 7662ab8)
+        from pipedream2bw import runner
+
+    record_function, prof = torch.profiler.record_function, cProfile.Profile()
+
+    class Range:
+        def __init__(self, name: str, *args, **kwargs):
+            self.name, self.inner = name, record_function(name, *args, **kwargs)
+
+        def __enter__(self):
+            self.inner.__enter__()
+            if self.name == runner.TRAIN_RANGE:
+                prof.enable()
+            return self
+
+        def __exit__(self, *exc):
+            if self.name == runner.TRAIN_RANGE:
+                prof.disable()
+            return self.inner.__exit__(*exc)
+
+    torch.profiler.record_function = Range
+    sys.argv = [str(HERE / "bench.py"), *sys.argv[sys.argv.index("--") + 1 :]]
+    bench.main()
+    stats = pstats.Stats(prof)
+    calls = {f"{Path(f).name}:{line}:{name}": s[1] for (f, line, name), s in stats.stats.items()}
+    Path(out, f"calls{os.environ['RANK']}.json").write_text(json.dumps({"total": stats.total_calls, "calls": calls}))
+
+
+def _run(args, steps: int, out: str) -> list:
+    try:
+        from pipedream2bw.pipeline.comm import torchrun_command
+    except ImportError:  # a tree from before the package's layers
+        from pipedream2bw.comm import torchrun_command
+
+    worker = ["--worker", "ours-2bw", "--out", out, f"--steps={steps}", "--warmup=2", "--device=cpu"]
+    shape = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in ("num_microbatches", "microbatch_size")]
+    shape += [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in ("num_layers", "d_model", "num_heads", "seq_len")]
+    cmd = [*torchrun_command(2), __file__, "--profiled", out, "--", *worker, *shape]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode:
+        raise SystemExit(proc.stdout[-2000:] + proc.stderr[-3000:])
+    return [json.loads(Path(out, f"calls{r}.json").read_text()) for r in (0, 1)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--num-microbatches", type=int, default=8)
+    parser.add_argument("--microbatch-size", type=int, default=1)
+    parser.add_argument("--num-layers", type=int, default=4)
+    parser.add_argument("--d-model", type=int, default=128)
+    parser.add_argument("--num-heads", type=int, default=4)
+    parser.add_argument("--seq-len", type=int, default=32)
+    parser.add_argument("--short", type=int, default=6, help="steps of the first run")
+    parser.add_argument("--long", type=int, default=14, help="steps of the second run")
+    parser.add_argument("--top", type=int, default=0, help="also list the N functions with the most calls a step")
+    parser.add_argument("--profiled", help=argparse.SUPPRESS)
+    args, _ = parser.parse_known_args()
+    if args.profiled:
+        return _profiled_worker(args.profiled)
+    if args.long <= args.short or args.short < 4:
+        parser.error(f"--long ({args.long}) must exceed --short ({args.short}), which must be >= 4 (2 warm-up)")
+    print("command:", " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]))
+    with tempfile.TemporaryDirectory() as a, tempfile.TemporaryDirectory() as b:
+        short, long = _run(args, args.short, a), _run(args, args.long, b)
+    n = args.long - args.short
+    for rank, (x, y) in enumerate(zip(short, long)):
+        print(f"rank {rank}: {(y['total'] - x['total']) / n:.0f} Python calls a step")
+        per_step = {k: (v - x["calls"].get(k, 0)) / n for k, v in y["calls"].items()}
+        for name, count in sorted(per_step.items(), key=lambda kv: -kv[1])[: args.top]:
+            print(f"  {count:8.1f}  {name}")
+
+
+if __name__ == "__main__":
+    main()
