@@ -107,6 +107,9 @@ def test_typed_schema_rejects_wrong_types():
         (["model.num_heads=3"], 4, r"num_heads \(3\) must divide model.d_model \(128\)"),
         (["wandb.mode=cloud"], 4, r"wandb.mode \('cloud'\) is unknown"),
         (["train.warmup_steps=10", "train.num_steps=10"], 4, r"warmup_steps \(10\) must be in \[0, train.num_steps"),
+        # issue 43: blamed optim.warmup_steps, then a ZeroDivisionError: each number's own range comes first
+        (["train.num_steps=-5"], 4, r"^train.num_steps \(-5\) must be >= 1"),
+        (["model.num_heads=0"], 4, r"^model.num_heads \(0\) must be >= 1"),
     ],
 )
 def test_bad_input_names_value_and_fix(overrides, world_size, match):
