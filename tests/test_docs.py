@@ -135,6 +135,13 @@ def check_command(cmd: List[str], *, check: bool = True) -> Optional[str]:
         cmd = cmd[1:]
     if not cmd:
         return None
+    if cmd[0] == "pipedream2bw-train" or cmd[:3] == ["python", "-m", "pipedream2bw.launch"]:
+        from pipedream2bw.launch import split_args
+
+        _, train_args = split_args(cmd[1 if cmd[0] == "pipedream2bw-train" else 3 :])
+        if check:
+            check_overrides(train_args, config_name="config")
+        return "train"
     if cmd[0] == "torchrun":
         assert "-m" in cmd, cmd
         i = cmd.index("-m")

@@ -1,0 +1,115 @@
+"""The launcher (``pipedream2bw-train``, ``python -m pipedream2bw.launch``): a mistake is one line and exit 2 before
+any rank starts; a rank's refusal, a failure and Ctrl-C end in at most one line of its own (issue 43)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from pipedream2bw.launch import split_args
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["pipeline.num_stages=2", "model.d_model=32", "model.seq_len=32", "wandb.mode=disabled"]
+
+
+def _env() -> dict:
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "PYTHONPATH": path, "WANDB_SILENT": "true"}
+
+
+def _launch(*args: str, cwd: Path) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "pipedream2bw.launch", *args],
+        cwd=cwd,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # a SIGINT sent to the launcher alone, as a terminal's reaches torchrun alone
+    )
+
+
+def _children(pid: int) -> list:
+    """The PIDs of ``pid``'s child processes (Linux' /proc)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def test_split_args_keeps_torchrun_options_apart_from_the_overrides():
+    assert split_args(["--nproc-per-node", "4", "--standalone", "train.num_steps=5"]) == (
+        ["--nproc-per-node", "4", "--standalone"],
+        ["train.num_steps=5"],
+    )
+    assert split_args(["--nproc-per-node=2", "-m", "pipeline.schedule=2bw,gpipe"]) == (
+        ["--nproc-per-node=2"],
+        ["-m", "pipeline.schedule=2bw,gpipe"],  # Hydra's multirun, not torchrun's --module
+    )
+    assert split_args(["--nnodes", "1", "--help"]) == (["--nnodes", "1"], ["--help"])
+    assert split_args([]) == ([], [])
+
+
+# Under torchrun each of these cost 20-55 s and ~55 lines of ChildFailedError traceback, exit 1 (issue 43); the
+# first two named the wrong key, or none (a ZeroDivisionError).
+MISTAKES = {
+    "train.num_steps=-5": "train.num_steps (-5) must be >= 1",
+    "model.num_heads=0": "model.num_heads (0) must be >= 1",
+    "train.num_step=5": "unknown config key: train.num_step (did you mean train.num_steps?)",
+    "pipeline.schedule=pipedream": "pipeline.schedule ('pipedream') is unknown",
+    "data.path=/no/such/file.bin": "/no/such/file.bin",
+}
+
+
+def test_a_mistake_is_one_line_and_exit_2_before_any_rank_starts(tmp_path):
+    start = time.monotonic()
+    procs = {k: _launch("--nproc-per-node", "4", k, cwd=tmp_path) for k in MISTAKES}  # all at once: 2 cores
+    procs["2 ranks, 4 stages"] = _launch("--nproc-per-node", "2", cwd=tmp_path)
+    for key, proc in procs.items():
+        out, err = proc.communicate(timeout=120)
+        want = MISTAKES.get(key, "world size (2) is not divisible by pipeline.num_stages (4)")
+        assert proc.returncode == 2, (key, out, err)
+        assert err.strip().splitlines() == [err.strip()] and err.startswith("bad configuration: "), (key, err)
+        assert want in err and out == "", (key, out, err)
+    # every check in one process each, the six side by side on this machine; no rank, no run directory
+    assert time.monotonic() - start < 60
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.slow
+def test_a_ranks_refusal_is_its_one_line_and_exit_2(tmp_path):
+    # what only the ranks can see (here a checkpoint that is not there): torchrun exited 1 with its traceback
+    proc = _launch("--nproc-per-node", "2", *TINY, f"train.resume={tmp_path / 'missing'}", cwd=tmp_path)
+    out, err = proc.communicate(timeout=180)
+    text = out + err
+    assert proc.returncode == 2, text
+    assert "Traceback" not in text and "ChildFailedError" not in text and "Setting OMP_NUM_THREADS" not in text, text
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "bad configuration: train.resume" in lines[0], text
+
+
+@pytest.mark.slow
+def test_ctrl_c_while_the_ranks_start_is_one_line_and_exit_130(tmp_path):
+    # Ctrl-C while the ranks imported printed 147 lines of KeyboardInterrupt tracebacks, torchrun exit 1
+    proc = _launch("--nproc-per-node", "2", *TINY, "train.num_steps=1000", cwd=tmp_path)
+    deadline = time.monotonic() + 60
+    while not _children(proc.pid) and time.monotonic() < deadline:  # the check is done, torchrun starts the ranks
+        time.sleep(0.05)
+    time.sleep(0.5)  # the ranks are importing torch
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    text = out + err
+    assert proc.returncode == 130, text
+    assert "Traceback" not in text and "KeyboardInterrupt" not in text, text
+    assert text.strip().splitlines()[-1] == "pipedream2bw-train: stopped by SIGINT", text
