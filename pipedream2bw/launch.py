@@ -64,7 +64,10 @@ def check(overrides: Sequence[str], *, world_size: Optional[int], local_world_si
 
     if world_size is None:  # elastic: the ranks check it, once the rendezvous has counted them
         return None
-    return precheck.check(overrides, world_size=world_size, local_world_size=local_world_size)
+    mistake = precheck.check(overrides, world_size=world_size, local_world_size=local_world_size)
+    # a hydra.run.dir named on the command line (the default one, stamped, only the ranks agree on): in use by a
+    # live run, a link planted in it, not writable
+    return mistake if mistake is not None else precheck.check_run_dir(overrides)
 
 
 def _quiet_torchrun() -> None:
@@ -73,7 +76,7 @@ def _quiet_torchrun() -> None:
     manager = logging.Logger.manager
     for name in ["torch.distributed", *list(manager.loggerDict)]:
         if name.startswith(("torch.distributed.elastic", "torch.distributed.run", "torch.distributed.launcher")):
-            logging.getLogger(name).setLevel(logging.ERROR)
+            logging.getLogger(name).setLevel(logging.CRITICAL)
 
 
 class _Interrupted:

@@ -138,6 +138,12 @@ def check_run_dir(argv: Sequence[str], *, config_name: str = "config") -> Option
         rundir.check_no_links(run_dir)
     except ConfigError as e:
         return str(e)
+    holder = rundir.live_holder(run_dir)
+    if holder is not None:  # refused here, before Hydra appends this run's refusal to the live run's train.log
+        return (
+            f"run directory {run_dir.resolve()} is in use by a live run ({holder}); wait for it to end, "
+            f"or start this one in another directory (hydra.run.dir=...)"
+        )
     return None
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from pipedream2bw.launch import split_args
+from pipedream2bw.launch import launch, split_args
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["pipeline.num_stages=2", "model.d_model=32", "model.seq_len=32", "wandb.mode=disabled"]
@@ -72,18 +72,32 @@ MISTAKES = {
 }
 
 
-def test_a_mistake_is_one_line_and_exit_2_before_any_rank_starts(tmp_path):
+@pytest.mark.parametrize("override", list(MISTAKES) + ["2 ranks, 4 stages", "a link"])
+def test_a_mistake_is_one_line_and_exit_2_before_any_rank_starts(override, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    argv = ["--nproc-per-node", "4", override]
+    want = MISTAKES.get(override)
+    if override == "2 ranks, 4 stages":
+        argv, want = ["--nproc-per-node", "2"], "world size (2) is not divisible by pipeline.num_stages (4)"
+    if override == "a link":
+        (tmp_path / "linked").mkdir()
+        (tmp_path / "linked" / "train.log").symlink_to(tmp_path / "outside.log")  # a run would append through it
+        argv, want = [*argv[:2], f"hydra.run.dir={tmp_path / 'linked'}"], "train.log is a symbolic link"
+    assert launch(argv) == 2
+    out, err = capsys.readouterr()
+    assert err.strip().splitlines() == [err.strip()] and err.startswith("bad configuration: "), err
+    assert want in err and out == "", (out, err)
+    assert [p.name for p in tmp_path.iterdir()] in ([], ["linked"])  # no run directory made
+
+
+def test_the_console_script_refuses_in_seconds(tmp_path):
+    # the whole command, in its own interpreter: imports and the check, no rank started
     start = time.monotonic()
-    procs = {k: _launch("--nproc-per-node", "4", k, cwd=tmp_path) for k in MISTAKES}  # all at once: 2 cores
-    procs["2 ranks, 4 stages"] = _launch("--nproc-per-node", "2", cwd=tmp_path)
-    for key, proc in procs.items():
-        out, err = proc.communicate(timeout=120)
-        want = MISTAKES.get(key, "world size (2) is not divisible by pipeline.num_stages (4)")
-        assert proc.returncode == 2, (key, out, err)
-        assert err.strip().splitlines() == [err.strip()] and err.startswith("bad configuration: "), (key, err)
-        assert want in err and out == "", (key, out, err)
-    # every check in one process each, the six side by side on this machine; no rank, no run directory
-    assert time.monotonic() - start < 60
+    proc = _launch("--nproc-per-node", "4", "train.num_steps=-5", cwd=tmp_path)
+    out, err = proc.communicate(timeout=120)
+    took = time.monotonic() - start
+    assert proc.returncode == 2 and err.startswith("bad configuration: train.num_steps (-5)"), err
+    assert took < 30, took  # ~3 s on a quiet 2-core machine; under torchrun 20-55 s
     assert not list(tmp_path.iterdir())
 
 

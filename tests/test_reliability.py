@@ -470,6 +470,13 @@ def test_unusable_run_directory_is_named_before_hydra_makes_it(tmp_path):
     assert problem(under.parent) == f"hydra.run.dir ({under.parent}) is not a directory; {fix}"
     assert problem(paths["linked"]).startswith(f"{paths['linked'] / 'train.log'} is a symbolic link")
     assert problem(tmp_path / "new" / "run") is None and (tmp_path / "new" / "run").is_dir()
+    # issue 43: a second run in a live run's directory appended its refusal to the live run's train.log
+    from pipedream2bw.io.rundir import RunLock
+
+    with RunLock() as lock:
+        lock.acquire(tmp_path / "new" / "run")
+        assert "is in use by a live run (host " in problem(tmp_path / "new" / "run")
+    assert problem(tmp_path / "new" / "run") is None  # released: the next run takes it over
     if os.geteuid() != 0:  # root writes through a mode of 0555
         (tmp_path / "ro").mkdir(mode=0o555)
         assert problem(tmp_path / "ro" / "run").startswith(
