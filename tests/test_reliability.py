@@ -374,14 +374,14 @@ def test_optimizer_state_that_no_longer_fits_its_settings_starts_afresh_with_a_w
 
 
 def test_optimizer_state_misfits_are_what_a_step_would_miss():
-    from pipedream2bw.config import Config
+    from pipedream2bw.config import OptimConfig
     from pipedream2bw.config.optim import state_misfits
 
     adam = [
         ("matrix", frozenset({"step", "exp_avg", "exp_avg_sq"})),
         ("vector", frozenset({"step", "exp_avg", "exp_avg_sq"})),
     ]
-    o = Config().optim  # adamw
+    o = OptimConfig(name="adamw")
     assert state_misfits(o, adam) == {}
     o.kwargs = {"amsgrad": True}
     assert state_misfits(o, adam) == {"matrix": ["max_exp_avg_sq"], "vector": ["max_exp_avg_sq"]}

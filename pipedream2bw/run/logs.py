@@ -119,7 +119,7 @@ def log_run(rt: RankPlan, cfg: Config, model: RunModel, feed: Any, val_feed: Any
         o.lr,
         sched,
         f", clip {o.clip_grad_norm}" if o.clip_grad_norm is not None else "",
-        f", delay correction {correction}" if correction != "none" else "",
+        f", delay correction {correction}" if rt.schedule == "2bw" else "",  # none said too: 'auto' chose it
     )
     per_layer = [sum(p.numel() for p in layer.parameters()) for layer in model.whole()]
     bounds = [sum(rt.balance[:s]) for s in range(rt.num_stages + 1)]
