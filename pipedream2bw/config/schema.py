@@ -195,9 +195,10 @@ class OptimConfig:
     2-D and those optim.muon_exclude matches."""
     muon_exclude: List[str] = field(default_factory=lambda: ["*Embedding*", "*Head*", "*head*"])
     """optim.name=muon: fnmatch patterns (case-sensitive) over each parameter's name within its stage and the class
-    names of the modules on its path; a 2-D parameter matching any goes to optim.muon_others, not Muon. The
-    default keeps embeddings (nn.Embedding) and the LM head (LMHead, lm_head) out of Muon. A tied weight must
-    match on every stage that holds it (the default patterns do)."""
+    names of the modules on its path; a 2-D parameter matching any goes to optim.muon_others, not Muon. The model's
+    first and last layers (its input lookups, its output projection) never go to Muon, whatever their classes;
+    the patterns keep more out: by default embeddings (nn.Embedding) and heads (LMHead, lm_head) anywhere. A tied
+    weight must match on every stage that holds it (the default patterns do)."""
     delay_correction: str = "auto"
     """Under pipeline.schedule=2bw, a correction of the one-step gradient delay, run in the deferred step on each
     stage (no extra communication): 'none'; 'error_feedback' (Zmushko et al. 2026: W(t+1) = W(t) + u(t) +

@@ -26,7 +26,7 @@ from pipedream2bw.config import (
     swap_stages,
 )
 from pipedream2bw.config.optim import probe_kind, state_misfits
-from pipedream2bw.config.optimizers import correction_in_effect, is_muon, tag_muon_params
+from pipedream2bw.config.optimizers import correction_in_effect, is_muon, muon_edge_layers, tag_muon_params
 from pipedream2bw.data import make_feeds
 from pipedream2bw.io import checkpoint, timeline
 from pipedream2bw.memory import precision as precisions
@@ -123,8 +123,8 @@ def build_versions(
     buckets = [bucket for bucket in buckets if bucket] + [[i] for i in tied_index]
     num_dp_buckets = len(buckets) - len(tied_index)
     optim = dataclasses.replace(optim, delay_correction=correction_in_effect(optim, rt.schedule))
-    if is_muon(optim):  # which parameters Muon takes: see OptimConfig.muon_exclude
-        tag_muon_params(module, optim.muon_exclude)
+    if is_muon(optim):  # which parameters Muon takes: hidden matrices (OptimConfig.muon_exclude)
+        tag_muon_params(module, optim.muon_exclude, edge_layers=muon_edge_layers(sum(rt.balance)))
     factory = lambda params: build_optimizer(params, optim)  # noqa: E731
     sharded = optim.sharded and rt.data_parallel > 1
     if swap.weights and rt.stage in swap_stages(swap, rt.num_stages):  # swap.weights: versions in host buffers

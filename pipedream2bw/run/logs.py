@@ -13,7 +13,7 @@ from pipedream2bw.config import (
     Config,
     optimizer_name,
 )
-from pipedream2bw.config.optimizers import correction_in_effect
+from pipedream2bw.config.optimizers import correction_in_effect, is_muon, muon_edge_layers, muon_param_roles
 from pipedream2bw.pipeline import ties
 from pipedream2bw.run.model import RunModel
 from pipedream2bw.run.runtime import RankPlan
@@ -130,6 +130,8 @@ def log_run(rt: RankPlan, cfg: Config, model: RunModel, feed: Any, val_feed: Any
         f"{whole:,}",
         ", ".join(f"{s}: {n:,} (layers {a}-{b - 1})" for s, (n, a, b) in enumerate(zip(per_stage, bounds, bounds[1:]))),
     )
+    if is_muon(o):
+        log.info("optimizer per stage (parameters each steps): %s", _muon_split(model, o, bounds))
     if feed is None:  # rank 0 is not a first or last stage (a custom rank_map): its data is not opened here
         return
     num_train = len(feed.data)
@@ -144,6 +146,19 @@ def log_run(rt: RankPlan, cfg: Config, model: RunModel, feed: Any, val_feed: Any
         f"{rt.num_steps * rt.global_batch * rt.seq_len:,}",
         epochs,
     )
+
+
+def _muon_split(model: RunModel, optim, bounds) -> str:
+    """Per stage, how many parameters Muon steps and how many ``optim.muon_others`` does, as the stages tag them."""
+    whole = nn.Sequential(*model.whole())
+    roles = muon_param_roles(whole, optim.muon_exclude, edge_layers=muon_edge_layers(len(whole)))
+    parts = []
+    for s, (a, b) in enumerate(zip(bounds, bounds[1:])):
+        params = [p for i in range(a, b) for p in whole[i].parameters()]
+        muon = sum(p.numel() for p in params if roles[id(p)])
+        others = sum(p.numel() for p in params) - muon
+        parts.append(f"{s}: muon {muon:,}, {optim.muon_others} {others:,}")
+    return "; ".join(parts)
 
 
 def signal_name(signum: int) -> str:
