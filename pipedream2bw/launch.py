@@ -138,6 +138,8 @@ def launch(argv: Sequence[str]) -> int:
     if mistake is not None:
         print(f"bad configuration: {mistake}", file=sys.stderr, flush=True)
         return EXIT_BAD_INPUT
+    where = f"{nproc} ranks" if world_size == nproc else f"{nproc} ranks on this node"
+    print(f"pipedream2bw-train: configuration checked; starting {where} (torchrun)", file=sys.stderr, flush=True)
     return _run(args, nproc)
 
 

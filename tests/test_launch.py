@@ -19,7 +19,7 @@ TINY = ["pipeline.num_stages=2", "model.d_model=32", "model.seq_len=32", "wandb.
 
 
 def _env() -> dict:
-    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    path = os.pathsep.join(filter(None, [str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH")]))
     return {**os.environ, "PYTHONPATH": path, "WANDB_SILENT": "true"}
 
 
@@ -103,14 +103,17 @@ def test_the_console_script_refuses_in_seconds(tmp_path):
 
 @pytest.mark.slow
 def test_a_ranks_refusal_is_its_one_line_and_exit_2(tmp_path):
-    # what only the ranks can see (here a checkpoint that is not there): torchrun exited 1 with its traceback
-    proc = _launch("--nproc-per-node", "2", *TINY, f"train.resume={tmp_path / 'missing'}", cwd=tmp_path)
+    # what only the ranks can see (here a custom layer list's length, known once it is built): torchrun exited 1
+    # with its traceback
+    custom = ["model=custom", "model._target_=custom_models.shared_buffer_layers"]  # a buffer shared by 2 stages
+    proc = _launch("--nproc-per-node", "2", *TINY[:1], "wandb.mode=disabled", *custom, cwd=tmp_path)
     out, err = proc.communicate(timeout=180)
     text = out + err
     assert proc.returncode == 2, text
     assert "Traceback" not in text and "ChildFailedError" not in text and "Setting OMP_NUM_THREADS" not in text, text
-    lines = [ln for ln in text.splitlines() if ln.strip()]
-    assert len(lines) == 1 and "bad configuration: train.resume" in lines[0], text
+    assert err.strip() == "pipedream2bw-train: configuration checked; starting 2 ranks (torchrun)", text  # at once
+    lines = [ln for ln in out.splitlines() if ln.strip()]  # rank 0's, in Hydra's log format
+    assert len(lines) == 1 and "bad configuration: buffers shared by layers (1.scale, 2.scale)" in lines[0], text
 
 
 @pytest.mark.slow
