@@ -364,6 +364,9 @@ def main(argv=None) -> None:
     print("command:", " ".join(map(shlex.quote, [sys.executable, *sys.argv])))
     print("config:", json.dumps(_config(args)))
     todo = [s for s in grid(args) if _summary(out, s) is None]
+    if args.report_only and len(todo) == len(grid(args)):  # it raised FileNotFoundError writing results.json (issue 43)
+        print(f"no runs in {out} to report: run without --report-only first (or name their --out)", file=sys.stderr)
+        sys.exit(2)
     if not args.report_only:
         print(f"{len(grid(args)) - len(todo)} runs found in {out}, {len(todo)} to run", flush=True)
         running: List[subprocess.Popen] = []

@@ -113,3 +113,11 @@ def test_bench_convergence_times_each_setting_to_the_flush_loss_against_torch(tm
         assert system["steps"] == next(c["step"] for c in runs[schedule]["val_losses"] if c["loss"] <= 4.5)
     assert ttl["ratio"] == pytest.approx(ours["time_s"] / theirs["time_s"])
     assert f"{ttl['ratio']:.2f}x the time to" in proc.stdout
+
+
+def test_bench_convergence_report_only_without_runs_says_so(tmp_path):
+    # issue 43: --report-only before any run ended in a raw FileNotFoundError (writing results.json)
+    cmd = [sys.executable, str(ROOT / "scripts" / "bench_convergence.py"), "--report-only", f"--out={tmp_path / 'x'}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.strip().endswith("run without --report-only first (or name their --out)"), proc.stderr
