@@ -170,6 +170,25 @@ def _run(args, nproc: int) -> int:
     return 0
 
 
+_OLD_API = ("launch_train", "LaunchError", "worker_threads", "train_args")
+"""What pipedream2bw.launch held before it was the launcher (now pipedream2bw.run.launch's)."""
+
+
+def __getattr__(name: str):
+    if name not in _OLD_API:
+        raise AttributeError(f"module 'pipedream2bw.launch' has no attribute {name!r}")
+    import importlib
+    import warnings
+
+    warnings.warn(
+        f"pipedream2bw.launch.{name} moved to pipedream2bw.run.launch: import it from there (the old path goes in "
+        "the next release)",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return getattr(importlib.import_module("pipedream2bw.run.launch"), name)
+
+
 def cli() -> None:
     """The ``pipedream2bw-train`` console script."""
     try:

@@ -130,3 +130,26 @@ def test_ctrl_c_while_the_ranks_start_is_one_line_and_exit_130(tmp_path):
     assert proc.returncode == 130, text
     assert "Traceback" not in text and "KeyboardInterrupt" not in text, text
     assert text.strip().splitlines()[-1] == "pipedream2bw-train: stopped by SIGINT", text
+
+
+@pytest.mark.parametrize(
+    "old, new, name",
+    [
+        ("pipedream2bw.runner", "pipedream2bw.run.runner", "run"),
+        ("pipedream2bw.versions", "pipedream2bw.pipeline.versions", "WeightVersions"),
+        ("pipedream2bw.tracking", "pipedream2bw.io.tracking", "Tracker"),
+    ],
+)
+def test_an_old_import_path_still_imports_with_a_deprecation_warning(old, new, name):
+    # issue 43: `from pipedream2bw.runner import run` and `pipedream2bw.versions` broke without a word
+    import importlib
+
+    sys.modules.pop(old, None)
+    with pytest.warns(DeprecationWarning, match=f"{old} moved to {new}"):
+        module = importlib.import_module(old)
+    assert getattr(module, name) is getattr(importlib.import_module(new), name)
+    with pytest.warns(DeprecationWarning, match="pipedream2bw.run.launch"):
+        from pipedream2bw.launch import launch_train
+    from pipedream2bw.run.launch import launch_train as now
+
+    assert launch_train is now

@@ -178,7 +178,7 @@ class OptimConfig:
     """Two parameter groups: weight decay (``kwargs.weight_decay``) on weights of 2 or more dimensions,
     none on 1-D parameters (norm scales, biases), as GPT training usually does."""
     sharded: Optional[bool] = None
-    """ZeRO-1 over the data-parallel replicas (docs/design.md section 10): the w replicas of a stage each keep
+    """ZeRO-1 over the data-parallel replicas (docs/sharding.md): the w replicas of a stage each keep
     1/w of the float32 master weights and optimizer state; gradients reduce-scatter in buckets, each replica
     steps its shard, the new weights are all-gathered (under 2bw while the next batch runs). Needs an
     elementwise optimizer (sgd, adam, adamw, ...); with data_parallel 1 it changes nothing. null: false, or
