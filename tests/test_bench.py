@@ -140,3 +140,17 @@ def test_the_size_limits_are_checked(tmp_path):
         "pipedream2bw/big.py: 806 lines (limit: under 800)",
         "pipedream2bw/big.py::long: 86 lines (limit: under 80)",
     ]
+
+
+def test_a_failed_bench_system_shows_the_ranks_error_not_torchruns():
+    # issue 43: bench.py's dualpipev column read "n/a (ChildFailedError:)"
+    bench = _script("bench")
+    output = (
+        "[rank0]: Traceback (most recent call last):\n"
+        "[rank0]: ValueError: ScheduleDualPipeV requires n_microbatches (4) >= 2 * num_stages (8)\n"
+        "E1126 failed (exitcode: 1) local_rank: 0\n"
+        "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n"
+        "============================================================\n"
+    )
+    reason = bench.SystemFailed("torch-dualpipev", output).reason
+    assert reason == "[rank0]: ValueError: ScheduleDualPipeV requires n_microbatches (4) >= 2 * num_stages (8)"
