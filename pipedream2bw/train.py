@@ -138,7 +138,9 @@ def cli() -> None:
     register_configs()
     slurm.set_rank_env()  # srun without torchrun: each task a rank (before the ranks agree on the run stamp)
     _agree_on_run_stamp()
-    unusable = precheck.check_run_dir(sys.argv[1:], config_name="config")
+    # rank 0 alone asks whether a live run holds the directory: it takes the lock itself soon after, and another
+    # rank, later here, would find that lock
+    unusable = precheck.check_run_dir(sys.argv[1:], config_name="config", live=rank == 0)
     if unusable is not None:  # before Hydra makes the directory and opens train.log in it
         precheck.report(f"bad configuration: {unusable}", rank=rank, world_size=world_size)
         _exit(2)

@@ -476,6 +476,8 @@ def test_unusable_run_directory_is_named_before_hydra_makes_it(tmp_path):
     with RunLock() as lock:
         lock.acquire(tmp_path / "new" / "run")
         assert "is in use by a live run (host " in problem(tmp_path / "new" / "run")
+        # a rank other than 0 asks not: rank 0 of its own launch may hold the lock already (it refused its own run)
+        assert check_run_dir([f"hydra.run.dir={tmp_path / 'new' / 'run'}"], live=False) is None
     assert problem(tmp_path / "new" / "run") is None  # released: the next run takes it over
     if os.geteuid() != 0:  # root writes through a mode of 0555
         (tmp_path / "ro").mkdir(mode=0o555)
