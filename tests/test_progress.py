@@ -130,3 +130,13 @@ def test_off_a_terminal_a_step_line_comes_at_once_and_at_least_every_10_s(tmp_pa
             on_step(t)
     steps = [int(re.match(r"step (\d+)/", r.getMessage()).group(1)) for r in caplog.records]
     assert steps == [1, 4, 7, 10, 13, 16, 19, 20], steps  # the first, every 12 s (3 steps of 4 s), the last
+
+
+def test_bf16_on_a_cpu_without_native_bfloat16_is_told(tmp_path):
+    # issue 43: bench_precision.py --device cpu ran bf16 at 0.76 samples/s on an AVX2-only CPU (fp32: 71), unwarned
+    from pipedream2bw.run.logs import native_bf16_cpu
+
+    (tmp_path / "avx2").write_text("flags\t\t: fpu sse2 avx avx2 fma\n")
+    (tmp_path / "bf16").write_text("flags\t\t: fpu sse2 avx avx2 avx512f avx512_bf16\n")
+    assert not native_bf16_cpu(str(tmp_path / "avx2"))
+    assert native_bf16_cpu(str(tmp_path / "bf16")) and native_bf16_cpu(str(tmp_path / "absent"))

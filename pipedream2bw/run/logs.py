@@ -130,6 +130,11 @@ def log_run(rt: RankPlan, cfg: Config, model: RunModel, feed: Any, val_feed: Any
         f"{whole:,}",
         ", ".join(f"{s}: {n:,} (layers {a}-{b - 1})" for s, (n, a, b) in enumerate(zip(per_stage, bounds, bounds[1:]))),
     )
+    if rt.precision == "bf16" and rt.device.type == "cpu" and not native_bf16_cpu():
+        log.warning(
+            "train.precision=bf16 on a CPU without native bfloat16 (no avx512_bf16 or amx_bf16): torch emulates it, "
+            "often 10-100x slower than fp32 (bench_precision.py measured 0.76 against 71 samples/s); use fp32 here"
+        )
     if is_muon(o):
         log.info("optimizer per stage (parameters each steps): %s", _muon_split(model, o, bounds))
     if feed is None:  # rank 0 is not a first or last stage (a custom rank_map): its data is not opened here
@@ -146,6 +151,17 @@ def log_run(rt: RankPlan, cfg: Config, model: RunModel, feed: Any, val_feed: Any
         f"{rt.num_steps * rt.global_batch * rt.seq_len:,}",
         epochs,
     )
+
+
+def native_bf16_cpu(cpuinfo: str = "/proc/cpuinfo") -> bool:
+    """Whether this CPU computes bfloat16 natively (an x86 avx512_bf16 or amx_bf16 flag); True where it cannot tell
+    (no /proc/cpuinfo, or not x86): no warning on a guess."""
+    try:
+        text = Path(cpuinfo).read_text()
+    except OSError:
+        return True
+    flags = set(text.split())
+    return "avx2" not in flags or bool(flags & {"avx512_bf16", "amx_bf16"})
 
 
 def _muon_split(model: RunModel, optim, bounds) -> str:
