@@ -529,7 +529,9 @@ def check_targets(rows: dict, args) -> list:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    from pipedream2bw.config.docs import DefaultsHelpFormatter
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=DefaultsHelpFormatter)
     parser.add_argument("--nproc", type=int, default=2, help="pipeline stages (one process each)")
     parser.add_argument("--num-microbatches", type=int, default=2)
     parser.add_argument("--microbatch-size", type=int, default=16)

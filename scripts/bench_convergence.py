@@ -318,9 +318,9 @@ def _config(args) -> Dict[str, Any]:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    from pipedream2bw.config.docs import DefaultsHelpFormatter
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=DefaultsHelpFormatter)
     floats = lambda s: [float(x) for x in s.split(",")]  # noqa: E731
     ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
     words = lambda s: s.split(",")  # noqa: E731

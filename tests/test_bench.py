@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -154,3 +155,12 @@ def test_a_failed_bench_system_shows_the_ranks_error_not_torchruns():
     )
     reason = bench.SystemFailed("torch-dualpipev", output).reason
     assert reason == "[rank0]: ValueError: ScheduleDualPipeV requires n_microbatches (4) >= 2 * num_stages (8)"
+
+
+def test_benchmarks_print_their_defaults_in_help():
+    # issue 43: a benchmark's --help did not say what a run without options measures
+    for name, shown in [("bench.py", "(one process each) (default: 2)"), ("bench_convergence.py", "(default: 300)")]:
+        proc = subprocess.run([sys.executable, str(ROOT / "scripts" / name), "--help"], capture_output=True, text=True)
+        text = " ".join(proc.stdout.split())  # argparse wraps the lines
+        assert proc.returncode == 0 and shown in text, (name, proc.stdout)
+        assert text.count("default:") == len(re.findall(r"\(default: [^)]*\)", text)), proc.stdout
