@@ -13,7 +13,8 @@ arguments and ``-m pipedream2bw.train``, and reports how the run ended in at mos
   ``ChildFailedError`` traceback.
 
 Arguments: torchrun's options first (``--nproc-per-node``, ``--nnodes``, ``--rdzv-*``, ...), then the Hydra
-overrides (and Hydra's ``-m``/``--multirun``). ``--help`` after the options prints the training's keys.
+overrides (and Hydra's ``-m``/``--multirun``). ``--help`` after the options prints the training's keys. Without
+``--nproc-per-node`` it launches ``pipeline.num_stages x pipeline.data_parallel`` ranks (under partition=manual).
 """
 
 from __future__ import annotations
@@ -56,6 +57,27 @@ def _world_size(args) -> Tuple[Optional[int], int]:
     nproc = determine_local_world_size(args.nproc_per_node)
     low, high = parse_min_max_nnodes(args.nnodes)
     return (nproc * high if low == high else None), nproc
+
+
+def config_ranks(overrides: Sequence[str]) -> Optional[int]:
+    """pipeline.num_stages x pipeline.data_parallel of the composed config under partition=manual (the ranks to
+    launch when --nproc-per-node is not given); None where the plan decides them or the config does not compose."""
+    from omegaconf import OmegaConf
+
+    from pipedream2bw import precheck
+    from pipedream2bw.config import register_configs
+
+    if any(a.startswith("-") for a in overrides):  # a multirun, Hydra's flags
+        return None
+    register_configs()
+    try:
+        cfg = precheck._compose([a for a in overrides if not a.startswith(("hydra.", "hydra/"))], "config")
+    except Exception:  # noqa: BLE001 - the check that follows names the mistake
+        return None
+    if OmegaConf.select(cfg, "partition.mode") != "manual":
+        return None
+    d, w = OmegaConf.select(cfg, "pipeline.num_stages"), OmegaConf.select(cfg, "pipeline.data_parallel")
+    return d * w if isinstance(d, int) and isinstance(w, int) and d > 0 and w > 0 else None
 
 
 def check(overrides: Sequence[str], *, world_size: Optional[int], local_world_size: int) -> Optional[str]:
@@ -126,6 +148,9 @@ def launch(argv: Sequence[str]) -> int:
         return EXIT_BAD_INPUT
     from torch.distributed.run import parse_args
 
+    if not any(o.startswith(("--nproc-per-node", "--nproc_per_node")) for o in options):
+        ranks = config_ranks(train_args)  # torchrun's default is 1, which the default 4 stages refuse
+        options = [*options, "--nproc-per-node", str(ranks)] if ranks else options
     args = parse_args([*options, "-m", "pipedream2bw.train", *train_args])  # a bad option: argparse, exit 2
     world_size, nproc = _world_size(args)
     if any(a in ("-h", "--help") for a in train_args):

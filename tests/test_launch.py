@@ -153,3 +153,16 @@ def test_an_old_import_path_still_imports_with_a_deprecation_warning(old, new, n
     from pipedream2bw.run.launch import launch_train as now
 
     assert launch_train is now
+
+
+def test_without_nproc_per_node_it_launches_the_configs_ranks(monkeypatch, capsys, tmp_path):
+    import pipedream2bw.launch as launcher
+
+    monkeypatch.chdir(tmp_path)
+    started = []
+    monkeypatch.setattr(launcher, "_run", lambda args, nproc: started.append((args.nproc_per_node, nproc)) or 0)
+    assert launcher.launch([]) == 0  # torchrun's default, 1 rank, was refused by the default 4 stages
+    assert launcher.launch(["pipeline.num_stages=2", "pipeline.data_parallel=2"]) == 0
+    assert launcher.launch(["--nproc-per-node", "2", "pipeline.num_stages=2"]) == 0
+    assert started == [("4", 4), ("4", 4), ("2", 2)]
+    assert "starting 4 ranks (torchrun)" in capsys.readouterr().err
