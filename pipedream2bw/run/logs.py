@@ -102,7 +102,7 @@ def log_run(rt: RankPlan, cfg: Config, model: RunModel, feed: Any, val_feed: Any
     correction = correction_in_effect(o, rt.schedule)
     log.info(
         "run: %s schedule, %s x %s (d=%d, w=%d), m=%d microbatches of b=%d sequences of %d tokens "
-        "(global batch %d sequences, %d tokens), %s steps, precision %s, optimizer %s lr %.4g (%s)%s%s",
+        "(global batch %d sequences, %d tokens), %s steps",
         rt.schedule,
         _plural(rt.num_stages, "stage"),
         _plural(rt.data_parallel, "replica"),
@@ -114,6 +114,9 @@ def log_run(rt: RankPlan, cfg: Config, model: RunModel, feed: Any, val_feed: Any
         rt.global_batch,
         rt.global_batch * rt.seq_len,
         rt.num_steps if not rt.first_step else f"{rt.first_step}..{rt.num_steps}",
+    )
+    log.info(  # a line of its own: the header was one line of 310 characters (issue 43)
+        "training: precision %s, optimizer %s lr %.4g (%s)%s%s",
         rt.precision,
         optimizer_name(o),
         o.lr,
