@@ -136,6 +136,28 @@ def _failure_line(error) -> Tuple[int, str]:
     return 1, f"pipedream2bw-train: rank {rank} failed with exit status {code}: {why}"
 
 
+class _BadOption(Exception):
+    pass
+
+
+def _parse_torchrun_args(argv: Sequence[str]):
+    """torchrun's parsed arguments, or None after one line naming a bad option (argparse printed torchrun's usage,
+    30 lines, then the error)."""
+    from torch.distributed.run import get_args_parser
+
+    parser = get_args_parser()
+
+    def error(message: str):
+        raise _BadOption(message)
+
+    parser.error = error
+    try:
+        return parser.parse_args(list(argv))
+    except _BadOption as e:
+        print(f"pipedream2bw-train: {e}; torchrun's options: torchrun --help", file=sys.stderr, flush=True)
+        return None
+
+
 def launch(argv: Sequence[str]) -> int:
     """Checks ``argv`` (torchrun's options, then the overrides) and runs the training under torchrun.
 
@@ -146,12 +168,12 @@ def launch(argv: Sequence[str]) -> int:
     if "--module" in options:
         print("pipedream2bw-train: --module is the launcher's (-m pipedream2bw.train); leave it out", file=sys.stderr)
         return EXIT_BAD_INPUT
-    from torch.distributed.run import parse_args
-
     if not any(o.startswith(("--nproc-per-node", "--nproc_per_node")) for o in options):
         ranks = config_ranks(train_args)  # torchrun's default is 1, which the default 4 stages refuse
         options = [*options, "--nproc-per-node", str(ranks)] if ranks else options
-    args = parse_args([*options, "-m", "pipedream2bw.train", *train_args])  # a bad option: argparse, exit 2
+    args = _parse_torchrun_args([*options, "-m", "pipedream2bw.train", *train_args])
+    if args is None:
+        return EXIT_BAD_INPUT
     world_size, nproc = _world_size(args)
     if any(a in ("-h", "--help") for a in train_args):
         from pipedream2bw.config.docs import help_text
@@ -218,10 +240,14 @@ def cli() -> None:
     """The ``pipedream2bw-train`` console script."""
     try:
         code = launch(sys.argv[1:])
+    except BrokenPipeError:  # --help | head
+        sys.stdout = None  # nothing more to flush where the reader has gone
+        code = 0
     except KeyboardInterrupt:  # Ctrl-C while the check composes the config: nothing started
         print("pipedream2bw-train: stopped by SIGINT", file=sys.stderr, flush=True)
         code = 130
-    sys.stdout.flush()
+    if sys.stdout is not None:
+        sys.stdout.flush()
     sys.exit(code)
 
 

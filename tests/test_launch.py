@@ -166,3 +166,12 @@ def test_without_nproc_per_node_it_launches_the_configs_ranks(monkeypatch, capsy
     assert launcher.launch(["--nproc-per-node", "2", "pipeline.num_stages=2"]) == 0
     assert started == [("4", 4), ("4", 4), ("2", 2)]
     assert "starting 4 ranks (torchrun)" in capsys.readouterr().err
+
+
+def test_a_bad_torchrun_option_is_one_line(capsys):
+    # argparse printed torchrun's 30-line usage, then the error
+    assert launch(["--nproc-per-node", "2", "--bogus", "x", "train.num_steps=3"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.strip().splitlines() == [
+        "pipedream2bw-train: unrecognized arguments: --bogus; torchrun's options: torchrun --help"
+    ], err
