@@ -233,6 +233,7 @@ def launch_of(cmd: List[str]) -> Optional[tuple]:
 MADE_EARLIER = ("is not a file; point data.path at", "is neither 'auto', 'never' nor an existing path")
 
 
+@pytest.mark.long  # ~45 commands composed and checked: 12 s of CPU, 24-80 s on 2 loaded cores
 def test_every_training_command_passes_the_launch_check_for_its_ranks():
     # issue 43: docs/memory.md's "torchrun --nproc-per-node 2 ... swap.weights=true" kept the default 4 stages:
     # "world size (2) is not divisible by pipeline.num_stages (4)"; keys alone (the check above) cannot see that

@@ -102,6 +102,7 @@ def test_the_console_script_refuses_in_seconds(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.long  # a launch of 2 ranks: 10-40 s on 2 loaded cores (.ci/run runs it)
 def test_a_ranks_refusal_is_its_one_line_and_exit_2(tmp_path):
     # what only the ranks can see (here a custom layer list's length, known once it is built): torchrun exited 1
     # with its traceback
@@ -117,6 +118,7 @@ def test_a_ranks_refusal_is_its_one_line_and_exit_2(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.long  # a launch of 2 ranks, interrupted: 8-22 s
 def test_ctrl_c_while_the_ranks_start_is_one_line_and_exit_130(tmp_path):
     # Ctrl-C while the ranks imported printed 147 lines of KeyboardInterrupt tracebacks, torchrun exit 1
     proc = _launch("--nproc-per-node", "2", *TINY, "train.num_steps=1000", cwd=tmp_path)
