@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from partitioner.planner import save_plan, stage_table, table
+from partitioner.planner import bound_line, save_plan, stage_table, table
 
 USAGE = (
     "usage: python -m partitioner plan [--out FILE] [hydra overrides, e.g. model=gpt topology=dgx "
@@ -63,7 +63,7 @@ def config_groups() -> str:
 
 
 def main(argv=None) -> int:
-    from partitioner.auto import plan_config
+    from partitioner.auto import plan_config, run_overrides
     from pipedream2bw.errors import ConfigError
 
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -105,6 +105,8 @@ def main(argv=None) -> int:
     )
     print(table(plans))
     print(f"\nchosen plan (#0), per stage:\n{stage_table(best)}")
+    if best.steps_on_host:
+        print(f"\n{bound_line(best)}")
     path = Path(out or cfg.partition.path or Path("outputs", "plans", time.strftime("%Y-%m-%d/%H-%M-%S"), "plan.yaml"))
     path.parent.mkdir(parents=True, exist_ok=True)
     path = save_plan(best, path)
@@ -112,10 +114,13 @@ def main(argv=None) -> int:
     launch = f"torchrun --nproc-per-node {nproc}" if cfg.topology.nodes == 1 else f"torchrun ({nproc} ranks)"
     # the run trains what was planned: the overrides that shape it (model, optimizer, precision, batch...) go along;
     # the planner's own (topology, partition) do not
-    run_overrides = [a for a in args if not a.lstrip("+~").startswith(("topology", "partition"))]
+    extra = run_overrides(cfg.optim, best)  # the optimizer a host step runs (auto.host_optimizer)
+    keys = {a.split("=", 1)[0] for a in extra}
+    run_overrides_ = [a for a in args if not a.lstrip("+~").startswith(("topology", "partition"))]
+    run_overrides_ = [a for a in run_overrides_ if a.lstrip("+~").split("=", 1)[0] not in keys] + extra
     print(
         f"\nplan written to {path}; run it with\n  {launch} -m pipedream2bw.train "
-        + " ".join([*run_overrides, "partition=file", f"partition.path={path}"])
+        + " ".join([*run_overrides_, "partition=file", f"partition.path={path}"])
     )
     return 0
 

@@ -14,7 +14,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from partitioner.planner import Plan, Request, plan
+from partitioner.planner import HostFigures, Plan, Request, _order, _streams, plan
 from partitioner.profile import analytic_gpt, profile_gpt, profile_layer_list, runtime_baseline_bytes
 from partitioner.topology import GIB, num_devices
 from pipedream2bw.config import (
@@ -108,7 +108,7 @@ def make_request(
     profile = uses_profile(cfg)
     # Muon orthogonalizes whole matrices: the run refuses optim.sharded at w > 1, so the search never shards it
     muon = is_muon(cfg.optim)
-    return Request(
+    req = Request(
         global_batch_size=B,
         topology=topo,
         devices=devices or num_devices(topo),
@@ -137,13 +137,30 @@ def make_request(
         # the rest of what swap.weights refuses (fp16, clipping, ties, w > 1, ...) the search checks itself
         stream=cfg.partition.stream and not cfg.train.eval_every,
         weight_prefetch=cfg.swap.weight_prefetch,
+        host=HostFigures(step=cfg.swap.host_step),
+    )
+    return dataclasses.replace(req, host=host_figures(cfg)) if _streams(req, 1) else req
+
+
+def host_figures(cfg: Config) -> HostFigures:
+    """This host's optimizer step and copy speed (``partitioner.host``: measured once, cached in partition.cache_dir)
+    for a plan whose stages may step on the host; the host of the planned machine is taken to be this one."""
+    from partitioner.host import host_profile
+
+    host = host_profile(cache_dir=cfg.partition.cache_dir)
+    return HostFigures(
+        step_bw=host.step_bytes_per_s,
+        copy_bw=host.copy_bytes_per_s,
+        step=cfg.swap.host_step,
+        text=host.describe(),
+        cores=host.cores,
     )
 
 
 def plan_config(cfg: Config, *, runners_up: int = 4, layers=None, loss_fn=None, **request_kwargs) -> List[Plan]:
     """Plans ``cfg.model`` (or the layer list ``layers``, with ``loss_fn``) for ``cfg.topology`` (or the
     given devices/topology): best plan first. The GPT has analytic costs too; any other layer
-    list is profiled here.
+    list is profiled here. A plan whose stages step on the host is costed with ``host_optimizer``'s optimizer.
 
     Raises:
         ConfigError: nothing fits (the message names the memory or devices that would), or analytic
@@ -152,6 +169,27 @@ def plan_config(cfg: Config, *, runners_up: int = 4, layers=None, loss_fn=None, 
     req = make_request(cfg, **request_kwargs)
     # error feedback's state exists only under 2bw: a flush or gpipe plan does not pay its 4 B a parameter
     optim = dataclasses.replace(cfg.optim, delay_correction=correction_in_effect(cfg.optim, cfg.pipeline.schedule))
+    costs = _cost_fns(cfg, req, layers=layers, loss_fn=loss_fn)
+    if host_optimizer(optim) == optim or not _streams(req, 1):
+        return plan(costs(optim), req, runners_up=runners_up)
+    # Muon: resident plans step it on the devices, streaming ones (every stage on the host) step its muon_others
+    resident, error = [], None
+    try:
+        resident = plan(costs(optim), dataclasses.replace(req, stream=False), runners_up=runners_up)
+    except ConfigError as e:
+        error = e
+    try:
+        streamed = [p for p in plan(costs(host_optimizer(optim)), req, runners_up=runners_up) if p.steps_on_host]
+    except ConfigError as e:
+        streamed, error = [], e if not resident else error
+    if not resident and not streamed:
+        raise error
+    found = resident + streamed
+    return [found[i] for i in _order(found, req.objective, req.tolerance)][: runners_up + 1]
+
+
+def _cost_fns(cfg: Config, req: Request, *, layers, loss_fn):
+    """``costs(optim)``: the per-layer cost function (microbatch size -> costs) of the model under ``optim``."""
     if layers is not None or not isinstance(cfg.model, GPTConfig):
         if req.costs != "profile":
             raise ConfigError(
@@ -168,17 +206,14 @@ def plan_config(cfg: Config, *, runners_up: int = 4, layers=None, loss_fn=None, 
             get = lambda i: whole[i]  # noqa: E731
         num = len(layers) if layers is not None else source.num_layers
         loss = loss_fn or (source.loss_fn if source is not None else None)
-
-        def cost_fn(b):
-            return profile_layer_list(
+        return lambda optim: (
+            lambda b: profile_layer_list(
                 get, num, loss, optim, b, seq_len=cfg.model.seq_len, repeats=cfg.partition.repeats
             )
-
-        return plan(cost_fn, req, runners_up=runners_up)
+        )
     if req.costs == "profile":
-
-        def cost_fn(b):
-            return profile_gpt(
+        return lambda optim: (
+            lambda b: profile_gpt(
                 cfg.model,
                 optim,
                 b,
@@ -187,12 +222,25 @@ def plan_config(cfg: Config, *, runners_up: int = 4, layers=None, loss_fn=None, 
                 seed=cfg.seed,
                 precision=req.precision,
             )
-    else:
+        )
+    return lambda optim: lambda b: analytic_gpt(cfg.model, optim, b, req.topology, precision=req.precision)
 
-        def cost_fn(b):
-            return analytic_gpt(cfg.model, optim, b, req.topology, precision=req.precision)
 
-    return plan(cost_fn, req, runners_up=runners_up)
+def host_optimizer(optim: OptimConfig) -> OptimConfig:
+    """The optimizer of a plan whose stages step on the host (one that streams: swap.optimizer=host on every stage):
+    ``optim``, but for optim.name=muon its optim.muon_others over every parameter. The host never runs Muon's
+    Newton-Schulz iterations (a matrix iteration over every hidden matrix, several TFLOP a step at 13B on a CPU): the
+    runtime sends each momentum matrix to the device for them (memory/host_optim.py's Muon with host state), a round
+    trip over the link a step that this cost model does not count, so such a plan is costed, and run
+    (``run_overrides``), with the elementwise optimizer. The one place that decides it."""
+    return dataclasses.replace(optim, name=optim.muon_others) if is_muon(optim) else optim
+
+
+def run_overrides(optim: OptimConfig, p: Plan) -> List[str]:
+    """Overrides that a run of plan ``p`` needs beyond the ones it was planned with: ``optim.name`` where the plan
+    steps on the host and ``host_optimizer`` changes it."""
+    host = host_optimizer(optim)
+    return [f"optim.name={host.name}"] if p.steps_on_host and host.name != optim.name else []
 
 
 def apply_plan(
@@ -200,7 +248,7 @@ def apply_plan(
 ) -> Tuple[PipelineConfig, SwapConfig]:
     """The ``pipeline`` and ``swap`` config sections with the plan's pipeline settings and its ``swap.stages``;
     a plan that streams weights also sets ``swap.weights``, ``swap.weight_prefetch`` and ``swap.optimizer=host``
-    (what streaming needs).
+    (what streaming needs); one that keeps its optimizer state on the host without streaming, ``swap.optimizer=host``.
 
     Args:
         pipeline: the run's ``pipeline`` section.
@@ -246,6 +294,8 @@ def apply_plan(
             "stages stream (partition.stream lets the planner choose it); drop swap.weights"
         )
     stream = dict(weights=True, weight_prefetch=p.weight_prefetch, optimizer="host") if p.stream_stages else {}
+    if p.host_optimizer and not p.stream_stages:  # the state on the host, the weights on the devices
+        stream = dict(optimizer="host")
     return pipeline, dataclasses.replace(
         swap, enabled=False, stages=list(p.swap_stages), resident=p.swap_resident, **stream
     )
@@ -260,8 +310,8 @@ def apply_choices(
     the run's resolved one, where 'compute' under fp32 is float32 too).
 
     Raises:
-        ConfigError: a value set by the run that the plan contradicts (naming both, and the fix), or a plan's
-            weight_dtype that is unknown.
+        ConfigError: a value set by the run that the plan contradicts (naming both, and the fix), a plan's
+            weight_dtype that is unknown, or optim.name=muon with a plan that steps on the host (``host_optimizer``).
     """
     if p.weight_dtype not in precisions.WEIGHT_DTYPES:
         raise ConfigError(
@@ -281,6 +331,14 @@ def apply_choices(
             f"train.weight_dtype ({train.weight_dtype}) contradicts the plan's weight_dtype ({p.weight_dtype}, under "
             f"{precision}): drop train.weight_dtype or set train.weight_dtype={p.weight_dtype} to run the plan, or "
             f"plan again with train.weight_dtype={train.weight_dtype}"
+        )
+    host = host_optimizer(optim)
+    if p.steps_on_host and host.name != optim.name:
+        conflicts.append(
+            f"optim.name ({optim.name}) with a plan whose stages step their optimizers on the host "
+            f"(swap.optimizer=host), costed with optim.name={host.name} (Muon there would send every momentum matrix "
+            f"to the device and back each step, which the plan does not count): set optim.name={host.name}, or plan "
+            "again with partition.stream=false"
         )
     if conflicts:
         raise ConfigError("; ".join(conflicts))

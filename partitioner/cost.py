@@ -49,9 +49,16 @@ is exposed. Exact for window 1 with the first copy of each pass exposed; for lar
 smooth uneven layers, the copy stream's total is the same). Host bytes: versions + gradient accumulators +
 optimizer state (``host_bytes``). ``swap.optimizer=host``, which streaming needs and sets on every stage, leaves
 a stage that does not stream its versions and gradients, with its optimizer state and float32 masters on the host
-and the step's gradients out and new weights in (``2 W / host_device_bw``) charged to the step. Not charged: the
-host's own step time (the topology has no figure for the host's CPU), nor the host's sums of a streamed stage's
-gradients over the microbatches.
+and the step's gradients out and new weights in (``2 W / host_device_bw``) charged to the step.
+
+The host (``_host_work``, ``_batch_s``; figures from ``partitioner.host``, measured once and cached): a stage whose
+optimizer steps there runs no step on the device; the host's step reads the gradient and reads and writes the weights
+and the optimizer state (AdamW: 28 B a parameter) at the host's measured step bandwidth, and a streamed stage's host
+also sums its gradients over the m microbatches (the first copied, the rest added: 1.5 copies each) at the measured
+copy bandwidth; a node's ranks beyond its cores take turns. Three resources per batch: the device (K microbatches with
+their stalls), the link (each direction's copies) and the host. A synchronous step (``host_step_overlaps``: not
+background) adds: ``max(device, link, sums) + step``; in the background the step of batch t overlaps batch t+1
+(``max(device, link, sums, step)``); a CPU "device" is the host, where everything adds. ``bound`` names the busiest.
 """
 
 from __future__ import annotations
@@ -144,13 +151,15 @@ class Segments:
             self._stream[window] = (dev, maxw)
         return self._stream[window]
 
-    def stream_stalls(self, host_device_bw: float, *, recompute: bool):
+    def stream_stalls(self, host_device_bw: float, *, recompute: bool, grads_out: bool = True):
         """Prefix sums of the streamed stall's per-layer terms (module docstring): (t, PF, PB, BB) with ``t[k]``
         layer k's copy time, ``PF[k] = sum_(q<k) max(0, t[q+1] - F_q)``, ``PB[k] = sum_(0<q<k) max(0, t[q-1] - BB_q)``
-        and ``BB_q`` = the backward's own time per layer (B, + F with recomputation, + the gradients out)."""
+        and ``BB_q`` = the backward's own time per layer (B, + F with recomputation, + the gradients out unless
+        ``grads_out`` is false: on a CPU they are the host's sums, charged apart)."""
         t = np.asarray([c.param_bytes for c in self.layers], dtype=np.float64) / host_device_bw
         f = np.asarray([c.forward_s for c in self.layers], dtype=np.float64)
-        bb = np.asarray([c.backward_s for c in self.layers], dtype=np.float64) + t + (f if recompute else 0.0)
+        bb = np.asarray([c.backward_s for c in self.layers], dtype=np.float64) + (t if grads_out else 0.0)
+        bb = bb + (f if recompute else 0.0)
         pf = np.concatenate([[0.0], np.cumsum(np.maximum(0.0, t[1:] - f[:-1])), [0.0]])
         pb = np.concatenate([[0.0, 0.0], np.cumsum(np.maximum(0.0, t[:-1] - bb[1:]))])
         return np.concatenate([t, [0.0]]), pf, pb, np.concatenate([[0.0], np.cumsum(t)])
@@ -187,6 +196,22 @@ class StageContext:
     stream: bool = False  # swap.weights on this stage (with swap: the runtime swaps a streamed stage's activations)
     stream_window: int = 1  # swap.weight_prefetch
     host_optimizer: bool = False  # swap.optimizer=host (every stage of a plan that streams): state and masters on host
+    # the host (``partitioner.host``; the defaults, no figure, charge it nothing): bytes per second its optimizer step
+    # reads and writes, and one host copy moves (one thread); the node's ranks stepping there per core of its host, at
+    # least 1 (beyond its cores they take turns); where the step runs (swap.host_step: ``host_step_overlaps``);
+    # whether the host is the device (a CPU: its work and the stage's compute take turns on the same cores)
+    host_step_bw: float = math.inf
+    host_copy_bw: float = math.inf
+    host_share: float = 1.0
+    host_step: str = "auto"
+    host_is_device: bool = False
+
+
+def host_step_overlaps(ctx: StageContext) -> bool:
+    """Whether a stage's host optimizer step runs on a thread of its own while the next batch computes, as the runtime
+    decides (run/build.py, swap.host_step): under 2bw with swap.host_step=background or auto, streamed stages too;
+    else on the training thread."""
+    return ctx.schedule == "2bw" and ctx.host_step in ("background", "auto")
 
 
 def _swap_stall(t, fwd, bwd, *, schedule: str, resident: int):
@@ -199,11 +224,13 @@ def _swap_stall(t, fwd, bwd, *, schedule: str, resident: int):
 
 def _stream_stalls(seg: Segments, i, j, ctx: StageContext):
     """A streamed stage's (forward, backward) stall per microbatch: the module docstring's formulas."""
-    t, pf, pb, tc = seg.stream_stalls(ctx.host_device_bw, recompute=ctx.recompute)
+    # on a CPU "device" the gradients are added to the host accumulators as they are made: the host's sums
+    grads_out = not ctx.host_is_device
+    t, pf, pb, tc = seg.stream_stalls(ctx.host_device_bw, recompute=ctx.recompute, grads_out=grads_out)
     total = tc[j] - tc[i]
     if ctx.stream_window == 0:
-        return total, 2 * total
-    return t[i] + pf[j - 1] - pf[i], t[j - 1] + pb[j] - pb[np.minimum(i + 1, seg.n)] + total
+        return total, total + grads_out * total
+    return t[i] + pf[j - 1] - pf[i], t[j - 1] + pb[j] - pb[np.minimum(i + 1, seg.n)] + grads_out * total
 
 
 def _data_parallel_s(ctx: StageContext, W, bwd, microbatch, *, ws: int, wc: float, K: int):
@@ -245,12 +272,89 @@ def _weight_state(seg: Segments, i, j, ctx: StageContext, *, ws: int, wc: float)
     master = W / ws if (ws > 1 or ctx.weight_copy_bytes != 4) else 0.0 * W
     weights, gradients = num_versions(ctx.schedule) * W * wc, W + (W / ws if ctx.waits else 0.0)
     optimizer = (seg.O[j] - seg.O[i]) / ws + master
+    # a stage whose optimizer is on the host runs no step on the device: its step (s) here is the link's part
     if ctx.stream:  # on the host: every version, the gradient accumulators, the optimizer state
         dev, maxw = seg.stream_device(ctx.stream_window)
-        return dev[i, j] - maxw[i, j], maxw[i, j], np.zeros_like(W), weights + W + optimizer, step
+        return dev[i, j] - maxw[i, j], maxw[i, j], np.zeros_like(W), weights + W + optimizer, np.zeros_like(W)
     if ctx.host_optimizer:  # host_optim.py: the masters and state on the host; gradients out, weights in at the step
-        return weights, gradients, np.zeros_like(W), optimizer + W, step + 2 * W / ctx.host_device_bw
+        return weights, gradients, np.zeros_like(W), optimizer + W, 2 * W / ctx.host_device_bw
     return weights, gradients, optimizer, np.zeros_like(W), step
+
+
+RESOURCES = ("compute", "copy", "host")  # what bounds a stage's batch: segment_costs' ``bound`` indexes it
+
+
+def _host_work(seg: Segments, i, j, ctx: StageContext):
+    """The host's seconds per batch for a stage whose optimizer steps there: (its optimizer step, its sums of a
+    streamed stage's gradients over the microbatches), slower by ``host_share`` where ranks outnumber cores.
+
+    The step reads the gradient and reads and writes the weights and the optimizer state (AdamW: 28 B a parameter)
+    at the host's measured step bandwidth; the sums copy the first microbatch's gradients and add the others'
+    (reading two buffers, writing one: 1.5 copies) at its copy bandwidth.
+    """
+    W = seg.W[j] - seg.W[i]
+    if not (ctx.stream or ctx.host_optimizer):
+        return np.zeros_like(W), np.zeros_like(W)
+    step = (3 * W + 2 * (seg.O[j] - seg.O[i])) * ctx.host_share / ctx.host_step_bw
+    sums = (1 + 1.5 * (ctx.num_microbatches - 1)) * W * ctx.host_share / ctx.host_copy_bw if ctx.stream else 0 * W
+    return step, sums
+
+
+def _batch_s(ctx: StageContext, *, device, copy, host_step, host_sum, link_step):
+    """A stage's seconds per batch from its three resources (the module docstring), and the step's part on the
+    training thread (what the simulator's STEP action takes).
+
+    Args:
+        device: the device's time: K microbatches with their stalls, and the exposed data-parallel traffic.
+        copy: the link's busy time (each direction apart, the busier one).
+        host_step, host_sum: ``_host_work``'s.
+        link_step: the host optimizer's copies at the step (gradients out, new weights in).
+
+    Returns:
+        (batch_s, step_s, bound): ``bound`` indexes ``RESOURCES``.
+    """
+    if ctx.host_is_device:  # one set of cores: the sums run inline in the backward, the step after the batch
+        step = link_step + host_step
+        batch = device + host_sum + step
+    elif host_step_overlaps(ctx):  # the training thread hands the step of batch t over; it has batch t+1 to run
+        step = link_step / 2
+        batch = np.maximum(np.maximum(device, host_sum) + step, host_step + link_step / 2)
+    else:
+        step = link_step + host_step
+        batch = np.maximum(device, host_sum) + step
+    batch = np.maximum(batch, copy)
+    busy = np.stack(np.broadcast_arrays(device, copy, host_step + host_sum))
+    return batch, step, busy.argmax(axis=0).astype(np.float64)
+
+
+def _batch_times(seg: Segments, i, j, ctx: StageContext, *, device, link_step, moved) -> Dict[str, np.ndarray]:
+    """A stage's per-batch times from ``device`` (its K microbatches and exposed traffic) and the step: ``_batch_s``'s
+    three resources where its optimizer steps on the host, else the device's batch and its step (``link_step``)."""
+    host_step, host_sum = _host_work(seg, i, j, ctx)
+    copy = _copy_s(seg, i, j, ctx, moved)
+    if ctx.stream or ctx.host_optimizer:
+        batch, step, bound = _batch_s(
+            ctx, device=device, copy=copy, host_step=host_step, host_sum=host_sum, link_step=link_step
+        )
+        floor = batch  # the host's work and the link beside the simulator's events
+    else:
+        batch, step = device + link_step, link_step
+        bound, floor = np.where(copy > batch, 1.0, 0.0), 0 * batch
+    return dict(step_s=step, host_step_s=host_step, host_sum_s=host_sum, bound=bound, batch_s=batch, floor_s=floor)
+
+
+def _copy_s(seg: Segments, i, j, ctx: StageContext, moved):
+    """The link's busy seconds per batch in its busier direction: per microbatch the swapped activations (each way)
+    and a streamed stage's weights (in: the forward's and the backward's copies) and gradients (out); at the step,
+    the host optimizer's gradients out and new weights in."""
+    W, m, bw = seg.W[j] - seg.W[i], ctx.num_microbatches, ctx.host_device_bw
+    if ctx.stream:
+        weights_in, grads_out = 2 * m * W / bw, m * W / bw
+    elif ctx.host_optimizer:
+        weights_in = grads_out = W / bw
+    else:
+        weights_in = grads_out = 0 * W
+    return m * moved / bw + np.maximum(weights_in, grads_out)
 
 
 def segment_costs(seg: Segments, i, j, ctx: StageContext) -> Dict[str, np.ndarray]:
@@ -259,9 +363,10 @@ def segment_costs(seg: Segments, i, j, ctx: StageContext) -> Dict[str, np.ndarra
     Keys: weights, gradients, optimizer, activations, buffers, workspace, runtime, memory (their
     sum); forward_s, backward_s, send_s, send_grad_s, stall_s (per microbatch: swapping's and streaming's),
     stream_s and stream_fwd_s (streaming's part, and its forward's), microbatch_s (their sum), host_bytes (what
-    the stage keeps in host memory: swapped activations, a streamed stage's weights and state); step_s,
+    the stage keeps in host memory: swapped activations, a streamed stage's weights and state); step_s (the step's
+    part on the training thread), host_step_s and host_sum_s (the host's optimizer step and sums of gradients),
     allreduce_s, exposed_s (per batch: data-parallel traffic, what is not hidden), batch_s (the stage's time
-    per batch); and
+    per batch), bound (its busiest resource, an index into ``RESOURCES``), floor_s (what ``simulate`` adds); and
     act_per_microbatch, act_moved (its bytes that go to host when swapping), act_extra (for the
     simulator's own in-flight count).
     """
@@ -298,6 +403,7 @@ def segment_costs(seg: Segments, i, j, ctx: StageContext) -> Dict[str, np.ndarra
     allreduce, exposed = _data_parallel_s(ctx, W, bwd, microbatch, ws=ws, wc=wc, K=K)
     weights, gradients, optimizer, host, step = _weight_state(seg, i, j, ctx, ws=ws, wc=wc)
     host = host + (n - resident) * moved
+    times = _batch_times(seg, i, j, ctx, device=K * microbatch + exposed, link_step=step, moved=moved)
     out = dict(
         weights=weights,
         gradients=gradients,
@@ -315,10 +421,9 @@ def segment_costs(seg: Segments, i, j, ctx: StageContext) -> Dict[str, np.ndarra
         stream_s=stream_fwd + stream_bwd,
         host_bytes=host,
         microbatch_s=microbatch,
-        step_s=step,
         allreduce_s=allreduce,
         exposed_s=exposed,
-        batch_s=K * microbatch + step + exposed,
+        **times,
         act_per_microbatch=per_mb,
         act_moved=moved,
         act_extra=extra,
@@ -399,6 +504,8 @@ def simulate(
         batch = (step_end[-1] - step_end[1]) / (len(step_end) - 2)
     else:
         batch = step_end[-1] / len(step_end)
+    # the host's work and the link beside the training thread's actions (a host stage's resources, ``_batch_s``)
+    batch = max(batch, *(st["floor_s"] for st in stages))
     busy = data_parallel * sum(m * (st["forward_s"] + st["backward_s"]) + st["step_s"] for st in stages)
     if cores:
         batch = max(batch, busy / cores)

@@ -18,140 +18,54 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
-import yaml
 
-from partitioner.cost import MEMORY_PARTS, LayerCost, Segments, StageContext, StageCost, segment_costs, simulate
+from partitioner.cost import (
+    MEMORY_PARTS,
+    RESOURCES,
+    LayerCost,
+    Segments,
+    StageContext,
+    StageCost,
+    segment_costs,
+    simulate,
+)
+
+# the plan and its file: re-exported, the planner's callers import them from here
+from partitioner.plans import (  # noqa: F401
+    Plan,
+    bound_line,
+    load_plan,
+    plan_from_text,
+    plan_to_text,
+    save_plan,
+    stage_table,
+    table,
+)
 from partitioner.topology import GIB, LOCAL, host_device_bandwidth, make_rank_map, p2p_links, replica_links
 from pipedream2bw.config import TopologyConfig
 from pipedream2bw.errors import ConfigError
-from pipedream2bw.io.fileio import atomic_write_text
 from pipedream2bw.memory.precision import param_memory, step_waits
 
 OBJECTIVES = ("throughput", "memory")
 
 
-@dataclass(frozen=True)
-class Plan:
-    """A configuration the runtime can run, with what the cost model predicts for it."""
-
-    schedule: str
-    num_stages: int
-    data_parallel: int
-    microbatch_size: int
-    num_microbatches: int
-    global_batch_size: int
-    balance: List[int]
-    rank_map: List[List[int]]
-    recompute: bool
-    swap_stages: List[int]
-    objective: str
-    topology: str
-    devices: int
-    memory_per_device_bytes: int
-    costs: str  # 'profile' or 'analytic'
-    predicted_batch_time_s: float
-    predicted_samples_per_s: float
-    predicted_stage_time_s: List[float]  # per microbatch, forward + backward + p2p + stall
-    predicted_peak_memory_bytes: List[int]
-    predicted_memory_breakdown: List[Dict[str, int]] = field(default_factory=list)
-    model: Dict[str, object] = field(default_factory=dict)
-    swap_resident: int = 1  # microbatches whose activations stay on device on a swapping stage
-    precision: str = "fp32"  # train.precision the costs were taken for (resolved: fp32, bf16, fp16)
-    sharded: bool = False  # optim.sharded: masters and optimizer state 1/w per replica
-    weight_dtype: str = "fp32"  # train.weight_dtype the memory was counted for
-    stream_stages: List[int] = field(default_factory=list)  # swap.weights: these stages (all of swap_stages) stream
-    weight_prefetch: int = 1  # swap.weight_prefetch the streamed stages were costed with
-    predicted_stall_s: List[float] = field(default_factory=list)  # per stage and microbatch: swapping's + streaming's
-
-    @property
-    def boundaries(self) -> List[int]:
-        """First layer of each stage."""
-        return [sum(self.balance[:s]) for s in range(self.num_stages)]
-
-    def row(self) -> Dict[str, str]:
-        """One line of the CLI's table."""
-        return {
-            "d x w": f"{self.num_stages} x {self.data_parallel}",
-            "b": str(self.microbatch_size),
-            "m": str(self.num_microbatches),
-            "recompute": "yes" if self.recompute else "no",
-            "sharded": "yes" if self.sharded else "no",
-            "swap": _ranges(self.swap_stages) or "-",
-            "stream": _ranges(self.stream_stages) or "-",
-            "balance": _short(self.balance),
-            "samples/s": f"{self.predicted_samples_per_s:.4g}",
-            "batch s": f"{self.predicted_batch_time_s:.4g}",
-            "peak GiB": f"{max(self.predicted_peak_memory_bytes) / GIB:.3g}",
-        }
-
-
-def _ranges(values: Sequence[int]) -> str:
-    """[0,1,2,5] -> '0-2,5'."""
-    out, i, v = [], 0, list(values)
-    while i < len(v):
-        j = i
-        while j + 1 < len(v) and v[j + 1] == v[j] + 1:
-            j += 1
-        out.append(str(v[i]) if i == j else f"{v[i]}-{v[j]}")
-        i = j + 1
-    return ",".join(out)
-
-
-def _short(values: Sequence[int]) -> str:
-    """[1,1,1,1,2] -> '1x4,2': balance lists of deep pipelines stay readable."""
-    out, i = [], 0
-    while i < len(values):
-        j = i
-        while j < len(values) and values[j] == values[i]:
-            j += 1
-        out.append(str(values[i]) if j - i == 1 else f"{values[i]}x{j - i}")
-        i = j
-    return ",".join(out)
-
-
-def table(plans: Sequence[Plan]) -> str:
-    """Plain-text table, best plan first."""
-    if not plans:
-        return "(no plan)"
-    rows = [{"#": str(k), **p.row()} for k, p in enumerate(plans)]
-    if not any(p.stream_stages for p in plans):  # the column only where a plan streams weights
-        rows = [{c: v for c, v in r.items() if c != "stream"} for r in rows]
-    cols = list(rows[0])
-    widths = {c: max(len(c), *(len(r[c]) for r in rows)) for c in cols}
-    lines = ["  ".join(c.rjust(widths[c]) for c in cols)]
-    lines += ["  ".join(r[c].rjust(widths[c]) for c in cols) for r in rows]
-    return "\n".join(lines)
-
-
-def stage_table(plan: Plan) -> str:
-    """Per-stage predictions of one plan: layers, time per microbatch, memory and its parts (GiB, whole names);
-    for a plan that streams weights, also whether each stage streams and its stall per microbatch (ms)."""
-    widths = [max(len(p), 7) for p in MEMORY_PARTS]
-    streams = bool(plan.stream_stages)
-    lines = [
-        f"{'stage':>5} {'layers':>9} {'ms/mb':>9} "
-        + (f"{'stream':>6} {'stall ms':>9} " if streams else "")
-        + f"{'peak GiB':>9}  "
-        + " ".join(f"{p:>{w}}" for p, w in zip(MEMORY_PARTS, widths))
-    ]
-    for s in range(plan.num_stages):
-        start = plan.boundaries[s]
-        parts = plan.predicted_memory_breakdown[s] if plan.predicted_memory_breakdown else {}
-        stall = plan.predicted_stall_s[s] if plan.predicted_stall_s else 0.0
-        lines.append(
-            f"{s:>5} {f'{start}-{start + plan.balance[s] - 1}':>9} {plan.predicted_stage_time_s[s] * 1e3:>9.3f} "
-            + (f"{'yes' if s in plan.stream_stages else 'no':>6} {stall * 1e3:>9.3f} " if streams else "")
-            + f"{plan.predicted_peak_memory_bytes[s] / GIB:>9.3f}  "
-            + " ".join(f"{parts.get(p, 0) / GIB:>{w}.3f}" for p, w in zip(MEMORY_PARTS, widths))
-        )
-    return "\n".join(lines)
-
-
 # ---------------------------------------------------------------- the dynamic program
+
+
+@dataclass(frozen=True)
+class HostFigures:
+    """The host as the cost model takes it (``partitioner.host.HostProfile``; the defaults: no figure, its work is
+    charged nothing): bytes per second its optimizer step reads and writes and one copy moves, swap.host_step, and
+    the figures in words for the plan."""
+
+    step_bw: float = math.inf
+    copy_bw: float = math.inf
+    step: str = "auto"
+    text: str = ""
+    cores: int = 0  # the host's cores: a node's ranks beyond them take turns (0: as many as ranks)
 
 
 def stage_contexts(
@@ -169,9 +83,12 @@ def stage_contexts(
     bucket_bytes: float = 25 * 2**20,
     waits: Optional[Sequence[bool]] = None,
     stream_window: int = 1,
+    host: HostFigures = HostFigures(),
 ) -> List[StageContext]:
     """Per-stage contexts; ``runtime_bytes`` is one figure for all stages or a list, one per stage; ``waits``:
-    per stage, whether it holds a closed batch's gradient (``precision.step_waits``; default none)."""
+    per stage, whether it holds a closed batch's gradient (``precision.step_waits``; default none); ``host``: the host's
+    figures, shared by the ranks of a node (a stage's ``host_share``: the plan's ranks on its first rank's node per
+    core of the host, at least 1)."""
     d, w = len(rank_map), len(rank_map[0])
     if isinstance(runtime_bytes, (int, float)):
         runtime_bytes = [runtime_bytes] * d
@@ -180,6 +97,7 @@ def stage_contexts(
             f"runtime bytes per stage ({len(runtime_bytes)} figures) must be one figure or one per stage ({d})"
         )
     nxt, rep = p2p_links(topo, rank_map), replica_links(topo, rank_map)
+    node = [r // topo.devices_per_node for row in rank_map for r in row]
     return [
         StageContext(
             stage_index=s,
@@ -200,6 +118,11 @@ def stage_contexts(
             bucket_bytes=bucket_bytes,
             waits=bool(waits[s]) if waits is not None else False,
             stream_window=stream_window,
+            host_step_bw=host.step_bw,
+            host_copy_bw=host.copy_bw,
+            host_share=max(1.0, node.count(rank_map[s][0] // topo.devices_per_node) / (host.cores or math.inf)),
+            host_step=host.step,
+            host_is_device=topo.device == "cpu",
         )
         for s in range(d)
     ]
@@ -317,6 +240,7 @@ class Request:
     early_apply: bool = True
     stream: bool = True  # partition.stream: may stages stream their weights from host memory (w = 1, see _streams)
     weight_prefetch: int = 1  # swap.weight_prefetch: the streamed stages' window
+    host: HostFigures = HostFigures()  # the host's step and copies (a streaming plan steps every stage there)
 
 
 CostFn = Callable[[int], Sequence[LayerCost]]  # microbatch size -> per-layer costs
@@ -422,6 +346,12 @@ def _make_plan(req: Request, split: _Split, *, simulate_it: bool) -> Plan:
         stream_stages=[s for s in range(d) if split.stream and split.swap_flags[s]],
         weight_prefetch=req.weight_prefetch,
         predicted_stall_s=[float(st["stall_s"]) for st in stages],
+        predicted_host_step_s=[float(st["host_step_s"]) for st in stages],
+        predicted_host_sum_s=[float(st["host_sum_s"]) for st in stages],
+        predicted_stage_bound=[RESOURCES[int(st["bound"])] for st in stages],
+        predicted_bound=RESOURCES[int(max(stages, key=lambda st: st["batch_s"])["bound"])],
+        host=req.host.text if split.stream else "",
+        host_optimizer=split.stream,
         objective=req.objective,
         topology=req.topology.name,
         devices=req.devices,
@@ -435,6 +365,27 @@ def _make_plan(req: Request, split: _Split, *, simulate_it: bool) -> Plan:
         model=dict(req.model),
         swap_resident=req.swap_resident,
         precision=req.precision,
+    )
+
+
+def _contexts(req: Request, rank_map, *, m: int, recompute: bool, sharded: bool) -> List[StageContext]:
+    """``stage_contexts`` of one candidate of ``req``."""
+    d, w = len(rank_map), len(rank_map[0])
+    return stage_contexts(
+        req.topology,
+        rank_map,
+        schedule=req.schedule,
+        num_microbatches=m,
+        recompute=recompute,
+        swap=False,
+        swap_resident=req.swap_resident,
+        runtime_bytes=req.runtime_bytes,
+        sharded=sharded,
+        weight_copy_bytes=_weight_copy(req),
+        bucket_bytes=req.bucket_bytes,
+        waits=_waits(req, d, w, sharded=sharded),
+        stream_window=req.weight_prefetch,
+        host=req.host,
     )
 
 
@@ -463,21 +414,8 @@ def plan(cost_fn: CostFn, req: Request, *, runners_up: int = 4, explain: bool = 
         tried += 1
         seg = segments(b)
         rank_map = make_rank_map(req.topology, d, w)
-        ctxs = stage_contexts(
-            req.topology,
-            rank_map,
-            schedule=req.schedule,
-            num_microbatches=m,
-            recompute=rc,
-            swap=False,
-            swap_resident=req.swap_resident,
-            runtime_bytes=req.runtime_bytes,
-            sharded=sh,
-            weight_copy_bytes=_weight_copy(req),
-            bucket_bytes=req.bucket_bytes,
-            waits=_waits(req, d, w, sharded=sh),
-            stream_window=req.weight_prefetch,
-        )
+        ctxs = _contexts(req, rank_map, m=m, recompute=rc, sharded=sh)
+        resident = False
         for stream in [False, True] if _streams(req, w) else [False]:
             res = partition(
                 seg,
@@ -487,7 +425,10 @@ def plan(cost_fn: CostFn, req: Request, *, runners_up: int = 4, explain: bool = 
                 allow_swap=req.swap,
                 stream=stream,
             )
-            if res is None or (stream and not any(res[2])):  # fits without streaming: the first pass has it
+            # the second pass costs swap.optimizer=host on every stage: where the first found a plan, only one that
+            # streams is new; where it did not, one that keeps its optimizer state on the host without streaming is
+            resident = resident or (res is not None and not stream)
+            if res is None or (stream and resident and not any(res[2])):
                 continue
             split = _Split(seg, w, b, m, rc, starts=res[1], swap_flags=res[2], rank_map=rank_map, contexts=ctxs)
             split = dataclasses.replace(split, stream=stream)
@@ -562,7 +503,7 @@ def _streaming_ok(req: Request, split: "_Split", lean) -> bool:
     """Whether the second pass's split ``lean`` of a streaming ``split`` still streams (its costs count
     swap.optimizer=host, which only a plan that streams sets) and fits the host."""
     lean_split = dataclasses.replace(split, starts=lean[1], swap_flags=lean[2])
-    return not split.stream or (any(lean[2]) and _host_fits(req, lean_split))
+    return not split.stream or _host_fits(req, lean_split)
 
 
 def _host_fits(req: Request, split: "_Split") -> bool:
@@ -712,110 +653,3 @@ def _what_would_fit(segments: Callable[[int], Segments], req: Request) -> str:
         return f"; with {', '.join(name for name, _, _ in left_out)} together ({keys}) it fits: {fits(together)}"
     names = " or ".join(name for name, _, _ in left_out)
     return f"; {names} ({keys}) would not find a plan either{', alone or together' if len(left_out) > 1 else ''}"
-
-
-# ---------------------------------------------------------------- plan files
-
-
-def plan_to_text(p: Plan) -> str:
-    header = "# pipedream2bw plan: run it with partition=file partition.path=<this file>; edit balance/flags freely.\n"
-    return header + yaml.safe_dump(dataclasses.asdict(p), sort_keys=False, default_flow_style=None, width=120)
-
-
-def plan_from_text(text: str, *, source: str = "plan") -> Plan:
-    """Parses a plan file's text.
-
-    Raises:
-        ConfigError: not a plan (unknown or missing keys), naming them.
-    """
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{source} is not valid YAML: {e}") from e
-    names = {f.name for f in dataclasses.fields(Plan)}
-    required = {
-        f.name
-        for f in dataclasses.fields(Plan)
-        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-    }
-    if not isinstance(data, dict) or set(data) - names or required - set(data):
-        got = set(data) if isinstance(data, dict) else set()
-        raise ConfigError(
-            f"{source} is not a plan file: unknown keys {sorted(got - names)}, missing keys {sorted(required - got)}; "
-            f"write one with `python -m partitioner plan ...`"
-        )
-    _check_types(data, source)
-    return Plan(**data)
-
-
-def _check_types(data: Dict[str, object], source: str) -> None:
-    """Refuses a plan value of the wrong type (``balance: abc``, ``num_stages: "2"``), naming it: an
-    edited plan must fail here, not as a TypeError or a comparison that reads 2 != 2 later.
-
-    Raises:
-        ConfigError: naming the key, its value and the type it needs.
-    """
-    import typing
-
-    def is_int(v):
-        return isinstance(v, int) and not isinstance(v, bool)
-
-    def is_number(v):
-        return is_int(v) or isinstance(v, float)
-
-    checks = {
-        int: (is_int, "an integer"),
-        float: (is_number, "a number"),
-        str: (lambda v: isinstance(v, str), "a string"),
-        bool: (lambda v: isinstance(v, bool), "true or false"),
-        List[int]: (lambda v: isinstance(v, list) and all(map(is_int, v)), "a list of integers"),
-        List[float]: (lambda v: isinstance(v, list) and all(map(is_number, v)), "a list of numbers"),
-        List[List[int]]: (
-            lambda v: isinstance(v, list) and all(isinstance(r, list) and all(map(is_int, r)) for r in v),
-            "a list of lists of integers",
-        ),
-    }
-    hints = typing.get_type_hints(Plan)
-    for key, value in data.items():
-        hint = hints[key]
-        if typing.get_origin(hint) is dict:
-            ok, what = isinstance(value, dict), "a mapping"
-        elif hint in checks:
-            ok, what = checks[hint][0](value), checks[hint][1]
-        else:
-            continue
-        if not ok:
-            raise ConfigError(
-                f"{source}: {key} ({value!r}) must be {what}; correct it, or write the plan again with "
-                f"`python -m partitioner plan ...`"
-            )
-
-
-def save_plan(p: Plan, path) -> Path:
-    """Writes the plan atomically (complete or absent) as YAML."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(path, plan_to_text(p), mode=0o644)
-    return path
-
-
-def load_plan(path) -> Plan:
-    """Reads a plan file.
-
-    Raises:
-        ConfigError: missing or not a plan.
-    """
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(
-            f"partition.path ({path}) is not a file; "
-            f"write a plan with `python -m partitioner plan ...` and point partition.path at it"
-        )
-    try:
-        text = path.read_bytes().decode("utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(
-            f"partition.path ({path}) cannot be read as a plan file (YAML text): {type(e).__name__}: {e}; "
-            f"write a plan with `python -m partitioner plan ...` and point partition.path at it"
-        ) from e
-    return plan_from_text(text, source=str(path))

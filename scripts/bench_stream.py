@@ -20,18 +20,24 @@ AdamW rounds differently from the host's, so that run is the bit-for-bit referen
 - bytes moved to the device (weights) and to the host (gradients), the stall (compute waiting for a weight
   copy; on CUDA measured on the compute stream), the step's wait for the last gradient copies (``grad_wait_s``:
   on CUDA gradients leave on the offload stream, off compute; on the CPU they are added inline, 0), the copy
-  streams' busy time each way (these four over the timed batches), the seconds in the optimizer steps (the host
-  steps a streamed stage runs on the training thread), samples/s over the timed batches;
-- whether the streamed run's losses and final weights are bit for bit the plain run's.
+  streams' busy time each way (these four over the timed batches), the seconds in the optimizer step calls on the
+  training thread, and with ``--host-step background`` (2bw, the default: swap.host_step=auto's choice) the seconds
+  the host step ran on its thread and training waited for of it, samples/s over the timed batches and the
+  streamed run's time over the plain run's;
+- whether the streamed run's losses and final weights are bit for bit the plain run's;
+- with ``--predict`` (CPU), what the planner's cost model predicts for the plain and the streamed run (``predict``),
+  and the streamed run's samples per second of the process's CPU time beside the wall clock's.
 
-On a CPU the "device" is host memory and copies are worker-thread memcpys: the bytes and the bit check
-are what the CPU shows; speed and stall need a GPU.
+AdamW steps with the host's kernel (``memory/host_optim.py::host_kernel``: fused where torch has one on the CPU)
+wherever it steps host memory, and in the CPU's plain run. On a CPU the "device" is host memory and copies are
+worker-thread memcpys: the bytes and the bit check are what the CPU shows; speed and stall need a GPU.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import time
@@ -40,8 +46,8 @@ from typing import Any, Dict, List
 import torch
 from torch import nn
 
-from pipedream2bw.config import GPTConfig
-from pipedream2bw.memory.host_optim import HostOptimizerVersions
+from pipedream2bw.config import GPTConfig, OptimConfig
+from pipedream2bw.memory.host_optim import HostOptimizerVersions, host_kernel
 from pipedream2bw.memory.memprobe import tensor_peak
 from pipedream2bw.memory.stream import StreamedVersions, WeightStream, device_bytes_model
 from pipedream2bw.memory.swap import CpuBackend, make_backend
@@ -64,21 +70,30 @@ def run_stage(
     """One run of the stage; ``probe``: CPU memory measurement (compute spans named ``compute``);
     ``host_optimizer``: weights on the device, optimizer on the host (not with ``stream``)."""
     module = nn.Sequential(*_blocks(args))
-    factory = lambda p: torch.optim.AdamW(p, lr=1e-3)  # noqa: E731
+    # AdamW, with the host step's kernel (memory/host_optim.py::host_kernel: fused) wherever it steps host memory:
+    # streamed, host optimizer, and the CPU's plain run (so that the bit check compares one kernel)
+    host = stream or host_optimizer or device.type == "cpu"
+    kernel = host_kernel(OptimConfig(name="adamw")).kwargs if host else {}
+    factory = lambda p: torch.optim.AdamW(p, lr=1e-3, **kernel)  # noqa: E731
+    background = args.host_step == "background" and args.schedule == "2bw"  # swap.host_step (2bw: auto's choice)
     ws = None
     if stream:
         if device.type == "cuda":  # only the buffers go to the device; the weights stay in host memory
             for m in module.modules():
                 m._buffers.update({k: b.to(device) for k, b in m._buffers.items() if b is not None})
         versions = StreamedVersions(
-            module, pin=device.type == "cuda", schedule=args.schedule, optimizer_factory=factory
+            module, pin=device.type == "cuda", schedule=args.schedule, optimizer_factory=factory, background=background
         )
         backend = CpuBackend(overlap=not probe) if device.type == "cpu" else make_backend(device)
         ws = WeightStream(versions, backend, window=args.window, recompute=False)
     elif host_optimizer:
         n = len(list(module.parameters()))
         versions = HostOptimizerVersions(
-            module.to(device), schedule=args.schedule, optimizer_factory=factory, buckets=[list(range(n))[::-1]]
+            module.to(device),
+            schedule=args.schedule,
+            optimizer_factory=factory,
+            buckets=[list(range(n))[::-1]],
+            background=background,
         )
     else:
         versions = WeightVersions(module.to(device), schedule=args.schedule, optimizer_factory=factory)
@@ -91,17 +106,18 @@ def run_stage(
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
-    start, step_s = time.perf_counter(), 0.0
+    start, step_s, cpu_start = time.perf_counter(), 0.0, time.process_time()
     for a in stage_actions(args.schedule, stage_index=0, num_stages=2, num_microbatches=m, num_batches=args.batches):
         k = a.index
         if a.kind == FORWARD and k == m * args.warmup:  # the first timed batch begins
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
-            start, step_s = time.perf_counter(), 0.0
+            start, step_s, cpu_start = time.perf_counter(), 0.0, time.process_time()
             if ws is not None:  # the stream's times so far (stall, gradient waits, copies): the warm-up's, left out
                 warm = (ws.backend.stall_s(), ws.stats.grad_wait_s, *ws.backend.busy_s())
         with torch.profiler.record_function("compute") if probe and a.kind != STEP else contextlib.nullcontext():
             if a.kind == FORWARD:
+                versions.module_for_batch(k // m)  # as the stage worker: waits for a background step writing it
                 r = versions.replica_for_batch(k // m)
                 if ws is not None:
                     ws.begin_forward(k, r)
@@ -122,24 +138,76 @@ def run_stage(
                 ws.quiesce()
             versions.step(k, grad_scale=1 / m)
             step_s += time.perf_counter() - t0
+    versions.settle()  # the last background step counts in the time
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    elapsed = time.perf_counter() - start
+    elapsed, cpu_s = time.perf_counter() - start, time.process_time() - cpu_start
     st = ws.close() if ws is not None else None
     if st is not None and args.warmup:
         for key, before in zip(("stall_s", "grad_wait_s", "copy_out_s", "copy_in_s"), warm):
             st[key] -= before
     result = {
         "samples_per_s": m * b * (args.batches - args.warmup) / elapsed,
+        # per second of this process's CPU time (all its threads): on a shared CPU, what it gets of the cores
+        # moves the wall clock's figure, far less this one
+        "samples_per_cpu_s": m * b * (args.batches - args.warmup) / cpu_s,
         "step_s": step_s,
         "losses": [float(x) for x in losses],
         "weights": {n: t.detach().cpu().clone() for n, t in versions.newest().state_dict().items()},
         "stream": st,
         "layer_bytes": layer_bytes,
+        "host_step_s": getattr(versions, "host_step_s", 0.0),  # background: the thread's stepping
+        "host_step_wait_s": getattr(versions, "host_step_wait_s", 0.0),  # ... and what training waited for of it
     }
     if device.type == "cuda":
         result["peak_device_bytes"] = torch.cuda.max_memory_allocated(device)
     return result
+
+
+def predict(args: argparse.Namespace, device: torch.device) -> Dict[str, Any]:
+    """What the planner's cost model (``partitioner.cost``) predicts for the streamed run: the stage's blocks profiled
+    as the planner profiles a layer (``profile_layer``, with this process's threads), this host's figures
+    (``partitioner.host``, cached), the host step on the training thread (this script steps there: sync); on a CPU
+    the copies are host copies and the host is the device (a GPU's link has no measured figure here: CPU only)."""
+    from partitioner.cost import Segments, StageContext, segment_costs
+    from partitioner.host import host_profile
+    from partitioner.profile import profile_layer
+    from pipedream2bw.config import OptimConfig
+
+    cfg = GPTConfig(num_layers=args.layers, d_model=args.d_model, num_heads=args.num_heads, seq_len=args.seq_len)
+    optim = OptimConfig(name="adamw")
+    block = profile_layer(_blocks(args)[0], cfg, optim, "block", args.microbatch_size, device=device, repeats=20)
+    host = host_profile()
+    ctx = StageContext(
+        stage_index=0,
+        num_stages=2,
+        num_microbatches=args.num_microbatches,
+        data_parallel=1,
+        schedule=args.schedule,
+        stream=True,
+        stream_window=args.window,
+        host_optimizer=True,
+        host_device_bw=host.copy_bytes_per_s,
+        host_step_bw=host.step_bytes_per_s,
+        host_copy_bw=host.copy_bytes_per_s,
+        host_step="sync",
+        host_is_device=True,
+    )
+    seg, samples = Segments([block] * args.layers), args.num_microbatches * args.microbatch_size
+    costs = segment_costs(seg, 0, args.layers, ctx)
+    # the plain run as the planner sees it (weights and AdamW where the stage computes, stepping with this script's
+    # kernel, the host's): the profile's own error, apart from the streamed terms'
+    step = (3 * block.param_bytes + 2 * block.optimizer_bytes) / host.step_bytes_per_s
+    plain_seg = Segments([dataclasses.replace(block, step_s=step)] * args.layers)
+    plain = segment_costs(plain_seg, 0, args.layers, dataclasses.replace(ctx, stream=False, host_optimizer=False))
+    return {
+        "predicted_plain_samples_per_s": samples / float(plain["batch_s"]),
+        "predicted_samples_per_s": samples / float(costs["batch_s"]),
+        "predicted_host_step_s": float(costs["host_step_s"]),
+        "predicted_host_sum_s": float(costs["host_sum_s"]),
+        "predicted_stall_s": float(costs["stall_s"]),
+        "host": host.describe(),
+    }
 
 
 def measure(args: argparse.Namespace, device: torch.device, *, stream: bool, **kw: bool) -> Dict[str, Any]:
@@ -167,11 +235,23 @@ def main() -> None:
     p.add_argument("--schedule", default="2bw", choices=["2bw", "flush", "gpipe"])
     p.add_argument("--window", type=int, default=1, help="swap.weight_prefetch: layers copied ahead")
     p.add_argument(
+        "--host-step",
+        choices=["background", "sync"],
+        default="background",
+        help="swap.host_step of the streamed and host-optimizer runs (background: 2bw only, as swap.host_step=auto)",
+    )
+    p.add_argument(
         "--deterministic",
         choices=["auto", "on", "off"],
         default="auto",
         help="torch.use_deterministic_algorithms (auto: on with CUDA, whose attention backward is not deterministic "
         "otherwise; CPU kernels are)",
+    )
+    p.add_argument(
+        "--predict",
+        action="store_true",
+        help="also print the planner's predicted samples/s for the streamed run (CPU only: partitioner.cost with this "
+        "host's measured figures)",
     )
     p.add_argument("--json", default=None, help="also write the figures to this file")
     args = p.parse_args()
@@ -214,10 +294,22 @@ def main() -> None:
         "streamed_samples_per_s": streamed["samples_per_s"],
         "plain_step_s": plain["step_s"],
         "streamed_step_s": streamed["step_s"],
+        "host_step": "background" if args.host_step == "background" and args.schedule == "2bw" else "sync",
+        "streamed_host_step_s": streamed["host_step_s"],
+        "streamed_host_step_wait_s": streamed["host_step_wait_s"],
+        "streamed_over_plain_time": plain["samples_per_s"] / streamed["samples_per_s"],
         "host_optimizer_samples_per_s": reference["samples_per_s"] if reference is not plain else None,
         "host_optimizer_peak_device_bytes": reference["peak_device_bytes"] if reference is not plain else None,
         "bit_for_bit": same,
     }
+    if args.predict:
+        if device.type != "cpu":
+            raise SystemExit("--predict: CPU only (the planner has no measured figure of a GPU's link here)")
+        report.update(predict(args, device))
+        report["streamed_samples_per_cpu_s"] = streamed["samples_per_cpu_s"]
+        report["plain_predicted_over_measured"] = report["predicted_plain_samples_per_s"] / plain["samples_per_s"]
+        report["predicted_over_measured"] = report["predicted_samples_per_s"] / report["streamed_samples_per_s"]
+        report["predicted_over_measured_cpu"] = report["predicted_samples_per_s"] / streamed["samples_per_cpu_s"]
     width = max(map(len, report))
     for k, v in report.items():
         print(f"{k:<{width}}  {v:.4g}" if isinstance(v, float) else f"{k:<{width}}  {v}")

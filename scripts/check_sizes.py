@@ -17,8 +17,6 @@ PACKAGES = ("pipedream2bw", "partitioner")
 MAX_MODULE_LINES = 800
 MAX_FUNCTION_LINES = 80
 KNOWN = {
-    "partitioner/planner.py": "821 lines",
-    "partitioner/planner.py::plan": "80 lines",
     "partitioner/profile.py::analytic_gpt": "87 lines",
 }
 """Over their limit when the check came (issue 43), left to the work on partitioner/ then under way: each must come

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
+import signal
 import sys
 import time
 import traceback
@@ -126,7 +127,7 @@ def train_as_a_script(cfg: Config, run_dir: str) -> None:
 
 class FailAt(nn.Module):
     """Wraps a layer and misbehaves on its ``call``-th forward: ``how`` is 'raise', 'hang'
-    (sleeps for an hour) or 'reshape' (drops the last position of its output)."""
+    (sleeps for an hour), 'reshape' (drops the last position of its output) or 'kill' (SIGKILLs its process)."""
 
     def __init__(self, layer: nn.Module, *, call: int, how: str):
         super().__init__()
@@ -141,6 +142,8 @@ class FailAt(nn.Module):
             time.sleep(3600)
         if self.how == "reshape":
             return out[:, :-1]
+        if self.how == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
         raise RuntimeError(f"injected fault on forward call {self.calls}")
 
 

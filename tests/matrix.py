@@ -97,6 +97,17 @@ TOLERANCE: Dict[str, Dict[str, float]] = {
 }
 
 
+def tolerance(cell: "Cell") -> Dict[str, float]:
+    """The cell's tolerance: its precision's, except that Muon under fp16 takes bf16's. Newton-Schulz maps a
+    one-unit difference in a momentum's weak directions to an update difference of the order of the learning rate:
+    measured 3.0e-4 (1.lin.weight, 2bw-d2w1-fp16-tied-clip-tuple-muon-ef, tied gradients summed across the stages
+    in another order than the reference's) on a CPU with avx512_bf16, where the earlier machines measured under
+    1e-4; the features it checks still move the weights by more (check_features_matter)."""
+    if cell.muon and cell.precision == "fp16":
+        return TOLERANCE["bf16"]
+    return TOLERANCE[cell.precision]
+
+
 @dataclasses.dataclass(frozen=True)
 class Cell:
     """One run of the matrix: a value for every factor."""
@@ -248,17 +259,10 @@ REFUSED: List[Tuple[Tuple[str, ...], Callable[[Dict[str, Any]], bool], str, str,
         dict(STREAMS, host_optim=False),
     ),
     (
-        ("d", "w", "resume", "stream"),
-        lambda r: r["stream"] and (r["w"] > 1 or r["resume"] and RESUME_AT[(r["d"], r["w"])][1] > 1),
-        r"swap.weights \(true\) with pipeline.data_parallel \(2\)",
-        "the all-reduce of host-accumulated gradients is not written (every resume's layouts have a w = 2 side)",
-        dict(STREAMS, d=1, w=2),
-    ),
-    (
-        ("weight_dtype", "stream"),
-        lambda r: r["stream"] and r["weight_dtype"] == "compute",
+        ("precision", "weight_dtype", "stream"),
+        lambda r: r["stream"] and r["weight_dtype"] == "compute" and r["precision"] != "fp32",
         r"swap.weights \(true\) with train.weight_dtype \(compute\)",
-        "streamed versions are float32",
+        "streamed versions are float32 (compute-dtype host versions with float32 masters are not written)",
         dict(STREAMS, precision="bf16", weight_dtype="compute"),
     ),
     (
@@ -267,20 +271,6 @@ REFUSED: List[Tuple[Tuple[str, ...], Callable[[Dict[str, Any]], bool], str, str,
         r"swap.weights \(true\) with train.precision \(fp16\)",
         "the loss scaler's checks of host gradients are not written",
         dict(STREAMS, precision="fp16"),
-    ),
-    (
-        ("clip", "skip", "stream"),
-        lambda r: r["stream"] and (r["clip"] or r["skip"]),
-        r"swap.weights \(true\) with optim.clip_grad_norm or train.on_nonfinite=skip",
-        "the step agreement over host gradients is not verified",
-        dict(STREAMS, skip=True),
-    ),
-    (
-        ("validation", "stream"),
-        lambda r: r["stream"] and r["validation"],
-        r"swap.weights \(true\) with train.eval_every \(2\)",
-        "validation passes do not stream weights",
-        dict(STREAMS, validation=True),
     ),
     (
         ("tied", "stream"),

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import json
 import re
+import signal
+from pathlib import Path
 
 import pytest
 from dist_helper import spawn, train_failing_in_setup, train_with_fault
 from test_semantics import tiny_config
 
 from pipedream2bw.pipeline.schedule import FORWARD, Action, rank_actions
+from pipedream2bw.run.runner import run
 
 
 @pytest.mark.slow
@@ -117,3 +121,72 @@ def test_failure_during_set_up_stops_every_rank_naming_it(tmp_path):
     assert all(r.exitcode not in (0, -9) for r in results), [(r.rank, r.exitcode) for r in results]
     expected = "aborting because rank 0 (stage 0) failed: RuntimeError: injected set-up fault"
     assert expected in results[1].log, results[1].log
+
+
+def _streamed(cfg):
+    """``cfg`` with every stage streaming its weights from host memory (swap.weights)."""
+    cfg.swap.enabled, cfg.swap.weights, cfg.swap.optimizer, cfg.swap.resident = True, True, "host", 8
+    return cfg
+
+
+@pytest.mark.slow
+@pytest.mark.long  # 2 launches, ~37 s on the loaded 2-core machine (the default tier has ~15 s to spare)
+def test_a_rank_killed_mid_stream_stops_every_rank_and_its_checkpoints_resume(tmp_path):
+    """swap.weights on both stages; rank 1 is SIGKILLed in the forward of batch 5 (between its layers' weight
+    copies, one in flight): the other rank exits non-zero naming rank 1, and the checkpoint written before (step 4)
+    still loads: the resumed run trains the last steps from it (test_stream's resume test shows a streamed resume
+    bit for bit)."""
+    cfg = _streamed(tiny_config(schedule="2bw", num_stages=2, num_microbatches=2, num_steps=6))
+    cfg.train.checkpoint_every, cfg.dist.timeout_s = 2, 30.0
+    # the LM head, on stage 1 (layers 3..5); each 2bw replica has its own copy of the wrapper: replica 0 runs batches
+    # 0, 1, 3, 5, and its 7th forward is batch 5's first microbatch
+    last = 5
+    run_dir = tmp_path / "run"
+    results = spawn(
+        train_with_fault, world_size=2, args=(cfg, str(run_dir), last, 7, "kill"), log_dir=tmp_path / "killed"
+    )
+    assert results[1].exitcode == -signal.SIGKILL and results[0].exitcode not in (0, -9), [
+        (r.rank, r.exitcode) for r in results
+    ]
+    # rank 0 waits on rank 1 in a receive (seen here) or for a send (were it sending when rank 1 died)
+    died = r"rank 0 \(stage 0\) failed: RuntimeError: rank 0: (receiving from rank 1|a send to rank 1 .*) failed"
+    assert re.search(died, results[0].log), results[0].log
+    assert not (run_dir / "summary.json").exists()
+    saved = sorted(p.name for p in (run_dir / "checkpoints").glob("step_*"))
+    assert "step_00000004" in saved, saved
+    never = 10**9  # the same layers (names), no fault
+    resumed = spawn(
+        train_with_fault, world_size=2, args=(cfg, str(run_dir), last, never, "kill"), log_dir=tmp_path / "resumed"
+    )
+    assert all(r.exitcode == 0 for r in resumed), [r.log for r in resumed]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["first_step"] == 4 and len(summary["losses"]) == 6, summary["first_step"]
+    assert all(r["stream"]["loads"] > 0 for r in summary["ranks"])
+
+
+def _train_on_a_small_host(cfg, run_dir: str, available: int) -> None:
+    """``run()`` on a host that reports ``available`` bytes of memory; the process groups must never start."""
+    from pipedream2bw.pipeline import comm
+    from pipedream2bw.run import start
+
+    def no_groups(**kwargs):
+        raise AssertionError("the process groups started")
+
+    start.available_host_bytes, comm.init = (lambda: available), no_groups
+    run(cfg, Path(run_dir))
+
+
+@pytest.mark.slow
+def test_a_host_that_cannot_hold_the_streamed_buffers_is_refused_before_any_group(tmp_path):
+    cfg = _streamed(tiny_config(schedule="2bw", num_stages=2, num_microbatches=2, num_steps=2))
+    small = 2**20  # 1 MiB: the tiny GPT's two streamed stages ask for more
+    results = spawn(_train_on_a_small_host, world_size=2, args=(cfg, str(tmp_path), small), log_dir=tmp_path)
+    assert all(r.exitcode not in (0, -9) for r in results), [(r.rank, r.exitcode) for r in results]
+    for r in results:
+        assert "the process groups started" not in r.log, r.log
+        m = re.search(
+            r"ConfigError: swap.weights \(true\): the streamed stages on this host \(stages \[0, 1\], 2 ranks\) "
+            r"need (\d+) bytes .* but the host has 1048576 bytes .*stream fewer stages \(swap.stages\)",
+            r.log,
+        )
+        assert m and int(m[1]) > small, r.log

@@ -9,7 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from pipedream2bw.memory.host_optim import HostOptimizerVersions
+from pipedream2bw.config import OptimConfig
+from pipedream2bw.memory.host_optim import HostOptimizerVersions, host_kernel, measure_host_step
 from pipedream2bw.pipeline.schedule import BACKWARD, FORWARD, STEP, stage_actions
 
 M = 2  # microbatches per batch
@@ -160,3 +161,134 @@ def test_background_is_refused_where_nothing_can_overlap_the_step():
     cfg.swap.host_step = "later"
     with pytest.raises(ConfigError, match=r"swap.host_step \('later'\) is unknown"):
         validate(cfg, world_size=2)
+
+
+def _muon_pair(device: str):
+    """Two Muon steps' setups over the same matrices: the parameters and state on ``device``, and on the host with the
+    Newton-Schulz iterations sent to ``device`` (``orthogonalize_on``, as build_versions does for swap.optimizer=host).
+    """
+    from pipedream2bw.config.optimizers import Muon, orthogonalize_on
+
+    torch.manual_seed(0)
+    weights = [torch.randn(48, 24), torch.randn(24, 80)]  # both orientations (the iteration transposes a tall one)
+    on_device = [nn.Parameter(w.to(device)) for w in weights]
+    on_host = [nn.Parameter(w.clone()) for w in weights]
+    kw = dict(lr=0.02, adjust_lr_fn="match_rms_adamw", weight_decay=0.1)
+    host_opt = Muon(on_host, **kw)
+    assert orthogonalize_on(host_opt, torch.device(device)) == 1
+    return (on_device, Muon(on_device, **kw)), (on_host, host_opt)
+
+
+def test_muon_finds_its_orthogonalizer_inside_composites():
+    from pipedream2bw.config import OptimConfig, build_optimizer
+    from pipedream2bw.config.optimizers import MUON_ROLE, orthogonalize_on
+
+    params = [nn.Parameter(torch.randn(4, 4)), nn.Parameter(torch.randn(4))]
+    setattr(params[0], MUON_ROLE, True)
+    setattr(params[1], MUON_ROLE, False)
+    opt = build_optimizer(params, OptimConfig(name="muon", delay_correction="error_feedback"))  # EF(Muon + AdamW)
+    assert orthogonalize_on(opt, torch.device("cpu")) == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_muon_with_host_state_orthogonalizes_on_the_device_bit_for_bit():
+    # swap.optimizer=host with optim.name=muon: the momentum stays on the host, each matrix goes to the GPU for its
+    # Newton-Schulz iterations (bfloat16 there, as the device step's) and comes back: the same weights as Muon
+    # stepping on the GPU, bit for bit, and no matrix product on the host.
+    (dev, dev_opt), (host, host_opt) = _muon_pair("cuda")
+    g = torch.Generator().manual_seed(1)
+    matmul_devices = set()
+    real = torch.addmm
+
+    def spy(*args, **kwargs):
+        matmul_devices.add(args[0].device.type)
+        return real(*args, **kwargs)
+
+    for _ in range(4):
+        grads = [torch.randn(p.shape, generator=g) for p in host]
+        for p, q, gr in zip(dev, host, grads):
+            p.grad, q.grad = gr.cuda(), gr.clone()
+        dev_opt.step()
+        torch.addmm = spy
+        try:
+            host_opt.step()
+        finally:
+            torch.addmm = real
+    assert matmul_devices == {"cuda"}
+    assert all(torch.equal(p.cpu(), q.detach()) for p, q in zip(dev, host))
+    assert all(q.device.type == "cpu" for q in host) and all(
+        st["momentum_buffer"].device.type == "cpu" for st in host_opt.state.values()
+    )
+
+
+@pytest.mark.parametrize(
+    "cfg,fused",
+    [
+        (OptimConfig(name="adamw"), True),
+        (OptimConfig(name="Adam", kwargs={"betas": (0.9, 0.95)}), True),
+        (OptimConfig(name="adamw", kwargs={"foreach": False}), False),  # the user chose a kernel: kept
+        (OptimConfig(name="sgd", kwargs={"momentum": 0.9}), False),  # fused gained nothing measured: torch's default
+        (OptimConfig(name="muon"), True),  # the kernel of muon_others (adamw); Muon's own step is unchanged
+        (OptimConfig(name="muon", muon_others="sgd"), False),
+        (OptimConfig(name="muon", delay_correction="lookahead"), False),  # NAdam: no fused kernel
+        (OptimConfig(target="torch.optim.AdamW"), True),
+    ],
+)
+def test_the_host_step_takes_the_fused_kernel_where_torch_has_a_faster_one(cfg, fused):
+    out = host_kernel(cfg)
+    assert out.kwargs.get("fused", False) is fused
+    assert {k: v for k, v in out.kwargs.items() if k != "fused" or not fused} == dict(cfg.kwargs)
+
+
+def test_the_fused_host_step_is_reproducible_at_any_thread_count():
+    # The fused kernel rounds some elements otherwise than torch's per-tensor loop (scripts/bench_host_step.py measures
+    # how far each is from a float64 step); runs must still give the same bits, run to run and at 1 or 2 threads.
+    def run(threads: int) -> torch.Tensor:
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            g = torch.Generator().manual_seed(0)
+            p = nn.Parameter(torch.randn(100_003, generator=g))  # an odd size: a vectorized body and a scalar tail
+            opt = torch.optim.AdamW([p], lr=1e-2, weight_decay=0.1, **host_kernel(OptimConfig(name="adamw")).kwargs)
+            for k in range(3):
+                p.grad = torch.randn(p.shape, generator=g) * 10.0**-k
+                opt.step()
+            return p.detach()
+        finally:
+            torch.set_num_threads(before)
+
+    one = run(1)
+    assert torch.equal(one, run(1)) and torch.equal(one, run(2))
+
+
+def test_measure_host_step_gives_the_planner_its_figures_once():
+    figures = measure_host_step(2**16, num_tensors=2, threads=1, repeats=1)
+    assert figures.params_per_s > 0 and figures.copy_bytes_per_s > 0 and figures.threads == 1
+    assert figures.bytes_per_param == 28  # AdamW: weight and two moments read and written, the gradient read
+    assert figures.bound_params_per_s == figures.copy_bytes_per_s / 28
+    assert measure_host_step(2**16, num_tensors=2, threads=1, repeats=1) is figures  # cached: measured once
+    # per optimizer: SGD with momentum moves the weight and its buffer both ways, and the gradient
+    assert measure_host_step(2**16, optimizer="sgd", num_tensors=2, threads=1, repeats=1).bytes_per_param == 20
+
+
+def test_background_is_accepted_on_a_streamed_stage():
+    # swap.weights once refused swap.host_step=background ("streamed stages step their host layers synchronously");
+    # StreamedVersions now steps on the thread (tests/test_stream.py::test_a_streamed_stage_steps_in_the_background...)
+    from test_semantics import tiny_config
+
+    from pipedream2bw.config import validate
+
+    cfg = tiny_config(schedule="2bw", num_stages=2, num_microbatches=2)
+    cfg.swap.weights, cfg.swap.enabled, cfg.swap.optimizer, cfg.swap.host_step = True, True, "host", "background"
+    validate(cfg, world_size=2)
+
+
+def test_a_bf16_gradient_reaches_the_float32_master_cast():
+    # torch lets no bf16 gradient sit on a float32 parameter, and the fused kernel takes one dtype: a gradient in the
+    # compute dtype (a bf16 transfer) is cast to the master's on the host
+    versions = _versions(False)
+    p = versions._params[0][0]
+    grad = torch.randn(p.shape).to(torch.bfloat16)
+    versions._attach_master(0, p, grad)
+    assert versions.master[0].grad.dtype == torch.float32 and torch.equal(versions.master[0].grad, grad.float())

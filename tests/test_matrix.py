@@ -23,7 +23,6 @@ from matrix import (
     REFUSED,
     RESUME_STEP,
     SKIP_BATCH,
-    TOLERANCE,
     Cell,
     MatrixRunner,
     cell_config,
@@ -32,6 +31,7 @@ from matrix import (
     feasible,
     poisoned_layers,
     refusal,
+    tolerance,
     uncovered,
 )
 from reference import Reference, reference_eval, reference_run
@@ -118,7 +118,7 @@ def check_cell(cell: Cell, runs) -> None:
     """The cell's last run against the reference: final weights, every step's loss, learning rate and
     gradient norm (where the run agreed on one), skipped steps, loss scales (fp16), validation losses;
     and that each feature did act (tie across stages, swapped bytes, resume from the checkpoint)."""
-    tol = TOLERANCE[cell.precision]
+    tol = tolerance(cell)
     ref = reference(cell, delayed=cell.schedule == "2bw", skip=cell.skip, clip=cell.clip)
     summary, weights = runs.summaries[-1], runs.weights[-1]
     assert weights.keys() == ref.weights.keys()
@@ -155,9 +155,12 @@ def check_cell(cell: Cell, runs) -> None:
     if cell.tied:
         (tie,) = summary["ties"]
         assert tie["stages"] == sorted({0, summary["num_stages"] - 1})  # across the first and last stage
-    if cell.stream:  # every stage streamed its weights
+    if cell.stream:  # every stage streamed its weights, in validation passes too; the replicas reduced host gradients
         streamed = [r["stream"] for r in summary["ranks"]]
         assert all(st is not None and st["loads"] > 0 and st["grad_bytes_out"] > 0 for st in streamed), streamed
+        assert all((st["eval_loads"] > 0) == cell.validation for st in streamed), streamed
+        w = summary["data_parallel"]
+        assert all((r["allreduce_calls"] > 0) == (w > 1) for r in summary["ranks"]), summary["ranks"]
     if cell.swap:
         swapped = [r["swap"]["swapped_out"] for s in runs.summaries for r in s["ranks"] if r["swap"]]
         assert swapped and max(swapped) > 0
@@ -182,7 +185,7 @@ def differs(a: dict, b: dict, tol: dict) -> bool:
 def check_features_matter(cell: Cell) -> None:
     """The delay, the skip, the clipping, the correction and Muon each move the reference's weights by more than
     the tolerance: a run that ignored one would fail ``check_cell``."""
-    tol, delayed = TOLERANCE[cell.precision], cell.schedule == "2bw"
+    tol, delayed = tolerance(cell), cell.schedule == "2bw"
     ref = reference(cell, delayed=delayed, skip=cell.skip, clip=cell.clip).weights
     if delayed:
         assert differs(ref, reference(cell, delayed=False, skip=cell.skip, clip=cell.clip).weights, tol)

@@ -8,9 +8,10 @@ import functools
 
 import pytest
 
-from partitioner.auto import apply_choices, apply_plan, make_request, plan_config
-from partitioner.cost import LayerCost, Segments, StageContext, StageCost, segment_costs
-from partitioner.planner import _streams, stage_contexts, stage_table, table
+from partitioner.auto import apply_choices, apply_plan, make_request, plan_config, run_overrides
+from partitioner.cost import RESOURCES, LayerCost, Segments, StageContext, StageCost, host_step_overlaps, segment_costs
+from partitioner.host import HostProfile
+from partitioner.planner import _streams, bound_line, stage_contexts, stage_table, table
 from partitioner.profile import analytic_gpt
 from partitioner.topology import GIB
 from pipedream2bw.config import ConfigError, default_plan_choices, validate
@@ -54,7 +55,7 @@ def test_llama13b_on_four_24gib_gpus_fits_only_by_streaming_and_runs_as_planned(
         assert parts["optimizer"] == 0 and best.predicted_stall_s[s] > 0
     assert "stream" in table(plans).splitlines()[0] and "stall ms" in stage_table(best)
     # what partition=auto|file then runs: the plan's streamed stages, with what streaming needs; and it validates
-    run = llama13b(partition=dict(mode="auto"))
+    run = llama13b(partition=dict(mode="auto"), optim=dict(name="adamw"))  # what the plan steps on the host
     optim, train = apply_choices(run.optim, run.train, best, precision="bf16")
     pipeline, swap = apply_plan(run.pipeline, run.swap, best, world_size=4, num_layers=43)
     assert (swap.weights, swap.optimizer, swap.stages) == (True, "host", best.stream_stages)
@@ -66,7 +67,7 @@ def test_llama13b_on_four_24gib_gpus_fits_only_by_streaming_and_runs_as_planned(
 
 
 def test_a_stage_streams_only_where_it_would_not_fit_otherwise():
-    cfg = llama13b(model=dict(num_layers=8), partition=dict(microbatch_sizes=[2]))
+    cfg = llama13b(model=dict(num_layers=8), partition=dict(microbatch_sizes=[4]))
     best = plan_config(cfg)[0]
     assert best.stream_stages and len(best.stream_stages) < best.num_stages, best.stream_stages
     seg = Segments(_layers(cfg, best))
@@ -146,3 +147,133 @@ def test_streamed_stall_follows_the_copy_stream(window):
 def test_the_planner_never_streams_what_the_runtime_refuses(change):
     assert _streams(make_request(llama13b()), 1) and not _streams(make_request(llama13b()), 2)  # w > 1: refused
     assert not _streams(make_request(llama13b(**change)), 1)
+
+
+# ---- the host as the third resource (issue 42 item 6) ----------------------------------------------------------
+
+
+def _host_stage(*, step_bw, copy_bw=10e9, host_step="auto", stream=True, m=4):
+    """One stage of 4 layers (1 GB of float32 weights each, AdamW state 2 GB, 10 ms forward, 20 ms backward) whose
+    optimizer steps on the host, with the host stepping ``step_bw`` bytes/s and copying ``copy_bw``."""
+    layers = [LayerCost(str(k), 0.01, 0.02, 10**9, 0, 0, 0, optimizer_bytes=2 * 10**9) for k in range(4)]
+    ctx = StageContext(
+        0,
+        2,
+        m,
+        1,
+        stream=stream,
+        host_optimizer=True,
+        host_device_bw=25e9,
+        host_step_bw=step_bw,
+        host_copy_bw=copy_bw,
+        host_step=host_step,
+    )
+    return {k: float(v) for k, v in segment_costs(Segments(layers), 0, 4, ctx).items()}
+
+
+def test_a_stage_whose_host_step_dominates_is_reported_host_bound():
+    slow, fast = _host_stage(step_bw=1e9, host_step="sync"), _host_stage(step_bw=1e12, copy_bw=1e12, host_step="sync")
+    # AdamW: read the gradient, read and write weights and both moments: 3 x 4 GB + 2 x 8 GB at 1 GB/s
+    assert slow["host_step_s"] == pytest.approx(28.0) and fast["host_step_s"] == pytest.approx(0.028)
+    assert RESOURCES[int(slow["bound"])] == "host" and slow["batch_s"] > slow["host_step_s"]
+    assert RESOURCES[int(fast["bound"])] == "compute" and fast["batch_s"] < slow["batch_s"] / 10
+    # the host's sums of a streamed stage's gradients: the first microbatch copied, three added (1.5 copies each)
+    assert slow["host_sum_s"] == pytest.approx((1 + 3 * 1.5) * 4e9 / 10e9)
+
+
+def test_background_host_step_overlaps_the_next_batch_and_sync_adds_it():
+    # a stage that keeps its weights on the device (swap.optimizer=host): the runtime's auto steps it on a thread
+    sync = _host_stage(step_bw=1e9, host_step="sync", stream=False)
+    background = _host_stage(step_bw=1e9, host_step="auto", stream=False)
+    link = 2 * 4e9 / 25e9  # gradients out, new weights in, at the step
+    device = 4 * 4 * (0.01 + 0.02)  # 4 microbatches of 4 layers
+    assert sync["batch_s"] == pytest.approx(device + link + 28.0)
+    assert background["batch_s"] == pytest.approx(max(device + link / 2, 28.0 + link / 2))
+    assert background["step_s"] == pytest.approx(link / 2)  # what the training thread does at the step
+    fast = _host_stage(step_bw=1e12, host_step="background", stream=False)
+    assert fast["batch_s"] == pytest.approx(device + link / 2)  # hidden: the device's batch is the longer
+    # a streamed stage steps on its thread under auto too (stream.py), on the training thread with sync
+    auto = _host_stage(step_bw=1e9)["batch_s"]
+    assert _host_stage(step_bw=1e9, host_step="sync")["batch_s"] > auto
+    assert auto == _host_stage(step_bw=1e9, host_step="background")["batch_s"]
+    assert not host_step_overlaps(StageContext(0, 2, 4, 1, schedule="flush", host_step="background"))
+
+
+FIXED_HOST = HostProfile(step_params_per_s=5e7, copy_bytes_per_s=2e9, kernel="fused", cores=2)
+
+
+def test_the_host_figures_are_measured_once_and_cached(tmp_path, monkeypatch):
+    import partitioner.host as host
+
+    calls = []
+    monkeypatch.setattr(host, "measure_host_step", lambda: calls.append("step") or 1e8)
+    monkeypatch.setattr(host, "measure_copy", lambda: calls.append("copy") or 3e9)
+    first = host.host_profile(cache_dir=tmp_path)
+    assert calls == ["step", "copy"] and len(list(tmp_path.glob("host-*.json"))) == 1
+    for _ in range(2):  # a plan's request, then another process's: the cached figures
+        assert make_request(llama13b(partition=dict(cache_dir=str(tmp_path)))).host.step_bw == 1e8 * 28
+    assert host.host_profile(cache_dir=tmp_path) == first and calls == ["step", "copy"]
+    assert first.step_bytes_per_s == 28e8 and "100 M parameters/s" in first.describe()
+
+
+@pytest.fixture
+def fixed_host(monkeypatch):
+    """This test's host figures, not this machine's (planning streams: it would measure them)."""
+    import partitioner.host as host
+
+    monkeypatch.setattr(host, "host_profile", lambda **kw: FIXED_HOST)
+    return FIXED_HOST
+
+
+def test_a_streamed_plan_prints_its_host_step_column_and_what_bounds_it(fixed_host):
+    cfg = llama13b(optim=dict(name="adamw", delay_correction="none"))
+    plans = plan_config(cfg)
+    best = plans[0]
+    layers, bounds = _layers(cfg, best), [*best.boundaries, sum(best.balance)]
+    share = max(1.0, best.num_stages / fixed_host.cores)  # one node: its ranks take turns on its 2 cores
+    for s in range(best.num_stages):
+        own = layers[bounds[s] : bounds[s + 1]]
+        traffic = sum(3 * c.param_bytes + 2 * c.optimizer_bytes for c in own)
+        assert best.predicted_host_step_s[s] == pytest.approx(traffic * share / fixed_host.step_bytes_per_s)
+    rows = stage_table(best).splitlines()
+    header = rows[0].split()
+    assert "step s" in rows[0] and "sums s" in rows[0] and "bound" in header
+    for s, row in enumerate(rows[1:]):
+        assert f"{best.predicted_host_step_s[s]:.3f}" in row.split() and best.predicted_stage_bound[s] in row.split()
+    assert best.predicted_bound == "host" and "bound" in table(plans).splitlines()[0]
+    line = bound_line(best)
+    assert f"{best.predicted_samples_per_s:.4g} samples/s" in line and "bound by the host's optimizer step" in line
+    assert fixed_host.describe() in line and best.host == fixed_host.describe()
+
+
+def test_muon_plans_that_stream_step_adamw_on_the_host_and_say_so(fixed_host, capsys, tmp_path):
+    from partitioner.__main__ import main
+
+    cfg = llama13b()  # the default optimizer: Muon with error feedback
+    assert cfg.optim.name == "muon"
+    best = plan_config(cfg)[0]
+    assert best.stream_stages and run_overrides(cfg.optim, best) == ["optim.name=adamw"]
+    adamw = plan_config(llama13b(optim=dict(name="adamw")))[0]  # costed as what runs: AdamW's state on the host
+    assert best.predicted_host_step_s == adamw.predicted_host_step_s
+    with pytest.raises(ConfigError, match=r"optim.name \(muon\) with a plan whose stages step .* optim.name=adamw"):
+        apply_choices(cfg.optim, cfg.train, best, precision="bf16")  # partition=auto|file: refused, naming the fix
+    resident = dataclasses.replace(best, stream_stages=[], swap_stages=[], host_optimizer=False)
+    assert run_overrides(cfg.optim, resident) == []  # Muon on the devices
+    out = tmp_path / "plan.yaml"
+    assert main(["plan", "--out", str(out), "model=llama13b", "topology=commodity", "train.global_batch_size=64"]) == 0
+    run_line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert "optim.name=adamw" in run_line and "optim.name=muon" not in run_line
+
+
+def test_where_only_the_optimizer_state_must_leave_the_plan_keeps_it_on_the_host_and_streams_nothing(fixed_host):
+    # 8 blocks at b = 2: no plan with the state on the devices; with it on the host every stage fits unstreamed, which
+    # is faster than streaming (its host sums); before, the search dropped that split and found no plan at all
+    cfg = llama13b(model=dict(num_layers=8), partition=dict(microbatch_sizes=[2]), optim=dict(name="adamw"))
+    with pytest.raises(ConfigError, match="no plan fits"):
+        plan_config(llama13b(model=dict(num_layers=8), partition=dict(microbatch_sizes=[2], stream=False)))
+    best = plan_config(cfg)[0]
+    assert best.host_optimizer and best.steps_on_host and not best.stream_stages
+    assert all(parts["optimizer"] == 0 for parts in best.predicted_memory_breakdown)
+    assert "step s" in stage_table(best) and all(step > 0 for step in best.predicted_host_step_s)
+    pipeline, swap = apply_plan(cfg.pipeline, cfg.swap, best, world_size=4, num_layers=11)
+    assert (swap.optimizer, swap.weights, swap.stages) == ("host", False, [])

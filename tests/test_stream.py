@@ -5,21 +5,23 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import shutil
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 import pytest
 import torch
-from dist_helper import run_ok
+from dist_helper import run_ok, spawn
 from test_semantics import tiny_config
 from torch import nn
 
 from pipedream2bw.memory.host_optim import HostOptimizerVersions
 from pipedream2bw.memory.memprobe import tensor_peak
 from pipedream2bw.memory.precision import autocast
-from pipedream2bw.memory.stream import StreamedVersions, WeightStream, device_bytes_model
+from pipedream2bw.memory.stream import StreamedVersions, WeightStream, device_bytes_model, host_bytes_model
 from pipedream2bw.memory.swap import CpuBackend, CudaBackend, _FutureTransfer
 from pipedream2bw.pipeline import stateful
 from pipedream2bw.pipeline.schedule import BACKWARD, FORWARD, STEP, stage_actions
@@ -50,30 +52,37 @@ def _stage_loop(
     device="cpu",
     backend=None,
     host_optim=False,
+    background=False,
+    factory=ADAM,
+    num_batches=3,
 ):
     """Stage 0 of 2 runs its actions (F, B, S) in one process, the output's squared mean as the loss (each layer on
     its random stream, as in the trainer: ``stateful.microbatch_streams``); with
-    ``stream``, through StreamedVersions and a WeightStream (``backend``: CpuBackend unless given); else with its
-    weights on ``device`` (``host_optim``: HostOptimizerVersions). Returns (losses, newest weights, stream stats,
-    versions)."""
+    ``stream``, through StreamedVersions and a WeightStream (``backend``: CpuBackend unless given; ``background``:
+    swap.host_step=background); else with its weights on ``device`` (``host_optim``: HostOptimizerVersions). Each
+    forward first asks for its batch's module, as the stage worker does (``module_for_batch``: a background step
+    writing that replica is waited for). Returns (losses, newest weights, stream stats, versions)."""
     dev = torch.device(device)
     layers = layers if layers is not None else _blocks(width)
     module = (RecomputeSequential if recompute and not stream else StageSequential)(*layers)
     if stream:
-        versions = StreamedVersions(module, pin=dev.type == "cuda", schedule=schedule, optimizer_factory=ADAM)
+        versions = StreamedVersions(
+            module, pin=dev.type == "cuda", schedule=schedule, optimizer_factory=factory, background=background
+        )
         backend = backend if backend is not None else CpuBackend(overlap=probe is None)
         ws = WeightStream(versions, backend, window=window, recompute=recompute)
     else:
         kind = HostOptimizerVersions if host_optim else WeightVersions
-        versions, ws = kind(module.to(dev), schedule=schedule, optimizer_factory=ADAM), None
+        versions, ws = kind(module.to(dev), schedule=schedule, optimizer_factory=factory), None
     del module, layers
     m = 2
-    xs = torch.randn(4 * m, 3, width, generator=torch.Generator().manual_seed(1)).to(dev)
+    xs = torch.randn(max(num_batches + 1, 4) * m, 3, width, generator=torch.Generator().manual_seed(1)).to(dev)
     outs, losses = {}, []
-    for a in stage_actions(schedule, stage_index=0, num_stages=2, num_microbatches=m, num_batches=3):
+    for a in stage_actions(schedule, stage_index=0, num_stages=2, num_microbatches=m, num_batches=num_batches):
         k = a.index
         with torch.profiler.record_function("compute") if probe else contextlib.nullcontext():
             if a.kind == FORWARD:
+                versions.module_for_batch(k // m)
                 r = versions.replica_for_batch(k // m)
                 with autocast(precision, dev.type), stateful.microbatch_streams(0, k, dev):
                     if ws is not None:
@@ -121,6 +130,38 @@ def test_streamed_stage_trains_bit_for_bit(schedule, recompute, precision, windo
     assert all(p.untyped_storage().data_ptr() in host for r in versions.replicas for p in r.parameters())
     homed = [v for o in versions.optimizers for st in o.state.values() for v in st.values() if torch.is_tensor(v)]
     assert homed and all(id(v) in versions._homed for v in homed)
+
+
+class _SlowAdam(torch.optim.Adam):
+    """Adam that takes a while to step: a background step is then still running when the next batch starts, and any
+    read of what it writes that does not wait for it (``settle``) sees the weights half made or not made at all."""
+
+    def step(self, closure=None):
+        time.sleep(0.05)  # a layer's step: 4 layers, 0.2 s, far longer than batch t+1's compute of this small stage
+        return super().step(closure)
+
+
+@pytest.mark.parametrize("recompute,precision,window", [(False, "fp32", 1), (True, "bf16", 2)])
+def test_a_streamed_stage_steps_in_the_background_bit_for_bit(recompute, precision, window):
+    # swap.host_step=background on a streamed stage (2bw): step t on its thread while batch t+1 streams W(t); batch
+    # t+2's forward, the first to read W(t+1), waits for it. The same losses and weights as the synchronous streamed
+    # step and as the stage unstreamed, bit for bit, over 6 batches (the thread's step runs behind a slow Adam, so a
+    # read that did not wait would see W(t-1) or a half-stepped W(t+1)).
+    kw = dict(recompute=recompute, precision=precision, num_batches=6)
+    slow = lambda params: _SlowAdam(params, lr=0.01)  # noqa: E731
+    base, base_weights, _, _ = _stage_loop("2bw", stream=False, **kw)
+    sync, sync_weights, _, _ = _stage_loop("2bw", stream=True, window=window, **kw)
+    bg, bg_weights, stats, versions = _stage_loop(
+        "2bw", stream=True, window=window, background=True, factory=slow, **kw
+    )
+    assert bg == sync == base
+    for weights in (sync_weights, bg_weights):
+        assert weights.keys() == base_weights.keys() and all(torch.equal(weights[n], base_weights[n]) for n in weights)
+    assert versions.background and versions._pending is None and stats["loads"] > 0
+    # the steps ran on the thread (0.05 s a layer: the slow Adam's), and training waited for less than all of them:
+    # batch t+1 computed meanwhile
+    assert versions.host_step_s > 5 * 0.05 * len(versions.optimizers)
+    assert versions.host_step_wait_s < versions.host_step_s
 
 
 class _DropNorm(nn.Module):
@@ -198,6 +239,38 @@ def test_the_gradients_a_norm_reads_are_whole_once_landed():
     ws.close()
 
 
+@pytest.mark.parametrize("backend", [CpuBackend, _GradsOnWorker])
+def test_each_gradient_is_reported_once_it_is_in_the_host_accumulator(backend):
+    # Data parallelism (StageWorker._host_grad_ready): the reducer starts a layer's all-reduce once the batch's last
+    # microbatch has added each of its gradients. ``on_grad(k, replica, i)`` must come after the add (not when a copy
+    # leaves, on a GPU), once per microbatch and parameter, with the microbatch it belongs to.
+    torch.manual_seed(0)
+    versions = StreamedVersions(nn.Sequential(*_blocks()), pin=False, schedule="flush", optimizer_factory=ADAM)
+    ws = WeightStream(versions, backend(), window=1, recompute=False)
+    params = versions.replicas[0].parameters()
+    heard = []
+
+    def on_grad(k, r, i):
+        p = list(versions.replicas[r].parameters())[i]
+        heard.append((k, r, i, p.grad.clone()))
+
+    ws.on_grad = on_grad
+    x = torch.randn(2, 3, 16)
+    for k in range(2):
+        ws.begin_forward(k, 0)
+        out = ws.forward(versions.replicas[0], k, 0, x[k : k + 1])
+        ws.begin_backward(k)
+        out.pow(2).mean().backward()
+        ws.end_backward(k)
+    ws.grads_landed()
+    n = len(list(versions.replicas[0].parameters()))
+    assert sorted((k, i) for k, _, i, _ in heard) == [(k, i) for k in range(2) for i in range(n)]
+    assert all(r == 0 for _, r, _, _ in heard)
+    last = {i: g for k, _, i, g in heard if k == 1}  # what the reducer would sum: the batch's whole gradient
+    assert all(torch.equal(last[i], p.grad) for i, p in enumerate(params))
+    ws.close()
+
+
 class _GradsInline(CudaBackend):
     """CudaBackend as it was before gradients left on the offload stream: each read where the backward made it
     (a synchronous copy on the compute stream)."""
@@ -263,19 +336,39 @@ def _config(schedule: str, num_stages: int, *, recompute: bool, precision: str):
     return cfg
 
 
-def _train(cfg, stream: bool):
+def _train(cfg, stream: bool, *, poison: Optional[int] = None):
+    """Trains ``cfg`` (``stream``: every stage streams its weights); ``poison``: an inf in layer 1's gradient on its
+    ``poison``-th backward (matrix.poisoned_layers). Returns (summary.json, final_model.pt)."""
     cfg = dataclasses.replace(cfg, swap=dataclasses.replace(cfg.swap))
     if stream:
         cfg.swap.enabled, cfg.swap.weights, cfg.swap.optimizer = True, True, "host"
         cfg.swap.resident, cfg.swap.min_bytes = 0, 4096  # activations of waiting microbatches swap too
-    elif cfg.dist.backend == "nccl":
-        cfg.swap.optimizer = "host"  # the streamed run's optimizer steps on the host: a CUDA AdamW rounds otherwise
+    else:  # the streamed run's optimizer steps on the host: a CUDA AdamW, and torch's default CPU loop, which the
+        cfg.swap.optimizer = "host"  # host step's fused kernel replaces (memory/host_optim.py), round otherwise
     run_dir = Path(tempfile.mkdtemp(prefix="stream-"))
     try:
-        summary = run_ok(cfg, run_dir)
+        if poison is None:
+            summary = run_ok(cfg, run_dir)
+        else:
+            results = spawn(
+                _train_poisoned,
+                world_size=cfg.pipeline.num_stages * cfg.pipeline.data_parallel,
+                args=(cfg, str(run_dir), poison),
+                log_dir=run_dir / "logs",
+            )
+            assert all(r.exitcode == 0 for r in results), [r.log for r in results]
+            summary = json.loads((run_dir / "summary.json").read_text())
         return summary, torch.load(run_dir / "final_model.pt")
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def _train_poisoned(cfg, run_dir: str, call: int) -> None:
+    from matrix import poisoned_layers
+
+    from pipedream2bw.run.runner import run
+
+    run(cfg, Path(run_dir), layers=poisoned_layers(cfg, call=call))
 
 
 @pytest.mark.slow
@@ -301,8 +394,52 @@ def test_streaming_gives_the_same_training_bit_for_bit(schedule, num_stages, rec
     for r in summary["ranks"]:
         st = r["stream"]
         assert st is not None and st["loads"] > 0 and st["grad_bytes_out"] > 0, st
+        # swap.host_step=auto: under 2bw a streamed stage's host step runs on its own thread (0 s: synchronous)
+        assert (r["host_step_s"] > 0) == (schedule == "2bw"), r["host_step_s"]
         # every layer with weights travels in each forward of 4 microbatches x 3 steps, and again in backward
         assert st["loads"] > 4 * 3 * st["layers"], st
+
+
+COMPOSED = {
+    # global clipping (the norm over host gradients, every step clipped: 0.05 is below each step's norm),
+    # on_nonfinite=skip (an inf in layer 1's gradient, on stage 0, in batch 1's first backward: step 1 skipped on
+    # both stages) and a validation pass through streamed weights after every step, across a stage boundary
+    "clip-skip-eval-d2": dict(num_stages=2, data_parallel=1, clip=0.05, eval_every=1, skip=1),
+    # the host gradients all-reduced over 2 replicas, a bucket per layer; with clipping (the norm counted once)
+    "dp-clip-d1w2": dict(num_stages=1, data_parallel=2, clip=0.05, eval_every=0, skip=None),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.long  # 4 launches, ~75 s on the loaded 2-core machine; the matrix's streamed cells cover these pairs
+@pytest.mark.parametrize("case", list(COMPOSED))  # in the default tier (against the reference, to round-off)
+def test_streaming_composes_bit_for_bit(case):
+    """Streamed == unstreamed, bit for bit, with what a streamed stage used to refuse: every loss, the agreed
+    gradient norms, the skipped step, the validation losses and the final weights; the passes streamed, the
+    replicas all-reduced."""
+    c = COMPOSED[case]
+    m = 2
+    cfg = tiny_config(schedule="2bw", num_stages=c["num_stages"], num_microbatches=m, num_steps=3)
+    cfg.pipeline.data_parallel = c["data_parallel"]
+    cfg.optim.clip_grad_norm = c["clip"]
+    cfg.train.eval_every, cfg.train.eval_batches = c["eval_every"], 1
+    cfg.data.val_fraction = 0.1 if c["eval_every"] else 0.0
+    poison = None
+    if c["skip"] is not None:
+        cfg.train.on_nonfinite, poison = "skip", c["skip"] * m + 1
+    base, base_weights = _train(cfg, stream=False, poison=poison)
+    summary, weights = _train(cfg, stream=True, poison=poison)
+    assert weights.keys() == base_weights.keys()
+    assert all(torch.equal(weights[k], base_weights[k]) for k in weights)
+    skipped = [] if c["skip"] is None else [c["skip"]]
+    assert summary["skipped_steps"] == base["skipped_steps"] == skipped
+    norms = [n for t, n in enumerate(summary["grad_norms"]) if t not in skipped]
+    assert norms == [n for t, n in enumerate(base["grad_norms"]) if t not in skipped]
+    assert summary["losses"] == base["losses"] and all(n is not None and n > c["clip"] for n in norms)  # all clipped
+    assert summary["val_losses"] == base["val_losses"]
+    for r in summary["ranks"]:
+        assert r["stream"]["eval_loads"] == (3 * m * r["stream"]["layers"] if c["eval_every"] else 0), r["stream"]
+        assert r["allreduce_calls"] == (3 * r["stream"]["layers"] if c["data_parallel"] > 1 else 0), r
 
 
 @pytest.mark.parametrize(
@@ -312,26 +449,13 @@ def test_streaming_gives_the_same_training_bit_for_bit(schedule, num_stages, rec
         (["swap.weights=true", "swap.enabled=true"], r"optimizer steps where its weights live.*swap.optimizer=host"),
         (["swap.weight_prefetch=-1"], r"swap.weight_prefetch \(-1\) must be >= 0"),
         (
-            ["swap.weights=true", "swap.enabled=true", "swap.optimizer=host", "pipeline.data_parallel=2"],
-            r"pipeline.data_parallel \(2\).*use data_parallel=1",
-        ),
-        (
             ["swap.weights=true", "swap.stages=[0]", "swap.optimizer=host", "train.precision=fp16"],
             r"train.precision \(fp16\)",
         ),
         (
-            ["swap.weights=true", "swap.stages=[0]", "swap.optimizer=host", "optim.clip_grad_norm=1.0"],
-            r"optim.clip_grad_norm",
-        ),
-        (
-            [
-                "swap.weights=true",
-                "swap.enabled=true",
-                "swap.optimizer=host",
-                "train.eval_every=5",
-                "data.val_fraction=0.1",
-            ],
-            r"eval_every \(5\)",
+            ["swap.weights=true", "swap.stages=[0]", "swap.optimizer=host", "train.precision=bf16"]
+            + ["train.weight_dtype=compute", "optim.name=adamw"],
+            r"train.weight_dtype \(compute\).*use train.weight_dtype=fp32",
         ),
     ],
 )
@@ -342,7 +466,18 @@ def test_unsupported_streaming_is_refused_at_config_time(overrides, match):
 
     validate(make("swap.weights=true", "swap.enabled=true", "swap.optimizer=host"), world_size=4)
     with pytest.raises(ConfigError, match=match):
-        validate(make(*overrides), world_size=8 if "pipeline.data_parallel=2" in overrides else 4)
+        validate(make(*overrides), world_size=4)
+
+
+def test_streaming_validates_with_what_it_composes_with():
+    """What a streamed stage used to refuse and now composes with (test_streaming_composes_bit_for_bit)."""
+    from test_config import make
+
+    from pipedream2bw.config import validate
+
+    on = ["swap.weights=true", "swap.enabled=true", "swap.optimizer=host"]
+    validate(make(*on, "pipeline.data_parallel=2", "optim.clip_grad_norm=1.0", "train.on_nonfinite=skip"), world_size=8)
+    validate(make(*on, "train.eval_every=5", "data.val_fraction=0.1", "train.precision=bf16"), world_size=4)
 
 
 def test_tied_weights_on_a_streamed_stage_are_refused():
@@ -359,6 +494,38 @@ def test_tied_weights_on_a_streamed_stage_are_refused():
     cfg.swap.stages = [0]
     with pytest.raises(ConfigError, match="resolved to fp16"):
         check_weight_stream(cfg, [], [2, 2], "fp16")
+
+
+@pytest.mark.parametrize("schedule", ["2bw", "flush"])
+def test_the_host_bytes_model_is_what_the_streamed_buffers_take(schedule):
+    # run/start.py refuses a host that cannot hold a plan's streamed buffers from host_bytes_model, on meta layers:
+    # it must be what StreamedVersions' pool takes once the stage has stepped (Adam: two moments; each parameter's
+    # step count, a 4-byte scalar, is the only state it leaves out)
+    *_, versions = _stage_loop(schedule, stream=True)
+    with torch.device("meta"):
+        layers = _blocks()
+    model = host_bytes_model(layers, versions=2 if schedule == "2bw" else 1, optimizer_factor=2.0)
+    num_params = sum(1 for _ in versions.replicas[0].parameters())
+    assert model <= versions.pool.allocated_bytes <= model + 4 * num_params, (model, versions.pool.allocated_bytes)
+
+
+def test_a_small_host_is_refused_naming_the_bytes_and_the_setting():
+    from pipedream2bw.config import ConfigError
+    from pipedream2bw.pipeline.layout import default_layout
+    from pipedream2bw.run.model import RunModel
+    from pipedream2bw.run.start import check_stream_host_memory
+
+    cfg = tiny_config(schedule="2bw", num_stages=2, num_microbatches=2)
+    cfg.swap.weights, cfg.swap.stages, cfg.swap.optimizer = True, [1], "host"
+    model, layout = RunModel.of(cfg, None, None), default_layout(2, 1, ranks_per_node=2)
+    with torch.device("meta"):
+        need = host_bytes_model(model.whole()[3:], versions=2, optimizer_factor=2.0)  # stage 1: layers 3..5, Adam
+    for rank in (0, 1):  # both ranks on one host: each counts the host's streamed stages (stage 1 only)
+        check_stream_host_memory(cfg, model, [3, 3], layout, rank=rank, local_world_size=2, available=need)
+        with pytest.raises(ConfigError, match=rf"stages \[1\], 1 ranks\) need {need} bytes .* has {need - 1} bytes"):
+            check_stream_host_memory(cfg, model, [3, 3], layout, rank=rank, local_world_size=2, available=need - 1)
+    # one rank per host: rank 0's host streams nothing
+    check_stream_host_memory(cfg, model, [3, 3], layout, rank=0, local_world_size=1, available=0)
 
 
 def test_checkpoint_state_round_trips_into_host_buffers():

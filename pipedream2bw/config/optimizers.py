@@ -121,13 +121,19 @@ class Muon(torch.optim.Muon):
     runs it in bfloat16 everywhere, which a CPU without bfloat16 matrix units emulates at 10 to 20 times float32's
     cost (a 128 x 512 gradient: 93 ms against 4 ms, one thread, this project's 2-core machine, 2026-11-26). 'auto'
     keeps torch's bfloat16 on CUDA and takes float32 elsewhere; 'bfloat16' is torch's step bit for bit (tested).
-    The state (``momentum_buffer``) and the update are torch's."""
+    The state (``momentum_buffer``) and the update are torch's.
+
+    ``ns_device`` (``orthogonalize_on``): where the Newton-Schulz iteration runs when the parameters and their state
+    live in host memory (swap.optimizer=host, swap.weights): each momentum matrix goes to that device, is
+    orthogonalized there (in the dtype 'auto' picks for it) and comes back, so that the host never runs the matrix
+    iterations; None: where the parameter is."""
 
     def __init__(self, params: Iterable, *, ns_dtype: str = "auto", **kwargs: Any):
         if ns_dtype != "auto" and ns_dtype not in NS_DTYPES:
             raise ValueError(f"ns_dtype {ns_dtype!r} is not one of {['auto', *NS_DTYPES]}")
         super().__init__(params, **kwargs)
         self.ns_dtype = ns_dtype
+        self.ns_device: Any = None
 
     def _dtype(self, grad: torch.Tensor) -> torch.dtype:
         if self.ns_dtype == "auto":
@@ -148,6 +154,8 @@ class Muon(torch.optim.Muon):
                 buf = state["momentum_buffer"]
                 buf.lerp_(p.grad, 1 - momentum)
                 update = p.grad.lerp(buf, momentum) if group["nesterov"] else buf
+                if self.ns_device is not None:  # host-resident state: the matrix iterations run on the device
+                    update = update.to(self.ns_device)
                 x = update.to(self._dtype(update))  # torch's _zeropower_via_newtonschulz, in that dtype
                 if update.size(0) > update.size(1):
                     x = x.T
@@ -157,6 +165,7 @@ class Muon(torch.optim.Muon):
                     x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
                 if update.size(0) > update.size(1):
                     x = x.T
+                x = x.to(p.device)  # back to the host, in the iteration's dtype (as the device step adds it)
                 rows, cols = p.shape[:2]  # torch's _adjust_lr
                 ratio = {
                     "original": math.sqrt(max(1, rows / cols)),
@@ -165,6 +174,15 @@ class Muon(torch.optim.Muon):
                 p.mul_(1 - lr * group["weight_decay"])
                 p.add_(x, alpha=-lr * ratio.get(group["adjust_lr_fn"] or "original", 1.0))
         return None
+
+
+def orthogonalize_on(optimizer: torch.optim.Optimizer, device: Any) -> int:
+    """Sets ``Muon.ns_device`` of every ``Muon`` inside ``optimizer`` (through ``CompositeOptimizer`` children) to
+    ``device``; returns how many it set."""
+    if isinstance(optimizer, Muon):
+        optimizer.ns_device = device
+        return 1
+    return sum(orthogonalize_on(c, device) for c in getattr(optimizer, "_children", ()))
 
 
 class MuonWithOthers(CompositeOptimizer):

@@ -438,7 +438,7 @@ class SwapConfig:
     """swap.optimizer=host: where the host optimizer step runs. 'background': on a thread of its own, while the next
     batch computes (2bw only: W(t+1) is first read by batch t+2's forward; bit for bit the synchronous step);
     'sync': on the training thread; 'auto': background where it can be (2bw, and a stage whose masters are not
-    sharded, compute-dtype or streamed), else sync."""
+    sharded or compute-dtype; a streamed stage's too, swap.weights), else sync."""
     weights: bool = False
     """Stream weights (docs/memory.md): on the stages that swap, the weight versions, gradient accumulators and
     optimizer state live in host memory and each layer's weights come to the device only for its forward and its

@@ -67,7 +67,10 @@ def _validate_swap(swap: SwapConfig, num_stages: int) -> None:
 
 
 def _validate_weight_stream(cfg: Config) -> None:
-    """swap.weights=true: what weight streaming (pipedream2bw/memory/stream.py) composes with; the rest is refused."""
+    """swap.weights=true: what weight streaming (pipedream2bw/memory/stream.py) composes with; the rest is refused.
+
+    Composes: data parallelism (the host gradients all-reduced per layer), clipping and on_nonfinite=skip (the step
+    agreement over the host gradients), validation passes (forward only, streamed). Refused: below."""
     s = cfg.swap
     if s.weight_prefetch < 0:
         raise ConfigError(f"swap.weight_prefetch ({s.weight_prefetch}) must be >= 0: layers copied ahead of use")
@@ -78,24 +81,20 @@ def _validate_weight_stream(cfg: Config) -> None:
         why = "no stage swaps; set swap.enabled=true or swap.stages=[...] to name the stages that stream"
     elif s.optimizer != "host":
         why = "a streamed stage's optimizer steps where its weights live, on the host; set swap.optimizer=host"
-    elif cfg.pipeline.data_parallel > 1:
+    elif cfg.train.weight_dtype == "compute" and cfg.train.precision != "fp32":
         why = (
-            f"pipeline.data_parallel ({cfg.pipeline.data_parallel}): the all-reduce of host-accumulated gradients "
-            "is not written yet; use data_parallel=1"
+            f"train.weight_dtype ({cfg.train.weight_dtype}): streamed versions are float32 (compute-dtype host "
+            "versions with float32 host masters are not written); use train.weight_dtype=fp32"
         )
-    elif cfg.train.weight_dtype == "compute":
-        why = f"train.weight_dtype ({cfg.train.weight_dtype}): streamed versions are float32; use fp32"
     elif cfg.train.precision == "fp16":
         why = "train.precision (fp16): the loss scaler's checks of host gradients are not written; use bf16 or fp32"
-    elif cfg.optim.clip_grad_norm is not None or cfg.train.on_nonfinite != "stop":
-        why = (
-            "optim.clip_grad_norm or train.on_nonfinite=skip: the step agreement over host gradients is not "
-            "verified yet; unset optim.clip_grad_norm and keep train.on_nonfinite=stop"
-        )
-    elif cfg.train.eval_every:
-        why = f"train.eval_every ({cfg.train.eval_every}): validation passes do not stream weights yet; set it to 0"
     if why is not None:
         raise ConfigError(f"swap.weights (true) with {why}")
+    if cfg.optim.sharded and cfg.pipeline.data_parallel > 1:
+        log.warning(
+            "optim.sharded (true) is ignored on streamed stages (swap.weights): their masters and optimizer state are "
+            "whole, in host memory; the other stages shard theirs"
+        )
 
 
 HOST_STEPS = ("auto", "background", "sync")  # swap.host_step
@@ -114,8 +113,6 @@ def _validate_host_step(cfg: Config) -> None:
             f"pipeline.schedule ({p.schedule!r}): batch t+1's first forward reads W(t+1) at once, so there is no "
             "batch to overlap the step with; use schedule=2bw or swap.host_step=sync"
         )
-    elif s.weights:
-        why = "swap.weights (true): streamed stages step their host layers synchronously; use swap.host_step=auto"
     elif cfg.optim.sharded and p.data_parallel > 1:
         why = "optim.sharded: sharded masters step synchronously; use swap.host_step=auto or sync"
     elif cfg.train.weight_dtype == "compute" and cfg.train.precision != "fp32":

@@ -28,6 +28,18 @@ def process_peak_bytes(device: torch.device) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
+def available_host_bytes(meminfo: str = "/proc/meminfo") -> Optional[int]:
+    """Host memory a new allocation can take without swapping: ``MemAvailable`` of ``meminfo`` (Linux), or None
+    where it cannot be read (then no check relies on it)."""
+    try:
+        for line in Path(meminfo).read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024  # kB
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 @contextlib.contextmanager
 def tensor_peak(device: torch.device, *, within: Optional[str] = None) -> Iterator[Dict[str, int]]:
     """Yields a dict whose ``bytes`` is, after the block, the most tensor bytes alive at once in it.

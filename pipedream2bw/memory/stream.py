@@ -26,6 +26,7 @@ one layer's gradients (``device_bytes_model``); every version, accumulator and o
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 import weakref
 from collections import deque
@@ -36,9 +37,9 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
+from pipedream2bw.memory.host_optim import After, BackgroundStep
 from pipedream2bw.memory.swap import HostPool, Transfer, TransferBackend
 from pipedream2bw.pipeline import stateful
-from pipedream2bw.pipeline.versions import WeightVersions
 
 _ALIGN = 64  # bytes: each parameter of a layer's flat buffer starts here, so any dtype can view it
 
@@ -55,6 +56,24 @@ def device_bytes_model(layer_bytes: Sequence[int], *, window: int) -> int:
     return sum(largest[: window + 1]) + (largest[0] if largest else 0)
 
 
+def host_bytes_model(layers: Sequence[nn.Module], *, versions: int, optimizer_factor: float) -> int:
+    """Host bytes a streamed stage's buffers take once it has stepped (``StreamedVersions``' pool: pinned on CUDA):
+    per weight version each layer's flat buffer (its parameters, each 64-byte aligned) and a gradient accumulator per
+    parameter, and the optimizer state (``optimizer_factor`` x the parameter bytes: precision.optimizer_state_factor).
+
+    Args:
+        layers: the stage's layers (on any device, the meta device too: only shapes and dtypes are read).
+        versions: weight versions held (precision.versions_held: 2 under 2bw).
+        optimizer_factor: optimizer state bytes per parameter byte.
+    """
+    total = 0
+    for layer in layers:
+        nbytes = sum(p.numel() * p.element_size() for p in layer.parameters())
+        if nbytes:
+            total += versions * (_layout(layer)[1] + nbytes) + math.ceil(optimizer_factor * nbytes)
+    return total
+
+
 @dataclass
 class StreamStats:
     """What a streamed stage moved; goes to summary.json ``ranks[i].stream``."""
@@ -67,6 +86,7 @@ class StreamStats:
     bytes_in: int = 0
     grad_bytes_out: int = 0  # gradients to the host
     dropped: int = 0  # copies fetched ahead and never used
+    eval_loads: int = 0  # of ``loads``: layer copies for validation passes (forward only)
     stall_s: float = 0.0  # compute waiting for a copy (GPU: measured on the compute stream)
     grad_wait_s: float = 0.0  # the step waiting for gradient copies still in flight (GPU; the CPU copies inline)
     copy_in_s: float = 0.0  # transfer busy time: weights to the device
@@ -95,11 +115,15 @@ def layer_buckets(module: nn.Module) -> List[List[int]]:
     return [b for b in reversed(buckets) if b]
 
 
-class StreamedVersions(WeightVersions):
+class StreamedVersions(BackgroundStep):
     """``WeightVersions`` whose replicas, gradient accumulators and optimizer state are in host memory.
 
     ``layers[j]``: the j-th child of the stage with parameters, as (its name, its parameter indices);
     ``flats[r][j]``: replica r's flat host buffer of that layer.
+
+    ``background`` (``BackgroundStep``, swap.host_step): the thread copies W(t) into the replica that receives W(t+1)
+    and steps it there, host memory only, while batch t+1 streams the other replica's layers; the forward of batch
+    t+2, the first to read W(t+1), waits for it before its first layer is fetched (``module_for_batch``).
     """
 
     def __init__(self, module: nn.Module, *, pin: bool, buckets: Optional[Sequence[Sequence[int]]] = None, **kwargs):
@@ -136,6 +160,29 @@ class StreamedVersions(WeightVersions):
         self._params = [list(r.parameters()) for r in self.replicas]
         self._grads: Dict[Tuple[int, int], torch.Tensor] = {}
         return super()._make_masters(module)
+
+    def step(self, batch_index: int, **kwargs: Any) -> None:
+        """``BackgroundStep.step``; the first batch's step in the background is waited for at once: batch 1 runs
+        with W(-1) = W(0), on the replica whose host gradient buffers (``add_grad`` reuses them) the step reads."""
+        shared = self.background and self.replica_for_batch(batch_index + 1) == self.replica_for_batch(batch_index)
+        super().step(batch_index, **kwargs)
+        if shared:
+            self.settle()
+
+    def _host_work(self, newest: int, dst_index: int, after: After) -> Callable[[], None]:
+        return lambda: self._host_step(newest, dst_index, after)
+
+    @torch.no_grad()
+    def _host_step(self, newest: int, dst_index: int, after: After) -> None:
+        """The background thread: W(t) (replica ``newest``) into replica ``dst_index``, each bucket's step there (the
+        synchronous step's ``_prepare_destination`` and ``_step_bucket``), then ``after`` on W(t+1)."""
+        dst = self._params[dst_index]
+        for d, w in zip(dst, self._params[newest]):
+            d.copy_(w)
+        for bucket, optimizer in zip(self.buckets, self.optimizers):
+            self._step_bucket(bucket, optimizer, dst)
+        if after is not None:
+            after(dst)
 
     def names(self, j: int) -> List[str]:
         """Layer j's parameter names, relative to the layer (what ``functional_call`` takes)."""
@@ -225,7 +272,11 @@ class WeightStream:
         self._live: Dict[int, Tuple[_Use, Any]] = {}  # storage pointer -> (use, weak ref): copies in this forward
         self._replica_of: Dict[int, int] = {}  # k -> the replica its forward used
         self._contexts: Dict[int, stateful.RecomputeContexts] = {}  # id(layer) -> its recomputation's contexts
-        self._grads_out: Deque[Tuple[int, int, Transfer]] = deque()  # (replica, parameter, copy): not yet added
+        self._grads_out: Deque[Tuple[int, int, int, Transfer]] = deque()  # (k, replica, parameter, copy): not yet added
+        # ``on_grad(k, replica, i)``: microbatch k's gradient of parameter i is in replica's host accumulator (the
+        # data-parallel reduction starts a layer's bucket once the batch's last microbatch has added all of it)
+        self.on_grad: Optional[Callable[[int, int, int], None]] = None
+        self._eval_k = 0  # validation passes' microbatches, keyed -1, -2, ... (training's k are >= 0)
         self.stats = StreamStats(window=window, layers=len(versions.layers))
 
     # -- fetching ----------------------------------------------------------------------------
@@ -336,43 +387,73 @@ class WeightStream:
         return self._call(key, layer, x, use=use)
 
     def _call(self, key: Tuple[int, int, int], layer: nn.Module, x: Any, *, use: Optional[_Use] = None) -> Any:
-        _, j, r = key
+        k, j, r = key
         v = self.versions
         flat = self.take(key)
         if use is not None:
             storage = flat.untyped_storage()
             self._live[storage.data_ptr()] = (use, weakref.ref(storage))
         hosts = [v._params[r][i] for i in v.layers[j][1]]
-        devs = _ToDevice.apply((lambda grads: self._sink(r, j, grads), v.device_views(j, flat)), *hosts)
+        devs = _ToDevice.apply((lambda grads: self._sink(k, r, j, grads), v.device_views(j, flat)), *hosts)
         del flat
         return torch.func.functional_call(layer, dict(zip(v.names(j), devs)), (x,), strict=False)
 
-    def _sink(self, r: int, j: int, grads: Sequence[Optional[torch.Tensor]]) -> None:
-        """Layer j's gradients, as its backward made them, go to replica r's host accumulators: at once on the
-        CPU; on a GPU copied off the compute stream (``TransferBackend.grad_to_host``) and added in the order
-        made once landed (``_settle``)."""
+    def _sink(self, k: int, r: int, j: int, grads: Sequence[Optional[torch.Tensor]]) -> None:
+        """Layer j's gradients of microbatch k, as its backward made them, go to replica r's host accumulators: at
+        once on the CPU; on a GPU copied off the compute stream (``TransferBackend.grad_to_host``) and added in the
+        order made once landed (``_settle``)."""
         for i, g in zip(self.versions.layers[j][1], grads):
             if g is None:
                 continue
             self.stats.grad_bytes_out += g.numel() * g.element_size()
             copy = self.backend.grad_to_host(g)
             if copy is None:
-                self.versions.add_grad(r, i, g)
+                self._add(k, r, i, g)
             else:
-                self._grads_out.append((r, i, copy))
+                self._grads_out.append((k, r, i, copy))
         self._settle(wait=False)
+
+    def _add(self, k: int, r: int, i: int, g: torch.Tensor) -> None:
+        self.versions.add_grad(r, i, g)
+        if self.on_grad is not None:
+            self.on_grad(k, r, i)
 
     def _settle(self, *, wait: bool) -> None:
         """Adds the gradient copies that have landed to the host accumulators, in the order they were made
         (``wait``: all of them, waiting for those in flight): what the host step reads is then complete."""
-        while self._grads_out and (wait or self._grads_out[0][2].ready()):
-            r, i, copy = self._grads_out.popleft()
+        while self._grads_out and (wait or self._grads_out[0][3].ready()):
+            k, r, i, copy = self._grads_out.popleft()
             if not copy.ready():
                 t0 = time.perf_counter()
                 copy.wait()
                 self.stats.grad_wait_s += time.perf_counter() - t0
-            self.versions.add_grad(r, i, copy.tensor)
+            self._add(k, r, i, copy.tensor)
             self.backend.recycle(copy, None)
+
+    # -- validation ----------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def evaluate(self, module: nn.Module, x: Any) -> Any:
+        """A validation microbatch's forward through the stage ``module`` (the newest replica: ``Evaluator.run``
+        hands it in, in eval mode) with streamed weights: each layer's copy comes in ``window`` ahead as in
+        training, under no_grad, so nothing is saved, no gradient made and no weight version, accumulator or
+        optimizer state touched; the copies are freed as the pass leaves each layer."""
+        replica = next(r for r, m in enumerate(self.versions.replicas) if m is module)
+        self._eval_k -= 1
+        k, v = self._eval_k, self.versions
+        self._begin([(k, j, replica) for j in range(len(v.layers))])
+        j = 0
+        for name, layer in module.named_children():
+            if j < len(v.layers) and v.layers[j][0] == name:
+                weights = dict(zip(v.names(j), v.device_views(j, self.take((k, j, replica)))))
+                x = torch.func.functional_call(layer, weights, (x,), strict=False)
+                del weights
+                j += 1
+            else:
+                x = layer(x)
+        self._begin([])
+        self.stats.eval_loads += j
+        return x
 
     # -- saved-tensor hooks ------------------------------------------------------------------
 

@@ -17,7 +17,9 @@ bit for bit those of a run without swapping.
 
 Memory: the manager holds no strong reference to a device storage it sends out: the forward
 code and autograd drop it as they would without swapping, and the backend keeps it only until
-its copy has read it (a worker thread's reference on the CPU, ``record_stream`` on CUDA). A
+its copy has read it (a worker thread's reference on the CPU) or, on CUDA, until the manager
+releases it: when its copy has landed, or when the budget wants its bytes, with the compute
+stream then waiting for the copy on the GPU (no host wait: the GPU's queue is never drained). A
 copy back is dropped by the manager once autograd has unpacked every tensor of it, so it lives
 exactly as long as the backward nodes that read it. Nothing of a record outlives its
 microbatch's backward (no reference cycles: the cyclic garbage collector, which runs rarely,
@@ -122,6 +124,12 @@ class TransferBackend:
 
     def drop(self, pre: Transfer) -> None:
         """Forgets a copy back that will not be consumed; its device buffer may be reused once it lands."""
+        raise NotImplementedError
+
+    def release(self, offs: List[Transfer]) -> bool:
+        """Lets the device originals of the offloads ``offs`` (in issue order) go once their copies have read them.
+        True: their bytes are free for the compute queued from now on (CUDA: that compute waits for the copies on
+        the device, the host does not); False: the backend holds them until the copies are done (``wait()``)."""
         raise NotImplementedError
 
     def grad_to_host(self, g: torch.Tensor) -> Optional[Transfer]:
@@ -230,6 +238,9 @@ class CpuBackend(TransferBackend):
         # kept: the transfer holds the device copy, which must go as soon as autograd is done.
         self._recycle.append((off.host, (pre or off).future))
 
+    def release(self, offs: List[Transfer]) -> bool:
+        return all(off.ready() for off in offs)  # the worker drops each source once copied
+
     def landed(self, host: torch.Tensor) -> Transfer:
         done: Future = Future()
         done.set_result(None)
@@ -255,6 +266,7 @@ class _CudaTransfer(Transfer):
     ):
         self.event, self.host, self.device = event, host, device
         self.tensor: Optional[torch.Tensor] = None  # grad_to_host: the host copy, typed
+        self.src: Optional[torch.Tensor] = None  # to_host: the device original, until ``release``
 
     def ready(self) -> bool:
         return self.event.query()
@@ -266,11 +278,13 @@ class _CudaTransfer(Transfer):
 class CudaBackend(TransferBackend):
     """Pinned host buffers, a copy stream for offloads and another for prefetches, events.
 
-    An offload waits (on the GPU) for the kernels that produced its tensor; ``record_stream``
-    then tells the caching allocator not to reuse the device block, once Python frees it, before
-    the copy has read it. No Python reference is kept: one dropped only when the manager next
-    polls the event pinned whole storages well past their copy (and, for records released
-    before the poll reached them, until the record died).
+    An offload waits (on the GPU) for the kernels that produced its tensor; the transfer holds the
+    device original until ``release``, which drops it at once and, if the copy may still be
+    reading it, first makes the compute stream wait for the copy's event: the block goes back to
+    compute's pool stream-ordered, reused by the very next allocation and never overwritten
+    before the copy has read it, and the host never waits. (``record_stream`` instead leaves
+    the block unusable until the allocator sees the copy's event complete on the host: with the
+    host queueing ahead of the GPU, as it does, that is late, and each forward took fresh blocks.)
 
     A prefetch allocates its buffer from the compute stream's pool, so copies back reuse the
     blocks the offloaded originals freed (a side-stream allocation draws on a pool of its own,
@@ -310,9 +324,18 @@ class CudaBackend(TransferBackend):
         self._reclaim()
         host = self.pool.get(src.numel())
         self._out_stream.wait_stream(torch.cuda.current_stream(self.device))  # the kernels that wrote src
-        event = self._copy(self._out_stream, 0, host, src)
-        src.record_stream(self._out_stream)  # freed by Python whenever; reused only after the copy
-        return _CudaTransfer(event, host=host)
+        transfer = _CudaTransfer(self._copy(self._out_stream, 0, host, src), host=host)
+        transfer.src = src  # until ``release``
+        return transfer
+
+    def release(self, offs: List[Transfer]) -> bool:
+        pending = [off for off in offs if off.src is not None]
+        busy = [off.event for off in pending if not off.event.query()]
+        if busy:
+            self._compute_waits(busy)
+        for off in pending:
+            off.src = None
+        return True
 
     def to_device(self, off: Transfer) -> Transfer:
         compute = torch.cuda.current_stream(self.device)
@@ -321,17 +344,22 @@ class CudaBackend(TransferBackend):
         self._in_stream.wait_event(off.event)
         return _CudaTransfer(self._copy(self._in_stream, 1, dev, off.host), device=dev)
 
-    def consume(self, pre: Transfer) -> torch.Tensor:
+    def _compute_waits(self, events: List["torch.cuda.Event"]) -> None:
+        """The compute stream waits (on the GPU) for ``events``; timed as a stall when ``timing``."""
         stream = torch.cuda.current_stream(self.device)
+        before = self._event() if self.timing else None
+        if before is not None:
+            before.record(stream)
+        for event in events:
+            stream.wait_event(event)
+        if before is not None:
+            after = self._event()
+            after.record(stream)
+            self._stalls.append((before, after))
+
+    def consume(self, pre: Transfer) -> torch.Tensor:
         if not pre.event.query():
-            if self.timing:
-                before, after = self._event(), self._event()
-                before.record(stream)
-                stream.wait_event(pre.event)
-                after.record(stream)
-                self._stalls.append((before, after))
-            else:
-                stream.wait_event(pre.event)
+            self._compute_waits([pre.event])
         return pre.device
 
     def recycle(self, off: Transfer, pre: Optional[Transfer]) -> None:
@@ -516,6 +544,7 @@ class SwapManager:
         """Takes note of offloads that have landed: their device originals go."""
         while self._outgoing and self._outgoing[0].off.ready():
             rec = self._outgoing.popleft()
+            self.backend.release([rec.off])
             self._landed(rec)
 
     def _landed(self, rec: _Record) -> None:
@@ -540,22 +569,40 @@ class SwapManager:
         return sorted((m for m in self._micros.values() if m.phase == "W"), key=lambda m: m.k)
 
     def _pump(self) -> None:
-        """Fetches the next R waiting microbatches, in backward order, as the budget allows."""
+        """Fetches the next R waiting microbatches, in backward order, as the budget allows.
+
+        Offloads still in flight would make a copy back exceed the budget: its own (its bytes twice, the original
+        and the copy) and other microbatches' (they count as on the device). Where the backend lets their originals
+        go on the device (``release``: later compute waits for the copies, the host does not) they go now, so that
+        the prefetch overlaps the backward that comes before; else a later hook call retries."""
         self._poll()
         for micro in self._waiting()[: self.resident]:
             if not micro.unfetched:
                 continue
-            if micro.sending:
-                # Its offloads have not all landed: a copy back now would hold its bytes twice
-                # (the original and the copy) and exceed the budget. A later hook call retries.
+            if micro.sending and not self._let_go([r for r in self._outgoing if r.micro is micro]):
                 return
-            on_device = sum(m is not self._current and m.device_bytes > 0 for m in self._micros.values())
-            if on_device >= self.resident:
-                return  # another microbatch's offload still in flight holds the budget; a later hook call retries
+            if self._others_on_device() >= self.resident:
+                leaving = [r for r in self._outgoing if r.micro is not self._current]
+                if not leaving or not self._let_go(leaving) or self._others_on_device() >= self.resident:
+                    return
             self._fetch(micro)
 
+    def _others_on_device(self) -> int:
+        return sum(m is not self._current and m.device_bytes > 0 for m in self._micros.values())
+
+    def _let_go(self, recs: List[_Record]) -> bool:
+        """Lets the originals of the offloads ``recs`` (in flight, in issue order) go, if the backend can now."""
+        if not self.backend.release([r.off for r in recs]):
+            return False
+        for rec in recs:
+            self._outgoing.remove(rec)
+            self._landed(rec)
+        return True
+
     def _enforce_budget(self) -> None:
-        """Waits for offloads until at most R microbatches besides the current one are on the device."""
+        """Lets offloads' originals go until at most R microbatches besides the current one are on the device:
+        on a GPU the compute queued from now on waits for their copies (``TransferBackend.release``), the host
+        does not; where the backend holds them until copied (the CPU's worker), the host waits for the copy."""
         while True:
             self._poll()
             others = [m for m in self._micros.values() if m is not self._current and m.device_bytes > 0]
@@ -565,6 +612,8 @@ class SwapManager:
                 (r for r in self._outgoing if r.micro in others and r.pre is None and not r.micro.keep), None
             )
             assert leaving is not None, "swap budget exceeded by kept or fetched microbatches"
+            if self._let_go([r for r in self._outgoing if r.micro is leaving.micro and r.pre is None]):
+                continue
             t0 = time.perf_counter()
             leaving.off.wait()
             self.stats.offload_wait_s += time.perf_counter() - t0
@@ -651,6 +700,7 @@ class SwapManager:
         if rec.off is not None:
             if rec in self._outgoing:
                 self._outgoing.remove(rec)
+            self.backend.release([rec.off])
             self.backend.recycle(rec.off, rec.pre)
         rec.off = rec.pre = None
 

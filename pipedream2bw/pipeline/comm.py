@@ -565,11 +565,13 @@ class GradReducer:
                     p.register_post_accumulate_grad_hook(self._hook(replica_index, param_index))
 
     def _hook(self, replica_index: int, param_index: int):
-        def on_grad(_: torch.Tensor) -> None:
-            if self._armed is not None and self._armed.replica_index == replica_index:
-                self._armed.gradient_ready(self.bucket_of[param_index])
+        return lambda _: self.gradient_ready(replica_index, param_index)
 
-        return on_grad
+    def gradient_ready(self, replica_index: int, param_index: int) -> None:
+        """Parameter ``param_index``'s gradient of that replica is final for the armed batch (autograd's hook, or a
+        streamed stage's host accumulator: ``WeightStream.on_grad``)."""
+        if self._armed is not None and self._armed.replica_index == replica_index:
+            self._armed.gradient_ready(self.bucket_of[param_index])
 
     def arm(self, replica_index: int) -> None:
         """The next backward is a batch's last on this replica of the weights: reduce as it goes."""

@@ -26,11 +26,17 @@ from pipedream2bw.config import (
     swap_stages,
 )
 from pipedream2bw.config.optim import probe_kind, state_misfits
-from pipedream2bw.config.optimizers import correction_in_effect, is_muon, muon_edge_layers, tag_muon_params
+from pipedream2bw.config.optimizers import (
+    correction_in_effect,
+    is_muon,
+    muon_edge_layers,
+    orthogonalize_on,
+    tag_muon_params,
+)
 from pipedream2bw.data import make_feeds
 from pipedream2bw.io import checkpoint, timeline
 from pipedream2bw.memory import precision as precisions
-from pipedream2bw.memory.host_optim import HostOptimizerVersions
+from pipedream2bw.memory.host_optim import HostOptimizerVersions, host_kernel
 from pipedream2bw.memory.loss_scale import LossScaler, ScaledStepRule
 from pipedream2bw.memory.sharding import ShardedVersions
 from pipedream2bw.memory.stream import StreamedVersions, WeightStream
@@ -125,12 +131,24 @@ def build_versions(
     optim = dataclasses.replace(optim, delay_correction=correction_in_effect(optim, rt.schedule))
     if is_muon(optim):  # which parameters Muon takes: hidden matrices (OptimConfig.muon_exclude)
         tag_muon_params(module, optim.muon_exclude, edge_layers=muon_edge_layers(sum(rt.balance)))
-    factory = lambda params: build_optimizer(params, optim)  # noqa: E731
+    if swap.optimizer == "host":  # the step runs on the host (swap.weights too): the fastest CPU kernel
+        optim = host_kernel(optim)
+    # Muon with its state on the host (swap.optimizer=host, swap.weights): the Newton-Schulz iterations run on the
+    # stage's device, never on the host's cores (a CPU run's device is the host)
+    ns_device = rt.device if is_muon(optim) and swap.optimizer == "host" and rt.device.type != "cpu" else None
+
+    def factory(params):
+        opt = build_optimizer(params, optim)
+        if ns_device is not None:
+            orthogonalize_on(opt, ns_device)
+        return opt
+
     sharded = optim.sharded and rt.data_parallel > 1
+    background = swap.host_step != "sync" and rt.schedule == "2bw"  # swap.host_step: off the training thread
     if swap.weights and rt.stage in swap_stages(swap, rt.num_stages):  # swap.weights: versions in host buffers
         versions = StreamedVersions(
-            module, pin=rt.device.type == "cuda", schedule=rt.schedule, optimizer_factory=factory
-        )  # one optimizer bucket per layer; data_parallel=1 and no ties (validated): no exchange needs buckets
+            module, pin=rt.device.type == "cuda", schedule=rt.schedule, optimizer_factory=factory, background=background
+        )  # one optimizer bucket per layer, each also a bucket of the replicas' all-reduce; no ties (validated)
         return versions, versions.buckets, len(versions.buckets)
     if sharded or weight_dtype != torch.float32:  # the replicas' group ranks are sorted global ranks
         versions = ShardedVersions(
@@ -144,8 +162,7 @@ def build_versions(
             host=swap.optimizer == "host",
             weight_dtype=weight_dtype,
         )
-    elif swap.optimizer == "host":  # swap.host_step: under 2bw, off the training thread unless told sync
-        background = swap.host_step != "sync" and rt.schedule == "2bw"
+    elif swap.optimizer == "host":
         versions = HostOptimizerVersions(
             module, schedule=rt.schedule, optimizer_factory=factory, buckets=buckets, background=background
         )
@@ -278,11 +295,17 @@ def comm_groups(
     tie_groups,
     rule: StepRule,
     check_ties: bool,
+    *,
+    host_grads: bool = False,
 ) -> Groups:
-    """The gradient all-reduce, tie exchange and checker, and step agreement of this rank."""
+    """The gradient all-reduce, tie exchange and checker, and step agreement of this rank (``host_grads``: some
+    stage streams its weights, swap.weights, and all-reduces host gradients: over gloo groups, made on every rank)."""
     reducer = None
     if rt.data_parallel > 1:  # every rank makes every stage's group, in the same order
         group = comm.new_groups(ctx, rt.layout.ranks)[rt.stage]
+        if host_grads and rt.backend != "gloo":  # swap.weights: host gradients, which NCCL cannot reduce
+            host_group = comm.new_groups(ctx, rt.layout.ranks, backend="gloo")[rt.stage]
+            group = host_group if isinstance(versions, StreamedVersions) else group
         if dp_buckets:
             reducer = comm.GradReducer(
                 ctx,
@@ -525,13 +548,17 @@ def components(
     rule = step_rule(rt, cfg.train, cfg.optim)
     if resume is not None:
         restore(rt, resume, versions, rule, optim=cfg.optim, tied=model.tied)
-    groups = comm_groups(rt, ctx, versions, buckets[:num_dp_buckets], tie_groups, rule, cfg.pipeline.check_ties)
+    dp_buckets, check_ties = buckets[:num_dp_buckets], cfg.pipeline.check_ties
+    groups = comm_groups(rt, ctx, versions, dp_buckets, tie_groups, rule, check_ties, host_grads=cfg.swap.weights)
     neighbours = peers(rt)
     feed, val_feed, evaluator = data(rt, ctx, neighbours, cfg.data, cfg.train, model.loss_fn)
     stop_rule = preemption(rt, ctx, watch)
     own_actions = actions(rt, batch_sends=batch_sends(cfg.dist, rt))
     in_flight = schedule.in_flight(rt.schedule, rt.stage, rt.num_stages, rt.num_microbatches)
     swapper = swap_manager(cfg.swap, rt, in_flight, versions)
+    stream = weight_stream(cfg.swap, rt, versions)
+    if stream is not None and evaluator is not None:  # validation passes stream the newest version's weights too
+        evaluator.forward = stream.evaluate
     stage_worker = worker(
         rt,
         ctx,
@@ -547,7 +574,7 @@ def components(
         model.tied,
         # on_step passes through the stages (validation, the tie check): a sharded APPLY keeps apply_due's point
         early_apply=not (cfg.train.eval_every or cfg.pipeline.check_ties),
-        stream=weight_stream(cfg.swap, rt, versions),
+        stream=stream,
     )
     trace(rt, stage_worker, cfg.pipeline, warmup_steps=cfg.train.warmup_steps)
     return Components(

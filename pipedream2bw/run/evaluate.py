@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from typing import Callable, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -83,6 +83,9 @@ class Evaluator:
         self.losses: List[Tuple[int, float]] = []  # rank 0: (steps trained, validation loss)
         self._own: List[float] = []  # rank 0 as a last stage: its own losses not yet collected
         self._pending: List[int] = []  # rank 0: steps whose losses are on their way
+        # ``forward(module, x)``: the stage's forward; a streamed stage's (swap.weights) brings each layer's weights
+        # from host memory (``WeightStream.evaluate``)
+        self.forward: Callable[[nn.Module, Any], Any] = lambda module, x: module(x)
 
     @torch.no_grad()
     def run(self, module: nn.Module, *, step: int) -> None:
@@ -99,7 +102,7 @@ class Evaluator:
                     x = self._channel.recv(self.prev)
                     x = from_wire(x, self._wire_dtype) if self.upcast else x
                 with autocast(self.precision, self.device.type):
-                    out = module(x)
+                    out = self.forward(module, x)
                 if self.next is None:
                     losses.append(self.loss_fn(out.float(), self.feed.targets(e).to(self.device, non_blocking=True)))
                 else:

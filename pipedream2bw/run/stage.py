@@ -167,6 +167,8 @@ class StageWorker:
         self.stats = StageStats(stage_index, p2p.ctx.rank)
         self.swap = swap
         self.stream = stream  # swap.weights: the stage's weights come from host memory layer by layer
+        if stream is not None and reducer is not None:  # its gradients reach the host accumulators, not autograd's
+            stream.on_grad = self._host_grad_ready
         # Reduced precision: forwards under autocast; activations and their gradients cross stages
         # in the compute dtype. fp16: the last stage's loss is multiplied by the step rule's loss
         # scale of its batch, and the rule (a ScaledStepRule) unscales and skips through the agreement.
@@ -319,6 +321,12 @@ class StageWorker:
         that forward has not run yet (the buffers are those now) or when the stage has none."""
         return self._batch_start_buffers.get(t, {})
 
+    def _host_grad_ready(self, k: int, replica: int, i: int) -> None:
+        """A streamed stage (swap.weights): microbatch k's gradient of parameter i is in the host accumulator; the
+        batch's last microbatch's makes it final, and the reducer starts a bucket once all of its are."""
+        if (k + 1) % self.m == 0:
+            self.reducer.gradient_ready(replica, i)
+
     def _before_backward(self, k: int) -> None:
         """Starts B k's step, before its receives: the swap prefetch then overlaps the wait for the
         gradient, and the reducer is armed for the batch's last backward (it reduces as backward goes)."""
@@ -398,13 +406,13 @@ class StageWorker:
             the time it started (the S span of an APPLY that follows at once starts there).
         """
         start = time.perf_counter()
+        if self.stream is not None:  # a streamed stage's gradients may still be on their way to the host (GPU)
+            self.stream.grads_landed()  # ... and the reducer hears of each as it lands, before it is taken
         if self.reducer is not None:
             self._reductions[t] = self.reducer.take()
         for exchange in self.exchanges:
             exchange.start(t)
         if self.agreement is not None:
-            if self.stream is not None:  # a streamed stage's gradients may still be on their way to the host
-                self.stream.grads_landed()
             self._wait_reducer(t)  # the norm needs the gradients averaged across replicas
             # The norm (clipped by, or logged as the global norm) needs the summed gradients of weights
             # tied across stages, each counted once (on its first holder): the exchange is waited here.

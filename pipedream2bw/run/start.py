@@ -27,6 +27,9 @@ from pipedream2bw.errors import ConfigError
 from pipedream2bw.io import checkpoint, rundir
 from pipedream2bw.io.fileio import atomic_symlink
 from pipedream2bw.memory import precision as precisions
+from pipedream2bw.memory.memprobe import available_host_bytes
+from pipedream2bw.memory.precision import optimizer_state_factor
+from pipedream2bw.memory.stream import host_bytes_model
 from pipedream2bw.pipeline import comm, ties
 from pipedream2bw.pipeline.layout import Layout, make_layout
 from pipedream2bw.run import logs, preflight
@@ -276,6 +279,7 @@ def start(
         rank_map=cfg.pipeline.rank_map,
     )
     logs.set_log_prefix(f"[stage {layout.position(rank)[0]}/rank {rank}]")
+    check_stream_host_memory(cfg, model, balance, layout, rank=rank, local_world_size=local_world_size)
     run_dir.mkdir(parents=True, exist_ok=True)
     if store is None:  # made after validate: a bad config fails every rank at once, with no rendezvous
         store = comm.make_store(rank=rank, world_size=world_size, timeout_s=cfg.dist.timeout_s)
@@ -331,6 +335,54 @@ def check_weight_stream(cfg: Config, tied: Sequence[ties.Tie], balance: Sequence
         )
     if precision == "fp16":
         raise ConfigError("swap.weights (true) with train.precision resolved to fp16: not supported; use bf16 or fp32")
+
+
+def check_stream_host_memory(
+    cfg: Config,
+    model: RunModel,
+    balance: Sequence[int],
+    layout: Layout,
+    *,
+    rank: int,
+    local_world_size: int,
+    available: Optional[int] = None,
+) -> None:
+    """swap.weights: the host buffers (pinned on CUDA) that the streamed stages of this rank's host ask for, against
+    the memory the host has available, before any process group starts (a pinned allocation that fails later
+    does so in the middle of set-up, or the host swaps). Ranks ``local_world_size`` at a time share a host.
+
+    Args:
+        available: the host's available bytes; None: ``memprobe.available_host_bytes`` (no check if unknown).
+
+    Raises:
+        ConfigError: naming the bytes asked for, the bytes available and the settings to change.
+    """
+    if not cfg.swap.weights:
+        return
+    available = available_host_bytes() if available is None else available
+    if available is None:
+        return
+    streamed = set(swap_stages(cfg.swap, cfg.pipeline.num_stages))
+    node = rank // local_world_size
+    here = [r for r in range(node * local_world_size, (node + 1) * local_world_size) if r < sum(map(len, layout.ranks))]
+    stages = [layout.position(r)[0] for r in here if layout.position(r)[0] in streamed]
+    if not stages:
+        return
+    whole, starts = model.whole(), [sum(balance[:s]) for s in range(len(balance))]
+    factor = optimizer_state_factor(cfg.optim.target or cfg.optim.name, cfg.optim.kwargs)
+    versions = precisions.versions_held(cfg.pipeline.schedule)
+    need = sum(
+        host_bytes_model(whole[starts[s] : starts[s] + balance[s]], versions=versions, optimizer_factor=factor)
+        for s in stages
+    )
+    if need > available:
+        raise ConfigError(
+            f"swap.weights (true): the streamed stages on this host (stages {sorted(set(stages))}, {len(stages)} "
+            f"ranks) need {need} bytes ({need / 2**30:.2f} GiB) of host memory (pinned on CUDA) for their {versions} "
+            f"weight version(s), gradient accumulators and optimizer state, but the host has {available} bytes "
+            f"({available / 2**30:.2f} GiB) available (MemAvailable); stream fewer stages (swap.stages), run fewer "
+            "ranks per host, or a smaller model"
+        )
 
 
 def _predictions(plan: Any) -> Dict[str, Any]:

@@ -1,0 +1,152 @@
+"""The host as the planner sees it: how fast its optimizer step and its copies run, measured once and cached.
+
+Two figures of this machine's CPU (the step: the median of 7 steps; the copy: the fastest of 7; cached for good),
+measured on one thread as a rank runs (torchrun starts several ranks with
+OMP_NUM_THREADS=1; ``profile.py`` times CPU layers the same way) and cached on disk as the layer profile is
+(``profile.default_cache_dir``), keyed by the CPU, its cores and the torch version:
+
+- ``step_params_per_s``: float32 parameters per second that a host AdamW step takes, with torch's fused CPU kernel
+  (``fused=True``) where this torch has one (``host_kernel``: what swap.optimizer=host's step runs with). A step
+  reads the gradient and reads and writes the weight and both moments: 28 bytes a parameter (``ADAMW_STEP_BYTES``),
+  so ``step_bytes_per_s`` is the host's bandwidth for elementwise optimizer work, and any optimizer's host step
+  takes the bytes it reads and writes over it (``cost.py``'s host step);
+- ``copy_bytes_per_s``: bytes per second one large host tensor copy moves (``dst.copy_(src)``): what a CPU "device"
+  copy of a streamed layer costs, and (reading one buffer and writing another, about as an add does) the host's
+  sums of a streamed stage's gradients over the microbatches;
+- ``cores``: the CPU cores this process may use. A node's ranks step on their own threads: more ranks than cores
+  take turns (``HostFigures.cores``), fewer run side by side (the memory bandwidth a server's host has for a few
+  threads is not measured: this machine's are what there is).
+
+The step is timed by the runtime's own measurement (``memory/host_optim.py::measure_host_step``), the one place
+that times it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import platform
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from pipedream2bw.io.fileio import atomic_write_text
+
+CACHE_VERSION = 3  # 3: the step timed by the runtime's measurement (2: the fastest of 7; 1: their median)
+ADAMW_STEP_BYTES = 28  # float32 AdamW, per parameter: gradient read (4), weight and two moments read and written (24)
+
+
+@dataclass(frozen=True)
+class HostProfile:
+    """This host's optimizer step and copy speed (module docstring)."""
+
+    step_params_per_s: float  # float32 AdamW parameters stepped per second
+    copy_bytes_per_s: float  # bytes per second of one large host copy
+    kernel: str  # the AdamW implementation timed: 'fused' or 'foreach'
+    cores: int  # CPU cores this process may use
+
+    @property
+    def step_bytes_per_s(self) -> float:
+        """Bytes per second an elementwise host optimizer step reads and writes (AdamW's, measured)."""
+        return self.step_params_per_s * ADAMW_STEP_BYTES
+
+    def describe(self) -> str:
+        return (
+            f"host step {self.step_params_per_s / 1e6:.3g} M parameters/s (AdamW {self.kernel}, one thread), "
+            f"copies {self.copy_bytes_per_s / 1e9:.3g} GB/s, {self.cores} cores"
+        )
+
+
+def _fastest_s(fn, *, warmup: int, repeats: int) -> float:
+    """The fastest of ``repeats`` timed calls of ``fn`` after ``warmup``: the figure is cached for good, so it should be
+    the machine's speed, not a moment's load on a shared one (other jobs only ever slow a call down)."""
+    times = []
+    for r in range(warmup + repeats):
+        start = time.perf_counter()
+        fn()
+        if r >= warmup:
+            times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def adamw_kernel() -> str:
+    """The AdamW kernel the runtime's host step takes (``memory/host_optim.py::host_kernel``): 'fused' where this
+    torch has its fused CPU kernel, else 'default'."""
+    from pipedream2bw.config import OptimConfig
+    from pipedream2bw.memory.host_optim import host_kernel
+
+    return "fused" if host_kernel(OptimConfig(name="adamw")).kwargs.get("fused") else "default"
+
+
+def measure_host_step(*, repeats: int = 7) -> float:
+    """Float32 parameters per second of a host AdamW step as the runtime's host optimizer runs it: the runtime's own
+    measurement (``memory/host_optim.py::measure_host_step``: its kernel, 2**23 parameters in 8 tensors, larger than
+    the CPU's caches), with the calling thread's settings."""
+    from pipedream2bw.memory.host_optim import measure_host_step as runtime_measure
+
+    return runtime_measure(repeats=repeats).params_per_s
+
+
+def measure_copy(*, nbytes: int = 2**27, warmup: int = 2, repeats: int = 7) -> float:
+    """Bytes per second of one host tensor copy of ``nbytes``."""
+    src = torch.randn(nbytes // 4)
+    dst = torch.empty_like(src)
+    return src.numel() * 4 / _fastest_s(lambda: dst.copy_(src), warmup=warmup, repeats=repeats)
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def _cache_path(cache_dir: Optional[Path]) -> Path:
+    from partitioner.profile import default_cache_dir
+
+    desc = json.dumps(
+        {
+            "v": CACHE_VERSION,
+            "cpu": _cpu_name(),
+            "cores": _cores(),
+            "torch": torch.__version__,
+            "kernel": adamw_kernel(),
+        },
+        sort_keys=True,
+    )
+    return Path(cache_dir or default_cache_dir()) / f"host-{hashlib.sha256(desc.encode()).hexdigest()[:20]}.json"
+
+
+def host_profile(*, cache_dir: Optional[Path] = None, use_cache: bool = True) -> HostProfile:
+    """This host's figures, from the cache if there, else measured (a few seconds) and cached."""
+    path = _cache_path(cache_dir)
+    if use_cache and path.is_file():
+        try:
+            return HostProfile(**json.loads(path.read_text()))
+        except (ValueError, TypeError):
+            pass  # a corrupt or old entry: measure again
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        step, copy = measure_host_step(), measure_copy()
+    finally:
+        torch.set_num_threads(threads)
+    host = HostProfile(step_params_per_s=step, copy_bytes_per_s=copy, kernel=adamw_kernel(), cores=_cores())
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(path, json.dumps(dataclasses.asdict(host), indent=1))
+    return host
