@@ -368,7 +368,7 @@ def warm_up_runtime() -> None:
     """
     cfg = GPTConfig(num_layers=1, d_model=8, num_heads=2, seq_len=8)
     model = torch.nn.Sequential(*build_gpt_layers(cfg, seed=0))
-    opt = build_optimizer(model.parameters(), OptimConfig())
+    opt = build_optimizer(model.parameters(), OptimConfig(name="adamw"))
     x = torch.randint(0, 256, (1, cfg.seq_len))
     lm_loss(model(x), x).backward()
     opt.step()

@@ -11,7 +11,10 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from pipedream2bw import moved
+
 __version__ = "0.1.0"
+moved.install()  # the old module paths, with a DeprecationWarning
 
 # name -> the module that defines it
 _API = {

@@ -98,12 +98,13 @@ def check(argv: Sequence[str], *, world_size: int, local_world_size: int, config
     return None
 
 
-def check_run_dir(argv: Sequence[str], *, config_name: str = "config") -> Optional[str]:
+def check_run_dir(argv: Sequence[str], *, config_name: str = "config", live: bool = True) -> Optional[str]:
     """What makes the run directory this command line names (``hydra.run.dir``, resolved as Hydra will) unusable,
     as one line, or None: checked before Hydra makes it and opens ``train.log`` there, which would fail with raw
     tracebacks (a directory under a file, or not writable) or append through a link planted in it. The directory
     is made here, as Hydra makes it next. None also where it cannot tell: a multirun or Hydra's own flags, a
-    directory it cannot resolve (Hydra then reports that itself)."""
+    directory it cannot resolve (Hydra then reports that itself). ``live``: also refuse a directory a live run
+    holds (rank 0, or the launcher, before any rank: a later rank of the same launch would find rank 0's own lock)."""
     if any(a.startswith("-") for a in argv):
         return None
     from omegaconf import OmegaConf
@@ -138,6 +139,12 @@ def check_run_dir(argv: Sequence[str], *, config_name: str = "config") -> Option
         rundir.check_no_links(run_dir)
     except ConfigError as e:
         return str(e)
+    holder = rundir.live_holder(run_dir) if live else None
+    if holder is not None:  # refused here, before Hydra appends this run's refusal to the live run's train.log
+        return (
+            f"run directory {run_dir.resolve()} is in use by a live run ({holder}); wait for it to end, "
+            f"or start this one in another directory (hydra.run.dir=...)"
+        )
     return None
 
 

@@ -16,6 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 from pipedream2bw import precheck
 from pipedream2bw.config import TINY_ENV, Config, from_hydra, register_configs, tiny
 from pipedream2bw.errors import ConfigError
+from pipedream2bw.io import rundir
 from pipedream2bw.io.fileio import atomic_write_text
 from pipedream2bw.pipeline import comm
 from pipedream2bw.run import slurm
@@ -59,9 +60,10 @@ def _remove_if_only_log(run_dir: Path) -> None:
     """Removes the run directory of a refused launch when it holds nothing but the train.log Hydra opened for it
     (and its date folder when that is then empty): a refused launch leaves no run behind."""
     try:
-        if {p.name for p in run_dir.iterdir()} - {"train.log"}:
+        if {p.name for p in run_dir.iterdir()} - {"train.log", rundir.LOCK}:  # the lock: a refused resume took it
             return
         (run_dir / "train.log").unlink(missing_ok=True)
+        (run_dir / rundir.LOCK).unlink(missing_ok=True)
         run_dir.rmdir()
         run_dir.parent.rmdir()  # outputs/<date>/ when this was its only run; fails (kept) otherwise
     except OSError:
@@ -138,7 +140,9 @@ def cli() -> None:
     register_configs()
     slurm.set_rank_env()  # srun without torchrun: each task a rank (before the ranks agree on the run stamp)
     _agree_on_run_stamp()
-    unusable = precheck.check_run_dir(sys.argv[1:], config_name="config")
+    # rank 0 alone asks whether a live run holds the directory: it takes the lock itself soon after, and another
+    # rank, later here, would find that lock
+    unusable = precheck.check_run_dir(sys.argv[1:], config_name="config", live=rank == 0)
     if unusable is not None:  # before Hydra makes the directory and opens train.log in it
         precheck.report(f"bad configuration: {unusable}", rank=rank, world_size=world_size)
         _exit(2)

@@ -27,6 +27,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import resource
 import statistics
 import subprocess
@@ -390,8 +391,14 @@ class SystemFailed(Exception):
 
     def __init__(self, system: str, output: str):
         super().__init__(f"{system} failed:\n{output[-3000:]}")
-        errors = [line for line in output.splitlines() if "Error" in line]
-        self.system, self.reason = system, (errors[-1].strip() if errors else output.strip()[-200:])
+        # the rank's own exception ("ValueError: ..."), not torchrun's summary of it, which came last and said
+        # only "ChildFailedError:" (the dualpipev column read "n/a (ChildFailedError:)", issue 43)
+        errors = [
+            line.strip()
+            for line in output.splitlines()
+            if re.search(r"\b\w*(Error|Exception): \S", line) and "ChildFailedError" not in line
+        ]
+        self.system, self.reason = system, (errors[-1] if errors else output.strip()[-200:])
 
 
 def launch(system: str, args, argv_model, *, memory_pass: bool = False) -> dict:
@@ -569,7 +576,9 @@ def run_check(parser, args) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    from pipedream2bw.config.docs import DefaultsHelpFormatter
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=DefaultsHelpFormatter)
     parser.add_argument("--nproc", type=int, default=2, help="pipeline stages (one process each)")
     parser.add_argument("--num-microbatches", type=int, default=2)
     parser.add_argument("--microbatch-size", type=int, default=16)

@@ -318,9 +318,9 @@ def _config(args) -> Dict[str, Any]:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    from pipedream2bw.config.docs import DefaultsHelpFormatter
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=DefaultsHelpFormatter)
     floats = lambda s: [float(x) for x in s.split(",")]  # noqa: E731
     ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
     words = lambda s: s.split(",")  # noqa: E731
@@ -364,6 +364,9 @@ def main(argv=None) -> None:
     print("command:", " ".join(map(shlex.quote, [sys.executable, *sys.argv])))
     print("config:", json.dumps(_config(args)))
     todo = [s for s in grid(args) if _summary(out, s) is None]
+    if args.report_only and len(todo) == len(grid(args)):  # it raised FileNotFoundError writing results.json (issue 43)
+        print(f"no runs in {out} to report: run without --report-only first (or name their --out)", file=sys.stderr)
+        sys.exit(2)
     if not args.report_only:
         print(f"{len(grid(args)) - len(todo)} runs found in {out}, {len(todo)} to run", flush=True)
         running: List[subprocess.Popen] = []

@@ -54,7 +54,9 @@ def run_layout(
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    from pipedream2bw.config.docs import DefaultsHelpFormatter
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=DefaultsHelpFormatter)
     parser.add_argument("--layouts", default="2x2,4x1,1x4", help="comma-separated DxW")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=20)

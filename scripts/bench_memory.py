@@ -333,7 +333,9 @@ def time_table(args) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    from pipedream2bw.config.docs import DefaultsHelpFormatter
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=DefaultsHelpFormatter)
     parser.add_argument("--time", action="store_true", help="samples/s, sharded vs unsharded, 4 ranks")
     parser.add_argument(
         "--layouts",

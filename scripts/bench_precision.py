@@ -152,7 +152,9 @@ def profile(args, out: Path) -> Dict[str, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    from pipedream2bw.config.docs import DefaultsHelpFormatter
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=DefaultsHelpFormatter)
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     parser.add_argument("--precision", default="bf16", choices=["fp32", "bf16", "fp16", "auto"])
     parser.add_argument("--schedule", default="2bw", choices=["2bw", "flush", "gpipe"])

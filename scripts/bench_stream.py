@@ -220,7 +220,9 @@ def measure(args: argparse.Namespace, device: torch.device, *, stream: bool, **k
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    from pipedream2bw.config.docs import DefaultsHelpFormatter
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=DefaultsHelpFormatter)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--layers", type=int, default=None, help="GPT blocks in the stage (equal layers)")
     p.add_argument("--d-model", type=int, default=None)

@@ -228,7 +228,9 @@ def _static_bytes(versions: WeightVersions, data) -> int:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    from pipedream2bw.config.docs import DefaultsHelpFormatter
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=DefaultsHelpFormatter)
     parser.add_argument("--device", default="auto", help="auto (cuda if available), cuda or cpu")
     parser.add_argument("--schedule", choices=["2bw", "flush", "gpipe"], default="2bw")
     parser.add_argument("--num-stages", type=int, default=4, help="the split whose first stage is run")

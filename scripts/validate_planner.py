@@ -115,7 +115,9 @@ def measure_baseline(d: int, m: int, steps: int, overrides, work: Path) -> list:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    from pipedream2bw.config.docs import DefaultsHelpFormatter
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=DefaultsHelpFormatter)
     parser.add_argument("--plans", default="1x4,2x8,4x16", help="comma-separated DxB: pipeline depth x microbatch size")
     parser.add_argument("--global-batch", type=int, default=64)
     parser.add_argument("--steps", type=int, default=12)

@@ -250,7 +250,8 @@ class ReferenceOptimizer:
     - optim.name=muon: torch.optim.Muon's step (config.optimizers.Muon; adjust_lr_fn 'match_rms_adamw' unless
       optim.muon_kwargs says otherwise)
       for the 2-D parameters that are neither an nn.Embedding's nor under a module whose class name ends in
-      'Head'; optim.muon_others (with optim.kwargs) for the rest; one learning rate for both.
+      'Head', nor in a layer list's first or last layer; optim.muon_others (with optim.kwargs) for the rest; one
+      learning rate for both.
     - optim.delay_correction=lookahead: AdamW becomes NAdam(betas=(0.99, beta2), decoupled_weight_decay=True, its
       weight decay AdamW's), Muon's momentum 0.99 with Nesterov.
     - optim.delay_correction=error_feedback: with u(t) = W after the step - W before, the step sets
@@ -276,6 +277,8 @@ class ReferenceOptimizer:
                 cls = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD, "adam": torch.optim.Adam}[others.lower()]
             heads = {id(p) for mod in model.modules() if type(mod).__name__.endswith("Head") for p in mod.parameters()}
             embeds = {id(p) for mod in model.modules() if isinstance(mod, nn.Embedding) for p in mod.parameters()}
+            if isinstance(model, nn.Sequential) and len(model):  # the layer list's input and output layers, by role
+                embeds |= {id(p) for i in (0, len(model) - 1) for p in model[i].parameters()}
             params = list(model.parameters())
             mu = [p for p in params if p.dim() == 2 and id(p) not in heads | embeds] if muon else []
             rest = [p for p in params if all(p is not q for q in mu)]

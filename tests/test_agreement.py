@@ -211,7 +211,7 @@ def test_lr_schedules():
         ({"scheduler": "step"}, r"optim.scheduler \('step'\) is unknown"),
         ({"warmup_steps": 7}, r"optim.warmup_steps \(7\) must be in \[0, train.num_steps \(6\)\]"),
         ({"min_lr": 1.0}, r"optim.min_lr \(1.0\) must be in \[0, optim.lr \(0.2\)\]"),
-        ({"clip_grad_norm": 0.0}, r"optim.clip_grad_norm \(0.0\) must be a positive number, or null"),
+        ({"clip_grad_norm": 0.0}, r"optim.clip_grad_norm \(0.0\) must be > 0"),  # its range, checked first
     ],
 )
 def test_bad_step_settings_are_config_errors(override, match):

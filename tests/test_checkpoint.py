@@ -183,6 +183,7 @@ TINY_TORCHRUN_OVERRIDES = [
     "optim.name=sgd",
     "optim.lr=0.05",
     "+optim.kwargs.momentum=0.9",
+    "optim.delay_correction=error_feedback",  # named: sgd's default (auto) is none; resumes must carry its state
     "wandb.mode=disabled",
     "seed=3",
 ]
@@ -210,7 +211,7 @@ def test_a_launched_run_trains_what_its_in_process_reference_trains(tmp_path):
     tests failed there, which read as a resume that was not bit for bit."""
     overrides = [*TINY_TORCHRUN_OVERRIDES, "pipeline.num_stages=1", "train.num_steps=4", "train.log_every=100"]
     reference = cli_config(*overrides)
-    assert reference.optim.delay_correction == "error_feedback"  # the default, which the overrides leave alone
+    assert reference.optim.delay_correction == "error_feedback"  # named in the overrides (auto gives sgd none)
     cli, in_process = tmp_path / "cli", tmp_path / "in_process"
     (result,) = spawn(
         _cli_and_in_process, world_size=1, args=(overrides, reference, str(cli), str(in_process)), log_dir=tmp_path

@@ -199,6 +199,7 @@ def test_a_refused_launch_removes_a_run_directory_holding_only_its_log(tmp_path)
         d.mkdir(parents=True)
         (d / "train.log").write_text("bad configuration: ...\n")
     (kept / "checkpoints").mkdir()  # an earlier run's directory, relaunched and refused: kept whole
+    (refused / ".lock").write_text("host h, pid 1\n")  # issue 43: a refused resume had taken the lock: left behind
     _remove_if_only_log(refused)
     _remove_if_only_log(kept)
     assert not refused.exists() and (kept / "train.log").is_file()

@@ -8,7 +8,16 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from pipedream2bw.config import Config, ConfigError, GPTConfig, even_balance, gpt_balance, register_configs, validate
+from pipedream2bw.config import (
+    Config,
+    ConfigError,
+    GPTConfig,
+    even_balance,
+    from_hydra,
+    gpt_balance,
+    register_configs,
+    validate,
+)
 
 CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "configs")
 
@@ -29,6 +38,44 @@ def test_default_config_is_the_readme_run():
         "offline",
     )
     assert validate(cfg, world_size=4) == [2, 2, 1, 3]  # [emb, b0] [b1, b2] [b3] [b4, norm, head]
+
+
+def _differences(a, b, prefix: str = "") -> list:
+    """The keys where two configs (dataclasses, walked field by field) differ, with both values."""
+    import dataclasses
+
+    if dataclasses.is_dataclass(a) and type(a) is type(b):
+        return [
+            d
+            for f in dataclasses.fields(a)
+            for d in _differences(getattr(a, f.name), getattr(b, f.name), f"{prefix}{f.name}.")
+        ]
+    return [] if a == b else [f"{prefix[:-1]}: command line {a!r}, Config() {b!r}"]
+
+
+def test_the_command_line_and_the_dataclasses_have_the_same_defaults():
+    # issue 43: OptimConfig() was AdamW without a correction, the command line Muon with error feedback
+    assert _differences(from_hydra(make()), Config()) == []
+
+
+@pytest.mark.parametrize(
+    "overrides, kwargs, correction",
+    [
+        ([], {}, "error_feedback"),  # the default: muon
+        (["optim.name=adamw"], {"name": "adamw"}, "none"),  # kept the default's error feedback (issue 43)
+        (
+            ["optim.name=adamw", "optim.delay_correction=error_feedback"],
+            {"name": "adamw", "delay_correction": "error_feedback"},
+            "error_feedback",
+        ),
+        (["optim.name=muon", "optim.delay_correction=none"], {"name": "muon", "delay_correction": "none"}, "none"),
+    ],
+)
+def test_a_named_optimizer_gets_its_own_delay_correction(overrides, kwargs, correction):
+    from pipedream2bw.config import OptimConfig
+
+    assert make(*overrides).optim.delay_correction == correction
+    assert OptimConfig(**kwargs).delay_correction == correction
 
 
 def test_interface_names_override():
@@ -107,6 +154,9 @@ def test_typed_schema_rejects_wrong_types():
         (["model.num_heads=3"], 4, r"num_heads \(3\) must divide model.d_model \(128\)"),
         (["wandb.mode=cloud"], 4, r"wandb.mode \('cloud'\) is unknown"),
         (["train.warmup_steps=10", "train.num_steps=10"], 4, r"warmup_steps \(10\) must be in \[0, train.num_steps"),
+        # issue 43: blamed optim.warmup_steps, then a ZeroDivisionError: each number's own range comes first
+        (["train.num_steps=-5"], 4, r"^train.num_steps \(-5\) must be >= 1"),
+        (["model.num_heads=0"], 4, r"^model.num_heads \(0\) must be >= 1"),
     ],
 )
 def test_bad_input_names_value_and_fix(overrides, world_size, match):

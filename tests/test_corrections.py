@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from collections import OrderedDict
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ from test_semantics import tiny_config
 from torch import nn
 
 from pipedream2bw.config import ConfigError, GPTConfig, OptimConfig, build_optimizer, validate
-from pipedream2bw.config.optimizers import EF_STATE, MUON_ROLE, Muon, tag_muon_params
+from pipedream2bw.config.optimizers import EF_STATE, MUON_ROLE, Muon, muon_edge_layers, tag_muon_params
 from pipedream2bw.models.gpt import build_gpt_layers
 
 
@@ -59,7 +60,7 @@ def test_muon_takes_the_hidden_matrices_only():
     go to the other optimizer; optim.muon_exclude overrides it."""
     for tie in (False, True):
         model = nn.Sequential(*build_gpt_layers(GPTConfig(num_layers=2, d_model=16, tie_embeddings=tie), seed=0))
-        tag_muon_params(model, OptimConfig().muon_exclude)
+        tag_muon_params(model, OptimConfig().muon_exclude, edge_layers=muon_edge_layers(len(model)))
         muon = {n for n, p in model.named_parameters() if getattr(p, MUON_ROLE)}
         assert muon == {f"{b}.{k}.weight" for b in (1, 2) for k in ("qkv", "proj", "fc", "fc_proj")}
     tag_muon_params(model, ["*fc*", "*Embedding*", "*Head*"])
@@ -67,6 +68,18 @@ def test_muon_takes_the_hidden_matrices_only():
         "2.qkv.weight",
         "2.proj.weight",
     }
+
+
+def test_muon_leaves_a_plain_linear_head_and_input_of_a_layer_list_to_the_other_optimizer():
+    # issue 43: the class-name patterns sent a custom layer list's nn.Linear output projection (and input
+    # projection) to Muon, against Muon's rule (hidden matrices only); the roles come from the positions now
+    layers = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+    tag_muon_params(layers, OptimConfig().muon_exclude, edge_layers=muon_edge_layers(len(layers)))
+    assert {n for n, p in layers.named_parameters() if getattr(p, MUON_ROLE)} == {"2.weight"}
+    # a stage holds some of the layers, keyed by their global index: its last layer is not the model's
+    stage = nn.Sequential(OrderedDict((str(i), layers[i]) for i in (2, 3, 4)))
+    tag_muon_params(stage, [], edge_layers=muon_edge_layers(5))
+    assert {n for n, p in stage.named_parameters() if getattr(p, MUON_ROLE)} == {"2.weight"}
 
 
 def test_error_feedback_steps_with_one_temporary_the_size_of_the_weights():

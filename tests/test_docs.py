@@ -135,6 +135,13 @@ def check_command(cmd: List[str], *, check: bool = True) -> Optional[str]:
         cmd = cmd[1:]
     if not cmd:
         return None
+    if cmd[0] == "pipedream2bw-train" or cmd[:3] == ["python", "-m", "pipedream2bw.launch"]:
+        from pipedream2bw.launch import split_args
+
+        _, train_args = split_args(cmd[1 if cmd[0] == "pipedream2bw-train" else 3 :])
+        if check:
+            check_overrides(train_args, config_name="config")
+        return "train"
     if cmd[0] == "torchrun":
         assert "-m" in cmd, cmd
         i = cmd.index("-m")
@@ -198,6 +205,49 @@ def test_checks_catch_a_stale_key_a_missing_script_and_a_removed_option():
     with pytest.raises(AssertionError, match="has no option --colour"):
         check_command(["python", "scripts/show_schedule.py", "--colour"])
     assert check_command(["python", "-m", "partitioner", "plan", "--out", "p.yaml", "topology=dgx"]) == "partitioner"
+
+
+def launch_of(cmd: List[str]) -> Optional[tuple]:
+    """(ranks launched, the training's overrides) of a one-node training command (torchrun or the launcher) with a
+    numeric --nproc-per-node; None for any other command (several nodes, a variable, a multirun)."""
+    from pipedream2bw.launch import split_args
+
+    while cmd and re.match(r"^[A-Z_][A-Z0-9_]*=", cmd[0]):
+        cmd = cmd[1:]
+    if cmd[:1] == ["torchrun"] and "-m" in cmd:
+        options, overrides = cmd[1 : cmd.index("-m")], cmd[cmd.index("-m") + 2 :]
+    elif cmd[:1] == ["pipedream2bw-train"]:
+        options, overrides = split_args(cmd[1:])
+    else:
+        return None
+    nproc = [b for a, b in zip(options, options[1:]) if a == "--nproc-per-node"]
+    nproc += [a.split("=", 1)[1] for a in options if a.startswith("--nproc-per-node=")]
+    if "--nnodes" in options or not nproc or not nproc[0].isdigit() or "-m" in overrides:
+        return None
+    if any("$" in a for a in overrides):
+        return None
+    return int(nproc[0]), overrides
+
+
+# what a block's earlier commands make (a token file, a run to resume): absent when a command is checked alone
+MADE_EARLIER = ("is not a file; point data.path at", "is neither 'auto', 'never' nor an existing path")
+
+
+@pytest.mark.long  # ~45 commands composed and checked: 12 s of CPU, 24-80 s on 2 loaded cores
+def test_every_training_command_passes_the_launch_check_for_its_ranks():
+    # issue 43: docs/memory.md's "torchrun --nproc-per-node 2 ... swap.weights=true" kept the default 4 stages:
+    # "world size (2) is not divisible by pipeline.num_stages (4)"; keys alone (the check above) cannot see that
+    from pipedream2bw import precheck
+
+    refused = []
+    for block in CHECKED + RUNNABLE:
+        for cmd in commands(block.text):
+            launch = launch_of(cmd)
+            if launch is not None:
+                mistake = precheck.check(launch[1], world_size=launch[0], local_world_size=launch[0])
+                if mistake is not None and not any(m in mistake for m in MADE_EARLIER):
+                    refused.append(f"{block.id}: {' '.join(cmd)}\n  -> {mistake}")
+    assert not refused, "\n".join(refused)
 
 
 def test_every_page_has_shell_blocks_the_checks_recognise():

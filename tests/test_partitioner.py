@@ -234,7 +234,7 @@ def test_175b_gpt_on_1536_gpus_plans_fast_and_fits():
 
 def test_infeasible_request_names_the_memory_and_devices_that_would_fit():
     cfg = GPTConfig(num_layers=8, d_model=64, num_heads=4, seq_len=64)
-    costs = lambda b: analytic_gpt(cfg, OptimConfig(), b, DGX)  # noqa: E731
+    costs = lambda b: analytic_gpt(cfg, OptimConfig(name="adamw"), b, DGX)  # noqa: E731
     small = dataclasses.replace(DGX, devices_per_node=2)
     req = Request(
         global_batch_size=16,
@@ -262,7 +262,7 @@ def test_no_plan_names_what_the_search_left_out_that_would_fit():
     # issue 35: "no plan" for GPT-3 175B never suggested sharding, which found one. Here pure data parallelism
     # (partition.depths=[1]) fits only with the optimizer sharded over the 2 replicas, or as a deeper pipeline.
     cfg = GPTConfig(num_layers=2, d_model=128, num_heads=4, seq_len=16, vocab_size=256)
-    costs = lambda b: analytic_gpt(cfg, OptimConfig(), b, DGX)  # noqa: E731
+    costs = lambda b: analytic_gpt(cfg, OptimConfig(name="adamw"), b, DGX)  # noqa: E731
     two = dataclasses.replace(DGX, devices_per_node=2)
     req = Request(
         global_batch_size=4, topology=two, devices=2, memory_per_device_bytes=10.6 * 2**20, runtime_bytes=0, depths=[1]
@@ -283,7 +283,7 @@ def test_plan_file_round_trip(tmp_path):
     req = Request(
         global_batch_size=64, topology=DGX, devices=8, memory_per_device_bytes=80 * GIB, runtime_bytes=2 * GIB
     )
-    best = plan(lambda b: analytic_gpt(GPTConfig(), OptimConfig(), b, DGX), req)[0]
+    best = plan(lambda b: analytic_gpt(GPTConfig(), OptimConfig(name="adamw"), b, DGX), req)[0]
     header = stage_table(best).splitlines()[0].split()  # whole names (issue 35: cut to six letters, "gradie optimi")
     assert header[-len(MEMORY_PARTS) :] == list(MEMORY_PARTS)
     path = save_plan(best, tmp_path / "plan.yaml")
@@ -355,7 +355,9 @@ def test_apply_plan_sets_the_pipeline_and_checks_the_launch():
     req = Request(
         global_batch_size=64, topology=DGX, devices=8, memory_per_device_bytes=80 * GIB, runtime_bytes=2 * GIB
     )
-    best = plan(lambda b: analytic_gpt(cfg.model, OptimConfig(), b, DGX), dataclasses.replace(req, depths=[4]))[0]
+    best = plan(
+        lambda b: analytic_gpt(cfg.model, OptimConfig(name="adamw"), b, DGX), dataclasses.replace(req, depths=[4])
+    )[0]
     p, _ = apply_plan(cfg.pipeline, cfg.swap, best, world_size=8, num_layers=num_layers)
     assert (p.num_stages, p.data_parallel, p.microbatch_size, p.num_microbatches) == (
         4,

@@ -17,7 +17,16 @@ from test_semantics import assert_losses_close, max_abs_diff, tiny_config
 
 from partitioner.cost import Segments, StageContext, StageCost
 from partitioner.profile import analytic_gpt
-from pipedream2bw.config import Config, ConfigError, GPTConfig, OptimConfig, TopologyConfig, gpt_balance, validate
+from pipedream2bw.config import (
+    Config,
+    ConfigError,
+    GPTConfig,
+    OptimConfig,
+    TopologyConfig,
+    TrainConfig,
+    gpt_balance,
+    validate,
+)
 from pipedream2bw.memory.loss_scale import LossScaler
 from pipedream2bw.memory.precision import (
     markdown_table,
@@ -133,6 +142,7 @@ def test_precision_config_is_checked_before_any_group_starts():
     cfg.train.precision, cfg.train.loss_scale = "fp16", 0.0
     with pytest.raises(ConfigError, match=r"train.loss_scale \(0.0\)"):
         validate(cfg, world_size=2)
+    cfg.train.loss_scale = TrainConfig().loss_scale  # each number's range is checked first
     cfg.partition.analytic_dtype_bytes = 2
     with pytest.raises(ConfigError, match="train.precision"):
         validate(cfg, world_size=2)

@@ -109,3 +109,37 @@ def test_a_log_line_or_a_warning_does_not_land_on_the_bar_line(tmp_path, monkeyp
     assert any(line.endswith("UserWarning: a torch warning") for line in screen), screen
     assert not any("train" in line and "warning" in line for line in screen), screen
     assert any("3/3" in line for line in screen), screen  # the bar, redrawn below, finishes
+
+
+def test_off_a_terminal_a_step_line_comes_at_once_and_at_least_every_10_s(tmp_path, monkeypatch):
+    # issue 43: the default run (log_every 10, ~1.5 s a step on a loaded 2-core machine) printed nothing until its
+    # 10th step, then a line every 10 steps when not on a terminal
+    from pipedream2bw.run import step_hooks
+
+    clock = iter(float(s) for s in range(0, 1000, 4))  # each step takes 4 s
+    monkeypatch.setattr(step_hooks.time, "perf_counter", lambda: next(clock))
+    lines = []
+    monkeypatch.setattr(step_hooks, "log", SimpleNamespace(info=lambda msg, *args: lines.append(msg % args)))
+    cfg = Config(train=TrainConfig(num_steps=20, log_every=100), wandb=WandbConfig(mode="disabled"))
+    worker = SimpleNamespace(stats=SimpleNamespace(losses=[], lrs=[], grad_norms=[]))
+    bar = progress_bar(20, file=io.StringIO())  # not a terminal: no bar
+    on_step = step_hooks.progress_callback(
+        cfg.train, worker, Tracker(cfg.wandb, tmp_path), bar, samples_per_step=8, seq_len=64
+    )
+    for t in range(20):
+        worker.stats.losses.append(5.0)
+        worker.stats.lrs.append(1e-3)
+        worker.stats.grad_norms.append(None)
+        on_step(t)
+    steps = [int(m.group(1)) for m in (re.match(r"step (\d+)/", line) for line in lines) if m]
+    assert steps == [1, 4, 7, 10, 13, 16, 19, 20], lines  # the first, every 12 s (3 steps of 4 s), the last
+
+
+def test_bf16_on_a_cpu_without_native_bfloat16_is_told(tmp_path):
+    # issue 43: bench_precision.py --device cpu ran bf16 at 0.76 samples/s on an AVX2-only CPU (fp32: 71), unwarned
+    from pipedream2bw.run.logs import native_bf16_cpu
+
+    (tmp_path / "avx2").write_text("flags\t\t: fpu sse2 avx avx2 fma\n")
+    (tmp_path / "bf16").write_text("flags\t\t: fpu sse2 avx avx2 avx512f avx512_bf16\n")
+    assert not native_bf16_cpu(str(tmp_path / "avx2"))
+    assert native_bf16_cpu(str(tmp_path / "bf16")) and native_bf16_cpu(str(tmp_path / "absent"))

@@ -374,14 +374,14 @@ def test_optimizer_state_that_no_longer_fits_its_settings_starts_afresh_with_a_w
 
 
 def test_optimizer_state_misfits_are_what_a_step_would_miss():
-    from pipedream2bw.config import Config
+    from pipedream2bw.config import OptimConfig
     from pipedream2bw.config.optim import state_misfits
 
     adam = [
         ("matrix", frozenset({"step", "exp_avg", "exp_avg_sq"})),
         ("vector", frozenset({"step", "exp_avg", "exp_avg_sq"})),
     ]
-    o = Config().optim  # adamw
+    o = OptimConfig(name="adamw")
     assert state_misfits(o, adam) == {}
     o.kwargs = {"amsgrad": True}
     assert state_misfits(o, adam) == {"matrix": ["max_exp_avg_sq"], "vector": ["max_exp_avg_sq"]}
@@ -470,6 +470,15 @@ def test_unusable_run_directory_is_named_before_hydra_makes_it(tmp_path):
     assert problem(under.parent) == f"hydra.run.dir ({under.parent}) is not a directory; {fix}"
     assert problem(paths["linked"]).startswith(f"{paths['linked'] / 'train.log'} is a symbolic link")
     assert problem(tmp_path / "new" / "run") is None and (tmp_path / "new" / "run").is_dir()
+    # issue 43: a second run in a live run's directory appended its refusal to the live run's train.log
+    from pipedream2bw.io.rundir import RunLock
+
+    with RunLock() as lock:
+        lock.acquire(tmp_path / "new" / "run")
+        assert "is in use by a live run (host " in problem(tmp_path / "new" / "run")
+        # a rank other than 0 asks not: rank 0 of its own launch may hold the lock already (it refused its own run)
+        assert check_run_dir([f"hydra.run.dir={tmp_path / 'new' / 'run'}"], live=False) is None
+    assert problem(tmp_path / "new" / "run") is None  # released: the next run takes it over
     if os.geteuid() != 0:  # root writes through a mode of 0555
         (tmp_path / "ro").mkdir(mode=0o555)
         assert problem(tmp_path / "ro" / "run").startswith(

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from dist_helper import spawn, train_as_a_script
 
-from pipedream2bw.config import Config, DataConfig, GPTConfig, PipelineConfig, TrainConfig, WandbConfig
+from pipedream2bw.config import Config, DataConfig, GPTConfig, OptimConfig, PipelineConfig, TrainConfig, WandbConfig
 from pipedream2bw.io.fileio import atomic_symlink
 from pipedream2bw.io.tracking import MetricsLog, plot_losses, read_metrics
 from pipedream2bw.run.logs import format_duration
@@ -32,6 +32,7 @@ def script_run(tmp_path_factory):
         pipeline=PipelineConfig(num_stages=2, num_microbatches=2, microbatch_size=2),
         model=GPTConfig(d_model=32, seq_len=32, num_layers=2),
         data=DataConfig(val_fraction=0.1),
+        optim=OptimConfig(name="adamw"),  # the header line below names it
         train=TrainConfig(num_steps=6, warmup_steps=1, log_every=3, eval_every=3, eval_batches=1, checkpoint_every=3),
         wandb=WandbConfig(mode="disabled"),
     )
@@ -70,6 +71,7 @@ def test_a_run_resumed_into_a_new_directory_keeps_the_history_up_to_its_checkpoi
         pipeline=PipelineConfig(num_stages=2, num_microbatches=2, microbatch_size=2),
         model=GPTConfig(d_model=32, seq_len=32, num_layers=2),
         data=DataConfig(val_fraction=0.1),
+        optim=OptimConfig(name="adamw"),  # the header line below names it
         train=TrainConfig(
             num_steps=4,
             warmup_steps=1,

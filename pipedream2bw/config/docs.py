@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import argparse
 import ast
+import copy
 import dataclasses
 import inspect
 import os
@@ -241,3 +243,22 @@ def markdown() -> str:
 def all_keys() -> List[str]:
     """Every key a command line may set (``pipeline.schedule``, ..., ``model._target_``, ``seed``)."""
     return [k.name for _, _, rows in keys() for k in rows]
+
+
+class DefaultsHelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """argparse help for the scripts: the description as written, each option's default after its help unless the
+    help names it already (argparse's ArgumentDefaultsHelpFormatter said "(default: ...)" twice there)."""
+
+    @staticmethod
+    def _shows_default(action: argparse.Action) -> bool:
+        return bool(action.option_strings) and action.default not in (None, argparse.SUPPRESS, False)
+
+    def _format_action(self, action: argparse.Action) -> str:
+        if not action.help and self._shows_default(action):  # argparse shows nothing for an option without help
+            action = copy.copy(action)
+            action.help = "(default: %(default)s)"
+        return super()._format_action(action)
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        return text if not self._shows_default(action) or "default" in text else f"{text} (default: %(default)s)"

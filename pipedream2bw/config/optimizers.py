@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import fnmatch
 import math
-from typing import Any, Dict, Iterable, List, Sequence
+from typing import Any, Dict, Iterable, List, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -38,29 +38,38 @@ def correction_in_effect(cfg, schedule: str) -> str:
     return cfg.delay_correction if schedule == "2bw" else "none"
 
 
-def muon_param_roles(module: nn.Module, exclude: Sequence[str]) -> Dict[int, bool]:
-    """id(parameter) -> True where Muon steps it: a 2-D parameter none of whose names, nor the class names of
-    the modules on its path (e.g. ``LMHead``, ``Linear``), match a pattern of ``exclude`` (fnmatch,
-    case-sensitive). The rest (norms, biases, embeddings, the LM head) go to the other optimizer. A parameter
-    held by several modules (a tie) is Muon's only if every holder says so."""
-    roles: Dict[int, bool] = {}
+def muon_edge_layers(num_layers: int) -> Tuple[str, ...]:
+    """The names (global layer indices, as a stage module keys its layers) of the model's input and output layers:
+    the first layer of the list (embeddings, an input projection) and the last (the output projection)."""
+    return tuple(dict.fromkeys(("0", str(num_layers - 1))))
 
-    def walk(mod: nn.Module, prefix: str, classes: List[str]) -> None:
+
+def muon_param_roles(module: nn.Module, exclude: Sequence[str], *, edge_layers: Sequence[str] = ()) -> Dict[int, bool]:
+    """id(parameter) -> True where Muon steps it: a 2-D parameter of a hidden layer (not one of ``edge_layers``, the
+    top-level children of ``module`` that are the model's first and last layers: ``muon_edge_layers``), none of
+    whose names, nor the class names of the modules on its path (e.g. ``LMHead``, ``Linear``), match a pattern of
+    ``exclude`` (fnmatch, case-sensitive). The rest (the input and output layers whatever their classes, norms,
+    biases) go to the other optimizer: Muon is for hidden matrices only. A parameter held by several modules (a
+    tie) is Muon's only if every holder says so."""
+    roles: Dict[int, bool] = {}
+    edges = set(edge_layers)
+
+    def walk(mod: nn.Module, prefix: str, classes: List[str], edge: bool) -> None:
         classes = classes + [type(mod).__name__]
         for name, p in mod.named_parameters(recurse=False):
             labels = [prefix + name] + classes
-            muon = p.dim() == 2 and not any(fnmatch.fnmatchcase(x, pat) for x in labels for pat in exclude)
+            muon = p.dim() == 2 and not edge and not any(fnmatch.fnmatchcase(x, pat) for x in labels for pat in exclude)
             roles[id(p)] = roles.get(id(p), True) and muon
         for child_name, child in mod.named_children():
-            walk(child, f"{prefix}{child_name}.", classes)
+            walk(child, f"{prefix}{child_name}.", classes, edge or (not prefix and child_name in edges))
 
-    walk(module, "", [])
+    walk(module, "", [], False)
     return roles
 
 
-def tag_muon_params(module: nn.Module, exclude: Sequence[str]) -> None:
+def tag_muon_params(module: nn.Module, exclude: Sequence[str], *, edge_layers: Sequence[str] = ()) -> None:
     """Marks each parameter of ``module`` for Muon (True) or the other optimizer (False): ``muon_param_roles``."""
-    roles = muon_param_roles(module, exclude)
+    roles = muon_param_roles(module, exclude, edge_layers=edge_layers)
     for p in module.parameters():
         setattr(p, MUON_ROLE, roles[id(p)])
 

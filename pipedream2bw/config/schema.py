@@ -153,8 +153,9 @@ class HFModelConfig:
 
 @dataclass
 class OptimConfig:
-    name: str = "adamw"
-    """A torch.optim optimizer by name, case-insensitive: sgd, adam, adamw, rmsprop, ... (not lbfgs)."""
+    name: str = "muon"
+    """A torch.optim optimizer by name, case-insensitive: muon (the default: Muon for the hidden matrices,
+    optim.muon_others for the rest), sgd, adam, adamw, rmsprop, ... (not lbfgs)."""
     lr: float = 3e-3
     """Learning rate: the peak of optim.scheduler's schedule (all of it for 'constant')."""
     kwargs: Dict[str, Any] = field(default_factory=dict)
@@ -177,7 +178,7 @@ class OptimConfig:
     """Two parameter groups: weight decay (``kwargs.weight_decay``) on weights of 2 or more dimensions,
     none on 1-D parameters (norm scales, biases), as GPT training usually does."""
     sharded: Optional[bool] = None
-    """ZeRO-1 over the data-parallel replicas (docs/design.md section 10): the w replicas of a stage each keep
+    """ZeRO-1 over the data-parallel replicas (docs/sharding.md): the w replicas of a stage each keep
     1/w of the float32 master weights and optimizer state; gradients reduce-scatter in buckets, each replica
     steps its shard, the new weights are all-gathered (under 2bw while the next batch runs). Needs an
     elementwise optimizer (sgd, adam, adamw, ...); with data_parallel 1 it changes nothing. null: false, or
@@ -194,18 +195,29 @@ class OptimConfig:
     2-D and those optim.muon_exclude matches."""
     muon_exclude: List[str] = field(default_factory=lambda: ["*Embedding*", "*Head*", "*head*"])
     """optim.name=muon: fnmatch patterns (case-sensitive) over each parameter's name within its stage and the class
-    names of the modules on its path; a 2-D parameter matching any goes to optim.muon_others, not Muon. The
-    default keeps embeddings (nn.Embedding) and the LM head (LMHead, lm_head) out of Muon. A tied weight must
-    match on every stage that holds it (the default patterns do)."""
-    delay_correction: str = "none"
+    names of the modules on its path; a 2-D parameter matching any goes to optim.muon_others, not Muon. The model's
+    first and last layers (its input lookups, its output projection) never go to Muon, whatever their classes;
+    the patterns keep more out: by default embeddings (nn.Embedding) and heads (LMHead, lm_head) anywhere. A tied
+    weight must match on every stage that holds it (the default patterns do)."""
+    delay_correction: str = "auto"
     """Under pipeline.schedule=2bw, a correction of the one-step gradient delay, run in the deferred step on each
     stage (no extra communication): 'none'; 'error_feedback' (Zmushko et al. 2026: W(t+1) = W(t) + u(t) +
     beta * (u(t) - u(t-1)), u the optimizer's update; 4 bytes per parameter); 'lookahead' (Ajanthan et al.
     2025: Nesterov look-ahead with momentum 0.99, i.e. NAdamW for adamw and Muon's momentum 0.99 for muon; no
-    extra state). flush and gpipe have no delay: the correction is off there (logged). docs/design.md states the
-    exact rules."""
+    extra state); 'auto' (the default): error_feedback for muon (the setting under which 2bw came closest to a
+    flushing pipeline's loss), none for every other optimizer (with AdamW it helped unreliably, at 4 bytes a
+    parameter: docs/convergence.md), decided when the config is made. flush and gpipe have no delay: the
+    correction is off there (logged). docs/design.md states the exact rules."""
     error_feedback_beta: float = 1.0
     """optim.delay_correction=error_feedback: the weight beta of the previous step's estimated error."""
+
+    def __post_init__(self) -> None:
+        # 'auto' resolved once, here: OptimConfig(name="adamw") and optim.name=adamw on the command line (Hydra
+        # makes the dataclass the same way) get no correction; muon gets error feedback (issue 43: optim.name=adamw
+        # kept the default's error feedback, 4 bytes a parameter the user had not asked for)
+        if self.delay_correction == "auto":
+            muon = not self.target and str(self.name).lower() == "muon"
+            self.delay_correction = "error_feedback" if muon else "none"
 
 
 @dataclass

@@ -13,6 +13,7 @@ import torch
 
 from pipedream2bw.config.optim import ELEMENTWISE_OPTIMIZERS, build_optimizer, optimizer_class, optimizer_of
 from pipedream2bw.config.optimizers import is_muon
+from pipedream2bw.config.ranges import check_ranges
 from pipedream2bw.config.schema import (
     BACKENDS,
     LR_SCHEDULERS,
@@ -290,6 +291,7 @@ def validate(
     Raises:
         ConfigError: naming the value, why it is wrong and how to fix it.
     """
+    check_ranges(cfg)  # each number in its own range first: the checks below relate keys, and blamed the wrong one
     p, mdl = cfg.pipeline, cfg.model
     gpt = num_layers is None
     if gpt and not isinstance(mdl, GPTConfig):

@@ -26,7 +26,13 @@ from pipedream2bw.config import (
     swap_stages,
 )
 from pipedream2bw.config.optim import probe_kind, state_misfits
-from pipedream2bw.config.optimizers import correction_in_effect, is_muon, orthogonalize_on, tag_muon_params
+from pipedream2bw.config.optimizers import (
+    correction_in_effect,
+    is_muon,
+    muon_edge_layers,
+    orthogonalize_on,
+    tag_muon_params,
+)
 from pipedream2bw.data import make_feeds
 from pipedream2bw.io import checkpoint, timeline
 from pipedream2bw.memory import precision as precisions
@@ -123,8 +129,8 @@ def build_versions(
     buckets = [bucket for bucket in buckets if bucket] + [[i] for i in tied_index]
     num_dp_buckets = len(buckets) - len(tied_index)
     optim = dataclasses.replace(optim, delay_correction=correction_in_effect(optim, rt.schedule))
-    if is_muon(optim):  # which parameters Muon takes: see OptimConfig.muon_exclude
-        tag_muon_params(module, optim.muon_exclude)
+    if is_muon(optim):  # which parameters Muon takes: hidden matrices (OptimConfig.muon_exclude)
+        tag_muon_params(module, optim.muon_exclude, edge_layers=muon_edge_layers(sum(rt.balance)))
     if swap.optimizer == "host":  # the step runs on the host (swap.weights too): the fastest CPU kernel
         optim = host_kernel(optim)
     # Muon with its state on the host (swap.optimizer=host, swap.weights): the Newton-Schulz iterations run on the

@@ -13,7 +13,7 @@ from pipedream2bw.config import (
     Config,
     optimizer_name,
 )
-from pipedream2bw.config.optimizers import correction_in_effect
+from pipedream2bw.config.optimizers import correction_in_effect, is_muon, muon_edge_layers, muon_param_roles
 from pipedream2bw.pipeline import ties
 from pipedream2bw.run.model import RunModel
 from pipedream2bw.run.runtime import RankPlan
@@ -102,7 +102,7 @@ def log_run(rt: RankPlan, cfg: Config, model: RunModel, feed: Any, val_feed: Any
     correction = correction_in_effect(o, rt.schedule)
     log.info(
         "run: %s schedule, %s x %s (d=%d, w=%d), m=%d microbatches of b=%d sequences of %d tokens "
-        "(global batch %d sequences, %d tokens), %s steps, precision %s, optimizer %s lr %.4g (%s)%s%s",
+        "(global batch %d sequences, %d tokens), %s steps",
         rt.schedule,
         _plural(rt.num_stages, "stage"),
         _plural(rt.data_parallel, "replica"),
@@ -114,12 +114,15 @@ def log_run(rt: RankPlan, cfg: Config, model: RunModel, feed: Any, val_feed: Any
         rt.global_batch,
         rt.global_batch * rt.seq_len,
         rt.num_steps if not rt.first_step else f"{rt.first_step}..{rt.num_steps}",
+    )
+    log.info(  # a line of its own: the header was one line of 310 characters (issue 43)
+        "training: precision %s, optimizer %s lr %.4g (%s)%s%s",
         rt.precision,
         optimizer_name(o),
         o.lr,
         sched,
         f", clip {o.clip_grad_norm}" if o.clip_grad_norm is not None else "",
-        f", delay correction {correction}" if correction != "none" else "",
+        f", delay correction {correction}" if rt.schedule == "2bw" else "",  # none said too: 'auto' chose it
     )
     per_layer = [sum(p.numel() for p in layer.parameters()) for layer in model.whole()]
     bounds = [sum(rt.balance[:s]) for s in range(rt.num_stages + 1)]
@@ -130,6 +133,13 @@ def log_run(rt: RankPlan, cfg: Config, model: RunModel, feed: Any, val_feed: Any
         f"{whole:,}",
         ", ".join(f"{s}: {n:,} (layers {a}-{b - 1})" for s, (n, a, b) in enumerate(zip(per_stage, bounds, bounds[1:]))),
     )
+    if rt.precision == "bf16" and rt.device.type == "cpu" and not native_bf16_cpu():
+        log.warning(
+            "train.precision=bf16 on a CPU without native bfloat16 (no avx512_bf16 or amx_bf16): torch emulates it, "
+            "often 10-100x slower than fp32 (bench_precision.py measured 0.76 against 71 samples/s); use fp32 here"
+        )
+    if is_muon(o):
+        log.info("optimizer per stage (parameters each steps): %s", _muon_split(model, o, bounds))
     if feed is None:  # rank 0 is not a first or last stage (a custom rank_map): its data is not opened here
         return
     num_train = len(feed.data)
@@ -144,6 +154,30 @@ def log_run(rt: RankPlan, cfg: Config, model: RunModel, feed: Any, val_feed: Any
         f"{rt.num_steps * rt.global_batch * rt.seq_len:,}",
         epochs,
     )
+
+
+def native_bf16_cpu(cpuinfo: str = "/proc/cpuinfo") -> bool:
+    """Whether this CPU computes bfloat16 natively (an x86 avx512_bf16 or amx_bf16 flag); True where it cannot tell
+    (no /proc/cpuinfo, or not x86): no warning on a guess."""
+    try:
+        text = Path(cpuinfo).read_text()
+    except OSError:
+        return True
+    flags = set(text.split())
+    return "avx2" not in flags or bool(flags & {"avx512_bf16", "amx_bf16"})
+
+
+def _muon_split(model: RunModel, optim, bounds) -> str:
+    """Per stage, how many parameters Muon steps and how many ``optim.muon_others`` does, as the stages tag them."""
+    whole = nn.Sequential(*model.whole())
+    roles = muon_param_roles(whole, optim.muon_exclude, edge_layers=muon_edge_layers(len(whole)))
+    parts = []
+    for s, (a, b) in enumerate(zip(bounds, bounds[1:])):
+        params = [p for i in range(a, b) for p in whole[i].parameters()]
+        muon = sum(p.numel() for p in params if roles[id(p)])
+        others = sum(p.numel() for p in params) - muon
+        parts.append(f"{s}: muon {muon:,}, {optim.muon_others} {others:,}")
+    return "; ".join(parts)
 
 
 def signal_name(signum: int) -> str:

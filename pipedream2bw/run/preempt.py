@@ -33,6 +33,7 @@ from typing import Any, Dict, Optional, Sequence
 import torch
 
 from pipedream2bw.config import UNCATCHABLE, signal_numbers  # noqa: F401  (re-exported)
+from pipedream2bw.errors import ConfigError
 
 log = logging.getLogger(__name__)
 AGAIN_AFTER_S = 2.0
@@ -93,10 +94,16 @@ class Watch:
             self._previous[signum] = signal.signal(signum, self._handle)
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, exc_type: Any, *exc: Any) -> None:
         for signum, previous in self._previous.items():
             signal.signal(signum, previous)
+        installed = bool(self._previous)
         self._previous.clear()
+        if installed and self.received is not None and exc_type is not None and issubclass(exc_type, ConfigError):
+            # A refused run that was told to stop meanwhile (torchrun stops the other ranks once one refuses) stops
+            # now, as the signal would have made it: a peer left to report the refusal itself waited 15 s for it
+            # and printed it again (precheck.report)
+            signal.raise_signal(self.received)
 
 
 class Agreement:

@@ -472,10 +472,12 @@ class StageWorker:
             self.versions.skip(t)
             self.stats.skipped_steps.append(t)
             if self.p2p.ctx.rank == 0:
+                # fp16's scaler skips on an overflow whatever train.on_nonfinite (which said "stop": the run went on)
+                why = "fp16 loss scaling lowers its scale" if self.precision == "fp16" else None
                 log.warning(
-                    "%s: step skipped on every stage (train.on_nonfinite=%s)",
+                    "%s: step skipped on every stage (%s)",
                     outcome.describe(),
-                    self.rule.on_nonfinite,
+                    why or f"train.on_nonfinite={self.rule.on_nonfinite}",
                 )
         else:
             scale = self.grad_scale * self.rule.unscale(t) * decision.grad_multiplier

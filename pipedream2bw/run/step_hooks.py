@@ -273,6 +273,10 @@ class StepHooks:
             evaluator.run(self.versions.newest(), step=t + 1)
 
 
+PROGRESS_EVERY_S = 10.0
+"""Off a terminal (no progress bar), a step line at least this often, whatever ``train.log_every``."""
+
+
 def progress_callback(
     train: TrainConfig,
     worker: StageWorker,
@@ -287,10 +291,11 @@ def progress_callback(
     first_step: int = 0,
 ) -> Callable[[int], None]:
     """Rank 0's per-step callback: advance the progress bar, append the step to ``metrics`` (metrics.jsonl);
-    log loss, throughput and the time left every ``train.log_every`` steps.
+    log loss, throughput and the time left every ``train.log_every`` steps, at the first and the last step, and
+    off a terminal at least every ``PROGRESS_EVERY_S``.
     ``postfix``: more to show on the bar (the latest validation loss), updated by the caller."""
     start = time.perf_counter()
-    window = {"start": start, "steps": 0, "last": start}
+    window = {"start": start, "steps": 0, "last": start, "logged": start}
     device = device or torch.device("cpu")
 
     def on_step(t: int) -> None:
@@ -325,10 +330,13 @@ def progress_callback(
                 refresh=False,
             )
             bar.update(1)
-        if (t + 1) % train.log_every and t + 1 != train.num_steps:
+        # every train.log_every steps, the last, the first (the run shows it trains at once), and one at least every
+        # PROGRESS_EVERY_S off a terminal (issue 43: the default run said nothing between its 10-step lines)
+        due = (t + 1) % train.log_every == 0 or t + 1 == train.num_steps or t == first_step
+        if not due and (not bar.disable or now - window["logged"] < PROGRESS_EVERY_S):
             return
         rate = window["steps"] * samples_per_step / (now - window["start"])
-        window.update(start=now, steps=0)
+        window.update(start=now, steps=0, logged=now)
         tracker.log({"samples_per_s": rate, "tokens_per_s": rate * seq_len}, step=t)
         norm = f" grad norm {grad_norm:.4g}" if grad_norm is not None else ""
         left = f", {logs.format_duration(eta_s)} left" if t + 1 < train.num_steps else ""

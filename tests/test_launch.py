@@ -1,0 +1,179 @@
+"""The launcher (``pipedream2bw-train``, ``python -m pipedream2bw.launch``): a mistake is one line and exit 2 before
+any rank starts; a rank's refusal, a failure and Ctrl-C end in at most one line of its own (issue 43)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from pipedream2bw.launch import launch, split_args
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["pipeline.num_stages=2", "model.d_model=32", "model.seq_len=32", "wandb.mode=disabled"]
+
+
+def _env() -> dict:
+    path = os.pathsep.join(filter(None, [str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "PYTHONPATH": path, "WANDB_SILENT": "true"}
+
+
+def _launch(*args: str, cwd: Path) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "pipedream2bw.launch", *args],
+        cwd=cwd,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # a SIGINT sent to the launcher alone, as a terminal's reaches torchrun alone
+    )
+
+
+def _children(pid: int) -> list:
+    """The PIDs of ``pid``'s child processes (Linux' /proc)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def test_split_args_keeps_torchrun_options_apart_from_the_overrides():
+    assert split_args(["--nproc-per-node", "4", "--standalone", "train.num_steps=5"]) == (
+        ["--nproc-per-node", "4", "--standalone"],
+        ["train.num_steps=5"],
+    )
+    assert split_args(["--nproc-per-node=2", "-m", "pipeline.schedule=2bw,gpipe"]) == (
+        ["--nproc-per-node=2"],
+        ["-m", "pipeline.schedule=2bw,gpipe"],  # Hydra's multirun, not torchrun's --module
+    )
+    assert split_args(["--nnodes", "1", "--help"]) == (["--nnodes", "1"], ["--help"])
+    assert split_args([]) == ([], [])
+
+
+# Under torchrun each of these cost 20-55 s and ~55 lines of ChildFailedError traceback, exit 1 (issue 43); the
+# first two named the wrong key, or none (a ZeroDivisionError).
+MISTAKES = {
+    "train.num_steps=-5": "train.num_steps (-5) must be >= 1",
+    "model.num_heads=0": "model.num_heads (0) must be >= 1",
+    "train.num_step=5": "unknown config key: train.num_step (did you mean train.num_steps?)",
+    "pipeline.schedule=pipedream": "pipeline.schedule ('pipedream') is unknown",
+    "data.path=/no/such/file.bin": "/no/such/file.bin",
+}
+
+
+@pytest.mark.parametrize("override", list(MISTAKES) + ["2 ranks, 4 stages", "a link"])
+def test_a_mistake_is_one_line_and_exit_2_before_any_rank_starts(override, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    argv = ["--nproc-per-node", "4", override]
+    want = MISTAKES.get(override)
+    if override == "2 ranks, 4 stages":
+        argv, want = ["--nproc-per-node", "2"], "world size (2) is not divisible by pipeline.num_stages (4)"
+    if override == "a link":
+        (tmp_path / "linked").mkdir()
+        (tmp_path / "linked" / "train.log").symlink_to(tmp_path / "outside.log")  # a run would append through it
+        argv, want = [*argv[:2], f"hydra.run.dir={tmp_path / 'linked'}"], "train.log is a symbolic link"
+    assert launch(argv) == 2
+    out, err = capsys.readouterr()
+    assert err.strip().splitlines() == [err.strip()] and err.startswith("bad configuration: "), err
+    assert want in err and out == "", (out, err)
+    assert [p.name for p in tmp_path.iterdir()] in ([], ["linked"])  # no run directory made
+
+
+def test_the_console_script_refuses_in_seconds(tmp_path):
+    # the whole command, in its own interpreter: imports and the check, no rank started
+    start = time.monotonic()
+    proc = _launch("--nproc-per-node", "4", "train.num_steps=-5", cwd=tmp_path)
+    out, err = proc.communicate(timeout=120)
+    took = time.monotonic() - start
+    assert proc.returncode == 2 and err.startswith("bad configuration: train.num_steps (-5)"), err
+    assert took < 30, took  # ~3 s on a quiet 2-core machine; under torchrun 20-55 s
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.slow
+@pytest.mark.long  # a launch of 2 ranks: 10-40 s on 2 loaded cores (.ci/run runs it)
+def test_a_ranks_refusal_is_its_one_line_and_exit_2(tmp_path):
+    # what only the ranks can see (here a custom layer list's length, known once it is built): torchrun exited 1
+    # with its traceback
+    custom = ["model=custom", "model._target_=custom_models.shared_buffer_layers"]  # a buffer shared by 2 stages
+    proc = _launch("--nproc-per-node", "2", *TINY[:1], "wandb.mode=disabled", *custom, cwd=tmp_path)
+    out, err = proc.communicate(timeout=180)
+    text = out + err
+    assert proc.returncode == 2, text
+    assert "Traceback" not in text and "ChildFailedError" not in text and "Setting OMP_NUM_THREADS" not in text, text
+    assert err.strip() == "pipedream2bw-train: configuration checked; starting 2 ranks (torchrun)", text  # at once
+    lines = [ln for ln in out.splitlines() if ln.strip()]  # rank 0's, in Hydra's log format
+    assert len(lines) == 1 and "bad configuration: buffers shared by layers (1.scale, 2.scale)" in lines[0], text
+
+
+@pytest.mark.slow
+@pytest.mark.long  # a launch of 2 ranks, interrupted: 8-22 s
+def test_ctrl_c_while_the_ranks_start_is_one_line_and_exit_130(tmp_path):
+    # Ctrl-C while the ranks imported printed 147 lines of KeyboardInterrupt tracebacks, torchrun exit 1
+    proc = _launch("--nproc-per-node", "2", *TINY, "train.num_steps=1000", cwd=tmp_path)
+    deadline = time.monotonic() + 60
+    while not _children(proc.pid) and time.monotonic() < deadline:  # the check is done, torchrun starts the ranks
+        time.sleep(0.05)
+    time.sleep(0.5)  # the ranks are importing torch
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    text = out + err
+    assert proc.returncode == 130, text
+    assert "Traceback" not in text and "KeyboardInterrupt" not in text, text
+    assert text.strip().splitlines()[-1] == "pipedream2bw-train: stopped by SIGINT", text
+
+
+@pytest.mark.parametrize(
+    "old, new, name",
+    [
+        ("pipedream2bw.runner", "pipedream2bw.run.runner", "run"),
+        ("pipedream2bw.versions", "pipedream2bw.pipeline.versions", "WeightVersions"),
+        ("pipedream2bw.tracking", "pipedream2bw.io.tracking", "Tracker"),
+    ],
+)
+def test_an_old_import_path_still_imports_with_a_deprecation_warning(old, new, name):
+    # issue 43: `from pipedream2bw.runner import run` and `pipedream2bw.versions` broke without a word
+    import importlib
+
+    sys.modules.pop(old, None)
+    with pytest.warns(DeprecationWarning, match=f"{old} moved to {new}"):
+        module = importlib.import_module(old)
+    assert getattr(module, name) is getattr(importlib.import_module(new), name)
+    with pytest.warns(DeprecationWarning, match="pipedream2bw.run.launch"):
+        from pipedream2bw.launch import launch_train
+    from pipedream2bw.run.launch import launch_train as now
+
+    assert launch_train is now
+
+
+def test_without_nproc_per_node_it_launches_the_configs_ranks(monkeypatch, capsys, tmp_path):
+    import pipedream2bw.launch as launcher
+
+    monkeypatch.chdir(tmp_path)
+    started = []
+    monkeypatch.setattr(launcher, "_run", lambda args, nproc: started.append((args.nproc_per_node, nproc)) or 0)
+    assert launcher.launch([]) == 0  # torchrun's default, 1 rank, was refused by the default 4 stages
+    assert launcher.launch(["pipeline.num_stages=2", "pipeline.data_parallel=2"]) == 0
+    assert launcher.launch(["--nproc-per-node", "2", "pipeline.num_stages=2"]) == 0
+    assert started == [("4", 4), ("4", 4), ("2", 2)]
+    assert "starting 4 ranks (torchrun)" in capsys.readouterr().err
+
+
+def test_a_bad_torchrun_option_is_one_line(capsys):
+    # argparse printed torchrun's 30-line usage, then the error
+    assert launch(["--nproc-per-node", "2", "--bogus", "x", "train.num_steps=3"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.strip().splitlines() == [
+        "pipedream2bw-train: unrecognized arguments: --bogus; torchrun's options: torchrun --help"
+    ], err
