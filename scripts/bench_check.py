@@ -55,3 +55,22 @@ def verdicts(shapes: List[Recorded], today: Dict[str, float], *, tolerance: floa
             f"({eff - shape.efficiency:+.2f}; tolerance {tolerance:.2f})"
         )
     return lines
+
+
+def main(argv=None) -> int:
+    """Prints the guard's recorded shapes and figures (what ``scripts/bench.py --check`` compares with)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        description="The throughput guard's recorded shapes and ours-2bw efficiencies (docs/benchmarks.md); "
+        "scripts/bench.py --check measures today's against them."
+    )
+    parser.add_argument("--doc", type=Path, default=DOC, help="the page with the guard's table (default: %(default)s)")
+    args = parser.parse_args(argv)
+    for shape in recorded(args.doc.read_text()):
+        print(f"{shape.name}: recorded {shape.efficiency:.2f}  bench.py {shlex.join(shape.argv)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
