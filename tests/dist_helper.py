@@ -80,6 +80,19 @@ def spawn(
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 
 
+def children(pid: int) -> List[int]:
+    """The PIDs of ``pid``'s child processes (Linux' /proc): torchrun's workers are its agent's children."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
 def cli_config(*overrides: str) -> Config:
     """The Config ``python -m pipedream2bw.train *overrides`` trains: configs/ composed with the overrides, every
     default of configs/ included, then typed as ``train.main`` types it. A test that compares a launched run with

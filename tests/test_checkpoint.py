@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from dist_helper import cli_config, run_ok, spawn, train
+from dist_helper import children, cli_config, run_ok, spawn, train
 from test_semantics import assert_losses_close, tiny_config
 from torch import nn
 
@@ -156,19 +156,6 @@ def test_partial_checkpoint_is_never_chosen(tmp_path):
     assert manifest["step"] == 3 and len(manifest["losses"]) == 3 and manifest["layout"]["balance"] == [3, 3]
 
 
-def _children(pid: int) -> list:
-    """Pids whose parent is ``pid`` (torchrun's workers are its agent's children)."""
-    kids = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            kids.append(int(stat.parent.name))
-    return kids
-
-
 # A tiny 2-stage 2bw run, sgd with momentum at lr 0.05, as command-line overrides of a torchrun launch (the tests
 # that signal or kill its processes); the rest is configs/'s defaults, so their uninterrupted reference runs
 # cli_config(the same overrides)
@@ -240,7 +227,7 @@ def test_sigkilled_rank_restarts_under_torchrun_and_finishes_with_the_same_weigh
         while not list(tmp_path.glob("outputs/*/*/checkpoints/step_00000020")):
             assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "torchrun.log").read_text()
             time.sleep(0.02)
-        victim = max(_children(proc.pid))
+        victim = max(children(proc.pid))
         os.kill(victim, signal.SIGKILL)
         assert proc.wait(timeout=180) == 0, (tmp_path / "torchrun.log").read_text()
     finally:

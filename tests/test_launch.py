@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+from dist_helper import children
 
 from pipedream2bw.launch import launch, split_args
 
@@ -33,19 +34,6 @@ def _launch(*args: str, cwd: Path) -> subprocess.Popen:
         text=True,
         start_new_session=True,  # a SIGINT sent to the launcher alone, as a terminal's reaches torchrun alone
     )
-
-
-def _children(pid: int) -> list:
-    """The PIDs of ``pid``'s child processes (Linux' /proc)."""
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            found.append(int(stat.parent.name))
-    return found
 
 
 def test_split_args_keeps_torchrun_options_apart_from_the_overrides():
@@ -123,7 +111,7 @@ def test_ctrl_c_while_the_ranks_start_is_one_line_and_exit_130(tmp_path):
     # Ctrl-C while the ranks imported printed 147 lines of KeyboardInterrupt tracebacks, torchrun exit 1
     proc = _launch("--nproc-per-node", "2", *TINY, "train.num_steps=1000", cwd=tmp_path)
     deadline = time.monotonic() + 60
-    while not _children(proc.pid) and time.monotonic() < deadline:  # the check is done, torchrun starts the ranks
+    while not children(proc.pid) and time.monotonic() < deadline:  # the check is done, torchrun starts the ranks
         time.sleep(0.05)
     time.sleep(0.5)  # the ranks are importing torch
     proc.send_signal(signal.SIGINT)

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from dist_helper import cli_config, run_ok, spawn, train, train_cli
+from dist_helper import children, cli_config, run_ok, spawn, train, train_cli
 from hydra import compose, initialize_config_dir
-from test_checkpoint import TINY_TORCHRUN_OVERRIDES, _children, assert_equal_bits, config, weights
+from test_checkpoint import TINY_TORCHRUN_OVERRIDES, assert_equal_bits, config, weights
 from test_semantics import tiny_config
 
 from pipedream2bw.config import ConfigError, from_hydra, register_configs
@@ -348,7 +348,7 @@ def _preempt_at(proc: subprocess.Popen, run_dir: Path, log: Path, *, after: int,
     while not checkpoint.step_dir(run_dir / "checkpoints", after).is_dir():
         assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
         time.sleep(0.01)
-    workers = _children(proc.pid)
+    workers = children(proc.pid)
     assert len(workers) == 2
     send(proc)
     proc.wait(timeout=240)  # minutes: a hang (a stop waiting for the 300 s dist timeout), not a slow machine
@@ -378,7 +378,7 @@ def test_sigterm_checkpoints_every_rank_at_one_step_and_the_requeued_run_is_bit_
     # ... one rank alone gets it (the others must still stop at the same step: the flags are summed) ...
     previous = first
     for launch, send in (
-        (2, lambda p: os.kill(max(_children(p.pid)), signal.SIGTERM)),
+        (2, lambda p: os.kill(max(children(p.pid)), signal.SIGTERM)),
         (3, lambda p: os.killpg(p.pid, signal.SIGTERM)),  # ... and srun signals every process at once
     ):
         log = tmp_path / f"launch{launch}.log"

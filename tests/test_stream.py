@@ -219,20 +219,25 @@ def test_gradients_copied_out_asynchronously_reach_the_step_whole_and_in_order()
     assert stats["grad_bytes_out"] > 0
 
 
-def test_the_gradients_a_norm_reads_are_whole_once_landed():
-    # The step agreement (clipping, on_nonfinite=skip) reads the host gradients at CLOSE, before the step's quiesce:
-    # StageWorker.close calls grads_landed first. With gradients still in flight, the norm would miss a microbatch.
-    torch.manual_seed(0)
-    versions = StreamedVersions(nn.Sequential(*_blocks()), pin=False, schedule="flush", optimizer_factory=ADAM)
-    ws = WeightStream(versions, _GradsOnWorker(), window=1, recompute=False)
+def _two_microbatches(ws: WeightStream, versions: StreamedVersions) -> None:
+    """Two microbatches of one batch through replica 0 of a flush stage (forward, backward), then ``grads_landed``."""
     x = torch.randn(2, 3, 16)
-    for k in range(2):  # two microbatches of one batch
+    for k in range(2):
         ws.begin_forward(k, 0)
         out = ws.forward(versions.replicas[0], k, 0, x[k : k + 1])
         ws.begin_backward(k)
         out.pow(2).mean().backward()
         ws.end_backward(k)
     ws.grads_landed()
+
+
+def test_the_gradients_a_norm_reads_are_whole_once_landed():
+    # The step agreement (clipping, on_nonfinite=skip) reads the host gradients at CLOSE, before the step's quiesce:
+    # StageWorker.close calls grads_landed first. With gradients still in flight, the norm would miss a microbatch.
+    torch.manual_seed(0)
+    versions = StreamedVersions(nn.Sequential(*_blocks()), pin=False, schedule="flush", optimizer_factory=ADAM)
+    ws = WeightStream(versions, _GradsOnWorker(), window=1, recompute=False)
+    _two_microbatches(ws, versions)
     got = [p.grad.clone() for p in versions.replicas[0].parameters()]
     ws.quiesce()  # everything landed: the sums cannot change any more
     assert all(torch.equal(g, p.grad) for g, p in zip(got, versions.replicas[0].parameters()))
@@ -255,14 +260,7 @@ def test_each_gradient_is_reported_once_it_is_in_the_host_accumulator(backend):
         heard.append((k, r, i, p.grad.clone()))
 
     ws.on_grad = on_grad
-    x = torch.randn(2, 3, 16)
-    for k in range(2):
-        ws.begin_forward(k, 0)
-        out = ws.forward(versions.replicas[0], k, 0, x[k : k + 1])
-        ws.begin_backward(k)
-        out.pow(2).mean().backward()
-        ws.end_backward(k)
-    ws.grads_landed()
+    _two_microbatches(ws, versions)
     n = len(list(versions.replicas[0].parameters()))
     assert sorted((k, i) for k, _, i, _ in heard) == [(k, i) for k in range(2) for i in range(n)]
     assert all(r == 0 for _, r, _, _ in heard)

@@ -581,14 +581,15 @@ class SwapManager:
                 continue
             if micro.sending and not self._let_go([r for r in self._outgoing if r.micro is micro]):
                 return
-            if self._others_on_device() >= self.resident:
+            if len(self._others_on_device()) >= self.resident:
                 leaving = [r for r in self._outgoing if r.micro is not self._current]
-                if not leaving or not self._let_go(leaving) or self._others_on_device() >= self.resident:
+                if not leaving or not self._let_go(leaving) or len(self._others_on_device()) >= self.resident:
                     return
             self._fetch(micro)
 
-    def _others_on_device(self) -> int:
-        return sum(m is not self._current and m.device_bytes > 0 for m in self._micros.values())
+    def _others_on_device(self) -> List[_Micro]:
+        """The microbatches besides the current one with swappable bytes on the device (what the budget counts)."""
+        return [m for m in self._micros.values() if m is not self._current and m.device_bytes > 0]
 
     def _let_go(self, recs: List[_Record]) -> bool:
         """Lets the originals of the offloads ``recs`` (in flight, in issue order) go, if the backend can now."""
@@ -605,7 +606,7 @@ class SwapManager:
         does not; where the backend holds them until copied (the CPU's worker), the host waits for the copy."""
         while True:
             self._poll()
-            others = [m for m in self._micros.values() if m is not self._current and m.device_bytes > 0]
+            others = self._others_on_device()
             if len(others) <= self.resident:
                 return
             leaving = next(
