@@ -42,7 +42,7 @@ class PipelineConfig:
     schedule: str = "2bw"
     """'2bw' (1F1B, no flushes, two weight versions), 'flush' (PipeDream-Flush) or 'gpipe'."""
     num_stages: int = 4
-    """Pipeline depth d; WORLD_SIZE must be num_stages * data_parallel."""
+    """Pipeline depth d; WORLD_SIZE must be num_stages * data_parallel * tensor_parallel."""
     num_microbatches: int = 8
     """Microbatches per batch m; 2bw needs m >= num_stages."""
     microbatch_size: int = 8
@@ -50,13 +50,17 @@ class PipelineConfig:
     balance: Optional[List[int]] = None
     """Layers per stage, first stage first; null splits the layers evenly."""
     data_parallel: int = 1
-    """Replicas w of every stage; WORLD_SIZE = num_stages * data_parallel."""
+    """Replicas w of every stage; WORLD_SIZE = num_stages * data_parallel * tensor_parallel."""
     rank_map: Optional[List[List[int]]] = None
     """rank_map[stage][replica] = rank; null keeps a stage's replicas on one node when they fit."""
     bucket_mb: float = 25.0
     """Gradient all-reduce bucket size in MiB; a bucket is reduced as soon as backward produced it."""
     recompute: bool = False
     """Activation recomputation: keep only each layer's input for backward and re-run its forward there."""
+    tensor_parallel: int = 1
+    """Tensor width t: each stage's layers split across t ranks (attention by heads, the MLP by its hidden width,
+    Megatron's column- then row-wise split; docs/concepts.md). WORLD_SIZE = num_stages * data_parallel * t, t
+    innermost (a stage's t ranks are consecutive, on one node); the built-in GPT in fp32 only."""
     trace: bool = False
     """Record when every F, B, send, recv, all-reduce and optimizer step ran on every rank for
     trace_steps steps; writes trace.json (Chrome/Perfetto), timeline.png and the bubble fraction."""
@@ -88,6 +92,9 @@ class GPTConfig:
     tie_embeddings: bool = False
     """Share the LM head's weight with the token embedding (as GPT-2 does); across stages, every
     stage holding it keeps a copy and their gradients are summed before the step."""
+    dropout: float = 0.0
+    """Dropout probability on the embedding's output and on each block's attention and MLP outputs before
+    their residual adds (masks per layer and microbatch: the same at every layout); 0: none."""
 
 
 @dataclass

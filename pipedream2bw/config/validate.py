@@ -307,7 +307,73 @@ def validate(
     _validate_swap(cfg.swap, p.num_stages)
     _validate_weight_stream(cfg)
     _validate_host_step(cfg)
+    _validate_tensor_parallel(cfg, gpt=gpt)
     return balance
+
+
+def _tensor_parallel_refusal(cfg: Config, *, gpt: bool) -> Optional[str]:
+    """What of ``cfg`` pipeline.tensor_parallel > 1 does not compose with (one line's tail), or None."""
+    p, mdl, o, sw = cfg.pipeline, cfg.model, cfg.optim, cfg.swap
+    cuda_auto = cfg.train.precision == "auto" and torch.cuda.is_available()
+    refusals = [
+        (
+            not gpt or not isinstance(mdl, GPTConfig),
+            "splits the built-in GPT's blocks only (model=gpt), not model=hf or a "
+            "user's layer list; set pipeline.tensor_parallel=1 for this model",
+        ),
+        (
+            is_muon(o),
+            "with optim.name (muon): Muon orthogonalizes whole matrices and a rank holds 1/t of each; "
+            "use an elementwise optimizer (optim.name=adamw) or pipeline.tensor_parallel=1",
+        ),
+        (bool(o.sharded), "with optim.sharded (true): ZeRO-1 over tensor shards is not built; set optim.sharded=false"),
+        (
+            sw.enabled or sw.weights or sw.optimizer != "device",
+            "with swap.enabled / swap.weights / swap.optimizer=host: "
+            "swapping and streaming of tensor shards are not built; set them off (swap.optimizer=device)",
+        ),
+        (
+            cfg.train.precision in ("bf16", "fp16") or cuda_auto,
+            f"with train.precision ({cfg.train.precision}): only fp32 is proven at t > 1; set train.precision=fp32",
+        ),
+        (p.recompute, "with pipeline.recompute (true): not proven at t > 1; set pipeline.recompute=false"),
+        (
+            p.rank_map is not None,
+            "with pipeline.rank_map: the map places d x w ranks, not the d x w x t mesh; set "
+            "pipeline.rank_map=null (t innermost: a stage's t ranks are consecutive)",
+        ),
+        (
+            cfg.train.eval_every > 0,
+            "with train.eval_every > 0: validation at t > 1 is not built; set train.eval_every=0",
+        ),
+        (
+            cfg.partition.mode != "manual",
+            f"with partition.mode ({cfg.partition.mode}): the runtime takes no plan with "
+            "t > 1 yet; set partition.mode=manual with pipeline.* as planned",
+        ),
+    ]
+    return next((why for refused, why in refusals if refused), None)
+
+
+def _validate_tensor_parallel(cfg: Config, *, gpt: bool) -> None:
+    """pipeline.tensor_parallel: t divides the GPT's heads and MLP width, fits a node, and composes (or one line)."""
+    t = cfg.pipeline.tensor_parallel
+    if t == 1:
+        return
+    why = _tensor_parallel_refusal(cfg, gpt=gpt)
+    if why is not None:
+        raise ConfigError(f"pipeline.tensor_parallel ({t}) {why}")
+    mdl = cfg.model
+    if mdl.num_heads % t or (4 * mdl.d_model) % t:
+        raise ConfigError(
+            f"pipeline.tensor_parallel ({t}) must divide model.num_heads ({mdl.num_heads}) and the MLP width "
+            f"4 x model.d_model ({4 * mdl.d_model}): ranks split attention by heads, the MLP by width; pick a divisor"
+        )
+    if t > cfg.topology.devices_per_node:
+        raise ConfigError(
+            f"pipeline.tensor_parallel ({t}) is more than topology.devices_per_node ({cfg.topology.devices_per_node}): "
+            "a tensor group all-reduces every layer and must stay on one node; lower pipeline.tensor_parallel"
+        )
 
 
 def _validate_shape(cfg: Config, world_size: int) -> None:
@@ -329,6 +395,16 @@ def _validate_shape(cfg: Config, world_size: int) -> None:
         raise ConfigError(
             f"world size ({world_size}) is not divisible by pipeline.num_stages ({d}); "
             f"launch a multiple of {d} ranks or change pipeline.num_stages"
+        )
+    t = p.tensor_parallel
+    if t < 1:
+        raise ConfigError(f"pipeline.tensor_parallel ({t}) must be >= 1")
+    if t > 1 and world_size == d * w * t:
+        return
+    if t > 1:
+        raise ConfigError(
+            f"world size ({world_size}) must equal pipeline.num_stages ({d}) x pipeline.data_parallel ({w}) x "
+            f"pipeline.tensor_parallel ({t}) = {d * w * t}; launch with torchrun --nproc-per-node {d * w * t}"
         )
     if world_size != d * w:
         raise ConfigError(

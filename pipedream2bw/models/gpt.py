@@ -18,10 +18,16 @@ class Embedding(nn.Module):
         super().__init__()
         self.tok = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.pos = nn.Embedding(cfg.seq_len, cfg.d_model)
+        self.dropout = cfg.dropout
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         positions = torch.arange(idx.shape[1], device=idx.device)
-        return self.tok(idx) + self.pos(positions)  # (B, T, C)
+        return _dropout(self.tok(idx) + self.pos(positions), self.dropout, self.training)  # (B, T, C)
+
+
+def _dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
+    """``x`` with dropout ``p`` (model.dropout) in training; p = 0 draws nothing (the random streams stay put)."""
+    return F.dropout(x, p, training) if p > 0 and training else x
 
 
 class Block(nn.Module):
@@ -29,7 +35,7 @@ class Block(nn.Module):
 
     def __init__(self, cfg: GPTConfig):
         super().__init__()
-        self.num_heads = cfg.num_heads
+        self.num_heads, self.head_dim, self.dropout = cfg.num_heads, cfg.d_model // cfg.num_heads, cfg.dropout
         self.ln1 = nn.LayerNorm(cfg.d_model)
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model)
@@ -38,13 +44,26 @@ class Block(nn.Module):
         self.fc_proj = nn.Linear(4 * cfg.d_model, cfg.d_model)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, C = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(C, dim=2)
-        # (B, H, T, C/H) for each of q, k, v
-        q, k, v = (t.view(B, T, self.num_heads, C // self.num_heads).transpose(1, 2) for t in (q, k, v))
+        x = x + _dropout(self.attention(self.ln1(x)), self.dropout, self.training)
+        return x + _dropout(self.mlp(self.ln2(x)), self.dropout, self.training)
+
+    def heads(self, h: torch.Tensor) -> torch.Tensor:
+        """Causal self-attention of the heads ``qkv`` holds (all, or a tensor rank's): (B, T, C) -> (B, T, H'*C/H)."""
+        B, T, _ = h.shape
+        qkv = self.qkv(h)
+        width = qkv.shape[-1] // 3  # H' heads of C/H
+        # (B, H', T, C/H) for each of q, k, v
+        q, k, v = (t.view(B, T, width // self.head_dim, self.head_dim).transpose(1, 2) for t in qkv.split(width, 2))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(y.transpose(1, 2).reshape(B, T, C))
-        return x + self.fc_proj(F.gelu(self.fc(self.ln2(x))))
+        return y.transpose(1, 2).reshape(B, T, width)
+
+    def attention(self, h: torch.Tensor) -> torch.Tensor:
+        """The attention branch of the normed input: (B, T, C) -> (B, T, C)."""
+        return self.proj(self.heads(h))
+
+    def mlp(self, h: torch.Tensor) -> torch.Tensor:
+        """The MLP branch of the normed input: (B, T, C) -> (B, T, C)."""
+        return self.fc_proj(F.gelu(self.fc(h)))
 
 
 class LMHead(nn.Module):

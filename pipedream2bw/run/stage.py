@@ -57,6 +57,8 @@ class Peers:
     prev: Optional[int]
     next: Optional[int]
     loss_sources: Tuple[int, ...] = ()
+    sends_loss: bool = True
+    """False on a last stage's tensor ranks > 0: their tensor rank 0 reports the same loss."""
 
 
 @dataclass
@@ -154,8 +156,10 @@ class StageWorker:
         seed: int = 0,
         num_replicas: int = 1,
         stream: Optional[WeightStream] = None,
+        norm_excluded: Sequence[int] = (),
     ):
         self.m = num_microbatches
+        self.norm_excluded = set(norm_excluded)  # parameter indices another rank counts in the norm (tensor_parallel)
         # Each layer draws from its own stream per microbatch (pipeline/stateful.py), whatever the schedule.
         self.seed, self.num_replicas = seed, num_replicas
         self._buffers = stateful.BufferWatch()  # the stage's buffers that training changes (BatchNorm statistics)
@@ -395,7 +399,7 @@ class StageWorker:
         self._loss_nonfinite[t] = not finite
         if self.peers.loss_sources:
             self._own_losses[t] = float(loss)
-        else:
+        elif self.peers.sends_loss:
             self.p2p.send_loss(loss)
 
     def _post_losses(self, t: int) -> None:
@@ -424,6 +428,7 @@ class StageWorker:
             # tied across stages, each counted once (on its first holder): the exchange is waited here.
             self._finish_exchanges(t)
             excluded = {i for exchange in self.exchanges for i in getattr(exchange, "norm_excluded", ())}
+            excluded |= self.norm_excluded
             scale = self.grad_scale * self.rule.unscale(t)
             if isinstance(self.versions, ShardedVersions):  # each replica counts its shards; whole buckets on replica 0
                 reduction = self._reductions.get(t)

@@ -277,6 +277,7 @@ def start(
         cfg.pipeline.data_parallel,
         ranks_per_node=local_world_size,
         rank_map=cfg.pipeline.rank_map,
+        tensor_parallel=cfg.pipeline.tensor_parallel,
     )
     logs.set_log_prefix(f"[stage {layout.position(rank)[0]}/rank {rank}]")
     check_stream_host_memory(cfg, model, balance, layout, rank=rank, local_world_size=local_world_size)
