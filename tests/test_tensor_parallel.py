@@ -50,3 +50,26 @@ def test_tensor_parallel_clips_by_the_global_norm_of_every_shard_once(tmp_path):
     assert min(ref.grad_norms) > cfg.optim.clip_grad_norm
     torch.testing.assert_close(summary["grad_norms"], ref.grad_norms, rtol=1e-5, atol=0)
     torch.testing.assert_close(torch.load(tmp_path / "final_model.pt"), ref.weights, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.long  # four runs, two of 4 ranks: a minute or two loaded
+@pytest.mark.parametrize("t_before,t_after", [(2, 1), (1, 2)])
+def test_checkpoint_holds_whole_tensors_and_resumes_at_another_t(tmp_path, t_before, t_after):
+    # 3 steps at t_before, checkpointed; 3 more at t_after from it: the 6-step reference (both weight versions and
+    # the momenta were saved whole and cut again), and the checkpoint's tensors have the unsplit shapes.
+    src = tmp_path / "src"
+    before = tp_config("2bw", 2, 1, t_before, num_steps=3)
+    before.train.checkpoint_every = 3
+    run_ok(before, src)
+    layer = torch.load(src / "checkpoints" / "step_00000003" / "layer_00001.pt")
+    assert layer["weights"]["1.qkv.weight"].shape == (96, 32) and layer["optimizer"]["1.fc.weight"][
+        "momentum_buffer"
+    ].shape == (128, 32)
+    after = tp_config("2bw", 2, 1, t_after)
+    after.train.resume = str(src)
+    summary = run_ok(after, tmp_path / "after")
+    assert summary["first_step"] == 3
+    ref = reference(after, w=1)
+    torch.testing.assert_close(torch.load(tmp_path / "after" / "final_model.pt"), ref.weights, rtol=1e-5, atol=1e-6)
+    assert_losses_close(summary["losses"], ref.losses)
