@@ -60,8 +60,9 @@ def _world_size(args) -> Tuple[Optional[int], int]:
 
 
 def config_ranks(overrides: Sequence[str]) -> Optional[int]:
-    """pipeline.num_stages x pipeline.data_parallel of the composed config under partition=manual (the ranks to
-    launch when --nproc-per-node is not given); None where the plan decides them or the config does not compose."""
+    """pipeline.num_stages x pipeline.data_parallel x pipeline.tensor_parallel of the composed config under
+    partition=manual (the ranks to launch when --nproc-per-node is not given); None where the plan decides them or
+    the config does not compose."""
     from omegaconf import OmegaConf
 
     from pipedream2bw import precheck
@@ -77,7 +78,9 @@ def config_ranks(overrides: Sequence[str]) -> Optional[int]:
     if OmegaConf.select(cfg, "partition.mode") != "manual":
         return None
     d, w = OmegaConf.select(cfg, "pipeline.num_stages"), OmegaConf.select(cfg, "pipeline.data_parallel")
-    return d * w if isinstance(d, int) and isinstance(w, int) and d > 0 and w > 0 else None
+    t = OmegaConf.select(cfg, "pipeline.tensor_parallel", default=1)
+    shape = (d, w, t)
+    return d * w * t if all(isinstance(n, int) and n > 0 for n in shape) else None
 
 
 def check(overrides: Sequence[str], *, world_size: Optional[int], local_world_size: int) -> Optional[str]:

@@ -11,6 +11,10 @@ from dist_helper import run_ok
 from reference import reference_run
 from test_semantics import assert_losses_close, tiny_config
 
+from pipedream2bw.config import ConfigError, LayerListConfig, validate
+from pipedream2bw.pipeline.layout import make_layout
+from pipedream2bw.pipeline.tensor import shard, unshard
+
 
 def tp_config(schedule: str, d: int, w: int, t: int = 2, *, m: int = 2, num_steps: int = 6):
     """The tiny GPT (2 heads, MLP width 128) with tied embeddings and dropout 0.1, SGD with momentum."""
@@ -28,7 +32,15 @@ def reference(cfg, *, w: int):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule,d,w", [("2bw", 2, 1), ("flush", 1, 2)])
+@pytest.mark.parametrize(
+    "schedule,d,w",
+    [
+        ("2bw", 2, 1),
+        ("flush", 1, 2),
+        pytest.param("flush", 2, 1, marks=pytest.mark.long),  # the other pair of the acceptance's four: long
+        pytest.param("2bw", 1, 2, marks=pytest.mark.long),
+    ],
+)
 def test_tensor_parallel_equals_reference(tmp_path, schedule, d, w):
     cfg = tp_config(schedule, d, w)
     summary = run_ok(cfg, tmp_path)
@@ -73,3 +85,58 @@ def test_checkpoint_holds_whole_tensors_and_resumes_at_another_t(tmp_path, t_bef
     ref = reference(after, w=1)
     torch.testing.assert_close(torch.load(tmp_path / "after" / "final_model.pt"), ref.weights, rtol=1e-5, atol=1e-6)
     assert_losses_close(summary["losses"], ref.losses)
+
+
+@pytest.mark.parametrize(
+    "change,world_size,match",
+    [
+        ({}, 4, r"world size \(4\) must equal .* x pipeline.tensor_parallel \(2\) = 8; launch with torchrun --nproc"),
+        ({"model.num_heads": 3, "model.d_model": 33}, 8, r"must divide model.num_heads \(3\)"),
+        (
+            {"pipeline.tensor_parallel": 4, "model.num_heads": 4},
+            16,
+            r"tensor_parallel \(4\) is more than topology.devices_per_node \(2\)",
+        ),
+        ({"optim.name": "muon", "optim.kwargs": {}}, 8, r"tensor_parallel \(2\) with optim.name \(muon\)"),
+        ({"optim.sharded": True}, 8, r"tensor_parallel \(2\) with optim.sharded"),
+        ({"swap.enabled": True}, 8, r"tensor_parallel \(2\) with swap.enabled"),
+        ({"train.precision": "bf16"}, 8, r"tensor_parallel \(2\) with train.precision \(bf16\)"),
+        ({"pipeline.recompute": True}, 8, r"tensor_parallel \(2\) with pipeline.recompute"),
+        ({"pipeline.rank_map": [[0, 1], [2, 3]]}, 8, r"tensor_parallel \(2\) with pipeline.rank_map"),
+        ({"train.eval_every": 2}, 8, r"tensor_parallel \(2\) with train.eval_every"),
+        ({"model": LayerListConfig(target="x.y")}, 8, r"tensor_parallel \(2\) splits the built-in GPT's blocks only"),
+    ],
+)
+def test_config_refuses_what_tensor_parallel_does_not_compose_with(change, world_size, match):
+    cfg = tp_config("2bw", 2, 2)
+    for key, value in change.items():
+        section, _, name = key.partition(".")
+        if name:
+            setattr(getattr(cfg, section), name, value)
+        else:
+            setattr(cfg, section, value)
+    with pytest.raises(ConfigError, match=match):
+        validate(cfg, world_size=world_size, num_layers=None if "model" not in change else 6)
+
+
+def test_config_accepts_d_w_t_and_t_1_is_unchanged():
+    assert validate(tp_config("2bw", 2, 2), world_size=8) == [3, 3]
+    assert validate(tp_config("2bw", 2, 1, 1), world_size=2) == [3, 3]
+
+
+def test_mesh_puts_tensor_ranks_innermost():
+    layout = make_layout(2, 2, ranks_per_node=8, tensor_parallel=2)  # replicas of a stage on one node: stage-major
+    assert layout.ranks == ((0, 2), (4, 6)) and layout.tensor_groups() == [(0, 1), (2, 3), (4, 5), (6, 7)]
+    assert layout.slice(1) == ((1, 3), (5, 7))  # tensor rank 1's own d x w pipeline
+    assert [layout.position(r) for r in range(8)] == [(0, 0), (0, 0), (0, 1), (0, 1), (1, 0), (1, 0), (1, 1), (1, 1)]
+    layout = make_layout(2, 2, ranks_per_node=2, tensor_parallel=2)  # a node holds one tensor group: replica-major
+    assert layout.ranks == ((0, 4), (2, 6))
+
+
+def test_shard_takes_every_block_of_a_split_and_unshard_inverts_it():
+    whole = torch.arange(12.0).reshape(6, 2)  # qkv-like: 3 blocks (q, k, v) of 2 rows
+    pieces = [shard(whole, (0, 3), rank=k, size=2) for k in range(2)]
+    assert pieces[0].tolist() == [[0, 1], [4, 5], [8, 9]]  # row 0 of q, of k and of v
+    torch.testing.assert_close(unshard(pieces, (0, 3)), whole)
+    columns = [shard(whole.T, (1, 1), rank=k, size=2) for k in range(2)]
+    torch.testing.assert_close(unshard(columns, (1, 1)), whole.T)

@@ -335,7 +335,7 @@ class WandbConfig:
 @dataclass
 class SweepConfig:
     nproc: Optional[int] = None
-    """Processes each sweep job launches; null: pipeline.num_stages * pipeline.data_parallel."""
+    """Processes each sweep job launches; null: pipeline.num_stages * data_parallel * tensor_parallel."""
     timeout_s: float = 3600.0
     """Longest a sweep job may run; it is then stopped and recorded as failed, and the sweep goes on."""
     name: Optional[str] = None
