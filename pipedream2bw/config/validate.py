@@ -336,15 +336,10 @@ def _tensor_parallel_refusal(cfg: Config, *, gpt: bool) -> Optional[str]:
             cfg.train.precision in ("bf16", "fp16") or cuda_auto,
             f"with train.precision ({cfg.train.precision}): only fp32 is proven at t > 1; set train.precision=fp32",
         ),
-        (p.recompute, "with pipeline.recompute (true): not proven at t > 1; set pipeline.recompute=false"),
         (
             p.rank_map is not None,
             "with pipeline.rank_map: the map places d x w ranks, not the d x w x t mesh; set "
             "pipeline.rank_map=null (t innermost: a stage's t ranks are consecutive)",
-        ),
-        (
-            cfg.train.eval_every > 0,
-            "with train.eval_every > 0: validation at t > 1 is not built; set train.eval_every=0",
         ),
         (
             cfg.partition.mode != "manual",

@@ -388,6 +388,7 @@ def data(
             precision=rt.precision,
             # weights stored in the compute dtype (train.weight_dtype=compute): the stage runs in it, as in training
             upcast=precisions.weight_dtype(rt.precision, train.weight_dtype) == torch.float32,
+            sends_loss=peers.sends_loss,
         )
     return feed, val_feed, evaluator
 
