@@ -44,6 +44,7 @@ def reference(cfg, *, w: int):
 def test_tensor_parallel_equals_reference(tmp_path, schedule, d, w):
     cfg = tp_config(schedule, d, w)
     summary = run_ok(cfg, tmp_path)
+    assert summary["tensor_parallel"] == 2 and len(summary["ranks"]) == 4
     ref = reference(cfg, w=w)
     weights = torch.load(tmp_path / "final_model.pt")
     assert weights.keys() == ref.weights.keys()

@@ -193,6 +193,7 @@ def _layout_meta(rt: RankPlan, resume: Optional[Tuple[Path, Dict[str, Any]]]) ->
         "schedule": rt.schedule,
         "num_stages": rt.num_stages,
         "data_parallel": rt.data_parallel,
+        "tensor_parallel": rt.tensor_parallel,
         "num_microbatches": rt.num_microbatches,
         "microbatch_size": rt.microbatch_size,
         "global_batch_size": rt.global_batch,
