@@ -109,11 +109,18 @@ def test_config_refuses_what_tensor_parallel_does_not_compose_with(change, world
         else:
             setattr(cfg, section, value)
     with pytest.raises(ConfigError, match=match):
-        validate(cfg, world_size=world_size, num_layers=None if "model" not in change else 6)
+        validate(
+            cfg, world_size=world_size, local_world_size=world_size, num_layers=None if "model" not in change else 6
+        )
+
+
+def test_config_keeps_a_tensor_group_on_one_node():
+    with pytest.raises(ConfigError, match=r"tensor_parallel \(2\) must divide the ranks per node \(1, LOCAL_WORLD"):
+        validate(tp_config("2bw", 2, 2), world_size=8, local_world_size=1)  # 8 nodes of 1 rank
 
 
 def test_config_accepts_d_w_t_and_t_1_is_unchanged():
-    assert validate(tp_config("2bw", 2, 2), world_size=8) == [3, 3]
+    assert validate(tp_config("2bw", 2, 2), world_size=8, local_world_size=8) == [3, 3]
     assert validate(tp_config("2bw", 2, 1, 1), world_size=2) == [3, 3]
 
 

@@ -307,7 +307,7 @@ def validate(
     _validate_swap(cfg.swap, p.num_stages)
     _validate_weight_stream(cfg)
     _validate_host_step(cfg)
-    _validate_tensor_parallel(cfg, gpt=gpt)
+    _validate_tensor_parallel(cfg, gpt=gpt, local_world_size=local_world_size)
     return balance
 
 
@@ -350,8 +350,10 @@ def _tensor_parallel_refusal(cfg: Config, *, gpt: bool) -> Optional[str]:
     return next((why for refused, why in refusals if refused), None)
 
 
-def _validate_tensor_parallel(cfg: Config, *, gpt: bool) -> None:
-    """pipeline.tensor_parallel: t divides the GPT's heads and MLP width, fits a node, and composes (or one line)."""
+def _validate_tensor_parallel(cfg: Config, *, gpt: bool, local_world_size: int) -> None:
+    """pipeline.tensor_parallel: t divides the GPT's heads and MLP width, fits a node (the topology's and the
+    launch's: a tensor group's consecutive ranks stay on one node when t divides the ranks per node), and composes
+    (or one line)."""
     t = cfg.pipeline.tensor_parallel
     if t == 1:
         return
@@ -368,6 +370,11 @@ def _validate_tensor_parallel(cfg: Config, *, gpt: bool) -> None:
         raise ConfigError(
             f"pipeline.tensor_parallel ({t}) is more than topology.devices_per_node ({cfg.topology.devices_per_node}): "
             "a tensor group all-reduces every layer and must stay on one node; lower pipeline.tensor_parallel"
+        )
+    if local_world_size % t:
+        raise ConfigError(
+            f"pipeline.tensor_parallel ({t}) must divide the ranks per node ({local_world_size}, LOCAL_WORLD_SIZE): a "
+            "tensor group's t consecutive ranks must stay on one node; launch a multiple of t ranks per node"
         )
 
 
