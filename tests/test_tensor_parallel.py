@@ -13,7 +13,7 @@ from test_semantics import assert_losses_close, tiny_config
 
 from pipedream2bw.config import ConfigError, LayerListConfig, validate
 from pipedream2bw.pipeline.layout import make_layout
-from pipedream2bw.pipeline.tensor import shard, unshard
+from pipedream2bw.pipeline.tensor import shard, sharded_state, unshard
 
 
 def tp_config(schedule: str, d: int, w: int, t: int = 2, *, m: int = 2, num_steps: int = 6):
@@ -157,3 +157,19 @@ def test_tensor_parallel_validates_and_recomputes(tmp_path):
     torch.testing.assert_close(weights, ref.weights, rtol=1e-5, atol=1e-6)
     assert [v["step"] for v in summary["val_losses"]] == [3, 6]
     assert_losses_close([summary["final_val_loss"]], [reference_eval(cfg, weights)])
+
+
+def test_a_checkpoints_whole_state_is_cut_to_pieces_optimizer_moments_included():
+    # Adam's moments have their parameter's shape and are cut as it is; its step count (a scalar) and whole
+    # parameters stay as they are.
+    fc = torch.arange(8.0).reshape(4, 2)
+    state = {
+        "weights": {"1.fc.weight": fc, "1.ln1.weight": torch.ones(2)},
+        "previous": None,
+        "optimizer": {"1.fc.weight": {"step": torch.tensor(3.0), "exp_avg": fc * 2}, "1.ln1.weight": {"step": 1}},
+    }
+    cut = sharded_state(state["optimizer"], {"1.fc.weight": (0, 1)}, {"1.fc.weight": fc.shape}, rank=1, size=2)
+    assert cut["1.fc.weight"]["exp_avg"].tolist() == [[8, 10], [12, 14]] and cut["1.fc.weight"]["step"] == 3
+    assert cut["1.ln1.weight"] == {"step": 1}
+    weights = sharded_state(state["weights"], {"1.fc.weight": (0, 1)}, {"1.fc.weight": fc.shape}, rank=0, size=2)
+    assert weights["1.fc.weight"].tolist() == [[0, 1], [2, 3]] and weights["1.ln1.weight"].shape == (2,)
