@@ -9,7 +9,9 @@ other ranks wait for torchrun to stop them (it does once rank 0 exits) and print
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 import sys
 import time
@@ -69,13 +71,33 @@ def check(argv: Sequence[str], *, world_size: int, local_world_size: int, config
     if any(a.startswith("-") for a in argv):  # --multirun, --cfg job, --info, ...: Hydra's business
         return None
     overrides: List[str] = [a for a in argv if not a.startswith(("hydra.", "hydra/", "+hydra", "~hydra"))]
+    from pipedream2bw.config import register_configs
+
+    register_configs()
+    with _quiet():
+        return _check(overrides, config_name, world_size=world_size, local_world_size=local_world_size)
+
+
+@contextlib.contextmanager
+def _quiet():
+    """The check logs none of the validation's warnings: the run logs each once, from rank 0 (``logs.quiet_ranks``),
+    where this check would print it once more in the launcher and once in every rank."""
+    package = logging.getLogger("pipedream2bw")
+    level = package.level
+    package.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        package.setLevel(level)
+
+
+def _check(overrides: List[str], config_name: str, *, world_size: int, local_world_size: int) -> Optional[str]:
     from hydra.errors import HydraException
     from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
-    from pipedream2bw.config import TINY_ENV, GPTConfig, default_plan_choices, from_hydra, register_configs, tiny
+    from pipedream2bw.config import TINY_ENV, GPTConfig, default_plan_choices, from_hydra, tiny
     from pipedream2bw.errors import ConfigError
 
-    register_configs()
     try:
         dcfg = _compose(overrides, config_name)
     except (HydraException, OmegaConfBaseException) as e:

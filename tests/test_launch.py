@@ -106,6 +106,17 @@ def test_a_ranks_refusal_is_its_one_line_and_exit_2(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.long  # a launch of 2 ranks training 4 steps: 10-40 s
+def test_a_warning_is_said_once_per_run_not_per_rank(tmp_path):
+    # the launcher's check, each rank's check and each rank's run logged the config's warning: 5 times at 2 ranks
+    proc = _launch("--nproc-per-node", "2", *TINY, "train.num_steps=4", "optim.min_lr=0.0001", cwd=tmp_path)
+    out, err = proc.communicate(timeout=180)
+    text = out + err
+    assert proc.returncode == 0, text
+    assert text.count("optim.min_lr (0.0001) is ignored by optim.scheduler=constant") == 1, text
+
+
+@pytest.mark.slow
 @pytest.mark.long  # a launch of 2 ranks, interrupted: 8-22 s
 def test_ctrl_c_while_the_ranks_start_is_one_line_and_exit_130(tmp_path):
     # Ctrl-C while the ranks imported printed 147 lines of KeyboardInterrupt tracebacks, torchrun exit 1

@@ -57,6 +57,7 @@ def run(
         preempt.Preempted: a signal of ``train.preempt_signals`` stopped every rank at one step, after a
             checkpoint of it and summary.json (``"preempted"``) were written.
     """
+    logs.quiet_ranks(comm.env_rank()[0])
     # rank 0 locks the run directory before it looks at its checkpoints, until the run ends (rundir.RunLock)
     with preempt.Watch(cfg.train.preempt_signals) as watch, rundir.RunLock() as lock:
         return _run(
