@@ -4,6 +4,7 @@ any rank starts; a rank's refusal, a failure and Ctrl-C end in at most one line 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -114,6 +115,19 @@ def test_a_warning_is_said_once_per_run_not_per_rank(tmp_path):
     text = out + err
     assert proc.returncode == 0, text
     assert text.count("optim.min_lr (0.0001) is ignored by optim.scheduler=constant") == 1, text
+
+
+@pytest.mark.slow
+@pytest.mark.long  # a launch of 2 ranks that fails at its first step: 10-40 s
+def test_a_ranks_failure_is_exit_1_and_a_line_naming_the_rank_and_its_cause(tmp_path):
+    # a run that goes wrong (a non-finite gradient) stops every rank; torchrun printed ChildFailedError's traceback
+    proc = _launch("--nproc-per-node", "2", *TINY, "optim.name=sgd", "optim.lr=1e30", cwd=tmp_path)
+    out, err = proc.communicate(timeout=180)
+    text = out + err
+    assert proc.returncode == 1, text
+    assert "Traceback" not in text and "ChildFailedError" not in text, text
+    last = err.strip().splitlines()[-1]
+    assert re.match(r"pipedream2bw-train: rank \d failed with exit status 1: .*NonFiniteError: non-finite", last), text
 
 
 @pytest.mark.slow
