@@ -95,7 +95,7 @@ def _check(overrides: List[str], config_name: str, *, world_size: int, local_wor
     from hydra.errors import HydraException
     from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
-    from pipedream2bw.config import TINY_ENV, GPTConfig, default_plan_choices, from_hydra, tiny
+    from pipedream2bw.config import TINY_ENV, GPTConfig, default_plan_choices, from_hydra, tiny, validate
     from pipedream2bw.errors import ConfigError
 
     try:
@@ -107,9 +107,13 @@ def _check(overrides: List[str], config_name: str, *, world_size: int, local_wor
         if os.environ.get(TINY_ENV, "0") not in ("", "0"):
             cfg = tiny(cfg)
         if isinstance(cfg.model, GPTConfig) and cfg.partition.mode == "manual":
+            plan = default_plan_choices(cfg)
+            # the config's own checks first: they import torch only for the optimizer, so a mistake before it is
+            # found without torch (1-2 s of a check, more under load); the run's checks (data files) import it
+            validate(plan, world_size=world_size, local_world_size=local_world_size)
             from pipedream2bw.run.preflight import check as preflight_check
 
-            preflight_check(default_plan_choices(cfg), world_size=world_size, local_world_size=local_world_size)
+            preflight_check(plan, world_size=world_size, local_world_size=local_world_size)
     except ConfigError as e:
         return str(e)
     except MissingMandatoryValue as e:  # model=custom without model._target_

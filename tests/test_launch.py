@@ -185,8 +185,21 @@ def test_without_nproc_per_node_it_launches_the_configs_ranks(monkeypatch, capsy
 
 def test_a_bad_torchrun_option_is_one_line(capsys):
     # argparse printed torchrun's 30-line usage, then the error
-    assert launch(["--nproc-per-node", "2", "--bogus", "x", "train.num_steps=3"]) == 2
+    assert launch(["--nproc-per-node", "2", "--bogus", "x", "pipeline.num_stages=2", "train.num_steps=10"]) == 2
     out, err = capsys.readouterr()
     assert out == "" and err.strip().splitlines() == [
         "pipedream2bw-train: unrecognized arguments: --bogus; torchrun's options: torchrun --help"
     ], err
+
+
+@pytest.mark.parametrize(
+    "override", ["train.num_steps=-5", "model.num_heads=0", "pipeline.schedule=zz", "trian.num_steps=3", "2 ranks"]
+)
+def test_a_mistake_is_found_without_importing_torch(override):
+    # importing torch was most of a refusal's 3 s (5-13 s on a loaded machine): the config's checks up to the
+    # optimizer's, and the launcher's count of the ranks, need none of it
+    args = ["--nproc-per-node", "2"] if override == "2 ranks" else ["--nproc-per-node", "4", override]
+    code = f"import sys; from pipedream2bw.launch import launch; print(launch({args!r}), 'torch' in sys.modules)"
+    proc = subprocess.run([sys.executable, "-c", code], env=_env(), capture_output=True, text=True, timeout=60)
+    assert proc.stdout.split() == ["2", "False"], proc.stdout + proc.stderr
+    assert proc.stderr.startswith("bad configuration: "), proc.stderr
