@@ -316,8 +316,13 @@ def _validate_shape(cfg: Config, world_size: int) -> None:
     """The pipeline's shape: schedule, stages, microbatches, replicas, against the ranks launched."""
     p = cfg.pipeline
     d, m = p.num_stages, p.num_microbatches
+    if p.schedule == "auto":  # a plan replaces it before these checks (partition=auto|file)
+        raise ConfigError(
+            f"pipeline.schedule (auto) is the planner's choice, and partition.mode is {cfg.partition.mode!r}: use "
+            f"partition=auto, or name one of {list(SCHEDULES)}"
+        )
     if p.schedule not in SCHEDULES:
-        raise ConfigError(f"pipeline.schedule ({p.schedule!r}) is unknown; use one of {list(SCHEDULES)}")
+        raise ConfigError(f"pipeline.schedule ({p.schedule!r}) is unknown; use one of {list(SCHEDULES)} or auto")
     if d < 1:
         raise ConfigError(f"pipeline.num_stages ({d}) must be >= 1")
     if m < 1 or p.microbatch_size < 1:
