@@ -16,6 +16,7 @@ import sys
 import time
 from pathlib import Path
 
+from partitioner import time_to_loss
 from partitioner.planner import bound_line, save_plan, stage_table, table
 
 USAGE = (
@@ -63,7 +64,7 @@ def config_groups() -> str:
 
 
 def main(argv=None) -> int:
-    from partitioner.auto import plan_config, run_overrides
+    from partitioner.auto import plan_config
     from pipedream2bw.errors import ConfigError
 
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -103,6 +104,8 @@ def main(argv=None) -> int:
         f"global batch {best.global_batch_size}; {best.schedule}; objective {best.objective}; {best.costs} costs; "
         f"planned in {elapsed:.2f} s"
     )
+    if best.schedule_choice:
+        print(time_to_loss.describe(best.schedule_choice, cfg.optim, best.schedule))
     print(table(plans))
     print(f"\nchosen plan (#0), per stage:\n{stage_table(best)}")
     if best.steps_on_host:
@@ -110,18 +113,7 @@ def main(argv=None) -> int:
     path = Path(out or cfg.partition.path or Path("outputs", "plans", time.strftime("%Y-%m-%d/%H-%M-%S"), "plan.yaml"))
     path.parent.mkdir(parents=True, exist_ok=True)
     path = save_plan(best, path)
-    nproc = best.num_stages * best.data_parallel
-    launch = f"torchrun --nproc-per-node {nproc}" if cfg.topology.nodes == 1 else f"torchrun ({nproc} ranks)"
-    # the run trains what was planned: the overrides that shape it (model, optimizer, precision, batch...) go along;
-    # the planner's own (topology, partition) do not
-    extra = run_overrides(cfg.optim, best)  # the optimizer a host step runs (auto.host_optimizer)
-    keys = {a.split("=", 1)[0] for a in extra}
-    run_overrides_ = [a for a in args if not a.lstrip("+~").startswith(("topology", "partition"))]
-    run_overrides_ = [a for a in run_overrides_ if a.lstrip("+~").split("=", 1)[0] not in keys] + extra
-    print(
-        f"\nplan written to {path}; run it with\n  {launch} -m pipedream2bw.train "
-        + " ".join([*run_overrides_, "partition=file", f"partition.path={path}"])
-    )
+    print(f"\nplan written to {path}; run it with\n  {_run_line(cfg, args, best, path)}")
     return 0
 
 
@@ -143,6 +135,22 @@ def _out_option(args):
         else:
             rest.append(a)
     return rest, out
+
+
+def _run_line(cfg, args, best, path) -> str:
+    """The command that trains what was planned: the overrides that shape it (model, optimizer, precision,
+    batch...) go along; the planner's own (topology, partition) do not."""
+    from partitioner.auto import run_overrides
+
+    nproc = best.num_stages * best.data_parallel
+    launch = f"torchrun --nproc-per-node {nproc}" if cfg.topology.nodes == 1 else f"torchrun ({nproc} ranks)"
+    extra = run_overrides(cfg.optim, best)  # the optimizer a host step runs (auto.host_optimizer)
+    if cfg.pipeline.schedule == time_to_loss.AUTO:
+        extra.append(f"pipeline.schedule={best.schedule}")
+    keys = {a.split("=", 1)[0] for a in extra}
+    run_overrides_ = [a for a in args if not a.lstrip("+~").startswith(("topology", "partition"))]
+    run_overrides_ = [a for a in run_overrides_ if a.lstrip("+~").split("=", 1)[0] not in keys] + extra
+    return f"{launch} -m pipedream2bw.train " + " ".join([*run_overrides_, "partition=file", f"partition.path={path}"])
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
+from partitioner import time_to_loss
 from partitioner.planner import HostFigures, Plan, Request, _order, _streams, plan
 from partitioner.profile import analytic_gpt, profile_gpt, profile_layer_list, runtime_baseline_bytes
 from partitioner.topology import GIB, num_devices
@@ -166,6 +167,8 @@ def plan_config(cfg: Config, *, runners_up: int = 4, layers=None, loss_fn=None, 
         ConfigError: nothing fits (the message names the memory or devices that would), or analytic
             costs asked for a model that is not the GPT.
     """
+    if cfg.pipeline.schedule == time_to_loss.AUTO:
+        return _plan_schedules(cfg, runners_up=runners_up, layers=layers, loss_fn=loss_fn, **request_kwargs)
     req = make_request(cfg, **request_kwargs)
     # error feedback's state exists only under 2bw: a flush or gpipe plan does not pay its 4 B a parameter
     optim = dataclasses.replace(cfg.optim, delay_correction=correction_in_effect(cfg.optim, cfg.pipeline.schedule))
@@ -186,6 +189,33 @@ def plan_config(cfg: Config, *, runners_up: int = 4, layers=None, loss_fn=None, 
         raise error
     found = resident + streamed
     return [found[i] for i in _order(found, req.objective, req.tolerance)][: runners_up + 1]
+
+
+def _plan_schedules(cfg: Config, *, runners_up: int, **kwargs) -> List[Plan]:
+    """schedule=auto: each of ``time_to_loss.CANDIDATES`` planned, the plans ranked by their time to a loss (batch
+    time x steps factor) under the throughput objective (by peak memory, then that time, under memory); each plan
+    records every candidate's best time (``schedule_choice``)."""
+    found, choice, error = [], {}, None
+    for schedule in time_to_loss.CANDIDATES:
+        one = dataclasses.replace(cfg, pipeline=dataclasses.replace(cfg.pipeline, schedule=schedule))
+        try:
+            plans = plan_config(one, runners_up=runners_up, **kwargs)
+        except ConfigError as e:
+            error = error or e
+            continue
+        factor = time_to_loss.steps_factor(schedule, cfg.optim)
+        plans = [dataclasses.replace(p, predicted_steps_factor=math.inf if factor is None else factor) for p in plans]
+        choice[schedule] = min(time_to_loss.time_per_step(p.predicted_batch_time_s, factor) for p in plans)
+        found += plans
+    if not found:
+        raise error
+
+    def key(p: Plan) -> tuple:
+        t = p.predicted_batch_time_s * p.predicted_steps_factor
+        return (max(p.predicted_peak_memory_bytes), t) if cfg.partition.objective == "memory" else (t,)
+
+    best = sorted(found, key=key)[: runners_up + 1]
+    return [dataclasses.replace(p, schedule_choice=dict(choice)) for p in best]
 
 
 def _cost_fns(cfg: Config, req: Request, *, layers, loss_fn):

@@ -53,6 +53,9 @@ class Plan:
     predicted_bound: str = ""  # the slowest stage's busiest resource: what bounds the plan
     host: str = ""  # the host's figures (partitioner.host) that its host steps were costed with
     host_optimizer: bool = False  # swap.optimizer=host on every stage: a plan that may stream (stream_stages or none)
+    predicted_steps_factor: float = 1.0  # steps to a loss over a synchronous schedule's (time_to_loss.steps_factor)
+    schedule_choice: Dict[str, float] = field(default_factory=dict)  # schedule=auto: each candidate's best plan's
+    # batch time x steps factor (seconds a synchronous step's worth of progress; .inf: not known to reach the loss)
 
     @property
     def steps_on_host(self) -> bool:
@@ -66,7 +69,9 @@ class Plan:
 
     def row(self) -> Dict[str, str]:
         """One line of the CLI's table."""
+        schedule = {"schedule": self.schedule} if self.schedule_choice else {}  # schedule=auto's plans differ in it
         return {
+            **schedule,
             "d x w": f"{self.num_stages} x {self.data_parallel}",
             "b": str(self.microbatch_size),
             "m": str(self.num_microbatches),
