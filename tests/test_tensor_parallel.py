@@ -173,3 +173,10 @@ def test_a_checkpoints_whole_state_is_cut_to_pieces_optimizer_moments_included()
     assert cut["1.ln1.weight"] == {"step": 1}
     weights = sharded_state(state["weights"], {"1.fc.weight": (0, 1)}, {"1.fc.weight": fc.shape}, rank=0, size=2)
     assert weights["1.fc.weight"].tolist() == [[0, 1], [2, 3]] and weights["1.ln1.weight"].shape == (2,)
+
+
+def test_the_launcher_starts_d_w_t_ranks_when_not_told():
+    from pipedream2bw.launch import config_ranks
+
+    assert config_ranks(["pipeline.num_stages=2", "pipeline.data_parallel=3", "pipeline.tensor_parallel=2"]) == 12
+    assert config_ranks(["pipeline.num_stages=2"]) == 2
