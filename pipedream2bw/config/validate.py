@@ -307,7 +307,38 @@ def validate(
     _validate_swap(cfg.swap, p.num_stages)
     _validate_weight_stream(cfg)
     _validate_host_step(cfg)
+    _validate_documents(cfg)
     return balance
+
+
+PACKINGS = ("windows", "documents")
+
+
+def _validate_documents(cfg: Config) -> None:
+    """data.packing=documents: what it is proven with (docs/data.md); each other feature refused in one line."""
+    packing = cfg.data.packing
+    if packing not in PACKINGS:
+        raise ConfigError(f"data.packing ({packing!r}) is unknown; use one of {list(PACKINGS)}")
+    if packing == "windows":
+        return
+    why = "data.packing=documents is proven with the built-in GPT in fp32 under 2bw and flush, without"
+    precision = cfg.train.precision
+    if precision == "auto":  # bf16 on a CUDA device that supports it, else fp32 (memory/precision.py)
+        precision = "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "fp32"
+    refused = [
+        (not isinstance(cfg.model, GPTConfig), "model (not model=gpt)", "model=gpt"),
+        (isinstance(cfg.model, GPTConfig) and cfg.model.tie_embeddings, "model.tie_embeddings", "it false"),
+        (cfg.pipeline.schedule == "gpipe", "pipeline.schedule=gpipe", "pipeline.schedule=2bw or flush"),
+        (cfg.pipeline.recompute, "pipeline.recompute", "it false"),
+        (precision not in (None, "fp32"), f"train.precision={cfg.train.precision}", "train.precision=fp32"),
+        (cfg.partition.mode != "manual", f"partition={cfg.partition.mode}", "partition=manual with pipeline.*"),
+        (bool(cfg.optim.sharded), "optim.sharded", "it false"),
+        (bool(swap_stages(cfg.swap, cfg.pipeline.num_stages)), "swap.enabled/swap.stages", "neither"),
+        (cfg.swap.weights or cfg.swap.optimizer != "device", "swap.weights/swap.optimizer", "their defaults"),
+    ]
+    for bad, what, fix in refused:
+        if bad:
+            raise ConfigError(f"{why} {what}; set {fix}, or data.packing=windows")
 
 
 def _validate_shape(cfg: Config, world_size: int) -> None:
