@@ -124,6 +124,26 @@ def test_the_same_batches_at_any_layout_and_resumed_mid_epoch(tmp_path):
     assert not np.array_equal(walked._pack_epoch(0)[:, 1], walked._pack_epoch(1)[:, 1])
 
 
+def test_a_batch_loss_is_the_mean_over_its_unmasked_tokens(tmp_path):
+    # not the mean of per-microbatch means: microbatches hold different numbers of unmasked tokens
+    torch.manual_seed(0)
+    model, docs = _gpt(), tokenize_jsonl(write_jsonl(tmp_path / "d.jsonl"))
+    w, m, b = 2, 2, 2
+    feeds = [
+        DocumentFeed(docs, seq_len=SEQ_LEN, microbatch_size=b, num_microbatches=m, seed=5, num_replicas=w, replica=r)
+        for r in range(w)
+    ]
+    with torch.no_grad():
+        losses = [lm_loss(model(f.inputs(k)), f.targets(k)) for f in feeds for k in range(m)]
+        ids, positions, targets, keep = (torch.from_numpy(a) for a in feeds[0].rows(0, w * m * b))
+        ce = torch.nn.functional.cross_entropy(
+            model((ids, positions)).flatten(0, 1), targets.flatten(), reduction="none"
+        )
+    counts = [int((f.targets(k)[1] > 0).sum()) for f in feeds for k in range(m)]
+    assert len(set(counts)) > 1
+    torch.testing.assert_close(torch.stack(losses).mean(), ce[keep.flatten()].mean(), rtol=1e-5, atol=0)
+
+
 def _gpt():
     cfg = GPTConfig(num_layers=2, d_model=32, num_heads=2, seq_len=SEQ_LEN)
     return torch.nn.Sequential(*build_gpt_layers(cfg, seed=0))
