@@ -229,6 +229,16 @@ class DocumentFeed:
             positions[i, fill:] = np.arange(T - fill)  # padding: a document of its own
         return ids, positions, targets, keep
 
+    def real_tokens(self, first: int, count: int) -> int:
+        """Document tokens (not padding) in global rows ``first .. first + count - 1``."""
+        total = 0
+        for row in range(first, first + count):
+            epoch, within = self._locate(row)
+            pieces = self._epoch(epoch)
+            lo, hi = np.searchsorted(pieces[:, 0], [within, within + 1])
+            total += int(pieces[lo:hi, 3].sum())
+        return total
+
     def _make_batch(self, batch_index: int) -> Tuple[torch.Tensor, ...]:
         B = self.num_replicas * self.num_microbatches * self.microbatch_size
         ids, positions, targets, keep = self.rows(batch_index * B, B)
