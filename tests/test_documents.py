@@ -207,8 +207,6 @@ def test_masked_targets_and_padding_change_no_gradient(tmp_path):
     "change, key",
     [
         (lambda c: setattr(c.model, "tie_embeddings", True), "model.tie_embeddings"),
-        (lambda c: setattr(c.pipeline, "schedule", "gpipe"), "pipeline.schedule=gpipe"),
-        (lambda c: setattr(c.pipeline, "recompute", True), "pipeline.recompute"),
         (lambda c: setattr(c.train, "precision", "bf16"), "train.precision=bf16"),
         (lambda c: setattr(c.optim, "sharded", True), "optim.sharded"),
         (lambda c: setattr(c.swap, "stages", [0]), "swap.enabled/swap.stages"),
@@ -299,10 +297,19 @@ def test_packed_documents_train_as_one_process_under_2bw(runs, name):
 
 
 @pytest.mark.slow
-def test_packed_documents_train_as_one_process_under_flush(tmp_path):
-    cfg = doc_config(tmp_path, schedule="flush", d=2, w=2, m=2, eval_every=0)
+@pytest.mark.parametrize(
+    "schedule, recompute",
+    [
+        ("flush", False),
+        pytest.param("gpipe", True, marks=pytest.mark.long),
+        pytest.param("2bw", True, marks=pytest.mark.long),
+    ],
+)
+def test_packed_documents_train_as_one_process_under_flush_gpipe_and_recompute(tmp_path, schedule, recompute):
+    cfg = doc_config(tmp_path, schedule=schedule, d=2, w=2, m=2, eval_every=0)
+    cfg.pipeline.recompute = recompute
     summary = run_ok(cfg, tmp_path / "run")
-    ref = reference(cfg, delayed=False)
+    ref = reference(cfg, delayed=schedule == "2bw")
     torch.testing.assert_close(torch.load(tmp_path / "run" / "final_model.pt"), ref.weights, rtol=1e-5, atol=1e-7)
     assert_losses_close(summary["losses"], ref.losses)
 
