@@ -11,13 +11,15 @@ import numpy as np
 import pytest
 import torch
 from dist_helper import run_ok
+from hf_models import tiny_hf_config
 from reference import reference_eval, reference_run
 from test_data import _prepare_tokens
 from test_semantics import assert_losses_close, tiny_config
 
-from pipedream2bw.config import ConfigError, GPTConfig, LayerListConfig, validate
+from pipedream2bw.config import ConfigError, GPTConfig, HFModelConfig, LayerListConfig, validate
 from pipedream2bw.data import DocumentFeed, Documents, index_path, make_feeds, pack, tokenize_jsonl
-from pipedream2bw.models import gpt
+from pipedream2bw.models import gpt, hf
+from pipedream2bw.models.factory import model_source
 from pipedream2bw.models.gpt import build_gpt_layers, lm_loss
 from pipedream2bw.run.preflight import check
 
@@ -200,6 +202,28 @@ def test_masked_targets_and_padding_change_no_gradient(tmp_path):
             torch.testing.assert_close(got[name], grads[name], rtol=1e-5, atol=0)
 
 
+def _hf(kind: str, *, tied: bool = False) -> HFModelConfig:
+    config = tiny_hf_config(kind, tied=tied).to_dict()
+    for key in ("architectures", "transformers_version", "model_type"):
+        config.pop(key, None)
+    return HFModelConfig(model_type=kind, config=config, seq_len=SEQ_LEN)
+
+
+@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2"])
+def test_hf_families_attend_within_each_document(kind, monkeypatch):
+    pytest.importorskip("transformers")
+    model = torch.nn.Sequential(*model_source(_hf(kind), seed=0).build())
+    ids, positions = _two_documents()
+    with torch.no_grad():
+        packed = model((ids, positions))
+        # each document alone, through the plain path (transformers' own positions and causal attention)
+        alone = torch.cat([model(ids[:, :6]), model(ids[:, 6:])], dim=1)
+    torch.testing.assert_close(packed, alone, rtol=1e-5, atol=1e-6)
+    monkeypatch.setattr(hf, "document_mask", lambda positions: None)  # the mask dropped: causal over the row
+    with torch.no_grad():
+        assert (model((ids, positions))[:, 6:] - alone[:, 6:]).abs().max() > 1e-4
+
+
 # --- config: what is refused -----------------------------------------------------------------------------------
 
 
@@ -225,7 +249,7 @@ def test_unproven_combinations_are_refused_in_one_line(tmp_path, change, key):
 def test_layer_lists_and_bad_document_files_are_refused(tmp_path):
     cfg = doc_config(tmp_path)
     cfg.model = LayerListConfig(target="custom_models.tuple_layers", kwargs={"width": 8}, seq_len=8)
-    with pytest.raises(ConfigError, match=r"model \(not model=gpt\)"):
+    with pytest.raises(ConfigError, match=r"a layer list \(model=custom\)"):
         validate(cfg, world_size=2, num_layers=4)
     cfg = doc_config(tmp_path)
     (tmp_path / "bad.jsonl").write_text('{"text": "fine"}\n{"title": "no text"}\n')
@@ -239,6 +263,16 @@ def test_layer_lists_and_bad_document_files_are_refused(tmp_path):
     cfg.data.path, cfg.data.val_fraction = str(write_jsonl(tmp_path / "one.jsonl", num_docs=1)), 0.5
     with pytest.raises(ConfigError, match="holds 1 documents: 1 to train on and 0 held out"):
         check(cfg, world_size=2)
+
+
+@pytest.mark.parametrize("kind, tied, why", [("gpt2", False, "not gpt2"), ("llama", True, "not tie_word_embeddings")])
+def test_hf_gpt2_and_tied_models_are_refused(tmp_path, kind, tied, why):
+    pytest.importorskip("transformers")
+    cfg = doc_config(tmp_path)
+    cfg.model = _hf(kind, tied=tied)
+    with pytest.raises(ConfigError, match=why) as e:
+        check(cfg, world_size=2, num_layers=6)  # 3 blocks + embedding, norm, head
+    assert "\n" not in str(e.value)
 
 
 def test_prepare_tokens_documents_gives_the_batches_of_the_jsonl(tmp_path):
@@ -326,3 +360,14 @@ def test_resume_mid_epoch_is_exact(tmp_path, runs):
     assert resumed["first_step"] == 3 and resumed["losses"] == straight["losses"]
     final = torch.load(tmp_path / "run" / "final_model.pt")
     assert all(torch.equal(final[k], weights[k]) for k in weights)
+
+
+@pytest.mark.slow
+def test_packed_documents_train_a_hf_llama_as_one_process(tmp_path):
+    pytest.importorskip("transformers")
+    cfg = doc_config(tmp_path, d=2, w=1, m=4, eval_every=0, num_steps=4)
+    cfg.model = _hf("llama")
+    summary = run_ok(cfg, tmp_path / "run")
+    ref = reference(cfg, delayed=True)
+    torch.testing.assert_close(torch.load(tmp_path / "run" / "final_model.pt"), ref.weights, rtol=1e-5, atol=1e-7)
+    assert_losses_close(summary["losses"], ref.losses)

@@ -321,12 +321,15 @@ def _validate_documents(cfg: Config) -> None:
         raise ConfigError(f"data.packing ({packing!r}) is unknown; use one of {list(PACKINGS)}")
     if packing == "windows":
         return
-    why = "data.packing=documents is proven with the built-in GPT in fp32 (2bw, flush, gpipe, recompute), without"
+    why = (
+        "data.packing=documents is proven with the built-in GPT and model=hf's Llama family in fp32 (2bw, flush, "
+        "gpipe, recompute), without"
+    )
     precision = cfg.train.precision
     if precision == "auto":  # bf16 on a CUDA device that supports it, else fp32 (memory/precision.py)
         precision = "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "fp32"
     refused = [
-        (not isinstance(cfg.model, GPTConfig), "model (not model=gpt)", "model=gpt"),
+        (not isinstance(cfg.model, (GPTConfig, HFModelConfig)), "a layer list (model=custom)", "model=gpt or hf"),
         (isinstance(cfg.model, GPTConfig) and cfg.model.tie_embeddings, "model.tie_embeddings", "it false"),
         (precision not in (None, "fp32"), f"train.precision={cfg.train.precision}", "train.precision=fp32"),
         (cfg.partition.mode != "manual", f"partition={cfg.partition.mode}", "partition=manual with pipeline.*"),
