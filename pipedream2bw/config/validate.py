@@ -330,7 +330,6 @@ def _validate_documents(cfg: Config) -> None:
         precision = "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "fp32"
     refused = [
         (not isinstance(cfg.model, (GPTConfig, HFModelConfig)), "a layer list (model=custom)", "model=gpt or hf"),
-        (isinstance(cfg.model, GPTConfig) and cfg.model.tie_embeddings, "model.tie_embeddings", "it false"),
         (precision not in (None, "fp32"), f"train.precision={cfg.train.precision}", "train.precision=fp32"),
         (cfg.partition.mode != "manual", f"partition={cfg.partition.mode}", "partition=manual with pipeline.*"),
         (bool(cfg.optim.sharded), "optim.sharded", "it false"),

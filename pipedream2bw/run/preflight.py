@@ -42,19 +42,17 @@ def check(
 
 
 def _check_hf_documents(mdl: HFModelConfig) -> None:
-    """data.packing=documents with model=hf: the Llama family (Llama, Mistral, Qwen2) without tied embeddings.
+    """data.packing=documents with model=hf: the Llama family (Llama, Mistral, Qwen2).
 
     Raises:
-        ConfigError: GPT-2 or tie_word_embeddings, in one line with the fix.
+        ConfigError: GPT-2, in one line with the fix.
     """
     from pipedream2bw.models.hf import resolve_config  # transformers: only for model=hf
 
     hf = resolve_config(mdl)
-    why = "data.packing=documents is proven with model=hf's Llama family (llama, mistral, qwen2) untied, not"
+    why = "data.packing=documents is proven with model=hf's Llama family (llama, mistral, qwen2), not"
     if hf.model_type == "gpt2":
         raise ConfigError(f"{why} gpt2 (its blocks take no positions or mask here); use llama or data.packing=windows")
-    if hf.tied:
-        raise ConfigError(f"{why} tie_word_embeddings; use an untied model or data.packing=windows")
 
 
 def hf_vocab_size(mdl: HFModelConfig) -> int:
