@@ -375,3 +375,38 @@ def test_packed_documents_train_tied_models_as_one_process(tmp_path, model):
     ref = reference(cfg, delayed=True)
     torch.testing.assert_close(torch.load(tmp_path / "run" / "final_model.pt"), ref.weights, rtol=1e-5, atol=1e-7)
     assert_losses_close(summary["losses"], ref.losses)
+
+
+DOCUMENTS_TINY = {
+    "MODEL=path/to/Llama-3.2-1B": "MODEL=$TEST_MODEL",
+    "PAIRS=pairs.jsonl": "PAIRS=$TEST_PAIRS",
+    "model.seq_len=512": "model.seq_len=64",
+    "train.eval_every=100": "train.eval_every=2",
+    "optim.lr=2e-5 train.num_steps=500": "optim.lr=1e-2 train.num_steps=4",
+    "hydra.run.dir=outputs/qa": "hydra.run.dir=outputs/qa wandb.mode=disabled",
+}
+
+
+@pytest.mark.slow
+@pytest.mark.long
+def test_fine_tuning_on_pairs_walkthrough_of_the_docs(tmp_path):
+    """docs/pretrained.md's packed-documents walk-through on a tiny tied Llama with a tokenizer.json trained here:
+    tokenize the shipped pairs with it, fine-tune at d = 2 with validation (the loss falls), export, generate."""
+    import subprocess
+
+    from test_hf import walkthrough_script, walkthrough_setup
+
+    from pipedream2bw.data.documents import SHIPPED_DOCUMENTS
+
+    model_dir, env, prelude = walkthrough_setup(tmp_path)
+    env["TEST_PAIRS"] = str(SHIPPED_DOCUMENTS)
+    script = walkthrough_script("documents-walkthrough", DOCUMENTS_TINY)
+    done = subprocess.run(
+        ["bash", "-c", prelude + script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    assert 'say about The "assert" statement?\nAnswer: ' in done.stdout, done.stdout  # the prompt, then generated
+    summary = json.loads((tmp_path / "outputs" / "qa" / "summary.json").read_text())
+    assert summary["final_loss"] < summary["losses"][0] and [v["step"] for v in summary["val_losses"]] == [2, 4]
+    assert (tmp_path / "finetuned-qa" / "config.json").is_file()
+    assert index_path(tmp_path / "data" / "qa.bin").is_file()
