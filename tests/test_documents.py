@@ -253,8 +253,8 @@ def test_layer_lists_and_bad_document_files_are_refused(tmp_path):
     cfg = doc_config(tmp_path)
     (tmp_path / "bad.jsonl").write_text('{"text": "fine"}\n{"title": "no text"}\n')
     cfg.data.path = str(tmp_path / "bad.jsonl")
-    with pytest.raises(ConfigError, match="line 2 is not"):
-        make_feeds(cfg.data, seq_len=16, microbatch_size=1, num_microbatches=1, seed=0, num_replicas=1, replica=0)
+    with pytest.raises(ConfigError, match="line 2 is not"):  # before any process group starts
+        check(cfg, world_size=2)
     (tmp_path / "t.bin").write_bytes(np.arange(10, dtype=np.uint16).tobytes())
     cfg.data.path = str(tmp_path / "t.bin")
     with pytest.raises(ConfigError, match="has no document index"):

@@ -126,12 +126,6 @@ def check_index(path: str, num_tokens: int, key: str) -> int:
     return len(rows)
 
 
-def count_documents(path: Optional[str]) -> int:
-    """The documents of a JSONL file (non-empty lines; the shipped example for None)."""
-    with open(path or SHIPPED_DOCUMENTS, "rb") as f:
-        return sum(1 for line in f if line.strip())
-
-
 # --- the packer --------------------------------------------------------------------------------------------------
 
 

@@ -289,7 +289,7 @@ def _check_documents(data: DataConfig, check: Callable[[Optional[str], str], Dat
             (
                 documents.check_index(path, info.num_tokens, key)
                 if is_token_file(path)
-                else documents.count_documents(path)
+                else len(documents.tokenize_jsonl(path or documents.SHIPPED_DOCUMENTS))  # every line checked here
             ),
         )
     num_docs = found["data.path"][1]
