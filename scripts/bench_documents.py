@@ -7,7 +7,9 @@ batch shape (rows of model.seq_len tokens, b rows a microbatch, m microbatches a
 shipped text, documents pack the shipped example documents (pipedream2bw/data/python_docs_qa.jsonl) into rows,
 padded to model.seq_len, with the block-diagonal attention mask built in every block. The two alternate within
 each repeat so that machine drift hits them alike. Prints the medians of samples/s (rows a second) and tokens/s
-(row slots a second; for documents also the document tokens, padding left out) and writes them as JSON.
+(row slots a second; for documents also the document tokens, padding left out), then what the mask alone costs
+in one process (the GPT's forward and backward on a microbatch of windows against one of packed rows, alternating),
+and writes it all as JSON.
 """
 
 from __future__ import annotations
@@ -57,6 +59,33 @@ def real_fraction(seq_len: int, rows: int) -> float:
     return feed.real_tokens(0, rows) / (rows * seq_len)
 
 
+def mask_cost(seq_len: int, microbatch_size: int, repeats: int) -> dict:
+    """One process, one thread: the default GPT's forward and backward on one microbatch of windows against one of
+    packed rows (the mask built in every block, attention with it), alternating; medians of ``repeats`` in ms."""
+    import torch
+
+    from pipedream2bw.config import Config, GPTConfig
+    from pipedream2bw.data.documents import DocumentFeed, load_documents
+    from pipedream2bw.models.gpt import build_gpt_layers, lm_loss
+
+    torch.set_num_threads(1)
+    cfg = GPTConfig(seq_len=seq_len)
+    model = torch.nn.Sequential(*build_gpt_layers(cfg, seed=0))
+    feed = DocumentFeed(
+        load_documents(None, lambda path: None), seq_len=seq_len, microbatch_size=microbatch_size,
+        num_microbatches=1, seed=Config().seed,
+    )  # fmt: skip
+    (ids, positions), (targets, weights) = feed.microbatch(0)
+    cases = {"windows": (ids, targets), "documents": ((ids, positions), (targets, weights))}
+    times = {name: [] for name in cases}
+    for _ in range(repeats + 2):  # the first two left out (warm-up)
+        for name, (x, y) in cases.items():
+            start = time.perf_counter()
+            lm_loss(model(x), y).backward()
+            times[name].append(1e3 * (time.perf_counter() - start))
+    return {name: statistics.median(t[2:]) for name, t in times.items()}
+
+
 def main() -> None:
     from pipedream2bw.config.docs import DefaultsHelpFormatter
 
@@ -67,6 +96,7 @@ def main() -> None:
     parser.add_argument("--num-microbatches", type=int, default=4)
     parser.add_argument("--microbatch-size", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--mask-repeats", type=int, default=30, help="in-process timings of the mask alone")
     parser.add_argument("--json", default="bench_documents.json")
     parser.add_argument("overrides", nargs="*", help="extra Hydra overrides, e.g. model.d_model=256")
     args = parser.parse_args()
@@ -98,7 +128,14 @@ def main() -> None:
         rows[packing]["runs"] = runs
         print(f"{packing:>10} {sps:>10.1f} {sps * T:>10.0f} {sps * T * share:>18.0f} {sps / base:>10.2f}")
     print(f"document tokens fill {100 * real:.1f}% of the packed rows' slots (the rest is padding)")
-    Path(args.json).write_text(json.dumps({"config": vars(args), "real_fraction": real, "results": rows}, indent=2))
+    cost = mask_cost(T, b, args.mask_repeats)
+    print(
+        f"the mask alone (one process, one thread, forward + backward of one microbatch, median of "
+        f"{args.mask_repeats}): windows {cost['windows']:.1f} ms, documents {cost['documents']:.1f} ms "
+        f"({cost['documents'] / cost['windows']:.3f}x)"
+    )
+    out = {"config": vars(args), "real_fraction": real, "results": rows, "mask_ms": cost}
+    Path(args.json).write_text(json.dumps(out, indent=2))
 
 
 if __name__ == "__main__":
