@@ -53,11 +53,25 @@ class Plan:
     predicted_bound: str = ""  # the slowest stage's busiest resource: what bounds the plan
     host: str = ""  # the host's figures (partitioner.host) that its host steps were costed with
     host_optimizer: bool = False  # swap.optimizer=host on every stage: a plan that may stream (stream_stages or none)
+    # pipeline.tensor_parallel: each stage's layers split over t ranks of one node (partitioner/tensor.py); rank_map
+    # then counts tensor groups: (stage s, replica r) runs on ranks rank_map[s][r] * t .. rank_map[s][r] * t + t - 1
+    tensor_parallel: int = 1
+    sequence_parallel: bool = False  # the costs split the norms' and the replicated activations along the sequence
 
     @property
     def steps_on_host(self) -> bool:
         """Whether the plan's stages step their optimizers on the host (it streams, or keeps the state there)."""
         return self.host_optimizer or bool(self.stream_stages)
+
+    @property
+    def num_ranks(self) -> int:
+        """Ranks the plan runs on: d x w x t."""
+        return self.num_stages * self.data_parallel * self.tensor_parallel
+
+    @property
+    def mesh(self) -> str:
+        """``'8 x 16 x 8'``: stages x replicas x tensor ranks (the mesh, tensor innermost)."""
+        return f"{self.num_stages} x {self.data_parallel} x {self.tensor_parallel}"
 
     @property
     def boundaries(self) -> List[int]:
@@ -67,7 +81,7 @@ class Plan:
     def row(self) -> Dict[str, str]:
         """One line of the CLI's table."""
         return {
-            "d x w": f"{self.num_stages} x {self.data_parallel}",
+            "d x w x t": self.mesh,
             "b": str(self.microbatch_size),
             "m": str(self.num_microbatches),
             "recompute": "yes" if self.recompute else "no",
