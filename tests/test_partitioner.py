@@ -543,6 +543,10 @@ def test_tensor_groups_never_cross_a_node():
         t = p.tensor_parallel
         assert t <= 2 and all((g * t) // 2 == (g * t + t - 1) // 2 for row in p.rank_map for g in row), p.mesh
     assert tensor_plans(["topology.devices_per_node=4"])[0].tensor_parallel == 4
+    from partitioner.tensor import TensorShape, widths
+
+    shape = TensorShape(32, 4 * 4096, 4096, 1024, 32000, 4, ("block",))
+    assert widths(shape, devices=12, devices_per_node=6) == [1, 2]  # 4 would put ranks 4-7 on two nodes
 
 
 def test_memory_objective_picks_the_smallest_peak_over_every_width():
