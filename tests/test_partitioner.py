@@ -568,3 +568,20 @@ def test_apply_plan_refuses_a_tensor_split_the_runtime_lacks():
     if not hasattr(PipelineConfig(), "tensor_parallel"):
         with pytest.raises(ConfigError, match="no pipeline.tensor_parallel"):
             apply_plan(PipelineConfig(), SwapConfig(), cfg, world_size=cfg.num_ranks, num_layers=7)
+
+
+def test_show_schedule_prints_a_plans_mesh(tmp_path, monkeypatch, capsys):
+    import runpy
+    import sys
+    from pathlib import Path
+
+    best = tensor_plans(["topology.nodes=2", "topology.devices_per_node=2"])[0]  # 2 x 1 x 2: a stage a node
+    assert best.mesh == "2 x 1 x 2"
+    path = save_plan(best, tmp_path / "plan.yaml")
+    script = Path(__file__).resolve().parents[1] / "scripts" / "show_schedule.py"
+    monkeypatch.setattr(sys, "argv", [str(script), "--plan", str(path)])
+    runpy.run_path(str(script), run_name="__main__")
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith(f"plan {path}: mesh 2 x 1 x 2 (stages x replicas x tensor ranks), 4 ranks; 2bw, m 8")
+    first = best.balance[0]
+    assert out[1:3] == [f"  stage   0 (layers 0-{first - 1}): 0-1", f"  stage   1 (layers {first}-6): 2-3"]  # ranks
