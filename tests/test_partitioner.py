@@ -518,8 +518,10 @@ def test_tensor_width_chosen_when_memory_needs_it():
     best = tensor_plans()[0]
     assert best.tensor_parallel > 1 and best.num_ranks == 4 and max(best.predicted_peak_memory_bytes) <= 7 * GIB
     left_out = r"with any tensor width \(pipeline.tensor_parallel=1: .*\) it fits: \d x \d x [24],"
-    with pytest.raises(ConfigError, match=left_out):
+    with pytest.raises(ConfigError, match=left_out) as refused:
         tensor_plans(tensor_widths=[1])
+    # the fewest devices count t too: 2 stages x 2 tensor ranks, where unsplit 7 stages would not do
+    assert "or a pipeline of at least 2 stages x 2 tensor ranks of 7 GiB (at least 4 devices" in str(refused.value)
     # where the memory does not need it, the throughput objective may still pick t = 1 (the all-reduces cost)
     roomy = tensor_plans(["topology.memory_per_device_gib=12"])[0]
     assert roomy.mesh == "2 x 2 x 1"
@@ -585,3 +587,16 @@ def test_show_schedule_prints_a_plans_mesh(tmp_path, monkeypatch, capsys):
     assert out[0].startswith(f"plan {path}: mesh 2 x 1 x 2 (stages x replicas x tensor ranks), 4 ranks; 2bw, m 8")
     first = best.balance[0]
     assert out[1:3] == [f"  stage   0 (layers 0-{first - 1}): 0-1", f"  stage   1 (layers {first}-6): 2-3"]  # ranks
+
+
+def test_plan_command_prints_the_mesh_and_runs_it_on_d_w_t_ranks(tmp_path, monkeypatch, capsys):
+    from partitioner.__main__ import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["plan", "--out", "plan.yaml", *TENSOR_GPT]) == 0
+    out = capsys.readouterr().out
+    best = load_plan(tmp_path / "plan.yaml")
+    t = best.tensor_parallel
+    assert t > 1 and f"chosen plan (#0): mesh {best.mesh} (stages x replicas x tensor ranks), 4 ranks; a tensor " in out
+    assert "torchrun --nproc-per-node 4 -m pipedream2bw.train " in out
+    assert f"pipeline.tensor_parallel={t} partition=file partition.path=plan.yaml" in out
