@@ -273,12 +273,12 @@ def _candidates(req: Request, num_layers: int):
             f"partition.tolerance ({req.tolerance}) must be in [0, 1): "
             f"the fraction of the best objective within which plans tie"
         )
-    for t in tensor_widths(req):
+    for t in widths_to_try(req):
         for d, w in _meshes(req, num_layers, req.devices // t):
             yield from _batch_candidates(req, d, w, t)
 
 
-def tensor_widths(req: Request) -> List[int]:
+def widths_to_try(req: Request) -> List[int]:
     """The tensor widths the search takes: ``req.tensor_widths`` (each checked: ``tensor.check_width``), else every
     width the model and the machine allow (1 where the model cannot be split)."""
     dpn = req.topology.devices_per_node
