@@ -600,3 +600,21 @@ def test_plan_command_prints_the_mesh_and_runs_it_on_d_w_t_ranks(tmp_path, monke
     assert t > 1 and f"chosen plan (#0): mesh {best.mesh} (stages x replicas x tensor ranks), 4 ranks; a tensor " in out
     assert "torchrun --nproc-per-node 4 -m pipedream2bw.train " in out
     assert f"pipeline.tensor_parallel={t} partition=file partition.path=plan.yaml" in out
+
+
+def test_tensor_request_pins_or_searches_as_the_runtime_allows():
+    # pipeline.tensor_parallel comes with the runtime's side of issue 44: where the config has it, 1 searches and
+    # more pins; where it does not, partition=auto plans t = 1 only (the CLI passes search_tensor=True)
+    import types
+
+    from partitioner.auto import tensor_request
+
+    gpt = GPTConfig(num_layers=2, d_model=64, num_heads=4)
+    with_key = lambda t: types.SimpleNamespace(model=gpt, pipeline=types.SimpleNamespace(tensor_parallel=t))  # noqa: E731
+    searched, pinned = tensor_request(with_key(1), "fp32"), tensor_request(with_key(2), "fp32")
+    assert searched["tensor"].kinds == ("embedding", "block", "block", "norm", "head")
+    assert searched["tensor_widths"] is None and pinned["tensor_widths"] == [2]
+    without = types.SimpleNamespace(model=gpt, pipeline=types.SimpleNamespace())
+    assert tensor_request(without, "fp32")["tensor"] is None and tensor_request(without, "fp32", search=True)["tensor"]
+    custom = types.SimpleNamespace(model=object(), pipeline=types.SimpleNamespace(tensor_parallel=1))
+    assert tensor_request(custom, "fp32")["tensor"] is None  # a layer list the split does not know: t = 1
