@@ -40,7 +40,9 @@ UNCATCHABLE = ("SIGKILL", "SIGSTOP")  # what train.preempt_signals cannot name
 @dataclass
 class PipelineConfig:
     schedule: str = "2bw"
-    """'2bw' (1F1B, no flushes, two weight versions), 'flush' (PipeDream-Flush) or 'gpipe'."""
+    """'2bw' (1F1B, no flushes, two weight versions), 'flush' (PipeDream-Flush), 'gpipe', or 'auto' under
+    partition=auto: the planner's choice of the schedule that reaches a loss first (its step time x the steps the
+    schedule takes under the optimizer, measured: docs/planner.md)."""
     num_stages: int = 4
     """Pipeline depth d; WORLD_SIZE must be num_stages * data_parallel."""
     num_microbatches: int = 8

@@ -1,5 +1,7 @@
 """The checks of a config's values before any process group starts, each naming the value, why and the fix
-(``run/preflight.py`` adds those that need the model or the data files)."""
+(``run/preflight.py`` adds those that need the model or the data files). torch is imported inside the checks of the
+optimizer, the precision and the backend, which run after those of the shape and the ranges: the launcher finds
+those mistakes without it (a third of a second, where importing torch takes one to several)."""
 
 from __future__ import annotations
 
@@ -9,10 +11,6 @@ import signal
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
-import torch
-
-from pipedream2bw.config.optim import ELEMENTWISE_OPTIMIZERS, build_optimizer, optimizer_class, optimizer_of
-from pipedream2bw.config.optimizers import is_muon
 from pipedream2bw.config.ranges import check_ranges
 from pipedream2bw.config.schema import (
     BACKENDS,
@@ -174,6 +172,8 @@ def _validate_sharding(cfg: Config) -> None:
 
 
 def _need_elementwise(cfg: Config, what: str) -> None:
+    from pipedream2bw.config.optim import ELEMENTWISE_OPTIMIZERS
+
     o = cfg.optim
     if o.target or o.name.lower() not in ELEMENTWISE_OPTIMIZERS:
         raise ConfigError(
@@ -183,6 +183,8 @@ def _need_elementwise(cfg: Config, what: str) -> None:
 
 
 def _validate_precision(cfg: Config) -> None:
+    import torch
+
     t = cfg.train
     if cfg.partition.analytic_dtype_bytes is not None:
         raise ConfigError(
@@ -327,6 +329,8 @@ def _validate_documents(cfg: Config) -> None:
     )
     precision = cfg.train.precision
     if precision == "auto":  # bf16 on a CUDA device that supports it, else fp32 (memory/precision.py)
+        import torch
+
         precision = "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "fp32"
     refused = [
         (not isinstance(cfg.model, (GPTConfig, HFModelConfig)), "a layer list (model=custom)", "model=gpt or hf"),
@@ -345,8 +349,13 @@ def _validate_shape(cfg: Config, world_size: int) -> None:
     """The pipeline's shape: schedule, stages, microbatches, replicas, against the ranks launched."""
     p = cfg.pipeline
     d, m = p.num_stages, p.num_microbatches
+    if p.schedule == "auto":  # a plan replaces it before these checks (partition=auto|file)
+        raise ConfigError(
+            f"pipeline.schedule (auto) is the planner's choice, and partition.mode is {cfg.partition.mode!r}: use "
+            f"partition=auto, or name one of {list(SCHEDULES)}"
+        )
     if p.schedule not in SCHEDULES:
-        raise ConfigError(f"pipeline.schedule ({p.schedule!r}) is unknown; use one of {list(SCHEDULES)}")
+        raise ConfigError(f"pipeline.schedule ({p.schedule!r}) is unknown; use one of {list(SCHEDULES)} or auto")
     if d < 1:
         raise ConfigError(f"pipeline.num_stages ({d}) must be >= 1")
     if m < 1 or p.microbatch_size < 1:
@@ -412,6 +421,10 @@ def _validate_balance(cfg: Config, num_layers: int, *, gpt: bool) -> List[int]:
 
 def _validate_model_and_optim(cfg: Config) -> None:
     """The GPT's heads, the sequence length, the optimizer (built once, on a scalar), its step rules and sharding."""
+    import torch
+
+    from pipedream2bw.config.optim import build_optimizer, optimizer_of
+
     mdl = cfg.model
     if isinstance(mdl, GPTConfig) and mdl.d_model % mdl.num_heads:
         raise ConfigError(f"model.num_heads ({mdl.num_heads}) must divide model.d_model ({mdl.d_model})")
@@ -434,6 +447,11 @@ DELAY_CORRECTIONS = ("none", "error_feedback", "lookahead")
 
 def _validate_optim_extras(cfg: Config) -> None:
     """optim.name=muon and optim.delay_correction: what composes, and what is refused and why."""
+    import torch
+
+    from pipedream2bw.config.optim import optimizer_class
+    from pipedream2bw.config.optimizers import is_muon
+
     o = cfg.optim
     if o.delay_correction not in DELAY_CORRECTIONS:
         raise ConfigError(
@@ -520,6 +538,8 @@ def _validate_train(cfg: Config) -> None:
 
 def _validate_run(cfg: Config, local_world_size: int) -> None:
     """Precision, what the run writes at its end, tracking and the process groups' backend."""
+    import torch
+
     _validate_precision(cfg)
     _validate_final(cfg)
     if cfg.wandb.mode not in WANDB_MODES:

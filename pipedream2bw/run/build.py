@@ -230,7 +230,8 @@ def restore(
     path, manifest = resume
     first_batch = rt.first_step
     state = checkpoint.load_layers(path, rt.layer_indices, ties=[list(t.names) for t in tied])
-    if rt.schedule == "2bw" and state["previous"] is None:
+    says = rt.rank == 0  # what the manifest shows is the same on every rank: said once
+    if says and rt.schedule == "2bw" and state["previous"] is None:
         log.warning(
             "%s holds one weight version (a %s run): batch %d runs with W(%d), not W(%d)",
             path,
@@ -239,7 +240,7 @@ def restore(
             first_batch,
             first_batch - 1,
         )
-    if manifest["global_batch_size"] != rt.global_batch:
+    if says and manifest["global_batch_size"] != rt.global_batch:
         log.warning(
             "%s was trained with global batch %d, this run uses %d: training continues, but not as the same run",
             path,
@@ -247,12 +248,13 @@ def restore(
             rt.global_batch,
         )
     if manifest["optimizer"] != optimizer_name(optim):
-        log.warning(
-            "%s holds %s state; this run's optimizer is %s: it starts afresh",
-            path,
-            manifest["optimizer"],
-            optimizer_name(optim),
-        )
+        if says:
+            log.warning(
+                "%s holds %s state; this run's optimizer is %s: it starts afresh",
+                path,
+                manifest["optimizer"],
+                optimizer_name(optim),
+            )
         state["optimizer"] = {}
     elif state["optimizer"] and _optimizer_state_misfits(path, manifest, versions, state["optimizer"], optim):
         state["optimizer"] = {}
@@ -266,7 +268,7 @@ def restore(
         versions.load_state(step=first_batch, weights=weights, previous=state["previous"], optimizer=state["optimizer"])
     if isinstance(rule, ScaledStepRule) and manifest.get("loss_scaler") is not None:
         rule.load_state_dict(manifest["loss_scaler"])
-    elif isinstance(rule, ScaledStepRule):
+    elif says and isinstance(rule, ScaledStepRule):
         log.warning(
             "%s holds no loss scaler state (a %s run): the loss scale starts afresh at %g",
             path,

@@ -44,6 +44,17 @@ def set_log_prefix(prefix: str) -> None:
     _log_prefix = prefix + " "
 
 
+RUN_WIDE = ("pipedream2bw.config", "pipedream2bw.data")
+"""Loggers whose warnings read the same on every rank (the config's, the data's): rank 0 alone logs them."""
+
+
+def quiet_ranks(rank: int) -> None:
+    """One warning per run, not per rank: on ranks other than 0 the run-wide loggers log errors only."""
+    if rank != 0:
+        for name in RUN_WIDE:
+            logging.getLogger(name).setLevel(logging.ERROR)
+
+
 def configure_logging(run_dir: Path) -> None:
     """Logs as the CLI does when the caller configured no logging (a programmatic ``run()``):
     INFO and up to stderr and to ``<run_dir>/train.log``, in Hydra's format. Leaves logging

@@ -614,6 +614,8 @@ class StageWorker:
         self._at, self._what = 0, None
         try:
             self._dispatch(actions, on_step=on_step, on_close=on_close)
+        except NonFiniteError:  # the run's verdict on its numbers, not a fault of the schedule: its message says it
+            raise
         except Exception:
             at, what = self._at, self._what
             log.error(  # the log's prefix names the stage and rank

@@ -161,6 +161,7 @@ def resolve_partition(
         ConfigError: on every rank, when rank 0 could not plan (e.g. nothing fits), or the run sets an
             optim.sharded or train.weight_dtype that the plan contradicts.
     """
+    from partitioner import time_to_loss
     from partitioner.auto import PARTITION_MODES, apply_choices, apply_plan, plan_config, runtime_topology
     from partitioner.planner import load_plan, plan_from_text, plan_to_text, save_plan
 
@@ -208,6 +209,8 @@ def resolve_partition(
         plan.weight_dtype,
         plan.predicted_samples_per_s,
     )
+    if plan.schedule_choice:
+        log.info("%s", time_to_loss.describe(plan.schedule_choice, cfg.optim, plan.schedule))
     precision = precisions.resolve(cfg.train.precision, "cuda" if torch.cuda.is_available() else "cpu")
     optim, train = apply_choices(cfg.optim, cfg.train, plan, precision=precision)
     gpt = model.layers is None and isinstance(cfg.model, GPTConfig)
