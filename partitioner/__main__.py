@@ -84,7 +84,7 @@ def main(argv=None) -> int:
     cfg = compose(args)
     start = time.perf_counter()
     try:
-        plans = plan_config(cfg)
+        plans = plan_config(cfg, search_tensor=True)  # t searched: the run line names it (pipeline.tensor_parallel)
     except ConfigError as e:
         print(f"bad configuration: {e}", file=sys.stderr)
         return 2
@@ -107,7 +107,7 @@ def main(argv=None) -> int:
     if best.schedule_choice:
         print(time_to_loss.describe(best.schedule_choice, cfg.optim, best.schedule))
     print(table(plans))
-    print(f"\nchosen plan (#0), per stage:\n{stage_table(best)}")
+    print(f"\nchosen plan (#0): {mesh_line(best)}; per stage (one rank's figures):\n{stage_table(best)}")
     if best.steps_on_host:
         print(f"\n{bound_line(best)}")
     path = Path(out or cfg.partition.path or Path("outputs", "plans", time.strftime("%Y-%m-%d/%H-%M-%S"), "plan.yaml"))
@@ -115,6 +115,16 @@ def main(argv=None) -> int:
     path = save_plan(best, path)
     print(f"\nplan written to {path}; run it with\n  {_run_line(cfg, args, best, path)}")
     return 0
+
+
+def mesh_line(plan) -> str:
+    """The plan's mesh in words: ``'mesh 8 x 16 x 8 (stages x replicas x tensor ranks), 1024 ranks; a tensor group is 8
+    consecutive ranks on one node'``."""
+    line = f"mesh {plan.mesh} (stages x replicas x tensor ranks), {plan.num_ranks} ranks"
+    if plan.tensor_parallel > 1:
+        sp = ", sequence parallel" if plan.sequence_parallel else ""
+        line += f"; a tensor group is {plan.tensor_parallel} consecutive ranks on one node{sp}"
+    return line
 
 
 def _out_option(args):
@@ -142,9 +152,10 @@ def _run_line(cfg, args, best, path) -> str:
     batch...) go along; the planner's own (topology, partition) do not."""
     from partitioner.auto import run_overrides
 
-    nproc = best.num_stages * best.data_parallel
+    nproc = best.num_ranks
     launch = f"torchrun --nproc-per-node {nproc}" if cfg.topology.nodes == 1 else f"torchrun ({nproc} ranks)"
     extra = run_overrides(cfg.optim, best)  # the optimizer a host step runs (auto.host_optimizer)
+    extra += [f"pipeline.tensor_parallel={best.tensor_parallel}"] if best.tensor_parallel > 1 else []
     if cfg.pipeline.schedule == time_to_loss.AUTO:
         extra.append(f"pipeline.schedule={best.schedule}")
     keys = {a.split("=", 1)[0] for a in extra}

@@ -241,6 +241,11 @@ class DataConfig:
     """Share of data.path held out for validation: its last tokens, never trained on; 0: none."""
     val_path: Optional[str] = None
     """A file of held-out data (of data.path's kind) for validation, instead of val_fraction."""
+    packing: str = "windows"
+    """'windows' (fixed windows of model.seq_len + 1 tokens drawn from one flat stream) or 'documents' (data.path a
+    JSONL of {"text"} or {"prompt", "response"} documents, or a token file with its .docs.npy index from
+    scripts/prepare_tokens.py --documents; null: the shipped example; whole documents packed into rows of
+    model.seq_len, attention and positions restricted to each document, prompts masked from the loss)."""
 
 
 @dataclass

@@ -309,6 +309,7 @@ def validate(
     _validate_swap(cfg.swap, p.num_stages)
     _validate_weight_stream(cfg)
     _validate_host_step(cfg)
+    _validate_documents(cfg)
     _validate_tensor_parallel(cfg, gpt=gpt, local_world_size=local_world_size)
     return balance
 
@@ -348,6 +349,10 @@ def _tensor_parallel_refusal(cfg: Config, *, gpt: bool) -> Optional[str]:
             "pipeline.rank_map=null (t innermost: a stage's t ranks are consecutive)",
         ),
         (
+            cfg.data.packing != "windows",
+            f"with data.packing ({cfg.data.packing}): not proven at t > 1; set data.packing=windows",
+        ),
+        (
             cfg.partition.mode != "manual",
             f"with partition.mode ({cfg.partition.mode}): the runtime takes no plan with "
             "t > 1 yet; set partition.mode=manual with pipeline.* as planned",
@@ -382,6 +387,38 @@ def _validate_tensor_parallel(cfg: Config, *, gpt: bool, local_world_size: int) 
             f"pipeline.tensor_parallel ({t}) must divide the ranks per node ({local_world_size}, LOCAL_WORLD_SIZE): a "
             "tensor group's t consecutive ranks must stay on one node; launch a multiple of t ranks per node"
         )
+
+
+PACKINGS = ("windows", "documents")
+
+
+def _validate_documents(cfg: Config) -> None:
+    """data.packing=documents: what it is proven with (docs/data.md); each other feature refused in one line."""
+    packing = cfg.data.packing
+    if packing not in PACKINGS:
+        raise ConfigError(f"data.packing ({packing!r}) is unknown; use one of {list(PACKINGS)}")
+    if packing == "windows":
+        return
+    why = (
+        "data.packing=documents is proven with the built-in GPT and model=hf's Llama family in fp32 (2bw, flush, "
+        "gpipe, recompute), without"
+    )
+    precision = cfg.train.precision
+    if precision == "auto":  # bf16 on a CUDA device that supports it, else fp32 (memory/precision.py)
+        import torch
+
+        precision = "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "fp32"
+    refused = [
+        (not isinstance(cfg.model, (GPTConfig, HFModelConfig)), "a layer list (model=custom)", "model=gpt or hf"),
+        (precision not in (None, "fp32"), f"train.precision={cfg.train.precision}", "train.precision=fp32"),
+        (cfg.partition.mode != "manual", f"partition={cfg.partition.mode}", "partition=manual with pipeline.*"),
+        (bool(cfg.optim.sharded), "optim.sharded", "it false"),
+        (bool(swap_stages(cfg.swap, cfg.pipeline.num_stages)), "swap.enabled/swap.stages", "neither"),
+        (cfg.swap.weights or cfg.swap.optimizer != "device", "swap.weights/swap.optimizer", "their defaults"),
+    ]
+    for bad, what, fix in refused:
+        if bad:
+            raise ConfigError(f"{why} {what}; set {fix}, or data.packing=windows")
 
 
 def _validate_shape(cfg: Config, world_size: int) -> None:

@@ -8,7 +8,7 @@ blocks: each rank's dropout draws the same mask as an unsplit run (one random st
 
 from __future__ import annotations
 
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 import torch
 import torch.nn.functional as F
@@ -58,9 +58,9 @@ class SplitBlock(Block):
                 p = self.get_parameter(name)
                 p.data = shard(p.data, split, rank=rank, size=size)
 
-    def attention(self, h: torch.Tensor) -> torch.Tensor:
+    def attention(self, h: torch.Tensor, positions: Optional[torch.Tensor] = None) -> torch.Tensor:
         group = self.tensor_group.group
-        y = self.heads(copy_to(h, group))  # (B, T, C/t): this rank's heads
+        y = self.heads(copy_to(h, group), positions)  # (B, T, C/t): this rank's heads
         return reduce_from(F.linear(y, self.proj.weight), group) + self.proj.bias
 
     def mlp(self, h: torch.Tensor) -> torch.Tensor:

@@ -34,7 +34,7 @@ from torch import nn
 
 from pipedream2bw.data import MicrobatchFeed
 from pipedream2bw.memory.precision import autocast, compute_dtype
-from pipedream2bw.pipeline.boundary import Channel, from_wire, to_wire
+from pipedream2bw.pipeline.boundary import Channel, from_wire, to_device, to_wire
 from pipedream2bw.pipeline.comm import EVAL_LOSS_TAG, P2P
 
 log = logging.getLogger(__name__)
@@ -100,14 +100,14 @@ class Evaluator:
         try:
             for e in range(self.num_microbatches):
                 if self.prev is None:
-                    x = self.feed.inputs(e).to(self.device, non_blocking=True)
+                    x = to_device(self.feed.inputs(e), self.device)
                 else:  # as training's stages do: the compute dtype travels, float32 goes on (or it, upcast False)
                     x = self._channel.recv(self.prev)
                     x = from_wire(x, self._wire_dtype) if self.upcast else x
                 with autocast(self.precision, self.device.type):
                     out = self.forward(module, x)
                 if self.next is None:
-                    losses.append(self.loss_fn(out.float(), self.feed.targets(e).to(self.device, non_blocking=True)))
+                    losses.append(self.loss_fn(out.float(), to_device(self.feed.targets(e), self.device)))
                 else:
                     self._channel.send(to_wire(out, self._wire_dtype), peer=self.next)
             if self.next is not None:

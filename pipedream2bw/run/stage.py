@@ -21,7 +21,7 @@ from pipedream2bw.memory.stream import WeightStream
 from pipedream2bw.memory.swap import SwapManager
 from pipedream2bw.pipeline import agreement, stateful
 from pipedream2bw.pipeline.agreement import NonFiniteError, StepDecision, StepOutcome, StepRule
-from pipedream2bw.pipeline.boundary import Channel, from_wire, to_wire
+from pipedream2bw.pipeline.boundary import Channel, from_wire, to_device, to_wire
 from pipedream2bw.pipeline.comm import P2P, AsyncSum, BatchReduction, GradReducer, ShardedReduction
 from pipedream2bw.pipeline.schedule import (
     BACKWARD,
@@ -376,11 +376,12 @@ class StageWorker:
             self._outbox[(BACKWARD, k)] = [t.grad if t.grad is not None else torch.zeros_like(t) for t in inputs]
 
     def _data(self, read: Callable[[int], torch.Tensor], k: int) -> torch.Tensor:
-        """Microbatch k's inputs or targets from the feed, on the device (a ``data`` span when tracing)."""
+        """Microbatch k's inputs or targets from the feed (a tensor, or a tuple of them for packed documents), on the
+        device (a ``data`` span when tracing)."""
         if self.trace is None or not self.trace.on:
-            return read(k).to(self.device, non_blocking=True)
+            return to_device(read(k), self.device)
         start = time.perf_counter()
-        out = read(k).to(self.device, non_blocking=True)
+        out = to_device(read(k), self.device)
         self.trace.add("data", k, start, time.perf_counter())
         return out
 

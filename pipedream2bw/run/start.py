@@ -141,6 +141,15 @@ def _select_checkpoint(cfg: Config, run_dir: Path, model: RunModel) -> Optional[
     return path
 
 
+def _auto_plan(cfg: Config, topo: Any, *, world_size: int, model: RunModel) -> Any:
+    """partition=auto's plan: t = 1 unless pipeline.tensor_parallel pins it, as at t > 1 the runtime refuses much
+    a plan may choose (swapping, sharding, bf16, Muon, layer lists) and any partition.mode but manual (validate)."""
+    from partitioner.auto import plan_config
+
+    kw = dict(devices=world_size, topology=topo, layers=model.layers, loss_fn=model.loss_fn, search_tensor=False)
+    return plan_config(cfg, **kw)[0]
+
+
 def resolve_partition(
     cfg: Config,
     store: Any,
@@ -162,7 +171,7 @@ def resolve_partition(
             optim.sharded or train.weight_dtype that the plan contradicts.
     """
     from partitioner import time_to_loss
-    from partitioner.auto import PARTITION_MODES, apply_choices, apply_plan, plan_config, runtime_topology
+    from partitioner.auto import PARTITION_MODES, apply_choices, apply_plan, runtime_topology
     from partitioner.planner import load_plan, plan_from_text, plan_to_text, save_plan
 
     mode = cfg.partition.mode
@@ -178,9 +187,7 @@ def resolve_partition(
                 text = plan_to_text(load_plan(cfg.partition.path))
             else:
                 topo = runtime_topology(cfg.topology, world_size=world_size, local_world_size=local_world_size)
-                best = plan_config(cfg, devices=world_size, topology=topo, layers=model.layers, loss_fn=model.loss_fn)[
-                    0
-                ]
+                best = _auto_plan(cfg, topo, world_size=world_size, model=model)
                 run_dir.mkdir(parents=True, exist_ok=True)
                 save_plan(best, cfg.partition.path or run_dir / "plan.yaml")
                 text = plan_to_text(best)
