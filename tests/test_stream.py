@@ -21,6 +21,7 @@ from torch import nn
 from pipedream2bw.memory.host_optim import HostOptimizerVersions
 from pipedream2bw.memory.memprobe import tensor_peak
 from pipedream2bw.memory.precision import autocast
+from pipedream2bw.memory.sharding import ShardedVersions
 from pipedream2bw.memory.stream import StreamedVersions, WeightStream, device_bytes_model, host_bytes_model
 from pipedream2bw.memory.swap import CpuBackend, CudaBackend, _FutureTransfer
 from pipedream2bw.pipeline import stateful
@@ -55,11 +56,13 @@ def _stage_loop(
     background=False,
     factory=ADAM,
     num_batches=3,
+    weight_dtype=torch.float32,
 ):
     """Stage 0 of 2 runs its actions (F, B, S) in one process, the output's squared mean as the loss (each layer on
     its random stream, as in the trainer: ``stateful.microbatch_streams``); with
     ``stream``, through StreamedVersions and a WeightStream (``backend``: CpuBackend unless given; ``background``:
-    swap.host_step=background); else with its weights on ``device`` (``host_optim``: HostOptimizerVersions). Each
+    swap.host_step=background); else with its weights on ``device`` (``host_optim``: HostOptimizerVersions; a
+    ``weight_dtype`` other than float32, train.weight_dtype=compute: ShardedVersions' float32 masters). Each
     forward first asks for its batch's module, as the stage worker does (``module_for_batch``: a background step
     writing that replica is waited for). Returns (losses, newest weights, stream stats, versions)."""
     dev = torch.device(device)
@@ -67,16 +70,31 @@ def _stage_loop(
     module = (RecomputeSequential if recompute and not stream else StageSequential)(*layers)
     if stream:
         versions = StreamedVersions(
-            module, pin=dev.type == "cuda", schedule=schedule, optimizer_factory=factory, background=background
+            module,
+            pin=dev.type == "cuda",
+            schedule=schedule,
+            optimizer_factory=factory,
+            background=background,
+            weight_dtype=weight_dtype,
         )
         backend = backend if backend is not None else CpuBackend(overlap=probe is None)
         ws = WeightStream(versions, backend, window=window, recompute=recompute)
+    elif weight_dtype != torch.float32:  # train.weight_dtype=compute unstreamed: the trainer's ShardedVersions
+        buckets = [list(range(len(list(module.parameters()))))]
+        versions, ws = (
+            ShardedVersions(
+                module.to(dev), schedule=schedule, optimizer_factory=factory, buckets=buckets, num_sharded=0,
+                weight_dtype=weight_dtype,
+            ),
+            None,
+        )  # fmt: skip
     else:
         kind = HostOptimizerVersions if host_optim else WeightVersions
         versions, ws = kind(module.to(dev), schedule=schedule, optimizer_factory=factory), None
     del module, layers
     m = 2
     xs = torch.randn(max(num_batches + 1, 4) * m, 3, width, generator=torch.Generator().manual_seed(1)).to(dev)
+    xs = xs.to(weight_dtype)  # compute-dtype versions take activations in that dtype (the stage worker's _upcast)
     outs, losses = {}, []
     for a in stage_actions(schedule, stage_index=0, num_stages=2, num_microbatches=m, num_batches=num_batches):
         k = a.index
@@ -162,6 +180,83 @@ def test_a_streamed_stage_steps_in_the_background_bit_for_bit(recompute, precisi
     # batch t+1 computed meanwhile
     assert versions.host_step_s > 5 * 0.05 * len(versions.optimizers)
     assert versions.host_step_wait_s < versions.host_step_s
+
+
+@pytest.mark.parametrize("schedule,recompute,window", [("2bw", False, 1), ("2bw", True, 2), ("flush", False, 0)])
+def test_compute_dtype_streamed_versions_train_as_the_unstreamed_compute_run_bit_for_bit(schedule, recompute, window):
+    # train.weight_dtype=compute on a streamed stage: bf16 versions in the host buffers (half the bytes of each copy
+    # to the device), float32 masters and float32 gradient sums on the host. The same losses and weights (the float32
+    # masters, and the bf16 versions) as the unstreamed compute run (ShardedVersions), synchronous and, under 2bw,
+    # with the step in the background behind a slow Adam.
+    kw = dict(recompute=recompute, precision="bf16", weight_dtype=torch.bfloat16, num_batches=4, width=64)
+    base, base_weights, _, base_versions = _stage_loop(schedule, stream=False, **kw)
+    runs = [_stage_loop(schedule, stream=True, window=window, **kw)]
+    if schedule == "2bw":
+        slow = lambda params: _SlowAdam(params, lr=0.01)  # noqa: E731
+        runs.append(_stage_loop(schedule, stream=True, window=window, background=True, factory=slow, **kw))
+    fp32, *_, fp32_versions = _stage_loop(schedule, stream=True, window=window, **{**kw, "weight_dtype": torch.float32})
+    assert fp32 != base  # the bf16 versions are in effect
+    for losses, weights, stats, versions in runs:
+        assert losses == base
+        assert weights.keys() == base_weights.keys() and all(torch.equal(weights[n], base_weights[n]) for n in weights)
+        assert all(w.dtype == torch.bfloat16 for w in weights.values())
+        masters = versions.final_state()
+        assert all(torch.equal(masters[n], t) for n, t in base_versions.final_state().items())
+        assert all(m.dtype == torch.float32 for m in versions.master) and masters.keys() == weights.keys()
+        # each layer's copy to the device is half the bytes (each parameter padded to 64 bytes: a bias of 1 element
+        # is 64 either way)
+        assert stats["loads"] > 0 and sum(versions.layer_bytes) <= 0.51 * sum(fp32_versions.layer_bytes)
+        host = {f.untyped_storage().data_ptr() for flats in versions.flats for f in flats}
+        assert all(p.untyped_storage().data_ptr() in host for r in versions.replicas for p in r.parameters())
+
+
+def test_compute_dtype_checkpoints_resume_across_streamed_and_unstreamed():
+    # A streamed compute-dtype stage saves what the unstreamed compute run saves (float32 versions, the float32
+    # masters and optimizer state as whole "shards"), and each loads the other's state: the same masters, versions
+    # and optimizer state.
+    kw = dict(precision="bf16", weight_dtype=torch.bfloat16)
+    *_, streamed = _stage_loop("2bw", stream=True, **kw)
+    *_, plain = _stage_loop("2bw", stream=False, **kw)
+    a, b = streamed.state(), plain.state()
+    assert a.keys() == b.keys() and a["step"] == b["step"]
+    for key in ("weights", "previous"):
+        assert all(t.dtype == torch.float32 for t in a[key].values())
+    for name, piece in b["shards"].items():
+        assert a["shards"][name].keys() == piece.keys() and a["shards"][name]["range"] == piece["range"]
+    from pipedream2bw.io.checkpoint import assemble_shards
+
+    def loaded(state, into):  # as run/build.py restore hands a checkpoint in (masters assembled from the shards)
+        shapes = {n: t.shape for n, t in state["weights"].items()}
+        whole = assemble_shards([state["shards"]], shapes)
+        weights = {**state["weights"], **whole["masters"]}
+        if isinstance(into, ShardedVersions):
+            into.load_state(step=state["step"], weights=state["weights"], previous=state["previous"],
+                            optimizer=whole["optimizer"], masters=whole["masters"])  # fmt: skip
+        else:
+            into.load_state(
+                step=state["step"], weights=weights, previous=state["previous"], optimizer=whole["optimizer"]
+            )
+        return into.state()
+
+    def fresh(stream):
+        module = StageSequential(*_blocks())
+        if stream:
+            return StreamedVersions(
+                module, pin=False, schedule="2bw", optimizer_factory=ADAM, weight_dtype=torch.bfloat16
+            )
+        buckets = [list(range(len(list(module.parameters()))))]
+        return ShardedVersions(module, schedule="2bw", optimizer_factory=ADAM, buckets=buckets, num_sharded=0,
+                               weight_dtype=torch.bfloat16)  # fmt: skip
+
+    for state, into in ((a, fresh(False)), (b, fresh(True))):
+        again = loaded(state, into)
+        for key in ("weights", "previous"):
+            assert all(torch.equal(state[key][n], again[key][n]) for n in state[key])
+        for name, piece in state["shards"].items():
+            assert torch.equal(piece["master"], again["shards"][name]["master"])
+            # (Adam's step of a 1-element parameter comes back from ShardedVersions shaped [1]: compared flat)
+            got = again["shards"][name]["state"]
+            assert all(torch.equal(v.reshape(-1), got[k].reshape(-1)) for k, v in piece["state"].items())
 
 
 class _DropNorm(nn.Module):
@@ -405,6 +500,9 @@ COMPOSED = {
     "clip-skip-eval-d2": dict(num_stages=2, data_parallel=1, clip=0.05, eval_every=1, skip=1),
     # the host gradients all-reduced over 2 replicas, a bucket per layer; with clipping (the norm counted once)
     "dp-clip-d1w2": dict(num_stages=1, data_parallel=2, clip=0.05, eval_every=0, skip=None),
+    # bf16 versions streamed (train.weight_dtype=compute): float32 host masters and sums, the norm over the float32
+    # sums, validation through the bf16 copies, the masters as the final weights; against the unstreamed compute run
+    "bf16-compute-clip-eval-d2": dict(num_stages=2, data_parallel=1, clip=0.05, eval_every=1, skip=None, bf16=True),
 }
 
 
@@ -422,6 +520,8 @@ def test_streaming_composes_bit_for_bit(case):
     cfg.optim.clip_grad_norm = c["clip"]
     cfg.train.eval_every, cfg.train.eval_batches = c["eval_every"], 1
     cfg.data.val_fraction = 0.1 if c["eval_every"] else 0.0
+    if c.get("bf16"):
+        cfg.train.precision, cfg.train.weight_dtype = "bf16", "compute"
     poison = None
     if c["skip"] is not None:
         cfg.train.on_nonfinite, poison = "skip", c["skip"] * m + 1
@@ -450,10 +550,10 @@ def test_streaming_composes_bit_for_bit(case):
             ["swap.weights=true", "swap.stages=[0]", "swap.optimizer=host", "train.precision=fp16"],
             r"train.precision \(fp16\)",
         ),
-        (
+        (  # compute-dtype versions step in the background only where every stage streams
             ["swap.weights=true", "swap.stages=[0]", "swap.optimizer=host", "train.precision=bf16"]
-            + ["train.weight_dtype=compute", "optim.name=adamw"],
-            r"train.weight_dtype \(compute\).*use train.weight_dtype=fp32",
+            + ["train.weight_dtype=compute", "optim.name=adamw", "swap.host_step=background"],
+            r"swap.host_step \(background\) with train.weight_dtype \(compute\).*stream every stage",
         ),
     ],
 )
@@ -476,6 +576,8 @@ def test_streaming_validates_with_what_it_composes_with():
     on = ["swap.weights=true", "swap.enabled=true", "swap.optimizer=host"]
     validate(make(*on, "pipeline.data_parallel=2", "optim.clip_grad_norm=1.0", "train.on_nonfinite=skip"), world_size=8)
     validate(make(*on, "train.eval_every=5", "data.val_fraction=0.1", "train.precision=bf16"), world_size=4)
+    bf16 = ["train.precision=bf16", "train.weight_dtype=compute", "optim.name=adamw"]  # float32 host masters
+    validate(make(*on, *bf16, "swap.host_step=background", "optim.clip_grad_norm=1.0"), world_size=4)
 
 
 def test_tied_weights_on_a_streamed_stage_are_refused():

@@ -38,8 +38,10 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from pipedream2bw.memory.host_optim import After, BackgroundStep
+from pipedream2bw.memory.sharding import _cpu_value, _float, _per_element
 from pipedream2bw.memory.swap import HostPool, Transfer, TransferBackend
 from pipedream2bw.pipeline import stateful
+from pipedream2bw.pipeline.versions import _cpu_copy, grad_of, set_grad, version_of_batch
 
 _ALIGN = 64  # bytes: each parameter of a layer's flat buffer starts here, so any dtype can view it
 
@@ -126,13 +128,38 @@ class StreamedVersions(BackgroundStep):
     t+2, the first to read W(t+1), waits for it before its first layer is fetched (``module_for_batch``).
     """
 
-    def __init__(self, module: nn.Module, *, pin: bool, buckets: Optional[Sequence[Sequence[int]]] = None, **kwargs):
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        pin: bool,
+        buckets: Optional[Sequence[Sequence[int]]] = None,
+        weight_dtype: torch.dtype = torch.float32,
+        shard_index: int = 0,
+        **kwargs,
+    ):
         self.pool = HostPool(pin=pin)
         if buckets is None:
             buckets = layer_buckets(module)
+        self.weight_dtype, self.shard_index = weight_dtype, shard_index
+        self._initial: Optional[List[torch.Tensor]] = None
+        if self.float32_masters:  # the masters from the float32 module first; then the versions take their dtype
+            self._initial = [p.detach().float() for p in module.parameters()]
+            module.to(weight_dtype)
         super().__init__(module, buckets=buckets, **kwargs)
         self._optimizer_of = {i: opt for b, opt in zip(self.buckets, self.optimizers) for i in b}
         self._homed: set = set()  # ids of optimizer state tensors in host buffers
+        if self.float32_masters:  # the float32 sums of each replica's gradients (``grad_of``), as ShardedVersions'
+            for replica in self._params:
+                for p in replica:
+                    p.main_grad = None
+
+    @property
+    def float32_masters(self) -> bool:
+        """The versions are stored in the compute dtype (train.weight_dtype=compute): the optimizers step float32
+        masters of their own, in host buffers, and each gradient is summed in float32 (``main_grad``), as the
+        unstreamed run's ``sharding.ShardedVersions`` does; a step rounds the new masters into W(t+1)'s replica."""
+        return self.weight_dtype != torch.float32
 
     def _make_masters(self, module: nn.Module) -> List[nn.Parameter]:
         """Moves every replica's parameters into per-layer host buffers, then aliases them as
@@ -159,7 +186,16 @@ class StreamedVersions(BackgroundStep):
         # replica 0 is ``module``, whose parameters were just moved: the list of all is rebuilt from it
         self._params = [list(r.parameters()) for r in self.replicas]
         self._grads: Dict[Tuple[int, int], torch.Tensor] = {}
-        return super()._make_masters(module)
+        if self._initial is None:
+            return super()._make_masters(module)
+        masters = []
+        for p, initial in zip(self._params[0], self._initial):
+            master = nn.Parameter(torch.empty(0), requires_grad=p.requires_grad)
+            master.data = self.pool.get(initial.numel() * 4).view(torch.float32).view(initial.shape)
+            master.data.copy_(initial)
+            masters.append(master)
+        self._initial = None
+        return masters
 
     def step(self, batch_index: int, **kwargs: Any) -> None:
         """``BackgroundStep.step``; the first batch's step in the background is waited for at once: batch 1 runs
@@ -175,14 +211,111 @@ class StreamedVersions(BackgroundStep):
     @torch.no_grad()
     def _host_step(self, newest: int, dst_index: int, after: After) -> None:
         """The background thread: W(t) (replica ``newest``) into replica ``dst_index``, each bucket's step there (the
-        synchronous step's ``_prepare_destination`` and ``_step_bucket``), then ``after`` on W(t+1)."""
+        synchronous step's ``_prepare_destination`` and ``_step_bucket``), then ``after`` on W(t+1) (the float32
+        masters, where the versions are in the compute dtype: they hold W(t) and each step rounds into ``dst``)."""
         dst = self._params[dst_index]
-        for d, w in zip(dst, self._params[newest]):
-            d.copy_(w)
+        if not self.float32_masters:
+            for d, w in zip(dst, self._params[newest]):
+                d.copy_(w)
         for bucket, optimizer in zip(self.buckets, self.optimizers):
             self._step_bucket(bucket, optimizer, dst)
         if after is not None:
-            after(dst)
+            after(self.master if self.float32_masters else dst)
+
+    # -- compute-dtype versions with float32 masters (``float32_masters``) ------------------------
+
+    def _take_gradients(
+        self, bucket: Sequence[int], src: Sequence[nn.Parameter], dst: Sequence[nn.Parameter], grad_scale: float
+    ) -> None:
+        """``WeightVersions._take_gradients`` over the float32 sums (``grad_of``): the masters take them, scaled."""
+        if not self.float32_masters:
+            return super()._take_gradients(bucket, src, dst, grad_scale)
+        grads = [grad_of(src[i]) for i in bucket if grad_of(src[i]) is not None]
+        if grads and grad_scale != 1.0:
+            torch._foreach_mul_(grads, grad_scale)
+        for i in bucket:
+            self.master[i].grad = grad_of(src[i])
+            set_grad(src[i], None)
+
+    def _prepare_destination(self, dst_index: int, t: int) -> None:
+        """``WeightVersions``'; with float32 masters nothing: they hold W(t), and the step overwrites the replica."""
+        if not self.float32_masters:
+            super()._prepare_destination(dst_index, t)
+
+    def skip(self, batch_index: int) -> None:
+        """``WeightVersions.skip``; the float32 gradient sums are dropped too (the masters hold W(t))."""
+        self.settle()
+        for p in self.module_for_batch(batch_index).parameters():
+            set_grad(p, None)
+        super().skip(batch_index)
+
+    def grad_sq_norm(self, shard_grad: Callable[[int], Any], t: int, *, excluded=(), count_whole: bool) -> torch.Tensor:
+        """``ShardedVersions.grad_sq_norm`` of an unsharded stage (with float32 masters): batch t's float32 sums,
+        last parameter first, the order in which the unstreamed run's buckets count them (the same norm, bit for
+        bit); none unless ``count_whole`` (the stage's replica 0)."""
+        from pipedream2bw.pipeline.agreement import sq_norm
+
+        params = list(self.module_for_batch(t).parameters())
+        grads = [grad_of(params[i]) for i in reversed(range(len(params))) if i not in excluded] if count_whole else []
+        return sq_norm([g for g in grads if g is not None])
+
+    def state(self) -> Dict[str, Any]:
+        """``WeightVersions.state``; with float32 masters what the unstreamed weight_dtype=compute run saves
+        (``ShardedVersions.state``): the versions in float32, and ``shards``, each parameter's float32 master and
+        optimizer state whole (written by the stage's replica 0), so that either run resumes from the other."""
+        if not self.float32_masters:
+            return super().state()
+        self.settle()
+        newest = max(v for v in self.holds if v is not None)
+        previous = None
+        if self.schedule == "2bw":
+            previous = _float(
+                _cpu_copy(self.replicas[self._replica_holding(version_of_batch("2bw", newest))].state_dict())
+            )
+        return {
+            "step": newest,
+            "weights": _float(_cpu_copy(self.newest().state_dict())),
+            "previous": previous,
+            "optimizer": {},
+            "shards": self._master_state() if self.shard_index == 0 else {},
+        }
+
+    def _master_state(self) -> Dict[str, Dict[str, Any]]:
+        """``ShardedVersions.shard_state`` of one whole piece per parameter."""
+        out = {}
+        for i, ((name, _), master) in enumerate(zip(self.replicas[0].named_parameters(), self.master)):
+            st = self._optimizer_of[i].state.get(master, {})
+            out[name] = {
+                "range": (0, master.numel()),
+                "numel": master.numel(),
+                "master": master.detach().reshape(-1).to("cpu", copy=True),
+                "state": {
+                    k: v.detach().reshape(-1).to("cpu", copy=True) if _per_element(v, master) else _cpu_value(v)
+                    for k, v in st.items()
+                },
+            }
+        return out
+
+    @torch.no_grad()
+    def final_state(self, *, keep: bool = True) -> Optional[Dict[str, torch.Tensor]]:
+        """The newest weights at full precision (``ShardedVersions.final_state``): the float32 masters in place of
+        the rounded version's parameters; None unless ``keep``."""
+        self.settle()
+        if not keep:
+            return None
+        state = _float(_cpu_copy(self.newest().state_dict()))
+        for (name, _), master in zip(self.replicas[0].named_parameters(), self.master):
+            state[name] = master.detach().to("cpu", copy=True)
+        return state
+
+    @torch.no_grad()
+    def load_state(self, **state: Any) -> None:
+        """``WeightVersions.load_state`` (the versions round what they load to their dtype); with float32 masters,
+        these take ``weights`` unrounded (restore hands in the checkpoint's float32 masters as its weights)."""
+        super().load_state(**state)
+        if self.float32_masters:
+            for (name, _), master in zip(self.replicas[0].named_parameters(), self.master):
+                master.copy_(state["weights"][name])
 
     def names(self, j: int) -> List[str]:
         """Layer j's parameter names, relative to the layer (what ``functional_call`` takes)."""
@@ -196,20 +329,24 @@ class StreamedVersions(BackgroundStep):
         """Adds one microbatch's gradient of parameter i (on the device, or its host copy) to replica's host
         accumulator, in the order autograd's own accumulation would (the first is copied, the next added)."""
         p = self._params[replica][i]
-        if p.grad is None:
+        acc = grad_of(p)  # float32 sums (``main_grad``) of compute-dtype versions: the first cast, the next added
+        if acc is None:
             buf = self._grads.get((replica, i))
             if buf is None:
-                raw = self.pool.get(p.numel() * p.element_size())
-                buf = self._grads[(replica, i)] = raw.view(p.dtype).view(p.shape)
+                dtype = self.master[i].dtype  # the parameter's, or the float32 master's
+                raw = self.pool.get(p.numel() * torch.empty(0, dtype=dtype).element_size())
+                buf = self._grads[(replica, i)] = raw.view(dtype).view(p.shape)
             buf.copy_(g)
-            p.grad = buf
+            set_grad(p, buf)
         else:
-            p.grad.add_(g if g.device == p.grad.device else g.to(p.grad.device))
+            acc.add_(g if g.device == acc.device else g.to(acc.device))
 
     def _detach_master(self, i: int, dst: nn.Parameter) -> None:
         """After its bucket's step: the optimizer state of parameter i moves into host buffers (once: it is
         made lazily by the first step, in torch's allocator, and updated in place afterwards)."""
         super()._detach_master(i, dst)
+        if self.float32_masters:  # W(t+1) in the versions' dtype, rounded from the master
+            dst.copy_(self.master[i])
         state = self._optimizer_of[i].state.get(self.master[i])
         for key, v in (state or {}).items():
             if torch.is_tensor(v) and id(v) not in self._homed and v.numel() > 0:
