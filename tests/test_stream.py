@@ -596,15 +596,19 @@ def test_tied_weights_on_a_streamed_stage_are_refused():
         check_weight_stream(cfg, [], [2, 2], "fp16")
 
 
-@pytest.mark.parametrize("schedule", ["2bw", "flush"])
-def test_the_host_bytes_model_is_what_the_streamed_buffers_take(schedule):
+@pytest.mark.parametrize(
+    "schedule,weight_dtype", [("2bw", torch.float32), ("flush", torch.float32), ("flush", torch.bfloat16)]
+)
+def test_the_host_bytes_model_is_what_the_streamed_buffers_take(schedule, weight_dtype):
     # run/start.py refuses a host that cannot hold a plan's streamed buffers from host_bytes_model, on meta layers:
     # it must be what StreamedVersions' pool takes once the stage has stepped (Adam: two moments; each parameter's
-    # step count, a 4-byte scalar, is the only state it leaves out)
-    *_, versions = _stage_loop(schedule, stream=True)
+    # step count, a 4-byte scalar, is the only state it leaves out); bf16 versions: float32 sums and masters
+    precision = "bf16" if weight_dtype == torch.bfloat16 else "fp32"
+    *_, versions = _stage_loop(schedule, stream=True, weight_dtype=weight_dtype, precision=precision)
     with torch.device("meta"):
         layers = _blocks()
-    model = host_bytes_model(layers, versions=2 if schedule == "2bw" else 1, optimizer_factor=2.0)
+    versions_held = 2 if schedule == "2bw" else 1
+    model = host_bytes_model(layers, versions=versions_held, optimizer_factor=2.0, weight_dtype=weight_dtype)
     num_params = sum(1 for _ in versions.replicas[0].parameters())
     assert model <= versions.pool.allocated_bytes <= model + 4 * num_params, (model, versions.pool.allocated_bytes)
 

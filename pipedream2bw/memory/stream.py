@@ -26,6 +26,7 @@ one layer's gradients (``device_bytes_model``); every version, accumulator and o
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 import time
 import weakref
@@ -58,21 +59,31 @@ def device_bytes_model(layer_bytes: Sequence[int], *, window: int) -> int:
     return sum(largest[: window + 1]) + (largest[0] if largest else 0)
 
 
-def host_bytes_model(layers: Sequence[nn.Module], *, versions: int, optimizer_factor: float) -> int:
+def host_bytes_model(
+    layers: Sequence[nn.Module], *, versions: int, optimizer_factor: float, weight_dtype: torch.dtype = torch.float32
+) -> int:
     """Host bytes a streamed stage's buffers take once it has stepped (``StreamedVersions``' pool: pinned on CUDA):
     per weight version each layer's flat buffer (its parameters, each 64-byte aligned) and a gradient accumulator per
-    parameter, and the optimizer state (``optimizer_factor`` x the parameter bytes: precision.optimizer_state_factor).
+    parameter, and the optimizer state (``optimizer_factor`` x the parameter bytes: precision.optimizer_state_factor);
+    with versions in ``weight_dtype`` other than float32 (train.weight_dtype=compute), the flat buffers in that dtype,
+    the accumulators and a master per parameter in float32.
 
     Args:
-        layers: the stage's layers (on any device, the meta device too: only shapes and dtypes are read).
+        layers: the stage's layers, in float32 (on any device, the meta device too: only shapes are read).
         versions: weight versions held (precision.versions_held: 2 under 2bw).
         optimizer_factor: optimizer state bytes per parameter byte.
     """
     total = 0
     for layer in layers:
         nbytes = sum(p.numel() * p.element_size() for p in layer.parameters())
-        if nbytes:
-            total += versions * (_layout(layer)[1] + nbytes) + math.ceil(optimizer_factor * nbytes)
+        if not nbytes:
+            continue
+        flat = _layout(layer)[1]
+        if weight_dtype != torch.float32:
+            with torch.device("meta"):
+                flat = _layout(copy.deepcopy(layer).to(device="meta", dtype=weight_dtype))[1]
+            total += nbytes  # the float32 masters
+        total += versions * (flat + nbytes) + math.ceil(optimizer_factor * nbytes)
     return total
 
 
