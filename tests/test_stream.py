@@ -8,6 +8,7 @@ import dataclasses
 import json
 import shutil
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Optional
@@ -180,6 +181,67 @@ def test_a_streamed_stage_steps_in_the_background_bit_for_bit(recompute, precisi
     # batch t+1 computed meanwhile
     assert versions.host_step_s > 5 * 0.05 * len(versions.optimizers)
     assert versions.host_step_wait_s < versions.host_step_s
+
+
+def test_gradients_are_added_to_the_host_accumulators_off_the_training_thread():
+    # issue 42: the training thread spent 2.4 s of 4 batches (H200) adding each microbatch's gradient to the host
+    # accumulators (StreamedVersions.add_grad). A worker thread adds them now, in the order made; the training thread
+    # only reports them (on_grad) and waits for the last before the step. Bit for bit, on both gradient paths.
+    threads = []
+    real_add = StreamedVersions.add_grad
+
+    def add_grad(self, replica, i, g):
+        threads.append(threading.current_thread().name)
+        return real_add(self, replica, i, g)
+
+    base, base_weights, _, _ = _stage_loop("2bw", stream=False)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(StreamedVersions, "add_grad", add_grad)
+        for backend in (CpuBackend(), _GradsOnWorker()):
+            threads.clear()
+            losses, weights, stats, _ = _stage_loop("2bw", stream=True, backend=backend)
+            assert losses == base and all(torch.equal(weights[n], base_weights[n]) for n in base_weights)
+            assert threads and all(name.startswith("stream-grads") for name in threads), set(threads)
+            assert stats["grad_wait_s"] >= 0
+
+
+def test_batch_t_plus_2_takes_each_layer_once_its_background_step_is_done_not_the_whole_step():
+    # issue 42: the training thread waited for batch t's whole host step before batch t+2's first layer. The step now
+    # runs layer by layer in forward order and each copy of W(t+1) waits for its own layer's step only: batch t+2's
+    # first layer is taken while step t still steps the later layers (a slow Adam: 0.05 s a layer). Bit for bit.
+    ends = {}  # id(first parameter of the bucket) -> when its step ended, per step
+
+    class _Timed(_SlowAdam):
+        def step(self, closure=None):
+            super().step(closure)
+            ends.setdefault(id(self.param_groups[0]["params"][0]), []).append(time.perf_counter())
+
+    taken = []  # (k, layer, replica, time) of each copy the forwards take
+    real_take = WeightStream.take
+
+    def take(self, key):
+        out = real_take(self, key)
+        taken.append((*key, time.perf_counter()))
+        return out
+
+    kw = dict(num_batches=5)
+    base, base_weights, _, _ = _stage_loop("2bw", stream=False, **kw)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(WeightStream, "take", take)
+        timed = lambda params: _Timed(params, lr=0.01)  # noqa: E731
+        bg, bg_weights, _, versions = _stage_loop("2bw", stream=True, background=True, factory=timed, **kw)
+    assert bg == base and all(torch.equal(bg_weights[n], base_weights[n]) for n in base_weights)
+    first, last = versions.layers[0][1][0], versions.layers[-1][1][0]  # first parameter of the first and last layer
+    starts = versions.master[first], versions.master[last]
+    m = 2
+    overlapped = 0
+    for t in range(1, 3):  # steps 1 and 2 (step 0 is waited at once: batch 1 shares its replica)
+        # batch t+2's first microbatch's forward: its first layer's copy, in the replica step t wrote
+        first_take = min(when for k, j, _, when in taken if k == m * (t + 2) and j == 0)
+        first_done, last_done = ends[id(starts[0])][t], ends[id(starts[1])][t]
+        assert first_take >= first_done  # never before its own layer's step
+        overlapped += first_take < last_done  # ... but before the step's last layer was done
+    assert overlapped >= 1, (ends, taken)
 
 
 @pytest.mark.parametrize("schedule,recompute,window", [("2bw", False, 1), ("2bw", True, 2), ("flush", False, 0)])
