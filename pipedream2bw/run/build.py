@@ -319,6 +319,7 @@ def comm_groups(
                 replicas=[list(r.parameters()) for r in versions.replicas],
                 buckets=dp_buckets,
                 sharded=isinstance(versions, ShardedVersions) and versions.num_sharded > 0,
+                autograd_hooks=not isinstance(versions, StreamedVersions),  # WeightStream.on_grad reports them
             )
         if isinstance(versions, ShardedVersions) and versions.num_sharded > 0:
             versions.connect(lambda shard, full: comm.all_gather_async(ctx, shard, full, group=group))
