@@ -598,7 +598,7 @@ class WeightStream:
         GPU each is first copied off the compute stream (``TransferBackend.grad_to_host``), on the CPU it is read
         where the backward made it; a worker thread (``_adder``) then adds each, in the order made, off the training
         thread, which reports them once added (``_settle``)."""
-        submitted = 0
+        submitted, held = 0, False
         for i, g in zip(self.versions.layers[j][1], grads):
             if g is None:
                 continue
@@ -606,10 +606,11 @@ class WeightStream:
             copy = self.backend.grad_to_host(g)
             future = self._adder.submit(functools.partial(self._add, r, i, g if copy is None else None, copy))
             self._grads_out.append((k, r, i, future, copy))
-            submitted += 1
-        # the previous layer's are added by now (the adder had this layer's backward for them): at most two layers'
-        # gradients wait, as device memory on a GPU (until copied) and on the CPU
-        self._settle(wait=True, keep=submitted)
+            submitted, held = submitted + 1, held or copy is None
+        if held:  # the CPU's: the adder holds the gradients themselves, "device" memory; the previous layer's are added
+            # by now (the adder had this layer's backward for them): at most two layers' wait. A GPU's gradients are
+            # the copy's until its event (the backend's), and the training thread never waits here for the device.
+            self._settle(wait=True, keep=submitted)
         self._settle(wait=False)
 
     def _add(self, r: int, i: int, g: Optional[torch.Tensor], copy: Optional[Transfer]) -> None:
