@@ -729,3 +729,27 @@ def test_a_streamed_stage_resumes_through_the_trainer_bit_for_bit(tmp_path):
     assert resumed["losses"] == straight["losses"]
     a, b = torch.load(tmp_path / "resumed" / "final_model.pt"), torch.load(tmp_path / "straight" / "final_model.pt")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.slow  # three in-process launches of one rank (9 s on the loaded machine)
+def test_compute_dtype_runs_resume_across_streamed_and_unstreamed_through_the_trainer(tmp_path):
+    """bf16 versions (train.weight_dtype=compute): 2 steps unstreamed, a checkpoint, 2 more streamed (the checkpoint's
+    float32 masters and optimizer state, from shard files, into the host buffers) == 4 steps unstreamed, bit for bit:
+    every loss and the final weights (the float32 masters). The streamed run writes the same checkpoint files."""
+    cfg = tiny_config(schedule="2bw", num_stages=1, num_microbatches=2, num_steps=4)
+    cfg.train.precision, cfg.train.weight_dtype, cfg.train.checkpoint_every = "bf16", "compute", 2
+    cfg.swap.optimizer = "host"
+    straight = run_ok(cfg, tmp_path / "straight")
+    first = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, num_steps=2))
+    run_ok(first, tmp_path / "resumed")
+    streamed = dataclasses.replace(cfg, swap=dataclasses.replace(cfg.swap, enabled=True, weights=True))
+    resumed = run_ok(streamed, tmp_path / "resumed")  # train.resume=auto: the unstreamed run's checkpoint of step 2
+    assert resumed["first_step"] == 2 and resumed["ranks"][0]["stream"]["loads"] > 0
+    assert resumed["losses"] == straight["losses"]
+    a, b = torch.load(tmp_path / "resumed" / "final_model.pt"), torch.load(tmp_path / "straight" / "final_model.pt")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert all(t.dtype == torch.float32 for t in a.values())
+    # the streamed run's checkpoint of step 4 holds the files the unstreamed run's does (the masters' shard files)
+    runs = (tmp_path / "resumed", tmp_path / "straight")
+    names = [sorted(p.name for p in d.glob("*/step_00000004/*.pt")) for d in runs]
+    assert any("shard_rank" in n for n in names[0]) and names[0] == names[1], names
