@@ -244,6 +244,23 @@ def test_batch_t_plus_2_takes_each_layer_once_its_background_step_is_done_not_th
     assert overlapped >= 1, (ends, taken)
 
 
+@pytest.mark.timeout(60)  # a copy left waiting for a failed step hangs
+def test_a_background_step_that_fails_raises_on_the_training_thread_through_the_layer_it_was_making():
+    # batch t+2's copies wait for their layer's step (layer_ready): a step that raises must reach the training thread
+    # through the copy that waited for it, not leave the copy waiting (a hang) nor hand out an unstepped layer
+    class _Fails(torch.optim.Adam):
+        calls = 0
+
+        def step(self, closure=None):
+            type(self).calls += 1
+            if type(self).calls > 6:  # the second background step (4 layers a step), on its first layer
+                raise RuntimeError("host step failed on purpose")
+            return super().step(closure)
+
+    with pytest.raises(RuntimeError, match="host step failed on purpose"):
+        _stage_loop("2bw", stream=True, background=True, factory=lambda p: _Fails(p, lr=0.01), num_batches=5)
+
+
 @pytest.mark.parametrize("schedule,recompute,window", [("2bw", False, 1), ("2bw", True, 2), ("flush", False, 0)])
 def test_compute_dtype_streamed_versions_train_as_the_unstreamed_compute_run_bit_for_bit(schedule, recompute, window):
     # train.weight_dtype=compute on a streamed stage: bf16 versions in the host buffers (half the bytes of each copy
