@@ -18,8 +18,9 @@ AdamW rounds differently from the host's, so that run is the bit-for-bit referen
   outside CUDA's; the host step's temporaries, host memory on a GPU, are left out), in a separate untimed run;
 - the memory model's figure for the streamed stage (``stream.device_bytes_model``) and the layers' bytes;
 - bytes moved to the device (weights) and to the host (gradients), the stall (compute waiting for a weight
-  copy; on CUDA measured on the compute stream), the step's wait for the last gradient copies (``grad_wait_s``:
-  on CUDA gradients leave on the offload stream, off compute; on the CPU they are added inline, 0), the copy
+  copy; on CUDA measured on the compute stream; with a background step, also a copy waiting for its layer's step),
+  the training thread's wait for gradients still being copied or added to the host accumulators (``grad_wait_s``:
+  on CUDA gradients leave on the offload stream, off compute; a worker thread adds them, on the CPU too), the copy
   streams' busy time each way (these four over the timed batches), the seconds in the optimizer step calls on the
   training thread, and with ``--host-step background`` (2bw, the default: swap.host_step=auto's choice) the seconds
   the host step ran on its thread and training waited for of it, samples/s over the timed batches and the

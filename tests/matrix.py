@@ -262,13 +262,6 @@ REFUSED: List[Tuple[Tuple[str, ...], Callable[[Dict[str, Any]], bool], str, str,
         dict(STREAMS, host_optim=False),
     ),
     (
-        ("precision", "weight_dtype", "stream"),
-        lambda r: r["stream"] and r["weight_dtype"] == "compute" and r["precision"] != "fp32",
-        r"swap.weights \(true\) with train.weight_dtype \(compute\)",
-        "streamed versions are float32 (compute-dtype host versions with float32 masters are not written)",
-        dict(STREAMS, precision="bf16", weight_dtype="compute"),
-    ),
-    (
         ("precision", "stream"),
         lambda r: r["stream"] and r["precision"] == "fp16",
         r"swap.weights \(true\) with train.precision \(fp16\)",
@@ -325,6 +318,14 @@ EXTRA: List[Cell] = [
     Cell(
         schedule="gpipe", d=1, w=2, resume=False, swap=False, precision="fp32", tied=True, clip=True, skip=False,
         recompute=True, host_optim=False, validation=False, structured=False, sharded=False, weight_dtype="fp32", t=2,
+    ),
+    # issue 42: bf16 streamed versions (train.weight_dtype=compute with swap.weights) with float32 host masters, across
+    # a resume from d2w1 to d1w2 (the streamed checkpoint's masters into two streamed replicas), clipping (the norm of
+    # the float32 host sums) and validation through the bf16 copies; the arrays' pairs of it are fp32 or unstreamed
+    Cell(
+        schedule="2bw", d=2, w=1, resume=True, swap=False, precision="bf16", tied=False, clip=True, skip=False,
+        recompute=False, host_optim=True, validation=True, structured=False, sharded=False, weight_dtype="compute",
+        stream=True,
     ),
 ]  # fmt: skip
 

@@ -8,6 +8,7 @@ import dataclasses
 import json
 import shutil
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Optional
@@ -21,6 +22,7 @@ from torch import nn
 from pipedream2bw.memory.host_optim import HostOptimizerVersions
 from pipedream2bw.memory.memprobe import tensor_peak
 from pipedream2bw.memory.precision import autocast
+from pipedream2bw.memory.sharding import ShardedVersions
 from pipedream2bw.memory.stream import StreamedVersions, WeightStream, device_bytes_model, host_bytes_model
 from pipedream2bw.memory.swap import CpuBackend, CudaBackend, _FutureTransfer
 from pipedream2bw.pipeline import stateful
@@ -55,11 +57,13 @@ def _stage_loop(
     background=False,
     factory=ADAM,
     num_batches=3,
+    weight_dtype=torch.float32,
 ):
     """Stage 0 of 2 runs its actions (F, B, S) in one process, the output's squared mean as the loss (each layer on
     its random stream, as in the trainer: ``stateful.microbatch_streams``); with
     ``stream``, through StreamedVersions and a WeightStream (``backend``: CpuBackend unless given; ``background``:
-    swap.host_step=background); else with its weights on ``device`` (``host_optim``: HostOptimizerVersions). Each
+    swap.host_step=background); else with its weights on ``device`` (``host_optim``: HostOptimizerVersions; a
+    ``weight_dtype`` other than float32, train.weight_dtype=compute: ShardedVersions' float32 masters). Each
     forward first asks for its batch's module, as the stage worker does (``module_for_batch``: a background step
     writing that replica is waited for). Returns (losses, newest weights, stream stats, versions)."""
     dev = torch.device(device)
@@ -67,16 +71,31 @@ def _stage_loop(
     module = (RecomputeSequential if recompute and not stream else StageSequential)(*layers)
     if stream:
         versions = StreamedVersions(
-            module, pin=dev.type == "cuda", schedule=schedule, optimizer_factory=factory, background=background
+            module,
+            pin=dev.type == "cuda",
+            schedule=schedule,
+            optimizer_factory=factory,
+            background=background,
+            weight_dtype=weight_dtype,
         )
         backend = backend if backend is not None else CpuBackend(overlap=probe is None)
         ws = WeightStream(versions, backend, window=window, recompute=recompute)
+    elif weight_dtype != torch.float32:  # train.weight_dtype=compute unstreamed: the trainer's ShardedVersions
+        buckets = [list(range(len(list(module.parameters()))))]
+        versions, ws = (
+            ShardedVersions(
+                module.to(dev), schedule=schedule, optimizer_factory=factory, buckets=buckets, num_sharded=0,
+                weight_dtype=weight_dtype,
+            ),
+            None,
+        )  # fmt: skip
     else:
         kind = HostOptimizerVersions if host_optim else WeightVersions
         versions, ws = kind(module.to(dev), schedule=schedule, optimizer_factory=factory), None
     del module, layers
     m = 2
     xs = torch.randn(max(num_batches + 1, 4) * m, 3, width, generator=torch.Generator().manual_seed(1)).to(dev)
+    xs = xs.to(weight_dtype)  # compute-dtype versions take activations in that dtype (the stage worker's _upcast)
     outs, losses = {}, []
     for a in stage_actions(schedule, stage_index=0, num_stages=2, num_microbatches=m, num_batches=num_batches):
         k = a.index
@@ -162,6 +181,161 @@ def test_a_streamed_stage_steps_in_the_background_bit_for_bit(recompute, precisi
     # batch t+1 computed meanwhile
     assert versions.host_step_s > 5 * 0.05 * len(versions.optimizers)
     assert versions.host_step_wait_s < versions.host_step_s
+
+
+def test_gradients_are_added_to_the_host_accumulators_off_the_training_thread():
+    # issue 42: the training thread spent 2.4 s of 4 batches (H200) adding each microbatch's gradient to the host
+    # accumulators (StreamedVersions.add_grad). A worker thread adds them now, in the order made; the training thread
+    # only reports them (on_grad) and waits for the last before the step. Bit for bit, on both gradient paths.
+    threads = []
+    real_add = StreamedVersions.add_grad
+
+    def add_grad(self, replica, i, g):
+        threads.append(threading.current_thread().name)
+        return real_add(self, replica, i, g)
+
+    base, base_weights, _, _ = _stage_loop("2bw", stream=False)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(StreamedVersions, "add_grad", add_grad)
+        for backend in (CpuBackend(), _GradsOnWorker()):
+            threads.clear()
+            losses, weights, stats, _ = _stage_loop("2bw", stream=True, backend=backend)
+            assert losses == base and all(torch.equal(weights[n], base_weights[n]) for n in base_weights)
+            assert threads and all(name.startswith("stream-grads") for name in threads), set(threads)
+            assert stats["grad_wait_s"] >= 0
+
+
+def test_batch_t_plus_2_takes_each_layer_once_its_background_step_is_done_not_the_whole_step():
+    # issue 42: the training thread waited for batch t's whole host step before batch t+2's first layer. The step now
+    # runs layer by layer in forward order and each copy of W(t+1) waits for its own layer's step only: batch t+2's
+    # first layer is taken while step t still steps the later layers (a slow Adam: 0.05 s a layer). Bit for bit.
+    ends = {}  # id(first parameter of the bucket) -> when its step ended, per step
+
+    class _Timed(_SlowAdam):
+        def step(self, closure=None):
+            super().step(closure)
+            ends.setdefault(id(self.param_groups[0]["params"][0]), []).append(time.perf_counter())
+
+    taken = []  # (k, layer, replica, time) of each copy the forwards take
+    real_take = WeightStream.take
+
+    def take(self, key):
+        out = real_take(self, key)
+        taken.append((*key, time.perf_counter()))
+        return out
+
+    kw = dict(num_batches=5)
+    base, base_weights, _, _ = _stage_loop("2bw", stream=False, **kw)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(WeightStream, "take", take)
+        timed = lambda params: _Timed(params, lr=0.01)  # noqa: E731
+        bg, bg_weights, _, versions = _stage_loop("2bw", stream=True, background=True, factory=timed, **kw)
+    assert bg == base and all(torch.equal(bg_weights[n], base_weights[n]) for n in base_weights)
+    first, last = versions.layers[0][1][0], versions.layers[-1][1][0]  # first parameter of the first and last layer
+    starts = versions.master[first], versions.master[last]
+    m = 2
+    overlapped = 0
+    for t in range(1, 3):  # steps 1 and 2 (step 0 is waited at once: batch 1 shares its replica)
+        # batch t+2's first microbatch's forward: its first layer's copy, in the replica step t wrote
+        first_take = min(when for k, j, _, when in taken if k == m * (t + 2) and j == 0)
+        first_done, last_done = ends[id(starts[0])][t], ends[id(starts[1])][t]
+        assert first_take >= first_done  # never before its own layer's step
+        overlapped += first_take < last_done  # ... but before the step's last layer was done
+    assert overlapped >= 1, (ends, taken)
+
+
+@pytest.mark.timeout(60)  # a copy left waiting for a failed step hangs
+def test_a_background_step_that_fails_raises_on_the_training_thread_through_the_layer_it_was_making():
+    # batch t+2's copies wait for their layer's step (layer_ready): a step that raises must reach the training thread
+    # through the copy that waited for it, not leave the copy waiting (a hang) nor hand out an unstepped layer
+    class _Fails(torch.optim.Adam):
+        calls = 0
+
+        def step(self, closure=None):
+            type(self).calls += 1
+            if type(self).calls > 6:  # the second background step (4 layers a step), on its first layer
+                raise RuntimeError("host step failed on purpose")
+            return super().step(closure)
+
+    with pytest.raises(RuntimeError, match="host step failed on purpose"):
+        _stage_loop("2bw", stream=True, background=True, factory=lambda p: _Fails(p, lr=0.01), num_batches=5)
+
+
+@pytest.mark.parametrize("schedule,recompute,window", [("2bw", False, 1), ("2bw", True, 2), ("flush", False, 0)])
+def test_compute_dtype_streamed_versions_train_as_the_unstreamed_compute_run_bit_for_bit(schedule, recompute, window):
+    # train.weight_dtype=compute on a streamed stage: bf16 versions in the host buffers (half the bytes of each copy
+    # to the device), float32 masters and float32 gradient sums on the host. The same losses and weights (the float32
+    # masters, and the bf16 versions) as the unstreamed compute run (ShardedVersions), synchronous and, under 2bw,
+    # with the step in the background behind a slow Adam.
+    kw = dict(recompute=recompute, precision="bf16", weight_dtype=torch.bfloat16, num_batches=4, width=64)
+    base, base_weights, _, base_versions = _stage_loop(schedule, stream=False, **kw)
+    runs = [_stage_loop(schedule, stream=True, window=window, **kw)]
+    if schedule == "2bw":
+        slow = lambda params: _SlowAdam(params, lr=0.01)  # noqa: E731
+        runs.append(_stage_loop(schedule, stream=True, window=window, background=True, factory=slow, **kw))
+    fp32, *_, fp32_versions = _stage_loop(schedule, stream=True, window=window, **{**kw, "weight_dtype": torch.float32})
+    assert fp32 != base  # the bf16 versions are in effect
+    for losses, weights, stats, versions in runs:
+        assert losses == base
+        assert weights.keys() == base_weights.keys() and all(torch.equal(weights[n], base_weights[n]) for n in weights)
+        assert all(w.dtype == torch.bfloat16 for w in weights.values())
+        masters = versions.final_state()
+        assert all(torch.equal(masters[n], t) for n, t in base_versions.final_state().items())
+        assert all(m.dtype == torch.float32 for m in versions.master) and masters.keys() == weights.keys()
+        # each layer's copy to the device is half the bytes (each parameter padded to 64 bytes: a bias of 1 element
+        # is 64 either way)
+        assert stats["loads"] > 0 and sum(versions.layer_bytes) <= 0.51 * sum(fp32_versions.layer_bytes)
+        host = {f.untyped_storage().data_ptr() for flats in versions.flats for f in flats}
+        assert all(p.untyped_storage().data_ptr() in host for r in versions.replicas for p in r.parameters())
+
+
+def test_compute_dtype_checkpoints_resume_across_streamed_and_unstreamed():
+    # A streamed compute-dtype stage saves what the unstreamed compute run saves (float32 versions, the float32
+    # masters and optimizer state as whole "shards"), and each loads the other's state: the same masters, versions
+    # and optimizer state.
+    kw = dict(precision="bf16", weight_dtype=torch.bfloat16)
+    *_, streamed = _stage_loop("2bw", stream=True, **kw)
+    *_, plain = _stage_loop("2bw", stream=False, **kw)
+    a, b = streamed.state(), plain.state()
+    assert a.keys() == b.keys() and a["step"] == b["step"]
+    for key in ("weights", "previous"):
+        assert all(t.dtype == torch.float32 for t in a[key].values())
+    for name, piece in b["shards"].items():
+        assert a["shards"][name].keys() == piece.keys() and a["shards"][name]["range"] == piece["range"]
+    from pipedream2bw.io.checkpoint import assemble_shards
+
+    def loaded(state, into):  # as run/build.py restore hands a checkpoint in (masters assembled from the shards)
+        shapes = {n: t.shape for n, t in state["weights"].items()}
+        whole = assemble_shards([state["shards"]], shapes)
+        weights = {**state["weights"], **whole["masters"]}
+        if isinstance(into, ShardedVersions):
+            into.load_state(step=state["step"], weights=state["weights"], previous=state["previous"],
+                            optimizer=whole["optimizer"], masters=whole["masters"])  # fmt: skip
+        else:
+            into.load_state(
+                step=state["step"], weights=weights, previous=state["previous"], optimizer=whole["optimizer"]
+            )
+        return into.state()
+
+    def fresh(stream):
+        module = StageSequential(*_blocks())
+        if stream:
+            return StreamedVersions(
+                module, pin=False, schedule="2bw", optimizer_factory=ADAM, weight_dtype=torch.bfloat16
+            )
+        buckets = [list(range(len(list(module.parameters()))))]
+        return ShardedVersions(module, schedule="2bw", optimizer_factory=ADAM, buckets=buckets, num_sharded=0,
+                               weight_dtype=torch.bfloat16)  # fmt: skip
+
+    for state, into in ((a, fresh(False)), (b, fresh(True))):
+        again = loaded(state, into)
+        for key in ("weights", "previous"):
+            assert all(torch.equal(state[key][n], again[key][n]) for n in state[key])
+        for name, piece in state["shards"].items():
+            assert torch.equal(piece["master"], again["shards"][name]["master"])
+            # (Adam's step of a 1-element parameter comes back from ShardedVersions shaped [1]: compared flat)
+            got = again["shards"][name]["state"]
+            assert all(torch.equal(v.reshape(-1), got[k].reshape(-1)) for k, v in piece["state"].items())
 
 
 class _DropNorm(nn.Module):
@@ -405,6 +579,9 @@ COMPOSED = {
     "clip-skip-eval-d2": dict(num_stages=2, data_parallel=1, clip=0.05, eval_every=1, skip=1),
     # the host gradients all-reduced over 2 replicas, a bucket per layer; with clipping (the norm counted once)
     "dp-clip-d1w2": dict(num_stages=1, data_parallel=2, clip=0.05, eval_every=0, skip=None),
+    # bf16 versions streamed (train.weight_dtype=compute): float32 host masters and sums, the norm over the float32
+    # sums, validation through the bf16 copies, the masters as the final weights; against the unstreamed compute run
+    "bf16-compute-clip-eval-d2": dict(num_stages=2, data_parallel=1, clip=0.05, eval_every=1, skip=None, bf16=True),
 }
 
 
@@ -422,6 +599,8 @@ def test_streaming_composes_bit_for_bit(case):
     cfg.optim.clip_grad_norm = c["clip"]
     cfg.train.eval_every, cfg.train.eval_batches = c["eval_every"], 1
     cfg.data.val_fraction = 0.1 if c["eval_every"] else 0.0
+    if c.get("bf16"):
+        cfg.train.precision, cfg.train.weight_dtype = "bf16", "compute"
     poison = None
     if c["skip"] is not None:
         cfg.train.on_nonfinite, poison = "skip", c["skip"] * m + 1
@@ -450,10 +629,10 @@ def test_streaming_composes_bit_for_bit(case):
             ["swap.weights=true", "swap.stages=[0]", "swap.optimizer=host", "train.precision=fp16"],
             r"train.precision \(fp16\)",
         ),
-        (
+        (  # compute-dtype versions step in the background only where every stage streams
             ["swap.weights=true", "swap.stages=[0]", "swap.optimizer=host", "train.precision=bf16"]
-            + ["train.weight_dtype=compute", "optim.name=adamw"],
-            r"train.weight_dtype \(compute\).*use train.weight_dtype=fp32",
+            + ["train.weight_dtype=compute", "optim.name=adamw", "swap.host_step=background"],
+            r"swap.host_step \(background\) with train.weight_dtype \(compute\).*stream every stage",
         ),
     ],
 )
@@ -476,6 +655,8 @@ def test_streaming_validates_with_what_it_composes_with():
     on = ["swap.weights=true", "swap.enabled=true", "swap.optimizer=host"]
     validate(make(*on, "pipeline.data_parallel=2", "optim.clip_grad_norm=1.0", "train.on_nonfinite=skip"), world_size=8)
     validate(make(*on, "train.eval_every=5", "data.val_fraction=0.1", "train.precision=bf16"), world_size=4)
+    bf16 = ["train.precision=bf16", "train.weight_dtype=compute", "optim.name=adamw"]  # float32 host masters
+    validate(make(*on, *bf16, "swap.host_step=background", "optim.clip_grad_norm=1.0"), world_size=4)
 
 
 def test_tied_weights_on_a_streamed_stage_are_refused():
@@ -494,15 +675,19 @@ def test_tied_weights_on_a_streamed_stage_are_refused():
         check_weight_stream(cfg, [], [2, 2], "fp16")
 
 
-@pytest.mark.parametrize("schedule", ["2bw", "flush"])
-def test_the_host_bytes_model_is_what_the_streamed_buffers_take(schedule):
+@pytest.mark.parametrize(
+    "schedule,weight_dtype", [("2bw", torch.float32), ("flush", torch.float32), ("flush", torch.bfloat16)]
+)
+def test_the_host_bytes_model_is_what_the_streamed_buffers_take(schedule, weight_dtype):
     # run/start.py refuses a host that cannot hold a plan's streamed buffers from host_bytes_model, on meta layers:
     # it must be what StreamedVersions' pool takes once the stage has stepped (Adam: two moments; each parameter's
-    # step count, a 4-byte scalar, is the only state it leaves out)
-    *_, versions = _stage_loop(schedule, stream=True)
+    # step count, a 4-byte scalar, is the only state it leaves out); bf16 versions: float32 sums and masters
+    precision = "bf16" if weight_dtype == torch.bfloat16 else "fp32"
+    *_, versions = _stage_loop(schedule, stream=True, weight_dtype=weight_dtype, precision=precision)
     with torch.device("meta"):
         layers = _blocks()
-    model = host_bytes_model(layers, versions=2 if schedule == "2bw" else 1, optimizer_factor=2.0)
+    versions_held = 2 if schedule == "2bw" else 1
+    model = host_bytes_model(layers, versions=versions_held, optimizer_factor=2.0, weight_dtype=weight_dtype)
     num_params = sum(1 for _ in versions.replicas[0].parameters())
     assert model <= versions.pool.allocated_bytes <= model + 4 * num_params, (model, versions.pool.allocated_bytes)
 
@@ -561,3 +746,27 @@ def test_a_streamed_stage_resumes_through_the_trainer_bit_for_bit(tmp_path):
     assert resumed["losses"] == straight["losses"]
     a, b = torch.load(tmp_path / "resumed" / "final_model.pt"), torch.load(tmp_path / "straight" / "final_model.pt")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.slow  # three in-process launches of one rank (9 s on the loaded machine)
+def test_compute_dtype_runs_resume_across_streamed_and_unstreamed_through_the_trainer(tmp_path):
+    """bf16 versions (train.weight_dtype=compute): 2 steps unstreamed, a checkpoint, 2 more streamed (the checkpoint's
+    float32 masters and optimizer state, from shard files, into the host buffers) == 4 steps unstreamed, bit for bit:
+    every loss and the final weights (the float32 masters). The streamed run writes the same checkpoint files."""
+    cfg = tiny_config(schedule="2bw", num_stages=1, num_microbatches=2, num_steps=4)
+    cfg.train.precision, cfg.train.weight_dtype, cfg.train.checkpoint_every = "bf16", "compute", 2
+    cfg.swap.optimizer = "host"
+    straight = run_ok(cfg, tmp_path / "straight")
+    first = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, num_steps=2))
+    run_ok(first, tmp_path / "resumed")
+    streamed = dataclasses.replace(cfg, swap=dataclasses.replace(cfg.swap, enabled=True, weights=True))
+    resumed = run_ok(streamed, tmp_path / "resumed")  # train.resume=auto: the unstreamed run's checkpoint of step 2
+    assert resumed["first_step"] == 2 and resumed["ranks"][0]["stream"]["loads"] > 0
+    assert resumed["losses"] == straight["losses"]
+    a, b = torch.load(tmp_path / "resumed" / "final_model.pt"), torch.load(tmp_path / "straight" / "final_model.pt")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert all(t.dtype == torch.float32 for t in a.values())
+    # the streamed run's checkpoint of step 4 holds the files the unstreamed run's does (the masters' shard files)
+    runs = (tmp_path / "resumed", tmp_path / "straight")
+    names = [sorted(p.name for p in d.glob("*/step_00000004/*.pt")) for d in runs]
+    assert any("shard_rank" in n for n in names[0]) and names[0] == names[1], names

@@ -68,7 +68,8 @@ def _validate_weight_stream(cfg: Config) -> None:
     """swap.weights=true: what weight streaming (pipedream2bw/memory/stream.py) composes with; the rest is refused.
 
     Composes: data parallelism (the host gradients all-reduced per layer), clipping and on_nonfinite=skip (the step
-    agreement over the host gradients), validation passes (forward only, streamed). Refused: below."""
+    agreement over the host gradients), validation passes (forward only, streamed), train.weight_dtype=compute
+    (versions in the compute dtype on the host, float32 masters and gradient sums). Refused: below."""
     s = cfg.swap
     if s.weight_prefetch < 0:
         raise ConfigError(f"swap.weight_prefetch ({s.weight_prefetch}) must be >= 0: layers copied ahead of use")
@@ -79,11 +80,6 @@ def _validate_weight_stream(cfg: Config) -> None:
         why = "no stage swaps; set swap.enabled=true or swap.stages=[...] to name the stages that stream"
     elif s.optimizer != "host":
         why = "a streamed stage's optimizer steps where its weights live, on the host; set swap.optimizer=host"
-    elif cfg.train.weight_dtype == "compute" and cfg.train.precision != "fp32":
-        why = (
-            f"train.weight_dtype ({cfg.train.weight_dtype}): streamed versions are float32 (compute-dtype host "
-            "versions with float32 host masters are not written); use train.weight_dtype=fp32"
-        )
     elif cfg.train.precision == "fp16":
         why = "train.precision (fp16): the loss scaler's checks of host gradients are not written; use bf16 or fp32"
     if why is not None:
@@ -113,8 +109,15 @@ def _validate_host_step(cfg: Config) -> None:
         )
     elif cfg.optim.sharded and p.data_parallel > 1:
         why = "optim.sharded: sharded masters step synchronously; use swap.host_step=auto or sync"
-    elif cfg.train.weight_dtype == "compute" and cfg.train.precision != "fp32":
-        why = "train.weight_dtype (compute): compute-dtype weights step synchronously; use swap.host_step=auto or sync"
+    elif (
+        cfg.train.weight_dtype == "compute"
+        and cfg.train.precision != "fp32"
+        and not (s.weights and len(swap_stages(s, p.num_stages)) == p.num_stages)
+    ):
+        why = (
+            "train.weight_dtype (compute): compute-dtype weights step synchronously unless streamed; use "
+            "swap.host_step=auto or sync, or stream every stage (swap.weights=true, swap.enabled=true)"
+        )
     if why is not None:
         raise ConfigError(f"swap.host_step (background) with {why}")
 

@@ -122,6 +122,13 @@ class TransferBackend:
         nothing writes meanwhile (stream.py's weights)."""
         raise NotImplementedError
 
+    def landed_after(self, host: torch.Tensor, ready: Future) -> Transfer:
+        """``landed(host)`` for a buffer that another host thread is still writing until ``ready`` is done (a
+        background host step's layer, stream.py): here the caller waits for it first, as a copy engine cannot
+        wait for a host thread; the CPU's copy worker waits instead. What ``ready`` raised is raised."""
+        ready.result()
+        return self.landed(host)
+
     def drop(self, pre: Transfer) -> None:
         """Forgets a copy back that will not be consumed; its device buffer may be reused once it lands."""
         raise NotImplementedError
@@ -186,6 +193,7 @@ class CpuBackend(TransferBackend):
 
     def __init__(self, *, overlap: bool = True):
         self.device = torch.device("cpu")
+        self.overlap = overlap
         self.pool = HostPool(pin=False)
         self._out = ThreadPoolExecutor(1, thread_name_prefix="swap-out") if overlap else _Inline()
         self._in = ThreadPoolExecutor(1, thread_name_prefix="swap-in") if overlap else _Inline()
@@ -245,6 +253,9 @@ class CpuBackend(TransferBackend):
         done: Future = Future()
         done.set_result(None)
         return _FutureTransfer(done, host=host)
+
+    def landed_after(self, host: torch.Tensor, ready: Future) -> Transfer:
+        return _FutureTransfer(ready, host=host)  # ``to_device``'s copy waits for it, on the copy worker
 
     def drop(self, pre: Transfer) -> None:
         pass  # the worker holds the buffer it fills; Python frees it after

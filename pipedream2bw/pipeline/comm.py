@@ -550,6 +550,7 @@ class GradReducer:
         replicas: Sequence[Sequence[torch.nn.Parameter]],
         buckets: Sequence[Sequence[int]],
         sharded: bool = False,
+        autograd_hooks: bool = True,
     ):
         self.ctx, self.group, self.buckets = ctx, group, [list(b) for b in buckets]
         # optim.sharded: buckets reduce-scatter, each replica receiving the sum of its shard (sharding.py)
@@ -559,7 +560,11 @@ class GradReducer:
         self.num_collectives = 0
         self.exposed_s = 0.0  # time spent waiting in BatchReduction.wait: all-reduce not hidden behind backward
         self._armed: Optional[BatchReduction] = None
-        for replica_index, params in enumerate(self.replicas):
+        # autograd_hooks false: the caller reports each final gradient (``gradient_ready``) itself, as a streamed
+        # stage does once its host accumulator has it (issue 42: autograd also ran these hooks on the host
+        # parameters, with no gradient, which counted a parameter twice and, once the adds left the training
+        # thread, started buckets before their gradients were in)
+        for replica_index, params in enumerate(self.replicas if autograd_hooks else []):
             for param_index, p in enumerate(params):
                 if param_index in self.bucket_of:  # parameters in no bucket (tied across stages) are reduced elsewhere
                     p.register_post_accumulate_grad_hook(self._hook(replica_index, param_index))

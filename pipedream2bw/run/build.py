@@ -149,7 +149,13 @@ def build_versions(
     background = swap.host_step != "sync" and rt.schedule == "2bw"  # swap.host_step: off the training thread
     if swap.weights and rt.stage in swap_stages(swap, rt.num_stages):  # swap.weights: versions in host buffers
         versions = StreamedVersions(
-            module, pin=rt.device.type == "cuda", schedule=rt.schedule, optimizer_factory=factory, background=background
+            module,
+            pin=rt.device.type == "cuda",
+            schedule=rt.schedule,
+            optimizer_factory=factory,
+            background=background,
+            weight_dtype=weight_dtype,  # compute: versions in that dtype, float32 masters (ShardedVersions' checkpoint)
+            shard_index=sorted(rt.layout.ranks[rt.stage]).index(rt.rank),  # replica 0 writes the masters
         )  # one optimizer bucket per layer, each also a bucket of the replicas' all-reduce; no ties (validated)
         return versions, versions.buckets, len(versions.buckets)
     if sharded or weight_dtype != torch.float32:  # the replicas' group ranks are sorted global ranks
@@ -323,6 +329,7 @@ def comm_groups(
                 replicas=[list(r.parameters()) for r in versions.replicas],
                 buckets=dp_buckets,
                 sharded=isinstance(versions, ShardedVersions) and versions.num_sharded > 0,
+                autograd_hooks=not isinstance(versions, StreamedVersions),  # WeightStream.on_grad reports them
             )
         if isinstance(versions, ShardedVersions) and versions.num_sharded > 0:
             versions.connect(lambda shard, full: comm.all_gather_async(ctx, shard, full, group=group))

@@ -26,6 +26,7 @@ from pipedream2bw.io.fileio import atomic_write
 from pipedream2bw.memory import precision as precisions
 from pipedream2bw.memory.loss_scale import ScaledStepRule
 from pipedream2bw.memory.sharding import ShardedVersions
+from pipedream2bw.memory.stream import StreamedVersions
 from pipedream2bw.pipeline import comm, ties
 from pipedream2bw.pipeline.agreement import StepRule
 from pipedream2bw.pipeline.versions import WeightVersions
@@ -266,7 +267,7 @@ def final_weights(
     ``split``, whole tensors gathered over replica 0's tensor group, kept by its tensor rank 0."""
     if train.save_final == "none" and train.export_hf is None:
         return None
-    if isinstance(versions, ShardedVersions) and versions.weight_dtype != torch.float32:
+    if isinstance(versions, (ShardedVersions, StreamedVersions)) and versions.weight_dtype != torch.float32:
         return versions.final_state(keep=rt.replica == 0)
     if rt.replica != 0:
         return None

@@ -187,6 +187,8 @@ class StageWorker:
         # Weights stored in the compute dtype (train.weight_dtype=compute) run the whole stage in it: a
         # received activation stays in the compute dtype (a float32 one would meet bf16 norm weights).
         self._upcast = precision != "fp32" and getattr(versions, "weight_dtype", torch.float32) == torch.float32
+        # a streamed stage's compute-dtype versions: gradients summed in float32 (``main_grad``), float32 masters
+        self._float32_sums = getattr(versions, "float32_masters", False)
         # X's tensors (F: activations, B: input gradients) come from one neighbour and go to the other.
         self._channel = {
             FORWARD: Channel(p2p, tag=ACTIVATION_TAG, what="a stage's output", device=device),
@@ -431,7 +433,8 @@ class StageWorker:
             excluded = {i for exchange in self.exchanges for i in getattr(exchange, "norm_excluded", ())}
             excluded |= self.norm_excluded
             scale = self.grad_scale * self.rule.unscale(t)
-            if isinstance(self.versions, ShardedVersions):  # each replica counts its shards; whole buckets on replica 0
+            # each replica counts its shards, whole buckets on replica 0 (a streamed stage's float32 masters: alike)
+            if isinstance(self.versions, ShardedVersions) or self._float32_sums:
                 reduction = self._reductions.get(t)
                 sq = self.versions.grad_sq_norm(
                     (lambda b: reduction.wait(b)) if reduction is not None else (lambda b: None),
@@ -446,7 +449,7 @@ class StageWorker:
                 stage_index=self.stage_index,
                 num_stages=self.num_stages,
                 sq=sq * scale**2,
-                counts_norm=self.replica == 0 or isinstance(self.versions, ShardedVersions),
+                counts_norm=self.replica == 0 or isinstance(self.versions, ShardedVersions) or self._float32_sums,
                 loss_nonfinite=self._loss_nonfinite.pop(t, False),
             )
             self.agreement.start(share, what=f"the step agreement of batch {t}")
@@ -577,6 +580,8 @@ class StageWorker:
         sharded = isinstance(self.versions, ShardedVersions)
         if weights is not None:
             params = list(weights)
+        elif self._float32_sums:  # a streamed stage's float32 masters (the versions are rounded from them)
+            params = list(self.versions.master)
         else:
             params = self.versions.shards if sharded else list(self.versions.newest().parameters())
         with torch.no_grad():  # a check, not a computation to differentiate: no graph over every parameter

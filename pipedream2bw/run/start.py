@@ -382,8 +382,16 @@ def check_stream_host_memory(
     whole, starts = model.whole(), [sum(balance[:s]) for s in range(len(balance))]
     factor = optimizer_state_factor(cfg.optim.target or cfg.optim.name, cfg.optim.kwargs)
     versions = precisions.versions_held(cfg.pipeline.schedule)
+    # train.weight_dtype=compute: 2-byte versions (bf16, or whatever train.precision=auto resolves to)
+    compute = cfg.train.weight_dtype == "compute" and cfg.train.precision != "fp32"
+    weight_dtype = torch.bfloat16 if compute else torch.float32
     need = sum(
-        host_bytes_model(whole[starts[s] : starts[s] + balance[s]], versions=versions, optimizer_factor=factor)
+        host_bytes_model(
+            whole[starts[s] : starts[s] + balance[s]],
+            versions=versions,
+            optimizer_factor=factor,
+            weight_dtype=weight_dtype,
+        )
         for s in stages
     )
     if need > available:

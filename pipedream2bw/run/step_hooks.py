@@ -144,7 +144,8 @@ def checkpointer(
     shards: bool = False,
 ) -> checkpoint.Checkpointer:
     """The checkpoint writer (``train.checkpoint_every``); replica 0 of each stage writes its layers, and with
-    ``shards`` (sharding.ShardedVersions) every replica its pieces of the masters and optimizer state. Its
+    ``shards`` (sharding.ShardedVersions, or a streamed stage's float32 masters) every replica its pieces of the
+    masters and optimizer state. Its
     manifests carry the run's lineage (the resumed checkpoint's, else a new one), which pruning keeps to."""
     train, optim, dist = cfg.train, cfg.optim, cfg.dist
     lineage = (resume[1].get("lineage") if resume is not None else None) or checkpoint.new_lineage()
@@ -377,7 +378,7 @@ def attach(
     tracker, bar, progress, postfix, record = tracking(
         rt, run_dir, resume, parts.worker, cfg.wandb, cfg.train, config=config
     )
-    shards = isinstance(parts.versions, ShardedVersions)
+    shards = isinstance(parts.versions, ShardedVersions) or getattr(parts.versions, "float32_masters", False)
     saver = checkpointer(rt, ctx, run_dir, cfg, model, tracker, resume, shards=shards)
     return StepHooks(
         rt,
