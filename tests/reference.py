@@ -91,7 +91,9 @@ def reference_run(
 
     delayed=True applies the 2BW rule: g(t) is the mean gradient over batch t at W(t-1),
     W(-1) = W(0), and W(t+1) = W(t) - optimizer_step(g(t)). delayed=False is plain
-    minibatch training: g(t) at W(t). Step t uses ``lr_at(t)``; with ``optim.clip_grad_norm``,
+    minibatch training: g(t) at W(t). delayed=True with ``pipeline.sync_warmup_steps`` N: batches t <= N take
+    g(t) at W(t), later ones at W(t-1); error feedback corrects only steps t > N. Step t uses ``lr_at(t)``; with
+    ``optim.clip_grad_norm``,
     g(t) is clipped by ``torch.nn.utils.clip_grad_norm_`` over the whole model; a batch whose loss
     or gradient is not finite is skipped (W(t+1) = W(t)), as train.on_nonfinite=skip and fp16's
     loss scaler do.
@@ -158,6 +160,8 @@ def _train(
         else None
     )
     lag = 2 if delayed else 1
+    # pipeline.sync_warmup_steps=N: batches t <= N run with W(t), no correction at their steps (t <= N)
+    warmup = cfg.pipeline.sync_warmup_steps if delayed else 0
     scales_after: List[float] = []  # fp16: the scale each step's update left
     out = Reference(None, [], [], [], [], [], {})
     for t in range(cfg.train.num_steps):
@@ -191,7 +195,7 @@ def _train(
         grads = [None if g is None else g / (m * scale) for g in sums]
         for p in stale.parameters() if rounded else ():
             p.main_grad = None
-        if delayed:
+        if delayed and t + 1 > warmup:
             _load_parameters(stale, model)  # batch t+1 runs with W(t)
         for p, g in zip(model.parameters(), grads):
             p.grad = g
@@ -207,9 +211,9 @@ def _train(
         else:
             if cfg.optim.clip_grad_norm is not None:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.clip_grad_norm)
-            opt.step(out.lrs[-1])
-        if rounded and not delayed:
-            _load_parameters(stale, model)  # batch t+1 runs with W(t+1), rounded
+            opt.step(out.lrs[-1], correct=delayed and t > warmup)
+        if (rounded and not delayed) or (delayed and t + 1 <= warmup):
+            _load_parameters(stale, model)  # batch t+1 runs with W(t+1) (rounded; or the synchronous warm-up's)
         if t + 1 in keep:
             out.snapshots[t + 1] = copy.deepcopy(_with_buffers(model, stale))
     return out._replace(weights=_with_buffers(model, stale))
@@ -255,8 +259,9 @@ class ReferenceOptimizer:
     - optim.delay_correction=lookahead: AdamW becomes NAdam(betas=(0.99, beta2), decoupled_weight_decay=True, its
       weight decay AdamW's), Muon's momentum 0.99 with Nesterov.
     - optim.delay_correction=error_feedback: with u(t) = W after the step - W before, the step sets
-      W(t+1) = W(t) + u(t) + beta * (u(t) - u(t-1)); no correction at the first step taken; a skipped step
-      (``step`` not called) changes nothing.
+      W(t+1) = W(t) + u(t) + beta * (u(t) - u(t-1)); no correction at the first step taken, nor at a step
+      whose gradient was not delayed (``correct`` false: it still records u(t)); a skipped step (``step`` not
+      called) changes nothing.
     """
 
     def __init__(self, model: nn.Module, optim) -> None:
@@ -294,7 +299,8 @@ class ReferenceOptimizer:
         self.prev: Optional[List[torch.Tensor]] = None  # error feedback: u(t-1)
 
     @torch.no_grad()
-    def step(self, lr: float) -> None:
+    def step(self, lr: float, *, correct: bool = True) -> None:
+        """One step at ``lr``; ``correct`` false: no error-feedback correction (u(t) is still recorded)."""
         before = [p.detach().clone() for p in self.params]
         for opt in self.opts:
             for group in opt.param_groups:
@@ -303,7 +309,7 @@ class ReferenceOptimizer:
         if self.cfg.delay_correction != "error_feedback":
             return
         update = [p.detach() - b for p, b in zip(self.params, before)]
-        if self.prev is not None:
+        if self.prev is not None and correct:
             for p, u, q in zip(self.params, update, self.prev):
                 p.add_(u - q, alpha=self.cfg.error_feedback_beta)
         self.prev = update

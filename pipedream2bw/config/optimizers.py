@@ -234,6 +234,7 @@ class ErrorFeedback(CompositeOptimizer):
 
     def __init__(self, inner: torch.optim.Optimizer, *, beta: float):
         self.beta = beta
+        self.correcting = True  # off: the step records u(t) but adds no correction (``delay_corrected``)
         super().__init__([inner])
 
     def _inner_step(self) -> None:
@@ -247,7 +248,8 @@ class ErrorFeedback(CompositeOptimizer):
         neg_updates = before
         torch._foreach_sub_(neg_updates, data)  # -u(t) = W(t) - (W(t) + u(t)), exactly -(u(t))
         prev = [self.state[p].get(EF_STATE) for p in params]
-        corrected = [(p, q) for p, q in zip(data, prev) if q is not None]  # u(-1) = u(0): nothing at the first step
+        # u(-1) = u(0): nothing at the first step; nothing at a step without delay (pipeline.sync_warmup_steps)
+        corrected = [(p, q) for p, q in zip(data, prev) if q is not None and self.correcting]
         if corrected:
             # W += beta * (u(t) - u(t-1)), as W -= beta * (u(t-1) - u(t)): the same bits (a sign flip is exact), with
             # u(t-1)'s buffer holding the difference (it is replaced below)
@@ -257,6 +259,16 @@ class ErrorFeedback(CompositeOptimizer):
         torch._foreach_neg_(neg_updates)
         for p, u in zip(params, neg_updates):
             self.state[p][EF_STATE] = u
+
+
+def delay_corrected(optimizer: torch.optim.Optimizer, on: bool) -> None:
+    """Turns the error feedback inside ``optimizer`` (through ``CompositeOptimizer`` children) on or off for its
+    next steps: off on a step whose gradient was taken at the weights it updates (pipeline.sync_warmup_steps),
+    where it still records u(t), the u(t-1) of the first corrected step. Nothing else has a per-step switch."""
+    if isinstance(optimizer, ErrorFeedback):
+        optimizer.correcting = on
+    for child in getattr(optimizer, "_children", ()):
+        delay_corrected(child, on)
 
 
 def _groups(params: Iterable) -> List[Dict[str, Any]]:

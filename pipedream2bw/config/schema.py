@@ -64,6 +64,10 @@ class PipelineConfig:
     """How many consecutive steps (batches) pipeline.trace records."""
     trace_first_step: Optional[int] = None
     """First traced step (0-based); null: train.warmup_steps, i.e. the first measured steps."""
+    sync_warmup_steps: int = 0
+    """Under schedule=2bw: the first N steps run as PipeDream-Flush (batch t reads W(t): no delay), then 2bw
+    (batch N reads W(N), batch t > N reads W(t-1)); 0: 2bw from the first step. The delay correction is off on
+    the synchronous steps (docs/convergence.md)."""
     check_ties: bool = False
     """Debug: after every step, compare a digest of each tied parameter's copies across the stages holding
     them (two small all-reduces per step); the run fails on the first step where they differ."""

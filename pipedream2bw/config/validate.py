@@ -121,6 +121,35 @@ def _validate_host_step(cfg: Config) -> None:
         raise ConfigError(f"swap.host_step (background) with {why}")
 
 
+def _validate_sync_warmup(cfg: Config) -> None:
+    """pipeline.sync_warmup_steps: flush's steps, then 2bw's, on the plain weight versions (pipeline/versions.py)."""
+    p, n = cfg.pipeline, cfg.pipeline.sync_warmup_steps
+    if n == 0:
+        return
+    if p.schedule != "2bw":
+        log.info(
+            "pipeline.sync_warmup_steps (%d) is moot under pipeline.schedule=%s: every step is synchronous",
+            n,
+            p.schedule,
+        )
+        return
+    why = None
+    if cfg.swap.optimizer == "host":
+        why = "swap.optimizer (host): the host step's versions keep 2bw's rule throughout; set swap.optimizer=device"
+    elif cfg.optim.sharded and p.data_parallel > 1:
+        why = "optim.sharded (true) at pipeline.data_parallel > 1: sharded versions keep 2bw's rule; set it false"
+    elif cfg.train.weight_dtype == "compute" and cfg.train.precision != "fp32":
+        why = "train.weight_dtype (compute): compute-dtype versions keep 2bw's rule; set train.weight_dtype=fp32"
+    elif cfg.train.precision == "fp16":
+        why = "train.precision (fp16): the loss scaler's lag is 2bw's or flush's for a whole run; use bf16 or fp32"
+    elif cfg.optim.delay_correction == "lookahead":
+        why = (
+            "optim.delay_correction (lookahead): it changes the optimizer for the whole run; use error_feedback or none"
+        )
+    if why is not None:
+        raise ConfigError(f"pipeline.sync_warmup_steps ({n}) with {why}, or set pipeline.sync_warmup_steps=0")
+
+
 def _validate_step_rules(cfg: Config) -> None:
     """The learning-rate schedule, gradient clipping and non-finite handling (optim.*, train.on_nonfinite)."""
     o, n = cfg.optim, cfg.train.num_steps
@@ -307,6 +336,7 @@ def validate(
     _validate_swap(cfg.swap, p.num_stages)
     _validate_weight_stream(cfg)
     _validate_host_step(cfg)
+    _validate_sync_warmup(cfg)
     return balance
 
 

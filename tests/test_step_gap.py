@@ -1,0 +1,100 @@
+"""Closing 2bw's step gap (issue 46): pipeline.sync_warmup_steps (flush's steps first, then 2bw) against the
+single-process reference of its own rule (reference.reference_run), resumed mid-warm-up and after it."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from dist_helper import run_ok
+from reference import reference_train
+from test_checkpoint import assert_equal_bits
+from test_semantics import tiny_config
+
+from pipedream2bw.config import ConfigError, validate
+from pipedream2bw.pipeline import schedule
+from pipedream2bw.pipeline.versions import max_versions_alive, version_of_batch
+
+
+def _config(*, warmup=2, d=2, steps=5, **optim):
+    cfg = tiny_config(schedule="2bw", num_stages=d, num_microbatches=4, num_steps=steps)
+    cfg.pipeline.sync_warmup_steps = warmup
+    cfg.optim = dataclasses.replace(cfg.optim, **{"name": "adamw", "lr": 1e-2, **optim})
+    return cfg
+
+
+def test_batches_read_their_own_version_through_the_warm_up_then_the_previous_one():
+    assert [version_of_batch("2bw", t, sync_warmup_steps=2) for t in range(6)] == [0, 1, 2, 2, 3, 4]
+    assert [version_of_batch("2bw", t) for t in range(4)] == [0, 0, 1, 2]  # N = 0: W(-1) = W(0)
+    assert [version_of_batch("flush", t, sync_warmup_steps=2) for t in range(4)] == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("d,m,n", [(2, 2, 1), (2, 4, 3), (4, 4, 2), (4, 8, 5)])
+def test_flush_then_2bw_holds_two_versions_and_never_reads_one_not_made(d, m, n):
+    """The warm-up's flush list, then 2bw's from batch N (build.actions joins them): at the switch W(N) is the one
+    version alive, batch N reads it, batch N+1 too (W(N+1) is not made until batch N closes)."""
+    for s in range(d):
+        flush = schedule.stage_actions("flush", stage_index=s, num_stages=d, num_microbatches=m, num_batches=n)
+        twobw = schedule.stage_actions("2bw", stage_index=s, num_stages=d, num_microbatches=m, num_batches=4)
+        actions = flush + schedule.shift_batches(twobw, first_batch=n, num_microbatches=m)
+        assert max_versions_alive(actions, schedule="2bw", num_microbatches=m, sync_warmup_steps=n) <= 2
+        if s < d - 1:  # 2bw's rule from the first batch would read W(N+1) in batch N+1's warm-up forwards
+            with pytest.raises(schedule.ScheduleError, match="needs W"):
+                max_versions_alive(actions, schedule="2bw", num_microbatches=m, sync_warmup_steps=n + 1)
+
+
+@pytest.mark.parametrize(
+    "change,pattern",
+    [
+        (dict(precision="fp16"), r"pipeline.sync_warmup_steps \(2\) with train.precision \(fp16\)"),
+        (dict(delay_correction="lookahead"), r"pipeline.sync_warmup_steps \(2\) with optim.delay_correction"),
+        (dict(host=True), r"pipeline.sync_warmup_steps \(2\) with swap.optimizer \(host\)"),
+        (dict(sharded=True), r"pipeline.sync_warmup_steps \(2\) with optim.sharded"),
+    ],
+)
+def test_warm_up_refused_where_the_versions_keep_2bws_rule(change, pattern):
+    cfg = _config(delay_correction=change.get("delay_correction", "none"), sharded=change.get("sharded", False))
+    w = 2 if change.get("sharded") else 1
+    cfg.pipeline.data_parallel = w
+    if "precision" in change:
+        cfg.train.precision = change["precision"]
+    if change.get("host"):
+        cfg.swap.optimizer = "host"
+    with pytest.raises(ConfigError, match=pattern):
+        validate(cfg, world_size=2 * w)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("d", [2, 4])
+def test_warm_up_equals_its_reference(tmp_path, d):
+    """N = 2 flushing steps, then 2bw, with error feedback: the weights and losses equal the reference's rule
+    (batches t <= N at W(t), later at W(t-1); corrected only after N), and neither plain 2bw's nor flush's."""
+    cfg = _config(d=d, delay_correction="error_feedback")
+    summary = run_ok(cfg, tmp_path)
+    weights = torch.load(tmp_path / "final_model.pt")
+    expected, losses = reference_train(cfg, delayed=True)
+    torch.testing.assert_close(weights, expected)
+    torch.testing.assert_close(torch.tensor(summary["losses"]), torch.tensor(losses))
+    for warmup, delayed in ((0, True), (2, False)):  # plain 2bw; flush throughout
+        other, _ = reference_train(_config(d=d, warmup=warmup, delay_correction="error_feedback"), delayed=delayed)
+        assert max(float((weights[k] - other[k]).abs().max()) for k in weights) > 1e-4
+
+
+@pytest.mark.slow
+def test_warm_up_resumes_exactly_during_it_and_after_it(tmp_path):
+    """N = 3: runs resumed from the straight run's checkpoints after 2 steps (mid-warm-up) and after 4 (past the
+    switch) end with its weights and losses, bit for bit."""
+    cfg = _config(warmup=3, steps=6, delay_correction="error_feedback")
+    cfg.train.checkpoint_every, cfg.train.keep_checkpoints = 2, 3
+    straight = run_ok(cfg, tmp_path / "straight")
+    for stop in (2, 4):
+        path = tmp_path / f"straight/checkpoints/step_{stop:08d}"
+        resumed = run_ok(
+            dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, resume=str(path))), tmp_path / f"from{stop}"
+        )
+        assert resumed["first_step"] == stop
+        assert resumed["losses"] == straight["losses"]
+        assert_equal_bits(
+            torch.load(tmp_path / f"from{stop}/final_model.pt"), torch.load(tmp_path / "straight/final_model.pt")
+        )
