@@ -1,5 +1,6 @@
-"""Closing 2bw's step gap (issue 46): pipeline.sync_warmup_steps (flush's steps first, then 2bw) against the
-single-process reference of its own rule (reference.reference_run), resumed mid-warm-up and after it."""
+"""Closing 2bw's step gap (issue 46): pipeline.sync_warmup_steps (flush's steps first, then 2bw) and
+optim.delay_correction=predict (the version a batch reads is a prediction of the weights its gradient is applied
+to), each against the single-process reference of its own rule (reference.reference_run), resumed exactly."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import dataclasses
 import pytest
 import torch
 from dist_helper import run_ok
-from reference import reference_train
+from reference import reference_eval, reference_train
 from test_checkpoint import assert_equal_bits
 from test_semantics import tiny_config
 
@@ -98,3 +99,50 @@ def test_warm_up_resumes_exactly_during_it_and_after_it(tmp_path):
         assert_equal_bits(
             torch.load(tmp_path / f"from{stop}/final_model.pt"), torch.load(tmp_path / "straight/final_model.pt")
         )
+
+
+@pytest.mark.parametrize(
+    "change,pattern",
+    [
+        (dict(host=True), r"optim.delay_correction \(predict\) with swap.optimizer \(host\)"),
+        (dict(sharded=True), r"optim.delay_correction \(predict\) with optim.sharded"),
+    ],
+)
+def test_prediction_refused_where_the_versions_are_not_what_batches_read(change, pattern):
+    cfg = _config(warmup=0, delay_correction="predict", sharded=change.get("sharded", False))
+    w = 2 if change.get("sharded") else 1
+    cfg.pipeline.data_parallel = w
+    if change.get("host"):
+        cfg.swap.optimizer = "host"
+    with pytest.raises(ConfigError, match=pattern):
+        validate(cfg, world_size=2 * w)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("d,warmup,name", [(2, 0, "adamw"), (4, 2, "muon")])
+def test_prediction_equals_its_reference(tmp_path, d, warmup, name):
+    """Batch t reads W(t-1) + d(t-2), in the replica of W(t-1): the final weights (W, not the prediction), the
+    losses and the validation loss equal the reference's rule, and differ from plain 2bw's."""
+    cfg = _config(d=d, warmup=warmup, name=name, delay_correction="predict")
+    cfg.data.val_fraction, cfg.train.eval_every = 0.1, cfg.train.num_steps
+    summary = run_ok(cfg, tmp_path)
+    weights = torch.load(tmp_path / "final_model.pt")
+    expected, losses = reference_train(cfg, delayed=True)
+    torch.testing.assert_close(weights, expected)
+    torch.testing.assert_close(torch.tensor(summary["losses"]), torch.tensor(losses))
+    torch.testing.assert_close(summary["final_val_loss"], reference_eval(cfg, expected))
+    plain, _ = reference_train(_config(d=d, warmup=warmup, name=name, delay_correction="none"), delayed=True)
+    assert max(float((weights[k] - plain[k]).abs().max()) for k in weights) > 1e-4
+
+
+@pytest.mark.slow
+def test_prediction_resumes_exactly(tmp_path):
+    """A run resumed from the straight run's checkpoint after 3 steps (its replicas hold predictions that W + d
+    does not give back bit for bit: the checkpoint keeps them) ends with its weights and losses, bit for bit."""
+    cfg = _config(warmup=0, steps=5, delay_correction="predict")
+    cfg.train.checkpoint_every = 3
+    straight = run_ok(cfg, tmp_path / "straight")
+    path = tmp_path / "straight/checkpoints/step_00000003"
+    resumed = run_ok(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, resume=str(path))), tmp_path / "r")
+    assert resumed["first_step"] == 3 and resumed["losses"] == straight["losses"]
+    assert_equal_bits(torch.load(tmp_path / "r/final_model.pt"), torch.load(tmp_path / "straight/final_model.pt"))

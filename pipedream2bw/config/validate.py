@@ -428,7 +428,7 @@ def _validate_model_and_optim(cfg: Config) -> None:
     _validate_sharding(cfg)
 
 
-DELAY_CORRECTIONS = ("none", "error_feedback", "lookahead")
+DELAY_CORRECTIONS = ("none", "error_feedback", "lookahead", "predict")
 
 
 def _validate_optim_extras(cfg: Config) -> None:
@@ -471,6 +471,7 @@ def _validate_optim_extras(cfg: Config) -> None:
         math.isfinite(o.error_feedback_beta) and o.error_feedback_beta >= 0
     ):
         raise ConfigError(f"optim.error_feedback_beta ({o.error_feedback_beta}) must be a finite number >= 0")
+    _validate_prediction(cfg)
     if o.delay_correction == "lookahead":
         name = "custom" if o.target else o.name.lower()
         if name not in ("adamw", "muon") or (muon and o.muon_others.lower() != "adamw"):
@@ -486,6 +487,23 @@ def _validate_optim_extras(cfg: Config) -> None:
                 "optim.delay_correction (lookahead) sets beta1 (optim.kwargs.betas[0]) and Muon's momentum to "
                 "0.99; remove them from optim.kwargs / optim.muon_kwargs (betas[1] may stay: give betas=[0.99, b2])"
             )
+
+
+def _validate_prediction(cfg: Config) -> None:
+    """optim.delay_correction=predict: the prediction lives in the plain weight versions (pipeline/versions.py)."""
+    why = None
+    if cfg.optim.delay_correction != "predict":
+        return
+    if cfg.swap.optimizer == "host":
+        why = "swap.optimizer (host): the host's masters are not the versions batches read; set swap.optimizer=device"
+    elif cfg.optim.sharded and cfg.pipeline.data_parallel > 1:
+        why = "optim.sharded (true) at pipeline.data_parallel > 1: sharded masters are not written for it; set it false"
+    elif cfg.train.weight_dtype == "compute" and cfg.train.precision != "fp32":
+        why = (
+            "train.weight_dtype (compute): the versions are rounded copies of the masters; set train.weight_dtype=fp32"
+        )
+    if why is not None:
+        raise ConfigError(f"optim.delay_correction (predict) with {why}, or use optim.delay_correction=error_feedback")
 
 
 def _validate_train(cfg: Config) -> None:

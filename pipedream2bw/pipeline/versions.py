@@ -17,11 +17,15 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
 import torch
 from torch import nn
 
-from pipedream2bw.config.optimizers import MUON_ROLE, delay_corrected
+from pipedream2bw.config.optimizers import MUON_ROLE, PREDICT_STATE, delay_corrected, predicted_offsets
 from pipedream2bw.pipeline import stateful
 from pipedream2bw.pipeline.schedule import BACKWARD, FORWARD, STEP, Action, ScheduleError
 
 log = logging.getLogger(__name__)
+
+PREDICTED_WEIGHTS = "predicted_weights"
+"""In a checkpoint's optimizer state of a parameter under weight prediction: the prediction P(n) its newest version
+holds (the checkpoint's ``weights`` are W(n) = P(n) - d(n-1), which does not round-trip to P(n))."""
 
 
 def version_of_batch(schedule: str, batch_index: int, *, sync_warmup_steps: int = 0) -> int:
@@ -197,6 +201,19 @@ class WeightVersions:
         return self.replicas[self._replica_holding(max(v for v in self.holds if v is not None))]
 
     @torch.no_grad()
+    def weights(self) -> nn.Module:
+        """The newest weights W(n), what validation, the final weights and checkpoints take: ``newest()``, or, where
+        it holds a prediction (optim.delay_correction=predict), a copy of it less each parameter's d(n-1)."""
+        offsets = predicted_offsets(self.optimizers, self.master)
+        if all(d is None for d in offsets):
+            return self.newest()
+        module = copy.deepcopy(self.newest())
+        for p, d in zip(module.parameters(), offsets):
+            if d is not None:
+                p.sub_(d)
+        return module
+
+    @torch.no_grad()
     def step(
         self, batch_index: int, *, grad_scale: float, before_bucket: Callable[[int], None] = lambda i: None
     ) -> None:
@@ -210,7 +227,7 @@ class WeightVersions:
         dst = self._params[dst_index]
         self._prepare_destination(dst_index, t)
         for optimizer in self.optimizers:  # the synchronous warm-up's steps have no delay to correct
-            delay_corrected(optimizer, self.delayed(t))
+            delay_corrected(optimizer, now=self.delayed(t), next=self.delayed(t + 1))
         for bucket_index, (bucket, optimizer) in enumerate(zip(self.buckets, self.optimizers)):
             before_bucket(bucket_index)
             self._take_gradients(bucket, src, dst, grad_scale)
@@ -300,9 +317,13 @@ class WeightVersions:
             order = self._state_order(bucket, opt)
             for pos, st in opt.state_dict()["state"].items():
                 optimizer[names[order[pos]]] = _cpu_copy(st)
+        held = dict(zip(names, self.newest().parameters()))
+        for name, st in optimizer.items():  # weight prediction: the prediction P(n) itself, for an exact resume
+            if PREDICT_STATE in st:
+                st[PREDICTED_WEIGHTS] = held[name].detach().to("cpu", copy=True)
         return {
             "step": newest,
-            "weights": _cpu_copy(self.newest().state_dict()),
+            "weights": _cpu_copy(self.weights().state_dict()),
             "previous": previous,
             "optimizer": optimizer,
         }
@@ -326,6 +347,10 @@ class WeightVersions:
             RuntimeError: names missing from or unexpected in ``weights`` (strict load).
         """
         self.replicas[0].load_state_dict(weights)
+        optimizer = {name: dict(st) for name, st in optimizer.items()}
+        for name, p in self.replicas[0].named_parameters():  # weight prediction: P(n), not W(n) (``state``)
+            if PREDICTED_WEIGHTS in optimizer.get(name, {}):
+                p.copy_(optimizer[name].pop(PREDICTED_WEIGHTS))
         self.holds[0] = step
         if len(self.replicas) == 2:
             self.replicas[1].load_state_dict(previous if previous is not None else weights)

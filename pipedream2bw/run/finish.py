@@ -264,7 +264,7 @@ def final_weights(rt: RankPlan, versions: WeightVersions, train: TrainConfig) ->
         return None
     if isinstance(versions, ShardedVersions) and versions.weight_dtype != torch.float32:
         return versions.final_state(keep=rt.replica == 0)
-    return versions.newest().state_dict() if rt.replica == 0 else None
+    return versions.weights().state_dict() if rt.replica == 0 else None
 
 
 def write_final(
