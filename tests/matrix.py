@@ -70,11 +70,11 @@ FACTORS: "OrderedDict[str, Tuple[Any, ...]]" = OrderedDict(
     # optim.delay_correction=lookahead (2bw, the Muon cells): Muon with Nesterov momentum 0.99 for the hidden matrices,
     # NAdamW (beta1 0.99) for the rest (optim.muon_others=adamw): LOOKAHEAD; refused with the plain cells' SGD
     lookahead=(False, True),
-    # pipeline.sync_warmup_steps=SYNC_WARMUP (2bw): the first steps as PipeDream-Flush, then 2bw (issue 46)
-    sync_warmup=(False, True),
-    # optim.delay_correction=predict (2bw): batch t reads the prediction W(t-1) + d(t-2) of W(t) (issue 46)
-    predict=(False, True),
 )
+# Features that only matrix.EXTRA's cells vary (no factor of the arrays: a cell each, issue 46), Cell fields whose
+# constraints and refusals below are checked all the same: pipeline.sync_warmup_steps=SYNC_WARMUP (2bw: the first
+# steps as PipeDream-Flush, then 2bw) and optim.delay_correction=predict (2bw: batch t reads W(t-1) + d(t-2)).
+EXTRA_ONLY = ("sync_warmup", "predict")
 
 NUM_STEPS = 6  # the 2BW delay shows from step 1; step SKIP_BATCH is skipped; a resume at RESUME_STEP
 RESUME_STEP = 3
@@ -382,7 +382,7 @@ EXTRA: List[Cell] = [
         recompute=False, host_optim=False, validation=False, structured=False, sharded=False, weight_dtype="fp32",
         muon=True, lookahead=True,
     ),
-    # issue 46, FULL_ONLY in the default tier: the synchronous warm-up with Muon and error feedback across a resume
+    # issue 46, EXTRA_ONLY: the synchronous warm-up with Muon and error feedback across a resume
     # from d2w2 to d4w1 after the switch, a tie, clipping, a skip and validation; the weight prediction with
     # dropout's tuple boundaries, recomputation, swapping and bf16 across a resume from d4w1 to d2w2
     Cell(
@@ -418,10 +418,10 @@ def refusal(cell: Cell) -> Optional[str]:
 # Factors added after the arrays were first drawn, in order: each is laid over the arrays of the factors before it,
 # whose cells stay as they were (the new factor at its plain value); the generator then adds the cells the new
 # factor's combinations need. Adding a factor thus adds its own cells only, instead of redrawing every cell.
-LAYERED = ("stream", "lookahead", "sync_warmup", "predict")
+LAYERED = ("stream", "lookahead")
 # Layered factors that only the 3-wise array (matrix_full) varies; the pairwise one holds them at their plain value, and
 # EXTRA holds a cell of each. lookahead: its 4 pairwise cells cost the default tier ~40 s on this 2-core machine.
-FULL_ONLY = ("lookahead", "sync_warmup", "predict")
+FULL_ONLY = ("lookahead",)
 
 
 def covering_array(strength: int) -> List[Cell]:
