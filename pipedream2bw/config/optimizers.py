@@ -301,6 +301,11 @@ class WeightPrediction(CompositeOptimizer):
             self.state[q][PREDICT_STATE] = d
 
 
+def predicts(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` holds a ``WeightPrediction`` (through ``CompositeOptimizer`` children)."""
+    return isinstance(optimizer, WeightPrediction) or any(predicts(c) for c in getattr(optimizer, "_children", ()))
+
+
 def predicted_offsets(optimizers: Sequence[torch.optim.Optimizer], params: Sequence[nn.Parameter]) -> List[Any]:
     """d(t-1) of each of ``params`` (the optimizers' own parameter objects), or None where its weights hold no
     prediction: W = P - d."""

@@ -17,7 +17,13 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
 import torch
 from torch import nn
 
-from pipedream2bw.config.optimizers import MUON_ROLE, PREDICT_STATE, delay_corrected, predicted_offsets
+from pipedream2bw.config.optimizers import (
+    MUON_ROLE,
+    PREDICT_STATE,
+    delay_corrected,
+    predicted_offsets,
+    predicts,
+)
 from pipedream2bw.pipeline import stateful
 from pipedream2bw.pipeline.schedule import BACKWARD, FORWARD, STEP, Action, ScheduleError
 
@@ -348,9 +354,14 @@ class WeightVersions:
         """
         self.replicas[0].load_state_dict(weights)
         optimizer = {name: dict(st) for name, st in optimizer.items()}
+        predicting = any(predicts(opt) for opt in self.optimizers)
         for name, p in self.replicas[0].named_parameters():  # weight prediction: P(n), not W(n) (``state``)
-            if PREDICTED_WEIGHTS in optimizer.get(name, {}):
-                p.copy_(optimizer[name].pop(PREDICTED_WEIGHTS))
+            held = optimizer.get(name, {})
+            if PREDICTED_WEIGHTS in held and predicting:
+                p.copy_(held.pop(PREDICTED_WEIGHTS))
+            elif not predicting:  # a checkpoint of a run that predicted: this one starts from W(n), no d
+                held.pop(PREDICTED_WEIGHTS, None)
+                held.pop(PREDICT_STATE, None)
         self.holds[0] = step
         if len(self.replicas) == 2:
             self.replicas[1].load_state_dict(previous if previous is not None else weights)
