@@ -13,9 +13,10 @@ from reference import reference_eval, reference_train
 from test_checkpoint import assert_equal_bits
 from test_semantics import tiny_config
 
-from pipedream2bw.config import ConfigError, validate
+from pipedream2bw.config import ConfigError, OptimConfig, build_optimizer, validate
+from pipedream2bw.config.optimizers import PREDICT_STATE
 from pipedream2bw.pipeline import schedule
-from pipedream2bw.pipeline.versions import max_versions_alive, version_of_batch
+from pipedream2bw.pipeline.versions import PREDICTED_WEIGHTS, WeightVersions, max_versions_alive, version_of_batch
 
 
 def _config(*, warmup=2, d=2, steps=5, **optim):
@@ -146,3 +147,36 @@ def test_prediction_resumes_exactly(tmp_path):
     resumed = run_ok(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, resume=str(path))), tmp_path / "r")
     assert resumed["first_step"] == 3 and resumed["losses"] == straight["losses"]
     assert_equal_bits(torch.load(tmp_path / "r/final_model.pt"), torch.load(tmp_path / "straight/final_model.pt"))
+
+
+def _stepped_versions(correction: str):
+    """WeightVersions of a two-layer MLP under 2bw with ``correction``, after three steps (grads on both replicas)."""
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
+    optim = OptimConfig(name="adamw", lr=0.05, delay_correction=correction)
+    versions = WeightVersions(module, schedule="2bw", optimizer_factory=lambda ps: build_optimizer(ps, optim))
+    for t in range(3):
+        versions.module_for_batch(t)(torch.randn(3, 4)).square().mean().backward()
+        versions.step(t, grad_scale=1.0)
+    return versions
+
+
+def test_a_prediction_checkpoint_resumes_to_the_prediction_or_to_the_weights():
+    """state() saves W(n) as the weights and keeps P(n) beside d(n-1); a predicting run loads P(n) bit for bit, one
+    without the prediction loads W(n) and drops d (it would otherwise run on P(n) as if it were W(n))."""
+    versions = _stepped_versions("predict")
+    held = {n: p.detach().clone() for n, p in versions.newest().named_parameters()}
+    state = versions.state()
+    assert any(not torch.equal(state["weights"][n], held[n]) for n in held)  # W(n) = P(n) - d(n-1), not P(n)
+    for correction, expected in (("predict", held), ("none", state["weights"])):
+        fresh = _stepped_versions(correction)
+        fresh.load_state(**{k: state[k] for k in ("step", "weights", "previous", "optimizer")})
+        for n, p in fresh.newest().named_parameters():
+            assert torch.equal(p, expected[n]), (correction, n)
+        assert_equal_bits(
+            {n: p.detach() for n, p in fresh.weights().named_parameters()},
+            {n: state["weights"][n] for n in held},
+        )
+        states = [st for opt in fresh.optimizers for st in opt.state.values()]
+        assert all(PREDICTED_WEIGHTS not in st for st in states)
+        assert any(PREDICT_STATE in st for st in states) == (correction == "predict")
