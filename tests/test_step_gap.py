@@ -68,7 +68,7 @@ def test_warm_up_refused_where_the_versions_keep_2bws_rule(change, pattern):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("d", [2, 4])
+@pytest.mark.parametrize("d", [2, pytest.param(4, marks=pytest.mark.long)])  # d = 4: matrix.EXTRA's resumed cell too
 def test_warm_up_equals_its_reference(tmp_path, d):
     """N = 2 flushing steps, then 2bw, with error feedback: the weights and losses equal the reference's rule
     (batches t <= N at W(t), later at W(t-1); corrected only after N), and neither plain 2bw's nor flush's."""
