@@ -16,6 +16,7 @@ import sys
 import time
 from pathlib import Path
 
+from partitioner import time_to_loss
 from partitioner.planner import bound_line, save_plan, stage_table, table
 
 USAGE = (
@@ -63,7 +64,7 @@ def config_groups() -> str:
 
 
 def main(argv=None) -> int:
-    from partitioner.auto import plan_config, run_overrides
+    from partitioner.auto import plan_config
     from pipedream2bw.errors import ConfigError
 
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -83,7 +84,7 @@ def main(argv=None) -> int:
     cfg = compose(args)
     start = time.perf_counter()
     try:
-        plans = plan_config(cfg)
+        plans = plan_config(cfg, search_tensor=True)  # t searched: the run line names it (pipeline.tensor_parallel)
     except ConfigError as e:
         print(f"bad configuration: {e}", file=sys.stderr)
         return 2
@@ -103,26 +104,27 @@ def main(argv=None) -> int:
         f"global batch {best.global_batch_size}; {best.schedule}; objective {best.objective}; {best.costs} costs; "
         f"planned in {elapsed:.2f} s"
     )
+    if best.schedule_choice:
+        print(time_to_loss.describe(best.schedule_choice, cfg.optim, best.schedule))
     print(table(plans))
-    print(f"\nchosen plan (#0), per stage:\n{stage_table(best)}")
+    print(f"\nchosen plan (#0): {mesh_line(best)}; per stage (one rank's figures):\n{stage_table(best)}")
     if best.steps_on_host:
         print(f"\n{bound_line(best)}")
     path = Path(out or cfg.partition.path or Path("outputs", "plans", time.strftime("%Y-%m-%d/%H-%M-%S"), "plan.yaml"))
     path.parent.mkdir(parents=True, exist_ok=True)
     path = save_plan(best, path)
-    nproc = best.num_stages * best.data_parallel
-    launch = f"torchrun --nproc-per-node {nproc}" if cfg.topology.nodes == 1 else f"torchrun ({nproc} ranks)"
-    # the run trains what was planned: the overrides that shape it (model, optimizer, precision, batch...) go along;
-    # the planner's own (topology, partition) do not
-    extra = run_overrides(cfg.optim, best)  # the optimizer a host step runs (auto.host_optimizer)
-    keys = {a.split("=", 1)[0] for a in extra}
-    run_overrides_ = [a for a in args if not a.lstrip("+~").startswith(("topology", "partition"))]
-    run_overrides_ = [a for a in run_overrides_ if a.lstrip("+~").split("=", 1)[0] not in keys] + extra
-    print(
-        f"\nplan written to {path}; run it with\n  {launch} -m pipedream2bw.train "
-        + " ".join([*run_overrides_, "partition=file", f"partition.path={path}"])
-    )
+    print(f"\nplan written to {path}; run it with\n  {_run_line(cfg, args, best, path)}")
     return 0
+
+
+def mesh_line(plan) -> str:
+    """The plan's mesh in words: ``'mesh 8 x 16 x 8 (stages x replicas x tensor ranks), 1024 ranks; a tensor group is 8
+    consecutive ranks on one node'``."""
+    line = f"mesh {plan.mesh} (stages x replicas x tensor ranks), {plan.num_ranks} ranks"
+    if plan.tensor_parallel > 1:
+        sp = ", sequence parallel" if plan.sequence_parallel else ""
+        line += f"; a tensor group is {plan.tensor_parallel} consecutive ranks on one node{sp}"
+    return line
 
 
 def _out_option(args):
@@ -143,6 +145,23 @@ def _out_option(args):
         else:
             rest.append(a)
     return rest, out
+
+
+def _run_line(cfg, args, best, path) -> str:
+    """The command that trains what was planned: the overrides that shape it (model, optimizer, precision,
+    batch...) go along; the planner's own (topology, partition) do not."""
+    from partitioner.auto import run_overrides
+
+    nproc = best.num_ranks
+    launch = f"torchrun --nproc-per-node {nproc}" if cfg.topology.nodes == 1 else f"torchrun ({nproc} ranks)"
+    extra = run_overrides(cfg.optim, best)  # the optimizer a host step runs (auto.host_optimizer)
+    extra += [f"pipeline.tensor_parallel={best.tensor_parallel}"] if best.tensor_parallel > 1 else []
+    if cfg.pipeline.schedule == time_to_loss.AUTO:
+        extra.append(f"pipeline.schedule={best.schedule}")
+    keys = {a.split("=", 1)[0] for a in extra}
+    run_overrides_ = [a for a in args if not a.lstrip("+~").startswith(("topology", "partition"))]
+    run_overrides_ = [a for a in run_overrides_ if a.lstrip("+~").split("=", 1)[0] not in keys] + extra
+    return f"{launch} -m pipedream2bw.train " + " ".join([*run_overrides_, "partition=file", f"partition.path={path}"])
 
 
 if __name__ == "__main__":

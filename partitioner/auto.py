@@ -14,8 +14,10 @@ from typing import List, Optional, Tuple
 
 import torch
 
+from partitioner import time_to_loss
 from partitioner.planner import HostFigures, Plan, Request, _order, _streams, plan
 from partitioner.profile import analytic_gpt, profile_gpt, profile_layer_list, runtime_baseline_bytes
+from partitioner.tensor import TensorShape
 from partitioner.topology import GIB, num_devices
 from pipedream2bw.config import (
     SCHEDULES,
@@ -26,10 +28,12 @@ from pipedream2bw.config import (
     SwapConfig,
     TopologyConfig,
     TrainConfig,
+    model_num_layers,
 )
 from pipedream2bw.config.optimizers import correction_in_effect, is_muon
 from pipedream2bw.errors import ConfigError
 from pipedream2bw.memory import precision as precisions
+from pipedream2bw.models.gpt import layer_kind
 
 log = logging.getLogger(__name__)
 
@@ -93,9 +97,41 @@ def uses_profile(cfg: Config) -> bool:
     return costs == "profile"
 
 
+def tensor_request(cfg: Config, precision: str, *, search: Optional[bool] = None) -> dict:
+    """The Request's tensor fields: the GPT's split (``tensor.TensorShape``; other models: none), the widths to try
+    (``pipeline.tensor_parallel`` > 1 pins it; else every width, where ``search`` or, left None, where the runtime has
+    the key: a runtime without it never gets a plan it cannot run) and ``pipeline.sequence_parallel``."""
+    p = cfg.pipeline
+    pinned = getattr(p, "tensor_parallel", 1)
+    search = hasattr(p, "tensor_parallel") if search is None else search
+    shape = None
+    if isinstance(cfg.model, GPTConfig) and (search or pinned != 1):
+        m = cfg.model
+        shape = TensorShape(
+            num_heads=m.num_heads,
+            mlp_width=4 * m.d_model,
+            d_model=m.d_model,
+            seq_len=m.seq_len,
+            vocab_size=m.vocab_size,
+            act_bytes=precisions.compute_dtype(precision).itemsize,
+            kinds=tuple(layer_kind(m, i) for i in range(model_num_layers(m))),
+        )
+    return dict(
+        tensor=shape,
+        tensor_widths=[pinned] if pinned != 1 else None,
+        sequence_parallel=bool(getattr(p, "sequence_parallel", False)),
+    )
+
+
 def make_request(
-    cfg: Config, *, devices: Optional[int] = None, topology: Optional[TopologyConfig] = None, runtime_bytes=None
+    cfg: Config,
+    *,
+    devices: Optional[int] = None,
+    topology: Optional[TopologyConfig] = None,
+    runtime_bytes=None,
+    search_tensor: Optional[bool] = None,
 ) -> Request:
+    """The planner's Request for ``cfg`` (``search_tensor``: ``tensor_request``'s ``search``)."""
     topo = topology or cfg.topology
     p = cfg.pipeline
     if p.schedule not in SCHEDULES:
@@ -138,6 +174,7 @@ def make_request(
         stream=cfg.partition.stream and not cfg.train.eval_every,
         weight_prefetch=cfg.swap.weight_prefetch,
         host=HostFigures(step=cfg.swap.host_step),
+        **tensor_request(cfg, planned_precision(cfg, topo), search=search_tensor),
     )
     return dataclasses.replace(req, host=host_figures(cfg)) if _streams(req, 1) else req
 
@@ -166,7 +203,11 @@ def plan_config(cfg: Config, *, runners_up: int = 4, layers=None, loss_fn=None, 
         ConfigError: nothing fits (the message names the memory or devices that would), or analytic
             costs asked for a model that is not the GPT.
     """
+    if cfg.pipeline.schedule == time_to_loss.AUTO:
+        return _plan_schedules(cfg, runners_up=runners_up, layers=layers, loss_fn=loss_fn, **request_kwargs)
     req = make_request(cfg, **request_kwargs)
+    if layers is not None:  # a layer list the planner does not know how to split: t = 1 (a pinned t is refused)
+        req = dataclasses.replace(req, tensor=None)
     # error feedback's state exists only under 2bw: a flush or gpipe plan does not pay its 4 B a parameter
     optim = dataclasses.replace(cfg.optim, delay_correction=correction_in_effect(cfg.optim, cfg.pipeline.schedule))
     costs = _cost_fns(cfg, req, layers=layers, loss_fn=loss_fn)
@@ -186,6 +227,33 @@ def plan_config(cfg: Config, *, runners_up: int = 4, layers=None, loss_fn=None, 
         raise error
     found = resident + streamed
     return [found[i] for i in _order(found, req.objective, req.tolerance)][: runners_up + 1]
+
+
+def _plan_schedules(cfg: Config, *, runners_up: int, **kwargs) -> List[Plan]:
+    """schedule=auto: each of ``time_to_loss.CANDIDATES`` planned, the plans ranked by their time to a loss (batch
+    time x steps factor) under the throughput objective (by peak memory, then that time, under memory); each plan
+    records every candidate's best time (``schedule_choice``)."""
+    found, choice, error = [], {}, None
+    for schedule in time_to_loss.CANDIDATES:
+        one = dataclasses.replace(cfg, pipeline=dataclasses.replace(cfg.pipeline, schedule=schedule))
+        try:
+            plans = plan_config(one, runners_up=runners_up, **kwargs)
+        except ConfigError as e:
+            error = error or e
+            continue
+        factor = time_to_loss.steps_factor(schedule, cfg.optim)
+        plans = [dataclasses.replace(p, predicted_steps_factor=math.inf if factor is None else factor) for p in plans]
+        choice[schedule] = min(time_to_loss.time_per_step(p.predicted_batch_time_s, factor) for p in plans)
+        found += plans
+    if not found:
+        raise error
+
+    def key(p: Plan) -> tuple:
+        t = p.predicted_batch_time_s * p.predicted_steps_factor
+        return (max(p.predicted_peak_memory_bytes), t) if cfg.partition.objective == "memory" else (t,)
+
+    best = sorted(found, key=key)[: runners_up + 1]
+    return [dataclasses.replace(p, schedule_choice=dict(choice)) for p in best]
 
 
 def _cost_fns(cfg: Config, req: Request, *, layers, loss_fn):
@@ -261,12 +329,22 @@ def apply_plan(
         ConfigError: the plan needs another number of ranks, or another model; the run sets swap.weights and
             the plan streams nothing; the plan streams stages that do not swap (the runtime streams exactly those).
     """
-    if p.num_stages * p.data_parallel != world_size:
+    if p.num_ranks != world_size:
         raise ConfigError(
-            f"the plan runs {p.num_stages} stages x {p.data_parallel} replicas = {p.num_stages * p.data_parallel} "
-            f"ranks but {world_size} were launched; launch {p.num_stages * p.data_parallel} ranks or plan again "
+            f"the plan runs {p.num_stages} stages x {p.data_parallel} replicas x {p.tensor_parallel} tensor ranks = "
+            f"{p.num_ranks} ranks but {world_size} were launched; launch {p.num_ranks} ranks or plan again "
             f"for {world_size}"
         )
+    tensor = {}
+    if hasattr(pipeline, "tensor_parallel"):
+        tensor = dict(tensor_parallel=p.tensor_parallel)
+    elif p.tensor_parallel > 1:
+        raise ConfigError(
+            f"the plan splits each stage over {p.tensor_parallel} tensor ranks but this runtime has no "
+            "pipeline.tensor_parallel: run a plan whose tensor_parallel is 1 (partition=auto plans one for it)"
+        )
+    if hasattr(pipeline, "sequence_parallel"):
+        tensor["sequence_parallel"] = p.sequence_parallel
     if sum(p.balance) != num_layers:
         raise ConfigError(
             f"the plan's balance {p.balance} covers {sum(p.balance)} layers but the model has {num_layers}; "
@@ -282,6 +360,7 @@ def apply_plan(
         balance=list(p.balance),
         rank_map=[list(r) for r in p.rank_map],
         recompute=p.recompute,
+        **tensor,
     )
     if p.stream_stages and sorted(p.stream_stages) != sorted(p.swap_stages):
         raise ConfigError(

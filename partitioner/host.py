@@ -7,9 +7,9 @@ OMP_NUM_THREADS=1; ``profile.py`` times CPU layers the same way) and cached on d
 
 - ``step_params_per_s``: float32 parameters per second that a host AdamW step takes, with torch's fused CPU kernel
   (``fused=True``) where this torch has one (``host_kernel``: what swap.optimizer=host's step runs with). A step
-  reads the gradient and reads and writes the weight and both moments: 28 bytes a parameter (``ADAMW_STEP_BYTES``),
-  so ``step_bytes_per_s`` is the host's bandwidth for elementwise optimizer work, and any optimizer's host step
-  takes the bytes it reads and writes over it (``cost.py``'s host step);
+  reads the gradient and reads and writes the weight and both moments: 28 bytes a parameter
+  (``host_optim.adam_step_bytes``), so ``step_bytes_per_s`` is the host's bandwidth for elementwise optimizer
+  work, and any optimizer's host step takes the bytes it reads and writes over it (``cost.py``'s host step);
 - ``copy_bytes_per_s``: bytes per second one large host tensor copy moves (``dst.copy_(src)``): what a CPU "device"
   copy of a streamed layer costs, and (reading one buffer and writing another, about as an add does) the host's
   sums of a streamed stage's gradients over the microbatches;
@@ -38,7 +38,6 @@ import torch
 from pipedream2bw.io.fileio import atomic_write_text
 
 CACHE_VERSION = 3  # 3: the step timed by the runtime's measurement (2: the fastest of 7; 1: their median)
-ADAMW_STEP_BYTES = 28  # float32 AdamW, per parameter: gradient read (4), weight and two moments read and written (24)
 
 
 @dataclass(frozen=True)
@@ -53,7 +52,9 @@ class HostProfile:
     @property
     def step_bytes_per_s(self) -> float:
         """Bytes per second an elementwise host optimizer step reads and writes (AdamW's, measured)."""
-        return self.step_params_per_s * ADAMW_STEP_BYTES
+        from pipedream2bw.memory.host_optim import adam_step_bytes
+
+        return self.step_params_per_s * adam_step_bytes()
 
     def describe(self) -> str:
         return (

@@ -1,4 +1,4 @@
-"""Pure: search over (d, w), b, recomputation and per-stage swapping, with exact stage boundaries.
+"""Pure: search over (d, w, t), b, recomputation and per-stage swapping, with exact stage boundaries.
 
 For one candidate (d, w, b, recompute) the boundaries come from a dynamic program over the
 layer list (docs/design.md section 4)::
@@ -11,6 +11,9 @@ Stage index matters (stage s holds min(d - s, m) microbatches in flight, links d
 the program runs over absolute stage positions. A stage that does not fit swaps its
 activations to host memory if allowed (``swap``), paying the stall. The best candidates are
 then run through the schedule simulator, whose time and peak memory the plan reports.
+
+A tensor width t > 1 (``partitioner.tensor``) splits each stage's layers over t ranks of one node: the search runs
+on one rank's costs (``tensor.split_layers``) over a d x w mesh of tensor groups, group g being ranks g*t .. g*t+t-1.
 """
 
 from __future__ import annotations
@@ -44,7 +47,16 @@ from partitioner.plans import (  # noqa: F401
     stage_table,
     table,
 )
-from partitioner.topology import GIB, LOCAL, host_device_bandwidth, make_rank_map, p2p_links, replica_links
+from partitioner.tensor import TENSOR_EFFICIENCY, TensorShape, check_width, split_layers, widths
+from partitioner.topology import (
+    GIB,
+    LOCAL,
+    host_device_bandwidth,
+    intra_link,
+    make_rank_map,
+    p2p_links,
+    replica_links,
+)
 from pipedream2bw.config import TopologyConfig
 from pipedream2bw.errors import ConfigError
 from pipedream2bw.memory.precision import param_memory, step_waits
@@ -241,6 +253,13 @@ class Request:
     stream: bool = True  # partition.stream: may stages stream their weights from host memory (w = 1, see _streams)
     weight_prefetch: int = 1  # swap.weight_prefetch: the streamed stages' window
     host: HostFigures = HostFigures()  # the host's step and copies (a streaming plan steps every stage there)
+    # tensor parallelism (partitioner.tensor): the model's split (None: its layers cannot be split, t = 1), the widths
+    # to try (None: every t that divides the heads, the MLP width and a node's devices), sequence parallelism, and
+    # the split compute's efficiency
+    tensor: Optional[TensorShape] = None
+    tensor_widths: Optional[Sequence[int]] = None
+    sequence_parallel: bool = False
+    tensor_efficiency: float = TENSOR_EFFICIENCY
 
 
 CostFn = Callable[[int], Sequence[LayerCost]]  # microbatch size -> per-layer costs
@@ -254,26 +273,43 @@ def _candidates(req: Request, num_layers: int):
             f"partition.tolerance ({req.tolerance}) must be in [0, 1): "
             f"the fraction of the best objective within which plans tie"
         )
-    B = req.global_batch_size
-    depths = req.depths or [d for d in divisors(req.devices) if d <= num_layers]
-    for d in depths:
-        if req.devices % d or d > num_layers:
+    for t in widths_to_try(req):
+        for d, w in _meshes(req, num_layers, req.devices // t):
+            yield from _batch_candidates(req, d, w, t)
+
+
+def widths_to_try(req: Request) -> List[int]:
+    """The tensor widths the search takes: ``req.tensor_widths`` (each checked: ``tensor.check_width``), else every
+    width the model and the machine allow (1 where the model cannot be split)."""
+    dpn = req.topology.devices_per_node
+    if req.tensor_widths is not None:
+        for t in req.tensor_widths:
+            check_width(req.tensor, t, devices=req.devices, devices_per_node=dpn)
+        return list(req.tensor_widths)
+    return [1] if req.tensor is None else widths(req.tensor, devices=req.devices, devices_per_node=dpn)
+
+
+def _meshes(req: Request, num_layers: int, groups: int):
+    """(d, w) with d * w = ``groups`` (tensor groups), d within the layers and ``req.depths``."""
+    for d in req.depths or [d for d in divisors(groups) if d <= num_layers]:
+        if not (groups % d or d > num_layers):
+            yield d, groups // d
+
+
+def _batch_candidates(req: Request, d: int, w: int, t: int):
+    """(d, w, t, b, m, recompute, sharded) of one mesh: each b dividing the replica's batch (2bw: m >= d)."""
+    if req.global_batch_size % w:
+        return
+    per_replica = req.global_batch_size // w
+    bs = req.microbatch_sizes or [b for b in divisors(per_replica) if b <= req.max_microbatch_size]
+    for b in bs:
+        m = per_replica // b
+        if per_replica % b or (req.schedule == "2bw" and m < d):
             continue
-        w = req.devices // d
-        if B % w:
-            continue
-        per_replica = B // w
-        bs = req.microbatch_sizes or [b for b in divisors(per_replica) if b <= req.max_microbatch_size]
-        for b in bs:
-            if per_replica % b:
-                continue
-            m = per_replica // b
-            if req.schedule == "2bw" and m < d:
-                continue
-            for rc in [req.recompute] if req.recompute is not None else [False, True]:
-                for sh in [req.sharded] if req.sharded is not None else [False, True]:
-                    if not (sh and w == 1):  # nothing to shard over: the unsharded candidate
-                        yield d, w, b, m, rc, sh
+        for rc in [req.recompute] if req.recompute is not None else [False, True]:
+            for sh in [req.sharded] if req.sharded is not None else [False, True]:
+                if not (sh and w == 1):  # nothing to shard over: the unsharded candidate
+                    yield d, w, t, b, m, rc, sh
 
 
 @dataclass(frozen=True)
@@ -290,6 +326,7 @@ class _Split:
     rank_map: List[List[int]]
     contexts: Sequence[StageContext]  # one per stage, built with swap=False; swap_flags decide
     stream: bool = False  # the stages that swap_flags name stream their weights too (swap.weights)
+    tensor_parallel: int = 1  # t: each stage's layers split over t ranks (seg holds one rank's costs)
 
     @property
     def num_stages(self) -> int:
@@ -317,23 +354,25 @@ class _Split:
 def _make_plan(req: Request, split: _Split, *, simulate_it: bool) -> Plan:
     """The Plan for ``split``: its figures from the schedule simulator (``simulate_it``), else the
     cheaper bound the search ranks by (the slowest stage, or the CPU cores' total work if slower)."""
-    d, w, m = split.num_stages, split.data_parallel, split.num_microbatches
+    d, w, m, t = split.num_stages, split.data_parallel, split.num_microbatches, split.tensor_parallel
     bounds = [*split.starts, split.seg.n]
     stages = split.stage_costs()
     cores = req.topology.cores if req.topology.device == "cpu" else None
-    if simulate_it:
-        sim = simulate(stages, schedule=req.schedule, num_microbatches=m, data_parallel=w, cores=cores)
+    if simulate_it:  # the cores' share: the w x t ranks of each stage
+        sim = simulate(stages, schedule=req.schedule, num_microbatches=m, data_parallel=w * t, cores=cores)
         batch_time, peaks = sim.batch_time_s, sim.peak_memory_bytes
     else:
         batch_time = max(st["batch_s"] for st in stages)
         if cores:
-            busy = w * sum(m * (st["forward_s"] + st["backward_s"]) + st["step_s"] for st in stages)
+            busy = w * t * sum(m * (st["forward_s"] + st["backward_s"]) + st["step_s"] for st in stages)
             batch_time = max(batch_time, busy / cores)
         peaks = [st["memory"] for st in stages]
     return Plan(
         schedule=req.schedule,
         num_stages=d,
         data_parallel=w,
+        tensor_parallel=t,
+        sequence_parallel=req.sequence_parallel and t > 1,
         microbatch_size=split.microbatch_size,
         num_microbatches=m,
         global_batch_size=req.global_batch_size,
@@ -368,11 +407,17 @@ def _make_plan(req: Request, split: _Split, *, simulate_it: bool) -> Plan:
     )
 
 
-def _contexts(req: Request, rank_map, *, m: int, recompute: bool, sharded: bool) -> List[StageContext]:
-    """``stage_contexts`` of one candidate of ``req``."""
+def group_topology(topo: TopologyConfig, t: int) -> TopologyConfig:
+    """The machine as a mesh of tensor groups of ``t`` ranks: a node holds ``devices_per_node / t`` of them (the
+    planner's rank maps and links count groups; group g is ranks g*t .. g*t+t-1, on one node)."""
+    return dataclasses.replace(topo, devices_per_node=topo.devices_per_node // t) if t > 1 else topo
+
+
+def _contexts(req: Request, rank_map, *, m: int, recompute: bool, sharded: bool, t: int = 1) -> List[StageContext]:
+    """``stage_contexts`` of one candidate of ``req`` (``rank_map`` in tensor groups of ``t`` ranks)."""
     d, w = len(rank_map), len(rank_map[0])
     return stage_contexts(
-        req.topology,
+        group_topology(req.topology, t),
         rank_map,
         schedule=req.schedule,
         num_microbatches=m,
@@ -400,23 +445,27 @@ def plan(cost_fn: CostFn, req: Request, *, runners_up: int = 4, explain: bool = 
         ConfigError: nothing fits; says the smallest per-device memory, or the fewest devices, that would, and
             (``explain``) which of the search's options left out would find a plan.
     """
-    cache: Dict[int, Segments] = {}
+    whole: Dict[int, List[LayerCost]] = {}
+    cache: Dict[Tuple[int, int], Segments] = {}
 
-    def segments(b: int) -> Segments:
-        if b not in cache:
-            cache[b] = Segments(cost_fn(b))
-        return cache[b]
+    def segments(b: int, t: int = 1) -> Segments:
+        """One rank's costs at microbatch size ``b`` and tensor width ``t``."""
+        if b not in whole:
+            whole[b] = list(cost_fn(b))
+        if (b, t) not in cache:
+            cache[b, t] = Segments(_split_layers(req, whole[b], b, t))
+        return cache[b, t]
 
     num_layers = segments(1 if req.microbatch_sizes is None else req.microbatch_sizes[0]).n
     found: List[Tuple[tuple, Plan, _Split]] = []
     tried = 0
-    for d, w, b, m, rc, sh in _candidates(req, num_layers):
+    for d, w, t, b, m, rc, sh in _candidates(req, num_layers):
         tried += 1
-        seg = segments(b)
-        rank_map = make_rank_map(req.topology, d, w)
-        ctxs = _contexts(req, rank_map, m=m, recompute=rc, sharded=sh)
+        seg = segments(b, t)
+        rank_map = make_rank_map(group_topology(req.topology, t), d, w)
+        ctxs = _contexts(req, rank_map, m=m, recompute=rc, sharded=sh, t=t)
         resident = False
-        for stream in [False, True] if _streams(req, w) else [False]:
+        for stream in [False, True] if _streams(req, w, t) else [False]:
             res = partition(
                 seg,
                 ctxs,
@@ -431,7 +480,7 @@ def plan(cost_fn: CostFn, req: Request, *, runners_up: int = 4, explain: bool = 
             if res is None or (stream and resident and not any(res[2])):
                 continue
             split = _Split(seg, w, b, m, rc, starts=res[1], swap_flags=res[2], rank_map=rank_map, contexts=ctxs)
-            split = dataclasses.replace(split, stream=stream)
+            split = dataclasses.replace(split, stream=stream, tensor_parallel=t)
             if stream and not _host_fits(req, split):
                 continue
             p = _make_plan(req, split, simulate_it=False)
@@ -487,12 +536,23 @@ def _order(plans: Sequence[Plan], objective: str, tolerance: float) -> List[int]
     return near + rest
 
 
-def _streams(req: Request, w: int) -> bool:
-    """Whether a candidate with ``w`` replicas may stream weights: what the runtime's swap.weights accepts
-    (config/validate.py, run/start.py) and where it saves device memory (a GPU's, not the host's own)."""
+def _split_layers(req: Request, layers: Sequence[LayerCost], b: int, t: int) -> List[LayerCost]:
+    """One rank's costs of ``layers`` split ``t`` ways (``tensor.split_layers``, collectives on the intra-node link)."""
+    if t == 1:
+        return list(layers)
+    link = intra_link(req.topology)
+    sp, eff = req.sequence_parallel, req.tensor_efficiency
+    return split_layers(layers, req.tensor, t, b=b, link=link, sequence_parallel=sp, efficiency=eff)
+
+
+def _streams(req: Request, w: int, t: int = 1) -> bool:
+    """Whether a candidate with ``w`` replicas of ``t`` ranks may stream weights: what the runtime's swap.weights
+    accepts (config/validate.py, run/start.py: one replica, no tensor split) and where it saves device memory (a
+    GPU's, not the host's own)."""
     return (
         req.stream
         and w == 1
+        and t == 1
         and req.topology.device == "cuda"
         and req.weight_dtype == "fp32"
         and not (req.step_agreement or req.tied)  # fp16, clipping and skip need a step agreement
@@ -541,9 +601,19 @@ def _waits(req: Request, d: int, w: int, *, sharded: bool) -> List[bool]:
 
 
 def _min_memory(
-    seg: Segments, req: Request, d: int, w: int, b: int, m: int, *, devices_topo: TopologyConfig, sharded: bool = False
+    seg: Segments,
+    req: Request,
+    d: int,
+    w: int,
+    b: int,
+    m: int,
+    *,
+    devices_topo: TopologyConfig,
+    sharded: bool = False,
+    t: int = 1,
 ) -> float:
-    """Lowest possible peak memory per device at (d, w, b), recomputing and swapping."""
+    """Lowest possible peak memory per device at (d, w, t, b), recomputing and swapping (``seg``: one rank's costs)."""
+    devices_topo = group_topology(devices_topo, t)
     rank_map = make_rank_map(devices_topo, d, w)
     eps = req.runtime_bytes if isinstance(req.runtime_bytes, (int, float)) else max(req.runtime_bytes)
     ctxs = stage_contexts(
@@ -562,13 +632,13 @@ def _min_memory(
         stream_window=req.weight_prefetch,
     )
     best = math.inf
-    for stream in [False, True] if _streams(req, w) else [False]:
+    for stream in [False, True] if _streams(req, w, t) else [False]:
         res = partition(seg, ctxs, capacity=math.inf, objective="memory", allow_swap=req.swap, stream=stream)
         best = min(best, math.inf if res is None else res[0])
     return best
 
 
-def _infeasible_message(segments: Callable[[int], Segments], req: Request, tried: int, num_layers: int) -> str:
+def _infeasible_message(segments: Callable[..., Segments], req: Request, tried: int, num_layers: int) -> str:
     cap = req.memory_per_device_bytes / GIB
     what = (
         f"no plan fits: {num_layers} layers, global batch {req.global_batch_size}, {req.schedule}, "
@@ -576,37 +646,47 @@ def _infeasible_message(segments: Callable[[int], Segments], req: Request, tried
     )
     if tried == 0:
         return (
-            f"{what}: no (d, w, b) divides the global batch with d*w = {req.devices} devices "
+            f"{what}: no (d, w, t, b) divides the global batch with d*w*t = {req.devices} devices "
             f"(2bw also needs m >= d){_what_would_fit(segments, req)}; change train.global_batch_size, the device "
             f"count or partition.depths/microbatch_sizes"
         )
     # The smallest per-device memory on these devices: the memory objective without a cap.
     best = math.inf
     relaxed = dataclasses.replace(req, microbatch_sizes=None, depths=None, recompute=None)
-    for d, w, b, m, rc, sh in _candidates(relaxed, num_layers):
+    for d, w, t, b, m, rc, sh in _candidates(relaxed, num_layers):
         if rc:
-            best = min(best, _min_memory(segments(b), req, d, w, b, m, devices_topo=req.topology, sharded=sh))
-    # The fewest devices at this memory: deeper pipelines (w = 1, b = 1) until one fits.
-    fewest = None
-    big = dataclasses.replace(req.topology, nodes=1, devices_per_node=num_layers)
-    for d in range(1, num_layers + 1):
-        m = req.global_batch_size
-        if req.schedule == "2bw" and m < d:
-            break
-        if _min_memory(segments(1), req, d, 1, 1, m, devices_topo=big) <= req.memory_per_device_bytes:
-            fewest = d
-            break
+            seg = segments(b, t)
+            best = min(best, _min_memory(seg, req, d, w, b, m, devices_topo=req.topology, sharded=sh, t=t))
+    fewest = _fewest_devices(segments, req, num_layers)
     fix = f"needs at least {best / GIB:.3g} GiB per device on {req.devices} devices"
-    fix += (
-        f", or a pipeline of at least {fewest} stages of {cap:.3g} GiB (at least {fewest} devices, "
-        f"a multiple of the depth)"
-        if fewest
-        else f"; even a {num_layers}-stage pipeline does not fit in {cap:.3g} GiB"
-    )
+    if fewest:
+        d, t = fewest
+        mesh = f"{d} stages of {cap:.3g} GiB" if t == 1 else f"{d} stages x {t} tensor ranks of {cap:.3g} GiB"
+        fix += f", or a pipeline of at least {mesh} (at least {d * t} devices, a multiple of the depth)"
+    else:
+        fix += f"; even a {num_layers}-stage pipeline does not fit in {cap:.3g} GiB"
     return (
         f"{what}: it {fix}{_what_would_fit(segments, req)}; raise topology.memory_per_device_gib "
         f"(topology.host_memory_gib for ranks sharing a CPU host) or the device count, or lower the batch"
     )
+
+
+def _fewest_devices(segments: Callable[..., Segments], req: Request, num_layers: int) -> Optional[Tuple[int, int]]:
+    """(d, t) of the fewest devices d*t that hold the model at this memory: for each tensor width the search may take
+    (within a node), the shallowest pipeline (w = 1, b = 1) that fits; ``None`` when none does."""
+    dpn = req.topology.devices_per_node
+    ts = [1] if req.tensor is None else widths(req.tensor, devices=dpn, devices_per_node=dpn)
+    fewest = None
+    for t in ts:
+        big = dataclasses.replace(req.topology, nodes=1, devices_per_node=num_layers * t)
+        for d in range(1, num_layers + 1):
+            if (req.schedule == "2bw" and req.global_batch_size < d) or (fewest and d * t >= fewest[0] * fewest[1]):
+                break
+            m = req.global_batch_size
+            if _min_memory(segments(1, t), req, d, 1, 1, m, devices_topo=big, t=t) <= req.memory_per_device_bytes:
+                fewest = (d, t)
+                break
+    return fewest
 
 
 # What the search left out, each as (what it is, the setting that lets the planner use it, the Request it changes),
@@ -623,11 +703,17 @@ _LEFT_OUT = (
         {"microbatch_sizes": None},
     ),
     ("any depth", "partition.depths=null", lambda r: r.depths is not None, {"depths": None}),
+    (
+        "any tensor width",
+        "pipeline.tensor_parallel=1: the planner searches t",
+        lambda r: r.tensor is not None and r.tensor_widths is not None,
+        {"tensor_widths": None},
+    ),
 )
 
 
-def _what_would_fit(segments: Callable[[int], Segments], req: Request) -> str:
-    """``'; with sharding (partition.sharded=null) it fits: 2 x 4, b 1, peak 3.1 GiB'``: the search run again with
+def _what_would_fit(segments: Callable[..., Segments], req: Request) -> str:
+    """``'; with sharding (partition.sharded=null) it fits: 2 x 4 x 1, b 1, peak 3.1 GiB'``: the search run again with
     each option ``req`` leaves out (``_LEFT_OUT``), then with all of them together; ``''`` when it leaves none out."""
     left_out = [(name, key, change) for name, key, applies, change in _LEFT_OUT if applies(req)]
     if not left_out:
@@ -642,7 +728,7 @@ def _what_would_fit(segments: Callable[[int], Segments], req: Request) -> str:
 
     def fits(p: Plan) -> str:
         peak = max(p.predicted_peak_memory_bytes) / GIB
-        return f"{p.num_stages} x {p.data_parallel}, b {p.microbatch_size}, peak {peak:.3g} GiB"
+        return f"{p.num_stages} x {p.data_parallel} x {p.tensor_parallel}, b {p.microbatch_size}, peak {peak:.3g} GiB"
 
     found = [(name, key, p) for name, key, change in left_out if (p := best(change)) is not None]
     if found:

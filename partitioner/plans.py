@@ -53,11 +53,28 @@ class Plan:
     predicted_bound: str = ""  # the slowest stage's busiest resource: what bounds the plan
     host: str = ""  # the host's figures (partitioner.host) that its host steps were costed with
     host_optimizer: bool = False  # swap.optimizer=host on every stage: a plan that may stream (stream_stages or none)
+    # pipeline.tensor_parallel: each stage's layers split over t ranks of one node (partitioner/tensor.py); rank_map
+    # then counts tensor groups: (stage s, replica r) runs on ranks rank_map[s][r] * t .. rank_map[s][r] * t + t - 1
+    tensor_parallel: int = 1
+    sequence_parallel: bool = False  # the costs split the norms' and the replicated activations along the sequence
+    predicted_steps_factor: float = 1.0  # steps to a loss over a synchronous schedule's (time_to_loss.steps_factor)
+    schedule_choice: Dict[str, float] = field(default_factory=dict)  # schedule=auto: each candidate's best plan's
+    # batch time x steps factor (seconds a synchronous step's worth of progress; .inf: not known to reach the loss)
 
     @property
     def steps_on_host(self) -> bool:
         """Whether the plan's stages step their optimizers on the host (it streams, or keeps the state there)."""
         return self.host_optimizer or bool(self.stream_stages)
+
+    @property
+    def num_ranks(self) -> int:
+        """Ranks the plan runs on: d x w x t."""
+        return self.num_stages * self.data_parallel * self.tensor_parallel
+
+    @property
+    def mesh(self) -> str:
+        """``'8 x 16 x 8'``: stages x replicas x tensor ranks (the mesh, tensor innermost)."""
+        return f"{self.num_stages} x {self.data_parallel} x {self.tensor_parallel}"
 
     @property
     def boundaries(self) -> List[int]:
@@ -66,8 +83,10 @@ class Plan:
 
     def row(self) -> Dict[str, str]:
         """One line of the CLI's table."""
+        schedule = {"schedule": self.schedule} if self.schedule_choice else {}  # schedule=auto's plans differ in it
         return {
-            "d x w": f"{self.num_stages} x {self.data_parallel}",
+            **schedule,
+            "d x w x t": self.mesh,
             "b": str(self.microbatch_size),
             "m": str(self.num_microbatches),
             "recompute": "yes" if self.recompute else "no",

@@ -59,9 +59,31 @@ def _world_size(args) -> Tuple[Optional[int], int]:
     return (nproc * high if low == high else None), nproc
 
 
+def _option(options: Sequence[str], *names: str) -> Optional[str]:
+    """The value of the last of torchrun's ``options`` named one of ``names`` (``--x V`` or ``--x=V``), or None."""
+    value = None
+    for i, arg in enumerate(options):
+        name, eq, v = arg.partition("=")
+        if name in names:
+            value = v if eq else (options[i + 1] if i + 1 < len(options) else None)
+    return value
+
+
+def _plain_world_size(options: Sequence[str]) -> Optional[Tuple[Optional[int], int]]:
+    """``_world_size`` read from the options themselves where they are numbers (``--nproc-per-node 4``,
+    ``--nnodes 2`` or ``2:2``; None in all for an elastic ``MIN:MAX``); None where torchrun's parser must count
+    (``--nproc-per-node gpu``)."""
+    nproc = _option(options, "--nproc-per-node", "--nproc_per_node") or "1"
+    low, _, high = (_option(options, "--nnodes") or "1").partition(":")
+    if not (nproc.isdigit() and low.isdigit() and (high or low).isdigit()):
+        return None
+    return (int(nproc) * int(low) if low == (high or low) else None), int(nproc)
+
+
 def config_ranks(overrides: Sequence[str]) -> Optional[int]:
-    """pipeline.num_stages x pipeline.data_parallel of the composed config under partition=manual (the ranks to
-    launch when --nproc-per-node is not given); None where the plan decides them or the config does not compose."""
+    """pipeline.num_stages x pipeline.data_parallel x pipeline.tensor_parallel of the composed config under
+    partition=manual (the ranks to launch when --nproc-per-node is not given); None where the plan decides them or
+    the config does not compose."""
     from omegaconf import OmegaConf
 
     from pipedream2bw import precheck
@@ -77,7 +99,9 @@ def config_ranks(overrides: Sequence[str]) -> Optional[int]:
     if OmegaConf.select(cfg, "partition.mode") != "manual":
         return None
     d, w = OmegaConf.select(cfg, "pipeline.num_stages"), OmegaConf.select(cfg, "pipeline.data_parallel")
-    return d * w if isinstance(d, int) and isinstance(w, int) and d > 0 and w > 0 else None
+    t = OmegaConf.select(cfg, "pipeline.tensor_parallel", default=1)
+    shape = (d, w, t)
+    return d * w * t if all(isinstance(n, int) and n > 0 for n in shape) else None
 
 
 def check(overrides: Sequence[str], *, world_size: Optional[int], local_world_size: int) -> Optional[str]:
@@ -171,19 +195,26 @@ def launch(argv: Sequence[str]) -> int:
     if not any(o.startswith(("--nproc-per-node", "--nproc_per_node")) for o in options):
         ranks = config_ranks(train_args)  # torchrun's default is 1, which the default 4 stages refuse
         options = [*options, "--nproc-per-node", str(ranks)] if ranks else options
-    args = _parse_torchrun_args([*options, "-m", "pipedream2bw.train", *train_args])
-    if args is None:
-        return EXIT_BAD_INPUT
-    world_size, nproc = _world_size(args)
     if any(a in ("-h", "--help") for a in train_args):
         from pipedream2bw.config.docs import help_text
 
         print(USAGE, end="\n\n")
         print(help_text(train_args, config_name="config"))
         return 0
+    sizes = _plain_world_size(options)  # without torch: the check of a mistake needs none
+    args = None
+    if sizes is None:  # --nproc-per-node gpu|auto|cpu: torchrun's own parser counts them
+        args = _parse_torchrun_args([*options, "-m", "pipedream2bw.train", *train_args])
+        if args is None:
+            return EXIT_BAD_INPUT
+        sizes = _world_size(args)
+    world_size, nproc = sizes
     mistake = check(train_args, world_size=world_size, local_world_size=nproc)
     if mistake is not None:
         print(f"bad configuration: {mistake}", file=sys.stderr, flush=True)
+        return EXIT_BAD_INPUT
+    args = args or _parse_torchrun_args([*options, "-m", "pipedream2bw.train", *train_args])
+    if args is None:
         return EXIT_BAD_INPUT
     where = f"{nproc} ranks" if world_size == nproc else f"{nproc} ranks on this node"
     print(f"pipedream2bw-train: configuration checked; starting {where} (torchrun)", file=sys.stderr, flush=True)

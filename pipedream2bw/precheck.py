@@ -9,7 +9,9 @@ other ranks wait for torchrun to stop them (it does once rank 0 exits) and print
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 import sys
 import time
@@ -69,13 +71,33 @@ def check(argv: Sequence[str], *, world_size: int, local_world_size: int, config
     if any(a.startswith("-") for a in argv):  # --multirun, --cfg job, --info, ...: Hydra's business
         return None
     overrides: List[str] = [a for a in argv if not a.startswith(("hydra.", "hydra/", "+hydra", "~hydra"))]
+    from pipedream2bw.config import register_configs
+
+    register_configs()
+    with _quiet():
+        return _check(overrides, config_name, world_size=world_size, local_world_size=local_world_size)
+
+
+@contextlib.contextmanager
+def _quiet():
+    """The check logs none of the validation's warnings: the run logs each once, from rank 0 (``logs.quiet_ranks``),
+    where this check would print it once more in the launcher and once in every rank."""
+    package = logging.getLogger("pipedream2bw")
+    level = package.level
+    package.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        package.setLevel(level)
+
+
+def _check(overrides: List[str], config_name: str, *, world_size: int, local_world_size: int) -> Optional[str]:
     from hydra.errors import HydraException
     from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
-    from pipedream2bw.config import TINY_ENV, GPTConfig, default_plan_choices, from_hydra, register_configs, tiny
+    from pipedream2bw.config import TINY_ENV, GPTConfig, default_plan_choices, from_hydra, tiny, validate
     from pipedream2bw.errors import ConfigError
 
-    register_configs()
     try:
         dcfg = _compose(overrides, config_name)
     except (HydraException, OmegaConfBaseException) as e:
@@ -85,9 +107,13 @@ def check(argv: Sequence[str], *, world_size: int, local_world_size: int, config
         if os.environ.get(TINY_ENV, "0") not in ("", "0"):
             cfg = tiny(cfg)
         if isinstance(cfg.model, GPTConfig) and cfg.partition.mode == "manual":
+            plan = default_plan_choices(cfg)
+            # the config's own checks first: they import torch only for the optimizer, so a mistake before it is
+            # found without torch (1-2 s of a check, more under load); the run's checks (data files) import it
+            validate(plan, world_size=world_size, local_world_size=local_world_size)
             from pipedream2bw.run.preflight import check as preflight_check
 
-            preflight_check(default_plan_choices(cfg), world_size=world_size, local_world_size=local_world_size)
+            preflight_check(plan, world_size=world_size, local_world_size=local_world_size)
     except ConfigError as e:
         return str(e)
     except MissingMandatoryValue as e:  # model=custom without model._target_

@@ -3,7 +3,7 @@
     python -m pipedream2bw.sweep -m pipeline.num_stages=1,2,4 pipeline.schedule=2bw,flush,gpipe
 
 Every job (one point of the sweep) launches ``python -m pipedream2bw.train <its overrides>``
-on ``sweep.nproc`` local ranks (default ``num_stages * data_parallel``) through torch's
+on ``sweep.nproc`` local ranks (default ``num_stages * data_parallel * tensor_parallel``) through torch's
 elastic launch API, in its own directory, waits, and records the run's measured throughput,
 per-stage peak memory, final loss and, when summary.json has them, the planner's predicted
 figures. A job that fails (bad config, crash, ``sweep.timeout_s``) is recorded with its error
@@ -141,7 +141,8 @@ def failure_reason(run_dir: Path, launch_error: str) -> str:
 def run_job(cfg: Config, task_overrides: List[str], *, job: int, run_dir: Path, group: str) -> Dict[str, Any]:
     """Launches one training run, waits for it and returns its row; never raises for a failed run."""
     overrides = train_overrides(task_overrides, group=group)
-    nproc = cfg.sweep.nproc or cfg.pipeline.num_stages * cfg.pipeline.data_parallel
+    p = cfg.pipeline
+    nproc = cfg.sweep.nproc or p.num_stages * p.data_parallel * p.tensor_parallel
     log.info("job %d: %d processes: %s", job, nproc, " ".join(overrides))
     start, error = time.monotonic(), None
     try:

@@ -19,7 +19,7 @@ from pipedream2bw.errors import ConfigError
 from pipedream2bw.io import rundir
 from pipedream2bw.io.fileio import atomic_write_text
 from pipedream2bw.pipeline import comm
-from pipedream2bw.run import slurm
+from pipedream2bw.run import logs, slurm
 from pipedream2bw.run.preempt import Preempted
 from pipedream2bw.run.runner import run
 
@@ -34,6 +34,7 @@ _record_subdir: Optional[str] = ".hydra"  # hydra.output_subdir as the user set 
 def main(dcfg: DictConfig) -> None:
     slurm.set_rank_env()  # hydra/launcher=slurm runs this in every task of the job, each a rank (not via cli)
     run_dir = HydraConfig.get().runtime.output_dir
+    logs.quiet_ranks(comm.env_rank()[0])
     try:
         cfg: Config = from_hydra(dcfg)  # the DictConfig stops here
         if os.environ.get(TINY_ENV, "0") not in ("", "0"):

@@ -4,6 +4,7 @@
     python scripts/prepare_tokens.py a.txt b.txt.gz --out data/ab.bin --tokenizer tokenizers:tokenizer.json
     python scripts/prepare_tokens.py corpus.txt --out data/gpt2.bin --tokenizer tiktoken:gpt2
     python scripts/prepare_tokens.py corpus.txt --out data/ft.bin --tokenizer hf:path/to/model  # its tokenizer.json
+    python scripts/prepare_tokens.py docs.jsonl --documents --out data/docs.bin  # + data/docs.bin.docs.npy
 
 The output is what nanoGPT's prepare.py writes (ids back to back, native byte order), plus
 ``<out>.json`` saying its dtype, vocabulary size, token count and tokenizer, which training checks.
@@ -27,7 +28,8 @@ from typing import Callable, Iterator, Sequence, Tuple
 
 import numpy as np
 
-from pipedream2bw.data import BYTE_VOCAB, TOKEN_SUFFIX, meta_path
+from pipedream2bw.data import BYTE_VOCAB, TOKEN_SUFFIX, index_path, meta_path, tokenize_jsonl
+from pipedream2bw.errors import ConfigError
 from pipedream2bw.io.fileio import atomic_open, atomic_write
 
 CHUNK_BYTES = 1 << 22  # text tokenized at a time (about 4 MiB), in whole lines
@@ -164,6 +166,46 @@ def prepare(inputs: Sequence[Path], out: Path, *, tokenizer: str) -> dict:
     return meta
 
 
+def prepare_documents(inputs: Sequence[Path], out: Path, *, tokenizer: str) -> dict:
+    """Writes ``out`` (the documents' ids back to back), ``<out>.docs.npy`` (each document's start, end and prompt
+    tokens: what data.packing=documents packs and masks) and ``<out>.json``; returns the description.
+
+    Raises:
+        SystemExit: bad arguments, or a line that is not a document (naming the file and line).
+    """
+    if out.suffix != TOKEN_SUFFIX:
+        sys.exit(f"--out ({out}) must end in {TOKEN_SUFFIX}: training reads data.path as token ids only then")
+    encode, vocab_size = make_tokenizer(tokenizer)
+    REPLACED.__init__()
+    dtype = "uint16" if vocab_size <= 1 << 16 else "uint32"
+    try:
+        parts = [tokenize_jsonl(path, encode) for path in inputs]
+    except ConfigError as e:
+        sys.exit(str(e))
+    offsets = np.cumsum([0] + [len(p.tokens) for p in parts])
+    index = np.concatenate([p.index + [o, o, 0] for p, o in zip(parts, offsets)])
+    tokens = np.concatenate([p.tokens for p in parts])
+    if tokens.size and (tokens.min() < 0 or tokens.max() >= vocab_size):
+        sys.exit(f"tokenizer {tokenizer} produced id {int(tokens.max())} outside its vocabulary of {vocab_size}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_open(out) as f:
+        tokens.astype(dtype).tofile(f)
+    with atomic_open(index_path(out)) as f:
+        np.save(f, index.astype(np.int64))
+    meta = {
+        "format": 1,
+        "dtype": dtype,
+        "vocab_size": vocab_size,
+        "num_tokens": int(tokens.size),
+        "num_documents": len(index),
+        "tokenizer": tokenizer,
+        "sources": [str(p) for p in inputs],
+        "replaced_bytes": REPLACED.bytes,
+    }
+    atomic_write(meta_path(out), (json.dumps(meta, indent=2) + "\n").encode())
+    return meta
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("inputs", nargs="+", type=Path, help="text files (.txt or .gz), concatenated in order")
@@ -171,11 +213,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument(
         "--tokenizer", default="bytes", help="bytes (default), tokenizers:<tokenizer.json> or tiktoken:<name>"
     )
+    parser.add_argument(
+        "--documents",
+        action="store_true",
+        help='inputs are JSONL documents ({"text"} or {"prompt", "response"}): also write <out>.docs.npy, the '
+        "document index data.packing=documents reads",
+    )
     args = parser.parse_args(argv)
     missing = [str(p) for p in args.inputs if not p.is_file()]
     if missing:
         sys.exit(f"not a file: {', '.join(missing)}")
-    meta = prepare(args.inputs, args.out, tokenizer=args.tokenizer)
+    meta = (prepare_documents if args.documents else prepare)(args.inputs, args.out, tokenizer=args.tokenizer)
     if REPLACED.bytes:
         print(
             f"prepare_tokens.py: {REPLACED.bytes} bytes of invalid UTF-8 on {REPLACED.lines} "
@@ -189,10 +237,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         if args.tokenizer.startswith("hf:")
         else f"model.vocab_size={meta['vocab_size']}"
     )
+    docs = f", {meta['num_documents']} documents" if args.documents else ""
     print(
-        f"{args.out}: {meta['num_tokens']} tokens ({meta['dtype']}), vocabulary {meta['vocab_size']}; train on it "
-        "with\n"
+        f"{args.out}: {meta['num_tokens']} tokens ({meta['dtype']}){docs}, vocabulary {meta['vocab_size']}; train on "
+        "it with\n"
         f"  data.path={args.out} data.token_dtype={meta['dtype']} {model}"
+        + (" data.packing=documents" if args.documents else "")
     )
 
 

@@ -3,6 +3,7 @@ the same ticks with each stage's sends and receives lowered around its actions.
 
 python scripts/show_schedule.py --schedule 2bw --num-stages 4 --num-microbatches 4 --num-batches 2
 python scripts/show_schedule.py --batch-sends    # the lowering under NCCL: sends held for the next receive
+python scripts/show_schedule.py --plan plan.yaml # a plan's schedule (its d, m), first its mesh: d x w x t and the ranks
 """
 
 from __future__ import annotations
@@ -27,6 +28,26 @@ def refusal(schedule: str, d: int, m: int, num_batches: int) -> str:
     return ""
 
 
+def mesh_view(path: str) -> tuple:
+    """A plan file's mesh as text (stages x replicas x tensor ranks; which ranks run each stage's replicas, a tensor
+    group being t consecutive ranks on one node) and its (schedule, d, m)."""
+    from partitioner.plans import load_plan
+
+    plan = load_plan(path)
+    t = plan.tensor_parallel
+    lines = [
+        f"plan {path}: mesh {plan.mesh} (stages x replicas x tensor ranks), {plan.num_ranks} ranks; {plan.schedule}, "
+        f"m {plan.num_microbatches}, b {plan.microbatch_size}; ranks of each stage's replicas"
+        + (f" (tensor groups of {t})" if t > 1 else "")
+        + ":"
+    ]
+    for s, row in enumerate(plan.rank_map):
+        groups = [f"{g * t}-{g * t + t - 1}" if t > 1 else str(g) for g in row]
+        layers = f"{plan.boundaries[s]}-{plan.boundaries[s] + plan.balance[s] - 1}"
+        lines.append(f"  stage {s:>3} (layers {layers}): " + " ".join(groups))
+    return "\n".join(lines), plan.schedule, plan.num_stages, plan.num_microbatches
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--schedule", choices=["2bw", "flush", "gpipe"], default="2bw")
@@ -38,7 +59,13 @@ def main() -> None:
         action="store_true",
         help="lower as under NCCL (dist.batch_p2p): sends held for the next receive; default gloo's prefetching",
     )
+    parser.add_argument(
+        "--plan", help="a plan file (python -m partitioner plan): its mesh, then its schedule (overrides the above)"
+    )
     args = parser.parse_args()
+    if args.plan:
+        text, args.schedule, args.num_stages, args.num_microbatches = mesh_view(args.plan)
+        print(text + "\n")
     d, m = args.num_stages, args.num_microbatches
     problem = refusal(args.schedule, d, m, args.num_batches)
     if problem:

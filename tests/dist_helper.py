@@ -109,12 +109,12 @@ def cli_config(*overrides: str) -> Config:
 
 
 def run_ok(cfg: Config, run_dir: Path, *, timeout_s: float = 120) -> dict:
-    """Runs the pipeline on d * w ranks, asserts success, returns summary.json."""
+    """Runs the pipeline on d * w * t ranks, asserts success, returns summary.json."""
     import json
 
     results = spawn(
         train,
-        world_size=cfg.pipeline.num_stages * cfg.pipeline.data_parallel,
+        world_size=cfg.pipeline.num_stages * cfg.pipeline.data_parallel * cfg.pipeline.tensor_parallel,
         args=(cfg, str(run_dir)),
         log_dir=Path(run_dir) / "logs",
         timeout_s=timeout_s,

@@ -33,7 +33,7 @@ from pipedream2bw.config import (
 )
 from pipedream2bw.models.factory import model_source
 from pipedream2bw.pipeline import comm
-from pipedream2bw.pipeline.layout import default_layout
+from pipedream2bw.pipeline.layout import make_layout
 from pipedream2bw.run.runner import run
 
 # Every feature and its values, in the order the generator sees them (the constraints below read a
@@ -136,6 +136,7 @@ class Cell:
     correction: str = "none"
     stream: bool = False
     lookahead: bool = False
+    t: int = 1  # pipeline.tensor_parallel: not a factor of the arrays; EXTRA's cells take t = 2
     sync_warmup: bool = False
     predict: bool = False
 
@@ -163,11 +164,13 @@ class Cell:
         if self.resume:
             d, w = RESUME_AT[(self.d, self.w)]
             parts.append(f"resume-d{d}w{w}")
+        if self.t > 1:
+            parts.append(f"t{self.t}")
         return "-".join(parts)
 
     @property
     def world_size(self) -> int:
-        return self.d * self.w
+        return self.d * self.w * self.t
 
     def layouts(self) -> List[Tuple[int, int]]:
         """(d, w) of each run: one, or the first half's and the resumed half's."""
@@ -382,6 +385,18 @@ EXTRA: List[Cell] = [
         recompute=False, host_optim=False, validation=False, structured=False, sharded=False, weight_dtype="fp32",
         muon=True, lookahead=True,
     ),
+    # pipeline.tensor_parallel=2 (issue 44), two cells of 4 ranks: 2bw across a resume from d2w1 to d1w2 with a tie,
+    # clipping, validation and error feedback; gpipe at d1w2 with a tie, clipping and recomputation. No skip: its
+    # poisoned layers are a layer list of the caller's, which t > 1 refuses (it splits the built-in GPT's blocks)
+    Cell(
+        schedule="2bw", d=2, w=1, resume=True, swap=False, precision="fp32", tied=True, clip=True, skip=False,
+        recompute=False, host_optim=False, validation=True, structured=False, sharded=False, weight_dtype="fp32",
+        correction="error_feedback", t=2,
+    ),
+    Cell(
+        schedule="gpipe", d=1, w=2, resume=False, swap=False, precision="fp32", tied=True, clip=True, skip=False,
+        recompute=True, host_optim=False, validation=False, structured=False, sharded=False, weight_dtype="fp32", t=2,
+    ),
     # issue 46, EXTRA_ONLY: the synchronous warm-up with Muon and error feedback across a resume
     # from d2w2 to d4w1 after the switch, a tie, clipping, a skip and validation; the weight prediction with
     # dropout's tuple boundaries, recomputation, swapping and bf16 across a resume from d4w1 to d2w2
@@ -504,6 +519,7 @@ def cell_config(cell: Cell, *, layout: Optional[Tuple[int, int]] = None, resume:
             schedule=cell.schedule,
             num_stages=d,
             data_parallel=w,
+            tensor_parallel=1 if layout == (1, 1) else cell.t,  # (1, 1): the reference's
             num_microbatches=GLOBAL_BATCH // w,
             microbatch_size=1,
             balance=balance,
@@ -636,7 +652,7 @@ def jobs_of(cell: Cell, root: Path) -> List[Job]:
         if cell.skip:  # the last replica of the stage holding the poisoned layer, first microbatch of SKIP_BATCH
             d, w = layout
             stage = next(s for s in range(d) if sum(cfg.pipeline.balance[: s + 1]) > POISONED_LAYER)
-            rank = default_layout(d, w, ranks_per_node=d * w).ranks[stage][w - 1]
+            rank = make_layout(d, w, ranks_per_node=d * w * cell.t, tensor_parallel=cell.t).ranks[stage][w - 1]
             first_step = RESUME_STEP if i == 1 else 0
             call = (SKIP_BATCH - first_step) * cfg.pipeline.num_microbatches + 1
         jobs.append(Job(cell.id, cfg, str(run_dir), rank, call))

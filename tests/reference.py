@@ -1,4 +1,5 @@
-"""Single-process oracles: the 2BW update rule, plain minibatch training and validation, on the whole model."""
+"""Single-process oracles: the 2BW update rule, plain minibatch training and validation, on the whole model
+(fixed windows or packed documents, as data.packing says)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from torch import nn
 
 from pipedream2bw.config import Config, build_optimizer
 from pipedream2bw.config.optimizers import Muon
-from pipedream2bw.data import VALIDATION, MicrobatchFeed, load_splits
+from pipedream2bw.data import make_feeds
 from pipedream2bw.memory import precision as precisions
 from pipedream2bw.memory.loss_scale import LossScaler
 from pipedream2bw.models.factory import model_source
@@ -146,13 +147,17 @@ def _train(
     stale = copy.deepcopy(model).to(weight_dtype) if delayed or rounded else model  # W(t-1): batch t runs with
     # flush, gpipe (not delayed): no delay, so no correction
     opt = ReferenceOptimizer(model, cfg.optim if delayed else dataclasses.replace(cfg.optim, delay_correction="none"))
-    feed = MicrobatchFeed(
-        load_splits(cfg.data)[0],
+    # windows, or packed documents (data.packing): one replica of m microbatches reads the batch a pipeline's
+    # w replicas read (the reference's m is their w * m)
+    feed = make_feeds(
+        cfg.data,
         seq_len=cfg.model.seq_len,
         microbatch_size=cfg.pipeline.microbatch_size,
         num_microbatches=m,
         seed=cfg.seed,
-    )
+        num_replicas=1,
+        replica=0,
+    )[0]
     t_cfg = cfg.train
     scaler = (
         LossScaler(init_scale=t_cfg.loss_scale, growth_interval=t_cfg.loss_scale_growth_interval)
@@ -176,7 +181,8 @@ def _train(
             if w == 2 and j == m // 2:
                 halves = _take_grads(stale, rounded)
             x, y = feed.microbatch(t * m + j)
-            with precisions.autocast(precision, "cpu"), stateful.microbatch_streams(cfg.seed, t * m + j, x.device):
+            cpu = torch.device("cpu")
+            with precisions.autocast(precision, "cpu"), stateful.microbatch_streams(cfg.seed, t * m + j, cpu):
                 logits = stale(x)
             loss = lm_loss(logits.float(), y)
             (loss * scale if scaler is not None else loss).backward()
@@ -350,14 +356,15 @@ def reference_eval(cfg: Config, weights: Dict[str, torch.Tensor], *, balance: Se
     model.load_state_dict(weights)
     model.eval()
     # One replica of w*m microbatches draws the same windows, in the same order, as w replicas of m.
-    feed = MicrobatchFeed(
-        load_splits(cfg.data)[1],
+    feed = make_feeds(
+        cfg.data,
         seq_len=cfg.model.seq_len,
         microbatch_size=p.microbatch_size,
         num_microbatches=p.data_parallel * p.num_microbatches,
         seed=cfg.seed,
-        stream=VALIDATION,
-    )
+        num_replicas=1,
+        replica=0,
+    )[1]
     losses = []
     with torch.no_grad():
         for x, y in map(feed.microbatch, range(cfg.train.eval_batches * p.data_parallel * p.num_microbatches)):

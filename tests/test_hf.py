@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from typing import Dict, Optional, Tuple
 
 import pytest
 import torch
@@ -323,11 +324,13 @@ TINY = {
 }
 
 
-def walkthrough_script() -> str:
+def walkthrough_script(name: str = "walkthrough", tiny_values: Optional[Dict[str, str]] = None) -> str:
+    """The bash block between ``<!-- name:start -->`` and ``<!-- name:end -->`` of docs/pretrained.md, each of
+    ``tiny_values``' strings (``TINY`` by default) replaced by its tiny value."""
     text = DOCS.read_text()
-    block = text.split("<!-- walkthrough:start -->")[1].split("<!-- walkthrough:end -->")[0]
+    block = text.split(f"<!-- {name}:start -->")[1].split(f"<!-- {name}:end -->")[0]
     script = block.split("```bash\n", 1)[1].rsplit("```", 1)[0]
-    for doc, tiny in TINY.items():
+    for doc, tiny in (TINY if tiny_values is None else tiny_values).items():
         assert doc in script, f"docs/pretrained.md no longer says {doc!r}: update TINY"
         script = script.replace(doc, tiny)
     return script
@@ -339,8 +342,34 @@ def test_fine_tuning_walkthrough_of_the_docs(tmp_path):
     """docs/pretrained.md's commands on a tiny Llama whose directory holds a tokenizer.json trained here:
     tokenize with it, fine-tune at d = 2 (the loss falls), export at the end and from the checkpoint
     (equal), load the export with transformers and generate."""
-    import os
     import subprocess
+
+    model_dir, env, prelude = walkthrough_setup(tmp_path)
+    done = subprocess.run(
+        ["bash", "-c", prelude + walkthrough_script()], cwd=tmp_path, env=env, capture_output=True, text=True,
+        timeout=240,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    assert done.stdout.rstrip().splitlines()[-1].startswith("def fibonacci(n):"), done.stdout  # generated
+
+    summary = json.loads((tmp_path / "outputs" / "finetune" / "summary.json").read_text())
+    assert summary["final_loss"] < summary["losses"][0]
+    trained, files = read_dir(tmp_path / "finetuned")
+    pretrained, _ = read_dir(model_dir)
+    assert len(files) == 2 and sorted(trained) == sorted(pretrained)
+    assert not torch.equal(
+        trained["model.layers.0.mlp.up_proj.weight"], pretrained["model.layers.0.mlp.up_proj.weight"]
+    )
+    from_checkpoint, _ = read_dir(tmp_path / "finetuned-from-checkpoint")
+    assert all(torch.equal(from_checkpoint[k], v) for k, v in trained.items())
+    assert (tmp_path / "finetuned" / "tokenizer.json").read_bytes() == (model_dir / "tokenizer.json").read_bytes()
+
+
+def walkthrough_setup(tmp_path: Path) -> Tuple[Path, Dict[str, str], str]:
+    """A tiny tied Llama whose directory holds a tokenizer.json trained here on the shipped corpus's first 60 KB
+    (written to corpus.txt), scripts/ linked in: (its directory, the environment, a bash prelude) for running a
+    walk-through's commands in ``tmp_path``."""
+    import os
     import sys
 
     from transformers import PreTrainedTokenizerFast
@@ -375,24 +404,7 @@ def test_fine_tuning_walkthrough_of_the_docs(tmp_path):
         "TEST_MODEL": str(model_dir),
         "TEST_CORPUS": str(tmp_path / "corpus.txt"),
     }
-    done = subprocess.run(
-        ["bash", "-c", prelude + walkthrough_script()], cwd=tmp_path, env=env, capture_output=True, text=True,
-        timeout=240,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
-    assert done.stdout.rstrip().splitlines()[-1].startswith("def fibonacci(n):"), done.stdout  # generated
-
-    summary = json.loads((tmp_path / "outputs" / "finetune" / "summary.json").read_text())
-    assert summary["final_loss"] < summary["losses"][0]
-    trained, files = read_dir(tmp_path / "finetuned")
-    pretrained, _ = read_dir(model_dir)
-    assert len(files) == 2 and sorted(trained) == sorted(pretrained)
-    assert not torch.equal(
-        trained["model.layers.0.mlp.up_proj.weight"], pretrained["model.layers.0.mlp.up_proj.weight"]
-    )
-    from_checkpoint, _ = read_dir(tmp_path / "finetuned-from-checkpoint")
-    assert all(torch.equal(from_checkpoint[k], v) for k, v in trained.items())
-    assert (tmp_path / "finetuned" / "tokenizer.json").read_bytes() == (model_dir / "tokenizer.json").read_bytes()
+    return model_dir, env, prelude
 
 
 def _prepare_tokens():

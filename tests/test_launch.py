@@ -4,6 +4,7 @@ any rank starts; a rank's refusal, a failure and Ctrl-C end in at most one line 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -106,6 +107,30 @@ def test_a_ranks_refusal_is_its_one_line_and_exit_2(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.long  # a launch of 2 ranks training 4 steps: 10-40 s
+def test_a_warning_is_said_once_per_run_not_per_rank(tmp_path):
+    # the launcher's check, each rank's check and each rank's run logged the config's warning: 5 times at 2 ranks
+    proc = _launch("--nproc-per-node", "2", *TINY, "train.num_steps=4", "optim.min_lr=0.0001", cwd=tmp_path)
+    out, err = proc.communicate(timeout=180)
+    text = out + err
+    assert proc.returncode == 0, text
+    assert text.count("optim.min_lr (0.0001) is ignored by optim.scheduler=constant") == 1, text
+
+
+@pytest.mark.slow
+@pytest.mark.long  # a launch of 2 ranks that fails at its first step: 10-40 s
+def test_a_ranks_failure_is_exit_1_and_a_line_naming_the_rank_and_its_cause(tmp_path):
+    # a run that goes wrong (a non-finite gradient) stops every rank; torchrun printed ChildFailedError's traceback
+    proc = _launch("--nproc-per-node", "2", *TINY, "optim.name=sgd", "optim.lr=1e30", cwd=tmp_path)
+    out, err = proc.communicate(timeout=180)
+    text = out + err
+    assert proc.returncode == 1, text
+    assert "Traceback" not in text and "ChildFailedError" not in text, text
+    last = err.strip().splitlines()[-1]
+    assert re.match(r"pipedream2bw-train: rank \d failed with exit status 1: .*NonFiniteError: non-finite", last), text
+
+
+@pytest.mark.slow
 @pytest.mark.long  # a launch of 2 ranks, interrupted: 8-22 s
 def test_ctrl_c_while_the_ranks_start_is_one_line_and_exit_130(tmp_path):
     # Ctrl-C while the ranks imported printed 147 lines of KeyboardInterrupt tracebacks, torchrun exit 1
@@ -160,8 +185,21 @@ def test_without_nproc_per_node_it_launches_the_configs_ranks(monkeypatch, capsy
 
 def test_a_bad_torchrun_option_is_one_line(capsys):
     # argparse printed torchrun's 30-line usage, then the error
-    assert launch(["--nproc-per-node", "2", "--bogus", "x", "train.num_steps=3"]) == 2
+    assert launch(["--nproc-per-node", "2", "--bogus", "x", "pipeline.num_stages=2", "train.num_steps=10"]) == 2
     out, err = capsys.readouterr()
     assert out == "" and err.strip().splitlines() == [
         "pipedream2bw-train: unrecognized arguments: --bogus; torchrun's options: torchrun --help"
     ], err
+
+
+@pytest.mark.parametrize(
+    "override", ["train.num_steps=-5", "model.num_heads=0", "pipeline.schedule=zz", "trian.num_steps=3", "2 ranks"]
+)
+def test_a_mistake_is_found_without_importing_torch(override):
+    # importing torch was most of a refusal's 3 s (5-13 s on a loaded machine): the config's checks up to the
+    # optimizer's, and the launcher's count of the ranks, need none of it
+    args = ["--nproc-per-node", "2"] if override == "2 ranks" else ["--nproc-per-node", "4", override]
+    code = f"import sys; from pipedream2bw.launch import launch; print(launch({args!r}), 'torch' in sys.modules)"
+    proc = subprocess.run([sys.executable, "-c", code], env=_env(), capture_output=True, text=True, timeout=60)
+    assert proc.stdout.split() == ["2", "False"], proc.stdout + proc.stderr
+    assert proc.stderr.startswith("bad configuration: "), proc.stderr

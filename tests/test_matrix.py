@@ -121,6 +121,7 @@ def check_cell(cell: Cell, runs) -> None:
     tol = tolerance(cell)
     ref = reference(cell, delayed=cell.schedule == "2bw", skip=cell.skip, clip=cell.clip)
     summary, weights = runs.summaries[-1], runs.weights[-1]
+    assert summary["tensor_parallel"] == cell.t and len(summary["ranks"]) == cell.world_size
     assert weights.keys() == ref.weights.keys()
     # final_model.pt holds the float32 masters, also where the versions are stored in the compute dtype
     torch.testing.assert_close(weights, ref.weights, **tol)

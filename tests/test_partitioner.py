@@ -455,3 +455,166 @@ def test_plan_command_writes_into_a_run_directory_or_out(tmp_path, monkeypatch, 
     assert load_plan(written).num_stages >= 1 and not (tmp_path / "plan.yaml").exists()
     assert main(["plan", "--out", "mine/p.yaml", *args]) == 0 and load_plan(tmp_path / "mine" / "p.yaml")
     assert main(["plan", "--out"]) == 2 and "--out needs a file name" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- tensor parallelism (issue 44, partitioner/tensor.py)
+
+# a GPT whose block (201M parameters, 3.75 GiB at 20 B each) leaves little room on a 7 GiB device: 7.53 GiB at least
+# per device unsplit on 4 devices, 6.16 GiB split 4 ways
+TENSOR_GPT = [
+    "topology=dgx",
+    "topology.devices_per_node=4",
+    "model.num_layers=4",
+    "model.d_model=4096",
+    "model.num_heads=32",
+    "model.seq_len=1024",
+    "model.vocab_size=32000",
+    "train.global_batch_size=8",
+    "partition.costs=analytic",
+    "train.precision=fp32",
+    "optim.name=adamw",
+    "optim.delay_correction=none",
+    "topology.runtime_overhead_gib=0.5",
+    "partition.stream=false",
+    "topology.memory_per_device_gib=7",
+]
+
+
+def tensor_plans(overrides=(), **changes):
+    """The planner's plans for TENSOR_GPT (+ ``overrides``), t searched, the Request changed by ``changes``."""
+    from partitioner.__main__ import compose
+    from partitioner.auto import make_request
+
+    cfg = compose([*TENSOR_GPT, *overrides])
+    req = dataclasses.replace(make_request(cfg, search_tensor=True, runtime_bytes=GIB / 2), **changes)
+    return plan(lambda b: analytic_gpt(cfg.model, cfg.optim, b, req.topology, precision=req.precision), req)
+
+
+def test_tensor_split_divides_a_blocks_memory_and_adds_its_all_reduces():
+    from partitioner.tensor import TensorShape, allreduce_s, split_layers
+
+    cfg = GPTConfig(num_layers=1, d_model=64, num_heads=4, seq_len=16, vocab_size=96)
+    layers = analytic_gpt(cfg, OptimConfig(name="adamw"), 2, DGX)
+    shape = TensorShape(4, 256, 64, 16, 96, 4, ("embedding", "block", "norm", "head"))
+    link = Link("intra", 300e9, 5e-6)
+    emb, block, norm, head = split_layers(layers, shape, 2, b=2, link=link, efficiency=0.9)
+    whole, btc, C = layers[1], 2 * 16 * 64 * 4, 64
+    # the split matrices and column biases halve (12C^2 + 7C), the row biases and norms stay (6C): 4 B a version
+    assert block.param_bytes == pytest.approx((12 * C * C + 7 * C) * 4 // 2 + 6 * C * 4, abs=1)
+    assert block.saved_bytes == 4 * btc + (whole.saved_bytes - 4 * btc) // 2  # 4 of 16 activations whole
+    ar = 2 * (1 / 2) * btc / 300e9 + 2 * 5e-6
+    assert allreduce_s(btc, 2, link) == pytest.approx(ar)
+    assert block.forward_s == pytest.approx(whole.forward_s / 1.8 + 2 * ar)  # two all-reduces each way
+    assert block.backward_s == pytest.approx(whole.backward_s / 1.8 + 2 * ar)
+    assert emb.param_bytes == pytest.approx((96 // 2 + 16) * C * 4, abs=1)  # the vocab's rows split, positions not
+    assert head.param_bytes == 96 * C * 4 // 2
+    assert norm == layers[2] and block.input_bytes == btc
+    sp = split_layers(layers, shape, 2, b=2, link=link, sequence_parallel=True)[1]
+    assert sp.saved_bytes == whole.saved_bytes // 2 and sp.input_bytes == btc // 2
+
+
+def test_tensor_width_chosen_when_memory_needs_it():
+    # unsplit, no stage fits 7 GiB (7.53 GiB at least on 4 devices); split, it does
+    best = tensor_plans()[0]
+    assert best.tensor_parallel > 1 and best.num_ranks == 4 and max(best.predicted_peak_memory_bytes) <= 7 * GIB
+    left_out = r"with any tensor width \(pipeline.tensor_parallel=1: .*\) it fits: \d x \d x [24],"
+    with pytest.raises(ConfigError, match=left_out) as refused:
+        tensor_plans(tensor_widths=[1])
+    # the fewest devices count t too: 2 stages x 2 tensor ranks, where unsplit 7 stages would not do
+    assert "or a pipeline of at least 2 stages x 2 tensor ranks of 7 GiB (at least 4 devices" in str(refused.value)
+    # where the memory does not need it, the throughput objective may still pick t = 1 (the all-reduces cost)
+    roomy = tensor_plans(["topology.memory_per_device_gib=12"])[0]
+    assert roomy.mesh == "2 x 2 x 1"
+
+
+def test_tensor_width_refused_unless_it_divides_the_heads():
+    from partitioner.tensor import TensorShape, widths
+
+    with pytest.raises(ConfigError, match=r"pipeline.tensor_parallel \(3\) must divide the attention heads \(32\)"):
+        tensor_plans(tensor_widths=[3])
+    six = TensorShape(6, 384, 96, 16, 96, 4, ("block",))
+    assert widths(six, devices=8, devices_per_node=8) == [1, 2]  # 3 and 6 divide the heads, not the node's 8
+    assert widths(six, devices=12, devices_per_node=6) == [1, 2, 3, 6]
+    odd_mlp = dataclasses.replace(six, mlp_width=256)  # nor 3 the MLP's width
+    assert widths(odd_mlp, devices=12, devices_per_node=6) == [1, 2]
+
+
+def test_tensor_groups_never_cross_a_node():
+    # on 2 nodes of 2 devices no group may take 4 ranks, though the heads allow it; on one node of 4 it is the best
+    for p in tensor_plans(["topology.nodes=2", "topology.devices_per_node=2"]):
+        t = p.tensor_parallel
+        assert t <= 2 and all((g * t) // 2 == (g * t + t - 1) // 2 for row in p.rank_map for g in row), p.mesh
+    assert tensor_plans(["topology.devices_per_node=4"])[0].tensor_parallel == 4
+    from partitioner.tensor import TensorShape, widths
+
+    shape = TensorShape(32, 4 * 4096, 4096, 1024, 32000, 4, ("block",))
+    assert widths(shape, devices=12, devices_per_node=6) == [1, 2]  # 4 would put ranks 4-7 on two nodes
+
+
+def test_memory_objective_picks_the_smallest_peak_over_every_width():
+    lean = tensor_plans(["partition.objective=memory", "partition.tolerance=0"])
+    each = [tensor_plans(["partition.objective=memory"], tensor_widths=[t])[0] for t in (2, 4)]  # t = 1: no plan
+    peak = lambda p: max(p.predicted_peak_memory_bytes)  # noqa: E731
+    assert peak(lean[0]) == min(peak(p) for p in each) and [peak(p) for p in lean] == sorted(peak(p) for p in lean)
+
+
+def test_apply_plan_refuses_a_tensor_split_the_runtime_lacks():
+    from partitioner.auto import apply_plan
+
+    best = tensor_plans()[0]
+    cfg = dataclasses.replace(best, tensor_parallel=2)
+    from pipedream2bw.config import PipelineConfig, SwapConfig
+
+    with pytest.raises(ConfigError, match="launched"):
+        apply_plan(PipelineConfig(), SwapConfig(), cfg, world_size=cfg.num_stages * cfg.data_parallel, num_layers=7)
+    if not hasattr(PipelineConfig(), "tensor_parallel"):
+        with pytest.raises(ConfigError, match="no pipeline.tensor_parallel"):
+            apply_plan(PipelineConfig(), SwapConfig(), cfg, world_size=cfg.num_ranks, num_layers=7)
+
+
+def test_show_schedule_prints_a_plans_mesh(tmp_path, monkeypatch, capsys):
+    import runpy
+    import sys
+    from pathlib import Path
+
+    best = tensor_plans(["topology.nodes=2", "topology.devices_per_node=2"])[0]  # 2 x 1 x 2: a stage a node
+    assert best.mesh == "2 x 1 x 2"
+    path = save_plan(best, tmp_path / "plan.yaml")
+    script = Path(__file__).resolve().parents[1] / "scripts" / "show_schedule.py"
+    monkeypatch.setattr(sys, "argv", [str(script), "--plan", str(path)])
+    runpy.run_path(str(script), run_name="__main__")
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith(f"plan {path}: mesh 2 x 1 x 2 (stages x replicas x tensor ranks), 4 ranks; 2bw, m 8")
+    first = best.balance[0]
+    assert out[1:3] == [f"  stage   0 (layers 0-{first - 1}): 0-1", f"  stage   1 (layers {first}-6): 2-3"]  # ranks
+
+
+def test_plan_command_prints_the_mesh_and_runs_it_on_d_w_t_ranks(tmp_path, monkeypatch, capsys):
+    from partitioner.__main__ import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["plan", "--out", "plan.yaml", *TENSOR_GPT]) == 0
+    out = capsys.readouterr().out
+    best = load_plan(tmp_path / "plan.yaml")
+    t = best.tensor_parallel
+    assert t > 1 and f"chosen plan (#0): mesh {best.mesh} (stages x replicas x tensor ranks), 4 ranks; a tensor " in out
+    assert "torchrun --nproc-per-node 4 -m pipedream2bw.train " in out
+    assert f"pipeline.tensor_parallel={t} partition=file partition.path=plan.yaml" in out
+
+
+def test_tensor_request_pins_or_searches_as_the_runtime_allows():
+    # pipeline.tensor_parallel comes with the runtime's side of issue 44: where the config has it, 1 searches and
+    # more pins; where it does not, partition=auto plans t = 1 only (the CLI passes search_tensor=True)
+    import types
+
+    from partitioner.auto import tensor_request
+
+    gpt = GPTConfig(num_layers=2, d_model=64, num_heads=4)
+    with_key = lambda t: types.SimpleNamespace(model=gpt, pipeline=types.SimpleNamespace(tensor_parallel=t))  # noqa: E731
+    searched, pinned = tensor_request(with_key(1), "fp32"), tensor_request(with_key(2), "fp32")
+    assert searched["tensor"].kinds == ("embedding", "block", "block", "norm", "head")
+    assert searched["tensor_widths"] is None and pinned["tensor_widths"] == [2]
+    without = types.SimpleNamespace(model=gpt, pipeline=types.SimpleNamespace())
+    assert tensor_request(without, "fp32")["tensor"] is None and tensor_request(without, "fp32", search=True)["tensor"]
+    custom = types.SimpleNamespace(model=object(), pipeline=types.SimpleNamespace(tensor_parallel=1))
+    assert tensor_request(custom, "fp32")["tensor"] is None  # a layer list the split does not know: t = 1

@@ -1,14 +1,10 @@
 """The run's typed config: its schema (dataclasses Hydra composes), the checks of its values, the reference docs.
-Imports only errors (and torch, hydra, omegaconf): nothing of data, models, io, or torch.distributed.
+Imports only errors, hydra and omegaconf; torch once an optimizer is named or built (``_LAZY``), so that the
+launcher composes and checks a command line without it. Nothing of data, models, io, or torch.distributed.
 """
 
-from pipedream2bw.config.optim import (
-    ELEMENTWISE_OPTIMIZERS,
-    build_optimizer,
-    optimizer_class,
-    optimizer_name,
-    param_groups,
-)
+import importlib
+
 from pipedream2bw.config.schema import (
     BACKENDS,
     LR_SCHEDULERS,
@@ -52,6 +48,18 @@ from pipedream2bw.config.validate import (
     validate_steps,
 )
 from pipedream2bw.errors import ConfigError  # re-exported: users' code imports it from here
+
+_LAZY = ("ELEMENTWISE_OPTIMIZERS", "build_optimizer", "optimizer_class", "optimizer_name", "param_groups")
+"""config.optim's names, which import torch: imported at their first use (PEP 562)."""
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module("pipedream2bw.config.optim"), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "ConfigError",

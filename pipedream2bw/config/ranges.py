@@ -30,6 +30,7 @@ RANGES: Dict[str, _Range] = {
     "pipeline.num_microbatches": AT_LEAST_1,
     "pipeline.microbatch_size": AT_LEAST_1,
     "pipeline.data_parallel": AT_LEAST_1,
+    "pipeline.tensor_parallel": AT_LEAST_1,
     "pipeline.bucket_mb": POSITIVE,
     "pipeline.trace_steps": AT_LEAST_1,
     "pipeline.trace_first_step": AT_LEAST_0,

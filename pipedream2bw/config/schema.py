@@ -40,9 +40,11 @@ UNCATCHABLE = ("SIGKILL", "SIGSTOP")  # what train.preempt_signals cannot name
 @dataclass
 class PipelineConfig:
     schedule: str = "2bw"
-    """'2bw' (1F1B, no flushes, two weight versions), 'flush' (PipeDream-Flush) or 'gpipe'."""
+    """'2bw' (1F1B, no flushes, two weight versions), 'flush' (PipeDream-Flush), 'gpipe', or 'auto' under
+    partition=auto: the planner's choice of the schedule that reaches a loss first (its step time x the steps the
+    schedule takes under the optimizer, measured: docs/planner.md)."""
     num_stages: int = 4
-    """Pipeline depth d; WORLD_SIZE must be num_stages * data_parallel."""
+    """Pipeline depth d; WORLD_SIZE must be num_stages * data_parallel * tensor_parallel."""
     num_microbatches: int = 8
     """Microbatches per batch m; 2bw needs m >= num_stages."""
     microbatch_size: int = 8
@@ -50,13 +52,17 @@ class PipelineConfig:
     balance: Optional[List[int]] = None
     """Layers per stage, first stage first; null splits the layers evenly."""
     data_parallel: int = 1
-    """Replicas w of every stage; WORLD_SIZE = num_stages * data_parallel."""
+    """Replicas w of every stage; WORLD_SIZE = num_stages * data_parallel * tensor_parallel."""
     rank_map: Optional[List[List[int]]] = None
     """rank_map[stage][replica] = rank; null keeps a stage's replicas on one node when they fit."""
     bucket_mb: float = 25.0
     """Gradient all-reduce bucket size in MiB; a bucket is reduced as soon as backward produced it."""
     recompute: bool = False
     """Activation recomputation: keep only each layer's input for backward and re-run its forward there."""
+    tensor_parallel: int = 1
+    """Tensor width t: each stage's layers split across t ranks (attention by heads, the MLP by its hidden width,
+    Megatron's column- then row-wise split; docs/concepts.md). WORLD_SIZE = num_stages * data_parallel * t, t
+    innermost (a stage's t ranks are consecutive, on one node); the built-in GPT in fp32 only."""
     trace: bool = False
     """Record when every F, B, send, recv, all-reduce and optimizer step ran on every rank for
     trace_steps steps; writes trace.json (Chrome/Perfetto), timeline.png and the bubble fraction."""
@@ -92,6 +98,9 @@ class GPTConfig:
     tie_embeddings: bool = False
     """Share the LM head's weight with the token embedding (as GPT-2 does); across stages, every
     stage holding it keeps a copy and their gradients are summed before the step."""
+    dropout: float = 0.0
+    """Dropout probability on the embedding's output and on each block's attention and MLP outputs before
+    their residual adds (masks per layer and microbatch: the same at every layout); 0: none."""
 
 
 @dataclass
@@ -238,6 +247,11 @@ class DataConfig:
     """Share of data.path held out for validation: its last tokens, never trained on; 0: none."""
     val_path: Optional[str] = None
     """A file of held-out data (of data.path's kind) for validation, instead of val_fraction."""
+    packing: str = "windows"
+    """'windows' (fixed windows of model.seq_len + 1 tokens drawn from one flat stream) or 'documents' (data.path a
+    JSONL of {"text"} or {"prompt", "response"} documents, or a token file with its .docs.npy index from
+    scripts/prepare_tokens.py --documents; null: the shipped example; whole documents packed into rows of
+    model.seq_len, attention and positions restricted to each document, prompts masked from the loss)."""
 
 
 @dataclass
@@ -334,7 +348,7 @@ class WandbConfig:
 @dataclass
 class SweepConfig:
     nproc: Optional[int] = None
-    """Processes each sweep job launches; null: pipeline.num_stages * pipeline.data_parallel."""
+    """Processes each sweep job launches; null: pipeline.num_stages * data_parallel * tensor_parallel."""
     timeout_s: float = 3600.0
     """Longest a sweep job may run; it is then stopped and recorded as failed, and the sweep goes on."""
     name: Optional[str] = None

@@ -1,5 +1,7 @@
 """The checks of a config's values before any process group starts, each naming the value, why and the fix
-(``run/preflight.py`` adds those that need the model or the data files)."""
+(``run/preflight.py`` adds those that need the model or the data files). torch is imported inside the checks of the
+optimizer, the precision and the backend, which run after those of the shape and the ranges: the launcher finds
+those mistakes without it (a third of a second, where importing torch takes one to several)."""
 
 from __future__ import annotations
 
@@ -9,10 +11,6 @@ import signal
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
-import torch
-
-from pipedream2bw.config.optim import ELEMENTWISE_OPTIMIZERS, build_optimizer, optimizer_class, optimizer_of
-from pipedream2bw.config.optimizers import is_muon
 from pipedream2bw.config.ranges import check_ranges
 from pipedream2bw.config.schema import (
     BACKENDS,
@@ -146,6 +144,8 @@ def _validate_sync_warmup(cfg: Config) -> None:
         why = (
             "optim.delay_correction (lookahead): it changes the optimizer for the whole run; use error_feedback or none"
         )
+    elif p.tensor_parallel > 1:
+        why = f"pipeline.tensor_parallel ({p.tensor_parallel}): not proven with split stages; set it to 1"
     if why is not None:
         raise ConfigError(f"pipeline.sync_warmup_steps ({n}) with {why}, or set pipeline.sync_warmup_steps=0")
 
@@ -203,6 +203,8 @@ def _validate_sharding(cfg: Config) -> None:
 
 
 def _need_elementwise(cfg: Config, what: str) -> None:
+    from pipedream2bw.config.optim import ELEMENTWISE_OPTIMIZERS
+
     o = cfg.optim
     if o.target or o.name.lower() not in ELEMENTWISE_OPTIMIZERS:
         raise ConfigError(
@@ -212,6 +214,8 @@ def _need_elementwise(cfg: Config, what: str) -> None:
 
 
 def _validate_precision(cfg: Config) -> None:
+    import torch
+
     t = cfg.train
     if cfg.partition.analytic_dtype_bytes is not None:
         raise ConfigError(
@@ -336,16 +340,130 @@ def validate(
     _validate_swap(cfg.swap, p.num_stages)
     _validate_weight_stream(cfg)
     _validate_host_step(cfg)
+    _validate_documents(cfg)
+    _validate_tensor_parallel(cfg, gpt=gpt, local_world_size=local_world_size)
     _validate_sync_warmup(cfg)
     return balance
+
+
+def _tensor_parallel_refusal(cfg: Config, *, gpt: bool) -> Optional[str]:
+    """What of ``cfg`` pipeline.tensor_parallel > 1 does not compose with (one line's tail), or None."""
+    p, mdl, o, sw = cfg.pipeline, cfg.model, cfg.optim, cfg.swap
+    import torch  # here, not at import: the launcher's check imports no torch (t = 1 never gets here)
+
+    from pipedream2bw.config.optimizers import is_muon
+
+    cuda_auto = cfg.train.precision == "auto" and torch.cuda.is_available()
+    refusals = [
+        (
+            not gpt or not isinstance(mdl, GPTConfig),
+            "splits the built-in GPT's blocks only (model=gpt), not model=hf or a "
+            "user's layer list; set pipeline.tensor_parallel=1 for this model",
+        ),
+        (
+            is_muon(o),
+            "with optim.name (muon): Muon orthogonalizes whole matrices and a rank holds 1/t of each; "
+            "use an elementwise optimizer (optim.name=adamw) or pipeline.tensor_parallel=1",
+        ),
+        (bool(o.sharded), "with optim.sharded (true): ZeRO-1 over tensor shards is not built; set optim.sharded=false"),
+        (
+            sw.enabled or sw.weights or sw.optimizer != "device",
+            "with swap.enabled / swap.weights / swap.optimizer=host: "
+            "swapping and streaming of tensor shards are not built; set them off (swap.optimizer=device)",
+        ),
+        (
+            cfg.train.precision in ("bf16", "fp16") or cuda_auto,
+            f"with train.precision ({cfg.train.precision}): only fp32 is proven at t > 1; set train.precision=fp32",
+        ),
+        (
+            p.rank_map is not None,
+            "with pipeline.rank_map: the map places d x w ranks, not the d x w x t mesh; set "
+            "pipeline.rank_map=null (t innermost: a stage's t ranks are consecutive)",
+        ),
+        (
+            cfg.data.packing != "windows",
+            f"with data.packing ({cfg.data.packing}): not proven at t > 1; set data.packing=windows",
+        ),
+        (
+            cfg.partition.mode != "manual",
+            f"with partition.mode ({cfg.partition.mode}): the runtime takes no plan with "
+            "t > 1 yet; set partition.mode=manual with pipeline.* as planned",
+        ),
+    ]
+    return next((why for refused, why in refusals if refused), None)
+
+
+def _validate_tensor_parallel(cfg: Config, *, gpt: bool, local_world_size: int) -> None:
+    """pipeline.tensor_parallel: t divides the GPT's heads and MLP width, fits a node (the topology's and the
+    launch's: a tensor group's consecutive ranks stay on one node when t divides the ranks per node), and composes
+    (or one line)."""
+    t = cfg.pipeline.tensor_parallel
+    if t == 1:
+        return
+    why = _tensor_parallel_refusal(cfg, gpt=gpt)
+    if why is not None:
+        raise ConfigError(f"pipeline.tensor_parallel ({t}) {why}")
+    mdl = cfg.model
+    if mdl.num_heads % t or (4 * mdl.d_model) % t:
+        raise ConfigError(
+            f"pipeline.tensor_parallel ({t}) must divide model.num_heads ({mdl.num_heads}) and the MLP width "
+            f"4 x model.d_model ({4 * mdl.d_model}): ranks split attention by heads, the MLP by width; pick a divisor"
+        )
+    if t > cfg.topology.devices_per_node:
+        raise ConfigError(
+            f"pipeline.tensor_parallel ({t}) is more than topology.devices_per_node ({cfg.topology.devices_per_node}): "
+            "a tensor group all-reduces every layer and must stay on one node; lower pipeline.tensor_parallel"
+        )
+    if local_world_size % t:
+        raise ConfigError(
+            f"pipeline.tensor_parallel ({t}) must divide the ranks per node ({local_world_size}, LOCAL_WORLD_SIZE): a "
+            "tensor group's t consecutive ranks must stay on one node; launch a multiple of t ranks per node"
+        )
+
+
+PACKINGS = ("windows", "documents")
+
+
+def _validate_documents(cfg: Config) -> None:
+    """data.packing=documents: what it is proven with (docs/data.md); each other feature refused in one line."""
+    packing = cfg.data.packing
+    if packing not in PACKINGS:
+        raise ConfigError(f"data.packing ({packing!r}) is unknown; use one of {list(PACKINGS)}")
+    if packing == "windows":
+        return
+    why = (
+        "data.packing=documents is proven with the built-in GPT and model=hf's Llama family in fp32 (2bw, flush, "
+        "gpipe, recompute), without"
+    )
+    precision = cfg.train.precision
+    if precision == "auto":  # bf16 on a CUDA device that supports it, else fp32 (memory/precision.py)
+        import torch
+
+        precision = "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "fp32"
+    refused = [
+        (not isinstance(cfg.model, (GPTConfig, HFModelConfig)), "a layer list (model=custom)", "model=gpt or hf"),
+        (precision not in (None, "fp32"), f"train.precision={cfg.train.precision}", "train.precision=fp32"),
+        (cfg.partition.mode != "manual", f"partition={cfg.partition.mode}", "partition=manual with pipeline.*"),
+        (bool(cfg.optim.sharded), "optim.sharded", "it false"),
+        (bool(swap_stages(cfg.swap, cfg.pipeline.num_stages)), "swap.enabled/swap.stages", "neither"),
+        (cfg.swap.weights or cfg.swap.optimizer != "device", "swap.weights/swap.optimizer", "their defaults"),
+    ]
+    for bad, what, fix in refused:
+        if bad:
+            raise ConfigError(f"{why} {what}; set {fix}, or data.packing=windows")
 
 
 def _validate_shape(cfg: Config, world_size: int) -> None:
     """The pipeline's shape: schedule, stages, microbatches, replicas, against the ranks launched."""
     p = cfg.pipeline
     d, m = p.num_stages, p.num_microbatches
+    if p.schedule == "auto":  # a plan replaces it before these checks (partition=auto|file)
+        raise ConfigError(
+            f"pipeline.schedule (auto) is the planner's choice, and partition.mode is {cfg.partition.mode!r}: use "
+            f"partition=auto, or name one of {list(SCHEDULES)}"
+        )
     if p.schedule not in SCHEDULES:
-        raise ConfigError(f"pipeline.schedule ({p.schedule!r}) is unknown; use one of {list(SCHEDULES)}")
+        raise ConfigError(f"pipeline.schedule ({p.schedule!r}) is unknown; use one of {list(SCHEDULES)} or auto")
     if d < 1:
         raise ConfigError(f"pipeline.num_stages ({d}) must be >= 1")
     if m < 1 or p.microbatch_size < 1:
@@ -359,6 +477,16 @@ def _validate_shape(cfg: Config, world_size: int) -> None:
         raise ConfigError(
             f"world size ({world_size}) is not divisible by pipeline.num_stages ({d}); "
             f"launch a multiple of {d} ranks or change pipeline.num_stages"
+        )
+    t = p.tensor_parallel
+    if t < 1:
+        raise ConfigError(f"pipeline.tensor_parallel ({t}) must be >= 1")
+    if t > 1 and world_size == d * w * t:
+        return
+    if t > 1:
+        raise ConfigError(
+            f"world size ({world_size}) must equal pipeline.num_stages ({d}) x pipeline.data_parallel ({w}) x "
+            f"pipeline.tensor_parallel ({t}) = {d * w * t}; launch with torchrun --nproc-per-node {d * w * t}"
         )
     if world_size != d * w:
         raise ConfigError(
@@ -411,6 +539,10 @@ def _validate_balance(cfg: Config, num_layers: int, *, gpt: bool) -> List[int]:
 
 def _validate_model_and_optim(cfg: Config) -> None:
     """The GPT's heads, the sequence length, the optimizer (built once, on a scalar), its step rules and sharding."""
+    import torch
+
+    from pipedream2bw.config.optim import build_optimizer, optimizer_of
+
     mdl = cfg.model
     if isinstance(mdl, GPTConfig) and mdl.d_model % mdl.num_heads:
         raise ConfigError(f"model.num_heads ({mdl.num_heads}) must divide model.d_model ({mdl.d_model})")
@@ -433,6 +565,11 @@ DELAY_CORRECTIONS = ("none", "error_feedback", "lookahead", "predict")
 
 def _validate_optim_extras(cfg: Config) -> None:
     """optim.name=muon and optim.delay_correction: what composes, and what is refused and why."""
+    import torch
+
+    from pipedream2bw.config.optim import optimizer_class
+    from pipedream2bw.config.optimizers import is_muon
+
     o = cfg.optim
     if o.delay_correction not in DELAY_CORRECTIONS:
         raise ConfigError(
@@ -502,6 +639,8 @@ def _validate_prediction(cfg: Config) -> None:
         why = (
             "train.weight_dtype (compute): the versions are rounded copies of the masters; set train.weight_dtype=fp32"
         )
+    elif cfg.pipeline.tensor_parallel > 1:
+        why = f"pipeline.tensor_parallel ({cfg.pipeline.tensor_parallel}): not proven with split stages; set it to 1"
     if why is not None:
         raise ConfigError(f"optim.delay_correction (predict) with {why}, or use optim.delay_correction=error_feedback")
 
@@ -537,6 +676,8 @@ def _validate_train(cfg: Config) -> None:
 
 def _validate_run(cfg: Config, local_world_size: int) -> None:
     """Precision, what the run writes at its end, tracking and the process groups' backend."""
+    import torch
+
     _validate_precision(cfg)
     _validate_final(cfg)
     if cfg.wandb.mode not in WANDB_MODES:

@@ -1,7 +1,9 @@
-"""Token data: byte-level text or token-id files, split, windowed and fed as microbatches; the shipped corpus.
+"""Token data: byte-level text or token-id files, split, windowed (or documents packed) and fed as microbatches;
+the shipped corpus.
 Imports config and errors only.
 """
 
+from pipedream2bw.data.documents import DocumentFeed, Documents, index_path, pack, tokenize_jsonl
 from pipedream2bw.data.tokens import (
     BYTE_VOCAB,
     SHIPPED_CORPUS,
@@ -28,6 +30,11 @@ from pipedream2bw.data.tokens import (
 )
 
 __all__ = [
+    "DocumentFeed",
+    "Documents",
+    "index_path",
+    "pack",
+    "tokenize_jsonl",
     "SHIPPED_CORPUS",
     "TOKEN_SUFFIX",
     "TRAIN",

@@ -14,12 +14,13 @@ import zlib
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Dict, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Optional, Tuple, Union
 
 import numpy as np
 import torch
 
 from pipedream2bw.config import DataConfig
+from pipedream2bw.data import documents
 from pipedream2bw.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -35,6 +36,7 @@ _DROP_BYTES = mmap.PAGESIZE * (mmap.PAGESIZE // 8)
 _SCAN_TOKENS = 1 << 24  # tokens per chunk when checking a token file's ids (32 MiB of uint16: page-aligned)
 
 Array = Union[np.ndarray, torch.Tensor]
+WINDOWS, DOCUMENTS = "windows", "documents"  # data.packing
 
 
 def is_token_file(path: Optional[str]) -> bool:
@@ -178,8 +180,8 @@ def make_feeds(
     num_replicas: int,
     replica: int,
 ) -> Tuple["MicrobatchFeed", Optional["MicrobatchFeed"]]:
-    """This replica's training feed and validation feed (None without held-out data)."""
-    train, val = load_splits(data)
+    """This replica's training feed and validation feed (None without held-out data); packed documents under
+    ``data.packing=documents`` (``documents.DocumentFeed``), else windows."""
     kwargs = dict(
         seq_len=seq_len,
         microbatch_size=microbatch_size,
@@ -188,6 +190,10 @@ def make_feeds(
         num_replicas=num_replicas,
         replica=replica,
     )
+    if data.packing == DOCUMENTS:
+        opener = functools.partial(open_tokens, dtype=data.token_dtype)
+        return documents.make_document_feeds(data.path, data.val_path, data.val_fraction, opener, **kwargs)
+    train, val = load_splits(data)
     return MicrobatchFeed(train, **kwargs), None if val is None else MicrobatchFeed(val, stream=VALIDATION, **kwargs)
 
 
@@ -224,6 +230,8 @@ def check_data(
     """
     _check_settings(data, vocab_size=vocab_size, need_val=need_val)
     check = functools.partial(_check_file, dtype=data.token_dtype, vocab_size=vocab_size, vocab_from=vocab_from)
+    if data.packing == DOCUMENTS:
+        return _check_documents(data, check)
     info = check(data.path, "data.path")
     if vocab_size is not None and info.vocab_size is not None and vocab_size >= 2 * info.vocab_size:
         log.warning(
@@ -260,6 +268,40 @@ def check_data(
             f"hold out more data"
         )
     return info
+
+
+def _check_documents(data: DataConfig, check: Callable[[Optional[str], str], DataInfo]) -> DataInfo:
+    """``check_data`` under data.packing=documents: each file a JSONL (byte-level) or a token file with its document
+    index, and at least one document to train on and (with validation) one held out."""
+    found = {}
+    for key, path in (("data.path", data.path), ("data.val_path", data.val_path)):
+        if key == "data.val_path" and path is None:
+            continue
+        if path is not None and not is_token_file(path) and Path(path).suffix != documents.DOCUMENTS_SUFFIX:
+            raise ConfigError(
+                f"{key} ({path}) is neither JSONL ({documents.DOCUMENTS_SUFFIX}) nor a token file ({TOKEN_SUFFIX}) "
+                "with a document index, which data.packing=documents reads; write one with scripts/prepare_tokens.py "
+                "--documents, or set data.packing=windows"
+            )
+        info = check(path if is_token_file(path) else path or str(documents.SHIPPED_DOCUMENTS), key)
+        found[key] = (
+            info,
+            (
+                documents.check_index(path, info.num_tokens, key)
+                if is_token_file(path)
+                else len(documents.tokenize_jsonl(path or documents.SHIPPED_DOCUMENTS))  # every line checked here
+            ),
+        )
+    num_docs = found["data.path"][1]
+    num_val = found["data.val_path"][1] if data.val_path is not None else int(num_docs * data.val_fraction)
+    num_train = num_docs if data.val_path is not None else num_docs - num_val
+    if num_train < 1 or ((data.val_path is not None or data.val_fraction > 0) and num_val < 1):
+        raise ConfigError(
+            f"data.path ({data.path or documents.SHIPPED_DOCUMENTS}) holds {num_docs} documents: {num_train} to train "
+            f"on and {num_val} held out (data.val_fraction={data.val_fraction}, data.val_path={data.val_path}); each "
+            "needs at least one: use more documents or another data.val_fraction"
+        )
+    return found["data.path"][0]
 
 
 def _check_settings(data: DataConfig, *, vocab_size: Optional[int], need_val: bool) -> None:

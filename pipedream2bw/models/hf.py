@@ -32,6 +32,7 @@ from torch import nn
 from pipedream2bw.config import HFModelConfig
 from pipedream2bw.errors import ConfigError
 from pipedream2bw.models import hf_gpt2
+from pipedream2bw.models.gpt import document_mask
 
 log = logging.getLogger(__name__)
 
@@ -265,29 +266,41 @@ def resolve_config(model: HFModelConfig) -> HFModel:
 
 
 class TokenEmbedding(nn.Module):
-    """The Llama family's token embedding: (B, T) int64 -> (B, T, C)."""
+    """The Llama family's token embedding: (B, T) int64 -> (B, T, C); packed documents (data.packing=documents):
+    (ids, positions) -> ((B, T, C), positions), which the decoder layers need."""
 
     def __init__(self, vocab_size: int, hidden_size: int, padding_idx: Optional[int] = None):
         super().__init__()
         self.embed_tokens = nn.Embedding(vocab_size, hidden_size, padding_idx)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+    def forward(self, idx: Any) -> Any:
+        if isinstance(idx, (tuple, list)):
+            return self.embed_tokens(idx[0]), idx[1]
         return self.embed_tokens(idx)
 
 
 class DecoderLayer(nn.Module):
     """One decoder layer of the Llama family on hidden states (B, T, C): rotary cos/sin for positions
-    0..T-1 computed here (as transformers' model computes them once), causal attention, no cache."""
+    0..T-1 computed here (as transformers' model computes them once), causal attention, no cache. Packed documents:
+    (x, positions), the positions (B, T) restarting with each document, give the rotary angles and the
+    block-diagonal causal mask (``gpt.document_mask``) as transformers' ``position_ids`` and 4-D
+    ``attention_mask``; the positions go on to the next layer, except from the last decoder layer (``last``)."""
 
-    def __init__(self, layer: nn.Module, rotary: nn.Module):
+    def __init__(self, layer: nn.Module, rotary: nn.Module, last: bool = False):
         super().__init__()
-        self.layer, self.rotary = layer, rotary
+        self.layer, self.rotary, self.last = layer, rotary, last
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(x.shape[1], device=x.device)[None]  # (1, T)
-        cos_sin = self.rotary(x, positions)  # two (1, T, head_dim) in x's dtype, computed in float32
-        out = self.layer(x, attention_mask=None, position_ids=positions, position_embeddings=cos_sin)
-        return out[0] if isinstance(out, tuple) else out
+    def forward(self, x: Any) -> Any:
+        mask = None
+        if isinstance(x, (tuple, list)):
+            x, positions = x
+            mask = document_mask(positions)  # (B, 1, T, T) bool
+        else:
+            positions = torch.arange(x.shape[1], device=x.device)[None]  # (1, T)
+        cos_sin = self.rotary(x, positions)  # two (B or 1, T, head_dim) in x's dtype, computed in float32
+        out = self.layer(x, attention_mask=mask, position_ids=positions, position_embeddings=cos_sin)
+        out = out[0] if isinstance(out, tuple) else out
+        return out if mask is None or self.last else (out, positions)
 
 
 def _family(model_type: str) -> Dict[str, Any]:
@@ -313,7 +326,7 @@ def _make_layer(hf: HFModel, index: int, rotary_device: torch.device) -> nn.Modu
     if index <= n:
         with torch.device(rotary_device):  # a buffer computed at construction: never on the meta device
             rotary = family["RotaryEmbedding"](c)
-        return DecoderLayer(family["DecoderLayer"](c, index - 1), rotary)
+        return DecoderLayer(family["DecoderLayer"](c, index - 1), rotary, last=index == n)
     if index == n + 1:
         return family["RMSNorm"](c.hidden_size, eps=c.rms_norm_eps)
     return hf_gpt2.Head(c.hidden_size, c.vocab_size)

@@ -54,6 +54,13 @@ def from_wire(tree: Any, dtype: torch.dtype) -> Any:
     return pytree.tree_map(lambda t: t.float() if t.dtype == dtype else t, tree)
 
 
+def to_device(tree: Any, device: torch.device) -> Any:
+    """A tensor, or each tensor of a tuple/list/dict (packed documents' ids and positions), on ``device``."""
+    if isinstance(tree, torch.Tensor):
+        return tree.to(device, non_blocking=True)
+    return pytree.tree_map(lambda t: t.to(device, non_blocking=True), tree)
+
+
 class Channel:
     """One kind of crossing (``tag``) of this rank's stage boundaries over ``p2p``: what it sends to
     one neighbour and receives from the other, with the structure agreed on the first crossing.

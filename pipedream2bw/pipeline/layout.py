@@ -1,13 +1,17 @@
-"""Pure: which rank runs which (stage, replica) of a d x w pipeline, as data.
+"""Pure: which rank runs which (stage, replica, tensor rank) of a d x w x t pipeline, as data.
 
 d stages, each replicated w times; replica r of every stage forms one pipeline (a p2p
 chain), and the w replicas of stage s average their gradients (one all-reduce group).
+With tensor parallelism (t > 1) each (stage, replica) is a group of t consecutive ranks
+(t innermost in the mesh replica x stage x tensor), which split the stage's layers; tensor rank
+k of a stage talks to tensor rank k of its neighbours and of its replicas, so the ranks of
+one tensor rank form a d x w pipeline of their own (``slice``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 from pipedream2bw.errors import ConfigError
 
@@ -17,13 +21,24 @@ class Layout:
     """``ranks[s][r]`` is the rank that runs stage ``s`` of replica ``r``."""
 
     ranks: Tuple[Tuple[int, ...], ...]
+    tensor: int = 1
+    """t: ranks per (stage, replica); ``ranks`` names the first of each group (its tensor rank 0)."""
 
     def position(self, rank: int) -> Tuple[int, int]:
-        """(stage, replica) of ``rank``."""
+        """(stage, replica) of ``rank`` (of its tensor group's first rank)."""
+        first = rank - rank % self.tensor
         for s, row in enumerate(self.ranks):
-            if rank in row:
-                return s, row.index(rank)
+            if first in row:
+                return s, row.index(first)
         raise KeyError(f"rank {rank} is not in the layout {self.ranks}")
+
+    def slice(self, tensor_rank: int) -> Tuple[Tuple[int, ...], ...]:
+        """The d x w ranks (``[stage][replica]``) of tensor rank ``tensor_rank``: a pipeline of its own."""
+        return tuple(tuple(r + tensor_rank for r in row) for row in self.ranks)
+
+    def tensor_groups(self) -> List[Tuple[int, ...]]:
+        """Every (stage, replica)'s t ranks, stage-major: the groups that split a stage's layers."""
+        return [tuple(range(r, r + self.tensor)) for row in self.ranks for r in row]
 
 
 def default_layout(num_stages: int, data_parallel: int, *, ranks_per_node: int) -> Layout:
@@ -42,13 +57,22 @@ def default_layout(num_stages: int, data_parallel: int, *, ranks_per_node: int) 
 
 
 def make_layout(
-    num_stages: int, data_parallel: int, *, ranks_per_node: int, rank_map: Optional[Sequence[Sequence[int]]] = None
+    num_stages: int,
+    data_parallel: int,
+    *,
+    ranks_per_node: int,
+    rank_map: Optional[Sequence[Sequence[int]]] = None,
+    tensor_parallel: int = 1,
 ) -> Layout:
-    """The explicit ``rank_map`` (``[stage][replica] -> rank``) if given, else the default.
+    """The explicit ``rank_map`` (``[stage][replica] -> rank``) if given, else the default; with
+    ``tensor_parallel`` t > 1 the default over groups of t consecutive ranks (no map: config.validate).
 
     Raises:
         ConfigError: a map that is not d rows of w ranks using each of 0..d*w-1 once.
     """
+    if tensor_parallel > 1:
+        groups = default_layout(num_stages, data_parallel, ranks_per_node=max(ranks_per_node // tensor_parallel, 1))
+        return Layout(tuple(tuple(g * tensor_parallel for g in row) for row in groups.ranks), tensor_parallel)
     if rank_map is None:
         return default_layout(num_stages, data_parallel, ranks_per_node=ranks_per_node)
     rows = [list(row) for row in rank_map]

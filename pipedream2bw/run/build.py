@@ -46,7 +46,7 @@ from pipedream2bw.pipeline.agreement import StepRule
 from pipedream2bw.pipeline.layout import Layout
 from pipedream2bw.pipeline.schedule import Action
 from pipedream2bw.pipeline.versions import WeightVersions, bucketize
-from pipedream2bw.run import evaluate, preempt
+from pipedream2bw.run import evaluate, preempt, tensor
 from pipedream2bw.run.lr_schedule import lr_at
 from pipedream2bw.run.model import RunModel, optim_settings, stage_module
 from pipedream2bw.run.runtime import RankPlan
@@ -60,16 +60,17 @@ def _tie_groups(ctx: comm.DistContext, layout: Layout, tied: Sequence[ties.Tie],
     same order); returns [(group, source rank, [(tie, parameter index in ``module``)])] for the
     groups this rank is in. The source, the first holder stage's replica 0, owns the canonical copy."""
     sets: Dict[Tuple[int, ...], List[ties.Tie]] = {}
-    for tie in tied:
-        stages = ties.holders(tie, balance)
-        if len(stages) > 1:
-            sets.setdefault(tuple(sorted(r for st in stages for r in layout.ranks[st])), []).append(tie)
+    for k in range(layout.tensor):  # tensor rank k's copies are tied among themselves (pipeline.tensor_parallel)
+        for tie in tied:
+            stages = ties.holders(tie, balance)
+            if len(stages) > 1:
+                sets.setdefault(tuple(sorted(r for st in stages for r in layout.slice(k)[st])), []).append(tie)
     groups = comm.new_groups(ctx, list(sets)) if sets else []
     index = {id(q): i for i, q in enumerate(module.parameters())}
     mine = []
     for group, (ranks, group_ties) in zip(groups, sets.items()):
         if ctx.rank in ranks:
-            src = layout.ranks[ties.holders(group_ties[0], balance)[0]][0]
+            src = layout.ranks[ties.holders(group_ties[0], balance)[0]][0] + ctx.rank % layout.tensor
             held = []
             for tie in group_ties:
                 name = next(n for n in tie.names if n.split(".", 1)[0] in module._modules)
@@ -80,11 +81,12 @@ def _tie_groups(ctx: comm.DistContext, layout: Layout, tied: Sequence[ties.Tie],
 
 def build_stage(
     rt: RankPlan, ctx: comm.DistContext, model: RunModel, *, streamed: bool = False
-) -> Tuple[nn.Module, List[Tuple[Any, int, List[Tuple[ties.Tie, int]]]]]:
-    """This rank's stage module on its device and the groups of its tied parameters (``_tie_groups``),
-    every tied copy set to its canonical one."""
+) -> Tuple[nn.Module, List[Tuple[Any, int, List[Tuple[ties.Tie, int]]]], Optional[tensor.TensorPart]]:
+    """This rank's stage module on its device, the groups of its tied parameters (``_tie_groups``), every
+    tied copy set to its canonical one, and its part of the stage's split (pipeline.tensor_parallel; else None)."""
     torch.manual_seed(rt.seed)
     module = stage_module(rt.layer_indices, model.layers, model.source, recompute=rt.recompute, tied=model.tied)
+    split = tensor.split_stage(rt, ctx, module)
     if streamed:  # swap.weights: the parameters stay in host memory (StreamedVersions moves them to its buffers)
         for m in module.modules():
             m._buffers.update({k: b.to(rt.device) for k, b in m._buffers.items() if b is not None})
@@ -95,7 +97,7 @@ def build_stage(
         for group, src, held in tie_groups:
             for _, i in held:
                 comm.broadcast(list(module.parameters())[i].data, src=src, group=group)
-    return module, tie_groups
+    return module, tie_groups, split
 
 
 def build_versions(
@@ -231,12 +233,17 @@ def restore(
     *,
     optim: OptimConfig,
     tied: Sequence[ties.Tie],
+    split: Optional[tensor.TensorPart] = None,
 ) -> None:
-    """Loads this stage's weights, optimizer, loss scaler and (under the same layout) RNG states from the checkpoint."""
+    """Loads this stage's weights, optimizer, loss scaler and (under the same layout) RNG states from the checkpoint
+    (whole tensors, cut to this rank's pieces under ``split``)."""
     path, manifest = resume
     first_batch = rt.first_step
     state = checkpoint.load_layers(path, rt.layer_indices, ties=[list(t.names) for t in tied])
-    if rt.schedule == "2bw" and state["previous"] is None:
+    if split is not None:
+        state = split.cut(state)
+    says = rt.rank == 0  # what the manifest shows is the same on every rank: said once
+    if says and rt.schedule == "2bw" and state["previous"] is None:
         log.warning(
             "%s holds one weight version (a %s run): batch %d runs with W(%d), not W(%d)",
             path,
@@ -245,7 +252,7 @@ def restore(
             first_batch,
             first_batch - 1,
         )
-    if manifest["global_batch_size"] != rt.global_batch:
+    if says and manifest["global_batch_size"] != rt.global_batch:
         log.warning(
             "%s was trained with global batch %d, this run uses %d: training continues, but not as the same run",
             path,
@@ -253,12 +260,13 @@ def restore(
             rt.global_batch,
         )
     if manifest["optimizer"] != optimizer_name(optim):
-        log.warning(
-            "%s holds %s state; this run's optimizer is %s: it starts afresh",
-            path,
-            manifest["optimizer"],
-            optimizer_name(optim),
-        )
+        if says:
+            log.warning(
+                "%s holds %s state; this run's optimizer is %s: it starts afresh",
+                path,
+                manifest["optimizer"],
+                optimizer_name(optim),
+            )
         state["optimizer"] = {}
     elif state["optimizer"] and _optimizer_state_misfits(path, manifest, versions, state["optimizer"], optim):
         state["optimizer"] = {}
@@ -272,7 +280,7 @@ def restore(
         versions.load_state(step=first_batch, weights=weights, previous=state["previous"], optimizer=state["optimizer"])
     if isinstance(rule, ScaledStepRule) and manifest.get("loss_scaler") is not None:
         rule.load_state_dict(manifest["loss_scaler"])
-    elif isinstance(rule, ScaledStepRule):
+    elif says and isinstance(rule, ScaledStepRule):
         log.warning(
             "%s holds no loss scaler state (a %s run): the loss scale starts afresh at %g",
             path,
@@ -307,10 +315,12 @@ def comm_groups(
     """The gradient all-reduce, tie exchange and checker, and step agreement of this rank (``host_grads``: some
     stage streams its weights, swap.weights, and all-reduces host gradients: over gloo groups, made on every rank)."""
     reducer = None
-    if rt.data_parallel > 1:  # every rank makes every stage's group, in the same order
-        group = comm.new_groups(ctx, rt.layout.ranks)[rt.stage]
+    if rt.data_parallel > 1:  # every rank makes every stage's group (of each tensor rank's), in the same order
+        stages = [row for k in range(rt.tensor_parallel) for row in rt.layout.slice(k)]
+        mine = rt.tensor_rank * rt.num_stages + rt.stage
+        group = comm.new_groups(ctx, stages)[mine]
         if host_grads and rt.backend != "gloo":  # swap.weights: host gradients, which NCCL cannot reduce
-            host_group = comm.new_groups(ctx, rt.layout.ranks, backend="gloo")[rt.stage]
+            host_group = comm.new_groups(ctx, stages, backend="gloo")[mine]
             group = host_group if isinstance(versions, StreamedVersions) else group
         if dp_buckets:
             reducer = comm.GradReducer(
@@ -349,6 +359,7 @@ def peers(rt: RankPlan) -> Peers:
         prev=rt.prev_rank,
         next=rt.next_rank,
         loss_sources=tuple(rt.layout.ranks[rt.num_stages - 1]) if rt.rank == 0 else (),
+        sends_loss=rt.tensor_rank == 0,
     )
 
 
@@ -385,6 +396,7 @@ def data(
             precision=rt.precision,
             # weights stored in the compute dtype (train.weight_dtype=compute): the stage runs in it, as in training
             upcast=precisions.weight_dtype(rt.precision, train.weight_dtype) == torch.float32,
+            sends_loss=peers.sends_loss,
         )
     return feed, val_feed, evaluator
 
@@ -436,6 +448,7 @@ def worker(
     *,
     early_apply: bool = True,
     stream: Optional[WeightStream] = None,
+    norm_excluded: Sequence[int] = (),
 ) -> StageWorker:
     """The stage worker that runs this rank's actions (``early_apply``: StageWorker's)."""
     m, w = rt.num_microbatches, rt.data_parallel
@@ -464,6 +477,7 @@ def worker(
         seed=rt.seed,
         num_replicas=w,
         stream=stream,
+        norm_excluded=norm_excluded,
     )
 
 
@@ -536,6 +550,8 @@ class Components:
     preemption: Optional[preempt.Agreement]
     actions: List[Action]
     worker: StageWorker
+    split: Optional[tensor.TensorPart] = None
+    """This rank's part of its stage's tensor split (pipeline.tensor_parallel > 1), else None."""
 
 
 def components(
@@ -554,7 +570,7 @@ def components(
     flag's (``train.preempt_signals``).
     """
     streamed = cfg.swap.weights and rt.stage in swap_stages(cfg.swap, rt.num_stages)
-    module, tie_groups = build_stage(rt, ctx, model, streamed=streamed)
+    module, tie_groups, split = build_stage(rt, ctx, model, streamed=streamed)
     versions, buckets, num_dp_buckets = build_versions(
         rt,
         module,
@@ -566,7 +582,7 @@ def components(
     )
     rule = step_rule(rt, cfg.train, cfg.optim)
     if resume is not None:
-        restore(rt, resume, versions, rule, optim=cfg.optim, tied=model.tied)
+        restore(rt, resume, versions, rule, optim=cfg.optim, tied=model.tied, split=split)
     dp_buckets, check_ties = buckets[:num_dp_buckets], cfg.pipeline.check_ties
     groups = comm_groups(rt, ctx, versions, dp_buckets, tie_groups, rule, check_ties, host_grads=cfg.swap.weights)
     neighbours = peers(rt)
@@ -594,6 +610,7 @@ def components(
         # on_step passes through the stages (validation, the tie check): a sharded APPLY keeps apply_due's point
         early_apply=not (cfg.train.eval_every or cfg.pipeline.check_ties),
         stream=stream,
+        norm_excluded=split.norm_excluded(module) if split is not None else (),
     )
     trace(rt, stage_worker, cfg.pipeline, warmup_steps=cfg.train.warmup_steps)
     return Components(
@@ -608,6 +625,7 @@ def components(
         preemption=stop_rule,
         actions=own_actions,
         worker=stage_worker,
+        split=split,
     )
 
 

@@ -34,7 +34,7 @@ from torch import nn
 
 from pipedream2bw.data import MicrobatchFeed
 from pipedream2bw.memory.precision import autocast, compute_dtype
-from pipedream2bw.pipeline.boundary import Channel, from_wire, to_wire
+from pipedream2bw.pipeline.boundary import Channel, from_wire, to_device, to_wire
 from pipedream2bw.pipeline.comm import EVAL_LOSS_TAG, P2P
 
 log = logging.getLogger(__name__)
@@ -56,6 +56,7 @@ class Evaluator:
         p2p: transfers on the evaluation group (``comm.new_groups`` over all ranks).
         feed: the validation feed (first and last stages; None in between).
         num_microbatches: microbatches per pass on this replica (``eval_batches * m``).
+        sends_loss: False on a last stage's tensor ranks > 0 (their tensor rank 0 sends the same loss).
     """
 
     def __init__(
@@ -71,8 +72,10 @@ class Evaluator:
         device: torch.device,
         precision: str = "fp32",
         upcast: bool = True,
+        sends_loss: bool = True,
     ):
         self.upcast = upcast  # False: a received activation stays in the compute dtype (weights stored in it)
+        self.sends_loss = sends_loss
         self.prev, self.next, self.loss_sources, self.p2p, self.feed = prev, next, loss_sources, p2p, feed
         self.precision, self._wire_dtype = precision, compute_dtype(precision)
         # the same structured crossing as training's activations (a tensor, tuple or dict), on this group
@@ -97,14 +100,14 @@ class Evaluator:
         try:
             for e in range(self.num_microbatches):
                 if self.prev is None:
-                    x = self.feed.inputs(e).to(self.device, non_blocking=True)
+                    x = to_device(self.feed.inputs(e), self.device)
                 else:  # as training's stages do: the compute dtype travels, float32 goes on (or it, upcast False)
                     x = self._channel.recv(self.prev)
                     x = from_wire(x, self._wire_dtype) if self.upcast else x
                 with autocast(self.precision, self.device.type):
                     out = self.forward(module, x)
                 if self.next is None:
-                    losses.append(self.loss_fn(out.float(), self.feed.targets(e).to(self.device, non_blocking=True)))
+                    losses.append(self.loss_fn(out.float(), to_device(self.feed.targets(e), self.device)))
                 else:
                     self._channel.send(to_wire(out, self._wire_dtype), peer=self.next)
             if self.next is not None:
@@ -115,7 +118,7 @@ class Evaluator:
             loss = torch.stack(losses).mean()
             if self.loss_sources:  # rank 0 is a last stage itself
                 self._own.append(float(loss))
-            else:
+            elif self.sends_loss:
                 self.p2p.send_value(loss, peer=0, tag=EVAL_LOSS_TAG)
         if self.loss_sources:
             self._pending.append(step)

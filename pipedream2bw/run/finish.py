@@ -34,6 +34,7 @@ from pipedream2bw.run.model import RunModel
 from pipedream2bw.run.results import summarize, write_summary
 from pipedream2bw.run.runtime import RankPlan
 from pipedream2bw.run.stage import StageStats
+from pipedream2bw.run.tensor import TensorPart
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +101,7 @@ def finish(
         )
     final = None
     if preempted is None:  # the checkpoint holds a preempted run's weights
-        final = final_weights(rt, parts.versions, cfg.train)
+        final = final_weights(rt, parts.versions, cfg.train, split=parts.split)
         write_final(rt, ctx, run_dir, state=final, model=model, train=cfg.train, dist=cfg.dist)
     return gather_and_write(
         rt,
@@ -143,9 +144,8 @@ def gather_and_write(
     all_stats = comm.gather_to_rank0(ctx, stats)
     gathered = train.save_final == "gathered" and preempted is None  # a preempted run's weights are in its checkpoint
     # Replicas hold equal weights: replica 0 of each stage contributes its slice of the model.
-    shard = (
-        ties.drop_aliases({k: v.detach().cpu() for k, v in final.items()}, tied) if rt.replica == 0 and gathered else {}
-    )
+    kept = final is not None and gathered  # tensor_parallel: replica 0's tensor rank 0 holds the whole tensors
+    shard = ties.drop_aliases({k: v.detach().cpu() for k, v in final.items()}, tied) if kept else {}
     shards = comm.gather_to_rank0(ctx, shard) if gathered else None
     tie_records = comm.gather_to_rank0(ctx, tie_record)
     if rt.rank != 0:
@@ -193,6 +193,7 @@ def _layout_meta(rt: RankPlan, resume: Optional[Tuple[Path, Dict[str, Any]]]) ->
         "schedule": rt.schedule,
         "num_stages": rt.num_stages,
         "data_parallel": rt.data_parallel,
+        "tensor_parallel": rt.tensor_parallel,
         "num_microbatches": rt.num_microbatches,
         "microbatch_size": rt.microbatch_size,
         "global_batch_size": rt.global_batch,
@@ -256,15 +257,23 @@ def _outcome_meta(
     }
 
 
-def final_weights(rt: RankPlan, versions: WeightVersions, train: TrainConfig) -> Optional[Dict[str, torch.Tensor]]:
+def final_weights(
+    rt: RankPlan, versions: WeightVersions, train: TrainConfig, *, split: Optional[TensorPart] = None
+) -> Optional[Dict[str, torch.Tensor]]:
     """This stage's final weights on its replica 0 (None on the others, and when the run writes none): the
     newest version, or, where the versions are stored in the compute dtype (train.weight_dtype=compute),
-    the float32 masters, all-gathered over the replicas when sharded (every replica takes part)."""
+    the float32 masters, all-gathered over the replicas when sharded (every replica takes part). With a tensor
+    ``split``, whole tensors gathered over replica 0's tensor group, kept by its tensor rank 0."""
     if train.save_final == "none" and train.export_hf is None:
         return None
     if isinstance(versions, ShardedVersions) and versions.weight_dtype != torch.float32:
         return versions.final_state(keep=rt.replica == 0)
-    return versions.weights().state_dict() if rt.replica == 0 else None
+    if rt.replica != 0:
+        return None
+    if split is None:
+        return versions.weights().state_dict()
+    whole = split.whole({"weights": versions.weights().state_dict()})["weights"]
+    return whole if rt.tensor_rank == 0 else None
 
 
 def write_final(

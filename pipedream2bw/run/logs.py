@@ -44,6 +44,17 @@ def set_log_prefix(prefix: str) -> None:
     _log_prefix = prefix + " "
 
 
+RUN_WIDE = ("pipedream2bw.config", "pipedream2bw.data")
+"""Loggers whose warnings read the same on every rank (the config's, the data's): rank 0 alone logs them."""
+
+
+def quiet_ranks(rank: int) -> None:
+    """One warning per run, not per rank: on ranks other than 0 the run-wide loggers log errors only."""
+    if rank != 0:
+        for name in RUN_WIDE:
+            logging.getLogger(name).setLevel(logging.ERROR)
+
+
 def configure_logging(run_dir: Path) -> None:
     """Logs as the CLI does when the caller configured no logging (a programmatic ``run()``):
     INFO and up to stderr and to ``<run_dir>/train.log``, in Hydra's format. Leaves logging
@@ -144,6 +155,8 @@ def log_run(rt: RankPlan, cfg: Config, model: RunModel, feed: Any, val_feed: Any
         log.info("optimizer per stage (parameters each steps): %s", _muon_split(model, o, bounds))
     if feed is None:  # rank 0 is not a first or last stage (a custom rank_map): its data is not opened here
         return
+    if hasattr(feed, "docs"):  # data.packing=documents
+        return _log_documents(rt, cfg, feed, val_feed)
     num_train = len(feed.data)
     epochs = rt.num_steps * rt.global_batch * rt.seq_len / num_train
     val = f", {len(val_feed.data):,} held out for validation" if val_feed is not None else ", no validation data"
@@ -155,6 +168,22 @@ def log_run(rt: RankPlan, cfg: Config, model: RunModel, feed: Any, val_feed: Any
         rt.num_steps,
         f"{rt.num_steps * rt.global_batch * rt.seq_len:,}",
         epochs,
+    )
+
+
+def _log_documents(rt: RankPlan, cfg: Config, feed: Any, val_feed: Any) -> None:
+    """``log_run``'s data line for packed documents: documents, not tokens, are what is split and read."""
+    index = feed.docs.index
+    val = f", {len(val_feed.docs):,} held out for validation" if val_feed is not None else ", no validation data"
+    log.info(
+        "data: %s, %s documents (%s tokens) to train on%s, packed into rows of %d; %d steps read %s rows",
+        cfg.data.path or "the shipped example documents (bytes)",
+        f"{len(index):,}",
+        f"{int((index[:, 1] - index[:, 0]).sum()):,}",
+        val,
+        rt.seq_len,
+        rt.num_steps,
+        f"{rt.num_steps * rt.global_batch:,}",
     )
 
 

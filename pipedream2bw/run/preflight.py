@@ -32,11 +32,27 @@ def check(
     """
     balance = validate(cfg, world_size=world_size, num_layers=num_layers, local_world_size=local_world_size)
     mdl, t = cfg.model, cfg.train
+    if cfg.data.packing == "documents" and isinstance(mdl, HFModelConfig):
+        _check_hf_documents(mdl)
     vocab = _model_vocab(mdl, layers_vocab_size)
     read = isinstance(mdl, LayerListConfig) and mdl.vocab_size is None and vocab is not None
     vocab_from = "the vocabulary of the model's layers (embedding rows, head outputs)" if read else "model.vocab_size"
     check_data(cfg.data, vocab_size=vocab, seq_len=mdl.seq_len, need_val=t.eval_every > 0, vocab_from=vocab_from)
     return balance
+
+
+def _check_hf_documents(mdl: HFModelConfig) -> None:
+    """data.packing=documents with model=hf: the Llama family (Llama, Mistral, Qwen2).
+
+    Raises:
+        ConfigError: GPT-2, in one line with the fix.
+    """
+    from pipedream2bw.models.hf import resolve_config  # transformers: only for model=hf
+
+    hf = resolve_config(mdl)
+    why = "data.packing=documents is proven with model=hf's Llama family (llama, mistral, qwen2), not"
+    if hf.model_type == "gpt2":
+        raise ConfigError(f"{why} gpt2 (its blocks take no positions or mask here); use llama or data.packing=windows")
 
 
 def hf_vocab_size(mdl: HFModelConfig) -> int:

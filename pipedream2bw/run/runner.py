@@ -15,6 +15,7 @@ from pipedream2bw.config import (
 )
 from pipedream2bw.io import rundir
 from pipedream2bw.pipeline import comm
+from pipedream2bw.pipeline.agreement import NonFiniteError
 from pipedream2bw.run import build, finish, logs, preempt, start, step_hooks
 from pipedream2bw.run.model import RunModel
 from pipedream2bw.run.runtime import RankPlan
@@ -57,6 +58,7 @@ def run(
         preempt.Preempted: a signal of ``train.preempt_signals`` stopped every rank at one step, after a
             checkpoint of it and summary.json (``"preempted"``) were written.
     """
+    logs.quiet_ranks(comm.env_rank()[0])
     # rank 0 locks the run directory before it looks at its checkpoints, until the run ends (rundir.RunLock)
     with preempt.Watch(cfg.train.preempt_signals) as watch, rundir.RunLock() as lock:
         return _run(
@@ -148,8 +150,8 @@ def _leave(ctx: comm.DistContext, stage: int, rank: int, e: BaseException) -> Op
     """
     first = ctx.monitor.report(stage, e)
     failed_here = first.startswith(f"rank {rank} ")
-    if failed_here:
-        log.error("%s", first, exc_info=True)
+    if failed_here:  # a non-finite loss is the run's verdict, said in one line; anything else with its traceback
+        log.error("%s", first, exc_info=not isinstance(e, NonFiniteError))
     else:
         log.error("stopping because %s (here: %s: %s)", first, type(e).__name__, e)
     ctx.monitor.leave()

@@ -17,7 +17,7 @@ class RankPlan:
     """One rank's part of a run, built once by ``from_config`` after ``config.validate``; the
     runtime's components take this (and the config sections they need), never the whole ``Config``.
 
-    d: ``num_stages``, w: ``data_parallel``, m: ``num_microbatches``, b: ``microbatch_size``.
+    d: ``num_stages``, w: ``data_parallel``, t: ``tensor_parallel``, m: ``num_microbatches``, b: ``microbatch_size``.
     """
 
     rank: int
@@ -103,6 +103,22 @@ class RankPlan:
         return len(self.layout.ranks[0])
 
     @property
+    def tensor_parallel(self) -> int:
+        """t: ranks that split each of this stage's layers (pipeline.tensor_parallel)."""
+        return self.layout.tensor
+
+    @property
+    def tensor_rank(self) -> int:
+        """This rank's place in its tensor group, 0..t-1 (its (stage, replica)'s ranks are consecutive)."""
+        return self.rank % self.layout.tensor
+
+    @property
+    def pipeline_ranks(self) -> Tuple[Tuple[int, ...], ...]:
+        """``[stage][replica]`` -> the rank of this rank's tensor rank there: its d x w pipeline (``layout.ranks``
+        when t = 1)."""
+        return self.layout.slice(self.tensor_rank)
+
+    @property
     def global_batch(self) -> int:
         """Samples per step: w * m * b."""
         return self.data_parallel * self.num_microbatches * self.microbatch_size
@@ -116,22 +132,23 @@ class RankPlan:
     @property
     def prev_rank(self) -> Optional[int]:
         """The rank that sends this one its inputs (the previous stage of this replica), or None on the first stage."""
-        return self.layout.ranks[self.stage - 1][self.replica] if self.stage > 0 else None
+        return self.pipeline_ranks[self.stage - 1][self.replica] if self.stage > 0 else None
 
     @property
     def next_rank(self) -> Optional[int]:
         """The rank this one sends its outputs to, or None on the last stage."""
-        return self.layout.ranks[self.stage + 1][self.replica] if self.stage < self.num_stages - 1 else None
+        return self.pipeline_ranks[self.stage + 1][self.replica] if self.stage < self.num_stages - 1 else None
 
     @property
     def layout_record(self) -> Dict[str, Any]:
         """The layout as a checkpoint manifest records it (RNG states are restored only under the same one)."""
-        return {
+        record = {
             "num_stages": self.num_stages,
             "data_parallel": self.data_parallel,
             "balance": list(self.balance),
             "rank_map": [list(r) for r in self.layout.ranks],
         }
+        return record if self.tensor_parallel == 1 else {**record, "tensor_parallel": self.tensor_parallel}
 
     def positions(self) -> List[Tuple[int, int]]:
         """(stage, replica) of every rank, in rank order."""

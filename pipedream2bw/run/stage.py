@@ -21,7 +21,7 @@ from pipedream2bw.memory.stream import WeightStream
 from pipedream2bw.memory.swap import SwapManager
 from pipedream2bw.pipeline import agreement, stateful
 from pipedream2bw.pipeline.agreement import NonFiniteError, StepDecision, StepOutcome, StepRule
-from pipedream2bw.pipeline.boundary import Channel, from_wire, to_wire
+from pipedream2bw.pipeline.boundary import Channel, from_wire, to_device, to_wire
 from pipedream2bw.pipeline.comm import P2P, AsyncSum, BatchReduction, GradReducer, ShardedReduction
 from pipedream2bw.pipeline.schedule import (
     BACKWARD,
@@ -57,6 +57,8 @@ class Peers:
     prev: Optional[int]
     next: Optional[int]
     loss_sources: Tuple[int, ...] = ()
+    sends_loss: bool = True
+    """False on a last stage's tensor ranks > 0: their tensor rank 0 reports the same loss."""
 
 
 @dataclass
@@ -154,8 +156,10 @@ class StageWorker:
         seed: int = 0,
         num_replicas: int = 1,
         stream: Optional[WeightStream] = None,
+        norm_excluded: Sequence[int] = (),
     ):
         self.m = num_microbatches
+        self.norm_excluded = set(norm_excluded)  # parameter indices another rank counts in the norm (tensor_parallel)
         # Each layer draws from its own stream per microbatch (pipeline/stateful.py), whatever the schedule.
         self.seed, self.num_replicas = seed, num_replicas
         self._buffers = stateful.BufferWatch()  # the stage's buffers that training changes (BatchNorm statistics)
@@ -372,11 +376,12 @@ class StageWorker:
             self._outbox[(BACKWARD, k)] = [t.grad if t.grad is not None else torch.zeros_like(t) for t in inputs]
 
     def _data(self, read: Callable[[int], torch.Tensor], k: int) -> torch.Tensor:
-        """Microbatch k's inputs or targets from the feed, on the device (a ``data`` span when tracing)."""
+        """Microbatch k's inputs or targets from the feed (a tensor, or a tuple of them for packed documents), on the
+        device (a ``data`` span when tracing)."""
         if self.trace is None or not self.trace.on:
-            return read(k).to(self.device, non_blocking=True)
+            return to_device(read(k), self.device)
         start = time.perf_counter()
-        out = read(k).to(self.device, non_blocking=True)
+        out = to_device(read(k), self.device)
         self.trace.add("data", k, start, time.perf_counter())
         return out
 
@@ -395,7 +400,7 @@ class StageWorker:
         self._loss_nonfinite[t] = not finite
         if self.peers.loss_sources:
             self._own_losses[t] = float(loss)
-        else:
+        elif self.peers.sends_loss:
             self.p2p.send_loss(loss)
 
     def _post_losses(self, t: int) -> None:
@@ -424,6 +429,7 @@ class StageWorker:
             # tied across stages, each counted once (on its first holder): the exchange is waited here.
             self._finish_exchanges(t)
             excluded = {i for exchange in self.exchanges for i in getattr(exchange, "norm_excluded", ())}
+            excluded |= self.norm_excluded
             scale = self.grad_scale * self.rule.unscale(t)
             if isinstance(self.versions, ShardedVersions):  # each replica counts its shards; whole buckets on replica 0
                 reduction = self._reductions.get(t)
@@ -612,6 +618,8 @@ class StageWorker:
         self._at, self._what = 0, None
         try:
             self._dispatch(actions, on_step=on_step, on_close=on_close)
+        except NonFiniteError:  # the run's verdict on its numbers, not a fault of the schedule: its message says it
+            raise
         except Exception:
             at, what = self._at, self._what
             log.error(  # the log's prefix names the stage and rank

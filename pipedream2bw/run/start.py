@@ -141,6 +141,15 @@ def _select_checkpoint(cfg: Config, run_dir: Path, model: RunModel) -> Optional[
     return path
 
 
+def _auto_plan(cfg: Config, topo: Any, *, world_size: int, model: RunModel) -> Any:
+    """partition=auto's plan: t = 1 unless pipeline.tensor_parallel pins it, as at t > 1 the runtime refuses much
+    a plan may choose (swapping, sharding, bf16, Muon, layer lists) and any partition.mode but manual (validate)."""
+    from partitioner.auto import plan_config
+
+    kw = dict(devices=world_size, topology=topo, layers=model.layers, loss_fn=model.loss_fn, search_tensor=False)
+    return plan_config(cfg, **kw)[0]
+
+
 def resolve_partition(
     cfg: Config,
     store: Any,
@@ -161,7 +170,8 @@ def resolve_partition(
         ConfigError: on every rank, when rank 0 could not plan (e.g. nothing fits), or the run sets an
             optim.sharded or train.weight_dtype that the plan contradicts.
     """
-    from partitioner.auto import PARTITION_MODES, apply_choices, apply_plan, plan_config, runtime_topology
+    from partitioner import time_to_loss
+    from partitioner.auto import PARTITION_MODES, apply_choices, apply_plan, runtime_topology
     from partitioner.planner import load_plan, plan_from_text, plan_to_text, save_plan
 
     mode = cfg.partition.mode
@@ -177,9 +187,7 @@ def resolve_partition(
                 text = plan_to_text(load_plan(cfg.partition.path))
             else:
                 topo = runtime_topology(cfg.topology, world_size=world_size, local_world_size=local_world_size)
-                best = plan_config(cfg, devices=world_size, topology=topo, layers=model.layers, loss_fn=model.loss_fn)[
-                    0
-                ]
+                best = _auto_plan(cfg, topo, world_size=world_size, model=model)
                 run_dir.mkdir(parents=True, exist_ok=True)
                 save_plan(best, cfg.partition.path or run_dir / "plan.yaml")
                 text = plan_to_text(best)
@@ -208,6 +216,8 @@ def resolve_partition(
         plan.weight_dtype,
         plan.predicted_samples_per_s,
     )
+    if plan.schedule_choice:
+        log.info("%s", time_to_loss.describe(plan.schedule_choice, cfg.optim, plan.schedule))
     precision = precisions.resolve(cfg.train.precision, "cuda" if torch.cuda.is_available() else "cpu")
     optim, train = apply_choices(cfg.optim, cfg.train, plan, precision=precision)
     gpt = model.layers is None and isinstance(cfg.model, GPTConfig)
@@ -277,6 +287,7 @@ def start(
         cfg.pipeline.data_parallel,
         ranks_per_node=local_world_size,
         rank_map=cfg.pipeline.rank_map,
+        tensor_parallel=cfg.pipeline.tensor_parallel,
     )
     logs.set_log_prefix(f"[stage {layout.position(rank)[0]}/rank {rank}]")
     check_stream_host_memory(cfg, model, balance, layout, rank=rank, local_world_size=local_world_size)

@@ -30,6 +30,7 @@ from pipedream2bw.run import build, evaluate, logs, preempt
 from pipedream2bw.run.model import RunModel, training_settings
 from pipedream2bw.run.runtime import RankPlan
 from pipedream2bw.run.stage import StageWorker
+from pipedream2bw.run.tensor import TensorPart
 
 log = logging.getLogger(__name__)
 
@@ -154,7 +155,7 @@ def checkpointer(
         keep=train.keep_checkpoints,
         rank=rt.rank,
         world_size=rt.world_size,
-        layers=rt.layer_indices if rt.replica == 0 else [],
+        layers=rt.layer_indices if rt.replica == 0 and rt.tensor_rank == 0 else [],  # tensor rank 0: whole tensors
         shard_layers=rt.layer_indices if shards else [],
         post=ctx.board.post,
         read=lambda keys, timeout_s: ctx.board.read(keys, timeout_s=timeout_s),
@@ -200,8 +201,9 @@ class StepHooks:
         eval_every: int,
         preemption: Optional[preempt.Agreement] = None,
         bar: Any = None,
+        split: Optional[TensorPart] = None,
     ):
-        self.preemption, self.bar = preemption, bar
+        self.preemption, self.bar, self.split = preemption, bar, split
         self.rt, self.worker, self.versions, self.evaluator = rt, worker, versions, evaluator
         self.checker, self.rule, self.saver, self.tracker, self.record = checker, rule, saver, tracker, record
         self.progress, self.postfix, self.tied, self.eval_every = progress, postfix, tied, eval_every
@@ -227,6 +229,8 @@ class StepHooks:
 
     def _state(self) -> Dict[str, Any]:  # one tensor per tie: the canonical name's, written by its first holder
         st = self.versions.state()
+        if self.split is not None:  # pipeline.tensor_parallel: whole tensors (every tensor rank of replica 0 gathers)
+            st = self.split.whole(st)
         # buffers training changes, as the resumed run's first forward must find them (pipeline/stateful.py)
         for k in ("weights", "previous"):
             if st.get(k) is not None:
@@ -259,6 +263,9 @@ class StepHooks:
         stop = self.preemption is not None and self.preemption.after_step(t)
         if stop and history is not None:
             history["preempted"] = logs.signal_name(self.preemption.signum)
+        rt = self.rt
+        if self.split is not None and rt.replica == 0 and rt.tensor_rank > 0 and (stop or self.saver.due(t + 1)):
+            self._state()  # its pieces to the gather of the whole tensors, which its tensor rank 0 writes
         self.saver.after_step(
             t + 1,
             self._state,
@@ -388,4 +395,5 @@ def attach(
         eval_every=cfg.train.eval_every,
         preemption=parts.preemption,
         bar=bar,
+        split=parts.split,
     )

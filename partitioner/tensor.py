@@ -1,0 +1,199 @@
+"""Pure: a layer's costs on one of the t ranks that split it (Megatron's tensor parallelism, docs/design.md section 14).
+
+A stage of t ranks splits each transformer block by heads (q, k, v column-wise, the attention's output projection
+row-wise) and its MLP by the hidden width (the first matrix column-wise, the second row-wise); the embedding and the
+LM head split by the vocabulary where t divides it (a vocab-parallel embedding; a column-parallel head with the
+vocab-parallel cross entropy), else they stay whole on every rank; the final norm stays whole. ``split_layers``
+turns the whole model's ``LayerCost`` list into one rank's, so the cost model, the dynamic program and the simulator
+run unchanged on it: a (stage, replica) of t ranks is one "device" of the d x w mesh with these costs.
+
+Memory per rank (the GPT's pre-LN block, C = d_model, T tokens, b a microbatch, a = activation bytes)::
+
+    parameters   the split matrices and the column-parallel biases / t (12 C^2 + 7 C of the block's 12 C^2 + 13 C);
+                 the row-parallel biases and the norms whole (6 C): weight versions, gradients, optimizer state and
+                 the step follow the parameters
+    saved        16 b T C a per block (``profile.analytic_gpt``): q, k, v, the attention's output, the MLP's two
+                 4C-wide activations (12 of the 16) / t; the two norms' inputs and the two inputs of the
+                 column-parallel matrices (4 of the 16) whole on every rank; with sequence parallelism all 16 / t
+                 (Korthikanti et al. 2022: the norms' and replicated inputs split along the sequence); any
+                 autocast weight copies counted in the saved bytes split with their matrices
+    in / out     b T C a whole on every rank (each sends its copy to the next stage); / t with sequence parallelism
+
+Time per microbatch: the split layers' compute / (t * ``TENSOR_EFFICIENCY``); the norms' compute whole (/ t with
+sequence parallelism); per block two all-reduces of b T C a bytes in the forward (after the attention's and the MLP's
+row-parallel matrix) and two in the backward (the gradients of the two column-parallel inputs); with sequence
+parallelism each becomes a reduce-scatter and an all-gather, which move the same bytes. The embedding: one all-reduce
+of its output in the forward; the head: one of its input's gradient in the backward, and the vocab-parallel loss's
+three of b T float32 in the forward. A ring all-reduce of n bytes over t ranks on the intra-node link:
+``2 (t-1)/t n / bandwidth + 2 (t-1) latency`` (``allreduce_s``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import List, Sequence
+
+from partitioner.cost import LayerCost
+from partitioner.topology import Link
+from pipedream2bw.errors import ConfigError
+
+# A split matrix product runs below t times the whole one's speed (narrower matrices, more launches per FLOP): the
+# fraction of the ideal 1/t that the cost model charges. Stated, not fitted: scripts/bench_tensor.py measures it on
+# this machine's CPU for the default GPT's block (docs/planner.md).
+TENSOR_EFFICIENCY = 0.9
+BLOCK_WHOLE_SAVED = 4  # of the block's 16 saved b*T*C activations, those whole on every rank without sequence parallel
+
+
+@dataclass(frozen=True)
+class TensorShape:
+    """What splitting a model needs to know of it: the GPT's dimensions and its layer list's kinds."""
+
+    num_heads: int
+    mlp_width: int  # the MLP's hidden width (4 * d_model in the GPT)
+    d_model: int
+    seq_len: int
+    vocab_size: int
+    act_bytes: int  # bytes of one activation element (the compute dtype)
+    kinds: Sequence[str]  # per layer: 'embedding', 'block', 'norm' or 'head' (models.gpt.layer_kind)
+
+
+def allreduce_s(nbytes: float, t: int, link: Link) -> float:
+    """A ring all-reduce of ``nbytes`` over ``t`` ranks on ``link`` (s); 0 at t = 1."""
+    if t == 1 or nbytes <= 0:
+        return 0.0
+    return 2 * (t - 1) / t * nbytes / link.bandwidth + 2 * (t - 1) * link.latency
+
+
+def widths(shape: TensorShape, *, devices: int, devices_per_node: int) -> List[int]:
+    """The tensor widths a search may take: t dividing the heads, the MLP width, the device count and a node's
+    devices (a tensor group never leaves a node)."""
+    return [t for t in range(1, devices_per_node + 1) if not _why_not(shape, t, devices, devices_per_node)]
+
+
+def check_width(shape, t: int, *, devices: int, devices_per_node: int) -> None:
+    """Raises ConfigError naming ``pipeline.tensor_parallel`` when ``t`` cannot split ``shape`` on this machine
+    (``shape`` None: a model the split does not know)."""
+    if t == 1:
+        return
+    if shape is None:
+        raise ConfigError(
+            f"pipeline.tensor_parallel ({t}): the planner splits only the built-in GPT's layers (model=gpt); "
+            "set pipeline.tensor_parallel=1 for this model"
+        )
+    why = _why_not(shape, t, devices, devices_per_node)
+    if why:
+        ok = widths(shape, devices=devices, devices_per_node=devices_per_node)
+        raise ConfigError(f"pipeline.tensor_parallel ({t}) {why}; set it to one of {ok}")
+
+
+def _why_not(shape: TensorShape, t: int, devices: int, devices_per_node: int) -> str:
+    if t < 1:
+        return "must be at least 1"
+    if shape.num_heads % t:
+        return f"must divide the attention heads ({shape.num_heads})"
+    if shape.mlp_width % t:
+        return f"must divide the MLP width ({shape.mlp_width})"
+    if devices % t:
+        return f"must divide the device count ({devices})"
+    if t > devices_per_node or devices_per_node % t:
+        return (
+            f"must divide a node's devices (topology.devices_per_node={devices_per_node}): a tensor group stays "
+            "on one node"
+        )
+    return ""
+
+
+def split_layers(
+    layers: Sequence[LayerCost],
+    shape: TensorShape,
+    t: int,
+    *,
+    b: int,
+    link: Link,
+    sequence_parallel: bool = False,
+    efficiency: float = TENSOR_EFFICIENCY,
+) -> List[LayerCost]:
+    """One rank's costs of each layer of ``layers`` (the whole model's, microbatch size ``b``) split ``t`` ways,
+    the collectives over ``link`` (the module docstring's model). ``layers`` itself at t = 1."""
+    if t == 1:
+        return list(layers)
+    if len(layers) != len(shape.kinds):
+        raise ValueError(f"{len(layers)} layer costs for a model of {len(shape.kinds)} layers")
+    btc = b * shape.seq_len * shape.d_model * shape.act_bytes
+    by_kind = {"block": _block, "embedding": _embedding, "head": _head, "norm": _norm}
+    sp = sequence_parallel
+    return [
+        by_kind[kind](c, shape, t, btc=btc, link=link, sp=sp, eff=efficiency, b=b)
+        for c, kind in zip(layers, shape.kinds)
+    ]
+
+
+def _params(c: LayerCost, split: float, t: int) -> dict:
+    """A layer's parameter-bound costs with the fraction ``split`` of its parameters divided by ``t``."""
+    keep = 1 - split + split / t
+    return dict(
+        param_bytes=int(math.ceil(c.param_bytes * keep)),
+        optimizer_bytes=int(math.ceil(c.optimizer_bytes * keep)),
+        step_s=c.step_s * keep,
+    )
+
+
+def _io(c: LayerCost, t: int, sp: bool, *, inputs: bool = True) -> dict:
+    """Input and output bytes per rank: / t with sequence parallelism (the embedding's input, token ids, whole)."""
+    div = t if sp else 1
+    return dict(
+        input_bytes=int(math.ceil(c.input_bytes / (div if inputs else 1))),
+        output_bytes=int(math.ceil(c.output_bytes / div)),
+    )
+
+
+def _block(c: LayerCost, shape: TensorShape, t: int, *, btc, link, sp, eff, b) -> LayerCost:
+    C, H = shape.d_model, shape.mlp_width
+    split = (4 * C * C + 2 * C * H + 3 * C + H) / (4 * C * C + 2 * C * H + 9 * C + H)  # 12C^2+7C of 12C^2+13C
+    whole = 0 if sp else min(c.saved_bytes, BLOCK_WHOLE_SAVED * btc)
+    ar = 2 * allreduce_s(btc, t, link)
+    return dataclasses.replace(
+        c,
+        forward_s=c.forward_s / (t * eff) + ar,
+        backward_s=c.backward_s / (t * eff) + ar,
+        saved_bytes=int(math.ceil(whole + (c.saved_bytes - whole) / t)),
+        **_params(c, split, t),
+        **_io(c, t, sp),
+    )
+
+
+def _embedding(c: LayerCost, shape: TensorShape, t: int, *, btc, link, sp, eff, b) -> LayerCost:
+    if shape.vocab_size % t:
+        return c  # whole on every rank: nothing to reduce
+    V, T = shape.vocab_size, shape.seq_len
+    fwd = c.forward_s + allreduce_s(btc, t, link)  # the gather is memory-bound: its time stays
+    return dataclasses.replace(c, forward_s=fwd, **_params(c, V / (V + T), t), **_io(c, t, sp, inputs=False))
+
+
+def _head(c: LayerCost, shape: TensorShape, t: int, *, btc, link, sp, eff, b) -> LayerCost:
+    if shape.vocab_size % t:
+        return c
+    whole = 0 if sp else min(c.saved_bytes, btc)  # its input, whole without sequence parallelism
+    loss = 3 * allreduce_s(b * shape.seq_len * 4, t, link)  # the vocab-parallel loss: max, sum of exp, target
+    return dataclasses.replace(
+        c,
+        forward_s=c.forward_s / (t * eff) + loss,
+        backward_s=c.backward_s / (t * eff) + allreduce_s(btc, t, link),
+        saved_bytes=int(math.ceil(whole + (c.saved_bytes - whole) / t)),
+        **_params(c, 1.0, t),
+        **_io(c, t, sp),
+    )
+
+
+def _norm(c: LayerCost, shape: TensorShape, t: int, *, btc, link, sp, eff, b) -> LayerCost:
+    if not sp:
+        return c
+    return dataclasses.replace(
+        c,
+        forward_s=c.forward_s / t,
+        backward_s=c.backward_s / t,
+        saved_bytes=int(math.ceil(c.saved_bytes / t)),
+        **_io(c, t, sp),
+    )

@@ -1,0 +1,126 @@
+"""Tensor parallelism's wire: the two regions of a split layer (Megatron's f and g) and whole tensors <-> shards.
+
+A stage's t ranks (its tensor group) hold 1/t of each split parameter. A column-split matrix (rows of its
+output) takes a replicated input through ``copy_to`` (identity forward, all-reduce of the input's gradient
+in backward); a row-split matrix's partial outputs are summed by ``reduce_from`` (all-reduce forward,
+identity backward). A split is ``(dim, chunks)``: the parameter's ``dim`` is ``chunks`` equal blocks (qkv's
+q, k and v: 3), each divided in t, and tensor rank k holds piece k of every block.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Mapping, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+Split = Tuple[int, int]
+"""(dim, chunks): how a parameter is divided among a tensor group (module docstring)."""
+
+
+class _CopyTo(torch.autograd.Function):
+    """f: the replicated input enters the split region; its gradient is the sum of every rank's."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _ReduceFrom(torch.autograd.Function):
+    """g: the ranks' partial outputs summed into the replicated output; its gradient goes to each unchanged."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: Any) -> torch.Tensor:
+        out = x.contiguous().clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+def copy_to(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """``x`` (replicated over ``group``) as the input of column-split layers."""
+    return _CopyTo.apply(x, group)
+
+
+def reduce_from(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """The sum over ``group`` of the row-split layers' partial outputs ``x``."""
+    return _ReduceFrom.apply(x, group)
+
+
+def shard(whole: torch.Tensor, split: Split, *, rank: int, size: int) -> torch.Tensor:
+    """Tensor rank ``rank``'s piece (of ``size``) of ``whole``, a copy."""
+    dim, chunks = split
+    return torch.cat([c.chunk(size, dim)[rank] for c in whole.chunk(chunks, dim)], dim).clone()
+
+
+def unshard(pieces: Sequence[torch.Tensor], split: Split) -> torch.Tensor:
+    """The whole tensor from every tensor rank's piece, in rank order (the inverse of ``shard``)."""
+    dim, chunks = split
+    blocks = [p.chunk(chunks, dim) for p in pieces]
+    return torch.cat([torch.cat([b[c] for b in blocks], dim) for c in range(chunks)], dim)
+
+
+def gather_whole(piece: torch.Tensor, split: Split, group: Any, device: torch.device) -> torch.Tensor:
+    """The whole tensor, on every rank of ``group`` (on ``piece``'s device), from each rank's ``piece``: a
+    collective over ``group``, run on ``device`` (its backend's: a CPU copy goes to the GPU under NCCL)."""
+    on = piece.detach().to(device).contiguous()
+    pieces = [torch.empty_like(on) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(pieces, on, group=group)
+    return unshard(pieces, split).to(piece.device)
+
+
+def whole_state(
+    state: Mapping[str, Any],
+    splits: Mapping[str, Split],
+    shapes: Mapping[str, torch.Size],
+    group: Any,
+    device: torch.device,
+) -> Dict[str, Any]:
+    """``state`` (name -> tensor, or name -> optimizer state dict) with every split tensor gathered whole;
+    an optimizer state's tensors of its parameter's piece shape ``shapes`` (momenta) are split as the
+    parameter. Every rank of ``group`` calls it with the same names in the same order."""
+    out: Dict[str, Any] = {}
+    for name, value in state.items():
+        if name not in splits:
+            out[name] = value
+        elif torch.is_tensor(value):
+            out[name] = gather_whole(value, splits[name], group, device)
+        else:
+            out[name] = {
+                k: gather_whole(v, splits[name], group, device) if _is_piece(v, shapes[name]) else v
+                for k, v in value.items()
+            }
+    return out
+
+
+def _is_piece(v: Any, shape: torch.Size) -> bool:
+    return torch.is_tensor(v) and tuple(v.shape) == tuple(shape)
+
+
+def sharded_state(
+    state: Mapping[str, Any], splits: Mapping[str, Split], shapes: Mapping[str, torch.Size], *, rank: int, size: int
+) -> Dict[str, Any]:
+    """``state`` of whole tensors (a checkpoint's) cut to tensor rank ``rank``'s pieces: the inverse of
+    ``whole_state``; an optimizer state's tensor is cut where it has its parameter's whole shape ``shapes``."""
+    out: Dict[str, Any] = {}
+    for name, value in state.items():
+        if name not in splits:
+            out[name] = value
+        elif torch.is_tensor(value):
+            out[name] = shard(value, splits[name], rank=rank, size=size)
+        else:
+            out[name] = {
+                k: shard(v, splits[name], rank=rank, size=size) if _is_piece(v, shapes[name]) else v
+                for k, v in value.items()
+            }
+    return out

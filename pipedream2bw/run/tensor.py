@@ -1,0 +1,86 @@
+"""Tensor parallelism in a rank's run (pipeline.tensor_parallel = t > 1): its tensor group and split stage,
+whole tensors for checkpoints and final weights (gathered on save, cut on load: any t resumes any other), and
+which parameters its share of the global gradient norm leaves out (whole ones, counted on tensor rank 0)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, List, Mapping, Optional
+
+import torch
+from torch import nn
+
+from pipedream2bw.models.gpt_tensor import split_blocks
+from pipedream2bw.pipeline import comm
+from pipedream2bw.pipeline.tensor import Split, sharded_state, whole_state
+from pipedream2bw.run.runtime import RankPlan
+
+STATE_KEYS = ("weights", "previous", "optimizer")
+"""What of a stage's state (``WeightVersions.state``, a checkpoint's layers) holds pieces of split parameters."""
+
+
+@dataclass
+class TensorPart:
+    """This rank's place in its tensor group and what of its stage is split."""
+
+    group: Any
+    rank: int
+    """Tensor rank, 0..size-1."""
+    size: int
+    """t."""
+    device: torch.device
+    splits: Dict[str, Split]
+    """Split parameters by name (the stage's ``named_parameters()``) -> (dim, chunks)."""
+    pieces: Dict[str, torch.Size]
+    """Each split parameter's shape on this rank."""
+    wholes: Dict[str, torch.Size]
+    """Each split parameter's whole shape."""
+
+    def whole(self, state: Mapping[str, Any]) -> Dict[str, Any]:
+        """A stage state with whole tensors (a collective over the tensor group: each of its ranks calls it)."""
+        return {
+            **state,
+            **{
+                k: whole_state(state[k], self.splits, self.pieces, self.group, self.device)
+                for k in STATE_KEYS
+                if state.get(k) is not None
+            },
+        }
+
+    def cut(self, state: Mapping[str, Any]) -> Dict[str, Any]:
+        """A stage state of whole tensors (a checkpoint's) cut to this rank's pieces."""
+        return {
+            **state,
+            **{
+                k: sharded_state(state[k], self.splits, self.wholes, rank=self.rank, size=self.size)
+                for k in STATE_KEYS
+                if state.get(k) is not None
+            },
+        }
+
+    def norm_excluded(self, module: nn.Module) -> List[int]:
+        """Indices of ``module``'s parameters this rank leaves out of its share of the gradient norm: the whole
+        ones (every tensor rank holds the same), except on tensor rank 0; a split one each rank counts its piece of."""
+        if self.rank == 0:
+            return []
+        return [i for i, (n, _) in enumerate(module.named_parameters()) if n not in self.splits]
+
+
+def split_stage(rt: RankPlan, ctx: comm.DistContext, module: nn.Module) -> Optional[TensorPart]:
+    """Splits ``module`` (this rank's stage, whole) across its tensor group; None when t = 1 (nothing to split).
+    Every rank makes every tensor group, in the same order."""
+    if rt.tensor_parallel == 1:
+        return None
+    group = comm.new_groups(ctx, rt.layout.tensor_groups())[rt.stage * rt.data_parallel + rt.replica]
+    wholes = {n: p.shape for n, p in module.named_parameters()}
+    splits = split_blocks(module, group=group, rank=rt.tensor_rank, size=rt.tensor_parallel)
+    pieces = {n: p.shape for n, p in module.named_parameters() if n in splits}
+    return TensorPart(
+        group=group,
+        rank=rt.tensor_rank,
+        size=rt.tensor_parallel,
+        device=rt.device,
+        splits=splits,
+        pieces=pieces,
+        wholes={n: wholes[n] for n in splits},
+    )

@@ -1,0 +1,75 @@
+"""pipeline.schedule=auto (issue 46): the planner picks the schedule that reaches a loss first, its predicted step
+time x the steps the schedule takes under the optimizer (partitioner/time_to_loss.py, measured in
+docs/convergence.md)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from partitioner import time_to_loss
+from partitioner.__main__ import compose, main
+from partitioner.auto import plan_config
+from partitioner.planner import load_plan, save_plan
+from pipedream2bw.config import ConfigError, OptimConfig, default_plan_choices, validate
+
+# a deep GPT on small devices: 8 stages; few microbatches a batch give flush a large bubble, many a small one
+DEEP = [
+    "model=gpt",
+    "topology=dgx",
+    "model.num_layers=24",
+    "model.d_model=1024",
+    "topology.memory_per_device_gib=4",
+    "partition.costs=analytic",
+    "pipeline.schedule=auto",
+]
+
+
+def test_steps_factor_is_the_measured_ratio_and_unknown_for_adamw_under_2bw():
+    muon = OptimConfig(name="muon", delay_correction="error_feedback")
+    assert time_to_loss.steps_factor("flush", muon) == time_to_loss.steps_factor("gpipe", muon) == 1.0
+    assert time_to_loss.steps_factor("2bw", muon) == pytest.approx(150 / 123)
+    assert time_to_loss.steps_factor("2bw", OptimConfig(name="muon", delay_correction="none")) == pytest.approx(
+        210 / 123
+    )
+    assert time_to_loss.steps_factor("2bw", OptimConfig(name="adamw")) is None  # never reached flush's loss
+
+
+@pytest.mark.parametrize(("batch", "expected"), [(8, "2bw"), (64, "flush")])
+def test_auto_picks_the_schedule_with_the_least_time_to_a_loss(batch, expected):
+    # m = 8 on 8 stages: flush idles 7 of 15 ticks, 2bw's faster step outweighs its 1.22x steps; m = 64: it does not
+    plans = plan_config(compose([*DEEP, f"train.global_batch_size={batch}"]))
+    best = plans[0]
+    assert set(best.schedule_choice) == set(time_to_loss.CANDIDATES)
+    assert best.schedule == expected == min(best.schedule_choice, key=best.schedule_choice.get)
+    assert best.predicted_batch_time_s * best.predicted_steps_factor == pytest.approx(
+        best.schedule_choice[best.schedule]
+    )
+    # the choice is a real trade: 2bw's step is the faster one either way
+    per_step = {s: t / time_to_loss.steps_factor(s, OptimConfig()) for s, t in best.schedule_choice.items()}
+    assert per_step["2bw"] < per_step["flush"]
+
+
+def test_auto_never_picks_2bw_for_an_optimizer_it_is_not_known_to_converge_with():
+    best = plan_config(compose([*DEEP, "train.global_batch_size=8", "optim.name=adamw"]))[0]
+    assert best.schedule == "flush" and math.isinf(best.schedule_choice["2bw"])
+
+
+def test_a_plan_keeps_its_choice_through_its_file(tmp_path):
+    best = plan_config(compose([*DEEP, "train.global_batch_size=8"]))[0]
+    assert load_plan(save_plan(best, tmp_path / "plan.yaml")) == best
+
+
+def test_the_planners_printout_names_the_choice_and_runs_the_chosen_schedule(capsys, tmp_path):
+    assert main(["plan", "--out", str(tmp_path / "plan.yaml"), *DEEP, "train.global_batch_size=8"]) == 0
+    out = capsys.readouterr().out
+    assert "schedule=auto, time to a loss per synchronous step: 2bw " in out and "chosen: 2bw" in out, out
+    run_line = out.strip().splitlines()[-1]
+    assert "pipeline.schedule=2bw" in run_line and "pipeline.schedule=auto" not in run_line, run_line
+
+
+def test_auto_without_the_planner_is_refused_in_one_line():
+    cfg = default_plan_choices(compose(["pipeline.schedule=auto"]))
+    with pytest.raises(ConfigError, match=r"pipeline.schedule \(auto\) is the planner's choice.*use partition=auto"):
+        validate(cfg, world_size=4)

@@ -1,0 +1,182 @@
+"""pipeline.tensor_parallel: each stage's GPT blocks split across t ranks (Megatron's column/row split), exact
+against the single-process reference; checkpoints hold whole tensors, so a run resumes at another t."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from dist_helper import run_ok
+from reference import reference_eval, reference_run
+from test_semantics import assert_losses_close, tiny_config
+
+from pipedream2bw.config import ConfigError, LayerListConfig, validate
+from pipedream2bw.pipeline.layout import make_layout
+from pipedream2bw.pipeline.tensor import shard, sharded_state, unshard
+
+
+def tp_config(schedule: str, d: int, w: int, t: int = 2, *, m: int = 2, num_steps: int = 6):
+    """The tiny GPT (2 heads, MLP width 128) with tied embeddings and dropout 0.1, SGD with momentum."""
+    cfg = tiny_config(schedule=schedule, num_stages=d, num_microbatches=m, optim="sgd_momentum", num_steps=num_steps)
+    cfg.pipeline = dataclasses.replace(cfg.pipeline, data_parallel=w, tensor_parallel=t)
+    cfg.model = dataclasses.replace(cfg.model, tie_embeddings=True, dropout=0.1)
+    return cfg
+
+
+def reference(cfg, *, w: int):
+    """The unpartitioned model trained on the same global batches (m * w microbatches a batch)."""
+    m = cfg.pipeline.num_microbatches * w
+    p = dataclasses.replace(cfg.pipeline, num_stages=1, data_parallel=1, tensor_parallel=1, num_microbatches=m)
+    return reference_run(dataclasses.replace(cfg, pipeline=p), delayed=cfg.pipeline.schedule == "2bw", replicas=(w, w))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "schedule,d,w,clip",
+    [
+        ("2bw", 2, 1, True),
+        ("flush", 1, 2, False),
+        pytest.param("flush", 2, 1, False, marks=pytest.mark.long),  # the other pair of the acceptance's four: long
+        pytest.param("2bw", 1, 2, True, marks=pytest.mark.long),
+    ],
+)
+def test_tensor_parallel_equals_reference(tmp_path, schedule, d, w, clip):
+    # With clipping (0.05: below every step's norm, so each step is clipped) the global norm must sum each split
+    # parameter's pieces over the tensor group and count the whole ones (norms, biases after the sum, embedding,
+    # head) once: counted on every tensor rank, the clip would scale differently.
+    cfg = tp_config(schedule, d, w)
+    cfg.optim.clip_grad_norm = 0.05 if clip else None
+    summary = run_ok(cfg, tmp_path)
+    assert summary["tensor_parallel"] == 2 and len(summary["ranks"]) == 4
+    ref = reference(cfg, w=w)
+    weights = torch.load(tmp_path / "final_model.pt")
+    assert weights.keys() == ref.weights.keys()
+    torch.testing.assert_close(weights, ref.weights, rtol=1e-5, atol=1e-6)
+    assert_losses_close(summary["losses"], ref.losses)
+    if clip:
+        assert min(ref.grad_norms) > cfg.optim.clip_grad_norm
+        torch.testing.assert_close(summary["grad_norms"], ref.grad_norms, rtol=1e-5, atol=0)
+
+
+@pytest.mark.slow
+@pytest.mark.long  # four runs, two of 4 ranks: a minute or two loaded
+@pytest.mark.parametrize("t_before,t_after", [(2, 1), (1, 2)])
+def test_checkpoint_holds_whole_tensors_and_resumes_at_another_t(tmp_path, t_before, t_after):
+    # 3 steps at t_before, checkpointed; 3 more at t_after from it: the 6-step reference (both weight versions and
+    # the momenta were saved whole and cut again), and the checkpoint's tensors have the unsplit shapes.
+    src = tmp_path / "src"
+    before = tp_config("2bw", 2, 1, t_before, num_steps=3)
+    before.train.checkpoint_every = 3
+    run_ok(before, src)
+    layer = torch.load(src / "checkpoints" / "step_00000003" / "layer_00001.pt")
+    assert layer["weights"]["1.qkv.weight"].shape == (96, 32) and layer["optimizer"]["1.fc.weight"][
+        "momentum_buffer"
+    ].shape == (128, 32)
+    after = tp_config("2bw", 2, 1, t_after)
+    after.train.resume = str(src)
+    summary = run_ok(after, tmp_path / "after")
+    assert summary["first_step"] == 3
+    ref = reference(after, w=1)
+    torch.testing.assert_close(torch.load(tmp_path / "after" / "final_model.pt"), ref.weights, rtol=1e-5, atol=1e-6)
+    assert_losses_close(summary["losses"], ref.losses)
+
+
+@pytest.mark.parametrize(
+    "change,world_size,match",
+    [
+        ({}, 4, r"world size \(4\) must equal .* x pipeline.tensor_parallel \(2\) = 8; launch with torchrun --nproc"),
+        ({"model.num_heads": 3, "model.d_model": 33}, 8, r"must divide model.num_heads \(3\)"),
+        (
+            {"pipeline.tensor_parallel": 4, "model.num_heads": 4},
+            16,
+            r"tensor_parallel \(4\) is more than topology.devices_per_node \(2\)",
+        ),
+        ({"optim.name": "muon", "optim.kwargs": {}}, 8, r"tensor_parallel \(2\) with optim.name \(muon\)"),
+        ({"optim.sharded": True}, 8, r"tensor_parallel \(2\) with optim.sharded"),
+        ({"swap.enabled": True}, 8, r"tensor_parallel \(2\) with swap.enabled"),
+        ({"train.precision": "bf16"}, 8, r"tensor_parallel \(2\) with train.precision \(bf16\)"),
+        ({"pipeline.rank_map": [[0, 1], [2, 3]]}, 8, r"tensor_parallel \(2\) with pipeline.rank_map"),
+        ({"model": LayerListConfig(target="x.y")}, 8, r"tensor_parallel \(2\) splits the built-in GPT's blocks only"),
+    ],
+)
+def test_config_refuses_what_tensor_parallel_does_not_compose_with(change, world_size, match):
+    cfg = tp_config("2bw", 2, 2)
+    for key, value in change.items():
+        section, _, name = key.partition(".")
+        if name:
+            setattr(getattr(cfg, section), name, value)
+        else:
+            setattr(cfg, section, value)
+    with pytest.raises(ConfigError, match=match):
+        validate(
+            cfg, world_size=world_size, local_world_size=world_size, num_layers=None if "model" not in change else 6
+        )
+
+
+def test_config_keeps_a_tensor_group_on_one_node():
+    with pytest.raises(ConfigError, match=r"tensor_parallel \(2\) must divide the ranks per node \(1, LOCAL_WORLD"):
+        validate(tp_config("2bw", 2, 2), world_size=8, local_world_size=1)  # 8 nodes of 1 rank
+
+
+def test_config_accepts_d_w_t_and_t_1_is_unchanged():
+    assert validate(tp_config("2bw", 2, 2), world_size=8, local_world_size=8) == [3, 3]
+    assert validate(tp_config("2bw", 2, 1, 1), world_size=2) == [3, 3]
+
+
+def test_mesh_puts_tensor_ranks_innermost():
+    layout = make_layout(2, 2, ranks_per_node=8, tensor_parallel=2)  # replicas of a stage on one node: stage-major
+    assert layout.ranks == ((0, 2), (4, 6)) and layout.tensor_groups() == [(0, 1), (2, 3), (4, 5), (6, 7)]
+    assert layout.slice(1) == ((1, 3), (5, 7))  # tensor rank 1's own d x w pipeline
+    assert [layout.position(r) for r in range(8)] == [(0, 0), (0, 0), (0, 1), (0, 1), (1, 0), (1, 0), (1, 1), (1, 1)]
+    layout = make_layout(2, 2, ranks_per_node=2, tensor_parallel=2)  # a node holds one tensor group: replica-major
+    assert layout.ranks == ((0, 4), (2, 6))
+
+
+def test_shard_takes_every_block_of_a_split_and_unshard_inverts_it():
+    whole = torch.arange(12.0).reshape(6, 2)  # qkv-like: 3 blocks (q, k, v) of 2 rows
+    pieces = [shard(whole, (0, 3), rank=k, size=2) for k in range(2)]
+    assert pieces[0].tolist() == [[0, 1], [4, 5], [8, 9]]  # row 0 of q, of k and of v
+    torch.testing.assert_close(unshard(pieces, (0, 3)), whole)
+    columns = [shard(whole.T, (1, 1), rank=k, size=2) for k in range(2)]
+    torch.testing.assert_close(unshard(columns, (1, 1)), whole.T)
+
+
+@pytest.mark.slow
+@pytest.mark.long  # one 4-rank run: validation and recomputation at t = 2
+def test_tensor_parallel_validates_and_recomputes(tmp_path):
+    # Validation passes run the split blocks without grad (only tensor rank 0 of the last stage sends its loss);
+    # recomputation re-runs each split block, its all-reduces included, in backward on the same random stream.
+    cfg = tp_config("2bw", 2, 1)
+    cfg.pipeline.recompute = True
+    cfg.train.eval_every = 3
+    cfg.data = dataclasses.replace(cfg.data, val_fraction=0.1)
+    summary = run_ok(cfg, tmp_path)
+    ref = reference(cfg, w=1)
+    weights = torch.load(tmp_path / "final_model.pt")
+    torch.testing.assert_close(weights, ref.weights, rtol=1e-5, atol=1e-6)
+    assert [v["step"] for v in summary["val_losses"]] == [3, 6]
+    assert_losses_close([summary["final_val_loss"]], [reference_eval(cfg, weights)])
+
+
+def test_a_checkpoints_whole_state_is_cut_to_pieces_optimizer_moments_included():
+    # Adam's moments have their parameter's shape and are cut as it is; its step count (a scalar) and whole
+    # parameters stay as they are.
+    fc = torch.arange(8.0).reshape(4, 2)
+    state = {
+        "weights": {"1.fc.weight": fc, "1.ln1.weight": torch.ones(2)},
+        "previous": None,
+        "optimizer": {"1.fc.weight": {"step": torch.tensor(3.0), "exp_avg": fc * 2}, "1.ln1.weight": {"step": 1}},
+    }
+    cut = sharded_state(state["optimizer"], {"1.fc.weight": (0, 1)}, {"1.fc.weight": fc.shape}, rank=1, size=2)
+    assert cut["1.fc.weight"]["exp_avg"].tolist() == [[8, 10], [12, 14]] and cut["1.fc.weight"]["step"] == 3
+    assert cut["1.ln1.weight"] == {"step": 1}
+    weights = sharded_state(state["weights"], {"1.fc.weight": (0, 1)}, {"1.fc.weight": fc.shape}, rank=0, size=2)
+    assert weights["1.fc.weight"].tolist() == [[0, 1], [2, 3]] and weights["1.ln1.weight"].shape == (2,)
+
+
+def test_the_launcher_starts_d_w_t_ranks_when_not_told():
+    from pipedream2bw.launch import config_ranks
+
+    assert config_ranks(["pipeline.num_stages=2", "pipeline.data_parallel=3", "pipeline.tensor_parallel=2"]) == 12
+    assert config_ranks(["pipeline.num_stages=2"]) == 2
