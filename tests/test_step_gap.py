@@ -53,6 +53,7 @@ def test_flush_then_2bw_holds_two_versions_and_never_reads_one_not_made(d, m, n)
         (dict(delay_correction="lookahead"), r"pipeline.sync_warmup_steps \(2\) with optim.delay_correction"),
         (dict(host=True), r"pipeline.sync_warmup_steps \(2\) with swap.optimizer \(host\)"),
         (dict(sharded=True), r"pipeline.sync_warmup_steps \(2\) with optim.sharded"),
+        (dict(tensor=2), r"pipeline.sync_warmup_steps \(2\) with pipeline.tensor_parallel \(2\)"),
     ],
 )
 def test_warm_up_refused_where_the_versions_keep_2bws_rule(change, pattern):
@@ -63,8 +64,9 @@ def test_warm_up_refused_where_the_versions_keep_2bws_rule(change, pattern):
         cfg.train.precision = change["precision"]
     if change.get("host"):
         cfg.swap.optimizer = "host"
+    cfg.pipeline.tensor_parallel = t = change.get("tensor", 1)
     with pytest.raises(ConfigError, match=pattern):
-        validate(cfg, world_size=2 * w)
+        validate(cfg, world_size=2 * w * t, local_world_size=2 * w * t)
 
 
 @pytest.mark.slow
@@ -107,6 +109,7 @@ def test_warm_up_resumes_exactly_during_it_and_after_it(tmp_path):
     [
         (dict(host=True), r"optim.delay_correction \(predict\) with swap.optimizer \(host\)"),
         (dict(sharded=True), r"optim.delay_correction \(predict\) with optim.sharded"),
+        (dict(tensor=2), r"optim.delay_correction \(predict\) with pipeline.tensor_parallel \(2\)"),
     ],
 )
 def test_prediction_refused_where_the_versions_are_not_what_batches_read(change, pattern):
@@ -115,8 +118,9 @@ def test_prediction_refused_where_the_versions_are_not_what_batches_read(change,
     cfg.pipeline.data_parallel = w
     if change.get("host"):
         cfg.swap.optimizer = "host"
+    cfg.pipeline.tensor_parallel = t = change.get("tensor", 1)
     with pytest.raises(ConfigError, match=pattern):
-        validate(cfg, world_size=2 * w)
+        validate(cfg, world_size=2 * w * t, local_world_size=2 * w * t)
 
 
 @pytest.mark.slow
