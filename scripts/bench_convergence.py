@@ -3,6 +3,9 @@
     nice -n 10 python scripts/bench_convergence.py [--steps 300] [--lrs 3e-3,1e-3] [--seeds 0,1,2]
         [--optimizers adamw,muon] [--corrections none,error_feedback,lookahead] [--data-path FILE] [--out DIR]
 
+A correction may end in ``+syncN`` (e.g. ``error_feedback+sync30``): that correction after N synchronous steps
+(pipeline.sync_warmup_steps=N).
+
 Every run trains the same GPT (4 blocks, d_model 64, 4 heads, seq 64; 32 sequences a step as 4 microbatches of 8)
 for --steps steps as one stage, through the project's ``run()`` on one rank (the delay is one step at any depth:
 docs/design.md section 2), each in its own process with --threads threads. The batches depend on the seed only, so
@@ -50,12 +53,14 @@ def run_config(args, *, schedule: str, optimizer: str, correction: str, lr: floa
         WandbConfig,
     )
 
+    correction, _, sync = correction.partition("+sync")  # e.g. error_feedback+sync30: pipeline.sync_warmup_steps=30
     return Config(
         pipeline=PipelineConfig(
             schedule=schedule,
             num_stages=1,
             num_microbatches=args.num_microbatches,
             microbatch_size=args.microbatch_size,
+            sync_warmup_steps=int(sync or 0),
         ),
         model=GPTConfig(
             num_layers=args.num_layers, d_model=args.d_model, num_heads=args.num_heads, seq_len=args.seq_len

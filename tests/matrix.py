@@ -71,9 +71,14 @@ FACTORS: "OrderedDict[str, Tuple[Any, ...]]" = OrderedDict(
     # NAdamW (beta1 0.99) for the rest (optim.muon_others=adamw): LOOKAHEAD; refused with the plain cells' SGD
     lookahead=(False, True),
 )
+# Features that only matrix.EXTRA's cells vary (no factor of the arrays: a cell each, issue 46), Cell fields whose
+# constraints and refusals below are checked all the same: pipeline.sync_warmup_steps=SYNC_WARMUP (2bw: the first
+# steps as PipeDream-Flush, then 2bw) and optim.delay_correction=predict (2bw: batch t reads W(t-1) + d(t-2)).
+EXTRA_ONLY = ("sync_warmup", "predict")
 
 NUM_STEPS = 6  # the 2BW delay shows from step 1; step SKIP_BATCH is skipped; a resume at RESUME_STEP
 RESUME_STEP = 3
+SYNC_WARMUP = 2  # a sync_warmup cell's flushing steps: its resume (RESUME_STEP) and skip (SKIP_BATCH) come after
 SKIP_BATCH = 3  # the first batch a resumed run trains: the skip meets the state the resume restored
 EVAL_EVERY = 2  # validation after steps 2, 4 and 6
 GLOBAL_BATCH = 8  # sequences per batch: w * m * b with b = 1, so m = 8 / w >= d at every layout
@@ -132,6 +137,8 @@ class Cell:
     stream: bool = False
     lookahead: bool = False
     t: int = 1  # pipeline.tensor_parallel: not a factor of the arrays; EXTRA's cells take t = 2
+    sync_warmup: bool = False
+    predict: bool = False
 
     @property
     def id(self) -> str:
@@ -148,6 +155,10 @@ class Cell:
             parts.append({"error_feedback": "ef"}.get(self.correction, self.correction))
         if self.lookahead:
             parts.append("lookahead")
+        if self.predict:
+            parts.append("predict")
+        if self.sync_warmup:
+            parts.append("sync")
         if self.stream:
             parts.append("stream")
         if self.resume:
@@ -202,6 +213,16 @@ CONSTRAINTS: List[Tuple[Tuple[str, ...], Callable[[Dict[str, Any]], bool], str]]
         ("correction", "lookahead"),
         lambda r: not (r["lookahead"] and r["correction"] != "none"),
         "one optim.delay_correction per run: the correction factor's or the look-ahead",
+    ),
+    (
+        ("schedule", "sync_warmup"),
+        lambda r: not r["sync_warmup"] or r["schedule"] == "2bw",
+        "the synchronous warm-up is moot under flush and gpipe (every step is synchronous; logged)",
+    ),
+    (
+        ("schedule", "correction", "lookahead", "predict"),
+        lambda r: not r["predict"] or (r["schedule"] == "2bw" and r["correction"] == "none" and not r["lookahead"]),
+        "the prediction is a delay correction: off under flush and gpipe, and one optim.delay_correction per run",
     ),
     # 2bw's m >= d holds by construction (m = 8 / w); fp16 always runs with its loss scaler.
 ]
@@ -277,6 +298,56 @@ REFUSED: List[Tuple[Tuple[str, ...], Callable[[Dict[str, Any]], bool], str, str,
     ),
 ]
 
+# pipeline.sync_warmup_steps and optim.delay_correction=predict keep to the plain weight versions (config/validate.py)
+REFUSED += [
+    (
+        ("sync_warmup", "precision"),
+        lambda r: r["sync_warmup"] and r["precision"] == "fp16",
+        r"pipeline.sync_warmup_steps \(2\) with train.precision \(fp16\)",
+        "the loss scaler's lag is 2bw's or flush's for a whole run",
+        dict(schedule="2bw", d=2, w=1, precision="fp16", sync_warmup=True, stream=False, weight_dtype="fp32"),
+    ),
+    (
+        ("sync_warmup", "host_optim"),
+        lambda r: r["sync_warmup"] and r["host_optim"],
+        r"pipeline.sync_warmup_steps \(2\) with swap.optimizer \(host\)",
+        "the host step's versions keep 2bw's rule",
+        dict(schedule="2bw", d=2, w=1, precision="fp32", sync_warmup=True, host_optim=True, stream=False),
+    ),
+    (
+        ("d", "w", "resume", "sharded", "sync_warmup", "predict"),
+        lambda r: (
+            (r["sync_warmup"] or r["predict"])
+            and r["sharded"]
+            and (r["w"] > 1 or r["resume"] and RESUME_AT[(r["d"], r["w"])][1] > 1)
+        ),
+        r"(pipeline.sync_warmup_steps \(2\)|optim.delay_correction \(predict\)) with optim.sharded",
+        "sharded versions keep 2bw's rule and hold no prediction",
+        dict(schedule="2bw", d=1, w=2, resume=False, sharded=True, sync_warmup=True, muon=False, host_optim=False),
+    ),
+    (
+        ("precision", "weight_dtype", "sync_warmup", "predict"),
+        lambda r: (r["sync_warmup"] or r["predict"]) and r["weight_dtype"] == "compute" and r["precision"] == "bf16",
+        r"(pipeline.sync_warmup_steps \(2\)|optim.delay_correction \(predict\)) with train.weight_dtype",
+        "compute-dtype versions are rounded copies of float32 masters",
+        dict(schedule="2bw", d=2, w=1, precision="bf16", tied=False, weight_dtype="compute", predict=True),
+    ),
+    (
+        ("sync_warmup", "lookahead"),
+        lambda r: r["sync_warmup"] and r["lookahead"],
+        r"pipeline.sync_warmup_steps \(2\) with optim.delay_correction \(lookahead\)",
+        "the look-ahead changes the optimizer for the whole run",
+        dict(schedule="2bw", d=2, w=1, precision="fp32", muon=True, lookahead=True, sync_warmup=True),
+    ),
+    (
+        ("predict", "host_optim"),
+        lambda r: r["predict"] and r["host_optim"],
+        r"optim.delay_correction \(predict\) with swap.optimizer \(host\)",
+        "the host's masters are not the versions batches read",
+        dict(schedule="2bw", d=2, w=1, precision="fp32", predict=True, host_optim=True, stream=False),
+    ),
+]
+
 # Rows every array holds (the generator fills their other factors): the combinations that once trained
 # silently wrong, which a pairwise array need not contain (they are 3- and 4-way interactions).
 PRESETS: List[Dict[str, Any]] = [
@@ -326,6 +397,19 @@ EXTRA: List[Cell] = [
         schedule="2bw", d=2, w=1, resume=True, swap=False, precision="bf16", tied=False, clip=True, skip=False,
         recompute=False, host_optim=True, validation=True, structured=False, sharded=False, weight_dtype="compute",
         stream=True,
+    ),
+    # issue 46, EXTRA_ONLY: the synchronous warm-up with Muon and error feedback across a resume
+    # from d2w2 to d4w1 after the switch, a tie, clipping, a skip and validation; the weight prediction with
+    # dropout's tuple boundaries, recomputation, swapping and bf16 across a resume from d4w1 to d2w2
+    Cell(
+        schedule="2bw", d=2, w=2, resume=True, swap=False, precision="fp32", tied=True, clip=True, skip=True,
+        recompute=False, host_optim=False, validation=True, structured=False, sharded=False, weight_dtype="fp32",
+        muon=True, correction="error_feedback", sync_warmup=True,
+    ),
+    Cell(
+        schedule="2bw", d=4, w=1, resume=True, swap=True, precision="bf16", tied=False, clip=True, skip=True,
+        recompute=True, host_optim=False, validation=True, structured=True, sharded=False, weight_dtype="fp32",
+        predict=True,
     ),
 ]  # fmt: skip
 
@@ -441,6 +525,7 @@ def cell_config(cell: Cell, *, layout: Optional[Tuple[int, int]] = None, resume:
             microbatch_size=1,
             balance=balance,
             recompute=cell.recompute,
+            sync_warmup_steps=SYNC_WARMUP if cell.sync_warmup else 0,
         ),
         model=model,
         # SGD with momentum: Adam blows reduction-order round-off on ~zero gradients up to lr-sized steps (LOOKAHEAD's
@@ -461,6 +546,7 @@ def cell_config(cell: Cell, *, layout: Optional[Tuple[int, int]] = None, resume:
                 # muon: Muon (its own lr scaling, 'original') for the hidden matrices, the same SGD for the rest
                 **(dict(name="muon", muon_others="sgd", muon_kwargs={"adjust_lr_fn": "original"}) if cell.muon else {}),
                 **(LOOKAHEAD if cell.lookahead else {}),
+                **(dict(delay_correction="predict") if cell.predict else {}),
             }
         ),
         data=DataConfig(val_fraction=0.1 if cell.validation else 0.0),

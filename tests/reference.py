@@ -92,7 +92,9 @@ def reference_run(
 
     delayed=True applies the 2BW rule: g(t) is the mean gradient over batch t at W(t-1),
     W(-1) = W(0), and W(t+1) = W(t) - optimizer_step(g(t)). delayed=False is plain
-    minibatch training: g(t) at W(t). Step t uses ``lr_at(t)``; with ``optim.clip_grad_norm``,
+    minibatch training: g(t) at W(t). delayed=True with ``pipeline.sync_warmup_steps`` N: batches t <= N take
+    g(t) at W(t), later ones at W(t-1); error feedback corrects only steps t > N. Step t uses ``lr_at(t)``; with
+    ``optim.clip_grad_norm``,
     g(t) is clipped by ``torch.nn.utils.clip_grad_norm_`` over the whole model; a batch whose loss
     or gradient is not finite is skipped (W(t+1) = W(t)), as train.on_nonfinite=skip and fp16's
     loss scaler do.
@@ -163,6 +165,8 @@ def _train(
         else None
     )
     lag = 2 if delayed else 1
+    # pipeline.sync_warmup_steps=N: batches t <= N run with W(t), no correction at their steps (t <= N)
+    warmup = cfg.pipeline.sync_warmup_steps if delayed else 0
     scales_after: List[float] = []  # fp16: the scale each step's update left
     out = Reference(None, [], [], [], [], [], {})
     for t in range(cfg.train.num_steps):
@@ -197,7 +201,7 @@ def _train(
         grads = [None if g is None else g / (m * scale) for g in sums]
         for p in stale.parameters() if rounded else ():
             p.main_grad = None
-        if delayed:
+        if delayed and t + 1 > warmup:
             _load_parameters(stale, model)  # batch t+1 runs with W(t)
         for p, g in zip(model.parameters(), grads):
             p.grad = g
@@ -213,12 +217,12 @@ def _train(
         else:
             if cfg.optim.clip_grad_norm is not None:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.clip_grad_norm)
-            opt.step(out.lrs[-1])
-        if rounded and not delayed:
-            _load_parameters(stale, model)  # batch t+1 runs with W(t+1), rounded
+            opt.step(out.lrs[-1], correct=delayed and t > warmup, predict=delayed and t + 1 > warmup)
+        if (rounded and not delayed) or (delayed and t + 1 <= warmup):
+            _load_parameters(stale, model)  # batch t+1 runs with W(t+1) (rounded; or the synchronous warm-up's)
         if t + 1 in keep:
-            out.snapshots[t + 1] = copy.deepcopy(_with_buffers(model, stale))
-    return out._replace(weights=_with_buffers(model, stale))
+            out.snapshots[t + 1] = opt.weights(copy.deepcopy(_with_buffers(model, stale)))
+    return out._replace(weights=opt.weights(_with_buffers(model, stale)))
 
 
 def _take_grads(model: nn.Module, rounded: bool) -> List[Optional[torch.Tensor]]:
@@ -260,16 +264,20 @@ class ReferenceOptimizer:
       learning rate for both.
     - optim.delay_correction=lookahead: AdamW becomes NAdam(betas=(0.99, beta2), decoupled_weight_decay=True, its
       weight decay AdamW's), Muon's momentum 0.99 with Nesterov.
+    - optim.delay_correction=predict: between steps the weights hold P(t) = W(t) + d(t-1), d(t-1) = W(t) - W(t-1)
+      (what batch t+1 then reads); a step subtracts d(t-1), steps, takes d(t) = W after - W before and adds it;
+      ``predict`` false: no d added nor kept. ``weights`` gives W = P - d.
     - optim.delay_correction=error_feedback: with u(t) = W after the step - W before, the step sets
-      W(t+1) = W(t) + u(t) + beta * (u(t) - u(t-1)); no correction at the first step taken; a skipped step
-      (``step`` not called) changes nothing.
+      W(t+1) = W(t) + u(t) + beta * (u(t) - u(t-1)); no correction at the first step taken, nor at a step
+      whose gradient was not delayed (``correct`` false: it still records u(t)); a skipped step (``step`` not
+      called) changes nothing.
     """
 
     def __init__(self, model: nn.Module, optim) -> None:
         self.cfg = optim
         lookahead = optim.delay_correction == "lookahead"
         muon = not optim.target and optim.name.lower() == "muon"
-        if not muon and not lookahead:
+        if not muon and not lookahead:  # predict, error_feedback: written out in ``step``
             self.opts = [build_optimizer(model.parameters(), dataclasses.replace(optim, delay_correction="none"))]
         else:
             kwargs = dict(optim.kwargs)
@@ -296,20 +304,40 @@ class ReferenceOptimizer:
                 # torch.optim.Muon's step with its Newton-Schulz in optim.muon_kwargs.ns_dtype (float32 on a CPU):
                 # test_corrections checks it against torch's, bit for bit in bfloat16 and to float64 in float32
                 self.opts.append(Muon(mu, lr=optim.lr, **muon_kwargs))
-        self.params = list(model.parameters())
-        self.prev: Optional[List[torch.Tensor]] = None  # error feedback: u(t-1)
+        self.params, self.model = list(model.parameters()), model
+        self.prev: Optional[List[torch.Tensor]] = None  # error feedback: u(t-1); predict: d(t-1), if held
+
+    def weights(self, state: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        """The weights W of a state_dict of the model this steps (P less d(t-1) where a prediction is held)."""
+        if self.cfg.delay_correction != "predict" or self.prev is None:
+            return state
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        out = dict(state)
+        for p, d in zip(self.params, self.prev):
+            out[names[id(p)]] = state[names[id(p)]] - d
+        return out
 
     @torch.no_grad()
-    def step(self, lr: float) -> None:
+    def step(self, lr: float, *, correct: bool = True, predict: bool = True) -> None:
+        """One step at ``lr``; ``correct`` false: no error-feedback correction (u(t) is still recorded);
+        ``predict`` false: the weights are left at W(t+1), no d kept."""
+        predicting = self.cfg.delay_correction == "predict"
+        if predicting and self.prev is not None:  # P(t) -> W(t)
+            for p, d in zip(self.params, self.prev):
+                p.sub_(d)
         before = [p.detach().clone() for p in self.params]
         for opt in self.opts:
             for group in opt.param_groups:
                 group["lr"] = lr
             opt.step()
+        if predicting:
+            self.prev = [p.detach() - b for p, b in zip(self.params, before)] if predict else None
+            for p, d in zip(self.params, self.prev or ()):
+                p.add_(d)
         if self.cfg.delay_correction != "error_feedback":
             return
         update = [p.detach() - b for p, b in zip(self.params, before)]
-        if self.prev is not None:
+        if self.prev is not None and correct:
             for p, u, q in zip(self.params, update, self.prev):
                 p.add_(u - q, alpha=self.cfg.error_feedback_beta)
         self.prev = update

@@ -151,6 +151,8 @@ def test_muon_is_torchs_step_with_its_newton_schulz_in_the_dtype_asked(adjust_lr
         dict(name="muon", delay_correction="error_feedback"),
         dict(name="muon", delay_correction="lookahead"),
         dict(delay_correction="error_feedback", error_feedback_beta=0.5),
+        dict(delay_correction="predict"),
+        dict(name="muon", delay_correction="predict"),
     ],
 )
 def test_one_optimizer_that_resumes_and_matches_the_reference(optim):

@@ -184,8 +184,8 @@ def differs(a: dict, b: dict, tol: dict) -> bool:
 
 
 def check_features_matter(cell: Cell) -> None:
-    """The delay, the skip, the clipping, the correction and Muon each move the reference's weights by more than
-    the tolerance: a run that ignored one would fail ``check_cell``."""
+    """The delay, the skip, the clipping, the correction (the prediction), the warm-up and Muon each move the
+    reference's weights by more than the tolerance: a run that ignored one would fail ``check_cell``."""
     tol, delayed = tolerance(cell), cell.schedule == "2bw"
     ref = reference(cell, delayed=delayed, skip=cell.skip, clip=cell.clip).weights
     if delayed:
@@ -194,8 +194,11 @@ def check_features_matter(cell: Cell) -> None:
         assert differs(ref, reference(cell, delayed=delayed, skip=False, clip=cell.clip).weights, tol)
     if cell.clip:
         assert differs(ref, reference(cell, delayed=delayed, skip=cell.skip, clip=False).weights, tol)
-    if delayed and (cell.correction != "none" or cell.lookahead):  # the delay correction moves the weights
+    if delayed and (cell.correction != "none" or cell.lookahead or cell.predict):  # the delay correction moves them
         assert differs(ref, reference(cell, delayed=True, skip=cell.skip, clip=cell.clip, corrected=False).weights, tol)
+    if cell.sync_warmup:  # and the synchronous warm-up
+        other = reference(dataclasses.replace(cell, sync_warmup=False), delayed=True, skip=cell.skip, clip=cell.clip)
+        assert differs(ref, other.weights, tol)
     if cell.muon and not cell.lookahead:  # and Muon (a look-ahead cell without it would be refused: LOOKAHEAD)
         other = reference(dataclasses.replace(cell, muon=False), delayed=delayed, skip=cell.skip, clip=cell.clip)
         assert differs(ref, other.weights, tol)

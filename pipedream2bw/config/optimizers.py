@@ -22,6 +22,10 @@ MUON_ROLE = "_pd2bw_muon"
 EF_STATE = "ef_prev_update"
 """The error-feedback state of a parameter: the update u(t-1) its optimizer made at the previous step."""
 
+PREDICT_STATE = "predict_last_update"
+"""The weight prediction's state of a parameter: d(t-1) = W(t) - W(t-1), the update its last step applied, which
+the weights it holds between steps carry added (they hold the prediction W(t) + d(t-1) of W(t+1))."""
+
 LOOKAHEAD_MOMENTUM = 0.99
 """beta1 of the look-ahead (NAdamW) and Muon's momentum under it: Ajanthan et al.'s run.bash (``--momentum 0.99
 --optimizer nadamw``)."""
@@ -234,6 +238,7 @@ class ErrorFeedback(CompositeOptimizer):
 
     def __init__(self, inner: torch.optim.Optimizer, *, beta: float):
         self.beta = beta
+        self.correcting = True  # off: the step records u(t) but adds no correction (``delay_corrected``)
         super().__init__([inner])
 
     def _inner_step(self) -> None:
@@ -247,7 +252,8 @@ class ErrorFeedback(CompositeOptimizer):
         neg_updates = before
         torch._foreach_sub_(neg_updates, data)  # -u(t) = W(t) - (W(t) + u(t)), exactly -(u(t))
         prev = [self.state[p].get(EF_STATE) for p in params]
-        corrected = [(p, q) for p, q in zip(data, prev) if q is not None]  # u(-1) = u(0): nothing at the first step
+        # u(-1) = u(0): nothing at the first step; nothing at a step without delay (pipeline.sync_warmup_steps)
+        corrected = [(p, q) for p, q in zip(data, prev) if q is not None and self.correcting]
         if corrected:
             # W += beta * (u(t) - u(t-1)), as W -= beta * (u(t-1) - u(t)): the same bits (a sign flip is exact), with
             # u(t-1)'s buffer holding the difference (it is replaced below)
@@ -257,6 +263,69 @@ class ErrorFeedback(CompositeOptimizer):
         torch._foreach_neg_(neg_updates)
         for p, u in zip(params, neg_updates):
             self.state[p][EF_STATE] = u
+
+
+class WeightPrediction(CompositeOptimizer):
+    """Weight prediction for the forward (PipeMare, SpecTrain; PipeOptim, arXiv 2312.00839), around any optimizer
+    ``inner``: between steps its parameters hold a prediction of the next weights, P(t) = W(t) + d(t-1), with
+    d(t-1) = W(t) - W(t-1) the update the last step applied (the last applied update taken as the next one). Under
+    2bw the version batch t+1 reads is then P(t), a prediction of the W(t+1) its gradient is applied to, in the
+    replica that held W(t): no more weight memory. A step recovers W(t) = P(t) - d(t-1), steps it to W(t+1),
+    keeps d(t) = W(t+1) - W(t) and leaves P(t+1) = W(t+1) + d(t) (float32 round-off in both, which the reference
+    repeats). Costs 4 bytes per parameter (d, ``PREDICT_STATE``, saved in checkpoints), three elementwise passes and
+    one full-size temporary per step. ``predicting`` false (the version the step makes is read by a batch without
+    delay: pipeline.sync_warmup_steps) leaves W(t+1) and keeps no d. ``weights`` gives W from P."""
+
+    def __init__(self, inner: torch.optim.Optimizer):
+        self.predicting = True
+        super().__init__([inner])
+
+    def _inner_step(self) -> None:
+        params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+        data = [p.detach() for p in params]
+        held = [(p, self.state[q][PREDICT_STATE]) for p, q in zip(data, params) if PREDICT_STATE in self.state[q]]
+        if held:  # P(t) -> W(t)
+            torch._foreach_sub_([p for p, _ in held], [d for _, d in held])
+        before = [p.clone() for p in data]
+        self._children[0].step()
+        if not params:
+            return
+        if not self.predicting:
+            for q in params:
+                self.state[q].pop(PREDICT_STATE, None)
+            return
+        torch._foreach_sub_(before, data)  # -d(t) = W(t) - W(t+1)
+        torch._foreach_neg_(before)
+        torch._foreach_add_(data, before)  # P(t+1) = W(t+1) + d(t)
+        for q, d in zip(params, before):
+            self.state[q][PREDICT_STATE] = d
+
+
+def predicts(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` holds a ``WeightPrediction`` (through ``CompositeOptimizer`` children)."""
+    return isinstance(optimizer, WeightPrediction) or any(predicts(c) for c in getattr(optimizer, "_children", ()))
+
+
+def predicted_offsets(optimizers: Sequence[torch.optim.Optimizer], params: Sequence[nn.Parameter]) -> List[Any]:
+    """d(t-1) of each of ``params`` (the optimizers' own parameter objects), or None where its weights hold no
+    prediction: W = P - d."""
+    state: Dict[Any, Any] = {}
+    for opt in optimizers:
+        state.update({k: v for k, v in opt.state.items() if PREDICT_STATE in v})
+    return [state[p][PREDICT_STATE] if p in state else None for p in params]
+
+
+def delay_corrected(optimizer: torch.optim.Optimizer, *, now: bool, next: bool) -> None:
+    """Turns the delay corrections inside ``optimizer`` (through ``CompositeOptimizer`` children) on or off for its
+    next step: error feedback with ``now`` (batch t's gradient was delayed: off on the synchronous steps of
+    pipeline.sync_warmup_steps, where it still records u(t), the u(t-1) of the first corrected step); the weight
+    prediction with ``next`` (the version the step makes is read by delayed batches only)."""
+    if isinstance(optimizer, ErrorFeedback):
+        optimizer.correcting = now
+    if isinstance(optimizer, WeightPrediction):
+        optimizer.predicting = next
+    for child in getattr(optimizer, "_children", ()):
+        delay_corrected(child, now=now, next=next)
 
 
 def _groups(params: Iterable) -> List[Dict[str, Any]]:
@@ -311,6 +380,8 @@ def build_optimizer(groups: List[Any], cfg, *, others: type) -> torch.optim.Opti
         ) from e
     if cfg.delay_correction == "error_feedback":
         opt = ErrorFeedback(opt, beta=cfg.error_feedback_beta)
+    elif cfg.delay_correction == "predict":
+        opt = WeightPrediction(opt)
     return opt
 
 

@@ -34,6 +34,7 @@ RANGES: Dict[str, _Range] = {
     "pipeline.bucket_mb": POSITIVE,
     "pipeline.trace_steps": AT_LEAST_1,
     "pipeline.trace_first_step": AT_LEAST_0,
+    "pipeline.sync_warmup_steps": AT_LEAST_0,
     "model.num_layers": AT_LEAST_1,
     "model.d_model": AT_LEAST_1,
     "model.num_heads": AT_LEAST_1,

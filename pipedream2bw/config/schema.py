@@ -70,6 +70,10 @@ class PipelineConfig:
     """How many consecutive steps (batches) pipeline.trace records."""
     trace_first_step: Optional[int] = None
     """First traced step (0-based); null: train.warmup_steps, i.e. the first measured steps."""
+    sync_warmup_steps: int = 0
+    """Under schedule=2bw: the first N steps run as PipeDream-Flush (batch t reads W(t): no delay), then 2bw
+    (batch N reads W(N), batch t > N reads W(t-1)); 0: 2bw from the first step. The delay correction is off on
+    the synchronous steps (docs/convergence.md)."""
     check_ties: bool = False
     """Debug: after every step, compare a digest of each tied parameter's copies across the stages holding
     them (two small all-reduces per step); the run fails on the first step where they differ."""
@@ -213,9 +217,11 @@ class OptimConfig:
     stage (no extra communication): 'none'; 'error_feedback' (Zmushko et al. 2026: W(t+1) = W(t) + u(t) +
     beta * (u(t) - u(t-1)), u the optimizer's update; 4 bytes per parameter); 'lookahead' (Ajanthan et al.
     2025: Nesterov look-ahead with momentum 0.99, i.e. NAdamW for adamw and Muon's momentum 0.99 for muon; no
-    extra state); 'auto' (the default): error_feedback for muon (the setting under which 2bw came closest to a
-    flushing pipeline's loss), none for every other optimizer (with AdamW it helped unreliably, at 4 bytes a
-    parameter: docs/convergence.md), decided when the config is made. flush and gpipe have no delay: the
+    extra state); 'predict' (weight prediction, PipeOptim: batch t reads W(t-1) + d, d the last applied update, a
+    prediction of the W(t) its gradient is applied to, in place of W(t-1); 4 bytes per parameter); 'auto' (the
+    default): error_feedback for muon (the setting under which 2bw came closest to a flushing pipeline's loss),
+    none for every other optimizer (with AdamW it helped unreliably, at 4 bytes a parameter:
+    docs/convergence.md), decided when the config is made. flush and gpipe have no delay: the
     correction is off there (logged). docs/design.md states the exact rules."""
     error_feedback_beta: float = 1.0
     """optim.delay_correction=error_feedback: the weight beta of the previous step's estimated error."""

@@ -122,6 +122,37 @@ def _validate_host_step(cfg: Config) -> None:
         raise ConfigError(f"swap.host_step (background) with {why}")
 
 
+def _validate_sync_warmup(cfg: Config) -> None:
+    """pipeline.sync_warmup_steps: flush's steps, then 2bw's, on the plain weight versions (pipeline/versions.py)."""
+    p, n = cfg.pipeline, cfg.pipeline.sync_warmup_steps
+    if n == 0:
+        return
+    if p.schedule != "2bw":
+        log.info(
+            "pipeline.sync_warmup_steps (%d) is moot under pipeline.schedule=%s: every step is synchronous",
+            n,
+            p.schedule,
+        )
+        return
+    why = None
+    if cfg.swap.optimizer == "host":
+        why = "swap.optimizer (host): the host step's versions keep 2bw's rule throughout; set swap.optimizer=device"
+    elif cfg.optim.sharded and p.data_parallel > 1:
+        why = "optim.sharded (true) at pipeline.data_parallel > 1: sharded versions keep 2bw's rule; set it false"
+    elif cfg.train.weight_dtype == "compute" and cfg.train.precision != "fp32":
+        why = "train.weight_dtype (compute): compute-dtype versions keep 2bw's rule; set train.weight_dtype=fp32"
+    elif cfg.train.precision == "fp16":
+        why = "train.precision (fp16): the loss scaler's lag is 2bw's or flush's for a whole run; use bf16 or fp32"
+    elif cfg.optim.delay_correction == "lookahead":
+        why = (
+            "optim.delay_correction (lookahead): it changes the optimizer for the whole run; use error_feedback or none"
+        )
+    elif p.tensor_parallel > 1:
+        why = f"pipeline.tensor_parallel ({p.tensor_parallel}): not proven with split stages; set it to 1"
+    if why is not None:
+        raise ConfigError(f"pipeline.sync_warmup_steps ({n}) with {why}, or set pipeline.sync_warmup_steps=0")
+
+
 def _validate_step_rules(cfg: Config) -> None:
     """The learning-rate schedule, gradient clipping and non-finite handling (optim.*, train.on_nonfinite)."""
     o, n = cfg.optim, cfg.train.num_steps
@@ -314,6 +345,7 @@ def validate(
     _validate_host_step(cfg)
     _validate_documents(cfg)
     _validate_tensor_parallel(cfg, gpt=gpt, local_world_size=local_world_size)
+    _validate_sync_warmup(cfg)
     return balance
 
 
@@ -531,7 +563,7 @@ def _validate_model_and_optim(cfg: Config) -> None:
     _validate_sharding(cfg)
 
 
-DELAY_CORRECTIONS = ("none", "error_feedback", "lookahead")
+DELAY_CORRECTIONS = ("none", "error_feedback", "lookahead", "predict")
 
 
 def _validate_optim_extras(cfg: Config) -> None:
@@ -579,6 +611,7 @@ def _validate_optim_extras(cfg: Config) -> None:
         math.isfinite(o.error_feedback_beta) and o.error_feedback_beta >= 0
     ):
         raise ConfigError(f"optim.error_feedback_beta ({o.error_feedback_beta}) must be a finite number >= 0")
+    _validate_prediction(cfg)
     if o.delay_correction == "lookahead":
         name = "custom" if o.target else o.name.lower()
         if name not in ("adamw", "muon") or (muon and o.muon_others.lower() != "adamw"):
@@ -594,6 +627,25 @@ def _validate_optim_extras(cfg: Config) -> None:
                 "optim.delay_correction (lookahead) sets beta1 (optim.kwargs.betas[0]) and Muon's momentum to "
                 "0.99; remove them from optim.kwargs / optim.muon_kwargs (betas[1] may stay: give betas=[0.99, b2])"
             )
+
+
+def _validate_prediction(cfg: Config) -> None:
+    """optim.delay_correction=predict: the prediction lives in the plain weight versions (pipeline/versions.py)."""
+    why = None
+    if cfg.optim.delay_correction != "predict":
+        return
+    if cfg.swap.optimizer == "host":
+        why = "swap.optimizer (host): the host's masters are not the versions batches read; set swap.optimizer=device"
+    elif cfg.optim.sharded and cfg.pipeline.data_parallel > 1:
+        why = "optim.sharded (true) at pipeline.data_parallel > 1: sharded masters are not written for it; set it false"
+    elif cfg.train.weight_dtype == "compute" and cfg.train.precision != "fp32":
+        why = (
+            "train.weight_dtype (compute): the versions are rounded copies of the masters; set train.weight_dtype=fp32"
+        )
+    elif cfg.pipeline.tensor_parallel > 1:
+        why = f"pipeline.tensor_parallel ({cfg.pipeline.tensor_parallel}): not proven with split stages; set it to 1"
+    if why is not None:
+        raise ConfigError(f"optim.delay_correction (predict) with {why}, or use optim.delay_correction=error_feedback")
 
 
 def _validate_train(cfg: Config) -> None:

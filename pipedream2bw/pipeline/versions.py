@@ -4,6 +4,8 @@
     batch t runs forward and backward with W(t-1), W(-1) = W(0)
     W(t+1) = W(t) - optimizer_step(g(t))     once the last backward of batch t is done
 flush and gpipe: batch t uses W(t) (plain minibatch training).
+2bw after N synchronous steps (pipeline.sync_warmup_steps=N): batch t uses W(t) for t <= N, W(t-1) after
+(N = 0 is plain 2bw: W(-1) = W(0) is batch 0 reading W(0)).
 """
 
 from __future__ import annotations
@@ -15,19 +17,35 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
 import torch
 from torch import nn
 
-from pipedream2bw.config.optimizers import MUON_ROLE
+from pipedream2bw.config.optimizers import (
+    MUON_ROLE,
+    PREDICT_STATE,
+    delay_corrected,
+    predicted_offsets,
+    predicts,
+)
 from pipedream2bw.pipeline import stateful
 from pipedream2bw.pipeline.schedule import BACKWARD, FORWARD, STEP, Action, ScheduleError
 
 log = logging.getLogger(__name__)
 
+PREDICTED_WEIGHTS = "predicted_weights"
+"""In a checkpoint's optimizer state of a parameter under weight prediction: the prediction P(n) its newest version
+holds (the checkpoint's ``weights`` are W(n) = P(n) - d(n-1), which does not round-trip to P(n))."""
 
-def version_of_batch(schedule: str, batch_index: int) -> int:
-    """The weight version W(v) that every microbatch of batch ``batch_index`` uses."""
-    return max(batch_index - 1, 0) if schedule == "2bw" else batch_index
+
+def version_of_batch(schedule: str, batch_index: int, *, sync_warmup_steps: int = 0) -> int:
+    """The weight version W(v) that every microbatch of batch ``batch_index`` uses: under 2bw W(t-1), except
+    that the first batches, t <= ``sync_warmup_steps`` (the flushing warm-up's N, and batch N, which starts the
+    2bw pipeline from W(N) as batch 0 starts it from W(0)), read W(t)."""
+    if schedule != "2bw" or batch_index <= sync_warmup_steps:
+        return batch_index
+    return batch_index - 1
 
 
-def max_versions_alive(actions: Sequence[Action], *, schedule: str, num_microbatches: int) -> int:
+def max_versions_alive(
+    actions: Sequence[Action], *, schedule: str, num_microbatches: int, sync_warmup_steps: int = 0
+) -> int:
     """Walks one stage's actions and returns the most weight versions it must hold at once.
 
     A version is alive while it is the newest or some batch that has not finished its
@@ -37,13 +55,17 @@ def max_versions_alive(actions: Sequence[Action], *, schedule: str, num_microbat
         ScheduleError: a forward needs a version that no step has produced yet.
     """
     m = num_microbatches
+
+    def version_of(t: int) -> int:
+        return version_of_batch(schedule, t, sync_warmup_steps=sync_warmup_steps)
+
     newest, peak = 0, 1
     backwards_left = {}  # batch -> backwards still to run, for started batches
     for a in actions:
         t = a.index // m if a.kind != STEP else a.index
         if a.kind == FORWARD:
-            if version_of_batch(schedule, t) > newest:
-                raise ScheduleError(f"{a}: needs W({version_of_batch(schedule, t)}), newest is W({newest})")
+            if version_of(t) > newest:
+                raise ScheduleError(f"{a}: needs W({version_of(t)}), newest is W({newest})")
             backwards_left.setdefault(t, m)
         elif a.kind == BACKWARD:
             backwards_left[t] -= 1
@@ -52,7 +74,7 @@ def max_versions_alive(actions: Sequence[Action], *, schedule: str, num_microbat
         unfinished = [b for b, left in backwards_left.items() if left > 0]
         # Batches not started yet will use versions >= those of started ones, up to `newest`.
         next_batch = max(backwards_left, default=-1) + 1
-        alive = {newest} | {version_of_batch(schedule, b) for b in unfinished + [next_batch]}
+        alive = {newest} | {version_of(b) for b in unfinished + [next_batch]}
         peak = max(peak, len({v for v in alive if v <= newest}))
     return peak
 
@@ -124,8 +146,10 @@ class WeightVersions:
         schedule: str,
         optimizer_factory: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer],
         buckets: Optional[Sequence[Sequence[int]]] = None,
+        sync_warmup_steps: int = 0,
     ):
         self.schedule = schedule
+        self.sync_warmup_steps = sync_warmup_steps  # 2bw: the steps before it that run synchronously
         self.replicas: List[nn.Module] = [module] + ([copy.deepcopy(module)] if schedule == "2bw" else [])
         self.holds: List[Optional[int]] = [0] + [None] * (len(self.replicas) - 1)
         # Each step walks the replicas' parameters: list them once (nn.Module.parameters() walks the
@@ -155,9 +179,24 @@ class WeightVersions:
         assert version in self.holds, f"W({version}) is not alive; live versions: {self.holds}"
         return self.holds.index(version)
 
+    def version_of(self, batch_index: int) -> int:
+        """The version W(v) batch ``batch_index`` uses (``version_of_batch`` under this run's warm-up)."""
+        return version_of_batch(self.schedule, batch_index, sync_warmup_steps=self.sync_warmup_steps)
+
+    def delayed(self, batch_index: int) -> bool:
+        """Whether batch t's gradient is taken at an older version than the W(t) its step updates (what a delay
+        correction corrects)."""
+        return self.version_of(batch_index) < batch_index
+
+    def apply_may_wait(self, batch_index: int) -> bool:
+        """Whether the step of batch t may wait past batch t+1's first forwards: batch t+1 reads an older
+        version than W(t+1), and not batch t's (whose replica batch t+1 would accumulate its gradients into)."""
+        t = batch_index
+        return self.version_of(t + 1) <= t and self.version_of(t + 1) != self.version_of(t)
+
     def replica_for_batch(self, batch_index: int) -> int:
         """The index of the replica holding the version that batch ``batch_index`` uses."""
-        return self._replica_holding(version_of_batch(self.schedule, batch_index))
+        return self._replica_holding(self.version_of(batch_index))
 
     def module_for_batch(self, batch_index: int) -> nn.Module:
         """The replica holding the version that batch ``batch_index`` uses."""
@@ -168,6 +207,19 @@ class WeightVersions:
         return self.replicas[self._replica_holding(max(v for v in self.holds if v is not None))]
 
     @torch.no_grad()
+    def weights(self) -> nn.Module:
+        """The newest weights W(n), what validation, the final weights and checkpoints take: ``newest()``, or, where
+        it holds a prediction (optim.delay_correction=predict), a copy of it less each parameter's d(n-1)."""
+        offsets = predicted_offsets(self.optimizers, self.master)
+        if all(d is None for d in offsets):
+            return self.newest()
+        module = copy.deepcopy(self.newest())
+        for p, d in zip(module.parameters(), offsets):
+            if d is not None:
+                p.sub_(d)
+        return module
+
+    @torch.no_grad()
     def step(
         self, batch_index: int, *, grad_scale: float, before_bucket: Callable[[int], None] = lambda i: None
     ) -> None:
@@ -176,10 +228,12 @@ class WeightVersions:
         ``before_bucket(i)`` runs before bucket ``i`` steps (e.g. to wait for its all-reduce).
         """
         t = batch_index
-        src = self._params[self._replica_holding(version_of_batch(self.schedule, t))]
+        src = self._params[self._replica_holding(self.version_of(t))]
         dst_index = self._destination(t)
         dst = self._params[dst_index]
         self._prepare_destination(dst_index, t)
+        for optimizer in self.optimizers:  # the synchronous warm-up's steps have no delay to correct
+            delay_corrected(optimizer, now=self.delayed(t), next=self.delayed(t + 1))
         for bucket_index, (bucket, optimizer) in enumerate(zip(self.buckets, self.optimizers)):
             before_bucket(bucket_index)
             self._take_gradients(bucket, src, dst, grad_scale)
@@ -225,7 +279,7 @@ class WeightVersions:
 
     def _destination(self, t: int) -> int:
         """The replica that receives W(t+1): the one not holding the version batch t+1 runs with."""
-        still_needed = version_of_batch(self.schedule, t + 1)
+        still_needed = self.version_of(t + 1)
         return next(i for i, v in enumerate(self.holds) if v != still_needed)
 
     def _copy_newest_into(self, dst_index: int, t: int) -> None:
@@ -262,16 +316,20 @@ class WeightVersions:
         newest = max(v for v in self.holds if v is not None)
         previous = None
         if self.schedule == "2bw":
-            previous = _cpu_copy(self.replicas[self._replica_holding(version_of_batch("2bw", newest))].state_dict())
+            previous = _cpu_copy(self.replicas[self._replica_holding(self.version_of(newest))].state_dict())
         names = [n for n, _ in self.replicas[0].named_parameters()]
         optimizer = {}
         for bucket, opt in zip(self.buckets, self.optimizers):
             order = self._state_order(bucket, opt)
             for pos, st in opt.state_dict()["state"].items():
                 optimizer[names[order[pos]]] = _cpu_copy(st)
+        held = dict(zip(names, self.newest().parameters()))
+        for name, st in optimizer.items():  # weight prediction: the prediction P(n) itself, for an exact resume
+            if PREDICT_STATE in st:
+                st[PREDICTED_WEIGHTS] = held[name].detach().to("cpu", copy=True)
         return {
             "step": newest,
-            "weights": _cpu_copy(self.newest().state_dict()),
+            "weights": _cpu_copy(self.weights().state_dict()),
             "previous": previous,
             "optimizer": optimizer,
         }
@@ -295,10 +353,19 @@ class WeightVersions:
             RuntimeError: names missing from or unexpected in ``weights`` (strict load).
         """
         self.replicas[0].load_state_dict(weights)
+        optimizer = {name: dict(st) for name, st in optimizer.items()}
+        predicting = any(predicts(opt) for opt in self.optimizers)
+        for name, p in self.replicas[0].named_parameters():  # weight prediction: P(n), not W(n) (``state``)
+            held = optimizer.get(name, {})
+            if PREDICTED_WEIGHTS in held and predicting:
+                p.copy_(held.pop(PREDICTED_WEIGHTS))
+            elif not predicting:  # a checkpoint of a run that predicted: this one starts from W(n), no d
+                held.pop(PREDICTED_WEIGHTS, None)
+                held.pop(PREDICT_STATE, None)
         self.holds[0] = step
         if len(self.replicas) == 2:
             self.replicas[1].load_state_dict(previous if previous is not None else weights)
-            self.holds[1] = version_of_batch("2bw", step)
+            self.holds[1] = self.version_of(step)
         names = [n for n, _ in self.replicas[0].named_parameters()]
         for bucket, opt in zip(self.buckets, self.optimizers):
             sd = opt.state_dict()

@@ -175,7 +175,13 @@ def build_versions(
             module, schedule=rt.schedule, optimizer_factory=factory, buckets=buckets, background=background
         )
     else:
-        versions = WeightVersions(module, schedule=rt.schedule, optimizer_factory=factory, buckets=buckets)
+        versions = WeightVersions(
+            module,
+            schedule=rt.schedule,
+            optimizer_factory=factory,
+            buckets=buckets,
+            sync_warmup_steps=rt.sync_warmup_steps,
+        )
     return versions, buckets, num_dp_buckets
 
 
@@ -408,14 +414,27 @@ def batch_sends(dist: DistConfig, rt: RankPlan) -> bool:
 
 
 def actions(rt: RankPlan, *, batch_sends: bool) -> List[Action]:
-    """This rank's actions for this run's batches, checked and with its communication lowered."""
+    """This rank's actions for this run's batches, checked and with its communication lowered: under 2bw with
+    pipeline.sync_warmup_steps=N, flush's for the batches before N, then 2bw's from N on (a pipeline started
+    afresh at batch N, as a run resumed there starts it)."""
+    if rt.schedule != "2bw" or rt.first_step >= rt.sync_warmup_steps:
+        return _rank_actions(rt, rt.schedule, rt.first_step, rt.num_steps, batch_sends=batch_sends)
+    switch = min(rt.sync_warmup_steps, rt.num_steps)
+    flush = _rank_actions(rt, "flush", rt.first_step, switch, batch_sends=batch_sends)
+    return flush + (
+        _rank_actions(rt, "2bw", switch, rt.num_steps, batch_sends=batch_sends) if switch < rt.num_steps else []
+    )
+
+
+def _rank_actions(rt: RankPlan, name: str, first: int, end: int, *, batch_sends: bool) -> List[Action]:
+    """``schedule.rank_actions`` of schedule ``name`` for this rank's batches ``first .. end - 1``."""
     return schedule.rank_actions(
-        rt.schedule,
+        name,
         stage_index=rt.stage,
         num_stages=rt.num_stages,
         num_microbatches=rt.num_microbatches,
-        first_batch=rt.first_step,
-        num_batches=rt.num_steps - rt.first_step,
+        first_batch=first,
+        num_batches=end - first,
         batch_sends=batch_sends,
     )
 

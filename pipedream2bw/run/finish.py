@@ -272,8 +272,8 @@ def final_weights(
     if rt.replica != 0:
         return None
     if split is None:
-        return versions.newest().state_dict()
-    whole = split.whole({"weights": versions.newest().state_dict()})["weights"]
+        return versions.weights().state_dict()
+    whole = split.whole({"weights": versions.weights().state_dict()})["weights"]
     return whole if rt.tensor_rank == 0 else None
 
 

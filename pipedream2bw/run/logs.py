@@ -135,6 +135,8 @@ def log_run(rt: RankPlan, cfg: Config, model: RunModel, feed: Any, val_feed: Any
         f", clip {o.clip_grad_norm}" if o.clip_grad_norm is not None else "",
         f", delay correction {correction}" if rt.schedule == "2bw" else "",  # none said too: 'auto' chose it
     )
+    if rt.sync_warmup_steps:
+        log.info("pipeline.sync_warmup_steps: steps 0..%d run as flush (no delay), then 2bw", rt.sync_warmup_steps - 1)
     per_layer = [sum(p.numel() for p in layer.parameters()) for layer in model.whole()]
     bounds = [sum(rt.balance[:s]) for s in range(rt.num_stages + 1)]
     per_stage = [sum(per_layer[a:b]) for a, b in zip(bounds, bounds[1:])]

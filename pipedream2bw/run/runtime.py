@@ -48,6 +48,8 @@ class RankPlan:
     """The first batch this run trains: 0, or the step of the checkpoint it resumes from."""
     num_steps: int
     """The batch the run ends before (``train.num_steps``)."""
+    sync_warmup_steps: int = 0
+    """Under 2bw: the steps that run as PipeDream-Flush first (``pipeline.sync_warmup_steps``)."""
 
     @classmethod
     def from_config(
@@ -89,6 +91,7 @@ class RankPlan:
             recompute=p.recompute,
             first_step=0 if resume is None else resume[1]["step"],
             num_steps=cfg.train.num_steps,
+            sync_warmup_steps=p.sync_warmup_steps if p.schedule == "2bw" else 0,
         )
 
     @property

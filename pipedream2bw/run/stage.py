@@ -537,8 +537,7 @@ class StageWorker:
     def _defers(self, t: int) -> bool:
         """Whether APPLY(t) may wait (``agreement.apply_due``): under 2bw with an agreement, unless batch
         t+1 runs on the same weights (the first batch: W(-1) = W(0)) and would add its gradients to t's."""
-        v = self.versions
-        return self.deferred and v.replica_for_batch(t + 1) != v.replica_for_batch(t)
+        return self.deferred and self.versions.apply_may_wait(t)
 
     def _agreed(self, t: int) -> StepOutcome:
         start = time.perf_counter()

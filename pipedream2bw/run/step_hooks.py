@@ -54,7 +54,7 @@ def resume_history(
     if evaluator is not None:
         evaluator.losses = [(n, v) for n, v in manifest.get("val_losses", []) if n <= first_batch]
         if first_batch % eval_every == 0 and first_batch not in {n for n, _ in manifest.get("val_losses", [])}:
-            evaluator.run(versions.newest(), step=first_batch)
+            evaluator.run(versions.weights(), step=first_batch)
 
 
 def tracking(
@@ -278,7 +278,7 @@ class StepHooks:
         if stop:  # the validation pass due here, if any, is owed: the resumed run starts with it
             raise preempt.Preempted(t + 1, self.preemption.signum, self.preemption.received)
         if evaluator is not None and evaluate.due(t + 1, every=self.eval_every, num_steps=self.rt.num_steps):
-            evaluator.run(self.versions.newest(), step=t + 1)
+            evaluator.run(self.versions.weights(), step=t + 1)
 
 
 PROGRESS_EVERY_S = 10.0
