@@ -100,6 +100,27 @@ def build_stage(
     return module, tie_groups, split
 
 
+def _optimizer_factory(rt: RankPlan, module: nn.Module, optim: OptimConfig, swap: SwapConfig):
+    """(the optimizer config as this stage runs it, params -> its optimizer): the delay correction where it runs,
+    Muon's parameters tagged, the host's fastest kernel where the step runs there."""
+    optim = dataclasses.replace(optim, delay_correction=correction_in_effect(optim, rt.schedule))
+    if is_muon(optim):  # which parameters Muon takes: hidden matrices (OptimConfig.muon_exclude)
+        tag_muon_params(module, optim.muon_exclude, edge_layers=muon_edge_layers(sum(rt.balance)))
+    if swap.optimizer == "host":  # the step runs on the host (swap.weights too): the fastest CPU kernel
+        optim = host_kernel(optim)
+    # Muon with its state on the host (swap.optimizer=host, swap.weights): the Newton-Schulz iterations run on the
+    # stage's device, never on the host's cores (a CPU run's device is the host)
+    ns_device = rt.device if is_muon(optim) and swap.optimizer == "host" and rt.device.type != "cpu" else None
+
+    def factory(params):
+        opt = build_optimizer(params, optim)
+        if ns_device is not None:
+            orthogonalize_on(opt, ns_device)
+        return opt
+
+    return optim, factory
+
+
 def build_versions(
     rt: RankPlan,
     module: nn.Module,
@@ -130,21 +151,7 @@ def build_versions(
     buckets = [[rest[j] for j in bucket] for bucket in bucketize([params[i] for i in rest], bucket_bytes=bucket_bytes)]
     buckets = [bucket for bucket in buckets if bucket] + [[i] for i in tied_index]
     num_dp_buckets = len(buckets) - len(tied_index)
-    optim = dataclasses.replace(optim, delay_correction=correction_in_effect(optim, rt.schedule))
-    if is_muon(optim):  # which parameters Muon takes: hidden matrices (OptimConfig.muon_exclude)
-        tag_muon_params(module, optim.muon_exclude, edge_layers=muon_edge_layers(sum(rt.balance)))
-    if swap.optimizer == "host":  # the step runs on the host (swap.weights too): the fastest CPU kernel
-        optim = host_kernel(optim)
-    # Muon with its state on the host (swap.optimizer=host, swap.weights): the Newton-Schulz iterations run on the
-    # stage's device, never on the host's cores (a CPU run's device is the host)
-    ns_device = rt.device if is_muon(optim) and swap.optimizer == "host" and rt.device.type != "cpu" else None
-
-    def factory(params):
-        opt = build_optimizer(params, optim)
-        if ns_device is not None:
-            orthogonalize_on(opt, ns_device)
-        return opt
-
+    optim, factory = _optimizer_factory(rt, module, optim, swap)
     sharded = optim.sharded and rt.data_parallel > 1
     background = swap.host_step != "sync" and rt.schedule == "2bw"  # swap.host_step: off the training thread
     if swap.weights and rt.stage in swap_stages(swap, rt.num_stages):  # swap.weights: versions in host buffers
