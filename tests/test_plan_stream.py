@@ -269,9 +269,12 @@ def test_where_only_the_optimizer_state_must_leave_the_plan_keeps_it_on_the_host
     # 8 blocks at b = 2: no plan with the state on the devices; with it on the host every stage fits unstreamed, which
     # is faster than streaming (its host sums); before, the search dropped that split and found no plan at all
     cfg = llama13b(model=dict(num_layers=8), partition=dict(microbatch_sizes=[2]), optim=dict(name="adamw"))
+    # (at t = 1: a tensor width of 4 holds it too, issue 44; the runtime's partition=auto plans t = 1 unless pinned)
     with pytest.raises(ConfigError, match="no plan fits"):
-        plan_config(llama13b(model=dict(num_layers=8), partition=dict(microbatch_sizes=[2], stream=False)))
-    best = plan_config(cfg)[0]
+        plan_config(
+            llama13b(model=dict(num_layers=8), partition=dict(microbatch_sizes=[2], stream=False)), search_tensor=False
+        )
+    best = plan_config(cfg, search_tensor=False)[0]
     assert best.host_optimizer and best.steps_on_host and not best.stream_stages
     assert all(parts["optimizer"] == 0 for parts in best.predicted_memory_breakdown)
     assert "step s" in stage_table(best) and all(step > 0 for step in best.predicted_host_step_s)
