@@ -76,6 +76,17 @@ def test_flushing_schedules_equal_minibatch_training(tmp_path, schedule, d, m):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("d,m", [(2, 4), (4, 8)])
+def test_zero_bubble_equals_minibatch_training(tmp_path, d, m):
+    """zb1p's split backward (B: input gradients, W: weight gradients, later) is flush's update, exactly."""
+    summary = run_ok(tiny_config(schedule="zb1p", num_stages=d, num_microbatches=m, optim="adam"), tmp_path)
+    expected, expected_losses = _oracle(m, "adam", False)
+    torch.testing.assert_close(torch.load(tmp_path / "final_model.pt"), expected)
+    assert_losses_close(summary["losses"], expected_losses)
+    assert summary["schedule"] == "zb1p"
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["2bw", "flush", "gpipe"])
 def test_results_do_not_depend_on_depth(tmp_path, schedule):
     runs = {}

@@ -13,7 +13,7 @@ from pipedream2bw.errors import ConfigError
 log = logging.getLogger(__name__)
 
 
-SCHEDULES = ("2bw", "flush", "gpipe")
+SCHEDULES = ("2bw", "flush", "zb1p", "gpipe")
 
 
 WANDB_MODES = ("offline", "online", "disabled")
@@ -40,7 +40,9 @@ UNCATCHABLE = ("SIGKILL", "SIGSTOP")  # what train.preempt_signals cannot name
 @dataclass
 class PipelineConfig:
     schedule: str = "2bw"
-    """'2bw' (1F1B, no flushes, two weight versions), 'flush' (PipeDream-Flush) or 'gpipe'."""
+    """'2bw' (1F1B, no flushes, two weight versions), 'flush' (PipeDream-Flush), 'zb1p' (zero bubble ZB-H1: flush's
+    update, each backward split into its input-gradient part and its weight-gradient part, which fills the bubble)
+    or 'gpipe'."""
     num_stages: int = 4
     """Pipeline depth d; WORLD_SIZE must be num_stages * data_parallel."""
     num_microbatches: int = 8

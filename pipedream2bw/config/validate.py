@@ -307,7 +307,21 @@ def validate(
     _validate_swap(cfg.swap, p.num_stages)
     _validate_weight_stream(cfg)
     _validate_host_step(cfg)
+    _validate_split_backward(cfg)
     return balance
+
+
+def _validate_split_backward(cfg: Config) -> None:
+    """pipeline.schedule=zb1p splits each backward into B (input gradient) and W (weight gradient), autograd's graph
+    kept between them (run/split_backward.py); what holds or moves a stage's saved tensors by backward is refused."""
+    if cfg.pipeline.schedule != "zb1p":
+        return
+    why = None
+    if swap_stages(cfg.swap, cfg.pipeline.num_stages):
+        why = "swapping (swap.enabled or swap.stages): its fetch frees a microbatch's tensors at the end of B, W needs"
+        why += " them after; use pipeline.schedule=flush with swapping, or drop swap.enabled/swap.stages"
+    if why is not None:
+        raise ConfigError(f"pipeline.schedule (zb1p) with {why}")
 
 
 def _validate_shape(cfg: Config, world_size: int) -> None:
