@@ -78,12 +78,13 @@ def in_flight(schedule: str, stage_index: int, num_stages: int, num_microbatches
 @functools.lru_cache(maxsize=32)
 def _zero_bubble_h1(num_stages: int, num_microbatches: int) -> Tuple[Tuple[Action, ...], ...]:
     """ZB-H1's order of one batch's F, B and W on every stage (microbatches 0..m-1), found by running
-    the stages greedily in unit time (F, B and W one tick each): a stage does the B it can (its
-    gradient arrived: it is on the critical path), else the next F if its input arrived, at most
-    d - s are forwarded and not backwarded (1F1B's bound) and at most ``in_flight`` forwarded and not
-    through W; else its oldest pending W; else it idles. In the steady state this is F B W; in the
-    cooldown the W's wait and fill the ticks where 1F1B idles for the next gradient. A pipeline's
-    idle is then about (d-1) ticks per stage, against 1F1B's 3(d-1) in the same ticks.
+    the stages greedily in unit time (F, B and W one tick each): a stage does its next F if the input
+    arrived, at most d - s are forwarded and not backwarded (1F1B's bound) and at most ``in_flight``
+    forwarded and not through W; else the next B if its gradient arrived (B is what stage s-1 waits
+    for); else its oldest pending W; else it idles. W's wait wherever 1F1B would idle for a gradient
+    and fill those ticks. A batch then takes 3m + d - 1 ticks, ZB-H1's (d-1)(F + B - W) bubble, against
+    1F1B's 3m + 3(d-1) (``tests/test_schedule.py`` checks it over a grid; the priority of F over B
+    is what reaches it: B first leaves the last W's of the first stage idling, 3m + 2(d-1) at d=4, m=8).
     """
     d, m = num_stages, num_microbatches
     nf, nb, nw = [0] * d, [0] * d, [0] * d
@@ -95,10 +96,10 @@ def _zero_bubble_h1(num_stages: int, num_microbatches: int) -> Tuple[Tuple[Actio
         for s in range(d):
             dep_b = done.get((s + 1, BACKWARD, nb[s]), tick + 1) if s < d - 1 else 0
             dep_f = done.get((s - 1, FORWARD, nf[s]), tick + 1) if s > 0 else 0
-            if nb[s] < nf[s] and dep_b <= tick:
-                chosen.append(Action(s, BACKWARD, nb[s]))
-            elif nf[s] < m and dep_f <= tick and nf[s] - nb[s] < d - s and nf[s] - nw[s] < in_flight("zb1p", s, d, m):
+            if nf[s] < m and dep_f <= tick and nf[s] - nb[s] < d - s and nf[s] - nw[s] < in_flight("zb1p", s, d, m):
                 chosen.append(Action(s, FORWARD, nf[s]))
+            elif nb[s] < nf[s] and dep_b <= tick:
+                chosen.append(Action(s, BACKWARD, nb[s]))
             elif nw[s] < nb[s]:
                 chosen.append(Action(s, WEIGHT, nw[s]))
             else:
