@@ -119,8 +119,9 @@ def make_request(
         objective=cfg.partition.objective,
         depths=cfg.partition.depths,
         microbatch_sizes=cfg.partition.microbatch_sizes,
-        recompute=cfg.partition.recompute,
-        # zb1p keeps autograd's graph from B to W, which swapping and streaming would move (config/validate.py)
+        recompute=False if p.schedule in SPLIT_SCHEDULES else cfg.partition.recompute,  # as swap, below
+        # zb1p keeps autograd's graph from B to W, which swapping, streaming and recomputation would move or run
+        # twice (config/validate.py)
         swap=cfg.partition.swap and p.schedule not in SPLIT_SCHEDULES,
         swap_resident=cfg.partition.swap_resident,
         costs="profile" if profile else "analytic",

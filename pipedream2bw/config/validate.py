@@ -318,8 +318,12 @@ def _validate_split_backward(cfg: Config) -> None:
         return
     why = None
     if swap_stages(cfg.swap, cfg.pipeline.num_stages):
-        why = "swapping (swap.enabled or swap.stages): its fetch frees a microbatch's tensors at the end of B, W needs"
-        why += " them after; use pipeline.schedule=flush with swapping, or drop swap.enabled/swap.stages"
+        why = "swapping (swap.enabled or swap.stages): it moves a microbatch's saved tensors around one backward, "
+        why += "which zb1p splits in two; use pipeline.schedule=flush with swapping, or drop swap.enabled/swap.stages"
+    elif cfg.pipeline.recompute or cfg.partition.recompute:
+        why = "recomputation (pipeline.recompute or partition.recompute): B would recompute each layer and W again "
+        why += "(the checkpoint's recomputation runs once per pass); use pipeline.schedule=flush with recompute, or "
+        why += "set pipeline.recompute=false"
     if why is not None:
         raise ConfigError(f"pipeline.schedule (zb1p) with {why}")
 
