@@ -38,6 +38,16 @@ def _layers(cfg, plan):
     return analytic_gpt(cfg.model, cfg.optim, plan.microbatch_size, cfg.topology, precision=plan.precision)
 
 
+def test_zb1p_plan_never_streams_and_names_flush_where_only_streaming_fits():
+    # zb1p refuses swapping, streaming and recomputation (config/validate.py): the search leaves them out, and "no
+    # plan fits" offers flush with them, not the partition.* keys that zb1p would then refuse.
+    with pytest.raises(ConfigError, match="no plan fits") as err:
+        plan_config(llama13b(pipeline=dict(schedule="zb1p")))
+    msg = str(err.value)
+    assert "with flush's swapping, streaming and recomputation (pipeline.schedule=flush " in msg, msg
+    assert "(partition.stream=true) it fits" not in msg, msg
+
+
 def test_llama13b_on_four_24gib_gpus_fits_only_by_streaming_and_runs_as_planned():
     cfg = llama13b()
     with pytest.raises(ConfigError, match="no plan fits") as err:  # 20 B a parameter: 65 GB a device at d = 4
