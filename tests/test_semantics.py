@@ -99,7 +99,7 @@ def test_results_do_not_depend_on_depth(tmp_path, schedule):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule", ["2bw", "flush", "gpipe"])
+@pytest.mark.parametrize("schedule", ["2bw", "flush", "zb1p", "gpipe"])
 def test_sends_batched_with_the_next_receive_give_the_same_results(tmp_path, schedule):
     # The NCCL transfer mode (each send started with the next receive), exercised on gloo.
     cfg = tiny_config(schedule=schedule, num_stages=4, num_microbatches=4, optim="sgd_momentum")
@@ -126,7 +126,7 @@ def test_same_global_batch_split_differently_gives_the_same_training(tmp_path):
 @pytest.mark.slow
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
-@pytest.mark.parametrize("schedule", ["2bw", "flush", "gpipe"])
+@pytest.mark.parametrize("schedule", ["2bw", "flush", "zb1p", "gpipe"])
 def test_nccl_pipeline_matches_the_oracle(tmp_path, schedule):
     # NCCL p2p with each send batched with the next receive, one GPU per rank. GPU kernels
     # round differently from the CPU oracle, hence the looser tolerance.
