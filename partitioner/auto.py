@@ -34,6 +34,7 @@ from pipedream2bw.config.optimizers import correction_in_effect, is_muon
 from pipedream2bw.errors import ConfigError
 from pipedream2bw.memory import precision as precisions
 from pipedream2bw.models.gpt import layer_kind
+from pipedream2bw.pipeline.schedule import SPLIT_SCHEDULES
 
 log = logging.getLogger(__name__)
 
@@ -154,8 +155,10 @@ def make_request(
         objective=cfg.partition.objective,
         depths=cfg.partition.depths,
         microbatch_sizes=cfg.partition.microbatch_sizes,
-        recompute=cfg.partition.recompute,
-        swap=cfg.partition.swap,
+        recompute=False if p.schedule in SPLIT_SCHEDULES else cfg.partition.recompute,  # as swap, below
+        # zb1p keeps autograd's graph from B to W, which swapping, streaming and recomputation would move or run
+        # twice (config/validate.py)
+        swap=cfg.partition.swap and p.schedule not in SPLIT_SCHEDULES,
         swap_resident=cfg.partition.swap_resident,
         costs="profile" if profile else "analytic",
         model=dataclasses.asdict(cfg.model),
@@ -171,7 +174,7 @@ def make_request(
         tied=bool(getattr(cfg.model, "tie_embeddings", False)),
         early_apply=not (cfg.train.eval_every or p.check_ties),
         # the rest of what swap.weights refuses (fp16, clipping, ties, w > 1, ...) the search checks itself
-        stream=cfg.partition.stream and not cfg.train.eval_every,
+        stream=cfg.partition.stream and not cfg.train.eval_every and p.schedule not in SPLIT_SCHEDULES,
         weight_prefetch=cfg.swap.weight_prefetch,
         host=HostFigures(step=cfg.swap.host_step),
         **tensor_request(cfg, planned_precision(cfg, topo), search=search_tensor),

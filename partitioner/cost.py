@@ -27,7 +27,11 @@ per parameter these terms are)::
     + runtime          eps: memory the process has before any model (measured, not fitted)
 
 Time per microbatch: ``c*(F+B) + p2p + stall`` (``c*(F+B)`` is F + B + F with recomputation);
-per batch, ``K*T_s + step_s + exposed all-reduce`` with K = m (2bw) or m + d - 1 (flush/gpipe).
+per batch, ``K*T_s + step_s + exposed all-reduce`` with K = m (2bw), m + d - 1 (flush/gpipe) or m + (d - 1)/3
+(zb1p: ZB-H1's bubble is (d - 1)(F + B_input - W), with the backward split into two equal halves and B = 2F, the
+ratio the simulator assumes too: (d - 1)F = (d - 1)T/3). zb1p's memory: n = min(d, m) microbatches on every stage
+(``in_flight``: a microbatch's tensors stay until its W), an upper bound, as after its B a microbatch holds only
+what W needs (the weights' inputs).
 
 Swap stall (``swap.py``'s mechanism): a microbatch moves ``t = (P - U) / host_device_bw`` each
 way, on one copy stream per direction (a full-duplex link). Offloads start as tensors are saved
@@ -76,7 +80,9 @@ from pipedream2bw.memory.stream import device_bytes_model
 # in_flight: the runtime's own bound, re-exported for the memory model's callers
 from pipedream2bw.pipeline.schedule import (
     FORWARD,
+    SPLIT_SCHEDULES,
     STEP,
+    WEIGHT,
     in_flight,
     max_in_flight,
     pipeline_actions,
@@ -107,8 +113,11 @@ def num_versions(schedule: str) -> int:
     return versions_held(schedule)
 
 
-def batch_multiplier(schedule: str, num_stages: int, num_microbatches: int) -> int:
-    """Per-microbatch times per batch on the bottleneck: m without flushes, m + d - 1 with them."""
+def batch_multiplier(schedule: str, num_stages: int, num_microbatches: int) -> float:
+    """Per-microbatch times per batch on the bottleneck: m without flushes, m + d - 1 with them, m + (d - 1)/3
+    under zb1p (its W's fill all of the bubble but the forward's share of the fill and drain)."""
+    if schedule == "zb1p":
+        return num_microbatches + (num_stages - 1) / 3
     return num_microbatches if schedule == "2bw" else num_microbatches + num_stages - 1
 
 
@@ -481,7 +490,8 @@ def simulate(
     runtime schedule's own dependency rule (``schedule.timings``).
 
     F k on stage s starts when s is free and F k on s-1 has finished (its send included);
-    B k likewise waits for B k on s+1; S t takes the step plus the exposed all-reduce. The
+    B k likewise waits for B k on s+1; S t takes the step plus the exposed all-reduce. Under zb1p B k
+    (the input's gradient, sent on) and W k (the weights') take half the backward each. The
     batch time is the steady-state spacing of stage 0's steps (rank 0 measures there). With
     ``cores`` (ranks sharing CPU cores), the batch takes at least the ranks' total compute
     divided by the cores.
@@ -489,13 +499,17 @@ def simulate(
     m = num_microbatches
     lists = pipeline_actions(schedule, num_stages=len(stages), num_microbatches=m, num_batches=num_batches)
 
+    split = 0.5 if schedule in SPLIT_SCHEDULES else 1.0  # B's share of the backward's compute
+
     def duration(a) -> float:
         st = stages[a.stage_index]
         if a.kind == FORWARD:
             return st["forward_s"] + st["send_s"] + st["stream_fwd_s"]
         if a.kind == STEP:
             return st["step_s"] + st["exposed_s"]
-        return st["backward_s"] + st["send_grad_s"] + st["stall_s"] - st["stream_fwd_s"]
+        if a.kind == WEIGHT:
+            return (1 - split) * st["backward_s"]
+        return split * st["backward_s"] + st["send_grad_s"] + st["stall_s"] - st["stream_fwd_s"]
 
     times = timings(lists, duration)
     step_end = [end for a, (_, end) in zip(lists[0], times[0]) if a.kind == STEP]

@@ -60,6 +60,7 @@ from partitioner.topology import (
 from pipedream2bw.config import TopologyConfig
 from pipedream2bw.errors import ConfigError
 from pipedream2bw.memory.precision import param_memory, step_waits
+from pipedream2bw.pipeline.schedule import SPLIT_SCHEDULES
 
 OBJECTIVES = ("throughput", "memory")
 
@@ -689,13 +690,29 @@ def _fewest_devices(segments: Callable[..., Segments], req: Request, num_layers:
     return fewest
 
 
+def _split(req: Request) -> bool:
+    """Whether the request's schedule splits its backwards (zb1p): swapping, streaming and recomputation refuse it."""
+    return req.schedule in SPLIT_SCHEDULES
+
+
 # What the search left out, each as (what it is, the setting that lets the planner use it, the Request it changes),
 # offered when the request leaves it out: the "no plan" message says which of them finds a plan.
 _LEFT_OUT = (
     ("sharding", "partition.sharded=null", lambda r: r.sharded is False and r.shardable, {"sharded": None}),
-    ("activation swapping", "partition.swap=true", lambda r: not r.swap, {"swap": True}),
-    ("weight streaming", "partition.stream=true", lambda r: not r.stream, {"stream": True}),
-    ("recomputation", "partition.recompute=null", lambda r: r.recompute is False, {"recompute": None}),
+    ("activation swapping", "partition.swap=true", lambda r: not r.swap and not _split(r), {"swap": True}),
+    ("weight streaming", "partition.stream=true", lambda r: not r.stream and not _split(r), {"stream": True}),
+    (
+        "recomputation",
+        "partition.recompute=null",
+        lambda r: r.recompute is False and not _split(r),
+        {"recompute": None},
+    ),
+    (  # zb1p refuses all three (config/validate.py): flush's update with them
+        "flush's swapping, streaming and recomputation",
+        "pipeline.schedule=flush partition.swap=true partition.stream=true partition.recompute=null",
+        _split,
+        {"schedule": "flush", "swap": True, "stream": True, "recompute": None},
+    ),
     (
         "any microbatch size",
         "partition.microbatch_sizes=null",

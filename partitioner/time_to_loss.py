@@ -1,7 +1,7 @@
 """``pipeline.schedule=auto``: the schedule that reaches a loss first, as steps x step time.
 
 The planner predicts a plan's step time (``cost.py``); what a schedule does to the number of steps it takes is
-measured, not modelled: a synchronous schedule (flush, gpipe) steps on fresh gradients, the reference; 2bw's one
+measured, not modelled: a synchronous schedule (flush, zb1p, gpipe) steps on fresh gradients, the reference; 2bw's one
 step of delay costs extra steps that depend on the optimizer and its correction (docs/convergence.md, "Time to a
 loss": the steps each setting took to flush-AdamW's final validation loss, mean of 3 seeds). ``STEPS_FACTOR`` holds
 those ratios; a setting not measured takes its optimizer's uncorrected figure, and an optimizer with no measured
@@ -17,7 +17,7 @@ from pipedream2bw.config import OptimConfig
 from pipedream2bw.config.optimizers import correction_in_effect, is_muon
 
 AUTO = "auto"
-CANDIDATES: Tuple[str, ...] = ("2bw", "flush")
+CANDIDATES: Tuple[str, ...] = ("2bw", "flush", "zb1p")
 """What schedule=auto chooses between: gpipe does flush's work with all m microbatches in flight (never faster)."""
 
 STEPS_FACTOR: Dict[Tuple[str, str], float] = {

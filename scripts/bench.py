@@ -2,7 +2,7 @@
 
     python scripts/bench.py [--nproc 2] [--num-microbatches 2] [--microbatch-size 16] [--repeats 3]
 
-Systems, on the same GPT and microbatches: our 2bw, flush and gpipe; torch.distributed.pipelining's
+Systems, on the same GPT and microbatches: our 2bw, flush, zb1p and gpipe; torch.distributed.pipelining's
 Schedule1F1B and ScheduleGPipe driving our stage modules (our split), and its strongest schedules,
 which hold two stages per rank (Interleaved1F1B, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV:
 the GPT split into 2d stages, looped or V-shaped; a schedule that refuses the shape shows n/a); and
@@ -46,7 +46,8 @@ TORCH_SCHEDULES = {
     "zbv": ("ScheduleZBVZeroBubble", 2, "v"),  # rank r: stages r and 2d - 1 - r
     "dualpipev": ("ScheduleDualPipeV", 2, "v"),
 }
-SYSTEMS = ["ours-2bw", "ours-flush", "ours-gpipe", *(f"torch-{name}" for name in TORCH_SCHEDULES), "single"]
+OURS = ["ours-2bw", "ours-flush", "ours-zb1p", "ours-gpipe"]
+SYSTEMS = [*OURS, *(f"torch-{name}" for name in TORCH_SCHEDULES), "single"]
 STRONGEST = [f"torch-{name}" for name, (_, per_rank, _) in TORCH_SCHEDULES.items() if per_rank == 2]
 OPTIMIZERS = ("adamw", "muon")
 CORRECTIONS = ("none", "error_feedback", "lookahead")
@@ -709,7 +710,9 @@ def main() -> None:
     print_breakdowns(rows)
     for system, why in refused.items():
         print(f"{system:>21} {'n/a':>10}  ({why})")
-    for ours, theirs in [("ours-2bw", "torch-1f1b"), ("ours-flush", "torch-1f1b"), ("ours-gpipe", "torch-gpipe")]:
+    pairs = [("ours-2bw", "torch-1f1b"), ("ours-flush", "torch-1f1b"), ("ours-zb1p", "ours-flush")]
+    pairs += [("ours-zb1p", f"torch-{name}") for name in ("interleavedzb", "zbv")] + [("ours-gpipe", "torch-gpipe")]
+    for ours, theirs in pairs:
         if ours in rows and theirs in rows:
             print(f"{ours} / {theirs}: {rows[ours]['samples_per_s'] / rows[theirs]['samples_per_s']:.2f}x")
     strongest = max((s for s in rows if s.startswith("torch-")), key=lambda s: rows[s]["samples_per_s"], default=None)

@@ -4,6 +4,7 @@ the same ticks with each stage's sends and receives lowered around its actions.
 python scripts/show_schedule.py --schedule 2bw --num-stages 4 --num-microbatches 4 --num-batches 2
 python scripts/show_schedule.py --batch-sends    # the lowering under NCCL: sends held for the next receive
 python scripts/show_schedule.py --plan plan.yaml # a plan's schedule (its d, m), first its mesh: d x w x t and the ranks
+python scripts/show_schedule.py --schedule zb1p  # zero bubble (ZB-H1): each backward as B (input grad.) and W
 """
 
 from __future__ import annotations
@@ -11,7 +12,15 @@ from __future__ import annotations
 import argparse
 import sys
 
-from pipedream2bw.pipeline.schedule import STEP, pipeline_actions, rank_actions, render, render_lowered, simulate
+from pipedream2bw.pipeline.schedule import (
+    SPLIT_SCHEDULES,
+    STEP,
+    pipeline_actions,
+    rank_actions,
+    render,
+    render_lowered,
+    simulate,
+)
 from pipedream2bw.pipeline.versions import max_versions_alive
 
 
@@ -50,7 +59,7 @@ def mesh_view(path: str) -> tuple:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--schedule", choices=["2bw", "flush", "gpipe"], default="2bw")
+    parser.add_argument("--schedule", choices=["2bw", "flush", "zb1p", "gpipe"], default="2bw")
     parser.add_argument("--num-stages", type=int, default=4)
     parser.add_argument("--num-microbatches", type=int, default=4)
     parser.add_argument("--num-batches", type=int, default=2)
@@ -75,8 +84,9 @@ def main() -> None:
     grid = simulate(actions)
     print(render(grid))
     busy = sum(a is not None and a.kind != STEP for row in grid for a in row)
+    kinds = "F, B (input gradient) and W (weight gradient)" if args.schedule in SPLIT_SCHEDULES else "F and B"
     print(
-        f"\n{len(grid)} ticks (F and B one tick each, S one tick); idle fraction "
+        f"\n{len(grid)} ticks ({kinds} one tick each, S one tick); idle fraction "
         f"{1 - busy / (len(grid) * d):.2f}; weight versions per stage: "
         f"{[max_versions_alive(a, schedule=args.schedule, num_microbatches=m) for a in actions]}"
     )

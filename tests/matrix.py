@@ -70,6 +70,9 @@ FACTORS: "OrderedDict[str, Tuple[Any, ...]]" = OrderedDict(
     # optim.delay_correction=lookahead (2bw, the Muon cells): Muon with Nesterov momentum 0.99 for the hidden matrices,
     # NAdamW (beta1 0.99) for the rest (optim.muon_others=adamw): LOOKAHEAD; refused with the plain cells' SGD
     lookahead=(False, True),
+    # pipeline.schedule=zb1p in place of a flush cell's flush: the same update (the flush reference), each backward
+    # split into B (input gradient) and W (weight gradient, later: run/split_backward.py)
+    zero_bubble=(False, True),
 )
 # Features that only matrix.EXTRA's cells vary (no factor of the arrays: a cell each, issue 46), Cell fields whose
 # constraints and refusals below are checked all the same: pipeline.sync_warmup_steps=SYNC_WARMUP (2bw: the first
@@ -139,11 +142,17 @@ class Cell:
     t: int = 1  # pipeline.tensor_parallel: not a factor of the arrays; EXTRA's cells take t = 2
     sync_warmup: bool = False
     predict: bool = False
+    zero_bubble: bool = False
+
+    @property
+    def run_schedule(self) -> str:
+        """pipeline.schedule of the cell's runs: zb1p for a zero-bubble flush cell."""
+        return "zb1p" if self.zero_bubble else self.schedule
 
     @property
     def id(self) -> str:
         """Readable test id, e.g. ``2bw-d2w2-bf16-tied-clip-resume-d4w1``."""
-        parts = [self.schedule, f"d{self.d}w{self.w}", self.precision]
+        parts = [self.run_schedule, f"d{self.d}w{self.w}", self.precision]
         flags = ("tied", "clip", "skip", "recompute", "swap", "host_optim", "validation", "structured", "sharded")
         short = {"recompute": "recomp", "host_optim": "hostopt", "validation": "val", "structured": "tuple"}
         parts += [short.get(f, f) for f in flags if getattr(self, f)]
@@ -208,6 +217,11 @@ CONSTRAINTS: List[Tuple[Tuple[str, ...], Callable[[Dict[str, Any]], bool], str]]
         ("schedule", "lookahead"),
         lambda r: not r["lookahead"] or r["schedule"] == "2bw",
         "the look-ahead is off under flush and gpipe (no delay), as the correction factor is",
+    ),
+    (
+        ("schedule", "zero_bubble"),
+        lambda r: not r["zero_bubble"] or r["schedule"] == "flush",
+        "zb1p is flush's update with the backward split: a zero-bubble cell stands in for a flush cell",
     ),
     (
         ("correction", "lookahead"),
@@ -295,6 +309,20 @@ REFUSED: List[Tuple[Tuple[str, ...], Callable[[Dict[str, Any]], bool], str, str,
         r"swap.weights \(true\) with tied weights .* on a streamed stage",
         "a tied weight would travel once per layer that uses it (refused when the run starts, from the model's ties)",
         dict(STREAMS, tied=True, structured=False),
+    ),
+    (
+        ("swap", "stream", "zero_bubble"),
+        lambda r: r["zero_bubble"] and (r["swap"] or r["stream"]),
+        r"pipeline.schedule \(zb1p\) with swapping",
+        "swapping moves a microbatch's saved tensors around its backward, which zb1p splits in two",
+        dict(schedule="flush", d=2, w=1, swap=True, zero_bubble=True),
+    ),
+    (
+        ("recompute", "zero_bubble"),
+        lambda r: r["zero_bubble"] and r["recompute"],
+        r"pipeline.schedule \(zb1p\) with recomputation",
+        "the checkpoint's recomputation runs once per backward pass: B's and again W's",
+        dict(schedule="flush", d=2, w=1, recompute=True, zero_bubble=True),
     ),
 ]
 
@@ -434,7 +462,7 @@ def refusal(cell: Cell) -> Optional[str]:
 # Factors added after the arrays were first drawn, in order: each is laid over the arrays of the factors before it,
 # whose cells stay as they were (the new factor at its plain value); the generator then adds the cells the new
 # factor's combinations need. Adding a factor thus adds its own cells only, instead of redrawing every cell.
-LAYERED = ("stream", "lookahead")
+LAYERED = ("stream", "lookahead", "zero_bubble")
 # Layered factors that only the 3-wise array (matrix_full) varies; the pairwise one holds them at their plain value, and
 # EXTRA holds a cell of each. lookahead: its 4 pairwise cells cost the default tier ~40 s on this 2-core machine.
 FULL_ONLY = ("lookahead",)
@@ -517,7 +545,7 @@ def cell_config(cell: Cell, *, layout: Optional[Tuple[int, int]] = None, resume:
     balance = gpt_balance(model, d) if isinstance(model, GPTConfig) else even_balance(5, d)
     return Config(
         pipeline=PipelineConfig(
-            schedule=cell.schedule,
+            schedule=cell.run_schedule,
             num_stages=d,
             data_parallel=w,
             tensor_parallel=1 if layout == (1, 1) else cell.t,  # (1, 1): the reference's

@@ -143,7 +143,7 @@ def test_typed_schema_rejects_wrong_types():
         (
             ["pipeline.schedule=pipedream"],
             4,
-            r"pipeline.schedule \('pipedream'\) is unknown; use one of \['2bw', 'flush', 'gpipe'\]",
+            r"pipeline.schedule \('pipedream'\) is unknown; use one of \['2bw', 'flush', 'zb1p', 'gpipe'\]",
         ),
         (["optim.name=adamx"], 4, r"optim.name \('adamx'\) is not a torch.optim optimizer; use one of .*'adamw'"),
         (

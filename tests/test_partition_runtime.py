@@ -64,7 +64,8 @@ def test_auto_plans_on_rank0_and_every_rank_runs_it(tmp_path):
     )
     assert summary["rank_map"] == plan.rank_map and summary["global_batch_size"] == 16
     # Adam under 2bw is not known to reach a synchronous schedule's loss: the planner ran flush, and says why
-    assert summary["schedule"] == plan.schedule == "flush" and math.isinf(plan.schedule_choice["2bw"])
+    assert summary["schedule"] == plan.schedule == min(plan.schedule_choice, key=plan.schedule_choice.get) != "2bw"
+    assert math.isinf(plan.schedule_choice["2bw"])
     assert summary["predicted_samples_per_s"] == plan.predicted_samples_per_s > 0
     assert summary["predicted_peak_memory_bytes"] == plan.predicted_peak_memory_bytes
     # partition=file runs the saved plan (here edited by hand: another split, recomputation on).

@@ -16,6 +16,7 @@ from partitioner.cost import (
     Segments,
     StageContext,
     StageCost,
+    batch_multiplier,
     in_flight,
     segment_costs,
     simulate,
@@ -167,6 +168,24 @@ def test_simulator_runs_the_schedules_with_their_in_flight_counts():
     # Shared cores: 4 ranks on 2 cores take at least their total compute over 2.
     stages = [StageCost.of(seg, s, s + 1, c) for s, c in enumerate(contexts(4, 8))]
     assert simulate(stages, schedule="2bw", num_microbatches=8, cores=2).batch_time_s >= 4 * 8 * 3.0 / 2
+
+
+def test_simulator_and_cost_model_know_zb1p_bubble():
+    # F 1 s, B 2 s: zb1p's W's fill all of flush's bubble but the forward's share, (d - 1) F against (d - 1) (F + B);
+    # and a microbatch's tensors stay until its W, min(d, m) of them on every stage.
+    seg, d, m = Segments(uniform(4)), 4, 8
+    times = {}
+    for schedule in ("flush", "zb1p"):
+        stages = [StageCost.of(seg, s, s + 1, c) for s, c in enumerate(contexts(d, m, schedule=schedule))]
+        sim = simulate(stages, schedule=schedule, num_microbatches=m, num_batches=5)
+        per_mb = max(st["microbatch_s"] for st in stages)
+        step = max(st["step_s"] for st in stages)
+        times[schedule] = sim.batch_time_s - step
+        assert times[schedule] == pytest.approx(batch_multiplier(schedule, d, m) * per_mb, rel=0.02), schedule
+        if schedule == "zb1p":
+            assert sim.peak_in_flight == [min(d, m)] * d
+            assert [st["activations"] for st in stages] == pytest.approx([min(d, m) * (10 + 1)] * (d - 1) + [40])
+    assert times["zb1p"] < times["flush"]
 
 
 def test_memory_terms_follow_the_design():

@@ -11,7 +11,7 @@ import pytest
 from partitioner.auto import apply_choices, apply_plan, make_request, plan_config, run_overrides
 from partitioner.cost import RESOURCES, LayerCost, Segments, StageContext, StageCost, host_step_overlaps, segment_costs
 from partitioner.host import HostProfile
-from partitioner.planner import _streams, bound_line, stage_contexts, stage_table, table
+from partitioner.planner import _LEFT_OUT, _streams, bound_line, stage_contexts, stage_table, table
 from partitioner.profile import analytic_gpt
 from partitioner.topology import GIB
 from pipedream2bw.config import ConfigError, default_plan_choices, validate
@@ -36,6 +36,20 @@ def llama13b(**sections):
 
 def _layers(cfg, plan):
     return analytic_gpt(cfg.model, cfg.optim, plan.microbatch_size, cfg.topology, precision=plan.precision)
+
+
+def test_zb1p_plan_never_streams_and_names_flush_where_only_streaming_fits():
+    # zb1p refuses swapping, streaming and recomputation (config/validate.py): the search leaves them out, and "no
+    # plan fits" offers flush with them, not the partition.* keys that zb1p would then refuse.
+    with pytest.raises(ConfigError, match="no plan fits") as err:
+        plan_config(llama13b(pipeline=dict(schedule="zb1p")))
+    msg = str(err.value)
+    assert "with flush's swapping, streaming and recomputation (pipeline.schedule=flush " in msg, msg
+    assert "(partition.stream=true) it fits" not in msg, msg
+    req = make_request(llama13b(pipeline=dict(schedule="zb1p")))
+    assert (req.swap, req.stream, req.recompute) == (False, False, False)  # the search's own choices, too
+    offered = [name for name, _, applies, _ in _LEFT_OUT if applies(req)]
+    assert not {"activation swapping", "weight streaming", "recomputation"} & set(offered), offered
 
 
 def test_llama13b_on_four_24gib_gpus_fits_only_by_streaming_and_runs_as_planned():

@@ -16,10 +16,12 @@ from pipedream2bw.pipeline.schedule import (
     HOLD,
     RECV,
     WAIT,
+    WEIGHT,
     Action,
     ScheduleError,
     check_stage,
     comm_op,
+    in_flight,
     max_in_flight,
     pipeline_actions,
     rank_actions,
@@ -30,6 +32,7 @@ from pipedream2bw.pipeline.schedule import (
     simulate,
     stage_actions,
     steps,
+    timings,
 )
 from pipedream2bw.pipeline.versions import max_versions_alive
 
@@ -52,6 +55,46 @@ def test_invariants_over_grid(schedule):
             versions = max_versions_alive(stage, schedule=schedule, num_microbatches=m)
             assert versions == (2 if schedule == "2bw" else 1), (d, m, s)
         simulate(actions)  # raises on deadlock
+
+
+def test_zb1p_invariants_over_grid():
+    # ZB-H1: a microbatch's tensors stay until its W, at most min(d, m) of them on any stage (the first stage's
+    # 1F1B peak); forwarded-not-backwarded stays within 1F1B's d - s; one weight version; no deadlock.
+    for d, m in GRID:
+        actions = pipeline_actions("zb1p", num_stages=d, num_microbatches=m, num_batches=NUM_BATCHES)
+        for s, stage in enumerate(actions):
+            check_stage(stage, num_microbatches=m, in_flight_limit=in_flight("zb1p", s, d, m))
+            assert max_in_flight(stage) <= min(d, m)
+            assert max_in_flight([a for a in stage if a.kind != WEIGHT]) <= min(d - s, m), (d, m, s)
+            assert max_versions_alive(stage, schedule="zb1p", num_microbatches=m) == 1
+        simulate(actions)
+
+
+def test_zb1p_literal_table():
+    # d=2, m=3: stage 1 holds W1 back so that B2 reaches stage 0 at once; one idle tick, flush's three.
+    actions = pipeline_actions("zb1p", num_stages=2, num_microbatches=3, num_batches=1)
+    assert [" ".join(map(str, stage)) for stage in actions] == [
+        "0F0 0F1 0B0 0W0 0F2 0B1 0W1 0B2 0W2 0S0",
+        "1F0 1B0 1F1 1B1 1W0 1F2 1B2 1W1 1W2 1S0",
+    ]
+    assert render(simulate(actions)).splitlines() == [
+        "stage 0: F0 F1  . B0 W0 F2 B1 W1 B2 W2 S0",
+        "stage 1:  . F0 B0 F1 B1 W0 F2 B2 W1 W2 S0",
+    ]
+
+
+@pytest.mark.parametrize("d,m", [(2, 4), (3, 7), (4, 4), (4, 8), (5, 10), (8, 16)])
+def test_zb1p_idles_less_than_flush(d, m):
+    # Same work in the same time units: F 1, a whole backward 2 (flush's B; zb1p's B 1 + W 1), S 0.
+    def batch_time(schedule):
+        lists = pipeline_actions(schedule, num_stages=d, num_microbatches=m, num_batches=1)
+        cost = {FORWARD: 1.0, BACKWARD: 2.0 if schedule == "flush" else 1.0, WEIGHT: 1.0, "S": 0.0}
+        return max(end for stage in timings(lists, lambda a: cost[a.kind]) for _, end in stage)
+
+    flush, zb = batch_time("flush"), batch_time("zb1p")
+    assert flush == 3 * m + 3 * (d - 1)  # 1F1B's bubble: (d - 1) (F + B + W)
+    assert zb == 3 * m + (d - 1)  # ZB-H1's: (d - 1) (F + B - W)
+    assert zb < flush
 
 
 def test_2bw_literal_table():
@@ -191,7 +234,7 @@ def _without_empty_releases(calls):
     return out
 
 
-@pytest.mark.parametrize("schedule", ["2bw", "flush", "gpipe"])
+@pytest.mark.parametrize("schedule", ["2bw", "flush", "zb1p", "gpipe"])
 def test_lowering_makes_the_p2p_calls_the_runtime_made(schedule):
     # The refactor's contract: on every rank, gloo (prefetch) and NCCL (batched sends), fresh and
     # resumed, the lowered list makes the P2P calls of the run-time rule it replaced, in the same
@@ -311,3 +354,17 @@ def test_show_schedule_refuses_fewer_microbatches_than_stages_for_2bw(monkeypatc
         "show_schedule.py: --num-microbatches (2) must be >= --num-stages (4) for 2bw (two weight versions suffice "
         "only then; training refuses it too); raise --num-microbatches to 4 or more, or use --schedule flush"
     ]
+
+
+def test_show_schedule_zb1p_idles_less_than_flush(monkeypatch, capsys):
+    script = Path(__file__).resolve().parents[1] / "scripts" / "show_schedule.py"
+    idle = {}
+    for schedule in ("flush", "zb1p"):
+        args = ["--schedule", schedule, "--num-stages", "4", "--num-microbatches", "8", "--num-batches", "1"]
+        monkeypatch.setattr(sys, "argv", [str(script), *args])
+        runpy.run_path(str(script), run_name="__main__")
+        out = capsys.readouterr().out.splitlines()
+        line = next(x for x in out if "idle fraction" in x)
+        idle[schedule] = float(line.split("idle fraction ")[1].split(";")[0])
+        assert ("W" in out[0]) == (schedule == "zb1p")  # stage 0's row shows its W's
+    assert idle == {"flush": 0.30, "zb1p": 0.14}

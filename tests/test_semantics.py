@@ -76,6 +76,17 @@ def test_flushing_schedules_equal_minibatch_training(tmp_path, schedule, d, m):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("d,m", [(2, 4), (4, 8)])
+def test_zero_bubble_equals_minibatch_training(tmp_path, d, m):
+    """zb1p's split backward (B: input gradients, W: weight gradients, later) is flush's update, exactly."""
+    summary = run_ok(tiny_config(schedule="zb1p", num_stages=d, num_microbatches=m, optim="adam"), tmp_path)
+    expected, expected_losses = _oracle(m, "adam", False)
+    torch.testing.assert_close(torch.load(tmp_path / "final_model.pt"), expected)
+    assert_losses_close(summary["losses"], expected_losses)
+    assert summary["schedule"] == "zb1p"
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["2bw", "flush", "gpipe"])
 def test_results_do_not_depend_on_depth(tmp_path, schedule):
     runs = {}
@@ -88,7 +99,7 @@ def test_results_do_not_depend_on_depth(tmp_path, schedule):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule", ["2bw", "flush", "gpipe"])
+@pytest.mark.parametrize("schedule", ["2bw", "flush", "zb1p", "gpipe"])
 def test_sends_batched_with_the_next_receive_give_the_same_results(tmp_path, schedule):
     # The NCCL transfer mode (each send started with the next receive), exercised on gloo.
     cfg = tiny_config(schedule=schedule, num_stages=4, num_microbatches=4, optim="sgd_momentum")
@@ -115,7 +126,7 @@ def test_same_global_batch_split_differently_gives_the_same_training(tmp_path):
 @pytest.mark.slow
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
-@pytest.mark.parametrize("schedule", ["2bw", "flush", "gpipe"])
+@pytest.mark.parametrize("schedule", ["2bw", "flush", "zb1p", "gpipe"])
 def test_nccl_pipeline_matches_the_oracle(tmp_path, schedule):
     # NCCL p2p with each send batched with the next receive, one GPU per rank. GPU kernels
     # round differently from the CPU oracle, hence the looser tolerance.

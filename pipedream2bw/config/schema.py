@@ -13,7 +13,7 @@ from pipedream2bw.errors import ConfigError
 log = logging.getLogger(__name__)
 
 
-SCHEDULES = ("2bw", "flush", "gpipe")
+SCHEDULES = ("2bw", "flush", "zb1p", "gpipe")
 
 
 WANDB_MODES = ("offline", "online", "disabled")
@@ -40,9 +40,10 @@ UNCATCHABLE = ("SIGKILL", "SIGSTOP")  # what train.preempt_signals cannot name
 @dataclass
 class PipelineConfig:
     schedule: str = "2bw"
-    """'2bw' (1F1B, no flushes, two weight versions), 'flush' (PipeDream-Flush), 'gpipe', or 'auto' under
-    partition=auto: the planner's choice of the schedule that reaches a loss first (its step time x the steps the
-    schedule takes under the optimizer, measured: docs/planner.md)."""
+    """'2bw' (1F1B, no flushes, two weight versions), 'flush' (PipeDream-Flush), 'zb1p' (zero bubble ZB-H1: flush's
+    update, each backward split into its input-gradient part and its weight-gradient part, which fills the bubble),
+    'gpipe', or 'auto' under partition=auto: the planner's choice of the schedule that reaches a loss first (its step
+    time x the steps the schedule takes under the optimizer, measured: docs/planner.md)."""
     num_stages: int = 4
     """Pipeline depth d; WORLD_SIZE must be num_stages * data_parallel * tensor_parallel."""
     num_microbatches: int = 8

@@ -346,6 +346,7 @@ def validate(
     _validate_documents(cfg)
     _validate_tensor_parallel(cfg, gpt=gpt, local_world_size=local_world_size)
     _validate_sync_warmup(cfg)
+    _validate_split_backward(cfg)
     return balance
 
 
@@ -386,6 +387,10 @@ def _tensor_parallel_refusal(cfg: Config, *, gpt: bool) -> Optional[str]:
         (
             cfg.data.packing != "windows",
             f"with data.packing ({cfg.data.packing}): not proven at t > 1; set data.packing=windows",
+        ),
+        (
+            p.schedule == "zb1p",
+            "with pipeline.schedule (zb1p): its split backward is not proven on split blocks; use flush or 2bw",
         ),
         (
             cfg.partition.mode != "manual",
@@ -447,6 +452,7 @@ def _validate_documents(cfg: Config) -> None:
         (not isinstance(cfg.model, (GPTConfig, HFModelConfig)), "a layer list (model=custom)", "model=gpt or hf"),
         (precision not in (None, "fp32"), f"train.precision={cfg.train.precision}", "train.precision=fp32"),
         (cfg.partition.mode != "manual", f"partition={cfg.partition.mode}", "partition=manual with pipeline.*"),
+        (cfg.pipeline.schedule == "zb1p", "pipeline.schedule=zb1p", "pipeline.schedule=flush"),
         (bool(cfg.optim.sharded), "optim.sharded", "it false"),
         (bool(swap_stages(cfg.swap, cfg.pipeline.num_stages)), "swap.enabled/swap.stages", "neither"),
         (cfg.swap.weights or cfg.swap.optimizer != "device", "swap.weights/swap.optimizer", "their defaults"),
@@ -454,6 +460,23 @@ def _validate_documents(cfg: Config) -> None:
     for bad, what, fix in refused:
         if bad:
             raise ConfigError(f"{why} {what}; set {fix}, or data.packing=windows")
+
+
+def _validate_split_backward(cfg: Config) -> None:
+    """pipeline.schedule=zb1p splits each backward into B (input gradient) and W (weight gradient), autograd's graph
+    kept between them (run/split_backward.py); what holds or moves a stage's saved tensors by backward is refused."""
+    if cfg.pipeline.schedule != "zb1p":
+        return
+    why = None
+    if swap_stages(cfg.swap, cfg.pipeline.num_stages):
+        why = "swapping (swap.enabled or swap.stages): it moves a microbatch's saved tensors around one backward, "
+        why += "which zb1p splits in two; use pipeline.schedule=flush with swapping, or drop swap.enabled/swap.stages"
+    elif cfg.pipeline.recompute or cfg.partition.recompute:
+        why = "recomputation (pipeline.recompute or partition.recompute): B would recompute each layer and W again "
+        why += "(the checkpoint's recomputation runs once per pass); use pipeline.schedule=flush with recompute, or "
+        why += "set pipeline.recompute=false"
+    if why is not None:
+        raise ConfigError(f"pipeline.schedule (zb1p) with {why}")
 
 
 def _validate_shape(cfg: Config, world_size: int) -> None:

@@ -16,7 +16,8 @@ import time
 from pathlib import Path
 from typing import Dict, List, NamedTuple, Optional, Sequence
 
-COMPUTE_KINDS = ("F", "B", "S")  # forward, backward, optimizer step: the rank's own work
+# forward, backward (under zb1p its input-gradient part), weight gradient (zb1p), optimizer step: the rank's own work
+COMPUTE_KINDS = ("F", "B", "W", "S")
 COMM_KINDS = ("send", "recv", "allreduce", "loss")  # posting a send; waiting on a receive, an all-reduce, a loss
 HOST_KINDS = ("data", "hooks")  # the feed's microbatch (inside F); on_close/on_step (logging, checkpoints, validation)
 # Work on a thread of the rank's own beside its training thread: the host optimizer step of swap.host_step=background,
@@ -27,6 +28,7 @@ BREAKDOWN = ("compute", "recv", "send", "step", "allreduce", "loss", "data", "ho
 COLORS = {
     "F": "#4c72b0",
     "B": "#55a868",
+    "W": "#8fd19e",
     "S": "#c44e52",
     "send": "#8c8c8c",
     "recv": "#dd8452",
@@ -109,7 +111,7 @@ def breakdown(spans: Sequence[Span], window: Sequence[float]) -> Dict[str, float
         "data": total("data"),
         "hooks": total("hooks"),
     }
-    out["compute"] = total("F", "B") - out["send"] - out["data"]
+    out["compute"] = total("F", "B", "W") - out["send"] - out["data"]
     out["step"] = total("S") - out["allreduce"]
     out["dispatch"] = max(0.0, (end - start) - sum(out.values()))
     return {k: out[k] for k in BREAKDOWN}

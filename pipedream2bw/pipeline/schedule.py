@@ -1,10 +1,12 @@
-"""Pure: per-stage action lists (F/B/S) for the 2bw, flush and gpipe schedules, checked, lowered and simulated.
+"""Pure: per-stage action lists (F/B/W/S) for the 2bw, flush, zb1p and gpipe schedules, checked, lowered and simulated.
 
 Indices used throughout (torchgpipe style):
     d: number of stages, s: stage index, m: microbatches per batch,
     t: batch index, k = t*m + j: global index of microbatch j of batch t.
 An action is ``(stage_index, kind, index)`` printed as ``"1F3"``: kind F (forward of
-microbatch k), B (backward of microbatch k) or S (optimizer step closing batch t).
+microbatch k), B (backward of microbatch k) or S (optimizer step closing batch t). Under zb1p (zero bubble,
+ZB-H1: Qi et al., ICLR 2024) a backward is split in two: B k computes only the gradient of the stage's input
+(what stage s-1 waits for), W k the gradients of the weights (nobody waits: it fills the bubbles).
 
 ``lower`` adds a stage's communication to its list as actions of their own (as
 torch.distributed.pipelining's RECV_F/SEND_F/RECV_B/SEND_B), each ``OP_X`` with X the compute
@@ -21,11 +23,13 @@ printed like the compute kinds: ``"1RECV_F3"``, ``"0FREE_F2"``.
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
-FORWARD, BACKWARD, STEP = "F", "B", "S"
-COMPUTE_KINDS = (FORWARD, BACKWARD, STEP)
+FORWARD, BACKWARD, WEIGHT, STEP = "F", "B", "W", "S"
+COMPUTE_KINDS = (FORWARD, BACKWARD, WEIGHT, STEP)
+SPLIT_SCHEDULES = ("zb1p",)  # schedules whose backward is split into B (input gradient) and W (weight gradient)
 RECV, WAIT, FREE, SEND, HOLD = "RECV", "WAIT", "FREE", "SEND", "HOLD"
 COMM_OPS = (RECV, WAIT, FREE, SEND, HOLD)
 COMM_KINDS = tuple(f"{op}_{x}" for op in COMM_OPS for x in (FORWARD, BACKWARD))
@@ -48,23 +52,66 @@ class Action(NamedTuple):
     def parse(text: str) -> "Action":
         match = _ACTION_RE.match(text.strip())
         if not match or match[2] not in COMPUTE_KINDS + COMM_KINDS:
-            raise ValueError(f"{text!r} is not an action like '1F3', '0B2', '2S0' or '1RECV_F3'")
+            raise ValueError(f"{text!r} is not an action like '1F3', '0B2', '1W2', '2S0' or '1RECV_F3'")
         return Action(int(match[1]), match[2], int(match[3]))
 
 
 def comm_op(kind: str) -> Optional[Tuple[str, str]]:
-    """``(op, X)`` of a lowered communication kind (``"RECV_F"`` -> ``("RECV", "F")``); None for F, B, S."""
+    """``(op, X)`` of a lowered communication kind (``"RECV_F"`` -> ``("RECV", "F")``); None for F, B, W, S."""
     return tuple(kind.split("_")) if kind in COMM_KINDS else None
 
 
 def in_flight(schedule: str, stage_index: int, num_stages: int, num_microbatches: int) -> int:
-    """Most microbatches stage s holds forwarded but not yet backwarded: min(d - s, m) under the
-    1F1B schedules (2bw and flush), m under gpipe. The one rule behind the runtime's check, its
-    activation swapping and the planner's memory model.
+    """Most microbatches stage s holds forwarded but not yet backwarded (under zb1p: not yet through
+    their W, whose tensors autograd keeps until then): min(d - s, m) under the 1F1B schedules (2bw and
+    flush), m under gpipe, min(d, m) on every stage under zb1p (ZB-H1: the first stage's 1F1B peak, so
+    the peak over the stages is 1F1B's). The one rule behind the runtime's check, its activation
+    swapping and the planner's memory model.
     """
     if schedule == "gpipe":
         return num_microbatches
+    if schedule == "zb1p":
+        return min(num_stages, num_microbatches)
     return min(num_stages - stage_index, num_microbatches)
+
+
+@functools.lru_cache(maxsize=32)
+def _zero_bubble_h1(num_stages: int, num_microbatches: int) -> Tuple[Tuple[Action, ...], ...]:
+    """ZB-H1's order of one batch's F, B and W on every stage (microbatches 0..m-1), found by running
+    the stages greedily in unit time (F, B and W one tick each): a stage does its next F if the input
+    arrived, at most d - s are forwarded and not backwarded (1F1B's bound) and at most ``in_flight``
+    forwarded and not through W; else the next B if its gradient arrived (B is what stage s-1 waits
+    for); else its oldest pending W; else it idles. W's wait wherever 1F1B would idle for a gradient
+    and fill those ticks. A batch then takes 3m + d - 1 ticks, ZB-H1's (d-1)(F + B - W) bubble, against
+    1F1B's 3m + 3(d-1) (``tests/test_schedule.py`` checks it over a grid; the priority of F over B
+    is what reaches it: B first leaves the last W's of the first stage idling, 3m + 2(d-1) at d=4, m=8).
+    """
+    d, m = num_stages, num_microbatches
+    nf, nb, nw = [0] * d, [0] * d, [0] * d
+    done: Dict[Tuple[int, str, int], int] = {}  # (stage, kind, k) -> the tick it finished
+    lists: List[List[Action]] = [[] for _ in range(d)]
+    tick = 0
+    while any(n < m for n in nw):
+        chosen = []
+        for s in range(d):
+            dep_b = done.get((s + 1, BACKWARD, nb[s]), tick + 1) if s < d - 1 else 0
+            dep_f = done.get((s - 1, FORWARD, nf[s]), tick + 1) if s > 0 else 0
+            if nf[s] < m and dep_f <= tick and nf[s] - nb[s] < d - s and nf[s] - nw[s] < in_flight("zb1p", s, d, m):
+                chosen.append(Action(s, FORWARD, nf[s]))
+            elif nb[s] < nf[s] and dep_b <= tick:
+                chosen.append(Action(s, BACKWARD, nb[s]))
+            elif nw[s] < nb[s]:
+                chosen.append(Action(s, WEIGHT, nw[s]))
+            else:
+                chosen.append(None)
+        for a in chosen:
+            if a is not None:
+                count = {FORWARD: nf, BACKWARD: nb, WEIGHT: nw}[a.kind]
+                count[a.stage_index] += 1
+                done[(a.stage_index, a.kind, a.index)] = tick + 1
+                lists[a.stage_index].append(a)
+        tick += 1
+    return tuple(tuple(stage) for stage in lists)
 
 
 def _one_f_one_b(stage_index: int, first: int, count: int, in_flight: int) -> List[Action]:
@@ -79,11 +126,12 @@ def _one_f_one_b(stage_index: int, first: int, count: int, in_flight: int) -> Li
 
 
 def _insert_steps(actions: List[Action], stage_index: int, num_microbatches: int) -> List[Action]:
-    """Puts S t right after the backward of the last microbatch of batch t."""
+    """Puts S t right after the backward of the last microbatch of batch t (its W, where backwards are split)."""
+    last = WEIGHT if any(a.kind == WEIGHT for a in actions) else BACKWARD
     out = []
     for a in actions:
         out.append(a)
-        if a.kind == BACKWARD and (a.index + 1) % num_microbatches == 0:
+        if a.kind == last and (a.index + 1) % num_microbatches == 0:
             out.append(Action(stage_index, STEP, a.index // num_microbatches))
     return out
 
@@ -94,8 +142,9 @@ def stage_actions(
     """The ordered actions of one stage for ``num_batches`` batches.
 
     2bw runs 1F1B over all batches as one stream (no flush: batch t+1's warm-up forwards
-    overlap batch t's last backwards); flush runs 1F1B per batch; gpipe all forwards then all
-    backwards per batch. Every schedule steps once per batch, right after its last backward.
+    overlap batch t's last backwards); flush runs 1F1B per batch; zb1p ZB-H1 per batch
+    (``_zero_bubble_h1``: backwards split into B and W); gpipe all forwards then all backwards per
+    batch. Every schedule steps once per batch, right after its last backward (zb1p: its last W).
 
     Raises:
         ValueError: unknown schedule.
@@ -105,12 +154,15 @@ def stage_actions(
         actions = _one_f_one_b(s, 0, num_batches * m, d - s)
     elif schedule == "flush":
         actions = [a for t in range(num_batches) for a in _one_f_one_b(s, t * m, m, d - s)]
+    elif schedule == "zb1p":
+        one = _zero_bubble_h1(d, m)[s]
+        actions = [a._replace(index=t * m + a.index) for t in range(num_batches) for a in one]
     elif schedule == "gpipe":
         actions = [
             Action(s, kind, t * m + j) for t in range(num_batches) for kind in (FORWARD, BACKWARD) for j in range(m)
         ]
     else:
-        raise ValueError(f"unknown schedule {schedule!r}; use one of 2bw, flush, gpipe")
+        raise ValueError(f"unknown schedule {schedule!r}; use one of 2bw, flush, zb1p, gpipe")
     return _insert_steps(actions, s, m)
 
 
@@ -279,41 +331,45 @@ def pipeline_actions(schedule: str, *, num_stages: int, num_microbatches: int, n
 
 
 def max_in_flight(actions: Sequence[Action]) -> int:
-    """Most microbatches forwarded but not yet backwarded at any point of one stage's list."""
+    """Most microbatches forwarded but not yet backwarded at any point of one stage's list (where
+    backwards are split, not yet through their W: autograd holds their tensors until then)."""
+    release = WEIGHT if any(a.kind == WEIGHT for a in actions) else BACKWARD
     live, peak = 0, 0
     for a in actions:
-        live += {FORWARD: 1, BACKWARD: -1}.get(a.kind, 0)
+        live += 1 if a.kind == FORWARD else -1 if a.kind == release else 0
         peak = max(peak, live)
     return peak
 
 
 def check_stage(actions: Sequence[Action], *, num_microbatches: int, in_flight_limit: int) -> None:
     """Checks one stage: each microbatch forwarded once then backwarded once, in microbatch
-    order; at most ``in_flight_limit`` in flight; one step per batch, after its last backward.
+    order (a list with W actions: each B k followed by W k, W's in microbatch order too, or none at
+    all); at most ``in_flight_limit`` in flight (``max_in_flight``'s count); one step per batch,
+    after its last backward (its last W).
 
     Raises:
         ScheduleError: the first action that breaks a rule.
     """
-    forwarded, backwarded, stepped = [], [], []
+    split = any(a.kind == WEIGHT for a in actions)
+    done: Dict[str, List[int]] = {FORWARD: [], BACKWARD: [], WEIGHT: [], STEP: []}
+    last = done[WEIGHT] if split else done[BACKWARD]  # the work a step closes, and that frees a microbatch
+    before = {BACKWARD: FORWARD, WEIGHT: BACKWARD}
     for pos, a in enumerate(actions):
         where = f"action {pos} ({a}) of stage {a.stage_index}"
-        if a.kind == FORWARD:
-            if a.index != len(forwarded):
-                raise ScheduleError(f"{where}: forwards must run in microbatch order, expected F{len(forwarded)}")
-            forwarded.append(a.index)
-        elif a.kind == BACKWARD:
-            if a.index != len(backwarded) or a.index >= len(forwarded):
-                raise ScheduleError(f"{where}: backward before its forward or out of microbatch order")
-            backwarded.append(a.index)
-        elif a.kind == STEP:
-            if a.index != len(stepped) or len(backwarded) != (a.index + 1) * num_microbatches:
-                raise ScheduleError(f"{where}: a step must follow the last backward of its batch")
-            stepped.append(a.index)
-        if len(forwarded) - len(backwarded) > in_flight_limit:
+        if a.kind == FORWARD and a.index != len(done[FORWARD]):
+            raise ScheduleError(f"{where}: forwards must run in microbatch order, expected F{len(done[FORWARD])}")
+        if a.kind in before and (a.index != len(done[a.kind]) or a.index >= len(done[before[a.kind]])):
+            what = "backward before its forward" if a.kind == BACKWARD else "weight gradient before its backward"
+            raise ScheduleError(f"{where}: {what} or out of microbatch order")
+        if a.kind == STEP and (a.index != len(done[STEP]) or len(last) != (a.index + 1) * num_microbatches):
+            raise ScheduleError(f"{where}: a step must follow the last backward of its batch")
+        done[a.kind].append(a.index)
+        if len(done[FORWARD]) - len(last) > in_flight_limit:
             raise ScheduleError(
-                f"{where}: {len(forwarded) - len(backwarded)} microbatches in flight, limit {in_flight_limit}"
+                f"{where}: {len(done[FORWARD]) - len(last)} microbatches in flight, limit {in_flight_limit}"
             )
-    if len(backwarded) != len(forwarded) or len(stepped) * num_microbatches != len(backwarded):
+    complete = len(done[BACKWARD]) == len(done[FORWARD]) and len(last) == len(done[FORWARD])
+    if not complete or len(done[STEP]) * num_microbatches != len(last):
         raise ScheduleError(f"stage {actions[0].stage_index if actions else '?'}: the list ends with work left undone")
 
 
@@ -381,7 +437,7 @@ def _grid(actions_per_stage: Sequence[Sequence[Action]], times: Sequence[Sequenc
 
 
 def simulate(actions_per_stage: Sequence[Sequence[Action]]) -> List[List[Optional[Action]]]:
-    """Runs the stages' lists in unit-time clock ticks (``timings`` with every F, B and S one tick
+    """Runs the stages' lists in unit-time clock ticks (``timings`` with every F, B, W and S one tick
     long); lowered lists run their compute, communication taking no time of its own.
 
     Returns:

@@ -176,7 +176,7 @@ def training_settings(cfg: Config) -> Dict[str, Any]:
         "train.weight_dtype": "compute"
         if precisions.weight_dtype(precision, cfg.train.weight_dtype) != torch.float32
         else "fp32",
-        # flush and gpipe both train W(t+1) = W(t) - step(grad f(W(t))); 2bw uses W(t-1)
+        # flush, zb1p and gpipe all train W(t+1) = W(t) - step(grad f(W(t))); 2bw uses W(t-1) (the label predates zb1p)
         "pipeline.schedule": "2bw" if cfg.pipeline.schedule == "2bw" else "flush or gpipe",
         **optim_settings(o),
         "seed": cfg.seed,  # the batch order: another seed trains on other batches from the resumed step on

@@ -29,14 +29,17 @@ from pipedream2bw.pipeline.schedule import (
     FREE,
     HOLD,
     RECV,
+    SPLIT_SCHEDULES,
     STEP,
     WAIT,
+    WEIGHT,
     Action,
     comm_op,
     render_steps,
     steps,
 )
 from pipedream2bw.pipeline.versions import WeightVersions
+from pipedream2bw.run import split_backward
 
 log = logging.getLogger(__name__)
 
@@ -195,6 +198,9 @@ class StageWorker:
             BACKWARD: Channel(p2p, tag=GRADIENT_TAG, what="an input gradient", device=device),
         }
         self._stash: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}  # k -> (input, output or loss)
+        # pipeline.schedule=zb1p: B k computes the input's gradient, W k the weights' from what B left here (k -> it)
+        self.split = versions.schedule in SPLIT_SCHEDULES
+        self._weight_work: Dict[int, split_backward.WeightWork] = {}
         self._saved_bytes: Optional[int] = None  # what autograd saves for one microbatch
         self._batch_losses: Dict[int, List[torch.Tensor]] = {}
         self._posted: Dict[Tuple[str, int], List[tuple]] = {}  # RECV_X k's posted receives, by (X, k)
@@ -308,7 +314,8 @@ class StageWorker:
                 out.detach() if isinstance(out, torch.Tensor) else pytree.tree_map(torch.Tensor.detach, out)
             )
         self._stash[k] = (x, out)
-        self.stats.peak_stash_bytes = max(self.stats.peak_stash_bytes, len(self._stash) * self._saved_bytes)
+        held = len(self._stash) + len(self._weight_work)  # zb1p: a microbatch's tensors stay until its W
+        self.stats.peak_stash_bytes = max(self.stats.peak_stash_bytes, held * self._saved_bytes)
 
     def _watch_buffers(self, module: torch.nn.Module, k: int) -> None:
         """Before F k: the first forward finds the buffers training changes; the first of each batch keeps them
@@ -351,14 +358,26 @@ class StageWorker:
         for reduction in self._reductions.values():  # sharded: reduce-scatter inputs done with, freed here
             if isinstance(reduction, ShardedReduction):
                 reduction.release_done()
+        if self.reducer is not None and (k + 1) % self.m == 0 and not self.split:  # zb1p: before the last W
+            self._arm_reducer(k)
+
+    def _arm_reducer(self, k: int) -> None:
+        """Arms the reducer for microbatch k, the batch's last: its weight gradients complete the batch's."""
+        self.reducer.arm(self.versions.replicas.index(self.versions.module_for_batch(k // self.m)))
+
+    def weight(self, k: int) -> None:
+        """W k (zb1p): the weights' gradients of microbatch k from what its B left (``split_backward``)."""
         if self.reducer is not None and (k + 1) % self.m == 0:
-            self.reducer.arm(self.versions.replicas.index(self.versions.module_for_batch(k // self.m)))
+            self._arm_reducer(k)
+        split_backward.backward_weight(self._weight_work.pop(k))
 
     def backward(self, k: int) -> None:
         """B k: backward from the gradient WAIT_B k received (the loss's on the last stage); keeps the
         input's gradient for SEND_B k."""
         x, out = self._stash.pop(k)
         grad = None if self.last else self._received.pop((BACKWARD, k))
+        if self.split:
+            return self._backward_input(k, x, out, grad)
         if self.last:
             scale = self.rule.loss_scale(k // self.m)
             (out * scale if scale != 1.0 else out).backward()
@@ -376,6 +395,22 @@ class StageWorker:
         if not self.first:
             inputs = [t for t in _leaves(x) if t.is_floating_point()]
             self._outbox[(BACKWARD, k)] = [t.grad if t.grad is not None else torch.zeros_like(t) for t in inputs]
+
+    def _backward_input(self, k: int, x: Any, out: Any, grad: Optional[List[torch.Tensor]]) -> None:
+        """B k under zb1p: only the input's gradient, for SEND_B k; what W k needs is kept (``split_backward``)."""
+        if self.last:
+            scale = self.rule.loss_scale(k // self.m)
+            outputs, grads = [out * scale if scale != 1.0 else out], [None]
+        else:  # as ``backward``: one gradient per floating-point element of out, those that need one
+            pairs = [
+                (o, g) for o, g in zip((o for o in _leaves(out) if o.is_floating_point()), grad) if o.requires_grad
+            ]
+            outputs, grads = [o for o, _ in pairs], [g for _, g in pairs]
+        inputs = [t for t in _leaves(x) if t.is_floating_point()] if not self.first else []
+        params = self.versions.module_for_batch(k // self.m).parameters()
+        dinputs, self._weight_work[k] = split_backward.backward_input(outputs, grads, inputs, list(params))
+        if not self.first:
+            self._outbox[(BACKWARD, k)] = [g if g is not None else torch.zeros_like(t) for t, g in zip(inputs, dinputs)]
 
     def _data(self, read: Callable[[int], torch.Tensor], k: int) -> torch.Tensor:
         """Microbatch k's inputs or targets from the feed (a tensor, or a tuple of them for packed documents), on the
@@ -695,7 +730,7 @@ class StageWorker:
                 compute = time.perf_counter()
                 if received is not None:
                     self._waited(a.index, received, compute)
-                (self.forward if a.kind == FORWARD else self.backward)(a.index)
+                {FORWARD: self.forward, BACKWARD: self.backward, WEIGHT: self.weight}[a.kind](a.index)
             else:
                 received = time.perf_counter() if received is None and at < step.at else received
                 self._communicate(*comm_op(actions[at].kind), actions[at].index)
