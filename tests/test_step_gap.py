@@ -58,6 +58,11 @@ def test_flush_then_2bw_holds_two_versions_and_never_reads_one_not_made(d, m, n)
 )
 def test_warm_up_refused_where_the_versions_keep_2bws_rule(change, pattern):
     cfg = _config(delay_correction=change.get("delay_correction", "none"), sharded=change.get("sharded", False))
+    _assert_refused(cfg, change, pattern)
+
+
+def _assert_refused(cfg, change, pattern) -> None:
+    """``cfg`` with ``change`` (sharded: two replicas; precision; host: the host optimizer; tensor: t) is refused."""
     w = 2 if change.get("sharded") else 1
     cfg.pipeline.data_parallel = w
     if "precision" in change:
@@ -114,13 +119,7 @@ def test_warm_up_resumes_exactly_during_it_and_after_it(tmp_path):
 )
 def test_prediction_refused_where_the_versions_are_not_what_batches_read(change, pattern):
     cfg = _config(warmup=0, delay_correction="predict", sharded=change.get("sharded", False))
-    w = 2 if change.get("sharded") else 1
-    cfg.pipeline.data_parallel = w
-    if change.get("host"):
-        cfg.swap.optimizer = "host"
-    cfg.pipeline.tensor_parallel = t = change.get("tensor", 1)
-    with pytest.raises(ConfigError, match=pattern):
-        validate(cfg, world_size=2 * w * t, local_world_size=2 * w * t)
+    _assert_refused(cfg, change, pattern)
 
 
 @pytest.mark.slow

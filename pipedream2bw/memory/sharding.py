@@ -360,16 +360,10 @@ class ShardedVersions(WeightVersions):
             if layout.count == 1 and self.shard_index != 0:
                 continue
             for master, piece in zip(self.pieces[b], layout.pieces()):
-                st = optimizer.state.get(master, {})
-                out[names[piece.param]] = {
-                    "range": (piece.start, piece.stop),
-                    "numel": layout.numels[layout.params.index(piece.param)],
-                    "master": master.detach().reshape(-1).to("cpu", copy=True),
-                    "state": {
-                        k: v.detach().reshape(-1).to("cpu", copy=True) if _per_element(v, master) else _cpu_value(v)
-                        for k, v in st.items()
-                    },
-                }
+                numel = layout.numels[layout.params.index(piece.param)]
+                out[names[piece.param]] = piece_state(
+                    master, optimizer, start=piece.start, stop=piece.stop, numel=numel
+                )
         return out
 
     @torch.no_grad()
@@ -422,6 +416,20 @@ def _accumulate_in_float32(p: nn.Parameter) -> None:
     float32 sum ``main_grad`` and frees it, so that a batch's m microbatches are summed in float32."""
     p.main_grad = p.grad.float() if p.main_grad is None else p.main_grad.add_(p.grad)
     p.grad = None
+
+
+def piece_state(master: nn.Parameter, optimizer, *, start: int, stop: int, numel: int) -> Dict[str, Any]:
+    """One entry of ``shard_state``: the float32 master piece ``[start, stop)`` of a parameter of ``numel`` elements
+    and its optimizer state, flat and on the CPU (per-element state flattened as the piece, the rest copied)."""
+    return {
+        "range": (start, stop),
+        "numel": numel,
+        "master": master.detach().reshape(-1).to("cpu", copy=True),
+        "state": {
+            k: v.detach().reshape(-1).to("cpu", copy=True) if _per_element(v, master) else _cpu_value(v)
+            for k, v in optimizer.state.get(master, {}).items()
+        },
+    }
 
 
 def _per_element(value: Any, master: nn.Parameter) -> bool:

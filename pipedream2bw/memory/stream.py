@@ -42,7 +42,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from pipedream2bw.memory.host_optim import After, BackgroundStep
-from pipedream2bw.memory.sharding import _cpu_value, _float, _per_element
+from pipedream2bw.memory.sharding import _float, piece_state
 from pipedream2bw.memory.swap import HostPool, Transfer, TransferBackend, _Inline
 from pipedream2bw.pipeline import stateful
 from pipedream2bw.pipeline.versions import WeightVersions, _cpu_copy, grad_of, set_grad, version_of_batch
@@ -333,16 +333,7 @@ class StreamedVersions(BackgroundStep):
         """``ShardedVersions.shard_state`` of one whole piece per parameter."""
         out = {}
         for i, ((name, _), master) in enumerate(zip(self.replicas[0].named_parameters(), self.master)):
-            st = self._optimizer_of[i].state.get(master, {})
-            out[name] = {
-                "range": (0, master.numel()),
-                "numel": master.numel(),
-                "master": master.detach().reshape(-1).to("cpu", copy=True),
-                "state": {
-                    k: v.detach().reshape(-1).to("cpu", copy=True) if _per_element(v, master) else _cpu_value(v)
-                    for k, v in st.items()
-                },
-            }
+            out[name] = piece_state(master, self._optimizer_of[i], start=0, stop=master.numel(), numel=master.numel())
         return out
 
     @torch.no_grad()
