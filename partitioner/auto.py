@@ -152,6 +152,7 @@ def make_request(
         memory_per_device_bytes=topo.memory_per_device_gib * GIB,
         runtime_bytes=runtime_bytes,
         schedule=p.schedule,
+        forward_lead=p.forward_lead,
         objective=cfg.partition.objective,
         depths=cfg.partition.depths,
         microbatch_sizes=cfg.partition.microbatch_sizes,

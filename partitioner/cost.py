@@ -190,6 +190,7 @@ class StageContext:
     num_microbatches: int
     data_parallel: int
     schedule: str = "2bw"
+    forward_lead: int = 0  # pipeline.forward_lead
     recompute: bool = False
     swap: bool = False
     swap_resident: int = 1
@@ -387,7 +388,7 @@ def segment_costs(seg: Segments, i, j, ctx: StageContext) -> Dict[str, np.ndarra
     W = seg.W[j] - seg.W[i]
     F = seg.F[j] - seg.F[i]
     A = seg.A[j] - seg.A[i] + out_b  # the runtime's stash keeps the output until its backward
-    n = in_flight(ctx.schedule, s, d, m)
+    n = in_flight(ctx.schedule, s, d, m, forward_lead=ctx.forward_lead)
     if ctx.recompute:
         per_mb, extra = in_b + out_b, A  # keep inputs; one microbatch's activations while it is recomputed
     else:
@@ -485,6 +486,7 @@ def simulate(
     data_parallel: int = 1,
     num_batches: int = 5,
     cores: Optional[int] = None,
+    forward_lead: int = 0,
 ) -> SimResult:
     """Runs every stage's ``stage_actions`` list against its costs, event by event, with the
     runtime schedule's own dependency rule (``schedule.timings``).
@@ -497,7 +499,9 @@ def simulate(
     divided by the cores.
     """
     m = num_microbatches
-    lists = pipeline_actions(schedule, num_stages=len(stages), num_microbatches=m, num_batches=num_batches)
+    lists = pipeline_actions(
+        schedule, num_stages=len(stages), num_microbatches=m, num_batches=num_batches, forward_lead=forward_lead
+    )
 
     split = 0.5 if schedule in SPLIT_SCHEDULES else 1.0  # B's share of the backward's compute
 

@@ -165,6 +165,8 @@ def test_simulator_runs_the_schedules_with_their_in_flight_counts():
             assert sim.batch_time_s == pytest.approx(m * per_mb + max(st["step_s"] for st in stages), rel=0.05)
         else:  # the flush bubble: (m + d - 1) microbatch times at least
             assert sim.batch_time_s >= (m + d - 1) * min(st["microbatch_s"] for st in stages)
+    sim = simulate(stages, schedule="2bw", num_microbatches=8, num_batches=5, forward_lead=1)
+    assert sim.peak_in_flight == [in_flight("2bw", s, 4, 8, forward_lead=1) for s in range(4)] == [5, 4, 3, 1]
     # Shared cores: 4 ranks on 2 cores take at least their total compute over 2.
     stages = [StageCost.of(seg, s, s + 1, c) for s, c in enumerate(contexts(4, 8))]
     assert simulate(stages, schedule="2bw", num_microbatches=8, cores=2).batch_time_s >= 4 * 8 * 3.0 / 2
@@ -196,6 +198,9 @@ def test_memory_terms_follow_the_design():
     assert (c["weights"], c["gradients"], c["optimizer"]) == (200, 100, 200)  # two versions under 2bw
     assert c["activations"] == 3 * (40 + 6)  # n_0 = min(d - 0, m) = 3 microbatches, output stashed too
     assert segment_costs(seg, 0, 1, StageContext(**base, schedule="flush"))["weights"] == 100
+    assert segment_costs(seg, 0, 1, StageContext(**base, forward_lead=1))["activations"] == 4 * 46  # one ahead
+    last = dict(base, stage_index=2)  # the last stage's backward follows its forward: no lead there
+    assert segment_costs(seg, 0, 1, StageContext(**last, forward_lead=1))["activations"] == 1 * 46
     assert segment_costs(seg, 0, 1, StageContext(**base, schedule="gpipe"))["activations"] == 8 * 46
     rc = segment_costs(seg, 0, 1, StageContext(**base, recompute=True))
     assert rc["activations"] == 3 * (4 + 6) + 46 and rc["backward_s"] == 2 + 1

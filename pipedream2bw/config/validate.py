@@ -122,6 +122,19 @@ def _validate_host_step(cfg: Config) -> None:
         raise ConfigError(f"swap.host_step (background) with {why}")
 
 
+def _validate_forward_lead(cfg: Config) -> None:
+    """pipeline.forward_lead: forwards ahead of 1F1B's bound, under the two 1F1B schedules only (schedule=auto may
+    choose either or zb1p, so elsewhere it is moot, as sync_warmup_steps is off 2bw)."""
+    p = cfg.pipeline
+    if p.forward_lead > 0 and p.schedule in ("gpipe", "zb1p"):
+        log.info(
+            "pipeline.forward_lead (%d) is moot under pipeline.schedule=%s: %s",
+            p.forward_lead,
+            p.schedule,
+            "all m forwards run first" if p.schedule == "gpipe" else "ZB-H1 keeps its own order",
+        )
+
+
 def _validate_sync_warmup(cfg: Config) -> None:
     """pipeline.sync_warmup_steps: flush's steps, then 2bw's, on the plain weight versions (pipeline/versions.py)."""
     p, n = cfg.pipeline, cfg.pipeline.sync_warmup_steps
@@ -346,6 +359,7 @@ def validate(
     _validate_documents(cfg)
     _validate_tensor_parallel(cfg, gpt=gpt, local_world_size=local_world_size)
     _validate_sync_warmup(cfg)
+    _validate_forward_lead(cfg)
     _validate_split_backward(cfg)
     return balance
 

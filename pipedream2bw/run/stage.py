@@ -85,6 +85,7 @@ class StageStats:
     host_step_s: float = 0.0  # swap.host_step=background: seconds the host optimizer steps ran on their thread
     host_step_wait_s: float = 0.0  # ... and seconds training waited for them (the part not hidden)
     peak_stash_bytes: int = 0  # activations autograd saves for one microbatch x most microbatches in flight
+    peak_in_flight: int = 0  # most microbatches forwarded and not yet through their backward (zb1p: their W)
     weight_bytes: int = 0  # all weight versions held
     optimizer_state_bytes: int = 0
     peak_memory_bytes: int = 0  # CUDA: max allocated; CPU: process peak resident set
@@ -315,6 +316,7 @@ class StageWorker:
             )
         self._stash[k] = (x, out)
         held = len(self._stash) + len(self._weight_work)  # zb1p: a microbatch's tensors stay until its W
+        self.stats.peak_in_flight = max(self.stats.peak_in_flight, held)
         self.stats.peak_stash_bytes = max(self.stats.peak_stash_bytes, held * self._saved_bytes)
 
     def _watch_buffers(self, module: torch.nn.Module, k: int) -> None:
