@@ -209,7 +209,15 @@ def test_a_bad_torchrun_option_is_one_line(capsys):
 
 
 @pytest.mark.parametrize(
-    "override", ["train.num_steps=-5", "model.num_heads=0", "pipeline.schedule=zz", "trian.num_steps=3", "2 ranks"]
+    "override",
+    [
+        "train.num_steps=-5",
+        "model.num_heads=0",
+        "pipeline.schedule=zz",
+        "trian.num_steps=3",
+        "2 ranks",
+        "data.path=nope",
+    ],
 )
 def test_a_mistake_is_found_without_importing_torch(override):
     # importing torch was most of a refusal's 3 s (5-13 s on a loaded machine): the config's checks up to the

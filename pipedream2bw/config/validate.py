@@ -317,6 +317,17 @@ def _validate_final(cfg: Config) -> None:
             )
 
 
+def require_file(path: Optional[str], key: str) -> None:
+    """A data file a key names (data.path, data.val_path) is there: checked before torch is imported, so that the
+    launcher finds a mistyped path in a second (the data's own checks, which need torch, come later).
+
+    Raises:
+        ConfigError: naming the key and the path.
+    """
+    if path is not None and not Path(path).is_file():
+        raise ConfigError(f"{key} ({path}) is not a file; point {key} at a text file or a .bin token file")
+
+
 def validate(
     cfg: Config,
     *,
@@ -350,6 +361,8 @@ def validate(
     num_layers = model_num_layers(mdl) if gpt else num_layers
     _validate_shape(cfg, world_size)
     balance = _validate_balance(cfg, num_layers, gpt=gpt)
+    require_file(cfg.data.path, "data.path")
+    require_file(cfg.data.val_path, "data.val_path")
     _validate_model_and_optim(cfg)
     _validate_train(cfg)
     _validate_run(cfg, local_world_size)
