@@ -173,8 +173,8 @@ def make_request(
         ),
         tied=bool(getattr(cfg.model, "tie_embeddings", False)),
         early_apply=not (cfg.train.eval_every or p.check_ties),
-        # the rest of what swap.weights refuses (fp16, clipping, ties, w > 1, ...) the search checks itself
-        stream=cfg.partition.stream and not cfg.train.eval_every and p.schedule not in SPLIT_SCHEDULES,
+        # the rest of what swap.weights refuses (fp16, ties, ...) the search checks itself (planner._streams)
+        stream=cfg.partition.stream and p.schedule not in SPLIT_SCHEDULES,
         weight_prefetch=cfg.swap.weight_prefetch,
         host=HostFigures(step=cfg.swap.host_step),
         **tensor_request(cfg, planned_precision(cfg, topo), search=search_tensor),
