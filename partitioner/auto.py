@@ -294,7 +294,11 @@ def _cost_fns(cfg: Config, req: Request, *, layers, loss_fn):
                 precision=req.precision,
             )
         )
-    return lambda optim: lambda b: analytic_gpt(cfg.model, optim, b, req.topology, precision=req.precision)
+    return lambda optim: (
+        lambda b: analytic_gpt(
+            cfg.model, optim, b, req.topology, precision=req.precision, weight_dtype=req.weight_dtype
+        )
+    )
 
 
 def host_optimizer(optim: OptimConfig) -> OptimConfig:

@@ -35,7 +35,8 @@ def llama13b(**sections):
 
 
 def _layers(cfg, plan):
-    return analytic_gpt(cfg.model, cfg.optim, plan.microbatch_size, cfg.topology, precision=plan.precision)
+    b, precision = plan.microbatch_size, plan.precision
+    return analytic_gpt(cfg.model, cfg.optim, b, cfg.topology, precision=precision, weight_dtype=plan.weight_dtype)
 
 
 def test_zb1p_plan_never_streams_and_names_flush_where_only_streaming_fits():
@@ -228,6 +229,9 @@ def test_a_bf16_plan_with_compute_dtype_versions_streams_half_the_bytes_and_its_
     best, fp32 = plan_config(cfg)[0], plan_config(llama13b(**keys))[0]
     assert best.weight_dtype == "compute" and best.stream_stages and fp32.weight_dtype == "fp32"
     layers, bounds = _layers(cfg, best), [*best.boundaries, sum(best.balance)]
+    # bf16 weights are not cast by autocast: a block saves no bf16 copy of its matrices (12 C^2 of them) a microbatch
+    block, fp32_block = layers[1], _layers(cfg, dataclasses.replace(best, weight_dtype="fp32"))[1]
+    assert fp32_block.saved_bytes - block.saved_bytes == 2 * 12 * cfg.model.d_model**2
     ctxs = stage_contexts(
         cfg.topology,
         best.rank_map,
