@@ -329,6 +329,9 @@ def test_background_host_step_overlaps_the_next_batch_and_sync_adds_it():
     assert _host_stage(step_bw=1e9, host_step="sync")["batch_s"] > auto
     assert auto == _host_stage(step_bw=1e9, host_step="background")["batch_s"]
     assert not host_step_overlaps(StageContext(0, 2, 4, 1, schedule="flush", host_step="background"))
+    # compute-dtype versions (bf16: 2 B) step on the training thread unless streamed (run/build.py: ShardedVersions)
+    assert not host_step_overlaps(StageContext(0, 2, 4, 1, weight_copy_bytes=2, host_optimizer=True))
+    assert host_step_overlaps(StageContext(0, 2, 4, 1, weight_copy_bytes=2, host_optimizer=True, stream=True))
 
 
 FIXED_HOST = HostProfile(step_params_per_s=5e7, copy_bytes_per_s=2e9, kernel="fused", cores=2)
