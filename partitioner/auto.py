@@ -174,8 +174,8 @@ def make_request(
         ),
         tied=bool(getattr(cfg.model, "tie_embeddings", False)),
         early_apply=not (cfg.train.eval_every or p.check_ties),
-        # the rest of what swap.weights refuses (fp16, clipping, ties, w > 1, ...) the search checks itself
-        stream=cfg.partition.stream and not cfg.train.eval_every and p.schedule not in SPLIT_SCHEDULES,
+        # the rest of what swap.weights refuses (fp16, ties, ...) the search checks itself (planner._streams)
+        stream=cfg.partition.stream and p.schedule not in SPLIT_SCHEDULES,
         weight_prefetch=cfg.swap.weight_prefetch,
         host=HostFigures(step=cfg.swap.host_step),
         **tensor_request(cfg, planned_precision(cfg, topo), search=search_tensor),
@@ -295,7 +295,11 @@ def _cost_fns(cfg: Config, req: Request, *, layers, loss_fn):
                 precision=req.precision,
             )
         )
-    return lambda optim: lambda b: analytic_gpt(cfg.model, optim, b, req.topology, precision=req.precision)
+    return lambda optim: (
+        lambda b: analytic_gpt(
+            cfg.model, optim, b, req.topology, precision=req.precision, weight_dtype=req.weight_dtype
+        )
+    )
 
 
 def host_optimizer(optim: OptimConfig) -> OptimConfig:

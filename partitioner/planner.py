@@ -559,16 +559,11 @@ def _split_layers(req: Request, layers: Sequence[LayerCost], b: int, t: int) -> 
 
 def _streams(req: Request, w: int, t: int = 1) -> bool:
     """Whether a candidate with ``w`` replicas of ``t`` ranks may stream weights: what the runtime's swap.weights
-    accepts (config/validate.py, run/start.py: one replica, no tensor split) and where it saves device memory (a
-    GPU's, not the host's own)."""
-    return (
-        req.stream
-        and w == 1
-        and t == 1
-        and req.topology.device == "cuda"
-        and req.weight_dtype == "fp32"
-        and not (req.step_agreement or req.tied)  # fp16, clipping and skip need a step agreement
-    )
+    accepts (config/validate.py, run/start.py: no tensor split, no ties on a streamed stage; clipping, skip, fp16,
+    validation and compute-dtype versions compose) and where it saves device memory (a GPU's, not the host's own).
+    One replica only: the runtime all-reduces a streamed stage's host gradients over gloo, which the cost model does
+    not charge."""
+    return req.stream and w == 1 and t == 1 and req.topology.device == "cuda" and not req.tied
 
 
 def _streaming_ok(req: Request, split: "_Split", lean) -> bool:

@@ -297,13 +297,6 @@ REFUSED: List[Tuple[Tuple[str, ...], Callable[[Dict[str, Any]], bool], str, str,
         dict(STREAMS, host_optim=False),
     ),
     (
-        ("precision", "stream"),
-        lambda r: r["stream"] and r["precision"] == "fp16",
-        r"swap.weights \(true\) with train.precision \(fp16\)",
-        "the loss scaler's checks of host gradients are not written",
-        dict(STREAMS, precision="fp16"),
-    ),
-    (
         ("tied", "stream"),
         lambda r: r["stream"] and r["tied"],
         r"swap.weights \(true\) with tied weights .* on a streamed stage",

@@ -67,9 +67,10 @@ def _validate_swap(swap: SwapConfig, num_stages: int) -> None:
 def _validate_weight_stream(cfg: Config) -> None:
     """swap.weights=true: what weight streaming (pipedream2bw/memory/stream.py) composes with; the rest is refused.
 
-    Composes: data parallelism (the host gradients all-reduced per layer), clipping and on_nonfinite=skip (the step
-    agreement over the host gradients), validation passes (forward only, streamed), train.weight_dtype=compute
-    (versions in the compute dtype on the host, float32 masters and gradient sums). Refused: below."""
+    Composes: data parallelism (the host gradients all-reduced per layer), clipping, on_nonfinite=skip and fp16's loss
+    scaler (the step agreement over the host gradients: their norm, finite or not; the step unscales them), validation
+    passes (forward only, streamed), train.weight_dtype=compute (versions in the compute dtype on the host, float32
+    masters and gradient sums). Refused: below."""
     s = cfg.swap
     if s.weight_prefetch < 0:
         raise ConfigError(f"swap.weight_prefetch ({s.weight_prefetch}) must be >= 0: layers copied ahead of use")
@@ -80,8 +81,6 @@ def _validate_weight_stream(cfg: Config) -> None:
         why = "no stage swaps; set swap.enabled=true or swap.stages=[...] to name the stages that stream"
     elif s.optimizer != "host":
         why = "a streamed stage's optimizer steps where its weights live, on the host; set swap.optimizer=host"
-    elif cfg.train.precision == "fp16":
-        why = "train.precision (fp16): the loss scaler's checks of host gradients are not written; use bf16 or fp32"
     if why is not None:
         raise ConfigError(f"swap.weights (true) with {why}")
     if cfg.optim.sharded and cfg.pipeline.data_parallel > 1:
