@@ -116,6 +116,7 @@ def tensor_request(cfg: Config, precision: str, *, search: Optional[bool] = None
             vocab_size=m.vocab_size,
             act_bytes=precisions.compute_dtype(precision).itemsize,
             kinds=tuple(layer_kind(m, i) for i in range(model_num_layers(m))),
+            muon=is_muon(cfg.optim),
         )
     return dict(
         tensor=shape,

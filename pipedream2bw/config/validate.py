@@ -381,19 +381,12 @@ def _tensor_parallel_refusal(cfg: Config, *, gpt: bool) -> Optional[str]:
     p, mdl, o, sw = cfg.pipeline, cfg.model, cfg.optim, cfg.swap
     import torch  # here, not at import: the launcher's check imports no torch (t = 1 never gets here)
 
-    from pipedream2bw.config.optimizers import is_muon
-
     cuda_auto = cfg.train.precision == "auto" and torch.cuda.is_available()
     refusals = [
         (
             not gpt or not isinstance(mdl, GPTConfig),
             "splits the built-in GPT's blocks only (model=gpt), not model=hf or a "
             "user's layer list; set pipeline.tensor_parallel=1 for this model",
-        ),
-        (
-            is_muon(o),
-            "with optim.name (muon): Muon orthogonalizes whole matrices and a rank holds 1/t of each; "
-            "use an elementwise optimizer (optim.name=adamw) or pipeline.tensor_parallel=1",
         ),
         (bool(o.sharded), "with optim.sharded (true): ZeRO-1 over tensor shards is not built; set optim.sharded=false"),
         (
