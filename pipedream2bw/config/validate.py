@@ -360,9 +360,9 @@ def _tensor_parallel_refusal(cfg: Config, *, gpt: bool) -> Optional[str]:
     cuda_auto = cfg.train.precision == "auto" and torch.cuda.is_available()
     refusals = [
         (
-            not gpt or not isinstance(mdl, GPTConfig),
-            "splits the built-in GPT's blocks only (model=gpt), not model=hf or a "
-            "user's layer list; set pipeline.tensor_parallel=1 for this model",
+            not isinstance(mdl, (GPTConfig, HFModelConfig)) or (isinstance(mdl, GPTConfig) and not gpt),
+            "splits the built-in GPT (model=gpt) and model=hf's Llama family only, not a user's layer list (no plan "
+            "says which of its matrices to split); set pipeline.tensor_parallel=1 for this model",
         ),
         (
             is_muon(o),
@@ -402,9 +402,9 @@ def _tensor_parallel_refusal(cfg: Config, *, gpt: bool) -> Optional[str]:
 
 
 def _validate_tensor_parallel(cfg: Config, *, gpt: bool, local_world_size: int) -> None:
-    """pipeline.tensor_parallel: t divides the GPT's heads and MLP width, fits a node (the topology's and the
-    launch's: a tensor group's consecutive ranks stay on one node when t divides the ranks per node), and composes
-    (or one line)."""
+    """pipeline.tensor_parallel: t divides the GPT's heads and MLP width (model=hf's: run/preflight.py), fits a
+    node (the topology's and the launch's: a tensor group's consecutive ranks stay on one node when t divides the
+    ranks per node), and composes (or one line)."""
     t = cfg.pipeline.tensor_parallel
     if t == 1:
         return
@@ -412,7 +412,7 @@ def _validate_tensor_parallel(cfg: Config, *, gpt: bool, local_world_size: int) 
     if why is not None:
         raise ConfigError(f"pipeline.tensor_parallel ({t}) {why}")
     mdl = cfg.model
-    if mdl.num_heads % t or (4 * mdl.d_model) % t:
+    if isinstance(mdl, GPTConfig) and (mdl.num_heads % t or (4 * mdl.d_model) % t):
         raise ConfigError(
             f"pipeline.tensor_parallel ({t}) must divide model.num_heads ({mdl.num_heads}) and the MLP width "
             f"4 x model.d_model ({4 * mdl.d_model}): ranks split attention by heads, the MLP by width; pick a divisor"

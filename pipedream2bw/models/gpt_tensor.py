@@ -15,17 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipedream2bw.models.gpt import Block
-from pipedream2bw.pipeline.tensor import Split, copy_to, reduce_from, shard
-
-
-class _Group:
-    """The tensor group, shared (not copied) by the deep copies that hold the 2bw weight versions."""
-
-    def __init__(self, group: Any):
-        self.group = group
-
-    def __deepcopy__(self, memo: Dict[int, Any]) -> "_Group":
-        return self
+from pipedream2bw.pipeline.tensor import SharedGroup, Split, copy_to, reduce_from, shard
 
 
 class SplitBlock(Block):
@@ -52,7 +42,7 @@ class SplitBlock(Block):
             block.fc,
             block.fc_proj,
         )
-        self.tensor_group = _Group(group)
+        self.tensor_group = SharedGroup(group)
         with torch.no_grad():
             for name, split in self.SPLITS.items():
                 p = self.get_parameter(name)

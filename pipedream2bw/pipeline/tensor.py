@@ -18,6 +18,17 @@ Split = Tuple[int, int]
 """(dim, chunks): how a parameter is divided among a tensor group (module docstring)."""
 
 
+class SharedGroup:
+    """A tensor group held by a split layer, shared (not copied) by the deep copies that hold the 2bw weight
+    versions."""
+
+    def __init__(self, group: Any):
+        self.group = group
+
+    def __deepcopy__(self, memo: Dict[int, Any]) -> "SharedGroup":
+        return self
+
+
 class _CopyTo(torch.autograd.Function):
     """f: the replicated input enters the split region; its gradient is the sum of every rank's."""
 
