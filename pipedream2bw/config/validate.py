@@ -376,8 +376,14 @@ def _tensor_parallel_refusal(cfg: Config, *, gpt: bool) -> Optional[str]:
             "swapping and streaming of tensor shards are not built; set them off (swap.optimizer=device)",
         ),
         (
-            cfg.train.precision in ("bf16", "fp16") or cuda_auto,
-            f"with train.precision ({cfg.train.precision}): only fp32 is proven at t > 1; set train.precision=fp32",
+            cfg.train.precision == "fp16",
+            "with train.precision (fp16): its loss scaler's skip is not proven on split blocks; set "
+            "train.precision=bf16 or fp32",
+        ),
+        (
+            cfg.train.weight_dtype == "compute" and (cfg.train.precision in ("bf16", "fp16") or cuda_auto),
+            "with train.weight_dtype (compute): compute-dtype versions of tensor shards are not built; set "
+            "train.weight_dtype=fp32",
         ),
         (
             p.rank_map is not None,

@@ -51,12 +51,14 @@ class SplitBlock(Block):
     def attention(self, h: torch.Tensor, positions: Optional[torch.Tensor] = None) -> torch.Tensor:
         group = self.tensor_group.group
         y = self.heads(copy_to(h, group), positions)  # (B, T, C/t): this rank's heads
-        return reduce_from(F.linear(y, self.proj.weight), group) + self.proj.bias
+        out = reduce_from(F.linear(y, self.proj.weight), group)  # (B, T, C), in autocast's dtype
+        return out + self.proj.bias.to(out.dtype)  # the bias as autocast casts it for an unsplit F.linear
 
     def mlp(self, h: torch.Tensor) -> torch.Tensor:
         group = self.tensor_group.group
         y = F.gelu(self.fc(copy_to(h, group)))  # (B, T, 4C/t)
-        return reduce_from(F.linear(y, self.fc_proj.weight), group) + self.fc_proj.bias
+        out = reduce_from(F.linear(y, self.fc_proj.weight), group)
+        return out + self.fc_proj.bias.to(out.dtype)
 
 
 def split_blocks(module: nn.Module, *, group: Any, rank: int, size: int) -> Dict[str, Split]:

@@ -38,7 +38,7 @@ class RowLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = reduce_from(F.linear(x, self.weight), self.tensor_group.group)  # (B, T, C)
-        return out if self.bias is None else out + self.bias
+        return out if self.bias is None else out + self.bias.to(out.dtype)  # as autocast casts an unsplit one's
 
 
 class _CopyIn:
