@@ -371,9 +371,9 @@ def _tensor_parallel_refusal(cfg: Config, *, gpt: bool) -> Optional[str]:
         ),
         (bool(o.sharded), "with optim.sharded (true): ZeRO-1 over tensor shards is not built; set optim.sharded=false"),
         (
-            sw.enabled or sw.weights or sw.optimizer != "device",
-            "with swap.enabled / swap.weights / swap.optimizer=host: "
-            "swapping and streaming of tensor shards are not built; set them off (swap.optimizer=device)",
+            sw.weights or sw.optimizer != "device",  # activation swapping (swap.enabled, swap.stages) composes
+            "with swap.weights / swap.optimizer=host: streaming tensor shards and stepping them on the host are not "
+            "built; set swap.weights=false swap.optimizer=device",
         ),
         (
             cfg.train.precision == "fp16",
@@ -386,22 +386,12 @@ def _tensor_parallel_refusal(cfg: Config, *, gpt: bool) -> Optional[str]:
             "train.weight_dtype=fp32",
         ),
         (
-            p.rank_map is not None,
-            "with pipeline.rank_map: the map places d x w ranks, not the d x w x t mesh; set "
-            "pipeline.rank_map=null (t innermost: a stage's t ranks are consecutive)",
-        ),
-        (
             cfg.data.packing != "windows",
             f"with data.packing ({cfg.data.packing}): not proven at t > 1; set data.packing=windows",
         ),
         (
             p.schedule == "zb1p",
             "with pipeline.schedule (zb1p): its split backward is not proven on split blocks; use flush or 2bw",
-        ),
-        (
-            cfg.partition.mode != "manual",
-            f"with partition.mode ({cfg.partition.mode}): the runtime takes no plan with "
-            "t > 1 yet; set partition.mode=manual with pipeline.* as planned",
         ),
     ]
     return next((why for refused, why in refusals if refused), None)
