@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 import torch
 from dist_helper import run_ok
-from hf_models import read_dir, tiny_hf_config
+from hf_models import read_dir, save_tiny, tiny_hf_config
 from test_semantics import assert_losses_close
 from test_tensor_parallel import reference, tp_config
 
@@ -53,6 +53,9 @@ def test_hf_tensor_parallel_equals_reference_and_exports_whole_tensors(tmp_path,
     from pipedream2bw.models.factory import model_source
 
     cfg = hf_tp_config(schedule, 2, 1, kind=kind)
+    if kind == "llama":  # loaded from a save_pretrained directory, each rank cutting its pieces of the layers it read
+        save_tiny(tmp_path / "pretrained", "llama", tied=True)
+        cfg.model = HFModelConfig(pretrained=str(tmp_path / "pretrained"), seq_len=16)
     cfg.optim.clip_grad_norm = 0.05
     cfg.train.export_hf = str(tmp_path / "export")
     summary = run_ok(cfg, tmp_path)
@@ -97,7 +100,7 @@ def test_hf_checkpoint_holds_whole_tensors_and_resumes_at_another_t(tmp_path, t_
 )
 def test_hf_tensor_parallel_refuses_what_it_does_not_split(model, match):
     # bf16: measured at d2 x t2 (2bw, 6 steps) one weight of the tied embedding 1.45e-3 from the bf16 reference
-    # (bf16's tolerance: 1e-3 + 1e-2 x |w|), bit for bit at t = 1; the GPT's bf16 at t = 2 is within it
+    # (bf16's tolerance: 1e-3 + 1e-2 x |w|), within 6e-8 at t = 1; the GPT's bf16 at t = 2 is within it
     cfg = hf_tp_config("2bw", 2, 1)
     if model == "bf16":
         cfg.train.precision = "bf16"
