@@ -45,9 +45,14 @@ def _assert_reference(tmp_path, cfg, summary, *, w: int = 1):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "schedule,kind", [("2bw", "llama"), pytest.param("flush", "qwen2", marks=pytest.mark.long)]
-)  # qwen2: q/k/v biases split with their rows
-def test_hf_tensor_parallel_equals_reference_and_exports_whole_tensors(tmp_path, schedule, kind):
+    "schedule,kind,recompute",
+    [
+        ("2bw", "llama", False),
+        pytest.param("flush", "qwen2", False, marks=pytest.mark.long),  # qwen2: q/k/v biases split with their rows
+        pytest.param("2bw", "mistral", True, marks=pytest.mark.long),  # the pre-hooks and all-reduces run again
+    ],
+)
+def test_hf_tensor_parallel_equals_reference_and_exports_whole_tensors(tmp_path, schedule, kind, recompute):
     # d=2 x t=2, tied embeddings across the stages, every step clipped (0.05: the norm sums each split piece over
     # the tensor group and counts the whole norms and embedding once); the export holds the whole tensors.
     from pipedream2bw.models.factory import model_source
@@ -57,6 +62,7 @@ def test_hf_tensor_parallel_equals_reference_and_exports_whole_tensors(tmp_path,
         save_tiny(tmp_path / "pretrained", "llama", tied=True)
         cfg.model = HFModelConfig(pretrained=str(tmp_path / "pretrained"), seq_len=16)
     cfg.optim.clip_grad_norm = 0.05
+    cfg.pipeline.recompute = recompute
     cfg.train.export_hf = str(tmp_path / "export")
     summary = run_ok(cfg, tmp_path)
     assert summary["tensor_parallel"] == 2 and len(summary["ranks"]) == 4
