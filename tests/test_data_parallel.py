@@ -83,7 +83,7 @@ def test_default_layout_keeps_replicas_on_a_node_when_they_fit():
 
 def test_bad_rank_map_is_rejected():
     with pytest.raises(
-        ConfigError, match=r"rank_map \(\[\[0, 1\], \[1, 2\]\]\) must have 2 rows .* using each rank 0..3 once"
+        ConfigError, match=r"rank_map \(\[\[0, 1\], \[1, 2\]\]\) must have 2 rows .* using each of 0..3 once"
     ):
         make_layout(2, 2, ranks_per_node=4, rank_map=[[0, 1], [1, 2]])
 

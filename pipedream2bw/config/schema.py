@@ -55,7 +55,9 @@ class PipelineConfig:
     data_parallel: int = 1
     """Replicas w of every stage; WORLD_SIZE = num_stages * data_parallel * tensor_parallel."""
     rank_map: Optional[List[List[int]]] = None
-    """rank_map[stage][replica] = rank; null keeps a stage's replicas on one node when they fit."""
+    """rank_map[stage][replica] = rank; null keeps a stage's replicas on one node when they fit. At
+    pipeline.tensor_parallel t > 1 it counts groups of t consecutive ranks: entry g is ranks g*t .. g*t+t-1 (as a
+    plan file's rank_map does)."""
     bucket_mb: float = 25.0
     """Gradient all-reduce bucket size in MiB; a bucket is reduced as soon as backward produced it."""
     recompute: bool = False

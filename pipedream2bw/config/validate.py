@@ -384,24 +384,25 @@ def _tensor_parallel_refusal(cfg: Config, *, gpt: bool) -> Optional[str]:
     cuda_auto = cfg.train.precision == "auto" and torch.cuda.is_available()
     refusals = [
         (
-            not gpt or not isinstance(mdl, GPTConfig),
-            "splits the built-in GPT's blocks only (model=gpt), not model=hf or a "
-            "user's layer list; set pipeline.tensor_parallel=1 for this model",
+            not isinstance(mdl, (GPTConfig, HFModelConfig)) or (isinstance(mdl, GPTConfig) and not gpt),
+            "splits the built-in GPT (model=gpt) and model=hf's Llama family only, not a user's layer list (no plan "
+            "says which of its matrices to split); set pipeline.tensor_parallel=1 for this model",
         ),
         (bool(o.sharded), "with optim.sharded (true): ZeRO-1 over tensor shards is not built; set optim.sharded=false"),
         (
-            sw.enabled or sw.weights or sw.optimizer != "device",
-            "with swap.enabled / swap.weights / swap.optimizer=host: "
-            "swapping and streaming of tensor shards are not built; set them off (swap.optimizer=device)",
+            sw.weights or sw.optimizer != "device",  # activation swapping (swap.enabled, swap.stages) composes
+            "with swap.weights / swap.optimizer=host: streaming tensor shards and stepping them on the host are not "
+            "built; set swap.weights=false swap.optimizer=device",
         ),
         (
-            cfg.train.precision in ("bf16", "fp16") or cuda_auto,
-            f"with train.precision ({cfg.train.precision}): only fp32 is proven at t > 1; set train.precision=fp32",
+            cfg.train.precision == "fp16",
+            "with train.precision (fp16): its loss scaler's skip is not proven on split blocks; set "
+            "train.precision=bf16 or fp32",
         ),
         (
-            p.rank_map is not None,
-            "with pipeline.rank_map: the map places d x w ranks, not the d x w x t mesh; set "
-            "pipeline.rank_map=null (t innermost: a stage's t ranks are consecutive)",
+            cfg.train.weight_dtype == "compute" and (cfg.train.precision in ("bf16", "fp16") or cuda_auto),
+            "with train.weight_dtype (compute): compute-dtype versions of tensor shards are not built; set "
+            "train.weight_dtype=fp32",
         ),
         (
             cfg.data.packing != "windows",
@@ -411,19 +412,14 @@ def _tensor_parallel_refusal(cfg: Config, *, gpt: bool) -> Optional[str]:
             p.schedule == "zb1p",
             "with pipeline.schedule (zb1p): its split backward is not proven on split blocks; use flush or 2bw",
         ),
-        (
-            cfg.partition.mode != "manual",
-            f"with partition.mode ({cfg.partition.mode}): the runtime takes no plan with "
-            "t > 1 yet; set partition.mode=manual with pipeline.* as planned",
-        ),
     ]
     return next((why for refused, why in refusals if refused), None)
 
 
 def _validate_tensor_parallel(cfg: Config, *, gpt: bool, local_world_size: int) -> None:
-    """pipeline.tensor_parallel: t divides the GPT's heads and MLP width, fits a node (the topology's and the
-    launch's: a tensor group's consecutive ranks stay on one node when t divides the ranks per node), and composes
-    (or one line)."""
+    """pipeline.tensor_parallel: t divides the GPT's heads and MLP width (model=hf's: run/preflight.py), fits a
+    node (the topology's and the launch's: a tensor group's consecutive ranks stay on one node when t divides the
+    ranks per node), and composes (or one line)."""
     t = cfg.pipeline.tensor_parallel
     if t == 1:
         return
@@ -431,7 +427,7 @@ def _validate_tensor_parallel(cfg: Config, *, gpt: bool, local_world_size: int) 
     if why is not None:
         raise ConfigError(f"pipeline.tensor_parallel ({t}) {why}")
     mdl = cfg.model
-    if mdl.num_heads % t or (4 * mdl.d_model) % t:
+    if isinstance(mdl, GPTConfig) and (mdl.num_heads % t or (4 * mdl.d_model) % t):
         raise ConfigError(
             f"pipeline.tensor_parallel ({t}) must divide model.num_heads ({mdl.num_heads}) and the MLP width "
             f"4 x model.d_model ({4 * mdl.d_model}): ranks split attention by heads, the MLP by width; pick a divisor"

@@ -15,17 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipedream2bw.models.gpt import Block
-from pipedream2bw.pipeline.tensor import Split, copy_to, reduce_from, shard
-
-
-class _Group:
-    """The tensor group, shared (not copied) by the deep copies that hold the 2bw weight versions."""
-
-    def __init__(self, group: Any):
-        self.group = group
-
-    def __deepcopy__(self, memo: Dict[int, Any]) -> "_Group":
-        return self
+from pipedream2bw.pipeline.tensor import SharedGroup, Split, copy_to, reduce_from, shard
 
 
 class SplitBlock(Block):
@@ -52,7 +42,7 @@ class SplitBlock(Block):
             block.fc,
             block.fc_proj,
         )
-        self.tensor_group = _Group(group)
+        self.tensor_group = SharedGroup(group)
         with torch.no_grad():
             for name, split in self.SPLITS.items():
                 p = self.get_parameter(name)
@@ -61,12 +51,14 @@ class SplitBlock(Block):
     def attention(self, h: torch.Tensor, positions: Optional[torch.Tensor] = None) -> torch.Tensor:
         group = self.tensor_group.group
         y = self.heads(copy_to(h, group), positions)  # (B, T, C/t): this rank's heads
-        return reduce_from(F.linear(y, self.proj.weight), group) + self.proj.bias
+        out = reduce_from(F.linear(y, self.proj.weight), group)  # (B, T, C), in autocast's dtype
+        return out + self.proj.bias.to(out.dtype)  # the bias as autocast casts it for an unsplit F.linear
 
     def mlp(self, h: torch.Tensor) -> torch.Tensor:
         group = self.tensor_group.group
         y = F.gelu(self.fc(copy_to(h, group)))  # (B, T, 4C/t)
-        return reduce_from(F.linear(y, self.fc_proj.weight), group) + self.fc_proj.bias
+        out = reduce_from(F.linear(y, self.fc_proj.weight), group)
+        return out + self.fc_proj.bias.to(out.dtype)
 
 
 def split_blocks(module: nn.Module, *, group: Any, rank: int, size: int) -> Dict[str, Split]:

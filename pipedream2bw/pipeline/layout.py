@@ -65,16 +65,16 @@ def make_layout(
     tensor_parallel: int = 1,
 ) -> Layout:
     """The explicit ``rank_map`` (``[stage][replica] -> rank``) if given, else the default; with
-    ``tensor_parallel`` t > 1 the default over groups of t consecutive ranks (no map: config.validate).
+    ``tensor_parallel`` t > 1 the map (or the default) places groups of t consecutive ranks: ``rank_map[s][r] = g``
+    puts stage s of replica r on ranks g*t .. g*t+t-1 (a plan's ``rank_map`` counts groups so).
 
     Raises:
-        ConfigError: a map that is not d rows of w ranks using each of 0..d*w-1 once.
+        ConfigError: a map that is not d rows of w entries using each of 0..d*w-1 once.
     """
-    if tensor_parallel > 1:
-        groups = default_layout(num_stages, data_parallel, ranks_per_node=max(ranks_per_node // tensor_parallel, 1))
-        return Layout(tuple(tuple(g * tensor_parallel for g in row) for row in groups.ranks), tensor_parallel)
+    t = tensor_parallel
     if rank_map is None:
-        return default_layout(num_stages, data_parallel, ranks_per_node=ranks_per_node)
+        groups = default_layout(num_stages, data_parallel, ranks_per_node=max(ranks_per_node // t, 1))
+        return Layout(tuple(tuple(g * t for g in row) for row in groups.ranks), t)
     rows = [list(row) for row in rank_map]
     flat = sorted(r for row in rows for r in row)
     if (
@@ -82,8 +82,9 @@ def make_layout(
         or any(len(row) != data_parallel for row in rows)
         or flat != list(range(num_stages * data_parallel))
     ):
+        what = "ranks" if t == 1 else f"groups of {t} tensor ranks"
         raise ConfigError(
-            f"pipeline.rank_map ({rows}) must have {num_stages} rows (stages) of {data_parallel} ranks (replicas) "
-            f"using each rank 0..{num_stages * data_parallel - 1} once; or set it to null for the default placement"
+            f"pipeline.rank_map ({rows}) must have {num_stages} rows (stages) of {data_parallel} {what} (replicas) "
+            f"using each of 0..{num_stages * data_parallel - 1} once; or set it to null for the default placement"
         )
-    return Layout(tuple(tuple(row) for row in rows))
+    return Layout(tuple(tuple(g * t for g in row) for row in rows), t)

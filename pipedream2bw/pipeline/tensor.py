@@ -18,6 +18,26 @@ Split = Tuple[int, int]
 """(dim, chunks): how a parameter is divided among a tensor group (module docstring)."""
 
 
+class SharedGroup:
+    """A tensor group held by a split layer, shared (not copied) by the deep copies that hold the 2bw weight
+    versions."""
+
+    def __init__(self, group: Any):
+        self.group = group
+
+    def __deepcopy__(self, memo: Dict[int, Any]) -> "SharedGroup":
+        return self
+
+
+def _all_reduce_float32(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """The sum of ``x`` over ``group``, a new tensor in ``x``'s dtype, added in float32: under bf16 autocast the
+    unsplit matrix product that the ranks' partial products replace sums in float32 and rounds once (to within a
+    rounding of each partial, the single-process reference's value)."""
+    out = x.to(torch.float32, copy=True).contiguous()  # (B, T, C): a float32 copy, whatever x's dtype
+    dist.all_reduce(out, group=group)
+    return out.to(x.dtype)
+
+
 class _CopyTo(torch.autograd.Function):
     """f: the replicated input enters the split region; its gradient is the sum of every rank's."""
 
@@ -28,9 +48,7 @@ class _CopyTo(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
+        return _all_reduce_float32(grad, ctx.group), None
 
 
 class _ReduceFrom(torch.autograd.Function):
@@ -38,9 +56,7 @@ class _ReduceFrom(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: Any) -> torch.Tensor:
-        out = x.contiguous().clone()
-        dist.all_reduce(out, group=group)
-        return out
+        return _all_reduce_float32(x, group)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):

@@ -34,6 +34,8 @@ def check(
     mdl, t = cfg.model, cfg.train
     if cfg.data.packing == "documents" and isinstance(mdl, HFModelConfig):
         _check_hf_documents(mdl)
+    if cfg.pipeline.tensor_parallel > 1 and isinstance(mdl, HFModelConfig):
+        _check_hf_tensor_parallel(mdl, cfg.pipeline.tensor_parallel, precision=cfg.train.precision)
     vocab = _model_vocab(mdl, layers_vocab_size)
     read = isinstance(mdl, LayerListConfig) and mdl.vocab_size is None and vocab is not None
     vocab_from = "the vocabulary of the model's layers (embedding rows, head outputs)" if read else "model.vocab_size"
@@ -53,6 +55,48 @@ def _check_hf_documents(mdl: HFModelConfig) -> None:
     why = "data.packing=documents is proven with model=hf's Llama family (llama, mistral, qwen2), not"
     if hf.model_type == "gpt2":
         raise ConfigError(f"{why} gpt2 (its blocks take no positions or mask here); use llama or data.packing=windows")
+
+
+def _check_hf_tensor_parallel(mdl: HFModelConfig, t: int, *, precision: str) -> None:
+    """pipeline.tensor_parallel = t > 1 with model=hf: the Llama family (models/hf_tensor.py), t dividing its
+    attention heads, key-value heads and MLP width, no attention dropout (its masks would be drawn per rank), fp32.
+
+    Raises:
+        ConfigError: what does not fit, in one line with the fix.
+    """
+    from pipedream2bw.models.hf import resolve_config  # transformers: only for model=hf
+
+    c = resolve_config(mdl).config
+    key = f"pipeline.tensor_parallel ({t})"
+    if c.model_type == "gpt2":
+        raise ConfigError(
+            f"{key} splits model=hf's Llama family (llama, mistral, qwen2), not gpt2; set pipeline.tensor_parallel=1"
+        )
+    sizes = {
+        "num_attention_heads": c.num_attention_heads,
+        "num_key_value_heads": getattr(c, "num_key_value_heads", None) or c.num_attention_heads,
+        "intermediate_size": c.intermediate_size,
+    }
+    bad = {k: v for k, v in sizes.items() if v % t}
+    if bad:
+        raise ConfigError(
+            f"{key} must divide the model's {', '.join(f'{k} ({v})' for k, v in bad.items())}: ranks split attention "
+            "by heads (each its query heads' key-value heads) and the MLP by width; pick a divisor of "
+            f"{', '.join(f'{k} ({v})' for k, v in sizes.items())}"
+        )
+    import torch
+
+    if precision == "bf16" or (precision == "auto" and torch.cuda.is_available()):
+        raise ConfigError(
+            f"{key} with train.precision ({precision}) and model=hf: the split's partial products, rounded to bf16 "
+            "apart, left bf16's tolerance of the reference on a Llama (tests/test_tensor_hf.py); set "
+            "train.precision=fp32"
+        )
+    if getattr(c, "attention_dropout", 0.0):
+        raise ConfigError(
+            f"{key} with attention dropout ({c.attention_dropout}): each rank would draw the masks of its own heads, "
+            "unlike an unsplit run; set model.dropout=0"
+        )
 
 
 def hf_vocab_size(mdl: HFModelConfig) -> int:

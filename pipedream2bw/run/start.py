@@ -143,7 +143,7 @@ def _select_checkpoint(cfg: Config, run_dir: Path, model: RunModel) -> Optional[
 
 def _auto_plan(cfg: Config, topo: Any, *, world_size: int, model: RunModel) -> Any:
     """partition=auto's plan: t = 1 unless pipeline.tensor_parallel pins it, as at t > 1 the runtime refuses much
-    a plan may choose (swapping, sharding, bf16, Muon, layer lists) and any partition.mode but manual (validate)."""
+    a plan may choose (swapping, sharding, fp16, Muon, layer lists: validate); a plan file may have any t."""
     from partitioner.auto import plan_config
 
     kw = dict(devices=world_size, topology=topo, layers=model.layers, loss_fn=model.loss_fn, search_tensor=False)
@@ -203,11 +203,12 @@ def resolve_partition(
         raise ConfigError(text[len("ERROR ") :])
     plan = plan_from_text(text)
     log.info(
-        "partition=%s: %d stages x %d replicas, b=%d, m=%d, balance %s, recompute %s, sharded %s, weight_dtype %s; "
-        "predicted %.1f samples/s",
+        "partition=%s: %d stages x %d replicas x %d tensor ranks, b=%d, m=%d, balance %s, recompute %s, sharded %s, "
+        "weight_dtype %s; predicted %.1f samples/s",
         mode,
         plan.num_stages,
         plan.data_parallel,
+        plan.tensor_parallel,
         plan.microbatch_size,
         plan.num_microbatches,
         plan.balance,

@@ -12,6 +12,7 @@ from torch import nn
 
 from pipedream2bw.config.optimizers import TENSOR_SPLIT
 from pipedream2bw.models.gpt_tensor import split_blocks
+from pipedream2bw.models.hf_tensor import split_decoder_layers
 from pipedream2bw.pipeline import comm
 from pipedream2bw.pipeline.tensor import Split, WholeFromPieces, sharded_state, whole_state
 from pipedream2bw.run.runtime import RankPlan
@@ -75,6 +76,8 @@ def split_stage(rt: RankPlan, ctx: comm.DistContext, module: nn.Module) -> Optio
     group = comm.new_groups(ctx, rt.layout.tensor_groups())[rt.stage * rt.data_parallel + rt.replica]
     wholes = {n: p.shape for n, p in module.named_parameters()}
     splits = split_blocks(module, group=group, rank=rt.tensor_rank, size=rt.tensor_parallel)
+    # model=hf's Llama family (a stage holds GPT blocks or decoder layers)
+    splits.update(split_decoder_layers(module, group=group, rank=rt.tensor_rank, size=rt.tensor_parallel))
     pieces = {n: p.shape for n, p in module.named_parameters() if n in splits}
     for n, p in module.named_parameters():  # Muon steps a piece through its whole matrix (config.optimizers)
         if n in splits:
