@@ -53,7 +53,13 @@ def run_config(args, *, schedule: str, optimizer: str, correction: str, lr: floa
         WandbConfig,
     )
 
-    correction, _, sync = correction.partition("+sync")  # e.g. error_feedback+sync30: pipeline.sync_warmup_steps=30
+    # e.g. error_feedback+sync30: pipeline.sync_warmup_steps=30; error_feedback+beta0.5: optim.error_feedback_beta
+    correction, *options = correction.split("+")
+    sync = next((o[4:] for o in options if o.startswith("sync")), "")
+    beta = next((float(o[4:]) for o in options if o.startswith("beta")), None)
+    unknown = [o for o in options if not o.startswith(("sync", "beta"))]
+    if unknown:
+        raise ValueError(f"unknown option(s) {unknown} of correction {correction!r}: use +syncN or +betaX")
     return Config(
         pipeline=PipelineConfig(
             schedule=schedule,
@@ -65,7 +71,13 @@ def run_config(args, *, schedule: str, optimizer: str, correction: str, lr: floa
         model=GPTConfig(
             num_layers=args.num_layers, d_model=args.d_model, num_heads=args.num_heads, seq_len=args.seq_len
         ),
-        optim=OptimConfig(name=optimizer, lr=lr, delay_correction=correction, warmup_steps=args.warmup),
+        optim=OptimConfig(
+            name=optimizer,
+            lr=lr,
+            delay_correction=correction,
+            warmup_steps=args.warmup,
+            **({} if beta is None else {"error_feedback_beta": beta}),
+        ),
         data=DataConfig(path=args.data_path, val_fraction=args.val_fraction),
         train=TrainConfig(
             num_steps=args.steps,
