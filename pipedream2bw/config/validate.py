@@ -441,7 +441,7 @@ def _validate_documents(cfg: Config) -> None:
         return
     why = (
         "data.packing=documents is proven with the built-in GPT and model=hf's Llama family in fp32 (2bw, flush, "
-        "gpipe, recompute), without"
+        "gpipe, recompute, the GPT's partition=auto), without"
     )
     precision = cfg.train.precision
     if precision == "auto":  # bf16 on a CUDA device that supports it, else fp32 (memory/precision.py)
@@ -451,7 +451,11 @@ def _validate_documents(cfg: Config) -> None:
     refused = [
         (not isinstance(cfg.model, (GPTConfig, HFModelConfig)), "a layer list (model=custom)", "model=gpt or hf"),
         (precision not in (None, "fp32"), f"train.precision={cfg.train.precision}", "train.precision=fp32"),
-        (cfg.partition.mode != "manual", f"partition={cfg.partition.mode}", "partition=manual with pipeline.*"),
+        (
+            cfg.partition.mode == "auto" and not isinstance(cfg.model, GPTConfig),
+            "partition=auto for model=hf (the planner profiles its layers on windows, without the mask)",
+            "partition=manual with pipeline.*",
+        ),
         (cfg.pipeline.schedule == "zb1p", "pipeline.schedule=zb1p", "pipeline.schedule=flush"),
         (bool(cfg.optim.sharded), "optim.sharded", "it false"),
         (bool(swap_stages(cfg.swap, cfg.pipeline.num_stages)), "swap.enabled/swap.stages", "neither"),
