@@ -191,18 +191,10 @@ def make_request(
 
 def _documents_request(cfg: Config, req: Request) -> Request:
     """``req`` under data.packing=documents: only what the runtime runs with packed documents (config/validate.py's
-    ``_validate_documents``): no activation swapping or weight streaming, no tensor split (t = 1), no zb1p.
-
-    Raises:
-        ConfigError: pipeline.schedule=zb1p with packed documents (schedule=auto leaves it out).
-    """
+    ``_validate_documents``): no weight streaming (nor its host optimizer), no tensor split (t = 1)."""
     if cfg.data.packing != "documents":
         return req
-    if req.schedule in SPLIT_SCHEDULES:
-        raise ConfigError(
-            f"pipeline.schedule ({req.schedule}) with data.packing=documents: not proven; use 2bw, flush or gpipe"
-        )
-    return dataclasses.replace(req, swap=False, stream=False, tensor=None, tensor_widths=None)
+    return dataclasses.replace(req, stream=False, tensor=None, tensor_widths=None)
 
 
 def host_figures(cfg: Config) -> HostFigures:
