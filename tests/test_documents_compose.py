@@ -9,24 +9,38 @@ import dataclasses
 import pytest
 import torch
 from reference import reference_run
-from test_documents import doc_config
+from test_documents import _hf, doc_config
 from test_precision import run_jobs
 from test_semantics import assert_losses_close, max_abs_diff
 
-from pipedream2bw.config import gpt_balance, validate
+from pipedream2bw.config import validate
 
 MASK_BYTES = 2 * 16 * 16 * 4  # one block's document mask as attention saves it: (b, 1, T, T) float32, b = 2
 
 
-def reference(cfg, *, delayed):
+def reference(cfg, summary):
     """One process on the pipeline's global batch (its w * m microbatches, each replica's gradients summed first),
-    rounding to the compute dtype where a pipeline of ``cfg``'s stages sends."""
+    rounding to the compute dtype where the pipeline of ``summary`` (its stages' balance) sends."""
     p = cfg.pipeline
     one = dataclasses.replace(
         cfg, pipeline=dataclasses.replace(p, num_microbatches=p.data_parallel * p.num_microbatches)
     )
-    balance = gpt_balance(cfg.model, p.num_stages)
-    return reference_run(one, delayed=delayed, replicas=(p.data_parallel,) * 2, balance=balance)
+    delayed = p.schedule == "2bw"
+    return reference_run(one, delayed=delayed, replicas=(p.data_parallel,) * 2, balance=summary["balance"])
+
+
+def assert_as_one_process(cfg, summary, weights):
+    ref = reference(cfg, summary)
+    torch.testing.assert_close(weights, ref.weights, rtol=1e-5, atol=1e-7)
+    assert_losses_close(summary["losses"], ref.losses)
+
+
+def assert_swapped_bit_for_bit(swapped, plain):
+    (summary, weights), (base, base_weights) = swapped, plain
+    assert all(torch.equal(weights[k], base_weights[k]) for k in base_weights) and summary["losses"] == base["losses"]
+    sw = summary["ranks"][0]["swap"]
+    assert sw["swapped_out"] > 0 and sw["unused"] == 0
+    assert (sw["swapped_in"], sw["swapped_in_bytes"]) == (sw["swapped_out"], sw["swapped_out_bytes"])
 
 
 def _config(tmp_path, **kw):
@@ -48,18 +62,9 @@ def test_bf16_zb1p_and_swapping_with_documents_train_as_one_process(tmp_path):
     swapped.swap.stages, swapped.swap.resident, swapped.swap.min_bytes = [0], 0, MASK_BYTES
     runs = run_jobs(tmp_path, [plain, bf16, zb1p, swapped], world_size=2)
     for cfg, (summary, weights) in zip([plain, bf16, zb1p], runs):
-        ref = reference(cfg, delayed=cfg.pipeline.schedule == "2bw")
-        torch.testing.assert_close(weights, ref.weights, rtol=1e-5, atol=1e-7)
-        assert_losses_close(summary["losses"], ref.losses)
+        assert_as_one_process(cfg, summary, weights)
     assert runs[1][0]["compute_dtype"] == "bfloat16" and max_abs_diff(runs[1][1], runs[0][1]) > 1e-3
-    (summary, weights), (base, base_weights) = runs[3], runs[0]
-    assert all(torch.equal(weights[k], base_weights[k]) for k in base_weights) and summary["losses"] == base["losses"]
-    sw = summary["ranks"][0]["swap"]
-    assert sw["swapped_out"] > 0 and (sw["swapped_in"], sw["swapped_in_bytes"]) == (
-        sw["swapped_out"],
-        sw["swapped_out_bytes"],
-    )
-    assert sw["unused"] == 0
+    assert_swapped_bit_for_bit(runs[3], runs[0])
 
 
 @pytest.mark.slow
@@ -67,6 +72,26 @@ def test_sharded_optimizer_with_documents_trains_as_one_process(tmp_path):
     cfg = _config(tmp_path, d=2, w=2, m=2)
     cfg.optim.sharded = True
     ((summary, weights),) = run_jobs(tmp_path, [cfg], world_size=4)
-    ref = reference(cfg, delayed=True)
-    torch.testing.assert_close(weights, ref.weights, rtol=1e-5, atol=1e-7)
-    assert_losses_close(summary["losses"], ref.losses)
+    assert_as_one_process(cfg, summary, weights)
+
+
+@pytest.mark.slow
+@pytest.mark.long
+def test_a_llama_with_documents_composes_as_the_gpt_does(tmp_path):
+    # model=hf's Llama family builds its 4-D mask from the positions in each decoder layer: bf16, zb1p, swapping
+    # (bit for bit) at d = 2, optim.sharded at d = 2 x w = 2
+    pytest.importorskip("transformers")
+    plain, bf16, zb1p, swapped = (_config(tmp_path, **kw) for kw in ({}, {}, {"schedule": "zb1p"}, {}))
+    for cfg in (plain, bf16, zb1p, swapped):
+        cfg.model = _hf("llama")
+    bf16.train.precision = "bf16"
+    swapped.swap.stages, swapped.swap.resident, swapped.swap.min_bytes = [0], 0, MASK_BYTES
+    runs = run_jobs(tmp_path / "d2", [plain, bf16, zb1p, swapped], world_size=2)
+    for cfg, (summary, weights) in zip([plain, bf16, zb1p], runs):
+        assert_as_one_process(cfg, summary, weights)
+    assert max_abs_diff(runs[1][1], runs[0][1]) > 1e-4  # far outside the comparison's tolerance: bf16 shows
+    assert_swapped_bit_for_bit(runs[3], runs[0])
+    sharded = _config(tmp_path, d=2, w=2, m=2)
+    sharded.model, sharded.optim.sharded = _hf("llama"), True
+    ((summary, weights),) = run_jobs(tmp_path / "d2w2", [sharded], world_size=4)
+    assert_as_one_process(sharded, summary, weights)
