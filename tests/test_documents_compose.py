@@ -50,6 +50,7 @@ def _config(tmp_path, **kw):
 
 
 @pytest.mark.slow
+@pytest.mark.long  # the default tier has these pairs in the matrix's documents cells (tests/matrix.py)
 def test_bf16_zb1p_and_swapping_with_documents_train_as_one_process(tmp_path):
     plain = _config(tmp_path)
     bf16 = _config(tmp_path)
@@ -69,6 +70,7 @@ def test_bf16_zb1p_and_swapping_with_documents_train_as_one_process(tmp_path):
 
 @pytest.mark.slow
 def test_sharded_optimizer_with_documents_trains_as_one_process(tmp_path):
+    # in the default tier: the matrix's documents cell with optim.sharded has w = 1, where sharding is inert
     cfg = _config(tmp_path, d=2, w=2, m=2)
     cfg.optim.sharded = True
     ((summary, weights),) = run_jobs(tmp_path, [cfg], world_size=4)
