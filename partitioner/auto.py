@@ -16,7 +16,13 @@ import torch
 
 from partitioner import time_to_loss
 from partitioner.planner import HostFigures, Plan, Request, _order, _streams, plan
-from partitioner.profile import analytic_gpt, profile_gpt, profile_layer_list, runtime_baseline_bytes
+from partitioner.profile import (
+    analytic_gpt,
+    profile_gpt,
+    profile_layer_list,
+    runtime_baseline_bytes,
+    with_document_mask,
+)
 from partitioner.tensor import TensorShape
 from partitioner.topology import GIB, num_devices
 from pipedream2bw.config import (
@@ -181,7 +187,16 @@ def make_request(
         host=HostFigures(step=cfg.swap.host_step),
         **tensor_request(cfg, planned_precision(cfg, topo), search=search_tensor),
     )
+    req = _documents_request(cfg, req)
     return dataclasses.replace(req, host=host_figures(cfg)) if _streams(req, 1) else req
+
+
+def _documents_request(cfg: Config, req: Request) -> Request:
+    """``req`` under data.packing=documents: only what the runtime runs with packed documents (config/validate.py's
+    ``_validate_documents``): no weight streaming (nor its host optimizer), no tensor split (t = 1)."""
+    if cfg.data.packing != "documents":
+        return req
+    return dataclasses.replace(req, stream=False, tensor=None, tensor_widths=None)
 
 
 def host_figures(cfg: Config) -> HostFigures:
@@ -263,7 +278,13 @@ def _plan_schedules(cfg: Config, *, runners_up: int, **kwargs) -> List[Plan]:
 
 def _cost_fns(cfg: Config, req: Request, *, layers, loss_fn):
     """``costs(optim)``: the per-layer cost function (microbatch size -> costs) of the model under ``optim``."""
+    documents = cfg.data.packing == "documents"  # rows padded to seq_len, plus the document mask's costs
     if layers is not None or not isinstance(cfg.model, GPTConfig):
+        if documents:
+            raise ConfigError(
+                "partition=auto with data.packing=documents plans the built-in GPT only (a layer list is profiled on "
+                "windows, without the document mask); use model=gpt, or partition=manual with pipeline.*"
+            )
         if req.costs != "profile":
             raise ConfigError(
                 f"partition.costs ({cfg.partition.costs}) with topology.device {cfg.topology.device!r}: analytic costs "
@@ -294,13 +315,15 @@ def _cost_fns(cfg: Config, req: Request, *, layers, loss_fn):
                 cache_dir=cfg.partition.cache_dir,
                 seed=cfg.seed,
                 precision=req.precision,
+                documents=documents,
             )
         )
-    return lambda optim: (
-        lambda b: analytic_gpt(
-            cfg.model, optim, b, req.topology, precision=req.precision, weight_dtype=req.weight_dtype
-        )
-    )
+
+    def analytic(optim: OptimConfig, b: int):
+        layers = analytic_gpt(cfg.model, optim, b, req.topology, precision=req.precision, weight_dtype=req.weight_dtype)
+        return with_document_mask(layers, cfg.model, b, req.topology, precision=req.precision) if documents else layers
+
+    return lambda optim: lambda b: analytic(optim, b)
 
 
 def host_optimizer(optim: OptimConfig) -> OptimConfig:

@@ -125,10 +125,13 @@ def profile_layer(
     repeats: int = 5,
     warmup: int = 2,
     precision: str = "fp32",
+    documents: bool = False,
 ) -> LayerCost:
     """Measures one layer at microbatch size ``b`` (see the module docstring), its forward under
     ``precision``'s autocast with float32 weights, as a stage runs it; inputs and outputs in the
-    compute dtype, as they cross stages."""
+    compute dtype, as they cross stages. ``documents`` (data.packing=documents): the layer takes and passes on the
+    packed rows' positions (``document_positions``), the blocks attend through the document mask, and the loss
+    weighs its targets, as the runtime's packed rows do."""
     layer = layer.to(device)
     tag_muon_params(layer, optim.muon_exclude)  # optim.name=muon: which parameters Muon steps, as a stage tags them
     params = list(layer.parameters())
@@ -140,15 +143,22 @@ def profile_layer(
     else:
         x = torch.randn(b, T, C, generator=gen).to(device, wire).requires_grad_()
     targets = torch.randint(0, cfg.vocab_size, (b, T), generator=gen).to(device)
+    positions = document_positions(b, T).to(device) if documents else None
+    pos_bytes = 0 if positions is None else positions.numel() * positions.element_size()  # cross beside x
+    if documents:
+        targets = (targets, torch.full((b, T), 1.0 / (b * T), device=device))  # (ids, weights), as packed rows
 
     # as StageWorker.forward: float32 in, autocast, loss in float32, sent in the wire dtype
     def forward() -> torch.Tensor:
         with precisions.autocast(precision, device.type):
-            out = layer(x.float() if x.is_floating_point() else x)
-        return lm_loss(out.float(), targets) if kind == "head" else out.to(wire)
+            inp = x.float() if x.is_floating_point() else x
+            out = layer(inp if positions is None else (inp, positions))
+        if kind == "head":
+            return lm_loss(out.float(), targets)
+        return (out if positions is None else out[0]).to(wire)
 
     out = forward()
-    out_bytes = 0 if kind == "head" else out.numel() * out.element_size()
+    out_bytes = 0 if kind == "head" else out.numel() * out.element_size() + pos_bytes
     grad = None if kind == "head" else torch.randn(out.shape, generator=gen).to(device, out.dtype)
     return _measure(
         kind,
@@ -157,12 +167,19 @@ def profile_layer(
         params,
         [x] if x.requires_grad else [],
         optim,
-        input_bytes=x.numel() * x.element_size(),
+        input_bytes=x.numel() * x.element_size() + pos_bytes,
         output_bytes=out_bytes,
         device=device,
         warmup=warmup,
         repeats=repeats,
     )
+
+
+def document_positions(b: int, T: int) -> torch.Tensor:
+    """Positions of packed rows for profiling (data.packing=documents): documents of T/4 tokens, restarting at 0 ->
+    (b, T) int64. The mask's cost does not depend on where the documents end: the blocks build a (b, 1, T, T) mask
+    and attention reads all of it whatever it holds."""
+    return (torch.arange(T) % max(1, T // 4)).expand(b, T).contiguous()
 
 
 def _measure(
@@ -201,10 +218,18 @@ def _measure(
 
 
 def _cache_key(
-    cfg: GPTConfig, optim: OptimConfig, b: int, device: torch.device, dtype: torch.dtype, threads: int
+    cfg: GPTConfig,
+    optim: OptimConfig,
+    b: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    threads: int,
+    documents: bool = False,
 ) -> str:
+    extra = {"documents": True} if documents else {}  # windows' keys stay as they were (their caches hold)
     desc = json.dumps(
         {
+            **extra,
             "v": CACHE_VERSION,
             "model": dataclasses.asdict(cfg),
             "optim": {"name": optim.name.lower(), "kwargs": dict(optim.kwargs), **extra_optim_settings(optim)},
@@ -230,14 +255,16 @@ def profile_gpt(
     use_cache: bool = True,
     seed: int = 0,
     precision: str = "fp32",
+    documents: bool = False,
 ) -> List[LayerCost]:
     """Measured costs of every layer of the GPT at microbatch size ``b`` under a resolved
-    ``precision`` (fp32, bf16, fp16), from the cache if there."""
+    ``precision`` (fp32, bf16, fp16), on packed rows with their document mask where ``documents``
+    (data.packing=documents), from the cache if there."""
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     threads = 1 if device.type == "cpu" else torch.get_num_threads()
     path = (
         Path(cache_dir or default_cache_dir())
-        / f"profile-{_cache_key(cfg, optim, b, device, precisions.compute_dtype(precision), threads)}.json"
+        / f"profile-{_cache_key(cfg, optim, b, device, precisions.compute_dtype(precision), threads, documents)}.json"
     )
     if use_cache and path.is_file():
         try:
@@ -254,7 +281,7 @@ def profile_gpt(
             if kind not in kinds:
                 layer = build_gpt_layers(cfg, seed=seed, indices=[i])[0]
                 kinds[kind] = profile_layer(
-                    layer, cfg, optim, kind, b, device=device, repeats=repeats, precision=precision
+                    layer, cfg, optim, kind, b, device=device, repeats=repeats, precision=precision, documents=documents
                 )
     finally:
         torch.set_num_threads(saved_threads)
@@ -365,6 +392,39 @@ def analytic_gpt(
                 )
             )
     return layers
+
+
+def with_document_mask(
+    layers: Sequence[LayerCost], cfg: GPTConfig, b: int, topo: TopologyConfig, *, precision: str = "fp32"
+) -> List[LayerCost]:
+    """``analytic_gpt``'s ``layers`` on packed documents (data.packing=documents). Every row is padded to
+    model.seq_len (a fixed bucket), so a microbatch costs the windows' figures plus the mask's:
+
+    - memory: each block's attention saves the (b, 1, T, T) mask for its backward in the compute dtype (SDPA
+      converts the boolean mask to an additive one: measured with saved_tensors_hooks, 4 bytes an element under
+      fp32, tests/test_plan_documents.py); the (b, T) int64 positions cross every boundary beside the activations;
+    - time: the mask's bytes at the device's memory bandwidth: built (two (b, T, T) boolean passes and the
+      conversion), read by each head's attention once forward and twice backward.
+    """
+    T, H = cfg.seq_len, cfg.num_heads
+    bw, dt = topo.memory_bw_gbps * 1e9, precisions.compute_dtype(precision).itemsize
+    mask = b * T * T * dt  # (b, 1, T, T) in the compute dtype: what attention saves
+    pos = b * T * 8  # (b, T) int64
+    build_s, read_s = (b * T * T * 4 + mask) / bw, H * mask / bw
+    out = []
+    for layer in layers:
+        kind = layer.name.split(":", 1)[1]
+        extra = dict(input_bytes=layer.input_bytes + pos)  # the embedding's: ids and positions
+        if kind != "head":  # the head drops the positions
+            extra["output_bytes"] = layer.output_bytes + pos
+        if kind == "block":
+            extra.update(
+                saved_bytes=layer.saved_bytes + mask,
+                forward_s=layer.forward_s + build_s + read_s,
+                backward_s=layer.backward_s + 2 * read_s,
+            )
+        out.append(dataclasses.replace(layer, **extra))
+    return out
 
 
 def warm_up_runtime() -> None:

@@ -6,7 +6,10 @@ import dataclasses
 import itertools
 import json
 import math
+import os
+import random
 import re
+import tempfile
 import time
 from collections import OrderedDict
 from pathlib import Path
@@ -73,6 +76,10 @@ FACTORS: "OrderedDict[str, Tuple[Any, ...]]" = OrderedDict(
     # pipeline.schedule=zb1p in place of a flush cell's flush: the same update (the flush reference), each backward
     # split into B (input gradient) and W (weight gradient, later: run/split_backward.py)
     zero_bubble=(False, True),
+    # data.packing=documents (issue 45): the shipped example documents packed into rows of SEQ_LEN, each attending
+    # only within its documents (positions across every boundary beside the activations), the loss the mean over the
+    # batch's unmasked tokens
+    documents=(False, True),
 )
 # Features that only matrix.EXTRA's cells vary (no factor of the arrays: a cell each, issue 46), Cell fields whose
 # constraints and refusals below are checked all the same: pipeline.sync_warmup_steps=SYNC_WARMUP (2bw: the first
@@ -143,6 +150,7 @@ class Cell:
     sync_warmup: bool = False
     predict: bool = False
     zero_bubble: bool = False
+    documents: bool = False
 
     @property
     def run_schedule(self) -> str:
@@ -170,6 +178,8 @@ class Cell:
             parts.append("sync")
         if self.stream:
             parts.append("stream")
+        if self.documents:
+            parts.append("docs")
         if self.resume:
             d, w = RESUME_AT[(self.d, self.w)]
             parts.append(f"resume-d{d}w{w}")
@@ -369,6 +379,32 @@ REFUSED += [
     ),
 ]
 
+# data.packing=documents (config/validate.py _validate_documents): what packed documents are not proven with
+DOCUMENTS = "data.packing=documents is proven with"
+REFUSED += [
+    (
+        ("precision", "documents"),
+        lambda r: r["documents"] and r["precision"] == "fp16",
+        DOCUMENTS + r".* without train.precision=fp16",
+        "fp16's loss scaling with the weighted loss is not proven",
+        dict(schedule="2bw", d=2, w=1, precision="fp16", documents=True, weight_dtype="fp32"),
+    ),
+    (
+        ("host_optim", "stream", "documents"),
+        lambda r: r["documents"] and (r["host_optim"] or r["stream"]),
+        DOCUMENTS + r".* without swap.weights/swap.optimizer",
+        "the host optimizer and weight streaming are not proven with packed documents",
+        dict(schedule="2bw", d=2, w=1, host_optim=True, stream=False, documents=True, sync_warmup=False),
+    ),
+    (
+        ("structured", "documents"),
+        lambda r: r["documents"] and r["structured"],
+        DOCUMENTS + r".* without a layer list \(model=custom\)",
+        "a layer list would have to take the positions",
+        dict(schedule="2bw", d=2, w=1, structured=True, documents=True, weight_dtype="fp32"),
+    ),
+]
+
 # Rows every array holds (the generator fills their other factors): the combinations that once trained
 # silently wrong, which a pairwise array need not contain (they are 3- and 4-way interactions).
 PRESETS: List[Dict[str, Any]] = [
@@ -456,7 +492,7 @@ def refusal(cell: Cell) -> Optional[str]:
 # Factors added after the arrays were first drawn, in order: each is laid over the arrays of the factors before it,
 # whose cells stay as they were (the new factor at its plain value); the generator then adds the cells the new
 # factor's combinations need. Adding a factor thus adds its own cells only, instead of redrawing every cell.
-LAYERED = ("stream", "lookahead", "zero_bubble")
+LAYERED = ("stream", "lookahead", "zero_bubble", "documents")
 # Layered factors that only the 3-wise array (matrix_full) varies; the pairwise one holds them at their plain value, and
 # EXTRA holds a cell of each. lookahead: its 4 pairwise cells cost the default tier ~40 s on this 2-core machine.
 FULL_ONLY = ("lookahead",)
@@ -571,7 +607,7 @@ def cell_config(cell: Cell, *, layout: Optional[Tuple[int, int]] = None, resume:
                 **(dict(delay_correction="predict") if cell.predict else {}),
             }
         ),
-        data=DataConfig(val_fraction=0.1 if cell.validation else 0.0),
+        data=DataConfig(val_fraction=0.1 if cell.validation else 0.0, **(_short_documents() if cell.documents else {})),
         train=TrainConfig(
             num_steps=NUM_STEPS,
             log_every=100,
@@ -599,6 +635,24 @@ def cell_config(cell: Cell, *, layout: Optional[Tuple[int, int]] = None, resume:
         ),
         seed=3,
     )
+
+
+def _short_documents() -> Dict[str, Any]:
+    """A documents cell's data section: 64 byte-level documents of 1 to 12 bytes (one in three a prompt/response
+    pair), so that a row of SEQ_LEN slots holds several and the mask shows (the shipped example's documents are
+    longer than a row: each piece would attend to itself alone). Written once, the same bytes every time."""
+    path = Path(tempfile.gettempdir()) / "pd2bw-matrix-documents-v1.jsonl"
+    if not path.exists():
+        rng = random.Random(45)
+        lines = []
+        for i in range(64):
+            text = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz ") for _ in range(rng.randint(1, 12)))
+            cut = rng.randint(0, len(text))
+            lines.append({"prompt": text[:cut], "response": text[cut:]} if i % 3 == 0 else {"text": text})
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text("".join(json.dumps(line) + "\n" for line in lines))
+        os.replace(tmp, path)
+    return dict(path=str(path), packing="documents")
 
 
 LOOKAHEAD_EPS = 1e-3  # NAdamW's eps in look-ahead cells (torch's 1e-8): see LOOKAHEAD
