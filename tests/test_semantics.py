@@ -87,6 +87,18 @@ def test_zero_bubble_equals_minibatch_training(tmp_path, d, m):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("d,m", [(2, 4), (2, 8)])
+def test_zero_bubble_v_equals_minibatch_training(tmp_path, d, m):
+    """zbv's two chunks a rank (0 and 3 on rank 0, 1 and 2 on rank 1 at d=2; 1 -> 2 a hand-off in memory), each
+    backward split into B and W, is flush's update, exactly."""
+    summary = run_ok(tiny_config(schedule="zbv", num_stages=d, num_microbatches=m, optim="adam"), tmp_path)
+    expected, expected_losses = _oracle(m, "adam", False)
+    torch.testing.assert_close(torch.load(tmp_path / "final_model.pt"), expected)
+    assert_losses_close(summary["losses"], expected_losses)
+    assert summary["schedule"] == "zbv"
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["2bw", "flush", "gpipe"])
 def test_results_do_not_depend_on_depth(tmp_path, schedule):
     runs = {}

@@ -347,7 +347,32 @@ def validate(
     _validate_tensor_parallel(cfg, gpt=gpt, local_world_size=local_world_size)
     _validate_sync_warmup(cfg)
     _validate_split_backward(cfg)
+    _validate_v_schedule(cfg)
     return balance
+
+
+def _validate_v_schedule(cfg: Config) -> None:
+    """pipeline.schedule=zbv: two chunks a rank (run/chunks.py), proven against the flush reference with AdamW in
+    fp32 on gloo, at w >= 1; what it is not proven with is refused in one line naming the key."""
+    if cfg.pipeline.schedule != "zbv":
+        return
+    why = "pipeline.schedule=zbv (two chunks a rank) is proven in fp32 on gloo without"
+    refused = [
+        (cfg.dist.backend == "nccl" or bool(cfg.dist.batch_p2p), "dist.backend=nccl/dist.batch_p2p", "gloo, null"),
+        (cfg.train.precision not in ("fp32", "auto"), f"train.precision={cfg.train.precision}", "fp32"),
+        (getattr(cfg.model, "tie_embeddings", False), "model.tie_embeddings", "it false"),
+        (bool(cfg.train.eval_every), "train.eval_every (validation passes)", "it 0"),
+        (cfg.partition.mode != "manual", f"partition={cfg.partition.mode}", "partition=manual with pipeline.*"),
+        (bool(cfg.optim.sharded), "optim.sharded", "it false"),
+        (bool(swap_stages(cfg.swap, cfg.pipeline.num_stages)), "swap.enabled/swap.stages", "neither"),
+        (cfg.swap.weights or cfg.swap.optimizer != "device", "swap.weights/swap.optimizer", "their defaults"),
+        (cfg.pipeline.recompute, "pipeline.recompute", "it false"),
+        (cfg.pipeline.tensor_parallel > 1, "pipeline.tensor_parallel > 1", "it 1"),
+        (cfg.data.packing != "windows", "data.packing=documents", "data.packing=windows"),
+    ]
+    for bad, what, fix in refused:
+        if bad:
+            raise ConfigError(f"{why} {what}; set {fix}, or use pipeline.schedule=zb1p")
 
 
 def _tensor_parallel_refusal(cfg: Config, *, gpt: bool) -> Optional[str]:
@@ -543,17 +568,20 @@ def _validate_balance(cfg: Config, num_layers: int, *, gpt: bool) -> List[int]:
         )
     if p.bucket_mb <= 0:
         raise ConfigError(f"pipeline.bucket_mb ({p.bucket_mb}) must be > 0")
-    if d > num_layers:
+    c = 2 * d if p.schedule == "zbv" else d  # zbv: 2d chunks, two a rank
+    if c > num_layers:
         raise ConfigError(
-            f"pipeline.num_stages ({d}) is more than the model's {num_layers} layers; "
-            f"lower pipeline.num_stages or add layers (model.num_layers)"
+            f"pipeline.num_stages ({d}) is more than the model's {num_layers} layers"
+            + (" can split into (zbv: 2 chunks a stage)" if c > d else "")
+            + "; lower pipeline.num_stages or add layers (model.num_layers)"
         )
-    default = gpt_balance(mdl, d) if gpt else even_balance(num_layers, d)
+    default = gpt_balance(mdl, c) if gpt else even_balance(num_layers, c)
     balance = list(p.balance) if p.balance is not None else default
-    if len(balance) != d or any(n < 1 for n in balance) or sum(balance) != num_layers:
+    if len(balance) != c or any(n < 1 for n in balance) or sum(balance) != num_layers:
         raise ConfigError(
-            f"pipeline.balance ({balance}) must list {d} positive layer counts (one per stage) "
-            f"summing to the model's {num_layers} layers; e.g. pipeline.balance={default}"
+            f"pipeline.balance ({balance}) must list {c} positive layer counts (one per "
+            + ("chunk: zbv runs 2 a stage" if c > d else "stage")
+            + f") summing to the model's {num_layers} layers; e.g. pipeline.balance={default}"
         )
     if p.schedule == "2bw" and m < d:
         raise ConfigError(
