@@ -481,3 +481,19 @@ def test_show_schedule_zb1p_idles_less_than_flush(monkeypatch, capsys):
         idle[schedule] = float(line.split("idle fraction ")[1].split(";")[0])
         assert ("W" in out[0]) == (schedule == "zb1p")  # stage 0's row shows its W's
     assert idle == {"flush": 0.30, "zb1p": 0.14}
+
+
+def test_show_schedule_zbv_names_each_actions_chunk(monkeypatch, capsys):
+    script = Path(__file__).resolve().parents[1] / "scripts" / "show_schedule.py"
+    args = ["--schedule", "zbv", "--num-stages", "2", "--num-microbatches", "4", "--num-batches", "1"]
+    monkeypatch.setattr(sys, "argv", [str(script), *args])
+    runpy.run_path(str(script), run_name="__main__")
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("stage 0: 0F0 0F1 0F2 3F0 3B0 3W0") and out[1].startswith("stage 1:   . 1F0 2F0 1F1")
+    assert "weight versions per stage: [1, 1]" in out[3]
+    assert any("chunks 1 and 2, both on rank 1, hand their tensors over in memory" in x for x in out)
+    assert any(x.startswith("   0  0F0 0SEND_F0") for x in out)  # the lowered table names chunks too
+    monkeypatch.setattr(sys, "argv", [str(script), *args, "--batch-sends"])
+    with pytest.raises(SystemExit):
+        runpy.run_path(str(script), run_name="__main__")
+    assert "zbv is lowered for gloo only" in capsys.readouterr().err

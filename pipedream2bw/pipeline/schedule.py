@@ -575,11 +575,16 @@ def render(grid: Sequence[Sequence[Optional[Action]]]) -> str:
     return "\n".join(lines)
 
 
-def _cell(actions: Sequence[Action], mark: Optional[int] = None, offset: int = 0) -> str:
-    """Actions without their stage, ``>X<`` around the one at position ``mark`` (positions from ``offset``)."""
-    return " ".join(
-        f">{a.kind}{a.index}<" if offset + i == mark else f"{a.kind}{a.index}" for i, a in enumerate(actions)
-    )
+def _cell(actions: Sequence[Action], mark: Optional[int] = None, offset: int = 0, named: bool = False) -> str:
+    """Actions without their stage (``named``: with it, as a rank of two chunks needs), ``>X<`` around the one at
+    position ``mark`` (positions from ``offset``)."""
+    text = [str(a) if named else f"{a.kind}{a.index}" for a in actions]
+    return " ".join(f">{x}<" if offset + i == mark else x for i, x in enumerate(text))
+
+
+def _named(actions: Sequence[Action]) -> bool:
+    """Whether a rank's list holds several chunks' actions (zbv), so that a cell must name each one's chunk."""
+    return len({a.stage_index for a in actions if a.kind != STEP}) > 1
 
 
 def render_lowered(lowered_per_stage: Sequence[Sequence[Action]]) -> str:
@@ -592,7 +597,7 @@ def render_lowered(lowered_per_stage: Sequence[Sequence[Action]]) -> str:
         tick_of = {row[s]: t for t, row in enumerate(grid) if row[s] is not None}
         column = ["."] * len(grid)
         for step in steps(stage):
-            column[tick_of[step.compute]] = _cell(stage[step.start : step.stop])
+            column[tick_of[step.compute]] = _cell(stage[step.start : step.stop], named=_named(stage))
         for t, c in enumerate(column):
             cells[t].append(c)
     widths = [max([len(f"stage {s}")] + [len(row[s]) for row in cells]) for s in range(len(lowered_per_stage))]
@@ -607,7 +612,7 @@ def render_steps(actions: Sequence[Action], *, mark: Optional[int] = None, conte
     all_steps = steps(actions)
     lines = []
     for n, st in enumerate(all_steps):
-        lines.append(f"step {n:5d}: {_cell(actions[st.start : st.stop], mark, st.start)}")
+        lines.append(f"step {n:5d}: {_cell(actions[st.start : st.stop], mark, st.start, _named(actions))}")
     if mark is not None and context is not None:
         at = next((n for n, st in enumerate(all_steps) if st.start <= mark < st.stop), len(all_steps) - 1)
         lo, hi = max(0, at - context), min(len(lines), at + context + 1)
