@@ -356,9 +356,12 @@ def _validate_v_schedule(cfg: Config) -> None:
     fp32 on gloo, at w >= 1; what it is not proven with is refused in one line naming the key."""
     if cfg.pipeline.schedule != "zbv":
         return
+    import torch
+
     why = "pipeline.schedule=zbv (two chunks a rank) is proven in fp32 on gloo without"
+    nccl = cfg.dist.backend == "nccl" or (cfg.dist.backend == "auto" and torch.cuda.is_available())
     refused = [
-        (cfg.dist.backend == "nccl" or bool(cfg.dist.batch_p2p), "dist.backend=nccl/dist.batch_p2p", "gloo, null"),
+        (nccl or bool(cfg.dist.batch_p2p), "NCCL or dist.batch_p2p (sends held)", "dist.backend=gloo and no batch_p2p"),
         (cfg.train.precision not in ("fp32", "auto"), f"train.precision={cfg.train.precision}", "fp32"),
         (getattr(cfg.model, "tie_embeddings", False), "model.tie_embeddings", "it false"),
         (bool(cfg.train.eval_every), "train.eval_every (validation passes)", "it 0"),
