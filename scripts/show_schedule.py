@@ -90,7 +90,7 @@ def main() -> None:
     busy = sum(a is not None and a.kind != STEP for row in grid for a in row)
     kinds = "F, B (input gradient) and W (weight gradient)" if args.schedule in SPLIT_SCHEDULES else "F and B"
     if args.schedule in V_SCHEDULES:
-        kinds += " of a chunk, half a stage"
+        kinds += " of a chunk (half a stage)"
     print(
         f"\n{len(grid)} ticks ({kinds} one tick each, S one tick); idle fraction "
         f"{1 - busy / (len(grid) * d):.2f}; weight versions per stage: "
