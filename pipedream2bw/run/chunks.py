@@ -157,3 +157,13 @@ def arm_at_last_weight(worker: Any, k: int) -> None:
         if chunk is not worker._chunk:
             for i in chunk.param_indices:
                 worker.reducer.gradient_ready(replica, i)
+
+
+def held_bytes(worker: Any) -> int:
+    """Bytes autograd holds for the microbatches in flight on both chunks (stashed or awaiting W), each chunk's
+    count times what it saves for one microbatch (measured on its first forward)."""
+    total = 0
+    for c in worker._chunks.values():
+        saved = worker._saved_bytes if c is worker._chunk else c._saved_bytes
+        total += (len(c._stash) + len(c._weight_work)) * (saved or 0)
+    return total

@@ -328,7 +328,8 @@ class StageWorker:
             )
         self._stash[k] = (x, out)
         held = len(self._stash) + len(self._weight_work)  # zb1p: a microbatch's tensors stay until its W
-        self.stats.peak_stash_bytes = max(self.stats.peak_stash_bytes, held * self._saved_bytes)
+        held = held * self._saved_bytes if not self._chunks else v_chunks.held_bytes(self)  # zbv: both chunks'
+        self.stats.peak_stash_bytes = max(self.stats.peak_stash_bytes, held)
 
     def _watch_buffers(self, module: torch.nn.Module, k: int) -> None:
         """Before F k: the first forward finds the buffers training changes; the first of each batch keeps them
