@@ -387,7 +387,8 @@ def data(
         (training feed, validation feed, evaluator), None where this rank has none.
     """
     feed = val_feed = None
-    if rt.stage in (0, rt.num_stages - 1):  # only the first (inputs) and last (targets) stages open the data (zbv: 0)
+    last = 0 if rt.schedule in schedule.V_SCHEDULES else rt.num_stages - 1  # zbv: rank 0 holds the last chunk
+    if rt.stage in (0, last):  # only the first (inputs) and last (targets) stages open the data
         feed, val_feed = make_feeds(
             data,
             seq_len=rt.seq_len,
