@@ -116,6 +116,7 @@ def tensor_request(cfg: Config, precision: str, *, search: Optional[bool] = None
             vocab_size=m.vocab_size,
             act_bytes=precisions.compute_dtype(precision).itemsize,
             kinds=tuple(layer_kind(m, i) for i in range(model_num_layers(m))),
+            muon=is_muon(cfg.optim),
         )
     return dict(
         tensor=shape,
@@ -157,6 +158,7 @@ def make_request(
         memory_per_device_bytes=topo.memory_per_device_gib * GIB,
         runtime_bytes=runtime_bytes,
         schedule=p.schedule,
+        forward_lead=p.forward_lead,
         objective=cfg.partition.objective,
         depths=cfg.partition.depths,
         microbatch_sizes=cfg.partition.microbatch_sizes,
@@ -178,8 +180,8 @@ def make_request(
         ),
         tied=bool(getattr(cfg.model, "tie_embeddings", False)),
         early_apply=not (cfg.train.eval_every or p.check_ties),
-        # the rest of what swap.weights refuses (fp16, clipping, ties, w > 1, ...) the search checks itself
-        stream=cfg.partition.stream and not cfg.train.eval_every and p.schedule not in SPLIT_SCHEDULES,
+        # the rest of what swap.weights refuses (fp16, ties, ...) the search checks itself (planner._streams)
+        stream=cfg.partition.stream and p.schedule not in SPLIT_SCHEDULES,
         weight_prefetch=cfg.swap.weight_prefetch,
         host=HostFigures(step=cfg.swap.host_step),
         **tensor_request(cfg, planned_precision(cfg, topo), search=search_tensor),
@@ -299,7 +301,11 @@ def _cost_fns(cfg: Config, req: Request, *, layers, loss_fn):
                 precision=req.precision,
             )
         )
-    return lambda optim: lambda b: analytic_gpt(cfg.model, optim, b, req.topology, precision=req.precision)
+    return lambda optim: (
+        lambda b: analytic_gpt(
+            cfg.model, optim, b, req.topology, precision=req.precision, weight_dtype=req.weight_dtype
+        )
+    )
 
 
 def host_optimizer(optim: OptimConfig) -> OptimConfig:

@@ -44,25 +44,32 @@ GPipe runs its forwards back to back, then its backwards: ``max(0, t - F)`` plus
 Streamed stage (``swap.weights``; ``pipedream2bw/memory/stream.py``): its weight versions, gradient accumulators and
 optimizer state are in host memory; the device holds what ``stream.device_bytes_model`` says (the ``window + 1``
 largest layers' weights and one layer's gradients: weights and gradients below, optimizer 0), and the stage also
-swaps its activations (the runtime's ``swap.stages`` name both). Time, per microbatch, with ``t_k`` layer k's
-float32 weights over the host-device bandwidth and one copy stream: the forward takes layer k's copy while layer
-k+1's is coming (window >= 1), so it stalls ``t_first + sum max(0, t_(k+1) - F_k)``; the backward takes them in
-reverse, each layer's gradients leaving synchronously on the compute stream (``t_k`` more, exposed), so it stalls
-``t_last + sum max(0, t_(k-1) - (B_k + t_k)) + sum t_k`` (B_k + F_k with recomputation). Window 0: every copy
-is exposed. Exact for window 1 with the first copy of each pass exposed; for larger windows an upper bound (they
-smooth uneven layers, the copy stream's total is the same). Host bytes: versions + gradient accumulators +
-optimizer state (``host_bytes``). ``swap.optimizer=host``, which streaming needs and sets on every stage, leaves
-a stage that does not stream its versions and gradients, with its optimizer state and float32 masters on the host
-and the step's gradients out and new weights in (``2 W / host_device_bw``) charged to the step.
+swaps its activations (the runtime's ``swap.stages`` name both). Its versions may be in the compute dtype
+(``train.weight_dtype=compute`` under bf16: ``weight_copy_bytes`` 2): the device's copies and gradients, the link's
+bytes and ``t_k`` are then half, while the host keeps float32 masters and gradient sums. Time, per microbatch, with
+``t_k`` layer k's weights (in the versions' dtype) over the host-device bandwidth and one copy stream: the forward
+takes layer k's copy while layer k+1's is coming (window >= 1), so it stalls ``t_first + sum max(0, t_(k+1) - F_k)``;
+the backward takes them in reverse, each layer's gradients leaving synchronously on the compute stream (``t_k`` more,
+exposed), so it stalls ``t_last + sum max(0, t_(k-1) - (B_k + t_k)) + sum t_k`` (B_k + F_k with recomputation).
+Window 0: every copy is exposed. Exact for window 1 with the first copy of each pass exposed; for larger windows an
+upper bound (they smooth uneven layers, the copy stream's total is the same). Host bytes (``host_bytes``,
+``stream.host_bytes_model``'s terms): per version its weights and a float32 gradient accumulator, the optimizer state
+and float32 masters where the versions are in the compute dtype (2bw with AdamW: 24 B a parameter either way).
+``swap.optimizer=host``, which streaming needs and sets on every stage, leaves a stage that does not stream its
+versions and gradients, with its optimizer state and float32 masters on the host and the step's float32 gradients
+out and new weights in (``(1 + c) W / host_device_bw``) charged to the step; with compute-dtype versions its step
+stays on the training thread (``sharding.ShardedVersions``).
 
 The host (``_host_work``, ``_batch_s``; figures from ``partitioner.host``, measured once and cached): a stage whose
 optimizer steps there runs no step on the device; the host's step reads the gradient and reads and writes the weights
 and the optimizer state (AdamW: 28 B a parameter) at the host's measured step bandwidth, and a streamed stage's host
-also sums its gradients over the m microbatches (the first copied, the rest added: 1.5 copies each) at the measured
-copy bandwidth; a node's ranks beyond its cores take turns. Three resources per batch: the device (K microbatches with
-their stalls), the link (each direction's copies) and the host. A synchronous step (``host_step_overlaps``: not
-background) adds: ``max(device, link, sums) + step``; in the background the step of batch t overlaps batch t+1
-(``max(device, link, sums, step)``); a CPU "device" is the host, where everything adds. ``bound`` names the busiest.
+also sums its gradients over the m microbatches (the first copied, the rest added: 1.5 copies each; from bf16
+gradients into float32 sums 0.75 and 1.25) at the measured copy bandwidth; compute-dtype versions' step also rounds
+the masters into the new version; a node's ranks beyond its cores take turns. Three resources per batch: the device
+(K microbatches with their stalls), the link (each direction's copies) and the host. A synchronous step
+(``host_step_overlaps``: not background) adds: ``max(device, link, sums) + step``; in the background the step of batch
+t overlaps batch t+1 (``max(device, link, sums, step)``); a CPU "device" is the host, where everything adds. ``bound``
+names the busiest.
 """
 
 from __future__ import annotations
@@ -165,25 +172,31 @@ class Segments:
         self.RMAX = rmax
         self._stream: Dict[int, tuple] = {}
 
-    def stream_device(self, window: int):
+    def stream_device(self, window: int, weight_copy_bytes: int = 4):
         """(DEV, MAXW): ``DEV[i, j]``: a streamed stage of layers i..j-1's device bytes for weights and gradients
-        (``stream.device_bytes_model``, the runtime's own model); ``MAXW[i, j]``: its largest layer (the gradients)."""
-        if window not in self._stream:
-            sizes = [c.param_bytes for c in self.layers]
+        (``stream.device_bytes_model``, the runtime's own model, over the layers' bytes in the versions' dtype:
+        ``weight_copy_bytes`` a parameter); ``MAXW[i, j]``: its largest layer (the gradients, in that dtype too)."""
+        key = (window, weight_copy_bytes)
+        if key not in self._stream:
+            sizes = [c.param_bytes * weight_copy_bytes // 4 for c in self.layers]
             dev, maxw = np.zeros((self.n + 1, self.n + 1)), np.zeros((self.n + 1, self.n + 1))
             for i in range(self.n):
                 for j in range(i + 1, self.n + 1):
                     dev[i, j] = device_bytes_model(sizes[i:j], window=window)
                     maxw[i, j] = max(sizes[i:j])
-            self._stream[window] = (dev, maxw)
-        return self._stream[window]
+            self._stream[key] = (dev, maxw)
+        return self._stream[key]
 
-    def stream_stalls(self, host_device_bw: float, *, recompute: bool, grads_out: bool = True):
+    def stream_stalls(
+        self, host_device_bw: float, *, recompute: bool, grads_out: bool = True, weight_copy_bytes: int = 4
+    ):
         """Prefix sums of the streamed stall's per-layer terms (module docstring): (t, PF, PB, BB) with ``t[k]``
-        layer k's copy time, ``PF[k] = sum_(q<k) max(0, t[q+1] - F_q)``, ``PB[k] = sum_(0<q<k) max(0, t[q-1] - BB_q)``
-        and ``BB_q`` = the backward's own time per layer (B, + F with recomputation, + the gradients out unless
-        ``grads_out`` is false: on a CPU they are the host's sums, charged apart)."""
-        t = np.asarray([c.param_bytes for c in self.layers], dtype=np.float64) / host_device_bw
+        layer k's copy time (its bytes in the versions' dtype, ``weight_copy_bytes`` a parameter, as its gradients),
+        ``PF[k] = sum_(q<k) max(0, t[q+1] - F_q)``, ``PB[k] = sum_(0<q<k) max(0, t[q-1] - BB_q)`` and ``BB_q`` = the
+        backward's own time per layer (B, + F with recomputation, + the gradients out unless ``grads_out`` is false:
+        on a CPU they are the host's sums, charged apart)."""
+        nbytes = np.asarray([c.param_bytes for c in self.layers], dtype=np.float64) * (weight_copy_bytes / 4)
+        t = nbytes / host_device_bw
         f = np.asarray([c.forward_s for c in self.layers], dtype=np.float64)
         bb = np.asarray([c.backward_s for c in self.layers], dtype=np.float64) + (t if grads_out else 0.0)
         bb = bb + (f if recompute else 0.0)
@@ -208,6 +221,7 @@ class StageContext:
     num_microbatches: int
     data_parallel: int
     schedule: str = "2bw"
+    forward_lead: int = 0  # pipeline.forward_lead
     recompute: bool = False
     swap: bool = False
     swap_resident: int = 1
@@ -237,8 +251,9 @@ class StageContext:
 def host_step_overlaps(ctx: StageContext) -> bool:
     """Whether a stage's host optimizer step runs on a thread of its own while the next batch computes, as the runtime
     decides (run/build.py, swap.host_step): under 2bw with swap.host_step=background or auto, streamed stages too;
-    else on the training thread."""
-    return ctx.schedule == "2bw" and ctx.host_step in ("background", "auto")
+    else on the training thread, as an unstreamed stage with compute-dtype versions (sharding.ShardedVersions) does."""
+    unstreamed_compute = ctx.weight_copy_bytes != 4 and not ctx.stream
+    return ctx.schedule == "2bw" and ctx.host_step in ("background", "auto") and not unstreamed_compute
 
 
 def _swap_stall(t, fwd, bwd, *, schedule: str, resident: int):
@@ -253,7 +268,9 @@ def _stream_stalls(seg: Segments, i, j, ctx: StageContext):
     """A streamed stage's (forward, backward) stall per microbatch: the module docstring's formulas."""
     # on a CPU "device" the gradients are added to the host accumulators as they are made: the host's sums
     grads_out = not ctx.host_is_device
-    t, pf, pb, tc = seg.stream_stalls(ctx.host_device_bw, recompute=ctx.recompute, grads_out=grads_out)
+    t, pf, pb, tc = seg.stream_stalls(
+        ctx.host_device_bw, recompute=ctx.recompute, grads_out=grads_out, weight_copy_bytes=ctx.weight_copy_bytes
+    )
     total = tc[j] - tc[i]
     if ctx.stream_window == 0:
         return total, total + grads_out * total
@@ -300,11 +317,14 @@ def _weight_state(seg: Segments, i, j, ctx: StageContext, *, ws: int, wc: float)
     weights, gradients = num_versions(ctx.schedule) * W * wc, W + (W / ws if ctx.waits else 0.0)
     optimizer = (seg.O[j] - seg.O[i]) / ws + master
     # a stage whose optimizer is on the host runs no step on the device: its step (s) here is the link's part
-    if ctx.stream:  # on the host: every version, the gradient accumulators, the optimizer state
-        dev, maxw = seg.stream_device(ctx.stream_window)
-        return dev[i, j] - maxw[i, j], maxw[i, j], np.zeros_like(W), weights + W + optimizer, np.zeros_like(W)
-    if ctx.host_optimizer:  # host_optim.py: the masters and state on the host; gradients out, weights in at the step
-        return weights, gradients, np.zeros_like(W), optimizer + W, 2 * W / ctx.host_device_bw
+    if ctx.stream:  # on the host (``stream.host_bytes_model``): per version its weights and a float32 gradient
+        # accumulator, the optimizer state and, for compute-dtype versions, the float32 masters (in ``optimizer``)
+        dev, maxw = seg.stream_device(ctx.stream_window, ctx.weight_copy_bytes)
+        host = weights + num_versions(ctx.schedule) * W + optimizer
+        return dev[i, j] - maxw[i, j], maxw[i, j], np.zeros_like(W), host, np.zeros_like(W)
+    if ctx.host_optimizer:  # host_optim.py: the masters and state on the host; at the step the float32 gradients go
+        # out and the new weights (in the versions' dtype) come in
+        return weights, gradients, np.zeros_like(W), optimizer + W, (1 + wc) * W / ctx.host_device_bw
     return weights, gradients, optimizer, np.zeros_like(W), step
 
 
@@ -319,12 +339,17 @@ def _host_work(seg: Segments, i, j, ctx: StageContext):
     at the host's measured step bandwidth; the sums copy the first microbatch's gradients and add the others'
     (reading two buffers, writing one: 1.5 copies) at its copy bandwidth.
     """
-    W = seg.W[j] - seg.W[i]
+    W, wc = seg.W[j] - seg.W[i], ctx.weight_copy_bytes / 4
     if not (ctx.stream or ctx.host_optimizer):
         return np.zeros_like(W), np.zeros_like(W)
-    step = (3 * W + 2 * (seg.O[j] - seg.O[i])) * ctx.host_share / ctx.host_step_bw
-    sums = (1 + 1.5 * (ctx.num_microbatches - 1)) * W * ctx.host_share / ctx.host_copy_bw if ctx.stream else 0 * W
-    return step, sums
+    # compute-dtype versions: the step also rounds the new float32 masters into W(t+1)'s replica (reads W, writes wc W)
+    rounding = (1 + wc) * W if wc != 1 else 0 * W
+    step = (3 * W + 2 * (seg.O[j] - seg.O[i]) + rounding) * ctx.host_share / ctx.host_step_bw
+    # sums into float32 accumulators of gradients in the versions' dtype: the first cast (reads wc W, writes W), the
+    # others added (read W and wc W, write W), in copies of W (a copy reads and writes it: 2 W): 1 and 1.5 in float32
+    first, add = (1 + wc) / 2, (2 + wc) / 2
+    sums = (first + add * (ctx.num_microbatches - 1)) * W * ctx.host_share / ctx.host_copy_bw
+    return step, sums if ctx.stream else 0 * W
 
 
 def _batch_s(ctx: StageContext, *, device, copy, host_step, host_sum, link_step):
@@ -374,11 +399,11 @@ def _copy_s(seg: Segments, i, j, ctx: StageContext, moved):
     """The link's busy seconds per batch in its busier direction: per microbatch the swapped activations (each way)
     and a streamed stage's weights (in: the forward's and the backward's copies) and gradients (out); at the step,
     the host optimizer's gradients out and new weights in."""
-    W, m, bw = seg.W[j] - seg.W[i], ctx.num_microbatches, ctx.host_device_bw
-    if ctx.stream:
-        weights_in, grads_out = 2 * m * W / bw, m * W / bw
-    elif ctx.host_optimizer:
-        weights_in = grads_out = W / bw
+    W, m, bw, wc = seg.W[j] - seg.W[i], ctx.num_microbatches, ctx.host_device_bw, ctx.weight_copy_bytes / 4
+    if ctx.stream:  # the weights and their gradients in the versions' dtype
+        weights_in, grads_out = 2 * m * wc * W / bw, m * wc * W / bw
+    elif ctx.host_optimizer:  # the float32 gradients out, the new weights in
+        weights_in, grads_out = wc * W / bw, W / bw
     else:
         weights_in = grads_out = 0 * W
     return m * moved / bw + np.maximum(weights_in, grads_out)
@@ -405,7 +430,7 @@ def segment_costs(seg: Segments, i, j, ctx: StageContext) -> Dict[str, np.ndarra
     W = seg.W[j] - seg.W[i]
     F = seg.F[j] - seg.F[i]
     A = seg.A[j] - seg.A[i] + out_b  # the runtime's stash keeps the output until its backward
-    n = in_flight(ctx.schedule, s, d, m)
+    n = in_flight(ctx.schedule, s, d, m, forward_lead=ctx.forward_lead)
     if ctx.recompute:
         per_mb, extra = in_b + out_b, A  # keep inputs; one microbatch's activations while it is recomputed
     else:
@@ -503,6 +528,7 @@ def simulate(
     data_parallel: int = 1,
     num_batches: int = 5,
     cores: Optional[int] = None,
+    forward_lead: int = 0,
 ) -> SimResult:
     """Runs every stage's ``stage_actions`` list against its costs, event by event, with the
     runtime schedule's own dependency rule (``schedule.timings``).
@@ -518,7 +544,9 @@ def simulate(
     """
     m = num_microbatches
     d = len(stages) // 2 if schedule in V_SCHEDULES else len(stages)
-    lists = pipeline_actions(schedule, num_stages=d, num_microbatches=m, num_batches=num_batches)
+    lists = pipeline_actions(
+        schedule, num_stages=d, num_microbatches=m, num_batches=num_batches, forward_lead=forward_lead
+    )
 
     split = 0.5 if schedule in SPLIT_SCHEDULES else 1.0  # B's share of the backward's compute
 

@@ -96,6 +96,7 @@ def stage_contexts(
     bucket_bytes: float = 25 * 2**20,
     waits: Optional[Sequence[bool]] = None,
     stream_window: int = 1,
+    forward_lead: int = 0,
     host: HostFigures = HostFigures(),
 ) -> List[StageContext]:
     """Per-stage contexts; ``runtime_bytes`` is one figure for all stages or a list, one per stage; ``waits``:
@@ -118,6 +119,7 @@ def stage_contexts(
             num_microbatches=num_microbatches,
             data_parallel=w,
             schedule=schedule,
+            forward_lead=forward_lead,
             recompute=recompute,
             swap=swap,
             swap_resident=swap_resident,
@@ -231,6 +233,7 @@ class Request:
     memory_per_device_bytes: float
     runtime_bytes: object  # float: eps for every stage; or a list, one per stage (measured per stage)
     schedule: str = "2bw"
+    forward_lead: int = 0  # pipeline.forward_lead: forwards ahead of 1F1B's d - s (one more microbatch's activations)
     objective: str = "throughput"
     depths: Optional[Sequence[int]] = None
     microbatch_sizes: Optional[Sequence[int]] = None
@@ -360,7 +363,14 @@ def _make_plan(req: Request, split: _Split, *, simulate_it: bool) -> Plan:
     stages = split.stage_costs()
     cores = req.topology.cores if req.topology.device == "cpu" else None
     if simulate_it:  # the cores' share: the w x t ranks of each stage
-        sim = simulate(stages, schedule=req.schedule, num_microbatches=m, data_parallel=w * t, cores=cores)
+        sim = simulate(
+            stages,
+            schedule=req.schedule,
+            num_microbatches=m,
+            data_parallel=w * t,
+            cores=cores,
+            forward_lead=req.forward_lead,
+        )
         batch_time, peaks = sim.batch_time_s, sim.peak_memory_bytes
     else:
         batch_time = max(st["batch_s"] for st in stages)
@@ -432,6 +442,7 @@ def _contexts(req: Request, rank_map, *, m: int, recompute: bool, sharded: bool,
         waits=_waits(req, d, w, sharded=sharded),
         stream_window=req.weight_prefetch,
         host=req.host,
+        forward_lead=req.forward_lead,
     )
 
 
@@ -548,16 +559,11 @@ def _split_layers(req: Request, layers: Sequence[LayerCost], b: int, t: int) -> 
 
 def _streams(req: Request, w: int, t: int = 1) -> bool:
     """Whether a candidate with ``w`` replicas of ``t`` ranks may stream weights: what the runtime's swap.weights
-    accepts (config/validate.py, run/start.py: one replica, no tensor split) and where it saves device memory (a
-    GPU's, not the host's own)."""
-    return (
-        req.stream
-        and w == 1
-        and t == 1
-        and req.topology.device == "cuda"
-        and req.weight_dtype == "fp32"
-        and not (req.step_agreement or req.tied)  # fp16, clipping and skip need a step agreement
-    )
+    accepts (config/validate.py, run/start.py: no tensor split, no ties on a streamed stage; clipping, skip, fp16,
+    validation and compute-dtype versions compose) and where it saves device memory (a GPU's, not the host's own).
+    One replica only: the runtime all-reduces a streamed stage's host gradients over gloo, which the cost model does
+    not charge."""
+    return req.stream and w == 1 and t == 1 and req.topology.device == "cuda" and not req.tied
 
 
 def _streaming_ok(req: Request, split: "_Split", lean) -> bool:

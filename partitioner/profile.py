@@ -271,12 +271,19 @@ def _expand(cfg: GPTConfig, kinds: Dict[str, LayerCost]) -> List[LayerCost]:
 
 
 def analytic_gpt(
-    cfg: GPTConfig, optim: OptimConfig, b: int, topo: TopologyConfig, *, precision: str = "fp32"
+    cfg: GPTConfig,
+    optim: OptimConfig,
+    b: int,
+    topo: TopologyConfig,
+    *,
+    precision: str = "fp32",
+    weight_dtype: str = "fp32",
 ) -> List[LayerCost]:
     """FLOP- and byte-count costs of every layer at microbatch size ``b`` on ``topo``'s devices.
 
     Under a resolved ``precision`` (fp32, bf16, fp16) as the runtime trains: activations in the
-    compute dtype, plus autocast's compute-dtype copy of the matmul weights per microbatch;
+    compute dtype, plus autocast's compute-dtype copy of the matmul weights per microbatch where the weight versions
+    are float32 (``weight_dtype``, train.weight_dtype: compute-dtype weights are not cast); weights in float32 bytes;
     weights, gradient and optimizer state per parameter from ``precision.param_memory`` (under Muon, its state
     for the blocks' matrices and optim.muon_others' for the rest).
     """
@@ -295,6 +302,7 @@ def analytic_gpt(
     )
     dtype_bytes = precisions.compute_dtype(precision).itemsize
     btc = b * T * C * dtype_bytes
+    cast = precisions.param_memory(precision, schedule="flush", optimizer="adam", weight_dtype_name=weight_dtype)
 
     def step_s(nbytes: float) -> float:  # read the gradient, read and write weights and state
         return 3 * nbytes / bw
@@ -305,7 +313,7 @@ def analytic_gpt(
         pbytes = params * pm.weight_copy
         state = (params - matmul_params) * (pm.optimizer + pm.master)
         state += matmul_params * ((pm_matrices if "block" in name else pm).optimizer + pm.master)
-        saved += matmul_params * pm.cast_per_microbatch
+        saved += matmul_params * cast.cast_per_microbatch
         fwd = max(fwd_flops / flops, fwd_bytes / bw)
         return LayerCost(
             name=name,

@@ -19,6 +19,10 @@ Memory per rank (the GPT's pre-LN block, C = d_model, T tokens, b a microbatch, 
                  autocast weight copies counted in the saved bytes split with their matrices
     in / out     b T C a whole on every rank (each sends its copy to the next stage); / t with sequence parallelism
 
+Step per batch: the optimizer's step over the rank's parameters (/ t with the split), but with Muon
+(``TensorShape.muon``) a block's step stays whole: each rank all-gathers every hidden matrix's update (four
+``allgather_s`` of its float32 bytes) and runs the Newton-Schulz iterations on the whole matrix.
+
 Time per microbatch: the split layers' compute / (t * ``TENSOR_EFFICIENCY``); the norms' compute whole (/ t with
 sequence parallelism); per block two all-reduces of b T C a bytes in the forward (after the attention's and the MLP's
 row-parallel matrix) and two in the backward (the gradients of the two column-parallel inputs); with sequence
@@ -57,6 +61,7 @@ class TensorShape:
     vocab_size: int
     act_bytes: int  # bytes of one activation element (the compute dtype)
     kinds: Sequence[str]  # per layer: 'embedding', 'block', 'norm' or 'head' (models.gpt.layer_kind)
+    muon: bool = False  # optim.name=muon: the step orthogonalizes each whole matrix (an all-gather per matrix)
 
 
 def allreduce_s(nbytes: float, t: int, link: Link) -> float:
@@ -64,6 +69,13 @@ def allreduce_s(nbytes: float, t: int, link: Link) -> float:
     if t == 1 or nbytes <= 0:
         return 0.0
     return 2 * (t - 1) / t * nbytes / link.bandwidth + 2 * (t - 1) * link.latency
+
+
+def allgather_s(nbytes: float, t: int, link: Link) -> float:
+    """A ring all-gather of a tensor of ``nbytes`` (whole) over ``t`` ranks on ``link`` (s); 0 at t = 1."""
+    if t == 1 or nbytes <= 0:
+        return 0.0
+    return (t - 1) / t * nbytes / link.bandwidth + (t - 1) * link.latency
 
 
 def widths(shape: TensorShape, *, devices: int, devices_per_node: int) -> List[int]:
@@ -154,12 +166,17 @@ def _block(c: LayerCost, shape: TensorShape, t: int, *, btc, link, sp, eff, b) -
     split = (4 * C * C + 2 * C * H + 3 * C + H) / (4 * C * C + 2 * C * H + 9 * C + H)  # 12C^2+7C of 12C^2+13C
     whole = 0 if sp else min(c.saved_bytes, BLOCK_WHOLE_SAVED * btc)
     ar = 2 * allreduce_s(btc, t, link)
+    params = _params(c, split, t)
+    if shape.muon:  # each rank gathers every hidden matrix's float32 update and orthogonalizes it whole: the step's
+        # time does not divide by t (its Newton-Schulz iterations dominate it), and four all-gathers add to it
+        gathers = sum(allgather_s(4 * n, t, link) for n in (3 * C * C, C * C, C * H, H * C))  # qkv, proj, fc, fc_proj
+        params["step_s"] = c.step_s + gathers
     return dataclasses.replace(
         c,
         forward_s=c.forward_s / (t * eff) + ar,
         backward_s=c.backward_s / (t * eff) + ar,
         saved_bytes=int(math.ceil(whole + (c.saved_bytes - whole) / t)),
-        **_params(c, split, t),
+        **params,
         **_io(c, t, sp),
     )
 

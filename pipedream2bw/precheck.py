@@ -114,6 +114,7 @@ def _check(overrides: List[str], config_name: str, *, world_size: int, local_wor
             from pipedream2bw.run.preflight import check as preflight_check
 
             preflight_check(plan, world_size=world_size, local_world_size=local_world_size)
+        check_resume(cfg.train)
     except ConfigError as e:
         return str(e)
     except MissingMandatoryValue as e:  # model=custom without model._target_
@@ -122,6 +123,33 @@ def _check(overrides: List[str], config_name: str, *, world_size: int, local_wor
     except (HydraException, OmegaConfBaseException) as e:  # e.g. a value of the wrong type in to_object
         return _first_line(e)
     return None
+
+
+def check_resume(train) -> None:
+    """``train.resume=PATH`` before any rank starts: PATH holds a checkpoint, and its newest (by its manifest alone:
+    the ranks verify the files, the model and the settings) is not already at ``train.num_steps``.
+
+    Raises:
+        ConfigError: naming the path and what to set, in the words rank 0 would use.
+    """
+    if train.resume in ("auto", "never"):
+        return
+    from pipedream2bw.errors import ConfigError
+    from pipedream2bw.io import checkpoint
+
+    path = Path(train.resume)  # that it exists, validate checked
+    steps = checkpoint.resumable_steps(path)
+    if steps is None:
+        raise ConfigError(
+            f"train.resume ({train.resume}) holds no complete checkpoint with intact files; "
+            f"point it at another checkpoint or use train.resume=never"
+        )
+    if steps and steps[0] >= train.num_steps:
+        raise ConfigError(
+            f"checkpoint {path} is at step {steps[0]}, and train.num_steps is {train.num_steps}: nothing left to "
+            f"train; to train further, raise train.num_steps (e.g. train.num_steps={2 * steps[0]}), or start afresh "
+            "with train.resume=never"
+        )
 
 
 def check_run_dir(argv: Sequence[str], *, config_name: str = "config", live: bool = True) -> Optional[str]:

@@ -10,7 +10,8 @@ the GPT split into 2d stages, looped or V-shaped; a schedule that refuses the sh
 the whole model in one process with one thread (the physical limit: d stages on d cores can
 at best run d times its throughput). A system may name its optimizer and, for ours-2bw, a delay
 correction: SYSTEM@OPTIMIZER[+CORRECTION], e.g. ours-2bw@muon+error_feedback, torch-zbv@muon (AdamW with no
-correction otherwise). Runs alternate between systems within each repeat, so drift hits all alike.
+correction otherwise); ours-2bw and ours-flush may end in :lead=N (pipeline.forward_lead=N, e.g.
+ours-2bw:lead=1). Runs alternate between systems within each repeat, so drift hits all alike.
 Prints the command, the configuration and one table of medians
 (samples/s, pipeline efficiency = samples/s / (d x single-process samples/s), idle fraction =
 1 - the stage's own compute time / wall time per step, per-stage peak resident memory and
@@ -54,6 +55,20 @@ OPTIMIZERS = ("adamw", "muon")
 CORRECTIONS = ("none", "error_feedback", "lookahead")
 
 
+def forward_lead(spec: str) -> tuple:
+    """``SPEC[:lead=N]`` -> (SPEC, N): pipeline.forward_lead of an ours-2bw or ours-flush system (0 without).
+
+    Raises:
+        ValueError: N not a count, or a lead on another system.
+    """
+    spec, sep, lead = spec.partition(":lead=")
+    if not sep:
+        return spec, 0
+    if not lead.isdigit() or spec.partition("@")[0] not in ("ours-2bw", "ours-flush"):
+        raise ValueError(f"{spec}:lead={lead}: a forward lead is a count (:lead=1) of ours-2bw or ours-flush")
+    return spec, int(lead)
+
+
 def parse_system(spec: str) -> tuple:
     """``SYSTEM[@OPTIMIZER[+CORRECTION]]`` (e.g. ``ours-2bw@muon+error_feedback``, ``torch-zbv@muon``) ->
     (system, optimizer, correction); AdamW with no correction by default. A delay correction only applies to 2bw
@@ -62,7 +77,7 @@ def parse_system(spec: str) -> tuple:
     Raises:
         ValueError: an unknown system, optimizer or correction, or a correction on another system.
     """
-    system, _, optim = spec.partition("@")
+    system, _, optim = forward_lead(spec)[0].partition("@")
     optimizer, _, correction = (optim or "adamw").partition("+")
     correction = correction or "none"
     if system not in SYSTEMS:
@@ -110,7 +125,7 @@ def _param_bytes(module) -> int:
     return sum(p.numel() * p.element_size() for p in module.parameters())
 
 
-def _config(args, schedule: str, num_stages: int, *, optimizer: str = "adamw", correction: str = "none"):
+def _config(args, schedule: str, num_stages: int, *, optimizer: str = "adamw", correction: str = "none", lead: int = 0):
     from pipedream2bw.config import (
         Config,
         DataConfig,
@@ -128,6 +143,7 @@ def _config(args, schedule: str, num_stages: int, *, optimizer: str = "adamw", c
             num_stages=num_stages,
             num_microbatches=args.num_microbatches,
             microbatch_size=args.microbatch_size,
+            forward_lead=lead,
         ),
         model=GPTConfig(
             num_layers=args.num_layers,
@@ -252,11 +268,11 @@ def _stage_weight_bytes(cfg, stage_index: int, num_stages: int) -> int:
     return _param_bytes(build_stage_module(cfg, gpt_balance(cfg.model, num_stages), stage_index, None))
 
 
-def worker_ours(args, schedule: str, device, *, optimizer: str, correction: str) -> dict:
+def worker_ours(args, schedule: str, device, *, optimizer: str, correction: str, lead: int = 0) -> dict:
     from pipedream2bw.run.runner import TRAIN_RANGE, run
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    cfg = _config(args, schedule, world, optimizer=optimizer, correction=correction)
+    cfg = _config(args, schedule, world, optimizer=optimizer, correction=correction, lead=lead)
     if not args.memory_pass:  # the timed steps traced: where each rank's time goes (a few clock reads per action)
         cfg.pipeline.trace, cfg.pipeline.trace_first_step = True, args.warmup
         cfg.pipeline.trace_steps = args.steps - args.warmup
@@ -382,7 +398,8 @@ def worker_single(args, device, *, optimizer: str) -> dict:
 def run_worker(args) -> None:
     (system, optimizer, correction), device = parse_system(args.worker), _device(args)
     if system.startswith("ours-"):
-        result = worker_ours(args, system.split("-", 1)[1], device, optimizer=optimizer, correction=correction)
+        schedule, lead = system.split("-", 1)[1], forward_lead(args.worker)[1]
+        result = worker_ours(args, schedule, device, optimizer=optimizer, correction=correction, lead=lead)
     elif system.startswith("torch-"):
         result = worker_torch(args, system.split("-", 1)[1], device, optimizer=optimizer)
     else:

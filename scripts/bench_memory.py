@@ -3,6 +3,8 @@
     python scripts/bench_memory.py                 # the table: schedule x precision x weight_dtype x sharded,
                                                    # one stage on w = 1, 2, 4 ranks and d=2 x w=4 (8 ranks)
     python scripts/bench_memory.py --time          # 4 ranks (d=2 x w=2): sharded vs unsharded samples/s, 2bw and flush
+    python scripts/bench_memory.py --tensor        # pipeline.tensor_parallel: one rank's bytes per parameter of its
+                                                   # stage at t = 1 and 2 against the planner's (partitioner/tensor.py)
 
 Memory: a GPT whose parameters dwarf its activations (32 blocks of d_model 64, 4 tokens a microbatch) and whose
 largest parameter, like each gradient bucket (``--bucket-mb``), is 1% of a stage, as a 25 MB bucket is of a large
@@ -15,6 +17,12 @@ divided by its stage's parameters; a row gives the largest over the ranks beside
 per matmul parameter and microbatch in flight). ``rest`` is the difference (activations, the backward's
 temporaries, a bucket or two in flight). For a sharded run: its optimizer state against the unsharded run's, per
 rank (1/w), and how far its peak fell below the unsharded run's, against the fall ``param_memory`` predicts.
+
+Tensor (``--tensor``, layouts d x w x t, fp32, AdamW): per rank, what its stage's run held (the summary's weight
+versions and optimizer state, counted from the tensors; a float32 gradient per parameter held) and its peak tensor
+bytes, each divided by the stage's whole parameters, against the planner's figures for that rank
+(``segment_costs`` on ``tensor.split_layers`` of the analytic costs): weights + gradients + optimizer state, and the
+rest (the peak less them) against its activations + buffers + workspace.
 
 Time (``--time``): 4 ranks, sharded and unsharded under 2bw and flush, ``--repeats`` rounds alternating the four,
 median samples/s of each and the sharded / unsharded ratios, with the all-gather time forwards waited for.
@@ -58,6 +66,8 @@ MEMORY_MODEL_CUDA = dict(MEMORY_MODEL, d_model=512, num_heads=8)
 MEMORY_BUCKET_MB = {False: 0.0625, True: 4.0}  # CUDA or not
 MEMORY_LAYOUTS = ("1x1", "1x2", "1x4", "2x4")  # d x w
 TIME_MODEL = dict(num_layers=4, d_model=128, num_heads=4, seq_len=64, microbatch_size=2, num_microbatches=4)
+TENSOR_LAYOUTS = ("1x1x1", "1x1x2", "2x1x2")  # d x w x t
+RANK_FIELDS = ("rank", "stage", "optimizer_state_bytes", "weight_bytes")  # of the summary's, per rank
 COMBINATIONS = [("fp32", "fp32"), ("bf16", "fp32"), ("bf16", "compute")]  # (precision, weight_dtype)
 
 
@@ -73,8 +83,10 @@ def job(
     model: dict,
     bucket_mb,
     clip=None,
+    t: int = 1,
 ):
     return dict(
+        t=t,
         clip=clip,
         bucket_mb=bucket_mb,
         schedule=schedule,
@@ -98,6 +110,7 @@ def make_config(j: dict, *, cuda: bool) -> Config:
             num_microbatches=m["num_microbatches"],
             microbatch_size=m["microbatch_size"],
             bucket_mb=j["bucket_mb"],
+            tensor_parallel=j.get("t", 1),
         ),
         model=GPTConfig(
             num_layers=m["num_layers"], d_model=m["d_model"], num_heads=m["num_heads"], seq_len=m["seq_len"]
@@ -147,7 +160,7 @@ def worker(args) -> None:
                 samples_per_s=summary["samples_per_s"],
                 allgather_exposed_s=[r.get("allgather_exposed_s", 0.0) for r in summary["ranks"]],
                 balance=summary["balance"],
-                ranks=[{f: r[f] for f in ("rank", "stage", "optimizer_state_bytes")} for r in summary["ranks"]],
+                ranks=[{f: r[f] for f in RANK_FIELDS} for r in summary["ranks"]],
             )
         Path(args.out, f"job{k}_rank{rank}.json").write_text(json.dumps(record))
 
@@ -292,6 +305,109 @@ def memory_table(args) -> None:
     )
 
 
+def planner_ranks(j: dict, balance: list) -> list:
+    """Per stage of ``balance``: the planner's memory figures (bytes) for one of its ranks, the analytic costs of
+    ``j``'s GPT split ``j['t']`` ways (``tensor.split_layers``, as the planner's search evaluates a candidate)."""
+    from partitioner.auto import tensor_request
+    from partitioner.cost import Segments, segment_costs
+    from partitioner.planner import group_topology, stage_contexts
+    from partitioner.profile import analytic_gpt
+    from partitioner.tensor import split_layers
+    from partitioner.topology import intra_link
+
+    cfg, t, d, w = make_config(j, cuda=False), j["t"], j["d"], j["w"]
+    b, m = j["model"]["microbatch_size"], j["model"]["num_microbatches"]
+    layers = analytic_gpt(cfg.model, cfg.optim, b, cfg.topology, precision=j["precision"])
+    shape = tensor_request(cfg, j["precision"], search=True)["tensor"]
+    seg = Segments(split_layers(layers, shape, t, b=b, link=intra_link(cfg.topology)))
+    rank_map = [[s * w + r for r in range(w)] for s in range(d)]
+    waits = [_predicted(j, s).held_gradient > 0 for s in range(d)]
+    contexts = stage_contexts(
+        group_topology(cfg.topology, t),
+        rank_map,
+        schedule=j["schedule"],
+        num_microbatches=m,
+        recompute=False,
+        swap=False,
+        swap_resident=0,
+        runtime_bytes=0,
+        bucket_bytes=j["bucket_mb"] * 2**20,
+        waits=waits,
+    )
+    bounds = [sum(balance[:s]) for s in range(d + 1)]
+    keys = ("weights", "gradients", "optimizer", "activations", "buffers", "workspace")
+    return [
+        {k: float(v) for k, v in segment_costs(seg, bounds[s], bounds[s + 1], contexts[s]).items() if k in keys}
+        for s in range(d)
+    ]
+
+
+def tensor_table(args) -> None:
+    """One rank's bytes per parameter of its stage at each d x w x t of ``args.tensor_layouts``, 2bw and flush,
+    against the planner's (the module docstring)."""
+    rows = []
+    for layout in args.tensor_layouts:
+        d, w, t = (int(x) for x in layout.split("x"))
+        jobs = [
+            job(schedule=s, d=d, w=w, t=t, precision="fp32", weight_dtype="fp32", sharded=False, steps=args.steps,
+                model=MEMORY_MODEL, bucket_mb=args.bucket_mb)
+            for s in ("2bw", "flush")
+        ]  # fmt: skip
+        for j, ranks in zip(jobs, launch(jobs, nproc=d * w * t, memory=True)):
+            rows += _tensor_rows(j, ranks)
+        print(f"  d={d} x w={w} x t={t}: {len(jobs)} runs done", flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"rows": rows}, indent=1) + "\n")
+    print(
+        "\nper rank, bytes / its stage's whole parameters. held: weight versions + optimizer state (the run's tensors)"
+        " + a float32 gradient per parameter held; planner: weights + gradients + optimizer of segment_costs on "
+        "tensor.split_layers; rest: peak tensor bytes (torch.profiler) - held, against the planner's activations + "
+        "buffers + workspace"
+    )
+    print(
+        "| d x w x t | schedule | stage | tensor rank | parameters held / stage's | held B/param | planner B/param "
+        "| held / planner | peak B/param | rest B/param | planner's rest B/param |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(
+            f"| {r['layout']} | {r['schedule']} | {r['stage']} | {r['tensor_rank']} | {r['held_fraction']:.4f} "
+            f"| {r['held']:.2f} | {r['planner']:.2f} | {r['held'] / r['planner']:.3f} | {r['peak']:.2f} "
+            f"| {r['peak'] - r['held']:.2f} | {r['planner_rest']:.2f} |"
+        )
+    print(f"\n(GPT {MEMORY_MODEL}: AdamW, fp32, {args.steps} steps, pipeline.bucket_mb={args.bucket_mb})")
+
+
+def _tensor_rows(j: dict, ranks: list) -> list:
+    """``tensor_table``'s rows of one run: one per rank."""
+    info = ranks[0]
+    whole = [params for params, _ in stage_params(j["model"], info["balance"])]
+    planned = planner_ranks(j, info["balance"])
+    summary = {r["rank"]: r for r in info["ranks"]}
+    versions = 2 if j["schedule"] == "2bw" else 1
+    out = []
+    for r in ranks:
+        st = summary[r["rank"]]
+        stage, weights = st["stage"], st["weight_bytes"]
+        held = weights + weights / versions + st["optimizer_state_bytes"]  # + one float32 gradient per parameter
+        plan = planned[stage]
+        n = whole[stage]
+        out.append(
+            dict(
+                layout=f"{j['d']} x {j['w']} x {j['t']}",
+                schedule=j["schedule"],
+                stage=stage,
+                tensor_rank=r["rank"] % j["t"],
+                held_fraction=weights / versions / 4 / n,
+                held=held / n,
+                planner=(plan["weights"] + plan["gradients"] + plan["optimizer"]) / n,
+                peak=r["peak_bytes"] / n,
+                planner_rest=(plan["activations"] + plan["buffers"] + plan["workspace"]) / n,
+            )
+        )
+    return out
+
+
 def time_table(args) -> None:
     kinds = [(s, sh) for s in ("2bw", "flush") for sh in (False, True)]
     jobs = [
@@ -362,7 +478,18 @@ def main() -> None:
         help="memory table: optim.clip_grad_norm for every run (a step agreement: under 2bw the step waits and a "
         "stage holds the closed batch's gradient, param_memory's held_gradient)",
     )
-    parser.add_argument("--json", default=None, help="memory table: also write its rows to this file")
+    parser.add_argument(
+        "--tensor",
+        action="store_true",
+        help="pipeline.tensor_parallel: one rank's bytes per parameter at --tensor-layouts against the planner's",
+    )
+    parser.add_argument(
+        "--tensor-layouts",
+        nargs="+",
+        default=list(TENSOR_LAYOUTS),
+        help="--tensor: d x w x t layouts (d * w * t ranks each)",
+    )
+    parser.add_argument("--json", default=None, help="memory and tensor tables: also write its rows to this file")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--memory", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--jobs", help=argparse.SUPPRESS)
@@ -378,7 +505,7 @@ def main() -> None:
     print(
         f"torch {torch.__version__}, {'CUDA ' + torch.cuda.get_device_name() if torch.cuda.is_available() else 'CPU'}"
     )
-    (time_table if args.time else memory_table)(args)
+    (time_table if args.time else tensor_table if args.tensor else memory_table)(args)
 
 
 if __name__ == "__main__":

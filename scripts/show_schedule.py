@@ -68,6 +68,9 @@ def main() -> None:
     parser.add_argument("--num-microbatches", type=int, default=4)
     parser.add_argument("--num-batches", type=int, default=2)
     parser.add_argument(
+        "--forward-lead", type=int, default=0, help="pipeline.forward_lead: forwards ahead of 1F1B's d - s (2bw, flush)"
+    )
+    parser.add_argument(
         "--batch-sends",
         action="store_true",
         help="lower as under NCCL (dist.batch_p2p): sends held for the next receive; default gloo's prefetching",
@@ -84,7 +87,9 @@ def main() -> None:
     if problem:
         print(f"show_schedule.py: {problem}", file=sys.stderr)
         sys.exit(2)
-    actions = pipeline_actions(args.schedule, num_stages=d, num_microbatches=m, num_batches=args.num_batches)
+    actions = pipeline_actions(
+        args.schedule, num_stages=d, num_microbatches=m, num_batches=args.num_batches, forward_lead=args.forward_lead
+    )
     grid = simulate(actions)
     print(render(grid))
     busy = sum(a is not None and a.kind != STEP for row in grid for a in row)
@@ -105,6 +110,7 @@ def main() -> None:
             first_batch=0,
             num_batches=args.num_batches,
             batch_sends=args.batch_sends,
+            forward_lead=args.forward_lead,
         )
         for s in range(d)
     ]

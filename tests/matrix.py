@@ -297,13 +297,6 @@ REFUSED: List[Tuple[Tuple[str, ...], Callable[[Dict[str, Any]], bool], str, str,
         dict(STREAMS, host_optim=False),
     ),
     (
-        ("precision", "stream"),
-        lambda r: r["stream"] and r["precision"] == "fp16",
-        r"swap.weights \(true\) with train.precision \(fp16\)",
-        "the loss scaler's checks of host gradients are not written",
-        dict(STREAMS, precision="fp16"),
-    ),
-    (
         ("tied", "stream"),
         lambda r: r["stream"] and r["tied"],
         r"swap.weights \(true\) with tied weights .* on a streamed stage",
@@ -407,12 +400,13 @@ EXTRA: List[Cell] = [
         muon=True, lookahead=True,
     ),
     # pipeline.tensor_parallel=2 (issue 44), two cells of 4 ranks: 2bw across a resume from d2w1 to d1w2 with a tie,
-    # clipping, validation and error feedback; gpipe at d1w2 with a tie, clipping and recomputation. No skip: its
+    # clipping, validation, Muon (whole matrices gathered over the tensor group; its momenta and error feedback's
+    # state saved whole) and error feedback; gpipe at d1w2 with a tie, clipping and recomputation. No skip: its
     # poisoned layers are a layer list of the caller's, which t > 1 refuses (it splits the built-in GPT's blocks)
     Cell(
         schedule="2bw", d=2, w=1, resume=True, swap=False, precision="fp32", tied=True, clip=True, skip=False,
         recompute=False, host_optim=False, validation=True, structured=False, sharded=False, weight_dtype="fp32",
-        correction="error_feedback", t=2,
+        muon=True, correction="error_feedback", t=2,
     ),
     Cell(
         schedule="gpipe", d=1, w=2, resume=False, swap=False, precision="fp32", tied=True, clip=True, skip=False,

@@ -92,6 +92,12 @@ def test_a_bench_system_names_its_optimizer_and_a_correction_only_where_there_is
     ]:
         with pytest.raises(ValueError, match=why):
             bench.parse_system(bad)
+    assert bench.forward_lead("ours-2bw@muon+error_feedback:lead=1") == ("ours-2bw@muon+error_feedback", 1)
+    assert bench.parse_system("ours-flush:lead=2") == ("ours-flush", "adamw", "none")
+    assert bench.forward_lead("ours-2bw") == ("ours-2bw", 0)
+    for bad in ("torch-1f1b:lead=1", "ours-2bw:lead=x"):
+        with pytest.raises(ValueError, match="a forward lead is a count"):
+            bench.parse_system(bad)
 
 
 def test_the_throughput_guard_reads_a_small_and_a_large_microbatch_from_the_doc_and_names_what_regressed():

@@ -335,6 +335,53 @@ def test_the_runs_cover_every_one_node_training_command():
     ], left
 
 
+FITS_ONLY_SPLIT = "docs/planner.md"  # its block under "A model that fits only with `t > 1`"
+
+
+@pytest.mark.slow
+@pytest.mark.long  # a plan and a 4-rank training of 40 steps under torch.profiler's memory events: ~1-2 min loaded
+def test_the_model_that_fits_only_at_t_2_is_planned_so_and_trains_within_its_memory(doc_cwd, tmp_path):
+    # issue 44: the planning command as written plans 2 x 1 x 2 and no plan at t = 1; the training command, composed
+    # from its text at full size (not the tiny run), names the plan's values, trains (the loss falls) and every
+    # rank's measured peak tensor bytes stay within the plan's memory per device.
+    import json
+
+    from dist_helper import spawn
+    from test_sharding import train_measured
+
+    from partitioner.__main__ import compose as compose_run
+    from partitioner.auto import plan_config
+    from partitioner.plans import load_plan
+    from pipedream2bw.config import ConfigError
+
+    block = next(b for b in ALL if b.id.startswith(FITS_ONLY_SPLIT) and "plan_t2.yaml" in b.text)
+    plan_cmd, train_cmd = commands(block.text)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop(TINY_ENV, None)
+    proc = subprocess.run(plan_cmd, cwd=doc_cwd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "chosen plan (#0): mesh 2 x 1 x 2" in proc.stdout, proc.stdout + proc.stderr
+    plan = load_plan(doc_cwd / "plan_t2.yaml")
+    with pytest.raises(ConfigError, match=r"no plan fits"):
+        plan_config(compose_run(plan_cmd[plan_cmd.index("--out") + 2 :]), search_tensor=False)  # t = 1 only
+    cfg = compose_run(train_cmd[train_cmd.index("pipedream2bw.train") + 1 :])
+    p = cfg.pipeline
+    assert (p.num_stages, p.data_parallel, p.tensor_parallel, p.microbatch_size, p.num_microbatches, p.balance) == (
+        plan.num_stages, plan.data_parallel, plan.tensor_parallel, plan.microbatch_size, plan.num_microbatches,
+        plan.balance,
+    )  # fmt: skip
+    run_dir = tmp_path / "run"
+    logs = tmp_path / "logs"
+    results = spawn(train_measured, world_size=4, args=([cfg], [str(run_dir)]), log_dir=logs, timeout_s=400)
+    assert all(r.exitcode == 0 for r in results), "\n".join(r.log for r in results)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    peaks = [int((run_dir / f"peak_rank{r}.txt").read_text()) for r in range(4)]
+    losses = summary["losses"]
+    print(f"peaks {peaks} of {plan.memory_per_device_bytes}; losses {losses[:2]} .. {losses[-2:]}")
+    print(f"samples/s {summary['samples_per_s']:.1f}; predicted peaks {plan.predicted_peak_memory_bytes}")
+    assert max(peaks) <= plan.memory_per_device_bytes, (peaks, plan.memory_per_device_bytes)
+    assert summary["final_loss"] < summary["losses"][0] - 0.5
+
+
 # ---- example outputs ------------------------------------------------------------------------------------
 
 

@@ -61,11 +61,27 @@ MISTAKES = {
 }
 
 
-@pytest.mark.parametrize("override", list(MISTAKES) + ["2 ranks, 4 stages", "a link"])
+def _finished_run(run_dir: Path, step: int) -> Path:
+    """A run directory whose one checkpoint is at ``step`` (its manifest; the launcher reads no more)."""
+    ckpt = run_dir / "checkpoints" / f"step_{step:08d}"
+    ckpt.mkdir(parents=True)
+    (ckpt / "manifest.json").write_text(f'{{"step": {step}, "lineage": "x", "written_at": 1}}')
+    return run_dir
+
+
+@pytest.mark.parametrize(
+    "override", list(MISTAKES) + ["2 ranks, 4 stages", "a link", "a finished run", "no checkpoint"]
+)
 def test_a_mistake_is_one_line_and_exit_2_before_any_rank_starts(override, tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     argv = ["--nproc-per-node", "4", override]
     want = MISTAKES.get(override)
+    if override == "a finished run":  # was found by rank 0 once the ranks had started (8-20 s)
+        run = _finished_run(tmp_path / "linked", 150)
+        argv, want = [*argv[:2], f"train.resume={run}"], "is at step 150, and train.num_steps is 150: nothing left"
+    if override == "no checkpoint":
+        (tmp_path / "linked").mkdir()
+        argv, want = [*argv[:2], f"train.resume={tmp_path / 'linked'}"], "holds no complete checkpoint"
     if override == "2 ranks, 4 stages":
         argv, want = ["--nproc-per-node", "2"], "world size (2) is not divisible by pipeline.num_stages (4)"
     if override == "a link":
@@ -193,7 +209,15 @@ def test_a_bad_torchrun_option_is_one_line(capsys):
 
 
 @pytest.mark.parametrize(
-    "override", ["train.num_steps=-5", "model.num_heads=0", "pipeline.schedule=zz", "trian.num_steps=3", "2 ranks"]
+    "override",
+    [
+        "train.num_steps=-5",
+        "model.num_heads=0",
+        "pipeline.schedule=zz",
+        "trian.num_steps=3",
+        "2 ranks",
+        "data.path=nope",
+    ],
 )
 def test_a_mistake_is_found_without_importing_torch(override):
     # importing torch was most of a refusal's 3 s (5-13 s on a loaded machine): the config's checks up to the

@@ -165,6 +165,8 @@ def test_simulator_runs_the_schedules_with_their_in_flight_counts():
             assert sim.batch_time_s == pytest.approx(m * per_mb + max(st["step_s"] for st in stages), rel=0.05)
         else:  # the flush bubble: (m + d - 1) microbatch times at least
             assert sim.batch_time_s >= (m + d - 1) * min(st["microbatch_s"] for st in stages)
+    sim = simulate(stages, schedule="2bw", num_microbatches=8, num_batches=5, forward_lead=1)
+    assert sim.peak_in_flight == [in_flight("2bw", s, 4, 8, forward_lead=1) for s in range(4)] == [5, 4, 3, 1]
     # Shared cores: 4 ranks on 2 cores take at least their total compute over 2.
     stages = [StageCost.of(seg, s, s + 1, c) for s, c in enumerate(contexts(4, 8))]
     assert simulate(stages, schedule="2bw", num_microbatches=8, cores=2).batch_time_s >= 4 * 8 * 3.0 / 2
@@ -220,6 +222,9 @@ def test_memory_terms_follow_the_design():
     assert (c["weights"], c["gradients"], c["optimizer"]) == (200, 100, 200)  # two versions under 2bw
     assert c["activations"] == 3 * (40 + 6)  # n_0 = min(d - 0, m) = 3 microbatches, output stashed too
     assert segment_costs(seg, 0, 1, StageContext(**base, schedule="flush"))["weights"] == 100
+    assert segment_costs(seg, 0, 1, StageContext(**base, forward_lead=1))["activations"] == 4 * 46  # one ahead
+    last = dict(base, stage_index=2)  # the last stage's backward follows its forward: no lead there
+    assert segment_costs(seg, 0, 1, StageContext(**last, forward_lead=1))["activations"] == 1 * 46
     assert segment_costs(seg, 0, 1, StageContext(**base, schedule="gpipe"))["activations"] == 8 * 46
     rc = segment_costs(seg, 0, 1, StageContext(**base, recompute=True))
     assert rc["activations"] == 3 * (4 + 6) + 46 and rc["backward_s"] == 2 + 1
@@ -556,6 +561,23 @@ def test_tensor_split_divides_a_blocks_memory_and_adds_its_all_reduces():
     assert sp.saved_bytes == whole.saved_bytes // 2 and sp.input_bytes == btc // 2
 
 
+def test_tensor_split_keeps_muons_step_whole_and_adds_an_all_gather_per_matrix():
+    # Muon at t > 1 gathers each hidden matrix's update over the tensor group and orthogonalizes it whole on every
+    # rank: a block's step does not divide by t and four all-gathers (qkv, proj, fc, fc_proj; float32) add to it
+    from partitioner.tensor import TensorShape, split_layers
+
+    cfg = GPTConfig(num_layers=1, d_model=64, num_heads=4, seq_len=16, vocab_size=96)
+    layers = analytic_gpt(cfg, OptimConfig(name="adamw"), 2, DGX)
+    shape = TensorShape(4, 256, 64, 16, 96, 4, ("embedding", "block", "norm", "head"), muon=True)
+    link = Link("intra", 300e9, 5e-6)
+    block = split_layers(layers, shape, 2, b=2, link=link)[1]
+    C = 64
+    gathers = 4 * (12 * C * C) / 2 / 300e9 + 4 * 5e-6
+    assert block.step_s == pytest.approx(layers[1].step_s + gathers)
+    elementwise = split_layers(layers, dataclasses.replace(shape, muon=False), 2, b=2, link=link)[1]
+    assert elementwise.step_s < layers[1].step_s
+
+
 def test_tensor_width_chosen_when_memory_needs_it():
     # unsplit, no stage fits 7 GiB (7.53 GiB at least on 4 devices); split, it does
     best = tensor_plans()[0]
@@ -653,11 +675,14 @@ def test_tensor_request_pins_or_searches_as_the_runtime_allows():
     from partitioner.auto import tensor_request
 
     gpt = GPTConfig(num_layers=2, d_model=64, num_heads=4)
-    with_key = lambda t: types.SimpleNamespace(model=gpt, pipeline=types.SimpleNamespace(tensor_parallel=t))  # noqa: E731
+    adamw = OptimConfig(name="adamw")
+    with_key = lambda t: types.SimpleNamespace(  # noqa: E731
+        model=gpt, optim=adamw, pipeline=types.SimpleNamespace(tensor_parallel=t)
+    )
     searched, pinned = tensor_request(with_key(1), "fp32"), tensor_request(with_key(2), "fp32")
     assert searched["tensor"].kinds == ("embedding", "block", "block", "norm", "head")
     assert searched["tensor_widths"] is None and pinned["tensor_widths"] == [2]
-    without = types.SimpleNamespace(model=gpt, pipeline=types.SimpleNamespace())
+    without = types.SimpleNamespace(model=gpt, optim=adamw, pipeline=types.SimpleNamespace())
     assert tensor_request(without, "fp32")["tensor"] is None and tensor_request(without, "fp32", search=True)["tensor"]
-    custom = types.SimpleNamespace(model=object(), pipeline=types.SimpleNamespace(tensor_parallel=1))
+    custom = types.SimpleNamespace(model=object(), optim=adamw, pipeline=types.SimpleNamespace(tensor_parallel=1))
     assert tensor_request(custom, "fp32")["tensor"] is None  # a layer list the split does not know: t = 1

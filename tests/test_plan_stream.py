@@ -35,7 +35,8 @@ def llama13b(**sections):
 
 
 def _layers(cfg, plan):
-    return analytic_gpt(cfg.model, cfg.optim, plan.microbatch_size, cfg.topology, precision=plan.precision)
+    b, precision = plan.microbatch_size, plan.precision
+    return analytic_gpt(cfg.model, cfg.optim, b, cfg.topology, precision=precision, weight_dtype=plan.weight_dtype)
 
 
 def test_zb1p_plan_never_streams_and_names_flush_where_only_streaming_fits():
@@ -128,14 +129,26 @@ def _copy_stream(times, compute, *, window):
     return now - sum(compute)
 
 
+def _uneven_layers():
+    """4 layers of 1-4 GB of float32 weights (one matrix each: 64-byte aligned in any dtype), 1 s forwards, 2 s
+    backwards, Adam's state (2 x the weights)."""
+    gb = 10**9
+    return [LayerCost(str(k), 1.0, 2.0, (k + 1) * gb, 0, 0, 0, optimizer_bytes=2 * (k + 1) * gb) for k in range(4)]
+
+
+@pytest.mark.parametrize("weight_copy_bytes", [4, 2], ids=["fp32", "compute"])
 @pytest.mark.parametrize("window", [0, 1, 2])
-def test_streamed_stall_follows_the_copy_stream(window):
-    # uneven layers: copies of 1-4 s against forwards of 1 s, backwards of 2 s (the gradients out add their copy)
-    layers = [LayerCost(str(k), 1.0, 2.0, (k + 1) * 10**9, 0, 0, 0, optimizer_bytes=8) for k in range(4)]
+def test_streamed_stall_follows_the_copy_stream(window, weight_copy_bytes):
+    # uneven layers: copies of 1-4 s (float32; half with bf16 versions) against forwards of 1 s, backwards of 2 s (the
+    # gradients out, in the versions' dtype, add their copy)
+    layers = _uneven_layers()
     seg, bw = Segments(layers), 1e9
-    ctx = StageContext(0, 1, 1, 1, stream=True, stream_window=window, host_device_bw=bw)
+    ctx = StageContext(
+        0, 1, 1, 1, stream=True, stream_window=window, host_device_bw=bw, weight_copy_bytes=weight_copy_bytes
+    )
     got = segment_costs(seg, 0, 4, ctx)
-    t = [c.param_bytes / bw for c in layers]
+    own = [c.param_bytes * weight_copy_bytes // 4 for c in layers]  # StreamedVersions.layer_bytes: the versions' dtype
+    t = [nbytes / bw for nbytes in own]
     fwd = _copy_stream(t, [c.forward_s for c in layers], window=window)
     bwd_compute = [c.backward_s + tk for c, tk in zip(layers, t)][::-1]  # gradients leave on the compute stream
     bwd = _copy_stream(t[::-1], bwd_compute, window=window) + sum(t)
@@ -144,10 +157,48 @@ def test_streamed_stall_follows_the_copy_stream(window):
     else:  # a longer window smooths uneven layers: the model is an upper bound
         assert float(got["stream_s"]) >= fwd + bwd - 1e-9
     assert float(got["stall_s"]) == float(got["stream_s"])  # no activation swapping: one microbatch
-    assert float(got["weights"]) + float(got["gradients"]) == device_bytes_model(
-        [c.param_bytes for c in layers], window=window
-    )
-    assert float(got["host_bytes"]) == 2 * 10 * 10**9 + 10 * 10**9 + 4 * 8  # two versions, gradients, state
+    assert float(got["weights"]) + float(got["gradients"]) == device_bytes_model(own, window=window)
+
+
+@pytest.mark.parametrize("weight_dtype", ["fp32", "compute"])
+@pytest.mark.parametrize("schedule", ["2bw", "flush"])
+def test_a_streamed_stage_holds_on_the_host_what_the_runtime_s_model_says(schedule, weight_dtype):
+    # the planner's host bytes of a streamed stage against stream.host_bytes_model (what run/start.py checks the host
+    # against, itself tested against the buffers StreamedVersions takes): per version its weights (bf16 with compute)
+    # and a float32 gradient accumulator, Adam's state and, with compute-dtype versions, the float32 masters. The
+    # planner had counted one accumulator for all versions (2bw: 20 B a parameter where the runtime takes 24).
+    import torch
+    from torch import nn
+
+    from pipedream2bw.memory.precision import param_memory, versions_held
+    from pipedream2bw.memory.stream import host_bytes_model
+
+    wc = param_memory("bf16", schedule=schedule, optimizer="adam", weight_dtype_name=weight_dtype).weight_copy
+    ctx = StageContext(0, 1, 1, 1, schedule=schedule, stream=True, weight_copy_bytes=wc)
+    got = segment_costs(Segments(_uneven_layers()), 0, 4, ctx)
+    with torch.device("meta"):
+        modules = [nn.Linear(1000, (k + 1) * 250_000, bias=False) for k in range(4)]  # (k + 1) GB of float32
+    dtype = torch.bfloat16 if wc == 2 else torch.float32
+    model = host_bytes_model(modules, versions=versions_held(schedule), optimizer_factor=2.0, weight_dtype=dtype)
+    assert float(got["host_bytes"]) == model
+    assert float(got["optimizer"]) == 0  # all of it on the host
+
+
+_IDS = lambda change: ",".join(f"{k}.{kk}" for k, v in change.items() for kk in v)  # noqa: E731
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        dict(model=dict(tie_embeddings=True)),
+        dict(partition=dict(stream=False)),
+        dict(topology=dict(device="cpu"), partition=dict(costs="analytic")),
+    ],
+    ids=_IDS,
+)
+def test_the_planner_never_streams_what_the_runtime_refuses(change):
+    assert _streams(make_request(llama13b()), 1) and not _streams(make_request(llama13b()), 2)  # w > 1: refused
+    assert not _streams(make_request(llama13b(**change)), 1)
 
 
 @pytest.mark.parametrize(
@@ -157,16 +208,83 @@ def test_streamed_stall_follows_the_copy_stream(window):
         dict(optim=dict(clip_grad_norm=1.0)),
         dict(train=dict(on_nonfinite="skip")),
         dict(train=dict(eval_every=10)),
-        dict(model=dict(tie_embeddings=True)),
         dict(train=dict(weight_dtype="compute")),
-        dict(partition=dict(stream=False)),
-        dict(topology=dict(device="cpu"), partition=dict(costs="analytic")),
     ],
-    ids=lambda change: ",".join(f"{k}.{kk}" for k, v in change.items() for kk in v),
+    ids=_IDS,
 )
-def test_the_planner_never_streams_what_the_runtime_refuses(change):
-    assert _streams(make_request(llama13b()), 1) and not _streams(make_request(llama13b()), 2)  # w > 1: refused
-    assert not _streams(make_request(llama13b(**change)), 1)
+def test_the_planner_streams_what_the_runtime_composes_with(change):
+    # config/validate.py's _validate_weight_stream lets these stream (issue 42): the planner had still left them out
+    # (fp16: the loss scaler's checks over the host gradients, this branch)
+    req = make_request(llama13b(**change))
+    assert _streams(req, 1) and req.stream
+
+
+def test_a_bf16_plan_with_compute_dtype_versions_streams_half_the_bytes_and_its_run_line_says_so(
+    fixed_host, capsys, tmp_path
+):
+    # train.weight_dtype=compute under bf16 (issue 42 item 1): a streamed stage's device window holds bf16 layers, its
+    # copies and gradients on the link are 2 B a parameter, its host holds stream.host_bytes_model's bytes; the plan
+    # records the dtype and its run line carries it; with clipping and validation, which streaming composes with
+    import torch
+
+    from partitioner.__main__ import main
+    from pipedream2bw.memory.stream import host_bytes_model
+    from pipedream2bw.models.gpt import build_gpt_layers
+
+    keys = dict(optim=dict(name="adamw", delay_correction="none", clip_grad_norm=1.0))
+    cfg = llama13b(train=dict(weight_dtype="compute", eval_every=50), **keys)
+    best, fp32 = plan_config(cfg)[0], plan_config(llama13b(**keys))[0]
+    assert best.weight_dtype == "compute" and best.stream_stages and fp32.weight_dtype == "fp32"
+    layers, bounds = _layers(cfg, best), [*best.boundaries, sum(best.balance)]
+    # bf16 weights are not cast by autocast: a block saves no bf16 copy of its matrices (12 C^2 of them) a microbatch
+    block, fp32_block = layers[1], _layers(cfg, dataclasses.replace(best, weight_dtype="fp32"))[1]
+    assert fp32_block.saved_bytes - block.saved_bytes == 2 * 12 * cfg.model.d_model**2
+    ctxs = stage_contexts(
+        cfg.topology,
+        best.rank_map,
+        schedule=best.schedule,
+        num_microbatches=best.num_microbatches,
+        recompute=best.recompute,
+        swap=True,
+        swap_resident=best.swap_resident,
+        runtime_bytes=cfg.topology.runtime_overhead_gib * GIB,
+        weight_copy_bytes=2,
+        waits=[True] * best.num_stages,
+    )
+    for s in best.stream_stages:
+        parts, own = best.predicted_memory_breakdown[s], layers[bounds[s] : bounds[s + 1]]
+        assert parts["weights"] + parts["gradients"] == device_bytes_model(
+            [c.param_bytes // 2 for c in own], window=best.weight_prefetch
+        )
+        assert parts["optimizer"] == 0
+    s = best.stream_stages[0]
+    stage = StageCost.of(
+        Segments(layers), bounds[s], bounds[s + 1], dataclasses.replace(ctxs[s], stream=True, host_optimizer=True)
+    )
+    with torch.device("meta"):
+        modules = build_gpt_layers(cfg.model, seed=0, indices=range(bounds[s], bounds[s + 1]))
+    model = host_bytes_model(modules, versions=2, optimizer_factor=2.0, weight_dtype=torch.bfloat16)  # AdamW
+    assert stage["host_bytes"] == model
+    # the link's bytes halve: a stage of the same layers stalls less with bf16 versions than with float32 ones
+    plain = StageCost.of(
+        Segments(layers),
+        bounds[s],
+        bounds[s + 1],
+        dataclasses.replace(ctxs[s], stream=True, host_optimizer=True, weight_copy_bytes=4),
+    )
+    assert stage["stream_s"] < plain["stream_s"] and stage["memory"] < plain["memory"]
+    out = tmp_path / "plan.yaml"
+    args = ["model=llama13b", "topology=commodity", "train.global_batch_size=64", "train.weight_dtype=compute"]
+    assert main(["plan", "--out", str(out), *args, "optim.name=adamw", "optim.clip_grad_norm=1.0"]) == 0
+    run_line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert "train.weight_dtype=compute" in run_line and "optim.clip_grad_norm=1.0" in run_line
+    # what partition=auto|file then runs validates: streaming with compute-dtype versions, clipping and validation
+    run = llama13b(partition=dict(mode="auto"), train=dict(weight_dtype="compute", eval_every=50), **keys)
+    optim, train = apply_choices(run.optim, run.train, best, precision="bf16")
+    pipeline, swap = apply_plan(run.pipeline, run.swap, best, world_size=4, num_layers=43)
+    run = default_plan_choices(dataclasses.replace(run, pipeline=pipeline, swap=swap, optim=optim, train=train))
+    assert run.train.weight_dtype == "compute" and run.swap.weights
+    assert validate(run, world_size=4) == best.balance
 
 
 # ---- the host as the third resource (issue 42 item 6) ----------------------------------------------------------
@@ -217,6 +335,9 @@ def test_background_host_step_overlaps_the_next_batch_and_sync_adds_it():
     assert _host_stage(step_bw=1e9, host_step="sync")["batch_s"] > auto
     assert auto == _host_stage(step_bw=1e9, host_step="background")["batch_s"]
     assert not host_step_overlaps(StageContext(0, 2, 4, 1, schedule="flush", host_step="background"))
+    # compute-dtype versions (bf16: 2 B) step on the training thread unless streamed (run/build.py: ShardedVersions)
+    assert not host_step_overlaps(StageContext(0, 2, 4, 1, weight_copy_bytes=2, host_optimizer=True))
+    assert host_step_overlaps(StageContext(0, 2, 4, 1, weight_copy_bytes=2, host_optimizer=True, stream=True))
 
 
 FIXED_HOST = HostProfile(step_params_per_s=5e7, copy_bytes_per_s=2e9, kernel="fused", cores=2)

@@ -497,3 +497,50 @@ def test_show_schedule_zbv_names_each_actions_chunk(monkeypatch, capsys):
     with pytest.raises(SystemExit):
         runpy.run_path(str(script), run_name="__main__")
     assert "zbv is lowered for gloo only" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("schedule", ["2bw", "flush"])
+@pytest.mark.parametrize("lead", [1, 2])
+def test_forward_lead_keeps_the_invariants_over_grid(schedule, lead):
+    """pipeline.forward_lead: stages before the last hold d - s + lead in flight (at most m), the last stage's list
+    is 1F1B's, 2bw still never reads a version not yet made (the forwards before S t are batch t+1's), and the
+    lowered lists run without a deadlock."""
+    for d, m in _grid(schedule):
+        plain = pipeline_actions(schedule, num_stages=d, num_microbatches=m, num_batches=NUM_BATCHES)
+        ahead = pipeline_actions(schedule, num_stages=d, num_microbatches=m, num_batches=NUM_BATCHES, forward_lead=lead)
+        assert ahead[-1] == plain[-1]
+        for s, stage in enumerate(ahead):
+            limit = in_flight(schedule, s, d, m, forward_lead=lead)
+            assert limit == (min(d - s + lead, m) if s < d - 1 and d - s < m else min(d - s, m)), (d, m, s)
+            check_stage(stage, num_microbatches=m, in_flight_limit=limit)
+            assert max_in_flight(stage) == limit, (d, m, s)
+            versions = max_versions_alive(stage, schedule=schedule, num_microbatches=m)
+            assert versions == (2 if schedule == "2bw" else 1), (d, m, s)
+            lowered = rank_actions(
+                schedule,
+                stage_index=s,
+                num_stages=d,
+                num_microbatches=m,
+                first_batch=0,
+                num_batches=NUM_BATCHES,
+                batch_sends=False,
+                forward_lead=lead,
+            )
+            assert [a for a in lowered if comm_op(a.kind) is None] == stage
+        simulate(ahead)  # raises on deadlock
+
+
+def test_forward_lead_hides_a_transfer_latency():
+    """At d = 2 a transfer's latency c lengthens every 1F1B cycle (stage 0's backward waits for the gradient of the
+    forward it just sent, here by c a microbatch); one forward ahead gives the gradient that forward's time to
+    arrive, and the batch takes what it takes without latency."""
+    cost = {FORWARD: 1.0, BACKWARD: 2.0}
+
+    def batch_time(lead, latency):
+        lists = pipeline_actions("2bw", num_stages=2, num_microbatches=8, num_batches=6, forward_lead=lead)
+        t = timings(lists, lambda a: cost.get(a.kind, 0.5), latency=latency)
+        steps_end = [end for a, (_, end) in zip(lists[0], t[0]) if a.kind not in cost]
+        return (steps_end[-1] - steps_end[1]) / (len(steps_end) - 2)
+
+    assert batch_time(0, 0.3) == pytest.approx(batch_time(0, 0.0) + 8 * 0.3)
+    assert batch_time(1, 0.3) == pytest.approx(batch_time(0, 0.0))

@@ -136,6 +136,21 @@ def test_zero_bubble_v_at_three_ranks_equals_minibatch_training(tmp_path):
     assert_losses_close(summary["losses"], expected_losses)
 
 
+@pytest.mark.parametrize(
+    "schedule,d,m", [("2bw", 2, 4), pytest.param("2bw", 4, 8, marks=pytest.mark.long), ("flush", 4, 8)]
+)
+def test_forward_lead_equals_the_same_update_rule(tmp_path, schedule, d, m):
+    """pipeline.forward_lead=1 reorders each stage's forwards, not what they compute: 2bw's delayed rule and
+    flush's synchronous one, exactly (under 2bw the extra forward is still batch t+1's, on W(t))."""
+    cfg = tiny_config(schedule=schedule, num_stages=d, num_microbatches=m, optim="adam")
+    cfg.pipeline.forward_lead = 1
+    summary = run_ok(cfg, tmp_path)
+    expected, expected_losses = _oracle(m, "adam", schedule == "2bw")
+    torch.testing.assert_close(torch.load(tmp_path / "final_model.pt"), expected)
+    assert_losses_close(summary["losses"], expected_losses)
+    assert [r["peak_in_flight"] for r in summary["ranks"]] == [min(d - s + (s < d - 1), m) for s in range(d)]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["2bw", "flush", "gpipe"])
 def test_results_do_not_depend_on_depth(tmp_path, schedule):

@@ -43,6 +43,7 @@ from pipedream2bw.config.schema import (
 )
 from pipedream2bw.config.validate import (
     SAVE_FINAL,
+    require_file,
     signal_numbers,
     validate,
     validate_steps,
@@ -101,6 +102,7 @@ __all__ = [
     "validate_steps",
     "default_plan_choices",
     "SAVE_FINAL",
+    "require_file",
     "validate",
     "from_hydra",
     "check_known_keys",

@@ -19,6 +19,15 @@ from torch import nn
 MUON_ROLE = "_pd2bw_muon"
 """The attribute ``tag_muon_params`` sets on each parameter: True for Muon, False for the other optimizer."""
 
+TENSOR_SPLIT = "_pd2bw_tensor_split"
+"""The attribute a parameter split across a tensor group carries (pipeline.tensor_parallel; run/tensor.py sets it):
+an object whose ``whole(piece)`` gathers the whole tensor from every tensor rank's piece (a collective over the group:
+each of its ranks calls it, in the same order) and ``piece(whole)`` cuts this rank's piece of a whole tensor. Muon
+orthogonalizes the whole matrix through it; elementwise optimizers never read it."""
+
+PARAM_TAGS = (MUON_ROLE, TENSOR_SPLIT)
+"""The attributes a parameter carries for its optimizer, which the weight versions copy onto the masters it steps."""
+
 EF_STATE = "ef_prev_update"
 """The error-feedback state of a parameter: the update u(t-1) its optimizer made at the previous step."""
 
@@ -144,11 +153,27 @@ class Muon(torch.optim.Muon):
             return torch.bfloat16 if grad.is_cuda else torch.float32
         return NS_DTYPES[self.ns_dtype]
 
+    def _orthogonalized(self, update: torch.Tensor, group: Dict[str, Any]) -> torch.Tensor:
+        """torch's _zeropower_via_newtonschulz of ``update`` in ``_dtype``'s dtype, on ``ns_device`` if set."""
+        a, b, c = group["ns_coefficients"]
+        if self.ns_device is not None:  # host-resident state: the matrix iterations run on the device
+            update = update.to(self.ns_device)
+        x = update.to(self._dtype(update))
+        if update.size(0) > update.size(1):
+            x = x.T
+        x = x.div(x.norm().clamp(min=group["eps"]))
+        for _ in range(group["ns_steps"]):
+            gram = x @ x.T
+            x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+        if update.size(0) > update.size(1):
+            x = x.T
+        return x
+
     @torch.no_grad()
     def step(self, closure=None):  # noqa: D102 (torch's)
         assert closure is None, "closures are not supported"
         for group in self.param_groups:
-            lr, momentum, (a, b, c) = group["lr"], group["momentum"], group["ns_coefficients"]
+            lr, momentum = group["lr"], group["momentum"]
             for p in group["params"]:
                 if p.grad is None:
                     continue
@@ -158,23 +183,17 @@ class Muon(torch.optim.Muon):
                 buf = state["momentum_buffer"]
                 buf.lerp_(p.grad, 1 - momentum)
                 update = p.grad.lerp(buf, momentum) if group["nesterov"] else buf
-                if self.ns_device is not None:  # host-resident state: the matrix iterations run on the device
-                    update = update.to(self.ns_device)
-                x = update.to(self._dtype(update))  # torch's _zeropower_via_newtonschulz, in that dtype
-                if update.size(0) > update.size(1):
-                    x = x.T
-                x = x.div(x.norm().clamp(min=group["eps"]))
-                for _ in range(group["ns_steps"]):
-                    gram = x @ x.T
-                    x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
-                if update.size(0) > update.size(1):
-                    x = x.T
-                x = x.to(p.device)  # back to the host, in the iteration's dtype (as the device step adds it)
-                rows, cols = p.shape[:2]  # torch's _adjust_lr
+                split = getattr(p, TENSOR_SPLIT, None)
+                if split is not None:  # a piece of a matrix split over a tensor group: orthogonalize the whole one
+                    update = split.whole(update)  # an all-gather; every tensor rank then computes the same x
+                x = self._orthogonalized(update, group).to(p.device)  # (back to the host: the device step adds it)
+                rows, cols = update.shape[:2]  # torch's _adjust_lr, on the whole matrix's shape
                 ratio = {
                     "original": math.sqrt(max(1, rows / cols)),
                     "match_rms_adamw": 0.2 * math.sqrt(max(rows, cols)),
                 }
+                if split is not None:
+                    x = split.piece(x)
                 p.mul_(1 - lr * group["weight_decay"])
                 p.add_(x, alpha=-lr * ratio.get(group["adjust_lr_fn"] or "original", 1.0))
         return None

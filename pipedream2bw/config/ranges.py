@@ -35,6 +35,7 @@ RANGES: Dict[str, _Range] = {
     "pipeline.trace_steps": AT_LEAST_1,
     "pipeline.trace_first_step": AT_LEAST_0,
     "pipeline.sync_warmup_steps": AT_LEAST_0,
+    "pipeline.forward_lead": AT_LEAST_0,
     "model.num_layers": AT_LEAST_1,
     "model.d_model": AT_LEAST_1,
     "model.num_heads": AT_LEAST_1,

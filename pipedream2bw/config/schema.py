@@ -76,6 +76,11 @@ class PipelineConfig:
     """Under schedule=2bw: the first N steps run as PipeDream-Flush (batch t reads W(t): no delay), then 2bw
     (batch N reads W(N), batch t > N reads W(t-1)); 0: 2bw from the first step. The delay correction is off on
     the synchronous steps (docs/convergence.md)."""
+    forward_lead: int = 0
+    """Under 2bw and flush: the stages before the last run this many forwards ahead of 1F1B's d - s in flight (at
+    most m - (d - s)), so a backward's gradient has a forward's time to arrive from the next stage instead of none;
+    each costs one more microbatch of activations on those stages. 1 pays at small microbatches, where a transfer's
+    latency is a large share of a forward and a backward (docs/benchmarks.md); 0: plain 1F1B."""
     check_ties: bool = False
     """Debug: after every step, compare a digest of each tied parameter's copies across the stages holding
     them (two small all-reduces per step); the run fails on the first step where they differ."""

@@ -67,9 +67,10 @@ def _validate_swap(swap: SwapConfig, num_stages: int) -> None:
 def _validate_weight_stream(cfg: Config) -> None:
     """swap.weights=true: what weight streaming (pipedream2bw/memory/stream.py) composes with; the rest is refused.
 
-    Composes: data parallelism (the host gradients all-reduced per layer), clipping and on_nonfinite=skip (the step
-    agreement over the host gradients), validation passes (forward only, streamed), train.weight_dtype=compute
-    (versions in the compute dtype on the host, float32 masters and gradient sums). Refused: below."""
+    Composes: data parallelism (the host gradients all-reduced per layer), clipping, on_nonfinite=skip and fp16's loss
+    scaler (the step agreement over the host gradients: their norm, finite or not; the step unscales them), validation
+    passes (forward only, streamed), train.weight_dtype=compute (versions in the compute dtype on the host, float32
+    masters and gradient sums). Refused: below."""
     s = cfg.swap
     if s.weight_prefetch < 0:
         raise ConfigError(f"swap.weight_prefetch ({s.weight_prefetch}) must be >= 0: layers copied ahead of use")
@@ -80,8 +81,6 @@ def _validate_weight_stream(cfg: Config) -> None:
         why = "no stage swaps; set swap.enabled=true or swap.stages=[...] to name the stages that stream"
     elif s.optimizer != "host":
         why = "a streamed stage's optimizer steps where its weights live, on the host; set swap.optimizer=host"
-    elif cfg.train.precision == "fp16":
-        why = "train.precision (fp16): the loss scaler's checks of host gradients are not written; use bf16 or fp32"
     if why is not None:
         raise ConfigError(f"swap.weights (true) with {why}")
     if cfg.optim.sharded and cfg.pipeline.data_parallel > 1:
@@ -120,6 +119,19 @@ def _validate_host_step(cfg: Config) -> None:
         )
     if why is not None:
         raise ConfigError(f"swap.host_step (background) with {why}")
+
+
+def _validate_forward_lead(cfg: Config) -> None:
+    """pipeline.forward_lead: forwards ahead of 1F1B's bound, under the two 1F1B schedules only (schedule=auto may
+    choose either or zb1p, so elsewhere it is moot, as sync_warmup_steps is off 2bw)."""
+    p = cfg.pipeline
+    if p.forward_lead > 0 and p.schedule in ("gpipe", "zb1p", "zbv"):
+        log.info(
+            "pipeline.forward_lead (%d) is moot under pipeline.schedule=%s: %s",
+            p.forward_lead,
+            p.schedule,
+            "all m forwards run first" if p.schedule == "gpipe" else "its zero-bubble order is its own",
+        )
 
 
 def _validate_sync_warmup(cfg: Config) -> None:
@@ -304,6 +316,17 @@ def _validate_final(cfg: Config) -> None:
             )
 
 
+def require_file(path: Optional[str], key: str) -> None:
+    """A data file a key names (data.path, data.val_path) is there: checked before torch is imported, so that the
+    launcher finds a mistyped path in a second (the data's own checks, which need torch, come later).
+
+    Raises:
+        ConfigError: naming the key and the path.
+    """
+    if path is not None and not Path(path).is_file():
+        raise ConfigError(f"{key} ({path}) is not a file; point {key} at a text file or a .bin token file")
+
+
 def validate(
     cfg: Config,
     *,
@@ -337,6 +360,8 @@ def validate(
     num_layers = model_num_layers(mdl) if gpt else num_layers
     _validate_shape(cfg, world_size)
     balance = _validate_balance(cfg, num_layers, gpt=gpt)
+    require_file(cfg.data.path, "data.path")
+    require_file(cfg.data.val_path, "data.val_path")
     _validate_model_and_optim(cfg)
     _validate_train(cfg)
     _validate_run(cfg, local_world_size)
@@ -346,6 +371,7 @@ def validate(
     _validate_documents(cfg)
     _validate_tensor_parallel(cfg, gpt=gpt, local_world_size=local_world_size)
     _validate_sync_warmup(cfg)
+    _validate_forward_lead(cfg)
     _validate_split_backward(cfg)
     _validate_v_schedule(cfg)
     return balance
@@ -383,19 +409,12 @@ def _tensor_parallel_refusal(cfg: Config, *, gpt: bool) -> Optional[str]:
     p, mdl, o, sw = cfg.pipeline, cfg.model, cfg.optim, cfg.swap
     import torch  # here, not at import: the launcher's check imports no torch (t = 1 never gets here)
 
-    from pipedream2bw.config.optimizers import is_muon
-
     cuda_auto = cfg.train.precision == "auto" and torch.cuda.is_available()
     refusals = [
         (
             not gpt or not isinstance(mdl, GPTConfig),
             "splits the built-in GPT's blocks only (model=gpt), not model=hf or a "
             "user's layer list; set pipeline.tensor_parallel=1 for this model",
-        ),
-        (
-            is_muon(o),
-            "with optim.name (muon): Muon orthogonalizes whole matrices and a rank holds 1/t of each; "
-            "use an elementwise optimizer (optim.name=adamw) or pipeline.tensor_parallel=1",
         ),
         (bool(o.sharded), "with optim.sharded (true): ZeRO-1 over tensor shards is not built; set optim.sharded=false"),
         (

@@ -19,7 +19,7 @@ from typing import Any, Callable, Dict, Optional, Tuple, Union
 import numpy as np
 import torch
 
-from pipedream2bw.config import DataConfig
+from pipedream2bw.config import DataConfig, require_file
 from pipedream2bw.data import documents
 from pipedream2bw.errors import ConfigError
 
@@ -338,8 +338,7 @@ def _check_settings(data: DataConfig, *, vocab_size: Optional[int], need_val: bo
 
 
 def _check_file(path: Optional[str], key: str, *, dtype: str, vocab_size: Optional[int], vocab_from: str) -> DataInfo:
-    if path is not None and not Path(path).is_file():
-        raise ConfigError(f"{key} ({path}) is not a file; point {key} at a text file or a {TOKEN_SUFFIX} token file")
+    require_file(path, key)
     if not is_token_file(path):
         if vocab_size is not None and vocab_size < BYTE_VOCAB:
             raise ConfigError(f"{vocab_from} ({vocab_size}) must be >= {BYTE_VOCAB} for byte-level text")

@@ -366,6 +366,17 @@ def _read_manifest(path: Path) -> Optional[Dict[str, Any]]:
     return manifest if isinstance(manifest, dict) else None
 
 
+def resumable_steps(path: Path) -> Optional[List[int]]:
+    """The steps a resume from ``path`` (a checkpoint, a checkpoints/ directory or a run directory) could start at,
+    newest first, by their manifests alone (no file verified: a check before any rank starts); None where ``path``
+    holds no complete checkpoint."""
+    path = Path(path)
+    found = [path] if (path / MANIFEST).is_file() else _candidates(_checkpoints_root(path))
+    manifests = [_read_manifest(p) for p in found]
+    steps = [m["step"] for m in manifests if m is not None and isinstance(m.get("step"), int)]
+    return sorted(steps, reverse=True) if found else None
+
+
 def new_lineage() -> str:
     """A fresh run id: the lineage of a run that starts from step 0 (a resume keeps its checkpoint's)."""
     return uuid.uuid4().hex

@@ -69,13 +69,21 @@ def comm_op(kind: str) -> Optional[Tuple[str, str]]:
     return tuple(kind.split("_")) if kind in COMM_KINDS else None
 
 
-def in_flight(schedule: str, stage_index: int, num_stages: int, num_microbatches: int) -> int:
+def lead(stage_index: int, num_stages: int, num_microbatches: int, forward_lead: int) -> int:
+    """The forwards stage s runs ahead of 1F1B's d - s (``pipeline.forward_lead``): none on the last stage
+    (its backward follows its forward at once), and no more than leave the stage at most m in flight."""
+    s, d, m = stage_index, num_stages, num_microbatches
+    return 0 if s == d - 1 else max(0, min(forward_lead, m - (d - s)))
+
+
+def in_flight(schedule: str, stage_index: int, num_stages: int, num_microbatches: int, *, forward_lead: int = 0) -> int:
     """Most microbatches stage s holds forwarded but not yet backwarded (under zb1p and zbv: not yet through
     their W, whose tensors autograd keeps until then): min(d - s, m) under the 1F1B schedules (2bw and
-    flush), m under gpipe, min(d, m) on every stage under zb1p (ZB-H1: the first stage's 1F1B peak, so
-    the peak over the stages is 1F1B's), min(2d - v, m) on chunk v under zbv (a rank's two chunks, r and
-    2d-1-r, hold at most 2d + 1 chunk-microbatches, a chunk being half a stage). The one rule behind
-    the runtime's check, its activation swapping and the planner's memory model.
+    flush), plus ``lead`` on the stages before the last with pipeline.forward_lead; m under gpipe, min(d, m)
+    on every stage under zb1p (ZB-H1: the first stage's 1F1B peak, so the peak over the stages is 1F1B's),
+    min(2d - v, m) on chunk v under zbv (a rank's two chunks, r and 2d-1-r, hold at most 2d + 1 chunk-microbatches,
+    a chunk being half a stage). The one rule behind the runtime's check, its activation swapping and the planner's
+    memory model.
     """
     if schedule == "gpipe":
         return num_microbatches
@@ -83,7 +91,8 @@ def in_flight(schedule: str, stage_index: int, num_stages: int, num_microbatches
         return min(num_stages, num_microbatches)
     if schedule == "zbv":  # ``stage_index``: a chunk v of 2d; a rank holds 2d - r + r + 1 = 2d + 1 chunk-microbatches
         return min(2 * num_stages - stage_index, num_microbatches)
-    return min(num_stages - stage_index, num_microbatches)
+    ahead = lead(stage_index, num_stages, num_microbatches, forward_lead)
+    return min(num_stages - stage_index, num_microbatches) + ahead
 
 
 def chunks(schedule: str, stage_index: int, num_stages: int) -> Tuple[int, ...]:
@@ -201,7 +210,13 @@ def _insert_steps(actions: List[Action], stage_index: int, num_microbatches: int
 
 
 def stage_actions(
-    schedule: str, *, stage_index: int, num_stages: int, num_microbatches: int, num_batches: int
+    schedule: str,
+    *,
+    stage_index: int,
+    num_stages: int,
+    num_microbatches: int,
+    num_batches: int,
+    forward_lead: int = 0,
 ) -> List[Action]:
     """The ordered actions of one stage for ``num_batches`` batches.
 
@@ -209,15 +224,19 @@ def stage_actions(
     overlap batch t's last backwards); flush runs 1F1B per batch; zb1p ZB-H1 per batch
     (``_zero_bubble_h1``: backwards split into B and W); gpipe all forwards then all backwards per
     batch. Every schedule steps once per batch, right after its last backward (zb1p: its last W).
+    ``forward_lead`` (2bw and flush): the stages before the last keep ``lead`` more microbatches forwarded
+    (d - s + lead): each backward's gradient then has a forward's time to arrive, instead of none. Under 2bw
+    the forwards run before S t are still batch t+1's (d - s + lead <= m), which reads W(t), not S t's W(t+1).
 
     Raises:
         ValueError: unknown schedule.
     """
     s, d, m = stage_index, num_stages, num_microbatches
+    ahead = lead(s, d, m, forward_lead) if schedule in ("2bw", "flush") else 0
     if schedule == "2bw":
-        actions = _one_f_one_b(s, 0, num_batches * m, d - s)
+        actions = _one_f_one_b(s, 0, num_batches * m, d - s + ahead)
     elif schedule == "flush":
-        actions = [a for t in range(num_batches) for a in _one_f_one_b(s, t * m, m, d - s)]
+        actions = [a for t in range(num_batches) for a in _one_f_one_b(s, t * m, m, d - s + ahead)]
     elif schedule == "zb1p":
         one = _zero_bubble_h1(d, m)[s]
         actions = [a._replace(index=t * m + a.index) for t in range(num_batches) for a in one]
@@ -363,6 +382,7 @@ def rank_actions(
     first_batch: int,
     num_batches: int,
     batch_sends: bool,
+    forward_lead: int = 0,
 ) -> List[Action]:
     """What one rank runs: its stage's actions for batches ``first_batch .. first_batch + num_batches - 1``,
     checked (``check_stage`` with the ``in_flight`` bound), shifted to those batches and lowered
@@ -376,9 +396,17 @@ def rank_actions(
         return _rank_actions_v(schedule, s, d, m, first_batch=first_batch, num_batches=num_batches)
 
     def compute(stage: int) -> List[Action]:
-        acts = stage_actions(schedule, stage_index=stage, num_stages=d, num_microbatches=m, num_batches=num_batches)
+        acts = stage_actions(
+            schedule,
+            stage_index=stage,
+            num_stages=d,
+            num_microbatches=m,
+            num_batches=num_batches,
+            forward_lead=forward_lead,
+        )
         if stage == s:
-            check_stage(acts, num_microbatches=m, in_flight_limit=in_flight(schedule, s, d, m))
+            limit = in_flight(schedule, s, d, m, forward_lead=forward_lead)
+            check_stage(acts, num_microbatches=m, in_flight_limit=limit)
         return shift_batches(acts, first_batch=first_batch, num_microbatches=m)
 
     return lower(
@@ -427,11 +455,18 @@ def _rank_actions_v(schedule: str, r: int, d: int, m: int, *, first_batch: int, 
     return [b for a in lists[r] for b in stepped.get(a, [a])]
 
 
-def pipeline_actions(schedule: str, *, num_stages: int, num_microbatches: int, num_batches: int) -> List[List[Action]]:
+def pipeline_actions(
+    schedule: str, *, num_stages: int, num_microbatches: int, num_batches: int, forward_lead: int = 0
+) -> List[List[Action]]:
     """Action lists of all stages, stage 0 first."""
     return [
         stage_actions(
-            schedule, stage_index=s, num_stages=num_stages, num_microbatches=num_microbatches, num_batches=num_batches
+            schedule,
+            stage_index=s,
+            num_stages=num_stages,
+            num_microbatches=num_microbatches,
+            num_batches=num_batches,
+            forward_lead=forward_lead,
         )
         for s in range(num_stages)
     ]
@@ -493,11 +528,12 @@ def _dependency(a: Action, num_stages: int) -> Optional[Tuple[int, str, int]]:
 
 
 def timings(
-    actions_per_stage: Sequence[Sequence[Action]], duration: Callable[[Action], float]
+    actions_per_stage: Sequence[Sequence[Action]], duration: Callable[[Action], float], *, latency: float = 0.0
 ) -> List[List[Tuple[float, float]]]:
     """Runs the stages' compute lists event by event: each action starts once its stage is free
     and the action it depends on (``_dependency``; its transfer included in that one's
-    ``duration``) has finished.
+    ``duration``) has finished, ``latency`` before (a transfer's delay on the wire, which keeps
+    the receiver waiting but not the sender: pipeline.forward_lead hides it).
 
     Returns:
         ``[stage][position] -> (start, end)``.
@@ -521,7 +557,7 @@ def timings(
                 ready = done.get(dep) if dep is not None else 0.0
                 if ready is None:
                     break
-                start = max(clock[s], ready)
+                start = max(clock[s], ready + (latency if dep is not None else 0.0))
                 clock[s] = start + duration(a)
                 done[(a.stage_index, a.kind, a.index)] = clock[s]
                 times[s].append((start, clock[s]))

@@ -79,6 +79,26 @@ def gather_whole(piece: torch.Tensor, split: Split, group: Any, device: torch.de
     return unshard(pieces, split).to(piece.device)
 
 
+class WholeFromPieces:
+    """A split parameter's whole tensor from its pieces over the tensor group, and this rank's piece of a whole one:
+    what a parameter carries as ``config.optimizers.TENSOR_SPLIT`` (Muon orthogonalizes whole matrices). Shared,
+    not copied, by deep copies (a process group does not copy)."""
+
+    def __init__(self, split: Split, group: Any, *, rank: int, size: int, device: torch.device):
+        self.split, self.group, self.rank, self.size, self.device = split, group, rank, size, device
+
+    def __deepcopy__(self, memo: Dict[int, Any]) -> "WholeFromPieces":
+        return self
+
+    def whole(self, piece: torch.Tensor) -> torch.Tensor:
+        """The whole tensor (an all-gather over the group: each of its ranks calls it, in the same order)."""
+        return gather_whole(piece, self.split, self.group, self.device)
+
+    def piece(self, whole: torch.Tensor) -> torch.Tensor:
+        """This rank's piece of ``whole``."""
+        return shard(whole, self.split, rank=self.rank, size=self.size)
+
+
 def whole_state(
     state: Mapping[str, Any],
     splits: Mapping[str, Split],

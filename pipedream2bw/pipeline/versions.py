@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from pipedream2bw.config.optimizers import (
-    MUON_ROLE,
+    PARAM_TAGS,
     PREDICT_STATE,
     delay_corrected,
     predicted_offsets,
@@ -156,9 +156,10 @@ class WeightVersions:
         # module tree every call, a millisecond per step of Python on a GPT; parameters are stable objects).
         self._params: List[List[nn.Parameter]] = [list(r.parameters()) for r in self.replicas]
         self.master = self._make_masters(module)
-        for p, m in zip(self._params[0], self.master):  # optim.name=muon: which optimizer steps it (config.optimizers)
-            if hasattr(p, MUON_ROLE):
-                setattr(m, MUON_ROLE, getattr(p, MUON_ROLE))
+        for p, m in zip(self._params[0], self.master):  # Muon: which optimizer steps it, a split's whole matrix
+            for tag in PARAM_TAGS:  # (config.optimizers)
+                if hasattr(p, tag):
+                    setattr(m, tag, getattr(p, tag))
         self.buckets = [list(b) for b in buckets] if buckets is not None else [list(range(len(self._params[0])))]
         assert sorted(i for b in self.buckets for i in b) == list(range(len(self._params[0]))), (
             "buckets must partition the parameters"

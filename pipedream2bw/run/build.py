@@ -445,6 +445,7 @@ def _rank_actions(rt: RankPlan, name: str, first: int, end: int, *, batch_sends:
         first_batch=first,
         num_batches=end - first,
         batch_sends=batch_sends,
+        forward_lead=rt.forward_lead,
     )
 
 
@@ -617,7 +618,9 @@ def components(
     feed, val_feed, evaluator = data(rt, ctx, neighbours, cfg.data, cfg.train, model.loss_fn)
     stop_rule = preemption(rt, ctx, watch)
     own_actions = actions(rt, batch_sends=batch_sends(cfg.dist, rt))
-    in_flight = schedule.in_flight(rt.schedule, rt.stage, rt.num_stages, rt.num_microbatches)
+    in_flight = schedule.in_flight(
+        rt.schedule, rt.stage, rt.num_stages, rt.num_microbatches, forward_lead=rt.forward_lead
+    )
     swapper = swap_manager(cfg.swap, rt, in_flight, versions)
     stream = weight_stream(cfg.swap, rt, versions)
     if stream is not None and evaluator is not None:  # validation passes stream the newest version's weights too

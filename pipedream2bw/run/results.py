@@ -66,6 +66,7 @@ def summarize(
                 "weight_bytes": s.weight_bytes,
                 "optimizer_state_bytes": s.optimizer_state_bytes,
                 "peak_stash_bytes": s.peak_stash_bytes,
+                "peak_in_flight": s.peak_in_flight,
                 "peak_memory_bytes": s.peak_memory_bytes,
                 "swap": s.swap,
                 "stream": s.stream,

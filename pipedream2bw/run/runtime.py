@@ -51,6 +51,8 @@ class RankPlan:
     """The batch the run ends before (``train.num_steps``)."""
     sync_warmup_steps: int = 0
     """Under 2bw: the steps that run as PipeDream-Flush first (``pipeline.sync_warmup_steps``)."""
+    forward_lead: int = 0
+    """Forwards ahead of 1F1B's bound on the stages before the last (``pipeline.forward_lead``)."""
 
     @classmethod
     def from_config(
@@ -93,6 +95,7 @@ class RankPlan:
             first_step=0 if resume is None else resume[1]["step"],
             num_steps=cfg.train.num_steps,
             sync_warmup_steps=p.sync_warmup_steps if p.schedule == "2bw" else 0,
+            forward_lead=p.forward_lead,
         )
 
     @property

@@ -87,6 +87,7 @@ class StageStats:
     host_step_s: float = 0.0  # swap.host_step=background: seconds the host optimizer steps ran on their thread
     host_step_wait_s: float = 0.0  # ... and seconds training waited for them (the part not hidden)
     peak_stash_bytes: int = 0  # activations autograd saves for one microbatch x most microbatches in flight
+    peak_in_flight: int = 0  # most microbatches forwarded and not yet through their backward (zb1p: their W)
     weight_bytes: int = 0  # all weight versions held
     optimizer_state_bytes: int = 0
     peak_memory_bytes: int = 0  # CUDA: max allocated; CPU: process peak resident set
@@ -327,7 +328,12 @@ class StageWorker:
                 out.detach() if isinstance(out, torch.Tensor) else pytree.tree_map(torch.Tensor.detach, out)
             )
         self._stash[k] = (x, out)
-        held = len(self._stash) + len(self._weight_work)  # zb1p: a microbatch's tensors stay until its W
+        self._note_held()
+
+    def _note_held(self) -> None:
+        """After a forward: the most microbatches held (zb1p: a microbatch's tensors stay until its W) and bytes."""
+        held = len(self._stash) + len(self._weight_work)
+        self.stats.peak_in_flight = max(self.stats.peak_in_flight, held)
         held = held * self._saved_bytes if not self._chunks else v_chunks.held_bytes(self)  # zbv: both chunks'
         self.stats.peak_stash_bytes = max(self.stats.peak_stash_bytes, held)
 

@@ -340,7 +340,7 @@ def check_weight_stream(cfg: Config, tied: Sequence[ties.Tie], balance: Sequence
     """swap.weights: what the config alone could not tell (ties, the resolved precision), before any group.
 
     Raises:
-        ConfigError: a streamed stage holds a tied weight, or train.precision=auto resolved to fp16.
+        ConfigError: a streamed stage holds a tied weight.
     """
     streamed = set(swap_stages(cfg.swap, cfg.pipeline.num_stages))
     held = [list(t.names) for t in tied if streamed & set(ties.holders(t, balance))]
@@ -349,8 +349,6 @@ def check_weight_stream(cfg: Config, tied: Sequence[ties.Tie], balance: Sequence
             f"swap.weights (true) with tied weights {held} on a streamed stage: a tied weight would travel once per "
             "layer that uses it and its gradients be summed in another order; untie them or stream other stages"
         )
-    if precision == "fp16":
-        raise ConfigError("swap.weights (true) with train.precision resolved to fp16: not supported; use bf16 or fp32")
 
 
 def check_stream_host_memory(

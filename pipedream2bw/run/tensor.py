@@ -10,9 +10,10 @@ from typing import Any, Dict, List, Mapping, Optional
 import torch
 from torch import nn
 
+from pipedream2bw.config.optimizers import TENSOR_SPLIT
 from pipedream2bw.models.gpt_tensor import split_blocks
 from pipedream2bw.pipeline import comm
-from pipedream2bw.pipeline.tensor import Split, sharded_state, whole_state
+from pipedream2bw.pipeline.tensor import Split, WholeFromPieces, sharded_state, whole_state
 from pipedream2bw.run.runtime import RankPlan
 
 STATE_KEYS = ("weights", "previous", "optimizer")
@@ -75,6 +76,10 @@ def split_stage(rt: RankPlan, ctx: comm.DistContext, module: nn.Module) -> Optio
     wholes = {n: p.shape for n, p in module.named_parameters()}
     splits = split_blocks(module, group=group, rank=rt.tensor_rank, size=rt.tensor_parallel)
     pieces = {n: p.shape for n, p in module.named_parameters() if n in splits}
+    for n, p in module.named_parameters():  # Muon steps a piece through its whole matrix (config.optimizers)
+        if n in splits:
+            part = WholeFromPieces(splits[n], group, rank=rt.tensor_rank, size=rt.tensor_parallel, device=rt.device)
+            setattr(p, TENSOR_SPLIT, part)
     return TensorPart(
         group=group,
         rank=rt.tensor_rank,
