@@ -40,7 +40,7 @@ from pipedream2bw.config.optimizers import correction_in_effect, is_muon
 from pipedream2bw.errors import ConfigError
 from pipedream2bw.memory import precision as precisions
 from pipedream2bw.models.gpt import layer_kind
-from pipedream2bw.pipeline.schedule import SPLIT_SCHEDULES
+from pipedream2bw.pipeline.schedule import SPLIT_SCHEDULES, V_SCHEDULES
 
 log = logging.getLogger(__name__)
 
@@ -144,6 +144,11 @@ def make_request(
     p = cfg.pipeline
     if p.schedule not in SCHEDULES:
         raise ConfigError(f"pipeline.schedule ({p.schedule!r}) is unknown; use one of {list(SCHEDULES)}")
+    if p.schedule in V_SCHEDULES:
+        raise ConfigError(
+            f"pipeline.schedule ({p.schedule}) runs 2d chunks, two a rank, and the planner cuts d contiguous stages; "
+            "set pipeline.balance (2d layer counts) with partition=manual, or plan zb1p"
+        )
     B = cfg.train.global_batch_size or p.data_parallel * p.num_microbatches * p.microbatch_size
     if runtime_bytes is None:
         runtime_bytes = (

@@ -74,6 +74,7 @@ names the busiest.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
@@ -89,7 +90,9 @@ from pipedream2bw.pipeline.schedule import (
     FORWARD,
     SPLIT_SCHEDULES,
     STEP,
+    V_SCHEDULES,
     WEIGHT,
+    chunks,
     in_flight,
     max_in_flight,
     pipeline_actions,
@@ -122,10 +125,25 @@ def num_versions(schedule: str) -> int:
 
 def batch_multiplier(schedule: str, num_stages: int, num_microbatches: int) -> float:
     """Per-microbatch times per batch on the bottleneck: m without flushes, m + d - 1 with them, m + (d - 1)/3
-    under zb1p (its W's fill all of the bubble but the forward's share of the fill and drain)."""
+    under zb1p (its W's fill all of the bubble but the forward's share of the fill and drain), and under zbv its
+    schedule's own steady-state ticks (``_v_ticks``) over 6: m once m >= 2d - 1 (zero bubble: rank 0, first and
+    last in the V, starts batch t+1 while the others finish batch t), more below."""
     if schedule == "zb1p":
         return num_microbatches + (num_stages - 1) / 3
+    if schedule in V_SCHEDULES:
+        return _v_ticks(schedule, num_stages, num_microbatches) / 6
     return num_microbatches if schedule == "2bw" else num_microbatches + num_stages - 1
+
+
+@functools.lru_cache(maxsize=64)
+def _v_ticks(schedule: str, num_stages: int, num_microbatches: int) -> float:
+    """A V schedule's (two chunks a rank) steady-state batch, the spacing of rank 0's steps over 5 batches (as
+    ``simulate``), in ticks of a chunk's F, B or W, each a sixth of a stage's F + B under the simulator's ratio (B =
+    2F, split into two equal halves; a chunk is half a stage); steps take no time."""
+    lists = pipeline_actions(schedule, num_stages=num_stages, num_microbatches=num_microbatches, num_batches=5)
+    times = timings(lists, lambda a: 0.0 if a.kind == STEP else 1.0)
+    ends = [end for a, (_, end) in zip(lists[0], times[0]) if a.kind == STEP]
+    return (ends[-1] - ends[1]) / (len(ends) - 2)
 
 
 class Segments:
@@ -517,14 +535,17 @@ def simulate(
 
     F k on stage s starts when s is free and F k on s-1 has finished (its send included);
     B k likewise waits for B k on s+1; S t takes the step plus the exposed all-reduce. Under zb1p B k
-    (the input's gradient, sent on) and W k (the weights') take half the backward each. The
+    (the input's gradient, sent on) and W k (the weights') take half the backward each. Under zbv ``stages``
+    are the 2d chunks (rank r runs r and 2d-1-r; its S steps both), and the memory and in-flight lists are per
+    chunk. The
     batch time is the steady-state spacing of stage 0's steps (rank 0 measures there). With
     ``cores`` (ranks sharing CPU cores), the batch takes at least the ranks' total compute
     divided by the cores.
     """
     m = num_microbatches
+    d = len(stages) // 2 if schedule in V_SCHEDULES else len(stages)
     lists = pipeline_actions(
-        schedule, num_stages=len(stages), num_microbatches=m, num_batches=num_batches, forward_lead=forward_lead
+        schedule, num_stages=d, num_microbatches=m, num_batches=num_batches, forward_lead=forward_lead
     )
 
     split = 0.5 if schedule in SPLIT_SCHEDULES else 1.0  # B's share of the backward's compute
@@ -534,7 +555,7 @@ def simulate(
         if a.kind == FORWARD:
             return st["forward_s"] + st["send_s"] + st["stream_fwd_s"]
         if a.kind == STEP:
-            return st["step_s"] + st["exposed_s"]
+            return sum(stages[v]["step_s"] + stages[v]["exposed_s"] for v in chunks(schedule, a.stage_index, d))
         if a.kind == WEIGHT:
             return (1 - split) * st["backward_s"]
         return split * st["backward_s"] + st["send_grad_s"] + st["stall_s"] - st["stream_fwd_s"]
@@ -542,6 +563,8 @@ def simulate(
     times = timings(lists, duration)
     step_end = [end for a, (_, end) in zip(lists[0], times[0]) if a.kind == STEP]
     peak = [max_in_flight(stage) for stage in lists]
+    if schedule in V_SCHEDULES:  # per chunk
+        peak = [max_in_flight([a for rank in lists for a in rank if a.stage_index == v]) for v in range(2 * d)]
     if len(step_end) >= 3:
         batch = (step_end[-1] - step_end[1]) / (len(step_end) - 2)
     else:

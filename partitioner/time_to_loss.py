@@ -18,7 +18,9 @@ from pipedream2bw.config.optimizers import correction_in_effect, is_muon
 
 AUTO = "auto"
 CANDIDATES: Tuple[str, ...] = ("2bw", "flush", "zb1p")
-"""What schedule=auto chooses between: gpipe does flush's work with all m microbatches in flight (never faster)."""
+"""What schedule=auto chooses between: gpipe does flush's work with all m microbatches in flight (never faster). zbv
+is not one yet: its cost model knows its ticks (``cost.batch_multiplier``), but a plan cuts the model into d contiguous
+stages, not zbv's 2d chunks, and the runtime refuses zbv under partition=auto (config/validate.py)."""
 
 STEPS_FACTOR: Dict[Tuple[str, str], float] = {
     # docs/convergence.md, "Time to a loss" (GPT 4 x 64, m=4, b=8, lr 3e-3, 3 seeds), steps to 2.233: flush with

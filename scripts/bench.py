@@ -2,7 +2,8 @@
 
     python scripts/bench.py [--nproc 2] [--num-microbatches 2] [--microbatch-size 16] [--repeats 3]
 
-Systems, on the same GPT and microbatches: our 2bw, flush, zb1p and gpipe; torch.distributed.pipelining's
+Systems, on the same GPT and microbatches: our 2bw, flush, zb1p, zbv and gpipe (zbv: two chunks a rank, the GPT
+split into 2d as torch's V schedules split it); torch.distributed.pipelining's
 Schedule1F1B and ScheduleGPipe driving our stage modules (our split), and its strongest schedules,
 which hold two stages per rank (Interleaved1F1B, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV:
 the GPT split into 2d stages, looped or V-shaped; a schedule that refuses the shape shows n/a); and
@@ -47,7 +48,7 @@ TORCH_SCHEDULES = {
     "zbv": ("ScheduleZBVZeroBubble", 2, "v"),  # rank r: stages r and 2d - 1 - r
     "dualpipev": ("ScheduleDualPipeV", 2, "v"),
 }
-OURS = ["ours-2bw", "ours-flush", "ours-zb1p", "ours-gpipe"]
+OURS = ["ours-2bw", "ours-flush", "ours-zb1p", "ours-zbv", "ours-gpipe"]
 SYSTEMS = [*OURS, *(f"torch-{name}" for name in TORCH_SCHEDULES), "single"]
 STRONGEST = [f"torch-{name}" for name, (_, per_rank, _) in TORCH_SCHEDULES.items() if per_rank == 2]
 OPTIMIZERS = ("adamw", "muon")
@@ -277,13 +278,15 @@ def worker_ours(args, schedule: str, device, *, optimizer: str, correction: str,
         cfg.pipeline.trace_steps = args.steps - args.warmup
     with tempfile.TemporaryDirectory() as tmp, _memory_probe(args, device, within=TRAIN_RANGE) as peak:
         summary = run(cfg, tmp)
+    # zbv: this rank's two chunks of the GPT split into 2d (as torch's V schedules hold them); else its stage
+    held, num_parts = (_torch_stage_indices(rank, world, 2, "v"), 2 * world) if schedule == "zbv" else ([rank], world)
     if args.memory_pass:
         return {
             "rank": rank,
             "peak_tensor_bytes": peak["bytes"],
-            "stage_weight_bytes": _stage_weight_bytes(cfg, rank, world),
+            "stage_weight_bytes": sum(_stage_weight_bytes(cfg, s, num_parts) for s in held),
         }
-    out = {"rank": rank, "compute_s": _stage_compute_s(cfg, rank, world, device)}
+    out = {"rank": rank, "compute_s": sum(_stage_compute_s(cfg, s, num_parts, device) for s in held)}
     if summary is not None:  # rank 0; per-stage peaks were taken when training ended, before gathering results
         out.update(
             samples_per_s=summary["samples_per_s"],
@@ -729,6 +732,7 @@ def main() -> None:
         print(f"{system:>21} {'n/a':>10}  ({why})")
     pairs = [("ours-2bw", "torch-1f1b"), ("ours-flush", "torch-1f1b"), ("ours-zb1p", "ours-flush")]
     pairs += [("ours-zb1p", f"torch-{name}") for name in ("interleavedzb", "zbv")] + [("ours-gpipe", "torch-gpipe")]
+    pairs += [("ours-zbv", "torch-zbv"), ("ours-zbv", "ours-zb1p")]
     for ours, theirs in pairs:
         if ours in rows and theirs in rows:
             print(f"{ours} / {theirs}: {rows[ours]['samples_per_s'] / rows[theirs]['samples_per_s']:.2f}x")

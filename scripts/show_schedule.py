@@ -5,6 +5,7 @@ python scripts/show_schedule.py --schedule 2bw --num-stages 4 --num-microbatches
 python scripts/show_schedule.py --batch-sends    # the lowering under NCCL: sends held for the next receive
 python scripts/show_schedule.py --plan plan.yaml # a plan's schedule (its d, m), first its mesh: d x w x t and the ranks
 python scripts/show_schedule.py --schedule zb1p  # zero bubble (ZB-H1): each backward as B (input grad.) and W
+python scripts/show_schedule.py --schedule zbv   # zero bubble V: chunks r and 2d-1-r on rank r, actions "3F0"
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import sys
 from pipedream2bw.pipeline.schedule import (
     SPLIT_SCHEDULES,
     STEP,
+    V_SCHEDULES,
     pipeline_actions,
     rank_actions,
     render,
@@ -24,7 +26,7 @@ from pipedream2bw.pipeline.schedule import (
 from pipedream2bw.pipeline.versions import max_versions_alive
 
 
-def refusal(schedule: str, d: int, m: int, num_batches: int) -> str:
+def refusal(schedule: str, d: int, m: int, num_batches: int, batch_sends: bool = False) -> str:
     """Why the runtime would not run these values (one line with the fix), or ``''``."""
     for flag, value in (("--num-stages", d), ("--num-microbatches", m), ("--num-batches", num_batches)):
         if value < 1:
@@ -34,6 +36,8 @@ def refusal(schedule: str, d: int, m: int, num_batches: int) -> str:
             f"--num-microbatches ({m}) must be >= --num-stages ({d}) for 2bw (two weight versions suffice only then; "
             f"training refuses it too); raise --num-microbatches to {d} or more, or use --schedule flush"
         )
+    if schedule == "zbv" and batch_sends:
+        return "--batch-sends: zbv is lowered for gloo only (training refuses dist.batch_p2p and NCCL with it)"
     return ""
 
 
@@ -59,7 +63,7 @@ def mesh_view(path: str) -> tuple:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--schedule", choices=["2bw", "flush", "zb1p", "gpipe"], default="2bw")
+    parser.add_argument("--schedule", choices=["2bw", "flush", "zb1p", "zbv", "gpipe"], default="2bw")
     parser.add_argument("--num-stages", type=int, default=4)
     parser.add_argument("--num-microbatches", type=int, default=4)
     parser.add_argument("--num-batches", type=int, default=2)
@@ -79,7 +83,7 @@ def main() -> None:
         text, args.schedule, args.num_stages, args.num_microbatches = mesh_view(args.plan)
         print(text + "\n")
     d, m = args.num_stages, args.num_microbatches
-    problem = refusal(args.schedule, d, m, args.num_batches)
+    problem = refusal(args.schedule, d, m, args.num_batches, args.batch_sends)
     if problem:
         print(f"show_schedule.py: {problem}", file=sys.stderr)
         sys.exit(2)
@@ -90,6 +94,8 @@ def main() -> None:
     print(render(grid))
     busy = sum(a is not None and a.kind != STEP for row in grid for a in row)
     kinds = "F, B (input gradient) and W (weight gradient)" if args.schedule in SPLIT_SCHEDULES else "F and B"
+    if args.schedule in V_SCHEDULES:
+        kinds += " of a chunk (half a stage)"
     print(
         f"\n{len(grid)} ticks ({kinds} one tick each, S one tick); idle fraction "
         f"{1 - busy / (len(grid) * d):.2f}; weight versions per stage: "
@@ -114,6 +120,12 @@ def main() -> None:
         "  RECV_X k  post the receive of microbatch k's activation (X=F, from s-1) or gradient (X=B, from s+1)\n"
         "  WAIT_X k  wait for it         FREE_X i  free our X sends up to i (that wait proved them received)\n"
         "  SEND_X k  send what X k made  HOLD_X k  the same, started with this rank's next RECV (batched sends)\n"
+        + (
+            f'  zbv: rank r runs chunks r and 2d-1-r ("3F0": chunk 3\'s F0); chunks {d - 1} and {d}, both on rank '
+            f"{d - 1}, hand their tensors over in memory (RECV, FREE: nothing; SEND, WAIT: the hand-off)\n"
+            if args.schedule in V_SCHEDULES
+            else ""
+        )
     )
     print(render_lowered(lowered))
 

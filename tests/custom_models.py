@@ -174,3 +174,24 @@ def stateful_layers(
         torch.manual_seed(seed * 1000 + i)
         out.append(kinds[i](width))
     return out
+
+
+class Resize(nn.Module):
+    """(h (B, T, W_in), ids) -> (h' (B, T, W_out), ids): a boundary whose width changes along the model."""
+
+    def __init__(self, width_in: int, width_out: int):
+        super().__init__()
+        self.lin = nn.Linear(width_in, width_out)
+
+    def forward(self, x):
+        return torch.tanh(self.lin(x[0])), x[1]
+
+
+def widening_layers(*, width: int, seed: int = 0) -> List[nn.Module]:
+    """[Embed, Resize W->2W, Resize 2W->2W, Resize 2W->W, Norm, Head]: under zbv at d=2 with pipeline.balance
+    [1, 1, 1, 3], rank 0 sends width W to rank 1 and receives width 2W back on the same tags."""
+    torch.manual_seed(seed)
+    return [Embed(width), Resize(width, 2 * width), Resize(2 * width, 2 * width), Resize(2 * width, width)] + [
+        Norm(width),
+        Head(width),
+    ]

@@ -44,7 +44,7 @@ def assert_equal_bits(a: dict, b: dict) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule", ["2bw", "flush"])
+@pytest.mark.parametrize("schedule", ["2bw", "flush", pytest.param("zbv", marks=pytest.mark.long)])
 def test_resume_is_exact(tmp_path, schedule):
     """2N steps straight == N steps, stop, resume, N more: weights and every loss, bit for bit."""
     straight = run_ok(config(schedule, steps=6), tmp_path / "straight")

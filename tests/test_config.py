@@ -143,7 +143,7 @@ def test_typed_schema_rejects_wrong_types():
         (
             ["pipeline.schedule=pipedream"],
             4,
-            r"pipeline.schedule \('pipedream'\) is unknown; use one of \['2bw', 'flush', 'zb1p', 'gpipe'\]",
+            r"pipeline.schedule \('pipedream'\) is unknown; use one of \['2bw', 'flush', 'zb1p', 'zbv', 'gpipe'\]",
         ),
         (["optim.name=adamx"], 4, r"optim.name \('adamx'\) is not a torch.optim optimizer; use one of .*'adamw'"),
         (
@@ -177,3 +177,31 @@ def test_gpt_balance_spreads_blocks_and_adds_the_cheap_end_layers():
     assert gpt_balance(GPTConfig(num_layers=8), 4) == [3, 2, 2, 4]
     assert gpt_balance(GPTConfig(num_layers=8), 1) == [11]
     assert gpt_balance(GPTConfig(num_layers=3), 4) == even_balance(6, 4)  # fewer blocks than stages
+
+
+@pytest.mark.parametrize(
+    "overrides, key",
+    [
+        (["dist.batch_p2p=true"], "NCCL or dist.batch_p2p"),
+        (["train.precision=bf16"], "train.precision=bf16"),
+        (["model.tie_embeddings=true"], "model.tie_embeddings"),
+        (["train.eval_every=2"], "train.eval_every"),
+        (["optim.sharded=true"], "optim.sharded"),
+        (["swap.enabled=true"], "swap.enabled/swap.stages"),
+        (["pipeline.recompute=true"], "pipeline.recompute"),
+    ],
+)
+def test_zbv_refuses_what_it_is_not_proven_with_in_one_line(overrides, key):
+    cfg = make("pipeline.schedule=zbv", "pipeline.num_stages=2", *overrides)
+    with pytest.raises(ConfigError) as e:
+        validate(cfg, world_size=2)
+    assert str(e.value).startswith(f"pipeline.schedule=zbv (two chunks a rank) is proven in fp32 on gloo without {key}")
+    assert "\n" not in str(e.value) and "or use pipeline.schedule=zb1p" in str(e.value)
+
+
+def test_zbv_balance_lists_two_chunks_a_stage():
+    cfg = make("pipeline.schedule=zbv", "pipeline.num_stages=2")
+    assert validate(cfg, world_size=2) == gpt_balance(cfg.model, 4)  # chunks 0 and 3 on rank 0, 1 and 2 on rank 1
+    cfg = make("pipeline.schedule=zbv", "pipeline.num_stages=2", "pipeline.balance=[4,4]")
+    with pytest.raises(ConfigError, match=r"must list 4 positive layer counts \(one per chunk: zbv runs 2 a stage\)"):
+        validate(cfg, world_size=2)

@@ -96,3 +96,15 @@ def test_two_ranks_on_one_gpu_is_rejected_under_nccl(monkeypatch):
         validate(cfg, world_size=4, local_world_size=4)
     cfg.dist.backend = "gloo"
     validate(cfg, world_size=4, local_world_size=4)
+
+
+@pytest.mark.slow
+def test_zbv_with_replicas_equals_minibatch_training(tmp_path):
+    # zbv at w=2: each rank's reducer sums both chunks' gradients, armed at the rank's last W of the batch (armed at
+    # its first chunk's last W, the other chunk's later W's would count as final); one all-reduce a batch.
+    cfg = layout_config("zbv", 2, 2, 2)
+    summary = run_ok(cfg, tmp_path)
+    expected, expected_losses = _oracle(4, "sgd_momentum", False)
+    torch.testing.assert_close(torch.load(tmp_path / "final_model.pt"), expected)
+    assert_losses_close(summary["losses"], expected_losses)
+    assert [r["allreduce_calls"] for r in summary["ranks"]] == [cfg.train.num_steps] * 4

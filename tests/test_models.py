@@ -375,3 +375,12 @@ def test_no_decay_groups_by_shape_and_their_checkpoint_state_by_name():
     copy.load_state(step=1, weights=state["weights"], previous=None, optimizer=state["optimizer"])
     for name, st in copy.state()["optimizer"].items():
         torch.testing.assert_close(st["exp_avg"], state["optimizer"][name]["exp_avg"])
+
+
+def test_zbv_refuses_a_layer_lists_ties_before_any_group_starts(tmp_path):
+    # The GPT's tie is refused at config time (model.tie_embeddings); a layer list's shows once it is built.
+    cfg = tiny_config(schedule="zbv", num_stages=1, num_microbatches=2)
+    cfg.model = LayerListConfig(target="custom_models.masked_layers", kwargs={"width": 8, "tie": True}, seq_len=8)
+    with pytest.raises(ConfigError, match=r"pipeline.schedule=zbv with tied weights \(\[\['0.tok.weight', '4.out"):
+        run(cfg, tmp_path)
+    assert not dist.is_initialized()

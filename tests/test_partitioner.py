@@ -190,6 +190,30 @@ def test_simulator_and_cost_model_know_zb1p_bubble():
     assert times["zb1p"] < times["flush"]
 
 
+def test_simulator_and_cost_model_know_zbv_ticks():
+    # zbv: 2d chunks of one layer (F 1 s, B 2 s: B and W 1 s each), rank r running chunks r and 2d-1-r. In steady
+    # state its batch is m stage-microbatch times (a stage: two chunks, F + B = 6 s) once m >= 2d - 1: no bubble,
+    # rank 0 (first and last in the V) starting batch t+1 while the others finish t; zb1p's m + (d - 1)/3 on the
+    # same layers as d stages of two. Each chunk holds min(2d - v, m) microbatches.
+    d, m = 4, 8
+    fast = Link("l", math.inf, 0)
+    chunk_ctx = [dataclasses.replace(c, link_next=fast, link_prev=fast) for c in contexts(d, m, schedule="zbv")]
+    chunk_ctx += [dataclasses.replace(c, stage_index=2 * d - 1 - c.stage_index) for c in reversed(chunk_ctx)]
+    seg = Segments(uniform(2 * d))
+    chunk_costs = [StageCost.of(seg, v, v + 1, c) for v, c in enumerate(chunk_ctx)]
+    sim = simulate(chunk_costs, schedule="zbv", num_microbatches=m, num_batches=5)
+    step = chunk_costs[0]["step_s"] + chunk_costs[-1]["step_s"]
+    assert batch_multiplier("zbv", d, m) == m
+    assert sim.batch_time_s - step == pytest.approx(batch_multiplier("zbv", d, m) * 6.0, rel=0.02)
+    assert sim.peak_in_flight == [min(2 * d - v, m) for v in range(2 * d)]
+    stage_ctx = [dataclasses.replace(c, link_next=fast, link_prev=fast) for c in contexts(d, m, schedule="zb1p")]
+    stages = [StageCost.of(seg, 2 * s, 2 * s + 2, c) for s, c in enumerate(stage_ctx)]
+    zb1p = simulate(stages, schedule="zb1p", num_microbatches=m, num_batches=5)
+    assert zb1p.batch_time_s - max(st["step_s"] for st in stages) == pytest.approx((m + (d - 1) / 3) * 6.0, rel=0.02)
+    assert sim.batch_time_s < zb1p.batch_time_s
+    assert batch_multiplier("zbv", d, 2 * d - 2) > 2 * d - 2  # fewer microbatches than 2d - 1: a bubble
+
+
 def test_memory_terms_follow_the_design():
     layer = LayerCost("l", 1, 2, param_bytes=100, saved_bytes=40, input_bytes=4, output_bytes=6, optimizer_bytes=200)
     seg = Segments([layer, layer])

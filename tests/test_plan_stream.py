@@ -53,6 +53,12 @@ def test_zb1p_plan_never_streams_and_names_flush_where_only_streaming_fits():
     assert not {"activation swapping", "weight streaming", "recomputation"} & set(offered), offered
 
 
+def test_the_planner_refuses_zbv_in_one_line():
+    # Its plans cut d contiguous stages; zbv runs 2d chunks, two a rank (the runtime refuses partition=auto with it).
+    with pytest.raises(ConfigError, match=r"^pipeline.schedule \(zbv\) runs 2d chunks, two a rank, and the planner"):
+        make_request(llama13b(pipeline=dict(schedule="zbv")))
+
+
 def test_llama13b_on_four_24gib_gpus_fits_only_by_streaming_and_runs_as_planned():
     cfg = llama13b()
     with pytest.raises(ConfigError, match="no plan fits") as err:  # 20 B a parameter: 65 GB a device at d = 4

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import runpy
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -15,11 +16,14 @@ from pipedream2bw.pipeline.schedule import (
     FREE,
     HOLD,
     RECV,
+    SEND,
     WAIT,
     WEIGHT,
     Action,
     ScheduleError,
+    check_chunks,
     check_stage,
+    chunks,
     comm_op,
     in_flight,
     max_in_flight,
@@ -95,6 +99,115 @@ def test_zb1p_idles_less_than_flush(d, m):
     assert flush == 3 * m + 3 * (d - 1)  # 1F1B's bubble: (d - 1) (F + B + W)
     assert zb == 3 * m + (d - 1)  # ZB-H1's: (d - 1) (F + B - W)
     assert zb < flush
+
+
+@pytest.mark.parametrize("d", [1, 2, 3, 4, 5])
+def test_zbv_is_torchs_order(d):
+    # ZB-V as torch.distributed.pipelining runs it (its "I" is our B), for every m: fewer than 2d - 1 too.
+    schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
+    for m in range(1, 11):
+        plan = types.SimpleNamespace(pp_group_size=d, num_stages=2 * d, _n_microbatches=m)
+        ours = pipeline_actions("zbv", num_stages=d, num_microbatches=m, num_batches=1)
+        for r in range(d):
+            theirs = schedules.ScheduleZBVZeroBubble._calculate_single_rank_operations(plan, r)
+            assert [str(a).replace("B", "I") for a in ours[r][:-1]] == [str(a) for a in theirs if a is not None]
+            assert ours[r][-1] == Action(r, "S", 0)
+
+
+def test_zbv_invariants_over_grid():
+    # Rank r runs chunks r and 2d-1-r; each chunk's actions pass check_stage with in_flight's min(2d - v, m);
+    # a rank holds at most 2d chunk-microbatches (1F1B's d stage-microbatches); one version; no deadlock.
+    for d, m in GRID:
+        actions = pipeline_actions("zbv", num_stages=d, num_microbatches=m, num_batches=NUM_BATCHES)
+        for r, rank in enumerate(actions):
+            assert {a.stage_index for a in rank if a.kind != "S"} == set(chunks("zbv", r, d)) == {r, 2 * d - 1 - r}
+            check_chunks(rank, schedule="zbv", num_stages=d, num_microbatches=m)
+            for v in chunks("zbv", r, d):
+                assert max_in_flight([a for a in rank if a.stage_index == v]) == in_flight("zbv", v, d, m)
+            assert max_in_flight([a for a in rank if a.kind != "S"]) <= 2 * d
+            assert max_versions_alive(rank, schedule="zbv", num_microbatches=m) == 1
+        simulate(actions)
+
+
+def test_zbv_literal_table():
+    # d=2, m=4: chunks 0 and 3 on rank 0 (the first layers and the loss), 1 and 2 on rank 1.
+    actions = pipeline_actions("zbv", num_stages=2, num_microbatches=4, num_batches=1)
+    assert render(simulate(actions)).splitlines() == [
+        "stage 0: 0F0 0F1 0F2 3F0 3B0 3W0 3F1 3B1 3W1 0F3 0B0 0W0 3F2 3B2 3W2 0B1 0W1 3F3 3B3 3W3 0B2 0W2 0B3 0W3 "
+        "0S0   .",
+        "stage 1:   . 1F0 2F0 1F1 2F1 2B0 2W0 1F2 1B0 1W0 2F2 2B1 2W1 1F3 1B1 1W1 2F3 2B2 2W2 1B2 2B3 1B3 1W2 2W3 1W3 "
+        "1S0",
+    ]
+
+
+@pytest.mark.parametrize("d,m", [(2, 4), (2, 8), (3, 5), (4, 8), (4, 16)])
+def test_zbv_idles_less_than_zb1p(d, m):
+    # Same work: a chunk is half a stage (its F, B and W half a tick each, zb1p's one tick); S takes no time.
+    def batch_time(schedule, unit):
+        lists = pipeline_actions(schedule, num_stages=d, num_microbatches=m, num_batches=1)
+        return max(end for stage in timings(lists, lambda a: 0.0 if a.kind == "S" else unit) for _, end in stage)
+
+    zbv, zb1p = batch_time("zbv", 0.5), batch_time("zb1p", 1.0)
+    assert zb1p == 3 * m + (d - 1)
+    assert 3 * m < zbv < zb1p
+
+
+def _run_lowered(lowered, d):
+    """Runs the ranks' lowered zbv lists as messages: WAIT_X k of chunk v blocks until the chunk that sends it (v-1
+    for F, v+1 for B) has run SEND_X k; FREE_X i of chunk v asserts the receiving chunk has waited for our X sends up
+    to i. Returns the (chunk, X, k) sends made."""
+    sent, waited, pos = set(), set(), [0] * len(lowered)
+    while any(p < len(x) for p, x in zip(pos, lowered)):
+        moved = False
+        for r, actions in enumerate(lowered):
+            while pos[r] < len(actions):
+                a, op = actions[pos[r]], comm_op(actions[pos[r]].kind)
+                if op is not None and op[0] == WAIT:
+                    src = a.stage_index - 1 if op[1] == FORWARD else a.stage_index + 1
+                    if (src, op[1], a.index) not in sent:
+                        break
+                    waited.add((src, op[1], a.index))
+                elif op is not None and op[0] == FREE:
+                    mine = [k for (v, x, k) in sent if v == a.stage_index and x == op[1] and k <= a.index]
+                    assert all((a.stage_index, op[1], k) in waited for k in mine), (r, a)
+                elif op is not None and op[0] in (SEND, HOLD):
+                    sent.add((a.stage_index, op[1], a.index))
+                pos[r] += 1
+                moved = True
+        assert moved, f"deadlock at {[x[p] if p < len(x) else None for p, x in zip(pos, lowered)]}"
+    return sent
+
+
+@pytest.mark.parametrize("d,m", [(1, 2), (2, 2), (2, 4), (2, 8), (3, 6), (4, 8)])
+def test_zbv_lowering_sends_each_tensor_once_and_frees_only_what_arrived(d, m):
+    # Each chunk's communication lowered with its neighbouring chunks' lists (chunks d-1 and d on one rank: the
+    # worker hands those over in memory), then put back in the rank's order: every wait is matched, nothing freed
+    # early (a FREE is a blocking wait on gloo), no deadlock, over batches and for a run resumed at batch 5.
+    for first_batch in (0, 5):
+        lowered = [
+            rank_actions(
+                "zbv",
+                stage_index=r,
+                num_stages=d,
+                num_microbatches=m,
+                first_batch=first_batch,
+                num_batches=2,
+                batch_sends=False,
+            )
+            for r in range(d)
+        ]
+        for r, actions in enumerate(lowered):
+            compute = [a for a in actions if a.kind in COMPUTE_KINDS]
+            assert compute == shift_batches(
+                pipeline_actions("zbv", num_stages=d, num_microbatches=m, num_batches=2)[r],
+                first_batch=first_batch,
+                num_microbatches=m,
+            )
+        sent = _run_lowered(lowered, d)
+        ks = range(first_batch * m, (first_batch + 2) * m)
+        assert sent == {(v, FORWARD, k) for v in range(2 * d - 1) for k in ks} | {
+            (v, BACKWARD, k) for v in range(1, 2 * d) for k in ks
+        }
 
 
 def test_2bw_literal_table():
@@ -368,6 +481,22 @@ def test_show_schedule_zb1p_idles_less_than_flush(monkeypatch, capsys):
         idle[schedule] = float(line.split("idle fraction ")[1].split(";")[0])
         assert ("W" in out[0]) == (schedule == "zb1p")  # stage 0's row shows its W's
     assert idle == {"flush": 0.30, "zb1p": 0.14}
+
+
+def test_show_schedule_zbv_names_each_actions_chunk(monkeypatch, capsys):
+    script = Path(__file__).resolve().parents[1] / "scripts" / "show_schedule.py"
+    args = ["--schedule", "zbv", "--num-stages", "2", "--num-microbatches", "4", "--num-batches", "1"]
+    monkeypatch.setattr(sys, "argv", [str(script), *args])
+    runpy.run_path(str(script), run_name="__main__")
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("stage 0: 0F0 0F1 0F2 3F0 3B0 3W0") and out[1].startswith("stage 1:   . 1F0 2F0 1F1")
+    assert "weight versions per stage: [1, 1]" in out[3]
+    assert any("chunks 1 and 2, both on rank 1, hand their tensors over in memory" in x for x in out)
+    assert any(x.startswith("   0  0F0 0SEND_F0") for x in out)  # the lowered table names chunks too
+    monkeypatch.setattr(sys, "argv", [str(script), *args, "--batch-sends"])
+    with pytest.raises(SystemExit):
+        runpy.run_path(str(script), run_name="__main__")
+    assert "zbv is lowered for gloo only" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("schedule", ["2bw", "flush"])

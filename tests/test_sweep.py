@@ -66,8 +66,8 @@ def test_sweep_runs_every_job_and_tabulates_what_each_run_measured(tmp_path):
     assert sorted((j["num_stages"], j["schedule"]) for j in ok) == [(1, "2bw"), (1, "gpipe"), (2, "2bw"), (2, "gpipe")]
     assert len(failed) == 2 and all(
         j["error"]
-        == "bad configuration: pipeline.schedule ('bogus') is unknown; use one of ['2bw', 'flush', 'zb1p', 'gpipe'] "
-        "or auto"
+        == "bad configuration: pipeline.schedule ('bogus') is unknown; use one of ['2bw', 'flush', 'zb1p', 'zbv', "
+        "'gpipe'] or auto"
         for j in failed
     )
     assert jobs == ok + failed and [j["samples_per_s"] for j in ok] == sorted(

@@ -13,7 +13,7 @@ from pipedream2bw.errors import ConfigError
 log = logging.getLogger(__name__)
 
 
-SCHEDULES = ("2bw", "flush", "zb1p", "gpipe")
+SCHEDULES = ("2bw", "flush", "zb1p", "zbv", "gpipe")
 
 
 WANDB_MODES = ("offline", "online", "disabled")
@@ -42,6 +42,7 @@ class PipelineConfig:
     schedule: str = "2bw"
     """'2bw' (1F1B, no flushes, two weight versions), 'flush' (PipeDream-Flush), 'zb1p' (zero bubble ZB-H1: flush's
     update, each backward split into its input-gradient part and its weight-gradient part, which fills the bubble),
+    'zbv' (zero bubble ZB-V: as zb1p, with 2d chunks, rank r running chunks r and 2d-1-r; pipeline.balance lists 2d),
     'gpipe', or 'auto' under partition=auto: the planner's choice of the schedule that reaches a loss first (its step
     time x the steps the schedule takes under the optimizer, measured: docs/planner.md)."""
     num_stages: int = 4

@@ -125,12 +125,12 @@ def _validate_forward_lead(cfg: Config) -> None:
     """pipeline.forward_lead: forwards ahead of 1F1B's bound, under the two 1F1B schedules only (schedule=auto may
     choose either or zb1p, so elsewhere it is moot, as sync_warmup_steps is off 2bw)."""
     p = cfg.pipeline
-    if p.forward_lead > 0 and p.schedule in ("gpipe", "zb1p"):
+    if p.forward_lead > 0 and p.schedule in ("gpipe", "zb1p", "zbv"):
         log.info(
             "pipeline.forward_lead (%d) is moot under pipeline.schedule=%s: %s",
             p.forward_lead,
             p.schedule,
-            "all m forwards run first" if p.schedule == "gpipe" else "ZB-H1 keeps its own order",
+            "all m forwards run first" if p.schedule == "gpipe" else "its zero-bubble order is its own",
         )
 
 
@@ -373,7 +373,35 @@ def validate(
     _validate_sync_warmup(cfg)
     _validate_forward_lead(cfg)
     _validate_split_backward(cfg)
+    _validate_v_schedule(cfg)
     return balance
+
+
+def _validate_v_schedule(cfg: Config) -> None:
+    """pipeline.schedule=zbv: two chunks a rank (run/chunks.py), proven against the flush reference with AdamW in
+    fp32 on gloo, at w >= 1; what it is not proven with is refused in one line naming the key."""
+    if cfg.pipeline.schedule != "zbv":
+        return
+    import torch
+
+    why = "pipeline.schedule=zbv (two chunks a rank) is proven in fp32 on gloo without"
+    nccl = cfg.dist.backend == "nccl" or (cfg.dist.backend == "auto" and torch.cuda.is_available())
+    refused = [
+        (nccl or bool(cfg.dist.batch_p2p), "NCCL or dist.batch_p2p (sends held)", "dist.backend=gloo and no batch_p2p"),
+        (cfg.train.precision not in ("fp32", "auto"), f"train.precision={cfg.train.precision}", "fp32"),
+        (getattr(cfg.model, "tie_embeddings", False), "model.tie_embeddings", "it false"),
+        (bool(cfg.train.eval_every), "train.eval_every (validation passes)", "it 0"),
+        (cfg.partition.mode != "manual", f"partition={cfg.partition.mode}", "partition=manual with pipeline.*"),
+        (bool(cfg.optim.sharded), "optim.sharded", "it false"),
+        (bool(swap_stages(cfg.swap, cfg.pipeline.num_stages)), "swap.enabled/swap.stages", "neither"),
+        (cfg.swap.weights or cfg.swap.optimizer != "device", "swap.weights/swap.optimizer", "their defaults"),
+        (cfg.pipeline.recompute, "pipeline.recompute", "it false"),
+        (cfg.pipeline.tensor_parallel > 1, "pipeline.tensor_parallel > 1", "it 1"),
+        (cfg.data.packing != "windows", "data.packing=documents", "data.packing=windows"),
+    ]
+    for bad, what, fix in refused:
+        if bad:
+            raise ConfigError(f"{why} {what}; set {fix}, or use pipeline.schedule=zb1p")
 
 
 def _tensor_parallel_refusal(cfg: Config, *, gpt: bool) -> Optional[str]:
@@ -558,17 +586,20 @@ def _validate_balance(cfg: Config, num_layers: int, *, gpt: bool) -> List[int]:
         )
     if p.bucket_mb <= 0:
         raise ConfigError(f"pipeline.bucket_mb ({p.bucket_mb}) must be > 0")
-    if d > num_layers:
+    c = 2 * d if p.schedule == "zbv" else d  # zbv: 2d chunks, two a rank
+    if c > num_layers:
         raise ConfigError(
-            f"pipeline.num_stages ({d}) is more than the model's {num_layers} layers; "
-            f"lower pipeline.num_stages or add layers (model.num_layers)"
+            f"pipeline.num_stages ({d}) is more than the model's {num_layers} layers"
+            + (" can split into (zbv: 2 chunks a stage)" if c > d else "")
+            + "; lower pipeline.num_stages or add layers (model.num_layers)"
         )
-    default = gpt_balance(mdl, d) if gpt else even_balance(num_layers, d)
+    default = gpt_balance(mdl, c) if gpt else even_balance(num_layers, c)
     balance = list(p.balance) if p.balance is not None else default
-    if len(balance) != d or any(n < 1 for n in balance) or sum(balance) != num_layers:
+    if len(balance) != c or any(n < 1 for n in balance) or sum(balance) != num_layers:
         raise ConfigError(
-            f"pipeline.balance ({balance}) must list {d} positive layer counts (one per stage) "
-            f"summing to the model's {num_layers} layers; e.g. pipeline.balance={default}"
+            f"pipeline.balance ({balance}) must list {c} positive layer counts (one per "
+            + ("chunk: zbv runs 2 a stage" if c > d else "stage")
+            + f") summing to the model's {num_layers} layers; e.g. pipeline.balance={default}"
         )
     if p.schedule == "2bw" and m < d:
         raise ConfigError(

@@ -380,7 +380,8 @@ class P2P:
 
     def __init__(self, ctx: DistContext, *, batch_sends: bool = False, group: Any = None):
         self.ctx, self.batch_sends, self.group = ctx, batch_sends, group  # group: None is the default group
-        self._agreed: Dict[Tuple[int, int], Tuple[torch.Size, torch.dtype]] = {}
+        # ("send" or "recv", peer, tag) -> shape and dtype: under zbv two ranks send each other on one tag
+        self._agreed: Dict[Tuple[str, int, int], Tuple[torch.Size, torch.dtype]] = {}
         # (work, what it keeps alive, peer, token)
         self._sends: Deque[Tuple[Any, Any, Optional[int], Optional[int]]] = deque()
         self._deferred: List[Tuple[Any, int, Optional[int]]] = []  # (P2POp, peer, token) waiting for the next receive
@@ -399,7 +400,7 @@ class P2P:
         Raises:
             PipelineShapeError: the shape or dtype differs from this channel's first transfer.
         """
-        key = (peer, tag)
+        key = ("send", peer, tag)
         if key not in self._agreed:
             meta = torch.zeros(_META_LEN, dtype=torch.int64)
             meta[0], meta[1] = tensor.dim(), _DTYPES.index(tensor.dtype)
@@ -426,11 +427,17 @@ class P2P:
 
     def release(self, peer: int, token: int) -> None:
         """Frees the sends to ``peer`` with tokens up to ``token``: the caller knows the peer has
-        received them, so waiting on them returns at once (and marks them complete for gloo)."""
+        received them, so waiting on them returns at once (and marks them complete for gloo). A token
+        ``(flow, k)`` (zbv: two chunks send to one peer) frees only that flow's sends up to k."""
         kept: Deque[Tuple[Any, Any, Optional[int], Optional[int]]] = deque()
+        flow = token[0] if isinstance(token, tuple) else None
         for entry in self._sends:
             work, _, to, t = entry
-            if to == peer and t is not None and t <= token:
+            if flow is not None:
+                covered = isinstance(t, tuple) and t[0] == flow and t[1] <= token[1]
+            else:
+                covered = t is not None and not isinstance(t, tuple) and t <= token
+            if to == peer and covered:
                 self._wait(work, f"a send to rank {peer} that rank {peer} has received")
             else:
                 kept.append(entry)
@@ -457,7 +464,7 @@ class P2P:
 
     def post_recv(self, *, peer: int, tag: int) -> Tuple[List[Any], torch.Tensor]:
         """Posts a receive from ``peer``; returns (works, buffer) to pass to ``wait_recv``."""
-        key = (peer, tag)
+        key = ("recv", peer, tag)
         if key not in self._agreed:
             # The first receive on a channel blocks for the shape, which the peer may send only
             # after it got what we hold back: start held sends now.

@@ -1,4 +1,4 @@
-"""Pure: per-stage action lists (F/B/W/S) for the 2bw, flush, zb1p and gpipe schedules, checked, lowered and simulated.
+"""Pure: per-stage action lists (F/B/W/S) for 2bw, flush, zb1p, zbv and gpipe schedules, checked, lowered, simulated.
 
 Indices used throughout (torchgpipe style):
     d: number of stages, s: stage index, m: microbatches per batch,
@@ -7,6 +7,12 @@ An action is ``(stage_index, kind, index)`` printed as ``"1F3"``: kind F (forwar
 microbatch k), B (backward of microbatch k) or S (optimizer step closing batch t). Under zb1p (zero bubble,
 ZB-H1: Qi et al., ICLR 2024) a backward is split in two: B k computes only the gradient of the stage's input
 (what stage s-1 waits for), W k the gradients of the weights (nobody waits: it fills the bubbles).
+
+Under zbv (ZB-V, Qi et al. section 6; torch.distributed.pipelining's ScheduleZBVZeroBubble) the model is cut into
+2d chunks (virtual stages v = 0..2d-1) and rank r runs two of them, r and 2d-1-r (a V: the first and the last chunk,
+and so the loss, on rank 0). Its actions name the virtual stage (``"3F0"``: chunk 3's forward of microbatch 0); a
+rank's list holds both chunks' actions and one S per batch (named by the rank's first chunk, r). Between chunks
+d-1 and d, both on rank d-1, a transfer is a hand-off in the rank's memory.
 
 ``lower`` adds a stage's communication to its list as actions of their own (as
 torch.distributed.pipelining's RECV_F/SEND_F/RECV_B/SEND_B), each ``OP_X`` with X the compute
@@ -23,13 +29,15 @@ printed like the compute kinds: ``"1RECV_F3"``, ``"0FREE_F2"``.
 
 from __future__ import annotations
 
+import collections
 import functools
 import re
 from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 FORWARD, BACKWARD, WEIGHT, STEP = "F", "B", "W", "S"
 COMPUTE_KINDS = (FORWARD, BACKWARD, WEIGHT, STEP)
-SPLIT_SCHEDULES = ("zb1p",)  # schedules whose backward is split into B (input gradient) and W (weight gradient)
+SPLIT_SCHEDULES = ("zb1p", "zbv")  # schedules whose backward is split into B (input gradient) and W (weight gradient)
+V_SCHEDULES = ("zbv",)  # schedules whose ranks run two chunks each, r and 2d-1-r (``chunks``)
 RECV, WAIT, FREE, SEND, HOLD = "RECV", "WAIT", "FREE", "SEND", "HOLD"
 COMM_OPS = (RECV, WAIT, FREE, SEND, HOLD)
 COMM_KINDS = tuple(f"{op}_{x}" for op in COMM_OPS for x in (FORWARD, BACKWARD))
@@ -69,18 +77,75 @@ def lead(stage_index: int, num_stages: int, num_microbatches: int, forward_lead:
 
 
 def in_flight(schedule: str, stage_index: int, num_stages: int, num_microbatches: int, *, forward_lead: int = 0) -> int:
-    """Most microbatches stage s holds forwarded but not yet backwarded (under zb1p: not yet through
+    """Most microbatches stage s holds forwarded but not yet backwarded (under zb1p and zbv: not yet through
     their W, whose tensors autograd keeps until then): min(d - s, m) under the 1F1B schedules (2bw and
     flush), plus ``lead`` on the stages before the last with pipeline.forward_lead; m under gpipe, min(d, m)
-    on every stage under zb1p (ZB-H1: the first stage's 1F1B peak, so the peak over the stages is 1F1B's). The
-    one rule behind the runtime's check, its activation swapping and the planner's memory model.
+    on every stage under zb1p (ZB-H1: the first stage's 1F1B peak, so the peak over the stages is 1F1B's),
+    min(2d - v, m) on chunk v under zbv (a rank's two chunks, r and 2d-1-r, hold at most 2d + 1 chunk-microbatches,
+    a chunk being half a stage). The one rule behind the runtime's check, its activation swapping and the planner's
+    memory model.
     """
     if schedule == "gpipe":
         return num_microbatches
     if schedule == "zb1p":
         return min(num_stages, num_microbatches)
+    if schedule == "zbv":  # ``stage_index``: a chunk v of 2d; a rank holds 2d - r + r + 1 = 2d + 1 chunk-microbatches
+        return min(2 * num_stages - stage_index, num_microbatches)
     ahead = lead(stage_index, num_stages, num_microbatches, forward_lead)
     return min(num_stages - stage_index, num_microbatches) + ahead
+
+
+def chunks(schedule: str, stage_index: int, num_stages: int) -> Tuple[int, ...]:
+    """The (virtual) stages that rank ``stage_index`` of ``num_stages`` runs: itself, or under zbv r and 2d-1-r."""
+    if schedule in V_SCHEDULES:
+        return (stage_index, 2 * num_stages - 1 - stage_index)
+    return (stage_index,)
+
+
+def num_chunks(schedule: str, num_stages: int) -> int:
+    """Virtual stages of a pipeline of ``num_stages`` ranks: 2d under zbv, else d."""
+    return 2 * num_stages if schedule in V_SCHEDULES else num_stages
+
+
+@functools.lru_cache(maxsize=32)
+def _zero_bubble_v(num_stages: int, num_microbatches: int) -> Tuple[Tuple[Action, ...], ...]:
+    """ZB-V's order of one batch's F, B and W on every rank (chunks r and 2d-1-r, microbatches 0..m-1): torch's
+    ``ScheduleZBVZeroBubble._calculate_single_rank_operations`` (torch 2.13), its idle slots dropped. Warm-up:
+    2(d - r) - 1 forwards of chunk r, then r pairs (F of chunk 2d-1-r, F of chunk r), then d - r triples F, B, W
+    of chunk 2d-1-r; steady: F, B, W of chunk r then of chunk 2d-1-r; cool-down: the B's left (with chunk r's W's
+    between them), then the W's left. Computed for max(2d - 1, m) microbatches, those past m dropped."""
+    d, m = num_stages, num_microbatches
+    n = max(2 * d - 1, m)
+    lists = []
+    for r in range(d):
+        c0, c1 = r, 2 * d - 1 - r
+        ops: List[Action] = []
+        cnt = {(c, x): 0 for c in (c0, c1) for x in (FORWARD, BACKWARD, WEIGHT)}
+
+        def add(c: int, x: str, ops: List[Action] = ops, cnt: dict = cnt) -> None:
+            ops.append(Action(c, x, cnt[(c, x)]))
+            cnt[(c, x)] += 1
+
+        for _ in range(2 * (d - r) - 1):
+            add(c0, FORWARD)
+        for _ in range(r):
+            add(c1, FORWARD)
+            add(c0, FORWARD)
+        for _ in range(d - r):
+            add(c1, FORWARD), add(c1, BACKWARD), add(c1, WEIGHT)
+        while cnt[(c1, FORWARD)] < cnt[(c0, FORWARD)] or cnt[(c0, FORWARD)] < n:
+            if cnt[(c0, FORWARD)] < n:
+                add(c0, FORWARD)
+            add(c0, BACKWARD), add(c0, WEIGHT), add(c1, FORWARD), add(c1, BACKWARD), add(c1, WEIGHT)
+        for _ in range(r):
+            add(c0, BACKWARD), add(c1, BACKWARD)
+        for _ in range(d - r):
+            add(c0, BACKWARD), add(c0, WEIGHT)
+        for c in (c1, c0):
+            while cnt[(c, WEIGHT)] < cnt[(c, BACKWARD)]:
+                add(c, WEIGHT)
+        lists.append(tuple(a for a in ops if a.index < m))
+    return tuple(lists)
 
 
 @functools.lru_cache(maxsize=32)
@@ -175,12 +240,16 @@ def stage_actions(
     elif schedule == "zb1p":
         one = _zero_bubble_h1(d, m)[s]
         actions = [a._replace(index=t * m + a.index) for t in range(num_batches) for a in one]
+    elif schedule == "zbv":  # a batch's work ends with W's of both chunks: S t closes it
+        one = _zero_bubble_v(d, m)[s]
+        batches = [[b._replace(index=t * m + b.index) for b in one] + [Action(s, STEP, t)] for t in range(num_batches)]
+        return [a for batch in batches for a in batch]
     elif schedule == "gpipe":
         actions = [
             Action(s, kind, t * m + j) for t in range(num_batches) for kind in (FORWARD, BACKWARD) for j in range(m)
         ]
     else:
-        raise ValueError(f"unknown schedule {schedule!r}; use one of 2bw, flush, zb1p, gpipe")
+        raise ValueError(f"unknown schedule {schedule!r}; use one of 2bw, flush, zb1p, zbv, gpipe")
     return _insert_steps(actions, s, m)
 
 
@@ -323,6 +392,8 @@ def rank_actions(
         ScheduleError: the stage's compute list breaks a rule.
     """
     s, d, m = stage_index, num_stages, num_microbatches
+    if schedule in V_SCHEDULES:
+        return _rank_actions_v(schedule, s, d, m, first_batch=first_batch, num_batches=num_batches)
 
     def compute(stage: int) -> List[Action]:
         acts = stage_actions(
@@ -345,6 +416,43 @@ def rank_actions(
         next_actions=compute(s + 1) if s < d - 1 else (),
         batch_sends=batch_sends,
     )
+
+
+def check_chunks(actions: Sequence[Action], *, schedule: str, num_stages: int, num_microbatches: int) -> None:
+    """``check_stage`` on each chunk of a rank's list (its actions of one virtual stage and the S's), with the
+    chunk's ``in_flight`` bound; for a schedule of one chunk a rank, on the list.
+
+    Raises:
+        ScheduleError: the first action that breaks a rule.
+    """
+    d, m = num_stages, num_microbatches
+    for v in sorted({a.stage_index for a in actions if a.kind != STEP}):
+        own = [a for a in actions if a.stage_index == v or a.kind == STEP]
+        check_stage(own, num_microbatches=m, in_flight_limit=in_flight(schedule, v, d, m))
+
+
+def _rank_actions_v(schedule: str, r: int, d: int, m: int, *, first_batch: int, num_batches: int) -> List[Action]:
+    """``rank_actions`` of a V schedule: each chunk's actions lowered (``lower``, a pipeline of 2d chunks, sends
+    not batched) with the neighbouring chunks' lists, then put back in the rank's order, step by step."""
+    lists = pipeline_actions(schedule, num_stages=d, num_microbatches=m, num_batches=num_batches)
+    check_chunks(lists[r], schedule=schedule, num_stages=d, num_microbatches=m)
+    lists = [shift_batches(x, first_batch=first_batch, num_microbatches=m) for x in lists]
+    by_chunk: Dict[int, List[Action]] = collections.defaultdict(list)
+    for rank_list in lists:
+        for a in rank_list:
+            if a.kind != STEP:
+                by_chunk[a.stage_index].append(a)
+    stepped: Dict[Action, List[Action]] = {}
+    for v in chunks(schedule, r, d):
+        lowered = lower(
+            by_chunk[v],
+            num_stages=2 * d,
+            prev_actions=by_chunk.get(v - 1, ()),
+            next_actions=by_chunk.get(v + 1, ()),
+            batch_sends=False,
+        )
+        stepped.update({st.compute: lowered[st.start : st.stop] for st in steps(lowered)})
+    return [b for a in lists[r] for b in stepped.get(a, [a])]
 
 
 def pipeline_actions(
@@ -434,6 +542,8 @@ def timings(
         ScheduleError: a deadlock (no stage can move, work remains), with the grid of what ran.
     """
     d = len(actions_per_stage)
+    # the virtual stages (zbv: 2d chunks on d ranks, each list one rank's); else one per list
+    num_virtual = max((a.stage_index for stage in actions_per_stage for a in stage), default=-1) + 1
     pos, clock = [0] * d, [0.0] * d
     done: Dict[tuple, float] = {}  # (stage, kind, index) -> when it finished
     times: List[List[Tuple[float, float]]] = [[] for _ in range(d)]
@@ -443,13 +553,13 @@ def timings(
         for s in range(d):
             while pos[s] < len(actions_per_stage[s]):
                 a = actions_per_stage[s][pos[s]]
-                dep = _dependency(a, d)
+                dep = _dependency(a, num_virtual)
                 ready = done.get(dep) if dep is not None else 0.0
                 if ready is None:
                     break
                 start = max(clock[s], ready + (latency if dep is not None else 0.0))
                 clock[s] = start + duration(a)
-                done[(s, a.kind, a.index)] = clock[s]
+                done[(a.stage_index, a.kind, a.index)] = clock[s]
                 times[s].append((start, clock[s]))
                 pos[s] += 1
                 remaining -= 1
@@ -490,19 +600,27 @@ def render(grid: Sequence[Sequence[Optional[Action]]]) -> str:
     if not grid:
         return "(empty)"
     d = len(grid[0])
-    width = max(len(str(a)) - 1 for row in grid for a in row if a is not None)
+    # a rank that runs several chunks (zbv) shows each action with its chunk: "3F0"
+    named = any(a is not None and a.kind != STEP and a.stage_index != s for row in grid for s, a in enumerate(row))
+    text = str if named else (lambda a: f"{a.kind}{a.index}")
+    width = max(len(text(a)) for row in grid for a in row if a is not None)
     lines = []
     for s in range(d):
-        cells = [(f"{a.kind}{a.index}" if a is not None else ".").rjust(width) for a in (row[s] for row in grid)]
+        cells = [(text(a) if a is not None else ".").rjust(width) for a in (row[s] for row in grid)]
         lines.append(f"stage {s}: " + " ".join(cells))
     return "\n".join(lines)
 
 
-def _cell(actions: Sequence[Action], mark: Optional[int] = None, offset: int = 0) -> str:
-    """Actions without their stage, ``>X<`` around the one at position ``mark`` (positions from ``offset``)."""
-    return " ".join(
-        f">{a.kind}{a.index}<" if offset + i == mark else f"{a.kind}{a.index}" for i, a in enumerate(actions)
-    )
+def _cell(actions: Sequence[Action], mark: Optional[int] = None, offset: int = 0, named: bool = False) -> str:
+    """Actions without their stage (``named``: with it, as a rank of two chunks needs), ``>X<`` around the one at
+    position ``mark`` (positions from ``offset``)."""
+    text = [str(a) if named else f"{a.kind}{a.index}" for a in actions]
+    return " ".join(f">{x}<" if offset + i == mark else x for i, x in enumerate(text))
+
+
+def _named(actions: Sequence[Action]) -> bool:
+    """Whether a rank's list holds several chunks' actions (zbv), so that a cell must name each one's chunk."""
+    return len({a.stage_index for a in actions if a.kind != STEP}) > 1
 
 
 def render_lowered(lowered_per_stage: Sequence[Sequence[Action]]) -> str:
@@ -515,7 +633,7 @@ def render_lowered(lowered_per_stage: Sequence[Sequence[Action]]) -> str:
         tick_of = {row[s]: t for t, row in enumerate(grid) if row[s] is not None}
         column = ["."] * len(grid)
         for step in steps(stage):
-            column[tick_of[step.compute]] = _cell(stage[step.start : step.stop])
+            column[tick_of[step.compute]] = _cell(stage[step.start : step.stop], named=_named(stage))
         for t, c in enumerate(column):
             cells[t].append(c)
     widths = [max([len(f"stage {s}")] + [len(row[s]) for row in cells]) for s in range(len(lowered_per_stage))]
@@ -530,7 +648,7 @@ def render_steps(actions: Sequence[Action], *, mark: Optional[int] = None, conte
     all_steps = steps(actions)
     lines = []
     for n, st in enumerate(all_steps):
-        lines.append(f"step {n:5d}: {_cell(actions[st.start : st.stop], mark, st.start)}")
+        lines.append(f"step {n:5d}: {_cell(actions[st.start : st.stop], mark, st.start, _named(actions))}")
     if mark is not None and context is not None:
         at = next((n for n, st in enumerate(all_steps) if st.start <= mark < st.stop), len(all_steps) - 1)
         lo, hi = max(0, at - context), min(len(lines), at + context + 1)

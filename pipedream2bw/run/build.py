@@ -46,7 +46,7 @@ from pipedream2bw.pipeline.agreement import StepRule
 from pipedream2bw.pipeline.layout import Layout
 from pipedream2bw.pipeline.schedule import Action
 from pipedream2bw.pipeline.versions import WeightVersions, bucketize
-from pipedream2bw.run import evaluate, preempt, tensor
+from pipedream2bw.run import chunks, evaluate, preempt, tensor
 from pipedream2bw.run.lr_schedule import lr_at
 from pipedream2bw.run.model import RunModel, optim_settings, stage_module
 from pipedream2bw.run.runtime import RankPlan
@@ -369,10 +369,11 @@ def comm_groups(
 
 def peers(rt: RankPlan) -> Peers:
     """This rank's neighbours in its replica's pipeline; rank 0 also hears every replica's loss from the last stage."""
+    last = 0 if rt.schedule in schedule.V_SCHEDULES else rt.num_stages - 1  # the stage holding the last layer
     return Peers(
         prev=rt.prev_rank,
         next=rt.next_rank,
-        loss_sources=tuple(rt.layout.ranks[rt.num_stages - 1]) if rt.rank == 0 else (),
+        loss_sources=tuple(rt.layout.ranks[last]) if rt.rank == 0 else (),
         sends_loss=rt.tensor_rank == 0,
     )
 
@@ -386,7 +387,8 @@ def data(
         (training feed, validation feed, evaluator), None where this rank has none.
     """
     feed = val_feed = None
-    if rt.stage in (0, rt.num_stages - 1):  # only the first (inputs) and last (targets) stages open the data
+    last = 0 if rt.schedule in schedule.V_SCHEDULES else rt.num_stages - 1  # zbv: rank 0 holds the last chunk
+    if rt.stage in (0, last):  # only the first (inputs) and last (targets) stages open the data
         feed, val_feed = make_feeds(
             data,
             seq_len=rt.seq_len,
@@ -493,7 +495,19 @@ def worker(
         num_replicas=w,
         stream=stream,
         norm_excluded=norm_excluded,
+        chunks=chunk_specs(rt),
     )
+
+
+def chunk_specs(rt: RankPlan) -> List[chunks.ChunkSpec]:
+    """This rank's chunks under zbv (run/chunks.py), their neighbours in its replica's pipeline; none otherwise."""
+    if rt.schedule not in schedule.V_SCHEDULES:
+        return []
+    d = rt.num_stages
+    stage_of = [v if v < d else 2 * d - 1 - v for v in range(2 * d)]
+    ranks = [rt.pipeline_ranks[s][rt.replica] for s in stage_of]
+    rank_of = [chunks.LOCAL if r == rt.rank else r for r in ranks]
+    return chunks.v_chunk_specs(stage=rt.stage, num_stages=d, balance=rt.balance, rank_of=rank_of)
 
 
 def trace(rt: RankPlan, worker: StageWorker, pipeline: PipelineConfig, *, warmup_steps: int) -> None:

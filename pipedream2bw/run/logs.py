@@ -138,12 +138,13 @@ def log_run(rt: RankPlan, cfg: Config, model: RunModel, feed: Any, val_feed: Any
     if rt.sync_warmup_steps:
         log.info("pipeline.sync_warmup_steps: steps 0..%d run as flush (no delay), then 2bw", rt.sync_warmup_steps - 1)
     per_layer = [sum(p.numel() for p in layer.parameters()) for layer in model.whole()]
-    bounds = [sum(rt.balance[:s]) for s in range(rt.num_stages + 1)]
+    bounds = [sum(rt.balance[:s]) for s in range(len(rt.balance) + 1)]  # zbv: 2d chunks
     per_stage = [sum(per_layer[a:b]) for a, b in zip(bounds, bounds[1:])]
     whole = sum(p.numel() for p in nn.Sequential(*model.whole()).parameters())  # a tied weight counts once
     log.info(
-        "parameters: %s in all; per stage: %s",
+        "parameters: %s in all; per %s: %s",
         f"{whole:,}",
+        "stage" if len(rt.balance) == rt.num_stages else "chunk (zbv: rank r runs chunks r and 2d-1-r)",
         ", ".join(f"{s}: {n:,} (layers {a}-{b - 1})" for s, (n, a, b) in enumerate(zip(per_stage, bounds, bounds[1:]))),
     )
     if rt.precision == "bf16" and rt.device.type == "cpu" and not native_bf16_cpu():

@@ -9,6 +9,7 @@ import torch
 
 from pipedream2bw.config import Config
 from pipedream2bw.memory import precision as precisions
+from pipedream2bw.pipeline import schedule as schedules
 from pipedream2bw.pipeline.layout import Layout
 
 
@@ -29,7 +30,7 @@ class RankPlan:
     layout: Layout
     """Which rank runs which (stage, replica)."""
     balance: Tuple[int, ...]
-    """Layers per stage."""
+    """Layers per stage (zbv: per chunk, 2d of them, rank r running chunks r and 2d-1-r)."""
     schedule: str
     """'2bw', 'flush' or 'gpipe'."""
     num_microbatches: int
@@ -128,9 +129,12 @@ class RankPlan:
 
     @property
     def layer_indices(self) -> List[int]:
-        """Global indices of this stage's layers in the whole layer list."""
-        start = sum(self.balance[: self.stage])
-        return list(range(start, start + self.balance[self.stage]))
+        """Global indices of this stage's layers in the whole layer list (zbv: its two chunks', in that order)."""
+        out: List[int] = []
+        for v in schedules.chunks(self.schedule, self.stage, self.num_stages):
+            start = sum(self.balance[:v])
+            out += range(start, start + self.balance[v])
+        return out
 
     @property
     def prev_rank(self) -> Optional[int]:

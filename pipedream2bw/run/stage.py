@@ -29,6 +29,7 @@ from pipedream2bw.pipeline.schedule import (
     FREE,
     HOLD,
     RECV,
+    SEND,
     SPLIT_SCHEDULES,
     STEP,
     WAIT,
@@ -39,6 +40,7 @@ from pipedream2bw.pipeline.schedule import (
     steps,
 )
 from pipedream2bw.pipeline.versions import WeightVersions
+from pipedream2bw.run import chunks as v_chunks
 from pipedream2bw.run import split_backward
 
 log = logging.getLogger(__name__)
@@ -161,6 +163,7 @@ class StageWorker:
         num_replicas: int = 1,
         stream: Optional[WeightStream] = None,
         norm_excluded: Sequence[int] = (),
+        chunks: Sequence[v_chunks.ChunkSpec] = (),
     ):
         self.m = num_microbatches
         self.norm_excluded = set(norm_excluded)  # parameter indices another rank counts in the norm (tensor_parallel)
@@ -211,6 +214,7 @@ class StageWorker:
         self.trace: Optional[Recorder] = None  # set for pipeline.trace; spans are recorded while trace.on
         self._recv_from = {FORWARD: peers.prev, BACKWARD: peers.next}
         self._send_to = {FORWARD: peers.next, BACKWARD: peers.prev}
+        v_chunks.attach(self, chunks, module=versions.replicas[0], tags=(ACTIVATION_TAG, GRADIENT_TAG))
 
     def _plan_apply(
         self, versions: WeightVersions, reducer: Optional[GradReducer], *, steps_wait_on_others: bool, early_apply: bool
@@ -254,16 +258,24 @@ class StageWorker:
         self._exchanged: Optional[int] = None  # batch whose exchanges have finished
 
     def _communicate(self, op: str, x: str, k: int) -> None:
-        """Runs one lowered communication action ``OP_X k`` (schedule's module docstring)."""
+        """Runs one lowered communication action ``OP_X k`` (schedule's module docstring); between two chunks
+        of this rank (zbv), a hand-off: SEND leaves the tensors in ``_local``, WAIT takes them, RECV, FREE nothing."""
+        if (self._recv_from if op in (RECV, WAIT) else self._send_to)[x] == v_chunks.LOCAL:
+            if op == WAIT:
+                self._received[(x, k)] = self._local.pop((x, k))
+            elif op in (SEND, HOLD):
+                self._local[(x, k)] = self._outbox.pop((x, k))
+            return
+        token = (self._chunk.index, k) if self._chunks else k  # zbv: two chunks send to one peer, two flows
         if op == RECV:
             self._posted[(x, k)] = self._channel[x].post_recv(self._recv_from[x])
         elif op == WAIT:
             self._received[(x, k)] = self._channel[x].wait_recv(self._posted.pop((x, k)), peer=self._recv_from[x])
         elif op == FREE:
-            self.p2p.release(self._send_to[x], k)
+            self.p2p.release(self._send_to[x], token[:1] + (k,) if self._chunks else k)
         else:
             start = time.perf_counter()
-            self._channel[x].send(self._outbox.pop((x, k)), peer=self._send_to[x], defer=op == HOLD, token=k)
+            self._channel[x].send(self._outbox.pop((x, k)), peer=self._send_to[x], defer=op == HOLD, token=token)
             self.stats.peak_pending_sends = max(self.stats.peak_pending_sends, self.p2p.pending_sends)
             if self.trace is not None and self.trace.on:
                 self.trace.add("send", k, start, time.perf_counter())
@@ -271,7 +283,8 @@ class StageWorker:
     def forward(self, k: int) -> None:
         """F k: the stage on microbatch k's input (the feed's on stage 0, else what WAIT_F k received)
         with its batch's weight version; keeps the output for SEND_F k (the loss on the last stage)."""
-        module = self.versions.module_for_batch(k // self.m)
+        whole = self.versions.module_for_batch(k // self.m)
+        module = v_chunks.part(whole, self._chunk, self._parts) if self._chunks else whole
         if self.stream is not None:
             replica = self.versions.replica_for_batch(k // self.m)
             self.stream.begin_forward(k, replica)
@@ -287,7 +300,7 @@ class StageWorker:
         saved = SavedBytes(self._param_ptrs) if self._saved_bytes is None else contextlib.nullcontext()
         if self.swap is not None:  # one pair of hooks applies at a time: the swap hooks chain SavedBytes'
             hooks = self.swap.forward(k, inputs=_leaves(x), outer=saved if self._saved_bytes is None else None)
-        self._watch_buffers(module, k)
+        self._watch_buffers(whole, k)
         g = stateful.sample_microbatch(k, num_microbatches=self.m, num_replicas=self.num_replicas, replica=self.replica)
         with hooks if self.swap is not None else saved, stateful.microbatch_streams(self.seed, g, self.device):
             # A reduced-precision activation goes on in float32, as it would have in one process: only
@@ -302,7 +315,7 @@ class StageWorker:
             elif self.precision != "fp32":
                 out = to_wire(out, self._wire_dtype)  # sent in the compute dtype; backward casts its gradient back
         if self._buffers.names is None:
-            self._found_buffers(module)
+            self._found_buffers(whole)
         if self._saved_bytes is None:
             self._saved_bytes = saved.nbytes
         if self.last:
@@ -315,9 +328,14 @@ class StageWorker:
                 out.detach() if isinstance(out, torch.Tensor) else pytree.tree_map(torch.Tensor.detach, out)
             )
         self._stash[k] = (x, out)
-        held = len(self._stash) + len(self._weight_work)  # zb1p: a microbatch's tensors stay until its W
+        self._note_held()
+
+    def _note_held(self) -> None:
+        """After a forward: the most microbatches held (zb1p: a microbatch's tensors stay until its W) and bytes."""
+        held = len(self._stash) + len(self._weight_work)
         self.stats.peak_in_flight = max(self.stats.peak_in_flight, held)
-        self.stats.peak_stash_bytes = max(self.stats.peak_stash_bytes, held * self._saved_bytes)
+        held = held * self._saved_bytes if not self._chunks else v_chunks.held_bytes(self)  # zbv: both chunks'
+        self.stats.peak_stash_bytes = max(self.stats.peak_stash_bytes, held)
 
     def _watch_buffers(self, module: torch.nn.Module, k: int) -> None:
         """Before F k: the first forward finds the buffers training changes; the first of each batch keeps them
@@ -369,8 +387,8 @@ class StageWorker:
 
     def weight(self, k: int) -> None:
         """W k (zb1p): the weights' gradients of microbatch k from what its B left (``split_backward``)."""
-        if self.reducer is not None and (k + 1) % self.m == 0:
-            self._arm_reducer(k)
+        if self.reducer is not None and (k + 1) % self.m == 0:  # zbv: at the rank's last W of the batch
+            self._arm_reducer(k) if not self._chunks else v_chunks.arm_at_last_weight(self, k)
         split_backward.backward_weight(self._weight_work.pop(k))
 
     def backward(self, k: int) -> None:
@@ -409,7 +427,8 @@ class StageWorker:
             ]
             outputs, grads = [o for o, _ in pairs], [g for _, g in pairs]
         inputs = [t for t in _leaves(x) if t.is_floating_point()] if not self.first else []
-        params = self.versions.module_for_batch(k // self.m).parameters()
+        params = self.versions.module_for_batch(k // self.m)
+        params = (v_chunks.part(params, self._chunk, self._parts) if self._chunks else params).parameters()
         dinputs, self._weight_work[k] = split_backward.backward_input(outputs, grads, inputs, list(params))
         if not self.first:
             self._outbox[(BACKWARD, k)] = [g if g is not None else torch.zeros_like(t) for t, g in zip(inputs, dinputs)]
@@ -725,6 +744,8 @@ class StageWorker:
     def _compute_step(self, actions: Sequence[Action], step: Any) -> None:
         """One step's F or B with the communication lowered around it, in order."""
         a = step.compute
+        if self._chunks:  # zbv: the chunk the action names
+            v_chunks.select(self, self._chunks[a.stage_index])
         received = compute = None  # when the step's receives and its compute started
         for at in range(step.start, step.stop):
             self._at = at

@@ -329,6 +329,11 @@ def _check(cfg: Config, model: RunModel, *, world_size: int, local_world_size: i
         )
     if cfg.swap.weights:
         check_weight_stream(cfg, model.tied, balance, precision)
+    if model.tied and cfg.pipeline.schedule == "zbv":  # a layer list's ties (the GPT's: config/validate.py)
+        raise ConfigError(
+            f"pipeline.schedule=zbv with tied weights ({[list(t.names) for t in model.tied]}): ties across a rank's "
+            "two chunks are not proven; untie them or use pipeline.schedule=zb1p"
+        )
     return balance
 
 
