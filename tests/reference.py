@@ -6,7 +6,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
-from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.utils._pytree as pytree
@@ -26,7 +26,7 @@ class Reference(NamedTuple):
     weights: Dict[str, torch.Tensor]  # final state_dict
     losses: List[float]  # mean loss of each batch
     lrs: List[float]  # learning rate of each step
-    grad_norms: List[float]  # global norm of g(t) before clipping, as clip_grad_norm_ returns it
+    grad_norms: List[float]  # global norm of g(t) before clipping, as the pipeline agrees on it (grad_norm)
     skipped_steps: List[int]  # steps with a non-finite loss or gradient, not taken
     loss_scales: List[float]  # fp16: the loss scale each batch ran with
     snapshots: Dict[int, Dict[str, torch.Tensor]]  # n -> the weights after n steps, for n in ``keep``
@@ -95,9 +95,9 @@ def reference_run(
     minibatch training: g(t) at W(t). delayed=True with ``pipeline.sync_warmup_steps`` N: batches t <= N take
     g(t) at W(t), later ones at W(t-1); error feedback corrects only steps t > N. Step t uses ``lr_at(t)``; with
     ``optim.clip_grad_norm``,
-    g(t) is clipped by ``torch.nn.utils.clip_grad_norm_`` over the whole model; a batch whose loss
-    or gradient is not finite is skipped (W(t+1) = W(t)), as train.on_nonfinite=skip and fp16's
-    loss scaler do.
+    g(t) is clipped as ``torch.nn.utils.clip_grad_norm_`` clips, over the whole model, but from the norm the pipeline
+    agrees on (``grad_norm``); a batch whose loss or gradient is not finite is skipped (W(t+1) = W(t)), as
+    train.on_nonfinite=skip and fp16's loss scaler do.
 
     Under ``cfg.train.precision`` bf16/fp16 it is a plain autocast loop (float32 weights, forward
     under autocast, loss in float32) whose activations are rounded to the compute dtype where a
@@ -205,7 +205,7 @@ def _train(
             _load_parameters(stale, model)  # batch t+1 runs with W(t)
         for p, g in zip(model.parameters(), grads):
             p.grad = g
-        norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), math.inf))  # the norm only: nothing clipped
+        norm = grad_norm(model.parameters())
         out.grad_norms.append(norm)
         skip = not math.isfinite(out.losses[-1]) or not math.isfinite(norm)
         if scaler is not None:
@@ -216,13 +216,37 @@ def _train(
             out.skipped_steps.append(t)  # W(t+1) = W(t), optimizer state untouched
         else:
             if cfg.optim.clip_grad_norm is not None:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.clip_grad_norm)
+                clip_grads(model.parameters(), cfg.optim.clip_grad_norm, norm)
             opt.step(out.lrs[-1], correct=delayed and t > warmup, predict=delayed and t + 1 > warmup)
         if (rounded and not delayed) or (delayed and t + 1 <= warmup):
             _load_parameters(stale, model)  # batch t+1 runs with W(t+1) (rounded; or the synchronous warm-up's)
         if t + 1 in keep:
             out.snapshots[t + 1] = opt.weights(copy.deepcopy(_with_buffers(model, stale)))
     return out._replace(weights=opt.weights(_with_buffers(model, stale)))
+
+
+def grad_norm(params: Iterable[nn.Parameter]) -> float:
+    """The global 2-norm of ``params``' gradients as the pipeline agrees on it (pipeline/agreement.py, a sum over
+    stages and ranks): each gradient's 2-norm in its dtype, squared and summed in float64, its square root.
+
+    Not ``clip_grad_norm_``'s norm: torch reduces the per-tensor norms in float32, which lands one float32 unit away
+    from this in some steps (1.8339472 for 1.8339471, step 0 of zb1p-d1w2-bf16-clip-hostopt-val-muon); the clip
+    coefficient is then a unit off, and bf16's forward with Muon's normalized step grew that unit to 1.4e-2 at
+    1.fc.weight by step 6, a failure of the reference, not of the pipeline (float64 is the nearer of the two).
+    """
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return 0.0
+    return math.sqrt(float(torch.stack(torch._foreach_norm(grads, 2)).double().square().sum()))
+
+
+@torch.no_grad()
+def clip_grads(params: Iterable[nn.Parameter], max_norm: float, norm: float) -> None:
+    """Scales ``params``' gradients as ``clip_grad_norm_`` does (its float32 coefficient, at most 1), from the
+    global ``norm`` given (``grad_norm``'s) rather than one of its own."""
+    grads = [p.grad for p in params if p.grad is not None]
+    coef = torch.clamp(max_norm / (torch.tensor(norm, dtype=torch.float32) + 1e-6), max=1.0)
+    torch._foreach_mul_(grads, coef)
 
 
 def _take_grads(model: nn.Module, rounded: bool) -> List[Optional[torch.Tensor]]:

@@ -10,19 +10,39 @@ from pathlib import Path
 import pytest
 import torch
 from dist_helper import poisoned_layers, run_ok, spawn, train_poisoned
-from reference import reference_run
+from reference import clip_grads, grad_norm, reference_run
 from test_checkpoint import assert_equal_bits, weights
 from test_semantics import assert_losses_close, tiny_config
 from torch import nn
 
 from pipedream2bw.config import ConfigError, OptimConfig, validate
 from pipedream2bw.io import checkpoint
-from pipedream2bw.pipeline.agreement import NonFiniteError, StepOutcome, StepRule, apply_due, clip_coefficient
+from pipedream2bw.pipeline.agreement import NonFiniteError, StepOutcome, StepRule, apply_due, clip_coefficient, sq_norm
 from pipedream2bw.pipeline.schedule import STEP, stage_actions
 from pipedream2bw.pipeline.versions import WeightVersions
 from pipedream2bw.run.lr_schedule import lr_at
 
 CLIP = 0.3  # below every step's gradient norm in these runs (1.0 .. 3.0): clipping acts on every step
+
+
+def test_reference_clips_from_the_norm_the_pipeline_agrees_on():
+    """Regression (issue: zb1p-d1w2-bf16-clip-hostopt-val-muon of the 3-wise matrix failed at 1.fc.weight by
+    1.4e-2): the reference took ``clip_grad_norm_``'s norm, the per-tensor norms reduced in float32, one float32 unit
+    from the pipeline's float64 sum of squares in some steps; its clip coefficient a unit off, bf16's forward and
+    Muon's normalized step grew the unit. On gradients where the two norms differ (seed 3), the reference's norm and
+    clipped gradients are the pipeline's, bit for bit."""
+    g = torch.Generator().manual_seed(3)
+    grads = [torch.randn(n, generator=g) * s for n, s in ((64, 1e-2), (300, 3e-3), (17, 0.5), (1000, 1e-3))]
+    params = [nn.Parameter(torch.zeros_like(x)) for x in grads]
+    for p, x in zip(params, grads):
+        p.grad = x.clone()
+    agreed = math.sqrt(float(sq_norm(grads)))  # what StepOutcome.grad_norm holds at w = 1, d = 1
+    torch_norm = float(torch.nn.utils.clip_grad_norm_([nn.Parameter(x.clone()) for x in grads], math.inf))
+    assert float(torch.tensor(agreed, dtype=torch.float32)) != torch_norm  # the case where the two differ
+    assert grad_norm(params) == agreed
+    clip_grads(params, CLIP, grad_norm(params))
+    coef = clip_coefficient(agreed, CLIP)  # the pipeline folds it into the gradient scale (run/stage.py)
+    assert all(torch.equal(p.grad, x * coef) for p, x in zip(params, grads))
 
 
 def clipped_config(schedule: str, *, d: int, w: int = 1, m: int, steps: int = 6):
