@@ -82,8 +82,8 @@ class PipelineConfig:
     """Under 2bw and flush: the stages before the last run this many forwards ahead of 1F1B's d - s in flight (at
     most m - (d - s)), so a backward's gradient has a forward's time to arrive from the next stage instead of none;
     each costs one more microbatch of activations on those stages. 0 (plain 1F1B) is the default: on a 2-core CPU
-    with gloo, 1 was slower at microbatches of 1 and 2 sequences (0.92-0.93x: docs/benchmarks.md); not measured
-    where transfers have real latency (across nodes, on GPUs)."""
+    with gloo, 1 was 1.03x faster at microbatches of 4 sequences of 128 and 0.92-0.93x at microbatches of 1 and 2
+    of 32 (docs/benchmarks.md); not measured where transfers have real latency (across nodes, on GPUs)."""
     check_ties: bool = False
     """Debug: after every step, compare a digest of each tied parameter's copies across the stages holding
     them (two small all-reduces per step); the run fails on the first step where they differ."""
