@@ -110,6 +110,9 @@ def check(overrides: Sequence[str], *, world_size: Optional[int], local_world_si
 
     if world_size is None:  # elastic: the ranks check it, once the rendezvous has counted them
         return None
+    busy = precheck.live_run_dir(overrides)  # first: the config's checks import torch, seconds under load
+    if busy is not None:
+        return busy
     mistake = precheck.check(overrides, world_size=world_size, local_world_size=local_world_size)
     # a hydra.run.dir named on the command line (the default one, stamped, only the ranks agree on): in use by a
     # live run, a link planted in it, not writable

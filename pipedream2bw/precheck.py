@@ -96,6 +96,7 @@ def _check(overrides: List[str], config_name: str, *, world_size: int, local_wor
     from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
     from pipedream2bw.config import TINY_ENV, GPTConfig, default_plan_choices, from_hydra, tiny, validate
+    from pipedream2bw.config.ranges import check_ranges
     from pipedream2bw.errors import ConfigError
 
     try:
@@ -106,6 +107,8 @@ def _check(overrides: List[str], config_name: str, *, world_size: int, local_wor
         cfg = from_hydra(dcfg)
         if os.environ.get(TINY_ENV, "0") not in ("", "0"):
             cfg = tiny(cfg)
+        check_ranges(cfg)  # (validate's first check) then the resume's, before the checks that import torch
+        check_resume(cfg.train)
         if isinstance(cfg.model, GPTConfig) and cfg.partition.mode == "manual":
             plan = default_plan_choices(cfg)
             # the config's own checks first: they import torch only for the optimizer, so a mistake before it is
@@ -114,7 +117,6 @@ def _check(overrides: List[str], config_name: str, *, world_size: int, local_wor
             from pipedream2bw.run.preflight import check as preflight_check
 
             preflight_check(plan, world_size=world_size, local_world_size=local_world_size)
-        check_resume(cfg.train)
     except ConfigError as e:
         return str(e)
     except MissingMandatoryValue as e:  # model=custom without model._target_
@@ -135,10 +137,12 @@ def check_resume(train) -> None:
     if train.resume in ("auto", "never"):
         return
     from pipedream2bw.errors import ConfigError
-    from pipedream2bw.io import checkpoint
+    from pipedream2bw.io.manifests import resumable_steps
 
-    path = Path(train.resume)  # that it exists, validate checked
-    steps = checkpoint.resumable_steps(path)
+    path = Path(train.resume)
+    if not path.exists():  # validate says so, in its own words
+        return
+    steps = resumable_steps(path)
     if steps is None:
         raise ConfigError(
             f"train.resume ({train.resume}) holds no complete checkpoint with intact files; "
@@ -159,19 +163,12 @@ def check_run_dir(argv: Sequence[str], *, config_name: str = "config", live: boo
     is made here, as Hydra makes it next. None also where it cannot tell: a multirun or Hydra's own flags, a
     directory it cannot resolve (Hydra then reports that itself). ``live``: also refuse a directory a live run
     holds (rank 0, or the launcher, before any rank: a later rank of the same launch would find rank 0's own lock)."""
-    if any(a.startswith("-") for a in argv):
+    run_dir = _run_dir(argv, config_name)
+    if run_dir is None:
         return None
-    from omegaconf import OmegaConf
-
-    from pipedream2bw.config import register_configs
     from pipedream2bw.errors import ConfigError
     from pipedream2bw.io import rundir
 
-    register_configs()
-    try:
-        run_dir = Path(str(OmegaConf.select(_compose(argv, config_name, hydra=True), "hydra.run.dir")))
-    except Exception:  # noqa: BLE001 - Hydra's own refusal, which Hydra reports
-        return None
     where = f"hydra.run.dir ({run_dir})"
     fix = "point hydra.run.dir at a directory this user can write"
     existing = run_dir
@@ -193,13 +190,44 @@ def check_run_dir(argv: Sequence[str], *, config_name: str = "config", live: boo
         rundir.check_no_links(run_dir)
     except ConfigError as e:
         return str(e)
-    holder = rundir.live_holder(run_dir) if live else None
-    if holder is not None:  # refused here, before Hydra appends this run's refusal to the live run's train.log
-        return (
-            f"run directory {run_dir.resolve()} is in use by a live run ({holder}); wait for it to end, "
-            f"or start this one in another directory (hydra.run.dir=...)"
-        )
-    return None
+    return _in_use(run_dir) if live else None
+
+
+def _run_dir(argv: Sequence[str], config_name: str) -> Optional[Path]:
+    """``hydra.run.dir`` of the command line, resolved as Hydra will; None for a multirun, Hydra's flags or a
+    directory Hydra would refuse itself."""
+    if any(a.startswith("-") for a in argv):
+        return None
+    from omegaconf import OmegaConf
+
+    from pipedream2bw.config import register_configs
+
+    register_configs()
+    try:
+        return Path(str(OmegaConf.select(_compose(argv, config_name, hydra=True), "hydra.run.dir")))
+    except Exception:  # noqa: BLE001 - Hydra's own refusal, which Hydra reports
+        return None
+
+
+def _in_use(run_dir: Path) -> Optional[str]:
+    """The one line refusing ``run_dir`` when a live run holds it (refused before Hydra appends this run's refusal
+    to the live run's train.log), else None."""
+    from pipedream2bw.io import rundir
+
+    holder = rundir.live_holder(run_dir)
+    if holder is None:
+        return None
+    return (
+        f"run directory {run_dir.resolve()} is in use by a live run ({holder}); wait for it to end, "
+        f"or start this one in another directory (hydra.run.dir=...)"
+    )
+
+
+def live_run_dir(argv: Sequence[str], *, config_name: str = "config") -> Optional[str]:
+    """The launcher's first check: the run directory the command line names is held by a live run (read only:
+    nothing made), found before the checks that import torch."""
+    run_dir = _run_dir(argv, config_name)
+    return _in_use(run_dir) if run_dir is not None and run_dir.is_dir() else None
 
 
 def write_error_file(message: str) -> None:

@@ -217,13 +217,24 @@ def test_a_bad_torchrun_option_is_one_line(capsys):
         "trian.num_steps=3",
         "2 ranks",
         "data.path=nope",
-    ],
+    ]
+    + ["a finished run", "a run directory in use"],
 )
-def test_a_mistake_is_found_without_importing_torch(override):
+def test_a_mistake_is_found_without_importing_torch(override, tmp_path):
     # importing torch was most of a refusal's 3 s (5-13 s on a loaded machine): the config's checks up to the
-    # optimizer's, and the launcher's count of the ranks, need none of it
+    # optimizer's, the launcher's count of the ranks, a resume's manifests and a live run's lock need none of it
+    from pipedream2bw.io.rundir import RunLock
+
     args = ["--nproc-per-node", "2"] if override == "2 ranks" else ["--nproc-per-node", "4", override]
+    if override == "a finished run":  # 7-11 s with a 4-rank training beside it, found after the torch checks
+        args[2] = f"train.resume={_finished_run(tmp_path / 'run', 150)}"
+    if override == "a run directory in use":
+        (tmp_path / "live").mkdir()
+        args[2] = f"hydra.run.dir={tmp_path / 'live'}"
     code = f"import sys; from pipedream2bw.launch import launch; print(launch({args!r}), 'torch' in sys.modules)"
-    proc = subprocess.run([sys.executable, "-c", code], env=_env(), capture_output=True, text=True, timeout=60)
+    with RunLock() as lock:
+        if override == "a run directory in use":
+            lock.acquire(tmp_path / "live")
+        proc = subprocess.run([sys.executable, "-c", code], env=_env(), capture_output=True, text=True, timeout=60)
     assert proc.stdout.split() == ["2", "False"], proc.stdout + proc.stderr
     assert proc.stderr.startswith("bad configuration: "), proc.stderr

@@ -56,12 +56,18 @@ import torch
 
 from pipedream2bw.errors import ConfigError
 from pipedream2bw.io.fileio import atomic_rename, atomic_torch_save, atomic_write_json
+from pipedream2bw.io.manifests import (  # noqa: F401 - DIRNAME, complete_checkpoints: checkpoint's names, as before
+    DIRNAME,
+    MANIFEST,
+    candidates,
+    checkpoints_root,
+    complete_checkpoints,
+    read_manifest,
+)
 
 log = logging.getLogger(__name__)
 
 FORMAT = 1
-DIRNAME = "checkpoints"
-MANIFEST = "manifest.json"
 
 
 def step_dir(root: Path, step: int) -> Path:
@@ -345,38 +351,6 @@ class Checkpointer:
                 shutil.rmtree(stale, ignore_errors=True)
 
 
-def complete_checkpoints(root: Path) -> List[Path]:
-    """Checkpoint directories with a manifest, newest first (not yet verified)."""
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    found = [
-        p
-        for p in root.iterdir()
-        if p.is_dir() and p.name.startswith("step_") and p.name[5:].isdigit() and (p / MANIFEST).is_file()
-    ]
-    return sorted(found, key=lambda p: int(p.name[5:]), reverse=True)
-
-
-def _read_manifest(path: Path) -> Optional[Dict[str, Any]]:
-    try:
-        manifest = json.loads((Path(path) / MANIFEST).read_text())
-    except (OSError, ValueError):
-        return None
-    return manifest if isinstance(manifest, dict) else None
-
-
-def resumable_steps(path: Path) -> Optional[List[int]]:
-    """The steps a resume from ``path`` (a checkpoint, a checkpoints/ directory or a run directory) could start at,
-    newest first, by their manifests alone (no file verified: a check before any rank starts); None where ``path``
-    holds no complete checkpoint."""
-    path = Path(path)
-    found = [path] if (path / MANIFEST).is_file() else _candidates(_checkpoints_root(path))
-    manifests = [_read_manifest(p) for p in found]
-    steps = [m["step"] for m in manifests if m is not None and isinstance(m.get("step"), int)]
-    return sorted(steps, reverse=True) if found else None
-
-
 def new_lineage() -> str:
     """A fresh run id: the lineage of a run that starts from step 0 (a resume keeps its checkpoint's)."""
     return uuid.uuid4().hex
@@ -384,7 +358,7 @@ def new_lineage() -> str:
 
 def lineage_of(path: Path) -> Optional[str]:
     """The lineage a checkpoint's manifest records; None if unreadable or written before lineages were."""
-    manifest = _read_manifest(path)
+    manifest = read_manifest(path)
     return manifest.get("lineage") if manifest is not None else None
 
 
@@ -442,7 +416,7 @@ def clean_leftovers(root: Path) -> List[Path]:
 def verify(path: Path) -> Tuple[Optional[Dict[str, Any]], Optional[str]]:
     """(manifest, None) if every file of checkpoint ``path`` is there with its checksum and its layer
     files hold only tensors and plain values, else (None, why)."""
-    manifest = _read_manifest(path)
+    manifest = read_manifest(path)
     if manifest is None:
         return None, "unreadable manifest"
     if manifest.get("format") != FORMAT:
@@ -494,34 +468,15 @@ def safe_load(path: Path, *, mmap: bool = False) -> Any:
         ) from None
 
 
-def _checkpoints_root(path: Path) -> Path:
-    """A checkpoints directory, given it or the run directory that holds one."""
-    return path / DIRNAME if (path / DIRNAME).is_dir() else path
-
-
 class NoLoadableCheckpoint(ConfigError):
     """Checkpoints are there, but none is complete and intact: resuming would silently start over."""
-
-
-def _candidates(root: Path) -> List[Path]:
-    """The checkpoints a resume from ``root`` may choose, best first: those of the lineage whose newest
-    checkpoint was written last (by ``written_at``; another run's in the same directory are never
-    chosen over it), newest step first, with any whose manifest is unreadable among them by step."""
-    found = complete_checkpoints(root)
-    manifests = {p: _read_manifest(p) for p in found}
-    readable = [p for p in found if manifests[p] is not None]
-    if not readable:
-        return found
-    latest = max(readable, key=lambda p: (manifests[p].get("written_at", 0), int(p.name[5:])))
-    lineage = manifests[latest].get("lineage")
-    return [p for p in found if manifests[p] is None or manifests[p].get("lineage") == lineage]
 
 
 def select(path: Path, *, set_aside: bool = True) -> Tuple[Optional[Path], Optional[Dict[str, Any]]]:
     """The newest complete, intact checkpoint at ``path`` (a checkpoint, a checkpoints/ directory
     or a run directory), with its manifest; (None, None) if there is none at all.
 
-    In a directory, the checkpoints of the latest lineage (``_candidates``) are tried newest first;
+    In a directory, the checkpoints of the latest lineage (``candidates``) are tried newest first;
     one that fails ``verify`` is logged and, with ``set_aside`` and an intact one to fall back to,
     renamed to ``*.corrupt-<time>`` (kept for inspection; never read again), so that training continues
     from the previous one and later writes the same step afresh.
@@ -531,9 +486,9 @@ def select(path: Path, *, set_aside: bool = True) -> Tuple[Optional[Path], Optio
             them and the ways out.
     """
     path = Path(path)
-    candidates = [path] if (path / MANIFEST).is_file() else _candidates(_checkpoints_root(path))
+    tried = [path] if (path / MANIFEST).is_file() else candidates(checkpoints_root(path))
     problems = []
-    for candidate in candidates:
+    for candidate in tried:
         manifest, problem = verify(candidate)
         if manifest is not None:
             for bad, _ in problems if set_aside else ():
