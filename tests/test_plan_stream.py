@@ -87,21 +87,27 @@ def test_llama13b_on_four_24gib_gpus_fits_only_by_streaming_and_runs_as_planned(
         apply_plan(run.pipeline, swap, plain, world_size=4, num_layers=43)
 
 
+def _plan_contexts(cfg, plan, *, swap: bool, **extra):
+    """The planner's per-stage contexts of ``plan`` (its layout, schedule and microbatches) on ``cfg``'s topology."""
+    return stage_contexts(
+        cfg.topology,
+        plan.rank_map,
+        schedule=plan.schedule,
+        num_microbatches=plan.num_microbatches,
+        recompute=plan.recompute,
+        swap=swap,
+        swap_resident=plan.swap_resident,
+        runtime_bytes=cfg.topology.runtime_overhead_gib * GIB,
+        **extra,
+    )
+
+
 def test_a_stage_streams_only_where_it_would_not_fit_otherwise():
     cfg = llama13b(model=dict(num_layers=8), partition=dict(microbatch_sizes=[4]))
     best = plan_config(cfg)[0]
     assert best.stream_stages and len(best.stream_stages) < best.num_stages, best.stream_stages
     seg = Segments(_layers(cfg, best))
-    ctxs = stage_contexts(
-        cfg.topology,
-        best.rank_map,
-        schedule=best.schedule,
-        num_microbatches=best.num_microbatches,
-        recompute=best.recompute,
-        swap=False,
-        swap_resident=best.swap_resident,
-        runtime_bytes=cfg.topology.runtime_overhead_gib * GIB,
-    )
+    ctxs = _plan_contexts(cfg, best, swap=False)
     bounds = [*best.boundaries, seg.n]
     for s, ctx in enumerate(ctxs):  # every stage of a streaming plan has its optimizer on the host
         plain = StageCost.of(seg, bounds[s], bounds[s + 1], dataclasses.replace(ctx, host_optimizer=True))
@@ -239,18 +245,7 @@ def test_a_bf16_plan_with_compute_dtype_versions_streams_half_the_bytes_and_its_
     # bf16 weights are not cast by autocast: a block saves no bf16 copy of its matrices (12 C^2 of them) a microbatch
     block, fp32_block = layers[1], _layers(cfg, dataclasses.replace(best, weight_dtype="fp32"))[1]
     assert fp32_block.saved_bytes - block.saved_bytes == 2 * 12 * cfg.model.d_model**2
-    ctxs = stage_contexts(
-        cfg.topology,
-        best.rank_map,
-        schedule=best.schedule,
-        num_microbatches=best.num_microbatches,
-        recompute=best.recompute,
-        swap=True,
-        swap_resident=best.swap_resident,
-        runtime_bytes=cfg.topology.runtime_overhead_gib * GIB,
-        weight_copy_bytes=2,
-        waits=[True] * best.num_stages,
-    )
+    ctxs = _plan_contexts(cfg, best, swap=True, weight_copy_bytes=2, waits=[True] * best.num_stages)
     for s in best.stream_stages:
         parts, own = best.predicted_memory_breakdown[s], layers[bounds[s] : bounds[s + 1]]
         assert parts["weights"] + parts["gradients"] == device_bytes_model(
