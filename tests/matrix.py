@@ -80,6 +80,8 @@ FACTORS: "OrderedDict[str, Tuple[Any, ...]]" = OrderedDict(
     # only within its documents (positions across every boundary beside the activations), the loss the mean over the
     # batch's unmasked tokens
     documents=(False, True),
+    # pipeline.forward_lead (issue 47): the stages before the last run one forward ahead of 1F1B's bound (2bw, flush)
+    forward_lead=(0, 1),
 )
 # Features that only matrix.EXTRA's cells vary (no factor of the arrays: a cell each, issue 46), Cell fields whose
 # constraints and refusals below are checked all the same: pipeline.sync_warmup_steps=SYNC_WARMUP (2bw: the first
@@ -151,6 +153,7 @@ class Cell:
     predict: bool = False
     zero_bubble: bool = False
     documents: bool = False
+    forward_lead: int = 0
 
     @property
     def run_schedule(self) -> str:
@@ -180,6 +183,8 @@ class Cell:
             parts.append("stream")
         if self.documents:
             parts.append("docs")
+        if self.forward_lead:
+            parts.append(f"lead{self.forward_lead}")
         if self.resume:
             d, w = RESUME_AT[(self.d, self.w)]
             parts.append(f"resume-d{d}w{w}")
@@ -237,6 +242,12 @@ CONSTRAINTS: List[Tuple[Tuple[str, ...], Callable[[Dict[str, Any]], bool], str]]
         ("correction", "lookahead"),
         lambda r: not (r["lookahead"] and r["correction"] != "none"),
         "one optim.delay_correction per run: the correction factor's or the look-ahead",
+    ),
+    (
+        ("schedule", "d", "zero_bubble", "forward_lead"),
+        lambda r: not r["forward_lead"] or (r["schedule"] in ("2bw", "flush") and r["d"] >= 2 and not r["zero_bubble"]),
+        "the forward lead acts under 1F1B (2bw, flush) on a stage before the last: moot under gpipe and zb1p (logged) "
+        "and at d = 1",
     ),
     (
         ("schedule", "sync_warmup"),
@@ -492,7 +503,7 @@ def refusal(cell: Cell) -> Optional[str]:
 # Factors added after the arrays were first drawn, in order: each is laid over the arrays of the factors before it,
 # whose cells stay as they were (the new factor at its plain value); the generator then adds the cells the new
 # factor's combinations need. Adding a factor thus adds its own cells only, instead of redrawing every cell.
-LAYERED = ("stream", "lookahead", "zero_bubble", "documents")
+LAYERED = ("stream", "lookahead", "zero_bubble", "documents", "forward_lead")
 # Layered factors that only the 3-wise array (matrix_full) varies; the pairwise one holds them at their plain value, and
 # EXTRA holds a cell of each. lookahead: its 4 pairwise cells cost the default tier ~40 s on this 2-core machine.
 FULL_ONLY = ("lookahead",)
@@ -584,6 +595,7 @@ def cell_config(cell: Cell, *, layout: Optional[Tuple[int, int]] = None, resume:
             balance=balance,
             recompute=cell.recompute,
             sync_warmup_steps=SYNC_WARMUP if cell.sync_warmup else 0,
+            forward_lead=cell.forward_lead,
         ),
         model=model,
         # SGD with momentum: Adam blows reduction-order round-off on ~zero gradients up to lr-sized steps (LOOKAHEAD's

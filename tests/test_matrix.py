@@ -37,6 +37,7 @@ from matrix import (
 from reference import Reference, reference_eval, reference_run
 
 from pipedream2bw.config import ConfigError, validate
+from pipedream2bw.pipeline.schedule import in_flight
 from pipedream2bw.run.model import RunModel
 from pipedream2bw.run.start import check_weight_stream
 
@@ -162,6 +163,12 @@ def check_cell(cell: Cell, runs) -> None:
         assert all((st["eval_loads"] > 0) == cell.validation for st in streamed), streamed
         w = summary["data_parallel"]
         assert all((r["allreduce_calls"] > 0) == (w > 1) for r in summary["ranks"]), summary["ranks"]
+    if cell.forward_lead:  # stages before the last ran forwards ahead of 1F1B's bound (where m leaves room)
+        first = runs.summaries[0]
+        d, m = first["num_stages"], cell_config(cell).pipeline.num_microbatches
+        held = [(r["stage"], r["peak_in_flight"]) for r in first["ranks"]]
+        assert held == [(s, in_flight(cell.schedule, s, d, m, forward_lead=cell.forward_lead)) for s, _ in held]
+        assert any(n > in_flight(cell.schedule, s, d, m) for s, n in held), held  # m caps it on the first stages
     if cell.swap:
         swapped = [r["swap"]["swapped_out"] for s in runs.summaries for r in s["ranks"] if r["swap"]]
         assert swapped and max(swapped) > 0
