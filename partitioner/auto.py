@@ -39,6 +39,7 @@ from pipedream2bw.config import (
 from pipedream2bw.config.optimizers import correction_in_effect, is_muon
 from pipedream2bw.errors import ConfigError
 from pipedream2bw.memory import precision as precisions
+from pipedream2bw.memory.step_memory import StepModel
 from pipedream2bw.models.gpt import layer_kind
 from pipedream2bw.pipeline.schedule import SPLIT_SCHEDULES, V_SCHEDULES
 
@@ -123,6 +124,7 @@ def tensor_request(cfg: Config, precision: str, *, search: Optional[bool] = None
             act_bytes=precisions.compute_dtype(precision).itemsize,
             kinds=tuple(layer_kind(m, i) for i in range(model_num_layers(m))),
             muon=is_muon(cfg.optim),
+            step=StepModel.of(cfg.optim, device_type=getattr(getattr(cfg, "topology", None), "device", "cpu")),
         )
     return dict(
         tensor=shape,
