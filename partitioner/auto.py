@@ -112,6 +112,9 @@ def tensor_request(cfg: Config, precision: str, *, search: Optional[bool] = None
     p = cfg.pipeline
     pinned = getattr(p, "tensor_parallel", 1)
     search = hasattr(p, "tensor_parallel") if search is None else search
+    # what the runtime refuses at t > 1 (its run line would be refused): t = 1 only, unless t is pinned (the run
+    # then refuses it in one line)
+    search = search and not (pinned == 1 and _refused_at_t2(cfg))
     shape = None
     if isinstance(cfg.model, GPTConfig) and (search or pinned != 1):
         m = cfg.model
@@ -131,6 +134,14 @@ def tensor_request(cfg: Config, precision: str, *, search: Optional[bool] = None
         tensor_widths=[pinned] if pinned != 1 else None,
         sequence_parallel=bool(getattr(p, "sequence_parallel", False)),
     )
+
+
+def _refused_at_t2(cfg) -> bool:
+    """Whether the runtime refuses ``cfg`` at pipeline.tensor_parallel > 1 for its optimizer (the weight prediction
+    under 2bw, config/validate.py) or synchronous warm-up steps."""
+    optim, p = getattr(cfg, "optim", None), cfg.pipeline
+    predict = optim is not None and correction_in_effect(optim, p.schedule) == "predict"
+    return predict or getattr(p, "sync_warmup_steps", 0) > 0
 
 
 def make_request(

@@ -26,6 +26,13 @@ per parameter these terms are)::
     + workspace        the largest layer's saved bytes + output: gradients alive in its backward
     + runtime          eps: memory the process has before any model (measured, not fitted)
 
+the steady state's peak; the step's (``step_memory``): the weight state, buffers and runtime + the microbatches still
+in flight when the stage steps (``live_at_step``: under 2bw n - 1 of the next batch's, none under flush and gpipe) +
+``step``, the step's transients (``pipedream2bw.memory.step_memory``: the largest one tensor's, and the multi-tensor
+temporary and, under 2bw, the delay correction's float32 copy over the parameters one optimizer steps at once, a
+bucket's where w > 1, a shard's sharded; none on the device where the optimizer steps on the host). ``memory`` is
+the larger of the two.
+
 Time per microbatch: ``c*(F+B) + p2p + stall`` (``c*(F+B)`` is F + B + F with recomputation);
 per batch, ``K*T_s + step_s + exposed all-reduce`` with K = m (2bw), m + d - 1 (flush/gpipe) or m + (d - 1)/3
 (zb1p: ZB-H1's bubble is (d - 1)(F + B_input - W), with the backward split into two equal halves and B = 2F, the

@@ -61,3 +61,38 @@ def test_a_layers_step_transient_is_what_its_step_allocates(name, correction, kw
     # the largest one's, where the largest comes first)
     largest = max(p.numel() for p in layer.parameters()) * 4
     assert measured <= predicted + 64 and predicted <= measured + largest, (fields, measured)
+
+
+@pytest.mark.slow
+@pytest.mark.long  # two runs (1 and 2 ranks) under torch.profiler's memory events: 30 to 90 s loaded
+def test_the_planners_peak_is_each_ranks_under_the_default_optimizer_at_t_1_and_2(tmp_path):
+    # docs/planner.md's GPT that fits only at t = 2 (2 blocks x 256), one stage, 2bw, Muon + error feedback: each
+    # rank's measured peak tensor bytes is the planner's predicted peak (segment_costs' memory, runtime 0) within
+    # 10%: 1.000 at t = 1 and 0.951 at t = 2 measured (scripts/bench_memory.py --optimizers), so at most 2% under at
+    # t = 1; at t = 2 up to 7% under, the embedding and the head, which the planner splits by the vocabulary and this
+    # runtime keeps whole on each tensor rank. Before the step's transients were counted the planner said 0.900 of
+    # the measured peak at t = 1 and 0.814 at t = 2 (issue 44).
+    import json
+
+    from dist_helper import spawn
+    from test_bench import _script
+    from test_sharding import train_measured
+
+    bench = _script("bench_memory")
+    for t in (1, 2):
+        j = dict(
+            bench.job(schedule="2bw", d=1, w=1, t=t, precision="fp32", weight_dtype="fp32", sharded=False, steps=3,
+                      model=bench.OPTIM_MODEL, bucket_mb=25.0),
+            optim="muon", correction="error_feedback",
+        )  # fmt: skip
+        run_dir = tmp_path / f"t{t}"
+        results = spawn(
+            train_measured, world_size=t, args=([bench.make_config(j, cuda=False)], [str(run_dir)]),
+            log_dir=tmp_path / f"logs{t}", timeout_s=240,
+        )  # fmt: skip
+        assert all(r.exitcode == 0 for r in results), "\n".join(r.log for r in results)
+        summary = json.loads((run_dir / "summary.json").read_text())
+        predicted = bench.planner_ranks(j, summary["balance"])[0]["memory"]
+        for rank in range(t):
+            peak = int((run_dir / f"peak_rank{rank}.txt").read_text())
+            assert (0.98 if t == 1 else 0.93) <= predicted / peak <= 1.1, (t, rank, predicted, peak)
