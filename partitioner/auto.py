@@ -140,7 +140,7 @@ def _refused_at_t2(cfg) -> bool:
     """Whether the runtime refuses ``cfg`` at pipeline.tensor_parallel > 1 for its optimizer (the weight prediction
     under 2bw, config/validate.py) or synchronous warm-up steps."""
     optim, p = getattr(cfg, "optim", None), cfg.pipeline
-    predict = optim is not None and correction_in_effect(optim, p.schedule) == "predict"
+    predict = optim is not None and correction_in_effect(optim, getattr(p, "schedule", "2bw")) == "predict"
     return predict or getattr(p, "sync_warmup_steps", 0) > 0
 
 
