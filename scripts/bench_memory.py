@@ -124,6 +124,7 @@ def make_config(j: dict, *, cuda: bool) -> Config:
             microbatch_size=m["microbatch_size"],
             bucket_mb=j["bucket_mb"],
             tensor_parallel=j.get("t", 1),
+            recompute=j.get("recompute", False),
         ),
         model=GPTConfig(
             num_layers=m["num_layers"], d_model=m["d_model"], num_heads=m["num_heads"], seq_len=m["seq_len"]
@@ -349,7 +350,7 @@ def planner_ranks(j: dict, balance: list) -> list:
         rank_map,
         schedule=j["schedule"],
         num_microbatches=m,
-        recompute=False,
+        recompute=j.get("recompute", False),
         swap=False,
         swap_resident=0,
         runtime_bytes=0,
