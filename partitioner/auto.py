@@ -39,6 +39,7 @@ from pipedream2bw.config import (
 from pipedream2bw.config.optimizers import correction_in_effect, is_muon
 from pipedream2bw.errors import ConfigError
 from pipedream2bw.memory import precision as precisions
+from pipedream2bw.memory.step_memory import StepModel
 from pipedream2bw.models.gpt import layer_kind
 from pipedream2bw.pipeline.schedule import SPLIT_SCHEDULES, V_SCHEDULES
 
@@ -111,6 +112,9 @@ def tensor_request(cfg: Config, precision: str, *, search: Optional[bool] = None
     p = cfg.pipeline
     pinned = getattr(p, "tensor_parallel", 1)
     search = hasattr(p, "tensor_parallel") if search is None else search
+    # what the runtime refuses at t > 1 (its run line would be refused): t = 1 only, unless t is pinned (the run
+    # then refuses it in one line)
+    search = search and not (pinned == 1 and _refused_at_t2(cfg))
     shape = None
     if isinstance(cfg.model, GPTConfig) and (search or pinned != 1):
         m = cfg.model
@@ -123,12 +127,21 @@ def tensor_request(cfg: Config, precision: str, *, search: Optional[bool] = None
             act_bytes=precisions.compute_dtype(precision).itemsize,
             kinds=tuple(layer_kind(m, i) for i in range(model_num_layers(m))),
             muon=is_muon(cfg.optim),
+            step=StepModel.of(cfg.optim, device_type=getattr(getattr(cfg, "topology", None), "device", "cpu")),
         )
     return dict(
         tensor=shape,
         tensor_widths=[pinned] if pinned != 1 else None,
         sequence_parallel=bool(getattr(p, "sequence_parallel", False)),
     )
+
+
+def _refused_at_t2(cfg) -> bool:
+    """Whether the runtime refuses ``cfg`` at pipeline.tensor_parallel > 1 for its optimizer (the weight prediction
+    under 2bw, config/validate.py) or synchronous warm-up steps."""
+    optim, p = getattr(cfg, "optim", None), cfg.pipeline
+    predict = optim is not None and correction_in_effect(optim, getattr(p, "schedule", "2bw")) == "predict"
+    return predict or getattr(p, "sync_warmup_steps", 0) > 0
 
 
 def make_request(

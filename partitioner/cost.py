@@ -26,6 +26,13 @@ per parameter these terms are)::
     + workspace        the largest layer's saved bytes + output: gradients alive in its backward
     + runtime          eps: memory the process has before any model (measured, not fitted)
 
+the steady state's peak; the step's (``step_memory``): the weight state, buffers and runtime + the microbatches still
+in flight when the stage steps (``live_at_step``: under 2bw n - 1 of the next batch's, none under flush and gpipe) +
+``step``, the step's transients (``pipedream2bw.memory.step_memory``: the largest one tensor's, and the multi-tensor
+temporary and, under 2bw, the delay correction's float32 copy over the parameters one optimizer steps at once, a
+bucket's where w > 1, a shard's sharded; none on the device where the optimizer steps on the host). ``memory`` is
+the larger of the two.
+
 Time per microbatch: ``c*(F+B) + p2p + stall`` (``c*(F+B)`` is F + B + F with recomputation);
 per batch, ``K*T_s + step_s + exposed all-reduce`` with K = m (2bw), m + d - 1 (flush/gpipe) or m + (d - 1)/3
 (zb1p: ZB-H1's bubble is (d - 1)(F + B_input - W), with the backward split into two equal halves and B = 2F, the
@@ -87,6 +94,7 @@ from pipedream2bw.memory.stream import device_bytes_model
 
 # in_flight: the runtime's own bound, re-exported for the memory model's callers
 from pipedream2bw.pipeline.schedule import (
+    BACKWARD,
     FORWARD,
     SPLIT_SCHEDULES,
     STEP,
@@ -96,6 +104,7 @@ from pipedream2bw.pipeline.schedule import (
     in_flight,
     max_in_flight,
     pipeline_actions,
+    stage_actions,
     timings,
 )
 
@@ -117,6 +126,12 @@ class LayerCost:
     output_bytes: int
     optimizer_bytes: int = 0  # optimizer state for this layer's parameters
     step_s: float = 0.0  # optimizer step over this layer's parameters, once per batch
+    # the step's transients (``pipedream2bw.memory.step_memory``): the most one of its tensors' step holds at once
+    # (Muon's whole matrix and its iterations), its multi-tensor optimizer's temporary over its parameters, and the
+    # delay correction's float32 copy of them (under 2bw only)
+    step_peak_bytes: int = 0
+    step_group_bytes: int = 0
+    step_copy_bytes: int = 0
 
 
 def num_versions(schedule: str) -> int:
@@ -162,6 +177,8 @@ class Segments:
         self.W = prefix([c.param_bytes for c in layers])
         self.O = prefix([c.optimizer_bytes for c in layers])
         self.A = prefix([c.saved_bytes for c in layers])
+        self.SG = prefix([c.step_group_bytes for c in layers])
+        self.SC = prefix([c.step_copy_bytes for c in layers])
         self.IN = np.asarray([c.input_bytes for c in layers] + [0], dtype=np.float64)
         self.OUT = np.asarray([0] + [c.output_bytes for c in layers], dtype=np.float64)  # OUT[j]: output of layer j-1
         # RMAX[i, j]: max over layers i..j-1 of (saved + output): the gradients alive in one layer's backward.
@@ -170,6 +187,12 @@ class Segments:
         for i in range(n):
             rmax[i, i + 1 :] = np.maximum.accumulate(peak[i:])
         self.RMAX = rmax
+        # SMAX[i, j]: the largest one tensor's step temporaries over layers i..j-1
+        speak = np.asarray([c.step_peak_bytes for c in layers], dtype=np.float64)
+        smax = np.zeros((n + 1, n + 1))
+        for i in range(n):
+            smax[i, i + 1 :] = np.maximum.accumulate(speak[i:])
+        self.SMAX = smax
         self._stream: Dict[int, tuple] = {}
 
     def stream_device(self, window: int, weight_copy_bytes: int = 4):
@@ -409,6 +432,43 @@ def _copy_s(seg: Segments, i, j, ctx: StageContext, moved):
     return m * moved / bw + np.maximum(weights_in, grads_out)
 
 
+@functools.lru_cache(maxsize=256)
+def live_at_step(schedule: str, stage_index: int, num_stages: int, num_microbatches: int, forward_lead: int = 0) -> int:
+    """Microbatches stage s holds forwarded and not yet through their backward when it steps, in the steady state
+    (its second step of three batches): under 2bw ``in_flight`` - 1 of the next batch's (no flush: their activations
+    lie under the step's transients), none under the flushing schedules. A V schedule's chunks step at the end of
+    their batch: none."""
+    if schedule in V_SCHEDULES:
+        return 0
+    actions = stage_actions(
+        schedule,
+        stage_index=stage_index,
+        num_stages=num_stages,
+        num_microbatches=num_microbatches,
+        num_batches=3,
+        forward_lead=forward_lead,
+    )
+    release = WEIGHT if any(a.kind == WEIGHT for a in actions) else BACKWARD
+    live, at_steps = 0, []
+    for a in actions:
+        live += 1 if a.kind == FORWARD else -1 if a.kind == release else 0
+        if a.kind == STEP:
+            at_steps.append(live)
+    return at_steps[1]
+
+
+def _step_transient(seg: Segments, i, j, ctx: StageContext, *, ws: int):
+    """The step's transient bytes on the device (``pipedream2bw.memory.step_memory``): the largest one tensor's
+    temporaries + the multi-tensor temporary and, under 2bw, the delay correction's copy over the parameters one
+    optimizer steps at once (a gradient bucket's where w > 1: an optimizer per bucket; a shard's, sharded). A stage
+    whose optimizer is on the host (streamed, or swap.optimizer=host) steps there: none on the device."""
+    group = (seg.SG[j] - seg.SG[i]) + ((seg.SC[j] - seg.SC[i]) if ctx.schedule == "2bw" else 0.0)
+    if ctx.data_parallel > 1:
+        group = np.minimum(group, ctx.bucket_bytes)
+    out = seg.SMAX[i, j] + group / ws
+    return 0.0 * out if (ctx.stream or ctx.host_optimizer) else out
+
+
 def segment_costs(seg: Segments, i, j, ctx: StageContext) -> Dict[str, np.ndarray]:
     """Memory (bytes) and time (s) of the stage holding layers ``[i, j)``; ``i``/``j`` may be arrays.
 
@@ -479,14 +539,28 @@ def segment_costs(seg: Segments, i, j, ctx: StageContext) -> Dict[str, np.ndarra
         act_per_microbatch=per_mb,
         act_moved=moved,
         act_extra=extra,
+        step=_step_transient(seg, i, j, ctx, ws=ws),
     )
-    out["memory"] = sum(
-        out[k] for k in ("weights", "gradients", "optimizer", "activations", "buffers", "workspace", "runtime")
-    )
+    # at the step: the microbatches still in flight (2bw: the next batch's) under the step's transients
+    live = live_at_step(ctx.schedule, s, d, m, ctx.forward_lead)
+    kept_at_step = min(live, ctx.swap_resident + 1) if swapped else live
+    out["step_activations"] = kept_at_step * per_mb + (live - kept_at_step) * (per_mb - moved)
+    return _with_peak(out)
+
+
+STEADY_PARTS = ("weights", "gradients", "optimizer", "activations", "buffers", "workspace", "runtime")
+MEMORY_PARTS = STEADY_PARTS + ("step",)  # step: the optimizer step's transients, the last part of the step's peak
+
+
+def _with_peak(out: Dict[str, np.ndarray]) -> Dict[str, np.ndarray]:
+    """``out`` with its peak: ``memory``, the larger of the steady state's (``STEADY_PARTS``: the backward's
+    workspace over the microbatches in flight) and the step's (``step_memory``: the weight state, buffers and
+    runtime, the microbatches still in flight at the step and the step's transients)."""
+    out["steady_memory"] = sum(out[k] for k in STEADY_PARTS)
+    at_step = ("weights", "gradients", "optimizer", "buffers", "runtime", "step_activations", "step")
+    out["step_memory"] = sum(out[k] for k in at_step)
+    out["memory"] = np.maximum(out["steady_memory"], out["step_memory"])
     return out
-
-
-MEMORY_PARTS = ("weights", "gradients", "optimizer", "activations", "buffers", "workspace", "runtime")
 
 
 @dataclass(frozen=True)
@@ -508,8 +582,9 @@ class StageCost:
     def memory_with(self, live: int) -> float:
         """Peak memory with ``live`` microbatches in flight (the simulator's count)."""
         resident = min(live, self.ctx.swap_resident + 1) if self["act_moved"] else live
-        static = self["memory"] - self["activations"]
-        return static + live * self["act_per_microbatch"] - (live - resident) * self["act_moved"] + self["act_extra"]
+        static = self["steady_memory"] - self["activations"]
+        steady = static + live * self["act_per_microbatch"] - (live - resident) * self["act_moved"] + self["act_extra"]
+        return max(steady, self["step_memory"])
 
 
 @dataclass(frozen=True)

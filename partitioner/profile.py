@@ -35,6 +35,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from partitioner.cost import LayerCost
+from partitioner.step import gpt_step_fields
 from pipedream2bw.config import (
     GPTConfig,
     OptimConfig,
@@ -43,14 +44,15 @@ from pipedream2bw.config import (
     model_num_layers,
     optimizer_name,
 )
-from pipedream2bw.config.optimizers import extra_optim_settings, is_muon, tag_muon_params
+from pipedream2bw.config.optimizers import MUON_ROLE, extra_optim_settings, is_muon, tag_muon_params
 from pipedream2bw.io.fileio import atomic_write_text
 from pipedream2bw.memory import precision as precisions
 from pipedream2bw.memory.memprobe import saved_bytes
+from pipedream2bw.memory.step_memory import StepModel, layer_step_bytes
 from pipedream2bw.models import build_gpt_layers, lm_loss
 from pipedream2bw.models.gpt import layer_kind
 
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: the step's transient bytes (LayerCost.step_*)
 
 
 def default_cache_dir() -> Path:
@@ -214,7 +216,16 @@ def _measure(
         output_bytes=output_bytes,
         optimizer_bytes=opt_bytes,
         step_s=step_s,
+        **_step_bytes(params, optim, device),
     )
+
+
+def _step_bytes(params: Sequence[torch.Tensor], optim: OptimConfig, device: torch.device) -> Dict[str, int]:
+    """``LayerCost``'s step fields of a layer's (tagged) ``params`` under ``optim`` (``step_memory``)."""
+    model = StepModel.of(optim, device_type=device.type)
+    shapes = [(p.shape[0] if p.dim() else 1, p.numel() // max(p.shape[0] if p.dim() else 1, 1)) for p in params]
+    muon = [p.dim() == 2 and getattr(p, MUON_ROLE, False) for p in params]
+    return layer_step_bytes(model, [(rows, cols, mu, 1) for (rows, cols), mu in zip(shapes, muon)])
 
 
 def _cache_key(
@@ -391,7 +402,15 @@ def analytic_gpt(
                     V * C,
                 )
             )
-    return layers
+    return _with_step(layers, cfg, optim, topo.device)
+
+
+def _with_step(layers: List[LayerCost], cfg: GPTConfig, optim: OptimConfig, device_type: str) -> List[LayerCost]:
+    """The GPT's ``layers`` with their step's transient bytes (``partitioner.step``) under ``optim`` on a
+    ``device_type`` device."""
+    model = StepModel.of(optim, device_type=device_type)
+    dims = dict(d_model=cfg.d_model, vocab_size=cfg.vocab_size, seq_len=cfg.seq_len)
+    return [dataclasses.replace(c, **gpt_step_fields(model, layer_kind(cfg, i), **dims)) for i, c in enumerate(layers)]
 
 
 def with_document_mask(

@@ -19,6 +19,10 @@ Memory per rank (the GPT's pre-LN block, C = d_model, T tokens, b a microbatch, 
                  autocast weight copies counted in the saved bytes split with their matrices
     in / out     b T C a whole on every rank (each sends its copy to the next stage); / t with sequence parallelism
 
+The step's transients (``partitioner.step``, ``pipedream2bw.memory.step_memory``): a delay correction's copy and a
+multi-tensor temporary follow the rank's parameters; Muon's largest temporaries are a whole matrix's, gathered on
+every tensor rank (the pieces, their concatenation and the whole) and iterated whole: they do not divide by t.
+
 Step per batch: the optimizer's step over the rank's parameters (/ t with the split), but with Muon
 (``TensorShape.muon``) a block's step stays whole: each rank all-gathers every hidden matrix's update (four
 ``allgather_s`` of its float32 bytes) and runs the Newton-Schulz iterations on the whole matrix.
@@ -37,11 +41,13 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 from partitioner.cost import LayerCost
+from partitioner.step import gpt_step_fields
 from partitioner.topology import Link
 from pipedream2bw.errors import ConfigError
+from pipedream2bw.memory.step_memory import StepModel
 
 # A split matrix product runs below t times the whole one's speed (narrower matrices, more launches per FLOP): the
 # fraction of the ideal 1/t that the cost model charges. Stated, not fitted: scripts/bench_tensor.py measures it on
@@ -62,6 +68,7 @@ class TensorShape:
     act_bytes: int  # bytes of one activation element (the compute dtype)
     kinds: Sequence[str]  # per layer: 'embedding', 'block', 'norm' or 'head' (models.gpt.layer_kind)
     muon: bool = False  # optim.name=muon: the step orthogonalizes each whole matrix (an all-gather per matrix)
+    step: Optional[StepModel] = None  # the step's transients (``partitioner.step``); None: the whole layer's kept
 
 
 def allreduce_s(nbytes: float, t: int, link: Link) -> float:
@@ -136,10 +143,14 @@ def split_layers(
     btc = b * shape.seq_len * shape.d_model * shape.act_bytes
     by_kind = {"block": _block, "embedding": _embedding, "head": _head, "norm": _norm}
     sp = sequence_parallel
-    return [
+    out = [
         by_kind[kind](c, shape, t, btc=btc, link=link, sp=sp, eff=efficiency, b=b)
         for c, kind in zip(layers, shape.kinds)
     ]
+    if shape.step is None:
+        return out
+    dims = dict(d_model=shape.d_model, vocab_size=shape.vocab_size, seq_len=shape.seq_len, t=t)
+    return [dataclasses.replace(c, **gpt_step_fields(shape.step, k, **dims)) for c, k in zip(out, shape.kinds)]
 
 
 def _params(c: LayerCost, split: float, t: int) -> dict:

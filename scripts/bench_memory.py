@@ -5,6 +5,8 @@
     python scripts/bench_memory.py --time          # 4 ranks (d=2 x w=2): sharded vs unsharded samples/s, 2bw and flush
     python scripts/bench_memory.py --tensor        # pipeline.tensor_parallel: one rank's bytes per parameter of its
                                                    # stage at t = 1 and 2 against the planner's (partitioner/tensor.py)
+    python scripts/bench_memory.py --optimizers    # each rank's peak against the planner's predicted peak, per
+                                                   # optimizer and delay correction (the step's transients)
 
 Memory: a GPT whose parameters dwarf its activations (32 blocks of d_model 64, 4 tokens a microbatch) and whose
 largest parameter, like each gradient bucket (``--bucket-mb``), is 1% of a stage, as a 25 MB bucket is of a large
@@ -31,6 +33,7 @@ median samples/s of each and the sharded / unsharded ratios, with the all-gather
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -67,6 +70,16 @@ MEMORY_BUCKET_MB = {False: 0.0625, True: 4.0}  # CUDA or not
 MEMORY_LAYOUTS = ("1x1", "1x2", "1x4", "2x4")  # d x w
 TIME_MODEL = dict(num_layers=4, d_model=128, num_heads=4, seq_len=64, microbatch_size=2, num_microbatches=4)
 TENSOR_LAYOUTS = ("1x1x1", "1x1x2", "2x1x2")  # d x w x t
+# --optimizers: docs/planner.md's GPT that fits only at t = 2, whose matrices are large against its activations
+OPTIM_MODEL = dict(num_layers=2, d_model=256, num_heads=4, seq_len=64, microbatch_size=2, num_microbatches=4)
+OPTIM_LAYOUTS = ("1x1x1", "1x1x2", "2x1x2")  # d x w x t
+OPTIMIZERS = {  # label: (optim.name, optim.delay_correction under 2bw; flush runs none)
+    "default": ("muon", "error_feedback"),
+    "adamw": ("adamw", "none"),
+    "sgd": ("sgd", "none"),
+    "muon": ("muon", "none"),
+    "predict": ("muon", "predict"),
+}
 RANK_FIELDS = ("rank", "stage", "optimizer_state_bytes", "weight_bytes")  # of the summary's, per rank
 COMBINATIONS = [("fp32", "fp32"), ("bf16", "fp32"), ("bf16", "compute")]  # (precision, weight_dtype)
 
@@ -111,11 +124,18 @@ def make_config(j: dict, *, cuda: bool) -> Config:
             microbatch_size=m["microbatch_size"],
             bucket_mb=j["bucket_mb"],
             tensor_parallel=j.get("t", 1),
+            recompute=j.get("recompute", False),
         ),
         model=GPTConfig(
             num_layers=m["num_layers"], d_model=m["d_model"], num_heads=m["num_heads"], seq_len=m["seq_len"]
         ),
-        optim=OptimConfig(name="adamw", lr=1e-4, sharded=j["sharded"], clip_grad_norm=j.get("clip")),
+        optim=OptimConfig(
+            name=j.get("optim", "adamw"),
+            delay_correction=j.get("correction", "auto"),
+            lr=1e-4,
+            sharded=j["sharded"],
+            clip_grad_norm=j.get("clip"),
+        ),
         data=DataConfig(),
         train=TrainConfig(
             num_steps=j["steps"],
@@ -314,8 +334,11 @@ def planner_ranks(j: dict, balance: list) -> list:
     from partitioner.profile import analytic_gpt
     from partitioner.tensor import split_layers
     from partitioner.topology import intra_link
+    from pipedream2bw.config.optimizers import correction_in_effect
 
     cfg, t, d, w = make_config(j, cuda=False), j["t"], j["d"], j["w"]
+    # the correction the runtime runs under this schedule (none under flush), as partition=auto plans it
+    cfg.optim = dataclasses.replace(cfg.optim, delay_correction=correction_in_effect(cfg.optim, j["schedule"]))
     b, m = j["model"]["microbatch_size"], j["model"]["num_microbatches"]
     layers = analytic_gpt(cfg.model, cfg.optim, b, cfg.topology, precision=j["precision"])
     shape = tensor_request(cfg, j["precision"], search=True)["tensor"]
@@ -327,7 +350,7 @@ def planner_ranks(j: dict, balance: list) -> list:
         rank_map,
         schedule=j["schedule"],
         num_microbatches=m,
-        recompute=False,
+        recompute=j.get("recompute", False),
         swap=False,
         swap_resident=0,
         runtime_bytes=0,
@@ -335,7 +358,8 @@ def planner_ranks(j: dict, balance: list) -> list:
         waits=waits,
     )
     bounds = [sum(balance[:s]) for s in range(d + 1)]
-    keys = ("weights", "gradients", "optimizer", "activations", "buffers", "workspace")
+    keys = ("weights", "gradients", "optimizer", "activations", "buffers", "workspace", "step", "memory")
+    keys += ("steady_memory", "step_memory")
     return [
         {k: float(v) for k, v in segment_costs(seg, bounds[s], bounds[s + 1], contexts[s]).items() if k in keys}
         for s in range(d)
@@ -406,6 +430,43 @@ def _tensor_rows(j: dict, ranks: list) -> list:
             )
         )
     return out
+
+
+def optim_table(args) -> None:
+    """Each rank's measured peak tensor bytes against the planner's predicted peak (``segment_costs``' memory on
+    ``tensor.split_layers`` of the analytic costs, runtime 0), per optimizer of ``OPTIMIZERS``, 2bw and flush, at
+    ``args.optim_layouts`` (d x w x t) on ``OPTIM_MODEL``: the step's transients (Muon's whole matrices, error
+    feedback's and the weight prediction's copies) against the steady state's activations."""
+    rows = []
+    for layout in args.optim_layouts:
+        d, w, t = (int(x) for x in layout.split("x"))
+        jobs = [
+            dict(job(schedule=s, d=d, w=w, t=t, precision="fp32", weight_dtype="fp32", sharded=False, steps=args.steps,
+                     model=OPTIM_MODEL, bucket_mb=PipelineConfig().bucket_mb), optim=name, correction=corr, label=label)
+            for label, (name, corr) in OPTIMIZERS.items()
+            for s in ("2bw", "flush")
+            if not (t > 1 and corr == "predict")  # refused at t > 1 (config/validate.py)
+        ]  # fmt: skip
+        for j, ranks in zip(jobs, launch(jobs, nproc=d * w * t, memory=True)):
+            planned = planner_ranks(j, ranks[0]["balance"])
+            stage_of = {r["rank"]: r["stage"] for r in ranks[0]["ranks"]}
+            for r in ranks:
+                p = planned[stage_of[r["rank"]]]
+                rows.append(dict(layout=layout, label=j["label"], schedule=j["schedule"], rank=r["rank"],
+                                 stage=stage_of[r["rank"]], peak=r["peak_bytes"], **p))  # fmt: skip
+        print(f"  {layout}: {len(jobs)} runs done", flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"rows": rows}, indent=1) + "\n")
+    print("| d x w x t | optimizer | schedule | rank | stage | measured peak B | predicted peak B "
+          "| predicted / measured | steady B | at the step B | step's transients B |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(
+            f"| {r['layout']} | {r['label']} | {r['schedule']} | {r['rank']} | {r['stage']} | {r['peak']:,} "
+            f"| {r['memory']:,.0f} | {r['memory'] / r['peak']:.3f} | {r['steady_memory']:,.0f} "
+            f"| {r['step_memory']:,.0f} | {r['step']:,.0f} |"
+        )
+    print(f"\n(GPT {OPTIM_MODEL}: fp32, {args.steps} steps; {', '.join(f'{k}: {v}' for k, v in OPTIMIZERS.items())})")
 
 
 def time_table(args) -> None:
@@ -489,6 +550,12 @@ def main() -> None:
         default=list(TENSOR_LAYOUTS),
         help="--tensor: d x w x t layouts (d * w * t ranks each)",
     )
+    parser.add_argument(
+        "--optimizers",
+        action="store_true",
+        help="each rank's peak against the planner's per optimizer (the step's transients), at --optim-layouts",
+    )
+    parser.add_argument("--optim-layouts", nargs="+", default=list(OPTIM_LAYOUTS), help="--optimizers: d x w x t")
     parser.add_argument("--json", default=None, help="memory and tensor tables: also write its rows to this file")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--memory", action="store_true", help=argparse.SUPPRESS)
@@ -505,7 +572,8 @@ def main() -> None:
     print(
         f"torch {torch.__version__}, {'CUDA ' + torch.cuda.get_device_name() if torch.cuda.is_available() else 'CPU'}"
     )
-    (time_table if args.time else tensor_table if args.tensor else memory_table)(args)
+    table = time_table if args.time else tensor_table if args.tensor else optim_table if args.optimizers else None
+    (table or memory_table)(args)
 
 
 if __name__ == "__main__":

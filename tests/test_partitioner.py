@@ -312,8 +312,10 @@ def test_no_plan_names_what_the_search_left_out_that_would_fit():
     cfg = GPTConfig(num_layers=2, d_model=128, num_heads=4, seq_len=16, vocab_size=256)
     costs = lambda b: analytic_gpt(cfg, OptimConfig(name="adamw"), b, DGX)  # noqa: E731
     two = dataclasses.replace(DGX, devices_per_node=2)
+    # 11.2 MiB: 10.6 before the step's transients were counted (AdamW's multi-tensor temporary on a GPU, 4 B a
+    # parameter it steps at once: a 25 MB bucket's, halved by the sharding)
     req = Request(
-        global_batch_size=4, topology=two, devices=2, memory_per_device_bytes=10.6 * 2**20, runtime_bytes=0, depths=[1]
+        global_batch_size=4, topology=two, devices=2, memory_per_device_bytes=11.2 * 2**20, runtime_bytes=0, depths=[1]
     )
     with pytest.raises(ConfigError) as err:
         plan(costs, req)
@@ -686,3 +688,13 @@ def test_tensor_request_pins_or_searches_as_the_runtime_allows():
     assert tensor_request(without, "fp32")["tensor"] is None and tensor_request(without, "fp32", search=True)["tensor"]
     custom = types.SimpleNamespace(model=object(), optim=adamw, pipeline=types.SimpleNamespace(tensor_parallel=1))
     assert tensor_request(custom, "fp32")["tensor"] is None  # a layer list the split does not know: t = 1
+    # the runtime refuses the weight prediction (under 2bw) and synchronous warm-up steps at t > 1 (config/validate.py):
+    # the search keeps t = 1, so that the plan's printed run line is one the runtime runs (issue 44)
+    predict = OptimConfig(name="muon", delay_correction="predict")
+    for optim, pipe in ((predict, dict(schedule="2bw")), (adamw, dict(schedule="2bw", sync_warmup_steps=2))):
+        cfg = types.SimpleNamespace(model=gpt, optim=optim, pipeline=types.SimpleNamespace(tensor_parallel=1, **pipe))
+        assert tensor_request(cfg, "fp32", search=True)["tensor"] is None
+    flush = types.SimpleNamespace(
+        model=gpt, optim=predict, pipeline=types.SimpleNamespace(tensor_parallel=1, schedule="flush")
+    )
+    assert tensor_request(flush, "fp32", search=True)["tensor"]  # no correction under flush: t searched
