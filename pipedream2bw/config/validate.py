@@ -389,6 +389,8 @@ def v_schedule_refusal(cfg: Config) -> Optional[str]:
     the fix, or None: zbv is proven against the flush reference with AdamW in fp32 on gloo, at w >= 1, under
     partition=manual|auto|file (a plan's balance lists its 2d chunks). The planner asks too (schedule=auto skips zbv
     where this says no)."""
+    if cfg.pipeline.schedule != "zbv":
+        return None
     import torch
 
     why = "pipeline.schedule=zbv (two chunks a rank) is proven in fp32 on gloo without"
