@@ -25,6 +25,7 @@ from partitioner.profile import (
 )
 from partitioner.tensor import TensorShape
 from partitioner.topology import GIB, num_devices
+from partitioner.vplan import plan_v
 from pipedream2bw.config import (
     SCHEDULES,
     Config,
@@ -35,6 +36,7 @@ from pipedream2bw.config import (
     TopologyConfig,
     TrainConfig,
     model_num_layers,
+    v_schedule_refusal,
 )
 from pipedream2bw.config.optimizers import correction_in_effect, is_muon
 from pipedream2bw.errors import ConfigError
@@ -157,11 +159,8 @@ def make_request(
     p = cfg.pipeline
     if p.schedule not in SCHEDULES:
         raise ConfigError(f"pipeline.schedule ({p.schedule!r}) is unknown; use one of {list(SCHEDULES)}")
-    if p.schedule in V_SCHEDULES:
-        raise ConfigError(
-            f"pipeline.schedule ({p.schedule}) runs 2d chunks, two a rank, and the planner cuts d contiguous stages; "
-            "set pipeline.balance (2d layer counts) with partition=manual, or plan zb1p"
-        )
+    if p.schedule in V_SCHEDULES and (refused := v_schedule_refusal(cfg)):
+        raise ConfigError(refused)
     B = cfg.train.global_batch_size or p.data_parallel * p.num_microbatches * p.microbatch_size
     if runtime_bytes is None:
         runtime_bytes = (
@@ -249,6 +248,8 @@ def plan_config(cfg: Config, *, runners_up: int = 4, layers=None, loss_fn=None, 
     # error feedback's state exists only under 2bw: a flush or gpipe plan does not pay its 4 B a parameter
     optim = dataclasses.replace(cfg.optim, delay_correction=correction_in_effect(cfg.optim, cfg.pipeline.schedule))
     costs = _cost_fns(cfg, req, layers=layers, loss_fn=loss_fn)
+    if req.schedule in V_SCHEDULES:  # 2d chunks, two a rank (partitioner/vplan.py)
+        return plan_v(costs(optim), req, runners_up=runners_up)
     if host_optimizer(optim) == optim or not _streams(req, 1):
         return plan(costs(optim), req, runners_up=runners_up)
     # Muon: resident plans step it on the devices, streaming ones (every stage on the host) step its muon_others

@@ -139,6 +139,13 @@ def table(plans: Sequence[Plan]) -> str:
     return "\n".join(lines)
 
 
+def _stage_layers(plan: Plan, s: int) -> str:
+    """Stage s's layers, ``first-last``; under zbv (a balance of 2d chunks) its two chunks', s and 2d-1-s."""
+    bounds = [sum(plan.balance[:v]) for v in range(len(plan.balance) + 1)]
+    held = (s, len(plan.balance) - 1 - s) if len(plan.balance) == 2 * plan.num_stages else (s,)
+    return ",".join(f"{bounds[v]}-{bounds[v + 1] - 1}" for v in held)
+
+
 def stage_table(plan: Plan) -> str:
     """Per-stage predictions of one plan: layers, time per microbatch, memory and its parts (GiB, whole names);
     for a plan that streams weights, also whether each stage streams, its stall per microbatch (ms), its host
@@ -153,7 +160,7 @@ def stage_table(plan: Plan) -> str:
         + " ".join(f"{p:>{w}}" for p, w in zip(MEMORY_PARTS, widths))
     ]
     for s in range(plan.num_stages):
-        start = plan.boundaries[s]
+        layers = _stage_layers(plan, s)
         parts = plan.predicted_memory_breakdown[s] if plan.predicted_memory_breakdown else {}
         stall = plan.predicted_stall_s[s] if plan.predicted_stall_s else 0.0
         step = plan.predicted_host_step_s[s] if plan.predicted_host_step_s else 0.0
@@ -162,7 +169,7 @@ def stage_table(plan: Plan) -> str:
         streamed = f"{'yes' if s in plan.stream_stages else 'no':>6} {stall * 1e3:>9.3f} {step:>8.3f} {sums:>8.3f} "
         streamed += f"{bound:>7} "
         lines.append(
-            f"{s:>5} {f'{start}-{start + plan.balance[s] - 1}':>9} {plan.predicted_stage_time_s[s] * 1e3:>9.3f} "
+            f"{s:>5} {layers:>9} {plan.predicted_stage_time_s[s] * 1e3:>9.3f} "
             + (streamed if streams else "")
             + f"{plan.predicted_peak_memory_bytes[s] / GIB:>9.3f}  "
             + " ".join(f"{parts.get(p, 0) / GIB:>{w}.3f}" for p, w in zip(MEMORY_PARTS, widths))

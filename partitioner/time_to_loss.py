@@ -1,11 +1,11 @@
 """``pipeline.schedule=auto``: the schedule that reaches a loss first, as steps x step time.
 
 The planner predicts a plan's step time (``cost.py``); what a schedule does to the number of steps it takes is
-measured, not modelled: a synchronous schedule (flush, zb1p, gpipe) steps on fresh gradients, the reference; 2bw's one
-step of delay costs extra steps that depend on the optimizer and its correction (docs/convergence.md, "Time to a
-loss": the steps each setting took to flush-AdamW's final validation loss, mean of 3 seeds). ``STEPS_FACTOR`` holds
-those ratios; a setting not measured takes its optimizer's uncorrected figure, and an optimizer with no measured
-figure under 2bw is not trusted to reach the loss (2bw is not chosen for it).
+measured, not modelled: a synchronous schedule (flush, zb1p, zbv, gpipe) steps on fresh gradients, the reference;
+2bw's one step of delay costs extra steps that depend on the optimizer and its correction (docs/convergence.md,
+"Time to a loss": the steps each setting took to flush-AdamW's final validation loss, mean of 3 seeds).
+``STEPS_FACTOR`` holds those ratios; a setting not measured takes its optimizer's uncorrected figure, and an
+optimizer with no measured figure under 2bw is not trusted to reach the loss (2bw is not chosen for it).
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ from pipedream2bw.config import OptimConfig
 from pipedream2bw.config.optimizers import correction_in_effect, is_muon
 
 AUTO = "auto"
-CANDIDATES: Tuple[str, ...] = ("2bw", "flush", "zb1p")
+CANDIDATES: Tuple[str, ...] = ("2bw", "flush", "zb1p", "zbv")
 """What schedule=auto chooses between: gpipe does flush's work with all m microbatches in flight (never faster). zbv
-is not one yet: its cost model knows its ticks (``cost.batch_multiplier``), but a plan cuts the model into d contiguous
-stages, not zbv's 2d chunks, and the runtime refuses zbv under partition=auto (config/validate.py)."""
+(2d chunks, two a rank: partitioner/vplan.py) is tried where the run could run it (``config.v_schedule_refusal``: fp32
+on gloo, none of what it is not proven with) and skipped elsewhere."""
 
 STEPS_FACTOR: Dict[Tuple[str, str], float] = {
     # docs/convergence.md, "Time to a loss" (GPT 4 x 64, m=4, b=8, lr 3e-3, 3 seeds), steps to 2.233: flush with

@@ -293,6 +293,7 @@ def worker_ours(args, schedule: str, device, *, optimizer: str, correction: str,
             step_time_s=summary["step_time_s"],
             peak_rss_per_stage=summary["peak_memory_bytes"],
             breakdown_per_rank=summary["trace"]["breakdown_per_rank"],
+            cpu_s_per_step=[r["cpu_s_per_step"] for r in summary["ranks"]],
         )
     return out
 
@@ -334,7 +335,7 @@ def worker_torch(args, schedule: str, device, *, optimizer: str) -> dict:
         params = [p for mod in modules for p in mod.parameters()]
         opt = build_optimizer(params, cfg.optim)
         feed = _feed(cfg, num_microbatches=m)
-        ends = [time.perf_counter()]
+        ends, cpu = [time.perf_counter()], [time.process_time()]
         for t in range(cfg.train.num_steps):
             x, y = (torch.cat(parts).to(device) for parts in zip(*(feed.microbatch(t * m + j) for j in range(m))))
             first, last = 0 in held, num_stages - 1 in held
@@ -343,6 +344,7 @@ def worker_torch(args, schedule: str, device, *, optimizer: str) -> dict:
             opt.zero_grad(set_to_none=True)
             _sync(device)
             ends.append(time.perf_counter())
+            cpu.append(time.process_time())
     peak_rss = _peak_rss()
     dist.destroy_process_group()
     if args.memory_pass:
@@ -355,6 +357,7 @@ def worker_torch(args, schedule: str, device, *, optimizer: str) -> dict:
         "rank": rank,
         "peak_rss": peak_rss,
         "compute_s": sum(_stage_compute_s(cfg, s, num_stages, device) for s in held),
+        "cpu_s": (cpu[-1] - cpu[args.warmup]) / (len(cpu) - 1 - args.warmup),  # as ours' summary counts it
         **_timing(ends, warmup=args.warmup, samples_per_step=m * b),
     }
 
@@ -461,13 +464,23 @@ def launch(system: str, args, argv_model, *, memory_pass: bool = False) -> dict:
         "peak_rss": peaks,
         "idle_fraction": statistics.mean(idle),
         **({"breakdown_per_rank": r0["breakdown_per_rank"]} if "breakdown_per_rank" in r0 else {}),
+        "cpu_s_per_step": r0["cpu_s_per_step"] if "cpu_s_per_step" in r0 else [r.get("cpu_s") for r in ranks],
     }
 
 
 def print_breakdowns(rows: dict) -> None:
-    """Our systems' per-rank wall time per step by what it went to (timeline.BREAKDOWN), medians over repeats."""
+    """Each system's process CPU seconds per step per rank, and our systems' per-rank wall time per step by what it
+    went to (timeline.BREAKDOWN), medians over repeats."""
     from pipedream2bw.io.timeline import BREAKDOWN
 
+    timed = [s for s, row in rows.items() if None not in row["runs"][0].get("cpu_s_per_step", [None])]
+    if timed:  # the work of a step, which a loaded machine inflates less than its wall time
+        print("\nprocess CPU seconds per step (all threads), per rank, median of repeats:")
+    for system in timed:
+        runs = rows[system]["runs"]
+        cpu = [statistics.median(r["cpu_s_per_step"][k] for r in runs) for k in range(len(runs[0]["cpu_s_per_step"]))]
+        rows[system]["cpu_s_per_step"] = cpu
+        print(f"{system:>21}  " + " ".join(f"{c:.3f}" for c in cpu))
     ours = [s for s, row in rows.items() if "breakdown_per_rank" in row["runs"][0]]
     if not ours:
         return

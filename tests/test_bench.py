@@ -188,3 +188,12 @@ def test_benchmarks_print_their_defaults_in_help():
         text = " ".join(proc.stdout.split())  # argparse wraps the lines
         assert proc.returncode == 0 and shown in text, (name, proc.stdout)
         assert text.count("default:") == len(re.findall(r"\(default: [^)]*\)", text)), proc.stdout
+
+
+def test_cpu_per_step_counts_the_steps_after_the_warmup_as_throughput_times_them():
+    from pipedream2bw.run.results import cpu_per_step
+
+    # CPU 1 s at the start, steps ending at 3, 4 and 7 s; warm-up 1 leaves steps 2 and 3: (7 - 3) / 2
+    assert cpu_per_step(1.0, [3.0, 4.0, 7.0], warmup_steps=1) == 2.0
+    assert cpu_per_step(1.0, [3.0, 4.0, 7.0], warmup_steps=0) == 2.0
+    assert cpu_per_step(1.0, [3.0], warmup_steps=1) is None  # no step after the warm-up

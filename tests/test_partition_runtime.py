@@ -68,9 +68,12 @@ def test_auto_plans_on_rank0_and_every_rank_runs_it(tmp_path):
     assert math.isinf(plan.schedule_choice["2bw"])
     assert summary["predicted_samples_per_s"] == plan.predicted_samples_per_s > 0
     assert summary["predicted_peak_memory_bytes"] == plan.predicted_peak_memory_bytes
-    # partition=file runs the saved plan (here edited by hand: another split, recomputation on).
+    print(f"schedule=auto chose {plan.schedule}: {plan.schedule_choice}")
+    # partition=file runs the saved plan (here edited by hand: another split, recomputation on, flush: the planner's
+    # choice may be zbv, which runs without recomputation)
     edited = dataclasses.replace(
         plan,
+        schedule="flush",
         num_stages=2,
         data_parallel=1,
         balance=[2, 4],
@@ -97,3 +100,27 @@ def test_infeasible_auto_plan_fails_on_every_rank_before_any_group(tmp_path):
         assert r.exitcode != 0
         assert "ConfigError: no plan fits" in r.log and "GiB per device" in r.log, r.log
         assert "process group" not in r.log.lower() and "gloo" not in r.log.lower(), r.log
+
+
+@pytest.mark.slow
+def test_a_zbv_plan_runs_from_its_file_as_minibatch_training(tmp_path):
+    # issue 46: the planner's zbv plan (balance: 2d chunks, rank r holding r and 2d-1-r) under partition=file, which
+    # the runtime refused before; exact against minibatch training, as zbv under partition=manual is
+    from partitioner.__main__ import compose
+    from partitioner.auto import plan_config
+
+    shape = ["model.num_layers=3", "model.d_model=32", "model.num_heads=2", "model.seq_len=16"]
+    batch = ["pipeline.microbatch_size=2", "train.global_batch_size=8", "partition.depths=[2]"]
+    overrides = ["model=gpt", "topology=cpu", "partition.costs=analytic", "pipeline.schedule=zbv", *shape, *batch]
+    plan = plan_config(compose(overrides))[0]
+    assert (plan.schedule, plan.num_stages, len(plan.balance), sum(plan.balance)) == ("zbv", 2, 4, 6)
+    save_plan(plan, tmp_path / "plan.yaml")
+    cfg = dataclasses.replace(tiny(), partition=PartitionConfig(mode="file", path=str(tmp_path / "plan.yaml")))
+    summary = run_ok(cfg, tmp_path / "run")
+    assert (summary["schedule"], summary["balance"]) == ("zbv", plan.balance)
+    reference = dataclasses.replace(cfg, pipeline=dataclasses.replace(cfg.pipeline, num_stages=1, schedule="flush"))
+    reference.pipeline.num_microbatches = plan.num_microbatches
+    reference.pipeline.microbatch_size = plan.microbatch_size
+    expected, losses = reference_train(reference, delayed=False)
+    torch.testing.assert_close(torch.load(tmp_path / "run" / "final_model.pt"), expected)
+    torch.testing.assert_close(torch.tensor(summary["losses"]), torch.tensor(losses))

@@ -53,10 +53,11 @@ def test_zb1p_plan_never_streams_and_names_flush_where_only_streaming_fits():
     assert not {"activation swapping", "weight streaming", "recomputation"} & set(offered), offered
 
 
-def test_the_planner_refuses_zbv_in_one_line():
-    # Its plans cut d contiguous stages; zbv runs 2d chunks, two a rank (the runtime refuses partition=auto with it).
-    with pytest.raises(ConfigError, match=r"^pipeline.schedule \(zbv\) runs 2d chunks, two a rank, and the planner"):
-        make_request(llama13b(pipeline=dict(schedule="zbv")))
+def test_the_planner_refuses_zbv_on_a_cuda_topology_in_one_line():
+    # zbv plans exist (partitioner/vplan.py, issue 46), but zbv runs on gloo only: a CUDA topology's run is NCCL's
+    with pytest.raises(ConfigError, match=r"^pipeline.schedule=zbv runs on gloo only and topology '\w+'") as e:
+        plan_config(llama13b(pipeline=dict(schedule="zbv")))
+    assert "\n" not in str(e.value) and "plan zb1p, or a CPU topology" in str(e.value)
 
 
 def test_llama13b_on_four_24gib_gpus_fits_only_by_streaming_and_runs_as_planned():

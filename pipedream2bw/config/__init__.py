@@ -45,6 +45,7 @@ from pipedream2bw.config.validate import (
     SAVE_FINAL,
     require_file,
     signal_numbers,
+    v_schedule_refusal,
     validate,
     validate_steps,
 )
@@ -64,6 +65,7 @@ def __getattr__(name: str):
 
 __all__ = [
     "ConfigError",
+    "v_schedule_refusal",
     "SCHEDULES",
     "WANDB_MODES",
     "BACKENDS",

@@ -378,10 +378,19 @@ def validate(
 
 
 def _validate_v_schedule(cfg: Config) -> None:
-    """pipeline.schedule=zbv: two chunks a rank (run/chunks.py), proven against the flush reference with AdamW in
-    fp32 on gloo, at w >= 1; what it is not proven with is refused in one line naming the key."""
+    """pipeline.schedule=zbv: what it is not proven with is refused in one line naming the key."""
+    refused = v_schedule_refusal(cfg)
+    if refused:
+        raise ConfigError(refused)
+
+
+def v_schedule_refusal(cfg: Config) -> Optional[str]:
+    """Why ``cfg`` cannot run pipeline.schedule=zbv (two chunks a rank, run/chunks.py), in one line naming the key and
+    the fix, or None: zbv is proven against the flush reference with AdamW in fp32 on gloo, at w >= 1, under
+    partition=manual|auto|file (a plan's balance lists its 2d chunks). The planner asks too (schedule=auto skips zbv
+    where this says no)."""
     if cfg.pipeline.schedule != "zbv":
-        return
+        return None
     import torch
 
     why = "pipeline.schedule=zbv (two chunks a rank) is proven in fp32 on gloo without"
@@ -391,17 +400,17 @@ def _validate_v_schedule(cfg: Config) -> None:
         (cfg.train.precision not in ("fp32", "auto"), f"train.precision={cfg.train.precision}", "fp32"),
         (getattr(cfg.model, "tie_embeddings", False), "model.tie_embeddings", "it false"),
         (bool(cfg.train.eval_every), "train.eval_every (validation passes)", "it 0"),
-        (cfg.partition.mode != "manual", f"partition={cfg.partition.mode}", "partition=manual with pipeline.*"),
         (bool(cfg.optim.sharded), "optim.sharded", "it false"),
         (bool(swap_stages(cfg.swap, cfg.pipeline.num_stages)), "swap.enabled/swap.stages", "neither"),
         (cfg.swap.weights or cfg.swap.optimizer != "device", "swap.weights/swap.optimizer", "their defaults"),
-        (cfg.pipeline.recompute, "pipeline.recompute", "it false"),
+        (bool(cfg.pipeline.recompute), "pipeline.recompute", "it false"),
         (cfg.pipeline.tensor_parallel > 1, "pipeline.tensor_parallel > 1", "it 1"),
         (cfg.data.packing != "windows", "data.packing=documents", "data.packing=windows"),
     ]
     for bad, what, fix in refused:
         if bad:
-            raise ConfigError(f"{why} {what}; set {fix}, or use pipeline.schedule=zb1p")
+            return f"{why} {what}; set {fix}, or use pipeline.schedule=zb1p"
+    return None
 
 
 def _tensor_parallel_refusal(cfg: Config, *, gpt: bool) -> Optional[str]:

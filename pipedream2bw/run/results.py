@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import statistics
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Dict, List, Sequence
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence
 
 from pipedream2bw.io.fileio import atomic_write_json
 
@@ -22,6 +22,13 @@ def throughput(
         "samples_per_s": len(steps) * samples_per_step / (times[-1] - times[0]),
         "step_time_s": statistics.median(steps),
     }
+
+
+def cpu_per_step(start_cpu: float, step_end_cpu: Sequence[float], *, warmup_steps: int) -> Optional[float]:
+    """Process CPU seconds (all of a rank's threads) per step after ``warmup_steps``, as ``throughput`` times them:
+    the rank's work, which other processes on its cores inflate less than its wall time (None: no such step)."""
+    cpu = [start_cpu, *step_end_cpu][warmup_steps:]
+    return (cpu[-1] - cpu[0]) / (len(cpu) - 1) if len(cpu) > 1 else None
 
 
 def summarize(
@@ -59,6 +66,7 @@ def summarize(
                 "host_step_s": s.host_step_s,
                 "host_step_wait_s": s.host_step_wait_s,
                 "p2p_wait_s": s.p2p_wait_s,
+                "cpu_s_per_step": cpu_per_step(s.start_cpu, s.step_end_cpu, warmup_steps=warmup_steps),
                 "peak_pending_sends": s.peak_pending_sends,
                 "checkpoint_s": s.checkpoint_s,
                 "eval_s": s.eval_s,

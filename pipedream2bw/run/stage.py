@@ -77,6 +77,8 @@ class StageStats:
     allreduce_exposed_s: float = 0.0  # time the optimizer step waited on them: not hidden behind backward
     start_time: float = 0.0
     step_end_times: List[float] = field(default_factory=list)
+    start_cpu: float = 0.0  # process CPU seconds (all threads) at start_time and at each step end: work, not waits
+    step_end_cpu: List[float] = field(default_factory=list)
     losses: List[float] = field(default_factory=list)  # batch mean loss; filled on rank 0
     lrs: List[float] = field(default_factory=list)  # learning rate of each step; filled on rank 0
     # agreed global gradient norm (None: not agreed); rank 0
@@ -563,6 +565,7 @@ class StageWorker:
             if trace is not None:
                 trace.add("loss", t, start, time.perf_counter())
         self.stats.step_end_times.append(time.perf_counter())
+        self.stats.step_end_cpu.append(time.process_time())
         if self.trace is not None:
             self.trace.step_done(t, self.stats.step_end_times[-1])
 
@@ -670,7 +673,7 @@ class StageWorker:
             Exception: whatever an action raised, unchanged, after logging this rank's steps with
                 the failing action marked ``>like this<`` (``schedule.render_steps``).
         """
-        self.stats.start_time = time.perf_counter()
+        self.stats.start_time, self.stats.start_cpu = time.perf_counter(), time.process_time()
         batches = [a.index for a in actions if a.kind == STEP]
         self._last_batch = max(batches, default=-1)
         if self.peers.loss_sources and batches:
