@@ -213,6 +213,7 @@ def host_figures(cfg: Config) -> HostFigures:
     return HostFigures(
         step_bw=host.step_bytes_per_s,
         copy_bw=host.copy_bytes_per_s,
+        reduce_bw=host.reduce_bytes_per_s,
         step=cfg.swap.host_step,
         text=host.describe(),
         cores=host.cores,
