@@ -322,6 +322,7 @@ def _cost_fns(cfg: Config, req: Request, *, layers, loss_fn):
                 seed=cfg.seed,
                 precision=req.precision,
                 documents=documents,
+                weight_dtype=req.weight_dtype,
             )
         )
 

@@ -538,3 +538,27 @@ def test_the_planner_s_data_parallel_streamed_plan_trains_as_the_unstreamed_run_
     for r in streamed["ranks"]:  # both replicas streamed, each layer's sums all-reduced every step
         assert r["stream"]["loads"] > 0 and r["allreduce_calls"] == 3 * r["stream"]["layers"], r
     assert all(r["stream"] is None for r in resident["ranks"])
+
+
+def test_a_measured_profile_of_compute_dtype_weights_saves_no_autocast_casts_of_them():
+    # issue 42: the measured layer profile ran float32 weights under autocast whatever train.weight_dtype said, so it
+    # counted (and timed) the bf16 copies of the matmul weights that autocast saves for backward; with the weights
+    # stored in bf16 (train.weight_dtype=compute) there are none. The parameters' and the optimizer's bytes stay
+    # float32's (the runtime steps float32 masters).
+    from partitioner.profile import profile_layer
+    from pipedream2bw.config import GPTConfig, OptimConfig
+    from pipedream2bw.models import build_gpt_layers
+
+    cfg, optim = GPTConfig(num_layers=1, d_model=64, num_heads=2, seq_len=16), OptimConfig(name="adamw")
+    cpu = torch.device("cpu")
+
+    def profile(weight_dtype):
+        block = build_gpt_layers(cfg, seed=0, indices=[1])[0]
+        return profile_layer(block, cfg, optim, "block", 2, device=cpu, precision="bf16", weight_dtype=weight_dtype)
+
+    fp32, compute = profile("fp32"), profile("compute")
+    block = build_gpt_layers(cfg, seed=0, indices=[1])[0]
+    matmul = sum(p.numel() for n, p in block.named_parameters() if p.dim() == 2)  # qkv, proj, fc, fc_proj
+    assert compute.saved_bytes <= fp32.saved_bytes - 2 * matmul, (fp32.saved_bytes, compute.saved_bytes, matmul)
+    assert compute.param_bytes == fp32.param_bytes == 4 * sum(p.numel() for p in block.parameters())
+    assert compute.optimizer_bytes == fp32.optimizer_bytes > 0
