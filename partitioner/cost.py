@@ -60,6 +60,13 @@ versions and gradients, with its optimizer state and float32 masters on the host
 out and new weights in (``(1 + c) W / host_device_bw``) charged to the step; with compute-dtype versions its step
 stays on the training thread (``sharding.ShardedVersions``).
 
+A streamed stage's replicas (w > 1, ``_stream_reduce_s``) all-reduce its float32 host gradient sums over gloo, a
+bucket per layer started as the batch's last backward leaves the layer, the buckets in order on the group, all waited
+for at the step (right after that backward): per layer ``2 (w-1)/w`` of its bytes at the slower of the replicas' link
+and the host's measured gloo figure (``host_reduce_bw``) plus ``2 (w-1)`` latencies; exposed, what outlasts the
+backward (on a CPU, all of it). Each layer's sums are flattened first: one host copy more (the sums) and the stage's
+float32 gradient bytes more in host memory; no bucket on the device.
+
 The host (``_host_work``, ``_batch_s``; figures from ``partitioner.host``, measured once and cached): a stage whose
 optimizer steps there runs no step on the device; the host's step reads the gradient and reads and writes the weights
 and the optimizer state (AdamW: 28 B a parameter) at the host's measured step bandwidth, and a streamed stage's host
