@@ -562,3 +562,25 @@ def test_a_measured_profile_of_compute_dtype_weights_saves_no_autocast_casts_of_
     assert compute.saved_bytes <= fp32.saved_bytes - 2 * matmul, (fp32.saved_bytes, compute.saved_bytes, matmul)
     assert compute.param_bytes == fp32.param_bytes == 4 * sum(p.numel() for p in block.parameters())
     assert compute.optimizer_bytes == fp32.optimizer_bytes > 0
+
+
+@pytest.mark.slow
+@pytest.mark.long  # two spawned gloo ranks, twice (about 30 s on the loaded 2-core machine)
+def test_bench_stream_data_parallel_runs_the_replicas_bit_for_bit(tmp_path):
+    # scripts/bench_stream.py --data-parallel 2: each replica on microbatches of its own, the streamed run's host sums
+    # all-reduced a layer at a time as the trainer does; it exits non-zero unless streamed == plain, bit for bit
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "dp2.json"
+    cmd = [sys.executable, str(root / "scripts" / "bench_stream.py"), "--device", "cpu", "--data-parallel", "2"]
+    cmd += ["--layers", "2", "--d-model", "32", "--num-heads", "2", "--batches", "3", "--json", str(out)]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads(out.read_text())
+    assert report["bit_for_bit"] and report["data_parallel"] == 2 and report["bytes_to_host"] > 0
