@@ -61,11 +61,11 @@ out and new weights in (``(1 + c) W / host_device_bw``) charged to the step; wit
 stays on the training thread (``sharding.ShardedVersions``).
 
 A streamed stage's replicas (w > 1, ``_stream_reduce_s``) all-reduce its float32 host gradient sums over gloo, a
-bucket per layer started as the batch's last backward leaves the layer, the buckets in order on the group, all waited
-for at the step (right after that backward): per layer ``2 (w-1)/w`` of its bytes at the slower of the replicas' link
-and the host's measured gloo figure (``host_reduce_bw``) plus ``2 (w-1)`` latencies; exposed, what outlasts the
-backward (on a CPU, all of it). Each layer's sums are flattened first: one host copy more (the sums) and the stage's
-float32 gradient bytes more in host memory; no bucket on the device.
+bucket per layer started once the batch's last backward has also left the layer below it (a layer late), the buckets
+in order on the group, all waited for at the step (right after that backward): per layer ``2 (w-1)/w`` of its bytes
+at the slower of the replicas' link and the host's measured gloo figure (``host_reduce_bw``) plus ``2 (w-1)``
+latencies; exposed, what outlasts the backward (on a CPU, all of it). Each layer's sums are flattened first: one host
+copy more (the sums) and the stage's float32 gradient bytes more in host memory; no bucket on the device.
 
 The host (``_host_work``, ``_batch_s``; figures from ``partitioner.host``, measured once and cached): a stage whose
 optimizer steps there runs no step on the device; the host's step reads the gradient and reads and writes the weights
@@ -197,18 +197,20 @@ class Segments:
     def reduce_exposed(self, one_way: float, latency: float, *, recompute: bool):
         """(PA, EXP): a streamed stage's host all-reduce (``_stream_reduce_s``), one bucket per layer of ``one_way``
         seconds a byte plus ``latency``: ``PA`` its prefix sums; ``EXP[i, j]``: what of layers i..j-1's all-reduce
-        outlasts the batch's last backward, bucket q starting as that backward leaves layer q (last layer first),
-        the buckets one after another on the group: ``max_(i<=q<j) (sum_(i..q) a - sum_(i..q-1) B)``."""
+        outlasts the batch's last backward. Bucket q starts once that backward has left layer q - 1 (the stream reports
+        a layer's added gradients when it hands over the next layer's: a layer late), bucket i at its end; the buckets
+        one after another on the group: ``max_(i<=q<j) (sum_(i..q) a - sum_(i..max(i, q-1)-1) B)``."""
         key = ("reduce", one_way, latency, recompute)
         if key not in self._stream:
             nbytes = np.asarray([c.param_bytes for c in self.layers], dtype=np.float64)
             a = np.where(nbytes > 0, nbytes * one_way + latency, 0.0)
             b = np.asarray([c.backward_s + (c.forward_s if recompute else 0.0) for c in self.layers])
             pa, pb = np.concatenate([[0.0], np.cumsum(a)]), np.concatenate([[0.0], np.cumsum(b)])
-            v = pa[1:] - pb[:-1]  # v[q]: bucket q's end if the chain never waited, from the backward's start
             exp = np.zeros((self.n + 1, self.n + 1))
             for i in range(self.n):
-                exp[i, i + 1 :] = np.maximum.accumulate(v[i:]) - pa[i] + pb[i]
+                # bucket q's end if the chain never waited, from the backward's start: PA[q+1] - PB[max(i, q-1)]
+                v = pa[i + 1 : self.n + 1] - pb[np.maximum(i, np.arange(i, self.n) - 1)]
+                exp[i, i + 1 :] = np.maximum.accumulate(v) - pa[i] + pb[i]
             self._stream[key] = (pa, exp)
         return self._stream[key]
 
@@ -310,7 +312,8 @@ def _stream_reduce_s(seg: Segments, i, j, ctx: StageContext):
 
     As the runtime does it (run/build.py, comm.GradReducer fed by ``WeightStream.on_grad``): each layer is a bucket of
     its float32 host gradient sums (whatever the versions' dtype), all-reduced over a gloo group of the stage's
-    replicas, started once the batch's last microbatch has added that layer's gradients, the buckets in order on the
+    replicas, started once the batch's last microbatch has added that layer's gradients (reported when the stream
+    hands over the next layer's: a layer late; the first layer's at the backward's end), the buckets in order on the
     group; the training thread waits for all of them at the step (CLOSE or APPLY(t), right after that backward, before
     the host step is handed over), so they overlap only the last microbatch's backward and are not hidden behind the
     host step or the next batch. Ring all-reduce: ``2 (w-1)/w`` of a bucket's bytes each way and ``2 (w-1)`` latencies,

@@ -426,13 +426,18 @@ def test_where_only_the_optimizer_state_must_leave_the_plan_keeps_it_on_the_host
 
 
 def _reduce_chain(a, b):
-    """Event by event, what the runtime does (comm.GradReducer fed by WeightStream.on_grad): bucket q (layer q's
-    ``a[q]`` s all-reduce) starts when the last microbatch's backward leaves layer q (layers last first, ``b[q]`` s
-    each), after the bucket before it on the group; returns how long the chain outlasts that backward."""
-    clock, end = 0.0, 0.0
+    """Event by event, what the runtime does (comm.GradReducer fed by WeightStream.on_grad, whose ``_sink`` of layer
+    q reports layer q+1's added gradients): bucket q (layer q's ``a[q]`` s all-reduce) starts when the last
+    microbatch's backward (layers last first, ``b[q]`` s each) has left layer q-1, bucket 0 when it ends, each after
+    the bucket before it on the group; returns how long the chain outlasts that backward."""
+    clock, ready = 0.0, {}
     for q in reversed(range(len(a))):
         clock += b[q]
-        end = max(end, clock) + a[q]
+        if q + 1 < len(a):
+            ready[q + 1] = clock
+    ready[0], end = clock, 0.0
+    for q in reversed(range(len(a))):
+        end = max(end, ready[q]) + a[q]
     return max(0.0, end - clock)
 
 
