@@ -320,7 +320,8 @@ def _stream_reduce_s(seg: Segments, i, j, ctx: StageContext):
     at the slower of the replicas' link and the host's gloo figure. On a CPU the host is the device: it all adds.
     """
     w = ctx.data_parallel
-    bw, lat = min(ctx.replica_link.bandwidth, ctx.host_reduce_bw), ctx.replica_link.latency
+    # the host's part (gloo's copies and sums) slower where a node's ranks outnumber its cores, as its other work
+    bw, lat = min(ctx.replica_link.bandwidth, ctx.host_reduce_bw / ctx.host_share), ctx.replica_link.latency
     if bw == math.inf:
         z = np.zeros(np.broadcast(np.asarray(i), np.asarray(j)).shape)
         return z, z

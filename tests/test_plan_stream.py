@@ -441,7 +441,7 @@ def _reduce_chain(a, b):
     return max(0.0, end - clock)
 
 
-def _dp_stage(layers, *, w, replica_bw=1e9, host_reduce_bw=math.inf, host_is_device=False, i=0, j=None):
+def _dp_stage(layers, *, w, replica_bw=1e9, host_reduce_bw=math.inf, host_is_device=False, i=0, j=None, share=1.0):
     ctx = StageContext(
         0,
         1,
@@ -455,6 +455,7 @@ def _dp_stage(layers, *, w, replica_bw=1e9, host_reduce_bw=math.inf, host_is_dev
         host_copy_bw=1e10,
         host_reduce_bw=host_reduce_bw,
         host_is_device=host_is_device,
+        host_share=share,
         replica_link=Link("intra-node", replica_bw, 0.0),
     )
     return {k: float(v) for k, v in segment_costs(Segments(layers), i, len(layers) if j is None else j, ctx).items()}
@@ -484,6 +485,11 @@ def test_a_replicated_streamed_stage_is_charged_its_host_gradients_all_reduce_as
         assert st["host_sum_s"] == pytest.approx(one["host_sum_s"] + sum(sizes) / 1e10)
         assert st["host_bytes"] == pytest.approx(one["host_bytes"] + sum(sizes))
         assert st["buffers"] == one["buffers"] and st["optimizer"] == 0  # nothing flattened on the device
+    # a node's ranks beyond its cores take turns on the host's part of it too (gloo's copies and sums)
+    slow = _dp_stage(layers, w=2, replica_bw=50e9, host_reduce_bw=2e9, share=2.0)
+    assert slow["allreduce_s"] == pytest.approx(
+        2 * _dp_stage(layers, w=2, replica_bw=50e9, host_reduce_bw=2e9)["allreduce_s"]
+    )
     # on a CPU the host is the device: the whole all-reduce adds
     cpu = _dp_stage(layers, w=2, host_is_device=True)
     assert cpu["exposed_s"] == pytest.approx(cpu["allreduce_s"]) and cpu["allreduce_s"] > 0
