@@ -33,6 +33,7 @@ import json
 import math
 import os
 import platform
+import queue
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -139,6 +140,10 @@ def measure_reduce(*, nbytes: int = 2**24, repeats: int = 5, timeout_s: float = 
         p.start()
     try:
         best = out.get(timeout=timeout_s)
+    except queue.Empty:
+        codes = [p.exitcode for p in procs]
+        what = f"the host's gloo all-reduce figure: no result in {timeout_s} s (exit codes {codes})"
+        raise RuntimeError(what) from None
     finally:
         for p in procs:
             p.join(5.0)
