@@ -138,9 +138,13 @@ def profile_layer(
     on float32 copies (the runtime steps float32 masters) and ``param_bytes`` counts float32 bytes, as always."""
     layer = layer.to(device)
     stored = precisions.weight_dtype(precision, weight_dtype)
-    masters = [p.detach().clone().requires_grad_() for p in layer.parameters()] if stored != torch.float32 else None
-    layer = layer.to(stored)  # floating parameters and buffers only
     tag_muon_params(layer, optim.muon_exclude)  # optim.name=muon: which parameters Muon steps, as a stage tags them
+    masters = None
+    if stored != torch.float32:  # float32 masters (with the tags) for the step's timing; then the layer in its dtype
+        masters = [torch.nn.Parameter(p.detach().clone()) for p in layer.parameters()]
+        for m, p in zip(masters, layer.parameters()):
+            m.__dict__.update(p.__dict__)
+        layer = layer.to(stored)  # floating parameters and buffers only (the same Parameters, tags kept)
     params = list(layer.parameters())
     T, C = cfg.seq_len, cfg.d_model
     wire = precisions.compute_dtype(precision)
@@ -207,7 +211,7 @@ def _measure(
 ) -> LayerCost:
     """One layer's cost from its ``forward`` and ``backward`` passes: their times (gradients of ``params`` and of
     the floating-point ``inputs`` cleared between repeats), the bytes autograd saves, the optimizer step's time
-    and state (on ``masters``, float32 copies of compute-dtype ``params``, where given); ``param_bytes`` in float32."""
+    and state (on ``masters``, float32 copies of compute-dtype ``params``, where given, as are ``param_bytes``)."""
     forward_s, backward_s = _time_passes(
         forward, backward, params + inputs, device=device, warmup=warmup, repeats=repeats
     )
@@ -218,7 +222,7 @@ def _measure(
         name=name,
         forward_s=forward_s,
         backward_s=backward_s,
-        param_bytes=sum(p.numel() * 4 if p.is_floating_point() else p.numel() * p.element_size() for p in params),
+        param_bytes=sum(p.numel() * p.element_size() for p in stepped),  # float32: the masters' where given
         saved_bytes=saved,
         input_bytes=input_bytes,
         output_bytes=output_bytes,
