@@ -225,6 +225,7 @@ def host_figures(cfg: Config) -> HostFigures:
     return HostFigures(
         step_bw=host.step_bytes_per_s,
         copy_bw=host.copy_bytes_per_s,
+        reduce_bw=host.reduce_bytes_per_s,
         step=cfg.swap.host_step,
         text=host.describe(),
         cores=host.cores,
@@ -335,6 +336,7 @@ def _cost_fns(cfg: Config, req: Request, *, layers, loss_fn):
                 seed=cfg.seed,
                 precision=req.precision,
                 documents=documents,
+                weight_dtype=req.weight_dtype,
             )
         )
 

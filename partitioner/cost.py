@@ -67,6 +67,13 @@ versions and gradients, with its optimizer state and float32 masters on the host
 out and new weights in (``(1 + c) W / host_device_bw``) charged to the step; with compute-dtype versions its step
 stays on the training thread (``sharding.ShardedVersions``).
 
+A streamed stage's replicas (w > 1, ``_stream_reduce_s``) all-reduce its float32 host gradient sums over gloo, a
+bucket per layer started once the batch's last backward has also left the layer below it (a layer late), the buckets
+in order on the group, all waited for at the step (right after that backward): per layer ``2 (w-1)/w`` of its bytes
+at the slower of the replicas' link and the host's measured gloo figure (``host_reduce_bw``) plus ``2 (w-1)``
+latencies; exposed, what outlasts the backward (on a CPU, all of it). Each layer's sums are flattened first: one host
+copy more (the sums) and the stage's float32 gradient bytes more in host memory; no bucket on the device.
+
 The host (``_host_work``, ``_batch_s``; figures from ``partitioner.host``, measured once and cached): a stage whose
 optimizer steps there runs no step on the device; the host's step reads the gradient and reads and writes the weights
 and the optimizer state (AdamW: 28 B a parameter) at the host's measured step bandwidth, and a streamed stage's host
@@ -210,6 +217,26 @@ class Segments:
             self._stream[key] = (dev, maxw)
         return self._stream[key]
 
+    def reduce_exposed(self, one_way: float, latency: float, *, recompute: bool):
+        """(PA, EXP): a streamed stage's host all-reduce (``_stream_reduce_s``), one bucket per layer of ``one_way``
+        seconds a byte plus ``latency``: ``PA`` its prefix sums; ``EXP[i, j]``: what of layers i..j-1's all-reduce
+        outlasts the batch's last backward. Bucket q starts once that backward has left layer q - 1 (the stream reports
+        a layer's added gradients when it hands over the next layer's: a layer late), bucket i at its end; the buckets
+        one after another on the group: ``max_(i<=q<j) (sum_(i..q) a - sum_(i..max(i, q-1)-1) B)``."""
+        key = ("reduce", one_way, latency, recompute)
+        if key not in self._stream:
+            nbytes = np.asarray([c.param_bytes for c in self.layers], dtype=np.float64)
+            a = np.where(nbytes > 0, nbytes * one_way + latency, 0.0)
+            b = np.asarray([c.backward_s + (c.forward_s if recompute else 0.0) for c in self.layers])
+            pa, pb = np.concatenate([[0.0], np.cumsum(a)]), np.concatenate([[0.0], np.cumsum(b)])
+            exp = np.zeros((self.n + 1, self.n + 1))
+            for i in range(self.n):
+                # bucket q's end if the chain never waited, from the backward's start: PA[q+1] - PB[max(i, q-1)]
+                v = pa[i + 1 : self.n + 1] - pb[np.maximum(i, np.arange(i, self.n) - 1)]
+                exp[i, i + 1 :] = np.maximum.accumulate(v) - pa[i] + pb[i]
+            self._stream[key] = (pa, exp)
+        return self._stream[key]
+
     def stream_stalls(
         self, host_device_bw: float, *, recompute: bool, grads_out: bool = True, weight_copy_bytes: int = 4
     ):
@@ -266,6 +293,9 @@ class StageContext:
     # whether the host is the device (a CPU: its work and the stage's compute take turns on the same cores)
     host_step_bw: float = math.inf
     host_copy_bw: float = math.inf
+    # a streamed stage's replicas all-reduce its host gradients over gloo (run/build.py): the host's measured gloo
+    # all-reduce bus bandwidth (bytes/s), capped by the replicas' link (``_stream_reduce_s``)
+    host_reduce_bw: float = math.inf
     host_share: float = 1.0
     host_step: str = "auto"
     host_is_device: bool = False
@@ -298,6 +328,36 @@ def _stream_stalls(seg: Segments, i, j, ctx: StageContext):
     if ctx.stream_window == 0:
         return total, total + grads_out * total
     return t[i] + pf[j - 1] - pf[i], t[j - 1] + pb[j] - pb[np.minimum(i + 1, seg.n)] + grads_out * total
+
+
+def _stream_reduce_s(seg: Segments, i, j, ctx: StageContext):
+    """A streamed stage's data-parallel traffic per batch (s): (allreduce_s, exposed_s).
+
+    As the runtime does it (run/build.py, comm.GradReducer fed by ``WeightStream.on_grad``): each layer is a bucket of
+    its float32 host gradient sums (whatever the versions' dtype), all-reduced over a gloo group of the stage's
+    replicas, started once the batch's last microbatch has added that layer's gradients (reported when the stream
+    hands over the next layer's: a layer late; the first layer's at the backward's end), the buckets in order on the
+    group; the training thread waits for all of them at the step (CLOSE or APPLY(t), right after that backward, before
+    the host step is handed over), so they overlap only the last microbatch's backward and are not hidden behind the
+    host step or the next batch. Ring all-reduce: ``2 (w-1)/w`` of a bucket's bytes each way and ``2 (w-1)`` latencies,
+    at the slower of the replicas' link and the host's gloo figure. On a CPU the host is the device: it all adds.
+    """
+    w = ctx.data_parallel
+    # the host's part (gloo's copies and sums) slower where a node's ranks outnumber its cores, as its other work
+    bw, lat = min(ctx.replica_link.bandwidth, ctx.host_reduce_bw / ctx.host_share), ctx.replica_link.latency
+    if bw == math.inf:
+        z = np.zeros(np.broadcast(np.asarray(i), np.asarray(j)).shape)
+        return z, z
+    pa, exp = seg.reduce_exposed(2 * (w - 1) / w / bw, 2 * (w - 1) * lat, recompute=ctx.recompute)
+    total = pa[j] - pa[i]
+    return total, total if ctx.host_is_device else exp[i, j]
+
+
+def _replicas_s(seg: Segments, i, j, ctx: StageContext, *, W, bwd, microbatch, ws: int, wc: float, K: int):
+    """(allreduce_s, exposed_s) of a stage's replicas: a streamed stage's host all-reduce, else the devices'."""
+    if ctx.stream and ctx.data_parallel > 1:
+        return _stream_reduce_s(seg, i, j, ctx)
+    return _data_parallel_s(ctx, W, bwd, microbatch, ws=ws, wc=wc, K=K)
 
 
 def _data_parallel_s(ctx: StageContext, W, bwd, microbatch, *, ws: int, wc: float, K: int):
@@ -344,6 +404,9 @@ def _weight_state(seg: Segments, i, j, ctx: StageContext, *, ws: int, wc: float)
         # accumulator, the optimizer state and, for compute-dtype versions, the float32 masters (in ``optimizer``)
         dev, maxw = seg.stream_device(ctx.stream_window, ctx.weight_copy_bytes)
         host = weights + num_versions(ctx.schedule) * W + optimizer
+        # w > 1: each layer's float32 sums flattened for the replicas' all-reduce (comm.BatchReduction), pageable
+        # host memory beside the accumulators until the step
+        host = host + (W if ctx.data_parallel > 1 else 0.0)
         return dev[i, j] - maxw[i, j], maxw[i, j], np.zeros_like(W), host, np.zeros_like(W)
     if ctx.host_optimizer:  # host_optim.py: the masters and state on the host; at the step the float32 gradients go
         # out and the new weights (in the versions' dtype) come in
@@ -371,7 +434,9 @@ def _host_work(seg: Segments, i, j, ctx: StageContext):
     # sums into float32 accumulators of gradients in the versions' dtype: the first cast (reads wc W, writes W), the
     # others added (read W and wc W, write W), in copies of W (a copy reads and writes it: 2 W): 1 and 1.5 in float32
     first, add = (1 + wc) / 2, (2 + wc) / 2
-    sums = (first + add * (ctx.num_microbatches - 1)) * W * ctx.host_share / ctx.host_copy_bw
+    # w > 1: the all-reduce's flattening of each layer's sums (one copy, on the training thread: comm.BatchReduction)
+    flat = 1 if ctx.data_parallel > 1 else 0
+    sums = (first + add * (ctx.num_microbatches - 1) + flat) * W * ctx.host_share / ctx.host_copy_bw
     return step, sums if ctx.stream else 0 * W
 
 
@@ -511,8 +576,9 @@ def segment_costs(seg: Segments, i, j, ctx: StageContext) -> Dict[str, np.ndarra
     send = _xfer(ctx.link_next, out_b)
     send_grad = _xfer(ctx.link_prev, np.where(s == 0, 0.0, in_b))
     microbatch = fwd + bwd + send + send_grad + stall
-    ws, wc, K = (w if ctx.sharded and w > 1 else 1), ctx.weight_copy_bytes / 4, batch_multiplier(ctx.schedule, d, m)
-    allreduce, exposed = _data_parallel_s(ctx, W, bwd, microbatch, ws=ws, wc=wc, K=K)
+    ws = w if ctx.sharded and w > 1 and not ctx.stream else 1  # a streamed stage ignores optim.sharded (validate.py)
+    wc, K = ctx.weight_copy_bytes / 4, batch_multiplier(ctx.schedule, d, m)
+    allreduce, exposed = _replicas_s(seg, i, j, ctx, W=W, bwd=bwd, microbatch=microbatch, ws=ws, wc=wc, K=K)
     weights, gradients, optimizer, host, step = _weight_state(seg, i, j, ctx, ws=ws, wc=wc)
     host = host + (n - resident) * moved
     times = _batch_times(seg, i, j, ctx, device=K * microbatch + exposed, link_step=step, moved=moved)
@@ -521,7 +587,8 @@ def segment_costs(seg: Segments, i, j, ctx: StageContext) -> Dict[str, np.ndarra
         gradients=gradients,
         optimizer=optimizer,
         activations=resident * per_mb + (n - resident) * (per_mb - moved) + extra,
-        buffers=2 * (in_b + out_b) + (np.minimum(W, ctx.bucket_bytes) if w > 1 else 0.0),
+        # w > 1: a bucket flattened beside its gradients (a streamed stage's on the host: ``host_bytes``)
+        buffers=2 * (in_b + out_b) + (np.minimum(W, ctx.bucket_bytes) if w > 1 and not ctx.stream else 0.0),
         workspace=seg.RMAX[i, j],
         runtime=np.full(W.shape, float(ctx.runtime_bytes)),
         forward_s=fwd,

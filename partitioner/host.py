@@ -13,6 +13,10 @@ OMP_NUM_THREADS=1; ``profile.py`` times CPU layers the same way) and cached on d
 - ``copy_bytes_per_s``: bytes per second one large host tensor copy moves (``dst.copy_(src)``): what a CPU "device"
   copy of a streamed layer costs, and (reading one buffer and writing another, about as an add does) the host's
   sums of a streamed stage's gradients over the microbatches;
+- ``reduce_bytes_per_s``: the bus bandwidth (``2 (w-1)/w`` of the bytes over the time) of a gloo all-reduce of a
+  large float32 tensor between two processes of this host (loopback; two processes spawned once): what a streamed
+  stage's replicas all-reduce their host gradient sums with (run/build.py: gloo groups), capped by the topology's
+  link between the replicas (``cost._stream_reduce_s``);
 - ``cores``: the CPU cores this process may use. A node's ranks step on their own threads: more ranks than cores
   take turns (``HostFigures.cores``), fewer run side by side (the memory bandwidth a server's host has for a few
   threads is not measured: this machine's are what there is).
@@ -26,8 +30,10 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import platform
+import queue
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,7 +43,8 @@ import torch
 
 from pipedream2bw.io.fileio import atomic_write_text
 
-CACHE_VERSION = 3  # 3: the step timed by the runtime's measurement (2: the fastest of 7; 1: their median)
+CACHE_VERSION = 4  # 4: the gloo all-reduce figure (3: the step timed by the runtime's measurement; 2: the fastest
+# of 7; 1: their median)
 
 
 @dataclass(frozen=True)
@@ -48,6 +55,7 @@ class HostProfile:
     copy_bytes_per_s: float  # bytes per second of one large host copy
     kernel: str  # the AdamW implementation timed: 'fused' or 'foreach'
     cores: int  # CPU cores this process may use
+    reduce_bytes_per_s: float = math.inf  # gloo all-reduce bus bandwidth between two processes (inf: not measured)
 
     @property
     def step_bytes_per_s(self) -> float:
@@ -57,9 +65,11 @@ class HostProfile:
         return self.step_params_per_s * adam_step_bytes()
 
     def describe(self) -> str:
+        gloo = self.reduce_bytes_per_s
         return (
             f"host step {self.step_params_per_s / 1e6:.3g} M parameters/s (AdamW {self.kernel}, one thread), "
             f"copies {self.copy_bytes_per_s / 1e9:.3g} GB/s, {self.cores} cores"
+            + (f", gloo all-reduce {gloo / 1e9:.3g} GB/s" if gloo < math.inf else "")
         )
 
 
@@ -98,6 +108,48 @@ def measure_copy(*, nbytes: int = 2**27, warmup: int = 2, repeats: int = 7) -> f
     src = torch.randn(nbytes // 4)
     dst = torch.empty_like(src)
     return src.numel() * 4 / _fastest_s(lambda: dst.copy_(src), warmup=warmup, repeats=repeats)
+
+
+def _reduce_rank(rank: int, port: int, nbytes: int, repeats: int, out) -> None:
+    """One of ``measure_reduce``'s two processes: times gloo all-reduces of ``nbytes`` (rank 0 puts the fastest)."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+    try:
+        x = torch.ones(nbytes // 4)
+        best = _fastest_s(lambda: dist.all_reduce(x), warmup=2, repeats=repeats)
+        if rank == 0:
+            out.put(best)
+    finally:
+        dist.destroy_process_group()
+
+
+def measure_reduce(*, nbytes: int = 2**24, repeats: int = 5, timeout_s: float = 120.0) -> float:
+    """Bus bandwidth (bytes/s) of a gloo all-reduce of ``nbytes`` of float32 between two fresh processes of this
+    host, one thread each (for w = 2 the bus bytes are the tensor's: ``2 (w-1)/w`` of it)."""
+    import multiprocessing
+
+    from pipedream2bw.pipeline.comm import free_port
+
+    ctx = multiprocessing.get_context("spawn")  # fresh interpreters: no threads or locks of this one forked
+    out, port = ctx.Queue(), free_port()
+    procs = [ctx.Process(target=_reduce_rank, args=(r, port, nbytes, repeats, out), daemon=True) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        best = out.get(timeout=timeout_s)
+    except queue.Empty:
+        codes = [p.exitcode for p in procs]
+        what = f"the host's gloo all-reduce figure: no result in {timeout_s} s (exit codes {codes})"
+        raise RuntimeError(what) from None
+    finally:
+        for p in procs:
+            p.join(5.0)
+            if p.is_alive():
+                p.kill()
+    return nbytes / best
 
 
 def _cpu_name() -> str:
@@ -147,7 +199,13 @@ def host_profile(*, cache_dir: Optional[Path] = None, use_cache: bool = True) ->
         step, copy = measure_host_step(), measure_copy()
     finally:
         torch.set_num_threads(threads)
-    host = HostProfile(step_params_per_s=step, copy_bytes_per_s=copy, kernel=adamw_kernel(), cores=_cores())
+    host = HostProfile(
+        step_params_per_s=step,
+        copy_bytes_per_s=copy,
+        kernel=adamw_kernel(),
+        cores=_cores(),
+        reduce_bytes_per_s=measure_reduce(),
+    )
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(path, json.dumps(dataclasses.asdict(host), indent=1))
     return host

@@ -76,6 +76,7 @@ class HostFigures:
 
     step_bw: float = math.inf
     copy_bw: float = math.inf
+    reduce_bw: float = math.inf  # gloo all-reduce bus bandwidth between ranks of a host (streamed replicas' sums)
     step: str = "auto"
     text: str = ""
     cores: int = 0  # the host's cores: a node's ranks beyond them take turns (0: as many as ranks)
@@ -135,6 +136,7 @@ def stage_contexts(
             stream_window=stream_window,
             host_step_bw=host.step_bw,
             host_copy_bw=host.copy_bw,
+            host_reduce_bw=host.reduce_bw,
             host_share=max(1.0, node.count(rank_map[s][0] // topo.devices_per_node) / (host.cores or math.inf)),
             host_step=host.step,
             host_is_device=topo.device == "cpu",
@@ -254,7 +256,7 @@ class Request:
     step_agreement: bool = False
     tied: bool = False
     early_apply: bool = True
-    stream: bool = True  # partition.stream: may stages stream their weights from host memory (w = 1, see _streams)
+    stream: bool = True  # partition.stream: may stages stream their weights from host memory (see _streams)
     weight_prefetch: int = 1  # swap.weight_prefetch: the streamed stages' window
     host: HostFigures = HostFigures()  # the host's step and copies (a streaming plan steps every stage there)
     # tensor parallelism (partitioner.tensor): the model's split (None: its layers cannot be split, t = 1), the widths
@@ -399,6 +401,9 @@ def _make_plan(req: Request, split: _Split, *, simulate_it: bool) -> Plan:
         predicted_host_step_s=[float(st["host_step_s"]) for st in stages],
         predicted_host_sum_s=[float(st["host_sum_s"]) for st in stages],
         predicted_stage_bound=[RESOURCES[int(st["bound"])] for st in stages],
+        predicted_allreduce_s=[float(st["allreduce_s"]) for st in stages],
+        predicted_exposed_s=[float(st["exposed_s"]) for st in stages],
+        predicted_host_bytes=[int(st["host_bytes"]) for st in stages],
         predicted_bound=RESOURCES[int(max(stages, key=lambda st: st["batch_s"])["bound"])],
         host=req.host.text if split.stream else "",
         host_optimizer=split.stream,
@@ -559,11 +564,11 @@ def _split_layers(req: Request, layers: Sequence[LayerCost], b: int, t: int) -> 
 
 def _streams(req: Request, w: int, t: int = 1) -> bool:
     """Whether a candidate with ``w`` replicas of ``t`` ranks may stream weights: what the runtime's swap.weights
-    accepts (config/validate.py, run/start.py: no tensor split, no ties on a streamed stage; clipping, skip, fp16,
-    validation and compute-dtype versions compose) and where it saves device memory (a GPU's, not the host's own).
-    One replica only: the runtime all-reduces a streamed stage's host gradients over gloo, which the cost model does
-    not charge."""
-    return req.stream and w == 1 and t == 1 and req.topology.device == "cuda" and not req.tied
+    accepts (config/validate.py, run/start.py: no tensor split, no ties on a streamed stage; data parallelism,
+    clipping, skip, fp16, validation and compute-dtype versions compose) and where it saves device memory (a GPU's,
+    not the host's own). With w > 1 the cost model charges the replicas' gloo all-reduce of the host gradients
+    (``cost._stream_reduce_s``) and each node's host holds its replicas' shares (``_host_fits``)."""
+    return req.stream and t == 1 and req.topology.device == "cuda" and not req.tied
 
 
 def _streaming_ok(req: Request, split: "_Split", lean) -> bool:

@@ -50,6 +50,11 @@ class Plan:
     predicted_host_step_s: List[float] = field(default_factory=list)  # per stage and batch: its host optimizer step
     predicted_host_sum_s: List[float] = field(default_factory=list)  # per stage and batch: host sums of its gradients
     predicted_stage_bound: List[str] = field(default_factory=list)  # per stage: its busiest resource (cost.RESOURCES)
+    # per stage and batch: its replicas' gradient all-reduce (a streamed stage's: its host sums' over gloo) and the
+    # part of it the training thread waits for; per stage: its host bytes (streamed state, swapped activations)
+    predicted_allreduce_s: List[float] = field(default_factory=list)
+    predicted_exposed_s: List[float] = field(default_factory=list)
+    predicted_host_bytes: List[int] = field(default_factory=list)
     predicted_bound: str = ""  # the slowest stage's busiest resource: what bounds the plan
     host: str = ""  # the host's figures (partitioner.host) that its host steps were costed with
     host_optimizer: bool = False  # swap.optimizer=host on every stage: a plan that may stream (stream_stages or none)

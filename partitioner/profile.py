@@ -128,14 +128,25 @@ def profile_layer(
     warmup: int = 2,
     precision: str = "fp32",
     documents: bool = False,
+    weight_dtype: str = "fp32",
 ) -> LayerCost:
     """Measures one layer at microbatch size ``b`` (see the module docstring), its forward under
     ``precision``'s autocast with float32 weights, as a stage runs it; inputs and outputs in the
     compute dtype, as they cross stages. ``documents`` (data.packing=documents): the layer takes and passes on the
     packed rows' positions (``document_positions``), the blocks attend through the document mask, and the loss
-    weighs its targets, as the runtime's packed rows do."""
+    weighs its targets, as the runtime's packed rows do. ``weight_dtype`` (train.weight_dtype): 'compute' under
+    bf16/fp16 stores the weights in the compute dtype, as such a stage's versions are: autocast has no cast of them to
+    make or save, and the input stays in that dtype (run/stage.py); the optimizer's step and state are still timed
+    on float32 copies (the runtime steps float32 masters) and ``param_bytes`` counts float32 bytes, as always."""
     layer = layer.to(device)
+    stored = precisions.weight_dtype(precision, weight_dtype)
     tag_muon_params(layer, optim.muon_exclude)  # optim.name=muon: which parameters Muon steps, as a stage tags them
+    masters = None
+    if stored != torch.float32:  # float32 masters (with the tags) for the step's timing; then the layer in its dtype
+        masters = [torch.nn.Parameter(p.detach().clone()) for p in layer.parameters()]
+        for m, p in zip(masters, layer.parameters()):
+            m.__dict__.update(p.__dict__)
+        layer = layer.to(stored)  # floating parameters and buffers only (the same Parameters, tags kept)
     params = list(layer.parameters())
     T, C = cfg.seq_len, cfg.d_model
     wire = precisions.compute_dtype(precision)
@@ -153,7 +164,7 @@ def profile_layer(
     # as StageWorker.forward: float32 in, autocast, loss in float32, sent in the wire dtype
     def forward() -> torch.Tensor:
         with precisions.autocast(precision, device.type):
-            inp = x.float() if x.is_floating_point() else x
+            inp = x.float() if x.is_floating_point() and stored == torch.float32 else x
             out = layer(inp if positions is None else (inp, positions))
         if kind == "head":
             return lm_loss(out.float(), targets)
@@ -174,6 +185,7 @@ def profile_layer(
         device=device,
         warmup=warmup,
         repeats=repeats,
+        masters=masters,
     )
 
 
@@ -197,20 +209,22 @@ def _measure(
     device: torch.device,
     warmup: int,
     repeats: int,
+    masters: Optional[List[torch.Tensor]] = None,
 ) -> LayerCost:
     """One layer's cost from its ``forward`` and ``backward`` passes: their times (gradients of ``params`` and of
     the floating-point ``inputs`` cleared between repeats), the bytes autograd saves, the optimizer step's time
-    and state."""
+    and state (on ``masters``, float32 copies of compute-dtype ``params``, where given, as are ``param_bytes``)."""
     forward_s, backward_s = _time_passes(
         forward, backward, params + inputs, device=device, warmup=warmup, repeats=repeats
     )
     saved = saved_bytes(forward, params)
-    step_s, opt_bytes = _time_optimizer(params, optim, device=device, warmup=warmup, repeats=repeats)
+    stepped = params if masters is None else masters
+    step_s, opt_bytes = _time_optimizer(stepped, optim, device=device, warmup=warmup, repeats=repeats)
     return LayerCost(
         name=name,
         forward_s=forward_s,
         backward_s=backward_s,
-        param_bytes=sum(p.numel() * p.element_size() for p in params),
+        param_bytes=sum(p.numel() * p.element_size() for p in stepped),  # float32: the masters' where given
         saved_bytes=saved,
         input_bytes=input_bytes,
         output_bytes=output_bytes,
@@ -236,8 +250,11 @@ def _cache_key(
     dtype: torch.dtype,
     threads: int,
     documents: bool = False,
+    weight_dtype: torch.dtype = torch.float32,
 ) -> str:
     extra = {"documents": True} if documents else {}  # windows' keys stay as they were (their caches hold)
+    if weight_dtype != torch.float32:  # compute-dtype weights: no autocast casts of them (float32's keys as they were)
+        extra["weight_dtype"] = str(weight_dtype)
     desc = json.dumps(
         {
             **extra,
@@ -267,16 +284,17 @@ def profile_gpt(
     seed: int = 0,
     precision: str = "fp32",
     documents: bool = False,
+    weight_dtype: str = "fp32",
 ) -> List[LayerCost]:
     """Measured costs of every layer of the GPT at microbatch size ``b`` under a resolved
     ``precision`` (fp32, bf16, fp16), on packed rows with their document mask where ``documents``
-    (data.packing=documents), from the cache if there."""
+    (data.packing=documents), with weights stored in ``weight_dtype`` (train.weight_dtype: ``profile_layer``), from
+    the cache if there."""
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     threads = 1 if device.type == "cpu" else torch.get_num_threads()
-    path = (
-        Path(cache_dir or default_cache_dir())
-        / f"profile-{_cache_key(cfg, optim, b, device, precisions.compute_dtype(precision), threads, documents)}.json"
-    )
+    stored = precisions.weight_dtype(precision, weight_dtype)
+    key = _cache_key(cfg, optim, b, device, precisions.compute_dtype(precision), threads, documents, stored)
+    path = Path(cache_dir or default_cache_dir()) / f"profile-{key}.json"
     if use_cache and path.is_file():
         try:
             kinds = json.loads(path.read_text())
@@ -292,7 +310,16 @@ def profile_gpt(
             if kind not in kinds:
                 layer = build_gpt_layers(cfg, seed=seed, indices=[i])[0]
                 kinds[kind] = profile_layer(
-                    layer, cfg, optim, kind, b, device=device, repeats=repeats, precision=precision, documents=documents
+                    layer,
+                    cfg,
+                    optim,
+                    kind,
+                    b,
+                    device=device,
+                    repeats=repeats,
+                    precision=precision,
+                    documents=documents,
+                    weight_dtype=weight_dtype,
                 )
     finally:
         torch.set_num_threads(saved_threads)

@@ -29,6 +29,12 @@ AdamW rounds differently from the host's, so that run is the bit-for-bit referen
 - with ``--predict`` (CPU), what the planner's cost model predicts for the plain and the streamed run (``predict``),
   and the streamed run's samples per second of the process's CPU time beside the wall clock's.
 
+With ``--data-parallel w`` (CPU) the stage runs on w processes (gloo, one thread each, as torchrun's ranks), each
+replica on microbatches of its own, their gradients all-reduced as the trainer does it (``comm.GradReducer``: the
+plain run's by autograd's hooks; the streamed run's a bucket per layer, started once the batch's last microbatch has
+added that layer's gradients to the host sums, ``WeightStream.on_grad``, and waited for at the step); the figures are
+rank 0's, samples/s the replicas' together.
+
 AdamW steps with the host's kernel (``memory/host_optim.py::host_kernel``: fused where torch has one on the CPU)
 wherever it steps host memory, and in the CPU's plain run. On a CPU the "device" is host memory and copies are
 worker-thread memcpys: the bytes and the bit check are what the CPU shows; speed and stall need a GPU.
@@ -39,9 +45,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import datetime
 import json
 import os
+import pickle
 import time
+import types
 from typing import Any, Dict, List
 
 import torch
@@ -65,11 +74,29 @@ def _blocks(args: argparse.Namespace) -> List[nn.Module]:
     return build_gpt_layers(cfg, seed=0, indices=range(1, args.layers + 1))  # the blocks: no embedding or head
 
 
+def _replicas(versions, ws, *, rank: int, group) -> Any:
+    """``--data-parallel``: the trainer's all-reduce of this replica's gradients (run/build.py, run/stage.py)."""
+    from pipedream2bw.pipeline.comm import GradReducer
+
+    ctx = types.SimpleNamespace(rank=rank, timeout=datetime.timedelta(seconds=600))  # what wait_work reads
+    replicas = [list(r.parameters()) for r in versions.replicas]
+    reducer = GradReducer(ctx, group=group, replicas=replicas, buckets=versions.buckets, autograd_hooks=ws is None)
+    return reducer
+
+
 def run_stage(
-    args: argparse.Namespace, device: torch.device, *, stream: bool, probe: bool, host_optimizer: bool = False
+    args: argparse.Namespace,
+    device: torch.device,
+    *,
+    stream: bool,
+    probe: bool,
+    host_optimizer: bool = False,
+    rank: int = 0,
+    group: Any = None,
 ) -> Dict[str, Any]:
     """One run of the stage; ``probe``: CPU memory measurement (compute spans named ``compute``);
-    ``host_optimizer``: weights on the device, optimizer on the host (not with ``stream``)."""
+    ``host_optimizer``: weights on the device, optimizer on the host (not with ``stream``); ``group``: the replicas'
+    (``--data-parallel``), this process being replica ``rank``."""
     module = nn.Sequential(*_blocks(args))
     # AdamW, with the host step's kernel (memory/host_optim.py::host_kernel: fused) wherever it steps host memory:
     # streamed, host optimizer, and the CPU's plain run (so that the bit check compares one kernel)
@@ -100,8 +127,11 @@ def run_stage(
         versions = WeightVersions(module.to(device), schedule=args.schedule, optimizer_factory=factory)
     layer_bytes = getattr(versions, "layer_bytes", None)
     del module
-    m, b = args.num_microbatches, args.microbatch_size
-    g = torch.Generator().manual_seed(1)
+    m, b, w = args.num_microbatches, args.microbatch_size, args.data_parallel
+    reducer = _replicas(versions, ws, rank=rank, group=group) if group is not None else None
+    if reducer is not None and ws is not None:  # the batch's last microbatch's gradient makes a parameter's final
+        ws.on_grad = lambda k, r, i: reducer.gradient_ready(r, i) if (k + 1) % m == 0 else None
+    g = torch.Generator().manual_seed(1 + rank)
     xs = [torch.randn(b, args.seq_len, args.d_model, generator=g).to(device) for _ in range(m * args.batches)]
     outs, losses = {}, []
     if device.type == "cuda":
@@ -128,6 +158,8 @@ def run_stage(
                 outs[k] = out.float().pow(2).mean()
                 losses.append(outs[k].detach())
             elif a.kind == BACKWARD:
+                if reducer is not None and (k + 1) % m == 0:  # the batch's last backward: reduce as it goes
+                    reducer.arm(versions.replicas.index(versions.module_for_batch(k // m)))
                 if ws is not None:
                     ws.begin_backward(k)
                 outs.pop(k).backward()
@@ -137,7 +169,8 @@ def run_stage(
             t0 = time.perf_counter()
             if ws is not None:
                 ws.quiesce()
-            versions.step(k, grad_scale=1 / m)
+            wait = reducer.take().wait if reducer is not None else (lambda i: None)
+            versions.step(k, grad_scale=1 / (m * w), before_bucket=wait)
             step_s += time.perf_counter() - t0
     versions.settle()  # the last background step counts in the time
     if device.type == "cuda":
@@ -148,10 +181,11 @@ def run_stage(
         for key, before in zip(("stall_s", "grad_wait_s", "copy_out_s", "copy_in_s"), warm):
             st[key] -= before
     result = {
-        "samples_per_s": m * b * (args.batches - args.warmup) / elapsed,
+        "samples_per_s": w * m * b * (args.batches - args.warmup) / elapsed,  # the replicas' together
         # per second of this process's CPU time (all its threads): on a shared CPU, what it gets of the cores
         # moves the wall clock's figure, far less this one
-        "samples_per_cpu_s": m * b * (args.batches - args.warmup) / cpu_s,
+        "samples_per_cpu_s": w * m * b * (args.batches - args.warmup) / cpu_s,
+        "allreduce_wait_s": reducer.exposed_s if reducer is not None else 0.0,  # the step waiting for the replicas
         "step_s": step_s,
         "losses": [float(x) for x in losses],
         "weights": {n: t.detach().cpu().clone() for n, t in versions.newest().state_dict().items()},
@@ -173,17 +207,26 @@ def predict(args: argparse.Namespace, device: torch.device) -> Dict[str, Any]:
     from partitioner.cost import Segments, StageContext, segment_costs
     from partitioner.host import host_profile
     from partitioner.profile import profile_layer
+    from partitioner.topology import LOCAL, Link
     from pipedream2bw.config import OptimConfig
 
     cfg = GPTConfig(num_layers=args.layers, d_model=args.d_model, num_heads=args.num_heads, seq_len=args.seq_len)
     optim = OptimConfig(name="adamw")
+    w, threads = args.data_parallel, torch.get_num_threads()
+    if w > 1:  # the ranks' one thread each
+        torch.set_num_threads(1)
     block = profile_layer(_blocks(args)[0], cfg, optim, "block", args.microbatch_size, device=device, repeats=20)
+    torch.set_num_threads(threads)
     host = host_profile()
     ctx = StageContext(
         stage_index=0,
         num_stages=2,
         num_microbatches=args.num_microbatches,
-        data_parallel=1,
+        data_parallel=w,
+        # the replicas' all-reduce over gloo (the plain run's too: both run on this host)
+        replica_link=Link("gloo", host.reduce_bytes_per_s, 0.0) if w > 1 else LOCAL,
+        host_reduce_bw=host.reduce_bytes_per_s,
+        host_share=max(1.0, w / host.cores),
         schedule=args.schedule,
         stream=True,
         stream_window=args.window,
@@ -194,7 +237,7 @@ def predict(args: argparse.Namespace, device: torch.device) -> Dict[str, Any]:
         host_step="sync",
         host_is_device=True,
     )
-    seg, samples = Segments([block] * args.layers), args.num_microbatches * args.microbatch_size
+    seg, samples = Segments([block] * args.layers), w * args.num_microbatches * args.microbatch_size
     costs = segment_costs(seg, 0, args.layers, ctx)
     # the plain run as the planner sees it (weights and AdamW where the stage computes, stepping with this script's
     # kernel, the host's): the profile's own error, apart from the streamed terms'
@@ -207,8 +250,49 @@ def predict(args: argparse.Namespace, device: torch.device) -> Dict[str, Any]:
         "predicted_host_step_s": float(costs["host_step_s"]),
         "predicted_host_sum_s": float(costs["host_sum_s"]),
         "predicted_stall_s": float(costs["stall_s"]),
+        "predicted_allreduce_s": float(costs["allreduce_s"]),
+        "predicted_exposed_s": float(costs["exposed_s"]),
         "host": host.describe(),
     }
+
+
+def _dp_rank(rank: int, port: int, args: argparse.Namespace, out: Any) -> None:
+    """One replica of ``--data-parallel``: the plain run, then the streamed one (rank 0 puts both on ``out``)."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)  # as torchrun's ranks (OMP_NUM_THREADS=1)
+    store = dist.TCPStore("127.0.0.1", port, args.data_parallel, rank == 0)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=args.data_parallel)
+    try:
+        cpu, group = torch.device("cpu"), dist.group.WORLD
+        runs = [run_stage(args, cpu, stream=s, probe=False, rank=rank, group=group) for s in (False, True)]
+        if rank == 0:  # plain pickle: a queue would share the tensors' storage with a process about to exit
+            out.put(pickle.dumps(runs))
+    finally:
+        dist.destroy_process_group()
+
+
+def data_parallel_runs(args: argparse.Namespace) -> List[Dict[str, Any]]:
+    """``--data-parallel``: [plain, streamed], rank 0's figures, each run on ``args.data_parallel`` processes."""
+    import multiprocessing
+
+    from pipedream2bw.pipeline.comm import free_port
+
+    ctx = multiprocessing.get_context("spawn")
+    out, port = ctx.Queue(), free_port()
+    procs = [ctx.Process(target=_dp_rank, args=(r, port, args, out)) for r in range(args.data_parallel)]
+    for p in procs:
+        p.start()
+    try:
+        runs = pickle.loads(out.get(timeout=3600))
+    finally:
+        for p in procs:
+            p.join(60)
+            if p.is_alive():
+                p.kill()
+    if any(p.exitcode for p in procs):
+        raise SystemExit(f"--data-parallel: a rank failed (exit codes {[p.exitcode for p in procs]})")
+    return runs
 
 
 def measure(args: argparse.Namespace, device: torch.device, *, stream: bool, **kw: bool) -> Dict[str, Any]:
@@ -235,6 +319,9 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=1, help="batches run before the timing starts")
     p.add_argument("--schedule", default="2bw", choices=["2bw", "flush", "gpipe"])
     p.add_argument("--window", type=int, default=1, help="swap.weight_prefetch: layers copied ahead")
+    p.add_argument(
+        "--data-parallel", type=int, default=1, help="replicas (CPU: processes over gloo, their gradients all-reduced)"
+    )
     p.add_argument(
         "--host-step",
         choices=["background", "sync"],
@@ -267,8 +354,14 @@ def main() -> None:
             setattr(args, k, v)
     if not 0 <= args.warmup < args.batches:
         raise SystemExit(f"--warmup ({args.warmup}) must be below --batches ({args.batches})")
-    plain = measure(args, device, stream=False)
-    streamed = measure(args, device, stream=True)
+    if args.data_parallel > 1:  # no memory probe: the figures are speed and bits
+        if device.type != "cpu":
+            raise SystemExit("--data-parallel: CPU only (gloo ranks; a GPU run is the trainer's, torchrun)")
+        plain, streamed = data_parallel_runs(args)
+        plain["peak_device_bytes"] = streamed["peak_device_bytes"] = float("nan")
+    else:
+        plain = measure(args, device, stream=False)
+        streamed = measure(args, device, stream=True)
     # the bit-for-bit reference steps where the streamed run does: on a CPU, that is plain; on a GPU, the host
     reference = plain if device.type == "cpu" else measure(args, device, stream=False, host_optimizer=True)
     same = streamed["losses"] == reference["losses"] and all(
@@ -299,6 +392,9 @@ def main() -> None:
         "streamed_host_step_s": streamed["host_step_s"],
         "streamed_host_step_wait_s": streamed["host_step_wait_s"],
         "streamed_over_plain_time": plain["samples_per_s"] / streamed["samples_per_s"],
+        "data_parallel": args.data_parallel,
+        "plain_allreduce_wait_s": plain["allreduce_wait_s"],
+        "streamed_allreduce_wait_s": streamed["allreduce_wait_s"],
         "host_optimizer_samples_per_s": reference["samples_per_s"] if reference is not plain else None,
         "host_optimizer_peak_device_bytes": reference["peak_device_bytes"] if reference is not plain else None,
         "bit_for_bit": same,

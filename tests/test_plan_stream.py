@@ -5,15 +5,17 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import pytest
+import torch
 
 from partitioner.auto import apply_choices, apply_plan, make_request, plan_config, run_overrides
 from partitioner.cost import RESOURCES, LayerCost, Segments, StageContext, StageCost, host_step_overlaps, segment_costs
 from partitioner.host import HostProfile
 from partitioner.planner import _LEFT_OUT, _streams, bound_line, stage_contexts, stage_table, table
 from partitioner.profile import analytic_gpt
-from partitioner.topology import GIB
+from partitioner.topology import GIB, Link
 from pipedream2bw.config import ConfigError, default_plan_choices, validate
 from pipedream2bw.memory.stream import device_bytes_model
 
@@ -204,7 +206,8 @@ _IDS = lambda change: ",".join(f"{k}.{kk}" for k, v in change.items() for kk in 
     ids=_IDS,
 )
 def test_the_planner_never_streams_what_the_runtime_refuses(change):
-    assert _streams(make_request(llama13b()), 1) and not _streams(make_request(llama13b()), 2)  # w > 1: refused
+    assert _streams(make_request(llama13b()), 1) and _streams(make_request(llama13b()), 2)  # w > 1 composes
+    assert not _streams(make_request(llama13b()), 1, 2)  # the runtime refuses a tensor split with swap.weights
     assert not _streams(make_request(llama13b(**change)), 1)
 
 
@@ -345,11 +348,12 @@ def test_the_host_figures_are_measured_once_and_cached(tmp_path, monkeypatch):
     calls = []
     monkeypatch.setattr(host, "measure_host_step", lambda: calls.append("step") or 1e8)
     monkeypatch.setattr(host, "measure_copy", lambda: calls.append("copy") or 3e9)
+    monkeypatch.setattr(host, "measure_reduce", lambda: calls.append("reduce") or 1e9)
     first = host.host_profile(cache_dir=tmp_path)
-    assert calls == ["step", "copy"] and len(list(tmp_path.glob("host-*.json"))) == 1
+    assert calls == ["step", "copy", "reduce"] and len(list(tmp_path.glob("host-*.json"))) == 1
     for _ in range(2):  # a plan's request, then another process's: the cached figures
         assert make_request(llama13b(partition=dict(cache_dir=str(tmp_path)))).host.step_bw == 1e8 * 28
-    assert host.host_profile(cache_dir=tmp_path) == first and calls == ["step", "copy"]
+    assert host.host_profile(cache_dir=tmp_path) == first and calls == ["step", "copy", "reduce"]
     assert first.step_bytes_per_s == 28e8 and "100 M parameters/s" in first.describe()
 
 
@@ -417,3 +421,178 @@ def test_where_only_the_optimizer_state_must_leave_the_plan_keeps_it_on_the_host
     assert "step s" in stage_table(best) and all(step > 0 for step in best.predicted_host_step_s)
     pipeline, swap = apply_plan(cfg.pipeline, cfg.swap, best, world_size=4, num_layers=11)
     assert (swap.optimizer, swap.weights, swap.stages) == ("host", False, [])
+
+
+# ---- data-parallel streamed stages: the replicas' gloo all-reduce of the host gradients (issue 42) -------------
+
+
+def _reduce_chain(a, b):
+    """Event by event, what the runtime does (comm.GradReducer fed by WeightStream.on_grad, whose ``_sink`` of layer
+    q reports layer q+1's added gradients): bucket q (layer q's ``a[q]`` s all-reduce) starts when the last
+    microbatch's backward (layers last first, ``b[q]`` s each) has left layer q-1, bucket 0 when it ends, each after
+    the bucket before it on the group; returns how long the chain outlasts that backward."""
+    clock, ready = 0.0, {}
+    for q in reversed(range(len(a))):
+        clock += b[q]
+        if q + 1 < len(a):
+            ready[q + 1] = clock
+    ready[0], end = clock, 0.0
+    for q in reversed(range(len(a))):
+        end = max(end, ready[q]) + a[q]
+    return max(0.0, end - clock)
+
+
+def _dp_stage(layers, *, w, replica_bw=1e9, host_reduce_bw=math.inf, host_is_device=False, i=0, j=None, share=1.0):
+    ctx = StageContext(
+        0,
+        1,
+        4,
+        w,
+        stream=True,
+        swap=True,
+        host_optimizer=True,
+        host_device_bw=25e9,
+        host_step_bw=1e12,
+        host_copy_bw=1e10,
+        host_reduce_bw=host_reduce_bw,
+        host_is_device=host_is_device,
+        host_share=share,
+        replica_link=Link("intra-node", replica_bw, 0.0),
+    )
+    return {k: float(v) for k, v in segment_costs(Segments(layers), i, len(layers) if j is None else j, ctx).items()}
+
+
+def test_a_replicated_streamed_stage_is_charged_its_host_gradients_all_reduce_as_the_runtime_runs_it():
+    # uneven layers (0.1-0.4 GB float32; one without weights), backwards of 5-60 ms: the all-reduce of each layer's
+    # float32 sums at the slower of the replicas' link and the host's gloo figure, hidden only behind the rest of the
+    # last microbatch's backward
+    sizes, backs = [4e8, 1e8, 0, 3e8, 2e8], [0.06, 0.005, 0.01, 0.04, 0.02]
+    layers = [
+        LayerCost(str(k), 0.01, b, int(n), 0, 0, 0, optimizer_bytes=int(2 * n))
+        for k, (n, b) in enumerate(zip(sizes, backs))
+    ]
+    one = _dp_stage(layers, w=1)
+    for w, link, gloo in [(2, 1e9, math.inf), (4, 50e9, 2e9), (2, 1e9, 0.5e9)]:
+        st = _dp_stage(layers, w=w, replica_bw=link, host_reduce_bw=gloo)
+        a = [2 * (w - 1) / w * n / min(link, gloo) for n in sizes]
+        assert st["allreduce_s"] == pytest.approx(sum(a))
+        for i in range(len(layers)):  # every segment, as the planner's dynamic program evaluates them
+            for j in range(i + 1, len(layers) + 1):
+                seg = _dp_stage(layers, w=w, replica_bw=link, host_reduce_bw=gloo, i=i, j=j)
+                assert seg["exposed_s"] == pytest.approx(_reduce_chain(a[i:j], backs[i:j]), abs=1e-12), (w, i, j)
+        # the training thread waits for it at the step: the batch's; each layer's sums flattened for it: one more host
+        # copy (the host's sums, hidden here behind the device) and host memory until the step
+        assert st["batch_s"] == pytest.approx(one["batch_s"] + st["exposed_s"])
+        assert st["host_sum_s"] == pytest.approx(one["host_sum_s"] + sum(sizes) / 1e10)
+        assert st["host_bytes"] == pytest.approx(one["host_bytes"] + sum(sizes))
+        assert st["buffers"] == one["buffers"] and st["optimizer"] == 0  # nothing flattened on the device
+    # a node's ranks beyond its cores take turns on the host's part of it too (gloo's copies and sums)
+    slow = _dp_stage(layers, w=2, replica_bw=50e9, host_reduce_bw=2e9, share=2.0)
+    assert slow["allreduce_s"] == pytest.approx(
+        2 * _dp_stage(layers, w=2, replica_bw=50e9, host_reduce_bw=2e9)["allreduce_s"]
+    )
+    # on a CPU the host is the device: the whole all-reduce adds
+    cpu = _dp_stage(layers, w=2, host_is_device=True)
+    assert cpu["exposed_s"] == pytest.approx(cpu["allreduce_s"]) and cpu["allreduce_s"] > 0
+
+
+def test_replicas_sharing_a_node_share_its_host_memory(fixed_host):
+    # 8 devices on one node: 4 stages x 2 replicas, every stage streamed, keep 675 GiB on the node's host (each
+    # replica its versions, float32 sums, flattened sums and AdamW state): a plan with 2 TiB of host memory, none with
+    # the preset's 512 GiB (where 8 x 1 holds 289 GiB)
+    def replicated(host_gib):
+        topo = dict(devices_per_node=8, host_memory_gib=host_gib)
+        cfg = llama13b(optim=dict(name="adamw", delay_correction="none"), topology=topo)
+        plans = plan_config(cfg, search_tensor=False, runners_up=8)
+        return [p for p in plans if p.stream_stages and p.data_parallel > 1]
+
+    big = replicated(2048)
+    assert big and all(sum(p.predicted_host_bytes) * p.data_parallel > 512 * GIB for p in big)
+    assert all(p.predicted_exposed_s[0] > 0 for p in big)  # its gloo all-reduce, charged
+    assert not replicated(512)
+
+
+TINY_PLAN = [
+    "model=gpt", "model.num_layers=3", "model.d_model=32", "model.num_heads=2", "model.seq_len=16",
+    "train.global_batch_size=8", "optim.name=adamw", "optim.delay_correction=none", "train.num_steps=3",
+    "train.warmup_steps=1", "train.log_every=100", "wandb.mode=disabled",
+]  # fmt: skip
+# two small "GPUs" (0.6 MiB each: the 6-layer GPT's weights, gradients and AdamW state need more) and one stage
+TINY_MACHINE = [
+    "topology=commodity", "topology.devices_per_node=2", "topology.runtime_overhead_gib=0",
+    "topology.memory_per_device_gib=0.0006", "topology.host_memory_gib=4", "partition.depths=[1]",
+]  # fmt: skip
+
+
+@pytest.mark.slow  # two 2-rank trainings (about 20 s on the loaded 2-core machine)
+def test_the_planner_s_data_parallel_streamed_plan_trains_as_the_unstreamed_run_bit_for_bit(fixed_host, tmp_path):
+    from dist_helper import run_ok
+
+    from partitioner.__main__ import compose
+    from partitioner.planner import save_plan
+
+    with pytest.raises(ConfigError, match="no plan fits"):  # without streaming: nothing fits
+        plan_config(compose([*TINY_PLAN, *TINY_MACHINE, "partition.stream=false"]))
+    best = plan_config(compose([*TINY_PLAN, *TINY_MACHINE]))[0]
+    assert (best.num_stages, best.data_parallel, best.stream_stages) == (1, 2, [0])
+    assert best.predicted_allreduce_s[0] > 0  # the replicas' host all-reduce, charged
+    save_plan(best, tmp_path / "streamed.yaml")  # and the same split with the weights on the devices
+    save_plan(dataclasses.replace(best, stream_stages=[], swap_stages=[]), tmp_path / "resident.yaml")
+    runs = {}
+    for name in ("streamed", "resident"):  # the planner's run line: partition=file with its plan
+        cfg = compose([*TINY_PLAN, "partition=file", f"partition.path={tmp_path / name}.yaml"])
+        cfg.pipeline.num_stages, cfg.pipeline.data_parallel = 1, 2  # run_ok's ranks: torchrun's --nproc-per-node 2
+        summary = run_ok(cfg, tmp_path / name)
+        runs[name] = summary, torch.load(tmp_path / name / "final_model.pt")
+    (streamed, weights), (resident, base) = runs["streamed"], runs["resident"]
+    assert streamed["losses"] == resident["losses"] and weights.keys() == base.keys()
+    assert all(torch.equal(weights[k], base[k]) for k in weights)
+    for r in streamed["ranks"]:  # both replicas streamed, each layer's sums all-reduced every step
+        assert r["stream"]["loads"] > 0 and r["allreduce_calls"] == 3 * r["stream"]["layers"], r
+    assert all(r["stream"] is None for r in resident["ranks"])
+
+
+def test_a_measured_profile_of_compute_dtype_weights_saves_no_autocast_casts_of_them():
+    # issue 42: the measured layer profile ran float32 weights under autocast whatever train.weight_dtype said, so it
+    # counted (and timed) the bf16 copies of the matmul weights that autocast saves for backward; with the weights
+    # stored in bf16 (train.weight_dtype=compute) there are none. The parameters' and the optimizer's bytes stay
+    # float32's (the runtime steps float32 masters).
+    from partitioner.profile import profile_layer
+    from pipedream2bw.config import GPTConfig, OptimConfig
+    from pipedream2bw.models import build_gpt_layers
+
+    cfg, optim = GPTConfig(num_layers=1, d_model=64, num_heads=2, seq_len=16), OptimConfig(name="adamw")
+    cpu = torch.device("cpu")
+
+    def profile(weight_dtype):
+        block = build_gpt_layers(cfg, seed=0, indices=[1])[0]
+        return profile_layer(block, cfg, optim, "block", 2, device=cpu, precision="bf16", weight_dtype=weight_dtype)
+
+    fp32, compute = profile("fp32"), profile("compute")
+    block = build_gpt_layers(cfg, seed=0, indices=[1])[0]
+    matmul = sum(p.numel() for n, p in block.named_parameters() if p.dim() == 2)  # qkv, proj, fc, fc_proj
+    assert compute.saved_bytes <= fp32.saved_bytes - 2 * matmul, (fp32.saved_bytes, compute.saved_bytes, matmul)
+    assert compute.param_bytes == fp32.param_bytes == 4 * sum(p.numel() for p in block.parameters())
+    assert compute.optimizer_bytes == fp32.optimizer_bytes > 0
+
+
+@pytest.mark.slow
+@pytest.mark.long  # two spawned gloo ranks, twice (about 30 s on the loaded 2-core machine)
+def test_bench_stream_data_parallel_runs_the_replicas_bit_for_bit(tmp_path):
+    # scripts/bench_stream.py --data-parallel 2: each replica on microbatches of its own, the streamed run's host sums
+    # all-reduced a layer at a time as the trainer does; it exits non-zero unless streamed == plain, bit for bit
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "dp2.json"
+    cmd = [sys.executable, str(root / "scripts" / "bench_stream.py"), "--device", "cpu", "--data-parallel", "2"]
+    cmd += ["--layers", "2", "--d-model", "32", "--num-heads", "2", "--batches", "3", "--json", str(out)]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads(out.read_text())
+    assert report["bit_for_bit"] and report["data_parallel"] == 2 and report["bytes_to_host"] > 0
