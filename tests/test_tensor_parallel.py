@@ -300,3 +300,58 @@ def test_tensor_parallel_swaps_activations(tmp_path):
     ref = reference(cfg, w=1)
     torch.testing.assert_close(torch.load(tmp_path / "final_model.pt"), ref.weights, rtol=1e-5, atol=1e-6)
     assert_losses_close(summary["losses"], ref.losses)
+
+
+def _sequence_parallel_stage(out_dir: str) -> None:
+    """One rank of ``test_a_sequence_parallel_stage_is_the_unsplit_stage``: writes what it found wrong, or nothing."""
+    import copy
+    from collections import OrderedDict
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    from pipedream2bw.config import GPTConfig
+    from pipedream2bw.models import build_gpt_layers
+    from pipedream2bw.models.gpt_tensor import SplitBlock, split_blocks
+    from pipedream2bw.pipeline import comm, stateful
+
+    rank, world_size, _ = comm.env_rank()
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    gpt = GPTConfig(num_layers=2, d_model=32, num_heads=2, seq_len=16, vocab_size=64, dropout=0.1)
+    whole = stateful.StageSequential(OrderedDict((str(i), m) for i, m in enumerate(build_gpt_layers(gpt, seed=1))))
+    split = copy.deepcopy(whole)
+    splits = split_blocks(split, group=dist.group.WORLD, rank=rank, size=world_size, sequence_parallel=True)
+    first = stateful.StageSequential(OrderedDict(list(split._modules.items())[:2]))  # embedding, block: a boundary
+    torch.manual_seed(0)
+    idx, weight = torch.randint(0, 64, (2, 16)), torch.randn(2, 16, 64)
+    outs = []
+    for module in (whole, split, first):
+        with stateful.microbatch_streams(7, 3, torch.device("cpu")):  # each layer reseeded: the same masks
+            outs.append(module(idx))
+    (outs[0] * weight).sum().backward()
+    (outs[1] * weight).sum().backward()
+    wrong = []
+    if not torch.allclose(outs[1], outs[0], rtol=1e-5, atol=1e-6):
+        wrong.append(f"logits ({(outs[1] - outs[0]).abs().max():.2e} off)")
+    if tuple(outs[2].shape) != (2, 16 // world_size, 32):
+        wrong.append(f"the boundary's shape {tuple(outs[2].shape)}")
+    for (name, p), (_, q) in zip(whole.named_parameters(), split.named_parameters()):
+        expected = shard(p.grad, splits[name], rank=rank, size=world_size) if name in splits else p.grad
+        off = float((q.grad - expected).abs().max() / expected.abs().max())  # round-off: sums in another order
+        if not off < 1e-5:
+            wrong.append(f"{name}'s gradient ({off:.2e} of its largest off)")
+    assert isinstance(split._modules["1"], SplitBlock)
+    Path(out_dir, f"wrong{rank}.txt").write_text("\n".join(wrong))
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_a_sequence_parallel_stage_is_the_unsplit_stage(tmp_path):
+    # pipeline.sequence_parallel at t = 2, a whole GPT as one stage (embedding, two blocks, norm, head) with dropout
+    # 0.1: each rank's blocks run on half the sequence (the embedding's output sliced, the norm's input gathered), yet
+    # the logits and every gradient (split parameters: this rank's piece) are the unsplit stage's; a stage that ends
+    # in a block sends (B, T/2, C). Guards the dropout masks (a rank's slice of the whole mask), the norms' and the
+    # row-split biases' gradients (summed over the tensor group) and the gathers' backward (reduce-scatter vs slice).
+    results = spawn(_sequence_parallel_stage, world_size=2, args=(str(tmp_path),), log_dir=tmp_path / "logs")
+    assert all(r.exitcode == 0 for r in results), "\n".join(r.log for r in results)
+    assert [(tmp_path / f"wrong{r}.txt").read_text() for r in range(2)] == ["", ""]
