@@ -11,7 +11,7 @@ from dist_helper import run_ok, spawn
 from reference import reference_eval, reference_run
 from test_semantics import assert_losses_close, tiny_config
 
-from pipedream2bw.config import ConfigError, LayerListConfig, validate
+from pipedream2bw.config import ConfigError, HFModelConfig, LayerListConfig, validate
 from pipedream2bw.pipeline.layout import make_layout
 from pipedream2bw.pipeline.tensor import shard, sharded_state, unshard
 
@@ -33,20 +33,25 @@ def reference(cfg, *, w: int):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "schedule,d,w,clip",
+    "schedule,d,w,clip,sp",
     [
-        ("2bw", 2, 1, True),
-        ("flush", 1, 2, False),
-        pytest.param("flush", 2, 1, False, marks=pytest.mark.long),  # the other pair of the acceptance's four: long
-        pytest.param("2bw", 1, 2, True, marks=pytest.mark.long),
+        ("2bw", 2, 1, True, False),
+        ("flush", 1, 2, False, False),
+        # pipeline.sequence_parallel: slices cross the stage boundary, the tie spans the stages, dropout 0.1
+        ("2bw", 2, 1, True, True),
+        pytest.param("flush", 2, 1, False, False, marks=pytest.mark.long),  # the other pair of the acceptance's four
+        pytest.param("2bw", 1, 2, True, False, marks=pytest.mark.long),
+        pytest.param("flush", 1, 2, False, True, marks=pytest.mark.long),
+        pytest.param("gpipe", 1, 2, True, True, marks=pytest.mark.long),
     ],
 )
-def test_tensor_parallel_equals_reference(tmp_path, schedule, d, w, clip):
+def test_tensor_parallel_equals_reference(tmp_path, schedule, d, w, clip, sp):
     # With clipping (0.05: below every step's norm, so each step is clipped) the global norm must sum each split
     # parameter's pieces over the tensor group and count the whole ones (norms, biases after the sum, embedding,
     # head) once: counted on every tensor rank, the clip would scale differently.
     cfg = tp_config(schedule, d, w)
     cfg.optim.clip_grad_norm = 0.05 if clip else None
+    cfg.pipeline.sequence_parallel = sp
     summary = run_ok(cfg, tmp_path)
     assert summary["tensor_parallel"] == 2 and len(summary["ranks"]) == 4
     ref = reference(cfg, w=w)
@@ -60,7 +65,8 @@ def test_tensor_parallel_equals_reference(tmp_path, schedule, d, w, clip):
 
 
 @pytest.mark.slow
-def test_muon_with_error_feedback_orthogonalizes_whole_matrices_at_t_2(tmp_path):
+@pytest.mark.parametrize("sp", [False, pytest.param(True, marks=pytest.mark.long)])  # pipeline.sequence_parallel
+def test_muon_with_error_feedback_orthogonalizes_whole_matrices_at_t_2(tmp_path, sp):
     # Muon (with error feedback, its default correction) at d=2 x t=2 under 2bw: each rank gathers its pieces'
     # Nesterov blend over the tensor group, orthogonalizes the whole matrix, keeps its piece of the update and scales
     # it by the whole matrix's shape (fc: 128 x 32, a piece 64 x 32). Orthogonalizing the pieces, or scaling by the
@@ -71,6 +77,7 @@ def test_muon_with_error_feedback_orthogonalizes_whole_matrices_at_t_2(tmp_path)
     cfg.optim = dataclasses.replace(
         cfg.optim, name="muon", muon_others="sgd", lr=1e-2, delay_correction="error_feedback"
     )
+    cfg.pipeline.sequence_parallel = sp
     summary = run_ok(cfg, tmp_path)
     ref = reference(cfg, w=1)
     weights = torch.load(tmp_path / "final_model.pt")
@@ -80,13 +87,14 @@ def test_muon_with_error_feedback_orthogonalizes_whole_matrices_at_t_2(tmp_path)
 
 @pytest.mark.slow
 @pytest.mark.long  # four runs, two of 4 ranks: a minute or two loaded
-@pytest.mark.parametrize("t_before,t_after", [(2, 1), (1, 2)])
-def test_checkpoint_holds_whole_tensors_and_resumes_at_another_t(tmp_path, t_before, t_after):
+@pytest.mark.parametrize("t_before,t_after,sp", [(2, 1, False), (1, 2, False), (2, 1, True), (1, 2, True)])
+def test_checkpoint_holds_whole_tensors_and_resumes_at_another_t(tmp_path, t_before, t_after, sp):
     # 3 steps at t_before, checkpointed; 3 more at t_after from it: the 6-step reference (both weight versions and
     # the momenta were saved whole and cut again), and the checkpoint's tensors have the unsplit shapes.
     src = tmp_path / "src"
     before = tp_config("2bw", 2, 1, t_before, num_steps=3)
     before.train.checkpoint_every = 3
+    before.pipeline.sequence_parallel = sp  # pipeline.sequence_parallel: the same whole tensors
     run_ok(before, src)
     layer = torch.load(src / "checkpoints" / "step_00000003" / "layer_00001.pt")
     assert layer["weights"]["1.qkv.weight"].shape == (96, 32) and layer["optimizer"]["1.fc.weight"][
@@ -94,6 +102,7 @@ def test_checkpoint_holds_whole_tensors_and_resumes_at_another_t(tmp_path, t_bef
     ].shape == (128, 32)
     after = tp_config("2bw", 2, 1, t_after)
     after.train.resume = str(src)
+    after.pipeline.sequence_parallel = sp
     summary = run_ok(after, tmp_path / "after")
     assert summary["first_step"] == 3
     ref = reference(after, w=1)
@@ -121,6 +130,16 @@ def test_checkpoint_holds_whole_tensors_and_resumes_at_another_t(tmp_path, t_bef
         ),
         ({"pipeline.schedule": "zb1p"}, 8, r"tensor_parallel \(2\) with pipeline.schedule \(zb1p\)"),
         ({"model": LayerListConfig(target="x.y")}, 8, r"splits the built-in GPT .* not a user.s layer list"),
+        (
+            {"pipeline.sequence_parallel": True, "model.seq_len": 15},
+            8,
+            r"sequence_parallel \(true\) needs model.seq_len \(15\) divisible by pipeline.tensor_parallel \(2\)",
+        ),
+        (
+            {"pipeline.sequence_parallel": True, "model": HFModelConfig(model_type="llama")},
+            8,
+            r"sequence_parallel \(true\) splits the built-in GPT's blocks .* set pipeline.sequence_parallel=false",
+        ),
     ],
 )
 def test_config_refuses_what_tensor_parallel_does_not_compose_with(change, world_size, match):
@@ -172,11 +191,13 @@ def test_shard_takes_every_block_of_a_split_and_unshard_inverts_it():
 
 @pytest.mark.slow
 @pytest.mark.long  # one 4-rank run: validation and recomputation at t = 2
-def test_tensor_parallel_validates_and_recomputes(tmp_path):
+@pytest.mark.parametrize("sp", [False, True])  # pipeline.sequence_parallel: the gathers re-run in the recomputation
+def test_tensor_parallel_validates_and_recomputes(tmp_path, sp):
     # Validation passes run the split blocks without grad (only tensor rank 0 of the last stage sends its loss);
     # recomputation re-runs each split block, its all-reduces included, in backward on the same random stream.
     cfg = tp_config("2bw", 2, 1)
     cfg.pipeline.recompute = True
+    cfg.pipeline.sequence_parallel = sp
     cfg.train.eval_every = 3
     cfg.data = dataclasses.replace(cfg.data, val_fraction=0.1)
     summary = run_ok(cfg, tmp_path)
@@ -245,7 +266,8 @@ def test_the_launcher_starts_d_w_t_ranks_when_not_told():
 
 
 @pytest.mark.slow
-def test_tensor_parallel_bf16_equals_reference(tmp_path):
+@pytest.mark.parametrize("sp", [False, pytest.param(True, marks=pytest.mark.long)])  # pipeline.sequence_parallel
+def test_tensor_parallel_bf16_equals_reference(tmp_path, sp):
     # bf16 autocast over the split blocks, their partial products summed in float32 and rounded once (as the
     # unsplit product the reference runs): bf16's tolerance (tests/matrix.py), the reference rounding activations
     # where the pipeline sends them (measured: weights within 1.9e-3 of it, losses within 5e-4).
@@ -253,6 +275,7 @@ def test_tensor_parallel_bf16_equals_reference(tmp_path):
 
     cfg = tp_config("2bw", 2, 1)
     cfg.train.precision = "bf16"
+    cfg.pipeline.sequence_parallel = sp
     summary = run_ok(cfg, tmp_path)
     p = dataclasses.replace(cfg.pipeline, num_stages=1, tensor_parallel=1)
     ref = reference_run(dataclasses.replace(cfg, pipeline=p), delayed=True, balance=[3, 3])
@@ -290,11 +313,13 @@ def test_a_plan_file_with_t_2_runs_as_planned(tmp_path, monkeypatch, capsys):
 
 @pytest.mark.slow
 @pytest.mark.long  # one 4-rank run
-def test_tensor_parallel_swaps_activations(tmp_path):
+@pytest.mark.parametrize("sp", [False, True])  # pipeline.sequence_parallel: the saved slices swapped
+def test_tensor_parallel_swaps_activations(tmp_path, sp):
     # swap.enabled at t = 2 (what a plan's swap.stages turns on): each rank's saved activations of its split blocks go
     # to the host and back (m = 4 in flight on stage 0, none kept): the reference's weights and losses.
     cfg = tp_config("2bw", 2, 1, m=4)
     cfg.swap = dataclasses.replace(cfg.swap, enabled=True, resident=0, min_bytes=0)
+    cfg.pipeline.sequence_parallel = sp
     summary = run_ok(cfg, tmp_path)
     assert all(r["swap"]["swapped_in"] > 0 for r in summary["ranks"][:2])  # stage 0's two tensor ranks
     ref = reference(cfg, w=1)
