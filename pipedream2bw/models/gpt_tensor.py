@@ -25,6 +25,7 @@ from pipedream2bw.models.gpt import Block, Embedding, Norm
 from pipedream2bw.pipeline.tensor import (
     SharedGroup,
     Split,
+    copy_many,
     copy_to,
     gather_sequence,
     gathered_linear,
@@ -82,7 +83,8 @@ class SplitBlock(Block):
 class SequenceSplitBlock(SplitBlock):
     """A ``SplitBlock`` on tensor rank ``rank``'s slice of the sequence (pipeline.sequence_parallel): (B, T/t, C) in
     and out. The norms' and the row-split biases' parameters are whole on every rank but see 1/t of the tokens: their
-    gradients are summed over the tensor group (``copy_to``), so each rank steps them as an unsplit run does."""
+    gradients are summed over the tensor group (``copy_many``: one all-reduce a block, once backward has made all six),
+    so each rank steps them as an unsplit run does."""
 
     def __init__(self, block: Block, *, group: Any, rank: int, size: int):
         super().__init__(block, group=group, rank=rank, size=size)
@@ -91,24 +93,28 @@ class SequenceSplitBlock(SplitBlock):
     def forward(self, x: Any) -> Any:
         if not torch.is_tensor(x):
             raise TypeError("pipeline.sequence_parallel splits a (B, T, C) tensor, not packed documents' tuples")
-        x = x + self.drop(self.attention(self.norm(self.ln1, x)))  # (B, T/t, C)
-        return x + self.drop(self.mlp(self.norm(self.ln2, x)))
+        ln1, ln2 = self.ln1, self.ln2
+        w1, b1, proj_b, w2, b2, fc_proj_b = copy_many(
+            self.tensor_group.group, ln1.weight, ln1.bias, self.proj.bias, ln2.weight, ln2.bias, self.fc_proj.bias
+        )
+        h = F.layer_norm(x, ln1.normalized_shape, w1, b1, ln1.eps)  # (B, T/t, C)
+        x = x + self.drop(self.attention(h, bias=proj_b))
+        h = F.layer_norm(x, ln2.normalized_shape, w2, b2, ln2.eps)
+        return x + self.drop(self.mlp(h, bias=fc_proj_b))
 
-    def norm(self, ln: nn.LayerNorm, x: torch.Tensor) -> torch.Tensor:
-        g = self.tensor_group.group
-        return F.layer_norm(x, ln.normalized_shape, copy_to(ln.weight, g), copy_to(ln.bias, g), ln.eps)
-
-    def attention(self, h: torch.Tensor, positions: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def attention(
+        self, h: torch.Tensor, positions: Optional[torch.Tensor] = None, *, bias: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
         g = self.tensor_group.group
         y = self.attend(gathered_linear(_compute(h), self.qkv.weight, self.qkv.bias, g))  # (B, T, C/t)
         out = reduce_scatter_sequence(F.linear(y, self.proj.weight), g)  # (B, T/t, C)
-        return _add_bias(out, copy_to(self.proj.bias, g))
+        return _add_bias(out, self.proj.bias if bias is None else bias)
 
-    def mlp(self, h: torch.Tensor) -> torch.Tensor:
+    def mlp(self, h: torch.Tensor, *, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         g = self.tensor_group.group
         y = F.gelu(gathered_linear(_compute(h), self.fc.weight, self.fc.bias, g))  # (B, T, 4C/t)
         out = reduce_scatter_sequence(F.linear(y, self.fc_proj.weight), g)  # (B, T/t, C)
-        return _add_bias(out, copy_to(self.fc_proj.bias, g))
+        return _add_bias(out, self.fc_proj.bias if bias is None else bias)
 
     def drop(self, y: torch.Tensor) -> torch.Tensor:
         """Dropout with this rank's slice of the mask an unsplit run draws for the whole (B, T, C) from the layer's

@@ -64,6 +64,29 @@ class _ReduceFrom(torch.autograd.Function):
         return grad, None
 
 
+class _CopyMany(torch.autograd.Function):
+    """f for several tensors at once: their gradients summed over the group in one float32 all-reduce, when backward
+    has made every one of them."""
+
+    @staticmethod
+    def forward(ctx, group: Any, *xs: torch.Tensor):
+        ctx.group = group
+        return tuple(x.view_as(x) for x in xs)
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):
+        flat = torch.cat([g.reshape(-1).to(torch.float32) for g in grads])
+        dist.all_reduce(flat, group=ctx.group)
+        sums = flat.split([g.numel() for g in grads])
+        return (None, *(v.view_as(g).to(g.dtype) for v, g in zip(sums, grads)))
+
+
+def copy_many(group: Any, *xs: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+    """``copy_to`` of each of ``xs`` with one all-reduce of their gradients (whole parameters that see 1/t of the
+    sequence under sequence parallelism: each rank's gradient is a partial sum)."""
+    return _CopyMany.apply(group, *xs)
+
+
 def copy_to(x: torch.Tensor, group: Any) -> torch.Tensor:
     """``x`` (replicated over ``group``) as the input of column-split layers."""
     return _CopyTo.apply(x, group)
