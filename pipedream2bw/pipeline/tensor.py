@@ -5,6 +5,13 @@ output) takes a replicated input through ``copy_to`` (identity forward, all-redu
 in backward); a row-split matrix's partial outputs are summed by ``reduce_from`` (all-reduce forward,
 identity backward). A split is ``(dim, chunks)``: the parameter's ``dim`` is ``chunks`` equal blocks (qkv's
 q, k and v: 3), each divided in t, and tensor rank k holds piece k of every block.
+
+Sequence parallelism (pipeline.sequence_parallel): between the split layers each rank holds its (B, T/t, C) slice of
+the sequence; ``gathered_linear`` all-gathers the slices into a column-split matrix's input (saving only the slice,
+gathered again in backward, which reduce-scatters the input's gradient), ``reduce_scatter_sequence`` sums the
+row-split partial outputs into each rank's slice (backward: an all-gather), ``scatter_sequence`` and
+``gather_sequence`` enter and leave the region, and ``copy_many`` sums the gradients of whole parameters that saw
+1/t of the tokens.
 """
 
 from __future__ import annotations
