@@ -413,3 +413,16 @@ def test_sequence_parallel_saves_the_activations_the_planner_predicts(tmp_path):
     for rank in range(4):
         (off, off_planned), (on, on_planned) = saved[False][rank], saved[True][rank]
         assert on < off and off - on == pytest.approx(off_planned - on_planned, rel=0.1), (rank, saved)
+
+
+def test_sequence_parallel_refuses_a_stage_holding_a_layer_it_does_not_know():
+    # A layer other than the GPT's (another change's embedding, say) would get slices where it expects the whole
+    # sequence, or hand the blocks the whole sequence as a slice: refused when the stage is split, not trained wrong.
+    from collections import OrderedDict
+
+    from pipedream2bw.models.gpt_tensor import split_blocks
+
+    stage = torch.nn.Sequential(OrderedDict([("0", torch.nn.Linear(4, 4))]))
+    with pytest.raises(TypeError, match=r"sequence_parallel splits the built-in GPT's layers only; .*0 \(Linear\)"):
+        split_blocks(stage, group=None, rank=0, size=2, sequence_parallel=True)
+    assert split_blocks(stage, group=None, rank=0, size=2) == {}  # without it: nothing to split, nothing refused

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pipedream2bw.models.gpt import Block, Embedding, Norm
+from pipedream2bw.models.gpt import Block, Embedding, LMHead, Norm
 from pipedream2bw.pipeline.tensor import (
     SharedGroup,
     Split,
@@ -140,6 +140,11 @@ def _compute(h: torch.Tensor) -> torch.Tensor:
     return h.to(torch.get_autocast_dtype(kind)) if torch.is_autocast_enabled(kind) else h
 
 
+GPT_LAYERS = (Embedding, Block, Norm, LMHead)
+"""The layers a sequence-parallel stage may hold: the blocks run on slices, the embedding's output is sliced, the
+final norm's input gathered, and the head sees the whole sequence after it."""
+
+
 class SequenceEnds:
     """Forward hooks that bound a stage's sequence-parallel region (parameter names unchanged): the embedding's whole
     output is sliced (``scatter``), the final norm's input gathered whole (``gather``). Shared, not copied, by the
@@ -170,6 +175,9 @@ def split_blocks(
     """
     splits: Dict[str, Split] = {}
     cls = SequenceSplitBlock if sequence_parallel else SplitBlock
+    odd = [f"{n} ({type(c).__name__})" for n, c in module._modules.items() if not isinstance(c, GPT_LAYERS)]
+    if sequence_parallel and odd:  # a layer it does not know would see slices where it expects the whole sequence
+        raise TypeError(f"pipeline.sequence_parallel splits the built-in GPT's layers only; this stage holds {odd}")
     ends = SequenceEnds(group, rank=rank, size=size)
     for name, child in list(module._modules.items()):
         if type(child) is Block:
