@@ -15,8 +15,9 @@ Memory per rank (the GPT's pre-LN block, C = d_model, T tokens, b a microbatch, 
     saved        16 b T C a per block (``profile.analytic_gpt``): q, k, v, the attention's output, the MLP's two
                  4C-wide activations (12 of the 16) / t; the two norms' inputs and the two inputs of the
                  column-parallel matrices (4 of the 16) whole on every rank; with sequence parallelism all 16 / t
-                 (Korthikanti et al. 2022: the norms' and replicated inputs split along the sequence); any
-                 autocast weight copies counted in the saved bytes split with their matrices
+                 (Korthikanti et al. 2022: the norms' and replicated inputs split along the sequence; the final
+                 norm's stays whole: the runtime gathers the sequence before it); any autocast weight copies
+                 counted in the saved bytes split with their matrices
     in / out     b T C a whole on every rank (each sends its copy to the next stage); / t with sequence parallelism
 
 The step's transients (``partitioner.step``, ``pipedream2bw.memory.step_memory``): a delay correction's copy and a
@@ -30,7 +31,8 @@ Step per batch: the optimizer's step over the rank's parameters (/ t with the sp
 Time per microbatch: the split layers' compute / (t * ``TENSOR_EFFICIENCY``); the norms' compute whole (/ t with
 sequence parallelism); per block two all-reduces of b T C a bytes in the forward (after the attention's and the MLP's
 row-parallel matrix) and two in the backward (the gradients of the two column-parallel inputs); with sequence
-parallelism each becomes a reduce-scatter and an all-gather, which move the same bytes. The embedding: one all-reduce
+parallelism each becomes a reduce-scatter and an all-gather, which move the same bytes, and the final norm's input
+is all-gathered (the norm runs whole: the head and the loss see the whole sequence). The embedding: one all-reduce
 of its output in the forward; the head: one of its input's gradient in the backward, and the vocab-parallel loss's
 three of b T float32 in the forward. A ring all-reduce of n bytes over t ranks on the intra-node link:
 ``2 (t-1)/t n / bandwidth + 2 (t-1) latency`` (``allreduce_s``).
@@ -218,10 +220,10 @@ def _head(c: LayerCost, shape: TensorShape, t: int, *, btc, link, sp, eff, b) ->
 def _norm(c: LayerCost, shape: TensorShape, t: int, *, btc, link, sp, eff, b) -> LayerCost:
     if not sp:
         return c
+    # the runtime gathers the sequence before the final norm (the head and the loss see it whole, as at t = 1): its
+    # input arrives as a slice and is all-gathered; it runs, saves and sends whole
     return dataclasses.replace(
         c,
-        forward_s=c.forward_s / t,
-        backward_s=c.backward_s / t,
-        saved_bytes=int(math.ceil(c.saved_bytes / t)),
-        **_io(c, t, sp),
+        forward_s=c.forward_s + allgather_s(btc, t, link),
+        input_bytes=int(math.ceil(c.input_bytes / t)),
     )

@@ -7,6 +7,8 @@
                                                    # stage at t = 1 and 2 against the planner's (partitioner/tensor.py)
     python scripts/bench_memory.py --optimizers    # each rank's peak against the planner's predicted peak, per
                                                    # optimizer and delay correction (the step's transients)
+    python scripts/bench_memory.py --sequence      # pipeline.sequence_parallel: a rank's activations at d=2 x t=2,
+                                                   # without and with it, against the planner's; and samples/s
 
 Memory: a GPT whose parameters dwarf its activations (32 blocks of d_model 64, 4 tokens a microbatch) and whose
 largest parameter, like each gradient bucket (``--bucket-mb``), is 1% of a stage, as a 25 MB bucket is of a large
@@ -25,6 +27,14 @@ versions and optimizer state, counted from the tensors; a float32 gradient per p
 bytes, each divided by the stage's whole parameters, against the planner's figures for that rank
 (``segment_costs`` on ``tensor.split_layers`` of the analytic costs): weights + gradients + optimizer state, and the
 rest (the peak less them) against its activations + buffers + workspace.
+
+Sequence (``--sequence``, d=2 x w=1 x t=2, 2bw, fp32, AdamW, ``SEQUENCE_MODEL``: activations dwarf the parameters;
+its vocabulary, 257, is odd, so the planner too keeps the embedding and the head whole, as this runtime does): per
+rank, without and with pipeline.sequence_parallel, what autograd saved for a microbatch times the most microbatches
+held (the summary's ``peak_stash_bytes``) against the planner's saved activations (``saved_bytes`` of
+``tensor.split_layers`` times ``schedule.in_flight``), and the peak tensor bytes less the weight state (the run's
+tensors) against the planner's activations + buffers + workspace; then samples/s of each, ``--repeats`` rounds
+alternating the two (``--steps`` each, no profiler).
 
 Time (``--time``): 4 ranks, sharded and unsharded under 2bw and flush, ``--repeats`` rounds alternating the four,
 median samples/s of each and the sharded / unsharded ratios, with the all-gather time forwards waited for.
@@ -80,7 +90,10 @@ OPTIMIZERS = {  # label: (optim.name, optim.delay_correction under 2bw; flush ru
     "muon": ("muon", "none"),
     "predict": ("muon", "predict"),
 }
-RANK_FIELDS = ("rank", "stage", "optimizer_state_bytes", "weight_bytes")  # of the summary's, per rank
+SEQUENCE_MODEL = dict(
+    num_layers=4, d_model=64, num_heads=4, seq_len=128, microbatch_size=4, num_microbatches=2, vocab_size=257
+)
+RANK_FIELDS = ("rank", "stage", "optimizer_state_bytes", "weight_bytes", "peak_stash_bytes")  # the summary's, per rank
 COMBINATIONS = [("fp32", "fp32"), ("bf16", "fp32"), ("bf16", "compute")]  # (precision, weight_dtype)
 
 
@@ -97,9 +110,11 @@ def job(
     bucket_mb,
     clip=None,
     t: int = 1,
+    sp: bool = False,
 ):
     return dict(
         t=t,
+        sp=sp,
         clip=clip,
         bucket_mb=bucket_mb,
         schedule=schedule,
@@ -125,9 +140,14 @@ def make_config(j: dict, *, cuda: bool) -> Config:
             bucket_mb=j["bucket_mb"],
             tensor_parallel=j.get("t", 1),
             recompute=j.get("recompute", False),
+            sequence_parallel=j.get("sp", False),
         ),
         model=GPTConfig(
-            num_layers=m["num_layers"], d_model=m["d_model"], num_heads=m["num_heads"], seq_len=m["seq_len"]
+            num_layers=m["num_layers"],
+            d_model=m["d_model"],
+            num_heads=m["num_heads"],
+            seq_len=m["seq_len"],
+            vocab_size=m.get("vocab_size", 256),
         ),
         optim=OptimConfig(
             name=j.get("optim", "adamw"),
@@ -342,7 +362,8 @@ def planner_ranks(j: dict, balance: list) -> list:
     b, m = j["model"]["microbatch_size"], j["model"]["num_microbatches"]
     layers = analytic_gpt(cfg.model, cfg.optim, b, cfg.topology, precision=j["precision"])
     shape = tensor_request(cfg, j["precision"], search=True)["tensor"]
-    seg = Segments(split_layers(layers, shape, t, b=b, link=intra_link(cfg.topology)))
+    link = intra_link(cfg.topology)
+    seg = Segments(split_layers(layers, shape, t, b=b, link=link, sequence_parallel=j.get("sp", False)))
     rank_map = [[s * w + r for r in range(w)] for s in range(d)]
     waits = [_predicted(j, s).held_gradient > 0 for s in range(d)]
     contexts = stage_contexts(
@@ -360,10 +381,13 @@ def planner_ranks(j: dict, balance: list) -> list:
     bounds = [sum(balance[:s]) for s in range(d + 1)]
     keys = ("weights", "gradients", "optimizer", "activations", "buffers", "workspace", "step", "memory")
     keys += ("steady_memory", "step_memory")
-    return [
+    out = [
         {k: float(v) for k, v in segment_costs(seg, bounds[s], bounds[s + 1], contexts[s]).items() if k in keys}
         for s in range(d)
     ]
+    for s in range(d):  # what autograd saves: the stage's layers' saved bytes times the microbatches in flight
+        out[s]["saved"] = float(seg.A[bounds[s + 1]] - seg.A[bounds[s]]) * in_flight(j["schedule"], s, d, m)
+    return out
 
 
 def tensor_table(args) -> None:
@@ -469,6 +493,51 @@ def optim_table(args) -> None:
     print(f"\n(GPT {OPTIM_MODEL}: fp32, {args.steps} steps; {', '.join(f'{k}: {v}' for k, v in OPTIMIZERS.items())})")
 
 
+def sequence_table(args) -> None:
+    """A rank's activations at d=2 x t=2 without and with pipeline.sequence_parallel against the planner's, and the
+    samples/s of each (the module docstring)."""
+    jobs = [
+        job(schedule="2bw", d=2, w=1, t=2, sp=sp, precision="fp32", weight_dtype="fp32", sharded=False,
+            steps=args.steps, model=SEQUENCE_MODEL, bucket_mb=args.bucket_mb)
+        for sp in (False, True)
+    ]  # fmt: skip
+    rows = []
+    for j, ranks in zip(jobs, launch(jobs, nproc=4, memory=True)):
+        info = ranks[0]
+        planned = planner_ranks(j, info["balance"])
+        for r in info["ranks"]:
+            plan, versions = planned[r["stage"]], 2
+            held = r["weight_bytes"] * (1 + 1 / versions) + r["optimizer_state_bytes"]
+            peak = next(x["peak_bytes"] for x in ranks if x["rank"] == r["rank"])
+            rest = plan["activations"] + plan["buffers"] + plan["workspace"]
+            rows.append(dict(sp=j["sp"], rank=r["rank"], stage=r["stage"], saved=r["peak_stash_bytes"],
+                             planner_saved=plan["saved"], rest=peak - held, planner_rest=rest))  # fmt: skip
+    timed = [dict(j, steps=args.time_steps) for _ in range(args.repeats) for j in jobs]
+    rates = {False: [], True: []}
+    for j, ranks in zip(timed, launch(timed, nproc=4, memory=False)):
+        rates[j["sp"]].append(ranks[0]["samples_per_s"])
+    if args.json:
+        Path(args.json).write_text(json.dumps({"rows": rows, "samples_per_s": rates}, indent=1) + "\n")
+    print(f"\nd=2 x w=1 x t=2, 2bw, fp32, AdamW, GPT {SEQUENCE_MODEL}, {args.steps} steps (bytes per rank)")
+    print("| sequence parallel | rank | stage | saved x in flight | planner | meas / planner | peak - weight state "
+          "| planner (activations + buffers + workspace) | meas / planner |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(
+            f"| {'yes' if r['sp'] else 'no'} | {r['rank']} | {r['stage']} | {r['saved']:,} | {r['planner_saved']:,.0f} "
+            f"| {r['saved'] / r['planner_saved']:.3f} | {r['rest']:,.0f} | {r['planner_rest']:,.0f} "
+            f"| {r['rest'] / r['planner_rest']:.3f} |"
+        )
+    for sp in (False, True):
+        mine = [r for r in rows if r["sp"] == sp]
+        most = max(r["saved"] for r in mine)
+        print(f"sequence parallel {'on ' if sp else 'off'}: saved x in flight, most of a rank {most:,}")
+    print(f"samples/s ({args.time_steps} steps, {args.repeats} rounds alternating): " + ", ".join(
+        f"{'with' if sp else 'without'} {statistics.median(v):.1f} ({', '.join(f'{x:.1f}' for x in v)})"
+        for sp, v in rates.items()
+    ))  # fmt: skip
+
+
 def time_table(args) -> None:
     kinds = [(s, sh) for s in ("2bw", "flush") for sh in (False, True)]
     jobs = [
@@ -556,6 +625,12 @@ def main() -> None:
         help="each rank's peak against the planner's per optimizer (the step's transients), at --optim-layouts",
     )
     parser.add_argument("--optim-layouts", nargs="+", default=list(OPTIM_LAYOUTS), help="--optimizers: d x w x t")
+    parser.add_argument(
+        "--sequence",
+        action="store_true",
+        help="pipeline.sequence_parallel: a rank's activations at d=2 x t=2 without and with it against the planner's",
+    )
+    parser.add_argument("--time-steps", type=int, default=30, help="--sequence: steps of each timed run")
     parser.add_argument("--json", default=None, help="memory and tensor tables: also write its rows to this file")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--memory", action="store_true", help=argparse.SUPPRESS)
@@ -572,7 +647,17 @@ def main() -> None:
     print(
         f"torch {torch.__version__}, {'CUDA ' + torch.cuda.get_device_name() if torch.cuda.is_available() else 'CPU'}"
     )
-    table = time_table if args.time else tensor_table if args.tensor else optim_table if args.optimizers else None
+    table = (
+        sequence_table
+        if args.sequence
+        else time_table
+        if args.time
+        else tensor_table
+        if args.tensor
+        else optim_table
+        if args.optimizers
+        else None
+    )
     (table or memory_table)(args)
 
 

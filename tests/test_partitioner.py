@@ -564,8 +564,10 @@ def test_tensor_split_divides_a_blocks_memory_and_adds_its_all_reduces():
     assert emb.param_bytes == pytest.approx((96 // 2 + 16) * C * 4, abs=1)  # the vocab's rows split, positions not
     assert head.param_bytes == 96 * C * 4 // 2
     assert norm == layers[2] and block.input_bytes == btc
-    sp = split_layers(layers, shape, 2, b=2, link=link, sequence_parallel=True)[1]
+    sp, sp_norm = split_layers(layers, shape, 2, b=2, link=link, sequence_parallel=True)[1:3]
     assert sp.saved_bytes == whole.saved_bytes // 2 and sp.input_bytes == btc // 2
+    # the final norm runs on the sequence gathered whole (as the runtime does): a slice in, whole saved and out
+    assert (sp_norm.saved_bytes, sp_norm.output_bytes, sp_norm.input_bytes) == (btc, btc, btc // 2)
 
 
 def test_tensor_split_keeps_muons_step_whole_and_adds_an_all_gather_per_matrix():

@@ -11,7 +11,7 @@ from dist_helper import run_ok, spawn
 from reference import reference_eval, reference_run
 from test_semantics import assert_losses_close, tiny_config
 
-from pipedream2bw.config import ConfigError, LayerListConfig, validate
+from pipedream2bw.config import ConfigError, HFModelConfig, LayerListConfig, validate
 from pipedream2bw.pipeline.layout import make_layout
 from pipedream2bw.pipeline.tensor import shard, sharded_state, unshard
 
@@ -33,20 +33,25 @@ def reference(cfg, *, w: int):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "schedule,d,w,clip",
+    "schedule,d,w,clip,sp",
     [
-        ("2bw", 2, 1, True),
-        ("flush", 1, 2, False),
-        pytest.param("flush", 2, 1, False, marks=pytest.mark.long),  # the other pair of the acceptance's four: long
-        pytest.param("2bw", 1, 2, True, marks=pytest.mark.long),
+        ("2bw", 2, 1, True, False),
+        ("flush", 1, 2, False, False),
+        # pipeline.sequence_parallel: slices cross the stage boundary, the tie spans the stages, dropout 0.1
+        ("2bw", 2, 1, True, True),
+        pytest.param("flush", 2, 1, False, False, marks=pytest.mark.long),  # the other pair of the acceptance's four
+        pytest.param("2bw", 1, 2, True, False, marks=pytest.mark.long),
+        pytest.param("flush", 1, 2, False, True, marks=pytest.mark.long),
+        pytest.param("gpipe", 1, 2, True, True, marks=pytest.mark.long),
     ],
 )
-def test_tensor_parallel_equals_reference(tmp_path, schedule, d, w, clip):
+def test_tensor_parallel_equals_reference(tmp_path, schedule, d, w, clip, sp):
     # With clipping (0.05: below every step's norm, so each step is clipped) the global norm must sum each split
     # parameter's pieces over the tensor group and count the whole ones (norms, biases after the sum, embedding,
     # head) once: counted on every tensor rank, the clip would scale differently.
     cfg = tp_config(schedule, d, w)
     cfg.optim.clip_grad_norm = 0.05 if clip else None
+    cfg.pipeline.sequence_parallel = sp
     summary = run_ok(cfg, tmp_path)
     assert summary["tensor_parallel"] == 2 and len(summary["ranks"]) == 4
     ref = reference(cfg, w=w)
@@ -60,7 +65,8 @@ def test_tensor_parallel_equals_reference(tmp_path, schedule, d, w, clip):
 
 
 @pytest.mark.slow
-def test_muon_with_error_feedback_orthogonalizes_whole_matrices_at_t_2(tmp_path):
+@pytest.mark.parametrize("sp", [False, pytest.param(True, marks=pytest.mark.long)])  # pipeline.sequence_parallel
+def test_muon_with_error_feedback_orthogonalizes_whole_matrices_at_t_2(tmp_path, sp):
     # Muon (with error feedback, its default correction) at d=2 x t=2 under 2bw: each rank gathers its pieces'
     # Nesterov blend over the tensor group, orthogonalizes the whole matrix, keeps its piece of the update and scales
     # it by the whole matrix's shape (fc: 128 x 32, a piece 64 x 32). Orthogonalizing the pieces, or scaling by the
@@ -71,6 +77,7 @@ def test_muon_with_error_feedback_orthogonalizes_whole_matrices_at_t_2(tmp_path)
     cfg.optim = dataclasses.replace(
         cfg.optim, name="muon", muon_others="sgd", lr=1e-2, delay_correction="error_feedback"
     )
+    cfg.pipeline.sequence_parallel = sp
     summary = run_ok(cfg, tmp_path)
     ref = reference(cfg, w=1)
     weights = torch.load(tmp_path / "final_model.pt")
@@ -80,13 +87,14 @@ def test_muon_with_error_feedback_orthogonalizes_whole_matrices_at_t_2(tmp_path)
 
 @pytest.mark.slow
 @pytest.mark.long  # four runs, two of 4 ranks: a minute or two loaded
-@pytest.mark.parametrize("t_before,t_after", [(2, 1), (1, 2)])
-def test_checkpoint_holds_whole_tensors_and_resumes_at_another_t(tmp_path, t_before, t_after):
+@pytest.mark.parametrize("t_before,t_after,sp", [(2, 1, False), (1, 2, False), (2, 1, True), (1, 2, True)])
+def test_checkpoint_holds_whole_tensors_and_resumes_at_another_t(tmp_path, t_before, t_after, sp):
     # 3 steps at t_before, checkpointed; 3 more at t_after from it: the 6-step reference (both weight versions and
     # the momenta were saved whole and cut again), and the checkpoint's tensors have the unsplit shapes.
     src = tmp_path / "src"
     before = tp_config("2bw", 2, 1, t_before, num_steps=3)
     before.train.checkpoint_every = 3
+    before.pipeline.sequence_parallel = sp  # pipeline.sequence_parallel: the same whole tensors
     run_ok(before, src)
     layer = torch.load(src / "checkpoints" / "step_00000003" / "layer_00001.pt")
     assert layer["weights"]["1.qkv.weight"].shape == (96, 32) and layer["optimizer"]["1.fc.weight"][
@@ -94,6 +102,7 @@ def test_checkpoint_holds_whole_tensors_and_resumes_at_another_t(tmp_path, t_bef
     ].shape == (128, 32)
     after = tp_config("2bw", 2, 1, t_after)
     after.train.resume = str(src)
+    after.pipeline.sequence_parallel = sp
     summary = run_ok(after, tmp_path / "after")
     assert summary["first_step"] == 3
     ref = reference(after, w=1)
@@ -121,6 +130,16 @@ def test_checkpoint_holds_whole_tensors_and_resumes_at_another_t(tmp_path, t_bef
         ),
         ({"pipeline.schedule": "zb1p"}, 8, r"tensor_parallel \(2\) with pipeline.schedule \(zb1p\)"),
         ({"model": LayerListConfig(target="x.y")}, 8, r"splits the built-in GPT .* not a user.s layer list"),
+        (
+            {"pipeline.sequence_parallel": True, "model.seq_len": 15},
+            8,
+            r"sequence_parallel \(true\) needs model.seq_len \(15\) divisible by pipeline.tensor_parallel \(2\)",
+        ),
+        (
+            {"pipeline.sequence_parallel": True, "model": HFModelConfig(model_type="llama")},
+            8,
+            r"sequence_parallel \(true\) splits the built-in GPT's blocks .* set pipeline.sequence_parallel=false",
+        ),
     ],
 )
 def test_config_refuses_what_tensor_parallel_does_not_compose_with(change, world_size, match):
@@ -172,11 +191,13 @@ def test_shard_takes_every_block_of_a_split_and_unshard_inverts_it():
 
 @pytest.mark.slow
 @pytest.mark.long  # one 4-rank run: validation and recomputation at t = 2
-def test_tensor_parallel_validates_and_recomputes(tmp_path):
+@pytest.mark.parametrize("sp", [False, True])  # pipeline.sequence_parallel: the gathers re-run in the recomputation
+def test_tensor_parallel_validates_and_recomputes(tmp_path, sp):
     # Validation passes run the split blocks without grad (only tensor rank 0 of the last stage sends its loss);
     # recomputation re-runs each split block, its all-reduces included, in backward on the same random stream.
     cfg = tp_config("2bw", 2, 1)
     cfg.pipeline.recompute = True
+    cfg.pipeline.sequence_parallel = sp
     cfg.train.eval_every = 3
     cfg.data = dataclasses.replace(cfg.data, val_fraction=0.1)
     summary = run_ok(cfg, tmp_path)
@@ -245,7 +266,8 @@ def test_the_launcher_starts_d_w_t_ranks_when_not_told():
 
 
 @pytest.mark.slow
-def test_tensor_parallel_bf16_equals_reference(tmp_path):
+@pytest.mark.parametrize("sp", [False, pytest.param(True, marks=pytest.mark.long)])  # pipeline.sequence_parallel
+def test_tensor_parallel_bf16_equals_reference(tmp_path, sp):
     # bf16 autocast over the split blocks, their partial products summed in float32 and rounded once (as the
     # unsplit product the reference runs): bf16's tolerance (tests/matrix.py), the reference rounding activations
     # where the pipeline sends them (measured: weights within 1.9e-3 of it, losses within 5e-4).
@@ -253,6 +275,7 @@ def test_tensor_parallel_bf16_equals_reference(tmp_path):
 
     cfg = tp_config("2bw", 2, 1)
     cfg.train.precision = "bf16"
+    cfg.pipeline.sequence_parallel = sp
     summary = run_ok(cfg, tmp_path)
     p = dataclasses.replace(cfg.pipeline, num_stages=1, tensor_parallel=1)
     ref = reference_run(dataclasses.replace(cfg, pipeline=p), delayed=True, balance=[3, 3])
@@ -290,13 +313,116 @@ def test_a_plan_file_with_t_2_runs_as_planned(tmp_path, monkeypatch, capsys):
 
 @pytest.mark.slow
 @pytest.mark.long  # one 4-rank run
-def test_tensor_parallel_swaps_activations(tmp_path):
+@pytest.mark.parametrize("sp", [False, True])  # pipeline.sequence_parallel: the saved slices swapped
+def test_tensor_parallel_swaps_activations(tmp_path, sp):
     # swap.enabled at t = 2 (what a plan's swap.stages turns on): each rank's saved activations of its split blocks go
     # to the host and back (m = 4 in flight on stage 0, none kept): the reference's weights and losses.
     cfg = tp_config("2bw", 2, 1, m=4)
     cfg.swap = dataclasses.replace(cfg.swap, enabled=True, resident=0, min_bytes=0)
+    cfg.pipeline.sequence_parallel = sp
     summary = run_ok(cfg, tmp_path)
     assert all(r["swap"]["swapped_in"] > 0 for r in summary["ranks"][:2])  # stage 0's two tensor ranks
     ref = reference(cfg, w=1)
     torch.testing.assert_close(torch.load(tmp_path / "final_model.pt"), ref.weights, rtol=1e-5, atol=1e-6)
     assert_losses_close(summary["losses"], ref.losses)
+
+
+def _sequence_parallel_stage(out_dir: str) -> None:
+    """One rank of ``test_a_sequence_parallel_stage_is_the_unsplit_stage``: writes what it found wrong, or nothing."""
+    import copy
+    from collections import OrderedDict
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    from pipedream2bw.config import GPTConfig
+    from pipedream2bw.models import build_gpt_layers
+    from pipedream2bw.models.gpt_tensor import SplitBlock, split_blocks
+    from pipedream2bw.pipeline import comm, stateful
+
+    rank, world_size, _ = comm.env_rank()
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    gpt = GPTConfig(num_layers=2, d_model=32, num_heads=2, seq_len=16, vocab_size=64, dropout=0.1)
+    whole = stateful.StageSequential(OrderedDict((str(i), m) for i, m in enumerate(build_gpt_layers(gpt, seed=1))))
+    split = copy.deepcopy(whole)
+    splits = split_blocks(split, group=dist.group.WORLD, rank=rank, size=world_size, sequence_parallel=True)
+    first = stateful.StageSequential(OrderedDict(list(split._modules.items())[:2]))  # embedding, block: a boundary
+    torch.manual_seed(0)
+    idx, weight = torch.randint(0, 64, (2, 16)), torch.randn(2, 16, 64)
+    outs = []
+    for module in (whole, split, first):
+        with stateful.microbatch_streams(7, 3, torch.device("cpu")):  # each layer reseeded: the same masks
+            outs.append(module(idx))
+    (outs[0] * weight).sum().backward()
+    (outs[1] * weight).sum().backward()
+    wrong = []
+    if not torch.allclose(outs[1], outs[0], rtol=1e-5, atol=1e-6):
+        wrong.append(f"logits ({(outs[1] - outs[0]).abs().max():.2e} off)")
+    if tuple(outs[2].shape) != (2, 16 // world_size, 32):
+        wrong.append(f"the boundary's shape {tuple(outs[2].shape)}")
+    for (name, p), (_, q) in zip(whole.named_parameters(), split.named_parameters()):
+        expected = shard(p.grad, splits[name], rank=rank, size=world_size) if name in splits else p.grad
+        off = float((q.grad - expected).abs().max() / expected.abs().max())  # round-off: sums in another order
+        if not off < 1e-5:
+            wrong.append(f"{name}'s gradient ({off:.2e} of its largest off)")
+    assert isinstance(split._modules["1"], SplitBlock)
+    Path(out_dir, f"wrong{rank}.txt").write_text("\n".join(wrong))
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_a_sequence_parallel_stage_is_the_unsplit_stage(tmp_path):
+    # pipeline.sequence_parallel at t = 2, a whole GPT as one stage (embedding, two blocks, norm, head) with dropout
+    # 0.1: each rank's blocks run on half the sequence (the embedding's output sliced, the norm's input gathered), yet
+    # the logits and every gradient (split parameters: this rank's piece) are the unsplit stage's; a stage that ends
+    # in a block sends (B, T/2, C). Guards the dropout masks (a rank's slice of the whole mask), the norms' and the
+    # row-split biases' gradients (summed over the tensor group) and the gathers' backward (reduce-scatter vs slice).
+    results = spawn(_sequence_parallel_stage, world_size=2, args=(str(tmp_path),), log_dir=tmp_path / "logs")
+    assert all(r.exitcode == 0 for r in results), "\n".join(r.log for r in results)
+    assert [(tmp_path / f"wrong{r}.txt").read_text() for r in range(2)] == ["", ""]
+
+
+def test_sequence_parallel_is_moot_at_t_1(caplog):
+    cfg = tp_config("2bw", 2, 1, 1)
+    cfg.pipeline.sequence_parallel = True
+    with caplog.at_level("INFO", logger="pipedream2bw.config.validate"):
+        assert validate(cfg, world_size=2) == [3, 3]
+    assert "pipeline.sequence_parallel (true) is moot at pipeline.tensor_parallel=1" in caplog.text
+
+
+@pytest.mark.slow
+@pytest.mark.long  # two 4-rank runs
+def test_sequence_parallel_saves_the_activations_the_planner_predicts(tmp_path):
+    # scripts/bench_memory.py --sequence at half its sequence: d=2 x t=2, 2bw, fp32. Each rank's saved activations
+    # (what autograd saved for a microbatch x the most held, the summary's peak_stash_bytes) without and with
+    # pipeline.sequence_parallel: stage 0 (embedding, blocks) is the planner's within 10% both ways, and the saving on
+    # both stages is the planner's within 10% (its stage 1 overcounts the head's logits alike in both runs).
+    from test_bench import _script
+
+    bench = _script("bench_memory")
+    model = dict(bench.SEQUENCE_MODEL, seq_len=64)
+    saved = {}
+    for sp in (False, True):
+        j = bench.job(schedule="2bw", d=2, w=1, t=2, sp=sp, precision="fp32", weight_dtype="fp32", sharded=False,
+                      steps=2, model=model, bucket_mb=0.0625)  # fmt: skip
+        summary = run_ok(bench.make_config(j, cuda=False), tmp_path / str(sp))
+        planned = bench.planner_ranks(j, summary["balance"])
+        saved[sp] = {r["rank"]: (r["peak_stash_bytes"], planned[r["stage"]]["saved"]) for r in summary["ranks"]}
+        for rank in (0, 1):  # stage 0's tensor ranks
+            assert saved[sp][rank][0] == pytest.approx(saved[sp][rank][1], rel=0.1), (sp, rank, saved[sp][rank])
+    for rank in range(4):
+        (off, off_planned), (on, on_planned) = saved[False][rank], saved[True][rank]
+        assert on < off and off - on == pytest.approx(off_planned - on_planned, rel=0.1), (rank, saved)
+
+
+def test_sequence_parallel_refuses_a_stage_holding_a_layer_it_does_not_know():
+    # A layer other than the GPT's (another change's embedding, say) would get slices where it expects the whole
+    # sequence, or hand the blocks the whole sequence as a slice: refused when the stage is split, not trained wrong.
+    from collections import OrderedDict
+
+    from pipedream2bw.models.gpt_tensor import split_blocks
+
+    stage = torch.nn.Sequential(OrderedDict([("0", torch.nn.Linear(4, 4))]))
+    with pytest.raises(TypeError, match=r"sequence_parallel splits the built-in GPT's layers only; .*0 \(Linear\)"):
+        split_blocks(stage, group=None, rank=0, size=2, sequence_parallel=True)
+    assert split_blocks(stage, group=None, rank=0, size=2) == {}  # without it: nothing to split, nothing refused

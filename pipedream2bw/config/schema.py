@@ -67,6 +67,10 @@ class PipelineConfig:
     """Tensor width t: each stage's layers split across t ranks (attention by heads, the MLP by its hidden width,
     Megatron's column- then row-wise split; docs/concepts.md). WORLD_SIZE = num_stages * data_parallel * t, t
     innermost (a stage's t ranks are consecutive, on one node); the built-in GPT in fp32 only."""
+    sequence_parallel: bool = False
+    """At tensor_parallel t > 1 (moot at 1), the built-in GPT only: Megatron's sequence parallelism. Between the split
+    matrices each tensor rank holds 1/t of the sequence (norms, dropout, residual adds and the activations sent between
+    stages); an all-gather before qkv and fc, a reduce-scatter after proj and fc_proj (docs/concepts.md)."""
     trace: bool = False
     """Record when every F, B, send, recv, all-reduce and optimizer step ran on every rank for
     trace_steps steps; writes trace.json (Chrome/Perfetto), timeline.png and the bubble fraction."""

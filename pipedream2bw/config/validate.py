@@ -459,6 +459,8 @@ def _validate_tensor_parallel(cfg: Config, *, gpt: bool, local_world_size: int) 
     ranks per node), and composes (or one line)."""
     t = cfg.pipeline.tensor_parallel
     if t == 1:
+        if cfg.pipeline.sequence_parallel:
+            log.info("pipeline.sequence_parallel (true) is moot at pipeline.tensor_parallel=1: no tensor group splits")
         return
     why = _tensor_parallel_refusal(cfg, gpt=gpt)
     if why is not None:
@@ -478,6 +480,30 @@ def _validate_tensor_parallel(cfg: Config, *, gpt: bool, local_world_size: int) 
         raise ConfigError(
             f"pipeline.tensor_parallel ({t}) must divide the ranks per node ({local_world_size}, LOCAL_WORLD_SIZE): a "
             "tensor group's t consecutive ranks must stay on one node; launch a multiple of t ranks per node"
+        )
+    _validate_sequence_parallel(cfg)
+
+
+def _validate_sequence_parallel(cfg: Config) -> None:
+    """pipeline.sequence_parallel at t > 1: the built-in GPT's blocks on whole windows whose tokens t divides."""
+    t, mdl = cfg.pipeline.tensor_parallel, cfg.model
+    if not cfg.pipeline.sequence_parallel:
+        return
+    why = "pipeline.sequence_parallel (true)"
+    if not isinstance(mdl, GPTConfig):
+        raise ConfigError(
+            f"{why} splits the built-in GPT's blocks along the sequence only (model=gpt), not model=hf's or a layer "
+            "list's; set pipeline.sequence_parallel=false for this model"
+        )
+    if mdl.seq_len % t:
+        raise ConfigError(
+            f"{why} needs model.seq_len ({mdl.seq_len}) divisible by pipeline.tensor_parallel ({t}): each tensor "
+            f"rank holds seq_len / t tokens; set model.seq_len to a multiple of {t} or pipeline.sequence_parallel=false"
+        )
+    if cfg.data.packing != "windows":
+        raise ConfigError(
+            f"{why} with data.packing ({cfg.data.packing}): packed documents' positions are not split along the "
+            "sequence; set data.packing=windows or pipeline.sequence_parallel=false"
         )
 
 

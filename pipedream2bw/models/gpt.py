@@ -68,8 +68,11 @@ class Block(nn.Module):
     def heads(self, h: torch.Tensor, positions: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Causal self-attention (within each packed document with ``positions``) of the heads ``qkv`` holds (all,
         or a tensor rank's): (B, T, C) -> (B, T, H'*C/H)."""
-        B, T, _ = h.shape
-        qkv = self.qkv(h)
+        return self.attend(self.qkv(h), positions)
+
+    def attend(self, qkv: torch.Tensor, positions: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``heads`` from the heads' q, k and v: (B, T, 3*H'*C/H) -> (B, T, H'*C/H)."""
+        B, T, _ = qkv.shape
         width = qkv.shape[-1] // 3  # H' heads of C/H
         # (B, H', T, C/H) for each of q, k, v
         q, k, v = (t.view(B, T, width // self.head_dim, self.head_dim).transpose(1, 2) for t in qkv.split(width, 2))

@@ -5,14 +5,22 @@ output) takes a replicated input through ``copy_to`` (identity forward, all-redu
 in backward); a row-split matrix's partial outputs are summed by ``reduce_from`` (all-reduce forward,
 identity backward). A split is ``(dim, chunks)``: the parameter's ``dim`` is ``chunks`` equal blocks (qkv's
 q, k and v: 3), each divided in t, and tensor rank k holds piece k of every block.
+
+Sequence parallelism (pipeline.sequence_parallel): between the split layers each rank holds its (B, T/t, C) slice of
+the sequence; ``gathered_linear`` all-gathers the slices into a column-split matrix's input (saving only the slice,
+gathered again in backward, which reduce-scatters the input's gradient), ``reduce_scatter_sequence`` sums the
+row-split partial outputs into each rank's slice (backward: an all-gather), ``scatter_sequence`` and
+``gather_sequence`` enter and leave the region, and ``copy_many`` sums the gradients of whole parameters that saw
+1/t of the tokens.
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, Mapping, Sequence, Tuple
+from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 Split = Tuple[int, int]
 """(dim, chunks): how a parameter is divided among a tensor group (module docstring)."""
@@ -63,6 +71,29 @@ class _ReduceFrom(torch.autograd.Function):
         return grad, None
 
 
+class _CopyMany(torch.autograd.Function):
+    """f for several tensors at once: their gradients summed over the group in one float32 all-reduce, when backward
+    has made every one of them."""
+
+    @staticmethod
+    def forward(ctx, group: Any, *xs: torch.Tensor):
+        ctx.group = group
+        return tuple(x.view_as(x) for x in xs)
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):
+        flat = torch.cat([g.reshape(-1).to(torch.float32) for g in grads])
+        dist.all_reduce(flat, group=ctx.group)
+        sums = flat.split([g.numel() for g in grads])
+        return (None, *(v.view_as(g).to(g.dtype) for v, g in zip(sums, grads)))
+
+
+def copy_many(group: Any, *xs: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+    """``copy_to`` of each of ``xs`` with one all-reduce of their gradients (whole parameters that see 1/t of the
+    sequence under sequence parallelism: each rank's gradient is a partial sum)."""
+    return _CopyMany.apply(group, *xs)
+
+
 def copy_to(x: torch.Tensor, group: Any) -> torch.Tensor:
     """``x`` (replicated over ``group``) as the input of column-split layers."""
     return _CopyTo.apply(x, group)
@@ -71,6 +102,127 @@ def copy_to(x: torch.Tensor, group: Any) -> torch.Tensor:
 def reduce_from(x: torch.Tensor, group: Any) -> torch.Tensor:
     """The sum over ``group`` of the row-split layers' partial outputs ``x``."""
     return _ReduceFrom.apply(x, group)
+
+
+# ---- sequence parallelism (pipeline.sequence_parallel): activations split along the sequence, dim 1 of (B, T, C)
+
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # torch's current names
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _gather_seq(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """Every rank's (B, T/t, C) slice of ``group`` -> the whole (B, T, C), in rank order along the sequence."""
+    t = dist.get_world_size(group)
+    B, Tk = x.shape[:2]
+    pieces = torch.empty((t * B, *x.shape[1:]), dtype=x.dtype, device=x.device)  # (t*B, T/t, C): slices stacked
+    _ALL_GATHER(pieces, x.contiguous(), group=group)
+    return pieces.view(t, B, Tk, *x.shape[2:]).transpose(0, 1).reshape(B, t * Tk, *x.shape[2:])
+
+
+def _reduce_scatter_seq(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """This rank's (B, T/t, C) slice of the sum over ``group`` of (B, T, C) ``x``, added in float32 (as
+    ``_all_reduce_float32``), in ``x``'s dtype."""
+    t = dist.get_world_size(group)
+    B, T = x.shape[:2]
+    rest = x.shape[2:]
+    stacked = torch.empty((t, B, T // t, *rest), dtype=torch.float32, device=x.device)  # slice k at row k
+    stacked.copy_(x.view(B, t, T // t, *rest).transpose(0, 1))
+    out = torch.empty((B, T // t, *rest), dtype=torch.float32, device=x.device)
+    _REDUCE_SCATTER(out, stacked.view(t * B, T // t, *rest), group=group)
+    return out.to(x.dtype)
+
+
+def sequence_slice(x: torch.Tensor, *, rank: int, size: int) -> torch.Tensor:
+    """Tensor rank ``rank``'s slice (of ``size``) of ``x`` (B, T, ...) along the sequence: (B, T/size, ...), its own
+    storage (a view would keep the whole tensor alive wherever autograd saves the slice)."""
+    T = x.shape[1]
+    if T % size:
+        raise ValueError(f"a sequence of {T} tokens does not split into {size} equal slices")
+    return x[:, rank * (T // size) : (rank + 1) * (T // size)].clone(memory_format=torch.contiguous_format)
+
+
+class _ScatterSeq(torch.autograd.Function):
+    """A replicated (B, T, C) enters the sequence-parallel region: this rank keeps its slice; the slices' gradients
+    are gathered whole (every rank's replicated producer gets the whole gradient)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: Any, rank: int, size: int) -> torch.Tensor:
+        ctx.group = group
+        return sequence_slice(x, rank=rank, size=size)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _gather_seq(grad, ctx.group), None, None, None
+
+
+class _GatherSeq(torch.autograd.Function):
+    """The sequence-parallel region's slices gathered whole into a replicated region (the final norm and head): every
+    rank computes the same whole gradient there, and keeps its slice of it (no communication)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: Any, rank: int, size: int) -> torch.Tensor:
+        ctx.rank, ctx.size = rank, size
+        return _gather_seq(x, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return sequence_slice(grad, rank=ctx.rank, size=ctx.size), None, None, None
+
+
+class _ReduceScatterSeq(torch.autograd.Function):
+    """The row-split layers' partial (B, T, C) outputs summed, each rank keeping its slice (in place of
+    ``reduce_from``'s all-reduce); its gradient slices gathered whole, the input of every rank's row-split product."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        return _reduce_scatter_seq(x, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _gather_seq(grad, ctx.group), None
+
+
+class _GatheredLinear(torch.autograd.Function):
+    """``F.linear`` of the sequence gathered whole from every rank's slice (a column-split matrix's input), saving
+    only the slice: the backward gathers it again (Megatron's sequence parallelism), and reduce-scatters the input's
+    gradient. ``x`` arrives in the compute dtype (autocast's cast made outside, as an unsplit linear's input)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], group: Any) -> torch.Tensor:
+        ctx.group, ctx.has_bias = group, bias is not None
+        ctx.save_for_backward(x, weight)  # (B, T/t, C) and the parameter itself: nothing whole is kept
+        w, b = weight.to(x.dtype), None if bias is None else bias.to(x.dtype)
+        return F.linear(_gather_seq(x, group), w, b)  # (B, T, N/t)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        whole = _gather_seq(x, ctx.group)  # (B, T, C) again
+        grad_x = _reduce_scatter_seq(grad.matmul(weight.to(grad.dtype)), ctx.group).to(x.dtype)
+        grad_w = grad.flatten(0, -2).t().mm(whole.flatten(0, -2).to(grad.dtype)).to(weight.dtype)
+        grad_b = grad.flatten(0, -2).sum(0).to(weight.dtype) if ctx.has_bias else None
+        return grad_x, grad_w, grad_b, None
+
+
+def scatter_sequence(x: torch.Tensor, group: Any, *, rank: int, size: int) -> torch.Tensor:
+    """This rank's sequence slice of a replicated ``x`` (B, T, C); its gradient is gathered whole."""
+    return _ScatterSeq.apply(x, group, rank, size)
+
+
+def gather_sequence(x: torch.Tensor, group: Any, *, rank: int, size: int) -> torch.Tensor:
+    """The whole (B, T, C) from every rank's slice ``x``, entering a replicated region (its gradient: the slice)."""
+    return _GatherSeq.apply(x, group, rank, size)
+
+
+def reduce_scatter_sequence(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """This rank's sequence slice of the sum over ``group`` of the row-split layers' partial outputs ``x``."""
+    return _ReduceScatterSeq.apply(x, group)
+
+
+def gathered_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], group: Any) -> torch.Tensor:
+    """A column-split ``F.linear`` of the sequence gathered from every rank's slice ``x`` (B, T/t, C) -> (B, T, N/t)."""
+    return _GatheredLinear.apply(x, weight, bias, group)
 
 
 def shard(whole: torch.Tensor, split: Split, *, rank: int, size: int) -> torch.Tensor:

@@ -53,6 +53,9 @@ class RankPlan:
     """Under 2bw: the steps that run as PipeDream-Flush first (``pipeline.sync_warmup_steps``)."""
     forward_lead: int = 0
     """Forwards ahead of 1F1B's bound on the stages before the last (``pipeline.forward_lead``)."""
+    sequence_parallel: bool = False
+    """At t > 1: the blocks' activations split along the sequence over the tensor group
+    (``pipeline.sequence_parallel``)."""
 
     @classmethod
     def from_config(
@@ -96,6 +99,7 @@ class RankPlan:
             num_steps=cfg.train.num_steps,
             sync_warmup_steps=p.sync_warmup_steps if p.schedule == "2bw" else 0,
             forward_lead=p.forward_lead,
+            sequence_parallel=p.sequence_parallel and layout.tensor > 1,
         )
 
     @property

@@ -75,7 +75,8 @@ def split_stage(rt: RankPlan, ctx: comm.DistContext, module: nn.Module) -> Optio
         return None
     group = comm.new_groups(ctx, rt.layout.tensor_groups())[rt.stage * rt.data_parallel + rt.replica]
     wholes = {n: p.shape for n, p in module.named_parameters()}
-    splits = split_blocks(module, group=group, rank=rt.tensor_rank, size=rt.tensor_parallel)
+    sp = rt.sequence_parallel  # the blocks on 1/t of the sequence, sliced after the embedding, gathered before the norm
+    splits = split_blocks(module, group=group, rank=rt.tensor_rank, size=rt.tensor_parallel, sequence_parallel=sp)
     # model=hf's Llama family (a stage holds GPT blocks or decoder layers)
     splits.update(split_decoder_layers(module, group=group, rank=rt.tensor_rank, size=rt.tensor_parallel))
     pieces = {n: p.shape for n, p in module.named_parameters() if n in splits}
