@@ -2,20 +2,31 @@
 
 Megatron's split: ``qkv`` and ``fc`` column-wise (tensor rank k holds heads k*H/t .. (k+1)*H/t - 1 of q, k and v,
 and rows k*4C/t .. of ``fc``), ``proj`` and ``fc_proj`` row-wise (the matching input columns); their biases are
-added once, after the sum. Norms, embedding and head stay whole on every rank, and so do the activations between
-blocks: each rank's dropout draws the same mask as an unsplit run (one random stream per layer and microbatch).
+added once, after the sum. Where t divides the vocabulary, the embedding and the head split by it (Megatron's
+VocabParallelEmbedding and column-parallel head: tensor rank k holds rows k*V/t .. (k+1)*V/t - 1 of each, so a tied
+pair stays tied piece by piece) and ``VocabLoss`` takes the place of ``lm_loss`` on the head's split logits; else they
+stay whole on every rank. Norms stay whole, and so do the activations between layers: each rank's dropout draws the
+same mask as an unsplit run (one random stream per layer and microbatch).
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pipedream2bw.models.gpt import Block
-from pipedream2bw.pipeline.tensor import SharedGroup, Split, copy_to, reduce_from, shard
+from pipedream2bw.models.gpt import Block, Embedding, LMHead, _dropout
+from pipedream2bw.pipeline.tensor import (
+    SharedGroup,
+    Split,
+    copy_to,
+    reduce_from,
+    shard,
+    vocab_parallel_cross_entropy,
+    vocab_range,
+)
 
 
 class SplitBlock(Block):
@@ -73,3 +84,91 @@ def split_blocks(module: nn.Module, *, group: Any, rank: int, size: int) -> Dict
             module._modules[name] = SplitBlock(child, group=group, rank=rank, size=size)
             splits.update({f"{name}.{k}": v for k, v in SplitBlock.SPLITS.items()})
     return splits
+
+
+class VocabParallelEmbedding(Embedding):
+    """An ``Embedding`` whose token rows are tensor rank ``rank``'s ids [start, end): an id outside them looks up
+    zeros, and the partial embeddings are summed over the tensor group (exact: one of the t terms is nonzero); the
+    position embedding whole. Parameter names unchanged."""
+
+    def __init__(self, embedding: Embedding, *, group: Any, rank: int, size: int):
+        nn.Module.__init__(self)
+        self.tok, self.pos, self.dropout = embedding.tok, embedding.pos, embedding.dropout
+        self.start, self.end = vocab_range(embedding.tok.num_embeddings, rank=rank, size=size)
+        self.tensor_group = SharedGroup(group)
+
+    def tokens(self, idx: torch.Tensor) -> torch.Tensor:
+        """(B, T) whole ids -> (B, T, C) token embeddings, summed over the tensor group."""
+        outside = (idx < self.start) | (idx >= self.end)
+        rows = F.embedding(torch.where(outside, torch.zeros_like(idx), idx - self.start), self.tok.weight)
+        return reduce_from(rows.masked_fill(outside[..., None], 0.0), self.tensor_group.group)
+
+    def forward(self, idx: Any) -> Any:
+        if isinstance(idx, (tuple, list)):  # packed documents: the positions restart with each one
+            idx, positions = idx
+            return _dropout(self.tokens(idx) + self.pos(positions), self.dropout, self.training), positions
+        positions = torch.arange(idx.shape[1], device=idx.device)
+        return _dropout(self.tokens(idx) + self.pos(positions), self.dropout, self.training)  # (B, T, C)
+
+
+class VocabParallelHead(LMHead):
+    """An ``LMHead`` holding tensor rank ``rank``'s rows (vocabulary ids [start, end)): (B, T, C) -> (B, T, V/t), the
+    logits of its ids only (``VocabLoss`` reads them); its input's gradient summed over the tensor group."""
+
+    def __init__(self, head: LMHead, *, group: Any, rank: int, size: int):
+        nn.Module.__init__(self)
+        self.out = head.out
+        self.tensor_group = SharedGroup(group)
+
+    def forward(self, x: Any) -> torch.Tensor:
+        x = x[0] if isinstance(x, (tuple, list)) else x  # packed documents: the positions end here
+        return self.out(copy_to(x, self.tensor_group.group))
+
+
+class VocabLoss:
+    """``lm_loss`` on logits split by the vocabulary (``VocabParallelHead``'s): the mean next-token cross entropy over
+    targets other than -100 (``F.cross_entropy``'s ignore index), or with (ids, weights) their weighted sum; the
+    same value on every rank of the tensor group."""
+
+    def __init__(self, group: Any, *, vocab_size: int, rank: int, size: int):
+        self.group, self.start = group, vocab_range(vocab_size, rank=rank, size=size)[0]
+
+    def __call__(self, logits: torch.Tensor, targets: Any) -> torch.Tensor:
+        ids, weights = targets if isinstance(targets, (tuple, list)) else (targets, None)
+        ids = ids.flatten()
+        kept = ids != -100
+        losses = vocab_parallel_cross_entropy(
+            logits.flatten(0, 1).float(), torch.where(kept, ids, -1), start=self.start, group=self.group
+        )
+        if weights is not None:
+            return (losses * weights.flatten()).sum()
+        return (losses * kept).sum() / kept.sum()
+
+
+def split_vocab(
+    module: nn.Module, *, group: Any, rank: int, size: int, head: bool = True
+) -> Tuple[Dict[str, Split], Optional[int]]:
+    """Replaces the GPT's ``Embedding`` and (with ``head``) ``LMHead`` among ``module``'s children by their vocabulary
+    splits for tensor rank ``rank``, where ``size`` divides the vocabulary; a weight the two share (tied) is cut once.
+
+    Returns:
+        (the split parameters by name, every name of a shared one included; the vocabulary size when the head was
+        split, whose logits then need ``VocabLoss``, else None).
+    """
+    splits: Dict[str, Split] = {}
+    cut, head_vocab = set(), None
+    for name, child in list(module._modules.items()):
+        if type(child) is Embedding and child.tok.num_embeddings % size == 0:
+            module._modules[name] = VocabParallelEmbedding(child, group=group, rank=rank, size=size)
+            weight, key = child.tok.weight, f"{name}.tok.weight"
+        elif head and type(child) is LMHead and child.out.out_features % size == 0:
+            module._modules[name] = VocabParallelHead(child, group=group, rank=rank, size=size)
+            weight, key, head_vocab = child.out.weight, f"{name}.out.weight", child.out.out_features
+        else:
+            continue
+        splits[key] = (0, 1)
+        if id(weight) not in cut:  # (V, C) -> (V/t, C)
+            cut.add(id(weight))
+            with torch.no_grad():
+                weight.data = shard(weight.data, (0, 1), rank=rank, size=size)
+    return splits, head_vocab

@@ -160,3 +160,47 @@ def sharded_state(
                 for k, v in value.items()
             }
     return out
+
+
+def vocab_range(vocab_size: int, *, rank: int, size: int) -> Tuple[int, int]:
+    """The ids [start, end) whose rows tensor rank ``rank`` (of ``size``, dividing ``vocab_size``) holds."""
+    part = vocab_size // size
+    return rank * part, (rank + 1) * part
+
+
+def _all_reduce(x: torch.Tensor, group: Any, op: Any = dist.ReduceOp.SUM) -> torch.Tensor:
+    dist.all_reduce(x, op=op, group=group)
+    return x
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Megatron's cross entropy over logits split by the vocabulary: per token, the max, the sum of exp and the target's
+    logit are each all-reduced over the tensor group (three collectives of N floats), never the (N, V) logits. Its
+    backward is local: softmax minus the one-hot of the target, on this rank's columns."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, start: int, group: Any) -> torch.Tensor:
+        # logits (N, V/t) float32: columns start .. start + V/t - 1 of the whole; targets (N,) whole ids
+        top = _all_reduce(logits.detach().amax(dim=-1), group, dist.ReduceOp.MAX)  # (N,)
+        shifted = logits.detach() - top[:, None]
+        local = targets - start
+        mine = (local >= 0) & (local < logits.shape[-1])  # (N,): this rank holds the target's column
+        index = torch.where(mine, local, torch.zeros_like(local))
+        target = _all_reduce(shifted.gather(1, index[:, None]).squeeze(1) * mine, group)  # (N,)
+        exp = shifted.exp()
+        total = _all_reduce(exp.sum(dim=-1), group)  # (N,)
+        ctx.save_for_backward(exp.div_(total[:, None]), index, mine)
+        return total.log() - target
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        softmax, index, mine = ctx.saved_tensors
+        out = softmax.clone()  # (N, V/t): d loss / d logit = softmax - one-hot(target)
+        out.scatter_add_(1, index[:, None], -mine.to(out.dtype)[:, None])
+        return out * grad[:, None], None, None, None
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, *, start: int, group: Any):
+    """Per-token cross entropy (N,) of logits split by the vocabulary (this rank's (N, V/t), columns from ``start``)
+    against whole ``targets`` (N,); every rank of ``group`` gets the same values."""
+    return _VocabParallelCrossEntropy.apply(logits, targets, start, group)
