@@ -31,6 +31,21 @@ def reference(cfg, *, w: int):
     return reference_run(dataclasses.replace(cfg, pipeline=p), delayed=cfg.pipeline.schedule == "2bw", replicas=(w, w))
 
 
+def assert_split_weights(cfg, summary, *, versions: int) -> None:
+    """Each rank holds its stage's split parameters / t, the embedding's and the head's (V, C) by the vocabulary
+    included (a tie cut once), and its whole ones: the bytes of its ``versions`` weight versions."""
+    from pipedream2bw.models import build_gpt_layers
+    from pipedream2bw.models.gpt_tensor import SplitBlock
+
+    t, layers = cfg.pipeline.tensor_parallel, build_gpt_layers(cfg.model, seed=0)
+    split = {*SplitBlock.SPLITS, "tok.weight", "out.weight"}
+    starts = [sum(summary["balance"][:s]) for s in range(len(summary["balance"]))]
+    for r in summary["ranks"]:
+        stage = torch.nn.ModuleList(layers[starts[r["stage"]] : starts[r["stage"]] + summary["balance"][r["stage"]]])
+        held = sum(p.numel() // (t if n.split(".", 1)[1] in split else 1) for n, p in stage.named_parameters())
+        assert r["weight_bytes"] == versions * 4 * held, (r["rank"], r["weight_bytes"], versions * 4 * held)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "schedule,d,w,clip",
@@ -54,6 +69,7 @@ def test_tensor_parallel_equals_reference(tmp_path, schedule, d, w, clip):
     assert weights.keys() == ref.weights.keys()
     torch.testing.assert_close(weights, ref.weights, rtol=1e-5, atol=1e-6)
     assert_losses_close(summary["losses"], ref.losses)
+    assert_split_weights(cfg, summary, versions=2 if schedule == "2bw" else 1)
     if clip:
         assert min(ref.grad_norms) > cfg.optim.clip_grad_norm
         torch.testing.assert_close(summary["grad_norms"], ref.grad_norms, rtol=1e-5, atol=0)
@@ -300,3 +316,47 @@ def test_tensor_parallel_swaps_activations(tmp_path):
     ref = reference(cfg, w=1)
     torch.testing.assert_close(torch.load(tmp_path / "final_model.pt"), ref.weights, rtol=1e-5, atol=1e-6)
     assert_losses_close(summary["losses"], ref.losses)
+
+
+def _vocab_split_matches_whole(out_dir: str) -> None:
+    """On each of 2 ranks: the vocab-split embedding, head and loss against the whole ones on the same inputs."""
+    import torch.distributed as dist
+
+    from pipedream2bw.config import GPTConfig
+    from pipedream2bw.models import build_gpt_layers, lm_loss
+    from pipedream2bw.models.gpt_tensor import VocabLoss, split_vocab
+
+    dist.init_process_group("gloo")
+    rank, cfg = dist.get_rank(), GPTConfig(num_layers=1, d_model=8, num_heads=2, seq_len=4, vocab_size=12, dropout=0.0)
+    whole = build_gpt_layers(dataclasses.replace(cfg, tie_embeddings=True), seed=1)
+    mine = torch.nn.Sequential(*build_gpt_layers(dataclasses.replace(cfg, tie_embeddings=True), seed=1))
+    splits, vocab = split_vocab(mine, group=None, rank=rank, size=2)
+    assert splits == {"0.tok.weight": (0, 1), "3.out.weight": (0, 1)} and vocab == 12
+    assert mine[0].tok.weight is mine[3].out.weight and mine[0].tok.weight.shape == (6, 8)  # the tie cut once
+    ids = torch.tensor([[0, 5, 6, 11], [3, 7, 7, 2]])
+    targets = torch.tensor([[5, 6, 11, -100], [0, 11, 6, 1]])  # -100: F.cross_entropy's ignore index
+    weights = torch.tensor([[0.5, 0.0, 0.25, 0.0], [0.25, 0.0, 0.0, 0.0]])  # packed documents' loss weights
+    for tgt in (targets, (targets.clamp(min=0), weights)):
+        losses = []
+        for model, loss_fn in ((whole, lm_loss), (list(mine), VocabLoss(None, vocab_size=12, rank=rank, size=2))):
+            for p in torch.nn.ModuleList(model).parameters():
+                p.grad = None
+            h = model[0](ids)
+            loss = loss_fn(model[3](model[2](model[1](h))), tgt)
+            loss.backward()
+            losses.append((loss.detach(), model[0].tok.weight.grad, model[1].qkv.weight.grad))
+        (loss, tok, qkv), (split_loss, split_tok, split_qkv) = losses
+        torch.testing.assert_close(split_loss, loss, rtol=1e-6, atol=0)
+        torch.testing.assert_close(split_tok, tok[6 * rank : 6 * rank + 6], rtol=1e-5, atol=1e-7)  # tie: both grads
+        torch.testing.assert_close(split_qkv, qkv, rtol=1e-5, atol=1e-7)  # through the head's input gradient
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_vocab_split_embedding_head_and_loss_equal_the_whole_ones(tmp_path):
+    # t = 2 ranks split a tied embedding / head (V = 12) by the vocabulary: the loss (ids outside a rank's range
+    # masked, then summed; max, sum of exp and target logit all-reduced), the tied weight's gradient piece and an
+    # inner layer's gradient (through the head's input, summed over the ranks) are the whole model's, with
+    # F.cross_entropy's ignore index -100 and with packed documents' (ids, weights).
+    results = spawn(_vocab_split_matches_whole, world_size=2, args=(str(tmp_path),), log_dir=tmp_path, timeout_s=60)
+    assert all(r.exitcode == 0 for r in results), "\n".join(r.log for r in results)
