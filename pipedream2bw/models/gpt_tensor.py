@@ -21,6 +21,7 @@ from pipedream2bw.models.gpt import Block, Embedding, LMHead, _dropout
 from pipedream2bw.pipeline.tensor import (
     SharedGroup,
     Split,
+    column_linear,
     copy_to,
     reduce_from,
     shard,
@@ -122,7 +123,7 @@ class VocabParallelHead(LMHead):
 
     def forward(self, x: Any) -> torch.Tensor:
         x = x[0] if isinstance(x, (tuple, list)) else x  # packed documents: the positions end here
-        return self.out(copy_to(x, self.tensor_group.group))
+        return column_linear(x, self.out.weight, self.tensor_group.group)  # (B, T, V/t)
 
 
 class VocabLoss:

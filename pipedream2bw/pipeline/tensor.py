@@ -13,6 +13,7 @@ from typing import Any, Dict, Mapping, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 Split = Tuple[int, int]
 """(dim, chunks): how a parameter is divided among a tensor group (module docstring)."""
@@ -61,6 +62,35 @@ class _ReduceFrom(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         return grad, None
+
+
+class _ColumnLinear(torch.autograd.Function):
+    """A column-split ``F.linear`` of a replicated input (f and the product in one): its input's gradient is each
+    rank's partial product kept in float32, summed over the group and rounded once to the input's dtype, as the
+    unsplit product's (under bf16, rounding each partial first would leave the reference by a rounding per rank)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.group = group
+        return F.linear(x, weight)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        grad_x = grad.float() @ weight.float()  # (..., C): this rank's part, in float32
+        dist.all_reduce(grad_x, group=ctx.group)
+        grad_w = grad.flatten(0, -2).t() @ x.flatten(0, -2).to(grad.dtype)  # (V/t, C), as autograd's mm
+        return grad_x.to(x.dtype), grad_w.to(weight.dtype), None
+
+
+def column_linear(x: torch.Tensor, weight: torch.Tensor, group: Any) -> torch.Tensor:
+    """``F.linear(x, weight)`` of a column-split ``weight`` (this rank's output rows) on a replicated ``x``, in
+    autocast's dtype where it is on; the input's gradient summed over ``group`` (``_ColumnLinear``)."""
+    if torch.is_autocast_enabled(x.device.type):
+        dtype = torch.get_autocast_dtype(x.device.type)
+        x, weight = x.to(dtype), weight.to(dtype)
+    return _ColumnLinear.apply(x, weight, group)
 
 
 def copy_to(x: torch.Tensor, group: Any) -> torch.Tensor:
