@@ -108,6 +108,10 @@ def test_checkpoint_holds_whole_tensors_and_resumes_at_another_t(tmp_path, t_bef
     assert layer["weights"]["1.qkv.weight"].shape == (96, 32) and layer["optimizer"]["1.fc.weight"][
         "momentum_buffer"
     ].shape == (128, 32)
+    for index, name in ((0, "0.tok.weight"), (5, "5.out.weight")):  # the vocabulary split's pieces saved whole
+        layer = torch.load(src / "checkpoints" / "step_00000003" / f"layer_{index:05d}.pt")
+        assert layer["weights"][name].shape == layer["previous"][name].shape == (256, 32)
+        assert layer["optimizer"][name]["momentum_buffer"].shape == (256, 32)
     after = tp_config("2bw", 2, 1, t_after)
     after.train.resume = str(src)
     summary = run_ok(after, tmp_path / "after")
@@ -205,11 +209,12 @@ def test_tensor_parallel_validates_and_recomputes(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.long  # a 2-rank run under torch.profiler's memory events: 20 to 40 s loaded
-def test_a_t2_ranks_bytes_per_parameter_are_the_planners_within_10_percent(tmp_path):
+def test_a_t2_ranks_bytes_per_parameter_are_the_planners(tmp_path):
     # One stage of scripts/bench_memory.py's GPT at a quarter of its depth, split over t = 2 ranks, 2bw, AdamW: each
-    # rank's weight versions, gradient and optimizer state (the run's tensors) and its measured peak tensor bytes,
-    # per parameter of the whole stage, are the planner's (tensor.split_layers' costs through segment_costs) within
-    # 10%; the planner splits the embedding and the head by the vocabulary, which the runtime keeps whole (4% here).
+    # rank's weight versions, gradient and optimizer state (the run's tensors) are the planner's (tensor.split_layers'
+    # costs through segment_costs) within 2%, and its measured peak tensor bytes within 10%, per parameter of the
+    # whole stage. Both split the embedding and the head by the vocabulary (with them whole on every rank, as the
+    # runtime once kept them, the held state was 4% over the planner's here).
     import json
 
     from test_bench import _script
@@ -233,7 +238,7 @@ def test_a_t2_ranks_bytes_per_parameter_are_the_planners_within_10_percent(tmp_p
     for r in summary["ranks"]:
         held = (r["weight_bytes"] * 1.5 + r["optimizer_state_bytes"]) / whole  # 2 versions, a gradient per parameter
         peak = int((tmp_path / f"peak_rank{r['rank']}.txt").read_text()) / whole
-        assert held == pytest.approx(planned_state, rel=0.1), (r["rank"], held, planned_state)
+        assert held == pytest.approx(planned_state, rel=0.02), (r["rank"], held, planned_state)
         assert peak == pytest.approx(planned_peak, rel=0.1), (r["rank"], peak, planned_peak)
 
 
