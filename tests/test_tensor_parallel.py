@@ -31,18 +31,22 @@ def reference(cfg, *, w: int):
     return reference_run(dataclasses.replace(cfg, pipeline=p), delayed=cfg.pipeline.schedule == "2bw", replicas=(w, w))
 
 
-def assert_split_weights(cfg, summary, *, versions: int) -> None:
+def assert_split_weights(cfg, summary, *, versions: int, layers=None, block_splits=None, vocab=None) -> None:
     """Each rank holds its stage's split parameters / t, the embedding's and the head's (V, C) by the vocabulary
-    included (a tie cut once), and its whole ones: the bytes of its ``versions`` weight versions."""
+    included (a tie cut once), and its whole ones: the bytes of its ``versions`` weight versions. ``layers``, their
+    blocks' split parameters (local names) and ``vocab``: the GPT's by default."""
     from pipedream2bw.models import build_gpt_layers
     from pipedream2bw.models.gpt_tensor import SplitBlock
 
-    t, layers = cfg.pipeline.tensor_parallel, build_gpt_layers(cfg.model, seed=0)
-    split = {*SplitBlock.SPLITS, "tok.weight", "out.weight"}
+    t = cfg.pipeline.tensor_parallel
+    layers = build_gpt_layers(cfg.model, seed=0) if layers is None else layers
+    block_splits, vocab = block_splits or set(SplitBlock.SPLITS), vocab or cfg.model.vocab_size
     starts = [sum(summary["balance"][:s]) for s in range(len(summary["balance"]))]
     for r in summary["ranks"]:
         stage = torch.nn.ModuleList(layers[starts[r["stage"]] : starts[r["stage"]] + summary["balance"][r["stage"]]])
-        held = sum(p.numel() // (t if n.split(".", 1)[1] in split else 1) for n, p in stage.named_parameters())
+        split = [n.split(".", 1)[1] in block_splits or (p.dim() == 2 and p.shape[0] == vocab) for n, p in
+                 stage.named_parameters()]  # fmt: skip
+        held = sum(p.numel() // (t if s else 1) for s, p in zip(split, stage.parameters()))
         assert r["weight_bytes"] == versions * 4 * held, (r["rank"], r["weight_bytes"], versions * 4 * held)
 
 

@@ -25,6 +25,7 @@ from pipedream2bw.pipeline.tensor import (
     copy_to,
     reduce_from,
     shard,
+    vocab_embedding,
     vocab_parallel_cross_entropy,
     vocab_range,
 )
@@ -95,14 +96,12 @@ class VocabParallelEmbedding(Embedding):
     def __init__(self, embedding: Embedding, *, group: Any, rank: int, size: int):
         nn.Module.__init__(self)
         self.tok, self.pos, self.dropout = embedding.tok, embedding.pos, embedding.dropout
-        self.start, self.end = vocab_range(embedding.tok.num_embeddings, rank=rank, size=size)
+        self.start = vocab_range(embedding.tok.num_embeddings, rank=rank, size=size)[0]
         self.tensor_group = SharedGroup(group)
 
     def tokens(self, idx: torch.Tensor) -> torch.Tensor:
         """(B, T) whole ids -> (B, T, C) token embeddings, summed over the tensor group."""
-        outside = (idx < self.start) | (idx >= self.end)
-        rows = F.embedding(torch.where(outside, torch.zeros_like(idx), idx - self.start), self.tok.weight)
-        return reduce_from(rows.masked_fill(outside[..., None], 0.0), self.tensor_group.group)
+        return vocab_embedding(idx, self.tok.weight, start=self.start, group=self.tensor_group.group)
 
     def forward(self, idx: Any) -> Any:
         if isinstance(idx, (tuple, list)):  # packed documents: the positions restart with each one
@@ -146,11 +145,22 @@ class VocabLoss:
         return (losses * kept).sum() / kept.sum()
 
 
+VocabKinds = Dict[type, Tuple[type, str, bool]]
+"""A layer class -> (its vocabulary split's class, taking (layer, group=, rank=, size=); the local name of its (V, C)
+weight; whether it is the head)."""
+
+GPT_VOCAB: VocabKinds = {
+    Embedding: (VocabParallelEmbedding, "tok.weight", False),
+    LMHead: (VocabParallelHead, "out.weight", True),
+}
+
+
 def split_vocab(
-    module: nn.Module, *, group: Any, rank: int, size: int, head: bool = True
+    module: nn.Module, *, group: Any, rank: int, size: int, head: bool = True, kinds: Optional[VocabKinds] = None
 ) -> Tuple[Dict[str, Split], Optional[int]]:
-    """Replaces the GPT's ``Embedding`` and (with ``head``) ``LMHead`` among ``module``'s children by their vocabulary
-    splits for tensor rank ``rank``, where ``size`` divides the vocabulary; a weight the two share (tied) is cut once.
+    """Replaces the embedding and (with ``head``) the LM head among ``module``'s children (``kinds``: the GPT's by
+    default) by their vocabulary splits for tensor rank ``rank``, where ``size`` divides the vocabulary; a weight the
+    two share (tied) is cut once.
 
     Returns:
         (the split parameters by name, every name of a shared one included; the vocabulary size when the head was
@@ -159,15 +169,16 @@ def split_vocab(
     splits: Dict[str, Split] = {}
     cut, head_vocab = set(), None
     for name, child in list(module._modules.items()):
-        if type(child) is Embedding and child.tok.num_embeddings % size == 0:
-            module._modules[name] = VocabParallelEmbedding(child, group=group, rank=rank, size=size)
-            weight, key = child.tok.weight, f"{name}.tok.weight"
-        elif head and type(child) is LMHead and child.out.out_features % size == 0:
-            module._modules[name] = VocabParallelHead(child, group=group, rank=rank, size=size)
-            weight, key, head_vocab = child.out.weight, f"{name}.out.weight", child.out.out_features
-        else:
+        cls, local, is_head = (kinds or GPT_VOCAB).get(type(child), (None, "", False))
+        if cls is None or (is_head and not head):
             continue
-        splits[key] = (0, 1)
+        weight = child.get_parameter(local)
+        vocab = weight.shape[0] * (size if id(weight) in cut else 1)  # a tied weight may be cut already
+        if vocab % size:
+            continue
+        module._modules[name] = cls(child, group=group, rank=rank, size=size)
+        splits[f"{name}.{local}"] = (0, 1)
+        head_vocab = vocab if is_head else head_vocab
         if id(weight) not in cut:  # (V, C) -> (V/t, C)
             cut.add(id(weight))
             with torch.no_grad():

@@ -9,7 +9,7 @@ q, k and v: 3), each divided in t, and tensor rank k holds piece k of every bloc
 
 from __future__ import annotations
 
-from typing import Any, Dict, Mapping, Sequence, Tuple
+from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -196,6 +196,19 @@ def vocab_range(vocab_size: int, *, rank: int, size: int) -> Tuple[int, int]:
     """The ids [start, end) whose rows tensor rank ``rank`` (of ``size``, dividing ``vocab_size``) holds."""
     part = vocab_size // size
     return rank * part, (rank + 1) * part
+
+
+def vocab_embedding(
+    idx: torch.Tensor, weight: torch.Tensor, *, start: int, group: Any, padding_idx: Optional[int] = None
+) -> torch.Tensor:
+    """(B, T) whole ids -> (B, T, C) rows of an embedding split by the vocabulary (this rank's ``weight`` holds ids
+    ``start`` .. ``start`` + its rows - 1): an id outside them looks up zeros, and the partial embeddings are summed
+    over ``group`` (exact: one term is nonzero); ``padding_idx`` (whole) gets no gradient, as in ``nn.Embedding``."""
+    rows = weight.shape[0]
+    outside = (idx < start) | (idx >= start + rows)
+    pad = padding_idx - start if padding_idx is not None and start <= padding_idx < start + rows else None
+    found = F.embedding(torch.where(outside, torch.zeros_like(idx), idx - start), weight, padding_idx=pad)
+    return reduce_from(found.masked_fill(outside[..., None], 0.0), group)
 
 
 def _all_reduce(x: torch.Tensor, group: Any, op: Any = dist.ReduceOp.SUM) -> torch.Tensor:

@@ -13,7 +13,7 @@ from torch import nn
 
 from pipedream2bw.config.optimizers import TENSOR_SPLIT
 from pipedream2bw.models.gpt_tensor import VocabLoss, split_blocks, split_vocab
-from pipedream2bw.models.hf_tensor import split_decoder_layers
+from pipedream2bw.models.hf_tensor import HF_VOCAB, split_decoder_layers
 from pipedream2bw.pipeline import comm
 from pipedream2bw.pipeline.tensor import Split, WholeFromPieces, sharded_state, whole_state
 from pipedream2bw.run.runtime import RankPlan
@@ -87,8 +87,13 @@ def split_stage(rt: RankPlan, ctx: comm.DistContext, module: nn.Module, *, lm_he
     # every name of a tied parameter (a stage's state_dict, which checkpoints save, holds each)
     wholes = {n: p.shape for n, p in module.named_parameters(remove_duplicate=False)}
     splits = split_blocks(module, group=group, rank=rt.tensor_rank, size=rt.tensor_parallel)
-    vocab, head_vocab = split_vocab(module, group=group, rank=rt.tensor_rank, size=rt.tensor_parallel, head=lm_head)
-    splits.update(vocab)
+    head_vocab = None
+    for kinds in (None, HF_VOCAB):  # the GPT's embedding and head, model=hf's Llama family's
+        vocab, head_size = split_vocab(
+            module, group=group, rank=rt.tensor_rank, size=rt.tensor_parallel, head=lm_head, kinds=kinds
+        )
+        splits.update(vocab)
+        head_vocab = head_vocab or head_size
     # model=hf's Llama family (a stage holds GPT blocks or decoder layers)
     splits.update(split_decoder_layers(module, group=group, rank=rt.tensor_rank, size=rt.tensor_parallel))
     pieces = {n: p.shape for n, p in module.named_parameters(remove_duplicate=False) if n in splits}
