@@ -358,6 +358,21 @@ def _vocab_split_matches_whole(out_dir: str) -> None:
         torch.testing.assert_close(split_loss, loss, rtol=1e-6, atol=0)
         torch.testing.assert_close(split_tok, tok[6 * rank : 6 * rank + 6], rtol=1e-5, atol=1e-7)  # tie: both grads
         torch.testing.assert_close(split_qkv, qkv, rtol=1e-5, atol=1e-7)  # through the head's input gradient
+    # model=hf's embed_tokens with a padding row (id 7, on rank 1): no gradient for it, as nn.Embedding's
+    from pipedream2bw.models.hf import TokenEmbedding
+    from pipedream2bw.models.hf_tensor import HF_VOCAB
+
+    torch.manual_seed(0)
+    emb = torch.nn.Sequential(TokenEmbedding(12, 8, padding_idx=7))
+    split = torch.nn.Sequential(TokenEmbedding(12, 8, padding_idx=7))
+    split.load_state_dict(emb.state_dict())
+    assert split_vocab(split, group=None, rank=rank, size=2, kinds=HF_VOCAB)[0] == {"0.embed_tokens.weight": (0, 1)}
+    scale = torch.randn(2, 4, 8)
+    for m in (emb, split):
+        (m(ids) * scale).sum().backward()
+    whole = emb[0].embed_tokens.weight
+    torch.testing.assert_close(split[0].embed_tokens.weight.grad, whole.grad[6 * rank : 6 * rank + 6])
+    assert whole.grad[7].abs().sum() == 0 and whole.grad[6].abs().sum() > 0
     dist.destroy_process_group()
 
 
@@ -366,6 +381,6 @@ def test_vocab_split_embedding_head_and_loss_equal_the_whole_ones(tmp_path):
     # t = 2 ranks split a tied embedding / head (V = 12) by the vocabulary: the loss (ids outside a rank's range
     # masked, then summed; max, sum of exp and target logit all-reduced), the tied weight's gradient piece and an
     # inner layer's gradient (through the head's input, summed over the ranks) are the whole model's, with
-    # F.cross_entropy's ignore index -100 and with packed documents' (ids, weights).
+    # F.cross_entropy's ignore index -100 and with packed documents' (ids, weights); model=hf's embedding's padding row.
     results = spawn(_vocab_split_matches_whole, world_size=2, args=(str(tmp_path),), log_dir=tmp_path, timeout_s=60)
     assert all(r.exitcode == 0 for r in results), "\n".join(r.log for r in results)
