@@ -384,3 +384,21 @@ def test_vocab_split_embedding_head_and_loss_equal_the_whole_ones(tmp_path):
     # F.cross_entropy's ignore index -100 and with packed documents' (ids, weights); model=hf's embedding's padding row.
     results = spawn(_vocab_split_matches_whole, world_size=2, args=(str(tmp_path),), log_dir=tmp_path, timeout_s=60)
     assert all(r.exitcode == 0 for r in results), "\n".join(r.log for r in results)
+
+
+def test_the_vocabulary_splits_only_where_t_divides_it_and_the_head_only_for_lm_loss():
+    # The planner's rule (partitioner/tensor.py): t not dividing the vocabulary (13) leaves the embedding and the head
+    # whole on every rank; a run with its own loss_fn (head=False: it reads whole logits) keeps the head whole.
+    from pipedream2bw.config import GPTConfig
+    from pipedream2bw.models import build_gpt_layers
+    from pipedream2bw.models.gpt_tensor import split_vocab
+
+    def stage(vocab):
+        cfg = GPTConfig(num_layers=1, d_model=8, num_heads=2, seq_len=4, vocab_size=vocab)
+        return torch.nn.Sequential(*build_gpt_layers(cfg, seed=1))
+
+    odd = stage(13)
+    assert split_vocab(odd, group=None, rank=1, size=2) == ({}, None) and odd[0].tok.weight.shape == (13, 8)
+    own_loss = stage(12)
+    assert split_vocab(own_loss, group=None, rank=1, size=2, head=False) == ({"0.tok.weight": (0, 1)}, None)
+    assert own_loss[0].tok.weight.shape == (6, 8) and own_loss[3].out.weight.shape == (12, 8)
