@@ -11,9 +11,10 @@ import torch
 from dist_helper import run_ok
 from hf_models import read_dir, save_tiny, tiny_hf_config
 from test_semantics import assert_losses_close
-from test_tensor_parallel import reference, tp_config
+from test_tensor_parallel import assert_split_weights, reference, tp_config
 
 from pipedream2bw.config import ConfigError, HFModelConfig
+from pipedream2bw.models.hf_tensor import SPLITS
 from pipedream2bw.run.preflight import check
 
 pytest.importorskip("transformers", reason="model=hf needs the optional extra: pip install -e '.[hf]'")
@@ -67,10 +68,14 @@ def test_hf_tensor_parallel_equals_reference_and_exports_whole_tensors(tmp_path,
     summary = run_ok(cfg, tmp_path)
     assert summary["tensor_parallel"] == 2 and len(summary["ranks"]) == 4
     weights, ref = _assert_reference(tmp_path, cfg, summary)
+    hf = model_source(cfg.model, seed=cfg.seed).hf  # each rank holds 1/t of embed_tokens and lm_head (vocabulary)
+    block = {f"layer.{k}" for k in SPLITS}
+    layers = model_source(cfg.model, seed=cfg.seed).meta()
+    assert_split_weights(cfg, summary, versions=2 if schedule == "2bw" else 1, layers=layers, block_splits=block,
+                         vocab=hf.config.vocab_size)  # fmt: skip
     assert min(ref.grad_norms) > cfg.optim.clip_grad_norm
     torch.testing.assert_close(summary["grad_norms"], ref.grad_norms, rtol=1e-5, atol=0)
     exported, _ = read_dir(tmp_path / "export")
-    hf = model_source(cfg.model, seed=cfg.seed).hf
     expected = {hf.to_hf(k): v for k, v in weights.items() if k != "5.weight"}  # the tied head: once, as embedding
     assert exported.keys() == expected.keys() and exported["model.layers.0.self_attn.k_proj.weight"].shape == (16, 32)
     assert all(torch.equal(exported[k], v) for k, v in expected.items())

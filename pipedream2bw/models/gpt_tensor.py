@@ -2,8 +2,11 @@
 
 Megatron's split: ``qkv`` and ``fc`` column-wise (tensor rank k holds heads k*H/t .. (k+1)*H/t - 1 of q, k and v,
 and rows k*4C/t .. of ``fc``), ``proj`` and ``fc_proj`` row-wise (the matching input columns); their biases are
-added once, after the sum. Norms, embedding and head stay whole on every rank, and so do the activations between
-blocks: each rank's dropout draws the same mask as an unsplit run (one random stream per layer and microbatch).
+added once, after the sum. Where t divides the vocabulary, the embedding and the head split by it (Megatron's
+VocabParallelEmbedding and column-parallel head: tensor rank k holds rows k*V/t .. (k+1)*V/t - 1 of each, so a tied
+pair stays tied piece by piece) and ``VocabLoss`` takes the place of ``lm_loss`` on the head's split logits; else they
+stay whole on every rank. Norms stay whole, and so do the activations between layers: each rank's dropout draws the
+same mask as an unsplit run (one random stream per layer and microbatch).
 
 With sequence parallelism (pipeline.sequence_parallel, ``SequenceSplitBlock``) the activations between the split
 matrices are split too, along the sequence: tensor rank k holds tokens k*T/t .. (k+1)*T/t - 1 of each block's input
@@ -15,16 +18,17 @@ boundary between them is each tensor rank's slice.
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pipedream2bw.models.gpt import Block, Embedding, LMHead, Norm
+from pipedream2bw.models.gpt import Block, Embedding, LMHead, Norm, _dropout
 from pipedream2bw.pipeline.tensor import (
     SharedGroup,
     Split,
+    column_linear,
     copy_many,
     copy_to,
     gather_sequence,
@@ -34,6 +38,9 @@ from pipedream2bw.pipeline.tensor import (
     scatter_sequence,
     sequence_slice,
     shard,
+    vocab_embedding,
+    vocab_parallel_cross_entropy,
+    vocab_range,
 )
 
 
@@ -188,3 +195,101 @@ def split_blocks(
         elif sequence_parallel and isinstance(child, Norm):
             child.register_forward_pre_hook(ends.gather)
     return splits
+
+
+class VocabParallelEmbedding(Embedding):
+    """An ``Embedding`` whose token rows are tensor rank ``rank``'s ids [start, end): an id outside them looks up
+    zeros, and the partial embeddings are summed over the tensor group (exact: one of the t terms is nonzero); the
+    position embedding whole. Parameter names unchanged."""
+
+    def __init__(self, embedding: Embedding, *, group: Any, rank: int, size: int):
+        nn.Module.__init__(self)
+        self.tok, self.pos, self.dropout = embedding.tok, embedding.pos, embedding.dropout
+        self.start = vocab_range(embedding.tok.num_embeddings, rank=rank, size=size)[0]
+        self.tensor_group = SharedGroup(group)
+
+    def tokens(self, idx: torch.Tensor) -> torch.Tensor:
+        """(B, T) whole ids -> (B, T, C) token embeddings, summed over the tensor group."""
+        return vocab_embedding(idx, self.tok.weight, start=self.start, group=self.tensor_group.group)
+
+    def forward(self, idx: Any) -> Any:
+        if isinstance(idx, (tuple, list)):  # packed documents: the positions restart with each one
+            idx, positions = idx
+            return _dropout(self.tokens(idx) + self.pos(positions), self.dropout, self.training), positions
+        positions = torch.arange(idx.shape[1], device=idx.device)
+        return _dropout(self.tokens(idx) + self.pos(positions), self.dropout, self.training)  # (B, T, C)
+
+
+class VocabParallelHead(LMHead):
+    """An ``LMHead`` holding tensor rank ``rank``'s rows (vocabulary ids [start, end)): (B, T, C) -> (B, T, V/t), the
+    logits of its ids only (``VocabLoss`` reads them); its input's gradient summed over the tensor group."""
+
+    def __init__(self, head: LMHead, *, group: Any, rank: int, size: int):
+        nn.Module.__init__(self)
+        self.out = head.out
+        self.tensor_group = SharedGroup(group)
+
+    def forward(self, x: Any) -> torch.Tensor:
+        x = x[0] if isinstance(x, (tuple, list)) else x  # packed documents: the positions end here
+        return column_linear(x, self.out.weight, self.tensor_group.group)  # (B, T, V/t)
+
+
+class VocabLoss:
+    """``lm_loss`` on logits split by the vocabulary (``VocabParallelHead``'s): the mean next-token cross entropy over
+    targets other than -100 (``F.cross_entropy``'s ignore index), or with (ids, weights) their weighted sum; the
+    same value on every rank of the tensor group."""
+
+    def __init__(self, group: Any, *, vocab_size: int, rank: int, size: int):
+        self.group, self.start = group, vocab_range(vocab_size, rank=rank, size=size)[0]
+
+    def __call__(self, logits: torch.Tensor, targets: Any) -> torch.Tensor:
+        ids, weights = targets if isinstance(targets, (tuple, list)) else (targets, None)
+        ids = ids.flatten()
+        kept = ids != -100
+        losses = vocab_parallel_cross_entropy(
+            logits.flatten(0, 1).float(), torch.where(kept, ids, -1), start=self.start, group=self.group
+        )
+        if weights is not None:
+            return (losses * weights.flatten()).sum()
+        return (losses * kept).sum() / kept.sum()
+
+
+VocabKinds = Dict[type, Tuple[type, str, bool]]
+"""A layer class -> (its vocabulary split's class, taking (layer, group=, rank=, size=); the local name of its (V, C)
+weight; whether it is the head)."""
+
+GPT_VOCAB: VocabKinds = {
+    Embedding: (VocabParallelEmbedding, "tok.weight", False),
+    LMHead: (VocabParallelHead, "out.weight", True),
+}
+
+
+def split_vocab(
+    module: nn.Module, *, group: Any, rank: int, size: int, head: bool = True, kinds: Optional[VocabKinds] = None
+) -> Tuple[Dict[str, Split], Optional[int]]:
+    """Replaces the embedding and (with ``head``) the LM head among ``module``'s children (``kinds``: the GPT's by
+    default) by their vocabulary splits for tensor rank ``rank``, where ``size`` divides the vocabulary; a weight the
+    two share (tied) is cut once.
+
+    Returns:
+        (the split parameters by name, every name of a shared one included; the vocabulary size when the head was
+        split, whose logits then need ``VocabLoss``, else None).
+    """
+    splits: Dict[str, Split] = {}
+    cut, head_vocab = set(), None
+    for name, child in list(module._modules.items()):
+        cls, local, is_head = (kinds or GPT_VOCAB).get(type(child), (None, "", False))
+        if cls is None or (is_head and not head):
+            continue
+        weight = child.get_parameter(local)
+        vocab = weight.shape[0] * (size if id(weight) in cut else 1)  # a tied weight may be cut already
+        if vocab % size:
+            continue
+        module._modules[name] = cls(child, group=group, rank=rank, size=size)
+        splits[f"{name}.{local}"] = (0, 1)
+        head_vocab = vocab if is_head else head_vocab
+        if id(weight) not in cut:  # (V, C) -> (V/t, C)
+            cut.add(id(weight))
+            with torch.no_grad():
+                weight.data = shard(weight.data, (0, 1), rank=rank, size=size)
+    return splits, head_vocab

@@ -6,7 +6,9 @@ k*KV/t .., which are the ones those query heads read under grouped-query attenti
 row-wise), the SwiGLU MLP by width (``gate_proj``, ``up_proj`` column-wise, ``down_proj`` row-wise). Each split
 region takes its replicated input through ``copy_to`` (a forward pre-hook on ``self_attn`` and ``mlp``: one
 all-reduce of the input's gradient per region) and sums its row-split outputs with ``reduce_from``; a row-split
-layer's bias (none in these families by default) is added once, after the sum. Norms, embedding and head stay whole.
+layer's bias (none in these families by default) is added once, after the sum. Where t divides the vocabulary,
+``embed_tokens`` and ``lm_head`` split by it as the GPT's do (``gpt_tensor.split_vocab`` with ``HF_VOCAB``); norms
+stay whole.
 Attention dropout would draw its masks over a rank's heads only: refused at t > 1 (run/preflight.py).
 """
 
@@ -18,8 +20,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pipedream2bw.models.hf import DecoderLayer
-from pipedream2bw.pipeline.tensor import SharedGroup, Split, copy_to, reduce_from, shard
+from pipedream2bw.models.gpt_tensor import VocabKinds
+from pipedream2bw.models.hf import DecoderLayer, TokenEmbedding
+from pipedream2bw.models.hf_gpt2 import Head
+from pipedream2bw.pipeline.tensor import (
+    SharedGroup,
+    Split,
+    column_linear,
+    copy_to,
+    reduce_from,
+    shard,
+    vocab_embedding,
+    vocab_range,
+)
 
 SPLITS: Dict[str, Split] = {
     **{f"self_attn.{p}_proj.{k}": (0, 1) for p in "qkv" for k in ("weight", "bias")},
@@ -88,3 +101,39 @@ def split_decoder_layers(module: nn.Module, *, group: Any, rank: int, size: int)
             local = _split_layer(child.layer, group=group, rank=rank, size=size)
             splits.update({f"{name}.layer.{k}": v for k, v in local.items()})
     return splits
+
+
+class VocabParallelTokenEmbedding(TokenEmbedding):
+    """``embed_tokens`` holding tensor rank ``rank``'s rows of the vocabulary (``vocab_embedding``); its padding row,
+    where this rank holds it, gets no gradient, as in ``nn.Embedding``."""
+
+    def __init__(self, embedding: TokenEmbedding, *, group: Any, rank: int, size: int):
+        nn.Module.__init__(self)
+        self.embed_tokens = embedding.embed_tokens
+        self.start = vocab_range(embedding.embed_tokens.num_embeddings, rank=rank, size=size)[0]
+        self.tensor_group = SharedGroup(group)
+
+    def forward(self, idx: Any) -> Any:
+        ids = idx[0] if isinstance(idx, (tuple, list)) else idx
+        group, pad = self.tensor_group.group, self.embed_tokens.padding_idx
+        out = vocab_embedding(ids, self.embed_tokens.weight, start=self.start, group=group, padding_idx=pad)
+        return (out, idx[1]) if isinstance(idx, (tuple, list)) else out
+
+
+class VocabParallelLMHead(Head):
+    """``lm_head`` holding tensor rank ``rank``'s rows: (B, T, C) -> (B, T, V/t), read by ``gpt_tensor.VocabLoss``."""
+
+    def __init__(self, head: Head, *, group: Any, rank: int, size: int):
+        nn.Module.__init__(self)
+        self.weight = head.weight
+        self.tensor_group = SharedGroup(group)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return column_linear(x, self.weight, self.tensor_group.group)
+
+
+HF_VOCAB: VocabKinds = {
+    TokenEmbedding: (VocabParallelTokenEmbedding, "embed_tokens.weight", False),
+    Head: (VocabParallelLMHead, "weight", True),
+}
+"""The Llama family's embedding and head (``gpt_tensor.split_vocab``'s kinds)."""

@@ -94,6 +94,35 @@ def copy_many(group: Any, *xs: torch.Tensor) -> Tuple[torch.Tensor, ...]:
     return _CopyMany.apply(group, *xs)
 
 
+class _ColumnLinear(torch.autograd.Function):
+    """A column-split ``F.linear`` of a replicated input (f and the product in one): its input's gradient is each
+    rank's partial product kept in float32, summed over the group and rounded once to the input's dtype, as the
+    unsplit product's (under bf16, rounding each partial first would leave the reference by a rounding per rank)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.group = group
+        return F.linear(x, weight)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        grad_x = grad.float() @ weight.float()  # (..., C): this rank's part, in float32
+        dist.all_reduce(grad_x, group=ctx.group)
+        grad_w = grad.flatten(0, -2).t() @ x.flatten(0, -2).to(grad.dtype)  # (V/t, C), as autograd's mm
+        return grad_x.to(x.dtype), grad_w.to(weight.dtype), None
+
+
+def column_linear(x: torch.Tensor, weight: torch.Tensor, group: Any) -> torch.Tensor:
+    """``F.linear(x, weight)`` of a column-split ``weight`` (this rank's output rows) on a replicated ``x``, in
+    autocast's dtype where it is on; the input's gradient summed over ``group`` (``_ColumnLinear``)."""
+    if torch.is_autocast_enabled(x.device.type):
+        dtype = torch.get_autocast_dtype(x.device.type)
+        x, weight = x.to(dtype), weight.to(dtype)
+    return _ColumnLinear.apply(x, weight, group)
+
+
 def copy_to(x: torch.Tensor, group: Any) -> torch.Tensor:
     """``x`` (replicated over ``group``) as the input of column-split layers."""
     return _CopyTo.apply(x, group)
@@ -312,3 +341,60 @@ def sharded_state(
                 for k, v in value.items()
             }
     return out
+
+
+def vocab_range(vocab_size: int, *, rank: int, size: int) -> Tuple[int, int]:
+    """The ids [start, end) whose rows tensor rank ``rank`` (of ``size``, dividing ``vocab_size``) holds."""
+    part = vocab_size // size
+    return rank * part, (rank + 1) * part
+
+
+def vocab_embedding(
+    idx: torch.Tensor, weight: torch.Tensor, *, start: int, group: Any, padding_idx: Optional[int] = None
+) -> torch.Tensor:
+    """(B, T) whole ids -> (B, T, C) rows of an embedding split by the vocabulary (this rank's ``weight`` holds ids
+    ``start`` .. ``start`` + its rows - 1): an id outside them looks up zeros, and the partial embeddings are summed
+    over ``group`` (exact: one term is nonzero); ``padding_idx`` (whole) gets no gradient, as in ``nn.Embedding``."""
+    rows = weight.shape[0]
+    outside = (idx < start) | (idx >= start + rows)
+    pad = padding_idx - start if padding_idx is not None and start <= padding_idx < start + rows else None
+    found = F.embedding(torch.where(outside, torch.zeros_like(idx), idx - start), weight, padding_idx=pad)
+    return reduce_from(found.masked_fill(outside[..., None], 0.0), group)
+
+
+def _all_reduce(x: torch.Tensor, group: Any, op: Any = dist.ReduceOp.SUM) -> torch.Tensor:
+    dist.all_reduce(x, op=op, group=group)
+    return x
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Megatron's cross entropy over logits split by the vocabulary: per token, the max, the sum of exp and the target's
+    logit are each all-reduced over the tensor group (three collectives of N floats), never the (N, V) logits. Its
+    backward is local: softmax minus the one-hot of the target, on this rank's columns."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, start: int, group: Any) -> torch.Tensor:
+        # logits (N, V/t) float32: columns start .. start + V/t - 1 of the whole; targets (N,) whole ids
+        top = _all_reduce(logits.detach().amax(dim=-1), group, dist.ReduceOp.MAX)  # (N,)
+        shifted = logits.detach() - top[:, None]
+        local = targets - start
+        mine = (local >= 0) & (local < logits.shape[-1])  # (N,): this rank holds the target's column
+        index = torch.where(mine, local, torch.zeros_like(local))
+        target = _all_reduce(shifted.gather(1, index[:, None]).squeeze(1) * mine, group)  # (N,)
+        exp = shifted.exp()
+        total = _all_reduce(exp.sum(dim=-1), group)  # (N,)
+        ctx.save_for_backward(exp.div_(total[:, None]), index, mine)
+        return total.log() - target
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        softmax, index, mine = ctx.saved_tensors
+        out = softmax.clone()  # (N, V/t): d loss / d logit = softmax - one-hot(target)
+        out.scatter_add_(1, index[:, None], -mine.to(out.dtype)[:, None])
+        return out * grad[:, None], None, None, None
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, *, start: int, group: Any):
+    """Per-token cross entropy (N,) of logits split by the vocabulary (this rank's (N, V/t), columns from ``start``)
+    against whole ``targets`` (N,); every rank of ``group`` gets the same values."""
+    return _VocabParallelCrossEntropy.apply(logits, targets, start, group)

@@ -41,6 +41,7 @@ from pipedream2bw.memory.loss_scale import LossScaler, ScaledStepRule
 from pipedream2bw.memory.sharding import ShardedVersions
 from pipedream2bw.memory.stream import StreamedVersions, WeightStream
 from pipedream2bw.memory.swap import SwapManager, make_backend
+from pipedream2bw.models import lm_loss
 from pipedream2bw.pipeline import comm, schedule, ties
 from pipedream2bw.pipeline.agreement import StepRule
 from pipedream2bw.pipeline.layout import Layout
@@ -86,7 +87,7 @@ def build_stage(
     tied copy set to its canonical one, and its part of the stage's split (pipeline.tensor_parallel; else None)."""
     torch.manual_seed(rt.seed)
     module = stage_module(rt.layer_indices, model.layers, model.source, recompute=rt.recompute, tied=model.tied)
-    split = tensor.split_stage(rt, ctx, module)
+    split = tensor.split_stage(rt, ctx, module, lm_head=model.loss_fn is lm_loss)
     if streamed:  # swap.weights: the parameters stay in host memory (StreamedVersions moves them to its buffers)
         for m in module.modules():
             m._buffers.update({k: b.to(rt.device) for k, b in m._buffers.items() if b is not None})
@@ -615,7 +616,8 @@ def components(
     dp_buckets, check_ties = buckets[:num_dp_buckets], cfg.pipeline.check_ties
     groups = comm_groups(rt, ctx, versions, dp_buckets, tie_groups, rule, check_ties, host_grads=cfg.swap.weights)
     neighbours = peers(rt)
-    feed, val_feed, evaluator = data(rt, ctx, neighbours, cfg.data, cfg.train, model.loss_fn)
+    loss_fn = model.loss_fn if split is None else split.loss(model.loss_fn)  # split logits: the vocab-parallel loss
+    feed, val_feed, evaluator = data(rt, ctx, neighbours, cfg.data, cfg.train, loss_fn)
     stop_rule = preemption(rt, ctx, watch)
     own_actions = actions(rt, batch_sends=batch_sends(cfg.dist, rt))
     in_flight = schedule.in_flight(
@@ -631,7 +633,7 @@ def components(
         neighbours,
         versions,
         feed,
-        model.loss_fn,
+        loss_fn,
         groups,
         rule,
         swapper,

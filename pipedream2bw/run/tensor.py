@@ -1,18 +1,19 @@
 """Tensor parallelism in a rank's run (pipeline.tensor_parallel = t > 1): its tensor group and split stage,
 whole tensors for checkpoints and final weights (gathered on save, cut on load: any t resumes any other), and
-which parameters its share of the global gradient norm leaves out (whole ones, counted on tensor rank 0)."""
+which parameters its share of the global gradient norm leaves out (whole ones, counted on tensor rank 0), and the loss
+on the head's logits where they are split by the vocabulary (``VocabLoss``)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, List, Mapping, Optional
+from typing import Any, Callable, Dict, List, Mapping, Optional
 
 import torch
 from torch import nn
 
 from pipedream2bw.config.optimizers import TENSOR_SPLIT
-from pipedream2bw.models.gpt_tensor import split_blocks
-from pipedream2bw.models.hf_tensor import split_decoder_layers
+from pipedream2bw.models.gpt_tensor import VocabLoss, split_blocks, split_vocab
+from pipedream2bw.models.hf_tensor import HF_VOCAB, split_decoder_layers
 from pipedream2bw.pipeline import comm
 from pipedream2bw.pipeline.tensor import Split, WholeFromPieces, sharded_state, whole_state
 from pipedream2bw.run.runtime import RankPlan
@@ -37,6 +38,13 @@ class TensorPart:
     """Each split parameter's shape on this rank."""
     wholes: Dict[str, torch.Size]
     """Each split parameter's whole shape."""
+    vocab_loss: Optional[VocabLoss] = None
+    """The loss on this rank's logits where its stage's head is split by the vocabulary, else None."""
+
+    def loss(self, loss_fn: Callable) -> Callable:
+        """The loss this rank computes on its stage's output: ``vocab_loss`` where the head is split, else
+        ``loss_fn``."""
+        return loss_fn if self.vocab_loss is None else self.vocab_loss
 
     def whole(self, state: Mapping[str, Any]) -> Dict[str, Any]:
         """A stage state with whole tensors (a collective over the tensor group: each of its ranks calls it)."""
@@ -68,18 +76,30 @@ class TensorPart:
         return [i for i, (n, _) in enumerate(module.named_parameters()) if n not in self.splits]
 
 
-def split_stage(rt: RankPlan, ctx: comm.DistContext, module: nn.Module) -> Optional[TensorPart]:
+def split_stage(rt: RankPlan, ctx: comm.DistContext, module: nn.Module, *, lm_head: bool) -> Optional[TensorPart]:
     """Splits ``module`` (this rank's stage, whole) across its tensor group; None when t = 1 (nothing to split).
-    Every rank makes every tensor group, in the same order."""
+    The GPT's embedding and head split by the vocabulary where t divides it, the head only with ``lm_head`` (the run's
+    loss is ``lm_loss``, which ``VocabLoss`` replaces; a user's loss needs whole logits). Every rank makes every
+    tensor group, in the same order."""
     if rt.tensor_parallel == 1:
         return None
     group = comm.new_groups(ctx, rt.layout.tensor_groups())[rt.stage * rt.data_parallel + rt.replica]
-    wholes = {n: p.shape for n, p in module.named_parameters()}
+    # every name of a tied parameter (a stage's state_dict, which checkpoints save, holds each)
+    wholes = {n: p.shape for n, p in module.named_parameters(remove_duplicate=False)}
+    splits: Dict[str, Split] = {}
+    head_vocab = None
+    for kinds in (None, HF_VOCAB):  # the GPT's embedding and head, model=hf's Llama family's
+        vocab, head_size = split_vocab(
+            module, group=group, rank=rt.tensor_rank, size=rt.tensor_parallel, head=lm_head, kinds=kinds
+        )
+        splits.update(vocab)
+        head_vocab = head_vocab or head_size
+    # after the vocabulary's split: sequence parallelism hooks the stage's embedding (its split one) and final norm
     sp = rt.sequence_parallel  # the blocks on 1/t of the sequence, sliced after the embedding, gathered before the norm
-    splits = split_blocks(module, group=group, rank=rt.tensor_rank, size=rt.tensor_parallel, sequence_parallel=sp)
+    splits.update(split_blocks(module, group=group, rank=rt.tensor_rank, size=rt.tensor_parallel, sequence_parallel=sp))
     # model=hf's Llama family (a stage holds GPT blocks or decoder layers)
     splits.update(split_decoder_layers(module, group=group, rank=rt.tensor_rank, size=rt.tensor_parallel))
-    pieces = {n: p.shape for n, p in module.named_parameters() if n in splits}
+    pieces = {n: p.shape for n, p in module.named_parameters(remove_duplicate=False) if n in splits}
     for n, p in module.named_parameters():  # Muon steps a piece through its whole matrix (config.optimizers)
         if n in splits:
             part = WholeFromPieces(splits[n], group, rank=rt.tensor_rank, size=rt.tensor_parallel, device=rt.device)
@@ -92,4 +112,7 @@ def split_stage(rt: RankPlan, ctx: comm.DistContext, module: nn.Module) -> Optio
         splits=splits,
         pieces=pieces,
         wholes={n: wholes[n] for n in splits},
+        vocab_loss=None
+        if head_vocab is None
+        else VocabLoss(group, vocab_size=head_vocab, rank=rt.tensor_rank, size=rt.tensor_parallel),
     )
