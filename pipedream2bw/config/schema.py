@@ -66,7 +66,8 @@ class PipelineConfig:
     tensor_parallel: int = 1
     """Tensor width t: each stage's layers split across t ranks (attention by heads, the MLP by its hidden width,
     Megatron's column- then row-wise split; docs/concepts.md). WORLD_SIZE = num_stages * data_parallel * t, t
-    innermost (a stage's t ranks are consecutive, on one node); the built-in GPT in fp32 only."""
+    innermost (a stage's t ranks are consecutive, on one node); the built-in GPT (fp32, bf16) and model=hf's Llama
+    family (fp32); where t divides the vocabulary the embedding and LM head split by it."""
     sequence_parallel: bool = False
     """At tensor_parallel t > 1 (moot at 1), the built-in GPT only: Megatron's sequence parallelism. Between the split
     matrices each tensor rank holds 1/t of the sequence (norms, dropout, residual adds and the activations sent between
