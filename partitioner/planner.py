@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -407,6 +407,19 @@ def _make_plan(req: Request, split: _Split, *, simulate_it: bool) -> Plan:
         predicted_bound=RESOURCES[int(max(stages, key=lambda st: st["batch_s"])["bound"])],
         host=req.host.text if split.stream else "",
         host_optimizer=split.stream,
+        **plan_request_fields(req, batch_time),
+        predicted_stage_time_s=[float(st["microbatch_s"]) for st in stages],
+        predicted_peak_memory_bytes=[int(p) for p in peaks],
+        predicted_memory_breakdown=[{k: int(st[k]) for k in MEMORY_PARTS} for st in stages],
+        model=dict(req.model),
+        swap_resident=req.swap_resident,
+        precision=req.precision,
+    )
+
+
+def plan_request_fields(req: Request, batch_time: float) -> Dict[str, Any]:
+    """A Plan's fields that come from the request, and its predicted batch time and samples/s."""
+    return dict(
         objective=req.objective,
         topology=req.topology.name,
         devices=req.devices,
@@ -414,12 +427,6 @@ def _make_plan(req: Request, split: _Split, *, simulate_it: bool) -> Plan:
         costs=req.costs,
         predicted_batch_time_s=float(batch_time),
         predicted_samples_per_s=float(req.global_batch_size / batch_time),
-        predicted_stage_time_s=[float(st["microbatch_s"]) for st in stages],
-        predicted_peak_memory_bytes=[int(p) for p in peaks],
-        predicted_memory_breakdown=[{k: int(st[k]) for k in MEMORY_PARTS} for st in stages],
-        model=dict(req.model),
-        swap_resident=req.swap_resident,
-        precision=req.precision,
     )
 
 

@@ -17,7 +17,17 @@ import dataclasses
 from typing import Dict, List, Sequence
 
 from partitioner.cost import MEMORY_PARTS, RESOURCES, Segments, simulate
-from partitioner.planner import CostFn, Plan, Request, _candidates, _contexts, _order, _Split, partition
+from partitioner.planner import (
+    CostFn,
+    Plan,
+    Request,
+    _candidates,
+    _contexts,
+    _order,
+    _Split,
+    partition,
+    plan_request_fields,
+)
 from partitioner.topology import LOCAL, make_rank_map
 from pipedream2bw.errors import ConfigError
 
@@ -86,13 +96,7 @@ def v_plan(req: Request, split: _Split, *, simulate_it: bool) -> Plan:
         rank_map=[list(r) for r in split.rank_map],
         recompute=False,
         swap_stages=[],
-        objective=req.objective,
-        topology=req.topology.name,
-        devices=req.devices,
-        memory_per_device_bytes=int(req.memory_per_device_bytes),
-        costs=req.costs,
-        predicted_batch_time_s=float(batch_time),
-        predicted_samples_per_s=float(req.global_batch_size / batch_time),
+        **plan_request_fields(req, batch_time),
         predicted_stage_time_s=[float(t) for t in _per_rank([st["microbatch_s"] for st in chunks], d)],
         predicted_peak_memory_bytes=[int(p) for p in peaks],
         predicted_memory_breakdown=breakdown,
