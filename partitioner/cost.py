@@ -178,6 +178,12 @@ class Segments:
         def prefix(values):
             return np.concatenate([[0.0], np.cumsum(np.asarray(values, dtype=np.float64))])
 
+        def range_max(values):  # [i, j]: the max of values[i..j-1] (0 where j <= i)
+            v, out = np.asarray(values, dtype=np.float64), np.zeros((n + 1, n + 1))
+            for i in range(n):
+                out[i, i + 1 :] = np.maximum.accumulate(v[i:])
+            return out
+
         self.F = prefix([c.forward_s for c in layers])
         self.B = prefix([c.backward_s for c in layers])
         self.S = prefix([c.step_s for c in layers])
@@ -189,17 +195,9 @@ class Segments:
         self.IN = np.asarray([c.input_bytes for c in layers] + [0], dtype=np.float64)
         self.OUT = np.asarray([0] + [c.output_bytes for c in layers], dtype=np.float64)  # OUT[j]: output of layer j-1
         # RMAX[i, j]: max over layers i..j-1 of (saved + output): the gradients alive in one layer's backward.
-        peak = np.asarray([c.saved_bytes + c.output_bytes for c in layers], dtype=np.float64)
-        rmax = np.zeros((n + 1, n + 1))
-        for i in range(n):
-            rmax[i, i + 1 :] = np.maximum.accumulate(peak[i:])
-        self.RMAX = rmax
+        self.RMAX = range_max([c.saved_bytes + c.output_bytes for c in layers])
         # SMAX[i, j]: the largest one tensor's step temporaries over layers i..j-1
-        speak = np.asarray([c.step_peak_bytes for c in layers], dtype=np.float64)
-        smax = np.zeros((n + 1, n + 1))
-        for i in range(n):
-            smax[i, i + 1 :] = np.maximum.accumulate(speak[i:])
-        self.SMAX = smax
+        self.SMAX = range_max([c.step_peak_bytes for c in layers])
         self._stream: Dict[int, tuple] = {}
 
     def stream_device(self, window: int, weight_copy_bytes: int = 4):
