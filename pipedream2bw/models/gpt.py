@@ -30,12 +30,16 @@ class Embedding(nn.Module):
         self.pos = nn.Embedding(cfg.seq_len, cfg.d_model)
         self.dropout = cfg.dropout
 
+    def tokens(self, idx: torch.Tensor) -> torch.Tensor:
+        """(B, T) ids -> (B, T, C) token embeddings (a tensor rank's vocabulary split overrides it)."""
+        return self.tok(idx)
+
     def forward(self, idx: Any) -> Any:
         if isinstance(idx, (tuple, list)):  # packed documents: the positions restart with each one
             idx, positions = idx
-            return _dropout(self.tok(idx) + self.pos(positions), self.dropout, self.training), positions
+            return _dropout(self.tokens(idx) + self.pos(positions), self.dropout, self.training), positions
         positions = torch.arange(idx.shape[1], device=idx.device)
-        return _dropout(self.tok(idx) + self.pos(positions), self.dropout, self.training)  # (B, T, C)
+        return _dropout(self.tokens(idx) + self.pos(positions), self.dropout, self.training)  # (B, T, C)
 
 
 def _dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:

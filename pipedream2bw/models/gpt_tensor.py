@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pipedream2bw.models.gpt import Block, Embedding, LMHead, Norm, _dropout
+from pipedream2bw.models.gpt import Block, Embedding, LMHead, Norm
 from pipedream2bw.pipeline.tensor import (
     SharedGroup,
     Split,
@@ -211,13 +211,6 @@ class VocabParallelEmbedding(Embedding):
     def tokens(self, idx: torch.Tensor) -> torch.Tensor:
         """(B, T) whole ids -> (B, T, C) token embeddings, summed over the tensor group."""
         return vocab_embedding(idx, self.tok.weight, start=self.start, group=self.tensor_group.group)
-
-    def forward(self, idx: Any) -> Any:
-        if isinstance(idx, (tuple, list)):  # packed documents: the positions restart with each one
-            idx, positions = idx
-            return _dropout(self.tokens(idx) + self.pos(positions), self.dropout, self.training), positions
-        positions = torch.arange(idx.shape[1], device=idx.device)
-        return _dropout(self.tokens(idx) + self.pos(positions), self.dropout, self.training)  # (B, T, C)
 
 
 class VocabParallelHead(LMHead):

@@ -273,10 +273,14 @@ class TokenEmbedding(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(vocab_size, hidden_size, padding_idx)
 
+    def tokens(self, ids: torch.Tensor) -> torch.Tensor:
+        """(B, T) ids -> (B, T, C) (a tensor rank's vocabulary split overrides it)."""
+        return self.embed_tokens(ids)
+
     def forward(self, idx: Any) -> Any:
         if isinstance(idx, (tuple, list)):
-            return self.embed_tokens(idx[0]), idx[1]
-        return self.embed_tokens(idx)
+            return self.tokens(idx[0]), idx[1]
+        return self.tokens(idx)
 
 
 class DecoderLayer(nn.Module):

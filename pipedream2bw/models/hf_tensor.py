@@ -113,11 +113,9 @@ class VocabParallelTokenEmbedding(TokenEmbedding):
         self.start = vocab_range(embedding.embed_tokens.num_embeddings, rank=rank, size=size)[0]
         self.tensor_group = SharedGroup(group)
 
-    def forward(self, idx: Any) -> Any:
-        ids = idx[0] if isinstance(idx, (tuple, list)) else idx
+    def tokens(self, ids: torch.Tensor) -> torch.Tensor:
         group, pad = self.tensor_group.group, self.embed_tokens.padding_idx
-        out = vocab_embedding(ids, self.embed_tokens.weight, start=self.start, group=group, padding_idx=pad)
-        return (out, idx[1]) if isinstance(idx, (tuple, list)) else out
+        return vocab_embedding(ids, self.embed_tokens.weight, start=self.start, group=group, padding_idx=pad)
 
 
 class VocabParallelLMHead(Head):
