@@ -30,6 +30,8 @@ from partitioner.planner import (
 )
 from partitioner.topology import LOCAL, make_rank_map
 from pipedream2bw.errors import ConfigError
+from pipedream2bw.pipeline.schedule import chunk_rank
+from pipedream2bw.pipeline.schedule import chunks as rank_chunks
 
 SCHEDULE = "zbv"
 
@@ -37,7 +39,7 @@ SCHEDULE = "zbv"
 def v_rows(rank_map: Sequence[Sequence[int]]) -> List[List[int]]:
     """The 2d chunks' placements: chunk v runs where stage v of ``rank_map`` does, and chunk 2d-1-r where stage r."""
     d = len(rank_map)
-    return [list(rank_map[v if v < d else 2 * d - 1 - v]) for v in range(2 * d)]
+    return [list(rank_map[chunk_rank(v, d)]) for v in range(2 * d)]
 
 
 def v_contexts(req: Request, rank_map: Sequence[Sequence[int]], *, m: int) -> list:
@@ -46,7 +48,7 @@ def v_contexts(req: Request, rank_map: Sequence[Sequence[int]], *, m: int) -> li
     d = len(rank_map)
     runtime = req.runtime_bytes
     if not isinstance(runtime, (int, float)):  # one figure per rank -> one per chunk
-        runtime = [runtime[v if v < d else 2 * d - 1 - v] for v in range(2 * d)]
+        runtime = [runtime[chunk_rank(v, d)] for v in range(2 * d)]
     req = dataclasses.replace(req, runtime_bytes=runtime)
     ctxs = _contexts(req, v_rows(rank_map), m=m, recompute=False, sharded=False)
     ctxs = [dataclasses.replace(c, num_stages=d) for c in ctxs]
@@ -57,7 +59,7 @@ def v_contexts(req: Request, rank_map: Sequence[Sequence[int]], *, m: int) -> li
 
 def _per_rank(values: Sequence[float], d: int) -> List[float]:
     """Chunk figures -> rank figures: rank r's two chunks, r and 2d-1-r, summed."""
-    return [values[r] + values[2 * d - 1 - r] for r in range(d)]
+    return [sum(values[v] for v in rank_chunks(SCHEDULE, r, d)) for r in range(d)]
 
 
 def v_plan(req: Request, split: _Split, *, simulate_it: bool) -> Plan:
@@ -66,24 +68,26 @@ def v_plan(req: Request, split: _Split, *, simulate_it: bool) -> Plan:
     chunks = split.stage_costs()
     d, w, m = len(split.rank_map), split.data_parallel, split.num_microbatches
     cores = req.topology.cores if req.topology.device == "cpu" else None
+    rank_batch = _per_rank([st["batch_s"] for st in chunks], d)  # a rank's two chunks, the search's bound
     if simulate_it:
         sim = simulate(chunks, schedule=SCHEDULE, num_microbatches=m, data_parallel=w, cores=cores)
         batch_time, chunk_peaks = sim.batch_time_s, sim.peak_memory_bytes
     else:
-        batch_time = max(_per_rank([st["batch_s"] for st in chunks], d))
+        batch_time = max(rank_batch)
         if cores:
             busy = w * sum(m * (st["forward_s"] + st["backward_s"]) + st["step_s"] for st in chunks)
             batch_time = max(batch_time, busy / cores)
         chunk_peaks = [st["memory"] for st in chunks]
     runtime = [float(split.contexts[r].runtime_bytes) for r in range(d)]  # counted once a rank, not once a chunk
     peaks = [p - rt for p, rt in zip(_per_rank(chunk_peaks, d), runtime)]
+    per_part = {k: _per_rank([st[k] for st in chunks], d) for k in MEMORY_PARTS}
     breakdown: List[Dict[str, int]] = []
     for r in range(d):
-        parts = {k: int(chunks[r][k] + chunks[2 * d - 1 - r][k]) for k in MEMORY_PARTS}
+        parts = {k: int(per_part[k][r]) for k in MEMORY_PARTS}
         parts["runtime"] = int(runtime[r])
         breakdown.append(parts)
     bounds = [*split.starts, split.seg.n]
-    slower = [max(chunks[r], chunks[2 * d - 1 - r], key=lambda st: st["batch_s"]) for r in range(d)]
+    slower = [max((chunks[v] for v in rank_chunks(SCHEDULE, r, d)), key=lambda st: st["batch_s"]) for r in range(d)]
     bound = [RESOURCES[int(st["bound"])] for st in slower]
     return Plan(
         schedule=SCHEDULE,
@@ -104,7 +108,7 @@ def v_plan(req: Request, split: _Split, *, simulate_it: bool) -> Plan:
         predicted_host_step_s=[0.0] * d,
         predicted_host_sum_s=[0.0] * d,
         predicted_stage_bound=bound,
-        predicted_bound=bound[max(range(d), key=lambda r: chunks[r]["batch_s"] + chunks[2 * d - 1 - r]["batch_s"])],
+        predicted_bound=bound[rank_batch.index(max(rank_batch))],
         model=dict(req.model),
         precision=req.precision,
         weight_dtype=req.weight_dtype,

@@ -102,6 +102,11 @@ def chunks(schedule: str, stage_index: int, num_stages: int) -> Tuple[int, ...]:
     return (stage_index,)
 
 
+def chunk_rank(v: int, num_stages: int) -> int:
+    """Under a V schedule, the rank of ``num_stages`` that runs chunk ``v`` of 2d (``chunks``' inverse)."""
+    return v if v < num_stages else 2 * num_stages - 1 - v
+
+
 def num_chunks(schedule: str, num_stages: int) -> int:
     """Virtual stages of a pipeline of ``num_stages`` ranks: 2d under zbv, else d."""
     return 2 * num_stages if schedule in V_SCHEDULES else num_stages

@@ -505,8 +505,7 @@ def chunk_specs(rt: RankPlan) -> List[chunks.ChunkSpec]:
     if rt.schedule not in schedule.V_SCHEDULES:
         return []
     d = rt.num_stages
-    stage_of = [v if v < d else 2 * d - 1 - v for v in range(2 * d)]
-    ranks = [rt.pipeline_ranks[s][rt.replica] for s in stage_of]
+    ranks = [rt.pipeline_ranks[schedule.chunk_rank(v, d)][rt.replica] for v in range(2 * d)]
     rank_of = [chunks.LOCAL if r == rt.rank else r for r in ranks]
     return chunks.v_chunk_specs(stage=rt.stage, num_stages=d, balance=rt.balance, rank_of=rank_of)
 
