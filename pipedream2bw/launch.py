@@ -114,9 +114,9 @@ def check(overrides: Sequence[str], *, world_size: Optional[int], local_world_si
     if busy is not None:
         return busy
     mistake = precheck.check(overrides, world_size=world_size, local_world_size=local_world_size)
-    # a hydra.run.dir named on the command line (the default one, stamped, only the ranks agree on): in use by a
-    # live run, a link planted in it, not writable
-    return mistake if mistake is not None else precheck.check_run_dir(overrides)
+    # a hydra.run.dir named on the command line (the default one, stamped, only the ranks agree on): a link planted in
+    # it, not writable (in use by a live run: found first, above; rank 0 looks again when it starts)
+    return mistake if mistake is not None else precheck.check_run_dir(overrides, live=False)
 
 
 def _quiet_torchrun() -> None:
