@@ -28,14 +28,16 @@ Step per batch: the optimizer's step over the rank's parameters (/ t with the sp
 (``TensorShape.muon``) a block's step stays whole: each rank all-gathers every hidden matrix's update (four
 ``allgather_s`` of its float32 bytes) and runs the Newton-Schulz iterations on the whole matrix.
 
-Time per microbatch: the split layers' compute / (t * ``TENSOR_EFFICIENCY``); the norms' compute whole (/ t with
-sequence parallelism); per block two all-reduces of b T C a bytes in the forward (after the attention's and the MLP's
-row-parallel matrix) and two in the backward (the gradients of the two column-parallel inputs); with sequence
-parallelism each becomes a reduce-scatter and an all-gather, which move the same bytes, and the final norm's input
-is all-gathered (the norm runs whole: the head and the loss see the whole sequence). The embedding: one all-reduce
-of its output in the forward; the head: one of its input's gradient in the backward, and the vocab-parallel loss's
-three of b T float32 in the forward. A ring all-reduce of n bytes over t ranks on the intra-node link:
-``2 (t-1)/t n / bandwidth + 2 (t-1) latency`` (``allreduce_s``).
+Time per microbatch: the split layers' compute / (t * ``TENSOR_EFFICIENCY``) (a block's norms, a small part of it,
+counted in); per block two all-reduces of b T C a bytes in the forward (after the attention's and the MLP's
+row-parallel matrix) and two in the backward (the gradients of the two column-parallel inputs). With sequence
+parallelism each becomes a reduce-scatter and an all-gather, which move the same bytes; the backward also gathers
+each column-split matrix's input again (two all-gathers: only its slice was saved) and sums the norms' and row-split
+biases' gradients (one all-reduce of 6 C float32 a block); the embedding's output slices' gradients are all-gathered
+in the backward, the final norm's input in the forward (the norm runs whole: the head and the loss see the whole
+sequence). The embedding: one all-reduce of its output in the forward; the head: one of its input's gradient in the
+backward, and the vocab-parallel loss's three of b T float32 in the forward. A ring all-reduce of n bytes over t
+ranks on the intra-node link: ``2 (t-1)/t n / bandwidth + 2 (t-1) latency`` (``allreduce_s``).
 """
 
 from __future__ import annotations
@@ -179,6 +181,9 @@ def _block(c: LayerCost, shape: TensorShape, t: int, *, btc, link, sp, eff, b) -
     split = (4 * C * C + 2 * C * H + 3 * C + H) / (4 * C * C + 2 * C * H + 9 * C + H)  # 12C^2+7C of 12C^2+13C
     whole = 0 if sp else min(c.saved_bytes, BLOCK_WHOLE_SAVED * btc)
     ar = 2 * allreduce_s(btc, t, link)
+    # sequence parallelism's backward gathers each column-split matrix's input again (only its slice was saved) and
+    # sums the norms' and row biases' gradients (6 C, float32) over the tensor group: one small all-reduce a block
+    again = 2 * allgather_s(btc, t, link) + allreduce_s(6 * C * 4, t, link) if sp else 0.0
     params = _params(c, split, t)
     if shape.muon:  # each rank gathers every hidden matrix's float32 update and orthogonalizes it whole: the step's
         # time does not divide by t (its Newton-Schulz iterations dominate it), and four all-gathers add to it
@@ -187,7 +192,7 @@ def _block(c: LayerCost, shape: TensorShape, t: int, *, btc, link, sp, eff, b) -
     return dataclasses.replace(
         c,
         forward_s=c.forward_s / (t * eff) + ar,
-        backward_s=c.backward_s / (t * eff) + ar,
+        backward_s=c.backward_s / (t * eff) + ar + again,
         saved_bytes=int(math.ceil(whole + (c.saved_bytes - whole) / t)),
         **params,
         **_io(c, t, sp),
@@ -195,11 +200,15 @@ def _block(c: LayerCost, shape: TensorShape, t: int, *, btc, link, sp, eff, b) -
 
 
 def _embedding(c: LayerCost, shape: TensorShape, t: int, *, btc, link, sp, eff, b) -> LayerCost:
-    if shape.vocab_size % t:
-        return c  # whole on every rank: nothing to reduce
+    # sequence parallelism slices its output (each rank keeps its part of the sequence): the slices' gradients are
+    # gathered whole in the backward
+    bwd = c.backward_s + (allgather_s(btc, t, link) if sp else 0.0)
+    if shape.vocab_size % t:  # whole on every rank: nothing to reduce
+        return dataclasses.replace(c, backward_s=bwd, **_io(c, t, sp, inputs=False))
     V, T = shape.vocab_size, shape.seq_len
     fwd = c.forward_s + allreduce_s(btc, t, link)  # the gather is memory-bound: its time stays
-    return dataclasses.replace(c, forward_s=fwd, **_params(c, V / (V + T), t), **_io(c, t, sp, inputs=False))
+    params = _params(c, V / (V + T), t)
+    return dataclasses.replace(c, forward_s=fwd, backward_s=bwd, **params, **_io(c, t, sp, inputs=False))
 
 
 def _head(c: LayerCost, shape: TensorShape, t: int, *, btc, link, sp, eff, b) -> LayerCost:

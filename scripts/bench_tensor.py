@@ -7,6 +7,12 @@
    block as one of t = 2 ranks runs it (half the heads, half the MLP width): T_full / (2 T_half), beside
    ``partitioner.tensor.TENSOR_EFFICIENCY``.
 
+3. A block's collectives with and without sequence parallelism (``pipeline.sequence_parallel``), each run through
+   the runtime's own functions (``pipeline.tensor``) between t = 2 gloo processes: unsplit along the sequence four
+   all-reduces of b*T*C (two each way); split, in the forward two all-gathers of the slices and two reduce-scatters,
+   in the backward the same four plus two all-gathers of the column-split inputs again and one all-reduce of the
+   norms' and row biases' 6 C gradients - beside the planner's figures for both (``partitioner.tensor``).
+
 python scripts/bench_tensor.py                       # the default GPT's shape (b 8, T 128, C 128) and C 512
 python scripts/bench_tensor.py --d-model 128 512 --batch 8 --seq-len 128 --repeats 50
 """
@@ -14,6 +20,7 @@ python scripts/bench_tensor.py --d-model 128 512 --batch 8 --seq-len 128 --repea
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import socket
 import statistics
@@ -23,9 +30,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from partitioner.tensor import TENSOR_EFFICIENCY, allreduce_s
+from partitioner.tensor import TENSOR_EFFICIENCY, allgather_s, allreduce_s
 from partitioner.topology import intra_link
 from pipedream2bw.config import TopologyConfig
+from pipedream2bw.pipeline.tensor import gather_sequence, reduce_from, reduce_scatter_sequence
 
 
 def _free_port() -> int:
@@ -52,6 +60,66 @@ def _allreduce_worker(rank: int, port: int, sizes, repeats: int, out) -> None:
                 out[n] = statistics.median(times)
     finally:
         dist.destroy_process_group()
+
+
+def _median_s(fn, repeats: int) -> float:
+    """Median seconds of ``fn()`` over ``repeats`` calls after five, each started together (a barrier)."""
+    for _ in range(5):
+        fn()
+    times = []
+    for _ in range(repeats):
+        dist.barrier()
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _sequence_worker(rank: int, port: int, shapes, repeats: int, out) -> None:
+    """Each of ``shapes`` (B, T, C): the median seconds of each collective a block runs (the module docstring)."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    group = dist.group.WORLD
+    try:
+        for B, T, C in shapes:
+            whole, piece, grads = torch.ones(B, T, C), torch.ones(B, T // 2, C), torch.ones(6 * C)
+            ops = {
+                "all-reduce": functools.partial(reduce_from, whole, group),
+                "all-gather": functools.partial(gather_sequence, piece, group, rank=rank, size=2),
+                "reduce-scatter": functools.partial(reduce_scatter_sequence, whole, group),
+                "all-reduce 6C": functools.partial(dist.all_reduce, grads, group=group),
+            }
+            times = {name: _median_s(fn, repeats) for name, fn in ops.items()}
+            if rank == 0:
+                out[(B, T, C)] = times
+    finally:
+        dist.destroy_process_group()
+
+
+def sequence_table(shapes, repeats: int, link) -> None:
+    """Prints a block's collectives' seconds (forward + backward) at t = 2, unsplit and split along the sequence,
+    measured and the planner's."""
+    with mp.Manager() as manager:
+        out = manager.dict()
+        mp.spawn(_sequence_worker, args=(_free_port(), list(shapes), repeats, out), nprocs=2, join=True)
+        measured = dict(out)
+    print("\na block's collectives, forward + backward, t = 2 gloo processes (ms; float32):")
+    print(f"{'C':>6} {'op':>15} {'measured':>9} {'planner':>8}")
+    for B, T, C in shapes:
+        m, n = measured[(B, T, C)], B * T * C * 4
+        model = {
+            "all-reduce": allreduce_s(n, 2, link),
+            "all-gather": allgather_s(n, 2, link),
+            "reduce-scatter": allgather_s(n, 2, link),  # a ring reduce-scatter moves what an all-gather does
+            "all-reduce 6C": allreduce_s(6 * C * 4, 2, link),
+        }
+        for op in m:
+            print(f"{C:>6} {op:>15} {m[op] * 1e3:>9.3f} {model[op] * 1e3:>8.3f}")
+        count = {"off": {"all-reduce": 4}, "on": {"all-gather": 6, "reduce-scatter": 4, "all-reduce 6C": 1}}
+        for sp, ops in count.items():
+            meas = sum(k * m[op] for op, k in ops.items())
+            plan = sum(k * model[op] for op, k in ops.items())
+            print(f"{C:>6} {'block, SP ' + sp:>15} {meas * 1e3:>9.3f} {plan * 1e3:>8.3f}   pred/meas {plan / meas:.2f}")
 
 
 def measure_allreduce(sizes, repeats: int) -> dict:
@@ -119,6 +187,7 @@ def main() -> None:
         whole = block_seconds(c, args.heads, 1, **shape)
         half = block_seconds(c, args.heads, 2, **shape)
         print(f"{c:>6} {whole * 1e3:>9.2f} {half * 1e3:>8.2f} {whole / (2 * half):>10.2f}")
+    sequence_table([(args.batch, args.seq_len, c) for c in args.d_model], args.repeats, link)
 
 
 if __name__ == "__main__":

@@ -564,8 +564,14 @@ def test_tensor_split_divides_a_blocks_memory_and_adds_its_all_reduces():
     assert emb.param_bytes == pytest.approx((96 // 2 + 16) * C * 4, abs=1)  # the vocab's rows split, positions not
     assert head.param_bytes == 96 * C * 4 // 2
     assert norm == layers[2] and block.input_bytes == btc
-    sp, sp_norm = split_layers(layers, shape, 2, b=2, link=link, sequence_parallel=True)[1:3]
+    sp_emb, sp, sp_norm = split_layers(layers, shape, 2, b=2, link=link, sequence_parallel=True)[:3]
     assert sp.saved_bytes == whole.saved_bytes // 2 and sp.input_bytes == btc // 2
+    # sequence parallelism: a reduce-scatter + all-gather pair for each all-reduce; the backward gathers the two
+    # column-split inputs again and all-reduces the norms' and row biases' gradients (6 C float32)
+    ag, small = (1 / 2) * btc / 300e9 + 5e-6, 2 * (1 / 2) * 6 * C * 4 / 300e9 + 2 * 5e-6
+    assert sp.forward_s == pytest.approx(block.forward_s)
+    assert sp.backward_s == pytest.approx(block.backward_s + 2 * ag + small)
+    assert sp_emb.backward_s == pytest.approx(emb.backward_s + ag) and sp_emb.output_bytes == btc // 2
     # the final norm runs on the sequence gathered whole (as the runtime does): a slice in, whole saved and out
     assert (sp_norm.saved_bytes, sp_norm.output_bytes, sp_norm.input_bytes) == (btc, btc, btc // 2)
 
