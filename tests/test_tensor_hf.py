@@ -8,7 +8,7 @@ import dataclasses
 
 import pytest
 import torch
-from dist_helper import run_ok
+from dist_helper import run_ok, spawn
 from hf_models import read_dir, save_tiny, tiny_hf_config
 from test_semantics import assert_losses_close
 from test_tensor_parallel import assert_split_weights, reference, tp_config
@@ -46,19 +46,21 @@ def _assert_reference(tmp_path, cfg, summary, *, w: int = 1):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "schedule,kind,recompute",
+    "schedule,kind,recompute,sp",
     [
-        ("2bw", "llama", False),
-        pytest.param("flush", "qwen2", False, marks=pytest.mark.long),  # qwen2: q/k/v biases split with their rows
-        pytest.param("2bw", "mistral", True, marks=pytest.mark.long),  # the pre-hooks and all-reduces run again
+        ("2bw", "llama", False, False),
+        pytest.param("flush", "qwen2", False, False, marks=pytest.mark.long),  # q/k/v biases split with their rows
+        pytest.param("2bw", "mistral", True, False, marks=pytest.mark.long),  # the pre-hooks and all-reduces again
+        pytest.param("2bw", "qwen2", True, True, marks=pytest.mark.long),  # sequence parallel: slices cross stages
     ],
 )
-def test_hf_tensor_parallel_equals_reference_and_exports_whole_tensors(tmp_path, schedule, kind, recompute):
+def test_hf_tensor_parallel_equals_reference_and_exports_whole_tensors(tmp_path, schedule, kind, recompute, sp):
     # d=2 x t=2, tied embeddings across the stages, every step clipped (0.05: the norm sums each split piece over
     # the tensor group and counts the whole norms and embedding once); the export holds the whole tensors.
     from pipedream2bw.models.factory import model_source
 
     cfg = hf_tp_config(schedule, 2, 1, kind=kind)
+    cfg.pipeline.sequence_parallel = sp
     if kind == "llama":  # loaded from a save_pretrained directory, each rank cutting its pieces of the layers it read
         save_tiny(tmp_path / "pretrained", "llama", tied=True)
         cfg.model = HFModelConfig(pretrained=str(tmp_path / "pretrained"), seq_len=16)
@@ -124,3 +126,59 @@ def test_hf_tensor_parallel_refuses_what_it_does_not_split(model, match):
 def test_hf_tensor_parallel_config_is_accepted():
     cfg = hf_tp_config("2bw", 2, 1)
     assert check(cfg, world_size=4, num_layers=6, local_world_size=4) == [3, 3]
+    cfg.pipeline.sequence_parallel = True  # the decoder layers on slices of the sequence (models/hf_tensor.py)
+    assert check(cfg, world_size=4, num_layers=6, local_world_size=4) == [3, 3]
+
+
+def _hf_sequence_parallel_stage(out_dir: str) -> None:
+    """One rank of ``test_an_hf_sequence_parallel_stage_is_the_unsplit_stage``: writes what it found wrong."""
+    import copy
+    from collections import OrderedDict
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    from pipedream2bw.models.hf import build_hf_layers, resolve_config
+    from pipedream2bw.models.hf_tensor import SequenceDecoderLayer, split_decoder_layers
+    from pipedream2bw.pipeline import comm, stateful
+    from pipedream2bw.pipeline.tensor import shard
+
+    rank, world_size, _ = comm.env_rank()
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    hf = resolve_config(hf_model(attention_bias=True))  # o_proj's bias: whole, summed over the group as the norms
+    whole = stateful.StageSequential(OrderedDict((str(i), m) for i, m in enumerate(build_hf_layers(hf, seed=1))))
+    split = copy.deepcopy(whole)
+    splits = split_decoder_layers(split, group=dist.group.WORLD, rank=rank, size=world_size, sequence_parallel=True)
+    first = stateful.StageSequential(OrderedDict(list(split._modules.items())[:2]))  # embedding, layer: a boundary
+    torch.manual_seed(0)
+    idx, weight = torch.randint(0, hf.config.vocab_size, (2, 16)), torch.randn(2, 16, hf.config.vocab_size)
+    outs = [module(idx) for module in (whole, split, first)]
+    (outs[0] * weight).sum().backward()
+    (outs[1] * weight).sum().backward()
+    wrong = []
+    if not torch.allclose(outs[1], outs[0], rtol=1e-5, atol=1e-6):
+        wrong.append(f"logits ({(outs[1] - outs[0]).abs().max():.2e} off)")
+    if tuple(outs[2].shape) != (2, 16 // world_size, 32):
+        wrong.append(f"the boundary's shape {tuple(outs[2].shape)}")
+    for (name, p), (_, q) in zip(whole.named_parameters(), split.named_parameters()):
+        expected = shard(p.grad, splits[name], rank=rank, size=world_size) if name in splits else p.grad
+        off = float((q.grad - expected).abs().max() / expected.abs().max())  # round-off: sums in another order
+        if not off < 1e-5:
+            wrong.append(f"{name}'s gradient ({off:.2e} of its largest off)")
+    if not isinstance(split._modules["1"], SequenceDecoderLayer):
+        wrong.append(f"layer 1 is a {type(split._modules['1']).__name__}")
+    Path(out_dir, f"wrong{rank}.txt").write_text("\n".join(wrong))
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_an_hf_sequence_parallel_stage_is_the_unsplit_stage(tmp_path):
+    # pipeline.sequence_parallel at t = 2 with model=hf's Llama (attention biases on): a whole model as one stage,
+    # each rank's decoder layers on half the sequence (the embedding's output sliced, the final norm's input
+    # gathered), yet the logits and every gradient (split parameters: this rank's piece) are the unsplit stage's; a
+    # stage that ends in a decoder layer sends (B, T/2, C). Guards the rotary angles (the whole sequence's
+    # positions), the regions' gathers (their backward a reduce-scatter), the row-split layers' reduce-scatters and
+    # the norms' and o_proj bias's gradients (summed over the tensor group).
+    results = spawn(_hf_sequence_parallel_stage, world_size=2, args=(str(tmp_path),), log_dir=tmp_path / "logs")
+    assert all(r.exitcode == 0 for r in results), "\n".join(r.log for r in results)
+    assert [(tmp_path / f"wrong{r}.txt").read_text() for r in range(2)] == ["", ""]

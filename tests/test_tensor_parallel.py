@@ -11,7 +11,7 @@ from dist_helper import run_ok, spawn
 from reference import reference_eval, reference_run
 from test_semantics import assert_losses_close, tiny_config
 
-from pipedream2bw.config import ConfigError, HFModelConfig, LayerListConfig, validate
+from pipedream2bw.config import ConfigError, LayerListConfig, validate
 from pipedream2bw.pipeline.layout import make_layout
 from pipedream2bw.pipeline.tensor import shard, sharded_state, unshard
 
@@ -158,11 +158,6 @@ def test_checkpoint_holds_whole_tensors_and_resumes_at_another_t(tmp_path, t_bef
             {"pipeline.sequence_parallel": True, "model.seq_len": 15},
             8,
             r"sequence_parallel \(true\) needs model.seq_len \(15\) divisible by pipeline.tensor_parallel \(2\)",
-        ),
-        (
-            {"pipeline.sequence_parallel": True, "model": HFModelConfig(model_type="llama")},
-            8,
-            r"sequence_parallel \(true\) splits the built-in GPT's blocks .* set pipeline.sequence_parallel=false",
         ),
     ],
 )

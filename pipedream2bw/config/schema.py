@@ -69,9 +69,10 @@ class PipelineConfig:
     innermost (a stage's t ranks are consecutive, on one node); the built-in GPT (fp32, bf16) and model=hf's Llama
     family (fp32); where t divides the vocabulary the embedding and LM head split by it."""
     sequence_parallel: bool = False
-    """At tensor_parallel t > 1 (moot at 1), the built-in GPT only: Megatron's sequence parallelism. Between the split
-    matrices each tensor rank holds 1/t of the sequence (norms, dropout, residual adds and the activations sent between
-    stages); an all-gather before qkv and fc, a reduce-scatter after proj and fc_proj (docs/concepts.md)."""
+    """At tensor_parallel t > 1 (moot at 1), the built-in GPT and model=hf's Llama family: Megatron's sequence
+    parallelism. Between the split matrices each tensor rank holds 1/t of the sequence (norms, dropout, residual adds
+    and the activations sent between stages); an all-gather before the column-split and a reduce-scatter after the
+    row-split matrices (docs/concepts.md)."""
     trace: bool = False
     """Record when every F, B, send, recv, all-reduce and optimizer step ran on every rank for
     trace_steps steps; writes trace.json (Chrome/Perfetto), timeline.png and the bubble fraction."""

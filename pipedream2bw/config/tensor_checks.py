@@ -50,16 +50,12 @@ def tensor_parallel_refusal(cfg: Config, *, gpt: bool) -> Optional[str]:
 
 
 def validate_sequence_parallel(cfg: Config) -> None:
-    """pipeline.sequence_parallel at t > 1: the built-in GPT's blocks on whole windows whose tokens t divides."""
+    """pipeline.sequence_parallel at t > 1: the built-in GPT's blocks or model=hf's Llama family's decoder layers
+    (the families tensor_parallel splits) on whole windows whose tokens t divides."""
     t, mdl = cfg.pipeline.tensor_parallel, cfg.model
     if not cfg.pipeline.sequence_parallel:
         return
-    why = "pipeline.sequence_parallel (true)"
-    if not isinstance(mdl, GPTConfig):
-        raise ConfigError(
-            f"{why} splits the built-in GPT's blocks along the sequence only (model=gpt), not model=hf's or a layer "
-            "list's; set pipeline.sequence_parallel=false for this model"
-        )
+    why = "pipeline.sequence_parallel (true)"  # a layer list: tensor_parallel_refusal's
     if mdl.seq_len % t:
         raise ConfigError(
             f"{why} needs model.seq_len ({mdl.seq_len}) divisible by pipeline.tensor_parallel ({t}): each tensor "

@@ -10,6 +10,16 @@ layer's bias (none in these families by default) is added once, after the sum. W
 ``embed_tokens`` and ``lm_head`` split by it as the GPT's do (``gpt_tensor.split_vocab`` with ``HF_VOCAB``); norms
 stay whole.
 Attention dropout would draw its masks over a rank's heads only: refused at t > 1 (run/preflight.py).
+
+Sequence parallelism (pipeline.sequence_parallel): between the split regions each rank holds its (B, T/t, C) slice
+of the sequence (the norms and the residual adds run on it); a region's pre-hook gathers its input whole
+(``gather_columns``: the input's gradient reduce-scattered), its row-split layer reduce-scatters the partial outputs
+into the slices (``reduce_scatter_sequence``), the two norms' weights and any row-split bias (whole, seeing 1/t of the
+tokens) have their gradients summed over the tensor group in one all-reduce a layer (``copy_many``), and the rotary
+angles cover the whole sequence. The embedding's output is sliced and the final norm's input gathered
+(``gpt_tensor.SequenceEnds``), as the GPT's. The whole input a region gathers is saved by its column-split layers
+(not only the slice, as the GPT's ``gathered_linear`` does): the saving is the norms' inputs and outputs, the residual
+stream and the stage boundary.
 """
 
 from __future__ import annotations
@@ -19,16 +29,20 @@ from typing import Any, Dict, Tuple
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.func import functional_call
 
-from pipedream2bw.models.gpt_tensor import VocabKinds
+from pipedream2bw.models.gpt_tensor import SequenceEnds, VocabKinds
 from pipedream2bw.models.hf import DecoderLayer, TokenEmbedding
 from pipedream2bw.models.hf_gpt2 import Head
 from pipedream2bw.pipeline.tensor import (
     SharedGroup,
     Split,
     column_linear,
+    copy_many,
     copy_to,
+    gather_columns,
     reduce_from,
+    reduce_scatter_sequence,
     shard,
     vocab_embedding,
     vocab_range,
@@ -48,32 +62,63 @@ class RowLinear(nn.Linear):
     group, then the (whole) bias added once. Set on a loaded layer by class (``split_decoder_layers``)."""
 
     tensor_group: SharedGroup
+    sequence: bool  # pipeline.sequence_parallel: the sum reduce-scattered into each rank's slice of the sequence
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = reduce_from(F.linear(x, self.weight), self.tensor_group.group)  # (B, T, C)
+        total = reduce_scatter_sequence if self.sequence else reduce_from
+        out = total(F.linear(x, self.weight), self.tensor_group.group)  # (B, T, C) or (B, T/t, C)
         return out if self.bias is None else out + self.bias.to(out.dtype)  # as autocast casts an unsplit one's
 
 
-class _CopyIn:
-    """A forward pre-hook: the region's replicated input (``hidden_states``, by position or keyword) through
-    ``copy_to``, so its gradient is summed over the tensor group once for the whole region."""
+class _RegionInput:
+    """A forward pre-hook: the region's input (``hidden_states``, by position or keyword) through ``copy_to`` (its
+    gradient summed over the tensor group once for the whole region) or, under sequence parallelism, gathered whole
+    from the ranks' slices (``gather_columns``)."""
 
-    def __init__(self, group: Any):
+    def __init__(self, group: Any, *, sequence: bool):
         self.tensor_group = SharedGroup(group)
+        self.enter = gather_columns if sequence else copy_to
 
     def __call__(self, module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]):
         group = self.tensor_group.group
         if args:
-            return (copy_to(args[0], group), *args[1:]), kwargs
-        return args, {**kwargs, "hidden_states": copy_to(kwargs["hidden_states"], group)}
+            return (self.enter(args[0], group), *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": self.enter(kwargs["hidden_states"], group)}
 
 
-def _split_layer(layer: nn.Module, *, group: Any, rank: int, size: int) -> Dict[str, Split]:
+class SequenceDecoderLayer(DecoderLayer):
+    """A ``DecoderLayer`` on tensor rank ``tensor_rank``'s slice of the sequence (B, T/t, C) in and out (the module
+    docstring), set on a split layer by class: the rotary angles of the whole sequence's positions, and the layer's
+    whole parameters that see the slice only (``WHOLE_ON_SLICES``) passed through ``copy_many``."""
+
+    tensor_group: SharedGroup
+    tensor_size: int
+
+    WHOLE_ON_SLICES = (
+        "input_layernorm.weight",
+        "post_attention_layernorm.weight",
+        "self_attn.o_proj.bias",
+        "mlp.down_proj.bias",
+    )
+
+    def forward(self, x: Any) -> Any:
+        if not torch.is_tensor(x):
+            raise TypeError("pipeline.sequence_parallel splits a (B, T, C) tensor, not packed documents' tuples")
+        positions = torch.arange(x.shape[1] * self.tensor_size, device=x.device)[None]  # (1, T): the whole sequence
+        cos_sin = self.rotary(x, positions)
+        names = [n for n in self.WHOLE_ON_SLICES if _has_parameter(self.layer, n)]
+        summed = copy_many(self.tensor_group.group, *(self.layer.get_parameter(n) for n in names))
+        kwargs = dict(attention_mask=None, position_ids=positions, position_embeddings=cos_sin)
+        out = functional_call(self.layer, dict(zip(names, summed)), (x,), kwargs)
+        return out[0] if isinstance(out, tuple) else out
+
+
+def _split_layer(layer: nn.Module, *, group: Any, rank: int, size: int, sequence: bool) -> Dict[str, Split]:
     """Splits one transformers decoder layer in place; returns its split parameters (local names)."""
     for region, row in ((layer.self_attn, layer.self_attn.o_proj), (layer.mlp, layer.mlp.down_proj)):
-        region.register_forward_pre_hook(_CopyIn(group), with_kwargs=True)
+        region.register_forward_pre_hook(_RegionInput(group, sequence=sequence), with_kwargs=True)
         row.__class__ = RowLinear
-        row.tensor_group = SharedGroup(group)
+        row.tensor_group, row.sequence = SharedGroup(group), sequence
     splits = {name: split for name, split in SPLITS.items() if _has_parameter(layer, name)}
     with torch.no_grad():
         for name, split in splits.items():
@@ -89,18 +134,40 @@ def _has_parameter(module: nn.Module, name: str) -> bool:
         return False
 
 
-def split_decoder_layers(module: nn.Module, *, group: Any, rank: int, size: int) -> Dict[str, Split]:
-    """Splits each Llama-family ``DecoderLayer`` among ``module``'s children for tensor rank ``rank`` (of ``size``).
+def split_decoder_layers(
+    module: nn.Module, *, group: Any, rank: int, size: int, sequence_parallel: bool = False
+) -> Dict[str, Split]:
+    """Splits each Llama-family ``DecoderLayer`` among ``module``'s children for tensor rank ``rank`` (of ``size``);
+    with ``sequence_parallel`` each on its slice of the sequence (a ``SequenceDecoderLayer``), the embedding's output
+    sliced and the final norm's input gathered.
 
     Returns:
         The split parameters of ``module`` by name (``module.named_parameters()``'s), with their splits.
     """
     splits: Dict[str, Split] = {}
+    ends = SequenceEnds(group, rank=rank, size=size)
     for name, child in module._modules.items():
         if isinstance(child, DecoderLayer):
-            local = _split_layer(child.layer, group=group, rank=rank, size=size)
+            local = _split_layer(child.layer, group=group, rank=rank, size=size, sequence=sequence_parallel)
             splits.update({f"{name}.layer.{k}": v for k, v in local.items()})
+            if sequence_parallel:
+                child.__class__ = SequenceDecoderLayer
+                child.tensor_group, child.tensor_size = SharedGroup(group), size
+        elif sequence_parallel and isinstance(child, TokenEmbedding):
+            child.register_forward_hook(ends.scatter)
+        elif sequence_parallel and is_final_norm(child):
+            child.register_forward_pre_hook(ends.gather)
     return splits
+
+
+def is_final_norm(layer: nn.Module) -> bool:
+    """Whether ``layer`` is a Llama family's RMSNorm (a layer of its own: the final norm)."""
+    return type(layer).__name__.endswith("RMSNorm")
+
+
+def holds_decoder_layers(module: nn.Module) -> bool:
+    """Whether ``module``'s children are model=hf's Llama family's layers (not the built-in GPT's)."""
+    return any(isinstance(c, (TokenEmbedding, DecoderLayer, Head)) or is_final_norm(c) for c in module.children())
 
 
 class VocabParallelTokenEmbedding(TokenEmbedding):

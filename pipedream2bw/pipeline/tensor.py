@@ -10,8 +10,8 @@ Sequence parallelism (pipeline.sequence_parallel): between the split layers each
 the sequence; ``gathered_linear`` all-gathers the slices into a column-split matrix's input (saving only the slice,
 gathered again in backward, which reduce-scatters the input's gradient), ``reduce_scatter_sequence`` sums the
 row-split partial outputs into each rank's slice (backward: an all-gather), ``scatter_sequence`` and
-``gather_sequence`` enter and leave the region, and ``copy_many`` sums the gradients of whole parameters that saw
-1/t of the tokens.
+``gather_sequence`` enter and leave the region, ``gather_columns`` gathers one input for several column-split
+layers (model=hf's q, k and v), and ``copy_many`` sums the gradients of whole parameters that saw 1/t of the tokens.
 """
 
 from __future__ import annotations
@@ -212,6 +212,21 @@ class _ReduceScatterSeq(torch.autograd.Function):
         return _gather_seq(grad, ctx.group), None
 
 
+class _GatherColumns(torch.autograd.Function):
+    """The slices gathered whole as the input of several column-split layers (model=hf's q, k and v, or gate and
+    up): each rank's partial input gradient is summed into its slice (a reduce-scatter). Saves nothing: the layers
+    save the whole input themselves."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        return _gather_seq(x, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _reduce_scatter_seq(grad, ctx.group).to(grad.dtype), None
+
+
 class _GatheredLinear(torch.autograd.Function):
     """``F.linear`` of the sequence gathered whole from every rank's slice (a column-split matrix's input), saving
     only the slice: the backward gathers it again (Megatron's sequence parallelism), and reduce-scatters the input's
@@ -247,6 +262,12 @@ def gather_sequence(x: torch.Tensor, group: Any, *, rank: int, size: int) -> tor
 def reduce_scatter_sequence(x: torch.Tensor, group: Any) -> torch.Tensor:
     """This rank's sequence slice of the sum over ``group`` of the row-split layers' partial outputs ``x``."""
     return _ReduceScatterSeq.apply(x, group)
+
+
+def gather_columns(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """The whole (B, T, C) from every rank's slice ``x``, entering column-split layers (its gradient: reduce-scattered
+    into the slice)."""
+    return _GatherColumns.apply(x, group)
 
 
 def gathered_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], group: Any) -> torch.Tensor:

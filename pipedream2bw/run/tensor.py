@@ -13,7 +13,7 @@ from torch import nn
 
 from pipedream2bw.config.optimizers import TENSOR_SPLIT
 from pipedream2bw.models.gpt_tensor import VocabLoss, split_blocks, split_vocab
-from pipedream2bw.models.hf_tensor import HF_VOCAB, split_decoder_layers
+from pipedream2bw.models.hf_tensor import HF_VOCAB, holds_decoder_layers, split_decoder_layers
 from pipedream2bw.pipeline import comm
 from pipedream2bw.pipeline.tensor import Split, WholeFromPieces, sharded_state, whole_state
 from pipedream2bw.run.runtime import RankPlan
@@ -96,9 +96,9 @@ def split_stage(rt: RankPlan, ctx: comm.DistContext, module: nn.Module, *, lm_he
         head_vocab = head_vocab or head_size
     # after the vocabulary's split: sequence parallelism hooks the stage's embedding (its split one) and final norm
     sp = rt.sequence_parallel  # the blocks on 1/t of the sequence, sliced after the embedding, gathered before the norm
-    splits.update(split_blocks(module, group=group, rank=rt.tensor_rank, size=rt.tensor_parallel, sequence_parallel=sp))
-    # model=hf's Llama family (a stage holds GPT blocks or decoder layers)
-    splits.update(split_decoder_layers(module, group=group, rank=rt.tensor_rank, size=rt.tensor_parallel))
+    # the built-in GPT's blocks or model=hf's Llama family's decoder layers
+    split = split_decoder_layers if holds_decoder_layers(module) else split_blocks
+    splits.update(split(module, group=group, rank=rt.tensor_rank, size=rt.tensor_parallel, sequence_parallel=sp))
     pieces = {n: p.shape for n, p in module.named_parameters(remove_duplicate=False) if n in splits}
     for n, p in module.named_parameters():  # Muon steps a piece through its whole matrix (config.optimizers)
         if n in splits:
