@@ -42,7 +42,7 @@ from pipedream2bw.config.optimizers import correction_in_effect, is_muon
 from pipedream2bw.errors import ConfigError
 from pipedream2bw.memory import precision as precisions
 from pipedream2bw.memory.step_memory import StepModel
-from pipedream2bw.models.gpt import layer_kind
+from pipedream2bw.models.gpt import layer_kind, lm_loss
 from pipedream2bw.pipeline.schedule import SPLIT_SCHEDULES, V_SCHEDULES
 
 log = logging.getLogger(__name__)
@@ -246,6 +246,8 @@ def plan_config(cfg: Config, *, runners_up: int = 4, layers=None, loss_fn=None, 
     req = make_request(cfg, **request_kwargs)
     if layers is not None:  # a layer list the planner does not know how to split: t = 1 (a pinned t is refused)
         req = dataclasses.replace(req, tensor=None)
+    elif req.tensor is not None and loss_fn not in (None, lm_loss):  # the caller's loss: the head stays whole
+        req = dataclasses.replace(req, tensor=dataclasses.replace(req.tensor, vocab_head=False))
     # error feedback's state exists only under 2bw: a flush or gpipe plan does not pay its 4 B a parameter
     optim = dataclasses.replace(cfg.optim, delay_correction=correction_in_effect(cfg.optim, cfg.pipeline.schedule))
     costs = _cost_fns(cfg, req, layers=layers, loss_fn=loss_fn)

@@ -3,7 +3,8 @@
 A stage of t ranks splits each transformer block by heads (q, k, v column-wise, the attention's output projection
 row-wise) and its MLP by the hidden width (the first matrix column-wise, the second row-wise); the embedding and the
 LM head split by the vocabulary where t divides it (a vocab-parallel embedding; a column-parallel head with the
-vocab-parallel cross entropy), else they stay whole on every rank; the final norm stays whole. ``split_layers``
+vocab-parallel cross entropy; the head only with the run's own loss: ``TensorShape.vocab_head``), else they stay
+whole on every rank; the final norm stays whole. ``split_layers``
 turns the whole model's ``LayerCost`` list into one rank's, so the cost model, the dynamic program and the simulator
 run unchanged on it: a (stage, replica) of t ranks is one "device" of the d x w mesh with these costs.
 
@@ -72,6 +73,9 @@ class TensorShape:
     act_bytes: int  # bytes of one activation element (the compute dtype)
     kinds: Sequence[str]  # per layer: 'embedding', 'block', 'norm' or 'head' (models.gpt.layer_kind)
     muon: bool = False  # optim.name=muon: the step orthogonalizes each whole matrix (an all-gather per matrix)
+    # the LM head splits by the vocabulary with the run's own loss (lm_loss, which the vocab-parallel loss replaces);
+    # a caller's loss_fn reads whole logits, so the runtime keeps the head whole on every rank (run/tensor.py)
+    vocab_head: bool = True
     step: Optional[StepModel] = None  # the step's transients (``partitioner.step``); None: the whole layer's kept
 
 
@@ -212,7 +216,7 @@ def _embedding(c: LayerCost, shape: TensorShape, t: int, *, btc, link, sp, eff, 
 
 
 def _head(c: LayerCost, shape: TensorShape, t: int, *, btc, link, sp, eff, b) -> LayerCost:
-    if shape.vocab_size % t:
+    if shape.vocab_size % t or not shape.vocab_head:
         return c
     whole = 0 if sp else min(c.saved_bytes, btc)  # its input, whole without sequence parallelism
     loss = 3 * allreduce_s(b * shape.seq_len * 4, t, link)  # the vocab-parallel loss: max, sum of exp, target

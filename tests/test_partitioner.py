@@ -576,6 +576,25 @@ def test_tensor_split_divides_a_blocks_memory_and_adds_its_all_reduces():
     assert (sp_norm.saved_bytes, sp_norm.output_bytes, sp_norm.input_bytes) == (btc, btc, btc // 2)
 
 
+def test_a_callers_loss_keeps_the_planned_head_whole_as_the_runtime_does():
+    # run/tensor.py splits the LM head by the vocabulary only under the run's own loss (lm_loss); a caller's loss_fn
+    # reads whole logits, so every tensor rank holds the whole head: the planner costs it so
+    from partitioner.__main__ import compose
+    from partitioner.auto import plan_config
+    from pipedream2bw.models import lm_loss
+
+    cfg = compose([*TENSOR_GPT, "pipeline.tensor_parallel=2", "topology.memory_per_device_gib=40"])
+
+    def own_loss(logits, targets):
+        return lm_loss(logits, targets)
+
+    split = plan_config(cfg, runtime_bytes=GIB / 2, loss_fn=lm_loss)[0]
+    whole = plan_config(cfg, runtime_bytes=GIB / 2, loss_fn=own_loss)[0]
+    assert split.tensor_parallel == whole.tensor_parallel == 2
+    head = 32000 * 4096 * 4 // 2  # half of the head's float32 weights, held once more by each rank of its stage
+    assert max(whole.predicted_peak_memory_bytes) - max(split.predicted_peak_memory_bytes) > head
+
+
 def test_tensor_split_keeps_muons_step_whole_and_adds_an_all_gather_per_matrix():
     # Muon at t > 1 gathers each hidden matrix's update over the tensor group and orthogonalizes it whole on every
     # rank: a block's step does not divide by t and four all-gathers (qkv, proj, fc, fc_proj; float32) add to it
