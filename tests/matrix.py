@@ -448,7 +448,8 @@ EXTRA: List[Cell] = [
     ),
     # pipeline.tensor_parallel=2 (issue 44), two cells of 4 ranks: 2bw across a resume from d2w1 to d1w2 with a tie,
     # clipping, validation, Muon (whole matrices gathered over the tensor group; its momenta and error feedback's
-    # state saved whole) and error feedback; gpipe at d1w2 with a tie, clipping and recomputation. No skip: its
+    # state saved whole) and error feedback; gpipe at d1w2 with a tie, clipping, recomputation and the optimizer state
+    # sharded over the replicas (ZeRO-1 of each tensor rank's pieces). No skip: its
     # poisoned layers are a layer list of the caller's, which t > 1 refuses (it splits the built-in GPT's blocks)
     Cell(
         schedule="2bw", d=2, w=1, resume=True, swap=False, precision="fp32", tied=True, clip=True, skip=False,
@@ -457,7 +458,7 @@ EXTRA: List[Cell] = [
     ),
     Cell(
         schedule="gpipe", d=1, w=2, resume=False, swap=False, precision="fp32", tied=True, clip=True, skip=False,
-        recompute=True, host_optim=False, validation=False, structured=False, sharded=False, weight_dtype="fp32", t=2,
+        recompute=True, host_optim=False, validation=False, structured=False, sharded=True, weight_dtype="fp32", t=2,
     ),
     # issue 42: bf16 streamed versions (train.weight_dtype=compute with swap.weights) with float32 host masters, across
     # a resume from d2w1 to d1w2 (the streamed checkpoint's masters into two streamed replicas), clipping (the norm of

@@ -134,6 +134,38 @@ def test_checkpoint_holds_whole_tensors_and_resumes_at_another_t(tmp_path, t_bef
     assert_losses_close(summary["losses"], ref.losses)
 
 
+@pytest.mark.slow
+@pytest.mark.long  # a 4-rank run and a 2-rank one
+def test_zero1_shards_tensor_pieces_over_the_replicas_and_resumes_at_t_1(tmp_path):
+    # optim.sharded at d=1 x w=2 x t=2: each tensor rank's two replicas shard the optimizer state of its pieces (and
+    # of the whole norms and biases); AdamW with error feedback, every step clipped (0.05: each replica counts its
+    # shards, a whole parameter's shards counted on tensor rank 0 only). 3 steps, checkpointed with whole tensors, then
+    # 3 more at t = 1 still sharded: the 6-step reference.
+    src = tmp_path / "src"
+    before = tp_config("2bw", 1, 2, num_steps=3)
+    before.optim = dataclasses.replace(
+        before.optim,
+        name="adamw",
+        kwargs={},
+        lr=1e-3,
+        sharded=True,
+        clip_grad_norm=0.05,
+        delay_correction="error_feedback",
+    )
+    before.train.checkpoint_every = 3
+    run_ok(before, src)
+    layer = torch.load(src / "checkpoints" / "step_00000003" / "layer_00001.pt")
+    assert layer["optimizer"]["1.fc.weight"]["exp_avg"].shape == (128, 32)  # the pieces' shards saved whole
+    after = dataclasses.replace(before, pipeline=dataclasses.replace(before.pipeline, tensor_parallel=1))
+    after.train = dataclasses.replace(before.train, resume=str(src), num_steps=6)
+    summary = run_ok(after, tmp_path / "after")
+    assert summary["first_step"] == 3
+    ref = reference(after, w=2)
+    assert min(ref.grad_norms) > 0.05
+    torch.testing.assert_close(torch.load(tmp_path / "after" / "final_model.pt"), ref.weights, rtol=1e-5, atol=1e-6)
+    assert_losses_close(summary["losses"], ref.losses)
+
+
 @pytest.mark.parametrize(
     "change,world_size,match",
     [
@@ -144,7 +176,6 @@ def test_checkpoint_holds_whole_tensors_and_resumes_at_another_t(tmp_path, t_bef
             16,
             r"tensor_parallel \(4\) is more than topology.devices_per_node \(2\)",
         ),
-        ({"optim.sharded": True}, 8, r"tensor_parallel \(2\) with optim.sharded"),
         ({"swap.optimizer": "host"}, 8, r"tensor_parallel \(2\) with swap.weights / swap.optimizer=host"),
         ({"train.precision": "fp16"}, 8, r"tensor_parallel \(2\) with train.precision \(fp16\)"),
         (

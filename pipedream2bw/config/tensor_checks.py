@@ -11,7 +11,7 @@ from pipedream2bw.errors import ConfigError
 
 def tensor_parallel_refusal(cfg: Config, *, gpt: bool) -> Optional[str]:
     """What of ``cfg`` pipeline.tensor_parallel > 1 does not compose with (one line's tail), or None."""
-    p, mdl, o, sw = cfg.pipeline, cfg.model, cfg.optim, cfg.swap
+    p, mdl, sw = cfg.pipeline, cfg.model, cfg.swap
     import torch  # here, not at import: the launcher's check imports no torch (t = 1 never gets here)
 
     cuda_auto = cfg.train.precision == "auto" and torch.cuda.is_available()
@@ -21,7 +21,6 @@ def tensor_parallel_refusal(cfg: Config, *, gpt: bool) -> Optional[str]:
             "splits the built-in GPT (model=gpt) and model=hf's Llama family only, not a user's layer list (no plan "
             "says which of its matrices to split); set pipeline.tensor_parallel=1 for this model",
         ),
-        (bool(o.sharded), "with optim.sharded (true): ZeRO-1 over tensor shards is not built; set optim.sharded=false"),
         (
             sw.weights or sw.optimizer != "device",  # activation swapping (swap.enabled, swap.stages) composes
             "with swap.weights / swap.optimizer=host: streaming tensor shards and stepping them on the host are not "

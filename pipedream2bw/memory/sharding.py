@@ -290,15 +290,24 @@ class ShardedVersions(WeightVersions):
         self, shard_grad: Callable[[int], Optional[torch.Tensor]], t: int, *, excluded=(), count_whole: bool
     ) -> torch.Tensor:
         """This replica's part of batch t's squared gradient norm (float64, unscaled): its shards of the
-        sharded buckets (each element counted by one replica), and, if ``count_whole`` (replica 0: the
-        replicas hold the same whole gradients), the other buckets' gradients but ``excluded`` parameters."""
+        sharded buckets (each element counted by one replica; an ``excluded`` parameter's pieces left out: at t > 1
+        another tensor rank counts a whole parameter), and, if ``count_whole`` (replica 0: the replicas hold the same
+        whole gradients), the other buckets' gradients but ``excluded`` parameters."""
         from pipedream2bw.pipeline.agreement import sq_norm
 
         module_params = list(self.module_for_batch(t).parameters())
         grads = []
         for b, layout in enumerate(self.layouts):
             if b < self.num_sharded and layout.count > 1:
-                grads.append(shard_grad(b))
+                shard = shard_grad(b)
+                if shard is None or not excluded or not set(layout.params) & set(excluded):
+                    grads.append(shard)
+                else:
+                    grads += [
+                        shard[p.offset : p.offset + p.stop - p.start]
+                        for p in layout.pieces()
+                        if p.param not in excluded
+                    ]
             elif count_whole:
                 grads += [grad_of(module_params[i]) for i in layout.params if i not in excluded]
         return sq_norm([g for g in grads if g is not None])
@@ -347,6 +356,39 @@ class ShardedVersions(WeightVersions):
                     state[names[i]] = flat[start : start + n].view(params[i].shape).to("cpu", copy=True)
                 start += n
         return state
+
+    @torch.no_grad()
+    def whole_optimizer(self) -> Dict[str, Dict[str, Any]]:
+        """Every parameter's optimizer state whole, as ``WeightVersions.state()['optimizer']`` holds it (per-element
+        tensors shaped as the parameter, on the CPU): a sharded bucket's all-gathered over the stage's replicas, one
+        bucket and state key at a time - a collective, which every replica calls (pipeline.tensor_parallel's
+        checkpoints: whole tensors come from pieces, not from shards of flat buckets)."""
+        self.settle()
+        params, names = self._params[0], [n for n, _ in self.replicas[0].named_parameters()]
+        out: Dict[str, Dict[str, Any]] = {}
+        for b, (layout, optimizer) in enumerate(zip(self.layouts, self.optimizers)):
+            states = [optimizer.state.get(m, {}) for m in self.pieces[b]]
+            first = next((st for st in states if st), {})
+            flat_keys = sorted(k for k, v in first.items() if _per_element(v, self.pieces[b][0]))
+            flats = {}
+            for key in flat_keys:
+                own = torch.zeros(layout.shard_numel, dtype=torch.float32, device=self.master_device)
+                for piece, st in zip(layout.pieces(), states):
+                    own[piece.offset : piece.offset + piece.stop - piece.start] = st[key].reshape(-1)
+                flats[key] = own
+                if layout.count > 1:
+                    device = params[layout.params[0]].device
+                    flats[key] = torch.empty(layout.count * layout.shard_numel, dtype=torch.float32, device=device)
+                    assert self.gather is not None, "a sharded bucket needs connect(gather) before whole_optimizer"
+                    self.gather(own.to(device), flats[key])()
+            start = 0
+            for i, n in zip(layout.params, layout.numels):
+                state = {k: _cpu_value(v) for k, v in first.items() if k not in flats}
+                shape = params[i].shape
+                state.update({k: f[start : start + n].view(shape).to("cpu", copy=True) for k, f in flats.items()})
+                out[names[i]] = state
+                start += n
+        return out
 
     def shard_state(self) -> Dict[str, Dict[str, Any]]:
         """Per parameter name, the piece of it this replica writes to a checkpoint: ``range`` [start, stop)

@@ -163,7 +163,7 @@ def build_versions(
             optimizer_factory=factory,
             background=background,
             weight_dtype=weight_dtype,  # compute: versions in that dtype, float32 masters (ShardedVersions' checkpoint)
-            shard_index=sorted(rt.layout.ranks[rt.stage]).index(rt.rank),  # replica 0 writes the masters
+            shard_index=replica_index(rt),  # replica 0 writes the masters
         )  # one optimizer bucket per layer, each also a bucket of the replicas' all-reduce; no ties (validated)
         return versions, versions.buckets, len(versions.buckets)
     if sharded or weight_dtype != torch.float32:  # the replicas' group ranks are sorted global ranks
@@ -173,7 +173,7 @@ def build_versions(
             optimizer_factory=factory,
             buckets=buckets,
             num_sharded=num_dp_buckets if sharded else 0,
-            shard_index=sorted(rt.layout.ranks[rt.stage]).index(rt.rank),
+            shard_index=replica_index(rt),
             num_shards=rt.data_parallel if sharded else 1,
             host=swap.optimizer == "host",
             weight_dtype=weight_dtype,
@@ -191,6 +191,12 @@ def build_versions(
             sync_warmup_steps=rt.sync_warmup_steps,
         )
     return versions, buckets, num_dp_buckets
+
+
+def replica_index(rt: RankPlan) -> int:
+    """This rank's place among its stage's replicas of its tensor rank (the group that shards and all-reduces its
+    pieces), by sorted global rank as the group's ranks are."""
+    return sorted(rt.layout.slice(rt.tensor_rank)[rt.stage]).index(rt.rank)
 
 
 def step_rule(rt: RankPlan, train: TrainConfig, optim: OptimConfig) -> StepRule:

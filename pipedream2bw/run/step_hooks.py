@@ -208,6 +208,7 @@ class StepHooks:
         self.rt, self.worker, self.versions, self.evaluator = rt, worker, versions, evaluator
         self.checker, self.rule, self.saver, self.tracker, self.record = checker, rule, saver, tracker, record
         self.progress, self.postfix, self.tied, self.eval_every = progress, postfix, tied, eval_every
+        self._sharded = isinstance(versions, ShardedVersions) and versions.num_sharded > 0
         # step -> RNG states where its batch ended: a deferred APPLY runs after later batches' forwards
         self.rngs: Dict[int, Any] = {}
 
@@ -231,6 +232,8 @@ class StepHooks:
     def _state(self) -> Dict[str, Any]:  # one tensor per tie: the canonical name's, written by its first holder
         st = self.versions.state()
         if self.split is not None:  # pipeline.tensor_parallel: whole tensors (every tensor rank of replica 0 gathers)
+            if self._sharded:  # optim.sharded: the pieces' state first gathered over the replicas
+                st = {**{k: v for k, v in st.items() if k != "shards"}, "optimizer": self.versions.whole_optimizer()}
             st = self.split.whole(st)
         # buffers training changes, as the resumed run's first forward must find them (pipeline/stateful.py)
         for k in ("weights", "previous"):
@@ -265,8 +268,11 @@ class StepHooks:
         if stop and history is not None:
             history["preempted"] = logs.signal_name(self.preemption.signum)
         rt = self.rt
-        if self.split is not None and rt.replica == 0 and rt.tensor_rank > 0 and (stop or self.saver.due(t + 1)):
-            self._state()  # its pieces to the gather of the whole tensors, which its tensor rank 0 writes
+        if self.split is not None and (stop or self.saver.due(t + 1)):
+            if rt.replica == 0 and rt.tensor_rank > 0:
+                self._state()  # its pieces to the gather of the whole tensors, which its tensor rank 0 writes
+            elif rt.replica > 0 and self._sharded:
+                self.versions.whole_optimizer()  # its shards to replica 0's gathers over the replicas
         self.saver.after_step(
             t + 1,
             self._state,
@@ -379,6 +385,7 @@ def attach(
         rt, run_dir, resume, parts.worker, cfg.wandb, cfg.train, config=config
     )
     shards = isinstance(parts.versions, ShardedVersions) or getattr(parts.versions, "float32_masters", False)
+    shards = shards and parts.split is None  # at t > 1 whole tensors: replica 0 writes the gathered optimizer state
     saver = checkpointer(rt, ctx, run_dir, cfg, model, tracker, resume, shards=shards)
     return StepHooks(
         rt,
