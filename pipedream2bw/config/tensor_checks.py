@@ -12,9 +12,6 @@ from pipedream2bw.errors import ConfigError
 def tensor_parallel_refusal(cfg: Config, *, gpt: bool) -> Optional[str]:
     """What of ``cfg`` pipeline.tensor_parallel > 1 does not compose with (one line's tail), or None."""
     p, mdl, sw = cfg.pipeline, cfg.model, cfg.swap
-    import torch  # here, not at import: the launcher's check imports no torch (t = 1 never gets here)
-
-    cuda_auto = cfg.train.precision == "auto" and torch.cuda.is_available()
     refusals = [
         (
             not isinstance(mdl, (GPTConfig, HFModelConfig)) or (isinstance(mdl, GPTConfig) and not gpt),
@@ -30,11 +27,6 @@ def tensor_parallel_refusal(cfg: Config, *, gpt: bool) -> Optional[str]:
             cfg.train.precision == "fp16",
             "with train.precision (fp16): its loss scaler's skip is not proven on split blocks; set "
             "train.precision=bf16 or fp32",
-        ),
-        (
-            cfg.train.weight_dtype == "compute" and (cfg.train.precision in ("bf16", "fp16") or cuda_auto),
-            "with train.weight_dtype (compute): compute-dtype versions of tensor shards are not built; set "
-            "train.weight_dtype=fp32",
         ),
         (
             cfg.data.packing != "windows",

@@ -268,12 +268,14 @@ def final_weights(
     if train.save_final == "none" and train.export_hf is None:
         return None
     if isinstance(versions, (ShardedVersions, StreamedVersions)) and versions.weight_dtype != torch.float32:
-        return versions.final_state(keep=rt.replica == 0)
-    if rt.replica != 0:
+        state = versions.final_state(keep=rt.replica == 0)
+    elif rt.replica != 0:
         return None
-    if split is None:
-        return versions.weights().state_dict()
-    whole = split.whole({"weights": versions.weights().state_dict()})["weights"]
+    else:
+        state = versions.weights().state_dict()
+    if split is None or rt.replica != 0:
+        return state
+    whole = split.whole({"weights": state})["weights"]
     return whole if rt.tensor_rank == 0 else None
 
 

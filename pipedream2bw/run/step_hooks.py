@@ -208,7 +208,9 @@ class StepHooks:
         self.rt, self.worker, self.versions, self.evaluator = rt, worker, versions, evaluator
         self.checker, self.rule, self.saver, self.tracker, self.record = checker, rule, saver, tracker, record
         self.progress, self.postfix, self.tied, self.eval_every = progress, postfix, tied, eval_every
-        self._sharded = isinstance(versions, ShardedVersions) and versions.num_sharded > 0
+        # float32 masters of their own (optim.sharded, train.weight_dtype=compute): at t > 1 a checkpoint stores them
+        # as the weights (the versions are their rounding) and the optimizer state whole, no shard files
+        self._masters = isinstance(versions, ShardedVersions)
         # step -> RNG states where its batch ended: a deferred APPLY runs after later batches' forwards
         self.rngs: Dict[int, Any] = {}
 
@@ -232,8 +234,9 @@ class StepHooks:
     def _state(self) -> Dict[str, Any]:  # one tensor per tie: the canonical name's, written by its first holder
         st = self.versions.state()
         if self.split is not None:  # pipeline.tensor_parallel: whole tensors (every tensor rank of replica 0 gathers)
-            if self._sharded:  # optim.sharded: the pieces' state first gathered over the replicas
-                st = {**{k: v for k, v in st.items() if k != "shards"}, "optimizer": self.versions.whole_optimizer()}
+            if self._masters:  # the pieces' float32 masters and optimizer state first gathered over the replicas
+                st = {k: v for k, v in st.items() if k != "shards"}
+                st.update(weights=self.versions.final_state(), optimizer=self.versions.whole_optimizer())
             st = self.split.whole(st)
         # buffers training changes, as the resumed run's first forward must find them (pipeline/stateful.py)
         for k in ("weights", "previous"):
@@ -271,8 +274,9 @@ class StepHooks:
         if self.split is not None and (stop or self.saver.due(t + 1)):
             if rt.replica == 0 and rt.tensor_rank > 0:
                 self._state()  # its pieces to the gather of the whole tensors, which its tensor rank 0 writes
-            elif rt.replica > 0 and self._sharded:
-                self.versions.whole_optimizer()  # its shards to replica 0's gathers over the replicas
+            elif rt.replica > 0 and self._masters:  # its shards to replica 0's gathers over the replicas
+                self.versions.final_state(keep=False)
+                self.versions.whole_optimizer()
         self.saver.after_step(
             t + 1,
             self._state,
