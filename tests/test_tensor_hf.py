@@ -11,7 +11,7 @@ import torch
 from dist_helper import run_ok, spawn
 from hf_models import read_dir, save_tiny, tiny_hf_config
 from test_semantics import assert_losses_close
-from test_tensor_parallel import assert_split_weights, reference, tp_config
+from test_tensor_parallel import assert_split_weights, reference, split_stage_mismatches, tp_config
 
 from pipedream2bw.config import ConfigError, HFModelConfig
 from pipedream2bw.models.hf_tensor import SPLITS
@@ -141,7 +141,6 @@ def _hf_sequence_parallel_stage(out_dir: str) -> None:
     from pipedream2bw.models.hf import build_hf_layers, resolve_config
     from pipedream2bw.models.hf_tensor import SequenceDecoderLayer, split_decoder_layers
     from pipedream2bw.pipeline import comm, stateful
-    from pipedream2bw.pipeline.tensor import shard
 
     rank, world_size, _ = comm.env_rank()
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
@@ -153,18 +152,7 @@ def _hf_sequence_parallel_stage(out_dir: str) -> None:
     torch.manual_seed(0)
     idx, weight = torch.randint(0, hf.config.vocab_size, (2, 16)), torch.randn(2, 16, hf.config.vocab_size)
     outs = [module(idx) for module in (whole, split, first)]
-    (outs[0] * weight).sum().backward()
-    (outs[1] * weight).sum().backward()
-    wrong = []
-    if not torch.allclose(outs[1], outs[0], rtol=1e-5, atol=1e-6):
-        wrong.append(f"logits ({(outs[1] - outs[0]).abs().max():.2e} off)")
-    if tuple(outs[2].shape) != (2, 16 // world_size, 32):
-        wrong.append(f"the boundary's shape {tuple(outs[2].shape)}")
-    for (name, p), (_, q) in zip(whole.named_parameters(), split.named_parameters()):
-        expected = shard(p.grad, splits[name], rank=rank, size=world_size) if name in splits else p.grad
-        off = float((q.grad - expected).abs().max() / expected.abs().max())  # round-off: sums in another order
-        if not off < 1e-5:
-            wrong.append(f"{name}'s gradient ({off:.2e} of its largest off)")
+    wrong = split_stage_mismatches(outs, weight, whole, split, splits, rank=rank, size=world_size, d_model=32)
     if not isinstance(split._modules["1"], SequenceDecoderLayer):
         wrong.append(f"layer 1 is a {type(split._modules['1']).__name__}")
     Path(out_dir, f"wrong{rank}.txt").write_text("\n".join(wrong))

@@ -4,6 +4,7 @@ against the single-process reference; checkpoints hold whole tensors, so a run r
 from __future__ import annotations
 
 import dataclasses
+from typing import List
 
 import pytest
 import torch
@@ -136,65 +137,42 @@ def test_checkpoint_holds_whole_tensors_and_resumes_at_another_t(tmp_path, t_bef
 
 @pytest.mark.slow
 @pytest.mark.long  # a 4-rank run and a 2-rank one
-def test_zero1_shards_tensor_pieces_over_the_replicas_and_resumes_at_t_1(tmp_path):
-    # optim.sharded at d=1 x w=2 x t=2: each tensor rank's two replicas shard the optimizer state of its pieces (and
-    # of the whole norms and biases); AdamW with error feedback, every step clipped (0.05: each replica counts its
-    # shards, a whole parameter's shards counted on tensor rank 0 only). 3 steps, checkpointed with whole tensors, then
-    # 3 more at t = 1 still sharded: the 6-step reference.
+@pytest.mark.parametrize("compute", [False, True])
+def test_sharded_master_pieces_train_as_the_reference_and_resume_at_t_1(tmp_path, compute):
+    # optim.sharded at d=1 x w=2 x t=2: each tensor rank's two replicas shard the float32 masters and optimizer state
+    # of its pieces (and of the whole norms and biases); every step clipped (0.05: each replica counts its shards, a
+    # whole parameter's on tensor rank 0 only). 3 steps, checkpointed whole (the shards gathered over the replicas,
+    # then the pieces over the tensor group), then 3 more at t = 1 still sharded: the 6-step reference.
+    # fp32: AdamW with error feedback, exact. compute: train.weight_dtype=compute under bf16, each rank's two weight
+    # versions bf16 pieces rounded from the masters, which the checkpoint stores whole as the weights; SGD with
+    # momentum (Adam would divide the k bias's gradient, zero but for round-off, by its own size): bf16's tolerance.
+    from matrix import TOLERANCE
+
     src = tmp_path / "src"
     before = tp_config("2bw", 1, 2, num_steps=3)
-    before.optim = dataclasses.replace(
-        before.optim,
-        name="adamw",
-        kwargs={},
-        lr=1e-3,
-        sharded=True,
-        clip_grad_norm=0.05,
-        delay_correction="error_feedback",
-    )
+    before.optim = dataclasses.replace(before.optim, sharded=True, clip_grad_norm=0.05)
     before.train.checkpoint_every = 3
+    if compute:
+        before.model = dataclasses.replace(before.model, tie_embeddings=False)  # compute-dtype versions refuse ties
+        before.train = dataclasses.replace(before.train, precision="bf16", weight_dtype="compute")
+    else:
+        changes = dict(name="adamw", kwargs={}, lr=1e-3, delay_correction="error_feedback")
+        before.optim = dataclasses.replace(before.optim, **changes)
     run_ok(before, src)
     layer = torch.load(src / "checkpoints" / "step_00000003" / "layer_00001.pt")
-    assert layer["optimizer"]["1.fc.weight"]["exp_avg"].shape == (128, 32)  # the pieces' shards saved whole
+    qkv = layer["weights"]["1.qkv.weight"]
+    assert qkv.shape == (96, 32) and qkv.dtype == torch.float32  # whole; under compute the masters
+    if not compute:
+        assert layer["optimizer"]["1.fc.weight"]["exp_avg"].shape == (128, 32)  # the pieces' shards saved whole
     after = dataclasses.replace(before, pipeline=dataclasses.replace(before.pipeline, tensor_parallel=1))
     after.train = dataclasses.replace(before.train, resume=str(src), num_steps=6)
     summary = run_ok(after, tmp_path / "after")
     assert summary["first_step"] == 3
     ref = reference(after, w=2)
     assert min(ref.grad_norms) > 0.05
-    torch.testing.assert_close(torch.load(tmp_path / "after" / "final_model.pt"), ref.weights, rtol=1e-5, atol=1e-6)
-    assert_losses_close(summary["losses"], ref.losses)
-
-
-@pytest.mark.slow
-@pytest.mark.long  # a 4-rank run and a 2-rank one
-def test_compute_dtype_versions_of_pieces_train_as_the_reference_and_resume_at_t_1(tmp_path):
-    # train.weight_dtype=compute at d=1 x w=2 x t=2 under bf16, sharded: each rank's two weight versions are bf16
-    # pieces rounded from float32 master pieces sharded over its tensor rank's replicas; every step clipped. The
-    # checkpoint stores the float32 masters whole as the weights (the versions are their rounding); 3 more steps at
-    # t = 1 from it: the 6-step bf16 reference, at bf16's tolerance. SGD with momentum: Adam would divide the k bias's
-    # gradient, zero but for round-off, by its own size.
-    from matrix import TOLERANCE
-
-    src = tmp_path / "src"
-    before = tp_config("2bw", 1, 2, num_steps=3)
-    before.model = dataclasses.replace(before.model, tie_embeddings=False)  # compute-dtype versions refuse ties
-    before.train = dataclasses.replace(before.train, precision="bf16", weight_dtype="compute", checkpoint_every=3)
-    before.optim = dataclasses.replace(before.optim, sharded=True, clip_grad_norm=0.05)
-    run_ok(before, src)
-    layer = torch.load(src / "checkpoints" / "step_00000003" / "layer_00001.pt")
-    qkv = layer["weights"]["1.qkv.weight"]
-    assert qkv.shape == (96, 32) and qkv.dtype == torch.float32  # the masters, whole
-    after = dataclasses.replace(before, pipeline=dataclasses.replace(before.pipeline, tensor_parallel=1))
-    after.train = dataclasses.replace(before.train, resume=str(src), num_steps=6)
-    summary = run_ok(after, tmp_path / "after")
-    assert summary["first_step"] == 3
-    p = dataclasses.replace(after.pipeline, data_parallel=1, num_microbatches=4)
-    ref = reference_run(dataclasses.replace(after, pipeline=p), delayed=True, replicas=(2, 2))
-    assert min(ref.grad_norms) > 0.05
-    weights = torch.load(tmp_path / "after" / "final_model.pt")
-    torch.testing.assert_close(weights, ref.weights, **TOLERANCE["bf16"])
-    torch.testing.assert_close(torch.tensor(summary["losses"]), torch.tensor(ref.losses), **TOLERANCE["bf16"])
+    tolerance = TOLERANCE["bf16"] if compute else dict(rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(torch.load(tmp_path / "after" / "final_model.pt"), ref.weights, **tolerance)
+    torch.testing.assert_close(torch.tensor(summary["losses"]), torch.tensor(ref.losses), **tolerance)
 
 
 @pytest.mark.parametrize(
@@ -430,21 +408,30 @@ def _sequence_parallel_stage(out_dir: str) -> None:
     for module in (whole, split, first):
         with stateful.microbatch_streams(7, 3, torch.device("cpu")):  # each layer reseeded: the same masks
             outs.append(module(idx))
+    wrong = split_stage_mismatches(outs, weight, whole, split, splits, rank=rank, size=world_size, d_model=32)
+    assert isinstance(split._modules["1"], SplitBlock)
+    Path(out_dir, f"wrong{rank}.txt").write_text("\n".join(wrong))
+    dist.destroy_process_group()
+
+
+def split_stage_mismatches(outs, weight, whole, split, splits, *, rank: int, size: int, d_model: int) -> List[str]:
+    """What a sequence-parallel stage got wrong against the unsplit one (empty: nothing). ``outs``: the whole stage's
+    logits, the split stage's and the split stage's first two layers' output (a boundary: (B, T/size, C)); both
+    stages' backward from ``weight`` runs here; a split parameter's gradient is compared with its piece's."""
     (outs[0] * weight).sum().backward()
     (outs[1] * weight).sum().backward()
     wrong = []
     if not torch.allclose(outs[1], outs[0], rtol=1e-5, atol=1e-6):
         wrong.append(f"logits ({(outs[1] - outs[0]).abs().max():.2e} off)")
-    if tuple(outs[2].shape) != (2, 16 // world_size, 32):
+    B, T = outs[0].shape[:2]
+    if tuple(outs[2].shape) != (B, T // size, d_model):
         wrong.append(f"the boundary's shape {tuple(outs[2].shape)}")
     for (name, p), (_, q) in zip(whole.named_parameters(), split.named_parameters()):
-        expected = shard(p.grad, splits[name], rank=rank, size=world_size) if name in splits else p.grad
+        expected = shard(p.grad, splits[name], rank=rank, size=size) if name in splits else p.grad
         off = float((q.grad - expected).abs().max() / expected.abs().max())  # round-off: sums in another order
         if not off < 1e-5:
             wrong.append(f"{name}'s gradient ({off:.2e} of its largest off)")
-    assert isinstance(split._modules["1"], SplitBlock)
-    Path(out_dir, f"wrong{rank}.txt").write_text("\n".join(wrong))
-    dist.destroy_process_group()
+    return wrong
 
 
 def _vocab_split_matches_whole(out_dir: str) -> None:
