@@ -57,7 +57,13 @@ import torch
 from torch import nn
 
 from pipedream2bw.config import GPTConfig, OptimConfig
-from pipedream2bw.memory.host_optim import HostOptimizerVersions, host_kernel
+from pipedream2bw.memory.host_optim import (
+    HostOptimizerVersions,
+    free_cores,
+    host_kernel,
+    host_threads,
+    node_cores,
+)
 from pipedream2bw.memory.memprobe import tensor_peak
 from pipedream2bw.memory.stream import StreamedVersions, WeightStream, device_bytes_model
 from pipedream2bw.memory.swap import CpuBackend, make_backend
@@ -104,13 +110,20 @@ def run_stage(
     kernel = host_kernel(OptimConfig(name="adamw")).kwargs if host else {}
     factory = lambda p: torch.optim.AdamW(p, lr=1e-3, **kernel)  # noqa: E731
     background = args.host_step == "background" and args.schedule == "2bw"  # swap.host_step (2bw: auto's choice)
+    # the thread's intra-op threads as run/build.py chooses them: the cores the replicas' compute leaves free
+    threads = host_threads(cores=node_cores(), ranks=args.data_parallel, rank_threads=torch.get_num_threads())
     ws = None
     if stream:
         if device.type == "cuda":  # only the buffers go to the device; the weights stay in host memory
             for m in module.modules():
                 m._buffers.update({k: b.to(device) for k, b in m._buffers.items() if b is not None})
         versions = StreamedVersions(
-            module, pin=device.type == "cuda", schedule=args.schedule, optimizer_factory=factory, background=background
+            module,
+            pin=device.type == "cuda",
+            schedule=args.schedule,
+            optimizer_factory=factory,
+            background=background,
+            threads=threads,
         )
         backend = CpuBackend(overlap=not probe) if device.type == "cpu" else make_backend(device)
         ws = WeightStream(versions, backend, window=args.window, recompute=False)
@@ -122,6 +135,7 @@ def run_stage(
             optimizer_factory=factory,
             buckets=[list(range(n))[::-1]],
             background=background,
+            threads=threads,
         )
     else:
         versions = WeightVersions(module.to(device), schedule=args.schedule, optimizer_factory=factory)
@@ -193,6 +207,9 @@ def run_stage(
         "layer_bytes": layer_bytes,
         "host_step_s": getattr(versions, "host_step_s", 0.0),  # background: the thread's stepping
         "host_step_wait_s": getattr(versions, "host_step_wait_s", 0.0),  # ... and what training waited for of it
+        "host_step_cpu_s": getattr(versions, "host_step_cpu_s", 0.0),  # ... and ran on a core (its CPU time)
+        "host_step_threads": threads if background else torch.get_num_threads(),
+        "num_params": sum(p.numel() for p in versions.master),
     }
     if device.type == "cuda":
         result["peak_device_bytes"] = torch.cuda.max_memory_allocated(device)
@@ -218,6 +235,8 @@ def predict(args: argparse.Namespace, device: torch.device) -> Dict[str, Any]:
     block = profile_layer(_blocks(args)[0], cfg, optim, "block", args.microbatch_size, device=device, repeats=20)
     torch.set_num_threads(threads)
     host = host_profile()
+    # the cores the replicas' compute leaves free (each on one thread where w > 1, as ``_dp_rank``)
+    spare = free_cores(cores=host.cores, ranks=w, rank_threads=1 if w > 1 else threads)
     ctx = StageContext(
         stage_index=0,
         num_stages=2,
@@ -236,6 +255,7 @@ def predict(args: argparse.Namespace, device: torch.device) -> Dict[str, Any]:
         host_copy_bw=host.copy_bytes_per_s,
         host_step="sync",
         host_is_device=True,
+        host_free_cores=spare,
     )
     seg, samples = Segments([block] * args.layers), w * args.num_microbatches * args.microbatch_size
     costs = segment_costs(seg, 0, args.layers, ctx)
@@ -391,6 +411,14 @@ def main() -> None:
         "host_step": "background" if args.host_step == "background" and args.schedule == "2bw" else "sync",
         "streamed_host_step_s": streamed["host_step_s"],
         "streamed_host_step_wait_s": streamed["host_step_wait_s"],
+        "streamed_host_step_cpu_s": streamed["host_step_cpu_s"],
+        "streamed_host_step_threads": streamed["host_step_threads"],
+        # the host step's parameters per second in the runtime, over the thread's wall clock and over its CPU time
+        # (every batch's step, the first's, which makes the optimizer state, included)
+        "streamed_host_step_params_per_s": streamed["num_params"] * args.batches / max(streamed["host_step_s"], 1e-12),
+        "streamed_host_step_params_per_cpu_s": streamed["num_params"]
+        * args.batches
+        / max(streamed["host_step_cpu_s"], 1e-12),
         "streamed_over_plain_time": plain["samples_per_s"] / streamed["samples_per_s"],
         "data_parallel": args.data_parallel,
         "plain_allreduce_wait_s": plain["allreduce_wait_s"],
@@ -404,9 +432,12 @@ def main() -> None:
             raise SystemExit("--predict: CPU only (the planner has no measured figure of a GPU's link here)")
         report.update(predict(args, device))
         report["streamed_samples_per_cpu_s"] = streamed["samples_per_cpu_s"]
+        report["plain_samples_per_cpu_s"] = plain["samples_per_cpu_s"]
         report["plain_predicted_over_measured"] = report["predicted_plain_samples_per_s"] / plain["samples_per_s"]
         report["predicted_over_measured"] = report["predicted_samples_per_s"] / report["streamed_samples_per_s"]
         report["predicted_over_measured_cpu"] = report["predicted_samples_per_s"] / streamed["samples_per_cpu_s"]
+        plain_cpu = plain["samples_per_cpu_s"]
+        report["plain_predicted_over_measured_cpu"] = report["predicted_plain_samples_per_s"] / plain_cpu
     width = max(map(len, report))
     for k, v in report.items():
         print(f"{k:<{width}}  {v:.4g}" if isinstance(v, float) else f"{k:<{width}}  {v}")
