@@ -79,11 +79,19 @@ optimizer steps there runs no step on the device; the host's step reads the grad
 and the optimizer state (AdamW: 28 B a parameter) at the host's measured step bandwidth, and a streamed stage's host
 also sums its gradients over the m microbatches (the first copied, the rest added: 1.5 copies each; from bf16
 gradients into float32 sums 0.75 and 1.25) at the measured copy bandwidth; compute-dtype versions' step also rounds
-the masters into the new version; a node's ranks beyond its cores take turns. Three resources per batch: the device
-(K microbatches with their stalls), the link (each direction's copies) and the host. A synchronous step
-(``host_step_overlaps``: not background) adds: ``max(device, link, sums) + step``; in the background the step of batch
-t overlaps batch t+1 (``max(device, link, sums, step)``); a CPU "device" is the host, where everything adds. ``bound``
-names the busiest.
+the masters into the new version, and float32 streamed versions' step first copies W(t) into the replica it writes
+W(t+1) in (one copy of W: the runtime's thread spent 10-14 ms of CPU a step on 6.3 M parameters, the AdamW kernel
+alone 7.6-10.4); a node's ranks beyond its cores take turns. Three resources per batch: the device (K microbatches
+with their stalls), the link (each direction's copies) and the host. A synchronous step (``host_step_overlaps``: not
+background) adds: ``max(device, link, sums) + step``; in the background the step of batch t overlaps batch t+1
+(``max(device, link, sums, step)``); a CPU "device" is the host, where everything adds but the link's copies, which
+worker threads run. Where the node's ranks leave no core free of their compute (``host_free_cores`` < 1,
+``host_optim.free_cores``: two ranks of one thread on 2 cores; one rank on torch's default threads, every core) the
+host's work takes turns with compute on the ranks' cores: the step adds even in the background (the runtime's thread
+waited 46-59 ms a step for a core it ran 10-14 ms on, bench_stream --data-parallel 2), and on a CPU so do the copies,
+less the stalls, in which they run. The step's figure is one thread's (``partitioner.host``), the runtime's step's
+threads where no core is free (``host_optim.host_threads``); with free cores it takes them, which the model does not
+credit (not measured on such a host: there the time is an upper bound). ``bound`` names the busiest.
 """
 
 from __future__ import annotations

@@ -49,6 +49,7 @@ import datetime
 import json
 import os
 import pickle
+import threading
 import time
 import types
 from typing import Any, Dict, List
@@ -88,6 +89,55 @@ def _replicas(versions, ws, *, rank: int, group) -> Any:
     replicas = [list(r.parameters()) for r in versions.replicas]
     reducer = GradReducer(ctx, group=group, replicas=replicas, buckets=versions.buckets, autograd_hooks=ws is None)
     return reducer
+
+
+def _schedstat(task: str = "thread-self") -> List[float]:
+    """[CPU s, run-queue wait s] of a thread of this process (Linux's /proc/<task>/schedstat; zeros elsewhere): the
+    time it ran on a core and the time it was ready to run and waited for one."""
+    try:
+        with open(f"/proc/{task}/schedstat") as f:
+            cpu, wait = f.read().split()[:2]
+    except OSError:
+        return [0.0, 0.0]
+    return [int(cpu) / 1e9, int(wait) / 1e9]
+
+
+def _threads_now() -> Dict[str, List[float]]:
+    """This process's threads by name (Python's, a pool's without its number; native ones, gloo's, by their comm):
+    [CPU s, run-queue wait s] each, summed over the threads of a name."""
+    names = {t.native_id: t.name.rsplit("_", 1)[0] for t in threading.enumerate()}
+    out: Dict[str, List[float]] = {}
+    for tid in os.listdir("/proc/self/task") if os.path.isdir("/proc/self/task") else []:
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                name = names.get(int(tid), "native " + f.read().strip())
+        except OSError:  # ended meanwhile
+            continue
+        acc = out.setdefault(name, [0.0, 0.0])
+        for k, v in enumerate(_schedstat(f"self/task/{tid}")):
+            acc[k] += v
+    return out
+
+
+def _clock_host_steps(versions: Any) -> List[float]:
+    """``--thread-times``: [CPU s, run-queue wait s] of the background host steps' threads, summed as they end."""
+    total, work_of = [0.0, 0.0], versions._host_work
+
+    def timed(*a: Any) -> Any:
+        fn = work_of(*a)
+
+        def run() -> None:
+            before = _schedstat()
+            try:
+                fn()
+            finally:
+                for k, (b, e) in enumerate(zip(before, _schedstat())):
+                    total[k] += e - b
+
+        return run
+
+    versions._host_work = timed
+    return total
 
 
 def run_stage(
@@ -141,6 +191,8 @@ def run_stage(
         versions = WeightVersions(module.to(device), schedule=args.schedule, optimizer_factory=factory)
     layer_bytes = getattr(versions, "layer_bytes", None)
     del module
+    threads_before = _threads_now() if args.thread_times else {}
+    host_steps = _clock_host_steps(versions) if args.thread_times and background and ws is not None else None
     m, b, w = args.num_microbatches, args.microbatch_size, args.data_parallel
     reducer = _replicas(versions, ws, rank=rank, group=group) if group is not None else None
     if reducer is not None and ws is not None:  # the batch's last microbatch's gradient makes a parameter's final
@@ -190,6 +242,12 @@ def run_stage(
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     elapsed, cpu_s = time.perf_counter() - start, time.process_time() - cpu_start
+    per_thread = {  # --thread-times: each thread's CPU and wait for a core over the run
+        name: [a - b for a, b in zip(v, threads_before.get(name, [0.0, 0.0]))]
+        for name, v in (_threads_now() if args.thread_times else {}).items()
+    }
+    if host_steps is not None:
+        per_thread["host-step threads"] = host_steps
     st = ws.close() if ws is not None else None
     if st is not None and args.warmup:
         for key, before in zip(("stall_s", "grad_wait_s", "copy_out_s", "copy_in_s"), warm):
@@ -210,6 +268,7 @@ def run_stage(
         "host_step_cpu_s": getattr(versions, "host_step_cpu_s", 0.0),  # ... and ran on a core (its CPU time)
         "host_step_threads": threads if background else torch.get_num_threads(),
         "num_params": sum(p.numel() for p in versions.master),
+        "threads": per_thread,
     }
     if device.type == "cuda":
         result["peak_device_bytes"] = torch.cuda.max_memory_allocated(device)
@@ -361,6 +420,12 @@ def main() -> None:
         help="also print the planner's predicted samples/s for the streamed run (CPU only: partitioner.cost with this "
         "host's measured figures)",
     )
+    p.add_argument(
+        "--thread-times",
+        action="store_true",
+        help="also print, per thread of rank 0's plain and streamed runs, its CPU time and its wait for a core (Linux "
+        "schedstat; every batch, the warm-up's included), the background host steps' threads summed",
+    )
     p.add_argument("--json", default=None, help="also write the figures to this file")
     args = p.parse_args()
     device = torch.device(args.device)
@@ -438,8 +503,16 @@ def main() -> None:
         report["predicted_over_measured_cpu"] = report["predicted_samples_per_s"] / streamed["samples_per_cpu_s"]
         plain_cpu = plain["samples_per_cpu_s"]
         report["plain_predicted_over_measured_cpu"] = report["predicted_plain_samples_per_s"] / plain_cpu
+    if args.thread_times:
+        for run, name in ((plain, "plain"), (streamed, "streamed")):
+            report[f"{name}_threads"] = run["threads"]
+            for thread, (cpu, wait) in sorted(run["threads"].items(), key=lambda kv: -kv[1][0]):
+                if cpu > 0.001:
+                    print(f"{name} thread {thread:<22} cpu {cpu:8.3f} s   waited for a core {wait:8.3f} s")
     width = max(map(len, report))
     for k, v in report.items():
+        if isinstance(v, dict):
+            continue  # printed above
         print(f"{k:<{width}}  {v:.4g}" if isinstance(v, float) else f"{k:<{width}}  {v}")
     if args.json:
         with open(args.json, "w") as f:
