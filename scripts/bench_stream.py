@@ -278,8 +278,10 @@ def run_stage(
 def predict(args: argparse.Namespace, device: torch.device) -> Dict[str, Any]:
     """What the planner's cost model (``partitioner.cost``) predicts for the streamed run: the stage's blocks profiled
     as the planner profiles a layer (``profile_layer``, with this process's threads), this host's figures
-    (``partitioner.host``, cached), the host step on the training thread (this script steps there: sync); on a CPU
-    the copies are host copies and the host is the device (a GPU's link has no measured figure here: CPU only)."""
+    (``partitioner.host``, cached); on a CPU the copies are host copies and the host is the device, where the host's
+    work adds to the batch, and where the replicas' compute leaves no core free (``host_free_cores``: w > 1 on one
+    thread each, or one process on every core) so do the copies (a GPU's link has no measured figure here: CPU
+    only)."""
     from partitioner.cost import Segments, StageContext, segment_costs
     from partitioner.host import host_profile
     from partitioner.profile import profile_layer
