@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import os
 from typing import List, Optional, Tuple
 
 import torch
@@ -229,6 +230,7 @@ def host_figures(cfg: Config) -> HostFigures:
         step=cfg.swap.host_step,
         text=host.describe(),
         cores=host.cores,
+        omp_threads=int(os.environ.get("OMP_NUM_THREADS") or 0),
     )
 
 

@@ -79,11 +79,19 @@ optimizer steps there runs no step on the device; the host's step reads the grad
 and the optimizer state (AdamW: 28 B a parameter) at the host's measured step bandwidth, and a streamed stage's host
 also sums its gradients over the m microbatches (the first copied, the rest added: 1.5 copies each; from bf16
 gradients into float32 sums 0.75 and 1.25) at the measured copy bandwidth; compute-dtype versions' step also rounds
-the masters into the new version; a node's ranks beyond its cores take turns. Three resources per batch: the device
-(K microbatches with their stalls), the link (each direction's copies) and the host. A synchronous step
-(``host_step_overlaps``: not background) adds: ``max(device, link, sums) + step``; in the background the step of batch
-t overlaps batch t+1 (``max(device, link, sums, step)``); a CPU "device" is the host, where everything adds. ``bound``
-names the busiest.
+the masters into the new version, and float32 streamed versions' step first copies W(t) into the replica it writes
+W(t+1) in (one copy of W: the runtime's thread spent 10-14 ms of CPU a step on 6.3 M parameters, the AdamW kernel
+alone 7.6-10.4); a node's ranks beyond its cores take turns. Three resources per batch: the device (K microbatches
+with their stalls), the link (each direction's copies) and the host. A synchronous step (``host_step_overlaps``: not
+background) adds: ``max(device, link, sums) + step``; in the background the step of batch t overlaps batch t+1
+(``max(device, link, sums, step)``); a CPU "device" is the host, where everything adds but the link's copies, which
+worker threads run. Where the node's ranks leave no core free of their compute (``host_free_cores`` < 1,
+``host_optim.free_cores``: two ranks of one thread on 2 cores; one rank on torch's default threads, every core) the
+host's work takes turns with compute on the ranks' cores: the step adds even in the background (the runtime's thread
+waited 46-59 ms a step for a core it ran 10-14 ms on, bench_stream --data-parallel 2), and on a CPU so do the copies,
+less the stalls, in which they run. The step's figure is one thread's (``partitioner.host``), the runtime's step's
+threads where no core is free (``host_optim.host_threads``); with free cores it takes them, which the model does not
+credit (not measured on such a host: there the time is an upper bound). ``bound`` names the busiest.
 """
 
 from __future__ import annotations
@@ -297,6 +305,9 @@ class StageContext:
     host_share: float = 1.0
     host_step: str = "auto"
     host_is_device: bool = False
+    # cores of the node per rank that its ranks' compute threads leave free (``host_optim.free_cores``; inf: no
+    # figure): with none, the host's work takes turns with compute on the ranks' cores (``_batch_s``)
+    host_free_cores: float = math.inf
 
 
 def host_step_overlaps(ctx: StageContext) -> bool:
@@ -429,6 +440,8 @@ def _host_work(seg: Segments, i, j, ctx: StageContext):
     # compute-dtype versions: the step also rounds the new float32 masters into W(t+1)'s replica (reads W, writes wc W)
     rounding = (1 + wc) * W if wc != 1 else 0 * W
     step = (3 * W + 2 * (seg.O[j] - seg.O[i]) + rounding) * ctx.host_share / ctx.host_step_bw
+    if ctx.stream and wc == 1:  # float32 versions: W(t) is first copied into the replica the step writes W(t+1) in
+        step = step + W * ctx.host_share / ctx.host_copy_bw
     # sums into float32 accumulators of gradients in the versions' dtype: the first cast (reads wc W, writes W), the
     # others added (read W and wc W, write W), in copies of W (a copy reads and writes it: 2 W): 1 and 1.5 in float32
     first, add = (1 + wc) / 2, (2 + wc) / 2
@@ -438,7 +451,7 @@ def _host_work(seg: Segments, i, j, ctx: StageContext):
     return step, sums if ctx.stream else 0 * W
 
 
-def _batch_s(ctx: StageContext, *, device, copy, host_step, host_sum, link_step):
+def _batch_s(ctx: StageContext, *, device, copy, host_step, host_sum, link_step, stalled=0.0):
     """A stage's seconds per batch from its three resources (the module docstring), and the step's part on the
     training thread (what the simulator's STEP action takes).
 
@@ -447,14 +460,19 @@ def _batch_s(ctx: StageContext, *, device, copy, host_step, host_sum, link_step)
         copy: the link's busy time (each direction apart, the busier one).
         host_step, host_sum: ``_host_work``'s.
         link_step: the host optimizer's copies at the step (gradients out, new weights in).
+        stalled: the part of ``device`` that compute waits for copies (a CPU with no core free: the copies run then).
 
     Returns:
         (batch_s, step_s, bound): ``bound`` indexes ``RESOURCES``.
     """
+    shared = ctx.host_free_cores < 1  # no core free of the ranks' compute: the host's work takes turns with it
     if ctx.host_is_device:  # one set of cores: the sums run inline in the backward, the step after the batch
         step = link_step + host_step
-        batch = device + host_sum + step
-    elif host_step_overlaps(ctx):  # the training thread hands the step of batch t over; it has batch t+1 to run
+        # no core free: the copies (worker threads' memcpys) take turns with compute too, running while it stalls
+        cpu = np.maximum(device, device - stalled + copy) if shared else device
+        batch = cpu + host_sum + step
+    elif host_step_overlaps(ctx) and not shared:  # the training thread hands the step of batch t over to a core of
+        # its own; it has batch t+1 to run
         step = link_step / 2
         batch = np.maximum(np.maximum(device, host_sum) + step, host_step + link_step / 2)
     else:
@@ -465,14 +483,14 @@ def _batch_s(ctx: StageContext, *, device, copy, host_step, host_sum, link_step)
     return batch, step, busy.argmax(axis=0).astype(np.float64)
 
 
-def _batch_times(seg: Segments, i, j, ctx: StageContext, *, device, link_step, moved) -> Dict[str, np.ndarray]:
+def _batch_times(seg: Segments, i, j, ctx: StageContext, moved, *, device, link_step, stalled) -> Dict[str, np.ndarray]:
     """A stage's per-batch times from ``device`` (its K microbatches and exposed traffic) and the step: ``_batch_s``'s
     three resources where its optimizer steps on the host, else the device's batch and its step (``link_step``)."""
     host_step, host_sum = _host_work(seg, i, j, ctx)
     copy = _copy_s(seg, i, j, ctx, moved)
     if ctx.stream or ctx.host_optimizer:
         batch, step, bound = _batch_s(
-            ctx, device=device, copy=copy, host_step=host_step, host_sum=host_sum, link_step=link_step
+            ctx, device=device, copy=copy, host_step=host_step, host_sum=host_sum, link_step=link_step, stalled=stalled
         )
         floor = batch  # the host's work and the link beside the simulator's events
     else:
@@ -579,7 +597,7 @@ def segment_costs(seg: Segments, i, j, ctx: StageContext) -> Dict[str, np.ndarra
     allreduce, exposed = _replicas_s(seg, i, j, ctx, W=W, bwd=bwd, microbatch=microbatch, ws=ws, wc=wc, K=K)
     weights, gradients, optimizer, host, step = _weight_state(seg, i, j, ctx, ws=ws, wc=wc)
     host = host + (n - resident) * moved
-    times = _batch_times(seg, i, j, ctx, device=K * microbatch + exposed, link_step=step, moved=moved)
+    times = _batch_times(seg, i, j, ctx, moved, device=K * microbatch + exposed, link_step=step, stalled=K * stall)
     out = dict(
         weights=weights,
         gradients=gradients,

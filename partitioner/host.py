@@ -19,7 +19,8 @@ OMP_NUM_THREADS=1; ``profile.py`` times CPU layers the same way) and cached on d
   link between the replicas (``cost._stream_reduce_s``);
 - ``cores``: the CPU cores this process may use. A node's ranks step on their own threads: more ranks than cores
   take turns (``HostFigures.cores``), fewer run side by side (the memory bandwidth a server's host has for a few
-  threads is not measured: this machine's are what there is).
+  threads is not measured: this machine's are what there is); where the ranks' compute leaves no core free, a rank's
+  host step takes turns with its compute (``HostFigures.free_cores``, the runtime's ``host_optim.host_threads``).
 
 The step is timed by the runtime's own measurement (``memory/host_optim.py::measure_host_step``), the one place
 that times it.
@@ -31,7 +32,6 @@ import dataclasses
 import hashlib
 import json
 import math
-import os
 import platform
 import queue
 import time
@@ -163,10 +163,9 @@ def _cpu_name() -> str:
 
 
 def _cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
+    from pipedream2bw.memory.host_optim import node_cores
+
+    return node_cores()
 
 
 def _cache_path(cache_dir: Optional[Path]) -> Path:

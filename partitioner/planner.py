@@ -59,6 +59,7 @@ from partitioner.topology import (
 )
 from pipedream2bw.config import TopologyConfig
 from pipedream2bw.errors import ConfigError
+from pipedream2bw.memory.host_optim import free_cores
 from pipedream2bw.memory.precision import param_memory, step_waits
 from pipedream2bw.pipeline.schedule import SPLIT_SCHEDULES
 
@@ -80,6 +81,16 @@ class HostFigures:
     step: str = "auto"
     text: str = ""
     cores: int = 0  # the host's cores: a node's ranks beyond them take turns (0: as many as ranks)
+    # a rank's intra-op threads where OMP_NUM_THREADS sets them (0: 1 with several ranks on a node, as torchrun
+    # sets, else torch's default, the host's cores): what the ranks' compute leaves free (``host_free_cores``)
+    omp_threads: int = 0
+
+    def free_cores(self, ranks: int) -> float:
+        """Cores per rank that ``ranks`` ranks of a node leave free of their compute (inf: no figure)."""
+        if not self.cores:
+            return math.inf
+        threads = self.omp_threads or (1 if ranks > 1 else self.cores)
+        return float(free_cores(cores=self.cores, ranks=ranks, rank_threads=threads))
 
 
 def stage_contexts(
@@ -138,6 +149,7 @@ def stage_contexts(
             host_copy_bw=host.copy_bw,
             host_reduce_bw=host.reduce_bw,
             host_share=max(1.0, node.count(rank_map[s][0] // topo.devices_per_node) / (host.cores or math.inf)),
+            host_free_cores=host.free_cores(node.count(rank_map[s][0] // topo.devices_per_node)),
             host_step=host.step,
             host_is_device=topo.device == "cpu",
         )

@@ -49,6 +49,7 @@ import datetime
 import json
 import os
 import pickle
+import threading
 import time
 import types
 from typing import Any, Dict, List
@@ -57,7 +58,13 @@ import torch
 from torch import nn
 
 from pipedream2bw.config import GPTConfig, OptimConfig
-from pipedream2bw.memory.host_optim import HostOptimizerVersions, host_kernel
+from pipedream2bw.memory.host_optim import (
+    HostOptimizerVersions,
+    free_cores,
+    host_kernel,
+    host_threads,
+    node_cores,
+)
 from pipedream2bw.memory.memprobe import tensor_peak
 from pipedream2bw.memory.stream import StreamedVersions, WeightStream, device_bytes_model
 from pipedream2bw.memory.swap import CpuBackend, make_backend
@@ -84,6 +91,55 @@ def _replicas(versions, ws, *, rank: int, group) -> Any:
     return reducer
 
 
+def _schedstat(task: str = "thread-self") -> List[float]:
+    """[CPU s, run-queue wait s] of a thread of this process (Linux's /proc/<task>/schedstat; zeros elsewhere): the
+    time it ran on a core and the time it was ready to run and waited for one."""
+    try:
+        with open(f"/proc/{task}/schedstat") as f:
+            cpu, wait = f.read().split()[:2]
+    except OSError:
+        return [0.0, 0.0]
+    return [int(cpu) / 1e9, int(wait) / 1e9]
+
+
+def _threads_now() -> Dict[str, List[float]]:
+    """This process's threads by name (Python's, a pool's without its number; native ones, gloo's, by their comm):
+    [CPU s, run-queue wait s] each, summed over the threads of a name."""
+    names = {t.native_id: t.name.rsplit("_", 1)[0] for t in threading.enumerate()}
+    out: Dict[str, List[float]] = {}
+    for tid in os.listdir("/proc/self/task") if os.path.isdir("/proc/self/task") else []:
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                name = names.get(int(tid), "native " + f.read().strip())
+        except OSError:  # ended meanwhile
+            continue
+        acc = out.setdefault(name, [0.0, 0.0])
+        for k, v in enumerate(_schedstat(f"self/task/{tid}")):
+            acc[k] += v
+    return out
+
+
+def _clock_host_steps(versions: Any) -> List[float]:
+    """``--thread-times``: [CPU s, run-queue wait s] of the background host steps' threads, summed as they end."""
+    total, work_of = [0.0, 0.0], versions._host_work
+
+    def timed(*a: Any) -> Any:
+        fn = work_of(*a)
+
+        def run() -> None:
+            before = _schedstat()
+            try:
+                fn()
+            finally:
+                for k, (b, e) in enumerate(zip(before, _schedstat())):
+                    total[k] += e - b
+
+        return run
+
+    versions._host_work = timed
+    return total
+
+
 def run_stage(
     args: argparse.Namespace,
     device: torch.device,
@@ -104,13 +160,20 @@ def run_stage(
     kernel = host_kernel(OptimConfig(name="adamw")).kwargs if host else {}
     factory = lambda p: torch.optim.AdamW(p, lr=1e-3, **kernel)  # noqa: E731
     background = args.host_step == "background" and args.schedule == "2bw"  # swap.host_step (2bw: auto's choice)
+    # the thread's intra-op threads as run/build.py chooses them: the cores the replicas' compute leaves free
+    threads = host_threads(cores=node_cores(), ranks=args.data_parallel, rank_threads=torch.get_num_threads())
     ws = None
     if stream:
         if device.type == "cuda":  # only the buffers go to the device; the weights stay in host memory
             for m in module.modules():
                 m._buffers.update({k: b.to(device) for k, b in m._buffers.items() if b is not None})
         versions = StreamedVersions(
-            module, pin=device.type == "cuda", schedule=args.schedule, optimizer_factory=factory, background=background
+            module,
+            pin=device.type == "cuda",
+            schedule=args.schedule,
+            optimizer_factory=factory,
+            background=background,
+            threads=threads,
         )
         backend = CpuBackend(overlap=not probe) if device.type == "cpu" else make_backend(device)
         ws = WeightStream(versions, backend, window=args.window, recompute=False)
@@ -122,11 +185,14 @@ def run_stage(
             optimizer_factory=factory,
             buckets=[list(range(n))[::-1]],
             background=background,
+            threads=threads,
         )
     else:
         versions = WeightVersions(module.to(device), schedule=args.schedule, optimizer_factory=factory)
     layer_bytes = getattr(versions, "layer_bytes", None)
     del module
+    threads_before = _threads_now() if args.thread_times else {}
+    host_steps = _clock_host_steps(versions) if args.thread_times and background and ws is not None else None
     m, b, w = args.num_microbatches, args.microbatch_size, args.data_parallel
     reducer = _replicas(versions, ws, rank=rank, group=group) if group is not None else None
     if reducer is not None and ws is not None:  # the batch's last microbatch's gradient makes a parameter's final
@@ -176,6 +242,12 @@ def run_stage(
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     elapsed, cpu_s = time.perf_counter() - start, time.process_time() - cpu_start
+    per_thread = {  # --thread-times: each thread's CPU and wait for a core over the run
+        name: [a - b for a, b in zip(v, threads_before.get(name, [0.0, 0.0]))]
+        for name, v in (_threads_now() if args.thread_times else {}).items()
+    }
+    if host_steps is not None:
+        per_thread["host-step threads"] = host_steps
     st = ws.close() if ws is not None else None
     if st is not None and args.warmup:
         for key, before in zip(("stall_s", "grad_wait_s", "copy_out_s", "copy_in_s"), warm):
@@ -193,6 +265,10 @@ def run_stage(
         "layer_bytes": layer_bytes,
         "host_step_s": getattr(versions, "host_step_s", 0.0),  # background: the thread's stepping
         "host_step_wait_s": getattr(versions, "host_step_wait_s", 0.0),  # ... and what training waited for of it
+        "host_step_cpu_s": getattr(versions, "host_step_cpu_s", 0.0),  # ... and ran on a core (its CPU time)
+        "host_step_threads": threads if background else torch.get_num_threads(),
+        "num_params": sum(p.numel() for p in versions.master),
+        "threads": per_thread,
     }
     if device.type == "cuda":
         result["peak_device_bytes"] = torch.cuda.max_memory_allocated(device)
@@ -202,8 +278,10 @@ def run_stage(
 def predict(args: argparse.Namespace, device: torch.device) -> Dict[str, Any]:
     """What the planner's cost model (``partitioner.cost``) predicts for the streamed run: the stage's blocks profiled
     as the planner profiles a layer (``profile_layer``, with this process's threads), this host's figures
-    (``partitioner.host``, cached), the host step on the training thread (this script steps there: sync); on a CPU
-    the copies are host copies and the host is the device (a GPU's link has no measured figure here: CPU only)."""
+    (``partitioner.host``, cached); on a CPU the copies are host copies and the host is the device, where the host's
+    work adds to the batch, and where the replicas' compute leaves no core free (``host_free_cores``: w > 1 on one
+    thread each, or one process on every core) so do the copies (a GPU's link has no measured figure here: CPU
+    only)."""
     from partitioner.cost import Segments, StageContext, segment_costs
     from partitioner.host import host_profile
     from partitioner.profile import profile_layer
@@ -218,6 +296,8 @@ def predict(args: argparse.Namespace, device: torch.device) -> Dict[str, Any]:
     block = profile_layer(_blocks(args)[0], cfg, optim, "block", args.microbatch_size, device=device, repeats=20)
     torch.set_num_threads(threads)
     host = host_profile()
+    # the cores the replicas' compute leaves free (each on one thread where w > 1, as ``_dp_rank``)
+    spare = free_cores(cores=host.cores, ranks=w, rank_threads=1 if w > 1 else threads)
     ctx = StageContext(
         stage_index=0,
         num_stages=2,
@@ -236,6 +316,7 @@ def predict(args: argparse.Namespace, device: torch.device) -> Dict[str, Any]:
         host_copy_bw=host.copy_bytes_per_s,
         host_step="sync",
         host_is_device=True,
+        host_free_cores=spare,
     )
     seg, samples = Segments([block] * args.layers), w * args.num_microbatches * args.microbatch_size
     costs = segment_costs(seg, 0, args.layers, ctx)
@@ -341,6 +422,12 @@ def main() -> None:
         help="also print the planner's predicted samples/s for the streamed run (CPU only: partitioner.cost with this "
         "host's measured figures)",
     )
+    p.add_argument(
+        "--thread-times",
+        action="store_true",
+        help="also print, per thread of rank 0's plain and streamed runs, its CPU time and its wait for a core (Linux "
+        "schedstat; every batch, the warm-up's included), the background host steps' threads summed",
+    )
     p.add_argument("--json", default=None, help="also write the figures to this file")
     args = p.parse_args()
     device = torch.device(args.device)
@@ -391,6 +478,14 @@ def main() -> None:
         "host_step": "background" if args.host_step == "background" and args.schedule == "2bw" else "sync",
         "streamed_host_step_s": streamed["host_step_s"],
         "streamed_host_step_wait_s": streamed["host_step_wait_s"],
+        "streamed_host_step_cpu_s": streamed["host_step_cpu_s"],
+        "streamed_host_step_threads": streamed["host_step_threads"],
+        # the host step's parameters per second in the runtime, over the thread's wall clock and over its CPU time
+        # (every batch's step, the first's, which makes the optimizer state, included)
+        "streamed_host_step_params_per_s": streamed["num_params"] * args.batches / max(streamed["host_step_s"], 1e-12),
+        "streamed_host_step_params_per_cpu_s": streamed["num_params"]
+        * args.batches
+        / max(streamed["host_step_cpu_s"], 1e-12),
         "streamed_over_plain_time": plain["samples_per_s"] / streamed["samples_per_s"],
         "data_parallel": args.data_parallel,
         "plain_allreduce_wait_s": plain["allreduce_wait_s"],
@@ -404,11 +499,22 @@ def main() -> None:
             raise SystemExit("--predict: CPU only (the planner has no measured figure of a GPU's link here)")
         report.update(predict(args, device))
         report["streamed_samples_per_cpu_s"] = streamed["samples_per_cpu_s"]
+        report["plain_samples_per_cpu_s"] = plain["samples_per_cpu_s"]
         report["plain_predicted_over_measured"] = report["predicted_plain_samples_per_s"] / plain["samples_per_s"]
         report["predicted_over_measured"] = report["predicted_samples_per_s"] / report["streamed_samples_per_s"]
         report["predicted_over_measured_cpu"] = report["predicted_samples_per_s"] / streamed["samples_per_cpu_s"]
+        plain_cpu = plain["samples_per_cpu_s"]
+        report["plain_predicted_over_measured_cpu"] = report["predicted_plain_samples_per_s"] / plain_cpu
+    if args.thread_times:
+        for run, name in ((plain, "plain"), (streamed, "streamed")):
+            report[f"{name}_threads"] = run["threads"]
+            for thread, (cpu, wait) in sorted(run["threads"].items(), key=lambda kv: -kv[1][0]):
+                if cpu > 0.001:
+                    print(f"{name} thread {thread:<22} cpu {cpu:8.3f} s   waited for a core {wait:8.3f} s")
     width = max(map(len, report))
     for k, v in report.items():
+        if isinstance(v, dict):
+            continue  # printed above
         print(f"{k:<{width}}  {v:.4g}" if isinstance(v, float) else f"{k:<{width}}  {v}")
     if args.json:
         with open(args.json, "w") as f:

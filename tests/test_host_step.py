@@ -10,19 +10,29 @@ import torch
 from torch import nn
 
 from pipedream2bw.config import OptimConfig
-from pipedream2bw.memory.host_optim import HostOptimizerVersions, host_kernel, measure_host_step
+from pipedream2bw.memory.host_optim import (
+    HostOptimizerVersions,
+    host_kernel,
+    host_threads,
+    measure_host_step,
+)
 from pipedream2bw.pipeline.schedule import BACKWARD, FORWARD, STEP, stage_actions
 
 M = 2  # microbatches per batch
 
 
-def _versions(background: bool, factory=None) -> HostOptimizerVersions:
+def _versions(background: bool, factory=None, threads=None) -> HostOptimizerVersions:
     torch.manual_seed(0)
     module = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
     factory = factory or (lambda p: torch.optim.AdamW(p, lr=0.05))
     # two buckets, last parameters first, as build.py makes them
     return HostOptimizerVersions(
-        module, schedule="2bw", optimizer_factory=factory, buckets=[[5, 4, 3, 2], [1, 0]], background=background
+        module,
+        schedule="2bw",
+        optimizer_factory=factory,
+        buckets=[[5, 4, 3, 2], [1, 0]],
+        background=background,
+        threads=threads,
     )
 
 
@@ -89,6 +99,46 @@ def test_the_next_batch_runs_while_the_step_is_pending_and_the_one_after_waits()
     m2 = versions.module_for_batch(2)  # batch 2 reads W(1): waits for the step
     assert versions._pending is None
     assert all(not torch.equal(p, q) for p, q in zip(m2.parameters(), before))  # and gets W(1), not W(-1)
+
+
+@pytest.mark.parametrize(
+    "cores, ranks, rank_threads, threads",
+    [
+        (2, 2, 1, 1),  # this project's CPU at w = 2 (one thread a rank): no core free, one thread
+        (2, 1, 2, 1),  # one rank on torch's default threads (all cores): not a team of 2 beside its compute
+        (2, 1, 1, 1),  # OMP_NUM_THREADS=1: the other core
+        (64, 8, 1, 7),  # a GPU node: 8 ranks leave 56 cores, 7 each
+        (4, 8, 1, 1),  # ranks beyond the cores: still one
+    ],
+)
+def test_the_host_steps_threads_are_the_cores_the_nodes_ranks_leave_free(cores, ranks, rank_threads, threads):
+    # the bug: the thread took the process's intra-op threads, a team of 2 beside a 2-thread compute on 2 cores,
+    # whose barriers spin for a thread without a core (docs/memory.md: 40-96 M parameters/s against 1485 at one)
+    assert host_threads(cores=cores, ranks=ranks, rank_threads=rank_threads) == threads
+
+
+def test_the_background_step_runs_on_its_threads_and_leaves_torchs_setting_as_it_was():
+    seen = []
+
+    class Counting(torch.optim.SGD):
+        def step(self, closure=None):
+            seen.append((threading.current_thread() is not threading.main_thread(), torch.get_num_threads()))
+            return super().step(closure)
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        versions = _versions(True, factory=lambda p: Counting(p, lr=0.5), threads=1)
+        _train(versions, 2)
+        assert seen and all(seen_on_thread and n == 1 for seen_on_thread, n in seen)  # two buckets, two steps
+        later = []  # a thread started afterwards (the next step's, a worker's) takes torch's setting, put back
+        thread = threading.Thread(target=lambda: later.append(torch.get_num_threads()))
+        thread.start()
+        thread.join()
+        assert torch.get_num_threads() == 2 and later == [2]
+        assert 0 < versions.host_step_cpu_s <= versions.host_step_s  # its CPU time: what of its wall ran on a core
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_an_exception_in_the_thread_surfaces_on_the_training_thread():

@@ -13,10 +13,10 @@ import torch
 from partitioner.auto import apply_choices, apply_plan, make_request, plan_config, run_overrides
 from partitioner.cost import RESOURCES, LayerCost, Segments, StageContext, StageCost, host_step_overlaps, segment_costs
 from partitioner.host import HostProfile
-from partitioner.planner import _LEFT_OUT, _streams, bound_line, stage_contexts, stage_table, table
+from partitioner.planner import _LEFT_OUT, HostFigures, _streams, bound_line, stage_contexts, stage_table, table
 from partitioner.profile import analytic_gpt
 from partitioner.topology import GIB, Link
-from pipedream2bw.config import ConfigError, default_plan_choices, validate
+from pipedream2bw.config import ConfigError, TopologyConfig, default_plan_choices, validate
 from pipedream2bw.memory.stream import device_bytes_model
 
 
@@ -289,9 +289,10 @@ def test_a_bf16_plan_with_compute_dtype_versions_streams_half_the_bytes_and_its_
 # ---- the host as the third resource (issue 42 item 6) ----------------------------------------------------------
 
 
-def _host_stage(*, step_bw, copy_bw=10e9, host_step="auto", stream=True, m=4):
+def _host_stage(*, step_bw, copy_bw=10e9, host_step="auto", stream=True, m=4, **host):
     """One stage of 4 layers (1 GB of float32 weights each, AdamW state 2 GB, 10 ms forward, 20 ms backward) whose
-    optimizer steps on the host, with the host stepping ``step_bw`` bytes/s and copying ``copy_bw``."""
+    optimizer steps on the host, with the host stepping ``step_bw`` bytes/s and copying ``copy_bw``; ``host``: more
+    of StageContext's host fields."""
     layers = [LayerCost(str(k), 0.01, 0.02, 10**9, 0, 0, 0, optimizer_bytes=2 * 10**9) for k in range(4)]
     ctx = StageContext(
         0,
@@ -304,14 +305,16 @@ def _host_stage(*, step_bw, copy_bw=10e9, host_step="auto", stream=True, m=4):
         host_step_bw=step_bw,
         host_copy_bw=copy_bw,
         host_step=host_step,
+        **host,
     )
     return {k: float(v) for k, v in segment_costs(Segments(layers), 0, 4, ctx).items()}
 
 
 def test_a_stage_whose_host_step_dominates_is_reported_host_bound():
     slow, fast = _host_stage(step_bw=1e9, host_step="sync"), _host_stage(step_bw=1e12, copy_bw=1e12, host_step="sync")
-    # AdamW: read the gradient, read and write weights and both moments: 3 x 4 GB + 2 x 8 GB at 1 GB/s
-    assert slow["host_step_s"] == pytest.approx(28.0) and fast["host_step_s"] == pytest.approx(0.028)
+    # AdamW: read the gradient, read and write weights and both moments: 3 x 4 GB + 2 x 8 GB at 1 GB/s; and W(t) copied
+    # into the replica that the step writes W(t+1) in (float32 streamed versions): 4 GB at the copy bandwidth
+    assert slow["host_step_s"] == pytest.approx(28.0 + 0.4) and fast["host_step_s"] == pytest.approx(0.028 + 0.004)
     assert RESOURCES[int(slow["bound"])] == "host" and slow["batch_s"] > slow["host_step_s"]
     assert RESOURCES[int(fast["bound"])] == "compute" and fast["batch_s"] < slow["batch_s"] / 10
     # the host's sums of a streamed stage's gradients: the first microbatch copied, three added (1.5 copies each)
@@ -337,6 +340,39 @@ def test_background_host_step_overlaps_the_next_batch_and_sync_adds_it():
     # compute-dtype versions (bf16: 2 B) step on the training thread unless streamed (run/build.py: ShardedVersions)
     assert not host_step_overlaps(StageContext(0, 2, 4, 1, weight_copy_bytes=2, host_optimizer=True))
     assert host_step_overlaps(StageContext(0, 2, 4, 1, weight_copy_bytes=2, host_optimizer=True, stream=True))
+
+
+def test_with_no_core_free_of_the_ranks_compute_the_host_step_and_copies_take_turns_with_it():
+    # the bug (bench_stream --data-parallel 2 on 2 cores: predicted 1.7x the measured samples/s): the model overlapped
+    # a host step, and on a CPU the copies, with compute although every core computed; the runtime's host step ran
+    # 10-14 ms of CPU a batch, and 46-59 ms waiting for a core
+    for stream in (True, False):  # a streamed stage; a stage with its optimizer on the host (swap.optimizer=host)
+        free = _host_stage(step_bw=1e9, stream=stream, host_free_cores=1.0)
+        sync = _host_stage(step_bw=1e9, stream=stream, host_step="sync")
+        shared = _host_stage(step_bw=1e9, stream=stream, host_free_cores=0.0)
+        assert free["batch_s"] < sync["batch_s"]  # a core of its own: the step overlaps the next batch
+        assert shared["batch_s"] == pytest.approx(sync["batch_s"]) and shared["step_s"] == sync["step_s"]
+    # a CPU "device": the copies are worker threads' memcpys; with a core free they overlap compute, else they add,
+    # running while compute waits for them (its stall)
+    cpu = {f: _host_stage(step_bw=1e12, copy_bw=1e12, host_is_device=True, host_free_cores=f) for f in (1.0, 0.0)}
+    copy = 4 * 2 * 4e9 / 25e9  # 4 microbatches each bring the 4 GB of weights in twice (forward, backward)
+    stalled = 4 * cpu[1.0]["stall_s"]
+    assert 0 < stalled < copy and cpu[0.0]["batch_s"] == pytest.approx(cpu[1.0]["batch_s"] - stalled + copy)
+
+
+def test_the_planner_counts_the_cores_a_nodes_ranks_leave_free():
+    topo = TopologyConfig(device="cpu", devices_per_node=2)
+    kw = dict(schedule="2bw", num_microbatches=4, recompute=False, swap=False, swap_resident=1, runtime_bytes=0.0)
+    for rank_map, host, free in [
+        ([[0, 1]], HostFigures(cores=2), 0.0),  # two replicas on 2 cores, a thread each
+        ([[0]], HostFigures(cores=2), 0.0),  # one rank on torch's default threads: every core
+        ([[0]], HostFigures(cores=2, omp_threads=1), 1.0),  # OMP_NUM_THREADS=1
+        ([[0, 1]], HostFigures(), math.inf),  # no figure
+    ]:
+        assert stage_contexts(topo, rank_map, host=host, **kw)[0].host_free_cores == free
+    gpus = TopologyConfig(name="dgx", device="cuda", devices_per_node=8, cores=None)
+    ctx = stage_contexts(gpus, [[0, 1, 2, 3, 4, 5, 6, 7]], host=HostFigures(cores=64), **kw)[0]
+    assert ctx.host_free_cores == 7.0
 
 
 FIXED_HOST = HostProfile(step_params_per_s=5e7, copy_bytes_per_s=2e9, kernel="fused", cores=2)
@@ -375,7 +411,10 @@ def test_a_streamed_plan_prints_its_host_step_column_and_what_bounds_it(fixed_ho
     for s in range(best.num_stages):
         own = layers[bounds[s] : bounds[s + 1]]
         traffic = sum(3 * c.param_bytes + 2 * c.optimizer_bytes for c in own)
-        assert best.predicted_host_step_s[s] == pytest.approx(traffic * share / fixed_host.step_bytes_per_s)
+        # a streamed stage's float32 versions: W(t) copied into the replica the step writes W(t+1) in, first
+        copy = sum(c.param_bytes for c in own) if s in best.stream_stages else 0
+        expected = traffic * share / fixed_host.step_bytes_per_s + copy * share / fixed_host.copy_bytes_per_s
+        assert best.predicted_host_step_s[s] == pytest.approx(expected)
     rows = stage_table(best).splitlines()
     header = rows[0].split()
     assert "step s" in rows[0] and "sums s" in rows[0] and "bound" in header

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import statistics
 import threading
 import time
@@ -42,6 +43,30 @@ def host_kernel(cfg: OptimConfig) -> OptimConfig:
     if not issubclass(cls, FUSED_ON_CPU):
         return cfg
     return dataclasses.replace(cfg, kwargs={**cfg.kwargs, "fused": True})
+
+
+def node_cores() -> int:
+    """The CPU cores this process may run on (its affinity; all of the machine's where that is not known)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def free_cores(*, cores: int, ranks: int, rank_threads: int) -> int:
+    """The cores of a node per rank that its ``ranks``' compute leaves free, each rank computing on ``rank_threads``
+    (torch's intra-op threads: 1 under torchrun with several ranks on the node): what a rank's host work (its
+    background host step) may run on without taking turns with compute."""
+    return max(0, cores - ranks * rank_threads) // max(1, ranks)
+
+
+def host_threads(*, cores: int, ranks: int, rank_threads: int) -> int:
+    """The intra-op threads a rank's background host step takes: its ``free_cores``, at least 1. Where none is free
+    the step takes turns with the ranks' compute on their cores, and a team of more OpenMP threads than cores only
+    waits for itself (each region's barrier spins for a thread without a core: on this project's 2-core CPU a
+    2-thread step ran 40 to 96 M parameters/s where one thread ran 1485; docs/memory.md). The planner charges the step
+    by the same rule (``partitioner/cost.py``'s ``host_free_cores``)."""
+    return max(1, free_cores(cores=cores, ranks=ranks, rank_threads=rank_threads))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,11 +176,13 @@ class BackgroundStep(WeightVersions):
     raised by the ``settle`` that waits for it.
     """
 
-    def __init__(self, module: nn.Module, *, background: bool = False, **kwargs):
+    def __init__(self, module: nn.Module, *, background: bool = False, threads: Optional[int] = None, **kwargs):
         super().__init__(module, **kwargs)
         assert not background or self.schedule == "2bw", "a background host step needs 2bw (config validation)"
         self.background = background
+        self.threads = threads  # the thread's intra-op threads (``host_threads``); None: as the process's
         self.host_step_s = 0.0  # seconds the background thread spent stepping
+        self.host_step_cpu_s = 0.0  # ... of which it ran on a core (its CPU time; the rest it waited for one)
         self.host_step_wait_s = 0.0  # seconds the calling thread waited for it: the part not hidden
         self._pending: Optional[_Pending] = None
 
@@ -189,7 +216,7 @@ class BackgroundStep(WeightVersions):
             self._take_gradients(bucket, src, dst, grad_scale)
         self.holds[dst_index] = t + 1
         work = self._host_work(newest, dst_index, after)
-        pending = _Pending(t, dst_index, span)
+        pending = _Pending(t, dst_index, span, threads=self.threads)
         pending.thread = threading.Thread(
             target=pending.run,
             args=(work,),
@@ -213,6 +240,7 @@ class BackgroundStep(WeightVersions):
         pending.thread.join()
         self.host_step_wait_s += time.perf_counter() - start
         self.host_step_s += pending.end - pending.start
+        self.host_step_cpu_s += pending.cpu_s
         if pending.error is not None:
             pending.error.add_note(
                 f"raised by the host optimizer step of batch {pending.t}, which runs on a thread of its own "
@@ -344,17 +372,25 @@ class HostOptimizerVersions(BackgroundStep):
 class _Pending:
     """One background host step: its batch, the replica it writes, and how it ended."""
 
-    def __init__(self, t: int, dst_index: int, span: Span):
-        self.t, self.dst_index, self.span = t, dst_index, span
+    def __init__(self, t: int, dst_index: int, span: Span, *, threads: Optional[int] = None):
+        self.t, self.dst_index, self.span, self.threads = t, dst_index, span, threads
         self.thread: Optional[threading.Thread] = None
         self.error: Optional[BaseException] = None
-        self.start = self.end = 0.0
+        self.start = self.end = self.cpu_s = 0.0
 
     def run(self, fn: Callable[[], None]) -> None:
-        self.start = time.perf_counter()
+        """The thread: ``fn`` on ``threads`` intra-op threads (OpenMP's count is the calling thread's; torch's
+        setting, which threads started later take, is put back), timed by the wall clock and by its CPU time."""
+        self.start, cpu = time.perf_counter(), time.thread_time()
+        before = torch.get_num_threads()
         try:
+            if self.threads is not None and self.threads != before:
+                torch.set_num_threads(self.threads)
             fn()
         except BaseException as e:  # raised on the training thread by ``settle``
             self.error = e
         finally:
+            if torch.get_num_threads() != before:
+                torch.set_num_threads(before)
+            self.cpu_s = time.thread_time() - cpu
             self.end = time.perf_counter()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import os
 from pathlib import Path
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
@@ -36,7 +37,7 @@ from pipedream2bw.config.optimizers import (
 from pipedream2bw.data import make_feeds
 from pipedream2bw.io import checkpoint, timeline
 from pipedream2bw.memory import precision as precisions
-from pipedream2bw.memory.host_optim import HostOptimizerVersions, host_kernel
+from pipedream2bw.memory.host_optim import HostOptimizerVersions, host_kernel, host_threads, node_cores
 from pipedream2bw.memory.loss_scale import LossScaler, ScaledStepRule
 from pipedream2bw.memory.sharding import ShardedVersions
 from pipedream2bw.memory.stream import StreamedVersions, WeightStream
@@ -155,6 +156,7 @@ def build_versions(
     optim, factory = _optimizer_factory(rt, module, optim, swap)
     sharded = optim.sharded and rt.data_parallel > 1
     background = swap.host_step != "sync" and rt.schedule == "2bw"  # swap.host_step: off the training thread
+    threads = _host_step_threads() if background else None
     if swap.weights and rt.stage in swap_stages(swap, rt.num_stages):  # swap.weights: versions in host buffers
         versions = StreamedVersions(
             module,
@@ -162,6 +164,7 @@ def build_versions(
             schedule=rt.schedule,
             optimizer_factory=factory,
             background=background,
+            threads=threads,
             weight_dtype=weight_dtype,  # compute: versions in that dtype, float32 masters (ShardedVersions' checkpoint)
             shard_index=replica_index(rt),  # replica 0 writes the masters
         )  # one optimizer bucket per layer, each also a bucket of the replicas' all-reduce; no ties (validated)
@@ -180,7 +183,12 @@ def build_versions(
         )
     elif swap.optimizer == "host":
         versions = HostOptimizerVersions(
-            module, schedule=rt.schedule, optimizer_factory=factory, buckets=buckets, background=background
+            module,
+            schedule=rt.schedule,
+            optimizer_factory=factory,
+            buckets=buckets,
+            background=background,
+            threads=threads,
         )
     else:
         versions = WeightVersions(
@@ -197,6 +205,13 @@ def replica_index(rt: RankPlan) -> int:
     """This rank's place among its stage's replicas of its tensor rank (the group that shards and all-reduces its
     pieces), by sorted global rank as the group's ranks are."""
     return sorted(rt.layout.slice(rt.tensor_rank)[rt.stage]).index(rt.rank)
+
+
+def _host_step_threads() -> int:
+    """The background host step's intra-op threads: the node's cores that its ranks (LOCAL_WORLD_SIZE, torchrun's)
+    leave free, each computing on this rank's torch threads (``host_optim.host_threads``)."""
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+    return host_threads(cores=node_cores(), ranks=ranks, rank_threads=torch.get_num_threads())
 
 
 def step_rule(rt: RankPlan, train: TrainConfig, optim: OptimConfig) -> StepRule:

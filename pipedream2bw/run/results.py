@@ -65,6 +65,7 @@ def summarize(
                 "allgather_exposed_s": s.allgather_exposed_s,
                 "host_step_s": s.host_step_s,
                 "host_step_wait_s": s.host_step_wait_s,
+                "host_step_cpu_s": s.host_step_cpu_s,
                 "p2p_wait_s": s.p2p_wait_s,
                 "cpu_s_per_step": cpu_per_step(s.start_cpu, s.step_end_cpu, warmup_steps=warmup_steps),
                 "peak_pending_sends": s.peak_pending_sends,

@@ -88,6 +88,7 @@ class StageStats:
     allgather_exposed_s: float = 0.0  # optim.sharded: time forwards and steps waited for the weights' all-gather
     host_step_s: float = 0.0  # swap.host_step=background: seconds the host optimizer steps ran on their thread
     host_step_wait_s: float = 0.0  # ... and seconds training waited for them (the part not hidden)
+    host_step_cpu_s: float = 0.0  # ... and seconds they ran on a core (the thread's CPU time; the rest it waited)
     peak_stash_bytes: int = 0  # activations autograd saves for one microbatch x most microbatches in flight
     peak_in_flight: int = 0  # most microbatches forwarded and not yet through their backward (zb1p: their W)
     weight_bytes: int = 0  # all weight versions held
@@ -697,6 +698,7 @@ class StageWorker:
         self.versions.settle()  # a background host step still running (swap.host_step); raises what it raised
         self.stats.host_step_s = getattr(self.versions, "host_step_s", 0.0)
         self.stats.host_step_wait_s = getattr(self.versions, "host_step_wait_s", 0.0)
+        self.stats.host_step_cpu_s = getattr(self.versions, "host_step_cpu_s", 0.0)
         self.stats.allgather_exposed_s = getattr(self.versions, "gather_wait_s", 0.0)
         if self.trace is not None:
             self.stats.trace = {"spans": self.trace.spans, "window": self.trace.window}
