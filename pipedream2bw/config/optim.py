@@ -27,8 +27,7 @@ def optimizer_class(name: str) -> type:
         return classes[name.lower()]
     except KeyError:
         raise ConfigError(
-            f"optim.name ({name!r}) is not a torch.optim optimizer nor {ROTATED}; use one of {sorted(classes)} "
-            f"or {ROTATED}"
+            f"optim.name ({name!r}) is not a torch.optim optimizer; use one of {sorted(classes)} or {ROTATED}"
         ) from None
 
 
