@@ -102,6 +102,7 @@ def assert_rule_close(weights, expected) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.long  # two runs of 7 steps: the optimizer state is torch's state_dict, which every resume test covers
 def test_rotated_resumes_exactly(tmp_path):
     """A run resumed after 4 steps (before the refresh at 5; its covariances, moments and bases in the checkpoint)
     ends with the straight run's weights and losses, bit for bit."""
