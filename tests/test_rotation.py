@@ -15,6 +15,7 @@ from test_checkpoint import assert_equal_bits
 from test_semantics import tiny_config
 
 from pipedream2bw.config import ConfigError, OptimConfig, build_optimizer, validate
+from pipedream2bw.config.optim import state_misfits
 from pipedream2bw.config.optimizers import MUON_ROLE
 from pipedream2bw.config.rotation import RotatedAdamW
 
@@ -135,3 +136,12 @@ def test_rotation_refused_where_it_does_not_compose(change, pattern):
     cfg.pipeline.tensor_parallel = t = change.get("tensor", 1)
     with pytest.raises(ConfigError, match=pattern):
         validate(cfg, world_size=2 * w * t, local_world_size=2 * w * t)
+
+
+def test_adamw_state_is_a_misfit_not_a_plain_adamw_step():
+    """A matrix's AdamW state (a checkpoint whose optim.muon_exclude left it to AdamW) lacks the covariances and
+    bases: the resume's probe (config.optim.state_misfits) finds it, and the state starts afresh, where the step
+    would otherwise have gone on as AdamW's in the identity basis, silently never rotating."""
+    adam = frozenset({"exp_avg", "exp_avg_sq", "step"})
+    misfits = state_misfits(OptimConfig(name="adamw_rotated"), [("muon", adam), ("vector", adam)])
+    assert misfits == {"muon": ["rot_basis_left", "rot_basis_right", "rot_cov_left", "rot_cov_right"]}

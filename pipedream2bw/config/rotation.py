@@ -113,6 +113,9 @@ class RotatedAdamW(torch.optim.Optimizer):
                     continue
                 g = p.grad
                 state = self.state[p] if self.state[p] else self._init_state(p)
+                lacks = [f"rot_cov_{side}" for side, n in zip(("left", "right"), p.shape) if n <= ROTATION_MAX_DIM]
+                if any(k not in state for k in lacks):  # another optimizer's state (AdamW's): never step as AdamW
+                    raise KeyError(f"RotatedAdamW: a {tuple(p.shape)} matrix's state lacks {lacks}")
                 state["step"] += 1
                 t = int(state["step"].item())
                 if "rot_cov_left" in state:
