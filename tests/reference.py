@@ -278,6 +278,62 @@ def _with_buffers(model: nn.Module, ran: nn.Module) -> Dict[str, torch.Tensor]:
     return {**model.state_dict(), **buffers}
 
 
+def _hidden_matrices(model: nn.Module) -> Tuple[List[nn.Parameter], List[nn.Parameter]]:
+    """(the 2-D parameters that are neither an nn.Embedding's nor under a module whose class name ends in 'Head', nor
+    in a layer list's first or last layer; the rest): what Muon and the rotation take, and what AdamW does."""
+    heads = {id(p) for mod in model.modules() if type(mod).__name__.endswith("Head") for p in mod.parameters()}
+    embeds = {id(p) for mod in model.modules() if isinstance(mod, nn.Embedding) for p in mod.parameters()}
+    if isinstance(model, nn.Sequential) and len(model):  # the layer list's input and output layers, by role
+        embeds |= {id(p) for i in (0, len(model) - 1) for p in model[i].parameters()}
+    params = list(model.parameters())
+    mu = [p for p in params if p.dim() == 2 and id(p) not in heads | embeds]
+    return mu, [p for p in params if all(p is not q for q in mu)]
+
+
+class ReferenceRotatedAdamW(torch.optim.Optimizer):
+    """optim.name=adamw_rotated's rule for matrices, written out apart from config/rotation.py (docs/design.md):
+    per matrix W with gradient G at step t (from 1),
+
+        L = b L + (1 - b) G G^T, R = b R + (1 - b) G^T G;  at t % k == 0: P, S = eigenvectors of L, R,
+            V = A^T V C with A = (Q_L^T P)^2, C = (Q_R^T S)^2 (elementwise squares), then Q_L = P, Q_R = S
+        M = b1 M + (1 - b1) G;  V = b2 V + (1 - b2) (Q_L^T G Q_R)^2
+        W = W (1 - lr wd) - lr Q_L [(Q_L^T M Q_R / (1 - b1^t)) / (sqrt(V / (1 - b2^t)) + eps)] Q_R^T
+
+    with Q_L = Q_R = I before the first refresh."""
+
+    def __init__(self, params, lr, every, beta, *, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2):
+        super().__init__(params, dict(lr=lr))
+        self.every, self.beta, self.betas, self.eps, self.wd = every, beta, betas, eps, weight_decay
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        b, (b1, b2) = self.beta, self.betas
+        for group in self.param_groups:
+            for w in group["params"]:
+                if w.grad is None:
+                    continue
+                g = w.grad.double()
+                st = self.state[w]
+                if not st:
+                    rows, cols = w.shape
+                    st.update(t=0, L=torch.zeros(rows, rows).double(), R=torch.zeros(cols, cols).double())
+                    st.update(QL=torch.eye(rows).double(), QR=torch.eye(cols).double())
+                    st.update(M=torch.zeros_like(g), V=torch.zeros_like(g))
+                st["t"] += 1
+                t = st["t"]
+                st["L"] = b * st["L"] + (1 - b) * (g @ g.T)
+                st["R"] = b * st["R"] + (1 - b) * (g.T @ g)
+                if t % self.every == 0:
+                    p_new, s_new = torch.linalg.eigh(st["L"])[1], torch.linalg.eigh(st["R"])[1]
+                    a, c = (st["QL"].T @ p_new) ** 2, (st["QR"].T @ s_new) ** 2
+                    st.update(V=a.T @ st["V"] @ c, QL=p_new, QR=s_new)
+                st["M"] = b1 * st["M"] + (1 - b1) * g
+                st["V"] = b2 * st["V"] + (1 - b2) * (st["QL"].T @ g @ st["QR"]) ** 2
+                inner = (st["QL"].T @ st["M"] @ st["QR"] / (1 - b1**t)) / ((st["V"] / (1 - b2**t)).sqrt() + self.eps)
+                w.mul_(1 - group["lr"] * self.wd)
+                w.sub_((group["lr"] * (st["QL"] @ inner @ st["QR"].T)).to(w.dtype))
+
+
 class ReferenceOptimizer:
     """The update rule of ``optim`` written out on the whole model, apart from ``pipedream2bw.optimizers``:
 
@@ -301,7 +357,14 @@ class ReferenceOptimizer:
         self.cfg = optim
         lookahead = optim.delay_correction == "lookahead"
         muon = not optim.target and optim.name.lower() == "muon"
-        if not muon and not lookahead:  # predict, error_feedback: written out in ``step``
+        rotated = not optim.target and optim.name.lower() == "adamw_rotated"
+        if rotated:  # the matrices Muon would take: the rotation's rule written out; AdamW for the rest
+            mu, rest = _hidden_matrices(model)
+            self.opts = [
+                torch.optim.AdamW(rest, lr=optim.lr, **optim.kwargs),
+                ReferenceRotatedAdamW(mu, optim.lr, optim.rotation_every, optim.rotation_beta, **optim.kwargs),
+            ]
+        elif not muon and not lookahead:  # predict, error_feedback: written out in ``step``
             self.opts = [build_optimizer(model.parameters(), dataclasses.replace(optim, delay_correction="none"))]
         else:
             kwargs = dict(optim.kwargs)
@@ -313,13 +376,7 @@ class ReferenceOptimizer:
                 kwargs.setdefault("weight_decay", 1e-2)
             else:
                 cls = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD, "adam": torch.optim.Adam}[others.lower()]
-            heads = {id(p) for mod in model.modules() if type(mod).__name__.endswith("Head") for p in mod.parameters()}
-            embeds = {id(p) for mod in model.modules() if isinstance(mod, nn.Embedding) for p in mod.parameters()}
-            if isinstance(model, nn.Sequential) and len(model):  # the layer list's input and output layers, by role
-                embeds |= {id(p) for i in (0, len(model) - 1) for p in model[i].parameters()}
-            params = list(model.parameters())
-            mu = [p for p in params if p.dim() == 2 and id(p) not in heads | embeds] if muon else []
-            rest = [p for p in params if all(p is not q for q in mu)]
+            mu, rest = _hidden_matrices(model) if muon else ([], list(model.parameters()))
             self.opts = [cls(rest, lr=optim.lr, **kwargs)]
             if mu:
                 muon_kwargs = dict({"adjust_lr_fn": "match_rms_adamw"}, **optim.muon_kwargs)

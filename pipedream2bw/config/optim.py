@@ -7,7 +7,7 @@ from typing import Dict, FrozenSet, Iterable, List, Optional, Tuple
 import torch
 
 from pipedream2bw.config.locate import locate
-from pipedream2bw.config.optimizers import is_muon
+from pipedream2bw.config.optimizers import ROTATED, is_muon, is_rotated, takes_matrices
 from pipedream2bw.config.schema import OptimConfig
 from pipedream2bw.errors import ConfigError
 
@@ -27,7 +27,7 @@ def optimizer_class(name: str) -> type:
         return classes[name.lower()]
     except KeyError:
         raise ConfigError(
-            f"optim.name ({name!r}) is not a torch.optim optimizer; use one of {sorted(classes)}"
+            f"optim.name ({name!r}) is not a torch.optim optimizer; use one of {sorted(classes)} or {ROTATED}"
         ) from None
 
 
@@ -37,6 +37,12 @@ def optimizer_name(cfg: OptimConfig) -> str:
 
 
 def optimizer_of(cfg: OptimConfig) -> type:
+    """The optimizer class ``cfg`` names: optim._target_'s, optim.name's in torch.optim, or the project's
+    ``RotatedAdamW`` for optim.name=adamw_rotated (which steps the hidden matrices; AdamW the rest)."""
+    if is_rotated(cfg):
+        from pipedream2bw.config.rotation import RotatedAdamW
+
+        return RotatedAdamW
     if not cfg.target:
         return optimizer_class(cfg.name)
     cls = locate(cfg.target, what="optim._target_")
@@ -69,7 +75,7 @@ def build_optimizer(params, cfg: OptimConfig) -> torch.optim.Optimizer:
         from pipedream2bw.config.optimizers import build_optimizer as build_extended
 
         muon = is_muon(cfg)
-        others = optimizer_class(cfg.muon_others) if muon else optimizer_of(cfg)
+        others = optimizer_class(cfg.muon_others) if muon else optimizer_of(cfg)  # (unused by adamw_rotated)
         return build_extended(param_groups(params, cfg), cfg, others=others)
     cls = optimizer_of(cfg)
     try:
@@ -86,8 +92,8 @@ ELEMENTWISE_OPTIMIZERS = ("sgd", "adam", "adamw", "nadam", "radam", "adamax", "r
 
 
 def uses_optimizers_module(cfg: OptimConfig) -> bool:
-    """optim.name=muon or a delay correction: built by ``config.optimizers``."""
-    return is_muon(cfg) or cfg.delay_correction != "none"
+    """optim.name=muon|adamw_rotated or a delay correction: built by ``config.optimizers``."""
+    return takes_matrices(cfg) or cfg.delay_correction != "none"
 
 
 PROBE_KINDS = ("muon", "matrix", "vector")

@@ -45,6 +45,20 @@ def is_muon(cfg) -> bool:
     return not cfg.target and cfg.name.lower() == "muon"
 
 
+ROTATED = "adamw_rotated"
+"""optim.name of AdamW in a rotated basis for the hidden matrices (config/rotation.py), AdamW for the rest."""
+
+
+def is_rotated(cfg) -> bool:
+    """Whether ``cfg`` (an ``OptimConfig``) names AdamW in a rotated basis (``optim.name=adamw_rotated``)."""
+    return not cfg.target and cfg.name.lower() == ROTATED
+
+
+def takes_matrices(cfg) -> bool:
+    """Whether ``cfg``'s optimizer steps the hidden matrices apart (Muon, the rotation): parameters are tagged."""
+    return is_muon(cfg) or is_rotated(cfg)
+
+
 def correction_in_effect(cfg, schedule: str) -> str:
     """``cfg.delay_correction`` where it runs: under 2bw; ``none`` under flush and gpipe, whose gradients are taken
     at the weights they update (no delay to correct)."""
@@ -222,24 +236,46 @@ class MuonWithOthers(CompositeOptimizer):
         others: type,
         others_kwargs: Dict[str, Any],
     ):
-        groups = _groups(params)
-        muon_groups, other_groups = [], []
-        for g in groups:
-            untagged = [p for p in g["params"] if p.dim() == 2 and not hasattr(p, MUON_ROLE)]
-            assert not untagged, "optim.name=muon: tag the parameters first (optimizers.tag_muon_params)"
-            extra = {k: v for k, v in g.items() if k != "params"}
-            mu = [p for p in g["params"] if getattr(p, MUON_ROLE, False)]
-            rest = [p for p in g["params"] if not getattr(p, MUON_ROLE, False)]
-            if mu:
-                muon_groups.append({"params": mu, **extra})
-            if rest:
-                other_groups.append({"params": rest, **extra})
+        muon_groups, other_groups = split_by_role(params)
         kw = {"adjust_lr_fn": "match_rms_adamw", **muon_kwargs}
         children = []
         if muon_groups:
             children.append(Muon(muon_groups, lr=lr, **kw))
         if other_groups:
             children.append(others(other_groups, lr=lr, **others_kwargs))
+        super().__init__(children)
+
+
+def split_by_role(params: Iterable) -> Tuple[List[Dict[str, Any]], List[Dict[str, Any]]]:
+    """``params`` (params or param groups) as (groups of the matrices tagged for Muon or the rotation, groups of the
+    rest), each group keeping its other settings."""
+    tagged_groups, other_groups = [], []
+    for g in _groups(params):
+        untagged = [p for p in g["params"] if p.dim() == 2 and not hasattr(p, MUON_ROLE)]
+        assert not untagged, "optim.name=muon|adamw_rotated: tag the parameters first (optimizers.tag_muon_params)"
+        extra = {k: v for k, v in g.items() if k != "params"}
+        tagged = [p for p in g["params"] if getattr(p, MUON_ROLE, False)]
+        rest = [p for p in g["params"] if not getattr(p, MUON_ROLE, False)]
+        if tagged:
+            tagged_groups.append({"params": tagged, **extra})
+        if rest:
+            other_groups.append({"params": rest, **extra})
+    return tagged_groups, other_groups
+
+
+class RotatedWithAdamW(CompositeOptimizer):
+    """``RotatedAdamW`` (config/rotation.py) for the matrices tagged as Muon's would be (``tag_muon_params``: the
+    hidden matrices, not optim.muon_exclude's), torch's AdamW for the rest; one ``lr`` and optim.kwargs for both."""
+
+    def __init__(self, params: Iterable, *, lr: float, kwargs: Dict[str, Any], rotation: Dict[str, Any]):
+        from pipedream2bw.config.rotation import RotatedAdamW
+
+        tagged_groups, other_groups = split_by_role(params)
+        children: List[torch.optim.Optimizer] = []
+        if tagged_groups:
+            children.append(RotatedAdamW(tagged_groups, lr=lr, **kwargs, **rotation))
+        if other_groups:
+            children.append(torch.optim.AdamW(other_groups, lr=lr, **kwargs))
         super().__init__(children)
 
 
@@ -377,7 +413,10 @@ def build_optimizer(groups: List[Any], cfg, *, others: type) -> torch.optim.Opti
             **kwargs,
         }
     try:
-        if muon:
+        if is_rotated(cfg):
+            rotation = {"rotation_every": cfg.rotation_every, "rotation_beta": cfg.rotation_beta}
+            opt = RotatedWithAdamW(groups, lr=cfg.lr, kwargs=kwargs, rotation=rotation)
+        elif muon:
             muon_kwargs = dict(cfg.muon_kwargs)
             if lookahead:
                 muon_kwargs.update(momentum=LOOKAHEAD_MOMENTUM, nesterov=True)
@@ -390,7 +429,8 @@ def build_optimizer(groups: List[Any], cfg, *, others: type) -> torch.optim.Opti
     except (TypeError, ValueError) as e:
         if not muon:  # the message config.optim.build_optimizer gives without a correction
             raise ConfigError(
-                f"optim.kwargs ({dict(cfg.kwargs)}) are not valid for {others.__name__}: {e}; "
+                f"optim.kwargs ({dict(cfg.kwargs)}) are not valid for "
+                f"{cfg.name if is_rotated(cfg) else others.__name__}: {e}; "
                 f"fix or remove them (e.g. optim.kwargs={{}})"
             ) from e
         raise ConfigError(
@@ -412,6 +452,14 @@ def extra_optim_settings(cfg) -> Dict[str, Any]:
         out["optim.delay_correction"] = cfg.delay_correction
         if cfg.delay_correction == "error_feedback":
             out["optim.error_feedback_beta"] = cfg.error_feedback_beta
+    if is_rotated(cfg):
+        out.update(
+            {
+                "optim.rotation_every": cfg.rotation_every,
+                "optim.rotation_beta": cfg.rotation_beta,
+                "optim.muon_exclude": list(cfg.muon_exclude),
+            }
+        )
     if is_muon(cfg):
         out.update(
             {

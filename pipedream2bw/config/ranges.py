@@ -48,6 +48,8 @@ RANGES: Dict[str, _Range] = {
     "optim.min_lr": NON_NEGATIVE,
     "optim.clip_grad_norm": POSITIVE,
     "optim.error_feedback_beta": NON_NEGATIVE,
+    "optim.rotation_every": AT_LEAST_1,
+    "optim.rotation_beta": FRACTION,
     "data.val_fraction": FRACTION,
     "train.num_steps": AT_LEAST_1,
     "train.log_every": AT_LEAST_1,

@@ -184,7 +184,9 @@ class HFModelConfig:
 class OptimConfig:
     name: str = "muon"
     """A torch.optim optimizer by name, case-insensitive: muon (the default: Muon for the hidden matrices,
-    optim.muon_others for the rest), sgd, adam, adamw, rmsprop, ... (not lbfgs)."""
+    optim.muon_others for the rest), sgd, adam, adamw, rmsprop, ... (not lbfgs); or adamw_rotated (AdamW with the
+    hidden matrices' moments in the eigenbases of their gradient covariances, SOAP-like; AdamW for the rest;
+    optim.rotation_every, optim.rotation_beta; docs/convergence.md)."""
     lr: float = 3e-3
     """Learning rate: the peak of optim.scheduler's schedule (all of it for 'constant')."""
     kwargs: Dict[str, Any] = field(default_factory=dict)
@@ -223,7 +225,8 @@ class OptimConfig:
     """optim.name=muon: the torch.optim optimizer (by name) for what Muon does not take: parameters that are not
     2-D and those optim.muon_exclude matches."""
     muon_exclude: List[str] = field(default_factory=lambda: ["*Embedding*", "*Head*", "*head*"])
-    """optim.name=muon: fnmatch patterns (case-sensitive) over each parameter's name within its stage and the class
+    """optim.name=muon (and adamw_rotated, whose rotation takes the same matrices): fnmatch patterns (case-sensitive)
+    over each parameter's name within its stage and the class
     names of the modules on its path; a 2-D parameter matching any goes to optim.muon_others, not Muon. The model's
     first and last layers (its input lookups, its output projection) never go to Muon, whatever their classes;
     the patterns keep more out: by default embeddings (nn.Embedding) and heads (LMHead, lm_head) anywhere. A tied
@@ -243,6 +246,12 @@ class OptimConfig:
     """optim.delay_correction=error_feedback: the weight beta of the previous step's estimated error. 1.5, chosen by
     measurement: with Muon at 2 GPT shapes it left 2bw closer to a flushing pipeline than the paper's 1.0 on every seed
     (docs/convergence.md)."""
+    rotation_every: int = 10
+    """optim.name=adamw_rotated: refresh each hidden matrix's eigenbases (of the EMAs of G G^T and G^T G) every this
+    many steps, the first at this step (AdamW's plain basis before it)."""
+    rotation_beta: float = 0.95
+    """optim.name=adamw_rotated: the EMA weight of the gradient covariances G G^T and G^T G whose eigenvectors are the
+    basis Adam's moments live in."""
 
     def __post_init__(self) -> None:
         # 'auto' resolved once, here: OptimConfig(name="adamw") and optim.name=adamw on the command line (Hydra

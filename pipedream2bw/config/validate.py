@@ -600,6 +600,7 @@ def _validate_model_and_optim(cfg: Config) -> None:
             "optim (lbfgs) re-evaluates the loss through a closure, which a pipeline cannot; use sgd, adam, adamw, ..."
         )
     _validate_optim_extras(cfg)  # before the trial build: it names what Muon and the corrections refuse
+    _validate_rotation(cfg)
     build_optimizer([torch.nn.Parameter(torch.zeros(1))], cfg.optim)
     _validate_step_rules(cfg)
     _validate_sharding(cfg)
@@ -669,6 +670,29 @@ def _validate_optim_extras(cfg: Config) -> None:
                 "optim.delay_correction (lookahead) sets beta1 (optim.kwargs.betas[0]) and Muon's momentum to "
                 "0.99; remove them from optim.kwargs / optim.muon_kwargs (betas[1] may stay: give betas=[0.99, b2])"
             )
+
+
+def _validate_rotation(cfg: Config) -> None:
+    """optim.name=adamw_rotated: whole matrices stepped on the stage's device, the planner not asked."""
+    from pipedream2bw.config.optimizers import is_rotated
+
+    if not is_rotated(cfg.optim):
+        return
+    why = None
+    if cfg.swap.optimizer == "host" or cfg.swap.weights:
+        why = "swap.optimizer (host) / swap.weights: the rotation's host step is not built; set swap.optimizer=device"
+    elif cfg.pipeline.tensor_parallel > 1:
+        why = (
+            f"pipeline.tensor_parallel ({cfg.pipeline.tensor_parallel}): a split matrix's covariances need the whole "
+            "matrix, which is not gathered for it; set pipeline.tensor_parallel=1"
+        )
+    elif cfg.partition.mode == "auto":
+        why = (
+            "partition.mode (auto): the planner's memory model does not count the rotation's covariances and bases "
+            "(2 (rows^2 + cols^2) floats a matrix); use partition.mode=manual"
+        )
+    if why is not None:
+        raise ConfigError(f"optim.name (adamw_rotated) with {why}, or use optim.name=adamw")
 
 
 def _validate_prediction(cfg: Config) -> None:

@@ -124,6 +124,8 @@ def optimizer_state_factor(name: str, kwargs: Optional[Dict] = None) -> float:
         return 1.0 if name == "adagrad" else 2.0
     if name == "muon":  # its momentum, for the matrices it steps (optim.muon_others' state for the rest)
         return 1.0
+    if name == "adamw_rotated":  # Adam's two moments; each matrix's covariances and bases (8 (rows^2 + cols^2) B a
+        return 2.0  # matrix: config/rotation.py) are not per parameter and not counted (partition.mode=auto refuses it)
     return 2.0
 
 

@@ -33,6 +33,7 @@ from pipedream2bw.config.optimizers import (
     muon_edge_layers,
     orthogonalize_on,
     tag_muon_params,
+    takes_matrices,
 )
 from pipedream2bw.data import make_feeds
 from pipedream2bw.io import checkpoint, timeline
@@ -106,7 +107,7 @@ def _optimizer_factory(rt: RankPlan, module: nn.Module, optim: OptimConfig, swap
     """(the optimizer config as this stage runs it, params -> its optimizer): the delay correction where it runs,
     Muon's parameters tagged, the host's fastest kernel where the step runs there."""
     optim = dataclasses.replace(optim, delay_correction=correction_in_effect(optim, rt.schedule))
-    if is_muon(optim):  # which parameters Muon takes: hidden matrices (OptimConfig.muon_exclude)
+    if takes_matrices(optim):  # which parameters Muon (the rotation) takes: hidden matrices (optim.muon_exclude)
         tag_muon_params(module, optim.muon_exclude, edge_layers=muon_edge_layers(sum(rt.balance)))
     if swap.optimizer == "host":  # the step runs on the host (swap.weights too): the fastest CPU kernel
         optim = host_kernel(optim)
