@@ -18,6 +18,7 @@ from matrix import (
     CLIP,
     EVAL_EVERY,
     EXTRA,
+    KNOWN_FAILURES,
     LAYER_PRESETS,
     NUM_STEPS,
     PRESETS,
@@ -222,7 +223,14 @@ def _run_and_check(cell: Cell, matrix: MatrixRunner) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("cell", PAIRWISE, ids=[c.id for c in PAIRWISE])
+@pytest.mark.parametrize(
+    "cell",
+    [
+        pytest.param(c, marks=pytest.mark.xfail(reason=KNOWN_FAILURES[c.id])) if c.id in KNOWN_FAILURES else c
+        for c in PAIRWISE
+    ],
+    ids=[c.id for c in PAIRWISE],
+)
 def test_pairwise(cell, matrix):
     _run_and_check(cell, matrix)
 
