@@ -557,7 +557,8 @@ KNOWN_FAILURES: Dict[str, str] = {
     # swapping, validation, a resume at d2w1). Run first in a fresh 4-rank spawn, 1.fc.weight ends 0.030 from the
     # reference (541 of 1024 elements outside bf16's tolerance; without Muon, 0.pos.weight 0.014); run after the ten
     # t = 1 cells of 4 ranks, one element of 0.tok.weight 1.7e-3 off (without Muon: within tolerance). Its result
-    # depends on the jobs run before it in the same ranks; at t = 1 it passes run first
+    # depends on the jobs run before it in the same ranks. Run first without Muon, it passes at t = 1, and at t = 2
+    # without swapping, without recomputation or without the resume: swapping x recomputation x bf16 x t = 2
     "gpipe-d1w2-bf16-tied-clip-recomp-swap-val-muon-resume-d2w1-t2": "bf16 x t=2 off the reference (issue 44)",
 }
 
