@@ -526,6 +526,12 @@ EXTRA: List[Cell] = [
         recompute=False, host_optim=False, validation=True, structured=False, sharded=False, weight_dtype="fp32",
         muon=True, correction="error_feedback", t=2,
     ),
+    # gpipe at d1w2, t = 2, with a tie, clipping and recomputation in fp32: the array's one gpipe t = 2 cell is a
+    # KNOWN_FAILURES one, so gpipe x t = 2 passes here
+    Cell(
+        schedule="gpipe", d=1, w=2, resume=False, swap=False, precision="fp32", tied=True, clip=True, skip=False,
+        recompute=True, host_optim=False, validation=False, structured=False, sharded=False, weight_dtype="fp32", t=2,
+    ),
     # issue 42: bf16 streamed versions (train.weight_dtype=compute with swap.weights) with float32 host masters, across
     # a resume from d2w1 to d1w2 (the streamed checkpoint's masters into two streamed replicas), clipping (the norm of
     # the float32 host sums) and validation through the bf16 copies; the arrays' pairs of it are fp32 or unstreamed
