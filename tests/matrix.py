@@ -82,6 +82,9 @@ FACTORS: "OrderedDict[str, Tuple[Any, ...]]" = OrderedDict(
     documents=(False, True),
     # pipeline.forward_lead (issue 47): the stages before the last run one forward ahead of 1F1B's bound (2bw, flush)
     forward_lead=(0, 1),
+    # pipeline.tensor_parallel (issue 44): each stage's GPT blocks, embedding and head split over 2 tensor ranks
+    # (d x w x 2 ranks). PAIRWISE_ONLY: both arrays cover its pairs, not its triples
+    t=(1, 2),
 )
 # Features that only matrix.EXTRA's cells vary (no factor of the arrays: a cell each, issue 46), Cell fields whose
 # constraints and refusals below are checked all the same: pipeline.sync_warmup_steps=SYNC_WARMUP (2bw: the first
@@ -148,7 +151,7 @@ class Cell:
     correction: str = "none"
     stream: bool = False
     lookahead: bool = False
-    t: int = 1  # pipeline.tensor_parallel: not a factor of the arrays; EXTRA's cells take t = 2
+    t: int = 1  # pipeline.tensor_parallel
     sync_warmup: bool = False
     predict: bool = False
     zero_bubble: bool = False
@@ -205,6 +208,12 @@ class Cell:
 # no run at all, so the covering arrays leave its combinations out.
 CONSTRAINTS: List[Tuple[Tuple[str, ...], Callable[[Dict[str, Any]], bool], str]] = [
     (("d", "w"), lambda r: r["d"] * r["w"] <= 8, "at most 8 ranks"),
+    (("d", "w", "t"), lambda r: r["d"] * r["w"] * r["t"] <= 8, "at most 8 ranks"),
+    (
+        ("skip", "t"),
+        lambda r: not (r["skip"] and r["t"] > 1),
+        "a skip cell's inf comes from a layer list of the test's own (poisoned_layers), which t > 1 refuses",
+    ),
     (
         ("resume", "d", "w"),
         lambda r: not r["resume"] or (r["d"], r["w"]) in RESUME_AT,
@@ -416,6 +425,54 @@ REFUSED += [
     ),
 ]
 
+# pipeline.tensor_parallel > 1 (config/tensor_checks.py; the warm-up and the prediction: config/validate.py): what a
+# tensor split is not proven with
+TENSOR = r"pipeline.tensor_parallel \(2\) "
+REFUSED += [
+    (
+        ("structured", "t"),
+        lambda r: r["t"] > 1 and r["structured"],
+        TENSOR + r"splits the built-in GPT \(model=gpt\) and model=hf's Llama family only",
+        "no plan says which of a layer list's matrices to split",
+        dict(schedule="2bw", d=2, w=1, t=2, structured=True, tied=False, weight_dtype="fp32"),
+    ),
+    (
+        ("host_optim", "stream", "t"),
+        lambda r: r["t"] > 1 and (r["host_optim"] or r["stream"]),
+        TENSOR + r"with swap.weights / swap.optimizer=host",
+        "streaming tensor shards and stepping them on the host are not built",
+        dict(schedule="2bw", d=2, w=1, t=2, host_optim=True, stream=False),
+    ),
+    (
+        ("precision", "t"),
+        lambda r: r["t"] > 1 and r["precision"] == "fp16",
+        TENSOR + r"with train.precision \(fp16\)",
+        "the loss scaler's skip is not proven on split blocks",
+        dict(schedule="2bw", d=2, w=1, t=2, precision="fp16", weight_dtype="fp32"),
+    ),
+    (
+        ("documents", "t"),
+        lambda r: r["t"] > 1 and r["documents"],
+        TENSOR + r"with data.packing \(documents\)",
+        "packed documents are not proven at t > 1",
+        dict(schedule="2bw", d=2, w=1, t=2, documents=True),
+    ),
+    (
+        ("zero_bubble", "t"),
+        lambda r: r["t"] > 1 and r["zero_bubble"],
+        TENSOR + r"with pipeline.schedule \(zb1p\)",
+        "zb1p's split backward is not proven on split blocks",
+        dict(schedule="flush", d=2, w=1, t=2, zero_bubble=True),
+    ),
+    (
+        ("t", "sync_warmup", "predict"),
+        lambda r: r["t"] > 1 and (r["sync_warmup"] or r["predict"]),
+        r"(pipeline.sync_warmup_steps \(2\)|optim.delay_correction \(predict\)) with pipeline.tensor_parallel \(2\)",
+        "the warm-up and the prediction are not proven with split stages",
+        dict(schedule="2bw", d=2, w=1, t=2, sync_warmup=True),
+    ),
+]
+
 # Rows every array holds (the generator fills their other factors): the combinations that once trained
 # silently wrong, which a pairwise array need not contain (they are 3- and 4-way interactions).
 PRESETS: List[Dict[str, Any]] = [
@@ -446,16 +503,17 @@ EXTRA: List[Cell] = [
         recompute=False, host_optim=False, validation=False, structured=False, sharded=False, weight_dtype="fp32",
         muon=True, lookahead=True,
     ),
-    # pipeline.tensor_parallel=2 (issue 44), two cells of 4 ranks: 2bw across a resume from d2w1 to d1w2 with a tie,
-    # clipping, validation, Muon (whole matrices gathered over the tensor group; its momenta and error feedback's
-    # state saved whole) and error feedback; gpipe at d1w2 with a tie, clipping, recomputation and the optimizer state
-    # sharded over the replicas (ZeRO-1 of each tensor rank's pieces). No skip: its
-    # poisoned layers are a layer list of the caller's, which t > 1 refuses (it splits the built-in GPT's blocks)
+    # pipeline.tensor_parallel=2 (issue 44; t is a factor of the arrays, pairwise): 2bw across a resume from d2w1 to
+    # d1w2 with a weight tied across the first and last stage (the arrays' t = 2 cells tie across stages under gpipe
+    # only), clipping, validation, Muon (whole matrices gathered over the tensor group; its momenta and error feedback's
+    # state saved whole) and error feedback
     Cell(
         schedule="2bw", d=2, w=1, resume=True, swap=False, precision="fp32", tied=True, clip=True, skip=False,
         recompute=False, host_optim=False, validation=True, structured=False, sharded=False, weight_dtype="fp32",
         muon=True, correction="error_feedback", t=2,
     ),
+    # gpipe at d1w2, t = 2, with a tie, clipping, recomputation and the optimizer state sharded over the replicas
+    # (ZeRO-1 of each tensor rank's pieces) in fp32
     Cell(
         schedule="gpipe", d=1, w=2, resume=False, swap=False, precision="fp32", tied=True, clip=True, skip=False,
         recompute=True, host_optim=False, validation=False, structured=False, sharded=True, weight_dtype="fp32", t=2,
@@ -484,10 +542,28 @@ EXTRA: List[Cell] = [
 ]  # fmt: skip
 
 
+# Cells that fail against the reference, found and not yet fixed: cell id -> what was measured. test_matrix marks them
+# xfail (not strict: still run and reported, not counted a pass), so the arrays keep them and the suite says so.
+KNOWN_FAILURES: Dict[str, str] = {
+    # issue 44, found when t became a factor: bf16 at t = 2 in this cell (gpipe, w = 2, a tie, clipping, recomputation,
+    # swapping, validation, a resume at d2w1). Run first in a fresh 4-rank spawn, 1.fc.weight ends 0.030 from the
+    # reference (541 of 1024 elements outside bf16's tolerance; without Muon, 0.pos.weight 0.014); run after the ten
+    # t = 1 cells of 4 ranks, one element of 0.tok.weight 1.7e-3 off (without Muon: within tolerance). Its result
+    # depends on the jobs run before it in the same ranks. Run first without Muon, it passes at t = 1, and at t = 2
+    # without swapping, without recomputation or without the resume: swapping x recomputation x bf16 x t = 2
+    "gpipe-d1w2-bf16-tied-clip-recomp-swap-val-muon-resume-d2w1-t2": "bf16 x t=2 off the reference (issue 44)",
+}
+
 # Every rule a row must keep, as (its factors, whether a row keeps it): the constraints, and not being refused.
 RULES: List[Tuple[Tuple[str, ...], Callable[[Dict[str, Any]], bool]]] = [(keys, ok) for keys, ok, _ in CONSTRAINTS] + [
     (keys, lambda r, f=f: not f(r)) for keys, f, *_ in REFUSED
 ]
+
+
+# The rules that read each factor (``_extends``)
+_RULES_OF: Dict[str, List[Tuple[Tuple[str, ...], Callable[[Dict[str, Any]], bool]]]] = {
+    name: [(keys, ok) for keys, ok in RULES if name in keys] for name in FACTORS
+}
 
 
 def feasible(values: Dict[str, Any]) -> bool:
@@ -504,24 +580,36 @@ def refusal(cell: Cell) -> Optional[str]:
 # Factors added after the arrays were first drawn, in order: each is laid over the arrays of the factors before it,
 # whose cells stay as they were (the new factor at its plain value); the generator then adds the cells the new
 # factor's combinations need. Adding a factor thus adds its own cells only, instead of redrawing every cell.
-LAYERED = ("stream", "lookahead", "zero_bubble", "documents", "forward_lead")
+LAYERED = ("stream", "lookahead", "zero_bubble", "documents", "forward_lead", "t")
 # Layered factors that only the 3-wise array (matrix_full) varies; the pairwise one holds them at their plain value, and
 # EXTRA holds a cell of each. lookahead: its 4 pairwise cells cost the default tier ~40 s on this 2-core machine.
 FULL_ONLY = ("lookahead",)
+# Layered factors that both arrays cover pairwise only (issue 44: "the t factor's cells are pairwise, the rest
+# 3-wise"): the 3-wise array lays them over its cells at strength 2, so they add a pairwise array's cells to it, not a
+# 3-wise one's. t: a t = 2 cell runs twice the ranks on 2 cores. Kept last in LAYERED (a later layer would cover its
+# triples)
+PAIRWISE_ONLY = ("t",)
+# Rows a layer starts from besides the arrays' (the generator fills their other factors). t: the pair (d = 4, t = 2)
+# needs 8 ranks; held to one cell, without a resume (RESUME_AT would run d2w2 at t = 2: 8 ranks again), t's other pairs
+# fit 4 ranks or fewer (left to the generator, its first pick of them ran three 8-rank runs: d2w2 resumed at d4w1, d4w1)
+LAYER_PRESETS: Dict[str, List[Dict[str, Any]]] = {"t": [dict(t=2, d=4, w=1, resume=False)]}
 
 
 def covering_array(strength: int) -> List[Cell]:
     """The ``strength``-wise covering array (covertable) of FACTORS under the constraints and
     refusals, PRESETS first: every feasible combination of values of any ``strength`` factors is in
     at least one cell. Deterministic: covertable's hash sorter with a fixed salt orders the candidates.
-    Built in layers (``LAYERED``); below strength 3 without the FULL_ONLY factors (at their plain value)."""
+    Built in layers (``LAYERED``); below strength 3 without the FULL_ONLY factors (at their plain value); the
+    PAIRWISE_ONLY factors laid over at strength 2 whatever ``strength``."""
     names = [n for n in FACTORS if n not in LAYERED]
     rows = _make(names, strength, PRESETS)
     for name in LAYERED:
         if strength < 3 and name in FULL_ONLY:
             continue
         names.append(name)
-        rows = _make(names, strength, [{**row, name: FACTORS[name][0]} for row in rows])
+        layer_strength = min(strength, 2) if name in PAIRWISE_ONLY else strength
+        presets = [{**row, name: FACTORS[name][0]} for row in rows] + LAYER_PRESETS.get(name, [])
+        rows = _make(names, layer_strength, presets)
     return [Cell(**{name: row.get(name, FACTORS[name][0]) for name in FACTORS}) for row in rows]
 
 
@@ -542,24 +630,45 @@ def _make(names: Sequence[str], strength: int, presets: Sequence[Dict[str, Any]]
 def completes(values: Dict[str, Any]) -> bool:
     """Whether some full row of the product holding ``values`` passes ``feasible``: a search that fills the other
     factors in order and leaves a partial row as soon as a rule whose factors it holds fails."""
-    if not feasible(values):
-        return False
+    return feasible(values) and _extends(values)
+
+
+def _extends(values: Dict[str, Any]) -> bool:
+    """``completes`` for a feasible ``values``: each value of the next factor checked against the rules that read
+    it alone (the others held before: a quarter of the default tier's coverage test was this search's rule checks)."""
     name = next((n for n in FACTORS if n not in values), None)
-    return name is None or any(completes({**values, name: v}) for v in FACTORS[name])
+    if name is None:
+        return True
+    for value in FACTORS[name]:
+        row = {**values, name: value}
+        if all(ok(row) for keys, ok in _RULES_OF[name] if all(k in row for k in keys)) and _extends(row):
+            return True
+    return False
+
+
+def combined(strength: int) -> List[Tuple[int, ...]]:
+    """The positions (in FACTORS) of the factor combinations an array of ``strength`` covers: every ``strength`` of
+    them, except that a PAIRWISE_ONLY factor's are its pairs."""
+    names = list(FACTORS)
+    pairwise = {names.index(n) for n in PAIRWISE_ONLY}
+    wide = [c for c in itertools.combinations(range(len(names)), strength) if strength <= 2 or not pairwise & set(c)]
+    pairs = [c for c in itertools.combinations(range(len(names)), 2) if pairwise & set(c)] if strength > 2 else []
+    return wide + pairs
 
 
 def uncovered(cells: Sequence[Cell], strength: int) -> List[Dict[str, Any]]:
-    """Feasible value combinations of ``strength`` factors that no cell holds (feasible: some full
+    """Feasible value combinations of the factors ``combined(strength)`` names that no cell holds (feasible: some full
     row of the product with those values passes ``feasible``: ``completes``). Below strength 3 the FULL_ONLY factors
     are held at their plain value."""
     names = list(FACTORS)
     held = {n: FACTORS[n][0] for n in FULL_ONLY} if strength < 3 else {}
+    combos = combined(strength)
     covered = set()
     for cell in cells:
         row = [getattr(cell, n) for n in names]
-        covered.update(itertools.combinations(enumerate(row), strength))
+        covered.update(tuple((i, row[i]) for i in positions) for positions in combos)
     missing = []
-    for positions in itertools.combinations(range(len(names)), strength):
+    for positions in combos:
         for values in itertools.product(*(FACTORS[names[i]] for i in positions)):
             combo = tuple(zip(positions, values))
             values = {names[i]: v for i, v in combo}
