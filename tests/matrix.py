@@ -542,18 +542,6 @@ EXTRA: List[Cell] = [
 ]  # fmt: skip
 
 
-# Cells that fail against the reference, found and not yet fixed: cell id -> what was measured. test_matrix marks them
-# xfail (not strict: still run and reported, not counted a pass), so the arrays keep them and the suite says so.
-KNOWN_FAILURES: Dict[str, str] = {
-    # issue 44, found when t became a factor: bf16 at t = 2 in this cell (gpipe, w = 2, a tie, clipping, recomputation,
-    # swapping, validation, a resume at d2w1). Run first in a fresh 4-rank spawn, 1.fc.weight ends 0.030 from the
-    # reference (541 of 1024 elements outside bf16's tolerance; without Muon, 0.pos.weight 0.014); run after the ten
-    # t = 1 cells of 4 ranks, one element of 0.tok.weight 1.7e-3 off (without Muon: within tolerance). Its result
-    # depends on the jobs run before it in the same ranks. Run first without Muon, it passes at t = 1, and at t = 2
-    # without swapping, without recomputation or without the resume: swapping x recomputation x bf16 x t = 2
-    "gpipe-d1w2-bf16-tied-clip-recomp-swap-val-muon-resume-d2w1-t2": "bf16 x t=2 off the reference (issue 44)",
-}
-
 # Every rule a row must keep, as (its factors, whether a row keeps it): the constraints, and not being refused.
 RULES: List[Tuple[Tuple[str, ...], Callable[[Dict[str, Any]], bool]]] = [(keys, ok) for keys, ok, _ in CONSTRAINTS] + [
     (keys, lambda r, f=f: not f(r)) for keys, f, *_ in REFUSED

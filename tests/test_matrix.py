@@ -18,7 +18,6 @@ from matrix import (
     CLIP,
     EVAL_EVERY,
     EXTRA,
-    KNOWN_FAILURES,
     LAYER_PRESETS,
     NUM_STEPS,
     PRESETS,
@@ -225,10 +224,7 @@ def _run_and_check(cell: Cell, matrix: MatrixRunner) -> None:
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize(
     "cell",
-    [
-        pytest.param(c, marks=pytest.mark.xfail(reason=KNOWN_FAILURES[c.id])) if c.id in KNOWN_FAILURES else c
-        for c in PAIRWISE
-    ],
+    PAIRWISE,
     ids=[c.id for c in PAIRWISE],
 )
 def test_pairwise(cell, matrix):
