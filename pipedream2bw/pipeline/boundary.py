@@ -31,8 +31,9 @@ _LEAF = pytree.tree_flatten(torch.empty(0))[1]  # the structure of a boundary th
 def flat_sequence(spec: Any) -> Optional[Tuple[type, int]]:
     """(list or tuple, n) when ``spec`` is a plain list or tuple of n tensors (a backward's input gradients are a
     list), else None: such a boundary crosses without pytree (issue 47)."""
-    if spec.type in (list, tuple) and all(spec.child(i).is_leaf() for i in range(spec.num_children)):
-        return spec.type, spec.num_children
+    n = spec.num_children  # n children, n leaves and no other node than the list itself: each child is a leaf
+    if spec.type in (list, tuple) and spec.num_leaves == n and spec.num_nodes == n + 1:
+        return spec.type, n
     return None
 
 
