@@ -28,6 +28,26 @@ def leaf_tag(tag: int, i: int) -> int:
 _LEAF = pytree.tree_flatten(torch.empty(0))[1]  # the structure of a boundary that is one tensor
 
 
+def flat_sequence(spec: Any) -> Optional[Tuple[type, int]]:
+    """(list or tuple, n) when ``spec`` is a plain list or tuple of n tensors (a backward's input gradients are a
+    list), else None: such a boundary crosses without pytree (issue 47)."""
+    n = spec.num_children  # n children, n leaves and no other node than the list itself: each child is a leaf
+    if spec.type in (list, tuple) and spec.num_leaves == n and spec.num_nodes == n + 1:
+        return spec.type, n
+    return None
+
+
+def _is_flat(tree: Any, flat: Optional[Tuple[type, int]]) -> bool:
+    """``tree`` is a plain list or tuple of ``flat``'s length (its type exactly: a namedtuple is another structure)
+    of tensors only."""
+    return (
+        flat is not None
+        and type(tree) is flat[0]
+        and len(tree) == flat[1]
+        and all(isinstance(t, torch.Tensor) for t in tree)
+    )
+
+
 def flatten(tree: Any, what: str) -> Tuple[List[torch.Tensor], Any]:
     """The tensors of a stage boundary (a tensor, or a tuple/list/dict of them) and its structure.
 
@@ -77,6 +97,8 @@ class Channel:
         self._sent: Optional[Any] = None  # the spec this rank sends (first crossing)
         self._received: Optional[Any] = None  # the spec the neighbour sends (its first crossing)
         self._received_leaf = False  # ... and it is one tensor
+        self._sent_flat: Optional[Tuple[type, int]] = None  # the sent spec is a plain list/tuple of n tensors
+        self._received_flat: Optional[Tuple[type, int]] = None  # ... the received one
 
     def send(self, tree: Any, *, peer: int, defer: bool = False, token: Optional[int] = None) -> None:
         """Sends ``tree``'s tensors to ``peer`` (``defer``/``token``: as ``P2P.send``).
@@ -85,12 +107,17 @@ class Channel:
             TypeError: ``tree`` is not a tensor or a tuple, list or dict of tensors.
             PipelineShapeError: its structure differs from the first crossing's.
         """
-        if self._sent is _LEAF and isinstance(tree, torch.Tensor):  # the usual boundary: no flattening (issue 47)
+        # The usual boundaries, a tensor (activations) or a list of tensors (input gradients), cross without
+        # pytree's flattening and spec comparison once the first crossing agreed on them (issue 47)
+        if self._sent is _LEAF and isinstance(tree, torch.Tensor):
             leaves, spec = [tree], _LEAF
+        elif _is_flat(tree, self._sent_flat):
+            leaves, spec = tree, self._sent
         else:
             leaves, spec = flatten(tree, self.what)
         if self._sent is None:  # the receiver learns the structure once, before the first tensors
             self._sent = _LEAF if spec == _LEAF else spec
+            self._sent_flat = flat_sequence(spec)
             text = torch.tensor(list(pytree.treespec_dumps(spec).encode()), dtype=torch.uint8, device=self.device)
             self.p2p.send(text, peer=peer, tag=self.tag + _STRUCTURE_TAG_OFFSET, defer=defer, token=token)
         elif spec is not self._sent and spec != self._sent:
@@ -109,12 +136,15 @@ class Channel:
             spec = self.p2p.wait_recv(self.p2p.post_recv(peer=peer, tag=tag), peer=peer)
             self._received = pytree.treespec_loads(bytes(spec.cpu().tolist()).decode())
             self._received_leaf = self._received.is_leaf()
+            self._received_flat = flat_sequence(self._received)
         return [self.p2p.post_recv(peer=peer, tag=leaf_tag(self.tag, i)) for i in range(self._received.num_leaves)]
 
     def wait_recv(self, posted: List[tuple], *, peer: int) -> Any:
         """What ``post_recv``'s receives brought, in the structure ``peer`` sends."""
         if self._received_leaf:  # one tensor (issue 47: tree_unflatten's Python calls)
             return self.p2p.wait_recv(posted[0], peer=peer)
+        if self._received_flat is not None:  # a list or tuple of tensors, as the sender's ``_is_flat``
+            return self._received_flat[0](self.p2p.wait_recv(p, peer=peer) for p in posted)
         return pytree.tree_unflatten([self.p2p.wait_recv(p, peer=peer) for p in posted], self._received)
 
     def recv(self, peer: int) -> Any:

@@ -387,9 +387,20 @@ class P2P:
         self._deferred: List[Tuple[Any, int, Optional[int]]] = []  # (P2POp, peer, token) waiting for the next receive
         self._loss_sends: Deque[Tuple[Any, torch.Tensor]] = deque()
         self._value_sends: List[Tuple[Any, torch.Tensor, int]] = []  # send_value's: (work, value, peer)
+        self._in_group: Dict[int, int] = {}  # global rank -> its rank in the group, asked once (``_post``)
 
     def _wait(self, work: Any, what: str) -> None:
         wait_work(self.ctx, work, what)
+
+    def _post(self, kind: str, tensor: torch.Tensor, peer: int, tag: int) -> Any:
+        """``dist.isend``/``dist.irecv`` of a steady-state transfer (``kind``: 'send' or 'recv'), minus their
+        per-call Python (the group's lookup, the peer's rank in it, the tensor checks P2P has made): the
+        process group's own call, as they make it (issue 47)."""
+        group = self.group if self.group is not None else dist.group.WORLD
+        rank = self._in_group.get(peer)
+        if rank is None:
+            rank = self._in_group[peer] = dist.get_group_rank(group, peer)
+        return (group.send if kind == "send" else group.recv)([tensor], rank, tag)
 
     def send(
         self, tensor: torch.Tensor, *, peer: int, tag: int, defer: bool = False, token: Optional[int] = None
@@ -400,16 +411,16 @@ class P2P:
         Raises:
             PipelineShapeError: the shape or dtype differs from this channel's first transfer.
         """
-        key = ("send", peer, tag)
-        if key not in self._agreed:
+        agreed = self._agreed.get(("send", peer, tag))
+        if agreed is None:
             meta = torch.zeros(_META_LEN, dtype=torch.int64)
             meta[0], meta[1] = tensor.dim(), _DTYPES.index(tensor.dtype)
             meta[2 : 2 + tensor.dim()] = torch.tensor(tensor.shape)
             self._sends.append(
                 (dist.isend(meta.to(self.ctx.device), peer, tag=tag, group=self.group), meta, peer, None)
             )
-            self._agreed[key] = (tensor.shape, tensor.dtype)
-        shape, dtype = self._agreed[key]
+            agreed = self._agreed[("send", peer, tag)] = (tensor.shape, tensor.dtype)
+        shape, dtype = agreed
         if tensor.shape != shape or tensor.dtype != dtype:
             raise PipelineShapeError(
                 f"rank {self.ctx.rank} sends {tuple(tensor.shape)} {tensor.dtype} to rank {peer} (tag {tag}), "
@@ -421,7 +432,7 @@ class P2P:
         if defer and self.batch_sends:
             self._deferred.append((dist.P2POp(dist.isend, tensor, peer, tag=tag, group=self.group), peer, token))
         else:
-            self._sends.append((dist.isend(tensor, peer, tag=tag, group=self.group), tensor, peer, token))
+            self._sends.append((self._post("send", tensor, peer, tag), tensor, peer, token))
         while self._sends and self._sends[0][0].is_completed():
             self._sends.popleft()
 
@@ -465,7 +476,8 @@ class P2P:
     def post_recv(self, *, peer: int, tag: int) -> Tuple[List[Any], torch.Tensor]:
         """Posts a receive from ``peer``; returns (works, buffer) to pass to ``wait_recv``."""
         key = ("recv", peer, tag)
-        if key not in self._agreed:
+        agreed = self._agreed.get(key)
+        if agreed is None:
             # The first receive on a channel blocks for the shape, which the peer may send only
             # after it got what we hold back: start held sends now.
             self._start_deferred()
@@ -473,12 +485,12 @@ class P2P:
             self._wait(dist.irecv(meta, peer, tag=tag, group=self.group), f"receiving tensor metadata from rank {peer}")
             meta = meta.cpu()
             ndim = int(meta[0])
-            self._agreed[key] = (torch.Size(meta[2 : 2 + ndim].tolist()), _DTYPES[int(meta[1])])
-        shape, dtype = self._agreed[key]
+            agreed = self._agreed[key] = (torch.Size(meta[2 : 2 + ndim].tolist()), _DTYPES[int(meta[1])])
+        shape, dtype = agreed
         buf = torch.empty(shape, dtype=dtype, device=self.ctx.device)
         if self._deferred:
             return self._start_deferred(dist.P2POp(dist.irecv, buf, peer, tag=tag, group=self.group)), buf
-        return [dist.irecv(buf, peer, tag=tag, group=self.group)], buf
+        return [self._post("recv", buf, peer, tag)], buf
 
     def wait_recv(self, pending: Tuple[List[Any], torch.Tensor], *, peer: int) -> torch.Tensor:
         works, buf = pending
