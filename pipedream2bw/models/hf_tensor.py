@@ -87,7 +87,7 @@ class _RegionInput:
 
 
 class SequenceDecoderLayer(DecoderLayer):
-    """A ``DecoderLayer`` on tensor rank ``tensor_rank``'s slice of the sequence (B, T/t, C) in and out (the module
+    """A ``DecoderLayer`` on its tensor rank's slice of the sequence, (B, T/t, C) in and out (the module
     docstring), set on a split layer by class: the rotary angles of the whole sequence's positions, and the layer's
     whole parameters that see the slice only (``WHOLE_ON_SLICES``) passed through ``copy_many``."""
 
