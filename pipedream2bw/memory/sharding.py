@@ -368,8 +368,9 @@ class ShardedVersions(WeightVersions):
         out: Dict[str, Dict[str, Any]] = {}
         for b, (layout, optimizer) in enumerate(zip(self.layouts, self.optimizers)):
             states = [optimizer.state.get(m, {}) for m in self.pieces[b]]
-            first = next((st for st in states if st), {})
-            flat_keys = sorted(k for k, v in first.items() if _per_element(v, self.pieces[b][0]))
+            held = next((i for i, st in enumerate(states) if st), None)  # a piece the optimizer has stepped
+            first = states[held] if held is not None else {}
+            flat_keys = sorted(k for k, v in first.items() if _per_element(v, self.pieces[b][held]))
             flats = {}
             for key in flat_keys:
                 own = torch.zeros(layout.shard_numel, dtype=torch.float32, device=self.master_device)
