@@ -55,8 +55,8 @@ class RotatedAdamW(torch.optim.Optimizer):
         W <- W (1 - lr wd) - lr N
 
     A side longer than ``ROTATION_MAX_DIM`` keeps the identity. Parameters that are not 2-D must not be given to it
-    (``MatricesWithAdamW`` hands them to AdamW). State per rows x cols matrix: M and V (2 rows cols floats), L, R,
-    Q_L, Q_R (2 (rows^2 + cols^2) floats); a refresh costs two float64 eigendecompositions.
+    (``optimizers.RotatedWithAdamW`` hands them to AdamW). State per rows x cols matrix: M and V (2 rows cols
+    floats), L, R, Q_L, Q_R (2 (rows^2 + cols^2) floats); a refresh costs two float64 eigendecompositions.
     """
 
     def __init__(

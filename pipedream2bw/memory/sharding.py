@@ -318,16 +318,46 @@ class ShardedVersions(WeightVersions):
         reassembles, whole, for any (d, w) with sharding on or off."""
         self.settle()
         newest = max(v for v in self.holds if v is not None)
-        previous = None
-        if self.schedule == "2bw":
-            previous = _cpu_copy(self.replicas[self._replica_holding(version_of_batch("2bw", newest))].state_dict())
         return {
             "step": newest,
             "weights": _float(_cpu_copy(self.newest().state_dict())),
-            "previous": _float(previous) if previous is not None else None,
+            "previous": self._previous_state(newest),
             "optimizer": {},
             "shards": self.shard_state(),
         }
+
+    def _previous_state(self, newest: int) -> Optional[Dict[str, torch.Tensor]]:
+        """2bw's older version (the one batch ``newest`` + 1 reads), float32 on the CPU; None under flush and gpipe."""
+        if self.schedule != "2bw":
+            return None
+        return _float(_cpu_copy(self.replicas[self._replica_holding(version_of_batch("2bw", newest))].state_dict()))
+
+    def whole_state(self, *, keep: bool = True) -> Optional[Dict[str, Any]]:
+        """``state()`` with every parameter of this stage whole and no shards (pipeline.tensor_parallel's checkpoints,
+        whose whole tensors come from pieces, not from shards of flat buckets): the float32 masters as the weights
+        (the versions are their rounding: ``final_state``) and the optimizer state (``whole_optimizer``), both
+        all-gathered over the stage's replicas - collectives, which every replica calls.
+
+        Args:
+            keep: false on a replica that writes nothing: it takes part in the gathers and returns None.
+        """
+        weights = self.final_state(keep=keep)
+        optimizer = self.whole_optimizer(keep=keep)
+        if not keep:
+            return None
+        newest = max(v for v in self.holds if v is not None)
+        return {"step": newest, "weights": weights, "previous": self._previous_state(newest), "optimizer": optimizer}
+
+    def _gathered(self, layout: BucketShard, own: torch.Tensor) -> torch.Tensor:
+        """The whole flat bucket from every replica's ``own`` shard of it (a sharded bucket's all-gather over the
+        stage's replicas, waited for; not sharded: ``own`` is the bucket)."""
+        if layout.count == 1:
+            return own
+        device = self._params[0][layout.params[0]].device
+        flat = torch.empty(layout.count * layout.shard_numel, dtype=torch.float32, device=device)
+        assert self.gather is not None, "a sharded bucket needs connect(gather) before its state is gathered"
+        self.gather(own.to(device, torch.float32), flat)()
+        return flat
 
     @torch.no_grad()
     def final_state(self, *, keep: bool = True) -> Optional[Dict[str, torch.Tensor]]:
@@ -344,12 +374,7 @@ class ShardedVersions(WeightVersions):
         params = self._params[0]
         names = [n for n, _ in self.replicas[0].named_parameters()]
         for layout, shard in zip(self.layouts, self.shards):
-            flat = shard  # not sharded: the whole bucket's masters (S = N)
-            if layout.count > 1:
-                device = params[layout.params[0]].device
-                flat = torch.empty(layout.count * layout.shard_numel, dtype=torch.float32, device=device)
-                assert self.gather is not None, "a sharded bucket needs connect(gather) before final_state"
-                self.gather(shard.to(device, torch.float32), flat)()
+            flat = self._gathered(layout, shard)
             start = 0
             for i, n in zip(layout.params, layout.numels):
                 if state is not None:
@@ -358,11 +383,11 @@ class ShardedVersions(WeightVersions):
         return state
 
     @torch.no_grad()
-    def whole_optimizer(self) -> Dict[str, Dict[str, Any]]:
+    def whole_optimizer(self, *, keep: bool = True) -> Optional[Dict[str, Dict[str, Any]]]:
         """Every parameter's optimizer state whole, as ``WeightVersions.state()['optimizer']`` holds it (per-element
         tensors shaped as the parameter, on the CPU): a sharded bucket's all-gathered over the stage's replicas, one
-        bucket and state key at a time - a collective, which every replica calls (pipeline.tensor_parallel's
-        checkpoints: whole tensors come from pieces, not from shards of flat buckets)."""
+        bucket and state key at a time - a collective, which every replica calls (``keep`` false: it takes part and
+        returns None)."""
         self.settle()
         params, names = self._params[0], [n for n, _ in self.replicas[0].named_parameters()]
         out: Dict[str, Dict[str, Any]] = {}
@@ -376,12 +401,9 @@ class ShardedVersions(WeightVersions):
                 own = torch.zeros(layout.shard_numel, dtype=torch.float32, device=self.master_device)
                 for piece, st in zip(layout.pieces(), states):
                     own[piece.offset : piece.offset + piece.stop - piece.start] = st[key].reshape(-1)
-                flats[key] = own
-                if layout.count > 1:
-                    device = params[layout.params[0]].device
-                    flats[key] = torch.empty(layout.count * layout.shard_numel, dtype=torch.float32, device=device)
-                    assert self.gather is not None, "a sharded bucket needs connect(gather) before whole_optimizer"
-                    self.gather(own.to(device), flats[key])()
+                flats[key] = self._gathered(layout, own)
+            if not keep:
+                continue
             start = 0
             for i, n in zip(layout.params, layout.numels):
                 state = {k: _cpu_value(v) for k, v in first.items() if k not in flats}
@@ -389,7 +411,7 @@ class ShardedVersions(WeightVersions):
                 state.update({k: f[start : start + n].view(shape).to("cpu", copy=True) for k, f in flats.items()})
                 out[names[i]] = state
                 start += n
-        return out
+        return out if keep else None
 
     def shard_state(self) -> Dict[str, Dict[str, Any]]:
         """Per parameter name, the piece of it this replica writes to a checkpoint: ``range`` [start, stop)

@@ -232,11 +232,10 @@ class StepHooks:
             self.rngs[t + 1] = checkpoint.rng_state()
 
     def _state(self) -> Dict[str, Any]:  # one tensor per tie: the canonical name's, written by its first holder
-        st = self.versions.state()
-        if self.split is not None:  # pipeline.tensor_parallel: whole tensors (every tensor rank of replica 0 gathers)
-            if self._masters:  # the pieces' float32 masters and optimizer state first gathered over the replicas
-                st = {k: v for k, v in st.items() if k != "shards"}
-                st.update(weights=self.versions.final_state(), optimizer=self.versions.whole_optimizer())
+        # pipeline.tensor_parallel with float32 masters of their own: the pieces' masters and optimizer state first
+        # gathered over the replicas (no shard files), then every tensor rank of replica 0 gathers whole tensors
+        st = self.versions.whole_state() if self.split is not None and self._masters else self.versions.state()
+        if self.split is not None:
             st = self.split.whole(st)
         # buffers training changes, as the resumed run's first forward must find them (pipeline/stateful.py)
         for k in ("weights", "previous"):
@@ -275,8 +274,7 @@ class StepHooks:
             if rt.replica == 0 and rt.tensor_rank > 0:
                 self._state()  # its pieces to the gather of the whole tensors, which its tensor rank 0 writes
             elif rt.replica > 0 and self._masters:  # its shards to replica 0's gathers over the replicas
-                self.versions.final_state(keep=False)
-                self.versions.whole_optimizer()
+                self.versions.whole_state(keep=False)
         self.saver.after_step(
             t + 1,
             self._state,
