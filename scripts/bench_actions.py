@@ -7,7 +7,8 @@ Runs scripts/bench.py's ours-2bw worker (2 ranks, gloo) with the methods below w
 training loop's profiler range is open, and prints medians over the calls of the last three quarters of the run
 (the first quarter is warm-up). Thread-CPU time is this thread's own work, which other jobs on the machine move
 less than the wall clock; the difference between a method and the calls inside it is its own Python. A tree
-before issue 47 posts with ``dist.isend``/``dist.irecv`` (listed) where a later one calls ``group.send``/``recv``.
+before issue 47 posts with ``dist.isend``/``dist.irecv`` (listed) where a later one calls ``group.send``/``recv``;
+run it there beside this directory's bench_calls.py, whose worker scaffolding it shares.
 """
 
 from __future__ import annotations
@@ -17,13 +18,12 @@ import collections
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
+from bench_calls import in_training_range, run_ranks  # scripts/: copy both files into an older tree
 
 
 def _timed(record: dict, on: list, label: str, fn):
@@ -43,14 +43,10 @@ def _timed(record: dict, on: list, label: str, fn):
 
 def _profiled_worker(out: str) -> None:
     """In a rank: bench.py's worker with the action methods timed inside the training loop's range."""
-    import torch
     import torch.distributed as dist
 
-    sys.path.insert(0, str(HERE))
-    import bench
-
     from pipedream2bw.pipeline import boundary, comm
-    from pipedream2bw.run import runner, stage
+    from pipedream2bw.run import stage
 
     record, on = collections.defaultdict(list), [False]
     for owner, names in (
@@ -66,24 +62,7 @@ def _profiled_worker(out: str) -> None:
         post = comm.P2P._post
         sends, recvs = (_timed(record, on, f"group.{k}", post) for k in ("send", "recv"))
         comm.P2P._post = lambda self, kind, *a: (sends if kind == "send" else recvs)(self, kind, *a)
-    record_function = torch.profiler.record_function
-
-    class Range:
-        def __init__(self, name: str, *args, **kwargs):
-            self.name, self.inner = name, record_function(name, *args, **kwargs)
-
-        def __enter__(self):
-            self.inner.__enter__()
-            on[0] = on[0] or self.name == runner.TRAIN_RANGE
-            return self
-
-        def __exit__(self, *exc):
-            on[0] = on[0] and self.name != runner.TRAIN_RANGE
-            return self.inner.__exit__(*exc)
-
-    torch.profiler.record_function = Range
-    sys.argv = [str(HERE / "bench.py"), *sys.argv[sys.argv.index("--") + 1 :]]
-    bench.main()
+    in_training_range(lambda: on.__setitem__(0, True), lambda: on.__setitem__(0, False))
     medians = {}
     for label, calls in record.items():
         calls = calls[len(calls) // 4 :]
@@ -111,16 +90,10 @@ def main() -> None:
     args, _ = parser.parse_known_args()
     if args.profiled:
         return _profiled_worker(args.profiled)
-    from pipedream2bw.pipeline.comm import torchrun_command
-
     print("command:", " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]))
     shape = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k != "profiled"]
     with tempfile.TemporaryDirectory() as out:
-        worker = ["--worker", "ours-2bw", "--out", out, "--device=cpu", "--memory-steps=0"]
-        cmd = [*torchrun_command(2), __file__, "--profiled", out, "--", *worker, *shape]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        if proc.returncode:
-            raise SystemExit(proc.stdout[-2000:] + proc.stderr[-3000:])
+        run_ranks(__file__, out, ["--worker", "ours-2bw", "--out", out, "--device=cpu", "--memory-steps=0", *shape])
         ranks = [json.loads(Path(out, f"actions{r}.json").read_text()) for r in (0, 1)]
     print(f"{'us per call, medians':34}" + "".join(f"{f'rank {r} wall':>14}{'cpu':>8}" for r in (0, 1)))
     for label in sorted(set(ranks[0]) | set(ranks[1])):

@@ -25,8 +25,9 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 
 
-def _profiled_worker(out: str) -> None:
-    """In a rank: bench.py's worker, with cProfile on while the training loop's profiler range is open."""
+def in_training_range(enter, leave) -> None:
+    """In a rank: bench.py's worker (this process's arguments after ``--``), ``enter()`` called as the training loop's
+    profiler range (``runner.TRAIN_RANGE``) opens and ``leave()`` as it closes. bench_actions.py runs its timers so."""
     import torch
 
     sys.path.insert(0, str(HERE))
@@ -37,7 +38,7 @@ def _profiled_worker(out: str) -> None:
     except ImportError:  # a tree from before the package's layers (issue 47's bisect reaches 7662ab8)
         from pipedream2bw import runner
 
-    record_function, prof = torch.profiler.record_function, cProfile.Profile()
+    record_function = torch.profiler.record_function
 
     class Range:
         def __init__(self, name: str, *args, **kwargs):
@@ -46,35 +47,48 @@ def _profiled_worker(out: str) -> None:
         def __enter__(self):
             self.inner.__enter__()
             if self.name == runner.TRAIN_RANGE:
-                prof.enable()
+                enter()
             return self
 
         def __exit__(self, *exc):
             if self.name == runner.TRAIN_RANGE:
-                prof.disable()
+                leave()
             return self.inner.__exit__(*exc)
 
     torch.profiler.record_function = Range
     sys.argv = [str(HERE / "bench.py"), *sys.argv[sys.argv.index("--") + 1 :]]
     bench.main()
+
+
+def run_ranks(script: str, out: str, worker: list) -> None:
+    """``script --profiled out -- worker`` on 2 ranks by torchrun (bench.py's worker arguments); exits with the ranks'
+    output if it fails."""
+    try:
+        from pipedream2bw.pipeline.comm import torchrun_command
+    except ImportError:  # a tree from before the package's layers
+        from pipedream2bw.comm import torchrun_command
+
+    proc = subprocess.run(
+        [*torchrun_command(2), script, "--profiled", out, "--", *worker], capture_output=True, text=True
+    )
+    if proc.returncode:
+        raise SystemExit(proc.stdout[-2000:] + proc.stderr[-3000:])
+
+
+def _profiled_worker(out: str) -> None:
+    """In a rank: bench.py's worker, with cProfile on while the training loop's profiler range is open."""
+    prof = cProfile.Profile()
+    in_training_range(prof.enable, prof.disable)
     stats = pstats.Stats(prof)
     calls = {f"{Path(f).name}:{line}:{name}": s[1] for (f, line, name), s in stats.stats.items()}
     Path(out, f"calls{os.environ['RANK']}.json").write_text(json.dumps({"total": stats.total_calls, "calls": calls}))
 
 
 def _run(args, steps: int, out: str) -> list:
-    try:
-        from pipedream2bw.pipeline.comm import torchrun_command
-    except ImportError:  # a tree from before the package's layers
-        from pipedream2bw.comm import torchrun_command
-
     worker = ["--worker", "ours-2bw", "--out", out, f"--steps={steps}", "--warmup=2", "--device=cpu"]
     shape = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in ("num_microbatches", "microbatch_size")]
     shape += [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in ("num_layers", "d_model", "num_heads", "seq_len")]
-    cmd = [*torchrun_command(2), __file__, "--profiled", out, "--", *worker, *shape]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode:
-        raise SystemExit(proc.stdout[-2000:] + proc.stderr[-3000:])
+    run_ranks(__file__, out, [*worker, *shape])
     return [json.loads(Path(out, f"calls{r}.json").read_text()) for r in (0, 1)]
 
 
