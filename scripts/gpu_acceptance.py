@@ -15,7 +15,8 @@ The checks (each a script of this repository; their JSON lands in ``--out``):
   (scripts/bench_memory.py --layouts 1x1, CUDA max allocated): the measured bytes per parameter of each beside
   bench_memory's model (``precision.param_memory`` plus autocast's weight casts), within 15% (activations are not
   in it);
-- weight streaming (scripts/bench_stream.py): the streamed stage's peak >= 2x lower, bit for bit.
+- weight streaming (scripts/bench_stream.py): the streamed stage's peak >= 2x lower, at least half the resident
+  stage's samples/s (its host step in the background), bit for bit.
 
 First run on one H200, 2026-11-26 (its table: docs/benchmarks.md, "On a GPU"). Exit status: 0 if every check
 passed, 1 if one failed, 2 if one could not run.
@@ -35,6 +36,7 @@ from typing import Callable, List, Optional, Tuple
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 MEMORY_TOLERANCE = 0.15
+STREAM_SPEED = 0.5  # a streamed stage's samples/s over the resident one's (issue 42; the first H200 run: 0.045)
 
 
 @dataclass
@@ -90,15 +92,17 @@ def _pytest_gpu(path: Path) -> Tuple[str, bool]:
 def _bench_stream(path: Path) -> Tuple[str, bool]:
     res = json.loads(path.read_text())
     mib = 2**20
+    speed = res["streamed_samples_per_s"] / res["plain_samples_per_s"]
     figures = (
         f"{res['layers']} layers of {res['layer_bytes'] / mib:.0f} MiB, window {res['window']}: peak "
         f"{res['streamed_peak_device_bytes'] / mib:.0f} vs {res['plain_peak_device_bytes'] / mib:.0f} MiB "
         f"({res['reduction']:.1f}x lower, >= 5x; model {res['model_streamed_bytes'] / mib:.0f} MiB), stall "
         f"{res['stall_s'] * 1e3:.0f} ms, {res['streamed_samples_per_s']:.1f} vs {res['plain_samples_per_s']:.1f} "
-        f"samples/s, bit-for-bit {res['bit_for_bit']}"
+        f"samples/s ({speed:.3f}x, >= {STREAM_SPEED}x), bit-for-bit {res['bit_for_bit']}"
     )
     # the 5x of the issue is the CPU's, with small activations; on a GPU the peak holds real activations too
-    return figures, res["device"].startswith("cuda") and res["reduction"] >= 2 and res["bit_for_bit"]
+    fits = res["reduction"] >= 2 and speed >= STREAM_SPEED
+    return figures, res["device"].startswith("cuda") and fits and res["bit_for_bit"]
 
 
 def _bench_memory(path: Path) -> Tuple[str, bool]:
@@ -167,7 +171,7 @@ def checks(out: Path) -> List[Check]:
             lambda: _bench_memory(out / "memory.json"),
         ),
         Check(
-            "weight streaming: peak device bytes >= 2x lower, bit-identical, stall measured",
+            "weight streaming: peak device bytes >= 2x lower, >= 0.5x resident samples/s, bit-identical",
             [py, str(ROOT / "scripts/bench_stream.py"), "--device", "cuda", "--json", str(out / "stream.json")],
             ["--device", "--json"],
             lambda: _bench_stream(out / "stream.json"),

@@ -59,3 +59,5 @@ def test_verdicts_follow_the_targets(tmp_path):
     assert ga._bench_stream(tmp_path / "s.json")[1]
     (tmp_path / "s.json").write_text(json.dumps({**stream, "bit_for_bit": False}))
     assert not ga._bench_stream(tmp_path / "s.json")[1]
+    (tmp_path / "s.json").write_text(json.dumps({**stream, "streamed_samples_per_s": 0.9}))  # 0.45x resident
+    assert not ga._bench_stream(tmp_path / "s.json")[1]
