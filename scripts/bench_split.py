@@ -3,9 +3,9 @@ its backward as zb1p and zbv run it (B: ``split_backward.backward_input``, then 
 whole backward (``torch.autograd.backward``) and the whole backward with the graph kept (``retain_graph``, as B keeps
 it), interleaved, thread-CPU ms per microbatch (medians; the first 3 rounds left out).
 
-    python scripts/bench_split.py [--microbatch-size 4] [--chunk 1] [--num-stages 2] [--rounds 30]
+    python scripts/bench_split.py [--microbatch-size 4] [--chunk 1] [--num-stages 2] [--rounds 30] [--num-layers 8]
 
-The GPT is bench.py's default (8 blocks x 256, 4 heads, seq 128, vocab 256); chunk ``--chunk`` of its split into
+The GPT is bench.py's (by default 8 blocks x 256, 4 heads, seq 128, vocab 256); chunk ``--chunk`` of its split into
 2 x ``--num-stages`` (``gpt_balance``), a middle one by default (its input needs a gradient; no loss).
 """
 
@@ -25,7 +25,13 @@ from pipedream2bw.run.model import build_stage_module
 def _config(args) -> Config:
     return Config(
         pipeline=PipelineConfig(schedule="zbv", num_stages=args.num_stages, microbatch_size=args.microbatch_size),
-        model=GPTConfig(num_layers=8, d_model=256, num_heads=4, seq_len=128, vocab_size=256),
+        model=GPTConfig(
+            num_layers=args.num_layers,
+            d_model=args.d_model,
+            num_heads=args.num_heads,
+            seq_len=args.seq_len,
+            vocab_size=256,
+        ),
         train=TrainConfig(num_steps=1),
         wandb=WandbConfig(mode="disabled"),
     )
@@ -37,6 +43,10 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=1, help="which of the 2d chunks (0 < chunk < 2d - 1)")
     parser.add_argument("--num-stages", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--num-layers", type=int, default=8, help="transformer blocks")
+    parser.add_argument("--d-model", type=int, default=256)
+    parser.add_argument("--num-heads", type=int, default=4)
+    parser.add_argument("--seq-len", type=int, default=128)
     args = parser.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
