@@ -11,7 +11,7 @@ import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, List, Sequence
+from typing import Any, Callable, List, Optional, Sequence
 
 import torch
 from torch import nn
@@ -108,12 +108,13 @@ def cli_config(*overrides: str) -> Config:
     return tiny(cfg) if os.environ.get(TINY_ENV, "0") not in ("", "0") else cfg
 
 
-def run_ok(cfg: Config, run_dir: Path, *, timeout_s: float = 120) -> dict:
-    """Runs the pipeline on d * w * t ranks, asserts success, returns summary.json."""
+def run_ok(cfg: Config, run_dir: Path, *, timeout_s: float = 120, fn: Optional[Callable] = None) -> dict:
+    """Runs the pipeline (``fn(cfg, run_dir)``, ``train`` without) on d * w * t ranks, asserts success, returns
+    summary.json."""
     import json
 
     results = spawn(
-        train,
+        fn or train,
         world_size=cfg.pipeline.num_stages * cfg.pipeline.data_parallel * cfg.pipeline.tensor_parallel,
         args=(cfg, str(run_dir)),
         log_dir=Path(run_dir) / "logs",
@@ -282,6 +283,28 @@ def poisoned_layers(cfg: Config, layer_index: int, call: int, how: str) -> List[
 
 def train_poisoned(cfg: Config, run_dir: str, layer_index: int, call: int, how: str) -> None:
     run(cfg, Path(run_dir), layers=poisoned_layers(cfg, layer_index, call, how))
+
+
+def train_counting_split_backwards(cfg: Config, run_dir: str) -> None:
+    """``train``, writing ``split_backwards_rank{r}.json``: the [chunk, k] of every B this rank ran split (the input's
+    gradient alone, W later; not those that ran the whole backward, ``chunks.whole``)."""
+    import json
+
+    from pipedream2bw.run.stage import StageWorker
+
+    split, ran = [], StageWorker._backward_input
+
+    def counted(worker, k, *args):
+        split.append([worker._chunk.index if worker._chunks else worker.stage_index, k])
+        return ran(worker, k, *args)
+
+    StageWorker._backward_input = counted
+    try:
+        run(cfg, Path(run_dir))
+    finally:
+        StageWorker._backward_input = ran
+    rank = int(os.environ["RANK"])
+    (Path(run_dir) / f"split_backwards_rank{rank}.json").write_text(json.dumps(split))
 
 
 def train_cli(runs: Sequence[Sequence[str]]) -> None:

@@ -37,6 +37,7 @@ from pipedream2bw.pipeline.schedule import (
     stage_actions,
     steps,
     timings,
+    whole_backwards,
 )
 from pipedream2bw.pipeline.versions import max_versions_alive
 
@@ -127,6 +128,25 @@ def test_zbv_invariants_over_grid():
             assert max_in_flight([a for a in rank if a.kind != "S"]) <= 2 * d
             assert max_versions_alive(rank, schedule="zbv", num_microbatches=m) == 1
         simulate(actions)
+
+
+def test_zbv_whole_backwards_only_where_the_gradient_stays_on_the_rank_and_w_follows():
+    # issue 46: B k of chunk d (on rank d-1, its input gradient handed to chunk d-1 in memory) runs the whole
+    # backward when W k is the rank's next compute action; no other chunk's (its gradient is another rank's wait).
+    one = rank_actions(
+        "zbv", stage_index=1, num_stages=2, num_microbatches=8, first_batch=0, num_batches=1, batch_sends=False
+    )
+    assert whole_backwards(one, schedule="zbv", rank=1, num_stages=2) == {(2, k) for k in range(7)}  # 2B7 1B7 .. 2W7
+    for d, m in GRID:
+        for r, rank in enumerate(pipeline_actions("zbv", num_stages=d, num_microbatches=m, num_batches=2)):
+            whole = whole_backwards(rank, schedule="zbv", rank=r, num_stages=d)
+            assert {v for v, _ in whole} <= ({d} if r == d - 1 else set())
+            compute = [a for a in rank if a.kind != "S"]
+            assert len(whole) == sum(
+                b == a._replace(kind="W") and a.stage_index == d for a, b in zip(compute, compute[1:])
+            )
+        zb1p = pipeline_actions("zb1p", num_stages=d, num_microbatches=m, num_batches=1)
+        assert not any(whole_backwards(x, schedule="zb1p", rank=s, num_stages=d) for s, x in enumerate(zb1p))
 
 
 def test_zbv_literal_table():

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import copy
 import functools
+import json
 
 import pytest
 import torch
-from dist_helper import run_ok
+from dist_helper import run_ok, train_counting_split_backwards
 from reference import reference_train
 
 from pipedream2bw.config import (
@@ -88,11 +89,19 @@ def test_flushing_schedules_equal_minibatch_training(tmp_path, schedule, d, m):
 def test_zero_bubble_equals_minibatch_training(tmp_path, schedule, d, m):
     """The split backward (B: input gradients, W: weight gradients, later) is flush's update, exactly: zb1p, and zbv's
     two chunks a rank (0 and 3 on rank 0, 1 and 2 on rank 1 at d=2; 1 -> 2 a hand-off in memory)."""
-    summary = run_ok(tiny_config(schedule=schedule, num_stages=d, num_microbatches=m, optim="adam"), tmp_path)
+    cfg = tiny_config(schedule=schedule, num_stages=d, num_microbatches=m, optim="adam")
+    summary = run_ok(cfg, tmp_path, fn=train_counting_split_backwards)
     expected, expected_losses = _oracle(m, "adam", False)
     torch.testing.assert_close(torch.load(tmp_path / "final_model.pt"), expected)
     assert_losses_close(summary["losses"], expected_losses)
     assert summary["schedule"] == schedule
+    split = [{tuple(x) for x in json.loads((tmp_path / f"split_backwards_rank{r}.json").read_text())} for r in range(d)]
+    steps = range(cfg.train.num_steps * m)
+    if schedule == "zb1p":  # every B but the first stage's (its input needs no gradient: W runs the whole backward)
+        assert split == [{(s, k) for k in steps} for s in range(d)]
+    else:  # zbv: chunk 2's B runs the whole backward where its W follows at once, all but each batch's last (issue 46)
+        rank1 = {(1, k) for k in steps} | {(2, k) for k in steps[m - 1 :: m]}
+        assert split == [{(v, k) for v in (0, 3) for k in steps}, rank1]
 
 
 @pytest.mark.slow

@@ -15,7 +15,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from torch import nn
 
 from pipedream2bw.pipeline.boundary import Channel
-from pipedream2bw.pipeline.schedule import BACKWARD, FORWARD
+from pipedream2bw.pipeline.schedule import BACKWARD, FORWARD, whole_backwards
 
 LOCAL = -1
 """A neighbour on this rank (the chunk that follows or precedes in the V): no transfer, a hand-off."""
@@ -140,6 +140,27 @@ def attach(worker: Any, specs: Sequence[ChunkSpec], *, module: nn.Module, tags: 
     worker._parts = {}  # (id of a version's module, chunk) -> the chunk's layers of it
     worker._local = {}  # (X, k) -> what a chunk handed the other on this rank
     worker._final_weights = {}  # batch -> this rank's chunks through the W of its last microbatch
+    worker._whole = frozenset()  # (chunk, k) whose B k runs the whole backward (``plan_whole``)
+
+
+def plan_whole(worker: Any, actions: Sequence[Any]) -> None:
+    """Before ``actions`` run: the (chunk, k) of them whose B k runs the whole backward and W k nothing
+    (``schedule.whole_backwards``: chunk d's, on rank d-1, where W k follows B k at once)."""
+    if worker._chunks:
+        worker._whole = whole_backwards(
+            actions, schedule=worker.versions.schedule, rank=worker.stage_index, num_stages=worker.num_stages
+        )
+
+
+def whole(worker: Any, k: int) -> bool:
+    """Whether the chunk selected runs microbatch k's whole backward at B k (``plan_whole``)."""
+    return bool(worker._chunks) and (worker._chunk.index, k) in worker._whole
+
+
+def arm_before_whole(worker: Any, k: int) -> None:
+    """Before a whole backward at B k: what W k would have done first, the reducer armed at the batch's last."""
+    if worker.reducer is not None and (k + 1) % worker.m == 0:
+        arm_at_last_weight(worker, k)
 
 
 def arm_at_last_weight(worker: Any, k: int) -> None:

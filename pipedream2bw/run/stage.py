@@ -389,7 +389,9 @@ class StageWorker:
         self.reducer.arm(self.versions.replicas.index(self.versions.module_for_batch(k // self.m)))
 
     def weight(self, k: int) -> None:
-        """W k (zb1p): the weights' gradients of microbatch k from what its B left (``split_backward``)."""
+        """W k (zb1p): microbatch k's weight gradients from what B left (``split_backward``), or none (``whole``)."""
+        if v_chunks.whole(self, k):
+            return
         if self.reducer is not None and (k + 1) % self.m == 0:  # zbv: at the rank's last W of the batch
             self._arm_reducer(k) if not self._chunks else v_chunks.arm_at_last_weight(self, k)
         split_backward.backward_weight(self._weight_work.pop(k))
@@ -399,8 +401,10 @@ class StageWorker:
         input's gradient for SEND_B k."""
         x, out = self._stash.pop(k)
         grad = None if self.last else self._received.pop((BACKWARD, k))
-        if self.split:
+        if self.split and not v_chunks.whole(self, k):
             return self._backward_input(k, x, out, grad)
+        if self.split:  # B k runs the whole backward (zbv's chunk d: its gradient stays on the rank), W k nothing
+            v_chunks.arm_before_whole(self, k)
         if self.last:
             scale = self.rule.loss_scale(k // self.m)
             (out * scale if scale != 1.0 else out).backward()
@@ -677,6 +681,7 @@ class StageWorker:
         self.stats.start_time, self.stats.start_cpu = time.perf_counter(), time.process_time()
         batches = [a.index for a in actions if a.kind == STEP]
         self._last_batch = max(batches, default=-1)
+        v_chunks.plan_whole(self, actions)
         if self.peers.loss_sources and batches:
             self._post_losses(batches[0])
         # the action running (its position), or what else runs there: for the log of a failure
