@@ -74,6 +74,16 @@ at the slower of the replicas' link and the host's measured gloo figure (``host_
 latencies; exposed, what outlasts the backward (on a CPU, all of it). Each layer's sums are flattened first: one host
 copy more (the sums) and the stage's float32 gradient bytes more in host memory; no bucket on the device.
 
+An unstreamed stage's replicas (``_data_parallel_s``) all-reduce ``2 (w-1)/w`` of its float32 gradient bytes over the
+slowest link among them, hidden behind the batch's last backward where the link is faster. On a CPU (``host_is_device``)
+the replicas' gloo runs on this host: at most its measured figure (``host_reduce_bw``, as a streamed stage's); and where
+the ranks' compute leaves no core free (``host_free_cores`` < 1) none of it is hidden: gloo's threads take turns with
+compute on the ranks' cores, and the runtime's bucket (``pipeline.bucket_mb``, 25 MiB: a small stage's every gradient)
+starts only once its last gradient is final, at the backward's end. A CPU stage's training thread also copies its
+weights' bytes beside the optimizer's step (``_cpu_copies_s``, at the host's copy bandwidth, charged to ``step_s``): the
+gradients scaled by 1/(m w), under 2bw W(t) copied into the replica the step writes W(t+1) in, at w > 1 each bucket
+flattened for the all-reduce (on a GPU at the device's memory bandwidth: not charged).
+
 The host (``_host_work``, ``_batch_s``; figures from ``partitioner.host``, measured once and cached): a stage whose
 optimizer steps there runs no step on the device; the host's step reads the gradient and reads and writes the weights
 and the optimizer state (AdamW: 28 B a parameter) at the host's measured step bandwidth, and a streamed stage's host

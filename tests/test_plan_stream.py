@@ -561,6 +561,11 @@ def test_a_cpu_stage_s_replicas_all_reduce_adds_where_no_core_is_free():
     gpu = _cpu_stage(w=2, free=0.0, host_is_device=False)
     assert gpu["allreduce_s"] == pytest.approx(4e7 / 1.5e9) and gpu["exposed_s"] == 0.0
     assert gpu["step_s"] == pytest.approx(0.02)
+    # the planner takes a CPU topology's cores (topology.cores) for the rule; a GPU plan's host has no figure unless it
+    # may stream (partitioner.host)
+    cfg = llama13b(partition=dict(stream=False))
+    assert make_request(cfg, topology=dataclasses.replace(cfg.topology, device="cpu", cores=2)).host.cores == 2
+    assert make_request(cfg).host.cores == 0
 
 
 def test_replicas_sharing_a_node_share_its_host_memory(fixed_host):
