@@ -668,3 +668,5 @@ def test_bench_stream_data_parallel_runs_the_replicas_bit_for_bit(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads(out.read_text())
     assert report["bit_for_bit"] and report["data_parallel"] == 2 and report["bytes_to_host"] > 0
+    for run in ("plain", "streamed"):  # the step's all-reduce wait: summed over every batch, and per timed batch (2)
+        assert 0 <= 2 * report[f"{run}_allreduce_wait_per_batch_s"] <= report[f"{run}_allreduce_wait_s"]
