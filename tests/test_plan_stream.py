@@ -556,7 +556,8 @@ def test_a_cpu_stage_s_replicas_all_reduce_adds_where_no_core_is_free():
     assert cpu["step_s"] == pytest.approx(0.02 + 3 * 4e7 / 5e9) and w1["step_s"] == pytest.approx(0.02 + 2 * 4e7 / 5e9)
     assert cpu["batch_s"] == pytest.approx(4 * 4 * 0.04 + cpu["allreduce_s"] + cpu["step_s"])
     assert _cpu_stage(w=1, free=0.0, schedule="flush")["step_s"] == pytest.approx(0.02 + 4e7 / 5e9)  # W(t) is W(t+1)'s
-    # a core free of compute: hidden behind the last backward as before; a GPU's: the link's, hidden, no copies charged
+    # a core free of compute: hidden behind the last backward as before (not measured: this CPU has no core to spare);
+    # a GPU's: the link's, hidden, no copies charged
     assert _cpu_stage(w=2, free=1.0)["exposed_s"] == 0.0
     gpu = _cpu_stage(w=2, free=0.0, host_is_device=False)
     assert gpu["allreduce_s"] == pytest.approx(4e7 / 1.5e9) and gpu["exposed_s"] == 0.0
