@@ -202,7 +202,8 @@ def make_request(
         # the rest of what swap.weights refuses (fp16, ties, ...) the search checks itself (planner._streams)
         stream=cfg.partition.stream and p.schedule not in SPLIT_SCHEDULES,
         weight_prefetch=cfg.swap.weight_prefetch,
-        host=HostFigures(step=cfg.swap.host_step),
+        # a CPU's cores (topology.cores), which its ranks' compute may leave none of free (cost._data_parallel_s)
+        host=HostFigures(step=cfg.swap.host_step, cores=(topo.cores or 0) if topo.device == "cpu" else 0),
         **tensor_request(cfg, planned_precision(cfg, topo), search=search_tensor),
     )
     req = _documents_request(cfg, req)

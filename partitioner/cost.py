@@ -74,6 +74,16 @@ at the slower of the replicas' link and the host's measured gloo figure (``host_
 latencies; exposed, what outlasts the backward (on a CPU, all of it). Each layer's sums are flattened first: one host
 copy more (the sums) and the stage's float32 gradient bytes more in host memory; no bucket on the device.
 
+An unstreamed stage's replicas (``_data_parallel_s``) all-reduce ``2 (w-1)/w`` of its float32 gradient bytes over the
+slowest link among them, hidden behind the batch's last backward where the link is faster. On a CPU (``host_is_device``)
+the replicas' gloo runs on this host: at most its measured figure (``host_reduce_bw``, as a streamed stage's); and where
+the ranks' compute leaves no core free (``host_free_cores`` < 1) none of it is hidden: gloo's threads take turns with
+compute on the ranks' cores, and the runtime's bucket (``pipeline.bucket_mb``, 25 MiB: a small stage's every gradient)
+starts only once its last gradient is final, at the backward's end. A CPU stage's training thread also copies its
+weights' bytes beside the optimizer's step (``_cpu_copies_s``, at the host's copy bandwidth, charged to ``step_s``): the
+gradients scaled by 1/(m w), under 2bw W(t) copied into the replica the step writes W(t+1) in, at w > 1 each bucket
+flattened for the all-reduce (on a GPU at the device's memory bandwidth: not charged).
+
 The host (``_host_work``, ``_batch_s``; figures from ``partitioner.host``, measured once and cached): a stage whose
 optimizer steps there runs no step on the device; the host's step reads the gradient and reads and writes the weights
 and the optimizer state (AdamW: 28 B a parameter) at the host's measured step bandwidth, and a streamed stage's host
@@ -381,12 +391,19 @@ def _data_parallel_s(ctx: StageContext, W, bwd, microbatch, *, ws: int, wc: floa
     # (APPLY(t) is deferred), under flush/gpipe the reduce-scatter overlaps the last backward, the
     # all-gather is exposed. The shards' step is 1/w of the whole.
     w = ctx.data_parallel
-    if w > 1 and ctx.replica_link.bandwidth != math.inf:
-        one_way, latency = (w - 1) / w / ctx.replica_link.bandwidth, 2 * (w - 1) * ctx.replica_link.latency
+    # on a CPU the replicas all-reduce over gloo on this host: at most its measured figure (as a streamed stage's)
+    bw = min(ctx.replica_link.bandwidth, ctx.host_reduce_bw / ctx.host_share if ctx.host_is_device else math.inf)
+    if w > 1 and bw != math.inf:
+        one_way, latency = (w - 1) / w / bw, 2 * (w - 1) * ctx.replica_link.latency
     else:
         one_way, latency = 0.0, 0.0
     allreduce = (1 + (wc if ws > 1 else 1)) * one_way * W + latency
-    if ws > 1 and ctx.schedule == "2bw":
+    if ctx.host_is_device and ctx.host_free_cores < 1:
+        # a CPU whose ranks' compute leaves no core free: gloo's threads take turns with compute on the ranks' cores,
+        # and a bucket (pipeline.bucket_mb) starts only once its last gradient is final (a stage of one bucket: at
+        # the backward's end), so nothing of it is hidden (issue 42: bench_stream --data-parallel 2)
+        exposed = allreduce
+    elif ws > 1 and ctx.schedule == "2bw":
         exposed = np.maximum(0.0, allreduce - K * microbatch)
     elif ws > 1:
         exposed = np.maximum(0.0, one_way * W - bwd) + wc * one_way * W + latency / 2
@@ -420,7 +437,19 @@ def _weight_state(seg: Segments, i, j, ctx: StageContext, *, ws: int, wc: float)
     if ctx.host_optimizer:  # host_optim.py: the masters and state on the host; at the step the float32 gradients go
         # out and the new weights (in the versions' dtype) come in
         return weights, gradients, np.zeros_like(W), optimizer + W, (1 + wc) * W / ctx.host_device_bw
-    return weights, gradients, optimizer, np.zeros_like(W), step
+    return weights, gradients, optimizer, np.zeros_like(W), step + _cpu_copies_s(ctx, W, ws=ws, wc=wc)
+
+
+def _cpu_copies_s(ctx: StageContext, W, *, ws: int, wc: float):
+    """A CPU stage's copies of its weights' bytes on the training thread beside the optimizer's step (s per batch),
+    as ``WeightVersions.step`` and ``comm.BatchReduction`` make them: the gradients scaled by 1/(m w) (a pass that
+    reads and writes them, as a copy), under 2bw W(t) copied into the replica the step writes W(t+1) in, and w > 1
+    each bucket's gradients flattened for the all-reduce. On a GPU they run at the device's memory bandwidth (not
+    charged); sharded or compute-dtype versions (``sharding.ShardedVersions``) copy otherwise: not charged either."""
+    if not ctx.host_is_device or ws > 1 or wc != 1:
+        return 0.0 * W
+    copies = 1 + (ctx.schedule == "2bw") + (ctx.data_parallel > 1)
+    return copies * W * ctx.host_share / ctx.host_copy_bw
 
 
 RESOURCES = ("compute", "copy", "host")  # what bounds a stage's batch: segment_costs' ``bound`` indexes it

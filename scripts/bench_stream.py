@@ -33,7 +33,8 @@ With ``--data-parallel w`` (CPU) the stage runs on w processes (gloo, one thread
 replica on microbatches of its own, their gradients all-reduced as the trainer does it (``comm.GradReducer``: the
 plain run's by autograd's hooks; the streamed run's a bucket per layer, started once the batch's last microbatch has
 added that layer's gradients to the host sums, ``WeightStream.on_grad``, and waited for at the step); the figures are
-rank 0's, samples/s the replicas' together.
+rank 0's, samples/s the replicas' together; ``*_allreduce_wait_s`` is the step's wait for the all-reduce summed over
+every batch (the warm-up's included), ``*_allreduce_wait_per_batch_s`` that wait per timed batch.
 
 AdamW steps with the host's kernel (``memory/host_optim.py::host_kernel``: fused where torch has one on the CPU)
 wherever it steps host memory, and in the CPU's plain run. On a CPU the "device" is host memory and copies are
@@ -203,13 +204,14 @@ def run_stage(
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
-    start, step_s, cpu_start = time.perf_counter(), 0.0, time.process_time()
+    start, step_s, cpu_start, wait_start = time.perf_counter(), 0.0, time.process_time(), 0.0
     for a in stage_actions(args.schedule, stage_index=0, num_stages=2, num_microbatches=m, num_batches=args.batches):
         k = a.index
         if a.kind == FORWARD and k == m * args.warmup:  # the first timed batch begins
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             start, step_s, cpu_start = time.perf_counter(), 0.0, time.process_time()
+            wait_start = reducer.exposed_s if reducer is not None else 0.0  # the warm-up's all-reduce waits, left out
             if ws is not None:  # the stream's times so far (stall, gradient waits, copies): the warm-up's, left out
                 warm = (ws.backend.stall_s(), ws.stats.grad_wait_s, *ws.backend.busy_s())
         with torch.profiler.record_function("compute") if probe and a.kind != STEP else contextlib.nullcontext():
@@ -258,6 +260,10 @@ def run_stage(
         # moves the wall clock's figure, far less this one
         "samples_per_cpu_s": w * m * b * (args.batches - args.warmup) / cpu_s,
         "allreduce_wait_s": reducer.exposed_s if reducer is not None else 0.0,  # the step waiting for the replicas
+        # ... the same per timed batch (the sum above counts every batch, the warm-up's included)
+        "allreduce_wait_per_batch_s": (reducer.exposed_s - wait_start) / (args.batches - args.warmup)
+        if reducer is not None
+        else 0.0,
         "step_s": step_s,
         "losses": [float(x) for x in losses],
         "weights": {n: t.detach().cpu().clone() for n, t in versions.newest().state_dict().items()},
@@ -490,6 +496,8 @@ def main() -> None:
         "data_parallel": args.data_parallel,
         "plain_allreduce_wait_s": plain["allreduce_wait_s"],
         "streamed_allreduce_wait_s": streamed["allreduce_wait_s"],
+        "plain_allreduce_wait_per_batch_s": plain["allreduce_wait_per_batch_s"],
+        "streamed_allreduce_wait_per_batch_s": streamed["allreduce_wait_per_batch_s"],
         "host_optimizer_samples_per_s": reference["samples_per_s"] if reference is not plain else None,
         "host_optimizer_peak_device_bytes": reference["peak_device_bytes"] if reference is not plain else None,
         "bit_for_bit": same,
