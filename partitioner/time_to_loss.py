@@ -27,6 +27,9 @@ STEPS_FACTOR: Dict[Tuple[str, str], float] = {
     # Muon 123; 2bw with Muon + error feedback 150 (1.22x), 2bw with plain Muon 210 (1.71x)
     ("muon", "error_feedback"): 150 / 123,
     ("muon", "none"): 210 / 123,
+    # docs/convergence.md, "Momentum, each schedule's learning rate, and the prediction with error feedback" (seeds 0-2,
+    # evaluations every 10 steps): 2bw with Muon + predict_error_feedback (beta 0.5) 100 / 190 / 140 steps to 2.233
+    ("muon", "predict_error_feedback"): 430 / 370,
 }
 """2bw's steps over a synchronous schedule's with the same optimizer, per (optimizer, delay correction).
 AdamW under 2bw did not reach flush's loss within the 300 steps measured (with or without a correction): absent."""

@@ -4,7 +4,10 @@
         [--optimizers adamw,muon] [--corrections none,error_feedback,lookahead] [--data-path FILE] [--out DIR]
 
 A correction may end in ``+syncN`` (e.g. ``error_feedback+sync30``): that correction after N synchronous steps
-(pipeline.sync_warmup_steps=N).
+(pipeline.sync_warmup_steps=N); ``+betaX``: optim.error_feedback_beta=X; ``+momX``: the optimizer's momentum X
+(Muon's ``momentum`` for its matrices, AdamW's beta1). --flush-corrections names flush's runs the same way
+(``none``, ``none+mom0.9``); the first is the reference every 2bw run is compared with. With --target-loss, each run
+also prints its steps to that loss and to its seed's reference flush's final loss, as a ratio to flush's steps.
 
 Every run trains the same GPT (4 blocks, d_model 64, 4 heads, seq 64; 32 sequences a step as 4 microbatches of 8)
 for --steps steps as one stage, through the project's ``run()`` on one rank (the delay is one step at any depth:
@@ -53,13 +56,15 @@ def run_config(args, *, schedule: str, optimizer: str, correction: str, lr: floa
         WandbConfig,
     )
 
-    # e.g. error_feedback+sync30: pipeline.sync_warmup_steps=30; error_feedback+beta0.5: optim.error_feedback_beta
+    # e.g. error_feedback+sync30: pipeline.sync_warmup_steps=30; error_feedback+beta0.5: optim.error_feedback_beta;
+    # error_feedback+mom0.9: Muon's momentum (muon) or beta1 (adamw); none+mom0.9 in --flush-corrections: flush's
     correction, *options = correction.split("+")
     sync = next((o[4:] for o in options if o.startswith("sync")), "")
     beta = next((float(o[4:]) for o in options if o.startswith("beta")), None)
-    unknown = [o for o in options if not o.startswith(("sync", "beta"))]
+    mom = next((float(o[3:]) for o in options if o.startswith("mom")), None)
+    unknown = [o for o in options if not o.startswith(("sync", "beta", "mom"))]
     if unknown:
-        raise ValueError(f"unknown option(s) {unknown} of correction {correction!r}: use +syncN or +betaX")
+        raise ValueError(f"unknown option(s) {unknown} of correction {correction!r}: use +syncN, +betaX or +momX")
     return Config(
         pipeline=PipelineConfig(
             schedule=schedule,
@@ -77,6 +82,7 @@ def run_config(args, *, schedule: str, optimizer: str, correction: str, lr: floa
             delay_correction=correction,
             warmup_steps=args.warmup,
             **({} if beta is None else {"error_feedback_beta": beta}),
+            **({} if mom is None else _momentum(optimizer, mom)),
         ),
         data=DataConfig(path=args.data_path, val_fraction=args.val_fraction),
         train=TrainConfig(
@@ -89,6 +95,16 @@ def run_config(args, *, schedule: str, optimizer: str, correction: str, lr: floa
         wandb=WandbConfig(mode="disabled"),
         seed=seed,
     )
+
+
+def _momentum(optimizer: str, mom: float) -> Dict[str, Any]:
+    """OptimConfig fields that set the momentum of ``optimizer`` to ``mom``: Muon's ``momentum`` (its hidden
+    matrices; the others' AdamW keeps its betas) or AdamW's and Adam's beta1 (beta2 stays torch's 0.999)."""
+    if optimizer == "muon":
+        return {"muon_kwargs": {"momentum": mom}}
+    if optimizer in ("adamw", "adam", "adamw_rotated"):
+        return {"kwargs": {"betas": (mom, 0.999)}}
+    raise ValueError(f"+mom{mom:g} is not defined for optimizer {optimizer!r}: use muon, adam, adamw or adamw_rotated")
 
 
 def _one(args, spec: Dict[str, Any], run_dir: Path) -> None:
@@ -114,7 +130,8 @@ def grid(args) -> List[Dict[str, Any]]:
     for seed in args.seeds:
         for lr in args.lrs:
             for optimizer in args.optimizers:
-                specs.append(dict(schedule="flush", optimizer=optimizer, correction="none", lr=lr, seed=seed))
+                for flush in args.flush_corrections:  # "none" (the reference: the first), or e.g. none+mom0.9
+                    specs.append(dict(schedule="flush", optimizer=optimizer, correction=flush, lr=lr, seed=seed))
                 for correction in args.corrections:
                     specs.append(dict(schedule="2bw", optimizer=optimizer, correction=correction, lr=lr, seed=seed))
     return specs
@@ -158,9 +175,8 @@ def report(args, out: Path) -> Dict[str, Any]:
                 optimizer_state_bytes_per_param=rank["optimizer_state_bytes"] / _num_params(args),
             )
         )
-    print("\nruns (final validation loss, samples/s):")
-    for r in rows:
-        print(f"  {_name(r):42s} {r['final_val_loss']:.4f}  {r['samples_per_s']:.1f}")
+    print_runs(args, rows)
+    reference = args.flush_corrections[0]
 
     def pick(**kw):
         return [r for r in rows if all(r[k] == v for k, v in kw.items())]
@@ -173,7 +189,7 @@ def report(args, out: Path) -> Dict[str, Any]:
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for optimizer in args.optimizers:
         for lr in args.lrs:
-            flush = {r["seed"]: r for r in pick(schedule="flush", optimizer=optimizer, lr=lr)}
+            flush = {r["seed"]: r for r in pick(schedule="flush", optimizer=optimizer, lr=lr, correction=reference)}
             base = pick(schedule="2bw", optimizer=optimizer, lr=lr, correction="none")
             base_state = statistics.median([r["optimizer_state_bytes_per_param"] for r in base]) if base else None
             for correction in args.corrections:
@@ -183,7 +199,10 @@ def report(args, out: Path) -> Dict[str, Any]:
                     continue
                 gaps = [b["final_val_loss"] - f["final_val_loss"] for f, b in paired]
                 reach = [steps_to(b["val_losses"], f["final_val_loss"]) for f, b in paired]
-                default_flush = {r["seed"]: r for r in pick(schedule="flush", optimizer=args.optimizers[0], lr=lr)}
+                default_flush = {
+                    r["seed"]: r
+                    for r in pick(schedule="flush", optimizer=args.optimizers[0], lr=lr, correction=reference)
+                }
                 reach0 = [
                     steps_to(b["val_losses"], default_flush[b["seed"]]["final_val_loss"])
                     for _, b in paired
@@ -224,6 +243,27 @@ def report(args, out: Path) -> Dict[str, Any]:
     if rows and not args.no_plot:
         plot(args, rows, out / "curves.png")
     return result
+
+
+def print_runs(args, rows: List[Dict[str, Any]]) -> None:
+    """Each run's final validation loss and samples/s; with --target-loss, the steps it took to that loss and to
+    its seed's reference flush run's final loss (same optimizer and lr), and their ratio to that flush run's."""
+    print("\nruns (final validation loss, samples/s[, steps to --target-loss, to flush's final loss (x flush's)]):")
+    for r in rows:
+        line = f"  {_name(r):42s} {r['final_val_loss']:.4f}  {r['samples_per_s']:.1f}"
+        if args.target_loss is not None:
+            key = ("flush", r["optimizer"], args.flush_corrections[0], r["lr"], r["seed"])
+            flush = next(
+                (f for f in rows if (f["schedule"], f["optimizer"], f["correction"], f["lr"], f["seed"]) == key), None
+            )
+            for target in (args.target_loss, None if flush is None else flush["final_val_loss"]):
+                if target is None:
+                    continue
+                mine = steps_to(r["val_losses"], target)
+                ref = None if flush is None else steps_to(flush["val_losses"], target)
+                ratio = f" ({mine / ref:.2f}x)" if mine and ref else ""
+                line += f"  to {target:.3f}: {mine if mine else f'>{args.steps}'}{ratio}"
+        print(line)
 
 
 def time_to_loss(args, rows: List[Dict[str, Any]], out: Path) -> Dict[str, Any]:
@@ -346,6 +386,12 @@ def main(argv=None) -> None:
     p.add_argument("--seeds", type=ints, default=[0, 1, 2])
     p.add_argument("--optimizers", type=words, default=["adamw", "muon"])
     p.add_argument("--corrections", type=words, default=["none", "error_feedback", "lookahead"])
+    p.add_argument(
+        "--flush-corrections",
+        type=words,
+        default=["none"],
+        help="flush's runs: 'none' and, e.g., none+mom0.9 (another momentum); the first is the reference",
+    )
     p.add_argument("--warmup", type=int, default=0, help="optim.warmup_steps")
     p.add_argument("--num-layers", type=int, default=4)
     p.add_argument("--d-model", type=int, default=64)

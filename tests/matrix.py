@@ -90,6 +90,8 @@ FACTORS: "OrderedDict[str, Tuple[Any, ...]]" = OrderedDict(
 # constraints and refusals below are checked all the same: pipeline.sync_warmup_steps=SYNC_WARMUP (2bw: the first
 # steps as PipeDream-Flush, then 2bw) and optim.delay_correction=predict (2bw: batch t reads W(t-1) + d(t-2)).
 EXTRA_ONLY = ("sync_warmup", "predict")
+PREDICT_CORRECTION = {"none": "predict", "error_feedback": "predict_error_feedback"}
+"""A predict cell's optim.delay_correction, from its correction: the prediction alone, or around error feedback."""
 
 NUM_STEPS = 6  # the 2BW delay shows from step 1; step SKIP_BATCH is skipped; a resume at RESUME_STEP
 RESUME_STEP = 3
@@ -265,8 +267,11 @@ CONSTRAINTS: List[Tuple[Tuple[str, ...], Callable[[Dict[str, Any]], bool], str]]
     ),
     (
         ("schedule", "correction", "lookahead", "predict"),
-        lambda r: not r["predict"] or (r["schedule"] == "2bw" and r["correction"] == "none" and not r["lookahead"]),
-        "the prediction is a delay correction: off under flush and gpipe, and one optim.delay_correction per run",
+        lambda r: (
+            not r["predict"] or (r["schedule"] == "2bw" and r["correction"] != "lookahead" and not r["lookahead"])
+        ),
+        "the prediction is a delay correction: off under flush and gpipe; with error feedback it is "
+        "optim.delay_correction=predict_error_feedback, and the look-ahead is another correction",
     ),
     # 2bw's m >= d holds by construction (m = 8 / w); fp16 always runs with its loss scaler.
 ]
@@ -539,6 +544,12 @@ EXTRA: List[Cell] = [
         recompute=True, host_optim=False, validation=True, structured=True, sharded=False, weight_dtype="fp32",
         predict=True,
     ),
+    # the prediction around error feedback (optim.delay_correction=predict_error_feedback) with Muon across a resume
+    Cell(
+        schedule="2bw", d=2, w=1, resume=True, swap=False, precision="fp32", tied=False, clip=False, skip=False,
+        recompute=False, host_optim=False, validation=True, structured=False, sharded=False, weight_dtype="fp32",
+        muon=True, correction="error_feedback", predict=True,
+    ),
 ]  # fmt: skip
 
 
@@ -714,7 +725,7 @@ def cell_config(cell: Cell, *, layout: Optional[Tuple[int, int]] = None, resume:
                 # muon: Muon (its own lr scaling, 'original') for the hidden matrices, the same SGD for the rest
                 **(dict(name="muon", muon_others="sgd", muon_kwargs={"adjust_lr_fn": "original"}) if cell.muon else {}),
                 **(LOOKAHEAD if cell.lookahead else {}),
-                **(dict(delay_correction="predict") if cell.predict else {}),
+                **(dict(delay_correction=PREDICT_CORRECTION[cell.correction]) if cell.predict else {}),
             }
         ),
         data=DataConfig(val_fraction=0.1 if cell.validation else 0.0, **(_short_documents() if cell.documents else {})),

@@ -351,6 +351,8 @@ class ReferenceOptimizer:
       W(t+1) = W(t) + u(t) + beta * (u(t) - u(t-1)); no correction at the first step taken, nor at a step
       whose gradient was not delayed (``correct`` false: it still records u(t)); a skipped step (``step`` not
       called) changes nothing.
+    - optim.delay_correction=predict_error_feedback: both, error feedback inside the prediction: a step subtracts
+      d(t-1), steps and corrects as error feedback does (its own u(t-1)), then d(t) = W after all that - W before.
     """
 
     def __init__(self, model: nn.Module, optim) -> None:
@@ -386,11 +388,12 @@ class ReferenceOptimizer:
                 # test_corrections checks it against torch's, bit for bit in bfloat16 and to float64 in float32
                 self.opts.append(Muon(mu, lr=optim.lr, **muon_kwargs))
         self.params, self.model = list(model.parameters()), model
-        self.prev: Optional[List[torch.Tensor]] = None  # error feedback: u(t-1); predict: d(t-1), if held
+        self.prev: Optional[List[torch.Tensor]] = None  # predict: d(t-1), if held
+        self.prev_update: Optional[List[torch.Tensor]] = None  # error feedback: u(t-1)
 
     def weights(self, state: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
         """The weights W of a state_dict of the model this steps (P less d(t-1) where a prediction is held)."""
-        if self.cfg.delay_correction != "predict" or self.prev is None:
+        if not self.cfg.delay_correction.startswith("predict") or self.prev is None:
             return state
         names = {id(p): n for n, p in self.model.named_parameters()}
         out = dict(state)
@@ -402,7 +405,7 @@ class ReferenceOptimizer:
     def step(self, lr: float, *, correct: bool = True, predict: bool = True) -> None:
         """One step at ``lr``; ``correct`` false: no error-feedback correction (u(t) is still recorded);
         ``predict`` false: the weights are left at W(t+1), no d kept."""
-        predicting = self.cfg.delay_correction == "predict"
+        predicting = self.cfg.delay_correction in ("predict", "predict_error_feedback")
         if predicting and self.prev is not None:  # P(t) -> W(t)
             for p, d in zip(self.params, self.prev):
                 p.sub_(d)
@@ -411,17 +414,16 @@ class ReferenceOptimizer:
             for group in opt.param_groups:
                 group["lr"] = lr
             opt.step()
-        if predicting:
+        if self.cfg.delay_correction in ("error_feedback", "predict_error_feedback"):
+            update = [p.detach() - b for p, b in zip(self.params, before)]
+            if self.prev_update is not None and correct:
+                for p, u, q in zip(self.params, update, self.prev_update):
+                    p.add_(u - q, alpha=self.cfg.error_feedback_beta)
+            self.prev_update = update
+        if predicting:  # d(t): the update applied, error feedback's correction included
             self.prev = [p.detach() - b for p, b in zip(self.params, before)] if predict else None
             for p, d in zip(self.params, self.prev or ()):
                 p.add_(d)
-        if self.cfg.delay_correction != "error_feedback":
-            return
-        update = [p.detach() - b for p, b in zip(self.params, before)]
-        if self.prev is not None and correct:
-            for p, u, q in zip(self.params, update, self.prev):
-                p.add_(u - q, alpha=self.cfg.error_feedback_beta)
-        self.prev = update
 
 
 def reference_eval(cfg: Config, weights: Dict[str, torch.Tensor], *, balance: Sequence[int] = ()) -> float:

@@ -197,3 +197,42 @@ def test_cpu_per_step_counts_the_steps_after_the_warmup_as_throughput_times_them
     assert cpu_per_step(1.0, [3.0, 4.0, 7.0], warmup_steps=1) == 2.0
     assert cpu_per_step(1.0, [3.0, 4.0, 7.0], warmup_steps=0) == 2.0
     assert cpu_per_step(1.0, [3.0], warmup_steps=1) is None  # no step after the warm-up
+
+
+def test_bench_convergence_momentum_option_sets_the_optimizer_it_names():
+    """+momX (issue 46, momentum under the delay) reaches the built optimizer: Muon's momentum for its matrices
+    (the others' AdamW keeps torch's betas), AdamW's beta1; flush takes it too (--flush-corrections none+mom0.9)."""
+    import argparse
+
+    import torch
+
+    from pipedream2bw.config.optimizers import build_optimizer, tag_muon_params
+    from pipedream2bw.models.gpt import build_gpt_layers
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import bench_convergence
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    args = argparse.Namespace(
+        num_microbatches=4, microbatch_size=8, num_layers=1, d_model=32, num_heads=4, seq_len=16, warmup=0,
+        data_path=None, val_fraction=0.1, steps=10, eval_every=5, eval_batches=1,
+    )  # fmt: skip
+
+    def groups(schedule, optimizer, correction):
+        cfg = bench_convergence.run_config(
+            args, schedule=schedule, optimizer=optimizer, correction=correction, lr=3e-3, seed=0
+        )
+        model = torch.nn.Sequential(*build_gpt_layers(cfg.model, seed=0))
+        tag_muon_params(model, cfg.optim.muon_exclude, edge_layers=("0", str(len(model) - 1)))
+        return build_optimizer(list(model.parameters()), cfg.optim, others=torch.optim.AdamW).param_groups
+
+    muon = groups("2bw", "muon", "error_feedback+beta1.5+mom0.8")
+    assert sorted(g.get("momentum") for g in muon if "momentum" in g) == [0.8]
+    assert [g["betas"] for g in muon if "betas" in g] == [(0.9, 0.999)]
+    assert [g["momentum"] for g in groups("2bw", "muon", "error_feedback") if "momentum" in g] == [0.95]
+    assert [g["betas"] for g in groups("flush", "adamw", "none+mom0.7")] == [(0.7, 0.999)]
+    with pytest.raises(ValueError, match=r"\+momX"):
+        groups("2bw", "muon", "error_feedback+bogus0.9")
+    with pytest.raises(ValueError, match="not defined for optimizer 'sgd'"):
+        groups("2bw", "sgd", "none+mom0.9")

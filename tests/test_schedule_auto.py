@@ -34,6 +34,8 @@ def test_steps_factor_is_the_measured_ratio_and_unknown_for_adamw_under_2bw():
         210 / 123
     )
     assert time_to_loss.steps_factor("2bw", OptimConfig(name="adamw")) is None  # never reached flush's loss
+    predict_ef = OptimConfig(name="muon", delay_correction="predict_error_feedback")  # its own, not plain Muon's
+    assert time_to_loss.steps_factor("2bw", predict_ef) == pytest.approx(430 / 370)
 
 
 @pytest.mark.parametrize(

@@ -15,6 +15,7 @@ from test_semantics import tiny_config
 
 from pipedream2bw.config import ConfigError, OptimConfig, build_optimizer, validate
 from pipedream2bw.config.optimizers import PREDICT_STATE
+from pipedream2bw.memory.step_memory import StepModel
 from pipedream2bw.pipeline import schedule
 from pipedream2bw.pipeline.versions import PREDICTED_WEIGHTS, WeightVersions, max_versions_alive, version_of_batch
 
@@ -123,11 +124,15 @@ def test_prediction_refused_where_the_versions_are_not_what_batches_read(change,
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("d,warmup,name", [(2, 0, "adamw"), (4, 2, "muon")])
-def test_prediction_equals_its_reference(tmp_path, d, warmup, name):
+@pytest.mark.parametrize(
+    "d,warmup,name,correction",
+    [(2, 0, "adamw", "predict"), (4, 2, "muon", "predict"), (2, 0, "muon", "predict_error_feedback")],
+)
+def test_prediction_equals_its_reference(tmp_path, d, warmup, name, correction):
     """Batch t reads W(t-1) + d(t-2), in the replica of W(t-1): the final weights (W, not the prediction), the
-    losses and the validation loss equal the reference's rule, and differ from plain 2bw's."""
-    cfg = _config(d=d, warmup=warmup, name=name, delay_correction="predict")
+    losses and the validation loss equal the reference's rule, and differ from plain 2bw's; with error feedback
+    inside (predict_error_feedback, its beta 0.5 by default), from each of the two alone."""
+    cfg = _config(d=d, warmup=warmup, name=name, delay_correction=correction)
     cfg.data.val_fraction, cfg.train.eval_every = 0.1, cfg.train.num_steps
     summary = run_ok(cfg, tmp_path)
     weights = torch.load(tmp_path / "final_model.pt")
@@ -135,8 +140,11 @@ def test_prediction_equals_its_reference(tmp_path, d, warmup, name):
     torch.testing.assert_close(weights, expected)
     torch.testing.assert_close(torch.tensor(summary["losses"]), torch.tensor(losses))
     torch.testing.assert_close(summary["final_val_loss"], reference_eval(cfg, expected))
-    plain, _ = reference_train(_config(d=d, warmup=warmup, name=name, delay_correction="none"), delayed=True)
-    assert max(float((weights[k] - plain[k]).abs().max()) for k in weights) > 1e-4
+    others = ["none"] + (["predict", "error_feedback"] if correction == "predict_error_feedback" else [])
+    for other in others:
+        beta = dict(error_feedback_beta=cfg.optim.error_feedback_beta)  # error feedback alone at the same beta
+        plain, _ = reference_train(_config(d=d, warmup=warmup, name=name, delay_correction=other, **beta), delayed=True)
+        assert max(float((weights[k] - plain[k]).abs().max()) for k in weights) > 1e-4, other
 
 
 @pytest.mark.slow
@@ -183,3 +191,17 @@ def test_a_prediction_checkpoint_resumes_to_the_prediction_or_to_the_weights():
         states = [st for opt in fresh.optimizers for st in opt.state.values()]
         assert all(PREDICTED_WEIGHTS not in st for st in states)
         assert any(PREDICT_STATE in st for st in states) == (correction == "predict")
+
+
+def test_prediction_with_error_feedback_takes_its_own_beta_and_the_predictions_refusals():
+    """predict_error_feedback (issue 46): optim.error_feedback_beta null resolves to 0.5 under it (1.5 over-corrects
+    a prediction: docs/convergence.md), 1.5 under error feedback alone; a beta given stays; it is refused where the
+    prediction is, naming itself; its step clones the weights twice (the prediction's W(t), error feedback's)."""
+    assert OptimConfig(name="muon", delay_correction="predict_error_feedback").error_feedback_beta == 0.5
+    assert OptimConfig(name="muon").error_feedback_beta == 1.5
+    assert OptimConfig(delay_correction="predict_error_feedback", error_feedback_beta=1.0).error_feedback_beta == 1.0
+    cfg = _config(warmup=0, delay_correction="predict_error_feedback")
+    pattern = r"optim.delay_correction \(predict_error_feedback\) with swap.optimizer \(host\)"
+    _assert_refused(cfg, dict(host=True), pattern)
+    model = StepModel.of(cfg.optim, device_type="cpu")
+    assert model.correction_copies == 2

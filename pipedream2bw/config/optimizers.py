@@ -35,6 +35,13 @@ PREDICT_STATE = "predict_last_update"
 """The weight prediction's state of a parameter: d(t-1) = W(t) - W(t-1), the update its last step applied, which
 the weights it holds between steps carry added (they hold the prediction W(t) + d(t-1) of W(t+1))."""
 
+FEEDBACK = ("error_feedback", "predict_error_feedback")
+"""The optim.delay_correction values that run error feedback (``ErrorFeedback``)."""
+
+PREDICTING = ("predict", "predict_error_feedback")
+"""The optim.delay_correction values that run the weight prediction (``WeightPrediction``): predict_error_feedback
+wraps it around error feedback."""
+
 LOOKAHEAD_MOMENTUM = 0.99
 """beta1 of the look-ahead (NAdamW) and Muon's momentum under it: Ajanthan et al.'s run.bash (``--momentum 0.99
 --optimizer nadamw``)."""
@@ -437,9 +444,9 @@ def build_optimizer(groups: List[Any], cfg, *, others: type) -> torch.optim.Opti
             f"optim.kwargs ({dict(cfg.kwargs)}) or optim.muon_kwargs ({dict(cfg.muon_kwargs)}) are not valid for "
             f"{cfg.target or cfg.name}: {e}; fix or remove them"
         ) from e
-    if cfg.delay_correction == "error_feedback":
+    if cfg.delay_correction in FEEDBACK:
         opt = ErrorFeedback(opt, beta=cfg.error_feedback_beta)
-    elif cfg.delay_correction == "predict":
+    if cfg.delay_correction in PREDICTING:  # around error feedback: d(t) is the update it applied, corrected
         opt = WeightPrediction(opt)
     return opt
 
@@ -450,7 +457,7 @@ def extra_optim_settings(cfg) -> Dict[str, Any]:
     out: Dict[str, Any] = {}
     if cfg.delay_correction != "none":
         out["optim.delay_correction"] = cfg.delay_correction
-        if cfg.delay_correction == "error_feedback":
+        if cfg.delay_correction in FEEDBACK:
             out["optim.error_feedback_beta"] = cfg.error_feedback_beta
     if is_rotated(cfg):
         out.update(

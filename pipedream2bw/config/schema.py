@@ -237,15 +237,18 @@ class OptimConfig:
     beta * (u(t) - u(t-1)), u the optimizer's update; 4 bytes per parameter); 'lookahead' (Ajanthan et al.
     2025: Nesterov look-ahead with momentum 0.99, i.e. NAdamW for adamw and Muon's momentum 0.99 for muon; no
     extra state); 'predict' (weight prediction, PipeOptim: batch t reads W(t-1) + d, d the last applied update, a
-    prediction of the W(t) its gradient is applied to, in place of W(t-1); 4 bytes per parameter); 'auto' (the
+    prediction of the W(t) its gradient is applied to, in place of W(t-1); 4 bytes per parameter);
+    'predict_error_feedback' (both: the prediction around error feedback, d the corrected update; 8 bytes per
+    parameter; measured best with optim.error_feedback_beta 0.5, its default under it); 'auto' (the
     default): error_feedback for muon (the setting under which 2bw came closest to a flushing pipeline's loss),
     none for every other optimizer (with AdamW it helped unreliably, at 4 bytes a parameter:
     docs/convergence.md), decided when the config is made. flush and gpipe have no delay: the
     correction is off there (logged). docs/design.md states the exact rules."""
-    error_feedback_beta: float = 1.5
-    """optim.delay_correction=error_feedback: the weight beta of the previous step's estimated error. 1.5, chosen by
-    measurement: with Muon at 2 GPT shapes it left 2bw closer to a flushing pipeline than the paper's 1.0 on every seed
-    (docs/convergence.md)."""
+    error_feedback_beta: Optional[float] = None
+    """optim.delay_correction=error_feedback|predict_error_feedback: the weight beta of the previous step's estimated
+    error. null: 1.5 under error_feedback (with Muon at 2 GPT shapes it left 2bw closer to a flushing pipeline than the
+    paper's 1.0 on every seed), 0.5 under predict_error_feedback (the prediction already removes most of the delay:
+    1.5 over-corrects there), chosen by measurement (docs/convergence.md) when the config is made."""
     rotation_every: int = 10
     """optim.name=adamw_rotated: refresh each hidden matrix's eigenbases (of the EMAs of G G^T and G^T G) every this
     many steps, the first at this step (AdamW's plain basis before it)."""
@@ -260,6 +263,8 @@ class OptimConfig:
         if self.delay_correction == "auto":
             muon = not self.target and str(self.name).lower() == "muon"
             self.delay_correction = "error_feedback" if muon else "none"
+        if self.error_feedback_beta is None:  # resolved once, as delay_correction: the resolved config shows it
+            self.error_feedback_beta = 0.5 if self.delay_correction == "predict_error_feedback" else 1.5
 
 
 @dataclass

@@ -606,7 +606,7 @@ def _validate_model_and_optim(cfg: Config) -> None:
     _validate_sharding(cfg)
 
 
-DELAY_CORRECTIONS = ("none", "error_feedback", "lookahead", "predict")
+DELAY_CORRECTIONS = ("none", "error_feedback", "lookahead", "predict", "predict_error_feedback")
 
 
 def _validate_optim_extras(cfg: Config) -> None:
@@ -614,7 +614,7 @@ def _validate_optim_extras(cfg: Config) -> None:
     import torch
 
     from pipedream2bw.config.optim import optimizer_class
-    from pipedream2bw.config.optimizers import is_muon
+    from pipedream2bw.config.optimizers import FEEDBACK, is_muon
 
     o = cfg.optim
     if o.delay_correction not in DELAY_CORRECTIONS:
@@ -650,9 +650,7 @@ def _validate_optim_extras(cfg: Config) -> None:
             o.delay_correction,
             cfg.pipeline.schedule,
         )
-    if o.delay_correction == "error_feedback" and not (
-        math.isfinite(o.error_feedback_beta) and o.error_feedback_beta >= 0
-    ):
+    if o.delay_correction in FEEDBACK and not (math.isfinite(o.error_feedback_beta) and o.error_feedback_beta >= 0):
         raise ConfigError(f"optim.error_feedback_beta ({o.error_feedback_beta}) must be a finite number >= 0")
     _validate_prediction(cfg)
     if o.delay_correction == "lookahead":
@@ -696,9 +694,12 @@ def _validate_rotation(cfg: Config) -> None:
 
 
 def _validate_prediction(cfg: Config) -> None:
-    """optim.delay_correction=predict: the prediction lives in the plain weight versions (pipeline/versions.py)."""
+    """optim.delay_correction=predict|predict_error_feedback: the prediction lives in the plain weight versions
+    (pipeline/versions.py)."""
+    from pipedream2bw.config.optimizers import PREDICTING
+
     why = None
-    if cfg.optim.delay_correction != "predict":
+    if cfg.optim.delay_correction not in PREDICTING:
         return
     if cfg.swap.optimizer == "host":
         why = "swap.optimizer (host): the host's masters are not the versions batches read; set swap.optimizer=device"
@@ -711,7 +712,10 @@ def _validate_prediction(cfg: Config) -> None:
     elif cfg.pipeline.tensor_parallel > 1:
         why = f"pipeline.tensor_parallel ({cfg.pipeline.tensor_parallel}): not proven with split stages; set it to 1"
     if why is not None:
-        raise ConfigError(f"optim.delay_correction (predict) with {why}, or use optim.delay_correction=error_feedback")
+        raise ConfigError(
+            f"optim.delay_correction ({cfg.optim.delay_correction}) with {why}, "
+            "or use optim.delay_correction=error_feedback"
+        )
 
 
 def _validate_train(cfg: Config) -> None:

@@ -171,10 +171,11 @@ def param_memory(
     Versions in the compute dtype, or sharding, need float32 masters of their own (sharding.py): 4 B, or
     4/w B sharded; sharding divides the optimizer state by w. Autocast's per-microbatch weight casts
     are made only from float32 versions. ``optim.delay_correction=error_feedback`` keeps one more float32 copy
-    (the previous update) in the optimizer state, sharded with it; ``predict`` one too (the last applied update, d).
+    (the previous update) in the optimizer state, sharded with it; ``predict`` one too (the last applied update, d);
+    ``predict_error_feedback`` both.
     """
     w = data_parallel if sharded else 1
-    extra_state = 1.0 if delay_correction in ("error_feedback", "predict") else 0.0
+    extra_state = {"error_feedback": 1.0, "predict": 1.0, "predict_error_feedback": 2.0}.get(delay_correction, 0.0)
     stored = weight_dtype(precision, weight_dtype_name)
     weight_copy = torch.finfo(stored).bits // 8
     reduced = torch.finfo(compute_dtype(precision)).bits // 8 if precision != "fp32" and weight_copy == 4 else 0

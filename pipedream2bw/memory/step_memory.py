@@ -62,7 +62,8 @@ class StepModel:
     @property
     def correction_copies(self) -> int:
         """Float32 copies of the stepped parameters the delay correction clones (under 2bw)."""
-        return 1 if self.correction in ("error_feedback", "predict") else 0
+        # predict_error_feedback: the prediction's clone (W(t)) lives through error feedback's (W(t) again)
+        return {"error_feedback": 1, "predict": 1, "predict_error_feedback": 2}.get(self.correction, 0)
 
     @property
     def group_copies(self) -> int:
