@@ -24,11 +24,12 @@ on gloo, none of what it is not proven with) and skipped elsewhere."""
 
 STEPS_FACTOR: Dict[Tuple[str, str], float] = {
     # docs/convergence.md, "Time to a loss" (GPT 4 x 64, m=4, b=8, lr 3e-3, 3 seeds), steps to 2.233: flush with
-    # Muon 123; 2bw with Muon + error feedback 150 (1.22x), 2bw with plain Muon 210 (1.71x)
-    ("muon", "error_feedback"): 150 / 123,
+    # Muon 123 (90 / 160 / 120); 2bw with plain Muon 210 (1.71x)
     ("muon", "none"): 210 / 123,
-    # docs/convergence.md, "Momentum, each schedule's learning rate, and the prediction with error feedback" (seeds 0-2,
-    # evaluations every 10 steps): 2bw with Muon + predict_error_feedback (beta 0.5) 100 / 190 / 140 steps to 2.233
+    # docs/convergence.md, "Momentum, each schedule's learning rate, and the prediction with error feedback" (seeds
+    # 0-2, evaluations every 10 steps), steps to 2.233: 2bw with Muon + error feedback at its default beta 1.5 110 /
+    # 190 / 160 (at beta 1.0, the earlier default: 150 / 123); with predict_error_feedback (beta 0.5) 100 / 190 / 140
+    ("muon", "error_feedback"): 460 / 370,
     ("muon", "predict_error_feedback"): 430 / 370,
 }
 """2bw's steps over a synchronous schedule's with the same optimizer, per (optimizer, delay correction).
