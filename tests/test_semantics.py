@@ -97,7 +97,7 @@ def test_zero_bubble_equals_minibatch_training(tmp_path, schedule, d, m):
     assert summary["schedule"] == schedule
     split = [{tuple(x) for x in json.loads((tmp_path / f"split_backwards_rank{r}.json").read_text())} for r in range(d)]
     steps = range(cfg.train.num_steps * m)
-    if schedule == "zb1p":  # every B but the first stage's (its input needs no gradient: W runs the whole backward)
+    if schedule == "zb1p":  # every B of every stage (the first stage's too: no input gradient, all of it left to W)
         assert split == [{(s, k) for k in steps} for s in range(d)]
     else:  # zbv: chunk 2's B runs the whole backward where its W follows at once, all but each batch's last (issue 46)
         rank1 = {(1, k) for k in steps} | {(2, k) for k in steps[m - 1 :: m]}

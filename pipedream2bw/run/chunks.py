@@ -157,10 +157,11 @@ def whole(worker: Any, k: int) -> bool:
     return bool(worker._chunks) and (worker._chunk.index, k) in worker._whole
 
 
-def arm_before_whole(worker: Any, k: int) -> None:
-    """Before a whole backward at B k: what W k would have done first, the reducer armed at the batch's last."""
+def arm_at_w(worker: Any, k: int) -> None:
+    """What W k does first (zb1p, zbv; before B k's whole backward where that stands for W k): at the batch's last
+    microbatch, arms the data-parallel reducer (a rank of chunks: at its last such W, ``arm_at_last_weight``)."""
     if worker.reducer is not None and (k + 1) % worker.m == 0:
-        arm_at_last_weight(worker, k)
+        worker._arm_reducer(k) if not worker._chunks else arm_at_last_weight(worker, k)
 
 
 def arm_at_last_weight(worker: Any, k: int) -> None:

@@ -392,8 +392,7 @@ class StageWorker:
         """W k (zb1p): microbatch k's weight gradients from what B left (``split_backward``), or none (``whole``)."""
         if v_chunks.whole(self, k):
             return
-        if self.reducer is not None and (k + 1) % self.m == 0:  # zbv: at the rank's last W of the batch
-            self._arm_reducer(k) if not self._chunks else v_chunks.arm_at_last_weight(self, k)
+        v_chunks.arm_at_w(self, k)
         split_backward.backward_weight(self._weight_work.pop(k))
 
     def backward(self, k: int) -> None:
@@ -401,10 +400,10 @@ class StageWorker:
         input's gradient for SEND_B k."""
         x, out = self._stash.pop(k)
         grad = None if self.last else self._received.pop((BACKWARD, k))
-        if self.split and not v_chunks.whole(self, k):
-            return self._backward_input(k, x, out, grad)
-        if self.split:  # B k runs the whole backward (zbv's chunk d: its gradient stays on the rank), W k nothing
-            v_chunks.arm_before_whole(self, k)
+        if self.split:  # under zbv chunk d's B k runs the whole backward (its gradient stays on the rank), W k nothing
+            if not v_chunks.whole(self, k):
+                return self._backward_input(k, x, out, grad)
+            v_chunks.arm_at_w(self, k)
         if self.last:
             scale = self.rule.loss_scale(k // self.m)
             (out * scale if scale != 1.0 else out).backward()
