@@ -39,6 +39,8 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from pipedream2bw.config.validate import DELAY_CORRECTIONS
+
 # torch.distributed.pipelining's schedules by our name: (class, stages per rank, how ranks hold stages)
 TORCH_SCHEDULES = {
     "1f1b": ("Schedule1F1B", 1, "loop"),
@@ -52,7 +54,7 @@ OURS = ["ours-2bw", "ours-flush", "ours-zb1p", "ours-zbv", "ours-gpipe"]
 SYSTEMS = [*OURS, *(f"torch-{name}" for name in TORCH_SCHEDULES), "single"]
 STRONGEST = [f"torch-{name}" for name, (_, per_rank, _) in TORCH_SCHEDULES.items() if per_rank == 2]
 OPTIMIZERS = ("adamw", "muon")
-CORRECTIONS = ("none", "error_feedback", "lookahead")
+CORRECTIONS = DELAY_CORRECTIONS  # every optim.delay_correction but auto (a run names what it measures)
 
 
 def forward_lead(spec: str) -> tuple:

@@ -84,6 +84,7 @@ def test_a_bench_system_names_its_optimizer_and_a_correction_only_where_there_is
     assert bench.parse_system("ours-2bw") == ("ours-2bw", "adamw", "none")
     assert bench.parse_system("ours-2bw@muon+error_feedback") == ("ours-2bw", "muon", "error_feedback")
     assert bench.parse_system("torch-zbv@muon") == ("torch-zbv", "muon", "none")
+    assert bench.parse_system("ours-2bw@muon+predict_error_feedback")[2] == "predict_error_feedback"
     for bad, why in [
         ("torch-zbv@adamw+lookahead", "ours-2bw only"),
         ("ours-2bw@sgd", "unknown optimizer"),
