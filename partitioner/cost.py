@@ -36,7 +36,10 @@ the larger of the two.
 Time per microbatch: ``c*(F+B) + p2p + stall`` (``c*(F+B)`` is F + B + F with recomputation);
 per batch, ``K*T_s + step_s + exposed all-reduce`` with K = m (2bw), m + d - 1 (flush/gpipe) or m + (d - 1)/3
 (zb1p: ZB-H1's bubble is (d - 1)(F + B_input - W), with the backward split into two equal halves and B = 2F, the
-ratio the simulator assumes too: (d - 1)F = (d - 1)T/3). zb1p's memory: n = min(d, m) microbatches on every stage
+ratio the simulator assumes too: (d - 1)F = (d - 1)T/3). Under zb1p and zbv the backward that runs split costs
+``LayerCost.split_s`` more (``partitioner/split.py``: B then W are two autograd passes; profiled), added to B at the
+share of backwards that run split and, in the simulator, to each W after a split B.
+zb1p's memory: n = min(d, m) microbatches on every stage
 (``in_flight``: a microbatch's tensors stay until its W), an upper bound, as after its B a microbatch holds only
 what W needs (the weights' inputs).
 

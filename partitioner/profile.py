@@ -2,7 +2,8 @@
 
 Measured: each distinct layer shape is run alone on this machine's device with one thread on
 CPU (as the ranks run) or CUDA with synchronization, timed as the median of ``repeats`` after
-warm-up; what autograd saves is counted with ``saved_tensors_hooks`` (parameters excluded);
+warm-up, and what the backward split into B then W (zb1p, zbv) takes more (``split_backward``; a layer whose
+input needs a gradient); what autograd saves is counted with ``saved_tensors_hooks`` (parameters excluded);
 the optimizer's state and step time come from a real step of the configured optimizer. The
 transformer blocks share one shape, so one block's profile stands for all of them. The last
 layer is profiled with the loss attached, as the last stage runs it. Results are cached on disk,
