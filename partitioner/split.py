@@ -2,8 +2,10 @@
 
 The split runs two autograd passes where the whole backward runs one: B, the input's gradient, keeping the graph,
 then W, the weights' from what B caught (``run/split_backward.py``). Per layer and microbatch it takes
-``LayerCost.split_s`` more than the whole backward (profiled by ``profile.split_backward``: 0.7-3 ms on a 1-2 ms
-block backward at GPT 4 x 64, b=4 on a loaded CPU; analytic costs: ``profile.SPLIT_ANALYTIC`` of the backward). A
+``LayerCost.split_s`` more than the whole backward (profiled by ``profile.split_backward``: 0.7-1.2 ms on a block
+backward of 1.3-2.2 ms at GPT 4 x 64, b=4, on a 2-core CPU, docs/planner.md; analytic costs:
+``profile.SPLIT_ANALYTIC`` of the backward). Per layer: a stage of several layers runs one B and one W, so their
+fixed per-call part is counted once a layer (an upper bound there). A
 stage pays it on the backwards that run split: none on the first stage or chunk (its input, token ids, needs no
 gradient: B does nothing and W runs the whole backward), and under zbv none on chunk d's B k where W k follows at
 once (``schedule.whole_backwards``: B runs the whole backward, W nothing). ``cost.simulate`` charges it to W k (the
