@@ -77,19 +77,19 @@ def test_split_cost_under_zbv_follows_the_whole_backwards():
 
 
 def test_profile_times_the_split_backward_of_a_layer_whose_input_needs_a_gradient(tmp_path, monkeypatch):
-    # the split made 5 ms slower than it is: each layer that runs it records at least that much more than its whole
+    # the split made 20 ms slower than it is: each layer that runs it records about that much more than its whole
     # backward (the measured figure itself is a few tenths of a block's backward: docs/planner.md)
     split = profile_mod.split_backward
 
     def slower(*args):
-        time.sleep(0.005)
+        time.sleep(0.02)
         split(*args)
 
     monkeypatch.setattr(profile_mod, "split_backward", slower)
     cfg = GPTConfig(num_layers=1, d_model=32, num_heads=2, seq_len=16, vocab_size=64)
     emb, block, norm, head = profile_gpt(cfg, OptimConfig(name="adamw"), 2, cache_dir=tmp_path, repeats=5)
     assert emb.split_s == 0.0  # token ids in: nothing to split (the first stage's W runs the whole backward)
-    assert min(block.split_s, norm.split_s, head.split_s) >= 0.004
+    assert min(block.split_s, norm.split_s, head.split_s) >= 0.01  # (a margin for a loaded machine)
     analytic = analytic_gpt(cfg, OptimConfig(name="adamw"), 2, TopologyConfig())
     assert analytic[0].split_s == 0.0 and analytic[1].split_s == pytest.approx(SPLIT_ANALYTIC * analytic[1].backward_s)
 
