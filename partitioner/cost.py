@@ -36,7 +36,10 @@ the larger of the two.
 Time per microbatch: ``c*(F+B) + p2p + stall`` (``c*(F+B)`` is F + B + F with recomputation);
 per batch, ``K*T_s + step_s + exposed all-reduce`` with K = m (2bw), m + d - 1 (flush/gpipe) or m + (d - 1)/3
 (zb1p: ZB-H1's bubble is (d - 1)(F + B_input - W), with the backward split into two equal halves and B = 2F, the
-ratio the simulator assumes too: (d - 1)F = (d - 1)T/3). zb1p's memory: n = min(d, m) microbatches on every stage
+ratio the simulator assumes too: (d - 1)F = (d - 1)T/3). Under zb1p and zbv the backward that runs split costs
+``LayerCost.split_s`` more (``partitioner/split.py``: B then W are two autograd passes; profiled), added to B at the
+share of backwards that run split and, in the simulator, to each W after a split B.
+zb1p's memory: n = min(d, m) microbatches on every stage
 (``in_flight``: a microbatch's tensors stay until its W), an upper bound, as after its B a microbatch holds only
 what W needs (the weights' inputs).
 
@@ -113,6 +116,7 @@ from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
+from partitioner.split import split_backward_s, whole_set
 from partitioner.topology import LOCAL, Link
 from pipedream2bw.memory.precision import optimizer_state_factor, versions_held
 from pipedream2bw.memory.stream import device_bytes_model
@@ -157,6 +161,9 @@ class LayerCost:
     step_peak_bytes: int = 0
     step_group_bytes: int = 0
     step_copy_bytes: int = 0
+    # what the backward split into B and W (zb1p, zbv) takes more than the whole backward, per microbatch: profiled
+    # (``profile.split_backward``), else a ratio (``profile.SPLIT_ANALYTIC``); 0: not charged
+    split_s: float = 0.0
 
 
 def num_versions(schedule: str) -> int:
@@ -204,6 +211,7 @@ class Segments:
 
         self.F = prefix([c.forward_s for c in layers])
         self.B = prefix([c.backward_s for c in layers])
+        self.X = prefix([c.split_s for c in layers])
         self.S = prefix([c.step_s for c in layers])
         self.W = prefix([c.param_bytes for c in layers])
         self.O = prefix([c.optimizer_bytes for c in layers])
@@ -588,25 +596,23 @@ def segment_costs(seg: Segments, i, j, ctx: StageContext) -> Dict[str, np.ndarra
     the stage keeps in host memory: swapped activations, a streamed stage's weights and state); step_s (the step's
     part on the training thread), host_step_s and host_sum_s (the host's optimizer step and sums of gradients),
     allreduce_s, exposed_s (per batch: data-parallel traffic, what is not hidden), batch_s (the stage's time
-    per batch), bound (its busiest resource, an index into ``RESOURCES``), floor_s (what ``simulate`` adds); and
+    per batch), bound (its busiest resource, an index into ``RESOURCES``), floor_s (what ``simulate`` adds); split_s
+    and split_share (zb1p, zbv: the split backward's cost of one, in backward_s at the share that runs split); and
     act_per_microbatch, act_moved (its bytes that go to host when swapping), act_extra (for the
     simulator's own in-flight count).
     """
     i, j = np.asarray(i), np.asarray(j)
     s, d, m, w = ctx.stage_index, ctx.num_stages, ctx.num_microbatches, ctx.data_parallel
-    last = j == seg.n
-    out_b = np.where(last, 0.0, seg.OUT[j])
+    out_b = np.where(j == seg.n, 0.0, seg.OUT[j])  # the last stage sends nothing on
     in_b = seg.IN[i]
-    W = seg.W[j] - seg.W[i]
-    F = seg.F[j] - seg.F[i]
+    W, F = seg.W[j] - seg.W[i], seg.F[j] - seg.F[i]
     A = seg.A[j] - seg.A[i] + out_b  # the runtime's stash keeps the output until its backward
     n = in_flight(ctx.schedule, s, d, m, forward_lead=ctx.forward_lead)
     if ctx.recompute:
         per_mb, extra = in_b + out_b, A  # keep inputs; one microbatch's activations while it is recomputed
     else:
         per_mb, extra = A, np.zeros_like(A)
-    fwd = F
-    bwd = seg.B[j] - seg.B[i] + (F if ctx.recompute else 0.0)
+    fwd, (bwd, split_x, share) = F, split_backward_s(seg, i, j, ctx, recomputed=F if ctx.recompute else 0.0)
     swapped = ctx.swap and n > ctx.swap_resident + 1  # as the runtime decides (run/build.py: swap_manager)
     kept = np.minimum(per_mb, in_b + out_b)  # the stash holds each microbatch's input and output: never swapped
     moved = per_mb - kept if swapped else np.zeros_like(per_mb)
@@ -638,6 +644,8 @@ def segment_costs(seg: Segments, i, j, ctx: StageContext) -> Dict[str, np.ndarra
         runtime=np.full(W.shape, float(ctx.runtime_bytes)),
         forward_s=fwd,
         backward_s=bwd,
+        split_s=split_x,  # per backward that runs split; ``split_share`` of them do
+        split_share=share + 0 * W,
         send_s=send,
         send_grad_s=send_grad,
         stall_s=stall,
@@ -736,6 +744,8 @@ def simulate(
     )
 
     split = 0.5 if schedule in SPLIT_SCHEDULES else 1.0  # B's share of the backward's compute
+    # zbv: chunk d's B's that run the whole backward (W k follows at once): no W of their own, no split's cost
+    whole = whole_set(schedule, lists)
 
     def duration(a) -> float:
         st = stages[a.stage_index]
@@ -743,9 +753,14 @@ def simulate(
             return st["forward_s"] + st["send_s"] + st["stream_fwd_s"]
         if a.kind == STEP:
             return sum(stages[v]["step_s"] + stages[v]["exposed_s"] for v in chunks(schedule, a.stage_index, d))
+        # the backward without the split's cost (``segment_costs`` charges its share), which W k pays where B k runs
+        # split: its second autograd pass
+        base = st["backward_s"] - st.values.get("split_share", 0.0) * st.values.get("split_s", 0.0)
+        runs_whole = (a.stage_index, a.index) in whole
         if a.kind == WEIGHT:
-            return (1 - split) * st["backward_s"]
-        return split * st["backward_s"] + st["send_grad_s"] + st["stall_s"] - st["stream_fwd_s"]
+            return 0.0 if runs_whole else (1 - split) * base + st.values.get("split_s", 0.0)
+        share = 1.0 if runs_whole else split
+        return share * base + st["send_grad_s"] + st["stall_s"] - st["stream_fwd_s"]
 
     times = timings(lists, duration)
     step_end = [end for a, (_, end) in zip(lists[0], times[0]) if a.kind == STEP]

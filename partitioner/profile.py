@@ -2,7 +2,8 @@
 
 Measured: each distinct layer shape is run alone on this machine's device with one thread on
 CPU (as the ranks run) or CUDA with synchronization, timed as the median of ``repeats`` after
-warm-up; what autograd saves is counted with ``saved_tensors_hooks`` (parameters excluded);
+warm-up, and what the backward split into B then W (zb1p, zbv) takes more (``split_backward``; a layer whose
+input needs a gradient); what autograd saves is counted with ``saved_tensors_hooks`` (parameters excluded);
 the optimizer's state and step time come from a real step of the configured optimizer. The
 transformer blocks share one shape, so one block's profile stands for all of them. The last
 layer is profiled with the loss attached, as the last stage runs it. Results are cached on disk,
@@ -23,6 +24,7 @@ to run here (the 175B example).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -52,7 +54,13 @@ from pipedream2bw.memory.step_memory import StepModel, layer_step_bytes
 from pipedream2bw.models import build_gpt_layers, lm_loss
 from pipedream2bw.models.gpt import layer_kind
 
-CACHE_VERSION = 2  # 2: the step's transient bytes (LayerCost.step_*)
+CACHE_VERSION = 3  # 2: the step's transient bytes (LayerCost.step_*); 3: the split backward's (split_s)
+
+
+SPLIT_ANALYTIC = 0.07
+"""Analytic costs' split backward (B then W, zb1p and zbv) over the whole backward, less 1: measured 1.072 at GPT 8 x
+256, seq 128, b=16 (``scripts/bench_split.py``, docs/benchmarks.md), the largest shape measured; the models analytic
+costs are for are larger still, where the split's fixed costs weigh less (1.125 at b=4, 1.28-1.56 at GPT 4 x 64)."""
 
 
 def default_cache_dir() -> Path:
@@ -72,25 +80,44 @@ def _time_passes(
     device: torch.device,
     warmup: int,
     repeats: int,
-) -> Tuple[float, float]:
+    split: Optional[Callable[[Any], None]] = None,
+) -> Tuple[float, float, float]:
     """Median seconds of ``forward()`` and of ``backward(its output)`` over ``repeats`` runs after
-    ``warmup``, the gradients of ``leaves`` cleared before each."""
-    fwd, bwd = [], []
-    for r in range(warmup + repeats):
+    ``warmup``, the gradients of ``leaves`` cleared before each; and with ``split`` (B then W of another forward's
+    output, in the same round) the median of each round's ``split`` less its ``backward``, at least 0 (else 0)."""
+    fwd, bwd, extra = [], [], []
+
+    def timed(fn: Callable[[], Any]) -> Tuple[Any, float]:
         for t in leaves:
             t.grad = None
         _sync(device)
         t0 = time.perf_counter()
-        out = forward()
+        result = fn()
         _sync(device)
-        t1 = time.perf_counter()
-        backward(out)
-        _sync(device)
-        t2 = time.perf_counter()
+        return result, time.perf_counter() - t0
+
+    for r in range(warmup + repeats):
+        out, f = timed(forward)
+        _, b = timed(functools.partial(backward, out))
+        if split is not None:
+            _, s = timed(functools.partial(split, forward()))
         if r >= warmup:
-            fwd.append(t1 - t0)
-            bwd.append(t2 - t1)
-    return statistics.median(fwd), statistics.median(bwd)
+            fwd.append(f)
+            bwd.append(b)
+            if split is not None:
+                extra.append(s - b)
+    return statistics.median(fwd), statistics.median(bwd), max(0.0, statistics.median(extra)) if extra else 0.0
+
+
+def split_backward(outputs: Sequence[torch.Tensor], grads, inputs: Sequence[torch.Tensor], params) -> None:
+    """A backward as zb1p and zbv run it (issue 46): B, the ``inputs``' gradients with the graph kept, then W, the
+    ``params``' from what B caught, by torch's ``stage_backward_input`` / ``stage_backward_weight``, which the
+    runtime's own split (``run/split_backward.py``, not imported here: the planner never imports the runtime) follows;
+    ``grads`` None for a loss."""
+    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
+    _, groups = stage_backward_input(list(outputs), grads, list(inputs), iter(params))
+    stage_backward_weight(iter(params), groups)
 
 
 def _time_optimizer(
@@ -186,6 +213,9 @@ def profile_layer(
         warmup=warmup,
         repeats=repeats,
         masters=masters,
+        split=(lambda out: split_backward([out], None if grad is None else [grad], [x], params))
+        if x.requires_grad
+        else None,
     )
 
 
@@ -210,12 +240,15 @@ def _measure(
     warmup: int,
     repeats: int,
     masters: Optional[List[torch.Tensor]] = None,
+    split: Optional[Callable[[Any], None]] = None,
 ) -> LayerCost:
     """One layer's cost from its ``forward`` and ``backward`` passes: their times (gradients of ``params`` and of
-    the floating-point ``inputs`` cleared between repeats), the bytes autograd saves, the optimizer step's time
-    and state (on ``masters``, float32 copies of compute-dtype ``params``, where given, as are ``param_bytes``)."""
-    forward_s, backward_s = _time_passes(
-        forward, backward, params + inputs, device=device, warmup=warmup, repeats=repeats
+    the floating-point ``inputs`` cleared between repeats), what ``split`` (the backward as B then W) takes more than
+    ``backward`` where given (a layer whose input needs a gradient), the bytes autograd saves, the optimizer step's
+    time and state (on ``masters``, float32 copies of compute-dtype ``params``, where given, as are
+    ``param_bytes``)."""
+    forward_s, backward_s, split_s = _time_passes(
+        forward, backward, params + inputs, device=device, warmup=warmup, repeats=repeats, split=split
     )
     saved = saved_bytes(forward, params)
     stepped = params if masters is None else masters
@@ -224,6 +257,7 @@ def _measure(
         name=name,
         forward_s=forward_s,
         backward_s=backward_s,
+        split_s=split_s,
         param_bytes=sum(p.numel() * p.element_size() for p in stepped),  # float32: the masters' where given
         saved_bytes=saved,
         input_bytes=input_bytes,
@@ -429,7 +463,15 @@ def analytic_gpt(
                     V * C,
                 )
             )
-    return _with_step(layers, cfg, optim, topo.device)
+    return _with_split(_with_step(layers, cfg, optim, topo.device))
+
+
+def _with_split(layers: List[LayerCost]) -> List[LayerCost]:
+    """Analytic ``layers`` with their split backward's cost, ``SPLIT_ANALYTIC`` of their backward (none for the
+    embedding: its input, token ids, needs no gradient)."""
+    return [
+        dataclasses.replace(c, split_s=0.0 if "embedding" in c.name else SPLIT_ANALYTIC * c.backward_s) for c in layers
+    ]
 
 
 def _with_step(layers: List[LayerCost], cfg: GPTConfig, optim: OptimConfig, device_type: str) -> List[LayerCost]:
@@ -543,13 +585,18 @@ def profile_any_layer(
         None if loss_fn is not None else [torch.randn(t.shape, generator=gen, dtype=t.dtype).to(device) for t in outs]
     )
 
+    def needing(out) -> List[torch.Tensor]:
+        return [t for t in pytree.tree_leaves(out) if torch.is_tensor(t) and t.requires_grad]
+
     def backward(out) -> None:
         if loss_fn is not None:
             out.backward()
         elif outs:
-            torch.autograd.backward(
-                [t for t in pytree.tree_leaves(out) if torch.is_tensor(t) and t.requires_grad], grads
-            )
+            torch.autograd.backward(needing(out), grads)
+
+    def split(out) -> None:
+        if loss_fn is not None or outs:
+            split_backward(needing(out), grads, float_inputs, params)
 
     return _measure(
         name,
@@ -563,6 +610,7 @@ def profile_any_layer(
         device=device,
         warmup=warmup,
         repeats=repeats,
+        split=split if float_inputs else None,
     )
 
 
