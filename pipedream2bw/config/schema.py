@@ -8,6 +8,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
+from pipedream2bw.config.corrections import AUTO, default_beta, is_muon, resolve_auto
 from pipedream2bw.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -257,14 +258,14 @@ class OptimConfig:
     basis Adam's moments live in."""
 
     def __post_init__(self) -> None:
-        # 'auto' resolved once, here: OptimConfig(name="adamw") and optim.name=adamw on the command line (Hydra
-        # makes the dataclass the same way) get no correction; muon gets error feedback (issue 43: optim.name=adamw
-        # kept the default's error feedback, 4 bytes a parameter the user had not asked for)
-        if self.delay_correction == "auto":
-            muon = not self.target and str(self.name).lower() == "muon"
-            self.delay_correction = "error_feedback" if muon else "none"
-        if self.error_feedback_beta is None:  # resolved once, as delay_correction: the resolved config shows it
-            self.error_feedback_beta = 0.5 if self.delay_correction == "predict_error_feedback" else 1.5
+        # 'auto' for any optimizer but Muon is 'none', here: OptimConfig(name="adamw") and optim.name=adamw on the
+        # command line (Hydra makes the dataclass the same way) get no correction (issue 43: optim.name=adamw kept
+        # the default's error feedback, 4 bytes a parameter the user had not asked for). Muon's depends on the whole
+        # config (config/corrections.py): Config resolves it, and the beta with it
+        if self.delay_correction == AUTO and not is_muon(self):
+            self.delay_correction = "none"
+        if self.error_feedback_beta is None and self.delay_correction != AUTO:  # the resolved config shows it
+            self.error_feedback_beta = default_beta(self.delay_correction)
 
 
 @dataclass
@@ -521,6 +522,12 @@ class Config:
     seed: int = 0
     """Seeds weight initialisation (per layer), the batch order and each layer's random stream per microbatch
     (dropout masks: the same at every layout, schedule and resume; docs/concepts.md)."""
+
+    def __post_init__(self) -> None:
+        # optim.delay_correction=auto resolved once, from the whole config (config/corrections.py), however the
+        # Config is made: Hydra's OmegaConf.to_object, Config(...) in Python, dataclasses.replace
+        if isinstance(self.optim, OptimConfig) and self.optim.delay_correction == AUTO:
+            self.optim = resolve_auto(self)
 
 
 def register_configs() -> None:
