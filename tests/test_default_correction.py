@@ -115,3 +115,21 @@ def test_the_bytes_and_the_steps_factor_follow_the_resolved_correction():
         time_to_loss.steps_factor("2bw", default.optim) == time_to_loss.STEPS_FACTOR[("muon", "predict_error_feedback")]
     )
     assert time_to_loss.steps_factor("2bw", fallback.optim) == time_to_loss.STEPS_FACTOR[("muon", "error_feedback")]
+
+
+def test_a_checkpoint_of_the_old_default_is_refused_naming_the_correction_to_set():
+    """A run resumed from a checkpoint written under the old default (error feedback, beta 1.5: one buffer u) is
+    refused, naming optim.delay_correction=error_feedback, with which it resumes as trained."""
+    from pipedream2bw.io.checkpoint import check_settings
+    from pipedream2bw.run.model import training_settings
+
+    old = {"training_settings": training_settings(make("optim.delay_correction=error_feedback"))}
+    where = Path("checkpoints/step_100")
+    pattern = re.escape(
+        "optim.delay_correction: checkpoint 'error_feedback', this run 'predict_error_feedback' "
+        "(set optim.delay_correction=error_feedback to resume as trained)"
+    )
+    with pytest.raises(ConfigError, match=pattern):
+        check_settings(old, model={}, training=training_settings(make()), where=where, strict=True)
+    named = training_settings(make("optim.delay_correction=error_feedback"))
+    assert check_settings(old, model={}, training=named, where=where, strict=True) == []
