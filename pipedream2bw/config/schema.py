@@ -241,15 +241,19 @@ class OptimConfig:
     prediction of the W(t) its gradient is applied to, in place of W(t-1); 4 bytes per parameter);
     'predict_error_feedback' (both: the prediction around error feedback, d the corrected update; 8 bytes per
     parameter; measured best with optim.error_feedback_beta 0.5, its default under it); 'auto' (the
-    default): error_feedback for muon (the setting under which 2bw came closest to a flushing pipeline's loss),
-    none for every other optimizer (with AdamW it helped unreliably, at 4 bytes a parameter:
-    docs/convergence.md), decided when the config is made. flush and gpipe have no delay: the
-    correction is off there (logged). docs/design.md states the exact rules."""
+    default): for muon predict_error_feedback (the setting under which 2bw came closest to a flushing pipeline's
+    loss, on every seed at both GPT shapes measured), or error_feedback where the run refuses the prediction
+    (swap.optimizer=host, optim.sharded at data_parallel > 1, train.weight_dtype=compute under bf16/fp16,
+    pipeline.tensor_parallel > 1: logged, naming the key); none for every other optimizer (with AdamW error feedback
+    helped unreliably: docs/convergence.md); decided from the whole config when it is made (summary.json's
+    delay_correction shows it). flush and gpipe have no delay: the correction is off there (logged).
+    docs/design.md states the exact rules."""
     error_feedback_beta: Optional[float] = None
     """optim.delay_correction=error_feedback|predict_error_feedback: the weight beta of the previous step's estimated
     error. null: 1.5 under error_feedback (with Muon at 2 GPT shapes it left 2bw closer to a flushing pipeline than the
     paper's 1.0 on every seed), 0.5 under predict_error_feedback (the prediction already removes most of the delay:
-    1.5 over-corrects there), chosen by measurement (docs/convergence.md) when the config is made."""
+    1.5 over-corrects there), chosen by measurement (docs/convergence.md) when the config is made, by the correction
+    'auto' resolves to."""
     rotation_every: int = 10
     """optim.name=adamw_rotated: refresh each hidden matrix's eigenbases (of the EMAs of G G^T and G^T G) every this
     many steps, the first at this step (AdamW's plain basis before it)."""
