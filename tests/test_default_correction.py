@@ -133,3 +133,23 @@ def test_a_checkpoint_of_the_old_default_is_refused_naming_the_correction_to_set
         check_settings(old, model={}, training=training_settings(make()), where=where, strict=True)
     named = training_settings(make("optim.delay_correction=error_feedback"))
     assert check_settings(old, model={}, training=named, where=where, strict=True) == []
+
+
+def test_the_matrix_cell_of_muon_with_the_prediction_runs_it_as_the_default_auto(monkeypatch):
+    """matrix.EXTRA's Muon cell of the prediction around error feedback leaves the correction to 'auto' (issue 46):
+    its run, resumed at another layout against the reference, is the default's."""
+    import matrix
+
+    from pipedream2bw.config import corrections, schema
+
+    asked = []
+
+    def spy(cfg):
+        asked.append(cfg.optim.delay_correction)
+        return corrections.resolve_auto(cfg)
+
+    monkeypatch.setattr(schema, "resolve_auto", spy)
+    cell = next(c for c in matrix.EXTRA if c.muon and c.predict)
+    for layout in cell.layouts():
+        assert matrix.cell_config(cell, layout=layout).optim.delay_correction == "predict_error_feedback"
+    assert asked == ["auto"] * len(cell.layouts())
