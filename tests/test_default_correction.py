@@ -115,6 +115,9 @@ def test_the_bytes_and_the_steps_factor_follow_the_resolved_correction():
         time_to_loss.steps_factor("2bw", default.optim) == time_to_loss.STEPS_FACTOR[("muon", "predict_error_feedback")]
     )
     assert time_to_loss.steps_factor("2bw", fallback.optim) == time_to_loss.STEPS_FACTOR[("muon", "error_feedback")]
+    # the plan's schedule=auto line names the correction 2bw's factor is for
+    assert "(delay correction predict_error_feedback)" in time_to_loss.describe({"2bw": 1.0}, default.optim, "2bw")
+    assert "(delay correction error_feedback)" in time_to_loss.describe({"2bw": 1.0}, fallback.optim, "2bw")
 
 
 def test_a_checkpoint_of_the_old_default_is_refused_naming_the_correction_to_set():
