@@ -144,6 +144,9 @@ def _refused_at_t2(cfg) -> bool:
     """Whether the runtime refuses ``cfg`` at pipeline.tensor_parallel > 1 for its optimizer (the weight prediction
     under 2bw, config/validate.py) or synchronous warm-up steps."""
     optim, p = getattr(cfg, "optim", None), cfg.pipeline
+    # predict_error_feedback is left searching: it is what 'auto' resolves to for Muon at t = 1, and a t > 1 plan's run
+    # line names pipeline.tensor_parallel, under which 'auto' resolves to error feedback (costed here with the
+    # prediction's 4 B a parameter more); named explicitly, such a plan's run is refused (config/corrections.py)
     predict = optim is not None and correction_in_effect(optim, getattr(p, "schedule", "2bw")) == "predict"
     return predict or getattr(p, "sync_warmup_steps", 0) > 0
 

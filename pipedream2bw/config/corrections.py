@@ -25,6 +25,7 @@ setting measured, on every seed at both GPT shapes (docs/convergence.md); error 
 elsewhere. Every other optimizer gets no correction."""
 
 AUTO_MUON_FALLBACK = "error_feedback"
+"""What 'auto' gives Muon where a key of the run refuses the prediction: error feedback composes with all of them."""
 
 
 def is_muon(cfg: Any) -> bool:
