@@ -156,3 +156,15 @@ def test_the_matrix_cell_of_muon_with_the_prediction_runs_it_as_the_default_auto
     for layout in cell.layouts():
         assert matrix.cell_config(cell, layout=layout).optim.delay_correction == "predict_error_feedback"
     assert asked == ["auto"] * len(cell.layouts())
+
+
+@pytest.mark.parametrize(
+    "extra, correction", [([], "predict_error_feedback"), (["swap.optimizer=host"], "error_feedback")]
+)
+def test_the_planners_header_names_the_resolved_correction(extra, correction, capsys, tmp_path):
+    from partitioner.__main__ import main
+
+    shape = ["model.num_layers=4", "model.d_model=64", "topology.memory_per_device_gib=4", "train.global_batch_size=8"]
+    assert main(["plan", "--out", str(tmp_path / "plan.yaml"), "model=gpt", "topology=dgx", *shape, *extra]) == 0
+    header = capsys.readouterr().out.splitlines()[0]
+    assert f"; 2bw (delay correction {correction}); " in header, header
