@@ -18,6 +18,7 @@ from pathlib import Path
 
 from partitioner import time_to_loss
 from partitioner.planner import bound_line, save_plan, stage_table, table
+from pipedream2bw.config.optimizers import correction_in_effect
 
 USAGE = (
     "usage: python -m partitioner plan [--out FILE] [hydra overrides, e.g. model=gpt topology=dgx "
@@ -98,11 +99,15 @@ def main(argv=None) -> int:
         if isinstance(cfg.model, GPTConfig)
         else f"{cfg.model.name} ({cfg.model.target}), seq {cfg.model.seq_len}"
     )
+    # 2bw: the delay correction its memory counts (optim.delay_correction, 'auto' resolved: config/corrections.py)
+    correction = ""
+    if best.schedule == "2bw":
+        correction = f" (delay correction {correction_in_effect(cfg.optim, best.schedule)})"
     print(
         f"model: {model}; "
         f"topology {cfg.topology.name}: {best.devices} devices x {best.memory_per_device_bytes / 2**30:.3g} GiB; "
-        f"global batch {best.global_batch_size}; {best.schedule}; objective {best.objective}; {best.costs} costs; "
-        f"planned in {elapsed:.2f} s"
+        f"global batch {best.global_batch_size}; {best.schedule}{correction}; objective {best.objective}; "
+        f"{best.costs} costs; planned in {elapsed:.2f} s"
     )
     if best.schedule_choice:
         print(time_to_loss.describe(best.schedule_choice, cfg.optim, best.schedule))

@@ -39,6 +39,7 @@ from pipedream2bw.config import (
     model_num_layers,
     v_schedule_refusal,
 )
+from pipedream2bw.config.corrections import AUTO_MUON
 from pipedream2bw.config.optimizers import correction_in_effect, is_muon
 from pipedream2bw.errors import ConfigError
 from pipedream2bw.memory import precision as precisions
@@ -143,6 +144,9 @@ def _refused_at_t2(cfg) -> bool:
     """Whether the runtime refuses ``cfg`` at pipeline.tensor_parallel > 1 for its optimizer (the weight prediction
     under 2bw, config/validate.py) or synchronous warm-up steps."""
     optim, p = getattr(cfg, "optim", None), cfg.pipeline
+    # predict_error_feedback is left searching: it is what 'auto' resolves to for Muon at t = 1, and a t > 1 plan's run
+    # line names pipeline.tensor_parallel, under which 'auto' resolves to error feedback (costed here with the
+    # prediction's 4 B a parameter more); named explicitly, such a plan's run is refused (config/corrections.py)
     predict = optim is not None and correction_in_effect(optim, getattr(p, "schedule", "2bw")) == "predict"
     return predict or getattr(p, "sync_warmup_steps", 0) > 0
 
@@ -358,8 +362,14 @@ def host_optimizer(optim: OptimConfig) -> OptimConfig:
     Newton-Schulz iterations (a matrix iteration over every hidden matrix, several TFLOP a step at 13B on a CPU): the
     runtime sends each momentum matrix to the device for them (memory/host_optim.py's Muon with host state), a round
     trip over the link a step that this cost model does not count, so such a plan is costed, and run
-    (``run_overrides``), with the elementwise optimizer. The one place that decides it."""
-    return dataclasses.replace(optim, name=optim.muon_others) if is_muon(optim) else optim
+    (``run_overrides``), with the elementwise optimizer. The one place that decides it. A step on the host refuses the
+    weight prediction (``corrections.prediction_refusal``): where Muon has the prediction with error feedback ('auto''s
+    choice where it composes; named, such a plan could not run), the plan runs with the run line's optim.name, whose
+    'auto' is no correction, and is costed so."""
+    if not is_muon(optim):
+        return optim
+    correction = "none" if optim.delay_correction == AUTO_MUON else optim.delay_correction
+    return dataclasses.replace(optim, name=optim.muon_others, delay_correction=correction)
 
 
 def run_overrides(optim: OptimConfig, p: Plan) -> List[str]:

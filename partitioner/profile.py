@@ -46,6 +46,7 @@ from pipedream2bw.config import (
     model_num_layers,
     optimizer_name,
 )
+from pipedream2bw.config.corrections import concrete
 from pipedream2bw.config.optimizers import MUON_ROLE, extra_optim_settings, is_muon, tag_muon_params
 from pipedream2bw.io.fileio import atomic_write_text
 from pipedream2bw.memory import precision as precisions
@@ -395,7 +396,7 @@ def analytic_gpt(
             schedule="flush",
             optimizer=name,
             optimizer_kwargs=optim.kwargs,
-            delay_correction=optim.delay_correction,
+            delay_correction=concrete(optim),
         )
         for name in ((optim.muon_others, "muon") if muon else (optimizer_name(optim),) * 2)
     )

@@ -53,12 +53,14 @@ def time_per_step(batch_time_s: float, factor: Optional[float]) -> float:
 
 
 def describe(choice: Dict[str, float], optim: OptimConfig, chosen: str) -> str:
-    """One line: each candidate's best predicted batch time x its steps factor, and the choice."""
+    """One line: each candidate's best predicted batch time x its steps factor (2bw's naming the delay correction it
+    is for, optim.delay_correction resolved), and the choice."""
     parts = []
     for schedule, t in choice.items():
         f = steps_factor(schedule, optim)
         if f is None or not math.isfinite(t):
             parts.append(f"{schedule}: not measured to reach a synchronous schedule's loss under this optimizer")
         else:
-            parts.append(f"{schedule} {t / f:.4g} s x {f:.3g} steps = {t:.4g} s")
+            which = f" (delay correction {correction_in_effect(optim, schedule)})" if schedule == "2bw" else ""
+            parts.append(f"{schedule} {t / f:.4g} s x {f:.3g} steps{which} = {t:.4g} s")
     return f"schedule=auto, time to a loss per synchronous step: {'; '.join(parts)}; chosen: {chosen}"

@@ -726,6 +726,9 @@ def cell_config(cell: Cell, *, layout: Optional[Tuple[int, int]] = None, resume:
                 **(dict(name="muon", muon_others="sgd", muon_kwargs={"adjust_lr_fn": "original"}) if cell.muon else {}),
                 **(LOOKAHEAD if cell.lookahead else {}),
                 **(dict(delay_correction=PREDICT_CORRECTION[cell.correction]) if cell.predict else {}),
+                # Muon's prediction around error feedback is the default's (issue 46): such a cell leaves it to 'auto',
+                # which Config resolves to it where nothing refuses the prediction (config/corrections.py)
+                **(dict(delay_correction="auto") if cell.muon and cell.predict and cell.correction != "none" else {}),
             }
         ),
         data=DataConfig(val_fraction=0.1 if cell.validation else 0.0, **(_short_documents() if cell.documents else {})),

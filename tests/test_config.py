@@ -61,7 +61,8 @@ def test_the_command_line_and_the_dataclasses_have_the_same_defaults():
 @pytest.mark.parametrize(
     "overrides, kwargs, correction",
     [
-        ([], {}, "error_feedback"),  # the default: muon
+        ([], {}, "predict_error_feedback"),  # the default: muon, nothing refusing the prediction (issue 46)
+        (["optim.delay_correction=error_feedback"], {"delay_correction": "error_feedback"}, "error_feedback"),
         (["optim.name=adamw"], {"name": "adamw"}, "none"),  # kept the default's error feedback (issue 43)
         (
             ["optim.name=adamw", "optim.delay_correction=error_feedback"],
@@ -75,7 +76,7 @@ def test_a_named_optimizer_gets_its_own_delay_correction(overrides, kwargs, corr
     from pipedream2bw.config import OptimConfig
 
     assert make(*overrides).optim.delay_correction == correction
-    assert OptimConfig(**kwargs).delay_correction == correction
+    assert Config(optim=OptimConfig(**kwargs)).optim.delay_correction == correction
 
 
 def test_interface_names_override():

@@ -24,7 +24,7 @@ from partitioner.cost import (
 from partitioner.planner import Request, load_plan, partition, plan, save_plan, stage_table
 from partitioner.profile import analytic_gpt, profile_gpt
 from partitioner.topology import GIB, Link, make_rank_map, p2p_links, replica_links
-from pipedream2bw.config import ConfigError, GPTConfig, OptimConfig, TopologyConfig
+from pipedream2bw.config import Config, ConfigError, GPTConfig, OptimConfig, TopologyConfig
 
 DGX = TopologyConfig(
     name="dgx",
@@ -378,7 +378,8 @@ def test_error_feedback_costs_the_planner_one_float32_copy_per_parameter(tmp_pat
             assert b.optimizer_bytes - a.optimizer_bytes == pytest.approx(a.param_bytes, rel=1e-3), a.name
     # Muon profiles (its parameters tagged as a stage tags them), and the analytic costs count what it measures:
     # a momentum buffer for the blocks' matrices, optim.muon_others' (AdamW's) two moments for the rest.
-    for optim in (OptimConfig(name="muon"), OptimConfig(name="muon", delay_correction="error_feedback")):
+    # Config().optim: the default's optim.delay_correction=auto, resolved (predict_error_feedback: 8 B a parameter)
+    for optim in (Config().optim, OptimConfig(name="muon", delay_correction="error_feedback")):
         measured = profile_gpt(cfg, optim, 2, cache_dir=tmp_path, repeats=1)
         for m, a in zip(measured, analytic_gpt(cfg, optim, 2, DGX)):
             assert a.optimizer_bytes == pytest.approx(m.optimizer_bytes, rel=0.01, abs=64), (

@@ -79,7 +79,9 @@ def test_llama13b_on_four_24gib_gpus_fits_only_by_streaming_and_runs_as_planned(
         assert parts["optimizer"] == 0 and best.predicted_stall_s[s] > 0
     assert "stream" in table(plans).splitlines()[0] and "stall ms" in stage_table(best)
     # what partition=auto|file then runs: the plan's streamed stages, with what streaming needs; and it validates
-    run = llama13b(partition=dict(mode="auto"), optim=dict(name="adamw"))  # what the plan steps on the host
+    # what the plan steps on the host: optim.name=adamw, whose 'auto' is no correction (Muon's prediction would refuse
+    # the host optimizer)
+    run = llama13b(partition=dict(mode="auto"), optim=dict(name="adamw", delay_correction="none"))
     optim, train = apply_choices(run.optim, run.train, best, precision="bf16")
     pipeline, swap = apply_plan(run.pipeline, run.swap, best, world_size=4, num_layers=43)
     assert (swap.weights, swap.optimizer, swap.stages) == (True, "host", best.stream_stages)
@@ -429,11 +431,12 @@ def test_a_streamed_plan_prints_its_host_step_column_and_what_bounds_it(fixed_ho
 def test_muon_plans_that_stream_step_adamw_on_the_host_and_say_so(fixed_host, capsys, tmp_path):
     from partitioner.__main__ import main
 
-    cfg = llama13b()  # the default optimizer: Muon with error feedback
+    cfg = llama13b()  # the default optimizer: Muon with the prediction and error feedback
     assert cfg.optim.name == "muon"
     best = plan_config(cfg)[0]
     assert best.stream_stages and run_overrides(cfg.optim, best) == ["optim.name=adamw"]
-    adamw = plan_config(llama13b(optim=dict(name="adamw")))[0]  # costed as what runs: AdamW's state on the host
+    # costed as what runs: AdamW's state on the host, with no correction (optim.name=adamw's 'auto')
+    adamw = plan_config(llama13b(optim=dict(name="adamw", delay_correction="none")))[0]
     assert best.predicted_host_step_s == adamw.predicted_host_step_s
     with pytest.raises(ConfigError, match=r"optim.name \(muon\) with a plan whose stages step .* optim.name=adamw"):
         apply_choices(cfg.optim, cfg.train, best, precision="bf16")  # partition=auto|file: refused, naming the fix

@@ -198,7 +198,7 @@ def test_prediction_with_error_feedback_takes_its_own_beta_and_the_predictions_r
     a prediction: docs/convergence.md), 1.5 under error feedback alone; a beta given stays; it is refused where the
     prediction is, naming itself; its step clones the weights twice (the prediction's W(t), error feedback's)."""
     assert OptimConfig(name="muon", delay_correction="predict_error_feedback").error_feedback_beta == 0.5
-    assert OptimConfig(name="muon").error_feedback_beta == 1.5
+    assert OptimConfig(name="muon", delay_correction="error_feedback").error_feedback_beta == 1.5
     assert OptimConfig(delay_correction="predict_error_feedback", error_feedback_beta=1.0).error_feedback_beta == 1.0
     cfg = _config(warmup=0, delay_correction="predict_error_feedback")
     pattern = r"optim.delay_correction \(predict_error_feedback\) with swap.optimizer \(host\)"

@@ -6,6 +6,7 @@ from typing import Dict, FrozenSet, Iterable, List, Optional, Tuple
 
 import torch
 
+from pipedream2bw.config.corrections import concrete
 from pipedream2bw.config.locate import locate
 from pipedream2bw.config.optimizers import ROTATED, is_muon, is_rotated, takes_matrices
 from pipedream2bw.config.schema import OptimConfig
@@ -93,7 +94,7 @@ ELEMENTWISE_OPTIMIZERS = ("sgd", "adam", "adamw", "nadam", "radam", "adamax", "r
 
 def uses_optimizers_module(cfg: OptimConfig) -> bool:
     """optim.name=muon|adamw_rotated or a delay correction: built by ``config.optimizers``."""
-    return takes_matrices(cfg) or cfg.delay_correction != "none"
+    return takes_matrices(cfg) or concrete(cfg) != "none"
 
 
 PROBE_KINDS = ("muon", "matrix", "vector")

@@ -16,6 +16,8 @@ from typing import Any, Dict, Iterable, List, Sequence, Tuple
 import torch
 from torch import nn
 
+from pipedream2bw.config.corrections import FEEDBACK, PREDICTING, concrete, is_muon  # noqa: F401 (re-exported)
+
 MUON_ROLE = "_pd2bw_muon"
 """The attribute ``tag_muon_params`` sets on each parameter: True for Muon, False for the other optimizer."""
 
@@ -35,21 +37,9 @@ PREDICT_STATE = "predict_last_update"
 """The weight prediction's state of a parameter: d(t-1) = W(t) - W(t-1), the update its last step applied, which
 the weights it holds between steps carry added (they hold the prediction W(t) + d(t-1) of W(t+1))."""
 
-FEEDBACK = ("error_feedback", "predict_error_feedback")
-"""The optim.delay_correction values that run error feedback (``ErrorFeedback``)."""
-
-PREDICTING = ("predict", "predict_error_feedback")
-"""The optim.delay_correction values that run the weight prediction (``WeightPrediction``): predict_error_feedback
-wraps it around error feedback."""
-
 LOOKAHEAD_MOMENTUM = 0.99
 """beta1 of the look-ahead (NAdamW) and Muon's momentum under it: Ajanthan et al.'s run.bash (``--momentum 0.99
 --optimizer nadamw``)."""
-
-
-def is_muon(cfg) -> bool:
-    """Whether ``cfg`` (an ``OptimConfig``) names Muon (``optim.name=muon``, no ``optim._target_``)."""
-    return not cfg.target and cfg.name.lower() == "muon"
 
 
 ROTATED = "adamw_rotated"
@@ -69,7 +59,7 @@ def takes_matrices(cfg) -> bool:
 def correction_in_effect(cfg, schedule: str) -> str:
     """``cfg.delay_correction`` where it runs: under 2bw; ``none`` under flush and gpipe, whose gradients are taken
     at the weights they update (no delay to correct)."""
-    return cfg.delay_correction if schedule == "2bw" else "none"
+    return concrete(cfg) if schedule == "2bw" else "none"
 
 
 def muon_edge_layers(num_layers: int) -> Tuple[str, ...]:
@@ -407,7 +397,8 @@ def build_optimizer(groups: List[Any], cfg, *, others: type) -> torch.optim.Opti
     """
     from pipedream2bw.errors import ConfigError
 
-    lookahead = cfg.delay_correction == "lookahead"
+    correction = concrete(cfg)
+    lookahead = correction == "lookahead"
     kwargs = dict(cfg.kwargs)
     muon = is_muon(cfg)
     if lookahead:  # AdamW -> NAdamW with beta1 0.99 (validated: others is AdamW)
@@ -444,9 +435,9 @@ def build_optimizer(groups: List[Any], cfg, *, others: type) -> torch.optim.Opti
             f"optim.kwargs ({dict(cfg.kwargs)}) or optim.muon_kwargs ({dict(cfg.muon_kwargs)}) are not valid for "
             f"{cfg.target or cfg.name}: {e}; fix or remove them"
         ) from e
-    if cfg.delay_correction in FEEDBACK:
+    if correction in FEEDBACK:
         opt = ErrorFeedback(opt, beta=cfg.error_feedback_beta)
-    if cfg.delay_correction in PREDICTING:  # around error feedback: d(t) is the update it applied, corrected
+    if correction in PREDICTING:  # around error feedback: d(t) is the update it applied, corrected
         opt = WeightPrediction(opt)
     return opt
 
@@ -455,7 +446,7 @@ def extra_optim_settings(cfg) -> Dict[str, Any]:
     """What a checkpoint records of Muon and the delay correction, beside the optimizer's name and kwargs: only
     what differs from the default, so checkpoints written before these settings existed still match."""
     out: Dict[str, Any] = {}
-    if cfg.delay_correction != "none":
+    if concrete(cfg) != "none":
         out["optim.delay_correction"] = cfg.delay_correction
         if cfg.delay_correction in FEEDBACK:
             out["optim.error_feedback_beta"] = cfg.error_feedback_beta

@@ -8,6 +8,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
+from pipedream2bw.config.corrections import AUTO, default_beta, is_muon, resolve_auto
 from pipedream2bw.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -240,15 +241,19 @@ class OptimConfig:
     prediction of the W(t) its gradient is applied to, in place of W(t-1); 4 bytes per parameter);
     'predict_error_feedback' (both: the prediction around error feedback, d the corrected update; 8 bytes per
     parameter; measured best with optim.error_feedback_beta 0.5, its default under it); 'auto' (the
-    default): error_feedback for muon (the setting under which 2bw came closest to a flushing pipeline's loss),
-    none for every other optimizer (with AdamW it helped unreliably, at 4 bytes a parameter:
-    docs/convergence.md), decided when the config is made. flush and gpipe have no delay: the
-    correction is off there (logged). docs/design.md states the exact rules."""
+    default): for muon predict_error_feedback (the setting under which 2bw came closest to a flushing pipeline's
+    loss, on every seed at both GPT shapes measured), or error_feedback where the run refuses the prediction
+    (swap.optimizer=host, optim.sharded at data_parallel > 1, train.weight_dtype=compute under bf16/fp16,
+    pipeline.tensor_parallel > 1: logged, naming the key); none for every other optimizer (with AdamW error feedback
+    helped unreliably: docs/convergence.md); decided from the whole config when it is made (summary.json's
+    delay_correction shows it). flush and gpipe have no delay: the correction is off there (logged).
+    docs/design.md states the exact rules."""
     error_feedback_beta: Optional[float] = None
     """optim.delay_correction=error_feedback|predict_error_feedback: the weight beta of the previous step's estimated
     error. null: 1.5 under error_feedback (with Muon at 2 GPT shapes it left 2bw closer to a flushing pipeline than the
     paper's 1.0 on every seed), 0.5 under predict_error_feedback (the prediction already removes most of the delay:
-    1.5 over-corrects there), chosen by measurement (docs/convergence.md) when the config is made."""
+    1.5 over-corrects there), chosen by measurement (docs/convergence.md) when the config is made, by the correction
+    'auto' resolves to."""
     rotation_every: int = 10
     """optim.name=adamw_rotated: refresh each hidden matrix's eigenbases (of the EMAs of G G^T and G^T G) every this
     many steps, the first at this step (AdamW's plain basis before it)."""
@@ -257,14 +262,14 @@ class OptimConfig:
     basis Adam's moments live in."""
 
     def __post_init__(self) -> None:
-        # 'auto' resolved once, here: OptimConfig(name="adamw") and optim.name=adamw on the command line (Hydra
-        # makes the dataclass the same way) get no correction; muon gets error feedback (issue 43: optim.name=adamw
-        # kept the default's error feedback, 4 bytes a parameter the user had not asked for)
-        if self.delay_correction == "auto":
-            muon = not self.target and str(self.name).lower() == "muon"
-            self.delay_correction = "error_feedback" if muon else "none"
-        if self.error_feedback_beta is None:  # resolved once, as delay_correction: the resolved config shows it
-            self.error_feedback_beta = 0.5 if self.delay_correction == "predict_error_feedback" else 1.5
+        # 'auto' for any optimizer but Muon is 'none', here: OptimConfig(name="adamw") and optim.name=adamw on the
+        # command line (Hydra makes the dataclass the same way) get no correction (issue 43: optim.name=adamw kept
+        # the default's error feedback, 4 bytes a parameter the user had not asked for). Muon's depends on the whole
+        # config (config/corrections.py): Config resolves it, and the beta with it
+        if self.delay_correction == AUTO and not is_muon(self):
+            self.delay_correction = "none"
+        if self.error_feedback_beta is None and self.delay_correction != AUTO:  # the resolved config shows it
+            self.error_feedback_beta = default_beta(self.delay_correction)
 
 
 @dataclass
@@ -521,6 +526,12 @@ class Config:
     seed: int = 0
     """Seeds weight initialisation (per layer), the batch order and each layer's random stream per microbatch
     (dropout masks: the same at every layout, schedule and resume; docs/concepts.md)."""
+
+    def __post_init__(self) -> None:
+        # optim.delay_correction=auto resolved once, from the whole config (config/corrections.py), however the
+        # Config is made: Hydra's OmegaConf.to_object, Config(...) in Python, dataclasses.replace
+        if isinstance(self.optim, OptimConfig) and self.optim.delay_correction == AUTO:
+            self.optim = resolve_auto(self)
 
 
 def register_configs() -> None:

@@ -11,6 +11,7 @@ import signal
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
+from pipedream2bw.config.corrections import PREDICTING, prediction_refusal
 from pipedream2bw.config.ranges import check_ranges
 from pipedream2bw.config.schema import (
     BACKENDS,
@@ -695,22 +696,10 @@ def _validate_rotation(cfg: Config) -> None:
 
 def _validate_prediction(cfg: Config) -> None:
     """optim.delay_correction=predict|predict_error_feedback: the prediction lives in the plain weight versions
-    (pipeline/versions.py)."""
-    from pipedream2bw.config.optimizers import PREDICTING
-
-    why = None
+    (pipeline/versions.py); what refuses it is ``corrections.prediction_refusal`` ('auto' falls back by it)."""
     if cfg.optim.delay_correction not in PREDICTING:
         return
-    if cfg.swap.optimizer == "host":
-        why = "swap.optimizer (host): the host's masters are not the versions batches read; set swap.optimizer=device"
-    elif cfg.optim.sharded and cfg.pipeline.data_parallel > 1:
-        why = "optim.sharded (true) at pipeline.data_parallel > 1: sharded masters are not written for it; set it false"
-    elif cfg.train.weight_dtype == "compute" and cfg.train.precision != "fp32":
-        why = (
-            "train.weight_dtype (compute): the versions are rounded copies of the masters; set train.weight_dtype=fp32"
-        )
-    elif cfg.pipeline.tensor_parallel > 1:
-        why = f"pipeline.tensor_parallel ({cfg.pipeline.tensor_parallel}): not proven with split stages; set it to 1"
+    why = prediction_refusal(cfg)
     if why is not None:
         raise ConfigError(
             f"optim.delay_correction ({cfg.optim.delay_correction}) with {why}, "

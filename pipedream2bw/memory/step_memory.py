@@ -30,6 +30,8 @@ import math
 from dataclasses import dataclass
 from typing import Dict, Iterable, Tuple
 
+from pipedream2bw.config.corrections import concrete
+
 FP32 = 4
 ADAM_FAMILY = ("adam", "adamw", "nadam", "radam", "adamax")
 
@@ -51,13 +53,14 @@ class StepModel:
         """The model of ``optim`` (an ``OptimConfig``) on a ``device_type`` ('cpu' or 'cuda') device."""
         muon = not optim.target and optim.name.lower() == "muon"
         name = (optim.muon_others if muon else (optim.target or optim.name)).rsplit(".", 1)[-1].lower()
-        if optim.delay_correction == "lookahead" and name == "adamw":
+        correction = concrete(optim)
+        if correction == "lookahead" and name == "adamw":
             name = "nadam"  # optimizers.build_optimizer: AdamW -> NAdamW
         ns = str(dict(optim.muon_kwargs).get("ns_dtype", "auto"))
         ns_bytes = 2 if ns == "bfloat16" or (ns == "auto" and device_type == "cuda") else FP32
         kwargs = dict(optim.kwargs)
         foreach = bool(kwargs["foreach"]) if kwargs.get("foreach") is not None else device_type == "cuda"
-        return StepModel(name, muon, optim.delay_correction, foreach, ns_bytes)
+        return StepModel(name, muon, correction, foreach, ns_bytes)
 
     @property
     def correction_copies(self) -> int:

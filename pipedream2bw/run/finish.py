@@ -333,9 +333,11 @@ def precision_record(
 ) -> Dict[str, Any]:
     """summary.json's precision fields: the precision, its bytes per parameter (``waits``: the step waits,
     ``precision.step_waits``), and under fp16 the loss scale."""
+    correction = correction_in_effect(optim, rt.schedule)
     record = {
         "precision": rt.precision,
         "compute_dtype": str(precisions.compute_dtype(rt.precision)).replace("torch.", ""),
+        "delay_correction": correction,  # optim.delay_correction as it ran: auto resolved, none off 2bw
         "bytes_per_parameter": precisions.param_memory(
             rt.precision,
             schedule=rt.schedule,
@@ -345,7 +347,7 @@ def precision_record(
             sharded=optim.sharded,
             data_parallel=rt.data_parallel,
             waits=waits,
-            delay_correction=correction_in_effect(optim, rt.schedule),
+            delay_correction=correction,
         ).as_dict(),
     }
     if isinstance(rule, ScaledStepRule):  # every rank's scaler takes the same values; these are rank 0's

@@ -1,0 +1,92 @@
+"""The 2bw delay corrections' names, what refuses the weight prediction, and what optim.delay_correction=auto
+resolves to: torch-free, as ``Config`` resolves 'auto' when it is made (config/schema.py) and config/validate.py
+refuses an explicit prediction by the same rule (``prediction_refusal``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any, Optional
+
+log = logging.getLogger(__name__)
+
+AUTO = "auto"
+
+FEEDBACK = ("error_feedback", "predict_error_feedback")
+"""The optim.delay_correction values that run error feedback (``ErrorFeedback``)."""
+
+PREDICTING = ("predict", "predict_error_feedback")
+"""The optim.delay_correction values that run the weight prediction (``WeightPrediction``): predict_error_feedback
+wraps it around error feedback."""
+
+AUTO_MUON = "predict_error_feedback"
+"""What 'auto' gives Muon where nothing of the run refuses the prediction (``prediction_refusal``): the best 2bw
+setting measured, on every seed at both GPT shapes (docs/convergence.md); error feedback (``AUTO_MUON_FALLBACK``)
+elsewhere. Every other optimizer gets no correction."""
+
+AUTO_MUON_FALLBACK = "error_feedback"
+"""What 'auto' gives Muon where a key of the run refuses the prediction: error feedback composes with all of them."""
+
+
+def is_muon(cfg: Any) -> bool:
+    """Whether ``cfg`` (an ``OptimConfig``) names Muon (``optim.name=muon``, no ``optim._target_``)."""
+    return not cfg.target and str(cfg.name).lower() == "muon"
+
+
+def default_beta(correction: str) -> float:
+    """optim.error_feedback_beta when null, by the correction it serves (docs/convergence.md): 0.5 under the
+    prediction with error feedback (1.5 over-corrects there), 1.5 under error feedback alone."""
+    return 0.5 if correction == "predict_error_feedback" else 1.5
+
+
+def prediction_refusal(cfg: Any) -> Optional[str]:
+    """Why the weight prediction (optim.delay_correction=predict|predict_error_feedback) cannot run under ``cfg``
+    (a ``Config``), as 'key (value): why; fix', or None. The one statement of the rule: config/validate.py refuses an
+    explicit prediction with it, and 'auto' falls back to error feedback with it (``resolve_auto``)."""
+    if cfg.swap.optimizer == "host":
+        return "swap.optimizer (host): the host's masters are not the versions batches read; set swap.optimizer=device"
+    if cfg.optim.sharded and cfg.pipeline.data_parallel > 1:
+        return (
+            "optim.sharded (true) at pipeline.data_parallel > 1: sharded masters are not written for it; set it false"
+        )
+    if cfg.train.weight_dtype == "compute" and cfg.train.precision != "fp32":
+        return (
+            "train.weight_dtype (compute): the versions are rounded copies of the masters; set train.weight_dtype=fp32"
+        )
+    if cfg.pipeline.tensor_parallel > 1:
+        return f"pipeline.tensor_parallel ({cfg.pipeline.tensor_parallel}): not proven with split stages; set it to 1"
+    return None
+
+
+def resolve_auto(cfg: Any) -> Any:
+    """``cfg.optim`` with optim.delay_correction=auto resolved from the whole config ``cfg``: Muon's
+    ``AUTO_MUON`` unless ``prediction_refusal`` names a key (then ``AUTO_MUON_FALLBACK``, logged with that key),
+    'none' for every other optimizer; a null optim.error_feedback_beta by the correction resolved (``default_beta``).
+    Any other value of optim.delay_correction is returned as it is."""
+    optim = cfg.optim
+    if optim.delay_correction != AUTO:
+        return optim
+    correction = "none"
+    if is_muon(optim):
+        correction = AUTO_MUON
+        why = prediction_refusal(cfg)
+        if why is not None:
+            correction = AUTO_MUON_FALLBACK
+            log.info("optim.delay_correction=auto resolves to %s, not %s, with %s", correction, AUTO_MUON, why)
+    beta = default_beta(correction) if optim.error_feedback_beta is None else optim.error_feedback_beta
+    return dataclasses.replace(optim, delay_correction=correction, error_feedback_beta=beta)
+
+
+def concrete(optim: Any) -> str:
+    """``optim.delay_correction``, which must be resolved: a bare ``OptimConfig(name="muon")`` keeps 'auto' until a
+    ``Config`` holding it resolves it from the whole config.
+
+    Raises:
+        ValueError: the correction is still 'auto'.
+    """
+    if optim.delay_correction == AUTO:
+        raise ValueError(
+            "optim.delay_correction (auto) is resolved from the whole config when a Config is made (Muon's depends on "
+            "swap, sharding, precision and tensor parallelism): pass Config(optim=...).optim, or name the correction"
+        )
+    return optim.delay_correction

@@ -1,0 +1,170 @@
+"""optim.delay_correction=auto (issue 46): Muon's prediction with error feedback wherever the prediction composes,
+error feedback where a key of the run refuses it, no correction for other optimizers; decided once when the Config is
+made, from the whole config, and every byte count follows the resolved value."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import re
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from pipedream2bw.config import Config, ConfigError, OptimConfig, register_configs
+from pipedream2bw.config.corrections import prediction_refusal
+
+CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "configs")
+
+
+def make(*overrides: str) -> Config:
+    register_configs()
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+        return OmegaConf.to_object(compose(config_name="config", overrides=list(overrides)))
+
+
+# each key that refuses the weight prediction (config/corrections.py's prediction_refusal), as overrides
+REFUSING = {
+    "swap.optimizer": ["swap.optimizer=host"],
+    "optim.sharded": ["optim.sharded=true", "pipeline.data_parallel=2"],
+    "train.weight_dtype": ["train.weight_dtype=compute", "train.precision=bf16"],
+    "pipeline.tensor_parallel": ["pipeline.tensor_parallel=2"],
+}
+
+
+def test_auto_is_the_prediction_with_error_feedback_for_a_plain_muon_run():
+    for cfg in (make(), Config(), Config(optim=OptimConfig(name="muon"))):
+        assert (cfg.optim.delay_correction, cfg.optim.error_feedback_beta) == ("predict_error_feedback", 0.5)
+    assert make("optim.error_feedback_beta=1.0").optim.error_feedback_beta == 1.0  # a beta given stays
+
+
+@pytest.mark.parametrize("key", sorted(REFUSING))
+def test_auto_falls_back_to_error_feedback_naming_the_key_that_refuses_the_prediction(key, caplog):
+    with caplog.at_level(logging.INFO, logger="pipedream2bw.config.corrections"):
+        cfg = make(*REFUSING[key])
+    assert (cfg.optim.delay_correction, cfg.optim.error_feedback_beta) == ("error_feedback", 1.5)
+    lines = [r.getMessage() for r in caplog.records if "delay_correction=auto" in r.getMessage()]
+    assert len(lines) == 1 and key in lines[0], lines
+    # the explicit prediction is refused by the same rule, naming the same key
+    explicit = make(*REFUSING[key], "optim.delay_correction=predict_error_feedback")
+    assert explicit.optim.delay_correction == "predict_error_feedback"
+    assert prediction_refusal(explicit).startswith(key)
+    from pipedream2bw.config.validate import _validate_prediction
+
+    with pytest.raises(ConfigError, match=re.escape(f"optim.delay_correction (predict_error_feedback) with {key}")):
+        _validate_prediction(explicit)
+
+
+@pytest.mark.parametrize(
+    "overrides, correction, beta",
+    [
+        (["optim.delay_correction=error_feedback"], "error_feedback", 1.5),  # the old default, named: kept
+        (["optim.delay_correction=error_feedback", "optim.error_feedback_beta=1.0"], "error_feedback", 1.0),
+        (["optim.delay_correction=none"], "none", 1.5),
+        (["optim.delay_correction=predict"], "predict", 1.5),
+        (["optim.name=adamw"], "none", 1.5),  # every other optimizer: none (issue 43)
+        (["optim.name=adamw", "swap.optimizer=host"], "none", 1.5),
+    ],
+)
+def test_a_named_correction_and_other_optimizers_are_left_as_they_are(overrides, correction, beta):
+    cfg = make(*overrides)
+    assert (cfg.optim.delay_correction, cfg.optim.error_feedback_beta) == (correction, beta)
+
+
+def test_a_bare_muon_optim_config_stays_auto_and_is_not_read_until_a_config_resolves_it():
+    from pipedream2bw.memory.step_memory import StepModel
+
+    bare = OptimConfig(name="muon")
+    assert (bare.delay_correction, bare.error_feedback_beta) == ("auto", None)
+    with pytest.raises(ValueError, match=r"optim.delay_correction \(auto\) is resolved from the whole config"):
+        StepModel.of(bare, device_type="cpu")
+    # once resolved, a replace of the Config keeps the value it resolved to (no second resolution, no second log)
+    cfg = Config(optim=bare)
+    assert dataclasses.replace(cfg, seed=1).optim.delay_correction == "predict_error_feedback"
+
+
+def test_the_bytes_and_the_steps_factor_follow_the_resolved_correction():
+    """The planner's memory model (analytic_gpt's optimizer state, the step's float32 copies), summary.json's bytes
+    per parameter and schedule=auto's steps factor: 8 B a parameter and the prediction's factor under the new
+    default, 4 B and error feedback's where it falls back."""
+    from partitioner import time_to_loss
+    from partitioner.profile import analytic_gpt
+    from pipedream2bw.config.optimizers import correction_in_effect
+    from pipedream2bw.memory import precision as precisions
+    from pipedream2bw.memory.step_memory import StepModel
+
+    default, fallback = make(), make(*REFUSING["swap.optimizer"])
+
+    def state(cfg):
+        layers = analytic_gpt(cfg.model, cfg.optim, 8, cfg.topology)
+        return sum(x.optimizer_bytes for x in layers), sum(x.param_bytes for x in layers)
+
+    (pef, param_bytes), (ef, _) = state(default), state(fallback)
+    assert pef - ef == param_bytes  # one more float32 copy of every parameter (fp32 params: 4 B each)
+    assert StepModel.of(default.optim, device_type="cpu").correction_copies == 2
+    assert StepModel.of(fallback.optim, device_type="cpu").correction_copies == 1
+
+    def optimizer_bytes(cfg):
+        correction = correction_in_effect(cfg.optim, "2bw")
+        return precisions.param_memory("fp32", schedule="2bw", optimizer="adamw", delay_correction=correction).optimizer
+
+    assert optimizer_bytes(default) - optimizer_bytes(fallback) == 4
+    assert (
+        time_to_loss.steps_factor("2bw", default.optim) == time_to_loss.STEPS_FACTOR[("muon", "predict_error_feedback")]
+    )
+    assert time_to_loss.steps_factor("2bw", fallback.optim) == time_to_loss.STEPS_FACTOR[("muon", "error_feedback")]
+    # the plan's schedule=auto line names the correction 2bw's factor is for
+    assert "(delay correction predict_error_feedback)" in time_to_loss.describe({"2bw": 1.0}, default.optim, "2bw")
+    assert "(delay correction error_feedback)" in time_to_loss.describe({"2bw": 1.0}, fallback.optim, "2bw")
+
+
+def test_a_checkpoint_of_the_old_default_is_refused_naming_the_correction_to_set():
+    """A run resumed from a checkpoint written under the old default (error feedback, beta 1.5: one buffer u) is
+    refused, naming optim.delay_correction=error_feedback, with which it resumes as trained."""
+    from pipedream2bw.io.checkpoint import check_settings
+    from pipedream2bw.run.model import training_settings
+
+    old = {"training_settings": training_settings(make("optim.delay_correction=error_feedback"))}
+    where = Path("checkpoints/step_100")
+    pattern = re.escape(
+        "optim.delay_correction: checkpoint 'error_feedback', this run 'predict_error_feedback' "
+        "(set optim.delay_correction=error_feedback to resume as trained)"
+    )
+    with pytest.raises(ConfigError, match=pattern):
+        check_settings(old, model={}, training=training_settings(make()), where=where, strict=True)
+    named = training_settings(make("optim.delay_correction=error_feedback"))
+    assert check_settings(old, model={}, training=named, where=where, strict=True) == []
+
+
+def test_the_matrix_cell_of_muon_with_the_prediction_runs_it_as_the_default_auto(monkeypatch):
+    """matrix.EXTRA's Muon cell of the prediction around error feedback leaves the correction to 'auto' (issue 46):
+    its run, resumed at another layout against the reference, is the default's."""
+    import matrix
+
+    from pipedream2bw.config import corrections, schema
+
+    asked = []
+
+    def spy(cfg):
+        asked.append(cfg.optim.delay_correction)
+        return corrections.resolve_auto(cfg)
+
+    monkeypatch.setattr(schema, "resolve_auto", spy)
+    cell = next(c for c in matrix.EXTRA if c.muon and c.predict)
+    for layout in cell.layouts():
+        assert matrix.cell_config(cell, layout=layout).optim.delay_correction == "predict_error_feedback"
+    assert asked == ["auto"] * len(cell.layouts())
+
+
+@pytest.mark.parametrize(
+    "extra, correction", [([], "predict_error_feedback"), (["swap.optimizer=host"], "error_feedback")]
+)
+def test_the_planners_header_names_the_resolved_correction(extra, correction, capsys, tmp_path):
+    from partitioner.__main__ import main
+
+    shape = ["model.num_layers=4", "model.d_model=64", "topology.memory_per_device_gib=4", "train.global_batch_size=8"]
+    assert main(["plan", "--out", str(tmp_path / "plan.yaml"), "model=gpt", "topology=dgx", *shape, *extra]) == 0
+    header = capsys.readouterr().out.splitlines()[0]
+    assert f"; 2bw (delay correction {correction}); " in header, header
