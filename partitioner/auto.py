@@ -39,7 +39,7 @@ from pipedream2bw.config import (
     model_num_layers,
     v_schedule_refusal,
 )
-from pipedream2bw.config.corrections import AUTO_MUON
+from pipedream2bw.config.corrections import PREDICTING
 from pipedream2bw.config.optimizers import correction_in_effect, is_muon
 from pipedream2bw.errors import ConfigError
 from pipedream2bw.memory import precision as precisions
@@ -144,10 +144,10 @@ def _refused_at_t2(cfg) -> bool:
     """Whether the runtime refuses ``cfg`` at pipeline.tensor_parallel > 1 for its optimizer (the weight prediction
     under 2bw, config/validate.py) or synchronous warm-up steps."""
     optim, p = getattr(cfg, "optim", None), cfg.pipeline
-    # predict_error_feedback is left searching: it is what 'auto' resolves to for Muon at t = 1, and a t > 1 plan's run
-    # line names pipeline.tensor_parallel, under which 'auto' resolves to error feedback (costed here with the
-    # prediction's 4 B a parameter more); named explicitly, such a plan's run is refused (config/corrections.py)
-    predict = optim is not None and correction_in_effect(optim, getattr(p, "schedule", "2bw")) == "predict"
+    # a prediction 'auto' chose is left searching: a t > 1 plan's config resolves it again, to error feedback
+    # (``corrections.resolve_auto``; costed here with the prediction's 4 B a parameter more); a named one is refused
+    predicting = optim is not None and correction_in_effect(optim, getattr(p, "schedule", "2bw")) in PREDICTING
+    predict = predicting and not getattr(optim, "auto_correction", False)
     return predict or getattr(p, "sync_warmup_steps", 0) > 0
 
 
@@ -368,7 +368,7 @@ def host_optimizer(optim: OptimConfig) -> OptimConfig:
     'auto' is no correction, and is costed so."""
     if not is_muon(optim):
         return optim
-    correction = "none" if optim.delay_correction == AUTO_MUON else optim.delay_correction
+    correction = "none" if optim.auto_correction else optim.delay_correction  # the run line's optim.name: its auto
     return dataclasses.replace(optim, name=optim.muon_others, delay_correction=correction)
 
 

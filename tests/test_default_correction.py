@@ -85,6 +85,29 @@ def test_a_bare_muon_optim_config_stays_auto_and_is_not_read_until_a_config_reso
     assert dataclasses.replace(cfg, seed=1).optim.delay_correction == "predict_error_feedback"
 
 
+def test_a_config_made_again_resolves_autos_choice_again_and_leaves_a_named_one():
+    """partition=auto may choose pipeline.tensor_parallel > 1 for a run whose 'auto' gave Muon the prediction: the
+    Config the plan makes falls back to error feedback (beta 1.5), as 'auto' would have at that width, and back at
+    t = 1; a named prediction stays (validate refuses it in one line), a beta given by hand stays, and the planner
+    searches t > 1 for the first only."""
+    from partitioner.auto import _refused_at_t2
+
+    def at(cfg, t):
+        return dataclasses.replace(cfg, pipeline=dataclasses.replace(cfg.pipeline, tensor_parallel=t))
+
+    def resolved(cfg):
+        return cfg.optim.delay_correction, cfg.optim.error_feedback_beta
+
+    default = make()
+    assert resolved(at(default, 2)) == ("error_feedback", 1.5)
+    assert resolved(at(at(default, 2), 1)) == ("predict_error_feedback", 0.5)
+    assert resolved(at(make("optim.error_feedback_beta=0.7"), 2)) == ("error_feedback", 0.7)
+    named = make("optim.delay_correction=predict_error_feedback")
+    assert resolved(at(named, 2)) == ("predict_error_feedback", 0.5)
+    assert not _refused_at_t2(default) and _refused_at_t2(named)
+    assert _refused_at_t2(make("optim.delay_correction=predict")) and not _refused_at_t2(make("optim.name=adamw"))
+
+
 def test_the_bytes_and_the_steps_factor_follow_the_resolved_correction():
     """The planner's memory model (analytic_gpt's optimizer state, the step's float32 copies), summary.json's bytes
     per parameter and schedule=auto's steps factor: 8 B a parameter and the prediction's factor under the new

@@ -61,10 +61,17 @@ def prediction_refusal(cfg: Any) -> Optional[str]:
 def resolve_auto(cfg: Any) -> Any:
     """``cfg.optim`` with optim.delay_correction=auto resolved from the whole config ``cfg``: Muon's
     ``AUTO_MUON`` unless ``prediction_refusal`` names a key (then ``AUTO_MUON_FALLBACK``, logged with that key),
-    'none' for every other optimizer; a null optim.error_feedback_beta by the correction resolved (``default_beta``).
-    Any other value of optim.delay_correction is returned as it is."""
+    'none' for every other optimizer; a null optim.error_feedback_beta by the correction resolved (``default_beta``);
+    ``auto_correction`` set. A correction 'auto' resolved before (``auto_correction``) is resolved again, so that a
+    config made again with other keys (a plan's pipeline.tensor_parallel) never holds what 'auto' would not give it,
+    its beta with it unless it differs from its correction's default (one given by hand). Any other value of
+    optim.delay_correction is returned as it is."""
     optim = cfg.optim
-    if optim.delay_correction != AUTO:
+    if optim.delay_correction == AUTO:
+        beta_given = optim.error_feedback_beta is not None
+    elif optim.auto_correction:
+        beta_given = optim.error_feedback_beta != default_beta(optim.delay_correction)
+    else:
         return optim
     correction = "none"
     if is_muon(optim):
@@ -72,9 +79,12 @@ def resolve_auto(cfg: Any) -> Any:
         why = prediction_refusal(cfg)
         if why is not None:
             correction = AUTO_MUON_FALLBACK
-            log.info("optim.delay_correction=auto resolves to %s, not %s, with %s", correction, AUTO_MUON, why)
-    beta = default_beta(correction) if optim.error_feedback_beta is None else optim.error_feedback_beta
-    return dataclasses.replace(optim, delay_correction=correction, error_feedback_beta=beta)
+            if optim.delay_correction != correction:  # once, where it changes
+                log.info("optim.delay_correction=auto resolves to %s, not %s, with %s", correction, AUTO_MUON, why)
+    beta = optim.error_feedback_beta if beta_given else default_beta(correction)
+    if (optim.delay_correction, optim.error_feedback_beta, optim.auto_correction) == (correction, beta, True):
+        return optim
+    return dataclasses.replace(optim, delay_correction=correction, error_feedback_beta=beta, auto_correction=True)
 
 
 def concrete(optim: Any) -> str:

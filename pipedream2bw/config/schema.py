@@ -254,6 +254,11 @@ class OptimConfig:
     paper's 1.0 on every seed), 0.5 under predict_error_feedback (the prediction already removes most of the delay:
     1.5 over-corrects there), chosen by measurement (docs/convergence.md) when the config is made, by the correction
     'auto' resolves to."""
+    auto_correction: bool = False
+    """Set when the config is made, not by hand: true where optim.delay_correction (and a null error_feedback_beta)
+    is what 'auto' resolved to. Such a correction is resolved again whenever the config is made again, e.g. with a
+    plan's pipeline.tensor_parallel under partition=auto: the prediction falls back to error feedback there (logged)
+    where a named one would be refused."""
     rotation_every: int = 10
     """optim.name=adamw_rotated: refresh each hidden matrix's eigenbases (of the EMAs of G G^T and G^T G) every this
     many steps, the first at this step (AdamW's plain basis before it)."""
@@ -528,9 +533,10 @@ class Config:
     (dropout masks: the same at every layout, schedule and resume; docs/concepts.md)."""
 
     def __post_init__(self) -> None:
-        # optim.delay_correction=auto resolved once, from the whole config (config/corrections.py), however the
-        # Config is made: Hydra's OmegaConf.to_object, Config(...) in Python, dataclasses.replace
-        if isinstance(self.optim, OptimConfig) and self.optim.delay_correction == AUTO:
+        # optim.delay_correction=auto resolved from the whole config (config/corrections.py), however the Config is
+        # made (Hydra's OmegaConf.to_object, Config(...) in Python, dataclasses.replace), and again when it is made
+        # again: a plan's pipeline.tensor_parallel refuses the prediction 'auto' chose
+        if isinstance(self.optim, OptimConfig) and (self.optim.delay_correction == AUTO or self.optim.auto_correction):
             self.optim = resolve_auto(self)
 
 
