@@ -30,7 +30,7 @@ def _config(schedule="2bw", d=2, w=1, **optim):
 @pytest.mark.parametrize(
     "optim,w,pattern",
     [
-        (dict(delay_correction="ef"), 1, r"optim.delay_correction \('ef'\) is unknown"),
+        (dict(delay_correction="ef"), 1, r"optim.delay_correction \('ef'\) is unknown; use one of \['auto', 'none'"),
         (dict(name="muon", sharded=True), 2, r"optim.name \(muon\) with optim.sharded \(true\).*whole matrices"),
         (dict(name="muon", muon_others="muon"), 1, r"optim.muon_others \(muon\)"),
         (dict(name="sgd", delay_correction="lookahead"), 1, r"optim.delay_correction \(lookahead\) with optim.name"),

@@ -620,7 +620,7 @@ def _validate_optim_extras(cfg: Config) -> None:
     o = cfg.optim
     if o.delay_correction not in DELAY_CORRECTIONS:
         raise ConfigError(
-            f"optim.delay_correction ({o.delay_correction!r}) is unknown; use one of {list(DELAY_CORRECTIONS)}"
+            f"optim.delay_correction ({o.delay_correction!r}) is unknown; use one of {['auto', *DELAY_CORRECTIONS]}"
         )
     muon = is_muon(o)
     if muon:
