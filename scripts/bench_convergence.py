@@ -8,6 +8,9 @@ A correction may end in ``+syncN`` (e.g. ``error_feedback+sync30``): that correc
 (Muon's ``momentum`` for its matrices, AdamW's beta1). --flush-corrections names flush's runs the same way
 (``none``, ``none+mom0.9``); the first is the reference every 2bw run is compared with. With --target-loss, each run
 also prints its steps to that loss and to its seed's reference flush's final loss, as a ratio to flush's steps.
+--scheduler, --warmup and --min-lr set the learning-rate schedule (optim.scheduler, optim.warmup_steps, optim.min_lr),
+the same for every run of the grid: e.g. ``--scheduler cosine --warmup 30 --min-lr 3e-4``. Run names do not say the
+schedule (nor the shape), so give each its own --out.
 
 Every run trains the same GPT (4 blocks, d_model 64, 4 heads, seq 64; 32 sequences a step as 4 microbatches of 8)
 for --steps steps as one stage, through the project's ``run()`` on one rank (the delay is one step at any depth:
@@ -80,7 +83,9 @@ def run_config(args, *, schedule: str, optimizer: str, correction: str, lr: floa
             name=optimizer,
             lr=lr,
             delay_correction=correction,
+            scheduler=args.scheduler,
             warmup_steps=args.warmup,
+            min_lr=args.min_lr,
             **({} if beta is None else {"error_feedback_beta": beta}),
             **({} if mom is None else _momentum(optimizer, mom)),
         ),
@@ -392,7 +397,14 @@ def main(argv=None) -> None:
         default=["none"],
         help="flush's runs: 'none' and, e.g., none+mom0.9 (another momentum); the first is the reference",
     )
-    p.add_argument("--warmup", type=int, default=0, help="optim.warmup_steps")
+    p.add_argument("--warmup", type=int, default=0, help="optim.warmup_steps (linear learning-rate warm-up)")
+    p.add_argument(
+        "--scheduler",
+        default="constant",
+        choices=["constant", "cosine", "linear"],
+        help="optim.scheduler, the same for flush and 2bw (run names do not say it: give each its own --out)",
+    )
+    p.add_argument("--min-lr", type=float, default=0.0, help="optim.min_lr, what cosine and linear decay to")
     p.add_argument("--num-layers", type=int, default=4)
     p.add_argument("--d-model", type=int, default=64)
     p.add_argument("--num-heads", type=int, default=4)

@@ -7,6 +7,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from unittest import mock
 
 import pytest
 
@@ -217,7 +218,7 @@ def test_bench_convergence_momentum_option_sets_the_optimizer_it_names():
         sys.path.remove(str(ROOT / "scripts"))
     args = argparse.Namespace(
         num_microbatches=4, microbatch_size=8, num_layers=1, d_model=32, num_heads=4, seq_len=16, warmup=0,
-        data_path=None, val_fraction=0.1, steps=10, eval_every=5, eval_batches=1,
+        data_path=None, val_fraction=0.1, steps=10, eval_every=5, eval_batches=1, scheduler="constant", min_lr=0.0,
     )  # fmt: skip
 
     def groups(schedule, optimizer, correction):
@@ -237,3 +238,43 @@ def test_bench_convergence_momentum_option_sets_the_optimizer_it_names():
         groups("2bw", "muon", "error_feedback+bogus0.9")
     with pytest.raises(ValueError, match="not defined for optimizer 'sgd'"):
         groups("2bw", "sgd", "none+mom0.9")
+
+
+def test_bench_convergence_scheduler_options_set_the_learning_rate_schedule_of_every_run():
+    """--scheduler/--warmup/--min-lr (issue 46, the gap under a decaying learning rate) reach flush's and 2bw's
+    config alike: the lr warms up, peaks at --lrs and decays to --min-lr at the last step; constant by default."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import bench_convergence
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    from pipedream2bw.run.lr_schedule import lr_at
+
+    seen = {}
+
+    def capture(args, out):  # main() parses, then reports: keep the parsed options instead
+        seen["args"] = args
+
+    argv = ["--report-only", "--steps", "100", "--scheduler", "cosine", "--warmup", "10", "--min-lr", "3e-4"]
+    with (
+        mock.patch.object(bench_convergence, "report", capture),
+        mock.patch.object(bench_convergence, "_summary", lambda out, spec: {}),
+    ):
+        bench_convergence.main(argv)
+    args = seen["args"]
+    for schedule, correction in (("flush", "none"), ("2bw", "error_feedback")):
+        cfg = bench_convergence.run_config(
+            args, schedule=schedule, optimizer="muon", correction=correction, lr=3e-3, seed=0
+        )
+        assert (cfg.optim.scheduler, cfg.optim.warmup_steps, cfg.optim.min_lr) == ("cosine", 10, 3e-4)
+        lrs = [lr_at(t, cfg.optim, num_steps=cfg.train.num_steps) for t in (0, 9, 10, 99)]
+        assert lrs == pytest.approx([3e-4, 3e-3, 3e-3, 3e-4])
+    with (
+        mock.patch.object(bench_convergence, "report", capture),
+        mock.patch.object(bench_convergence, "_summary", lambda out, spec: {}),
+    ):
+        bench_convergence.main(["--report-only"])
+    cfg = bench_convergence.run_config(
+        seen["args"], schedule="2bw", optimizer="muon", correction="none", lr=3e-3, seed=0
+    )
+    assert (cfg.optim.scheduler, cfg.optim.warmup_steps, cfg.optim.min_lr) == ("constant", 0, 0.0)
