@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from pipedream2bw.config.validate import DELAY_CORRECTIONS
+from pipedream2bw.config.corrections import DELAY_CORRECTIONS
 
 # torch.distributed.pipelining's schedules by our name: (class, stages per rank, how ranks hold stages)
 TORCH_SCHEDULES = {

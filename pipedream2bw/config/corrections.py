@@ -12,6 +12,9 @@ log = logging.getLogger(__name__)
 
 AUTO = "auto"
 
+DELAY_CORRECTIONS = ("none", "error_feedback", "lookahead", "predict", "predict_error_feedback")
+"""The optim.delay_correction values a run may hold once 'auto' (``AUTO``) is resolved (``resolve_auto``)."""
+
 FEEDBACK = ("error_feedback", "predict_error_feedback")
 """The optim.delay_correction values that run error feedback (``ErrorFeedback``)."""
 

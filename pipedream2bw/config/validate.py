@@ -11,7 +11,7 @@ import signal
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
-from pipedream2bw.config.corrections import PREDICTING, prediction_refusal
+from pipedream2bw.config.corrections import DELAY_CORRECTIONS, FEEDBACK, PREDICTING, is_muon, prediction_refusal
 from pipedream2bw.config.ranges import check_ranges
 from pipedream2bw.config.schema import (
     BACKENDS,
@@ -607,15 +607,11 @@ def _validate_model_and_optim(cfg: Config) -> None:
     _validate_sharding(cfg)
 
 
-DELAY_CORRECTIONS = ("none", "error_feedback", "lookahead", "predict", "predict_error_feedback")
-
-
 def _validate_optim_extras(cfg: Config) -> None:
     """optim.name=muon and optim.delay_correction: what composes, and what is refused and why."""
     import torch
 
     from pipedream2bw.config.optim import optimizer_class
-    from pipedream2bw.config.optimizers import FEEDBACK, is_muon
 
     o = cfg.optim
     if o.delay_correction not in DELAY_CORRECTIONS:
