@@ -31,6 +31,12 @@ AUTO_MUON_FALLBACK = "error_feedback"
 """What 'auto' gives Muon where a key of the run refuses the prediction: error feedback composes with all of them."""
 
 
+def state_copies(correction: str) -> int:
+    """Float32 copies of every parameter that ``correction`` (a resolved optim.delay_correction) keeps between steps,
+    and clones during one: error feedback's u(t-1), the prediction's d(t-1), both under predict_error_feedback."""
+    return (correction in FEEDBACK) + (correction in PREDICTING)
+
+
 def is_muon(cfg: Any) -> bool:
     """Whether ``cfg`` (an ``OptimConfig``) names Muon (``optim.name=muon``, no ``optim._target_``)."""
     return not cfg.target and str(cfg.name).lower() == "muon"

@@ -39,6 +39,7 @@ import torch
 
 # the names of train.precision and train.weight_dtype, re-exported
 from pipedream2bw.config import PRECISIONS, WEIGHT_DTYPES  # noqa: F401
+from pipedream2bw.config.corrections import state_copies
 
 COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 FP32_BYTES = 4
@@ -175,7 +176,7 @@ def param_memory(
     ``predict_error_feedback`` both.
     """
     w = data_parallel if sharded else 1
-    extra_state = {"error_feedback": 1.0, "predict": 1.0, "predict_error_feedback": 2.0}.get(delay_correction, 0.0)
+    extra_state = state_copies(delay_correction)
     stored = weight_dtype(precision, weight_dtype_name)
     weight_copy = torch.finfo(stored).bits // 8
     reduced = torch.finfo(compute_dtype(precision)).bits // 8 if precision != "fp32" and weight_copy == 4 else 0

@@ -30,7 +30,7 @@ import math
 from dataclasses import dataclass
 from typing import Dict, Iterable, Tuple
 
-from pipedream2bw.config.corrections import concrete
+from pipedream2bw.config.corrections import concrete, state_copies
 
 FP32 = 4
 ADAM_FAMILY = ("adam", "adamw", "nadam", "radam", "adamax")
@@ -66,7 +66,7 @@ class StepModel:
     def correction_copies(self) -> int:
         """Float32 copies of the stepped parameters the delay correction clones (under 2bw)."""
         # predict_error_feedback: the prediction's clone (W(t)) lives through error feedback's (W(t) again)
-        return {"error_feedback": 1, "predict": 1, "predict_error_feedback": 2}.get(self.correction, 0)
+        return state_copies(self.correction)
 
     @property
     def group_copies(self) -> int:
