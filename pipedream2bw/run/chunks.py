@@ -160,8 +160,12 @@ def whole(worker: Any, k: int) -> bool:
 def arm_at_w(worker: Any, k: int) -> None:
     """What W k does first (zb1p, zbv; before B k's whole backward where that stands for W k): at the batch's last
     microbatch, arms the data-parallel reducer (a rank of chunks: at its last such W, ``arm_at_last_weight``)."""
-    if worker.reducer is not None and (k + 1) % worker.m == 0:
-        worker._arm_reducer(k) if not worker._chunks else arm_at_last_weight(worker, k)
+    if worker.reducer is None or (k + 1) % worker.m != 0:
+        return
+    if worker._chunks:
+        arm_at_last_weight(worker, k)
+    else:
+        worker._arm_reducer(k)
 
 
 def arm_at_last_weight(worker: Any, k: int) -> None:
