@@ -36,7 +36,8 @@ the larger of the two.
 Time per microbatch: ``c*(F+B) + p2p + stall`` (``c*(F+B)`` is F + B + F with recomputation);
 per batch, ``K*T_s + step_s + exposed all-reduce`` with K = m (2bw), m + d - 1 (flush/gpipe) or m + (d - 1)/3
 (zb1p: ZB-H1's bubble is (d - 1)(F + B_input - W), with the backward split into two equal halves and B = 2F, the
-ratio the simulator assumes too: (d - 1)F = (d - 1)T/3). Under zb1p and zbv the backward that runs split costs
+ratio analytic costs give the simulator too: (d - 1)F = (d - 1)T/3; profiled, B is ``LayerCost.input_s``, 0.7-0.9
+of a small GPT block's backward). Under zb1p and zbv the backward that runs split costs
 ``LayerCost.split_s`` more (``partitioner/split.py``: B then W are two autograd passes; profiled), added to B at the
 share of backwards that run split and, in the simulator, to each W after a split B.
 zb1p's memory: n = min(d, m) microbatches on every stage
@@ -164,6 +165,10 @@ class LayerCost:
     # what the backward split into B and W (zb1p, zbv) takes more than the whole backward, per microbatch: profiled
     # (``profile.split_backward``), else a ratio (``profile.SPLIT_ANALYTIC``); 0: not charged
     split_s: float = 0.0
+    # B alone, the input's gradient with the graph kept, per microbatch (W takes the rest, backward_s + split_s -
+    # input_s): profiled where the layer's input needs a gradient (0 where it needs none: B does nothing there), or
+    # None: half the backward (analytic costs)
+    input_s: Optional[float] = None
 
 
 def num_versions(schedule: str) -> int:
@@ -212,6 +217,7 @@ class Segments:
         self.F = prefix([c.forward_s for c in layers])
         self.B = prefix([c.backward_s for c in layers])
         self.X = prefix([c.split_s for c in layers])
+        self.I = prefix([c.backward_s / 2 if c.input_s is None else c.input_s for c in layers])
         self.S = prefix([c.step_s for c in layers])
         self.W = prefix([c.param_bytes for c in layers])
         self.O = prefix([c.optimizer_bytes for c in layers])
@@ -612,7 +618,7 @@ def segment_costs(seg: Segments, i, j, ctx: StageContext) -> Dict[str, np.ndarra
         per_mb, extra = in_b + out_b, A  # keep inputs; one microbatch's activations while it is recomputed
     else:
         per_mb, extra = A, np.zeros_like(A)
-    fwd, (bwd, split_x, share) = F, split_backward_s(seg, i, j, ctx, recomputed=F if ctx.recompute else 0.0)
+    fwd, (bwd, split_x, share, input_x) = F, split_backward_s(seg, i, j, ctx, recomputed=F if ctx.recompute else 0.0)
     swapped = ctx.swap and n > ctx.swap_resident + 1  # as the runtime decides (run/build.py: swap_manager)
     kept = np.minimum(per_mb, in_b + out_b)  # the stash holds each microbatch's input and output: never swapped
     moved = per_mb - kept if swapped else np.zeros_like(per_mb)
@@ -646,6 +652,7 @@ def segment_costs(seg: Segments, i, j, ctx: StageContext) -> Dict[str, np.ndarra
         backward_s=bwd,
         split_s=split_x,  # per backward that runs split; ``split_share`` of them do
         split_share=share + 0 * W,
+        input_s=input_x,  # a split backward's B
         send_s=send,
         send_grad_s=send_grad,
         stall_s=stall,
@@ -730,7 +737,8 @@ def simulate(
 
     F k on stage s starts when s is free and F k on s-1 has finished (its send included);
     B k likewise waits for B k on s+1; S t takes the step plus the exposed all-reduce. Under zb1p B k
-    (the input's gradient, sent on) and W k (the weights') take half the backward each. Under zbv ``stages``
+    (the input's gradient, sent on) takes ``input_s`` (profiled; half the backward with analytic costs; nothing on
+    the first stage, whose W k runs the whole backward) and W k the rest with the split's cost. Under zbv ``stages``
     are the 2d chunks (rank r runs r and 2d-1-r; its S steps both), and the memory and in-flight lists are per
     chunk. The
     batch time is the steady-state spacing of stage 0's steps (rank 0 measures there). With
@@ -743,7 +751,6 @@ def simulate(
         schedule, num_stages=d, num_microbatches=m, num_batches=num_batches, forward_lead=forward_lead
     )
 
-    split = 0.5 if schedule in SPLIT_SCHEDULES else 1.0  # B's share of the backward's compute
     # zbv: chunk d's B's that run the whole backward (W k follows at once): no W of their own, no split's cost
     whole = whole_set(schedule, lists)
 
@@ -756,11 +763,14 @@ def simulate(
         # the backward without the split's cost (``segment_costs`` charges its share), which W k pays where B k runs
         # split: its second autograd pass
         base = st["backward_s"] - st.values.get("split_share", 0.0) * st.values.get("split_s", 0.0)
-        runs_whole = (a.stage_index, a.index) in whole
+        runs_whole = schedule not in SPLIT_SCHEDULES or (a.stage_index, a.index) in whole
+        # a split B: the input's gradient (profiled), none on the first stage or chunk (token ids need none: W runs
+        # the whole backward)
+        first = a.stage_index == 0
+        b = base if runs_whole else 0.0 if first else min(base, st.values.get("input_s", base / 2))
         if a.kind == WEIGHT:
-            return 0.0 if runs_whole else (1 - split) * base + st.values.get("split_s", 0.0)
-        share = 1.0 if runs_whole else split
-        return share * base + st["send_grad_s"] + st["stall_s"] - st["stream_fwd_s"]
+            return 0.0 if runs_whole else base - b + st.values.get("split_s", 0.0)  # none charged on the first
+        return b + st["send_grad_s"] + st["stall_s"] - st["stream_fwd_s"]
 
     times = timings(lists, duration)
     step_end = [end for a, (_, end) in zip(lists[0], times[0]) if a.kind == STEP]

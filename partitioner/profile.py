@@ -2,8 +2,8 @@
 
 Measured: each distinct layer shape is run alone on this machine's device with one thread on
 CPU (as the ranks run) or CUDA with synchronization, timed as the median of ``repeats`` after
-warm-up, and what the backward split into B then W (zb1p, zbv) takes more (``split_backward``; a layer whose
-input needs a gradient); what autograd saves is counted with ``saved_tensors_hooks`` (parameters excluded);
+warm-up, and what the backward split into B then W (zb1p, zbv) takes more, and its B alone (``split_backward``; a
+layer whose input needs a gradient); what autograd saves is counted with ``saved_tensors_hooks`` (parameters excluded);
 the optimizer's state and step time come from a real step of the configured optimizer. The
 transformer blocks share one shape, so one block's profile stands for all of them. The last
 layer is profiled with the loss attached, as the last stage runs it. Results are cached on disk,
@@ -55,7 +55,7 @@ from pipedream2bw.memory.step_memory import StepModel, layer_step_bytes
 from pipedream2bw.models import build_gpt_layers, lm_loss
 from pipedream2bw.models.gpt import layer_kind
 
-CACHE_VERSION = 3  # 2: the step's transient bytes (LayerCost.step_*); 3: the split backward's (split_s)
+CACHE_VERSION = 4  # 2: the step's transient bytes (LayerCost.step_*); 3: the split backward's (split_s); 4: its B's
 
 
 SPLIT_ANALYTIC = 0.07
@@ -81,12 +81,13 @@ def _time_passes(
     device: torch.device,
     warmup: int,
     repeats: int,
-    split: Optional[Callable[[Any], None]] = None,
-) -> Tuple[float, float, float]:
+    split: Optional[Callable[[Any], Callable[[], None]]] = None,
+) -> Tuple[float, float, float, Optional[float]]:
     """Median seconds of ``forward()`` and of ``backward(its output)`` over ``repeats`` runs after
-    ``warmup``, the gradients of ``leaves`` cleared before each; and with ``split`` (B then W of another forward's
-    output, in the same round) the median of each round's ``split`` less its ``backward``, at least 0 (else 0)."""
-    fwd, bwd, extra = [], [], []
+    ``warmup``, the gradients of ``leaves`` cleared before each; and with ``split`` (B of another forward's output,
+    returning its W, in the same round) the median of each round's B + W less its ``backward``, at least 0, and of
+    its B alone (else 0 and None)."""
+    fwd, bwd, extra, first = [], [], [], []
 
     def timed(fn: Callable[[], Any]) -> Tuple[Any, float]:
         for t in leaves:
@@ -101,24 +102,30 @@ def _time_passes(
         out, f = timed(forward)
         _, b = timed(functools.partial(backward, out))
         if split is not None:
-            _, s = timed(functools.partial(split, forward()))
+            weight, s_b = timed(functools.partial(split, forward()))
+            _, s_w = timed(weight)
         if r >= warmup:
             fwd.append(f)
             bwd.append(b)
             if split is not None:
-                extra.append(s - b)
-    return statistics.median(fwd), statistics.median(bwd), max(0.0, statistics.median(extra)) if extra else 0.0
+                extra.append(s_b + s_w - b)
+                first.append(s_b)
+    if not extra:
+        return statistics.median(fwd), statistics.median(bwd), 0.0, None
+    return statistics.median(fwd), statistics.median(bwd), max(0.0, statistics.median(extra)), statistics.median(first)
 
 
-def split_backward(outputs: Sequence[torch.Tensor], grads, inputs: Sequence[torch.Tensor], params) -> None:
-    """A backward as zb1p and zbv run it (issue 46): B, the ``inputs``' gradients with the graph kept, then W, the
-    ``params``' from what B caught, by torch's ``stage_backward_input`` / ``stage_backward_weight``, which the
+def split_backward(
+    outputs: Sequence[torch.Tensor], grads, inputs: Sequence[torch.Tensor], params
+) -> Callable[[], None]:
+    """A backward as zb1p and zbv run it (issue 46): B now, the ``inputs``' gradients with the graph kept; W returned,
+    the ``params``' from what B caught; by torch's ``stage_backward_input`` / ``stage_backward_weight``, which the
     runtime's own split (``run/split_backward.py``, not imported here: the planner never imports the runtime) follows;
     ``grads`` None for a loss."""
     from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
     _, groups = stage_backward_input(list(outputs), grads, list(inputs), iter(params))
-    stage_backward_weight(iter(params), groups)
+    return functools.partial(stage_backward_weight, iter(params), groups)
 
 
 def _time_optimizer(
@@ -248,7 +255,7 @@ def _measure(
     ``backward`` where given (a layer whose input needs a gradient), the bytes autograd saves, the optimizer step's
     time and state (on ``masters``, float32 copies of compute-dtype ``params``, where given, as are
     ``param_bytes``)."""
-    forward_s, backward_s, split_s = _time_passes(
+    forward_s, backward_s, split_s, input_s = _time_passes(
         forward, backward, params + inputs, device=device, warmup=warmup, repeats=repeats, split=split
     )
     saved = saved_bytes(forward, params)
@@ -259,6 +266,7 @@ def _measure(
         forward_s=forward_s,
         backward_s=backward_s,
         split_s=split_s,
+        input_s=0.0 if split is None else input_s,  # no input needing a gradient: B does nothing
         param_bytes=sum(p.numel() * p.element_size() for p in stepped),  # float32: the masters' where given
         saved_bytes=saved,
         input_bytes=input_bytes,
@@ -595,9 +603,10 @@ def profile_any_layer(
         elif outs:
             torch.autograd.backward(needing(out), grads)
 
-    def split(out) -> None:
+    def split(out) -> Callable[[], None]:
         if loss_fn is not None or outs:
-            split_backward(needing(out), grads, float_inputs, params)
+            return split_backward(needing(out), grads, float_inputs, params)
+        return lambda: None
 
     return _measure(
         name,

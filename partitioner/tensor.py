@@ -198,6 +198,7 @@ def _block(c: LayerCost, shape: TensorShape, t: int, *, btc, link, sp, eff, b) -
         forward_s=c.forward_s / (t * eff) + ar,
         backward_s=c.backward_s / (t * eff) + ar + again,
         split_s=c.split_s / (t * eff),
+        input_s=None if c.input_s is None else c.input_s / (t * eff) + ar + again,  # the input's all-reduce is B's
         saved_bytes=int(math.ceil(whole + (c.saved_bytes - whole) / t)),
         **params,
         **_io(c, t, sp),
@@ -226,6 +227,7 @@ def _head(c: LayerCost, shape: TensorShape, t: int, *, btc, link, sp, eff, b) ->
         forward_s=c.forward_s / (t * eff) + loss,
         backward_s=c.backward_s / (t * eff) + allreduce_s(btc, t, link),
         split_s=c.split_s / (t * eff),
+        input_s=None if c.input_s is None else c.input_s / (t * eff) + allreduce_s(btc, t, link),
         saved_bytes=int(math.ceil(whole + (c.saved_bytes - whole) / t)),
         **_params(c, 1.0, t),
         **_io(c, t, sp),

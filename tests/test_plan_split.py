@@ -83,15 +83,29 @@ def test_profile_times_the_split_backward_of_a_layer_whose_input_needs_a_gradien
 
     def slower(*args):
         time.sleep(0.02)
-        split(*args)
+        return split(*args)
 
     monkeypatch.setattr(profile_mod, "split_backward", slower)
     cfg = GPTConfig(num_layers=1, d_model=32, num_heads=2, seq_len=16, vocab_size=64)
     emb, block, norm, head = profile_gpt(cfg, OptimConfig(name="adamw"), 2, cache_dir=tmp_path, repeats=5)
     assert emb.split_s == 0.0  # token ids in: nothing to split (the first stage's W runs the whole backward)
     assert min(block.split_s, norm.split_s, head.split_s) >= 0.01  # (a margin for a loaded machine)
+    # the sleep is in B: its own time, which W's is the rest of
+    assert emb.input_s == 0.0 and min(block.input_s, norm.input_s, head.input_s) >= 0.01
     analytic = analytic_gpt(cfg, OptimConfig(name="adamw"), 2, TopologyConfig())
     assert analytic[0].split_s == 0.0 and analytic[1].split_s == pytest.approx(SPLIT_ANALYTIC * analytic[1].backward_s)
+    assert analytic[1].input_s is None  # not measured: B takes half the backward
+
+
+def test_a_split_b_takes_the_profiled_input_gradient_and_w_the_rest():
+    # d = 2, m = 2, F 1, backward 2 a stage, no split cost. The last stage's B's are on zb1p's path (F0 F0 B0 F1 B1 on
+    # stage 1, then the first stage's W1, its whole backward): a step of max(4 + b, 3 + 2b) + 2 with B = b. At b = 1,
+    # the half that analytic costs assume, 7 (docs/planner.md); as B nears the whole backward, zb1p nears flush's 9
+    # (measured: B is 0.7-0.9 of a GPT block's backward at d_model 64, docs/planner.md)
+    for b, want in ((None, 7.0), (1.0, 7.0), (1.5, 8.0), (2.0, 9.0)):
+        seg = Segments([dataclasses.replace(c, input_s=b) for c in layers(2, 0.0)])
+        assert batch("zb1p", seg, 2, 2) == pytest.approx(want)
+    assert batch("flush", seg, 2, 2) == pytest.approx(9.0)
 
 
 def test_the_profiled_split_backward_gives_the_whole_backwards_gradients():
@@ -104,6 +118,7 @@ def test_the_profiled_split_backward_gives_the_whole_backwards_gradients():
     whole = [p.grad.clone() for p in layer.parameters()] + [x.grad.clone()]
     for t in [*layer.parameters(), x]:
         t.grad = None
-    profile_mod.split_backward([layer(x)], [grad], [x], list(layer.parameters()))
+    weight = profile_mod.split_backward([layer(x)], [grad], [x], list(layer.parameters()))
+    weight()
     for got, want in zip([*(p.grad for p in layer.parameters()), x.grad], whole):
         torch.testing.assert_close(got, want)
