@@ -603,7 +603,8 @@ def segment_costs(seg: Segments, i, j, ctx: StageContext) -> Dict[str, np.ndarra
     part on the training thread), host_step_s and host_sum_s (the host's optimizer step and sums of gradients),
     allreduce_s, exposed_s (per batch: data-parallel traffic, what is not hidden), batch_s (the stage's time
     per batch), bound (its busiest resource, an index into ``RESOURCES``), floor_s (what ``simulate`` adds); split_s
-    and split_share (zb1p, zbv: the split backward's cost of one, in backward_s at the share that runs split); and
+    and split_share (zb1p, zbv: the split backward's cost of one, in backward_s at the share that runs split) and
+    input_s (a split backward's B); and
     act_per_microbatch, act_moved (its bytes that go to host when swapping), act_extra (for the
     simulator's own in-flight count).
     """
@@ -618,7 +619,7 @@ def segment_costs(seg: Segments, i, j, ctx: StageContext) -> Dict[str, np.ndarra
         per_mb, extra = in_b + out_b, A  # keep inputs; one microbatch's activations while it is recomputed
     else:
         per_mb, extra = A, np.zeros_like(A)
-    fwd, (bwd, split_x, share, input_x) = F, split_backward_s(seg, i, j, ctx, recomputed=F if ctx.recompute else 0.0)
+    fwd, (bwd, split) = F, split_backward_s(seg, i, j, ctx, recomputed=F if ctx.recompute else 0.0)
     swapped = ctx.swap and n > ctx.swap_resident + 1  # as the runtime decides (run/build.py: swap_manager)
     kept = np.minimum(per_mb, in_b + out_b)  # the stash holds each microbatch's input and output: never swapped
     moved = per_mb - kept if swapped else np.zeros_like(per_mb)
@@ -650,9 +651,7 @@ def segment_costs(seg: Segments, i, j, ctx: StageContext) -> Dict[str, np.ndarra
         runtime=np.full(W.shape, float(ctx.runtime_bytes)),
         forward_s=fwd,
         backward_s=bwd,
-        split_s=split_x,  # per backward that runs split; ``split_share`` of them do
-        split_share=share + 0 * W,
-        input_s=input_x,  # a split backward's B
+        **split,  # split_s (per backward that runs split; ``split_share`` of them do) and a split B's input_s
         send_s=send,
         send_grad_s=send_grad,
         stall_s=stall,

@@ -39,13 +39,15 @@ def split_share(schedule: str, stage_index: int, num_stages: int, num_microbatch
 
 
 def split_backward_s(seg, i, j, ctx, *, recomputed):
-    """(backward_s, split_s, share, input_s) of the stage holding layers ``[i, j)`` of ``seg`` (``cost.Segments``) at
-    ``ctx`` (``cost.StageContext``): its mean backward per microbatch (+ ``recomputed``, the forward again with
-    recomputation) with ``share`` of its backwards paying ``split_s``, the split's cost of one; and a split
-    backward's B (the recomputation, then the input's gradient: ``LayerCost.input_s``), whose W takes the rest."""
+    """(backward_s, keys) of the stage holding layers ``[i, j)`` of ``seg`` (``cost.Segments``) at ``ctx``
+    (``cost.StageContext``): its mean backward per microbatch (+ ``recomputed``, the forward again with
+    recomputation) with ``split_share`` of its backwards paying ``split_s``, the split's cost of one; and
+    ``input_s``, a split backward's B (the recomputation, then the input's gradient: ``LayerCost.input_s``), whose W
+    takes the rest. ``keys``: those three, for ``cost.segment_costs``."""
     share = split_share(ctx.schedule, ctx.stage_index, ctx.num_stages, ctx.num_microbatches)
     split = (seg.X[j] - seg.X[i]) if share else np.zeros(np.broadcast(np.asarray(i), np.asarray(j)).shape)
-    return seg.B[j] - seg.B[i] + recomputed + share * split, split, share, seg.I[j] - seg.I[i] + recomputed
+    keys = dict(split_s=split, split_share=share + 0 * split, input_s=seg.I[j] - seg.I[i] + recomputed)
+    return seg.B[j] - seg.B[i] + recomputed + share * split, keys
 
 
 def whole_set(schedule: str, lists) -> set:
