@@ -115,7 +115,6 @@ def test_warm_up_resumes_exactly_during_it_and_after_it(tmp_path):
     [
         (dict(host=True), r"optim.delay_correction \(predict\) with swap.optimizer \(host\)"),
         (dict(sharded=True), r"optim.delay_correction \(predict\) with optim.sharded"),
-        (dict(tensor=2), r"optim.delay_correction \(predict\) with pipeline.tensor_parallel \(2\)"),
     ],
 )
 def test_prediction_refused_where_the_versions_are_not_what_batches_read(change, pattern):
