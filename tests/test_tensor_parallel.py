@@ -115,8 +115,9 @@ def test_muon_with_the_prediction_equals_its_reference_at_t_2(tmp_path, resume):
     # copies equal bit for bit after every step). The final weights (W, not P) under every name of the tie, the
     # losses and the validation loss, which the last stage takes through its own copy of the head (W = P - d), equal
     # the reference's rule. The reference once subtracted d under the tie's first name only (named_parameters()):
-    # its 5.out.weight stayed P, 0.0148 off, and the runtime looked wrong. ``resume``: 3 steps, checkpointed (whole
-    # P and d per piece), then 3 more at t = 2, ending on the same weights as the straight run, bit for bit.
+    # its 5.out.weight stayed P (0.0170 off here, 0.0148 at beta 1.5), and the runtime looked wrong. ``resume``: 3
+    # steps, checkpointed (whole P and d per piece), then 3 more at t = 2, ending on the straight run's weights, bit
+    # for bit.
     cfg = tp_config("2bw", 2, 1)
     cfg.optim = dataclasses.replace(
         cfg.optim, name="muon", muon_others="sgd", lr=1e-2, delay_correction="auto", error_feedback_beta=None
