@@ -39,7 +39,6 @@ from pipedream2bw.config import (
     model_num_layers,
     v_schedule_refusal,
 )
-from pipedream2bw.config.corrections import PREDICTING
 from pipedream2bw.config.optimizers import correction_in_effect, is_muon
 from pipedream2bw.errors import ConfigError
 from pipedream2bw.memory import precision as precisions
@@ -141,14 +140,9 @@ def tensor_request(cfg: Config, precision: str, *, search: Optional[bool] = None
 
 
 def _refused_at_t2(cfg) -> bool:
-    """Whether the runtime refuses ``cfg`` at pipeline.tensor_parallel > 1 for its optimizer (the weight prediction
-    under 2bw, config/validate.py) or synchronous warm-up steps."""
-    optim, p = getattr(cfg, "optim", None), cfg.pipeline
-    # a prediction 'auto' chose is left searching: a t > 1 plan's config resolves it again, to error feedback
-    # (``corrections.resolve_auto``; costed here with the prediction's 4 B a parameter more); a named one is refused
-    predicting = optim is not None and correction_in_effect(optim, getattr(p, "schedule", "2bw")) in PREDICTING
-    predict = predicting and not getattr(optim, "auto_correction", False)
-    return predict or getattr(p, "sync_warmup_steps", 0) > 0
+    """Whether the runtime refuses ``cfg`` at pipeline.tensor_parallel > 1: synchronous warm-up steps
+    (config/validate.py; the weight prediction runs at t > 1, issue 46)."""
+    return getattr(cfg.pipeline, "sync_warmup_steps", 0) > 0
 
 
 def make_request(

@@ -469,7 +469,6 @@ def optim_table(args) -> None:
                      model=OPTIM_MODEL, bucket_mb=PipelineConfig().bucket_mb), optim=name, correction=corr, label=label)
             for label, (name, corr) in OPTIMIZERS.items()
             for s in ("2bw", "flush")
-            if not (t > 1 and corr == "predict")  # refused at t > 1 (config/validate.py)
         ]  # fmt: skip
         for j, ranks in zip(jobs, launch(jobs, nproc=d * w * t, memory=True)):
             planned = planner_ranks(j, ranks[0]["balance"])

@@ -395,10 +395,15 @@ class ReferenceOptimizer:
         """The weights W of a state_dict of the model this steps (P less d(t-1) where a prediction is held)."""
         if not self.cfg.delay_correction.startswith("predict") or self.prev is None:
             return state
-        names = {id(p): n for n, p in self.model.named_parameters()}
+        # every name of a tied parameter (the state_dict lists each, on one tensor): named_parameters() would give
+        # its first only, leaving the others at P (a tied head's 5.out.weight, one update d off)
+        names: Dict[int, List[str]] = {}
+        for n, p in self.model.named_parameters(remove_duplicate=False):
+            names.setdefault(id(p), []).append(n)
         out = dict(state)
         for p, d in zip(self.params, self.prev):
-            out[names[id(p)]] = state[names[id(p)]] - d
+            weights = state[names[id(p)][0]] - d
+            out.update({n: weights for n in names[id(p)]})
         return out
 
     @torch.no_grad()

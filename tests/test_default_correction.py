@@ -30,7 +30,6 @@ REFUSING = {
     "swap.optimizer": ["swap.optimizer=host"],
     "optim.sharded": ["optim.sharded=true", "pipeline.data_parallel=2"],
     "train.weight_dtype": ["train.weight_dtype=compute", "train.precision=bf16"],
-    "pipeline.tensor_parallel": ["pipeline.tensor_parallel=2"],
 }
 
 
@@ -86,26 +85,45 @@ def test_a_bare_muon_optim_config_stays_auto_and_is_not_read_until_a_config_reso
 
 
 def test_a_config_made_again_resolves_autos_choice_again_and_leaves_a_named_one():
-    """partition=auto may choose pipeline.tensor_parallel > 1 for a run whose 'auto' gave Muon the prediction: the
-    Config the plan makes falls back to error feedback (beta 1.5), as 'auto' would have at that width, and back at
-    t = 1; a named prediction stays (validate refuses it in one line), a beta given by hand stays, and the planner
-    searches t > 1 for the first only."""
-    from partitioner.auto import _refused_at_t2
+    """partition=auto may choose pipeline.data_parallel > 1 for a sharded run whose 'auto' gave Muon the prediction:
+    the Config the plan makes falls back to error feedback (beta 1.5), as 'auto' would have at that width, and back
+    at w = 1; a named prediction stays (validate refuses it in one line), a beta given by hand stays."""
 
-    def at(cfg, t):
-        return dataclasses.replace(cfg, pipeline=dataclasses.replace(cfg.pipeline, tensor_parallel=t))
+    def at(cfg, w):
+        return dataclasses.replace(cfg, pipeline=dataclasses.replace(cfg.pipeline, data_parallel=w))
 
     def resolved(cfg):
         return cfg.optim.delay_correction, cfg.optim.error_feedback_beta
 
-    default = make()
-    assert resolved(at(default, 2)) == ("error_feedback", 1.5)
-    assert resolved(at(at(default, 2), 1)) == ("predict_error_feedback", 0.5)
-    assert resolved(at(make("optim.error_feedback_beta=0.7"), 2)) == ("error_feedback", 0.7)
-    named = make("optim.delay_correction=predict_error_feedback")
+    sharded = make("optim.sharded=true")
+    assert resolved(sharded) == ("predict_error_feedback", 0.5)
+    assert resolved(at(sharded, 2)) == ("error_feedback", 1.5)
+    assert resolved(at(at(sharded, 2), 1)) == ("predict_error_feedback", 0.5)
+    assert resolved(at(make("optim.sharded=true", "optim.error_feedback_beta=0.7"), 2)) == ("error_feedback", 0.7)
+    named = make("optim.sharded=true", "optim.delay_correction=predict_error_feedback")
     assert resolved(at(named, 2)) == ("predict_error_feedback", 0.5)
-    assert not _refused_at_t2(default) and _refused_at_t2(named)
-    assert _refused_at_t2(make("optim.delay_correction=predict")) and not _refused_at_t2(make("optim.name=adamw"))
+
+
+def test_auto_keeps_the_prediction_at_tensor_parallel_and_the_planner_searches_t_for_it():
+    """Issue 46: the prediction runs at pipeline.tensor_parallel > 1 (test_tensor_parallel checks it against its
+    reference), so 'auto' gives Muon predict_error_feedback there, a named one is not refused, and the planner
+    searches t > 1 for both; the synchronous warm-up is still refused at t > 1, so the planner keeps it at t = 1."""
+    from partitioner.auto import _refused_at_t2, tensor_request
+    from pipedream2bw.config.validate import _validate_prediction
+
+    def resolved(cfg):
+        return cfg.optim.delay_correction, cfg.optim.error_feedback_beta
+
+    default, named = make(), make("optim.delay_correction=predict_error_feedback")
+    for cfg in (make("pipeline.tensor_parallel=2"), make("pipeline.tensor_parallel=2", "pipeline.num_stages=2")):
+        assert resolved(cfg) == ("predict_error_feedback", 0.5)
+        assert prediction_refusal(cfg) is None
+    _validate_prediction(make("pipeline.tensor_parallel=2", "optim.delay_correction=predict"))
+    for cfg in (default, named, make("optim.delay_correction=predict"), make("optim.name=adamw")):
+        assert not _refused_at_t2(cfg)
+        assert tensor_request(cfg, "fp32", search=True)["tensor"] is not None  # t > 1 searched
+    warm = make("pipeline.sync_warmup_steps=2")
+    assert _refused_at_t2(warm) and tensor_request(warm, "fp32", search=True)["tensor"] is None
 
 
 def test_the_bytes_and_the_steps_factor_follow_the_resolved_correction():

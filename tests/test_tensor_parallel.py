@@ -10,6 +10,7 @@ import pytest
 import torch
 from dist_helper import run_ok, spawn
 from reference import reference_eval, reference_run
+from test_checkpoint import assert_equal_bits
 from test_semantics import assert_losses_close, tiny_config
 
 from pipedream2bw.config import ConfigError, LayerListConfig, validate
@@ -104,6 +105,49 @@ def test_muon_with_error_feedback_orthogonalizes_whole_matrices_at_t_2(tmp_path,
     weights = torch.load(tmp_path / "final_model.pt")
     torch.testing.assert_close(weights, ref.weights, rtol=1e-5, atol=1e-6)
     assert_losses_close(summary["losses"], ref.losses)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("resume", [False, pytest.param(True, marks=pytest.mark.long)])  # long: two 4-rank runs
+def test_muon_with_the_prediction_equals_its_reference_at_t_2(tmp_path, resume):
+    # Muon's default at t = 2 (issue 46): 'auto' resolves to the prediction around error feedback, whose weights
+    # between steps hold P(t) = W(t) + d(t-1), on both stages of the tie (embedding, head; pipeline.check_ties: their
+    # copies equal bit for bit after every step). The final weights (W, not P) under every name of the tie, the
+    # losses and the validation loss, which the last stage takes through its own copy of the head (W = P - d), equal
+    # the reference's rule. The reference once subtracted d under the tie's first name only (named_parameters()):
+    # its 5.out.weight stayed P (0.0170 off here, 0.0148 at beta 1.5), and the runtime looked wrong. ``resume``: 3
+    # steps, checkpointed (whole P and d per piece), then 3 more at t = 2, ending on the straight run's weights, bit
+    # for bit.
+    cfg = tp_config("2bw", 2, 1)
+    cfg.optim = dataclasses.replace(
+        cfg.optim, name="muon", muon_others="sgd", lr=1e-2, delay_correction="auto", error_feedback_beta=None
+    )
+    cfg = dataclasses.replace(cfg)  # resolves 'auto' (config/corrections.py)
+    assert (cfg.optim.delay_correction, cfg.optim.error_feedback_beta) == ("predict_error_feedback", 0.5)
+    cfg.pipeline.check_ties = True
+    cfg.train.eval_every = cfg.train.num_steps
+    cfg.data = dataclasses.replace(cfg.data, val_fraction=0.1)
+    if resume:
+        cfg.train.checkpoint_every = 3
+    summary = run_ok(cfg, tmp_path / "straight")
+    weights = torch.load(tmp_path / "straight" / "final_model.pt")
+    ref = reference(cfg, w=1)
+    assert weights.keys() == ref.weights.keys() and "5.out.weight" in weights
+    torch.testing.assert_close(weights, ref.weights, rtol=1e-5, atol=1e-6)
+    assert_losses_close(summary["losses"], ref.losses)
+    assert_losses_close([summary["final_val_loss"]], [reference_eval(cfg, ref.weights)])
+    # error feedback alone at the same beta (named: auto_correction false, else the Config would resolve it again)
+    ef = dataclasses.replace(cfg.optim, delay_correction="error_feedback", auto_correction=False)
+    ef = dataclasses.replace(cfg, optim=ef)
+    assert ef.optim.delay_correction == "error_feedback"
+    assert max(float((weights[k] - w).abs().max()) for k, w in reference(ef, w=1).weights.items()) > 1e-3
+    if resume:
+        path = tmp_path / "straight" / "checkpoints" / "step_00000003"
+        resumed = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, resume=str(path)))
+        again = run_ok(resumed, tmp_path / "resumed")
+        assert again["first_step"] == 3 and again["losses"] == summary["losses"]
+        assert again["final_val_loss"] == summary["final_val_loss"]
+        assert_equal_bits(torch.load(tmp_path / "resumed" / "final_model.pt"), weights)
 
 
 @pytest.mark.slow

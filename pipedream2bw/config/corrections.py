@@ -62,8 +62,6 @@ def prediction_refusal(cfg: Any) -> Optional[str]:
         return (
             "train.weight_dtype (compute): the versions are rounded copies of the masters; set train.weight_dtype=fp32"
         )
-    if cfg.pipeline.tensor_parallel > 1:
-        return f"pipeline.tensor_parallel ({cfg.pipeline.tensor_parallel}): not proven with split stages; set it to 1"
     return None
 
 
@@ -72,9 +70,9 @@ def resolve_auto(cfg: Any) -> Any:
     ``AUTO_MUON`` unless ``prediction_refusal`` names a key (then ``AUTO_MUON_FALLBACK``, logged with that key),
     'none' for every other optimizer; a null optim.error_feedback_beta by the correction resolved (``default_beta``);
     ``auto_correction`` set. A correction 'auto' resolved before (``auto_correction``) is resolved again, so that a
-    config made again with other keys (a plan's pipeline.tensor_parallel) never holds what 'auto' would not give it,
-    its beta with it unless it differs from its correction's default (one given by hand). Any other value of
-    optim.delay_correction is returned as it is."""
+    config made again with other keys (a plan's pipeline.data_parallel under optim.sharded) never holds what 'auto'
+    would not give it, its beta with it unless it differs from its correction's default (one given by hand). Any other
+    value of optim.delay_correction is returned as it is."""
     optim = cfg.optim
     if optim.delay_correction == AUTO:
         beta_given = optim.error_feedback_beta is not None
@@ -106,6 +104,6 @@ def concrete(optim: Any) -> str:
     if optim.delay_correction == AUTO:
         raise ValueError(
             "optim.delay_correction (auto) is resolved from the whole config when a Config is made (Muon's depends on "
-            "swap, sharding, precision and tensor parallelism): pass Config(optim=...).optim, or name the correction"
+            "swap, sharding and precision): pass Config(optim=...).optim, or name the correction"
         )
     return optim.delay_correction

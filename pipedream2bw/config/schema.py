@@ -243,8 +243,8 @@ class OptimConfig:
     parameter; measured best with optim.error_feedback_beta 0.5, its default under it); 'auto' (the
     default): for muon predict_error_feedback (the setting under which 2bw came closest to a flushing pipeline's
     loss, on every seed at both GPT shapes measured), or error_feedback where the run refuses the prediction
-    (swap.optimizer=host, optim.sharded at data_parallel > 1, train.weight_dtype=compute under bf16/fp16,
-    pipeline.tensor_parallel > 1: logged, naming the key); none for every other optimizer (with AdamW error feedback
+    (swap.optimizer=host, optim.sharded at data_parallel > 1, train.weight_dtype=compute under bf16/fp16: logged,
+    naming the key); none for every other optimizer (with AdamW error feedback
     helped unreliably: docs/convergence.md); decided from the whole config when it is made (summary.json's
     delay_correction shows it). flush and gpipe have no delay: the correction is off there (logged).
     docs/design.md states the exact rules."""
@@ -257,8 +257,8 @@ class OptimConfig:
     auto_correction: bool = False
     """Set when the config is made, not by hand: true where optim.delay_correction (and a null error_feedback_beta)
     is what 'auto' resolved to. Such a correction is resolved again whenever the config is made again, e.g. with a
-    plan's pipeline.tensor_parallel under partition=auto: the prediction falls back to error feedback there (logged)
-    where a named one would be refused."""
+    plan's pipeline.data_parallel > 1 under optim.sharded and partition=auto: the prediction falls back to error
+    feedback there (logged) where a named one would be refused."""
     rotation_every: int = 10
     """optim.name=adamw_rotated: refresh each hidden matrix's eigenbases (of the EMAs of G G^T and G^T G) every this
     many steps, the first at this step (AdamW's plain basis before it)."""
@@ -535,7 +535,7 @@ class Config:
     def __post_init__(self) -> None:
         # optim.delay_correction=auto resolved from the whole config (config/corrections.py), however the Config is
         # made (Hydra's OmegaConf.to_object, Config(...) in Python, dataclasses.replace), and again when it is made
-        # again: a plan's pipeline.tensor_parallel refuses the prediction 'auto' chose
+        # again: a plan's pipeline.data_parallel > 1 under optim.sharded refuses the prediction 'auto' chose
         if isinstance(self.optim, OptimConfig) and (self.optim.delay_correction == AUTO or self.optim.auto_correction):
             self.optim = resolve_auto(self)
 
