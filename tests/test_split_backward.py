@@ -9,7 +9,7 @@ from torch import nn
 
 from pipedream2bw.config import GPTConfig
 from pipedream2bw.models.gpt import build_gpt_layers
-from pipedream2bw.run.split_backward import backward_input, backward_weight
+from pipedream2bw.run.split_backward import GraphPlans, backward_input, backward_weight
 
 
 def _gpt_stage() -> nn.Module:
@@ -87,3 +87,51 @@ def test_a_weight_used_twice_on_the_input_path_is_counted_once():
     w_ref, x_ref = w.detach().clone().requires_grad_(), x.detach().clone().requires_grad_()
     (x_ref * w_ref * w_ref).backward(g)
     assert torch.equal(dx, x_ref.grad) and torch.allclose(w.grad, w_ref.grad, rtol=1e-6, atol=0)
+
+
+class _Swapping(nn.Module):
+    """Two linears applied in an order the input picks (a branch on its data): both graphs have the same nodes, of the
+    same types, wired alike, but each weight sits where the other did."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        first, second = (self.a, self.b) if x.sum() > 0 else (self.b, self.a)
+        return torch.tanh(second(torch.relu(first(x))))
+
+
+def test_kept_analyses_follow_a_graph_whose_structure_changes_between_microbatches():
+    # B keeps each graph's analysis by the graph's shape (GraphPlans); a microbatch that takes the other branch or
+    # comes in another shape must be analysed anew, not given the analysis of the last graph (gradients of a to b)
+    stage, plans = _Swapping(), GraphPlans()
+    ref = copy.deepcopy(stage)
+    torch.manual_seed(2)
+    for k, (sign, rows) in enumerate([(1, 3), (-1, 3), (-1, 5), (1, 3), (-1, 5)]):
+        x = (torch.rand(rows, 4) * sign).requires_grad_()
+        g = torch.randn(rows, 4)
+        (dx,), work = backward_input([stage(x)], [g], [x], list(stage.parameters()), plans=plans)
+        backward_weight(work)
+        x_ref = x.detach().clone().requires_grad_()
+        ref(x_ref).backward(g)
+        assert torch.equal(dx, x_ref.grad), k
+        for (name, p), q in zip(stage.named_parameters(), ref.parameters()):
+            assert torch.equal(p.grad, q.grad), (k, name)
+    assert plans.misses == 2  # one analysis a branch: the batch's size does not change the graph's structure
+
+
+def test_kept_analyses_give_a_gpt_stage_the_gradients_of_one_backward_bit_for_bit():
+    stage, plans = _gpt_stage(), GraphPlans()
+    ref = copy.deepcopy(stage)
+    torch.manual_seed(3)
+    for _ in range(3):
+        x, g = torch.randn(2, 8, 32, requires_grad=True), torch.randn(2, 8, 32)
+        (dx,), work = backward_input([stage(x)], [g], [x], list(stage.parameters()), plans=plans)
+        backward_weight(work)
+        x_ref = x.detach().clone().requires_grad_()
+        ref(x_ref).backward(g)
+        assert torch.equal(dx, x_ref.grad)
+    for (name, p), q in zip(stage.named_parameters(), ref.parameters()):
+        assert torch.equal(p.grad, q.grad), name
+    assert plans.misses == 1
