@@ -101,15 +101,15 @@ def main() -> None:
             return x, lm_loss(out, targets), None
         return x, out, torch.randn_like(out)
 
-    plans = split_backward.GraphPlans()  # as a stage keeps them
+    # B's analyses kept across microbatches, as a stage keeps them (a revision before GraphPlans: none)
+    plans = {how: {"plans": m.GraphPlans()} if hasattr(m, "GraphPlans") else {} for how, m in splits.items()}
 
     def one(how: str) -> tuple:
         x, out, grad = forward()
         grads = [grad] if grad is not None else None
         start = time.thread_time()
         if how in splits:
-            keep = {"plans": plans} if splits[how] is split_backward else {}
-            _, work = splits[how].backward_input([out], [grad], [x], params, **keep)
+            _, work = splits[how].backward_input([out], [grad], [x], params, **plans[how])
             mid = time.thread_time()
             splits[how].backward_weight(work)
             end = time.thread_time()

@@ -252,6 +252,25 @@ def _accumulate(edges: List[GradientEdge], grads: List[torch.Tensor], params: Li
     )
 
 
+def _group_weights(params: List[torch.Tensor], edges: List[GradientEdge], caught: List[Optional[torch.Tensor]]) -> None:
+    """A group's W: autograd from its intermediates' ``edges``, with what B ``caught`` there, to ``params``."""
+    given = [i for i, g in enumerate(caught) if g is not None]
+    if not given:
+        return
+    handles = []
+    if len({e.node for e in edges}) > 1:  # an intermediate below another gets its caught gradient, not twice
+        got: Dict[Node, Dict[int, torch.Tensor]] = collections.defaultdict(dict)
+        for e, g in zip(edges, caught):
+            got[e.node][e.output_nr] = g
+        for node, theirs in got.items():
+            handles.append(node.register_prehook(lambda out, at=theirs: tuple(at.get(i) for i in range(len(out)))))
+    try:
+        _accumulate([edges[i] for i in given], [caught[i] for i in given], params)
+    finally:
+        for h in handles:
+            h.remove()
+
+
 def backward_weight(work: WeightWork) -> None:
     """W: accumulates the weights' gradients (into ``.grad``, through autograd, hooks firing) from what B left."""
     if work.full and work.outputs:
@@ -259,19 +278,6 @@ def backward_weight(work: WeightWork) -> None:
         return
     if work.rest:  # first: the groups' pass below frees the graph's buffers it goes through
         torch.autograd.backward(list(work.outputs), list(work.grads), inputs=work.rest, retain_graph=True)
-    for params, edges, caught in work.groups:
-        roots = [(e, g) for e, g in zip(edges, caught) if g is not None]
-        handles = []
-        nodes = {e.node: {} for e in edges}
-        if len(nodes) > 1:  # an intermediate below another gets its caught gradient, not twice
-            for e, g in zip(edges, caught):
-                nodes[e.node][e.output_nr] = g
-            for node, got in nodes.items():
-                handles.append(node.register_prehook(lambda out, got=got: tuple(got.get(i) for i in range(len(out)))))
-        try:
-            if roots:
-                _accumulate([e for e, _ in roots], [g for _, g in roots], params)
-        finally:
-            for h in handles:
-                h.remove()
-    work.groups.clear()
+    groups, work.groups = work.groups[::-1], []
+    while groups:  # in B's order; a group's caught gradients are freed once its weights have theirs
+        _group_weights(*groups.pop())
