@@ -135,3 +135,37 @@ def test_kept_analyses_give_a_gpt_stage_the_gradients_of_one_backward_bit_for_bi
     for (name, p), q in zip(stage.named_parameters(), ref.parameters()):
         assert torch.equal(p.grad, q.grad), name
     assert plans.misses == 1
+
+
+class _TwoOut(torch.autograd.Function):
+    """(x * w, x + w): one node, two outputs, where w joins the input's path."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return x * w, x + w
+
+    @staticmethod
+    def backward(ctx, g_mul, g_add):
+        x, w = ctx.saved_tensors
+        g_mul = torch.zeros_like(x) if g_mul is None else g_mul
+        g_add = torch.zeros_like(x) if g_add is None else g_add
+        return g_mul * w + g_add, (g_mul * x + g_add).sum(0)
+
+
+def test_a_weight_joining_at_a_node_of_two_outputs_gets_both_outputs_gradients():
+    # B catches a gradient per output of the node where w joins (output 1 alone, then both, then output 1 as an output
+    # of the stage itself): W must give that node what it got in B at each of them
+    w = nn.Parameter(torch.tensor([0.5, -2.0, 1.5]))
+    for use in ["add", "both", "root"]:
+        x, g = torch.randn(4, 3, requires_grad=True), torch.randn(4, 3)
+        w_ref, x_ref = w.detach().clone().requires_grad_(), x.detach().clone().requires_grad_()
+        outs = []
+        for xx, ww in ((x, w), (x_ref, w_ref)):
+            mul, add = _TwoOut.apply(xx, ww)
+            outs.append({"add": torch.tanh(add), "both": torch.tanh(add) * mul.exp(), "root": add}[use])
+        w.grad = None
+        (dx,), work = backward_input([outs[0]], [g], [x], [w], plans=GraphPlans())
+        backward_weight(work)
+        outs[1].backward(g)
+        assert torch.equal(dx, x_ref.grad) and torch.equal(w.grad, w_ref.grad), use
