@@ -11,6 +11,12 @@ hooks that the data-parallel reducer and the float32 accumulators use fire as un
 backward; and a weight reachable from the outputs but not through the input's path (a branch of its
 own into an output) is not lost: W takes it from the outputs (the graph kept for it).
 
+What it costs beyond the two passes (issue 46): B finds the intermediates by one walk of the graph, whose
+structure (``_walk``) keys the analysis a stage keeps (``GraphPlans``: every microbatch of a stage builds a graph
+of one structure, so the weights are grouped once, and again only for a graph of another); B catches the
+gradients as ``torch.autograd.grad``'s inputs (``GradientEdge``s beside the stage's inputs), with no Python hook;
+W calls autograd's engine once a group, without ``torch.autograd.backward``'s Python checks (``_accumulate``).
+
 A stage whose input needs no gradient (the first: token ids) has no B to speak of: B does nothing
 and W the whole backward, as torch's does.
 """
@@ -96,13 +102,13 @@ _Plan = Tuple[Tuple[Tuple[Tuple[int, ...], Tuple[Tuple[int, int], ...]], ...], T
 
 
 def _walk(roots: Sequence[Node], labels: Dict[Node, int], weight_ids: Dict[int, int]) -> Tuple[List[Node], tuple]:
-    """Every node below ``roots`` in one deterministic breadth-first order, and the graph's shape: per node its type,
-    its children as (position, input number) (None: no gradient there) and its label (``labels``' for the inputs,
-    a weight's index in ``weight_ids`` for its AccumulateGrad node, else None). Two graphs of one shape have one
-    analysis at the same positions: the shape is what ``GraphPlans`` keys it by."""
+    """Every node below ``roots`` in one deterministic breadth-first order, and the graph's structure: per node its
+    type, its children as (position, input number) (None: no gradient there) and its label (``labels``' for the
+    inputs, a weight's index in ``weight_ids`` for its AccumulateGrad node, else None). Two graphs of one structure
+    have one analysis at the same positions: the structure is what ``GraphPlans`` keys it by."""
     order = list(dict.fromkeys(roots))
     index = {node: i for i, node in enumerate(order)}
-    shape = []
+    structure = []
     for node in order:  # grows as it goes: breadth first
         kids = []
         for child, nr in node.next_functions:
@@ -117,18 +123,24 @@ def _walk(roots: Sequence[Node], labels: Dict[Node, int], weight_ids: Dict[int, 
         label = labels.get(node)
         if label is None and not kids:  # a leaf's AccumulateGrad node: which weight, if one
             label = weight_ids.get(id(getattr(node, "variable", None)))
-        shape.append((type(node), tuple(kids), label))
-    return order, tuple(shape)
+        structure.append((type(node), tuple(kids), label))
+    return order, tuple(structure)
 
 
-def _analyse(order: List[Node], shape: tuple, roots: Sequence[Tuple[int, int]], inputs: List[Node], weights) -> _Plan:
-    """``_groups`` of the graph ``_walk`` gave (``order``, ``shape``; ``roots``: the outputs' edges), as positions."""
+def _analyse(
+    order: List[Node],
+    structure: tuple,
+    roots: Sequence[Tuple[int, int]],
+    inputs: List[Node],
+    weights: List[torch.Tensor],
+) -> _Plan:
+    """``_groups`` of the graph ``_walk`` gave (``order``, ``structure``; ``roots``: its outputs' edges), by place."""
     position = {node: i for i, node in enumerate(order)}
     consumers = _consumers([order[p] for p, _ in roots])
     weight_nodes = {_node(w): j for j, w in enumerate(weights)}
     groups = _groups(inputs, list(weight_nodes), consumers)
     edges_into = collections.defaultdict(set)  # position -> the output numbers a gradient can reach it at
-    for _, kids, _ in shape:
+    for _, kids, _ in structure:
         for kid in kids:
             if kid is not None:
                 edges_into[kid[0]].add(kid[1])
@@ -144,26 +156,26 @@ def _analyse(order: List[Node], shape: tuple, roots: Sequence[Tuple[int, int]], 
             )
         )
     covered = {j for g in plan for j in g[0]}
-    reached = {label for _, kids, label in shape if label is not None and label >= 0}  # weights' labels: >= 0
+    reached = {label for _, kids, label in structure if label is not None and label >= 0}  # weights' labels: >= 0
     return tuple(plan), tuple(sorted(reached - covered))
 
 
 class GraphPlans:
-    """A stage's backward graphs' analyses by their shape (``_walk``): every microbatch of a stage builds a graph of
-    one shape (the same module, input shapes and branches), so B walks it once and looks its analysis up instead of
-    running ``_groups`` again; a graph of another shape (another branch taken, another input shape) is analysed
-    anew. Keeps the ``size`` most recent shapes (zbv: a rank's two chunks)."""
+    """A stage's backward graphs' analyses, by the graph's structure (``_walk``): every microbatch of a stage builds
+    a graph of one structure (the same module, the same branches taken; tensor sizes do not enter it), so B walks it
+    and looks the analysis up instead of running ``_groups`` again; a graph of another structure (another branch,
+    other weights, another output) is analysed anew. Keeps the ``size`` most recent (zbv: a rank's two chunks)."""
 
     def __init__(self, size: int = 8):
         self.size = size
         self._plans: Dict[tuple, _Plan] = {}
-        self.misses = 0  # analyses run: one a shape while it stays kept
+        self.misses = 0  # analyses run: one a structure while it stays kept
 
-    def get(self, shape: tuple, analyse) -> _Plan:
-        plan = self._plans.get(shape)
+    def get(self, structure: tuple, analyse) -> _Plan:
+        plan = self._plans.get(structure)
         if plan is None:
             self.misses += 1
-            plan = self._plans[shape] = analyse()
+            plan = self._plans[structure] = analyse()
             if len(self._plans) > self.size:
                 del self._plans[next(iter(self._plans))]
         return plan
@@ -210,17 +222,17 @@ def backward_input(
         return [None] * len(given), WeightWork(outputs=outputs, grads=grads, full=bool(outputs))
     roots = [_node(o) for o in outputs]
     input_nodes = [_node(x) for x in inputs]
-    order, shape = _walk(
+    order, structure = _walk(
         [n for n in roots if n is not None],
         {n: -1 - i for i, n in enumerate(input_nodes)},
         {id(w): j for j, w in enumerate(weights)},
     )
     position = {n: i for i, n in enumerate(order[: len(roots)])}
     root_edges = tuple((position[n], o.output_nr) for n, o in zip(roots, outputs) if n is not None)
-    key = (shape, root_edges)
+    key = (structure, root_edges)
 
     def analyse() -> _Plan:
-        return _analyse(order, shape, root_edges, input_nodes, weights)
+        return _analyse(order, structure, root_edges, input_nodes, weights)
 
     groups, rest = plans.get(key, analyse) if plans is not None else analyse()
     # B catches the gradient each intermediate receives: autograd.grad's inputs, beside the stage's inputs
