@@ -2,7 +2,8 @@
 its backward as zb1p and zbv run it (B: ``split_backward.backward_input``, then W: ``backward_weight``, each timed)
 against the whole backward (``torch.autograd.backward``), the whole backward with the graph kept (``retain_graph``,
 as B keeps it) and the input's gradient alone (``torch.autograd.grad(out, x, retain_graph=True)``: what B cannot
-beat), interleaved, thread-CPU ms per microbatch (medians; the first 3 rounds left out).
+beat), interleaved (the order reversed every other round), thread-CPU ms per microbatch (medians; the first 3
+rounds left out).
 
     python scripts/bench_split.py [--microbatch-size 4] [--chunk 1 | --last] [--num-stages 2] [--rounds 30]
         [--num-layers 8] [--baseline REF]
@@ -123,7 +124,7 @@ def main() -> None:
     hows = [*splits, "whole", "whole, graph kept", "input gradient only"]
     times = {how: [] for how in hows}
     for r in range(args.rounds):
-        for how in hows:
+        for how in hows if r % 2 == 0 else hows[::-1]:  # each follows another every other round: no fixed neighbour
             t = one(how)
             if r >= 3:
                 times[how].append(t)
