@@ -6,18 +6,19 @@ beat), interleaved (the order reversed every other round), thread-CPU ms per mic
 rounds left out).
 
     python scripts/bench_split.py [--microbatch-size 4] [--chunk 1 | --last] [--num-stages 2] [--rounds 30]
-        [--num-layers 8] [--baseline REF]
+        [--num-layers 8] [--baseline REF] [--matmuls]
 
 The GPT is bench.py's (by default 8 blocks x 256, 4 heads, seq 128, vocab 256); chunk ``--chunk`` of its split into
 2 x ``--num-stages`` (``gpt_balance``), a middle one by default (its input needs a gradient; no loss), or with
 ``--last`` the last one (blocks, final norm and head) with the cross-entropy loss (``lm_loss``). ``--baseline REF``
 also times ``run/split_backward.py`` as it is at git revision REF, interleaved with today's: a before/after in one
-process.
+process. ``--matmuls`` instead prints each matmul's time in B, W and the whole backward (torch.profiler).
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import importlib.util
 import statistics
 import subprocess
@@ -64,6 +65,38 @@ def _at_revision(ref: str):
     return module
 
 
+def _profile_matmuls(forward, params, plans: dict, rounds: int) -> None:
+    """``--matmuls``: each ``aten::mm``'s self CPU time under torch.profiler, by where it ran (B, W, the whole backward)
+    and its input shapes (median us, calls a round): W's weight-gradient matmuls against the same ones in the whole."""
+    from torch.profiler import profile, record_function
+
+    def round_() -> None:
+        x, out, grad = forward()
+        with record_function("B"):
+            _, work = split_backward.backward_input([out], [grad], [x], params, **plans)
+        with record_function("W"):
+            split_backward.backward_weight(work)
+        x, out, grad = forward()
+        with record_function("whole"):
+            torch.autograd.backward([out], None if grad is None else [grad])
+
+    for _ in range(3):
+        round_()
+    with profile(record_shapes=True) as prof:
+        for _ in range(rounds):
+            round_()
+    found = collections.defaultdict(list)
+    for event in prof.events():
+        where = event.cpu_parent
+        while where is not None and where.name not in ("B", "W", "whole"):
+            where = where.cpu_parent
+        if event.name == "aten::mm" and where is not None:
+            found[(where.name, str(event.input_shapes))].append(event.self_cpu_time_total)
+    print(f"aten::mm self CPU us (median of {rounds} rounds) by where it ran and its input shapes, x calls a round")
+    for (where, shapes), us in sorted(found.items()):
+        print(f"  {where:>5} {shapes}: {statistics.median(us):.1f} x {len(us) // rounds}")
+
+
 def _parse() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--microbatch-size", type=int, default=4)
@@ -76,6 +109,7 @@ def _parse() -> argparse.Namespace:
     parser.add_argument("--num-heads", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--baseline", default=None, help="a git revision: its split_backward.py timed beside today's")
+    parser.add_argument("--matmuls", action="store_true", help="instead: each matmul's time in B, W and the whole")
     return parser.parse_args()
 
 
@@ -104,6 +138,8 @@ def main() -> None:
 
     # B's analyses kept across microbatches, as a stage keeps them (a revision before GraphPlans: none)
     plans = {how: {"plans": m.GraphPlans()} if hasattr(m, "GraphPlans") else {} for how, m in splits.items()}
+    if args.matmuls:
+        return _profile_matmuls(forward, params, plans["split"], args.rounds)
 
     def one(how: str) -> tuple:
         x, out, grad = forward()
