@@ -184,8 +184,7 @@ class StageWorker:
         self.peers, self.versions, self.p2p, self.feed = peers, versions, p2p, feed
         self.loss_fn, self.device, self.reducer, self.grad_scale = loss_fn, device, reducer, grad_scale
         self.stats = StageStats(stage_index, p2p.ctx.rank)
-        self.swap = swap
-        self.stream = stream  # swap.weights: the stage's weights come from host memory layer by layer
+        self.swap, self.stream = swap, stream  # stream (swap.weights): the weights come from host memory layer by layer
         if stream is not None and reducer is not None:  # its gradients reach the host accumulators, not autograd's
             stream.on_grad = self._host_grad_ready
         # Reduced precision: forwards under autocast; activations and their gradients cross stages
@@ -208,6 +207,7 @@ class StageWorker:
         # pipeline.schedule=zb1p: B k computes the input's gradient, W k the weights' from what B left here (k -> it)
         self.split = versions.schedule in SPLIT_SCHEDULES
         self._weight_work: Dict[int, split_backward.WeightWork] = {}
+        self._graph_plans = split_backward.GraphPlans()  # B's graph analyses, by the graph's shape
         self._saved_bytes: Optional[int] = None  # what autograd saves for one microbatch
         self._batch_losses: Dict[int, List[torch.Tensor]] = {}
         self._posted: Dict[Tuple[str, int], List[tuple]] = {}  # RECV_X k's posted receives, by (X, k)
@@ -433,9 +433,10 @@ class StageWorker:
             ]
             outputs, grads = [o for o, _ in pairs], [g for _, g in pairs]
         inputs = [t for t in _leaves(x) if t.is_floating_point()] if not self.first else []
-        params = self.versions.module_for_batch(k // self.m)
-        params = (v_chunks.part(params, self._chunk, self._parts) if self._chunks else params).parameters()
-        dinputs, self._weight_work[k] = split_backward.backward_input(outputs, grads, inputs, list(params))
+        module = self.versions.module_for_batch(k // self.m)
+        params = list((v_chunks.part(module, self._chunk, self._parts) if self._chunks else module).parameters())
+        work = split_backward.backward_input(outputs, grads, inputs, params, plans=self._graph_plans)
+        dinputs, self._weight_work[k] = work
         if not self.first:
             self._outbox[(BACKWARD, k)] = [g if g is not None else torch.zeros_like(t) for t, g in zip(inputs, dinputs)]
 
