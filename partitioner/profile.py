@@ -54,6 +54,7 @@ from pipedream2bw.memory.memprobe import saved_bytes
 from pipedream2bw.memory.step_memory import StepModel, layer_step_bytes
 from pipedream2bw.models import build_gpt_layers, lm_loss
 from pipedream2bw.models.gpt import layer_kind
+from pipedream2bw.pipeline.split_backward import GraphPlans, backward_input, backward_weight
 
 CACHE_VERSION = 4  # 2: the step's transient bytes (LayerCost.step_*); 3: the split backward's (split_s); 4: its B's
 
@@ -116,16 +117,13 @@ def _time_passes(
 
 
 def split_backward(
-    outputs: Sequence[torch.Tensor], grads, inputs: Sequence[torch.Tensor], params
+    outputs: Sequence[torch.Tensor], grads, inputs: Sequence[torch.Tensor], params, *, plans: Optional[GraphPlans]
 ) -> Callable[[], None]:
-    """A backward as zb1p and zbv run it (issue 46): B now, the ``inputs``' gradients with the graph kept; W returned,
-    the ``params``' from what B caught; by torch's ``stage_backward_input`` / ``stage_backward_weight``, which the
-    runtime's own split (``run/split_backward.py``, not imported here: the planner never imports the runtime) follows;
-    ``grads`` None for a loss."""
-    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
-
-    _, groups = stage_backward_input(list(outputs), grads, list(inputs), iter(params))
-    return functools.partial(stage_backward_weight, iter(params), groups)
+    """A backward as zb1p and zbv run it (issue 46), by the runtime's own code (``pipeline/split_backward.py``): B now,
+    the ``inputs``' gradients with the graph kept; W returned, the ``params``' from what B caught; ``grads`` None for
+    a loss. ``plans``: the layer's graph analyses kept across rounds, as a stage keeps them across microbatches."""
+    _, work = backward_input(list(outputs), grads, list(inputs), list(params), plans=plans)
+    return functools.partial(backward_weight, work)
 
 
 def _time_optimizer(
@@ -221,10 +219,15 @@ def profile_layer(
         warmup=warmup,
         repeats=repeats,
         masters=masters,
-        split=(lambda out: split_backward([out], None if grad is None else [grad], [x], params))
+        split=functools.partial(_split_of_output, grad=grad, x=x, params=params, plans=GraphPlans())
         if x.requires_grad
         else None,
     )
+
+
+def _split_of_output(out, *, grad, x, params, plans: GraphPlans) -> Callable[[], None]:
+    """``split_backward`` of a GPT layer's output ``out`` (a loss where ``grad`` is None) to its input ``x``."""
+    return split_backward([out], None if grad is None else [grad], [x], params, plans=plans)
 
 
 def document_positions(b: int, T: int) -> torch.Tensor:
@@ -603,9 +606,11 @@ def profile_any_layer(
         elif outs:
             torch.autograd.backward(needing(out), grads)
 
+    plans = GraphPlans()
+
     def split(out) -> Callable[[], None]:
         if loss_fn is not None or outs:
-            return split_backward(needing(out), grads, float_inputs, params)
+            return split_backward(needing(out), grads, float_inputs, params, plans=plans)
         return lambda: None
 
     return _measure(

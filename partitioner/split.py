@@ -1,7 +1,7 @@
 """Pure: what splitting a backward into B and W costs the schedules that split it (zb1p, zbv; issue 46).
 
 The split runs two autograd passes where the whole backward runs one: B, the input's gradient, keeping the graph,
-then W, the weights' from what B caught (``run/split_backward.py``). Per layer and microbatch it takes
+then W, the weights' from what B caught (``pipeline/split_backward.py``). Per layer and microbatch it takes
 ``LayerCost.split_s`` more than the whole backward (profiled by ``profile.split_backward``: 0.7-1.2 ms on a block
 backward of 1.3-2.2 ms at GPT 4 x 64, b=4, on a 2-core CPU, docs/planner.md; analytic costs:
 ``profile.SPLIT_ANALYTIC`` of the backward). Per layer: a stage of several layers runs one B and one W, so their

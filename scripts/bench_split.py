@@ -11,7 +11,7 @@ rounds left out).
 The GPT is bench.py's (by default 8 blocks x 256, 4 heads, seq 128, vocab 256); chunk ``--chunk`` of its split into
 2 x ``--num-stages`` (``gpt_balance``), a middle one by default (its input needs a gradient; no loss), or with
 ``--last`` the last one (blocks, final norm and head) with the cross-entropy loss (``lm_loss``). ``--baseline REF``
-also times ``run/split_backward.py`` as it is at git revision REF, interleaved with today's: a before/after in one
+also times ``pipeline/split_backward.py`` as it is at git revision REF, interleaved with today's: a before/after in one
 process. ``--matmuls`` instead prints each matmul's time in B, W and the whole backward (torch.profiler).
 """
 
@@ -31,7 +31,7 @@ import torch
 
 from pipedream2bw.config import Config, GPTConfig, PipelineConfig, TrainConfig, WandbConfig, gpt_balance
 from pipedream2bw.models.gpt import lm_loss
-from pipedream2bw.run import split_backward
+from pipedream2bw.pipeline import split_backward
 from pipedream2bw.run.model import build_stage_module
 
 
@@ -51,11 +51,17 @@ def _config(args) -> Config:
 
 
 def _at_revision(ref: str):
-    """``run/split_backward.py`` as it is at git revision ``ref``, imported as a module of its own."""
+    """``pipeline/split_backward.py`` as it is at git revision ``ref``, imported as a module of its own."""
     root = Path(__file__).resolve().parent.parent
-    source = subprocess.run(
-        ["git", "show", f"{ref}:pipedream2bw/run/split_backward.py"], cwd=root, check=True, capture_output=True
-    ).stdout
+    for where in ("pipeline", "run"):  # run/ before it moved (the planner's profile runs it too)
+        shown = subprocess.run(
+            ["git", "show", f"{ref}:pipedream2bw/{where}/split_backward.py"], cwd=root, capture_output=True
+        )
+        if shown.returncode == 0:
+            break
+    else:
+        raise SystemExit(f"--baseline {ref}: no pipedream2bw/pipeline/ or run/split_backward.py there")
+    source = shown.stdout
     path = Path(tempfile.mkdtemp()) / "split_backward_at_ref.py"
     path.write_bytes(source)
     spec = importlib.util.spec_from_file_location("split_backward_at_ref", path)

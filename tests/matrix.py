@@ -74,7 +74,7 @@ FACTORS: "OrderedDict[str, Tuple[Any, ...]]" = OrderedDict(
     # NAdamW (beta1 0.99) for the rest (optim.muon_others=adamw): LOOKAHEAD; refused with the plain cells' SGD
     lookahead=(False, True),
     # pipeline.schedule=zb1p in place of a flush cell's flush: the same update (the flush reference), each backward
-    # split into B (input gradient) and W (weight gradient, later: run/split_backward.py)
+    # split into B (input gradient) and W (weight gradient, later: pipeline/split_backward.py)
     zero_bubble=(False, True),
     # data.packing=documents (issue 45): the shipped example documents packed into rows of SEQ_LEN, each attending
     # only within its documents (positions across every boundary beside the activations), the loss the mean over the

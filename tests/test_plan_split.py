@@ -81,9 +81,9 @@ def test_profile_times_the_split_backward_of_a_layer_whose_input_needs_a_gradien
     # backward (the measured figure itself is a few tenths of a block's backward: docs/planner.md)
     split = profile_mod.split_backward
 
-    def slower(*args):
+    def slower(*args, **kwargs):
         time.sleep(0.02)
-        return split(*args)
+        return split(*args, **kwargs)
 
     monkeypatch.setattr(profile_mod, "split_backward", slower)
     cfg = GPTConfig(num_layers=1, d_model=32, num_heads=2, seq_len=16, vocab_size=64)
@@ -108,8 +108,9 @@ def test_a_split_b_takes_the_profiled_input_gradient_and_w_the_rest():
     assert batch("flush", seg, 2, 2) == pytest.approx(9.0)
 
 
-def test_the_profiled_split_backward_gives_the_whole_backwards_gradients():
-    # what the profile times must be the backward's work, all of it: the same gradients as a whole backward
+def test_the_profiled_split_backward_gives_the_whole_backwards_gradients(monkeypatch):
+    # what the profile times must be the backward's work, all of it: the same gradients as a whole backward, the
+    # input's from B (which returns it, as the runtime's B does) and the weights' from W
     torch.manual_seed(0)
     layer = torch.nn.Sequential(torch.nn.LayerNorm(8), torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 8))
     x = torch.randn(4, 8, requires_grad=True)
@@ -118,7 +119,12 @@ def test_the_profiled_split_backward_gives_the_whole_backwards_gradients():
     whole = [p.grad.clone() for p in layer.parameters()] + [x.grad.clone()]
     for t in [*layer.parameters(), x]:
         t.grad = None
-    weight = profile_mod.split_backward([layer(x)], [grad], [x], list(layer.parameters()))
+    from_b = []
+    b = profile_mod.backward_input
+    monkeypatch.setattr(profile_mod, "backward_input", lambda *a, **k: from_b.append(b(*a, **k)) or from_b[-1])
+    weight = profile_mod.split_backward([layer(x)], [grad], [x], list(layer.parameters()), plans=None)
+    assert all(p.grad is None for p in layer.parameters())  # B left the weights' to W
     weight()
-    for got, want in zip([*(p.grad for p in layer.parameters()), x.grad], whole):
+    (dx,), _ = from_b[0]
+    for got, want in zip([*(p.grad for p in layer.parameters()), dx], whole):
         torch.testing.assert_close(got, want)

@@ -1,4 +1,5 @@
-"""zb1p's backward in two (run/split_backward.py): B's input gradient and W's weight gradients equal one backward's."""
+"""zb1p's backward in two (pipeline/split_backward.py): B's input gradient and W's weight gradients equal one
+backward's."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from torch import nn
 
 from pipedream2bw.config import GPTConfig
 from pipedream2bw.models.gpt import build_gpt_layers
-from pipedream2bw.run.split_backward import GraphPlans, backward_input, backward_weight
+from pipedream2bw.pipeline.split_backward import GraphPlans, backward_input, backward_weight
 
 
 def _gpt_stage() -> nn.Module:

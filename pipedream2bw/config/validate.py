@@ -481,7 +481,8 @@ def _validate_documents(cfg: Config) -> None:
 
 def _validate_split_backward(cfg: Config) -> None:
     """pipeline.schedule=zb1p splits each backward into B (input gradient) and W (weight gradient), autograd's graph
-    kept between them (run/split_backward.py); what holds or moves a stage's saved tensors by backward is refused."""
+    kept between them (pipeline/split_backward.py); what holds or moves a stage's saved tensors by backward is
+    refused."""
     if cfg.pipeline.schedule != "zb1p":
         return
     why = None

@@ -19,7 +19,7 @@ from pipedream2bw.memory.precision import autocast, compute_dtype
 from pipedream2bw.memory.sharding import ShardedVersions
 from pipedream2bw.memory.stream import WeightStream
 from pipedream2bw.memory.swap import SwapManager
-from pipedream2bw.pipeline import agreement, stateful
+from pipedream2bw.pipeline import agreement, split_backward, stateful
 from pipedream2bw.pipeline.agreement import NonFiniteError, StepDecision, StepOutcome, StepRule
 from pipedream2bw.pipeline.boundary import Channel, from_wire, to_device, to_wire
 from pipedream2bw.pipeline.comm import P2P, AsyncSum, BatchReduction, GradReducer, ShardedReduction
@@ -41,7 +41,6 @@ from pipedream2bw.pipeline.schedule import (
 )
 from pipedream2bw.pipeline.versions import WeightVersions
 from pipedream2bw.run import chunks as v_chunks
-from pipedream2bw.run import split_backward
 
 log = logging.getLogger(__name__)
 
