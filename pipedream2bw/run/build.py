@@ -424,8 +424,7 @@ def data(
     evaluator = None
     if train.eval_every:  # its own group (made on every rank): validation transfers never queue behind training's
         evaluator = evaluate.Evaluator(
-            prev=peers.prev,
-            next=peers.next,
+            legs=eval_legs(rt, peers),
             loss_sources=peers.loss_sources,
             feed=val_feed,
             p2p=comm.P2P(ctx, group=comm.new_groups(ctx, [range(ctx.world_size)])[0]),
@@ -438,6 +437,19 @@ def data(
             sends_loss=peers.sends_loss,
         )
     return feed, val_feed, evaluator
+
+
+def eval_legs(rt: RankPlan, peers: Peers) -> List[evaluate.Leg]:
+    """This rank's part of a validation pass: its stage from its neighbours, or under zbv its two chunks in their
+    order (``chunk_specs``: chunk d-1 hands chunk d its output on rank d-1)."""
+    specs = chunk_specs(rt)
+    if not specs:
+        return [evaluate.Leg(layers=None, prev=peers.prev, next=peers.next)]
+    starts = [0, specs[0].num_layers]
+    return [
+        evaluate.Leg(layers=slice(start, start + spec.num_layers), prev=spec.prev, next=spec.next)
+        for start, spec in zip(starts, specs)
+    ]
 
 
 def batch_sends(dist: DistConfig, rt: RankPlan) -> bool:
