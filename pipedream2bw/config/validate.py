@@ -390,8 +390,9 @@ def v_schedule_refusal(cfg: Config) -> Optional[str]:
     """Why ``cfg`` cannot run pipeline.schedule=zbv (two chunks a rank, run/chunks.py), in one line naming the key and
     the fix, or None: zbv is proven against the flush reference with AdamW in fp32 on gloo, at w >= 1, under
     partition=manual|auto|file (a plan's balance lists its 2d chunks), with validation passes (train.eval_every:
-    run/evaluate.py's legs, a chunk each). The planner asks too (schedule=auto skips zbv
-    where this says no)."""
+    run/evaluate.py's legs, a chunk each) and the GPT's tied embeddings (model.tie_embeddings: chunks 0 and 2d-1, both
+    on rank 0, one parameter there; a layer list's tie across ranks is refused in run/start.py). The planner asks too
+    (schedule=auto skips zbv where this says no)."""
     if cfg.pipeline.schedule != "zbv":
         return None
     import torch
@@ -401,7 +402,6 @@ def v_schedule_refusal(cfg: Config) -> Optional[str]:
     refused = [
         (nccl or bool(cfg.dist.batch_p2p), "NCCL or dist.batch_p2p (sends held)", "dist.backend=gloo and no batch_p2p"),
         (cfg.train.precision not in ("fp32", "auto"), f"train.precision={cfg.train.precision}", "fp32"),
-        (getattr(cfg.model, "tie_embeddings", False), "model.tie_embeddings", "it false"),
         (bool(cfg.optim.sharded), "optim.sharded", "it false"),
         (bool(swap_stages(cfg.swap, cfg.pipeline.num_stages)), "swap.enabled/swap.stages", "neither"),
         (cfg.swap.weights or cfg.swap.optimizer != "device", "swap.weights/swap.optimizer", "their defaults"),
