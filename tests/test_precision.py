@@ -12,7 +12,7 @@ from typing import Sequence
 import pytest
 import torch
 from dist_helper import spawn
-from reference import reference_train
+from reference import reference_eval, reference_train
 from test_semantics import assert_losses_close, max_abs_diff, tiny_config
 
 from partitioner.cost import Segments, StageContext, StageCost
@@ -235,6 +235,27 @@ def test_bf16_pipeline_equals_the_autocast_oracle(tmp_path, d, schedules):
         assert_losses_close(summary["losses"], losses)
         fp32, _ = reference_train(precision_config(schedule, 1, m, "fp32"), delayed=schedule == "2bw")
         assert max_abs_diff(weights, fp32) > 1e-2
+
+
+@pytest.mark.slow
+def test_bf16_zbv_equals_the_autocast_oracle(tmp_path):
+    """zbv under bf16 (issue 46): each chunk's forward under autocast, its output rounded to bf16 at every chunk
+    boundary (rank 1's hand-off from chunk 1 to chunk 2 too, as a send would): one process under autocast rounding
+    where a 4-stage pipeline of the same balance sends, flush's update, to float32 round-off. Its validation pass
+    rounds where training does: the final weights' loss in that process."""
+    cfg = precision_config("zbv", 2, 4, "bf16", num_steps=4)
+    cfg.data.val_fraction, cfg.train.eval_every, cfg.train.eval_batches = 0.1, 2, 1
+    (summary, weights), *_ = run_jobs(tmp_path, [cfg], world_size=2)
+    assert (summary["precision"], summary["compute_dtype"]) == ("bf16", "bfloat16")
+    oracle_cfg, fp32_cfg = (precision_config("flush", 1, 4, p, num_steps=4) for p in ("bf16", "fp32"))
+    oracle_cfg.data.val_fraction = fp32_cfg.data.val_fraction = cfg.data.val_fraction  # the same training windows
+    chunks = gpt_balance(oracle_cfg.model, 4)
+    expected, losses = reference_train(oracle_cfg, delayed=False, balance=chunks)
+    torch.testing.assert_close(weights, expected)
+    assert_losses_close(summary["losses"], losses)
+    assert_losses_close([summary["final_val_loss"]], [reference_eval(cfg, weights, balance=chunks)])
+    fp32, _ = reference_train(fp32_cfg, delayed=False)
+    assert max_abs_diff(weights, fp32) > 1e-2
 
 
 def fp16_config(*, d: int, w: int, steps: int, resume: str = "never") -> Config:
