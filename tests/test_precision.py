@@ -258,8 +258,8 @@ def test_bf16_zbv_equals_the_autocast_oracle(tmp_path):
     assert max_abs_diff(weights, fp32) > 1e-2
 
 
-def fp16_config(*, d: int, w: int, steps: int, resume: str = "never") -> Config:
-    cfg = precision_config("2bw", d, 4 // w, "fp16", optim="sgd_momentum", num_steps=steps)
+def fp16_config(*, d: int, w: int, steps: int, resume: str = "never", schedule: str = "2bw") -> Config:
+    cfg = precision_config(schedule, d, 4 // w, "fp16", optim="sgd_momentum", num_steps=steps)
     cfg.pipeline.data_parallel = w  # w * m * b = 8 sequences per batch at every layout
     cfg.train = dataclasses.replace(
         cfg.train, loss_scale=1024.0, loss_scale_growth_interval=2, checkpoint_every=5, resume=resume
@@ -280,6 +280,26 @@ def fp16_skip_reference(*, steps: int, batch: int):
         info=info,
     )
     return expected, losses, info
+
+
+@pytest.mark.slow
+def test_fp16_zbv_skips_an_overflow_on_one_rank_everywhere(tmp_path):
+    """zbv under fp16 (issue 46): the loss scaled at chunk 3 (rank 0), an inf in the gradient of layer 1 (chunk 1, on
+    rank 1) at batch 3's microbatch 2: both ranks skip batch 3 by agreement, the scale halves, and training is one
+    process's under fp16 autocast that rounds where a 4-stage pipeline of the same balance sends, with flush's update
+    and the same skip, to float32 round-off."""
+    steps, batch = 6, 3
+    cfg = fp16_config(d=2, w=1, steps=steps, schedule="zbv")
+    ((summary, weights),) = run_jobs(tmp_path, [cfg], world_size=2, inject={0: (1, 1, batch * 4 + 2 + 1)})
+    assert [r["skipped_steps"] for r in summary["ranks"]] == [[batch]] * 2
+    oracle = fp16_config(d=1, w=1, steps=steps, schedule="flush")
+    chunks, info = gpt_balance(oracle.model, 4), {}
+    layers = inf_gradient_layers(oracle, layer=1, call=batch * 4 + 2 + 1)
+    expected, losses = reference_train(oracle, delayed=False, balance=chunks, layers=layers, info=info)
+    assert info["skipped_steps"] == [batch] and summary["loss_scale"]["per_step"] == info["loss_scales"]
+    assert info["loss_scales"][batch + 1] < info["loss_scales"][batch]  # the overflow halved it
+    torch.testing.assert_close(weights, expected)
+    assert_losses_close(summary["losses"], losses)
 
 
 @pytest.mark.slow

@@ -388,8 +388,9 @@ def _validate_v_schedule(cfg: Config) -> None:
 
 def v_schedule_refusal(cfg: Config) -> Optional[str]:
     """Why ``cfg`` cannot run pipeline.schedule=zbv (two chunks a rank, run/chunks.py), in one line naming the key and
-    the fix, or None: zbv is proven against the flush reference with AdamW in fp32 and bf16 (autocast, activations
-    and their gradients in bf16 across every chunk boundary, the hand-off on rank d-1 too) on gloo, at w >= 1, under
+    the fix, or None: zbv is proven against the flush reference with AdamW in fp32, bf16 and fp16 (autocast,
+    activations and their gradients in the compute dtype across every chunk boundary, the hand-off on rank d-1 too;
+    fp16's loss scale and its agreed skip) on gloo, at w >= 1, under
     partition=manual|auto|file (a plan's balance lists its 2d chunks), with validation passes (train.eval_every:
     run/evaluate.py's legs, a chunk each) and the GPT's tied embeddings (model.tie_embeddings: chunks 0 and 2d-1, both
     on rank 0, one parameter there; a layer list's tie across ranks is refused in run/start.py). The planner asks too
@@ -398,11 +399,10 @@ def v_schedule_refusal(cfg: Config) -> Optional[str]:
         return None
     import torch
 
-    why = "pipeline.schedule=zbv (two chunks a rank) is proven in fp32 and bf16 on gloo without"
+    why = "pipeline.schedule=zbv (two chunks a rank) is proven on gloo without"
     nccl = cfg.dist.backend == "nccl" or (cfg.dist.backend == "auto" and torch.cuda.is_available())
     refused = [
         (nccl or bool(cfg.dist.batch_p2p), "NCCL or dist.batch_p2p (sends held)", "dist.backend=gloo and no batch_p2p"),
-        (cfg.train.precision not in ("fp32", "bf16", "auto"), f"train.precision={cfg.train.precision}", "fp32 or bf16"),
         (
             cfg.train.precision != "fp32" and cfg.train.weight_dtype == "compute",
             "train.weight_dtype=compute (weight versions in the compute dtype)",
