@@ -413,7 +413,6 @@ def v_schedule_refusal(cfg: Config) -> Optional[str]:
         (cfg.swap.weights or cfg.swap.optimizer != "device", "swap.weights/swap.optimizer", "their defaults"),
         (bool(cfg.pipeline.recompute), "pipeline.recompute", "it false"),
         (cfg.pipeline.tensor_parallel > 1, "pipeline.tensor_parallel > 1", "it 1"),
-        (cfg.data.packing != "windows", "data.packing=documents", "data.packing=windows"),
     ]
     for bad, what, fix in refused:
         if bad:
@@ -464,7 +463,7 @@ def _validate_documents(cfg: Config) -> None:
         return
     why = (
         "data.packing=documents is proven with the built-in GPT and model=hf's Llama family in fp32 and bf16 (2bw, "
-        "flush, gpipe, zb1p, recompute, optim.sharded, activation swapping, the GPT's partition=auto), without"
+        "flush, gpipe, zb1p, zbv, recompute, optim.sharded, activation swapping, the GPT's partition=auto), without"
     )
     refused = [
         (not isinstance(cfg.model, (GPTConfig, HFModelConfig)), "a layer list (model=custom)", "model=gpt or hf"),
