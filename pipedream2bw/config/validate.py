@@ -408,7 +408,6 @@ def v_schedule_refusal(cfg: Config) -> Optional[str]:
             "train.weight_dtype=compute (weight versions in the compute dtype)",
             "train.weight_dtype=fp32",
         ),
-        (bool(cfg.optim.sharded), "optim.sharded", "it false"),
         (bool(swap_stages(cfg.swap, cfg.pipeline.num_stages)), "swap.enabled/swap.stages", "neither"),
         (cfg.swap.weights or cfg.swap.optimizer != "device", "swap.weights/swap.optimizer", "their defaults"),
         (bool(cfg.pipeline.recompute), "pipeline.recompute", "it false"),
