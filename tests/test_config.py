@@ -185,7 +185,6 @@ def test_gpt_balance_spreads_blocks_and_adds_the_cheap_end_layers():
     [
         (["dist.batch_p2p=true"], "NCCL or dist.batch_p2p"),
         (["train.precision=bf16", "train.weight_dtype=compute", "optim.name=adamw"], "train.weight_dtype=compute"),
-        (["optim.sharded=true"], "optim.sharded"),
         (["swap.enabled=true"], "swap.enabled/swap.stages"),
         (["pipeline.recompute=true"], "pipeline.recompute"),
     ],

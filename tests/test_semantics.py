@@ -142,6 +142,21 @@ def test_zero_bubble_v_with_tied_embeddings_equals_minibatch_training(tmp_path, 
 
 
 @pytest.mark.slow
+def test_zero_bubble_v_with_a_host_optimizer_equals_minibatch_training(tmp_path):
+    # zbv (issue 46) with swap.optimizer=host: the rank's masters and optimizer state in host memory, both chunks'
+    # gradients copied out at the rank's last W of a batch and stepped there (the rank's one step).
+    cfg = tiny_config(schedule="zbv", num_stages=2, num_microbatches=4, optim="sgd_momentum", num_steps=4)
+    cfg.swap.optimizer = "host"
+    summary = run_ok(cfg, tmp_path)
+    expected, expected_losses = reference_train(
+        tiny_config(schedule="flush", num_stages=1, num_microbatches=4, optim="sgd_momentum", num_steps=4),
+        delayed=False,
+    )
+    torch.testing.assert_close(torch.load(tmp_path / "final_model.pt"), expected)
+    assert_losses_close(summary["losses"], expected_losses)
+
+
+@pytest.mark.slow
 @pytest.mark.long
 def test_zero_bubble_v_at_three_ranks_equals_minibatch_training(tmp_path):
     # d=3: a middle rank (chunks 1 and 4) that receives from and sends to both neighbours on the same tags. SGD with

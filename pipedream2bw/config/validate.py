@@ -388,13 +388,13 @@ def _validate_v_schedule(cfg: Config) -> None:
 
 def v_schedule_refusal(cfg: Config) -> Optional[str]:
     """Why ``cfg`` cannot run pipeline.schedule=zbv (two chunks a rank, run/chunks.py), in one line naming the key and
-    the fix, or None: zbv is proven against the flush reference with AdamW in fp32, bf16 and fp16 (autocast,
-    activations and their gradients in the compute dtype across every chunk boundary, the hand-off on rank d-1 too;
-    fp16's loss scale and its agreed skip) on gloo, at w >= 1, under
-    partition=manual|auto|file (a plan's balance lists its 2d chunks), with validation passes (train.eval_every:
-    run/evaluate.py's legs, a chunk each) and the GPT's tied embeddings (model.tie_embeddings: chunks 0 and 2d-1, both
-    on rank 0, one parameter there; a layer list's tie across ranks is refused in run/start.py). The planner asks too
-    (schedule=auto skips zbv where this says no)."""
+    the fix, or None. zbv is proven against the flush reference on gloo, at w >= 1, under partition=manual|auto|file
+    (a plan's balance lists its 2d chunks), with AdamW and SGD, clipping, fp32, bf16 and fp16 (the compute dtype across
+    every chunk boundary, the hand-off on rank d-1 too; fp16's loss scale and agreed skip), validation passes
+    (run/evaluate.py's legs, a chunk each), the GPT's tied embeddings (chunks 0 and 2d-1, both on rank 0: one parameter
+    there; a layer list's tie across ranks is refused in run/start.py), optim.sharded, swap.optimizer=host and packed
+    documents. What it is not proven with is refused here; the planner asks too (schedule=auto skips zbv where this
+    says no)."""
     if cfg.pipeline.schedule != "zbv":
         return None
     import torch
@@ -409,7 +409,7 @@ def v_schedule_refusal(cfg: Config) -> Optional[str]:
             "train.weight_dtype=fp32",
         ),
         (bool(swap_stages(cfg.swap, cfg.pipeline.num_stages)), "swap.enabled/swap.stages", "neither"),
-        (cfg.swap.weights or cfg.swap.optimizer != "device", "swap.weights/swap.optimizer", "their defaults"),
+        (cfg.swap.weights, "swap.weights (weight streaming)", "it false"),
         (bool(cfg.pipeline.recompute), "pipeline.recompute", "it false"),
         (cfg.pipeline.tensor_parallel > 1, "pipeline.tensor_parallel > 1", "it 1"),
     ]
