@@ -184,7 +184,6 @@ def test_gpt_balance_spreads_blocks_and_adds_the_cheap_end_layers():
     "overrides, key",
     [
         (["dist.batch_p2p=true"], "NCCL or dist.batch_p2p"),
-        (["train.precision=bf16", "train.weight_dtype=compute", "optim.name=adamw"], "train.weight_dtype=compute"),
         (["swap.enabled=true"], "swap.enabled/swap.stages"),
         (["pipeline.recompute=true"], "pipeline.recompute"),
     ],

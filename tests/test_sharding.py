@@ -395,6 +395,25 @@ def test_bf16_weight_versions_equal_the_rounded_masters_reference(four_ranks):
     torch.testing.assert_close(resumed, weights, rtol=0, atol=0)
 
 
+@pytest.mark.slow
+def test_bf16_weight_versions_under_zbv_equal_the_rounded_masters_reference(tmp_path):
+    """train.weight_dtype=compute under bf16 and zbv (issue 46), d=2: both chunks of a rank run on bf16 roundings of
+    its float32 masters, the hand-off from chunk 1 to 2 stays bf16 as a send does: one process applying flush's rule
+    with bf16 versions, rounding where a 4-stage pipeline of the same balance sends."""
+    cfg = _bf16_versions(2, 1)
+    cfg.pipeline.schedule = "zbv"
+    ((summary, weights),) = run_jobs(tmp_path, [cfg], world_size=2)
+    assert len(summary["balance"]) == 4  # the chunks
+    reference = tiny_config(schedule="flush", num_stages=1, num_microbatches=4, num_steps=STEPS)
+    reference.train, reference.pipeline.microbatch_size = _bf16_versions(2, 1).train, 4
+    expected = reference_run(reference, delayed=False, balance=summary["balance"])
+    torch.testing.assert_close(weights, expected.weights)
+    torch.testing.assert_close(torch.tensor(summary["losses"]), torch.tensor(expected.losses))
+    reference.train.weight_dtype = "fp32"
+    fp32_versions = reference_run(reference, delayed=False, balance=summary["balance"])
+    assert max(float((expected.weights[k] - fp32_versions.weights[k]).abs().max()) for k in weights) > 1e-3
+
+
 def test_sharding_refuses_what_it_cannot_step():
     cfg = _replicated(tiny_config(schedule="2bw", num_stages=2, num_microbatches=4), 2)
     cfg.optim.target = "torch.optim.SGD"

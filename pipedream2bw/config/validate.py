@@ -392,9 +392,9 @@ def v_schedule_refusal(cfg: Config) -> Optional[str]:
     (a plan's balance lists its 2d chunks), with AdamW and SGD, clipping, fp32, bf16 and fp16 (the compute dtype across
     every chunk boundary, the hand-off on rank d-1 too; fp16's loss scale and agreed skip), validation passes
     (run/evaluate.py's legs, a chunk each), the GPT's tied embeddings (chunks 0 and 2d-1, both on rank 0: one parameter
-    there; a layer list's tie across ranks is refused in run/start.py), optim.sharded, swap.optimizer=host and packed
-    documents. What it is not proven with is refused here; the planner asks too (schedule=auto skips zbv where this
-    says no)."""
+    there; a layer list's tie across ranks is refused in run/start.py), optim.sharded, swap.optimizer=host,
+    train.weight_dtype=compute and packed documents. What it is not proven with is refused here; the planner asks too
+    (schedule=auto skips zbv where this says no)."""
     if cfg.pipeline.schedule != "zbv":
         return None
     import torch
@@ -403,11 +403,6 @@ def v_schedule_refusal(cfg: Config) -> Optional[str]:
     nccl = cfg.dist.backend == "nccl" or (cfg.dist.backend == "auto" and torch.cuda.is_available())
     refused = [
         (nccl or bool(cfg.dist.batch_p2p), "NCCL or dist.batch_p2p (sends held)", "dist.backend=gloo and no batch_p2p"),
-        (
-            cfg.train.precision != "fp32" and cfg.train.weight_dtype == "compute",
-            "train.weight_dtype=compute (weight versions in the compute dtype)",
-            "train.weight_dtype=fp32",
-        ),
         (bool(swap_stages(cfg.swap, cfg.pipeline.num_stages)), "swap.enabled/swap.stages", "neither"),
         (cfg.swap.weights, "swap.weights (weight streaming)", "it false"),
         (bool(cfg.pipeline.recompute), "pipeline.recompute", "it false"),
