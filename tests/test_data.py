@@ -462,6 +462,23 @@ def test_validation_under_zbv_flows_through_the_v_as_one_process_does(tmp_path):
     assert_losses_close([summary["final_val_loss"]], [reference_eval(cfg, weights)])
 
 
+@pytest.mark.slow
+@pytest.mark.long
+def test_validation_under_zbv_at_three_ranks_with_tied_embeddings(tmp_path):
+    # d=3: rank 1's legs are chunk 1 (from rank 0, to rank 2) and chunk 4 (from rank 2, to rank 0), both peers on one
+    # evaluation group; the tie (chunks 0 and 5) on rank 0. Weights and the final pass against one process.
+    cfg = token_config(tmp_path, schedule="zbv", d=3, m=6, num_steps=4)
+    cfg.model.num_layers, cfg.model.tie_embeddings = 4, True  # 6 layers: one a chunk
+    summary = run_ok(cfg, tmp_path / "run")
+    weights = torch.load(tmp_path / "run" / "final_model.pt")
+    ref = dataclasses.replace(cfg, pipeline=dataclasses.replace(cfg.pipeline, schedule="flush", num_stages=1))
+    expected, expected_losses = reference_train(ref, delayed=False)
+    torch.testing.assert_close(weights, expected)
+    assert_losses_close(summary["losses"], expected_losses)
+    assert [v["step"] for v in summary["val_losses"]] == [2, 4]
+    assert_losses_close([summary["final_val_loss"]], [reference_eval(cfg, weights)])
+
+
 def test_a_token_file_is_scanned_once_for_the_check_at_start_and_the_runners(tmp_path, monkeypatch):
     # The entry point checks the config at start (precheck) and the runner validates it again: one read of the ids.
     from pipedream2bw.data import tokens as data_mod
