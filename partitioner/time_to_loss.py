@@ -19,8 +19,8 @@ from pipedream2bw.config.optimizers import correction_in_effect, is_muon
 AUTO = "auto"
 CANDIDATES: Tuple[str, ...] = ("2bw", "flush", "zb1p", "zbv")
 """What schedule=auto chooses between: gpipe does flush's work with all m microbatches in flight (never faster). zbv
-(2d chunks, two a rank: partitioner/vplan.py) is tried where the run could run it (``config.v_schedule_refusal``: fp32
-on gloo, none of what it is not proven with) and skipped elsewhere."""
+(2d chunks, two a rank: partitioner/vplan.py) is tried where the run could run it (``config.v_schedule_refusal``: on
+gloo, none of what it is not proven with) and skipped elsewhere."""
 
 STEPS_FACTOR: Dict[Tuple[str, str], float] = {
     # docs/convergence.md, "Time to a loss" (GPT 4 x 64, m=4, b=8, lr 3e-3, 3 seeds), steps to 2.233: flush with

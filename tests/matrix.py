@@ -88,8 +88,9 @@ FACTORS: "OrderedDict[str, Tuple[Any, ...]]" = OrderedDict(
 )
 # Features that only matrix.EXTRA's cells vary (no factor of the arrays: a cell each, issue 46), Cell fields whose
 # constraints and refusals below are checked all the same: pipeline.sync_warmup_steps=SYNC_WARMUP (2bw: the first
-# steps as PipeDream-Flush, then 2bw) and optim.delay_correction=predict (2bw: batch t reads W(t-1) + d(t-2)).
-EXTRA_ONLY = ("sync_warmup", "predict")
+# steps as PipeDream-Flush, then 2bw), optim.delay_correction=predict (2bw: batch t reads W(t-1) + d(t-2)) and
+# pipeline.schedule=zbv in place of a flush cell's flush (``v``: 2d chunks, rank r running r and 2d-1-r).
+EXTRA_ONLY = ("sync_warmup", "predict", "v")
 PREDICT_CORRECTION = {"none": "predict", "error_feedback": "predict_error_feedback"}
 """A predict cell's optim.delay_correction, from its correction: the prediction alone, or around error feedback."""
 
@@ -159,11 +160,12 @@ class Cell:
     zero_bubble: bool = False
     documents: bool = False
     forward_lead: int = 0
+    v: bool = False  # EXTRA_ONLY: pipeline.schedule=zbv in place of a flush cell's flush
 
     @property
     def run_schedule(self) -> str:
-        """pipeline.schedule of the cell's runs: zb1p for a zero-bubble flush cell."""
-        return "zb1p" if self.zero_bubble else self.schedule
+        """pipeline.schedule of the cell's runs: zb1p for a zero-bubble flush cell, zbv for a V one."""
+        return "zb1p" if self.zero_bubble else "zbv" if self.v else self.schedule
 
     @property
     def id(self) -> str:
@@ -248,6 +250,11 @@ CONSTRAINTS: List[Tuple[Tuple[str, ...], Callable[[Dict[str, Any]], bool], str]]
         ("schedule", "zero_bubble"),
         lambda r: not r["zero_bubble"] or r["schedule"] == "flush",
         "zb1p is flush's update with the backward split: a zero-bubble cell stands in for a flush cell",
+    ),
+    (
+        ("schedule", "zero_bubble", "v"),
+        lambda r: not r["v"] or (r["schedule"] == "flush" and not r["zero_bubble"]),
+        "zbv is flush's update on a V of 2d chunks: a V cell stands in for a flush cell (not a zb1p one)",
     ),
     (
         ("correction", "lookahead"),
@@ -545,6 +552,15 @@ EXTRA: List[Cell] = [
         recompute=True, host_optim=False, validation=True, structured=True, sharded=False, weight_dtype="fp32",
         predict=True,
     ),
+    # issue 46, EXTRA_ONLY: zbv (2d chunks, rank r running r and 2d-1-r) with bf16 (every chunk boundary rounded, the
+    # hand-off on rank d-1 too), the embedding and head tied on rank 0 (chunks 0 and 3), clipping and validation
+    # through the V, across a resume from d2w1 to d1w2 (both chunks on one rank, whose reducer leaves the tie to its
+    # last W's hook)
+    Cell(
+        schedule="flush", d=2, w=1, resume=True, swap=False, precision="bf16", tied=True, clip=True, skip=False,
+        recompute=False, host_optim=False, validation=True, structured=False, sharded=False, weight_dtype="fp32",
+        v=True,
+    ),
     # the prediction around error feedback (optim.delay_correction=predict_error_feedback) with Muon across a resume
     Cell(
         schedule="2bw", d=2, w=1, resume=True, swap=False, precision="fp32", tied=False, clip=False, skip=False,
@@ -693,7 +709,8 @@ def cell_config(cell: Cell, *, layout: Optional[Tuple[int, int]] = None, resume:
         )
     else:
         model = GPTConfig(num_layers=2, d_model=WIDTH, num_heads=2, seq_len=SEQ_LEN, tie_embeddings=cell.tied)
-    balance = gpt_balance(model, d) if isinstance(model, GPTConfig) else even_balance(5, d)
+    c = 2 * d if cell.v else d  # zbv: 2d chunks
+    balance = gpt_balance(model, c) if isinstance(model, GPTConfig) else even_balance(5, c)
     return Config(
         pipeline=PipelineConfig(
             schedule=cell.run_schedule,

@@ -46,3 +46,18 @@ def test_select_swaps_the_state_and_held_bytes_counts_both_chunks():
     worker._saved_bytes = 10
     worker._stash[0], worker._weight_work[1] = "y", "w"
     assert chunks.held_bytes(worker) == 1 * 100 + 2 * 10
+
+
+def test_a_ties_holders_under_zbv_are_the_ranks_running_its_chunks():
+    # balance lists 2d = 6 chunks of one layer: rank r runs chunks r and 5-r. The GPT's tie (first and last layers,
+    # chunks 0 and 5) is held by rank 0 alone: one parameter there, no exchange (build._tie_groups makes no group).
+    from pipedream2bw.pipeline.ties import Tie, holders
+
+    def tie(*layers):
+        return Tie(tuple(f"{i}.w" for i in layers), (3,))
+
+    balance = [1] * 6
+    assert holders(tie(0, 5), balance, v_schedule=True) == [0]
+    assert holders(tie(1, 4), balance, v_schedule=True) == [1]
+    assert holders(tie(0, 1), balance, v_schedule=True) == [0, 1]
+    assert holders(tie(0, 5), balance) == [0, 5]  # as stages of a 6-stage pipeline

@@ -184,10 +184,6 @@ def test_gpt_balance_spreads_blocks_and_adds_the_cheap_end_layers():
     "overrides, key",
     [
         (["dist.batch_p2p=true"], "NCCL or dist.batch_p2p"),
-        (["train.precision=bf16"], "train.precision=bf16"),
-        (["model.tie_embeddings=true"], "model.tie_embeddings"),
-        (["train.eval_every=2"], "train.eval_every"),
-        (["optim.sharded=true"], "optim.sharded"),
         (["swap.enabled=true"], "swap.enabled/swap.stages"),
         (["pipeline.recompute=true"], "pipeline.recompute"),
     ],
@@ -196,7 +192,8 @@ def test_zbv_refuses_what_it_is_not_proven_with_in_one_line(overrides, key):
     cfg = make("pipeline.schedule=zbv", "pipeline.num_stages=2", *overrides)
     with pytest.raises(ConfigError) as e:
         validate(cfg, world_size=2)
-    assert str(e.value).startswith(f"pipeline.schedule=zbv (two chunks a rank) is proven in fp32 on gloo without {key}")
+    why = "pipeline.schedule=zbv (two chunks a rank) is proven on gloo without"
+    assert str(e.value).startswith(f"{why} {key}")
     assert "\n" not in str(e.value) and "or use pipeline.schedule=zb1p" in str(e.value)
 
 

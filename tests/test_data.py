@@ -446,6 +446,39 @@ def test_validation_under_flush_and_gpipe_and_after_a_resume(tmp_path):
     )
 
 
+@pytest.mark.slow
+def test_validation_under_zbv_flows_through_the_v_as_one_process_does(tmp_path):
+    # zbv (issue 46): a pass runs chunk 0 on rank 0, chunks 1 and 2 on rank 1 (2 hands 1's output over in memory),
+    # chunk 3 and the loss on rank 0. Its losses after steps 2 and 4 are one process's on the same weights (flush at
+    # d=1: the same update), and the last is the final weights' in one process.
+    runs = {}
+    for schedule, d in (("zbv", 2), ("flush", 1)):
+        cfg = token_config(tmp_path, schedule=schedule, d=d, num_steps=4)
+        runs[schedule] = (cfg, run_ok(cfg, tmp_path / schedule), torch.load(tmp_path / schedule / "final_model.pt"))
+    (cfg, summary, weights), (_, expected, expected_weights) = runs["zbv"], runs["flush"]
+    torch.testing.assert_close(weights, expected_weights)  # the passes leave training as flush's
+    assert [v["step"] for v in summary["val_losses"]] == [2, 4]
+    assert_losses_close([v["loss"] for v in summary["val_losses"]], [v["loss"] for v in expected["val_losses"]])
+    assert_losses_close([summary["final_val_loss"]], [reference_eval(cfg, weights)])
+
+
+@pytest.mark.slow
+@pytest.mark.long
+def test_validation_under_zbv_at_three_ranks_with_tied_embeddings(tmp_path):
+    # d=3: rank 1's legs are chunk 1 (from rank 0, to rank 2) and chunk 4 (from rank 2, to rank 0), both peers on one
+    # evaluation group; the tie (chunks 0 and 5) on rank 0. Weights and the final pass against one process.
+    cfg = token_config(tmp_path, schedule="zbv", d=3, m=6, num_steps=4)
+    cfg.model.num_layers, cfg.model.tie_embeddings = 4, True  # 6 layers: one a chunk
+    summary = run_ok(cfg, tmp_path / "run")
+    weights = torch.load(tmp_path / "run" / "final_model.pt")
+    ref = dataclasses.replace(cfg, pipeline=dataclasses.replace(cfg.pipeline, schedule="flush", num_stages=1))
+    expected, expected_losses = reference_train(ref, delayed=False)
+    torch.testing.assert_close(weights, expected)
+    assert_losses_close(summary["losses"], expected_losses)
+    assert [v["step"] for v in summary["val_losses"]] == [2, 4]
+    assert_losses_close([summary["final_val_loss"]], [reference_eval(cfg, weights)])
+
+
 def test_a_token_file_is_scanned_once_for_the_check_at_start_and_the_runners(tmp_path, monkeypatch):
     # The entry point checks the config at start (precheck) and the runner validates it again: one read of the ids.
     from pipedream2bw.data import tokens as data_mod

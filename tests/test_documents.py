@@ -345,6 +345,21 @@ def test_packed_documents_train_as_one_process_under_flush_gpipe_and_recompute(t
 
 
 @pytest.mark.slow
+def test_packed_documents_train_as_one_process_under_zbv(tmp_path):
+    # zbv (issue 46): (ids, positions) enter chunk 0 on rank 0, positions cross every chunk boundary beside the
+    # activations (rank 1's hand-off from chunk 1 to 2 too), the weighted loss is taken at chunk 3 on rank 0; a
+    # validation pass follows the V. Flush's update, against one process.
+    cfg = doc_config(tmp_path, schedule="zbv", d=2, w=1, m=4, num_steps=4)
+    summary = run_ok(cfg, tmp_path / "run")
+    weights = torch.load(tmp_path / "run" / "final_model.pt")
+    ref = reference(cfg, delayed=False)
+    torch.testing.assert_close(weights, ref.weights, rtol=1e-5, atol=1e-7)
+    assert_losses_close(summary["losses"], ref.losses)
+    assert [v["step"] for v in summary["val_losses"]] == [2, 4]
+    assert_losses_close([summary["final_val_loss"]], [reference_eval(cfg, weights)])
+
+
+@pytest.mark.slow
 def test_resume_mid_epoch_is_exact(tmp_path, runs):
     # 6 steps of 8 rows: the 20 training documents fill 4 to 5 batches an epoch, so step 3 is mid-epoch and the
     # run crosses into the next epoch after resuming

@@ -377,10 +377,20 @@ def test_no_decay_groups_by_shape_and_their_checkpoint_state_by_name():
         torch.testing.assert_close(st["exp_avg"], state["optimizer"][name]["exp_avg"])
 
 
-def test_zbv_refuses_a_layer_lists_ties_before_any_group_starts(tmp_path):
-    # The GPT's tie is refused at config time (model.tie_embeddings); a layer list's shows once it is built.
-    cfg = tiny_config(schedule="zbv", num_stages=1, num_microbatches=2)
+def test_zbv_refuses_a_tie_across_ranks_before_any_group_starts():
+    # A layer list's ties show once it is built (start._check, before any group). Under zbv a tie within a rank's two
+    # chunks is one parameter there (the embedding's and the head's, chunks 0 and 3, both on rank 0: runs); one across
+    # ranks (chunk 0's layer 1 and chunk 1's layer 2, on ranks 0 and 1) would sum over an exchange: refused.
+    from custom_models import masked_layers
+
+    from pipedream2bw.run.model import RunModel
+    from pipedream2bw.run.start import _check
+
+    cfg = tiny_config(schedule="zbv", num_stages=2, num_microbatches=2)
     cfg.model = LayerListConfig(target="custom_models.masked_layers", kwargs={"width": 8, "tie": True}, seq_len=8)
-    with pytest.raises(ConfigError, match=r"pipeline.schedule=zbv with tied weights \(\[\['0.tok.weight', '4.out"):
-        run(cfg, tmp_path)
-    assert not dist.is_initialized()
+    cfg.pipeline.balance = [2, 1, 1, 1]
+    layers = masked_layers(width=8, tie=True)
+    assert _check(cfg, RunModel.of(cfg, layers, None), world_size=2, local_world_size=2) == [2, 1, 1, 1]
+    layers[2].lin.weight = layers[1].lin.weight
+    with pytest.raises(ConfigError, match=r"pipeline.schedule=zbv with weights tied across ranks \(\[\['1.lin.weight'"):
+        _check(cfg, RunModel.of(cfg, layers, None), world_size=2, local_world_size=2)

@@ -12,7 +12,7 @@ from typing import Sequence
 import pytest
 import torch
 from dist_helper import spawn
-from reference import reference_train
+from reference import reference_eval, reference_train
 from test_semantics import assert_losses_close, max_abs_diff, tiny_config
 
 from partitioner.cost import Segments, StageContext, StageCost
@@ -237,8 +237,29 @@ def test_bf16_pipeline_equals_the_autocast_oracle(tmp_path, d, schedules):
         assert max_abs_diff(weights, fp32) > 1e-2
 
 
-def fp16_config(*, d: int, w: int, steps: int, resume: str = "never") -> Config:
-    cfg = precision_config("2bw", d, 4 // w, "fp16", optim="sgd_momentum", num_steps=steps)
+@pytest.mark.slow
+def test_bf16_zbv_equals_the_autocast_oracle(tmp_path):
+    """zbv under bf16 (issue 46): each chunk's forward under autocast, its output rounded to bf16 at every chunk
+    boundary (rank 1's hand-off from chunk 1 to chunk 2 too, as a send would): one process under autocast rounding
+    where a 4-stage pipeline of the same balance sends, flush's update, to float32 round-off. Its validation pass
+    rounds where training does: the final weights' loss in that process."""
+    cfg = precision_config("zbv", 2, 4, "bf16", num_steps=4)
+    cfg.data.val_fraction, cfg.train.eval_every, cfg.train.eval_batches = 0.1, 2, 1
+    (summary, weights), *_ = run_jobs(tmp_path, [cfg], world_size=2)
+    assert (summary["precision"], summary["compute_dtype"]) == ("bf16", "bfloat16")
+    oracle_cfg, fp32_cfg = (precision_config("flush", 1, 4, p, num_steps=4) for p in ("bf16", "fp32"))
+    oracle_cfg.data.val_fraction = fp32_cfg.data.val_fraction = cfg.data.val_fraction  # the same training windows
+    chunks = gpt_balance(oracle_cfg.model, 4)
+    expected, losses = reference_train(oracle_cfg, delayed=False, balance=chunks)
+    torch.testing.assert_close(weights, expected)
+    assert_losses_close(summary["losses"], losses)
+    assert_losses_close([summary["final_val_loss"]], [reference_eval(cfg, weights, balance=chunks)])
+    fp32, _ = reference_train(fp32_cfg, delayed=False)
+    assert max_abs_diff(weights, fp32) > 1e-2
+
+
+def fp16_config(*, d: int, w: int, steps: int, resume: str = "never", schedule: str = "2bw") -> Config:
+    cfg = precision_config(schedule, d, 4 // w, "fp16", optim="sgd_momentum", num_steps=steps)
     cfg.pipeline.data_parallel = w  # w * m * b = 8 sequences per batch at every layout
     cfg.train = dataclasses.replace(
         cfg.train, loss_scale=1024.0, loss_scale_growth_interval=2, checkpoint_every=5, resume=resume
@@ -259,6 +280,26 @@ def fp16_skip_reference(*, steps: int, batch: int):
         info=info,
     )
     return expected, losses, info
+
+
+@pytest.mark.slow
+def test_fp16_zbv_skips_an_overflow_on_one_rank_everywhere(tmp_path):
+    """zbv under fp16 (issue 46): the loss scaled at chunk 3 (rank 0), an inf in the gradient of layer 1 (chunk 1, on
+    rank 1) at batch 3's microbatch 2: both ranks skip batch 3 by agreement, the scale halves, and training is one
+    process's under fp16 autocast that rounds where a 4-stage pipeline of the same balance sends, with flush's update
+    and the same skip, to float32 round-off."""
+    steps, batch = 6, 3
+    cfg = fp16_config(d=2, w=1, steps=steps, schedule="zbv")
+    ((summary, weights),) = run_jobs(tmp_path, [cfg], world_size=2, inject={0: (1, 1, batch * 4 + 2 + 1)})
+    assert [r["skipped_steps"] for r in summary["ranks"]] == [[batch]] * 2
+    oracle = fp16_config(d=1, w=1, steps=steps, schedule="flush")
+    chunks, info = gpt_balance(oracle.model, 4), {}
+    layers = inf_gradient_layers(oracle, layer=1, call=batch * 4 + 2 + 1)
+    expected, losses = reference_train(oracle, delayed=False, balance=chunks, layers=layers, info=info)
+    assert info["skipped_steps"] == [batch] and summary["loss_scale"]["per_step"] == info["loss_scales"]
+    assert info["loss_scales"][batch + 1] < info["loss_scales"][batch]  # the overflow halved it
+    torch.testing.assert_close(weights, expected)
+    assert_losses_close(summary["losses"], losses)
 
 
 @pytest.mark.slow

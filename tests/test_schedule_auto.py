@@ -88,6 +88,17 @@ def test_auto_picks_zbv_where_its_smaller_bubble_wins_and_not_where_it_loses(bat
         assert len(best.predicted_peak_memory_bytes) == best.num_stages
 
 
+def test_auto_considers_zbv_for_what_an_llm_run_sets_and_skips_it_for_what_zbv_refuses():
+    # issue 46: bf16, tied embeddings, validation and packed documents run under zbv now, so schedule=auto
+    # plans zbv for such a run (it skipped it silently before); recomputation is still refused: no zbv plan then
+    llm = ["train.precision=bf16", "model.tie_embeddings=true", "train.eval_every=10", "data.val_fraction=0.1"]
+    llm += ["data.packing=documents", "train.global_batch_size=16"]
+    best = plan_config(compose([*CPU4, *llm]))[0]
+    assert best.schedule == "zbv" == min(best.schedule_choice, key=best.schedule_choice.get)
+    refused = plan_config(compose([*CPU4, *llm, "pipeline.recompute=true"]))[0]
+    assert "zbv" not in refused.schedule_choice and refused.schedule != "zbv"
+
+
 def test_auto_never_picks_2bw_for_an_optimizer_it_is_not_known_to_converge_with(monkeypatch):
     monkeypatch.setattr(time_to_loss, "CANDIDATES", ("2bw", "flush"))
     best = plan_config(compose([*DEEP, "train.global_batch_size=8", "optim.name=adamw"]))[0]

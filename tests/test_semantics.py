@@ -120,6 +120,43 @@ def test_zero_bubble_v_with_boundaries_of_two_widths(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("w", [pytest.param(1, marks=pytest.mark.long), 2])
+def test_zero_bubble_v_with_tied_embeddings_equals_minibatch_training(tmp_path, w):
+    # zbv (issue 46): the embedding (chunk 0) and the head (chunk 3) are both on rank 0, one parameter there whose
+    # gradient both chunks' W's accumulate, no exchange. At w=2 the reducer is armed at rank 0's last W of a batch
+    # (chunk 0's), which reports chunk 3's parameters ready but not the tie: its own hook does, once, when whole.
+    cfg = tiny_config(schedule="zbv", num_stages=2, num_microbatches=4 // w, optim="sgd_momentum", num_steps=4)
+    cfg.pipeline.data_parallel = w
+    cfg.model.tie_embeddings = True
+    summary = run_ok(cfg, tmp_path)
+    ref = tiny_config(schedule="2bw", num_stages=1, num_microbatches=4, optim="sgd_momentum", num_steps=4)
+    ref.model.tie_embeddings = True
+    expected, expected_losses = reference_train(ref, delayed=False)
+    weights = torch.load(tmp_path / "final_model.pt")
+    torch.testing.assert_close(weights, expected)
+    assert_losses_close(summary["losses"], expected_losses)
+    (tie,) = summary["ties"]
+    assert tie["stages"] == [0] and summary["tie_allreduce_calls"] == [0] * (2 * w)
+    embedding, head = tie["names"]
+    assert torch.equal(weights[embedding], weights[head])
+
+
+@pytest.mark.slow
+def test_zero_bubble_v_with_a_host_optimizer_equals_minibatch_training(tmp_path):
+    # zbv (issue 46) with swap.optimizer=host: the rank's masters and optimizer state in host memory, both chunks'
+    # gradients copied out at the rank's last W of a batch and stepped there (the rank's one step).
+    cfg = tiny_config(schedule="zbv", num_stages=2, num_microbatches=4, optim="sgd_momentum", num_steps=4)
+    cfg.swap.optimizer = "host"
+    summary = run_ok(cfg, tmp_path)
+    expected, expected_losses = reference_train(
+        tiny_config(schedule="flush", num_stages=1, num_microbatches=4, optim="sgd_momentum", num_steps=4),
+        delayed=False,
+    )
+    torch.testing.assert_close(torch.load(tmp_path / "final_model.pt"), expected)
+    assert_losses_close(summary["losses"], expected_losses)
+
+
+@pytest.mark.slow
 @pytest.mark.long
 def test_zero_bubble_v_at_three_ranks_equals_minibatch_training(tmp_path):
     # d=3: a middle rank (chunks 1 and 4) that receives from and sends to both neighbours on the same tags. SGD with

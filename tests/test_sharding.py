@@ -245,6 +245,23 @@ def test_sharded_tied_clipped_equals_the_reference(four_ranks, schedule):
     assert summary["ties"][0]["checked_steps"] == STEPS  # the tied copies stayed bit-identical
 
 
+@pytest.mark.slow
+def test_sharded_zbv_tied_clipped_equals_the_reference(tmp_path):
+    """zbv at d=2 x w=2 (issue 46), sharded: each rank's reducer, armed at its last W of a batch, reduce-scatters both
+    chunks' buckets (the tie, chunks 0 and 3 on rank 0, one parameter in one of them); each replica steps its shards
+    and the all-gather lands before the next batch. The tied GPT with active clipping ends on the single-process
+    reference's weights with its gradient norms."""
+    cfg = _tied_clipped("zbv", 2, 2)
+    ((summary, weights),) = run_jobs(tmp_path, [cfg], world_size=4)
+    reference = tied_config("flush", 1, steps=STEPS)
+    reference.optim, reference.pipeline.microbatch_size = cfg.optim, 4
+    expected = reference_run(reference, delayed=False)
+    assert min(expected.grad_norms) > cfg.optim.clip_grad_norm  # the clip is active on every step
+    torch.testing.assert_close(torch.tensor(summary["grad_norms"]), torch.tensor(expected.grad_norms))
+    torch.testing.assert_close(weights, expected.weights)
+    assert [r["allreduce_calls"] for r in summary["ranks"]] == [STEPS] * 4  # one reduction a step, both chunks
+
+
 def test_sharded_checkpoint_resumes_at_any_layout_and_consolidates(four_ranks, eight_ranks):
     """A checkpoint of the sharded d=2 x w=2 run (step 2) holds each replica's pieces; resumed unsharded at
     d=4 x w=1 and sharded at d=2 x w=4, both end on the straight run's weights and losses. An unsharded
@@ -376,6 +393,25 @@ def test_bf16_weight_versions_equal_the_rounded_masters_reference(four_ranks):
     assert max(float((expected.weights[k] - fp32_versions.weights[k]).abs().max()) for k in weights) > 1e-3
     _, _, resumed = four_ranks["bf16 resumed"]
     torch.testing.assert_close(resumed, weights, rtol=0, atol=0)
+
+
+@pytest.mark.slow
+def test_bf16_weight_versions_under_zbv_equal_the_rounded_masters_reference(tmp_path):
+    """train.weight_dtype=compute under bf16 and zbv (issue 46), d=2: both chunks of a rank run on bf16 roundings of
+    its float32 masters, the hand-off from chunk 1 to 2 stays bf16 as a send does: one process applying flush's rule
+    with bf16 versions, rounding where a 4-stage pipeline of the same balance sends."""
+    cfg = _bf16_versions(2, 1)
+    cfg.pipeline.schedule = "zbv"
+    ((summary, weights),) = run_jobs(tmp_path, [cfg], world_size=2)
+    assert len(summary["balance"]) == 4  # the chunks
+    reference = tiny_config(schedule="flush", num_stages=1, num_microbatches=4, num_steps=STEPS)
+    reference.train, reference.pipeline.microbatch_size = _bf16_versions(2, 1).train, 4
+    expected = reference_run(reference, delayed=False, balance=summary["balance"])
+    torch.testing.assert_close(weights, expected.weights)
+    torch.testing.assert_close(torch.tensor(summary["losses"]), torch.tensor(expected.losses))
+    reference.train.weight_dtype = "fp32"
+    fp32_versions = reference_run(reference, delayed=False, balance=summary["balance"])
+    assert max(float((expected.weights[k] - fp32_versions.weights[k]).abs().max()) for k in weights) > 1e-3
 
 
 def test_sharding_refuses_what_it_cannot_step():

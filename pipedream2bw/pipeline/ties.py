@@ -93,11 +93,16 @@ def find_ties(layers: Sequence[nn.Module]) -> List[Tie]:
     ]
 
 
-def holders(tie: Tie, balance: Sequence[int]) -> List[int]:
-    """The stages whose layers use ``tie``, first stage first."""
+def holders(tie: Tie, balance: Sequence[int], *, v_schedule: bool = False) -> List[int]:
+    """The stages whose layers use ``tie``, first stage first. ``v_schedule`` (zbv): ``balance`` lists 2d chunks and
+    rank r runs chunks r and 2d-1-r, so the stages are the ranks' (the GPT's tie, chunks 0 and 2d-1: stage 0 alone,
+    one parameter there that both chunks use)."""
     starts = [sum(balance[:s]) for s in range(len(balance))]
     stage_of = lambda layer: max(s for s, start in enumerate(starts) if start <= layer)  # noqa: E731
-    return sorted({stage_of(layer) for layer in tie.layers})
+    found = {stage_of(layer) for layer in tie.layers}
+    if v_schedule:
+        found = {min(v, len(balance) - 1 - v) for v in found}
+    return sorted(found)
 
 
 def retie(module: nn.Module, ties: Sequence[Tie]) -> None:
@@ -132,9 +137,12 @@ def add_aliases(state: Dict[str, Any], ties: Sequence[Tie], *, names: Optional[S
     return state
 
 
-def describe(ties: Sequence[Tie], balance: Sequence[int]) -> List[Dict[str, Any]]:
-    """For logs and summary.json: each tie's names, shape and holder stages."""
-    return [{"names": list(t.names), "shape": list(t.shape), "stages": holders(t, balance)} for t in ties]
+def describe(ties: Sequence[Tie], balance: Sequence[int], *, v_schedule: bool = False) -> List[Dict[str, Any]]:
+    """For logs and summary.json: each tie's names, shape and holder stages (``holders``)."""
+    return [
+        {"names": list(t.names), "shape": list(t.shape), "stages": holders(t, balance, v_schedule=v_schedule)}
+        for t in ties
+    ]
 
 
 class TieExchange:

@@ -46,7 +46,6 @@ from pipedream2bw.memory.swap import SwapManager, make_backend
 from pipedream2bw.models import lm_loss
 from pipedream2bw.pipeline import comm, schedule, ties
 from pipedream2bw.pipeline.agreement import StepRule
-from pipedream2bw.pipeline.layout import Layout
 from pipedream2bw.pipeline.schedule import Action
 from pipedream2bw.pipeline.versions import WeightVersions, bucketize
 from pipedream2bw.run import chunks, evaluate, preempt, tensor
@@ -58,14 +57,16 @@ from pipedream2bw.run.stage import Peers, StageWorker
 log = logging.getLogger(__name__)
 
 
-def _tie_groups(ctx: comm.DistContext, layout: Layout, tied: Sequence[ties.Tie], balance, module: nn.Module):
+def _tie_groups(ctx: comm.DistContext, rt: RankPlan, tied: Sequence[ties.Tie], module: nn.Module):
     """One process group per distinct set of ranks holding tied copies (made on every rank, in the
     same order); returns [(group, source rank, [(tie, parameter index in ``module``)])] for the
-    groups this rank is in. The source, the first holder stage's replica 0, owns the canonical copy."""
+    groups this rank is in. The source, the first holder stage's replica 0, owns the canonical copy. A tie on one
+    stage (zbv's GPT tie: chunks 0 and 2d-1, both on stage 0) is one parameter there (``ties.retie``): no group."""
     sets: Dict[Tuple[int, ...], List[ties.Tie]] = {}
+    layout = rt.layout
     for k in range(layout.tensor):  # tensor rank k's copies are tied among themselves (pipeline.tensor_parallel)
         for tie in tied:
-            stages = ties.holders(tie, balance)
+            stages = rt.tie_holders(tie)
             if len(stages) > 1:
                 sets.setdefault(tuple(sorted(r for st in stages for r in layout.slice(k)[st])), []).append(tie)
     groups = comm.new_groups(ctx, list(sets)) if sets else []
@@ -73,7 +74,7 @@ def _tie_groups(ctx: comm.DistContext, layout: Layout, tied: Sequence[ties.Tie],
     mine = []
     for group, (ranks, group_ties) in zip(groups, sets.items()):
         if ctx.rank in ranks:
-            src = layout.ranks[ties.holders(group_ties[0], balance)[0]][0] + ctx.rank % layout.tensor
+            src = layout.ranks[rt.tie_holders(group_ties[0])[0]][0] + ctx.rank % layout.tensor
             held = []
             for tie in group_ties:
                 name = next(n for n in tie.names if n.split(".", 1)[0] in module._modules)
@@ -95,7 +96,7 @@ def build_stage(
             m._buffers.update({k: b.to(rt.device) for k, b in m._buffers.items() if b is not None})
     else:
         module = module.to(rt.device)
-    tie_groups = _tie_groups(ctx, rt.layout, model.tied, rt.balance, module)
+    tie_groups = _tie_groups(ctx, rt, model.tied, module)
     with torch.no_grad():  # every copy starts as the canonical one (a rank building its layers alone made its own)
         for group, src, held in tie_groups:
             for _, i in held:
@@ -424,8 +425,7 @@ def data(
     evaluator = None
     if train.eval_every:  # its own group (made on every rank): validation transfers never queue behind training's
         evaluator = evaluate.Evaluator(
-            prev=peers.prev,
-            next=peers.next,
+            legs=eval_legs(rt, peers),
             loss_sources=peers.loss_sources,
             feed=val_feed,
             p2p=comm.P2P(ctx, group=comm.new_groups(ctx, [range(ctx.world_size)])[0]),
@@ -438,6 +438,19 @@ def data(
             sends_loss=peers.sends_loss,
         )
     return feed, val_feed, evaluator
+
+
+def eval_legs(rt: RankPlan, peers: Peers) -> List[evaluate.Leg]:
+    """This rank's part of a validation pass: its stage from its neighbours, or under zbv its two chunks in their
+    order (``chunk_specs``: chunk d-1 hands chunk d its output on rank d-1)."""
+    specs = chunk_specs(rt)
+    if not specs:
+        return [evaluate.Leg(layers=None, prev=peers.prev, next=peers.next)]
+    starts = [0, specs[0].num_layers]
+    return [
+        evaluate.Leg(layers=slice(start, start + spec.num_layers), prev=spec.prev, next=spec.next)
+        for start, spec in zip(starts, specs)
+    ]
 
 
 def batch_sends(dist: DistConfig, rt: RankPlan) -> bool:
@@ -492,7 +505,7 @@ def worker(
 ) -> StageWorker:
     """The stage worker that runs this rank's actions (``early_apply``: StageWorker's)."""
     m, w = rt.num_microbatches, rt.data_parallel
-    exchanged = any(len(ties.holders(tie, rt.balance)) > 1 for tie in tied)  # on some stages, maybe not this one
+    exchanged = any(len(rt.tie_holders(tie)) > 1 for tie in tied)  # on some stages, maybe not this one
     return StageWorker(
         stage_index=rt.stage,
         num_stages=rt.num_stages,

@@ -171,7 +171,10 @@ def arm_at_w(worker: Any, k: int) -> None:
 def arm_at_last_weight(worker: Any, k: int) -> None:
     """W k of a batch's last microbatch on one chunk: at the rank's second such W (its last W of the batch) arms the
     data-parallel reducer and reports the other chunk's gradients ready (final since its own last W); this W's
-    hooks report the rest. Armed earlier, the other chunk's W's of the batch would have counted as final."""
+    hooks report the rest. Armed earlier, the other chunk's W's of the batch would have counted as final. A parameter
+    both chunks use (a tie on this rank: zbv's GPT embedding and head) is this W's to report: its hook fires once
+    here, where its last contribution arrives (reported for the other chunk too, its bucket would count it twice and
+    could start before its gradient was whole)."""
     t = k // worker.m
     worker._final_weights[t] = worker._final_weights.get(t, 0) + 1
     if worker._final_weights[t] < len(worker._chunks):
@@ -179,10 +182,12 @@ def arm_at_last_weight(worker: Any, k: int) -> None:
     del worker._final_weights[t]
     worker._arm_reducer(k)
     replica = worker.versions.replicas.index(worker.versions.module_for_batch(t))
+    own = set(worker._chunk.param_indices)
     for chunk in worker._chunks.values():
         if chunk is not worker._chunk:
             for i in chunk.param_indices:
-                worker.reducer.gradient_ready(replica, i)
+                if i not in own:
+                    worker.reducer.gradient_ready(replica, i)
 
 
 def held_bytes(worker: Any) -> int:

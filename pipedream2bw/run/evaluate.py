@@ -27,7 +27,8 @@ from __future__ import annotations
 import logging
 import math
 import time
-from typing import Any, Callable, List, Optional, Tuple
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -36,10 +37,22 @@ from pipedream2bw.data import MicrobatchFeed
 from pipedream2bw.memory.precision import autocast, compute_dtype
 from pipedream2bw.pipeline.boundary import Channel, from_wire, to_device, to_wire
 from pipedream2bw.pipeline.comm import EVAL_LOSS_TAG, P2P
+from pipedream2bw.run.chunks import LOCAL  # a leg's neighbour on this rank (zbv: chunks d-1 and d): a hand-off
 
 log = logging.getLogger(__name__)
 
 EVAL_TAG = 0  # activations, on the evaluation group (which carries nothing else)
+
+
+@dataclass(frozen=True)
+class Leg:
+    """One run of a pass's microbatches through part of the stage: ``layers`` (positions in the stage's module; None:
+    all of it), from ``prev`` (a rank, ``LOCAL``, or None: the feed) to ``next`` (a rank, ``LOCAL``, or None: the
+    loss). A stage is one leg; a rank of two chunks (zbv) two, in its chunks' order."""
+
+    layers: Optional[slice]
+    prev: Optional[int]
+    next: Optional[int]
 
 
 def due(step: int, *, every: int, num_steps: int) -> bool:
@@ -51,7 +64,7 @@ class Evaluator:
     """One stage's share of the validation passes; on rank 0 also their losses.
 
     Args:
-        prev, next: neighbouring ranks of this stage in its replica's chain (None at the ends).
+        legs: this rank's part of a pass (``Leg``): one for a stage, its two chunks' under zbv.
         loss_sources: on rank 0, the last stage of every replica; empty elsewhere.
         p2p: transfers on the evaluation group (``comm.new_groups`` over all ranks).
         feed: the validation feed (first and last stages; None in between).
@@ -62,8 +75,7 @@ class Evaluator:
     def __init__(
         self,
         *,
-        prev: Optional[int],
-        next: Optional[int],
+        legs: Sequence[Leg],
         loss_sources: Tuple[int, ...],
         p2p: P2P,
         feed: Optional[MicrobatchFeed],
@@ -76,10 +88,15 @@ class Evaluator:
     ):
         self.upcast = upcast  # False: a received activation stays in the compute dtype (weights stored in it)
         self.sends_loss = sends_loss
-        self.prev, self.next, self.loss_sources, self.p2p, self.feed = prev, next, loss_sources, p2p, feed
+        self.legs, self.loss_sources, self.p2p, self.feed = list(legs), loss_sources, p2p, feed
+        self.last = self.legs[-1].next is None  # this rank computes the loss (zbv: rank 0, its second chunk)
         self.precision, self._wire_dtype = precision, compute_dtype(precision)
-        # the same structured crossing as training's activations (a tensor, tuple or dict), on this group
-        self._channel = Channel(p2p, tag=EVAL_TAG, what="a stage's validation output", device=device)
+        # the same structured crossing as training's activations (a tensor, tuple or dict), on this group: one a leg
+        # (each leg's structures its own: zbv's two chunks cross different boundaries)
+        self._channels = [
+            Channel(p2p, tag=EVAL_TAG, what="a stage's validation output", device=device) for _ in self.legs
+        ]
+        self._local: Dict[int, Any] = {}  # microbatch -> what a leg handed the next leg on this rank
         self.num_microbatches, self.loss_fn, self.device = num_microbatches, loss_fn, device
         self.rank = p2p.ctx.rank
         self.time_s = 0.0  # this rank's time in validation passes (compute and waits)
@@ -96,25 +113,19 @@ class Evaluator:
         start = time.perf_counter()
         was_training = module.training
         module.eval()
-        losses = []
+        losses: List[torch.Tensor] = []
         try:
-            for e in range(self.num_microbatches):
-                if self.prev is None:
-                    x = to_device(self.feed.inputs(e), self.device)
-                else:  # as training's stages do: the compute dtype travels, float32 goes on (or it, upcast False)
-                    x = self._channel.recv(self.prev)
-                    x = from_wire(x, self._wire_dtype) if self.upcast else x
-                with autocast(self.precision, self.device.type):
-                    out = self.forward(module, x)
-                if self.next is None:
-                    losses.append(self.loss_fn(out.float(), to_device(self.feed.targets(e), self.device)))
-                else:
-                    self._channel.send(to_wire(out, self._wire_dtype), peer=self.next)
-            if self.next is not None:
+            for leg, channel in zip(self.legs, self._channels):
+                part = module if leg.layers is None else module[leg.layers]
+                for e in range(self.num_microbatches):
+                    with autocast(self.precision, self.device.type):
+                        out = self.forward(part, self._input(leg, channel, e))
+                    self._output(leg, channel, e, out, losses)
+            if any(leg.next not in (None, LOCAL) for leg in self.legs):
                 self.p2p.flush()  # the next stage has all of this pass: nothing of it stays in flight
         finally:
             module.train(was_training)
-        if self.next is None:
+        if self.last:
             loss = torch.stack(losses).mean()
             if self.loss_sources:  # rank 0 is a last stage itself
                 self._own.append(float(loss))
@@ -123,6 +134,23 @@ class Evaluator:
         if self.loss_sources:
             self._pending.append(step)
         self.time_s += time.perf_counter() - start
+
+    def _input(self, leg: Leg, channel: Channel, e: int) -> Any:
+        """Microbatch ``e``'s input to ``leg``: the feed's, handed over on this rank, or received; as training's
+        stages take it (the compute dtype travels, float32 goes on, or it with ``upcast`` False)."""
+        if leg.prev is None:
+            return to_device(self.feed.inputs(e), self.device)
+        x = self._local.pop(e) if leg.prev == LOCAL else channel.recv(leg.prev)
+        return from_wire(x, self._wire_dtype) if self.upcast else x
+
+    def _output(self, leg: Leg, channel: Channel, e: int, out: Any, losses: List[torch.Tensor]) -> None:
+        """``leg``'s output of microbatch ``e``: its loss at the end, else in the compute dtype to the next leg."""
+        if leg.next is None:
+            losses.append(self.loss_fn(out.float(), to_device(self.feed.targets(e), self.device)))
+        elif leg.next == LOCAL:  # rounded as a send would (training's hand-off does the same)
+            self._local[e] = to_wire(out, self._wire_dtype)
+        else:
+            channel.send(to_wire(out, self._wire_dtype), peer=leg.next)
 
     def collect(self) -> List[Tuple[int, float]]:
         """Rank 0: the (step, loss) of every pass run so far, not collected before (mean over the

@@ -27,7 +27,7 @@ from pipedream2bw.memory import precision as precisions
 from pipedream2bw.memory.loss_scale import ScaledStepRule
 from pipedream2bw.memory.sharding import ShardedVersions
 from pipedream2bw.memory.stream import StreamedVersions
-from pipedream2bw.pipeline import comm, ties
+from pipedream2bw.pipeline import comm, schedule, ties
 from pipedream2bw.pipeline.agreement import StepRule
 from pipedream2bw.pipeline.versions import WeightVersions
 from pipedream2bw.run import build, evaluate, logs, preempt, step_hooks
@@ -217,7 +217,7 @@ def _precision_meta(rt: RankPlan, cfg: Config, parts: build.Components, tied: Se
     waits = precisions.step_waits(
         rt.schedule,
         agreement=rule.needs_agreement,
-        tied_across_stages=any(len(ties.holders(tie, rt.balance)) > 1 for tie in tied),
+        tied_across_stages=any(len(rt.tie_holders(tie)) > 1 for tie in tied),
         sharded=optim.sharded and rt.data_parallel > 1,
         early_apply=not (train.eval_every or cfg.pipeline.check_ties),
     )
@@ -234,7 +234,7 @@ def _ties_meta(rt: RankPlan, tied: Sequence[ties.Tie], tie_records: List[Dict[st
                 default=0,
             ),
         }
-        for t in ties.describe(tied, list(rt.balance))
+        for t in ties.describe(tied, list(rt.balance), v_schedule=rt.schedule in schedule.V_SCHEDULES)
     ]
     return {"ties": checked, "tie_allreduce_calls": [r["tie_allreduce_calls"] for r in tie_records]}
 

@@ -14,7 +14,6 @@ from pipedream2bw.config import (
     optimizer_name,
 )
 from pipedream2bw.config.optimizers import correction_in_effect, is_muon, muon_edge_layers, muon_param_roles
-from pipedream2bw.pipeline import ties
 from pipedream2bw.run.model import RunModel
 from pipedream2bw.run.runtime import RankPlan
 
@@ -89,7 +88,7 @@ def log_start(rt: RankPlan, num_dp_buckets: int, tie_groups) -> None:
         for tie, _ in held:
             log.info(
                 "tied across stages %s: %s; gradients summed over its holders",
-                ties.holders(tie, rt.balance),
+                rt.tie_holders(tie),
                 ", ".join(tie.names),
             )
 

@@ -10,6 +10,7 @@ import torch
 from pipedream2bw.config import Config
 from pipedream2bw.memory import precision as precisions
 from pipedream2bw.pipeline import schedule as schedules
+from pipedream2bw.pipeline import ties
 from pipedream2bw.pipeline.layout import Layout
 
 
@@ -139,6 +140,10 @@ class RankPlan:
             start = sum(self.balance[:v])
             out += range(start, start + self.balance[v])
         return out
+
+    def tie_holders(self, tie: Any) -> List[int]:
+        """The stages holding a copy of ``tie`` (a ``ties.Tie``): under zbv the ranks whose chunks use it."""
+        return ties.holders(tie, self.balance, v_schedule=self.schedule in schedules.V_SCHEDULES)
 
     @property
     def prev_rank(self) -> Optional[int]:

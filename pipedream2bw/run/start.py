@@ -329,10 +329,15 @@ def _check(cfg: Config, model: RunModel, *, world_size: int, local_world_size: i
         )
     if cfg.swap.weights:
         check_weight_stream(cfg, model.tied, balance, precision)
-    if model.tied and cfg.pipeline.schedule == "zbv":  # a layer list's ties (the GPT's: config/validate.py)
+    # zbv: a tie within one rank's two chunks (the GPT's, chunks 0 and 2d-1 on rank 0) is one parameter there; a tie
+    # across ranks (a layer list's) would sum over an exchange group, not proven under zbv
+    zbv = cfg.pipeline.schedule == "zbv"
+    across = [list(t.names) for t in model.tied if zbv and len(ties.holders(t, balance, v_schedule=True)) > 1]
+    if across:
         raise ConfigError(
-            f"pipeline.schedule=zbv with tied weights ({[list(t.names) for t in model.tied]}): ties across a rank's "
-            "two chunks are not proven; untie them or use pipeline.schedule=zb1p"
+            f"pipeline.schedule=zbv with weights tied across ranks ({across}): only a tie within one rank's two chunks "
+            "(rank r runs chunks r and 2d-1-r) is proven; untie them, move the tied layers into such chunks with "
+            "pipeline.balance, or use pipeline.schedule=zb1p"
         )
     return balance
 
