@@ -10,7 +10,7 @@ stage pays it on the backwards that run split: none on the first stage or chunk 
 gradient: B does nothing and W runs the whole backward), and under zbv none on chunk d's B k where W k follows at
 once (``schedule.whole_backwards``: B runs the whole backward, W nothing). ``cost.simulate`` charges it to W k (the
 second pass); ``cost.segment_costs`` adds its share to the stage's backward. How the rest divides: B takes
-``LayerCost.input_s`` (profiled: at GPT 4 x 64 a block's B alone is 0.76-0.85 of its whole backward at b=4 and
+``LayerCost.input_s`` (profiled: at GPT 4 x 64 a block's B alone is 0.75-0.85 of its whole backward at b=4 and
 b=16 by the runtime's split, the attention's and the elementwise backward being all on the input's path), W the
 remainder.
 """
