@@ -375,6 +375,22 @@ def test_sharded_fp16_skip_host_optimizer_and_swapping_equal_the_scaled_referenc
     torch.testing.assert_close(torch.tensor(summary["losses"]), torch.tensor(losses), **fp16_close)
 
 
+def _assert_rounded_masters(summary: dict, weights: dict, *, schedule: str, num_stages: int) -> None:
+    """A run with bf16 weight versions (``_bf16_versions(num_stages, 1)``) equals one process applying ``schedule``'s
+    rule (2bw: delayed) with those versions, at the run's balance; final_model.pt holds the float32 masters
+    (regression, issue 23: it held the newest version as stored, in bf16); and the rounding shows (far from the
+    float32-versions reference)."""
+    reference = tiny_config(schedule=schedule, num_stages=1, num_microbatches=4, num_steps=STEPS)
+    reference.train, reference.pipeline.microbatch_size = _bf16_versions(num_stages, 1).train, 4
+    delayed = schedule == "2bw"
+    expected = reference_run(reference, delayed=delayed, balance=summary["balance"])
+    torch.testing.assert_close(weights, expected.weights)
+    torch.testing.assert_close(torch.tensor(summary["losses"]), torch.tensor(expected.losses))
+    reference.train.weight_dtype = "fp32"
+    fp32_versions = reference_run(reference, delayed=delayed, balance=summary["balance"])
+    assert max(float((expected.weights[k] - fp32_versions.weights[k]).abs().max()) for k in weights) > 1e-3
+
+
 def test_bf16_weight_versions_equal_the_rounded_masters_reference(four_ranks):
     """train.weight_dtype=compute under bf16, 2bw, d=4 x w=1: the versions are bf16 roundings of float32
     masters, microbatch gradients summed in float32, the stages run in bf16: equal to the single-process
@@ -382,15 +398,7 @@ def test_bf16_weight_versions_equal_the_rounded_masters_reference(four_ranks):
     the float32-versions reference). Its checkpoint keeps the float32 masters: resumed from step 2, the run
     ends on the same weights."""
     _, summary, weights = four_ranks["bf16"]
-    reference = tiny_config(schedule="2bw", num_stages=1, num_microbatches=4, num_steps=STEPS)
-    reference.train, reference.pipeline.microbatch_size = _bf16_versions(4, 1).train, 4
-    expected = reference_run(reference, delayed=True, balance=summary["balance"])
-    # final_model.pt: the float32 masters (regression, issue 23: it held the newest version as stored, in bf16)
-    torch.testing.assert_close(weights, expected.weights)
-    torch.testing.assert_close(torch.tensor(summary["losses"]), torch.tensor(expected.losses))
-    reference.train.weight_dtype = "fp32"
-    fp32_versions = reference_run(reference, delayed=True, balance=summary["balance"])
-    assert max(float((expected.weights[k] - fp32_versions.weights[k]).abs().max()) for k in weights) > 1e-3
+    _assert_rounded_masters(summary, weights, schedule="2bw", num_stages=4)
     _, _, resumed = four_ranks["bf16 resumed"]
     torch.testing.assert_close(resumed, weights, rtol=0, atol=0)
 
@@ -404,14 +412,7 @@ def test_bf16_weight_versions_under_zbv_equal_the_rounded_masters_reference(tmp_
     cfg.pipeline.schedule = "zbv"
     ((summary, weights),) = run_jobs(tmp_path, [cfg], world_size=2)
     assert len(summary["balance"]) == 4  # the chunks
-    reference = tiny_config(schedule="flush", num_stages=1, num_microbatches=4, num_steps=STEPS)
-    reference.train, reference.pipeline.microbatch_size = _bf16_versions(2, 1).train, 4
-    expected = reference_run(reference, delayed=False, balance=summary["balance"])
-    torch.testing.assert_close(weights, expected.weights)
-    torch.testing.assert_close(torch.tensor(summary["losses"]), torch.tensor(expected.losses))
-    reference.train.weight_dtype = "fp32"
-    fp32_versions = reference_run(reference, delayed=False, balance=summary["balance"])
-    assert max(float((expected.weights[k] - fp32_versions.weights[k]).abs().max()) for k in weights) > 1e-3
+    _assert_rounded_masters(summary, weights, schedule="flush", num_stages=2)
 
 
 def test_sharding_refuses_what_it_cannot_step():
