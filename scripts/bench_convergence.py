@@ -381,6 +381,7 @@ def _config(args) -> Dict[str, Any]:
 
 def main(argv=None) -> None:
     from pipedream2bw.config.docs import DefaultsHelpFormatter
+    from pipedream2bw.config.schema import LR_SCHEDULERS
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=DefaultsHelpFormatter)
     floats = lambda s: [float(x) for x in s.split(",")]  # noqa: E731
@@ -401,7 +402,7 @@ def main(argv=None) -> None:
     p.add_argument(
         "--scheduler",
         default="constant",
-        choices=["constant", "cosine", "linear"],
+        choices=LR_SCHEDULERS,
         help="optim.scheduler, the same for flush and 2bw (run names do not say it: give each its own --out)",
     )
     p.add_argument("--min-lr", type=float, default=0.0, help="optim.min_lr, what cosine and linear decay to")
