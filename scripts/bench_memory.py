@@ -6,7 +6,8 @@
     python scripts/bench_memory.py --tensor        # pipeline.tensor_parallel: one rank's bytes per parameter of its
                                                    # stage at t = 1 and 2 against the planner's (partitioner/tensor.py)
     python scripts/bench_memory.py --optimizers    # each rank's peak against the planner's predicted peak, per
-                                                   # optimizer and delay correction (the step's transients)
+                                                   # optimizer and delay correction (the step's transients),
+                                                   # and its optimizer state against the planner's
     python scripts/bench_memory.py --sequence      # pipeline.sequence_parallel: a rank's activations at d=2 x t=2,
                                                    # without and with it, against the planner's; and samples/s
 
@@ -89,6 +90,7 @@ OPTIMIZERS = {  # label: (optim.name, optim.delay_correction under 2bw; flush ru
     "sgd": ("sgd", "none"),
     "muon": ("muon", "none"),
     "predict": ("muon", "predict"),
+    "predict_ef": ("muon", "predict_error_feedback"),  # Muon's 'auto' where the prediction composes (t > 1 too)
 }
 SEQUENCE_MODEL = dict(
     num_layers=4, d_model=64, num_heads=4, seq_len=128, microbatch_size=4, num_microbatches=2, vocab_size=257
@@ -460,7 +462,9 @@ def optim_table(args) -> None:
     """Each rank's measured peak tensor bytes against the planner's predicted peak (``segment_costs``' memory on
     ``tensor.split_layers`` of the analytic costs, runtime 0), per optimizer of ``OPTIMIZERS``, 2bw and flush, at
     ``args.optim_layouts`` (d x w x t) on ``OPTIM_MODEL``: the step's transients (Muon's whole matrices, error
-    feedback's and the weight prediction's copies) against the steady state's activations."""
+    feedback's and the weight prediction's copies) against the steady state's activations; and each rank's optimizer
+    state (the summary's, counted from its tensors: error feedback's u and the prediction's d included) against the
+    planner's. ``args.optim_labels``: which of ``OPTIMIZERS``."""
     rows = []
     for layout in args.optim_layouts:
         d, w, t = (int(x) for x in layout.split("x"))
@@ -468,26 +472,29 @@ def optim_table(args) -> None:
             dict(job(schedule=s, d=d, w=w, t=t, precision="fp32", weight_dtype="fp32", sharded=False, steps=args.steps,
                      model=OPTIM_MODEL, bucket_mb=PipelineConfig().bucket_mb), optim=name, correction=corr, label=label)
             for label, (name, corr) in OPTIMIZERS.items()
+            if label in args.optim_labels
             for s in ("2bw", "flush")
         ]  # fmt: skip
         for j, ranks in zip(jobs, launch(jobs, nproc=d * w * t, memory=True)):
             planned = planner_ranks(j, ranks[0]["balance"])
-            stage_of = {r["rank"]: r["stage"] for r in ranks[0]["ranks"]}
+            summary = {r["rank"]: r for r in ranks[0]["ranks"]}
             for r in ranks:
-                p = planned[stage_of[r["rank"]]]
+                st = summary[r["rank"]]
                 rows.append(dict(layout=layout, label=j["label"], schedule=j["schedule"], rank=r["rank"],
-                                 stage=stage_of[r["rank"]], peak=r["peak_bytes"], **p))  # fmt: skip
+                                 stage=st["stage"], peak=r["peak_bytes"], state=st["optimizer_state_bytes"],
+                                 **planned[st["stage"]]))  # fmt: skip
         print(f"  {layout}: {len(jobs)} runs done", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps({"rows": rows}, indent=1) + "\n")
     print("| d x w x t | optimizer | schedule | rank | stage | measured peak B | predicted peak B "
-          "| predicted / measured | steady B | at the step B | step's transients B |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "| predicted / measured | steady B | at the step B | step's transients B | optimizer state B "
+          "| predicted state B |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(
             f"| {r['layout']} | {r['label']} | {r['schedule']} | {r['rank']} | {r['stage']} | {r['peak']:,} "
             f"| {r['memory']:,.0f} | {r['memory'] / r['peak']:.3f} | {r['steady_memory']:,.0f} "
-            f"| {r['step_memory']:,.0f} | {r['step']:,.0f} |"
+            f"| {r['step_memory']:,.0f} | {r['step']:,.0f} | {r['state']:,} | {r['optimizer']:,.0f} |"
         )
     print(f"\n(GPT {OPTIM_MODEL}: fp32, {args.steps} steps; {', '.join(f'{k}: {v}' for k, v in OPTIMIZERS.items())})")
 
@@ -624,6 +631,14 @@ def main() -> None:
         help="each rank's peak against the planner's per optimizer (the step's transients), at --optim-layouts",
     )
     parser.add_argument("--optim-layouts", nargs="+", default=list(OPTIM_LAYOUTS), help="--optimizers: d x w x t")
+    parser.add_argument(
+        "--optim-labels",
+        nargs="+",
+        default=list(OPTIMIZERS),
+        choices=list(OPTIMIZERS),
+        help="--optimizers: which optimizers (label: optim.name, 2bw's optim.delay_correction) "
+        + ", ".join(f"{k}: {v[0]}, {v[1]}" for k, v in OPTIMIZERS.items()),
+    )
     parser.add_argument(
         "--sequence",
         action="store_true",
