@@ -1,0 +1,77 @@
+"""A weight tied between layers on one rank is one parameter there (the runtime reties them: pipeline/ties.py); the
+planner counts it once there and once on each stage where its holders are on different stages (partitioner/cost.py's
+``Segments.total``, partitioner/vplan.py's ``held_contexts``)."""
+
+from __future__ import annotations
+
+import pytest
+from torch import nn
+
+from partitioner.__main__ import compose
+from partitioner.auto import plan_config
+from pipedream2bw.config import ConfigError
+from pipedream2bw.models import build_gpt_layers
+from pipedream2bw.pipeline.schedule import chunks
+
+# a GPT whose tied (V, C) weight dwarfs its blocks: 2048 x 32 against two blocks of 12 x 32^2
+SHAPE = ["model.num_layers=2", "model.d_model=32", "model.num_heads=2", "model.seq_len=16", "model.vocab_size=2048"]
+TIED = [
+    "model=gpt",
+    "topology=cpu",
+    "partition.costs=analytic",
+    "model.tie_embeddings=true",
+    "optim.name=adamw",
+    "optim.delay_correction=none",
+    "train.precision=fp32",
+    "partition.microbatch_sizes=[2]",
+    "train.global_batch_size=8",
+    *SHAPE,
+]
+
+
+def _plan(schedule: str, d: int, *extra: str):
+    cfg = compose([*TIED, f"pipeline.schedule={schedule}", f"partition.depths=[{d}]", *extra])
+    return cfg, plan_config(cfg, runtime_bytes=0, devices=d)[0]
+
+
+def _rank_params(cfg, plan, rank: int) -> int:
+    """The parameters rank ``rank`` of ``plan`` holds, each once, as the runtime builds its layers (the GPT's tie one
+    parameter where the rank builds both the embedding and the head)."""
+    starts = [sum(plan.balance[:v]) for v in range(len(plan.balance) + 1)]
+    stages = chunks(plan.schedule, rank, plan.num_stages) if plan.schedule == "zbv" else [rank]
+    indices = [i for v in stages for i in range(starts[v], starts[v + 1])]
+    layers = build_gpt_layers(cfg.model, seed=0, indices=indices)
+    return sum(p.numel() for p in nn.ModuleList(layers).parameters())  # a shared parameter once
+
+
+# regression: the embedding and the head on one rank (zbv's rank 0: chunks 0 and 2d-1; any schedule at d = 1) were
+# each costed with the tied weight, and vplan summed rank 0's two chunks: a whole tied weight's bytes too many in its
+# weights, gradient and optimizer state (and its step's largest tensor twice); on two stages each keeps its copy
+@pytest.mark.parametrize(("schedule", "d"), [("zbv", 2), ("flush", 1), ("2bw", 1), ("flush", 2)])
+def test_a_tied_weight_counts_once_on_a_rank_holding_both_holders_and_once_a_stage_otherwise(schedule, d):
+    cfg, plan = _plan(schedule, d)
+    versions = 2 if schedule == "2bw" else 1
+    for rank, parts in enumerate(plan.predicted_memory_breakdown):
+        n = _rank_params(cfg, plan, rank)  # float32, AdamW: 2 states a parameter
+        assert (parts["weights"], parts["gradients"], parts["optimizer"]) == (versions * 4 * n, 4 * n, 8 * n), rank
+
+
+def test_a_zbv_ranks_peak_is_its_two_chunks_together_with_one_step():
+    # one optimizer steps a zbv rank's two chunks (run/chunks.py): its peak is the larger of the two chunks' steady
+    # states together and their one step (the weight state, the step's transients, no microbatch in flight), not the
+    # sum of each chunk's own larger one
+    _, plan = _plan("zbv", 2)
+    for peak, p in zip(plan.predicted_peak_memory_bytes, plan.predicted_memory_breakdown):
+        state = p["weights"] + p["gradients"] + p["optimizer"] + p["buffers"]
+        assert peak <= max(state + p["activations"] + p["workspace"], state + p["step"])
+
+
+def test_a_zbv_plan_whose_rank_0_fits_its_one_tied_weight_is_found():
+    # before: rank 0 was costed a tied weight's bytes (x 4, AdamW) too many and such a device had no zbv plan
+    cfg, plan = _plan("zbv", 2)
+    tie = 4 * cfg.model.vocab_size * cfg.model.d_model  # float32 bytes of one copy
+    gib = (max(plan.predicted_peak_memory_bytes) + tie) / 2**30  # a tied weight's bytes to spare, not four
+    _, fitted = _plan("zbv", 2, f"topology.memory_per_device_gib={gib}")
+    assert fitted.predicted_peak_memory_bytes == plan.predicted_peak_memory_bytes
+    with pytest.raises(ConfigError, match="no zbv plan fits"):
+        _plan("zbv", 2, f"topology.memory_per_device_gib={(max(plan.predicted_peak_memory_bytes) - tie) / 2**30}")
