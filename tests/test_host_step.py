@@ -4,6 +4,7 @@ of its own while batch t+1 computes; bit for bit the synchronous step, waited fo
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -78,6 +79,26 @@ def test_background_host_step_is_bit_for_bit_the_synchronous_one():
     assert bg_losses == sync_losses  # the forwards read W(t+1) only after the step that makes it
     assert len(bg_states) == 4 and all(_same_state(s, b) for s, b in zip(sync_states, bg_states))  # checkpoints wait
     assert bg.host_step_s > 0  # it did step in the background
+
+
+def test_a_synchronous_host_step_is_timed_too_all_of_it_waited_for(monkeypatch):
+    # regression: swap.host_step=sync (and flush, zbv: a step at once) reported host_step_s 0.0 in summary.json, as
+    # if the host's step took no time; it runs on the training thread, which waits for all of it
+    sync = _versions(False)
+    step, slept = torch.optim.AdamW.step, []
+
+    def slow_step(self, *args, **kwargs):  # a host step of at least 20 ms per bucket, whatever this machine's speed
+        start = time.perf_counter()
+        while time.perf_counter() - start < 0.02:
+            pass
+        slept.append(time.perf_counter() - start)
+        return step(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", slow_step)
+    _train(sync, 3)
+    assert len(slept) == 3 * 2  # 3 steps of 2 buckets
+    assert sync.host_step_s >= sum(slept) and sync.host_step_wait_s == sync.host_step_s
+    assert 0 < sync.host_step_cpu_s <= sync.host_step_s * 1.05  # its CPU time: the spin ran on a core
 
 
 def test_the_next_batch_runs_while_the_step_is_pending_and_the_one_after_waits():
@@ -190,7 +211,9 @@ def test_a_pipeline_trains_bit_for_bit_with_the_step_in_the_background(tmp_path,
     (sync, sync_w), (bg, bg_w) = out["sync"], out["background"]
     assert bg["losses"] == sync["losses"]
     assert bg_w.keys() == sync_w.keys() and all(torch.equal(bg_w[k], sync_w[k]) for k in bg_w)
-    assert all(r["host_step_s"] > 0 for r in bg["ranks"]) and all(r["host_step_s"] == 0 for r in sync["ranks"])
+    assert all(r["host_step_s"] > 0 for r in bg["ranks"])
+    # synchronous: timed too (it was 0.0), on the training thread, which waits for all of it
+    assert all(r["host_step_s"] > 0 and r["host_step_wait_s"] == r["host_step_s"] for r in sync["ranks"])
     trace = json.loads((tmp_path / "background" / "trace.json").read_text())
     steps = [e for e in trace["traceEvents"] if e.get("cat") == "hoststep"]
     assert sorted(e["pid"] for e in steps) == sorted(list(range(d)) * 2)  # each rank, each traced step
