@@ -17,6 +17,7 @@ from pipedream2bw.memory.host_optim import (
     host_threads,
     measure_host_step,
 )
+from pipedream2bw.memory.sharding import ShardedVersions
 from pipedream2bw.pipeline.schedule import BACKWARD, FORWARD, STEP, stage_actions
 
 M = 2  # microbatches per batch
@@ -51,7 +52,7 @@ def _train(versions: HostOptimizerVersions, batches: int, *, states=None, after=
             outs.pop(k).backward()
         elif a.kind == STEP:
             versions.set_lr(0.05 / (k + 1))  # the schedule changes the learning rate every step
-            versions.step(k, grad_scale=1 / M, after=after)
+            versions.step(k, grad_scale=1 / M, **({} if after is None else {"after": after}))
             if states is not None:
                 states.append(versions.state())  # a checkpoint after every step
     versions.settle()
@@ -81,10 +82,26 @@ def test_background_host_step_is_bit_for_bit_the_synchronous_one():
     assert bg.host_step_s > 0  # it did step in the background
 
 
-def test_a_synchronous_host_step_is_timed_too_all_of_it_waited_for(monkeypatch):
+def _sharded_on_host() -> ShardedVersions:
+    """swap.optimizer=host with optim.sharded or train.weight_dtype=compute (run/build.py): ShardedVersions' host
+    masters, stepped on the training thread."""
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
+    return ShardedVersions(
+        module,
+        schedule="2bw",
+        optimizer_factory=lambda p: torch.optim.AdamW(p, lr=0.05),
+        buckets=[[5, 4, 3, 2], [1, 0]],
+        num_sharded=0,
+        host=True,
+    )
+
+
+@pytest.mark.parametrize("make", [lambda: _versions(False), _sharded_on_host], ids=["host", "sharded-host"])
+def test_a_synchronous_host_step_is_timed_too_all_of_it_waited_for(monkeypatch, make):
     # regression: swap.host_step=sync (and flush, zbv: a step at once) reported host_step_s 0.0 in summary.json, as
     # if the host's step took no time; it runs on the training thread, which waits for all of it
-    sync = _versions(False)
+    sync = make()
     step, slept = torch.optim.AdamW.step, []
 
     def slow_step(self, *args, **kwargs):  # a host step of at least 20 ms per bucket, whatever this machine's speed

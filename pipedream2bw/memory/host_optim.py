@@ -9,7 +9,7 @@ import os
 import statistics
 import threading
 import time
-from typing import Callable, Iterator, List, Optional, Sequence
+from typing import Any, Callable, Iterator, List, Optional, Sequence
 
 import torch
 from torch import nn
@@ -165,6 +165,21 @@ def measure_host_step(
         torch.set_num_threads(before)
 
 
+@contextlib.contextmanager
+def synchronous_host_step(versions: Any) -> Iterator[None]:
+    """Times a synchronous host step's work (what a background thread would run) on the training thread, as
+    ``_Pending`` times the thread's: its wall clock into ``versions.host_step_s``, all of it into ``host_step_wait_s``
+    (training waits for all of it) and its CPU time into ``host_step_cpu_s``."""
+    start, cpu = time.perf_counter(), time.thread_time()
+    try:
+        yield
+    finally:
+        wall = time.perf_counter() - start
+        versions.host_step_s += wall
+        versions.host_step_wait_s += wall
+        versions.host_step_cpu_s += time.thread_time() - cpu
+
+
 class BackgroundStep(WeightVersions):
     """``WeightVersions`` whose step may leave the training thread (``background``, 2bw only, swap.host_step).
 
@@ -230,18 +245,8 @@ class BackgroundStep(WeightVersions):
         self._pending = pending
         pending.thread.start()
 
-    @contextlib.contextmanager
-    def _on_this_thread(self) -> Iterator[None]:
-        """Times a synchronous step's host work (what the thread would run) as the thread's is timed: wall clock and
-        CPU time, all of it waited for by training."""
-        start, cpu = time.perf_counter(), time.thread_time()
-        try:
-            yield
-        finally:
-            wall = time.perf_counter() - start
-            self.host_step_s += wall
-            self.host_step_wait_s += wall
-            self.host_step_cpu_s += time.thread_time() - cpu
+    def _on_this_thread(self) -> contextlib.AbstractContextManager:
+        return synchronous_host_step(self)
 
     def _prepare_destination(self, dst_index: int, t: int) -> None:
         """``WeightVersions._prepare_destination``, timed where synchronous (``_on_this_thread``)."""
