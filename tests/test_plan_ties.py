@@ -4,6 +4,8 @@ planner counts it once there and once on each stage where its holders are on dif
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from torch import nn
 
@@ -80,3 +82,25 @@ def test_a_zbv_plan_whose_rank_0_fits_its_one_tied_weight_is_found_where_an_unti
     assert max(tied.predicted_peak_memory_bytes) <= max(untied.predicted_peak_memory_bytes) - 4 * tie
     with pytest.raises(ConfigError, match="no zbv plan fits"):
         _plan("zbv", 2, f"topology.memory_per_device_gib={gib}", "model.tie_embeddings=false")
+
+
+@pytest.mark.slow
+@pytest.mark.long
+def test_a_zbv_runs_weight_state_on_each_rank_is_its_plans(tmp_path):
+    # the runtime's side of the count: each rank's weight version, a float32 gradient of it and its AdamW state (from
+    # the run's tensors, summary.json) are the plan's weights + gradients + optimizer state (rank 0: the tie once)
+    from dist_helper import run_ok
+
+    from partitioner.planner import save_plan
+
+    cfg, plan = _plan("zbv", 2, "train.num_steps=3", "train.warmup_steps=1", "wandb.mode=disabled")
+    save_plan(plan, tmp_path / "plan.yaml")
+    cfg.partition = dataclasses.replace(cfg.partition, mode="file", path=str(tmp_path / "plan.yaml"))
+    cfg.pipeline = dataclasses.replace(cfg.pipeline, num_stages=2)
+    summary = run_ok(cfg, tmp_path / "run")
+    assert summary["balance"] == plan.balance
+    for r in summary["ranks"]:
+        parts = plan.predicted_memory_breakdown[r["stage"]]
+        held = 2 * r["weight_bytes"] + r["optimizer_state_bytes"]  # one version under zbv, its float32 gradient
+        # (Adam's step counts, 4 B a parameter tensor, are in the run's state and not the plan's)
+        assert held == pytest.approx(parts["weights"] + parts["gradients"] + parts["optimizer"], rel=1e-3), r
