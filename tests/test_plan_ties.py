@@ -104,3 +104,18 @@ def test_a_zbv_runs_weight_state_on_each_rank_is_its_plans(tmp_path):
         held = 2 * r["weight_bytes"] + r["optimizer_state_bytes"]  # one version under zbv, its float32 gradient
         # (Adam's step counts, 4 B a parameter tensor, are in the run's state and not the plan's)
         assert held == pytest.approx(parts["weights"] + parts["gradients"] + parts["optimizer"], rel=1e-3), r
+
+
+def test_a_layer_lists_tie_on_one_stage_counts_once(tmp_path):
+    # a layer list (run(layers=...), model=hf): its ties are found by identity as the runtime finds them
+    # (pipeline.ties.find_ties) and named on the profiled costs; before, each holder counted the shared weight
+    from pipedream2bw.models import lm_loss
+
+    cfg = compose([*TIED, "pipeline.schedule=flush", "partition.depths=[1]", "partition.costs=profile"])
+    cfg.partition.repeats, cfg.partition.cache_dir = 1, str(tmp_path)
+    layers = build_gpt_layers(cfg.model, seed=0)  # the head's weight is the embedding's parameter
+    plan = plan_config(cfg, runtime_bytes=0, devices=1, layers=layers, loss_fn=lm_loss)[0]
+    n = sum(p.numel() for p in nn.ModuleList(layers).parameters())
+    parts = plan.predicted_memory_breakdown[0]
+    assert (parts["weights"], parts["gradients"]) == (4 * n, 4 * n)
+    assert parts["optimizer"] == pytest.approx(8 * n, rel=1e-3)  # the profiled step's state: Adam's step counts too
