@@ -23,6 +23,7 @@ from partitioner.profile import (
     profile_layer_list,
     runtime_baseline_bytes,
     with_document_mask,
+    with_ties,
 )
 from partitioner.tensor import TensorShape
 from partitioner.topology import GIB, num_devices
@@ -45,6 +46,7 @@ from pipedream2bw.memory import precision as precisions
 from pipedream2bw.memory.step_memory import StepModel
 from pipedream2bw.models.gpt import layer_kind, lm_loss
 from pipedream2bw.pipeline.schedule import SPLIT_SCHEDULES, V_SCHEDULES
+from pipedream2bw.pipeline.ties import find_ties
 
 log = logging.getLogger(__name__)
 
@@ -323,9 +325,11 @@ def _cost_fns(cfg: Config, req: Request, *, layers, loss_fn):
             get = lambda i: whole[i]  # noqa: E731
         num = len(layers) if layers is not None else source.num_layers
         loss = loss_fn or (source.loss_fn if source is not None else None)
+        tied = find_ties(layers if layers is not None else source.meta())  # as the runtime finds them (run/model.py)
         return lambda optim: (
-            lambda b: profile_layer_list(
-                get, num, loss, optim, b, seq_len=cfg.model.seq_len, repeats=cfg.partition.repeats
+            lambda b: with_ties(
+                profile_layer_list(get, num, loss, optim, b, seq_len=cfg.model.seq_len, repeats=cfg.partition.repeats),
+                tied,
             )
         )
     if req.costs == "profile":

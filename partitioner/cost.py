@@ -26,6 +26,12 @@ per parameter these terms are)::
     + workspace        the largest layer's saved bytes + output: gradients alive in its backward
     + runtime          eps: memory the process has before any model (measured, not fitted)
 
+A parameter several layers share (a tied embedding: ``LayerCost.ties``) is one parameter on a stage that holds
+several of them (the runtime reties them: ``pipeline/ties.py``): its weights, versions, gradient, optimizer state,
+step and the step's copies count once there (``Segments.total``), and once a rank under zbv, whose second chunk
+(``StageContext.held``: the rank's other chunk's layers) counts none of what its first one holds, nor the step's
+largest tensor again (one optimizer steps the rank's two chunks). Holders on different stages keep a copy each.
+
 the steady state's peak; the step's (``step_memory``): the weight state, buffers and runtime + the microbatches still
 in flight when the stage steps (``live_at_step``: under 2bw n - 1 of the next batch's, none under flush and gpipe) +
 ``step``, the step's transients (``pipedream2bw.memory.step_memory``: the largest one tensor's, and the multi-tensor
@@ -113,14 +119,14 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from partitioner.segments import LayerCost, Segments
 from partitioner.split import split_backward_s, whole_set
 from partitioner.topology import LOCAL, Link
 from pipedream2bw.memory.precision import optimizer_state_factor, versions_held
-from pipedream2bw.memory.stream import device_bytes_model
 
 # in_flight: the runtime's own bound, re-exported for the memory model's callers
 from pipedream2bw.pipeline.schedule import (
@@ -138,37 +144,9 @@ from pipedream2bw.pipeline.schedule import (
     timings,
 )
 
-__all__ = [
-    "optimizer_state_factor"
-]  # re-exported: its home is pipedream2bw.memory.precision, with the bytes per parameter
-
-
-@dataclass(frozen=True)
-class LayerCost:
-    """One layer at one microbatch size: seconds per microbatch, bytes."""
-
-    name: str
-    forward_s: float
-    backward_s: float
-    param_bytes: int
-    saved_bytes: int  # what autograd saves for backward, parameters excluded
-    input_bytes: int
-    output_bytes: int
-    optimizer_bytes: int = 0  # optimizer state for this layer's parameters
-    step_s: float = 0.0  # optimizer step over this layer's parameters, once per batch
-    # the step's transients (``pipedream2bw.memory.step_memory``): the most one of its tensors' step holds at once
-    # (Muon's whole matrix and its iterations), its multi-tensor optimizer's temporary over its parameters, and the
-    # delay correction's float32 copy of them (under 2bw only)
-    step_peak_bytes: int = 0
-    step_group_bytes: int = 0
-    step_copy_bytes: int = 0
-    # what the backward split into B and W (zb1p, zbv) takes more than the whole backward, per microbatch: profiled
-    # (``profile.split_backward``), else a ratio (``profile.SPLIT_ANALYTIC``); 0: not charged
-    split_s: float = 0.0
-    # B alone, the input's gradient with the graph kept, per microbatch (W takes the rest, backward_s + split_s -
-    # input_s): profiled where the layer's input needs a gradient (0 where it needs none: B does nothing there), or
-    # None: half the backward (analytic costs)
-    input_s: Optional[float] = None
+# re-exported: optimizer_state_factor's home is pipedream2bw.memory.precision, with the bytes per parameter; the
+# layers' costs and their prefix sums partitioner.segments
+__all__ = ["optimizer_state_factor", "LayerCost", "Segments"]
 
 
 def num_versions(schedule: str) -> int:
@@ -198,93 +176,6 @@ def _v_ticks(schedule: str, num_stages: int, num_microbatches: int) -> float:
     return (ends[-1] - ends[1]) / (len(ends) - 2)
 
 
-class Segments:
-    """Prefix sums over a layer list, so that any segment's totals are two lookups (arrays or ints)."""
-
-    def __init__(self, layers: Sequence[LayerCost]):
-        self.layers = list(layers)
-        self.n = n = len(layers)
-
-        def prefix(values):
-            return np.concatenate([[0.0], np.cumsum(np.asarray(values, dtype=np.float64))])
-
-        def range_max(values):  # [i, j]: the max of values[i..j-1] (0 where j <= i)
-            v, out = np.asarray(values, dtype=np.float64), np.zeros((n + 1, n + 1))
-            for i in range(n):
-                out[i, i + 1 :] = np.maximum.accumulate(v[i:])
-            return out
-
-        self.F = prefix([c.forward_s for c in layers])
-        self.B = prefix([c.backward_s for c in layers])
-        self.X = prefix([c.split_s for c in layers])
-        self.I = prefix([c.backward_s / 2 if c.input_s is None else c.input_s for c in layers])
-        self.S = prefix([c.step_s for c in layers])
-        self.W = prefix([c.param_bytes for c in layers])
-        self.O = prefix([c.optimizer_bytes for c in layers])
-        self.A = prefix([c.saved_bytes for c in layers])
-        self.SG = prefix([c.step_group_bytes for c in layers])
-        self.SC = prefix([c.step_copy_bytes for c in layers])
-        self.IN = np.asarray([c.input_bytes for c in layers] + [0], dtype=np.float64)
-        self.OUT = np.asarray([0] + [c.output_bytes for c in layers], dtype=np.float64)  # OUT[j]: output of layer j-1
-        # RMAX[i, j]: max over layers i..j-1 of (saved + output): the gradients alive in one layer's backward.
-        self.RMAX = range_max([c.saved_bytes + c.output_bytes for c in layers])
-        # SMAX[i, j]: the largest one tensor's step temporaries over layers i..j-1
-        self.SMAX = range_max([c.step_peak_bytes for c in layers])
-        self._stream: Dict[int, tuple] = {}
-
-    def stream_device(self, window: int, weight_copy_bytes: int = 4):
-        """(DEV, MAXW): ``DEV[i, j]``: a streamed stage of layers i..j-1's device bytes for weights and gradients
-        (``stream.device_bytes_model``, the runtime's own model, over the layers' bytes in the versions' dtype:
-        ``weight_copy_bytes`` a parameter); ``MAXW[i, j]``: its largest layer (the gradients, in that dtype too)."""
-        key = (window, weight_copy_bytes)
-        if key not in self._stream:
-            sizes = [c.param_bytes * weight_copy_bytes // 4 for c in self.layers]
-            dev, maxw = np.zeros((self.n + 1, self.n + 1)), np.zeros((self.n + 1, self.n + 1))
-            for i in range(self.n):
-                for j in range(i + 1, self.n + 1):
-                    dev[i, j] = device_bytes_model(sizes[i:j], window=window)
-                    maxw[i, j] = max(sizes[i:j])
-            self._stream[key] = (dev, maxw)
-        return self._stream[key]
-
-    def reduce_exposed(self, one_way: float, latency: float, *, recompute: bool):
-        """(PA, EXP): a streamed stage's host all-reduce (``_stream_reduce_s``), one bucket per layer of ``one_way``
-        seconds a byte plus ``latency``: ``PA`` its prefix sums; ``EXP[i, j]``: what of layers i..j-1's all-reduce
-        outlasts the batch's last backward. Bucket q starts once that backward has left layer q - 1 (the stream reports
-        a layer's added gradients when it hands over the next layer's: a layer late), bucket i at its end; the buckets
-        one after another on the group: ``max_(i<=q<j) (sum_(i..q) a - sum_(i..max(i, q-1)-1) B)``."""
-        key = ("reduce", one_way, latency, recompute)
-        if key not in self._stream:
-            nbytes = np.asarray([c.param_bytes for c in self.layers], dtype=np.float64)
-            a = np.where(nbytes > 0, nbytes * one_way + latency, 0.0)
-            b = np.asarray([c.backward_s + (c.forward_s if recompute else 0.0) for c in self.layers])
-            pa, pb = np.concatenate([[0.0], np.cumsum(a)]), np.concatenate([[0.0], np.cumsum(b)])
-            exp = np.zeros((self.n + 1, self.n + 1))
-            for i in range(self.n):
-                # bucket q's end if the chain never waited, from the backward's start: PA[q+1] - PB[max(i, q-1)]
-                v = pa[i + 1 : self.n + 1] - pb[np.maximum(i, np.arange(i, self.n) - 1)]
-                exp[i, i + 1 :] = np.maximum.accumulate(v) - pa[i] + pb[i]
-            self._stream[key] = (pa, exp)
-        return self._stream[key]
-
-    def stream_stalls(
-        self, host_device_bw: float, *, recompute: bool, grads_out: bool = True, weight_copy_bytes: int = 4
-    ):
-        """Prefix sums of the streamed stall's per-layer terms (module docstring): (t, PF, PB, BB) with ``t[k]``
-        layer k's copy time (its bytes in the versions' dtype, ``weight_copy_bytes`` a parameter, as its gradients),
-        ``PF[k] = sum_(q<k) max(0, t[q+1] - F_q)``, ``PB[k] = sum_(0<q<k) max(0, t[q-1] - BB_q)`` and ``BB_q`` = the
-        backward's own time per layer (B, + F with recomputation, + the gradients out unless ``grads_out`` is false:
-        on a CPU they are the host's sums, charged apart)."""
-        nbytes = np.asarray([c.param_bytes for c in self.layers], dtype=np.float64) * (weight_copy_bytes / 4)
-        t = nbytes / host_device_bw
-        f = np.asarray([c.forward_s for c in self.layers], dtype=np.float64)
-        bb = np.asarray([c.backward_s for c in self.layers], dtype=np.float64) + (t if grads_out else 0.0)
-        bb = bb + (f if recompute else 0.0)
-        pf = np.concatenate([[0.0], np.cumsum(np.maximum(0.0, t[1:] - f[:-1])), [0.0]])
-        pb = np.concatenate([[0.0, 0.0], np.cumsum(np.maximum(0.0, t[:-1] - bb[1:]))])
-        return np.concatenate([t, [0.0]]), pf, pb, np.concatenate([[0.0], np.cumsum(t)])
-
-
 def _xfer(link: Link, nbytes):
     nbytes = np.asarray(nbytes, dtype=np.float64)
     if link.bandwidth == math.inf:
@@ -310,6 +201,9 @@ class StageContext:
     replica_link: Link = LOCAL  # among the stage's replicas
     host_device_bw: float = 10e9
     runtime_bytes: float = 0.0
+    # layer ranges [start, stop) the stage's rank holds besides its own (zbv: its other chunk), stepped with it by one
+    # optimizer: the parameters it shares with them and the step's largest tensor count there (``Segments.total``)
+    held: Tuple[Tuple[int, int], ...] = ()
     sharded: bool = False  # optim.sharded: masters and optimizer state 1/w per replica, reduce-scatter + all-gather
     weight_copy_bytes: int = 4  # bytes per parameter of one weight version (train.weight_dtype: 4, or 2 in bf16/fp16)
     bucket_bytes: float = 25 * 2**20  # pipeline.bucket_mb: the data-parallel reduction flattens a bucket at a time
@@ -432,13 +326,13 @@ def _weight_state(seg: Segments, i, j, ctx: StageContext, *, ws: int, wc: float)
     Returns:
         (weights, gradients, optimizer, host, step_s).
     """
-    W = seg.W[j] - seg.W[i]
-    step = (seg.S[j] - seg.S[i]) / ws
+    W = seg.total("W", i, j, ctx.held)
+    step = seg.total("S", i, j, ctx.held) / ws
     # float32 masters of their own where the versions are not them (sharded, or in the compute dtype): counted
     # with the optimizer state, which owns them
     master = W / ws if (ws > 1 or ctx.weight_copy_bytes != 4) else 0.0 * W
     weights, gradients = num_versions(ctx.schedule) * W * wc, W + (W / ws if ctx.waits else 0.0)
-    optimizer = (seg.O[j] - seg.O[i]) / ws + master
+    optimizer = seg.total("O", i, j, ctx.held) / ws + master
     # a stage whose optimizer is on the host runs no step on the device: its step (s) here is the link's part
     if ctx.stream:  # on the host (``stream.host_bytes_model``): per version its weights and a float32 gradient
         # accumulator, the optimizer state and, for compute-dtype versions, the float32 masters (in ``optimizer``)
@@ -477,12 +371,12 @@ def _host_work(seg: Segments, i, j, ctx: StageContext):
     at the host's measured step bandwidth; the sums copy the first microbatch's gradients and add the others'
     (reading two buffers, writing one: 1.5 copies) at its copy bandwidth.
     """
-    W, wc = seg.W[j] - seg.W[i], ctx.weight_copy_bytes / 4
+    W, wc = seg.total("W", i, j, ctx.held), ctx.weight_copy_bytes / 4
     if not (ctx.stream or ctx.host_optimizer):
         return np.zeros_like(W), np.zeros_like(W)
     # compute-dtype versions: the step also rounds the new float32 masters into W(t+1)'s replica (reads W, writes wc W)
     rounding = (1 + wc) * W if wc != 1 else 0 * W
-    step = (3 * W + 2 * (seg.O[j] - seg.O[i]) + rounding) * ctx.host_share / ctx.host_step_bw
+    step = (3 * W + 2 * seg.total("O", i, j, ctx.held) + rounding) * ctx.host_share / ctx.host_step_bw
     if ctx.stream and wc == 1:  # float32 versions: W(t) is first copied into the replica the step writes W(t+1) in
         step = step + W * ctx.host_share / ctx.host_copy_bw
     # sums into float32 accumulators of gradients in the versions' dtype: the first cast (reads wc W, writes W), the
@@ -546,7 +440,7 @@ def _copy_s(seg: Segments, i, j, ctx: StageContext, moved):
     """The link's busy seconds per batch in its busier direction: per microbatch the swapped activations (each way)
     and a streamed stage's weights (in: the forward's and the backward's copies) and gradients (out); at the step,
     the host optimizer's gradients out and new weights in."""
-    W, m, bw, wc = seg.W[j] - seg.W[i], ctx.num_microbatches, ctx.host_device_bw, ctx.weight_copy_bytes / 4
+    W, m, bw, wc = seg.total("W", i, j, ctx.held), ctx.num_microbatches, ctx.host_device_bw, ctx.weight_copy_bytes / 4
     if ctx.stream:  # the weights and their gradients in the versions' dtype
         weights_in, grads_out = 2 * m * wc * W / bw, m * wc * W / bw
     elif ctx.host_optimizer:  # the float32 gradients out, the new weights in
@@ -586,10 +480,12 @@ def _step_transient(seg: Segments, i, j, ctx: StageContext, *, ws: int):
     temporaries + the multi-tensor temporary and, under 2bw, the delay correction's copy over the parameters one
     optimizer steps at once (a gradient bucket's where w > 1: an optimizer per bucket; a shard's, sharded). A stage
     whose optimizer is on the host (streamed, or swap.optimizer=host) steps there: none on the device."""
-    group = (seg.SG[j] - seg.SG[i]) + ((seg.SC[j] - seg.SC[i]) if ctx.schedule == "2bw" else 0.0)
+    group = seg.total("SG", i, j, ctx.held) + (seg.total("SC", i, j, ctx.held) if ctx.schedule == "2bw" else 0.0)
     if ctx.data_parallel > 1:
         group = np.minimum(group, ctx.bucket_bytes)
-    out = seg.SMAX[i, j] + group / ws
+    # the rank's other chunk (held) steps with this one: its largest tensor's temporaries are counted there
+    largest = seg.SMAX[i, j] - max((seg.SMAX[a, b] for a, b in ctx.held), default=0.0)
+    out = np.maximum(largest, 0.0) + group / ws
     return 0.0 * out if (ctx.stream or ctx.host_optimizer) else out
 
 
@@ -612,7 +508,7 @@ def segment_costs(seg: Segments, i, j, ctx: StageContext) -> Dict[str, np.ndarra
     s, d, m, w = ctx.stage_index, ctx.num_stages, ctx.num_microbatches, ctx.data_parallel
     out_b = np.where(j == seg.n, 0.0, seg.OUT[j])  # the last stage sends nothing on
     in_b = seg.IN[i]
-    W, F = seg.W[j] - seg.W[i], seg.F[j] - seg.F[i]
+    W, F = seg.total("W", i, j, ctx.held), seg.F[j] - seg.F[i]
     A = seg.A[j] - seg.A[i] + out_b  # the runtime's stash keeps the output until its backward
     n = in_flight(ctx.schedule, s, d, m, forward_lead=ctx.forward_lead)
     if ctx.recompute:
@@ -707,10 +603,13 @@ class StageCost:
 
     def memory_with(self, live: int) -> float:
         """Peak memory with ``live`` microbatches in flight (the simulator's count)."""
+        return max(self.steady_with(live), self["step_memory"])
+
+    def steady_with(self, live: int) -> float:
+        """The steady state's memory with ``live`` microbatches in flight (``memory_with`` without the step's)."""
         resident = min(live, self.ctx.swap_resident + 1) if self["act_moved"] else live
         static = self["steady_memory"] - self["activations"]
-        steady = static + live * self["act_per_microbatch"] - (live - resident) * self["act_moved"] + self["act_extra"]
-        return max(steady, self["step_memory"])
+        return static + live * self["act_per_microbatch"] - (live - resident) * self["act_moved"] + self["act_extra"]
 
 
 @dataclass(frozen=True)

@@ -12,8 +12,10 @@ keyed by the model, optimizer, b, device, dtype and torch version.
 Any layer list (a model from config or the Python API's ``layers``): ``profile_layer_list`` runs
 the layers in order on a real microbatch of token ids, each timed alone on the previous one's
 output (a tuple or dict of tensors too); layers of the same structure on inputs of the same
-shape are measured once. A parameter shared by layers (a tied embedding) counts in each, as
-each holder stage keeps a copy. Not cached (the model is code, not a config).
+shape are measured once. A parameter shared by layers (a tied embedding; ``with_ties``) is named in each holder's
+``LayerCost.ties``: the cost model counts it once on a stage (or zbv rank) holding several holders, once on each
+stage holding one, as the runtime keeps it (one parameter there, a copy a stage). Not cached (the model is code, not a
+config). The GPT's ``model.tie_embeddings``: the embedding's token weight and the head's (``gpt_ties``).
 
 Analytic: FLOP counts (a block: 24*b*T*C^2 + 4*b*T^2*C forward, twice that backward) at the
 topology's ``peak_tflops``, memory-bound layers at ``memory_bw_gbps``, and the saved bytes a
@@ -377,9 +379,40 @@ def profile_gpt(
 
 
 def _expand(cfg: GPTConfig, kinds: Dict[str, LayerCost]) -> List[LayerCost]:
+    return gpt_ties(
+        cfg,
+        [
+            dataclasses.replace(kinds[layer_kind(cfg, i)], name=f"{i}:{layer_kind(cfg, i)}", ties=())
+            for i in range(model_num_layers(cfg))
+        ],
+    )
+
+
+def with_ties(costs: List[LayerCost], tied: Sequence[Any]) -> List[LayerCost]:
+    """A layer list's ``costs`` with its ties named (``LayerCost.ties``; ``tied``: ``pipeline.ties.find_ties``' of the
+    list): each holder's share of its parameter bytes is the tie's float32 bytes (at most all of them)."""
+    shares: Dict[int, List[Tuple[str, float]]] = {}
+    for tie in tied:
+        nbytes = 4 * int(torch.Size(tie.shape).numel())
+        for layer in tie.layers:
+            share = min(1.0, nbytes / costs[layer].param_bytes) if costs[layer].param_bytes else 0.0
+            shares.setdefault(layer, []).append((tie.canonical, share))
+    return [dataclasses.replace(c, ties=tuple(shares.get(i, ()))) for i, c in enumerate(costs)]
+
+
+TIE = "tok"  # the GPT's tie: the token embedding's (V, C) weight, the LM head's too with model.tie_embeddings
+
+
+def gpt_ties(cfg: GPTConfig, layers: List[LayerCost]) -> List[LayerCost]:
+    """The GPT's ``layers`` with its tie named where ``cfg.tie_embeddings``: the embedding (V of its V + T rows of
+    d_model) and the head (all of its weight: no bias) hold one (V, C) parameter (``cost.Segments.total``)."""
+    if not cfg.tie_embeddings:
+        return layers
+    V, T = cfg.vocab_size, cfg.seq_len
+    share = {"embedding": V / (V + T), "head": 1.0}
     return [
-        dataclasses.replace(kinds[layer_kind(cfg, i)], name=f"{i}:{layer_kind(cfg, i)}")
-        for i in range(model_num_layers(cfg))
+        dataclasses.replace(c, ties=((TIE, share[layer_kind(cfg, i)]),)) if layer_kind(cfg, i) in share else c
+        for i, c in enumerate(layers)
     ]
 
 
@@ -477,7 +510,7 @@ def analytic_gpt(
                     V * C,
                 )
             )
-    return _with_split(_with_step(layers, cfg, optim, topo.device))
+    return gpt_ties(cfg, _with_split(_with_step(layers, cfg, optim, topo.device)))
 
 
 def _with_split(layers: List[LayerCost]) -> List[LayerCost]:

@@ -3,7 +3,9 @@
 Each chunk is a contiguous layer range of its own (a plan's ``balance`` lists 2d counts, as the runtime's
 ``pipeline.balance`` does under zbv). The boundaries come from the planner's dynamic program over the 2d chunks (each
 chunk's time as a stage of its own, the min-max over chunks); the plan's figures from the simulator over zbv's action
-lists (``cost.simulate`` with the 2d chunks' costs), its memory per rank as its two chunks' together. What zbv runs
+lists (``cost.simulate`` with the 2d chunks' costs), its memory per rank as its two chunks' together, what the two
+share counted once (``held_contexts``: a tie whose holders are both on the rank, the GPT's embedding and head on rank 0,
+is one parameter there; one optimizer steps both chunks). What zbv runs
 without (config/validate.py: recomputation, swapping, streaming, sharding, tensor parallelism, NCCL) the search does
 not try; a CUDA topology (NCCL) is refused.
 
@@ -16,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Dict, List, Sequence
 
-from partitioner.cost import MEMORY_PARTS, RESOURCES, Segments, simulate
+from partitioner.cost import MEMORY_PARTS, RESOURCES, Segments, StageContext, simulate
 from partitioner.planner import (
     CostFn,
     Plan,
@@ -57,6 +59,17 @@ def v_contexts(req: Request, rank_map: Sequence[Sequence[int]], *, m: int) -> li
     return ctxs
 
 
+def held_contexts(ctxs: Sequence[StageContext], starts: Sequence[int], num_layers: int) -> List[StageContext]:
+    """The 2d chunks' contexts, a rank's second chunk (v >= d) holding its first one's layers besides its own
+    (``StageContext.held``): a parameter both chunks use (the GPT's tie, chunks 0 and 2d-1) is one on the rank, and
+    one optimizer steps both, as the runtime keeps them (run/chunks.py)."""
+    d, bounds = len(ctxs) // 2, [*starts, num_layers]
+    return [
+        dataclasses.replace(c, held=((bounds[2 * d - 1 - v], bounds[2 * d - v]),)) if v >= d else c
+        for v, c in enumerate(ctxs)
+    ]
+
+
 def _per_rank(values: Sequence[float], d: int) -> List[float]:
     """Chunk figures -> rank figures: rank r's two chunks, r and 2d-1-r, summed."""
     return [sum(values[v] for v in rank_chunks(SCHEDULE, r, d)) for r in range(d)]
@@ -65,21 +78,25 @@ def _per_rank(values: Sequence[float], d: int) -> List[float]:
 def v_plan(req: Request, split: _Split, *, simulate_it: bool) -> Plan:
     """The Plan of a zbv ``split`` (its contexts, starts and costs per chunk): from the simulator (``simulate_it``),
     else from the bound the search ranks by (the slowest rank's two chunks, or the cores' total work if slower)."""
-    chunks = split.stage_costs()
     d, w, m = len(split.rank_map), split.data_parallel, split.num_microbatches
+    chunks = dataclasses.replace(split, contexts=held_contexts(split.contexts, split.starts, split.seg.n)).stage_costs()
     cores = req.topology.cores if req.topology.device == "cpu" else None
     rank_batch = _per_rank([st["batch_s"] for st in chunks], d)  # a rank's two chunks, the search's bound
     if simulate_it:
         sim = simulate(chunks, schedule=SCHEDULE, num_microbatches=m, data_parallel=w, cores=cores)
-        batch_time, chunk_peaks = sim.batch_time_s, sim.peak_memory_bytes
+        batch_time = sim.batch_time_s
+        steady = [st.steady_with(p) for st, p in zip(chunks, sim.peak_in_flight)]
     else:
         batch_time = max(rank_batch)
         if cores:
             busy = w * sum(m * (st["forward_s"] + st["backward_s"]) + st["step_s"] for st in chunks)
             batch_time = max(batch_time, busy / cores)
-        chunk_peaks = [st["memory"] for st in chunks]
+        steady = [st["steady_memory"] for st in chunks]
     runtime = [float(split.contexts[r].runtime_bytes) for r in range(d)]  # counted once a rank, not once a chunk
-    peaks = [p - rt for p, rt in zip(_per_rank(chunk_peaks, d), runtime)]
+    # a rank's peak: its two chunks' steady states together, or their one step (both chunks' weight state and the
+    # step's transients at once; none of their microbatches in flight then: live_at_step), whichever is larger
+    at_step = _per_rank([st["step_memory"] for st in chunks], d)
+    peaks = [max(a, b) - rt for a, b, rt in zip(_per_rank(steady, d), at_step, runtime)]
     per_part = {k: _per_rank([st[k] for st in chunks], d) for k in MEMORY_PARTS}
     breakdown: List[Dict[str, int]] = []
     for r in range(d):

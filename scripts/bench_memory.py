@@ -10,6 +10,8 @@
                                                    # and its optimizer state against the planner's
     python scripts/bench_memory.py --sequence      # pipeline.sequence_parallel: a rank's activations at d=2 x t=2,
                                                    # without and with it, against the planner's; and samples/s
+    python scripts/bench_memory.py --ties          # tied embeddings held by one rank (zbv's rank 0, d = 1): its
+                                                   # peak and weight state against the planner's plan for it
 
 Memory: a GPT whose parameters dwarf its activations (32 blocks of d_model 64, 4 tokens a microbatch) and whose
 largest parameter, like each gradient bucket (``--bucket-mb``), is 1% of a stage, as a 25 MB bucket is of a large
@@ -36,6 +38,13 @@ held (the summary's ``peak_stash_bytes``) against the planner's saved activation
 ``tensor.split_layers`` times ``schedule.in_flight``), and the peak tensor bytes less the weight state (the run's
 tensors) against the planner's activations + buffers + workspace; then samples/s of each, ``--repeats`` rounds
 alternating the two (``--steps`` each, no profiler).
+
+Ties (``--ties``, ``TIE_MODEL``: a GPT with model.tie_embeddings whose vocabulary dwarfs its blocks, fp32, AdamW):
+``partition.costs=analytic`` plans each of ``TIE_LAYOUTS`` (schedule, d) with runtime bytes 0 (``plan_config``, the
+planner's own search, its depth and microbatch size pinned), runs the plan's balance and reports per rank the measured
+peak tensor bytes and weight state (the run's versions, a float32 gradient each, its optimizer state) against the
+plan's predicted peak and weights + gradients + optimizer. One parameter where one rank holds both the embedding and
+the head (zbv's rank 0, chunks 0 and 2d-1; any schedule at d = 1).
 
 Time (``--time``): 4 ranks, sharded and unsharded under 2bw and flush, ``--repeats`` rounds alternating the four,
 median samples/s of each and the sharded / unsharded ratios, with the all-gather time forwards waited for.
@@ -95,6 +104,10 @@ OPTIMIZERS = {  # label: (optim.name, optim.delay_correction under 2bw; flush ru
 SEQUENCE_MODEL = dict(
     num_layers=4, d_model=64, num_heads=4, seq_len=128, microbatch_size=4, num_microbatches=2, vocab_size=257
 )
+TIE_MODEL = dict(
+    num_layers=2, d_model=64, num_heads=4, seq_len=16, microbatch_size=2, num_microbatches=4, vocab_size=4096
+)
+TIE_LAYOUTS = (("zbv", 2), ("flush", 1), ("2bw", 1))  # (schedule, d)
 RANK_FIELDS = ("rank", "stage", "optimizer_state_bytes", "weight_bytes", "peak_stash_bytes")  # the summary's, per rank
 COMBINATIONS = [("fp32", "fp32"), ("bf16", "fp32"), ("bf16", "compute")]  # (precision, weight_dtype)
 
@@ -143,6 +156,7 @@ def make_config(j: dict, *, cuda: bool) -> Config:
             tensor_parallel=j.get("t", 1),
             recompute=j.get("recompute", False),
             sequence_parallel=j.get("sp", False),
+            balance=j.get("balance"),
         ),
         model=GPTConfig(
             num_layers=m["num_layers"],
@@ -150,6 +164,7 @@ def make_config(j: dict, *, cuda: bool) -> Config:
             num_heads=m["num_heads"],
             seq_len=m["seq_len"],
             vocab_size=m.get("vocab_size", 256),
+            tie_embeddings=j.get("tie", False),
         ),
         optim=OptimConfig(
             name=j.get("optim", "adamw"),
@@ -544,6 +559,51 @@ def sequence_table(args) -> None:
     ))  # fmt: skip
 
 
+def _tie_plan(j: dict):
+    """The planner's plan for ``j`` (``--ties``): analytic costs, runtime bytes 0, ``j``'s depth and microbatch size."""
+    from partitioner.auto import plan_config
+
+    cfg = make_config(j, cuda=False)
+    m = j["model"]
+    cfg.train.global_batch_size = m["microbatch_size"] * m["num_microbatches"]
+    cfg.partition = dataclasses.replace(
+        cfg.partition, costs="analytic", depths=[j["d"]], microbatch_sizes=[m["microbatch_size"]]
+    )
+    return plan_config(cfg, runtime_bytes=0, devices=j["d"] * j["w"])[0]
+
+
+def ties_table(args) -> None:
+    """Tied embeddings on one rank: each rank's measured peak and weight state against its plan's (the module
+    docstring)."""
+    rows = []
+    for schedule, d in TIE_LAYOUTS:
+        j = dict(job(schedule=schedule, d=d, w=1, precision="fp32", weight_dtype="fp32", sharded=False,
+                     steps=args.steps, model=TIE_MODEL, bucket_mb=PipelineConfig().bucket_mb), tie=True)  # fmt: skip
+        plan = _tie_plan(j)
+        j["balance"] = list(plan.balance)
+        ranks = launch([j], nproc=d, memory=True)[0]
+        versions = 2 if schedule == "2bw" else 1
+        for r in ranks[0]["ranks"]:
+            peak = next(x["peak_bytes"] for x in ranks if x["rank"] == r["rank"])
+            parts = plan.predicted_memory_breakdown[r["stage"]]
+            held = r["weight_bytes"] * (1 + 1 / versions) + r["optimizer_state_bytes"]
+            rows.append(dict(schedule=schedule, d=d, balance=j["balance"], rank=r["rank"], peak=peak, held=held,
+                             planner_peak=plan.predicted_peak_memory_bytes[r["stage"]],
+                             planner_held=parts["weights"] + parts["gradients"] + parts["optimizer"]))  # fmt: skip
+    if args.json:
+        Path(args.json).write_text(json.dumps({"rows": rows}, indent=1) + "\n")
+    print("| schedule | d | balance | rank | measured peak B | predicted peak B | pred / meas | weight state B "
+          "| planner's B | pred / meas |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(
+            f"| {r['schedule']} | {r['d']} | {r['balance']} | {r['rank']} | {r['peak']:,} | {r['planner_peak']:,} "
+            f"| {r['planner_peak'] / r['peak']:.3f} | {r['held']:,.0f} | {r['planner_held']:,} "
+            f"| {r['planner_held'] / r['held']:.3f} |"
+        )
+    print(f"\n(GPT {TIE_MODEL}, model.tie_embeddings=true: fp32, AdamW, {args.steps} steps; analytic costs)")
+
+
 def time_table(args) -> None:
     kinds = [(s, sh) for s in ("2bw", "flush") for sh in (False, True)]
     jobs = [
@@ -644,6 +704,9 @@ def main() -> None:
         action="store_true",
         help="pipeline.sequence_parallel: a rank's activations at d=2 x t=2 without and with it against the planner's",
     )
+    parser.add_argument(
+        "--ties", action="store_true", help="tied embeddings on one rank: its peak and weight state against the plan's"
+    )
     parser.add_argument("--time-steps", type=int, default=30, help="--sequence: steps of each timed run")
     parser.add_argument("--json", default=None, help="memory and tensor tables: also write its rows to this file")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -662,7 +725,9 @@ def main() -> None:
         f"torch {torch.__version__}, {'CUDA ' + torch.cuda.get_device_name() if torch.cuda.is_available() else 'CPU'}"
     )
     table = (
-        sequence_table
+        ties_table
+        if args.ties
+        else sequence_table
         if args.sequence
         else time_table
         if args.time

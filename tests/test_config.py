@@ -203,3 +203,37 @@ def test_zbv_balance_lists_two_chunks_a_stage():
     cfg = make("pipeline.schedule=zbv", "pipeline.num_stages=2", "pipeline.balance=[4,4]")
     with pytest.raises(ConfigError, match=r"must list 4 positive layer counts \(one per chunk: zbv runs 2 a stage\)"):
         validate(cfg, world_size=2)
+
+
+# pipeline.check_ties where every tie is one parameter on one rank: it reported 0 steps checked, as if it had checked
+@pytest.mark.parametrize(
+    ("overrides", "why"),
+    [
+        (["pipeline.schedule=zbv", "pipeline.num_stages=2", "pipeline.num_microbatches=4"], "on rank 0 under"),
+        (["pipeline.num_stages=1"], r"on the one stage \(pipeline.num_stages=1\)"),
+        (["model.tie_embeddings=false", "pipeline.num_stages=2"], r"no tied weights \(model.tie_embeddings=false\)"),
+    ],
+)
+def test_check_ties_is_refused_where_there_are_no_copies_to_compare(overrides, why):
+    tied = ["model.tie_embeddings=true", "pipeline.check_ties=true"]
+    with pytest.raises(
+        ConfigError, match=rf"^pipeline.check_ties \(true\) compares .*{why}.*set pipeline.check_ties=false$"
+    ):
+        validate(make(*tied, *overrides), world_size=int(make(*overrides).pipeline.num_stages))
+    validate(make(*tied, "pipeline.num_stages=2"), world_size=2)  # embedding and head on two stages: two copies
+
+
+def test_check_ties_of_a_layer_list_is_refused_where_no_tie_spans_stages():
+    from pipedream2bw.pipeline.ties import Tie
+    from pipedream2bw.run.start import check_tie_check
+
+    cfg = make("pipeline.check_ties=true", "pipeline.num_stages=2")
+    tie = Tie(names=("0.w", "3.w"), shape=(4, 4))
+    check_tie_check(cfg, [tie], [2, 2])  # layers 0 and 3 on stages 0 and 1
+    with pytest.raises(ConfigError, match=r"every tied weight \(\[\['0.w', '3.w'\]\]\) is one parameter on the rank"):
+        check_tie_check(cfg, [tie], [4, 2])
+    zbv = make("pipeline.check_ties=true", "pipeline.num_stages=2", "pipeline.schedule=zbv")
+    with pytest.raises(ConfigError, match="is one parameter on the rank"):
+        check_tie_check(zbv, [tie], [1, 1, 1, 1])  # chunks 0 and 3: rank 0's
+    with pytest.raises(ConfigError, match="the model has no tied weights"):
+        check_tie_check(cfg, [], [2, 2])

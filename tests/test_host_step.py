@@ -4,6 +4,7 @@ of its own while batch t+1 computes; bit for bit the synchronous step, waited fo
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from pipedream2bw.memory.host_optim import (
     host_threads,
     measure_host_step,
 )
+from pipedream2bw.memory.sharding import ShardedVersions
 from pipedream2bw.pipeline.schedule import BACKWARD, FORWARD, STEP, stage_actions
 
 M = 2  # microbatches per batch
@@ -50,7 +52,7 @@ def _train(versions: HostOptimizerVersions, batches: int, *, states=None, after=
             outs.pop(k).backward()
         elif a.kind == STEP:
             versions.set_lr(0.05 / (k + 1))  # the schedule changes the learning rate every step
-            versions.step(k, grad_scale=1 / M, after=after)
+            versions.step(k, grad_scale=1 / M, **({} if after is None else {"after": after}))
             if states is not None:
                 states.append(versions.state())  # a checkpoint after every step
     versions.settle()
@@ -78,6 +80,42 @@ def test_background_host_step_is_bit_for_bit_the_synchronous_one():
     assert bg_losses == sync_losses  # the forwards read W(t+1) only after the step that makes it
     assert len(bg_states) == 4 and all(_same_state(s, b) for s, b in zip(sync_states, bg_states))  # checkpoints wait
     assert bg.host_step_s > 0  # it did step in the background
+
+
+def _sharded_on_host() -> ShardedVersions:
+    """swap.optimizer=host with optim.sharded or train.weight_dtype=compute (run/build.py): ShardedVersions' host
+    masters, stepped on the training thread."""
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
+    return ShardedVersions(
+        module,
+        schedule="2bw",
+        optimizer_factory=lambda p: torch.optim.AdamW(p, lr=0.05),
+        buckets=[[5, 4, 3, 2], [1, 0]],
+        num_sharded=0,
+        host=True,
+    )
+
+
+@pytest.mark.parametrize("make", [lambda: _versions(False), _sharded_on_host], ids=["host", "sharded-host"])
+def test_a_synchronous_host_step_is_timed_too_all_of_it_waited_for(monkeypatch, make):
+    # regression: swap.host_step=sync (and flush, zbv: a step at once) reported host_step_s 0.0 in summary.json, as
+    # if the host's step took no time; it runs on the training thread, which waits for all of it
+    sync = make()
+    step, slept = torch.optim.AdamW.step, []
+
+    def slow_step(self, *args, **kwargs):  # a host step of at least 20 ms per bucket, whatever this machine's speed
+        start = time.perf_counter()
+        while time.perf_counter() - start < 0.02:
+            pass
+        slept.append(time.perf_counter() - start)
+        return step(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", slow_step)
+    _train(sync, 3)
+    assert len(slept) == 3 * 2  # 3 steps of 2 buckets
+    assert sync.host_step_s >= sum(slept) and sync.host_step_wait_s == sync.host_step_s
+    assert 0 < sync.host_step_cpu_s <= sync.host_step_s * 1.05  # its CPU time: the spin ran on a core
 
 
 def test_the_next_batch_runs_while_the_step_is_pending_and_the_one_after_waits():
@@ -190,7 +228,9 @@ def test_a_pipeline_trains_bit_for_bit_with_the_step_in_the_background(tmp_path,
     (sync, sync_w), (bg, bg_w) = out["sync"], out["background"]
     assert bg["losses"] == sync["losses"]
     assert bg_w.keys() == sync_w.keys() and all(torch.equal(bg_w[k], sync_w[k]) for k in bg_w)
-    assert all(r["host_step_s"] > 0 for r in bg["ranks"]) and all(r["host_step_s"] == 0 for r in sync["ranks"])
+    assert all(r["host_step_s"] > 0 for r in bg["ranks"])
+    # synchronous: timed too (it was 0.0), on the training thread, which waits for all of it
+    assert all(r["host_step_s"] > 0 and r["host_step_wait_s"] == r["host_step_s"] for r in sync["ranks"])
     trace = json.loads((tmp_path / "background" / "trace.json").read_text())
     steps = [e for e in trace["traceEvents"] if e.get("cat") == "hoststep"]
     assert sorted(e["pid"] for e in steps) == sorted(list(range(d)) * 2)  # each rank, each traced step

@@ -93,7 +93,8 @@ class PipelineConfig:
     of 32 (docs/benchmarks.md); not measured where transfers have real latency (across nodes, on GPUs)."""
     check_ties: bool = False
     """Debug: after every step, compare a digest of each tied parameter's copies across the stages holding
-    them (two small all-reduces per step); the run fails on the first step where they differ."""
+    them (two small all-reduces per step); the run fails on the first step where they differ. Refused where no tie
+    spans stages (none, or each one parameter on one rank: zbv's GPT tie, d = 1): nothing to compare."""
 
 
 @dataclass

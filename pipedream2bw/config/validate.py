@@ -136,6 +136,29 @@ def _validate_forward_lead(cfg: Config) -> None:
         )
 
 
+def _validate_check_ties(cfg: Config) -> None:
+    """pipeline.check_ties compares a tie's copies on the stages holding them; the GPT's tie (model.tie_embeddings:
+    the embedding and the head) is one parameter where one rank holds both (zbv's rank 0, chunks 0 and 2d-1; the one
+    stage at d = 1), with no copies to compare: refused there, and without a tie (a layer list's ties: run/start.py)."""
+    p = cfg.pipeline
+    if not p.check_ties or not isinstance(cfg.model, GPTConfig):
+        return
+    where = (
+        "the GPT has no tied weights (model.tie_embeddings=false)"
+        if not cfg.model.tie_embeddings
+        else "the GPT's tied embedding is one parameter on rank 0 under pipeline.schedule=zbv (chunks 0 and 2d-1)"
+        if p.schedule == "zbv"
+        else "the GPT's tied embedding is one parameter on the one stage (pipeline.num_stages=1)"
+        if p.num_stages == 1
+        else None
+    )
+    if where:
+        raise ConfigError(
+            f"pipeline.check_ties (true) compares a tie's copies across the stages holding them, but {where}: "
+            "there is nothing to compare; set pipeline.check_ties=false"
+        )
+
+
 def _validate_sync_warmup(cfg: Config) -> None:
     """pipeline.sync_warmup_steps: flush's steps, then 2bw's, on the plain weight versions (pipeline/versions.py)."""
     p, n = cfg.pipeline, cfg.pipeline.sync_warmup_steps
@@ -373,6 +396,7 @@ def validate(
     _validate_documents(cfg)
     _validate_tensor_parallel(cfg, gpt=gpt, local_world_size=local_world_size)
     _validate_sync_warmup(cfg)
+    _validate_check_ties(cfg)
     _validate_forward_lead(cfg)
     _validate_split_backward(cfg)
     _validate_v_schedule(cfg)

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import os
 import statistics
 import threading
 import time
-from typing import Callable, List, Optional, Sequence
+from typing import Any, Callable, Iterator, List, Optional, Sequence
 
 import torch
 from torch import nn
@@ -164,6 +165,21 @@ def measure_host_step(
         torch.set_num_threads(before)
 
 
+@contextlib.contextmanager
+def synchronous_host_step(versions: Any) -> Iterator[None]:
+    """Times a synchronous host step's work (what a background thread would run) on the training thread, as
+    ``_Pending`` times the thread's: its wall clock into ``versions.host_step_s``, all of it into ``host_step_wait_s``
+    (training waits for all of it) and its CPU time into ``host_step_cpu_s``."""
+    start, cpu = time.perf_counter(), time.thread_time()
+    try:
+        yield
+    finally:
+        wall = time.perf_counter() - start
+        versions.host_step_s += wall
+        versions.host_step_wait_s += wall
+        versions.host_step_cpu_s += time.thread_time() - cpu
+
+
 class BackgroundStep(WeightVersions):
     """``WeightVersions`` whose step may leave the training thread (``background``, 2bw only, swap.host_step).
 
@@ -181,6 +197,8 @@ class BackgroundStep(WeightVersions):
         assert not background or self.schedule == "2bw", "a background host step needs 2bw (config validation)"
         self.background = background
         self.threads = threads  # the thread's intra-op threads (``host_threads``); None: as the process's
+        # synchronous (not background): the step's part that the thread would run, on the training thread, all of it
+        # waited for (``_on_this_thread``)
         self.host_step_s = 0.0  # seconds the background thread spent stepping
         self.host_step_cpu_s = 0.0  # ... of which it ran on a core (its CPU time; the rest it waited for one)
         self.host_step_wait_s = 0.0  # seconds the calling thread waited for it: the part not hidden
@@ -204,7 +222,8 @@ class BackgroundStep(WeightVersions):
         if not self.background:
             super().step(batch_index, grad_scale=grad_scale, before_bucket=before_bucket)
             if after is not None:
-                after(list(self.newest().parameters()))
+                with self._on_this_thread():
+                    after(list(self.newest().parameters()))
             return
         self.settle()  # the masters hold W(t) once the previous step is done
         t = batch_index
@@ -225,6 +244,19 @@ class BackgroundStep(WeightVersions):
         )
         self._pending = pending
         pending.thread.start()
+
+    def _on_this_thread(self) -> contextlib.AbstractContextManager:
+        return synchronous_host_step(self)
+
+    def _prepare_destination(self, dst_index: int, t: int) -> None:
+        """``WeightVersions._prepare_destination``, timed where synchronous (``_on_this_thread``)."""
+        with self._on_this_thread() if not self.background else contextlib.nullcontext():
+            super()._prepare_destination(dst_index, t)
+
+    def _step_bucket(self, bucket: Sequence[int], optimizer: torch.optim.Optimizer, dst: Sequence[nn.Parameter]):
+        """``WeightVersions._step_bucket``, timed where synchronous (in the background the thread's run is)."""
+        with self._on_this_thread() if not self.background else contextlib.nullcontext():
+            super()._step_bucket(bucket, optimizer, dst)
 
     def _host_work(self, newest: int, dst_index: int, after: After) -> Callable[[], None]:
         """What the background thread does (made on the calling thread): the optimizers step the masters, which have

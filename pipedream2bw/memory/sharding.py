@@ -20,6 +20,7 @@ The optimizer must be elementwise (SGD, Adam, AdamW, RMSprop, ...): it sees piec
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 import torch
 from torch import nn
 
+from pipedream2bw.memory.host_optim import synchronous_host_step
 from pipedream2bw.pipeline.versions import WeightVersions, _cpu_copy, grad_of, set_grad, version_of_batch
 
 # (shard, full) -> a wait: starts gathering every replica's ``shard`` into ``full`` (comm.all_gather_async)
@@ -118,6 +120,8 @@ class ShardedVersions(WeightVersions):
             for k, b in enumerate(buckets)
         ]
         self.num_sharded, self.host, self.weight_dtype = num_sharded, host, weight_dtype
+        # host: its optimizer steps there, on the training thread (host_optim.synchronous_host_step)
+        self.host_step_s = self.host_step_wait_s = self.host_step_cpu_s = 0.0
         self.shard_index = shard_index
         self.master_device = torch.device("cpu") if host else params[0].device
         self.gather: Optional[Gather] = None  # comm's all-gather, connected once the stage's group exists
@@ -214,7 +218,8 @@ class ShardedVersions(WeightVersions):
                     if grad is not None
                     else self._whole_gradient(src[piece.param], master, grad_scale)
                 )
-            optimizer.step()
+            with synchronous_host_step(self) if self.host else contextlib.nullcontext():
+                optimizer.step()
             for master in self.pieces[b]:
                 master.grad = None
             for i in layout.params:

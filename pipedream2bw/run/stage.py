@@ -85,7 +85,7 @@ class StageStats:
     skipped_steps: List[int] = field(default_factory=list)  # steps skipped everywhere for a non-finite loss or gradient
     agreement_exposed_s: float = 0.0  # time APPLY waited for the step agreement: not hidden behind other work
     allgather_exposed_s: float = 0.0  # optim.sharded: time forwards and steps waited for the weights' all-gather
-    host_step_s: float = 0.0  # swap.host_step=background: seconds the host optimizer steps ran on their thread
+    host_step_s: float = 0.0  # seconds the host optimizer steps ran (on their thread, or synchronously on this one)
     host_step_wait_s: float = 0.0  # ... and seconds training waited for them (the part not hidden)
     host_step_cpu_s: float = 0.0  # ... and seconds they ran on a core (the thread's CPU time; the rest it waited)
     peak_stash_bytes: int = 0  # activations autograd saves for one microbatch x most microbatches in flight

@@ -339,7 +339,29 @@ def _check(cfg: Config, model: RunModel, *, world_size: int, local_world_size: i
             "(rank r runs chunks r and 2d-1-r) is proven; untie them, move the tied layers into such chunks with "
             "pipeline.balance, or use pipeline.schedule=zb1p"
         )
+    check_tie_check(cfg, model.tied, balance)
     return balance
+
+
+def check_tie_check(cfg: Config, tied: Sequence[ties.Tie], balance: Sequence[int]) -> None:
+    """pipeline.check_ties with a layer list (the GPT's: config/validate.py): refused where no tie spans stages (none,
+    or each one parameter on the rank holding its layers: zbv's two chunks of a rank, the one stage at d = 1).
+
+    Raises:
+        ConfigError: in one line, naming the ties.
+    """
+    zbv = cfg.pipeline.schedule == "zbv"
+    if not cfg.pipeline.check_ties or any(len(ties.holders(t, balance, v_schedule=zbv)) > 1 for t in tied):
+        return
+    where = (
+        f"every tied weight ({[list(t.names) for t in tied]}) is one parameter on the rank holding its layers"
+        if tied
+        else "the model has no tied weights"
+    )
+    raise ConfigError(
+        f"pipeline.check_ties (true) compares a tie's copies across the stages holding them, but {where}: "
+        "there is nothing to compare; set pipeline.check_ties=false"
+    )
 
 
 def check_weight_stream(cfg: Config, tied: Sequence[ties.Tie], balance: Sequence[int], precision: str) -> None:
