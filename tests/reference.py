@@ -225,6 +225,69 @@ def _train(
     return out._replace(weights=opt.weights(_with_buffers(model, stale)))
 
 
+def reference_newest(cfg: Config, *, balance: Sequence[int]) -> Reference:
+    """pipeline.weight_versions=newest's rule on the unpartitioned model, written out from its statement (not from
+    the runtime's code), float32 weights, no correction (bf16: the forward under autocast, the activation rounded
+    where a stage sends it, as ``reference_run``): on stage s of d = len(``balance``) (its layers, in order), microbatch
+    j of batch t >= 1 runs on W(t) iff j >= d - s - 1 + L(s), with L(s) = min(pipeline.forward_lead, m - (d - s)) on
+    the stages before the last, 0 on the last (the forwards run after that stage's step t-1); the others, and batch
+    0, on W(t-1) (W(-1) = W(0)). g(t) = (sum of the gradients at W(t-1) + sum of those at W(t)) / m; W(t+1) =
+    W(t) - optimizer_step(g(t)). At d = 1 that is plain minibatch training."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the ranks run (``reference_run``)
+    try:
+        return _train_newest(cfg, balance)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _train_newest(cfg: Config, balance: Sequence[int]) -> Reference:
+    torch.manual_seed(cfg.seed)
+    m, d, lead = cfg.pipeline.num_microbatches, len(balance), cfg.pipeline.forward_lead
+    source = model_source(cfg.model, seed=cfg.seed)
+    precision = precisions.resolve(cfg.train.precision, "cpu")
+    dtype, after = precisions.compute_dtype(precision), boundaries(balance)
+    model = StageBoundaries(source.build(), after=after, dtype=dtype)  # W(t)
+    stale = copy.deepcopy(model)  # W(t-1)
+    opt = ReferenceOptimizer(model, dataclasses.replace(cfg.optim, delay_correction="none"))
+    feed = make_feeds(
+        cfg.data,
+        seq_len=cfg.model.seq_len,
+        microbatch_size=cfg.pipeline.microbatch_size,
+        num_microbatches=m,
+        seed=cfg.seed,
+        num_replicas=1,
+        replica=0,
+    )[0]
+    stage_of = [s for s, n in enumerate(balance) for _ in range(n)]
+    leads = [0 if s == d - 1 else max(0, min(lead, m - (d - s))) for s in range(d)]
+    out = Reference(None, [], [], [], [], [], {})
+    for t in range(cfg.train.num_steps):
+        losses = []
+        for j in range(m):
+            fresh = [t >= 1 and j >= d - s - 1 + leads[s] for s in range(d)]
+            layers = [(model if fresh[stage_of[i]] else stale)[i] for i in range(len(model))]
+            mixed = StageBoundaries(layers, after=after, dtype=dtype)
+            x, y = feed.microbatch(t * m + j)
+            cpu = torch.device("cpu")
+            with precisions.autocast(precision, "cpu"), stateful.microbatch_streams(cfg.seed, t * m + j, cpu):
+                loss = source.loss_fn(mixed(x).float(), y)
+            loss.backward()
+            losses.append(loss.detach())
+        out.losses.append(float(torch.stack(losses).mean()))
+        out.lrs.append(lr_at(t, cfg.optim, num_steps=cfg.train.num_steps))
+        sums = [
+            a if b is None else b if a is None else a + b
+            for a, b in zip(_take_grads(stale, False), _take_grads(model, False))
+        ]
+        _load_parameters(stale, model)  # batch t+1's early microbatches run on W(t)
+        for p, g in zip(model.parameters(), sums):
+            p.grad = None if g is None else g / m
+        opt.step(out.lrs[-1], correct=False, predict=False)
+        model.zero_grad(set_to_none=True)  # g(t) stays out of batch t+1's sums
+    return out._replace(weights=model.state_dict())
+
+
 def grad_norm(params: Iterable[nn.Parameter]) -> float:
     """The global 2-norm of ``params``' gradients as the pipeline agrees on it (pipeline/agreement.py, a sum over
     stages and ranks): each gradient's 2-norm in its dtype, squared and summed in float64, its square root.

@@ -68,7 +68,8 @@ def prediction_refusal(cfg: Any) -> Optional[str]:
 def resolve_auto(cfg: Any) -> Any:
     """``cfg.optim`` with optim.delay_correction=auto resolved from the whole config ``cfg``: Muon's
     ``AUTO_MUON`` unless ``prediction_refusal`` names a key (then ``AUTO_MUON_FALLBACK``, logged with that key),
-    'none' for every other optimizer; a null optim.error_feedback_beta by the correction resolved (``default_beta``);
+    'none' for every other optimizer and under pipeline.weight_versions=newest; a null optim.error_feedback_beta by
+    the correction resolved (``default_beta``);
     ``auto_correction`` set. A correction 'auto' resolved before (``auto_correction``) is resolved again, so that a
     config made again with other keys (a plan's pipeline.data_parallel under optim.sharded) never holds what 'auto'
     would not give it, its beta with it unless it differs from its correction's default (one given by hand). Any other
@@ -81,7 +82,7 @@ def resolve_auto(cfg: Any) -> Any:
     else:
         return optim
     correction = "none"
-    if is_muon(optim):
+    if is_muon(optim) and cfg.pipeline.weight_versions != "newest":  # newest: no correction proven with it
         correction = AUTO_MUON
         why = prediction_refusal(cfg)
         if why is not None:

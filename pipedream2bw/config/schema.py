@@ -85,6 +85,12 @@ class PipelineConfig:
     """Under schedule=2bw: the first N steps run as PipeDream-Flush (batch t reads W(t): no delay), then 2bw
     (batch N reads W(N), batch t > N reads W(t-1)); 0: 2bw from the first step. The delay correction is off on
     the synchronous steps (docs/convergence.md)."""
+    weight_versions: str = "batch"
+    """Under schedule=2bw, the version a microbatch's forward (and its backward) runs on: 'batch' (the default: every
+    microbatch of batch t on W(t-1), docs/design.md section 2); 'newest' (the newest version its stage holds at that
+    forward: on stage s of d, microbatch j of batch t >= 1 on W(t) if j >= d - s - 1 + the stage's forward lead, else
+    W(t-1); the same two buffers, schedule and steps; docs/concepts.md). newest refuses what it is not proven with
+    (config/newest.py names each key); optim.delay_correction=auto resolves to none under it."""
     forward_lead: int = 0
     """Under 2bw and flush: the stages before the last run this many forwards ahead of 1F1B's d - s in flight (at
     most m - (d - s)), so a backward's gradient has a forward's time to arrive from the next stage instead of none;

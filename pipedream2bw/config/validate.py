@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
 from pipedream2bw.config.corrections import DELAY_CORRECTIONS, FEEDBACK, PREDICTING, is_muon, prediction_refusal
+from pipedream2bw.config.newest import newest_refusal
 from pipedream2bw.config.ranges import check_ranges
 from pipedream2bw.config.schema import (
     BACKENDS,
@@ -397,6 +398,8 @@ def validate(
     _validate_tensor_parallel(cfg, gpt=gpt, local_world_size=local_world_size)
     _validate_sync_warmup(cfg)
     _validate_check_ties(cfg)
+    if newest_refusal(cfg):  # pipeline.weight_versions=newest: what it is not proven with
+        raise ConfigError(newest_refusal(cfg))
     _validate_forward_lead(cfg)
     _validate_split_backward(cfg)
     _validate_v_schedule(cfg)

@@ -203,6 +203,11 @@ class WeightVersions:
         """The replica holding the version that batch ``batch_index`` uses."""
         return self.replicas[self.replica_for_batch(batch_index)]
 
+    def module_for_forward(self, k: int, num_microbatches: int) -> nn.Module:
+        """The replica F k runs on (its backward follows the graph onto the same): its batch's
+        (``module_for_batch``; ``NewestVersions``: the newest)."""
+        return self.module_for_batch(k // num_microbatches)
+
     def newest(self) -> nn.Module:
         """The replica holding the newest version (what a checkpoint or export saves)."""
         return self.replicas[self._replica_holding(max(v for v in self.holds if v is not None))]
@@ -382,6 +387,53 @@ class WeightVersions:
         over its parameter groups in order (e.g. weight-decay groups), not over the bucket's order."""
         index = {id(self.master[i]): i for i in bucket}
         return [index[id(p)] for group in optimizer.param_groups for p in group["params"]]
+
+
+class NewestVersions(WeightVersions):
+    """pipeline.weight_versions=newest under 2bw: F k runs on the newest version the stage holds at that point of its
+    schedule, and its backward (the graph's) on the same replica. So a batch's gradients sit in up to two replicas:
+    step(t) sums them. With APPLY(t) right at CLOSE(t) (config/newest.py refuses every deferral), batch t's
+    microbatches forwarded before APPLY(t-1) ran on W(t-1), the rest on W(t); the microbatches in flight at APPLY(t),
+    batch t+1's first ones, were forwarded after APPLY(t-1) (d - s + lead <= m) and so run on W(t): W(t+1) goes into
+    the replica of W(t-1), which none of them needs (``step`` asserts it)."""
+
+    def __init__(self, module: nn.Module, **kwargs: Any):
+        super().__init__(module, **kwargs)
+        assert self.schedule == "2bw" and self.sync_warmup_steps == 0, "newest: plain 2bw only (config/newest.py)"
+        self._ran_on: Dict[int, int] = {}  # microbatch k -> the replica its forward ran on, until its batch's step
+        self._m: Optional[int] = None
+
+    def module_for_forward(self, k: int, num_microbatches: int) -> nn.Module:
+        """The replica holding the newest version, recorded for ``step``'s check."""
+        self._m = num_microbatches
+        self._ran_on[k] = self._replica_holding(max(v for v in self.holds if v is not None))
+        return self.replicas[self._ran_on[k]]
+
+    @torch.no_grad()
+    def step(self, batch_index: int, **kwargs: Any) -> None:
+        """``WeightVersions.step`` on the sum of batch t's gradients over both replicas: the fresh microbatches' (on
+        W(t)) added to the others' (on W(t-1), ``version_of(t)``'s replica, which the step takes them from)."""
+        t = batch_index
+        src_index = self._replica_holding(self.version_of(t))
+        for i, p in enumerate(self._params[src_index]):
+            for other in (q for r, q in enumerate(self._params) if r != src_index):
+                if other[i].grad is not None:
+                    p.grad = other[i].grad if p.grad is None else p.grad.add_(other[i].grad)
+                    other[i].grad = None
+        dst_index = self._destination(t)
+        first_next = (t + 1) * (self._m or 0)  # batch t+1's forwards so far are the microbatches in flight
+        in_flight = {k: r for k, r in self._ran_on.items() if k >= first_next}
+        assert dst_index not in in_flight.values(), f"step {t} would overwrite the version of microbatches {in_flight}"
+        self._ran_on = in_flight
+        super().step(t, **kwargs)
+
+    @torch.no_grad()
+    def skip(self, batch_index: int) -> None:
+        """``WeightVersions.skip``, dropping batch t's gradients in both replicas."""
+        for params in self._params:
+            for p in params:
+                p.grad = None
+        super().skip(batch_index)
 
 
 def _cpu_copy(state: Dict[str, Any]) -> Dict[str, Any]:

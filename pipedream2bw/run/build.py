@@ -36,6 +36,7 @@ from pipedream2bw.config.optimizers import (
     takes_matrices,
 )
 from pipedream2bw.data import make_feeds
+from pipedream2bw.errors import ConfigError
 from pipedream2bw.io import checkpoint, timeline
 from pipedream2bw.memory import precision as precisions
 from pipedream2bw.memory.host_optim import HostOptimizerVersions, host_kernel, host_threads, node_cores
@@ -47,7 +48,7 @@ from pipedream2bw.models import lm_loss
 from pipedream2bw.pipeline import comm, schedule, ties
 from pipedream2bw.pipeline.agreement import StepRule
 from pipedream2bw.pipeline.schedule import Action
-from pipedream2bw.pipeline.versions import WeightVersions, bucketize
+from pipedream2bw.pipeline.versions import NewestVersions, WeightVersions, bucketize
 from pipedream2bw.run import chunks, evaluate, preempt, tensor
 from pipedream2bw.run.lr_schedule import lr_at
 from pipedream2bw.run.model import RunModel, optim_settings, stage_module
@@ -193,7 +194,7 @@ def build_versions(
             threads=threads,
         )
     else:
-        versions = WeightVersions(
+        versions = (NewestVersions if rt.weight_versions == "newest" else WeightVersions)(
             module,
             schedule=rt.schedule,
             optimizer_factory=factory,
@@ -506,6 +507,11 @@ def worker(
     """The stage worker that runs this rank's actions (``early_apply``: StageWorker's)."""
     m, w = rt.num_microbatches, rt.data_parallel
     exchanged = any(len(rt.tie_holders(tie)) > 1 for tie in tied)  # on some stages, maybe not this one
+    if exchanged and rt.weight_versions == "newest":  # a layer list's tie (the GPT's is refused in config/newest.py)
+        raise ConfigError(
+            "pipeline.weight_versions=newest with a weight tied across stages: its step would wait for the tie's "
+            "gradient sum, so the newest version is not the one proven; set pipeline.weight_versions=batch"
+        )
     return StageWorker(
         stage_index=rt.stage,
         num_stages=rt.num_stages,

@@ -192,6 +192,7 @@ def _layout_meta(rt: RankPlan, resume: Optional[Tuple[Path, Dict[str, Any]]]) ->
     """summary.json's record of what ran where: the schedule, the layout, the batch, the device."""
     return {
         "schedule": rt.schedule,
+        "weight_versions": rt.weight_versions,  # 2bw: batch t's version for all of it, or each forward's newest
         "num_stages": rt.num_stages,
         "data_parallel": rt.data_parallel,
         "tensor_parallel": rt.tensor_parallel,

@@ -52,6 +52,8 @@ class RankPlan:
     """The batch the run ends before (``train.num_steps``)."""
     sync_warmup_steps: int = 0
     """Under 2bw: the steps that run as PipeDream-Flush first (``pipeline.sync_warmup_steps``)."""
+    weight_versions: str = "batch"
+    """Under 2bw: the version a forward runs on, its batch's or the stage's newest (``pipeline.weight_versions``)."""
     forward_lead: int = 0
     """Forwards ahead of 1F1B's bound on the stages before the last (``pipeline.forward_lead``)."""
     sequence_parallel: bool = False
@@ -100,6 +102,7 @@ class RankPlan:
             num_steps=cfg.train.num_steps,
             sync_warmup_steps=p.sync_warmup_steps if p.schedule == "2bw" else 0,
             forward_lead=p.forward_lead,
+            weight_versions=p.weight_versions if p.schedule == "2bw" else "batch",
             sequence_parallel=p.sequence_parallel and layout.tensor > 1,
         )
 

@@ -285,7 +285,7 @@ class StageWorker:
     def forward(self, k: int) -> None:
         """F k: the stage on microbatch k's input (the feed's on stage 0, else what WAIT_F k received)
         with its batch's weight version; keeps the output for SEND_F k (the loss on the last stage)."""
-        whole = self.versions.module_for_batch(k // self.m)
+        whole = self.versions.module_for_forward(k, self.m)  # its batch's version (weight_versions=newest: newest)
         module = v_chunks.part(whole, self._chunk, self._parts) if self._chunks else whole
         if self.stream is not None:
             replica = self.versions.replica_for_batch(k // self.m)

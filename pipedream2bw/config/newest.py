@@ -1,0 +1,45 @@
+"""pipeline.weight_versions: its values, and what 'newest' is not proven with (refused in one line naming the key).
+
+Under 'newest' a microbatch's forward runs on the newest version its stage holds at that point of its schedule, its
+backward on the same (docs/concepts.md): proven against tests/reference.py's rule where APPLY(t) follows CLOSE(t) at
+once (no agreement, no exchange, no sharded step), on one replica per stage, with float32 versions (fp32, bf16)."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+WEIGHT_VERSIONS = ("batch", "newest")
+"""pipeline.weight_versions' values: 'batch' (2bw's rule, W(t-1) for all of batch t) and 'newest'."""
+
+
+def newest_refusal(cfg: Any) -> Optional[str]:
+    """Why ``cfg`` (a ``Config``) cannot run pipeline.weight_versions=newest, as one line naming the key, why and
+    what to set, or None (also None under weight_versions=batch)."""
+    p, o, t, mdl = cfg.pipeline, cfg.optim, cfg.train, cfg.model
+    if p.weight_versions not in WEIGHT_VERSIONS:
+        return f"pipeline.weight_versions ({p.weight_versions!r}) is unknown; use one of {list(WEIGHT_VERSIONS)}"
+    if p.weight_versions == "batch":
+        return None
+    deferred = "its step would wait for an agreement, so the newest version is not the one proven"
+    refused = [
+        (p.schedule != "2bw", f"pipeline.schedule ({p.schedule}): newest is a 2bw rule", "pipeline.schedule=2bw"),
+        (p.data_parallel > 1, f"pipeline.data_parallel ({p.data_parallel}): not proven", "it 1"),
+        (p.tensor_parallel > 1, f"pipeline.tensor_parallel ({p.tensor_parallel}): not proven", "it 1"),
+        (p.sync_warmup_steps > 0, "pipeline.sync_warmup_steps: the versions keep one rule", "it 0"),
+        (p.recompute, "pipeline.recompute: not proven", "it false"),
+        (bool(o.sharded), "optim.sharded: " + deferred, "it false"),
+        (o.delay_correction != "none", f"optim.delay_correction ({o.delay_correction}): not proven", "none or auto"),
+        (o.clip_grad_norm is not None, "optim.clip_grad_norm: " + deferred, "it null"),
+        (t.on_nonfinite == "skip", "train.on_nonfinite (skip): " + deferred, "train.on_nonfinite=stop"),
+        (t.precision == "fp16", "train.precision (fp16): " + deferred + " (its loss scaler's)", "bf16 or fp32"),
+        (t.weight_dtype == "compute" and t.precision != "fp32", "train.weight_dtype (compute): not proven", "fp32"),
+        (getattr(mdl, "tie_embeddings", False) and p.num_stages > 1, "model.tie_embeddings: " + deferred, "it false"),
+        (bool(cfg.swap.enabled or cfg.swap.stages), "swap.enabled/swap.stages: not proven", "neither"),
+        (cfg.swap.weights, "swap.weights: not proven", "it false"),
+        (cfg.swap.optimizer == "host", "swap.optimizer (host): not proven", "swap.optimizer=device"),
+        (cfg.data.packing != "windows", f"data.packing ({cfg.data.packing}): not proven", "data.packing=windows"),
+    ]
+    for bad, why, fix in refused:
+        if bad:
+            return f"pipeline.weight_versions=newest with {why}; set {fix}, or pipeline.weight_versions=batch"
+    return None

@@ -1,0 +1,157 @@
+"""pipeline.weight_versions=newest: each forward on its stage's newest version, against its rule written out in one
+process (tests/reference.py's ``reference_newest``), and what it refuses (gloo, CPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from dist_helper import run_ok
+from reference import reference_newest
+from test_config import make
+from test_semantics import _oracle, assert_losses_close, max_abs_diff, tiny_config
+from torch import nn
+
+from pipedream2bw.config import ConfigError, build_optimizer, gpt_balance, validate
+from pipedream2bw.data import make_feeds
+from pipedream2bw.models.factory import model_source
+from pipedream2bw.pipeline import schedule
+from pipedream2bw.pipeline.versions import NewestVersions
+
+
+def newest_config(*, num_stages: int, num_microbatches: int = 4, forward_lead: int = 0):
+    cfg = tiny_config(schedule="2bw", num_stages=num_stages, num_microbatches=num_microbatches)
+    cfg.pipeline.weight_versions, cfg.pipeline.forward_lead = "newest", forward_lead
+    return cfg
+
+
+def _run_in_one_process(cfg, balance):
+    """Every stage's ``NewestVersions`` driven through the 2bw schedule's actions in one process, in the order of
+    ``schedule.simulate``'s ticks (activations and gradients handed over in memory): (each stage's newest weights,
+    the batch losses)."""
+    d, m, num_steps = len(balance), cfg.pipeline.num_microbatches, cfg.train.num_steps
+    torch.manual_seed(cfg.seed)
+    source = model_source(cfg.model, seed=cfg.seed)
+    layers, ends = source.build(), [sum(balance[:s]) for s in range(d + 1)]
+    versions = [
+        NewestVersions(
+            nn.Sequential(*layers[ends[s] : ends[s + 1]]),
+            schedule="2bw",
+            optimizer_factory=lambda params: build_optimizer(params, cfg.optim),
+        )
+        for s in range(d)
+    ]
+    feed = make_feeds(
+        cfg.data,
+        seq_len=cfg.model.seq_len,
+        microbatch_size=2,
+        num_microbatches=m,
+        seed=cfg.seed,
+        num_replicas=1,
+        replica=0,
+    )[0]
+    actions = schedule.pipeline_actions(
+        "2bw", num_stages=d, num_microbatches=m, num_batches=num_steps, forward_lead=cfg.pipeline.forward_lead
+    )
+    stash, handed, losses = {}, {}, [0.0] * num_steps
+    for tick in schedule.simulate(actions):
+        for s, a in ((s, a) for s, a in enumerate(tick) if a is not None):
+            k = a.index
+            if a.kind == schedule.FORWARD:
+                x, y = feed.microbatch(k)
+                x = x if s == 0 else handed.pop(("F", s, k)).detach().requires_grad_()
+                out = versions[s].module_for_forward(k, m)(x)
+                if s == d - 1:
+                    out = source.loss_fn(out, y)
+                    losses[k // m] += float(out.detach()) / m
+                handed[("F", s + 1, k)] = out
+                stash[s, k] = (x, out)
+            elif a.kind == schedule.BACKWARD:
+                x, out = stash.pop((s, k))
+                out.backward(None if s == d - 1 else handed.pop(("B", s, k)))
+                handed[("B", s - 1, k)] = x.grad if s > 0 else None
+            elif a.kind == schedule.STEP:
+                versions[s].step(k, grad_scale=1.0 / m)
+    return [p.detach() for v in versions for p in v.newest().parameters()], losses
+
+
+@pytest.mark.parametrize("d,lead", [(2, 0), (3, 1)])
+def test_newest_versions_in_one_process_equal_the_rule(d, lead):
+    """No processes: the versions' choices (``module_for_forward``) and sums (``step``) under the real schedule are
+    the rule's, to float32 round-off."""
+    cfg = newest_config(num_stages=d, forward_lead=lead)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the reference and the ranks (Adam turns reduction-order noise into steps)
+    try:
+        weights, losses = _run_in_one_process(cfg, gpt_balance(cfg.model, d))
+    finally:
+        torch.set_num_threads(threads)
+    expected = reference_newest(cfg, balance=gpt_balance(cfg.model, d))
+    torch.testing.assert_close(weights, list(expected.weights.values()))
+    torch.testing.assert_close(losses, expected.losses)
+
+
+@pytest.mark.slow
+def test_newest_equals_its_rule_at_two_stages(tmp_path):
+    """Stage 0's microbatch 0 of each batch t >= 1 runs on W(t-1), the rest of the batch on W(t); the pipeline's
+    weights and losses are the rule's to float32 round-off, and neither 2bw's batch rule nor flush's."""
+    cfg = newest_config(num_stages=2)
+    summary = run_ok(cfg, tmp_path)
+    assert summary["weight_versions"] == "newest" and summary["delay_correction"] == "none"
+    weights = torch.load(tmp_path / "final_model.pt")
+    expected = reference_newest(cfg, balance=gpt_balance(cfg.model, 2))
+    torch.testing.assert_close(weights, expected.weights)
+    assert_losses_close(summary["losses"], expected.losses)
+    for delayed in (True, False):  # 2bw's batch rule, flush's minibatch training: far above round-off
+        assert max_abs_diff(weights, _oracle(4, "adam", delayed)[0]) > 1e-4
+
+
+@pytest.mark.slow
+def test_newest_at_one_stage_is_minibatch_training(tmp_path):
+    """At d = 1 every forward of batch t follows step t-1: the rule is flush's, plain minibatch training."""
+    summary = run_ok(newest_config(num_stages=1), tmp_path)
+    expected, expected_losses = _oracle(4, "adam", False)
+    torch.testing.assert_close(torch.load(tmp_path / "final_model.pt"), expected)
+    assert_losses_close(summary["losses"], expected_losses)
+
+
+@pytest.mark.long
+@pytest.mark.slow
+def test_newest_equals_its_rule_at_three_stages_with_a_forward_lead(tmp_path):
+    """d = 3, pipeline.forward_lead=1, m = 4: stage 0 runs microbatches 0-2 of batch t on W(t-1), stage 1 0-1, the
+    last stage none."""
+    cfg = newest_config(num_stages=3, forward_lead=1)
+    summary = run_ok(cfg, tmp_path)
+    expected = reference_newest(cfg, balance=gpt_balance(cfg.model, 3))
+    torch.testing.assert_close(torch.load(tmp_path / "final_model.pt"), expected.weights)
+    assert_losses_close(summary["losses"], expected.losses)
+
+
+@pytest.mark.parametrize(
+    "overrides, key",
+    [
+        (["pipeline.schedule=flush"], "pipeline.schedule (flush)"),
+        (["pipeline.data_parallel=2"], "pipeline.data_parallel (2)"),
+        (["optim.delay_correction=error_feedback"], "optim.delay_correction (error_feedback)"),
+        (["optim.clip_grad_norm=1.0"], "optim.clip_grad_norm"),
+        (["train.precision=fp16"], "train.precision (fp16)"),
+        (["train.precision=bf16", "train.weight_dtype=compute", "optim.name=adamw"], "train.weight_dtype (compute)"),
+        (["model.tie_embeddings=true"], "model.tie_embeddings"),
+        (["optim.sharded=true", "optim.name=adamw"], "optim.sharded"),
+        (["pipeline.sync_warmup_steps=2"], "pipeline.sync_warmup_steps"),
+        (["swap.optimizer=host"], "swap.optimizer (host)"),
+    ],
+)
+def test_newest_refuses_what_it_is_not_proven_with_in_one_line(overrides, key):
+    cfg = make("pipeline.weight_versions=newest", "pipeline.num_stages=2", *overrides)
+    world = 2 * cfg.pipeline.data_parallel
+    with pytest.raises(ConfigError) as e:
+        validate(cfg, world_size=world)
+    assert str(e.value).startswith(f"pipeline.weight_versions=newest with {key}")
+    assert "\n" not in str(e.value) and str(e.value).endswith("or pipeline.weight_versions=batch")
+
+
+def test_newest_resolves_auto_to_no_correction_and_runs_at_the_defaults():
+    cfg = make("pipeline.weight_versions=newest", "pipeline.num_stages=2")
+    assert cfg.optim.delay_correction == "none"  # Muon's auto would be predict_error_feedback
+    validate(cfg, world_size=2)
+    assert make("pipeline.num_stages=2").optim.delay_correction == "predict_error_feedback"
