@@ -6,18 +6,23 @@
 A correction may end in ``+syncN`` (e.g. ``error_feedback+sync30``): that correction after N synchronous steps
 (pipeline.sync_warmup_steps=N); ``+betaX``: optim.error_feedback_beta=X; ``+momX``: the optimizer's momentum X
 (Muon's ``momentum`` for its matrices, AdamW's beta1). --flush-corrections names flush's runs the same way
-(``none``, ``none+mom0.9``); the first is the reference every 2bw run is compared with. With --target-loss, each run
+(``none``, ``none+mom0.9``); the first is the reference every 2bw run is compared with. ``+newest`` (2bw only, with
+``none``): pipeline.weight_versions=newest, each forward on its stage's newest version (a depth-dependent rule: run
+it with --num-stages). With --target-loss, each run
 also prints its steps to that loss and to its seed's reference flush's final loss, as a ratio to flush's steps.
 --scheduler, --warmup and --min-lr set the learning-rate schedule (optim.scheduler, optim.warmup_steps, optim.min_lr),
 the same for every run of the grid: e.g. ``--scheduler cosine --warmup 30 --min-lr 3e-4``. Run names do not say the
 schedule (nor the shape), so give each its own --out.
 
-Every run trains the same GPT (4 blocks, d_model 64, 4 heads, seq 64; 32 sequences a step as 4 microbatches of 8)
-for --steps steps as one stage, through the project's ``run()`` on one rank (the delay is one step at any depth:
-docs/design.md section 2), each in its own process with --threads threads. The batches depend on the seed only, so
-flush and 2bw see the same ones. Validation loss on held-out data (the last 10% of the text) every --eval-every
-steps. flush runs each optimizer with no correction (it has no delay to correct); 2bw runs each optimizer with
-each correction. Runs already in --out (their summary.json) are reused, so a grid can be grown seed by seed.
+Every run trains the same GPT (4 blocks, d_model 64, 4 heads, seq 64; 32 sequences a step as 4 microbatches of 8) for
+--steps steps as one stage, through the project's ``run()`` on one rank (the delay is one step at any depth:
+docs/design.md section 2), each in its own process with --threads threads. --num-stages D > 1 runs each 2bw run (and
+flush's, unless --flush-num-stages says otherwise) as D stages under torchrun with D ranks, its name ending in -dD
+(flush's runs at one stage are the reference: a flushing pipeline at any depth is minibatch training). The batches
+depend on the seed only, so flush and 2bw see the same ones. Validation loss on held-out data (the last 10% of the
+text) every --eval-every steps. flush runs each optimizer with no correction (it has no delay to correct); 2bw runs
+each optimizer with each correction. Runs already in --out (their summary.json) are reused, so a grid can be grown seed
+by seed.
 
 Prints the command, the configuration, each run's final validation loss, then per optimizer and learning rate:
 flush's final validation loss, 2bw's for each correction, the gap (2bw - flush, paired by seed: mean and
@@ -47,7 +52,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_config(args, *, schedule: str, optimizer: str, correction: str, lr: float, seed: int):
+def run_config(args, *, schedule: str, optimizer: str, correction: str, lr: float, seed: int, num_stages: int = 1):
     """The run's Config: the model and batches of every run, with this schedule, optimizer and correction."""
     from pipedream2bw.config import (
         Config,
@@ -65,16 +70,20 @@ def run_config(args, *, schedule: str, optimizer: str, correction: str, lr: floa
     sync = next((o[4:] for o in options if o.startswith("sync")), "")
     beta = next((float(o[4:]) for o in options if o.startswith("beta")), None)
     mom = next((float(o[3:]) for o in options if o.startswith("mom")), None)
-    unknown = [o for o in options if not o.startswith(("sync", "beta", "mom"))]
+    newest = "newest" in options  # pipeline.weight_versions=newest (2bw)
+    unknown = [o for o in options if not o.startswith(("sync", "beta", "mom")) and o != "newest"]
     if unknown:
-        raise ValueError(f"unknown option(s) {unknown} of correction {correction!r}: use +syncN, +betaX or +momX")
+        raise ValueError(
+            f"unknown option(s) {unknown} of correction {correction!r}: use +syncN, +betaX, +momX or +newest"
+        )
     return Config(
         pipeline=PipelineConfig(
             schedule=schedule,
-            num_stages=1,
+            num_stages=num_stages,
             num_microbatches=args.num_microbatches,
             microbatch_size=args.microbatch_size,
             sync_warmup_steps=int(sync or 0),
+            weight_versions="newest" if newest else "batch",
         ),
         model=GPTConfig(
             num_layers=args.num_layers, d_model=args.d_model, num_heads=args.num_heads, seq_len=args.seq_len
@@ -113,11 +122,12 @@ def _momentum(optimizer: str, mom: float) -> Dict[str, Any]:
 
 
 def _one(args, spec: Dict[str, Any], run_dir: Path) -> None:
-    """In a child process: one run on one rank."""
-    os.environ.update(
-        RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(_free_port()),
-    )  # fmt: skip
+    """In a child process: one run on one rank (or on this rank of torchrun's, --num-stages > 1)."""
+    if spec.get("num_stages", 1) == 1:
+        os.environ.update(
+            RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(_free_port()),
+        )  # fmt: skip
     import torch
 
     torch.set_num_threads(args.threads)
@@ -127,7 +137,9 @@ def _one(args, spec: Dict[str, Any], run_dir: Path) -> None:
 
 
 def _name(spec: Dict[str, Any]) -> str:
-    return f"{spec['schedule']}-{spec['optimizer']}-{spec['correction']}-lr{spec['lr']:g}-s{spec['seed']}"
+    depth = spec.get("num_stages", 1)  # one stage: no suffix (the names of runs before --num-stages)
+    name = f"{spec['schedule']}-{spec['optimizer']}-{spec['correction']}-lr{spec['lr']:g}-s{spec['seed']}"
+    return name + (f"-d{depth}" if depth > 1 else "")
 
 
 def grid(args) -> List[Dict[str, Any]]:
@@ -135,11 +147,18 @@ def grid(args) -> List[Dict[str, Any]]:
     for seed in args.seeds:
         for lr in args.lrs:
             for optimizer in args.optimizers:
+                common = dict(optimizer=optimizer, lr=lr, seed=seed)
                 for flush in args.flush_corrections:  # "none" (the reference: the first), or e.g. none+mom0.9
-                    specs.append(dict(schedule="flush", optimizer=optimizer, correction=flush, lr=lr, seed=seed))
+                    depth = args.flush_num_stages or args.num_stages
+                    specs.append(dict(schedule="flush", correction=flush, **common, **_depth(depth)))
                 for correction in args.corrections:
-                    specs.append(dict(schedule="2bw", optimizer=optimizer, correction=correction, lr=lr, seed=seed))
+                    specs.append(dict(schedule="2bw", correction=correction, **common, **_depth(args.num_stages)))
     return specs
+
+
+def _depth(num_stages: int) -> Dict[str, int]:
+    """A run spec's depth: none at one stage (so its name and results are those of the runs before --num-stages)."""
+    return {} if num_stages == 1 else {"num_stages": num_stages}
 
 
 def _summary(out: Path, spec: Dict[str, Any]) -> Optional[Dict[str, Any]]:
@@ -363,7 +382,8 @@ def plot(args, rows, path: Path) -> None:
                 key = "flush" if r["schedule"] == "flush" else r["correction"]
                 label = key if r["seed"] == min(args.seeds) else None
                 steps = [c["step"] for c in r["val_losses"]]
-                ax.plot(steps, [c["loss"] for c in r["val_losses"]], color=colors[key], lw=1, alpha=0.8, label=label)
+                losses = [c["loss"] for c in r["val_losses"]]
+                ax.plot(steps, losses, color=colors.get(key), lw=1, alpha=0.8, label=label)
             ax.set_title(f"{optimizer} lr {lr:g}", fontsize=9)
             ax.set_xlabel("step", fontsize=8)
             ax.set_ylabel("validation loss", fontsize=8)
@@ -406,6 +426,10 @@ def main(argv=None) -> None:
         help="optim.scheduler, the same for flush and 2bw (run names do not say it: give each its own --out)",
     )
     p.add_argument("--min-lr", type=float, default=0.0, help="optim.min_lr, what cosine and linear decay to")
+    p.add_argument("--num-stages", type=int, default=1, help="pipeline depth D: D > 1 runs each under torchrun")
+    p.add_argument(
+        "--flush-num-stages", type=int, default=None, help="flush's runs' depth (default: --num-stages; 1 reuses them)"
+    )
     p.add_argument("--num-layers", type=int, default=4)
     p.add_argument("--d-model", type=int, default=64)
     p.add_argument("--num-heads", type=int, default=4)
@@ -444,6 +468,8 @@ def main(argv=None) -> None:
         print(f"no runs in {out} to report: run without --report-only first (or name their --out)", file=sys.stderr)
         sys.exit(2)
     if not args.report_only:
+        from pipedream2bw.pipeline.comm import torchrun_command  # --num-stages > 1: each run on D ranks
+
         print(f"{len(grid(args)) - len(todo)} runs found in {out}, {len(todo)} to run", flush=True)
         running: List[subprocess.Popen] = []
         base = [a for a in (argv if argv is not None else sys.argv[1:])]
@@ -453,7 +479,8 @@ def main(argv=None) -> None:
                 running = [r for r in running if r.poll() is None]
             log = out / f"{_name(spec)}.log"
             log.parent.mkdir(parents=True, exist_ok=True)
-            cmd = [sys.executable, __file__, *base, "--one", json.dumps(spec)]
+            launch = torchrun_command(spec["num_stages"]) if "num_stages" in spec else [sys.executable]
+            cmd = [*launch, __file__, *base, "--one", json.dumps(spec)]
             running.append(subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT))
             print(f"started {_name(spec)}", flush=True)
         for r in running:

@@ -155,3 +155,18 @@ def test_newest_resolves_auto_to_no_correction_and_runs_at_the_defaults():
     assert cfg.optim.delay_correction == "none"  # Muon's auto would be predict_error_feedback
     validate(cfg, world_size=2)
     assert make("pipeline.num_stages=2").optim.delay_correction == "predict_error_feedback"
+
+
+@pytest.mark.long
+@pytest.mark.slow
+def test_newest_under_bf16_equals_its_rule(tmp_path):
+    """bf16 autocast stages with float32 versions: the rule under autocast, the activation rounded to bf16 where
+    stage 0 sends it (``reference_newest``), to float32 round-off; far from the float32 rule."""
+    cfg = newest_config(num_stages=2)
+    cfg.train.precision = "bf16"
+    summary = run_ok(cfg, tmp_path)
+    assert (summary["precision"], summary["weight_versions"]) == ("bf16", "newest")
+    weights = torch.load(tmp_path / "final_model.pt")
+    torch.testing.assert_close(weights, reference_newest(cfg, balance=gpt_balance(cfg.model, 2)).weights)
+    cfg.train.precision = "fp32"
+    assert max_abs_diff(weights, reference_newest(cfg, balance=gpt_balance(cfg.model, 2)).weights) > 1e-2
