@@ -184,3 +184,20 @@ def test_newest_refuses_to_resume(tmp_path):
     assert result.exitcode != 0
     assert "ConfigError: pipeline.weight_versions=newest resuming from" in result.log, result.log
     assert "set train.resume=never, or pipeline.weight_versions=batch" in result.log
+
+
+def test_newest_refuses_a_layer_lists_tie_across_stages_before_any_group_starts():
+    """A layer list's tie shows once it is built (run/start.py's check, before any group): across stages its gradient
+    sum would defer the step. The same list untied passes."""
+    from custom_models import masked_layers
+
+    from pipedream2bw.config import LayerListConfig
+    from pipedream2bw.run.model import RunModel
+    from pipedream2bw.run.start import _check
+
+    cfg = newest_config(num_stages=2, num_microbatches=2)
+    cfg.model = LayerListConfig(target="custom_models.masked_layers", kwargs={"width": 8}, seq_len=8)
+    assert _check(cfg, RunModel.of(cfg, masked_layers(width=8), None), world_size=2, local_world_size=2) == [3, 2]
+    tied = RunModel.of(cfg, masked_layers(width=8, tie=True), None)
+    with pytest.raises(ConfigError, match=r"^pipeline.weight_versions=newest with weights tied across stages \(\[\["):
+        _check(cfg, tied, world_size=2, local_world_size=2)

@@ -36,7 +36,6 @@ from pipedream2bw.config.optimizers import (
     takes_matrices,
 )
 from pipedream2bw.data import make_feeds
-from pipedream2bw.errors import ConfigError
 from pipedream2bw.io import checkpoint, timeline
 from pipedream2bw.memory import precision as precisions
 from pipedream2bw.memory.host_optim import HostOptimizerVersions, host_kernel, host_threads, node_cores
@@ -507,11 +506,7 @@ def worker(
     """The stage worker that runs this rank's actions (``early_apply``: StageWorker's)."""
     m, w = rt.num_microbatches, rt.data_parallel
     exchanged = any(len(rt.tie_holders(tie)) > 1 for tie in tied)  # on some stages, maybe not this one
-    if exchanged and rt.weight_versions == "newest":  # a layer list's tie (the GPT's is refused in config/newest.py)
-        raise ConfigError(
-            "pipeline.weight_versions=newest with a weight tied across stages: its step would wait for the tie's "
-            "gradient sum, so the newest version is not the one proven; set pipeline.weight_versions=batch"
-        )
+    assert not (exchanged and rt.weight_versions == "newest"), "a tie across stages under newest (run/start.py)"
     return StageWorker(
         stage_index=rt.stage,
         num_stages=rt.num_stages,

@@ -345,7 +345,25 @@ def _check(cfg: Config, model: RunModel, *, world_size: int, local_world_size: i
             "pipeline.balance, or use pipeline.schedule=zb1p"
         )
     check_tie_check(cfg, model.tied, balance)
+    check_newest_ties(cfg, model.tied, balance)
     return balance
+
+
+def check_newest_ties(cfg: Config, tied: Sequence[ties.Tie], balance: Sequence[int]) -> None:
+    """pipeline.weight_versions=newest with a layer list's tie across stages (the GPT's model.tie_embeddings is
+    refused with the config, config/newest.py): its gradient sum would defer the step, which newest is not proven with.
+
+    Raises:
+        ConfigError: in one line, naming the ties.
+    """
+    newest = cfg.pipeline.weight_versions == "newest" and cfg.pipeline.schedule == "2bw"
+    across = [list(t.names) for t in tied if newest and len(ties.holders(t, balance)) > 1]
+    if across:
+        raise ConfigError(
+            f"pipeline.weight_versions=newest with weights tied across stages ({across}): the step would wait for "
+            "their gradient sum, so the newest version is not the one proven; untie them, or set "
+            "pipeline.weight_versions=batch"
+        )
 
 
 def check_tie_check(cfg: Config, tied: Sequence[ties.Tie], balance: Sequence[int]) -> None:
