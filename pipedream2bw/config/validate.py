@@ -398,8 +398,9 @@ def validate(
     _validate_tensor_parallel(cfg, gpt=gpt, local_world_size=local_world_size)
     _validate_sync_warmup(cfg)
     _validate_check_ties(cfg)
-    if newest_refusal(cfg):  # pipeline.weight_versions=newest: what it is not proven with
-        raise ConfigError(newest_refusal(cfg))
+    why = newest_refusal(cfg)  # pipeline.weight_versions=newest: what it is not proven with
+    if why:
+        raise ConfigError(why)
     _validate_forward_lead(cfg)
     _validate_split_backward(cfg)
     _validate_v_schedule(cfg)
