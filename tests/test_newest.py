@@ -3,9 +3,11 @@ process (tests/reference.py's ``reference_newest``), and what it refuses (gloo, 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
-from dist_helper import run_ok, spawn, train
+from dist_helper import run_ok
 from reference import reference_newest
 from test_config import make
 from test_semantics import _oracle, assert_losses_close, max_abs_diff, tiny_config
@@ -173,17 +175,36 @@ def test_newest_under_bf16_equals_its_rule(tmp_path):
 
 
 @pytest.mark.slow
-def test_newest_refuses_to_resume(tmp_path):
-    """A resumed pipeline starts afresh at batch n: its first batch would run on W(n) throughout, not the rule's mix.
-    Not proven, so refused (run/start.py), naming the key and the fix; the checkpointing run itself trains."""
-    cfg = newest_config(num_stages=1, num_microbatches=2)
-    cfg.train.num_steps, cfg.train.checkpoint_every = 2, 2
-    run_ok(cfg, tmp_path)
-    cfg.train.num_steps = 4
-    (result,) = spawn(train, world_size=1, args=(cfg, str(tmp_path)), log_dir=tmp_path / "logs2", timeout_s=120)
-    assert result.exitcode != 0
-    assert "ConfigError: pipeline.weight_versions=newest resuming from" in result.log, result.log
-    assert "set train.resume=never, or pipeline.weight_versions=batch" in result.log
+def test_newest_resumes_where_it_left_off(tmp_path):
+    """A resumed pipeline starts afresh at batch n, where no step n-1 comes first: stage 0's first forward (d - s - 1 =
+    1 of them at d = 2) runs on the checkpoint's W(n-1), as in the run that wrote it, the rest on W(n). 4 steps straight
+    and 2 + 2 resumed end on the same bits (and the 4-step run on its rule). Fails with that forward on W(n)."""
+    cfg = newest_config(num_stages=2)
+    cfg.train.num_steps, cfg.train.checkpoint_every = 4, 2
+    summary = run_ok(cfg, tmp_path / "straight")
+    weights = torch.load(tmp_path / "straight" / "final_model.pt")
+    torch.testing.assert_close(weights, reference_newest(cfg, balance=gpt_balance(cfg.model, 2)).weights)
+    path = tmp_path / "straight" / "checkpoints" / "step_00000002"
+    resumed = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, resume=str(path)))
+    again = run_ok(resumed, tmp_path / "resumed")
+    assert again["first_step"] == 2 and again["losses"] == summary["losses"]
+    resumed_weights = torch.load(tmp_path / "resumed" / "final_model.pt")
+    assert all(torch.equal(resumed_weights[k], w) for k, w in weights.items())
+
+
+def test_newest_resumes_only_where_the_same_forwards_run_early():
+    """Which forwards run on W(t-1) depends on the stages, their layers, the microbatches and the forward lead: a
+    checkpoint of another of these (or of the batch rule) is refused as other settings, naming the key."""
+    from pipedream2bw.io.checkpoint import check_settings
+    from pipedream2bw.run.model import training_settings
+
+    cfg = newest_config(num_stages=2)
+    manifest = {"training_settings": training_settings(cfg)}
+    assert check_settings(manifest, model={}, training=training_settings(cfg), where="ckpt", strict=True) == []
+    batch = tiny_config(schedule="2bw", num_stages=2, num_microbatches=4)
+    for other in (newest_config(num_stages=2, forward_lead=1), newest_config(num_stages=3), batch):
+        with pytest.raises(ConfigError, match="pipeline.weight_versions: checkpoint 'newest"):
+            check_settings(manifest, model={}, training=training_settings(other), where="ckpt", strict=True)
 
 
 def test_newest_refuses_a_layer_lists_tie_across_stages_before_any_group_starts():

@@ -395,19 +395,35 @@ class NewestVersions(WeightVersions):
     step(t) sums them. With APPLY(t) right at CLOSE(t) (config/newest.py refuses every deferral), batch t's
     microbatches forwarded before APPLY(t-1) ran on W(t-1), the rest on W(t); the microbatches in flight at APPLY(t),
     batch t+1's first ones, were forwarded after APPLY(t-1) (d - s + lead <= m) and so run on W(t): W(t+1) goes into
-    the replica of W(t-1), which none of them needs (``step`` asserts it)."""
+    the replica of W(t-1), which none of them needs (``step`` asserts it).
 
-    def __init__(self, module: nn.Module, **kwargs: Any):
+    ``early_forwards``: how many of a batch's forwards the stage runs before its previous batch's step (d - s - 1 +
+    its forward lead). A run resumed after n steps starts its pipeline afresh at batch n, with no step n-1 to wait
+    for: its first ``early_forwards`` forwards run on W(n-1), the checkpoint's ``previous``, as they did in the run
+    that wrote it."""
+
+    def __init__(self, module: nn.Module, *, early_forwards: int = 0, **kwargs: Any):
         super().__init__(module, **kwargs)
         assert self.schedule == "2bw" and self.sync_warmup_steps == 0, "newest: plain 2bw only (config/newest.py)"
         self._ran_on: Dict[int, int] = {}  # microbatch k -> the replica its forward ran on, until its batch's step
         self._m: Optional[int] = None
+        self._early, self._resumed_early = early_forwards, 0  # the latter: forwards left on W(n-1) after a resume
 
     def module_for_forward(self, k: int, num_microbatches: int) -> nn.Module:
-        """The replica holding the newest version, recorded for ``step``'s check."""
+        """The replica holding the newest version (after a resume, W(n-1) for the first ``early_forwards``), recorded
+        for ``step``'s check."""
         self._m = num_microbatches
-        self._ran_on[k] = self._replica_holding(max(v for v in self.holds if v is not None))
+        if self._resumed_early:
+            self._resumed_early -= 1
+            self._ran_on[k] = self.replica_for_batch(k // num_microbatches)
+        else:
+            self._ran_on[k] = self._replica_holding(max(v for v in self.holds if v is not None))
         return self.replicas[self._ran_on[k]]
+
+    def load_state(self, **kwargs: Any) -> None:
+        """``WeightVersions.load_state``; the next ``early_forwards`` forwards then run on W(n-1) (``previous``)."""
+        super().load_state(**kwargs)
+        self._resumed_early = self._early
 
     @torch.no_grad()
     def step(self, batch_index: int, **kwargs: Any) -> None:

@@ -193,14 +193,25 @@ def build_versions(
             threads=threads,
         )
     else:
-        versions = (NewestVersions if rt.weight_versions == "newest" else WeightVersions)(
+        newest = _newest(rt)
+        versions = (NewestVersions if newest else WeightVersions)(
             module,
             schedule=rt.schedule,
             optimizer_factory=factory,
             buckets=buckets,
             sync_warmup_steps=rt.sync_warmup_steps,
+            **newest,
         )
     return versions, buckets, num_dp_buckets
+
+
+def _newest(rt: RankPlan) -> Dict[str, int]:
+    """pipeline.weight_versions=newest: ``NewestVersions``' arguments (the forwards of a batch that run before the
+    stage's previous step, d - s - 1 + its lead); else none."""
+    if rt.weight_versions != "newest":
+        return {}
+    ahead = schedule.lead(rt.stage, rt.num_stages, rt.num_microbatches, rt.forward_lead)
+    return {"early_forwards": rt.num_stages - rt.stage - 1 + ahead}
 
 
 def replica_index(rt: RankPlan) -> int:

@@ -178,6 +178,7 @@ def training_settings(cfg: Config) -> Dict[str, Any]:
         else "fp32",
         # flush, zb1p and gpipe all train W(t+1) = W(t) - step(grad f(W(t))); 2bw uses W(t-1) (the label predates zb1p)
         "pipeline.schedule": "2bw" if cfg.pipeline.schedule == "2bw" else "flush or gpipe",
+        **_weight_versions(cfg.pipeline),
         **optim_settings(o),
         "seed": cfg.seed,  # the batch order: another seed trains on other batches from the resumed step on
         "data.path": data_fingerprint(cfg.data.path),
@@ -186,6 +187,21 @@ def training_settings(cfg: Config) -> Dict[str, Any]:
         # incomparable; adding or dropping it on resume is no change to compare (nothing is recorded without it)
         record["data.val_path"] = data_fingerprint(cfg.data.val_path, key="data.val_path")
     return json.loads(json.dumps(record, default=str))
+
+
+def _weight_versions(p: Any) -> Dict[str, Any]:
+    """Under 2bw, pipeline.weight_versions: 'batch', or newest with what decides which forwards run on W(t-1) (the
+    stages, their layers, the microbatches a batch and the forward lead), which a resume must keep to go on as the run
+    that wrote the checkpoint would have."""
+    if p.schedule != "2bw":
+        return {}
+    if p.weight_versions != "newest":
+        return {"pipeline.weight_versions": p.weight_versions}
+    balance = "even" if p.balance is None else list(p.balance)
+    return {
+        "pipeline.weight_versions": f"newest (num_stages {p.num_stages}, balance {balance}, num_microbatches "
+        f"{p.num_microbatches}, forward_lead {p.forward_lead})"
+    }
 
 
 def optim_settings(o: OptimConfig) -> Dict[str, Any]:

@@ -122,11 +122,6 @@ def _select_checkpoint(cfg: Config, run_dir: Path, model: RunModel) -> Optional[
             f"train.resume ({t.resume}) holds no complete checkpoint with intact files; "
             f"point it at another checkpoint or use train.resume=never"
         )
-    if path is not None and cfg.pipeline.weight_versions == "newest" and cfg.pipeline.schedule == "2bw":
-        raise ConfigError(  # a resumed pipeline starts afresh: batch n would run on W(n) throughout, not the rule's mix
-            f"pipeline.weight_versions=newest resuming from {path}: not proven (the restarted pipeline runs batch n on "
-            "W(n) throughout); set train.resume=never, or pipeline.weight_versions=batch"
-        )
     if path is not None:
         checkpoint.check_model(manifest, model.param_shapes(), path)
         checkpoint.check_ties(manifest, [list(t.names) for t in model.tied], path)
