@@ -149,15 +149,7 @@ def _train(
     opt = ReferenceOptimizer(model, cfg.optim if delayed else dataclasses.replace(cfg.optim, delay_correction="none"))
     # windows, or packed documents (data.packing): one replica of m microbatches reads the batch a pipeline's
     # w replicas read (the reference's m is their w * m)
-    feed = make_feeds(
-        cfg.data,
-        seq_len=cfg.model.seq_len,
-        microbatch_size=cfg.pipeline.microbatch_size,
-        num_microbatches=m,
-        seed=cfg.seed,
-        num_replicas=1,
-        replica=0,
-    )[0]
+    feed = _train_feed(cfg, m)
     t_cfg = cfg.train
     scaler = (
         LossScaler(init_scale=t_cfg.loss_scale, growth_interval=t_cfg.loss_scale_growth_interval)
@@ -250,15 +242,7 @@ def _train_newest(cfg: Config, balance: Sequence[int]) -> Reference:
     model = StageBoundaries(source.build(), after=after, dtype=dtype)  # W(t)
     stale = copy.deepcopy(model)  # W(t-1)
     opt = ReferenceOptimizer(model, dataclasses.replace(cfg.optim, delay_correction="none"))
-    feed = make_feeds(
-        cfg.data,
-        seq_len=cfg.model.seq_len,
-        microbatch_size=cfg.pipeline.microbatch_size,
-        num_microbatches=m,
-        seed=cfg.seed,
-        num_replicas=1,
-        replica=0,
-    )[0]
+    feed = _train_feed(cfg, m)
     stage_of = [s for s, n in enumerate(balance) for _ in range(n)]
     leads = [0 if s == d - 1 else max(0, min(lead, m - (d - s))) for s in range(d)]
     out = Reference(None, [], [], [], [], [], {})
@@ -286,6 +270,19 @@ def _train_newest(cfg: Config, balance: Sequence[int]) -> Reference:
         opt.step(out.lrs[-1], correct=False, predict=False)
         model.zero_grad(set_to_none=True)  # g(t) stays out of batch t+1's sums
     return out._replace(weights=model.state_dict())
+
+
+def _train_feed(cfg: Config, m: int):
+    """The training batches of ``cfg`` as one replica of ``m`` microbatches reads them."""
+    return make_feeds(
+        cfg.data,
+        seq_len=cfg.model.seq_len,
+        microbatch_size=cfg.pipeline.microbatch_size,
+        num_microbatches=m,
+        seed=cfg.seed,
+        num_replicas=1,
+        replica=0,
+    )[0]
 
 
 def grad_norm(params: Iterable[nn.Parameter]) -> float:
