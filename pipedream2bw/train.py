@@ -43,7 +43,7 @@ def main(dcfg: DictConfig) -> None:
     except ConfigError as e:  # before any process group started; reported once (precheck.report)
         rank, world_size, _ = comm.env_rank()
         precheck.report(f"bad configuration: {e}", rank=rank, world_size=world_size, emit=log.error)
-        if rank == 0:
+        if rank == 0 and world_size == 1:  # several ranks share the directory: another may be opening its train.log
             _remove_if_only_log(Path(run_dir))
         _exit(2)
     except Preempted as e:  # checkpointed and summarized; a non-zero status gets the job requeued
@@ -59,7 +59,9 @@ def main(dcfg: DictConfig) -> None:
 
 def _remove_if_only_log(run_dir: Path) -> None:
     """Removes the run directory of a refused launch when it holds nothing but the train.log Hydra opened for it
-    (and its date folder when that is then empty): a refused launch leaves no run behind."""
+    (and its date folder when that is then empty): a refused launch leaves no run behind. One rank only: with several,
+    rank 0 removing it raced another rank's Hydra opening train.log there (a traceback instead of the refusal's line);
+    the launcher refuses most mistakes before any rank starts, and a directory left behind holds the refusal's log."""
     try:
         if {p.name for p in run_dir.iterdir()} - {"train.log", rundir.LOCK}:  # the lock: a refused resume took it
             return
