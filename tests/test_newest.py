@@ -175,6 +175,7 @@ def test_newest_under_bf16_equals_its_rule(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.long  # two 2-rank runs (the default tier is at its 10-minute budget)
 def test_newest_resumes_where_it_left_off(tmp_path):
     """A resumed pipeline starts afresh at batch n, where no step n-1 comes first: stage 0's first forward (d - s - 1 =
     1 of them at d = 2) runs on the checkpoint's W(n-1), as in the run that wrote it, the rest on W(n). 4 steps straight

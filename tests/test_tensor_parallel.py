@@ -117,7 +117,7 @@ def test_muon_with_error_feedback_orthogonalizes_whole_matrices_at_t_2(tmp_path,
         pytest.param("resume", marks=pytest.mark.long),  # two 4-rank runs
         pytest.param("sp", marks=pytest.mark.long),  # pipeline.sequence_parallel
         pytest.param("w2", marks=pytest.mark.long),  # d=1 x w=2 x t=2
-        "bf16",  # train.precision=bf16 (7 s loaded)
+        pytest.param("bf16", marks=pytest.mark.long),  # train.precision=bf16 (7 s loaded; the default tier's budget)
     ],
 )
 def test_muon_with_the_prediction_equals_its_reference_at_t_2(tmp_path, variant):
