@@ -197,8 +197,8 @@ class BackgroundStep(WeightVersions):
         assert not background or self.schedule == "2bw", "a background host step needs 2bw (config validation)"
         self.background = background
         self.threads = threads  # the thread's intra-op threads (``host_threads``); None: as the process's
-        # synchronous (not background): the step's part that the thread would run, on the training thread, all of it
-        # waited for (``_on_this_thread``)
+        # synchronous (not background), the same three over the step's part the thread would run, on the training
+        # thread, all of it waited for (``_on_this_thread``)
         self.host_step_s = 0.0  # seconds the background thread spent stepping
         self.host_step_cpu_s = 0.0  # ... of which it ran on a core (its CPU time; the rest it waited for one)
         self.host_step_wait_s = 0.0  # seconds the calling thread waited for it: the part not hidden
@@ -246,16 +246,18 @@ class BackgroundStep(WeightVersions):
         pending.thread.start()
 
     def _on_this_thread(self) -> contextlib.AbstractContextManager:
-        return synchronous_host_step(self)
+        """Times the step's work where it runs on the training thread (``synchronous_host_step``); nothing in the
+        background, where the thread's run is timed (``_Pending``)."""
+        return contextlib.nullcontext() if self.background else synchronous_host_step(self)
 
     def _prepare_destination(self, dst_index: int, t: int) -> None:
         """``WeightVersions._prepare_destination``, timed where synchronous (``_on_this_thread``)."""
-        with self._on_this_thread() if not self.background else contextlib.nullcontext():
+        with self._on_this_thread():
             super()._prepare_destination(dst_index, t)
 
     def _step_bucket(self, bucket: Sequence[int], optimizer: torch.optim.Optimizer, dst: Sequence[nn.Parameter]):
-        """``WeightVersions._step_bucket``, timed where synchronous (in the background the thread's run is)."""
-        with self._on_this_thread() if not self.background else contextlib.nullcontext():
+        """``WeightVersions._step_bucket``, timed where synchronous (``_on_this_thread``)."""
+        with self._on_this_thread():
             super()._step_bucket(bucket, optimizer, dst)
 
     def _host_work(self, newest: int, dst_index: int, after: After) -> Callable[[], None]:

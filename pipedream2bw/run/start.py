@@ -351,8 +351,9 @@ def check_newest_ties(cfg: Config, tied: Sequence[ties.Tie], balance: Sequence[i
     Raises:
         ConfigError: in one line, naming the ties.
     """
-    newest = cfg.pipeline.weight_versions == "newest" and cfg.pipeline.schedule == "2bw"
-    across = [list(t.names) for t in tied if newest and len(ties.holders(t, balance)) > 1]
+    if cfg.pipeline.weight_versions != "newest" or cfg.pipeline.schedule != "2bw":
+        return
+    across = [list(t.names) for t in tied if len(ties.holders(t, balance)) > 1]
     if across:
         raise ConfigError(
             f"pipeline.weight_versions=newest with weights tied across stages ({across}): the step would wait for "
