@@ -224,7 +224,9 @@ def reference_newest(cfg: Config, *, balance: Sequence[int]) -> Reference:
     j of batch t >= 1 runs on W(t) iff j >= d - s - 1 + L(s), with L(s) = min(pipeline.forward_lead, m - (d - s)) on
     the stages before the last, 0 on the last (the forwards run after that stage's step t-1); the others, and batch
     0, on W(t-1) (W(-1) = W(0)). g(t) = (sum of the gradients at W(t-1) + sum of those at W(t)) / m; W(t+1) =
-    W(t) - optimizer_step(g(t)). At d = 1 that is plain minibatch training."""
+    W(t) - optimizer_step(g(t)). At d = 1 that is plain minibatch training. With optim.delay_correction=predict
+    the microbatches of batch t >= 1 not on W(t) run on P(t) = W(t-1) + d(t-2) instead, d(t) = W(t+1) - W(t) in
+    float32, d(-1) = 0."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the ranks run (``reference_run``)
     try:
@@ -245,6 +247,8 @@ def _train_newest(cfg: Config, balance: Sequence[int]) -> Reference:
     feed = _train_feed(cfg, m)
     stage_of = [s for s, n in enumerate(balance) for _ in range(n)]
     leads = [0 if s == d - 1 else max(0, min(lead, m - (d - s))) for s in range(d)]
+    predict = cfg.optim.delay_correction == "predict"
+    delta = [torch.zeros_like(p) for p in model.parameters()]  # d(t-1)
     out = Reference(None, [], [], [], [], [], {})
     for t in range(cfg.train.num_steps):
         losses = []
@@ -264,11 +268,18 @@ def _train_newest(cfg: Config, balance: Sequence[int]) -> Reference:
             a if b is None else b if a is None else a + b
             for a, b in zip(_take_grads(stale, False), _take_grads(model, False))
         ]
-        _load_parameters(stale, model)  # batch t+1's early microbatches run on W(t)
+        _load_parameters(stale, model)  # batch t+1's early microbatches run on W(t) (predict: + d(t-1))
+        if predict:
+            with torch.no_grad():
+                for p, dp in zip(stale.parameters(), delta):
+                    p.add_(dp)
+            before = [p.detach().clone() for p in model.parameters()]
         for p, g in zip(model.parameters(), sums):
             p.grad = None if g is None else g / m
         opt.step(out.lrs[-1], correct=False, predict=False)
         model.zero_grad(set_to_none=True)  # g(t) stays out of batch t+1's sums
+        if predict:
+            delta = [p.detach() - w for p, w in zip(model.parameters(), before)]
     return out._replace(weights=model.state_dict())
 
 

@@ -17,7 +17,7 @@ from pipedream2bw.config import ConfigError, build_optimizer, gpt_balance, valid
 from pipedream2bw.data import make_feeds
 from pipedream2bw.models.factory import model_source
 from pipedream2bw.pipeline import schedule
-from pipedream2bw.pipeline.versions import NewestVersions
+from pipedream2bw.pipeline.versions import NewestVersions, PredictedNewestVersions
 
 
 def newest_config(*, num_stages: int, num_microbatches: int = 4, forward_lead: int = 0):
@@ -26,19 +26,22 @@ def newest_config(*, num_stages: int, num_microbatches: int = 4, forward_lead: i
     return cfg
 
 
-def _run_in_one_process(cfg, balance):
-    """Every stage's ``NewestVersions`` driven through the 2bw schedule's actions in one process, in the order of
+def _run_in_one_process(cfg, balance, kind=NewestVersions):
+    """Every stage's ``kind`` (``NewestVersions``, ``PredictedNewestVersions``) driven through the 2bw schedule's actions in one process, in the order of
     ``schedule.simulate``'s ticks (activations and gradients handed over in memory): (each stage's newest weights,
     the batch losses)."""
     d, m, num_steps = len(balance), cfg.pipeline.num_microbatches, cfg.train.num_steps
     torch.manual_seed(cfg.seed)
     source = model_source(cfg.model, seed=cfg.seed)
     layers, ends = source.build(), [sum(balance[:s]) for s in range(d + 1)]
+    lead = cfg.pipeline.forward_lead
+    stepped = dataclasses.replace(cfg.optim, delay_correction="none")  # the prediction is the versions' (build.py)
     versions = [
-        NewestVersions(
+        kind(
             nn.Sequential(*layers[ends[s] : ends[s + 1]]),
             schedule="2bw",
-            optimizer_factory=lambda params: build_optimizer(params, cfg.optim),
+            optimizer_factory=lambda params: build_optimizer(params, stepped),
+            early_forwards=d - s - 1 + schedule.lead(s, d, m, lead),
         )
         for s in range(d)
     ]
@@ -92,6 +95,28 @@ def test_newest_versions_in_one_process_equal_the_rule(d, lead):
     torch.testing.assert_close(losses, expected.losses)
 
 
+@pytest.mark.parametrize("d,m,lead", [(2, 2, 0), (2, 4, 1), (3, 4, 0)])
+def test_the_prediction_in_one_process_equals_the_rule(d, m, lead):
+    """optim.delay_correction=predict under newest, no processes: each stage's early forwards run on P(t) = W(t-1) +
+    d(t-2) (``PredictedNewestVersions``), the rest on W(t), to float32 round-off of the rule; and not newest's."""
+    cfg = newest_config(num_stages=d, num_microbatches=m, forward_lead=lead)
+    cfg.optim = dataclasses.replace(cfg.optim, delay_correction="predict")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        weights, losses = _run_in_one_process(cfg, gpt_balance(cfg.model, d), PredictedNewestVersions)
+    finally:
+        torch.set_num_threads(threads)
+    expected = reference_newest(cfg, balance=gpt_balance(cfg.model, d))
+    torch.testing.assert_close(weights, list(expected.weights.values()))
+    torch.testing.assert_close(losses, expected.losses)
+    plain = reference_newest(
+        dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, delay_correction="none")),
+        balance=gpt_balance(cfg.model, d),
+    )
+    assert max(float((a - b).abs().max()) for a, b in zip(weights, plain.weights.values())) > 1e-4
+
+
 @pytest.mark.slow
 def test_newest_equals_its_rule_at_two_stages(tmp_path):
     """Stage 0's microbatch 0 of each batch t >= 1 runs on W(t-1), the rest of the batch on W(t); the pipeline's
@@ -105,6 +130,19 @@ def test_newest_equals_its_rule_at_two_stages(tmp_path):
     assert_losses_close(summary["losses"], expected.losses)
     for delayed in (True, False):  # 2bw's batch rule, flush's minibatch training: far above round-off
         assert max_abs_diff(weights, _oracle(4, "adam", delayed)[0]) > 1e-4
+
+
+@pytest.mark.slow
+def test_the_prediction_equals_its_rule_at_two_stages(tmp_path):
+    """optim.delay_correction=predict under newest at d = 2, m = 2: stage 0's microbatch 0 of batch t >= 1 runs on
+    P(t) = W(t-1) + d(t-2), the rest on W(t); the pipeline's weights and losses are the rule's to float32 round-off."""
+    cfg = newest_config(num_stages=2, num_microbatches=2)
+    cfg.optim = dataclasses.replace(cfg.optim, delay_correction="predict")
+    summary = run_ok(cfg, tmp_path)
+    assert summary["weight_versions"] == "newest" and summary["delay_correction"] == "predict"
+    expected = reference_newest(cfg, balance=gpt_balance(cfg.model, 2))
+    torch.testing.assert_close(torch.load(tmp_path / "final_model.pt"), expected.weights)
+    assert_losses_close(summary["losses"], expected.losses)
 
 
 @pytest.mark.slow

@@ -234,7 +234,7 @@ class WeightVersions:
         ``before_bucket(i)`` runs before bucket ``i`` steps (e.g. to wait for its all-reduce).
         """
         t = batch_index
-        src = self._params[self._replica_holding(self.version_of(t))]
+        src = self._params[self._source(t)]
         dst_index = self._destination(t)
         dst = self._params[dst_index]
         self._prepare_destination(dst_index, t)
@@ -283,6 +283,10 @@ class WeightVersions:
         """After its bucket's step: master ``i`` lets go of the gradient (``dst`` already holds W(t+1))."""
         self.master[i].grad = None
 
+    def _source(self, t: int) -> int:
+        """The replica whose gradients step t takes: the one holding the version batch t ran with."""
+        return self._replica_holding(self.version_of(t))
+
     def _destination(self, t: int) -> int:
         """The replica that receives W(t+1): the one not holding the version batch t+1 runs with."""
         still_needed = self.version_of(t + 1)
@@ -322,7 +326,7 @@ class WeightVersions:
         newest = max(v for v in self.holds if v is not None)
         previous = None
         if self.schedule == "2bw":
-            previous = _cpu_copy(self.replicas[self._replica_holding(self.version_of(newest))].state_dict())
+            previous = _cpu_copy(self._previous(newest).state_dict())
         names = [n for n, _ in self.replicas[0].named_parameters()]
         optimizer = {}
         for bucket, opt in zip(self.buckets, self.optimizers):
@@ -339,6 +343,10 @@ class WeightVersions:
             "previous": previous,
             "optimizer": optimizer,
         }
+
+    def _previous(self, n: int) -> nn.Module:
+        """Under 2bw, what a checkpoint after n steps saves as ``previous``: W(n-1), which batch n runs with."""
+        return self.replicas[self._replica_holding(self.version_of(n))]
 
     @torch.no_grad()
     def load_state(
@@ -430,7 +438,7 @@ class NewestVersions(WeightVersions):
         """``WeightVersions.step`` on the sum of batch t's gradients over both replicas: the fresh microbatches' (on
         W(t)) added to the others' (on W(t-1), ``version_of(t)``'s replica, which the step takes them from)."""
         t = batch_index
-        src_index = self._replica_holding(self.version_of(t))
+        src_index = self._source(t)
         for i, p in enumerate(self._params[src_index]):
             for other in (q for r, q in enumerate(self._params) if r != src_index):
                 if other[i].grad is not None:
@@ -450,6 +458,102 @@ class NewestVersions(WeightVersions):
             for p in params:
                 p.grad = None
         super().skip(batch_index)
+
+
+NEWEST_DELTA = "newest_last_delta"
+"""In a checkpoint's optimizer state of a parameter under newest with the prediction: d(n-1) = W(n) - W(n-1), which
+the next prediction adds (``PredictedNewestVersions``)."""
+
+
+class PredictedNewestVersions(NewestVersions):
+    """pipeline.weight_versions=newest with optim.delay_correction=predict: a stage's early forwards of batch t (those
+    run before its step t-1, ``NewestVersions``) run on the prediction P(t) = W(t-1) + d(t-2) of the W(t) they miss,
+    d(t-2) = W(t-1) - W(t-2) the last step's change (d(-1) = 0); the rest on W(t), as under newest.
+
+    Replica 0 holds the exact W and is stepped in place: at step t no microbatch in flight runs on it (batch t+1's
+    early ones run on replica 1). Replica 1 holds P(t): written before batch t's first early forward, once batch
+    t-1's early microbatches are through their backwards (config/newest.py refuses a schedule where they are not:
+    2 x early forwards > m), or at step t-1 if no forward of batch t came first (a run's last step, so a checkpoint
+    holds P(n)). d costs 4 B a parameter; no other state."""
+
+    def __init__(self, module: nn.Module, **kwargs: Any):
+        super().__init__(module, **kwargs)
+        self.holds[1] = None  # replica 1 holds a prediction, never a version
+        self._delta = [torch.zeros_like(p) for p in self._params[0]]
+        self._predicted: Optional[int] = None  # the batch whose P replica 1 holds
+
+    def module_for_forward(self, k: int, num_microbatches: int) -> nn.Module:
+        """Replica 1, holding P(t), for an early forward of batch t (before step t-1; after a resume, the first
+        ``early_forwards``); else replica 0's W(t)."""
+        self._m, t = num_microbatches, k // num_microbatches
+        early = self._resumed_early > 0 or self.holds[0] < t
+        if self._resumed_early:
+            self._resumed_early -= 1
+        if early and self._predicted != t:
+            self._predict(t)
+        self._ran_on[k] = 1 if early else 0
+        return self.replicas[self._ran_on[k]]
+
+    @torch.no_grad()
+    def _predict(self, t: int) -> None:
+        """Replica 1 := P(t) = W(t-1) + d(t-2), replica 0 holding W(t-1)."""
+        assert self.holds[0] == t - 1, f"P({t}) needs W({t - 1}); replica 0 holds W({self.holds[0]})"
+        torch._foreach_copy_(self._params[1], self._params[0])
+        torch._foreach_add_(self._params[1], self._delta)
+        self._predicted = t
+
+    def _source(self, t: int) -> int:
+        return 0
+
+    def _destination(self, t: int) -> int:
+        return 0
+
+    @torch.no_grad()
+    def step(self, batch_index: int, **kwargs: Any) -> None:
+        """``NewestVersions.step`` in place on replica 0, and d(t) = W(t+1) - W(t); P(t+1) first, where no forward of
+        batch t+1 wrote it (it reads d(t-1))."""
+        t = batch_index
+        if self._early and self._predicted != t + 1:
+            self._predict(t + 1)
+        torch._foreach_copy_(self._delta, self._params[0])
+        super().step(t, **kwargs)
+        torch._foreach_sub_(self._delta, self._params[0])
+        torch._foreach_neg_(self._delta)
+
+    def _previous(self, n: int) -> nn.Module:
+        """P(n), which batch n's early forwards run on (``step`` wrote it at the latest at step n-1)."""
+        return self.replicas[1]
+
+    def state(self) -> Dict[str, Any]:
+        """``WeightVersions.state`` with each parameter's d(n-1) (``NEWEST_DELTA``)."""
+        saved = super().state()
+        names = [n for n, _ in self.replicas[0].named_parameters()]
+        for name, d in zip(names, self._delta):
+            saved["optimizer"].setdefault(name, {})[NEWEST_DELTA] = d.detach().to("cpu", copy=True)
+        return saved
+
+    @torch.no_grad()
+    def load_state(self, *, step: int, optimizer: Dict[str, dict], **kwargs: Any) -> None:
+        """``NewestVersions.load_state``: replica 1 takes P(n) (the checkpoint's ``previous``), d its d(n-1).
+
+        Raises:
+            ValueError: the checkpoint holds no d (written without the prediction) or no ``previous``.
+        """
+        optimizer = {name: dict(st) for name, st in optimizer.items()}
+        names = [n for n, _ in self.replicas[0].named_parameters()]
+        missing = [n for n in names if NEWEST_DELTA not in optimizer.get(n, {})]
+        if missing or kwargs.get("previous") is None:
+            raise ValueError(
+                "this checkpoint was not written under pipeline.weight_versions=newest with optim.delay_correction="
+                f"predict (no {NEWEST_DELTA!r} for {missing[:3]} or no previous weights): resume it with the rule "
+                "that wrote it"
+            )
+        deltas = [optimizer[n].pop(NEWEST_DELTA) for n in names]
+        super().load_state(step=step, optimizer=optimizer, **kwargs)
+        self.holds[1] = None
+        for d, saved in zip(self._delta, deltas):
+            d.copy_(saved)
+        self._predicted = step
 
 
 def _cpu_copy(state: Dict[str, Any]) -> Dict[str, Any]:

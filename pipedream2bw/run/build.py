@@ -47,7 +47,7 @@ from pipedream2bw.models import lm_loss
 from pipedream2bw.pipeline import comm, schedule, ties
 from pipedream2bw.pipeline.agreement import StepRule
 from pipedream2bw.pipeline.schedule import Action
-from pipedream2bw.pipeline.versions import NewestVersions, WeightVersions, bucketize
+from pipedream2bw.pipeline.versions import NewestVersions, PredictedNewestVersions, WeightVersions, bucketize
 from pipedream2bw.run import chunks, evaluate, preempt, tensor
 from pipedream2bw.run.lr_schedule import lr_at
 from pipedream2bw.run.model import RunModel, optim_settings, stage_module
@@ -115,9 +115,11 @@ def _optimizer_factory(rt: RankPlan, module: nn.Module, optim: OptimConfig, swap
     # Muon with its state on the host (swap.optimizer=host, swap.weights): the Newton-Schulz iterations run on the
     # stage's device, never on the host's cores (a CPU run's device is the host)
     ns_device = rt.device if is_muon(optim) and swap.optimizer == "host" and rt.device.type != "cpu" else None
+    # newest's prediction lives in its versions (PredictedNewestVersions), not in the optimizer
+    stepped = dataclasses.replace(optim, delay_correction="none") if rt.weight_versions == "newest" else optim
 
     def factory(params):
-        opt = build_optimizer(params, optim)
+        opt = build_optimizer(params, stepped)
         if ns_device is not None:
             orthogonalize_on(opt, ns_device)
         return opt
@@ -194,7 +196,14 @@ def build_versions(
         )
     else:
         newest = _newest(rt)
-        versions = (NewestVersions if newest else WeightVersions)(
+        kind = (
+            WeightVersions
+            if not newest
+            else PredictedNewestVersions
+            if optim.delay_correction == "predict"
+            else NewestVersions
+        )
+        versions = kind(
             module,
             schedule=rt.schedule,
             optimizer_factory=factory,
