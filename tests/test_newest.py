@@ -190,6 +190,59 @@ def test_newest_refuses_what_it_is_not_proven_with_in_one_line(overrides, key):
     assert "\n" not in str(e.value) and str(e.value).endswith("or pipeline.weight_versions=batch")
 
 
+def _early_and_free(d: int, m: int, lead: int):
+    """Walks stage 0's 2bw actions for 3 batches: (its forwards of batch 2 before step 1, whether batch 1's early
+    microbatches are all through their backwards before batch 2's first forward)."""
+    actions = schedule.stage_actions(
+        "2bw", stage_index=0, num_stages=d, num_microbatches=m, num_batches=3, forward_lead=lead
+    )
+    position = {(a.kind, a.index): i for i, a in enumerate(actions)}
+    early = sum(1 for j in range(m) if position[(schedule.FORWARD, 2 * m + j)] < position[(schedule.STEP, 1)])
+    first = position[(schedule.FORWARD, 2 * m)]
+    return early, all(position[(schedule.BACKWARD, m + j)] < first for j in range(early))
+
+
+def test_the_predictions_refusal_is_the_schedules():
+    """config/newest.py's count of stage 0's early forwards is the schedule's, and its bound (2 x early <= m) is
+    exactly where the prediction's buffer is free again before the next batch's first forward."""
+    from pipedream2bw.config.newest import early_forwards
+
+    for d in range(1, 6):
+        for m in range(d, 10):
+            for lead in range(3):
+                early, free = _early_and_free(d, m, lead)
+                assert early_forwards(d, m, lead) == early, (d, m, lead)
+                assert free == (2 * early <= m), (d, m, lead)
+
+
+@pytest.mark.parametrize(
+    "overrides", [["pipeline.num_microbatches=3", "pipeline.num_stages=3"], ["pipeline.num_microbatches=3", "pipeline.forward_lead=1"]]
+)
+def test_the_prediction_refuses_too_few_microbatches_in_one_line(overrides):
+    cfg = make(
+        "pipeline.weight_versions=newest",
+        "pipeline.num_stages=2",
+        "pipeline.num_microbatches=2",
+        "optim.delay_correction=predict",
+        *overrides,
+    )
+    with pytest.raises(
+        ConfigError,
+        match=r"^pipeline.weight_versions=newest with optim.delay_correction=predict at pipeline.num_microbatches \(\d\): stage 0 runs \d forwards",
+    ) as e:
+        validate(cfg, world_size=cfg.pipeline.num_stages)
+    assert "\n" not in str(e.value)
+    validate(
+        make(
+            "pipeline.weight_versions=newest",
+            "pipeline.num_stages=2",
+            "pipeline.num_microbatches=2",
+            "optim.delay_correction=predict",
+        ),
+        world_size=2,
+    )
+
+
 def test_newest_resolves_auto_to_no_correction_and_runs_at_the_defaults():
     cfg = make("pipeline.weight_versions=newest", "pipeline.num_stages=2")
     assert cfg.optim.delay_correction == "none"  # Muon's auto would be predict_error_feedback
@@ -226,6 +279,26 @@ def test_newest_resumes_where_it_left_off(tmp_path):
     path = tmp_path / "straight" / "checkpoints" / "step_00000002"
     resumed = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, resume=str(path)))
     again = run_ok(resumed, tmp_path / "resumed")
+    assert again["first_step"] == 2 and again["losses"] == summary["losses"]
+    resumed_weights = torch.load(tmp_path / "resumed" / "final_model.pt")
+    assert all(torch.equal(resumed_weights[k], w) for k, w in weights.items())
+
+
+@pytest.mark.slow
+@pytest.mark.long
+def test_the_prediction_resumes_where_it_left_off(tmp_path):
+    """Under the prediction a checkpoint after n steps holds P(n) (stage 0's first forward of batch n runs on it) and
+    d(n-1) (the next prediction adds it): 2 + 2 resumed steps end on the 4-step run's bits, which are the rule's."""
+    cfg = newest_config(num_stages=2, num_microbatches=2)
+    cfg.optim = dataclasses.replace(cfg.optim, delay_correction="predict")
+    cfg.train.num_steps, cfg.train.checkpoint_every = 4, 2
+    summary = run_ok(cfg, tmp_path / "straight")
+    weights = torch.load(tmp_path / "straight" / "final_model.pt")
+    torch.testing.assert_close(weights, reference_newest(cfg, balance=gpt_balance(cfg.model, 2)).weights)
+    path = tmp_path / "straight" / "checkpoints" / "step_00000002"
+    again = run_ok(
+        dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, resume=str(path))), tmp_path / "resumed"
+    )
     assert again["first_step"] == 2 and again["losses"] == summary["losses"]
     resumed_weights = torch.load(tmp_path / "resumed" / "final_model.pt")
     assert all(torch.equal(resumed_weights[k], w) for k, w in weights.items())
