@@ -11,7 +11,8 @@ the whole model in one process with one thread (the physical limit: d stages on 
 at best run d times its throughput). A system may name its optimizer and, for ours-2bw, a delay
 correction: SYSTEM@OPTIMIZER[+CORRECTION], e.g. ours-2bw@muon+error_feedback, torch-zbv@muon (AdamW with no
 correction otherwise); ours-2bw and ours-flush may end in :lead=N (pipeline.forward_lead=N, e.g.
-ours-2bw:lead=1). Runs alternate between systems within each repeat, so drift hits all alike.
+ours-2bw:lead=1), and ours-2bw in :newest (pipeline.weight_versions=newest, e.g. ours-2bw@muon+predict:newest). Runs
+alternate between systems within each repeat, so drift hits all alike.
 Prints the command, the configuration and one table of medians
 (samples/s, pipeline efficiency = samples/s / (d x single-process samples/s), idle fraction =
 1 - the stage's own compute time / wall time per step, per-stage peak resident memory and
@@ -71,6 +72,21 @@ def forward_lead(spec: str) -> tuple:
     return spec, int(lead)
 
 
+def weight_versions(spec: str) -> tuple:
+    """``SPEC[:newest]`` -> (SPEC, pipeline.weight_versions): ``newest`` for an ours-2bw system that ends in
+    ``:newest`` (before or after a ``:lead=N``), else ``batch``.
+
+    Raises:
+        ValueError: ``:newest`` on another system.
+    """
+    head, *options = spec.split(":")
+    if "newest" not in options:
+        return spec, "batch"
+    if head.partition("@")[0] != "ours-2bw":
+        raise ValueError(f"{spec}: ':newest' (pipeline.weight_versions=newest) is a rule of ours-2bw")
+    return ":".join([head] + [o for o in options if o != "newest"]), "newest"
+
+
 def parse_system(spec: str) -> tuple:
     """``SYSTEM[@OPTIMIZER[+CORRECTION]]`` (e.g. ``ours-2bw@muon+error_feedback``, ``torch-zbv@muon``) ->
     (system, optimizer, correction); AdamW with no correction by default. A delay correction only applies to 2bw
@@ -79,7 +95,7 @@ def parse_system(spec: str) -> tuple:
     Raises:
         ValueError: an unknown system, optimizer or correction, or a correction on another system.
     """
-    system, _, optim = forward_lead(spec)[0].partition("@")
+    system, _, optim = forward_lead(weight_versions(spec)[0])[0].partition("@")
     optimizer, _, correction = (optim or "adamw").partition("+")
     correction = correction or "none"
     if system not in SYSTEMS:
@@ -127,7 +143,16 @@ def _param_bytes(module) -> int:
     return sum(p.numel() * p.element_size() for p in module.parameters())
 
 
-def _config(args, schedule: str, num_stages: int, *, optimizer: str = "adamw", correction: str = "none", lead: int = 0):
+def _config(
+    args,
+    schedule: str,
+    num_stages: int,
+    *,
+    optimizer: str = "adamw",
+    correction: str = "none",
+    lead: int = 0,
+    versions: str = "batch",
+):
     from pipedream2bw.config import (
         Config,
         DataConfig,
@@ -146,6 +171,7 @@ def _config(args, schedule: str, num_stages: int, *, optimizer: str = "adamw", c
             num_microbatches=args.num_microbatches,
             microbatch_size=args.microbatch_size,
             forward_lead=lead,
+            weight_versions=versions,
         ),
         model=GPTConfig(
             num_layers=args.num_layers,
@@ -270,11 +296,13 @@ def _stage_weight_bytes(cfg, stage_index: int, num_stages: int) -> int:
     return _param_bytes(build_stage_module(cfg, gpt_balance(cfg.model, num_stages), stage_index, None))
 
 
-def worker_ours(args, schedule: str, device, *, optimizer: str, correction: str, lead: int = 0) -> dict:
+def worker_ours(
+    args, schedule: str, device, *, optimizer: str, correction: str, lead: int = 0, versions: str = "batch"
+) -> dict:
     from pipedream2bw.run.runner import TRAIN_RANGE, run
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    cfg = _config(args, schedule, world, optimizer=optimizer, correction=correction, lead=lead)
+    cfg = _config(args, schedule, world, optimizer=optimizer, correction=correction, lead=lead, versions=versions)
     if not args.memory_pass:  # the timed steps traced: where each rank's time goes (a few clock reads per action)
         cfg.pipeline.trace, cfg.pipeline.trace_first_step = True, args.warmup
         cfg.pipeline.trace_steps = args.steps - args.warmup
@@ -403,8 +431,11 @@ def worker_single(args, device, *, optimizer: str) -> dict:
 def run_worker(args) -> None:
     (system, optimizer, correction), device = parse_system(args.worker), _device(args)
     if system.startswith("ours-"):
-        schedule, lead = system.split("-", 1)[1], forward_lead(args.worker)[1]
-        result = worker_ours(args, schedule, device, optimizer=optimizer, correction=correction, lead=lead)
+        spec, versions = weight_versions(args.worker)
+        schedule, lead = system.split("-", 1)[1], forward_lead(spec)[1]
+        result = worker_ours(
+            args, schedule, device, optimizer=optimizer, correction=correction, lead=lead, versions=versions
+        )
     elif system.startswith("torch-"):
         result = worker_torch(args, system.split("-", 1)[1], device, optimizer=optimizer)
     else:

@@ -100,6 +100,11 @@ def test_a_bench_system_names_its_optimizer_and_a_correction_only_where_there_is
     for bad in ("torch-1f1b:lead=1", "ours-2bw:lead=x"):
         with pytest.raises(ValueError, match="a forward lead is a count"):
             bench.parse_system(bad)
+    assert bench.weight_versions("ours-2bw@muon+predict:newest:lead=1") == ("ours-2bw@muon+predict:lead=1", "newest")
+    assert bench.weight_versions("ours-2bw@muon:lead=1") == ("ours-2bw@muon:lead=1", "batch")
+    assert bench.parse_system("ours-2bw@muon+predict:newest") == ("ours-2bw", "muon", "predict")
+    with pytest.raises(ValueError, match="a rule of ours-2bw"):
+        bench.parse_system("ours-flush@muon:newest")
 
 
 def test_the_throughput_guard_reads_a_small_and_a_large_microbatch_from_the_doc_and_names_what_regressed():
