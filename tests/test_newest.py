@@ -27,9 +27,9 @@ def newest_config(*, num_stages: int, num_microbatches: int = 4, forward_lead: i
 
 
 def _run_in_one_process(cfg, balance, kind=NewestVersions):
-    """Every stage's ``kind`` (``NewestVersions``, ``PredictedNewestVersions``) driven through the 2bw schedule's actions in one process, in the order of
-    ``schedule.simulate``'s ticks (activations and gradients handed over in memory): (each stage's newest weights,
-    the batch losses)."""
+    """Every stage's ``kind`` (``NewestVersions``, ``PredictedNewestVersions``) driven through the 2bw schedule's
+    actions in one process, in the order of ``schedule.simulate``'s ticks (activations and gradients handed over in
+    memory): (each stage's newest weights, the batch losses)."""
     d, m, num_steps = len(balance), cfg.pipeline.num_microbatches, cfg.train.num_steps
     torch.manual_seed(cfg.seed)
     source = model_source(cfg.model, seed=cfg.seed)
@@ -216,7 +216,11 @@ def test_the_predictions_refusal_is_the_schedules():
 
 
 @pytest.mark.parametrize(
-    "overrides", [["pipeline.num_microbatches=3", "pipeline.num_stages=3"], ["pipeline.num_microbatches=3", "pipeline.forward_lead=1"]]
+    "overrides",
+    [
+        ["pipeline.num_microbatches=3", "pipeline.num_stages=3"],
+        ["pipeline.num_microbatches=3", "pipeline.forward_lead=1"],
+    ],
 )
 def test_the_prediction_refuses_too_few_microbatches_in_one_line(overrides):
     cfg = make(
@@ -228,7 +232,8 @@ def test_the_prediction_refuses_too_few_microbatches_in_one_line(overrides):
     )
     with pytest.raises(
         ConfigError,
-        match=r"^pipeline.weight_versions=newest with optim.delay_correction=predict at pipeline.num_microbatches \(\d\): stage 0 runs \d forwards",
+        match=r"^pipeline.weight_versions=newest with optim.delay_correction=predict at pipeline.num_microbatches "
+        r"\(\d\): stage 0 runs \d forwards",
     ) as e:
         validate(cfg, world_size=cfg.pipeline.num_stages)
     assert "\n" not in str(e.value)
