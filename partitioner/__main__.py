@@ -102,7 +102,8 @@ def main(argv=None) -> int:
     # 2bw: the delay correction its memory counts (optim.delay_correction, 'auto' resolved: config/corrections.py)
     correction = ""
     if best.schedule == "2bw":
-        correction = f" (delay correction {correction_in_effect(cfg.optim, best.schedule)})"
+        rule = "newest, " if cfg.pipeline.weight_versions == "newest" else ""
+        correction = f" ({rule}delay correction {correction_in_effect(cfg.optim, best.schedule)})"
     print(
         f"model: {model}; "
         f"topology {cfg.topology.name}: {best.devices} devices x {best.memory_per_device_bytes / 2**30:.3g} GiB; "
@@ -110,7 +111,8 @@ def main(argv=None) -> int:
         f"{best.costs} costs; planned in {elapsed:.2f} s"
     )
     if best.schedule_choice:
-        print(time_to_loss.describe(best.schedule_choice, cfg.optim, best.schedule))
+        why = dict(factors=best.schedule_factors, weight_versions=cfg.pipeline.weight_versions)
+        print(time_to_loss.describe(best.schedule_choice, cfg.optim, best.schedule, **why))
     print(table(plans))
     print(f"\nchosen plan (#0): {mesh_line(best)}; per stage (one rank's figures):\n{stage_table(best)}")
     if best.steps_on_host:

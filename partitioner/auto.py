@@ -278,7 +278,7 @@ def _plan_schedules(cfg: Config, *, runners_up: int, **kwargs) -> List[Plan]:
     """schedule=auto: each of ``time_to_loss.CANDIDATES`` planned, the plans ranked by their time to a loss (batch
     time x steps factor) under the throughput objective (by peak memory, then that time, under memory); each plan
     records every candidate's best time (``schedule_choice``)."""
-    found, choice, error = [], {}, None
+    found, choice, factors, error = [], {}, {}, None
     for schedule in time_to_loss.CANDIDATES:
         one = dataclasses.replace(cfg, pipeline=dataclasses.replace(cfg.pipeline, schedule=schedule))
         try:
@@ -286,9 +286,10 @@ def _plan_schedules(cfg: Config, *, runners_up: int, **kwargs) -> List[Plan]:
         except ConfigError as e:
             error = error or e
             continue
-        factor = time_to_loss.steps_factor(schedule, cfg.optim)
-        plans = [dataclasses.replace(p, predicted_steps_factor=math.inf if factor is None else factor) for p in plans]
-        choice[schedule] = min(time_to_loss.time_per_step(p.predicted_batch_time_s, factor) for p in plans)
+        plans = [dataclasses.replace(p, predicted_steps_factor=_steps_factor(cfg, p)) for p in plans]
+        fastest = min(plans, key=lambda p: p.predicted_batch_time_s * p.predicted_steps_factor)
+        choice[schedule] = fastest.predicted_batch_time_s * fastest.predicted_steps_factor
+        factors[schedule] = fastest.predicted_steps_factor
         found += plans
     if not found:
         raise error
@@ -298,7 +299,16 @@ def _plan_schedules(cfg: Config, *, runners_up: int, **kwargs) -> List[Plan]:
         return (max(p.predicted_peak_memory_bytes), t) if cfg.partition.objective == "memory" else (t,)
 
     best = sorted(found, key=key)[: runners_up + 1]
-    return [dataclasses.replace(p, schedule_choice=dict(choice)) for p in best]
+    return [dataclasses.replace(p, schedule_choice=dict(choice), schedule_factors=dict(factors)) for p in best]
+
+
+def _steps_factor(cfg: Config, p: Plan) -> float:
+    """Plan ``p``'s steps factor under ``cfg`` (``time_to_loss.steps_factor``; under pipeline.weight_versions=newest,
+    2bw's rule at the plan's depth); infinite where its schedule is not known to reach the loss."""
+    factor = time_to_loss.steps_factor(
+        p.schedule, cfg.optim, weight_versions=cfg.pipeline.weight_versions, num_stages=p.num_stages
+    )
+    return math.inf if factor is None else factor
 
 
 def _cost_fns(cfg: Config, req: Request, *, layers, loss_fn):

@@ -122,3 +122,25 @@ def test_auto_without_the_planner_is_refused_in_one_line():
     cfg = default_plan_choices(compose(["pipeline.schedule=auto"]))
     with pytest.raises(ConfigError, match=r"pipeline.schedule \(auto\) is the planner's choice.*use partition=auto"):
         validate(cfg, world_size=4)
+
+
+def test_steps_factor_under_newest_is_the_measured_one_at_its_depth_and_else_the_fallback(monkeypatch):
+    # pipeline.weight_versions=newest: the staleness of 2bw's early forwards depends on the depth; only d = 2 is
+    # measured (docs/convergence.md: 310 / 310 / 310 steps against flush's 300); any other depth, any other
+    # correction not measured, falls back to the optimizer's uncorrected batch-rule figure, as any unmeasured setting
+    muon, predict = (
+        OptimConfig(name="muon", delay_correction="none"),
+        OptimConfig(name="muon", delay_correction="predict"),
+    )
+    newest = dict(weight_versions="newest")
+    assert time_to_loss.steps_factor("2bw", muon, **newest, num_stages=2) == pytest.approx(930 / 900)
+    assert time_to_loss.steps_factor("2bw", muon, **newest, num_stages=4) == pytest.approx(210 / 123)
+    assert time_to_loss.steps_factor("2bw", muon, num_stages=2) == pytest.approx(210 / 123)  # the batch rule's
+    assert time_to_loss.steps_factor("flush", muon, **newest, num_stages=2) == 1.0  # moot off 2bw
+    assert time_to_loss.steps_factor("2bw", OptimConfig(name="adamw"), **newest, num_stages=2) is None
+    assert time_to_loss.NEWEST_PREDICT_D2 is None or time_to_loss.NEWEST_PREDICT_D2 > 0  # None until measured
+    monkeypatch.setitem(time_to_loss.STEPS_FACTOR, ("muon", "predict", "newest", 2), None)
+    assert time_to_loss.steps_factor("2bw", predict, **newest, num_stages=2) == pytest.approx(210 / 123)
+    monkeypatch.setitem(time_to_loss.STEPS_FACTOR, ("muon", "predict", "newest", 2), 0.99)
+    assert time_to_loss.steps_factor("2bw", predict, **newest, num_stages=2) == 0.99
+    assert time_to_loss.steps_factor("2bw", predict, **newest, num_stages=3) == pytest.approx(210 / 123)
