@@ -163,9 +163,12 @@ def _run_line(cfg, args, best, path) -> str:
     launch = f"torchrun --nproc-per-node {nproc}" if cfg.topology.nodes == 1 else f"torchrun ({nproc} ranks)"
     extra = run_overrides(cfg.optim, best)  # the optimizer a host step runs (auto.host_optimizer)
     extra += [f"pipeline.tensor_parallel={best.tensor_parallel}"] if best.tensor_parallel > 1 else []
+    moot = set()
     if cfg.pipeline.schedule == time_to_loss.AUTO:
         extra.append(f"pipeline.schedule={best.schedule}")
-    keys = {a.split("=", 1)[0] for a in extra}
+        if best.schedule != "2bw":  # 2bw's rule, moot under the others (auto.apply_plan), refused where named
+            moot.add("pipeline.weight_versions")
+    keys = {a.split("=", 1)[0] for a in extra} | moot
     run_overrides_ = [a for a in args if not a.lstrip("+~").startswith(("topology", "partition"))]
     run_overrides_ = [a for a in run_overrides_ if a.lstrip("+~").split("=", 1)[0] not in keys] + extra
     return f"{launch} -m pipedream2bw.train " + " ".join([*run_overrides_, "partition=file", f"partition.path={path}"])

@@ -390,7 +390,8 @@ def run_overrides(optim: OptimConfig, p: Plan) -> List[str]:
 def apply_plan(
     pipeline: PipelineConfig, swap: SwapConfig, p: Plan, *, world_size: int, num_layers: int
 ) -> Tuple[PipelineConfig, SwapConfig]:
-    """The ``pipeline`` and ``swap`` config sections with the plan's pipeline settings and its ``swap.stages``;
+    """The ``pipeline`` and ``swap`` config sections with the plan's pipeline settings and its ``swap.stages``
+    (under schedule=auto, pipeline.weight_versions=batch where the plan's schedule is not 2bw: newest is moot there);
     a plan that streams weights also sets ``swap.weights``, ``swap.weight_prefetch`` and ``swap.optimizer=host``
     (what streaming needs); one that keeps its optimizer state on the host without streaming, ``swap.optimizer=host``.
 
@@ -426,6 +427,15 @@ def apply_plan(
             f"the plan's balance {p.balance} covers {sum(p.balance)} layers but the model has {num_layers}; "
             f"plan again for this model"
         )
+    rule = getattr(pipeline, "weight_versions", "batch")  # a runtime without the key runs the batch rule
+    if pipeline.schedule == time_to_loss.AUTO and p.schedule != "2bw" and rule != "batch":
+        log.info(
+            "pipeline.weight_versions (%s) is moot under pipeline.schedule=%s (schedule=auto's choice): its forwards "
+            "run on the newest version (the rule is 2bw's); running it as batch",
+            rule,
+            p.schedule,
+        )
+        pipeline = dataclasses.replace(pipeline, weight_versions="batch")
     pipeline = dataclasses.replace(
         pipeline,
         schedule=p.schedule,

@@ -4,6 +4,7 @@ docs/convergence.md)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -144,3 +145,42 @@ def test_steps_factor_under_newest_is_the_measured_one_at_its_depth_and_else_the
     monkeypatch.setitem(time_to_loss.STEPS_FACTOR, ("muon", "predict", "newest", 2), 0.99)
     assert time_to_loss.steps_factor("2bw", predict, **newest, num_stages=2) == 0.99
     assert time_to_loss.steps_factor("2bw", predict, **newest, num_stages=3) == pytest.approx(210 / 123)
+
+
+# CPU4's machine and model on 2 ranks at d = 2: where 2bw's 1.03x under newest decides the choice
+CPU2 = [*CPU4, "topology.devices_per_node=2", "topology.cores=2", "partition.depths=[2]"]
+
+
+@pytest.mark.parametrize(
+    ("batch", "rule", "expected"), [(2, "newest", "2bw"), (2, "batch", "zb1p"), (64, "newest", "flush")]
+)
+def test_auto_under_newest_prices_2bw_at_its_depth_and_runs_what_it_chose(batch, rule, expected):
+    # m = 2 on 2 stages: 2bw's step is the fastest; at 1.03x steps (newest, d = 2) it wins, at 1.11x (the batch
+    # rule's default correction) zb1p does. m = 64: flush's bubble is small, it wins; newest is moot there and the
+    # planned run is the batch rule's (validated as such: flush with newest named is refused)
+    from partitioner.auto import apply_plan
+
+    cfg = compose([*CPU2, f"train.global_batch_size={batch}", f"pipeline.weight_versions={rule}"])
+    best = plan_config(cfg)[0]
+    assert best.schedule == expected == min(best.schedule_choice, key=best.schedule_choice.get)
+    factor = 930 / 900 if rule == "newest" else 1000 / 900
+    assert best.schedule_factors == pytest.approx({"2bw": factor, "flush": 1.0, "zb1p": 1.0, "zbv": 1.0})
+    assert best.predicted_steps_factor == pytest.approx(best.schedule_factors[expected])
+    why = dict(factors=best.schedule_factors, weight_versions=rule)
+    line = time_to_loss.describe(best.schedule_choice, cfg.optim, best.schedule, **why)
+    assert f"x {factor:.3g} steps ({'newest, ' if rule == 'newest' else ''}delay correction" in line, line
+    pipeline, swap = apply_plan(cfg.pipeline, cfg.swap, best, world_size=2, num_layers=sum(best.balance))
+    assert pipeline.weight_versions == (rule if expected == "2bw" else "batch")
+    validate(default_plan_choices(dataclasses.replace(cfg, pipeline=pipeline, swap=swap)), world_size=2)
+
+
+@pytest.mark.parametrize(("batch", "expected"), [(2, "2bw"), (64, "flush")])
+def test_the_run_line_under_newest_names_the_rule_only_for_2bw(batch, expected, capsys, tmp_path):
+    args = [*CPU2, f"train.global_batch_size={batch}", "pipeline.weight_versions=newest"]
+    assert main(["plan", "--out", str(tmp_path / "plan.yaml"), *args]) == 0
+    out = capsys.readouterr().out
+    assert "s x 1.03 steps (newest, delay correction none) = " in out, out
+    assert f"; {expected} (newest, delay correction none); " in out or expected != "2bw", out
+    run_line = out.strip().splitlines()[-1]
+    assert f"pipeline.schedule={expected}" in run_line, run_line
+    assert ("pipeline.weight_versions=newest" in run_line) == (expected == "2bw"), run_line
