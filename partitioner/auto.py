@@ -206,7 +206,7 @@ def make_request(
         host=HostFigures(step=cfg.swap.host_step, cores=(topo.cores or 0) if topo.device == "cpu" else 0),
         **tensor_request(cfg, planned_precision(cfg, topo), search=search_tensor),
     )
-    req = _documents_request(cfg, req)
+    req = _newest_request(cfg, _documents_request(cfg, req))
     return dataclasses.replace(req, host=host_figures(cfg)) if _streams(req, 1) else req
 
 
@@ -216,6 +216,27 @@ def _documents_request(cfg: Config, req: Request) -> Request:
     if cfg.data.packing != "documents":
         return req
     return dataclasses.replace(req, stream=False, tensor=None, tensor_widths=None)
+
+
+def _newest_request(cfg: Config, req: Request) -> Request:
+    """``req`` for 2bw under pipeline.weight_versions=newest: only the layouts newest runs (config/newest.py's
+    ``newest_refusal``): one replica a stage (d = the devices), no recomputation, swapping, streaming, sharding or
+    tensor split. Without it the planner would pick what the run then refuses (schedule=auto, which prices newest at
+    its depth, toward a shallower pipeline with replicas).
+
+    Raises:
+        ConfigError: partition.depths leaves out the depth of all the devices.
+    """
+    if req.schedule != "2bw" or cfg.pipeline.weight_versions != "newest":
+        return req
+    if req.depths and req.devices not in req.depths:
+        raise ConfigError(
+            f"pipeline.weight_versions=newest runs one replica a stage (pipeline.data_parallel 1), a depth of the "
+            f"{req.devices} devices, which partition.depths ({list(req.depths)}) leaves out; add {req.devices} to it, "
+            "or set pipeline.weight_versions=batch"
+        )
+    one = dict(depths=[req.devices], recompute=False, swap=False, stream=False, sharded=False)
+    return dataclasses.replace(req, **one, tensor=None, tensor_widths=None)
 
 
 def host_figures(cfg: Config) -> HostFigures:

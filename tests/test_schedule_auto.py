@@ -184,3 +184,24 @@ def test_the_run_line_under_newest_names_the_rule_only_for_2bw(batch, expected, 
     run_line = out.strip().splitlines()[-1]
     assert f"pipeline.schedule={expected}" in run_line, run_line
     assert ("pipeline.weight_versions=newest" in run_line) == (expected == "2bw"), run_line
+
+
+def test_newest_plans_2bw_only_as_it_runs_one_replica_a_stage(monkeypatch):
+    # newest refuses data_parallel > 1 (config/newest.py): priced at d = 2 (1.03x) against d = 4's fallback (1.71x),
+    # 2bw's best plan on 4 ranks would be 2 stages x 2 replicas, which the run refuses after planning
+    any_depth = [a for a in CPU4 if not a.startswith("partition.depths")]
+    monkeypatch.setattr(time_to_loss, "CANDIDATES", ("2bw",))
+    newest = compose([*any_depth, "train.global_batch_size=8", "pipeline.weight_versions=newest"])
+    assert {(p.num_stages, p.data_parallel, p.recompute, p.sharded) for p in plan_config(newest)} == {
+        (4, 1, False, False)
+    }
+    assert plan_config(dataclasses.replace(newest, pipeline=dataclasses.replace(newest.pipeline, schedule="2bw")))
+    pinned = compose(
+        [*any_depth, "partition.depths=[2]", "train.global_batch_size=8", "pipeline.weight_versions=newest"]
+    )
+    with pytest.raises(
+        ConfigError, match=r"^pipeline.weight_versions=newest runs one replica a stage .*partition.depths"
+    ):
+        plan_config(pinned)
+    monkeypatch.setattr(time_to_loss, "CANDIDATES", ("2bw", "flush"))
+    assert plan_config(pinned)[0].schedule == "flush"  # schedule=auto: 2bw skipped, as zbv where it is refused
