@@ -16,7 +16,7 @@ from typing import List, Optional, Tuple
 import torch
 
 from partitioner import time_to_loss
-from partitioner.planner import HostFigures, Plan, Request, _order, _streams, plan
+from partitioner.planner import HostFigures, Plan, Request, _order, _streams, divisors, plan
 from partitioner.profile import (
     analytic_gpt,
     profile_gpt,
@@ -40,6 +40,7 @@ from pipedream2bw.config import (
     model_num_layers,
     v_schedule_refusal,
 )
+from pipedream2bw.config.newest import early_forwards
 from pipedream2bw.config.optimizers import correction_in_effect, is_muon
 from pipedream2bw.errors import ConfigError
 from pipedream2bw.memory import precision as precisions
@@ -221,11 +222,13 @@ def _documents_request(cfg: Config, req: Request) -> Request:
 def _newest_request(cfg: Config, req: Request) -> Request:
     """``req`` for 2bw under pipeline.weight_versions=newest: only the layouts newest runs (config/newest.py's
     ``newest_refusal``): one replica a stage (d = the devices), no recomputation, swapping, streaming, sharding or
-    tensor split. Without it the planner would pick what the run then refuses (schedule=auto, which prices newest at
-    its depth, toward a shallower pipeline with replicas).
+    tensor split; under the prediction, the microbatch sizes that leave its m bound met. Without it the planner would
+    pick what the run then refuses (schedule=auto, which prices newest at its depth, toward a shallower pipeline with
+    replicas).
 
     Raises:
-        ConfigError: partition.depths leaves out the depth of all the devices.
+        ConfigError: partition.depths leaves out the depth of all the devices, or no microbatch size meets the
+            prediction's bound.
     """
     if req.schedule != "2bw" or cfg.pipeline.weight_versions != "newest":
         return req
@@ -236,7 +239,22 @@ def _newest_request(cfg: Config, req: Request) -> Request:
             "or set pipeline.weight_versions=batch"
         )
     one = dict(depths=[req.devices], recompute=False, swap=False, stream=False, sharded=False)
-    return dataclasses.replace(req, **one, tensor=None, tensor_widths=None)
+    req = dataclasses.replace(req, **one, tensor=None, tensor_widths=None)
+    if cfg.optim.delay_correction != "predict":
+        return req
+    # the prediction's bound (newest_refusal): m >= 2 x stage 0's early forwards, m = B / b on one replica a stage
+    B, d, lead = req.global_batch_size, req.devices, cfg.pipeline.forward_lead
+    sizes = [
+        b for b in req.microbatch_sizes or divisors(B) if B % b == 0 and 2 * early_forwards(d, B // b, lead) <= B // b
+    ]
+    if not sizes:
+        raise ConfigError(
+            f"pipeline.weight_versions=newest with optim.delay_correction=predict on {d} stages: no microbatch size "
+            f"of partition.microbatch_sizes ({req.microbatch_sizes or 'any'}) leaves num_microbatches >= 2 x stage "
+            f"0's early forwards at train.global_batch_size {B}; raise it, lower the sizes, or set "
+            "optim.delay_correction=none"
+        )
+    return dataclasses.replace(req, microbatch_sizes=sizes)
 
 
 def host_figures(cfg: Config) -> HostFigures:

@@ -205,3 +205,15 @@ def test_newest_plans_2bw_only_as_it_runs_one_replica_a_stage(monkeypatch):
         plan_config(pinned)
     monkeypatch.setattr(time_to_loss, "CANDIDATES", ("2bw", "flush"))
     assert plan_config(pinned)[0].schedule == "flush"  # schedule=auto: 2bw skipped, as zbv where it is refused
+
+
+def test_newest_with_the_prediction_plans_only_microbatch_sizes_that_meet_its_bound(monkeypatch):
+    # optim.delay_correction=predict under newest needs m >= 2 x stage 0's early forwards (d - 1 = 3 at d = 4: m >= 6,
+    # config/newest.py): at a batch of 8, b = 2 (m = 4) would be refused after planning, b = 1 (m = 8) runs
+    monkeypatch.setattr(time_to_loss, "CANDIDATES", ("2bw", "flush"))
+    predict = [*CPU4, "train.global_batch_size=8", "pipeline.weight_versions=newest", "optim.delay_correction=predict"]
+    plans = plan_config(compose([*predict, "partition.microbatch_sizes=[1,2]"]))
+    assert {p.microbatch_size for p in plans if p.schedule == "2bw"} == {1}
+    with pytest.raises(ConfigError, match=r"^pipeline.weight_versions=newest with optim.delay_correction=predict on 4"):
+        plan_config(compose([*predict, "partition.microbatch_sizes=[2]", "pipeline.schedule=2bw"]))
+    assert plan_config(compose([*predict, "partition.microbatch_sizes=[2]"]))[0].schedule == "flush"
