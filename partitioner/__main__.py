@@ -102,7 +102,8 @@ def main(argv=None) -> int:
     # 2bw: the delay correction its memory counts (optim.delay_correction, 'auto' resolved: config/corrections.py)
     correction = ""
     if best.schedule == "2bw":
-        correction = f" (delay correction {correction_in_effect(cfg.optim, best.schedule)})"
+        rule = "newest, " if cfg.pipeline.weight_versions == "newest" else ""
+        correction = f" ({rule}delay correction {correction_in_effect(cfg.optim, best.schedule)})"
     print(
         f"model: {model}; "
         f"topology {cfg.topology.name}: {best.devices} devices x {best.memory_per_device_bytes / 2**30:.3g} GiB; "
@@ -110,7 +111,8 @@ def main(argv=None) -> int:
         f"{best.costs} costs; planned in {elapsed:.2f} s"
     )
     if best.schedule_choice:
-        print(time_to_loss.describe(best.schedule_choice, cfg.optim, best.schedule))
+        why = dict(factors=best.schedule_factors, weight_versions=cfg.pipeline.weight_versions)
+        print(time_to_loss.describe(best.schedule_choice, cfg.optim, best.schedule, **why))
     print(table(plans))
     print(f"\nchosen plan (#0): {mesh_line(best)}; per stage (one rank's figures):\n{stage_table(best)}")
     if best.steps_on_host:
@@ -161,9 +163,12 @@ def _run_line(cfg, args, best, path) -> str:
     launch = f"torchrun --nproc-per-node {nproc}" if cfg.topology.nodes == 1 else f"torchrun ({nproc} ranks)"
     extra = run_overrides(cfg.optim, best)  # the optimizer a host step runs (auto.host_optimizer)
     extra += [f"pipeline.tensor_parallel={best.tensor_parallel}"] if best.tensor_parallel > 1 else []
+    moot = set()
     if cfg.pipeline.schedule == time_to_loss.AUTO:
         extra.append(f"pipeline.schedule={best.schedule}")
-    keys = {a.split("=", 1)[0] for a in extra}
+        if best.schedule != "2bw":  # 2bw's rule, moot under the others (auto.apply_plan), refused where named
+            moot.add("pipeline.weight_versions")
+    keys = {a.split("=", 1)[0] for a in extra} | moot
     run_overrides_ = [a for a in args if not a.lstrip("+~").startswith(("topology", "partition"))]
     run_overrides_ = [a for a in run_overrides_ if a.lstrip("+~").split("=", 1)[0] not in keys] + extra
     return f"{launch} -m pipedream2bw.train " + " ".join([*run_overrides_, "partition=file", f"partition.path={path}"])

@@ -16,7 +16,7 @@ from typing import List, Optional, Tuple
 import torch
 
 from partitioner import time_to_loss
-from partitioner.planner import HostFigures, Plan, Request, _order, _streams, plan
+from partitioner.planner import HostFigures, Plan, Request, _order, _streams, divisors, plan
 from partitioner.profile import (
     analytic_gpt,
     profile_gpt,
@@ -40,6 +40,7 @@ from pipedream2bw.config import (
     model_num_layers,
     v_schedule_refusal,
 )
+from pipedream2bw.config.newest import early_forwards
 from pipedream2bw.config.optimizers import correction_in_effect, is_muon
 from pipedream2bw.errors import ConfigError
 from pipedream2bw.memory import precision as precisions
@@ -206,7 +207,7 @@ def make_request(
         host=HostFigures(step=cfg.swap.host_step, cores=(topo.cores or 0) if topo.device == "cpu" else 0),
         **tensor_request(cfg, planned_precision(cfg, topo), search=search_tensor),
     )
-    req = _documents_request(cfg, req)
+    req = _newest_request(cfg, _documents_request(cfg, req))
     return dataclasses.replace(req, host=host_figures(cfg)) if _streams(req, 1) else req
 
 
@@ -216,6 +217,44 @@ def _documents_request(cfg: Config, req: Request) -> Request:
     if cfg.data.packing != "documents":
         return req
     return dataclasses.replace(req, stream=False, tensor=None, tensor_widths=None)
+
+
+def _newest_request(cfg: Config, req: Request) -> Request:
+    """``req`` for 2bw under pipeline.weight_versions=newest: only the layouts newest runs (config/newest.py's
+    ``newest_refusal``): one replica a stage (d = the devices), no recomputation, swapping, streaming, sharding or
+    tensor split; under the prediction, the microbatch sizes that leave its m bound met. Without it the planner would
+    pick what the run then refuses (schedule=auto, which prices newest at its depth, toward a shallower pipeline with
+    replicas).
+
+    Raises:
+        ConfigError: partition.depths leaves out the depth of all the devices, or no microbatch size meets the
+            prediction's bound.
+    """
+    if req.schedule != "2bw" or cfg.pipeline.weight_versions != "newest":
+        return req
+    if req.depths and req.devices not in req.depths:
+        raise ConfigError(
+            f"pipeline.weight_versions=newest runs one replica a stage (pipeline.data_parallel 1), a depth of the "
+            f"{req.devices} devices, which partition.depths ({list(req.depths)}) leaves out; add {req.devices} to it, "
+            "or set pipeline.weight_versions=batch"
+        )
+    one = dict(depths=[req.devices], recompute=False, swap=False, stream=False, sharded=False)
+    req = dataclasses.replace(req, **one, tensor=None, tensor_widths=None)
+    if cfg.optim.delay_correction != "predict":
+        return req
+    # the prediction's bound (newest_refusal): m >= 2 x stage 0's early forwards, m = B / b on one replica a stage
+    B, d, lead = req.global_batch_size, req.devices, cfg.pipeline.forward_lead
+    sizes = [
+        b for b in req.microbatch_sizes or divisors(B) if B % b == 0 and 2 * early_forwards(d, B // b, lead) <= B // b
+    ]
+    if not sizes:
+        raise ConfigError(
+            f"pipeline.weight_versions=newest with optim.delay_correction=predict on {d} stages: no microbatch size "
+            f"of partition.microbatch_sizes ({req.microbatch_sizes or 'any'}) leaves num_microbatches >= 2 x stage "
+            f"0's early forwards at train.global_batch_size {B}; raise it, lower the sizes, or set "
+            "optim.delay_correction=none"
+        )
+    return dataclasses.replace(req, microbatch_sizes=sizes)
 
 
 def host_figures(cfg: Config) -> HostFigures:
@@ -278,7 +317,7 @@ def _plan_schedules(cfg: Config, *, runners_up: int, **kwargs) -> List[Plan]:
     """schedule=auto: each of ``time_to_loss.CANDIDATES`` planned, the plans ranked by their time to a loss (batch
     time x steps factor) under the throughput objective (by peak memory, then that time, under memory); each plan
     records every candidate's best time (``schedule_choice``)."""
-    found, choice, error = [], {}, None
+    found, choice, factors, error = [], {}, {}, None
     for schedule in time_to_loss.CANDIDATES:
         one = dataclasses.replace(cfg, pipeline=dataclasses.replace(cfg.pipeline, schedule=schedule))
         try:
@@ -286,9 +325,10 @@ def _plan_schedules(cfg: Config, *, runners_up: int, **kwargs) -> List[Plan]:
         except ConfigError as e:
             error = error or e
             continue
-        factor = time_to_loss.steps_factor(schedule, cfg.optim)
-        plans = [dataclasses.replace(p, predicted_steps_factor=math.inf if factor is None else factor) for p in plans]
-        choice[schedule] = min(time_to_loss.time_per_step(p.predicted_batch_time_s, factor) for p in plans)
+        plans = [dataclasses.replace(p, predicted_steps_factor=_steps_factor(cfg, p)) for p in plans]
+        fastest = min(plans, key=lambda p: p.predicted_batch_time_s * p.predicted_steps_factor)
+        choice[schedule] = fastest.predicted_batch_time_s * fastest.predicted_steps_factor
+        factors[schedule] = fastest.predicted_steps_factor
         found += plans
     if not found:
         raise error
@@ -298,7 +338,16 @@ def _plan_schedules(cfg: Config, *, runners_up: int, **kwargs) -> List[Plan]:
         return (max(p.predicted_peak_memory_bytes), t) if cfg.partition.objective == "memory" else (t,)
 
     best = sorted(found, key=key)[: runners_up + 1]
-    return [dataclasses.replace(p, schedule_choice=dict(choice)) for p in best]
+    return [dataclasses.replace(p, schedule_choice=dict(choice), schedule_factors=dict(factors)) for p in best]
+
+
+def _steps_factor(cfg: Config, p: Plan) -> float:
+    """Plan ``p``'s steps factor under ``cfg`` (``time_to_loss.steps_factor``; under pipeline.weight_versions=newest,
+    2bw's rule at the plan's depth); infinite where its schedule is not known to reach the loss."""
+    factor = time_to_loss.steps_factor(
+        p.schedule, cfg.optim, weight_versions=cfg.pipeline.weight_versions, num_stages=p.num_stages
+    )
+    return math.inf if factor is None else factor
 
 
 def _cost_fns(cfg: Config, req: Request, *, layers, loss_fn):
@@ -380,7 +429,8 @@ def run_overrides(optim: OptimConfig, p: Plan) -> List[str]:
 def apply_plan(
     pipeline: PipelineConfig, swap: SwapConfig, p: Plan, *, world_size: int, num_layers: int
 ) -> Tuple[PipelineConfig, SwapConfig]:
-    """The ``pipeline`` and ``swap`` config sections with the plan's pipeline settings and its ``swap.stages``;
+    """The ``pipeline`` and ``swap`` config sections with the plan's pipeline settings and its ``swap.stages``
+    (under schedule=auto, pipeline.weight_versions=batch where the plan's schedule is not 2bw: newest is moot there);
     a plan that streams weights also sets ``swap.weights``, ``swap.weight_prefetch`` and ``swap.optimizer=host``
     (what streaming needs); one that keeps its optimizer state on the host without streaming, ``swap.optimizer=host``.
 
@@ -416,6 +466,15 @@ def apply_plan(
             f"the plan's balance {p.balance} covers {sum(p.balance)} layers but the model has {num_layers}; "
             f"plan again for this model"
         )
+    rule = getattr(pipeline, "weight_versions", "batch")  # a runtime without the key runs the batch rule
+    if pipeline.schedule == time_to_loss.AUTO and p.schedule != "2bw" and rule != "batch":
+        log.info(
+            "pipeline.weight_versions (%s) is moot under pipeline.schedule=%s (schedule=auto's choice): its forwards "
+            "run on the newest version (the rule is 2bw's); running it as batch",
+            rule,
+            p.schedule,
+        )
+        pipeline = dataclasses.replace(pipeline, weight_versions="batch")
     pipeline = dataclasses.replace(
         pipeline,
         schedule=p.schedule,

@@ -65,6 +65,8 @@ class Plan:
     predicted_steps_factor: float = 1.0  # steps to a loss over a synchronous schedule's (time_to_loss.steps_factor)
     schedule_choice: Dict[str, float] = field(default_factory=dict)  # schedule=auto: each candidate's best plan's
     # batch time x steps factor (seconds a synchronous step's worth of progress; .inf: not known to reach the loss)
+    schedule_factors: Dict[str, float] = field(default_factory=dict)  # schedule=auto: each candidate's best plan's
+    # steps factor (under pipeline.weight_versions=newest 2bw's depends on its plan's depth; .inf: not known)
 
     @property
     def steps_on_host(self) -> bool:

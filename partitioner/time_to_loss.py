@@ -5,14 +5,17 @@ measured, not modelled: a synchronous schedule (flush, zb1p, zbv, gpipe) steps o
 2bw's one step of delay costs extra steps that depend on the optimizer and its correction (docs/convergence.md: the
 steps each setting took to flush's own final validation loss with the same optimizer, 3 seeds, where measured; else
 to flush-AdamW's).
-``STEPS_FACTOR`` holds those ratios; a setting not measured takes its optimizer's uncorrected figure, and an
-optimizer with no measured figure under 2bw is not trusted to reach the loss (2bw is not chosen for it).
+``STEPS_FACTOR`` holds those ratios, under pipeline.weight_versions=newest per depth too (its forwards' staleness
+depends on d: only d = 2 is measured). A setting not measured (any other correction, rule, depth or optimizer) takes
+its optimizer's uncorrected figure under the batch rule, and an optimizer with no measured figure under 2bw is not
+trusted to reach the loss (2bw is not chosen for it). The weight-version rule is 2bw's only: a synchronous schedule's
+forwards run on the newest version whatever it says.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Dict, Optional, Tuple
+from typing import Dict, Optional, Tuple, Union
 
 from pipedream2bw.config import OptimConfig
 from pipedream2bw.config.optimizers import correction_in_effect, is_muon
@@ -23,7 +26,11 @@ CANDIDATES: Tuple[str, ...] = ("2bw", "flush", "zb1p", "zbv")
 (2d chunks, two a rank: partitioner/vplan.py) is tried where the run could run it (``config.v_schedule_refusal``: on
 gloo, none of what it is not proven with) and skipped elsewhere."""
 
-STEPS_FACTOR: Dict[Tuple[str, str], float] = {
+NEWEST_PREDICT_D2: Optional[float] = None
+"""2bw under pipeline.weight_versions=newest with optim.delay_correction=predict, Muon, d = 2: filled from the
+measurement in docs/convergence.md. None: not measured, so the fallback applies (``steps_factor``)."""
+
+STEPS_FACTOR: Dict[Tuple[Union[str, int], ...], Optional[float]] = {
     # docs/convergence.md, "Time to a loss" (GPT 4 x 64, m=4, b=8, lr 3e-3, 3 seeds), steps to 2.233: flush with
     # Muon 123 (90 / 160 / 120); 2bw with plain Muon 210 (1.71x)
     ("muon", "none"): 210 / 123,
@@ -34,36 +41,52 @@ STEPS_FACTOR: Dict[Tuple[str, str], float] = {
     # 460 / 370 and 430 / 370; the delay costs most early.)
     ("muon", "error_feedback"): 1020 / 900,
     ("muon", "predict_error_feedback"): 1000 / 900,
+    # docs/convergence.md, "The newest version at each forward" (4 x 64, seeds 0-2, 400-step runs, flush at one
+    # stage), steps to flush's own final loss (300 / 300 / 300): 2bw under newest, no correction, d = 2: 310 / 310 / 310
+    ("muon", "none", "newest", 2): 930 / 900,
+    ("muon", "predict", "newest", 2): NEWEST_PREDICT_D2,
 }
-"""2bw's steps over a synchronous schedule's with the same optimizer, per (optimizer, delay correction).
-AdamW under 2bw did not reach flush's loss within the 300 steps measured (with or without a correction): absent."""
+"""2bw's steps over a synchronous schedule's with the same optimizer, per (optimizer, delay correction) under the
+batch rule and per (optimizer, delay correction, 'newest', num_stages) under pipeline.weight_versions=newest; None:
+not measured. AdamW under 2bw did not reach flush's loss within the 300 steps measured (with or without a
+correction): absent."""
 
 
-def steps_factor(schedule: str, optim: OptimConfig) -> Optional[float]:
-    """Steps ``schedule`` takes to a loss over a synchronous schedule's, under ``optim``; None where 2bw is not
-    known to reach it at all."""
+def steps_factor(
+    schedule: str, optim: OptimConfig, *, weight_versions: str = "batch", num_stages: int = 0
+) -> Optional[float]:
+    """Steps ``schedule`` takes to a loss over a synchronous schedule's, under ``optim`` and, for 2bw, the
+    pipeline.weight_versions rule ``weight_versions`` at ``num_stages`` stages (newest's figures are per depth); an
+    unmeasured setting takes its optimizer's uncorrected batch-rule figure. None where 2bw is not known to reach the
+    loss at all."""
     if schedule != "2bw":
         return 1.0
     kind = "muon" if is_muon(optim) else (optim.name or "").lower()
     correction = correction_in_effect(optim, schedule)
-    return STEPS_FACTOR.get((kind, correction), STEPS_FACTOR.get((kind, "none")))
+    key = (kind, correction, "newest", num_stages) if weight_versions == "newest" else (kind, correction)
+    measured = STEPS_FACTOR.get(key)
+    return measured if measured is not None else STEPS_FACTOR.get((kind, "none"))
 
 
-def time_per_step(batch_time_s: float, factor: Optional[float]) -> float:
-    """A plan's predicted seconds per synchronous step's worth of progress: its batch time x its steps factor
-    (infinite where the schedule is not known to reach the loss)."""
-    return math.inf if factor is None else batch_time_s * factor
-
-
-def describe(choice: Dict[str, float], optim: OptimConfig, chosen: str) -> str:
-    """One line: each candidate's best predicted batch time x its steps factor (2bw's naming the delay correction it
-    is for, optim.delay_correction resolved), and the choice."""
+def describe(
+    choice: Dict[str, float],
+    optim: OptimConfig,
+    chosen: str,
+    *,
+    factors: Optional[Dict[str, float]] = None,
+    weight_versions: str = "batch",
+) -> str:
+    """One line: each candidate's best predicted batch time x its steps factor (``factors``: a plan's
+    ``schedule_factors``, each candidate's best plan's; where absent, ``steps_factor``'s at no depth), 2bw's naming
+    the rule ``weight_versions`` under newest and the delay correction it is for (optim.delay_correction resolved),
+    and the choice."""
     parts = []
     for schedule, t in choice.items():
-        f = steps_factor(schedule, optim)
-        if f is None or not math.isfinite(t):
+        f = (factors or {}).get(schedule, steps_factor(schedule, optim, weight_versions=weight_versions))
+        if f is None or not math.isfinite(f) or not math.isfinite(t):
             parts.append(f"{schedule}: not measured to reach a synchronous schedule's loss under this optimizer")
         else:
-            which = f" (delay correction {correction_in_effect(optim, schedule)})" if schedule == "2bw" else ""
+            rule = "newest, " if weight_versions == "newest" else ""
+            which = f" ({rule}delay correction {correction_in_effect(optim, schedule)})" if schedule == "2bw" else ""
             parts.append(f"{schedule} {t / f:.4g} s x {f:.3g} steps{which} = {t:.4g} s")
     return f"schedule=auto, time to a loss per synchronous step: {'; '.join(parts)}; chosen: {chosen}"

@@ -27,9 +27,9 @@ def newest_config(*, num_stages: int, num_microbatches: int = 4, forward_lead: i
 
 
 def _run_in_one_process(cfg, balance, kind=NewestVersions):
-    """Every stage's ``kind`` (``NewestVersions``, ``PredictedNewestVersions``) driven through the 2bw schedule's actions in one process, in the order of
-    ``schedule.simulate``'s ticks (activations and gradients handed over in memory): (each stage's newest weights,
-    the batch losses)."""
+    """Every stage's ``kind`` (``NewestVersions``, ``PredictedNewestVersions``) driven through the 2bw schedule's
+    actions in one process, in the order of ``schedule.simulate``'s ticks (activations and gradients handed over in
+    memory): (each stage's newest weights, the batch losses)."""
     d, m, num_steps = len(balance), cfg.pipeline.num_microbatches, cfg.train.num_steps
     torch.manual_seed(cfg.seed)
     source = model_source(cfg.model, seed=cfg.seed)
@@ -170,6 +170,7 @@ def test_newest_equals_its_rule_at_three_stages_with_a_forward_lead(tmp_path):
     "overrides, key",
     [
         (["pipeline.schedule=flush"], "pipeline.schedule (flush)"),
+        (["pipeline.schedule=zb1p"], "pipeline.schedule (zb1p)"),
         (["pipeline.data_parallel=2"], "pipeline.data_parallel (2)"),
         (["optim.delay_correction=error_feedback"], "optim.delay_correction (error_feedback)"),
         (["optim.clip_grad_norm=1.0"], "optim.clip_grad_norm"),
@@ -216,7 +217,11 @@ def test_the_predictions_refusal_is_the_schedules():
 
 
 @pytest.mark.parametrize(
-    "overrides", [["pipeline.num_microbatches=3", "pipeline.num_stages=3"], ["pipeline.num_microbatches=3", "pipeline.forward_lead=1"]]
+    "overrides",
+    [
+        ["pipeline.num_microbatches=3", "pipeline.num_stages=3"],
+        ["pipeline.num_microbatches=3", "pipeline.forward_lead=1"],
+    ],
 )
 def test_the_prediction_refuses_too_few_microbatches_in_one_line(overrides):
     cfg = make(
@@ -228,7 +233,8 @@ def test_the_prediction_refuses_too_few_microbatches_in_one_line(overrides):
     )
     with pytest.raises(
         ConfigError,
-        match=r"^pipeline.weight_versions=newest with optim.delay_correction=predict at pipeline.num_microbatches \(\d\): stage 0 runs \d forwards",
+        match=r"^pipeline.weight_versions=newest with optim.delay_correction=predict at pipeline.num_microbatches "
+        r"\(\d\): stage 0 runs \d forwards",
     ) as e:
         validate(cfg, world_size=cfg.pipeline.num_stages)
     assert "\n" not in str(e.value)
@@ -334,3 +340,68 @@ def test_newest_refuses_a_layer_lists_tie_across_stages_before_any_group_starts(
     tied = RunModel.of(cfg, masked_layers(width=8, tie=True), None)
     with pytest.raises(ConfigError, match=r"^pipeline.weight_versions=newest with weights tied across stages \(\[\["):
         _check(cfg, tied, world_size=2, local_world_size=2)
+
+
+def test_under_schedule_auto_newest_is_the_2bw_candidates_rule():
+    """pipeline.schedule=auto may choose 2bw: newest is its rule there (moot under the others, partitioner/auto.py);
+    what newest refuses whatever the schedule is still refused, naming the key."""
+    from pipedream2bw.config.newest import newest_refusal
+
+    assert newest_refusal(make("pipeline.weight_versions=newest", "pipeline.schedule=auto")) is None
+    refused = newest_refusal(
+        make("pipeline.weight_versions=newest", "pipeline.schedule=auto", "optim.clip_grad_norm=1")
+    )
+    assert refused.startswith("pipeline.weight_versions=newest with optim.clip_grad_norm")
+
+
+def _planned(cfg, schedule: str, balance):
+    """``cfg`` (pipeline.schedule=auto) with a plan of ``schedule`` applied, as run/start.py applies it."""
+    from partitioner.auto import apply_plan
+    from partitioner.planner import Plan
+
+    d = len(balance)
+    plan = Plan(
+        schedule=schedule,
+        num_stages=d,
+        data_parallel=1,
+        microbatch_size=cfg.pipeline.microbatch_size,
+        num_microbatches=cfg.pipeline.num_microbatches,
+        global_batch_size=cfg.pipeline.microbatch_size * cfg.pipeline.num_microbatches,
+        balance=list(balance),
+        rank_map=[[s] for s in range(d)],
+        recompute=False,
+        swap_stages=[],
+        objective="throughput",
+        topology="cpu",
+        devices=d,
+        memory_per_device_bytes=2**30,
+        costs="profile",
+        predicted_batch_time_s=1.0,
+        predicted_samples_per_s=1.0,
+        predicted_stage_time_s=[0.1] * d,
+        predicted_peak_memory_bytes=[1] * d,
+    )
+    pipeline, swap = apply_plan(cfg.pipeline, cfg.swap, plan, world_size=d, num_layers=sum(balance))
+    return dataclasses.replace(cfg, pipeline=pipeline, swap=swap)
+
+
+def test_under_schedule_auto_a_tie_across_stages_is_refused_once_the_plan_picks_2bw():
+    """As pipeline.check_ties under schedule=auto: a layer list's tie across stages is refused under newest only where
+    the plan picks 2bw (after planning, before any group); a plan of flush runs it (newest moot there, the batch rule
+    recorded)."""
+    from custom_models import masked_layers
+
+    from pipedream2bw.config import LayerListConfig
+    from pipedream2bw.run.model import RunModel, training_settings
+    from pipedream2bw.run.start import _check
+
+    cfg = newest_config(num_stages=2, num_microbatches=2)
+    cfg.pipeline.schedule = "auto"
+    cfg.model = LayerListConfig(target="custom_models.masked_layers", kwargs={"width": 8}, seq_len=8)
+    tied = RunModel.of(cfg, masked_layers(width=8, tie=True), None)
+    with pytest.raises(ConfigError, match=r"^pipeline.weight_versions=newest with weights tied across stages \(\[\["):
+        _check(_planned(cfg, "2bw", [3, 2]), tied, world_size=2, local_world_size=2)
+    flush = _planned(cfg, "flush", [3, 2])
+    assert _check(flush, tied, world_size=2, local_world_size=2) == [3, 2]
+    assert flush.pipeline.weight_versions == "batch" and "pipeline.weight_versions" not in training_settings(flush)
+    assert training_settings(_planned(cfg, "2bw", [3, 2]))["pipeline.weight_versions"].startswith("newest (")

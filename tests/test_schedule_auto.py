@@ -4,6 +4,7 @@ docs/convergence.md)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -122,3 +123,97 @@ def test_auto_without_the_planner_is_refused_in_one_line():
     cfg = default_plan_choices(compose(["pipeline.schedule=auto"]))
     with pytest.raises(ConfigError, match=r"pipeline.schedule \(auto\) is the planner's choice.*use partition=auto"):
         validate(cfg, world_size=4)
+
+
+def test_steps_factor_under_newest_is_the_measured_one_at_its_depth_and_else_the_fallback(monkeypatch):
+    # pipeline.weight_versions=newest: the staleness of 2bw's early forwards depends on the depth; only d = 2 is
+    # measured (docs/convergence.md: 310 / 310 / 310 steps against flush's 300); any other depth, any other
+    # correction not measured, falls back to the optimizer's uncorrected batch-rule figure, as any unmeasured setting
+    muon, predict = (
+        OptimConfig(name="muon", delay_correction="none"),
+        OptimConfig(name="muon", delay_correction="predict"),
+    )
+    newest = dict(weight_versions="newest")
+    assert time_to_loss.steps_factor("2bw", muon, **newest, num_stages=2) == pytest.approx(930 / 900)
+    assert time_to_loss.steps_factor("2bw", muon, **newest, num_stages=4) == pytest.approx(210 / 123)
+    assert time_to_loss.steps_factor("2bw", muon, num_stages=2) == pytest.approx(210 / 123)  # the batch rule's
+    assert time_to_loss.steps_factor("flush", muon, **newest, num_stages=2) == 1.0  # moot off 2bw
+    assert time_to_loss.steps_factor("2bw", OptimConfig(name="adamw"), **newest, num_stages=2) is None
+    assert time_to_loss.NEWEST_PREDICT_D2 is None or time_to_loss.NEWEST_PREDICT_D2 > 0  # None until measured
+    monkeypatch.setitem(time_to_loss.STEPS_FACTOR, ("muon", "predict", "newest", 2), None)
+    assert time_to_loss.steps_factor("2bw", predict, **newest, num_stages=2) == pytest.approx(210 / 123)
+    monkeypatch.setitem(time_to_loss.STEPS_FACTOR, ("muon", "predict", "newest", 2), 0.99)
+    assert time_to_loss.steps_factor("2bw", predict, **newest, num_stages=2) == 0.99
+    assert time_to_loss.steps_factor("2bw", predict, **newest, num_stages=3) == pytest.approx(210 / 123)
+
+
+# CPU4's machine and model on 2 ranks at d = 2: where 2bw's 1.03x under newest decides the choice
+CPU2 = [*CPU4, "topology.devices_per_node=2", "topology.cores=2", "partition.depths=[2]"]
+
+
+@pytest.mark.parametrize(
+    ("batch", "rule", "expected"), [(2, "newest", "2bw"), (2, "batch", "zb1p"), (64, "newest", "flush")]
+)
+def test_auto_under_newest_prices_2bw_at_its_depth_and_runs_what_it_chose(batch, rule, expected):
+    # m = 2 on 2 stages: 2bw's step is the fastest; at 1.03x steps (newest, d = 2) it wins, at 1.11x (the batch
+    # rule's default correction) zb1p does. m = 64: flush's bubble is small, it wins; newest is moot there and the
+    # planned run is the batch rule's (validated as such: flush with newest named is refused)
+    from partitioner.auto import apply_plan
+
+    cfg = compose([*CPU2, f"train.global_batch_size={batch}", f"pipeline.weight_versions={rule}"])
+    best = plan_config(cfg)[0]
+    assert best.schedule == expected == min(best.schedule_choice, key=best.schedule_choice.get)
+    factor = 930 / 900 if rule == "newest" else 1000 / 900
+    assert best.schedule_factors == pytest.approx({"2bw": factor, "flush": 1.0, "zb1p": 1.0, "zbv": 1.0})
+    assert best.predicted_steps_factor == pytest.approx(best.schedule_factors[expected])
+    why = dict(factors=best.schedule_factors, weight_versions=rule)
+    line = time_to_loss.describe(best.schedule_choice, cfg.optim, best.schedule, **why)
+    assert f"x {factor:.3g} steps ({'newest, ' if rule == 'newest' else ''}delay correction" in line, line
+    pipeline, swap = apply_plan(cfg.pipeline, cfg.swap, best, world_size=2, num_layers=sum(best.balance))
+    assert pipeline.weight_versions == (rule if expected == "2bw" else "batch")
+    validate(default_plan_choices(dataclasses.replace(cfg, pipeline=pipeline, swap=swap)), world_size=2)
+
+
+@pytest.mark.parametrize(("batch", "expected"), [(2, "2bw"), (64, "flush")])
+def test_the_run_line_under_newest_names_the_rule_only_for_2bw(batch, expected, capsys, tmp_path):
+    args = [*CPU2, f"train.global_batch_size={batch}", "pipeline.weight_versions=newest"]
+    assert main(["plan", "--out", str(tmp_path / "plan.yaml"), *args]) == 0
+    out = capsys.readouterr().out
+    assert "s x 1.03 steps (newest, delay correction none) = " in out, out
+    assert f"; {expected} (newest, delay correction none); " in out or expected != "2bw", out
+    run_line = out.strip().splitlines()[-1]
+    assert f"pipeline.schedule={expected}" in run_line, run_line
+    assert ("pipeline.weight_versions=newest" in run_line) == (expected == "2bw"), run_line
+
+
+def test_newest_plans_2bw_only_as_it_runs_one_replica_a_stage(monkeypatch):
+    # newest refuses data_parallel > 1 (config/newest.py): priced at d = 2 (1.03x) against d = 4's fallback (1.71x),
+    # 2bw's best plan on 4 ranks would be 2 stages x 2 replicas, which the run refuses after planning
+    any_depth = [a for a in CPU4 if not a.startswith("partition.depths")]
+    monkeypatch.setattr(time_to_loss, "CANDIDATES", ("2bw",))
+    newest = compose([*any_depth, "train.global_batch_size=8", "pipeline.weight_versions=newest"])
+    assert {(p.num_stages, p.data_parallel, p.recompute, p.sharded) for p in plan_config(newest)} == {
+        (4, 1, False, False)
+    }
+    assert plan_config(dataclasses.replace(newest, pipeline=dataclasses.replace(newest.pipeline, schedule="2bw")))
+    pinned = compose(
+        [*any_depth, "partition.depths=[2]", "train.global_batch_size=8", "pipeline.weight_versions=newest"]
+    )
+    with pytest.raises(
+        ConfigError, match=r"^pipeline.weight_versions=newest runs one replica a stage .*partition.depths"
+    ):
+        plan_config(pinned)
+    monkeypatch.setattr(time_to_loss, "CANDIDATES", ("2bw", "flush"))
+    assert plan_config(pinned)[0].schedule == "flush"  # schedule=auto: 2bw skipped, as zbv where it is refused
+
+
+def test_newest_with_the_prediction_plans_only_microbatch_sizes_that_meet_its_bound(monkeypatch):
+    # optim.delay_correction=predict under newest needs m >= 2 x stage 0's early forwards (d - 1 = 3 at d = 4: m >= 6,
+    # config/newest.py): at a batch of 8, b = 2 (m = 4) would be refused after planning, b = 1 (m = 8) runs
+    monkeypatch.setattr(time_to_loss, "CANDIDATES", ("2bw", "flush"))
+    predict = [*CPU4, "train.global_batch_size=8", "pipeline.weight_versions=newest", "optim.delay_correction=predict"]
+    plans = plan_config(compose([*predict, "partition.microbatch_sizes=[1,2]"]))
+    assert {p.microbatch_size for p in plans if p.schedule == "2bw"} == {1}
+    with pytest.raises(ConfigError, match=r"^pipeline.weight_versions=newest with optim.delay_correction=predict on 4"):
+        plan_config(compose([*predict, "partition.microbatch_sizes=[2]", "pipeline.schedule=2bw"]))
+    assert plan_config(compose([*predict, "partition.microbatch_sizes=[2]"]))[0].schedule == "flush"

@@ -24,7 +24,8 @@ def early_forwards(num_stages: int, num_microbatches: int, forward_lead: int) ->
 
 def newest_refusal(cfg: Any) -> Optional[str]:
     """Why ``cfg`` (a ``Config``) cannot run pipeline.weight_versions=newest, as one line naming the key, why and
-    what to set, or None (also None under weight_versions=batch)."""
+    what to set, or None (also None under weight_versions=batch). Under pipeline.schedule=auto it is its 2bw
+    candidate's rule: the rest is refused whatever the schedule, and again once a plan has set the run's layout."""
     p, o, t, mdl = cfg.pipeline, cfg.optim, cfg.train, cfg.model
     if p.weight_versions not in WEIGHT_VERSIONS:
         return f"pipeline.weight_versions ({p.weight_versions!r}) is unknown; use one of {list(WEIGHT_VERSIONS)}"
@@ -32,7 +33,12 @@ def newest_refusal(cfg: Any) -> Optional[str]:
         return None
     deferred = "its step would wait for an agreement, so the newest version is not the one proven"
     refused = [
-        (p.schedule != "2bw", f"pipeline.schedule ({p.schedule}): newest is a 2bw rule", "pipeline.schedule=2bw"),
+        # schedule=auto: a rule of its 2bw candidate (moot under the others, partitioner/auto.py's apply_plan)
+        (
+            p.schedule not in ("2bw", "auto"),
+            f"pipeline.schedule ({p.schedule}): newest is a 2bw rule",
+            "pipeline.schedule=2bw",
+        ),
         (p.data_parallel > 1, f"pipeline.data_parallel ({p.data_parallel}): not proven", "it 1"),
         (p.tensor_parallel > 1, f"pipeline.tensor_parallel ({p.tensor_parallel}): not proven", "it 1"),
         (p.sync_warmup_steps > 0, "pipeline.sync_warmup_steps: the versions keep one rule", "it 0"),

@@ -90,7 +90,8 @@ class PipelineConfig:
     microbatch of batch t on W(t-1), docs/design.md section 2); 'newest' (the newest version its stage holds at that
     forward: on stage s of d, microbatch j of batch t >= 1 on W(t) if j >= d - s - 1 + the stage's forward lead, else
     W(t-1); the same two buffers, schedule and steps; docs/concepts.md). newest refuses what it is not proven with
-    (config/newest.py names each key); optim.delay_correction=auto resolves to none under it."""
+    (config/newest.py names each key); optim.delay_correction=auto resolves to none under it. Under schedule=auto it
+    is the 2bw candidate's rule, priced at its plan's depth, and moot (run as batch) where the plan picks another."""
     forward_lead: int = 0
     """Under 2bw and flush: the stages before the last run this many forwards ahead of 1F1B's d - s in flight (at
     most m - (d - s)), so a backward's gradient has a forward's time to arrive from the next stage instead of none;

@@ -218,7 +218,8 @@ def resolve_partition(
         plan.predicted_samples_per_s,
     )
     if plan.schedule_choice:
-        log.info("%s", time_to_loss.describe(plan.schedule_choice, cfg.optim, plan.schedule))
+        why = dict(factors=plan.schedule_factors, weight_versions=cfg.pipeline.weight_versions)
+        log.info("%s", time_to_loss.describe(plan.schedule_choice, cfg.optim, plan.schedule, **why))
     precision = precisions.resolve(cfg.train.precision, "cuda" if torch.cuda.is_available() else "cpu")
     optim, train = apply_choices(cfg.optim, cfg.train, plan, precision=precision)
     gpt = model.layers is None and isinstance(cfg.model, GPTConfig)
