@@ -195,14 +195,7 @@ def build_versions(
             threads=threads,
         )
     else:
-        newest = _newest(rt)
-        kind = (
-            WeightVersions
-            if not newest
-            else PredictedNewestVersions
-            if optim.delay_correction == "predict"
-            else NewestVersions
-        )
+        kind, newest = _newest(rt, optim)
         versions = kind(
             module,
             schedule=rt.schedule,
@@ -214,13 +207,15 @@ def build_versions(
     return versions, buckets, num_dp_buckets
 
 
-def _newest(rt: RankPlan) -> Dict[str, int]:
-    """pipeline.weight_versions=newest: ``NewestVersions``' arguments (the forwards of a batch that run before the
-    stage's previous step, d - s - 1 + its lead); else none."""
+def _newest(rt: RankPlan, optim: OptimConfig) -> Tuple[type, Dict[str, int]]:
+    """The versions' class and its arguments beyond the plain ones: under pipeline.weight_versions=newest
+    ``NewestVersions`` (``PredictedNewestVersions`` with optim.delay_correction=predict) and the forwards of a batch
+    that run before the stage's previous step, d - s - 1 + its lead; else ``WeightVersions`` and none."""
     if rt.weight_versions != "newest":
-        return {}
+        return WeightVersions, {}
     ahead = schedule.lead(rt.stage, rt.num_stages, rt.num_microbatches, rt.forward_lead)
-    return {"early_forwards": rt.num_stages - rt.stage - 1 + ahead}
+    kind = PredictedNewestVersions if optim.delay_correction == "predict" else NewestVersions
+    return kind, {"early_forwards": rt.num_stages - rt.stage - 1 + ahead}
 
 
 def replica_index(rt: RankPlan) -> int:
