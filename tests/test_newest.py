@@ -249,10 +249,19 @@ def test_the_prediction_refuses_too_few_microbatches_in_one_line(overrides):
     )
 
 
-def test_newest_resolves_auto_to_no_correction_and_runs_at_the_defaults():
+def test_newest_resolves_muons_auto_to_its_prediction_where_m_allows_and_runs_at_the_defaults():
+    """Under newest Muon's optim.delay_correction=auto is newest's own prediction where the microbatches leave its
+    buffer free (2 x stage 0's early forwards <= m), else none; AdamW's none; the batch rule keeps its default."""
     cfg = make("pipeline.weight_versions=newest", "pipeline.num_stages=2")
-    assert cfg.optim.delay_correction == "none"  # Muon's auto would be predict_error_feedback
+    assert cfg.optim.delay_correction == "predict"
     validate(cfg, world_size=2)
+    few = make("pipeline.weight_versions=newest", "pipeline.num_stages=4", "pipeline.num_microbatches=4")
+    assert few.optim.delay_correction == "none"
+    validate(few, world_size=4)
+    assert (
+        make("pipeline.weight_versions=newest", "pipeline.num_stages=2", "optim.name=adamw").optim.delay_correction
+        == "none"
+    )
     assert make("pipeline.num_stages=2").optim.delay_correction == "predict_error_feedback"
 
 

@@ -8,6 +8,8 @@ import dataclasses
 import logging
 from typing import Any, Optional
 
+from pipedream2bw.config.newest import early_forwards
+
 log = logging.getLogger(__name__)
 
 AUTO = "auto"
@@ -68,7 +70,8 @@ def prediction_refusal(cfg: Any) -> Optional[str]:
 def resolve_auto(cfg: Any) -> Any:
     """``cfg.optim`` with optim.delay_correction=auto resolved from the whole config ``cfg``: Muon's
     ``AUTO_MUON`` unless ``prediction_refusal`` names a key (then ``AUTO_MUON_FALLBACK``, logged with that key),
-    'none' for every other optimizer and under pipeline.weight_versions=newest; a null optim.error_feedback_beta by
+    'none' for every other optimizer; under pipeline.weight_versions=newest, Muon's 'predict' (newest's own prediction)
+    where its microbatch bound holds (config/newest.py), else 'none'; a null optim.error_feedback_beta by
     the correction resolved (``default_beta``);
     ``auto_correction`` set. A correction 'auto' resolved before (``auto_correction``) is resolved again, so that a
     config made again with other keys (a plan's pipeline.data_parallel under optim.sharded) never holds what 'auto'
@@ -82,7 +85,11 @@ def resolve_auto(cfg: Any) -> Any:
     else:
         return optim
     correction = "none"
-    if is_muon(optim) and cfg.pipeline.weight_versions != "newest":  # newest: no correction proven with it
+    if is_muon(optim) and cfg.pipeline.weight_versions == "newest":  # newest: its own prediction, where m allows it
+        p = cfg.pipeline
+        if 2 * early_forwards(p.num_stages, p.num_microbatches, p.forward_lead) <= p.num_microbatches:
+            correction = "predict"
+    elif is_muon(optim):
         correction = AUTO_MUON
         why = prediction_refusal(cfg)
         if why is not None:

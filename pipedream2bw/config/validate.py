@@ -720,8 +720,10 @@ def _validate_rotation(cfg: Config) -> None:
 
 def _validate_prediction(cfg: Config) -> None:
     """optim.delay_correction=predict|predict_error_feedback: the prediction lives in the plain weight versions
-    (pipeline/versions.py); what refuses it is ``corrections.prediction_refusal`` ('auto' falls back by it)."""
-    if cfg.optim.delay_correction not in PREDICTING:
+    (pipeline/versions.py); what refuses it is ``corrections.prediction_refusal`` ('auto' falls back by it). Under
+    pipeline.weight_versions=newest, predict is newest's own (its early forwards', ``PredictedNewestVersions``), which
+    config/newest.py refuses where it does not run."""
+    if cfg.optim.delay_correction not in PREDICTING or cfg.pipeline.weight_versions == "newest":
         return
     why = prediction_refusal(cfg)
     if why is not None:
