@@ -380,12 +380,16 @@ class StageWorker:
         for reduction in self._reductions.values():  # sharded: reduce-scatter inputs done with, freed here
             if isinstance(reduction, ShardedReduction):
                 reduction.release_done()
-        if self.reducer is not None and (k + 1) % self.m == 0 and not self.split:  # zb1p: before the last W
+        if (k + 1) % self.m == 0 and not self.split:  # zb1p: before the last W
             self._arm_reducer(k)
 
     def _arm_reducer(self, k: int) -> None:
-        """Arms the reducer for microbatch k, the batch's last: its weight gradients complete the batch's."""
-        self.reducer.arm(self.versions.replicas.index(self.versions.module_for_batch(k // self.m)))
+        """Before microbatch k's backward, the batch's last: its weight gradients complete the batch's, in the replica
+        the versions gather the batch's into (weight_versions=newest: two replicas' sums), which the reducer (if any)
+        is armed on."""
+        replica = self.versions.gather_gradients(k // self.m)
+        if self.reducer is not None:
+            self.reducer.arm(replica)
 
     def weight(self, k: int) -> None:
         """W k (zb1p): microbatch k's weight gradients from what B left (``split_backward``), or none (``whole``)."""
