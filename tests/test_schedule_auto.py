@@ -215,6 +215,7 @@ def test_newest_with_the_prediction_plans_only_microbatch_sizes_that_meet_its_bo
     assert plan_config(compose([*predict, "partition.microbatch_sizes=[2]"]))[0].schedule == "flush"
     # at any depth the bound is each plan's, its m = B / (w b): 2 x 2 at b = 2 (m = 2, 1 early forward) meets it
     any_depth = [a for a in predict if not a.startswith("partition.depths")]
-    plans = plan_config(compose([*any_depth, "partition.microbatch_sizes=[1,2]", "pipeline.schedule=2bw"]), runners_up=8)
+    pinned = compose([*any_depth, "partition.microbatch_sizes=[1,2]", "pipeline.schedule=2bw"])
+    plans = plan_config(pinned, runners_up=8)
     assert {(p.num_stages, p.data_parallel, p.microbatch_size) for p in plans} >= {(2, 2, 2), (4, 1, 1)}
     assert all(2 * early_forwards(p.num_stages, p.num_microbatches, 0) <= p.num_microbatches for p in plans)

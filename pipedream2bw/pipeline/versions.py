@@ -407,10 +407,11 @@ class NewestVersions(WeightVersions):
     """pipeline.weight_versions=newest under 2bw: F k runs on the newest version the stage holds at that point of its
     schedule, and its backward (the graph's) on the same replica. So a batch's gradients sit in up to two replicas:
     ``gather_gradients`` sums them into W(t)'s before the batch's last backward (which runs there), so that the
-    data-parallel reducer averages the whole batch's, and step(t) takes them from there. With APPLY(t) right at CLOSE(t) (config/newest.py refuses every deferral), batch t's
-    microbatches forwarded before APPLY(t-1) ran on W(t-1), the rest on W(t); the microbatches in flight at APPLY(t),
-    batch t+1's first ones, were forwarded after APPLY(t-1) (d - s + lead <= m) and so run on W(t): W(t+1) goes into
-    the replica of W(t-1), which none of them needs (``step`` asserts it).
+    data-parallel reducer averages the whole batch's, and step(t) takes them from there. With APPLY(t) right at
+    CLOSE(t) (config/newest.py refuses every deferral), batch t's microbatches forwarded before APPLY(t-1) ran on
+    W(t-1), the rest on W(t); the microbatches in flight at APPLY(t), batch t+1's first ones, were forwarded after
+    APPLY(t-1) (d - s + lead <= m) and so run on W(t): W(t+1) goes into the replica of W(t-1), which none of them
+    needs (``step`` asserts it).
 
     ``early_forwards``: how many of a batch's forwards the stage runs before its previous batch's step (d - s - 1 +
     its forward lead). A run resumed after n steps starts its pipeline afresh at batch n, with no step n-1 to wait

@@ -371,8 +371,7 @@ class StageWorker:
             self.reducer.gradient_ready(replica, i)
 
     def _before_backward(self, k: int) -> None:
-        """Starts B k's step, before its receives: the swap prefetch then overlaps the wait for the
-        gradient, and the reducer is armed for the batch's last backward (it reduces as backward goes)."""
+        """Starts B k's step, before its receives: the swap prefetch overlaps the gradient's wait; ``_arm_reducer``."""
         if self.swap is not None:
             self.swap.begin_backward(k)
         if self.stream is not None:
@@ -384,9 +383,8 @@ class StageWorker:
             self._arm_reducer(k)
 
     def _arm_reducer(self, k: int) -> None:
-        """Before microbatch k's backward, the batch's last: its weight gradients complete the batch's, in the replica
-        the versions gather the batch's into (weight_versions=newest: two replicas' sums), which the reducer (if any)
-        is armed on."""
+        """Before the batch's last backward (B k): its gradients gathered (newest: two replicas') where it accumulates
+        them, the replica the reducer (if any) all-reduces as that backward goes."""
         replica = self.versions.gather_gradients(k // self.m)
         if self.reducer is not None:
             self.reducer.arm(replica)
