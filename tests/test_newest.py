@@ -210,6 +210,14 @@ def test_newest_refuses_what_it_is_not_proven_with_in_one_line(overrides, key):
     assert "\n" not in str(e.value) and str(e.value).endswith("or pipeline.weight_versions=batch")
 
 
+@pytest.mark.parametrize("extra", [[], ["optim.delay_correction=predict", "pipeline.num_microbatches=2"]])
+def test_newest_runs_with_replicas(extra):
+    """pipeline.data_parallel > 1 is no longer refused, with or without the prediction (run: ``test_newest_with_
+    replicas_equals_its_rule``)."""
+    cfg = make("pipeline.weight_versions=newest", "pipeline.num_stages=2", "pipeline.data_parallel=2", *extra)
+    validate(cfg, world_size=4)
+
+
 def _early_and_free(d: int, m: int, lead: int):
     """Walks stage 0's 2bw actions for 3 batches: (its forwards of batch 2 before step 1, whether batch 1's early
     microbatches are all through their backwards before batch 2's first forward)."""
