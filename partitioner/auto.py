@@ -221,40 +221,36 @@ def _documents_request(cfg: Config, req: Request) -> Request:
 
 def _newest_request(cfg: Config, req: Request) -> Request:
     """``req`` for 2bw under pipeline.weight_versions=newest: only the layouts newest runs (config/newest.py's
-    ``newest_refusal``): one replica a stage (d = the devices), no recomputation, swapping, streaming, sharding or
-    tensor split; under the prediction, the microbatch sizes that leave its m bound met. Without it the planner would
-    pick what the run then refuses (schedule=auto, which prices newest at its depth, toward a shallower pipeline with
-    replicas).
+    ``newest_refusal``): no recomputation, swapping, streaming, sharding or tensor split, at any depth and replicas;
+    under the prediction, the (depth, microbatch size) that leave its m bound met (the planner's ``newest_predict``).
+    Without it the planner would pick what the run then refuses.
 
     Raises:
-        ConfigError: partition.depths leaves out the depth of all the devices, or no microbatch size meets the
-            prediction's bound.
+        ConfigError: no depth and microbatch size meets the prediction's bound.
     """
     if req.schedule != "2bw" or cfg.pipeline.weight_versions != "newest":
         return req
-    if req.depths and req.devices not in req.depths:
-        raise ConfigError(
-            f"pipeline.weight_versions=newest runs one replica a stage (pipeline.data_parallel 1), a depth of the "
-            f"{req.devices} devices, which partition.depths ({list(req.depths)}) leaves out; add {req.devices} to it, "
-            "or set pipeline.weight_versions=batch"
-        )
-    one = dict(depths=[req.devices], recompute=False, swap=False, stream=False, sharded=False)
-    req = dataclasses.replace(req, **one, tensor=None, tensor_widths=None)
+    none = dict(recompute=False, swap=False, stream=False, sharded=False, tensor=None, tensor_widths=None)
+    req = dataclasses.replace(req, **none)
     if cfg.optim.delay_correction != "predict":
         return req
-    # the prediction's bound (newest_refusal): m >= 2 x stage 0's early forwards, m = B / b on one replica a stage
-    B, d, lead = req.global_batch_size, req.devices, cfg.pipeline.forward_lead
-    sizes = [
-        b for b in req.microbatch_sizes or divisors(B) if B % b == 0 and 2 * early_forwards(d, B // b, lead) <= B // b
-    ]
-    if not sizes:
+    B, lead, n = req.global_batch_size, cfg.pipeline.forward_lead, req.devices
+    depths = req.depths or divisors(n)
+
+    def meets(d: int, b: int) -> bool:  # the prediction's bound (newest_refusal), m = B / (w b) at depth d
+        w = n // d
+        return n % d == 0 and B % (w * b) == 0 and 2 * early_forwards(d, B // (w * b), lead) <= B // (w * b)
+
+    fits = [(d, b) for d in depths for b in req.microbatch_sizes or divisors(B) if meets(d, b)]
+    if not fits:
+        stages = "/".join(map(str, depths))
         raise ConfigError(
-            f"pipeline.weight_versions=newest with optim.delay_correction=predict on {d} stages: no microbatch size "
-            f"of partition.microbatch_sizes ({req.microbatch_sizes or 'any'}) leaves num_microbatches >= 2 x stage "
-            f"0's early forwards at train.global_batch_size {B}; raise it, lower the sizes, or set "
+            f"pipeline.weight_versions=newest with optim.delay_correction=predict on {stages} stages: no microbatch "
+            f"size of partition.microbatch_sizes ({req.microbatch_sizes or 'any'}) leaves num_microbatches >= 2 x "
+            f"stage 0's early forwards at train.global_batch_size {B}; raise it, lower the sizes, or set "
             "optim.delay_correction=none"
         )
-    return dataclasses.replace(req, microbatch_sizes=sizes)
+    return dataclasses.replace(req, newest_predict=True)
 
 
 def host_figures(cfg: Config) -> HostFigures:

@@ -58,6 +58,7 @@ from partitioner.topology import (
     replica_links,
 )
 from pipedream2bw.config import TopologyConfig
+from pipedream2bw.config.newest import early_forwards
 from pipedream2bw.errors import ConfigError
 from pipedream2bw.memory.host_optim import free_cores
 from pipedream2bw.memory.precision import param_memory, step_waits
@@ -278,6 +279,9 @@ class Request:
     tensor_widths: Optional[Sequence[int]] = None
     sequence_parallel: bool = False
     tensor_efficiency: float = TENSOR_EFFICIENCY
+    # 2bw under pipeline.weight_versions=newest with optim.delay_correction=predict: only the (d, m) whose m leaves
+    # 2 x stage 0's early forwards (config/newest.py's bound, which depends on both)
+    newest_predict: bool = False
 
 
 CostFn = Callable[[int], Sequence[LayerCost]]  # microbatch size -> per-layer costs
@@ -322,12 +326,18 @@ def _batch_candidates(req: Request, d: int, w: int, t: int):
     bs = req.microbatch_sizes or [b for b in divisors(per_replica) if b <= req.max_microbatch_size]
     for b in bs:
         m = per_replica // b
-        if per_replica % b or (req.schedule == "2bw" and m < d):
+        if per_replica % b or (req.schedule == "2bw" and m < d) or not _predict_bound_met(req, d, m):
             continue
         for rc in [req.recompute] if req.recompute is not None else [False, True]:
             for sh in [req.sharded] if req.sharded is not None else [False, True]:
                 if not (sh and w == 1):  # nothing to shard over: the unsharded candidate
                     yield d, w, t, b, m, rc, sh
+
+
+def _predict_bound_met(req: Request, d: int, m: int) -> bool:
+    """Whether ``m`` microbatches on ``d`` stages meet newest's prediction bound, where the request has it
+    (``newest_predict``): m >= 2 x stage 0's early forwards."""
+    return not req.newest_predict or 2 * early_forwards(d, m, req.forward_lead) <= m
 
 
 @dataclass(frozen=True)

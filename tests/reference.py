@@ -223,7 +223,10 @@ def reference_newest(cfg: Config, *, balance: Sequence[int]) -> Reference:
     where a stage sends it, as ``reference_run``): on stage s of d = len(``balance``) (its layers, in order), microbatch
     j of batch t >= 1 runs on W(t) iff j >= d - s - 1 + L(s), with L(s) = min(pipeline.forward_lead, m - (d - s)) on
     the stages before the last, 0 on the last (the forwards run after that stage's step t-1); the others, and batch
-    0, on W(t-1) (W(-1) = W(0)). g(t) = (sum of the gradients at W(t-1) + sum of those at W(t)) / m; W(t+1) =
+    0, on W(t-1) (W(-1) = W(0)). Each of pipeline.data_parallel w replicas reads its own m microbatches of the batch
+    (``make_feeds``' replica r) under that rule; g(t) = (sum over the replicas of each one's sum of its gradients at
+    W(t-1) and at W(t)) / (m * w), each replica's sum first, as its stages sum them before the all-reduce, and in
+    their order: the early sum added to the fresh one before the last microbatch's gradient; W(t+1) =
     W(t) - optimizer_step(g(t)). At d = 1 that is plain minibatch training. With optim.delay_correction=predict
     the microbatches of batch t >= 1 not on W(t) run on P(t) = W(t-1) + d(t-2) instead, d(t) = W(t+1) - W(t) in
     float32, d(-1) = 0."""
@@ -244,30 +247,33 @@ def _train_newest(cfg: Config, balance: Sequence[int]) -> Reference:
     model = StageBoundaries(source.build(), after=after, dtype=dtype)  # W(t)
     stale = copy.deepcopy(model)  # W(t-1)
     opt = ReferenceOptimizer(model, dataclasses.replace(cfg.optim, delay_correction="none"))
-    feed = _train_feed(cfg, m)
+    w = cfg.pipeline.data_parallel
+    feeds = [_train_feed(cfg, m, num_replicas=w, replica=r) for r in range(w)]
     stage_of = [s for s, n in enumerate(balance) for _ in range(n)]
     leads = [0 if s == d - 1 else max(0, min(lead, m - (d - s))) for s in range(d)]
     predict = cfg.optim.delay_correction == "predict"
     delta = [torch.zeros_like(p) for p in model.parameters()]  # d(t-1)
     out = Reference(None, [], [], [], [], [], {})
     for t in range(cfg.train.num_steps):
-        losses = []
-        for j in range(m):
-            fresh = [t >= 1 and j >= d - s - 1 + leads[s] for s in range(d)]
-            layers = [(model if fresh[stage_of[i]] else stale)[i] for i in range(len(model))]
-            mixed = StageBoundaries(layers, after=after, dtype=dtype)
-            x, y = feed.microbatch(t * m + j)
-            cpu = torch.device("cpu")
-            with precisions.autocast(precision, "cpu"), stateful.microbatch_streams(cfg.seed, t * m + j, cpu):
-                loss = source.loss_fn(mixed(x).float(), y)
-            loss.backward()
-            losses.append(loss.detach())
+        losses, sums = [], [None] * len(delta)
+        for feed in feeds:  # each replica: the same rule on its own microbatches, its sums first
+            for j in range(m):
+                if j == m - 1 and t >= 1:  # the early sums added into the fresh ones first, as a stage gathers them
+                    for p, q in zip(model.parameters(), stale.parameters()):
+                        p.grad, q.grad = _add(p.grad, q.grad), None
+                fresh = [t >= 1 and j >= d - s - 1 + leads[s] for s in range(d)]
+                layers = [(model if fresh[stage_of[i]] else stale)[i] for i in range(len(model))]
+                mixed = StageBoundaries(layers, after=after, dtype=dtype)
+                x, y = feed.microbatch(t * m + j)
+                cpu = torch.device("cpu")
+                with precisions.autocast(precision, "cpu"), stateful.microbatch_streams(cfg.seed, t * m + j, cpu):
+                    loss = source.loss_fn(mixed(x).float(), y)
+                loss.backward()
+                losses.append(loss.detach())
+            own = [_add(a, b) for a, b in zip(_take_grads(stale, False), _take_grads(model, False))]
+            sums = [_add(a, b) for a, b in zip(sums, own)]
         out.losses.append(float(torch.stack(losses).mean()))
         out.lrs.append(lr_at(t, cfg.optim, num_steps=cfg.train.num_steps))
-        sums = [
-            a if b is None else b if a is None else a + b
-            for a, b in zip(_take_grads(stale, False), _take_grads(model, False))
-        ]
         _load_parameters(stale, model)  # batch t+1's early microbatches run on W(t) (predict: + d(t-1))
         if predict:
             with torch.no_grad():
@@ -275,25 +281,31 @@ def _train_newest(cfg: Config, balance: Sequence[int]) -> Reference:
                     p.add_(dp)
             before = [p.detach().clone() for p in model.parameters()]
         for p, g in zip(model.parameters(), sums):
-            p.grad = None if g is None else g / m
+            p.grad = None if g is None else g / (m * w)
         opt.step(out.lrs[-1], correct=False, predict=False)
         model.zero_grad(set_to_none=True)  # g(t) stays out of batch t+1's sums
         if predict:
-            delta = [p.detach() - w for p, w in zip(model.parameters(), before)]
+            delta = [p.detach() - b for p, b in zip(model.parameters(), before)]
     return out._replace(weights=model.state_dict())
 
 
-def _train_feed(cfg: Config, m: int):
-    """The training batches of ``cfg`` as one replica of ``m`` microbatches reads them."""
+def _train_feed(cfg: Config, m: int, *, num_replicas: int = 1, replica: int = 0):
+    """The training batches of ``cfg`` as replica ``replica`` of ``num_replicas``, of ``m`` microbatches each, reads
+    them (one replica: the whole batch)."""
     return make_feeds(
         cfg.data,
         seq_len=cfg.model.seq_len,
         microbatch_size=cfg.pipeline.microbatch_size,
         num_microbatches=m,
         seed=cfg.seed,
-        num_replicas=1,
-        replica=0,
+        num_replicas=num_replicas,
+        replica=replica,
     )[0]
+
+
+def _add(a: Optional[torch.Tensor], b: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """a + b, either of them absent (a parameter no microbatch reached)."""
+    return a if b is None else b if a is None else a + b
 
 
 def grad_norm(params: Iterable[nn.Parameter]) -> float:

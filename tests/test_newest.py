@@ -72,6 +72,8 @@ def _run_in_one_process(cfg, balance, kind=NewestVersions):
                 stash[s, k] = (x, out)
             elif a.kind == schedule.BACKWARD:
                 x, out = stash.pop((s, k))
+                if (k + 1) % m == 0:  # as the stage worker: the batch's gradients gathered before its last backward
+                    versions[s].gather_gradients(k // m)
                 out.backward(None if s == d - 1 else handed.pop(("B", s, k)))
                 handed[("B", s - 1, k)] = x.grad if s > 0 else None
             elif a.kind == schedule.STEP:
@@ -146,6 +148,24 @@ def test_the_prediction_equals_its_rule_at_two_stages(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("correction,m", [("none", 4), ("predict", 2)])
+def test_newest_with_replicas_equals_its_rule(tmp_path, correction, m):
+    """d = 2, w = 2 (4 ranks): each replica runs the rule on its own microbatches; before a batch's last backward a
+    stage adds its early microbatches' gradients (on W(t-1), or P(t) under the prediction) into the replica that
+    backward runs on (W(t)'s), which the all-reduce averages as it goes. Weights and losses are the rule's, g(t) over
+    m * w microbatches, to float32 round-off. Fails with the reducer armed on the early replica, or without the
+    gather."""
+    cfg = newest_config(num_stages=2, num_microbatches=m)
+    cfg.pipeline.data_parallel = 2
+    cfg.optim = dataclasses.replace(cfg.optim, delay_correction=correction)
+    summary = run_ok(cfg, tmp_path)
+    assert (summary["weight_versions"], summary["delay_correction"]) == ("newest", correction)
+    expected = reference_newest(cfg, balance=gpt_balance(cfg.model, 2))
+    torch.testing.assert_close(torch.load(tmp_path / "final_model.pt"), expected.weights)
+    assert_losses_close(summary["losses"], expected.losses)
+
+
+@pytest.mark.slow
 def test_newest_at_one_stage_is_minibatch_training(tmp_path):
     """At d = 1 every forward of batch t follows step t-1: the rule is flush's, plain minibatch training."""
     summary = run_ok(newest_config(num_stages=1), tmp_path)
@@ -171,7 +191,6 @@ def test_newest_equals_its_rule_at_three_stages_with_a_forward_lead(tmp_path):
     [
         (["pipeline.schedule=flush"], "pipeline.schedule (flush)"),
         (["pipeline.schedule=zb1p"], "pipeline.schedule (zb1p)"),
-        (["pipeline.data_parallel=2"], "pipeline.data_parallel (2)"),
         (["optim.delay_correction=error_feedback"], "optim.delay_correction (error_feedback)"),
         (["optim.clip_grad_norm=1.0"], "optim.clip_grad_norm"),
         (["train.precision=fp16"], "train.precision (fp16)"),
@@ -189,6 +208,14 @@ def test_newest_refuses_what_it_is_not_proven_with_in_one_line(overrides, key):
         validate(cfg, world_size=world)
     assert str(e.value).startswith(f"pipeline.weight_versions=newest with {key}")
     assert "\n" not in str(e.value) and str(e.value).endswith("or pipeline.weight_versions=batch")
+
+
+@pytest.mark.parametrize("extra", [[], ["optim.delay_correction=predict", "pipeline.num_microbatches=2"]])
+def test_newest_runs_with_replicas(extra):
+    """pipeline.data_parallel > 1 is no longer refused, with or without the prediction (run: ``test_newest_with_
+    replicas_equals_its_rule``)."""
+    cfg = make("pipeline.weight_versions=newest", "pipeline.num_stages=2", "pipeline.data_parallel=2", *extra)
+    validate(cfg, world_size=4)
 
 
 def _early_and_free(d: int, m: int, lead: int):

@@ -11,9 +11,10 @@ import pytest
 
 from partitioner import time_to_loss
 from partitioner.__main__ import compose, main
-from partitioner.auto import plan_config
+from partitioner.auto import apply_plan, plan_config
 from partitioner.planner import load_plan, save_plan
 from pipedream2bw.config import ConfigError, OptimConfig, default_plan_choices, validate
+from pipedream2bw.config.newest import early_forwards
 
 # a deep GPT on small devices: 8 stages; few microbatches a batch give flush a large bubble, many a small one
 DEEP = [
@@ -158,8 +159,6 @@ def test_auto_under_newest_prices_2bw_at_its_depth_and_runs_what_it_chose(batch,
     # m = 2 on 2 stages: 2bw's step is the fastest; at 1.03x steps (newest, d = 2) it wins, at 1.11x (the batch
     # rule's default correction) zb1p does. m = 64: flush's bubble is small, it wins; newest is moot there and the
     # planned run is the batch rule's (validated as such: flush with newest named is refused)
-    from partitioner.auto import apply_plan
-
     cfg = compose([*CPU2, f"train.global_batch_size={batch}", f"pipeline.weight_versions={rule}"])
     best = plan_config(cfg)[0]
     assert best.schedule == expected == min(best.schedule_choice, key=best.schedule_choice.get)
@@ -186,25 +185,22 @@ def test_the_run_line_under_newest_names_the_rule_only_for_2bw(batch, expected, 
     assert ("pipeline.weight_versions=newest" in run_line) == (expected == "2bw"), run_line
 
 
-def test_newest_plans_2bw_only_as_it_runs_one_replica_a_stage(monkeypatch):
-    # newest refuses data_parallel > 1 (config/newest.py): priced at d = 2 (1.03x) against d = 4's fallback (1.71x),
-    # 2bw's best plan on 4 ranks would be 2 stages x 2 replicas, which the run refuses after planning
+def test_newest_plans_2bw_at_any_depth_with_replicas_but_no_recompute_or_sharding(monkeypatch):
+    # newest runs data_parallel > 1 (config/newest.py): priced at d = 2 (1.03x) against d = 4's fallback (1.71x),
+    # 2bw's best plan on 4 ranks is 2 stages x 2 replicas; never recomputation or sharding, which it refuses
     any_depth = [a for a in CPU4 if not a.startswith("partition.depths")]
     monkeypatch.setattr(time_to_loss, "CANDIDATES", ("2bw",))
     newest = compose([*any_depth, "train.global_batch_size=8", "pipeline.weight_versions=newest"])
-    assert {(p.num_stages, p.data_parallel, p.recompute, p.sharded) for p in plan_config(newest)} == {
-        (4, 1, False, False)
-    }
-    assert plan_config(dataclasses.replace(newest, pipeline=dataclasses.replace(newest.pipeline, schedule="2bw")))
+    plans = plan_config(newest, runners_up=8)
+    assert (plans[0].num_stages, plans[0].data_parallel) == (2, 2)
+    assert not any(p.recompute or p.sharded for p in plans)
+    pipeline, swap = apply_plan(newest.pipeline, newest.swap, plans[0], world_size=4, num_layers=sum(plans[0].balance))
+    assert (pipeline.data_parallel, pipeline.weight_versions) == (2, "newest")
+    validate(default_plan_choices(dataclasses.replace(newest, pipeline=pipeline, swap=swap)), world_size=4)
     pinned = compose(
         [*any_depth, "partition.depths=[2]", "train.global_batch_size=8", "pipeline.weight_versions=newest"]
     )
-    with pytest.raises(
-        ConfigError, match=r"^pipeline.weight_versions=newest runs one replica a stage .*partition.depths"
-    ):
-        plan_config(pinned)
-    monkeypatch.setattr(time_to_loss, "CANDIDATES", ("2bw", "flush"))
-    assert plan_config(pinned)[0].schedule == "flush"  # schedule=auto: 2bw skipped, as zbv where it is refused
+    assert {(p.num_stages, p.data_parallel) for p in plan_config(pinned)} == {(2, 2)}
 
 
 def test_newest_with_the_prediction_plans_only_microbatch_sizes_that_meet_its_bound(monkeypatch):
@@ -217,3 +213,9 @@ def test_newest_with_the_prediction_plans_only_microbatch_sizes_that_meet_its_bo
     with pytest.raises(ConfigError, match=r"^pipeline.weight_versions=newest with optim.delay_correction=predict on 4"):
         plan_config(compose([*predict, "partition.microbatch_sizes=[2]", "pipeline.schedule=2bw"]))
     assert plan_config(compose([*predict, "partition.microbatch_sizes=[2]"]))[0].schedule == "flush"
+    # at any depth the bound is each plan's, its m = B / (w b): 2 x 2 at b = 2 (m = 2, 1 early forward) meets it
+    any_depth = [a for a in predict if not a.startswith("partition.depths")]
+    pinned = compose([*any_depth, "partition.microbatch_sizes=[1,2]", "pipeline.schedule=2bw"])
+    plans = plan_config(pinned, runners_up=8)
+    assert {(p.num_stages, p.data_parallel, p.microbatch_size) for p in plans} >= {(2, 2, 2), (4, 1, 1)}
+    assert all(2 * early_forwards(p.num_stages, p.num_microbatches, 0) <= p.num_microbatches for p in plans)

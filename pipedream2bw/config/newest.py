@@ -2,7 +2,8 @@
 
 Under 'newest' a microbatch's forward runs on the newest version its stage holds at that point of its schedule, its
 backward on the same (docs/concepts.md): proven against tests/reference.py's rule where APPLY(t) follows CLOSE(t) at
-once (no agreement, no exchange, no sharded step), on one replica per stage, with float32 versions (fp32, bf16).
+once (no agreement, no exchange, no sharded step), on one or more replicas per stage (pipeline.data_parallel), with
+float32 versions (fp32, bf16).
 With optim.delay_correction=predict the forwards of a batch that run before the stage's previous step run on a
 prediction of the version they miss (pipeline/versions.py's ``PredictedNewestVersions``)."""
 
@@ -39,7 +40,6 @@ def newest_refusal(cfg: Any) -> Optional[str]:
             f"pipeline.schedule ({p.schedule}): newest is a 2bw rule",
             "pipeline.schedule=2bw",
         ),
-        (p.data_parallel > 1, f"pipeline.data_parallel ({p.data_parallel}): not proven", "it 1"),
         (p.tensor_parallel > 1, f"pipeline.tensor_parallel ({p.tensor_parallel}): not proven", "it 1"),
         (p.sync_warmup_steps > 0, "pipeline.sync_warmup_steps: the versions keep one rule", "it 0"),
         (p.recompute, "pipeline.recompute: not proven", "it false"),

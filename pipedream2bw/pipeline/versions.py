@@ -208,6 +208,12 @@ class WeightVersions:
         (``module_for_batch``; ``NewestVersions``: the newest)."""
         return self.module_for_batch(k // num_microbatches)
 
+    def gather_gradients(self, batch_index: int) -> int:
+        """Before batch t's last backward: gathers batch t's gradients so far into the replica that backward
+        accumulates into and returns its index, where the batch's gradient is whole once it is done (what the
+        data-parallel reducer arms on and ``step`` takes). Here nothing to gather: its batch's replica."""
+        return self.replica_for_batch(batch_index)
+
     def newest(self) -> nn.Module:
         """The replica holding the newest version (what a checkpoint or export saves)."""
         return self.replicas[self._replica_holding(max(v for v in self.holds if v is not None))]
@@ -400,10 +406,12 @@ class WeightVersions:
 class NewestVersions(WeightVersions):
     """pipeline.weight_versions=newest under 2bw: F k runs on the newest version the stage holds at that point of its
     schedule, and its backward (the graph's) on the same replica. So a batch's gradients sit in up to two replicas:
-    step(t) sums them. With APPLY(t) right at CLOSE(t) (config/newest.py refuses every deferral), batch t's
-    microbatches forwarded before APPLY(t-1) ran on W(t-1), the rest on W(t); the microbatches in flight at APPLY(t),
-    batch t+1's first ones, were forwarded after APPLY(t-1) (d - s + lead <= m) and so run on W(t): W(t+1) goes into
-    the replica of W(t-1), which none of them needs (``step`` asserts it).
+    ``gather_gradients`` sums them into W(t)'s before the batch's last backward (which runs there), so that the
+    data-parallel reducer averages the whole batch's, and step(t) takes them from there. With APPLY(t) right at
+    CLOSE(t) (config/newest.py refuses every deferral), batch t's microbatches forwarded before APPLY(t-1) ran on
+    W(t-1), the rest on W(t); the microbatches in flight at APPLY(t), batch t+1's first ones, were forwarded after
+    APPLY(t-1) (d - s + lead <= m) and so run on W(t): W(t+1) goes into the replica of W(t-1), which none of them
+    needs (``step`` asserts it).
 
     ``early_forwards``: how many of a batch's forwards the stage runs before its previous batch's step (d - s - 1 +
     its forward lead). A run resumed after n steps starts its pipeline afresh at batch n, with no step n-1 to wait
@@ -434,16 +442,35 @@ class NewestVersions(WeightVersions):
         self._resumed_early = self._early
 
     @torch.no_grad()
-    def step(self, batch_index: int, **kwargs: Any) -> None:
-        """``WeightVersions.step`` on the sum of batch t's gradients over both replicas: the fresh microbatches' (on
-        W(t)) added to the others' (on W(t-1), ``version_of(t)``'s replica, which the step takes them from)."""
+    def gather_gradients(self, batch_index: int) -> int:
+        """Before batch t's last backward: the early microbatches' gradients (on W(t-1)) added into the replica its
+        last microbatch ran on (W(t): its forward follows step t-1, early forwards < m), which the step takes them
+        from (``_source``) and the data-parallel reducer averages as that backward goes."""
         t = batch_index
-        src_index = self._source(t)
-        for i, p in enumerate(self._params[src_index]):
-            for other in (q for r, q in enumerate(self._params) if r != src_index):
+        late = self._ran_on.get((t + 1) * (self._m or 0) - 1, self._source(t))
+        assert late == self._source(t), f"batch {t}'s last microbatch ran on replica {late}, not W({t})'s"
+        self._fold_into(late)
+        return late
+
+    def _fold_into(self, index: int) -> None:
+        """Adds every other replica's gradients into replica ``index``'s; the others let go of theirs."""
+        for i, p in enumerate(self._params[index]):
+            for other in (q for r, q in enumerate(self._params) if r != index):
                 if other[i].grad is not None:
                     p.grad = other[i].grad if p.grad is None else p.grad.add_(other[i].grad)
                     other[i].grad = None
+
+    def _source(self, t: int) -> int:
+        """The replica whose gradients step t takes: W(t)'s, which batch t's last microbatch ran on."""
+        return self._replica_holding(t)
+
+    @torch.no_grad()
+    def step(self, batch_index: int, **kwargs: Any) -> None:
+        """``WeightVersions.step`` on the sum of batch t's gradients over both replicas, in W(t)'s (``_source``):
+        ``gather_gradients`` summed them before the last backward; what a caller that did not call it left in the
+        other replica is added here. W(t+1) goes into W(t-1)'s replica, first given W(t)."""
+        t = batch_index
+        self._fold_into(self._source(t))
         dst_index = self._destination(t)
         first_next = (t + 1) * (self._m or 0)  # batch t+1's forwards so far are the microbatches in flight
         in_flight = {k: r for k, r in self._ran_on.items() if k >= first_next}

@@ -371,8 +371,7 @@ class StageWorker:
             self.reducer.gradient_ready(replica, i)
 
     def _before_backward(self, k: int) -> None:
-        """Starts B k's step, before its receives: the swap prefetch then overlaps the wait for the
-        gradient, and the reducer is armed for the batch's last backward (it reduces as backward goes)."""
+        """Starts B k's step, before its receives: the swap prefetch overlaps the gradient's wait; ``_arm_reducer``."""
         if self.swap is not None:
             self.swap.begin_backward(k)
         if self.stream is not None:
@@ -380,12 +379,15 @@ class StageWorker:
         for reduction in self._reductions.values():  # sharded: reduce-scatter inputs done with, freed here
             if isinstance(reduction, ShardedReduction):
                 reduction.release_done()
-        if self.reducer is not None and (k + 1) % self.m == 0 and not self.split:  # zb1p: before the last W
+        if (k + 1) % self.m == 0 and not self.split:  # zb1p: before the last W
             self._arm_reducer(k)
 
     def _arm_reducer(self, k: int) -> None:
-        """Arms the reducer for microbatch k, the batch's last: its weight gradients complete the batch's."""
-        self.reducer.arm(self.versions.replicas.index(self.versions.module_for_batch(k // self.m)))
+        """Before the batch's last backward (B k): its gradients gathered (newest: two replicas') where it accumulates
+        them, the replica the reducer (if any) all-reduces as that backward goes."""
+        replica = self.versions.gather_gradients(k // self.m)
+        if self.reducer is not None:
+            self.reducer.arm(replica)
 
     def weight(self, k: int) -> None:
         """W k (zb1p): microbatch k's weight gradients from what B left (``split_backward``), or none (``whole``)."""
