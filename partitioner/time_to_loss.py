@@ -26,10 +26,6 @@ CANDIDATES: Tuple[str, ...] = ("2bw", "flush", "zb1p", "zbv")
 (2d chunks, two a rank: partitioner/vplan.py) is tried where the run could run it (``config.v_schedule_refusal``: on
 gloo, none of what it is not proven with) and skipped elsewhere."""
 
-NEWEST_PREDICT_D2: Optional[float] = None
-"""2bw under pipeline.weight_versions=newest with optim.delay_correction=predict, Muon, d = 2: filled from the
-measurement in docs/convergence.md. None: not measured, so the fallback applies (``steps_factor``)."""
-
 STEPS_FACTOR: Dict[Tuple[Union[str, int], ...], Optional[float]] = {
     # docs/convergence.md, "Time to a loss" (GPT 4 x 64, m=4, b=8, lr 3e-3, 3 seeds), steps to 2.233: flush with
     # Muon 123 (90 / 160 / 120); 2bw with plain Muon 210 (1.71x)
@@ -44,7 +40,9 @@ STEPS_FACTOR: Dict[Tuple[Union[str, int], ...], Optional[float]] = {
     # docs/convergence.md, "The newest version at each forward" (4 x 64, seeds 0-2, 400-step runs, flush at one
     # stage), steps to flush's own final loss (300 / 300 / 300): 2bw under newest, no correction, d = 2: 310 / 310 / 310
     ("muon", "none", "newest", 2): 930 / 900,
-    ("muon", "predict", "newest", 2): NEWEST_PREDICT_D2,
+    # with its prediction (optim.delay_correction=predict, what 'auto' resolves to under newest), the same runs:
+    # 310 / 310 / 310 (docs/convergence.md, "The newest version at each forward")
+    ("muon", "predict", "newest", 2): 930 / 900,
 }
 """2bw's steps over a synchronous schedule's with the same optimizer, per (optimizer, delay correction) under the
 batch rule and per (optimizer, delay correction, 'newest', num_stages) under pipeline.weight_versions=newest; None:

@@ -140,7 +140,7 @@ def test_steps_factor_under_newest_is_the_measured_one_at_its_depth_and_else_the
     assert time_to_loss.steps_factor("2bw", muon, num_stages=2) == pytest.approx(210 / 123)  # the batch rule's
     assert time_to_loss.steps_factor("flush", muon, **newest, num_stages=2) == 1.0  # moot off 2bw
     assert time_to_loss.steps_factor("2bw", OptimConfig(name="adamw"), **newest, num_stages=2) is None
-    assert time_to_loss.NEWEST_PREDICT_D2 is None or time_to_loss.NEWEST_PREDICT_D2 > 0  # None until measured
+    assert time_to_loss.steps_factor("2bw", predict, **newest, num_stages=2) == pytest.approx(930 / 900)
     monkeypatch.setitem(time_to_loss.STEPS_FACTOR, ("muon", "predict", "newest", 2), None)
     assert time_to_loss.steps_factor("2bw", predict, **newest, num_stages=2) == pytest.approx(210 / 123)
     monkeypatch.setitem(time_to_loss.STEPS_FACTOR, ("muon", "predict", "newest", 2), 0.99)
@@ -178,8 +178,9 @@ def test_the_run_line_under_newest_names_the_rule_only_for_2bw(batch, expected, 
     args = [*CPU2, f"train.global_batch_size={batch}", "pipeline.weight_versions=newest"]
     assert main(["plan", "--out", str(tmp_path / "plan.yaml"), *args]) == 0
     out = capsys.readouterr().out
-    assert "s x 1.03 steps (newest, delay correction none) = " in out, out
-    assert f"; {expected} (newest, delay correction none); " in out or expected != "2bw", out
+    # Muon's auto correction under newest: its prediction (config/corrections.py), measured at d = 2
+    assert "s x 1.03 steps (newest, delay correction predict) = " in out, out
+    assert f"; {expected} (newest, delay correction predict); " in out or expected != "2bw", out
     run_line = out.strip().splitlines()[-1]
     assert f"pipeline.schedule={expected}" in run_line, run_line
     assert ("pipeline.weight_versions=newest" in run_line) == (expected == "2bw"), run_line
