@@ -134,6 +134,17 @@ def test_newest_equals_its_rule_at_two_stages(tmp_path):
         assert max_abs_diff(weights, _oracle(4, "adam", delayed)[0]) > 1e-4
 
 
+def test_the_predictions_d_counts_as_optimizer_state():
+    """d lives in the versions, not the optimizer: summary.json's optimizer_state_bytes (``optimizer_state_bytes``)
+    still counts its 4 B a parameter, as it counts the batch rule's prediction in its optimizer's state."""
+    module = nn.Linear(3, 2)  # 8 parameters
+    adam = lambda params: torch.optim.Adam(params)  # noqa: E731
+    versions = PredictedNewestVersions(module, schedule="2bw", optimizer_factory=adam, early_forwards=1)
+    assert versions.optimizer_state_bytes() == 8 * 4  # before any step Adam holds nothing
+    plain = NewestVersions(nn.Linear(3, 2), schedule="2bw", optimizer_factory=adam, early_forwards=1)
+    assert plain.optimizer_state_bytes() == 0
+
+
 @pytest.mark.slow
 def test_the_prediction_equals_its_rule_at_two_stages(tmp_path):
     """optim.delay_correction=predict under newest at d = 2, m = 2: stage 0's microbatch 0 of batch t >= 1 runs on

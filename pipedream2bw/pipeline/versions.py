@@ -316,6 +316,16 @@ class WeightVersions:
         self._copy_newest_into(dst_index, t)
         self.holds[dst_index] = t + 1
 
+    def optimizer_state_bytes(self) -> int:
+        """Bytes of the optimizers' state tensors (a delay correction's copies with them), wherever they live."""
+        return sum(
+            v.numel() * v.element_size()
+            for optimizer in self.optimizers
+            for state in optimizer.state.values()
+            for v in state.values()
+            if torch.is_tensor(v)
+        )
+
     def set_lr(self, lr: float) -> None:
         """Sets the learning rate of every parameter group of every bucket's optimizer."""
         for optimizer in self.optimizers:
@@ -546,6 +556,11 @@ class PredictedNewestVersions(NewestVersions):
         super().step(t, **kwargs)
         torch._foreach_sub_(self._delta, self._params[0])
         torch._foreach_neg_(self._delta)
+
+    def optimizer_state_bytes(self) -> int:
+        """The optimizers' state and d, the prediction's state (4 B a parameter, as the batch rule's prediction keeps
+        in its optimizer's: config/corrections.py's ``state_copies``)."""
+        return super().optimizer_state_bytes() + sum(d.numel() * d.element_size() for d in self._delta)
 
     def _previous(self, n: int) -> nn.Module:
         """P(n), which batch n's early forwards run on (``step`` wrote it at the latest at step n-1)."""

@@ -789,11 +789,5 @@ class StageWorker:
     def _measure_memory(self) -> None:
         st = self.stats
         st.weight_bytes = sum(p.numel() * p.element_size() for r in self.versions.replicas for p in r.parameters())
-        st.optimizer_state_bytes = sum(
-            v.numel() * v.element_size()
-            for optimizer in self.versions.optimizers
-            for state in optimizer.state.values()
-            for v in state.values()
-            if torch.is_tensor(v)
-        )
+        st.optimizer_state_bytes = self.versions.optimizer_state_bytes()
         st.peak_memory_bytes = process_peak_bytes(self.device)
