@@ -5,7 +5,8 @@ backward on the same (docs/concepts.md): proven against tests/reference.py's rul
 once (no agreement, no exchange, no sharded step), on one or more replicas per stage (pipeline.data_parallel), with
 float32 versions (fp32, bf16).
 With optim.delay_correction=predict the forwards of a batch that run before the stage's previous step run on a
-prediction of the version they miss (pipeline/versions.py's ``PredictedNewestVersions``)."""
+prediction of the version they miss (pipeline/versions.py's ``PredictedNewestVersions``), held in one replica, or two
+alternating by batch where a stage's early forwards are more than half of m (``prediction_replicas``)."""
 
 from __future__ import annotations
 
@@ -15,12 +16,21 @@ WEIGHT_VERSIONS = ("batch", "newest")
 """pipeline.weight_versions' values: 'batch' (2bw's rule, W(t-1) for all of batch t) and 'newest'."""
 
 
-def early_forwards(num_stages: int, num_microbatches: int, forward_lead: int) -> int:
-    """How many forwards of each batch stage 0 runs before its previous batch's step under 2bw's 1F1B: d - 1 plus
-    its forward lead (pipeline/schedule.py's ``lead``, which tests/test_newest.py holds this to), the most of any
-    stage."""
-    d, m = num_stages, num_microbatches
-    return d - 1 + (0 if d == 1 else max(0, min(forward_lead, m - d)))
+def early_forwards(num_stages: int, num_microbatches: int, forward_lead: int, *, stage_index: int = 0) -> int:
+    """How many forwards of each batch stage s runs before its previous batch's step under 2bw's 1F1B: d - s - 1 plus
+    its forward lead (pipeline/schedule.py's ``lead``, which tests/test_newest.py holds this to); stage 0's, the most
+    of any stage, by default. At most m - 1."""
+    s, d, m = stage_index, num_stages, num_microbatches
+    return d - s - 1 + (0 if s == d - 1 else max(0, min(forward_lead, m - (d - s))))
+
+
+def prediction_replicas(early: int, num_microbatches: int) -> int:
+    """The replicas a stage running ``early`` forwards of each batch before its previous step (``early_forwards``)
+    holds for newest's prediction besides its exact W (``PredictedNewestVersions``): one, or two alternating by batch
+    where they are more than half of m (2E > m): batch t-1's early microbatches are then not all through their
+    backwards before batch t's first forward, but batch t-2's always are (E <= m - 1; both walked over the schedule in
+    tests/test_newest.py). The last stage runs none early: its one is never written."""
+    return 2 if 2 * early > num_microbatches else 1
 
 
 def newest_refusal(cfg: Any) -> Optional[str]:
@@ -62,13 +72,4 @@ def newest_refusal(cfg: Any) -> Optional[str]:
     for bad, why, fix in refused:
         if bad:
             return f"pipeline.weight_versions=newest with {why}; set {fix}, or pipeline.weight_versions=batch"
-    if o.delay_correction == "predict":
-        early = early_forwards(p.num_stages, p.num_microbatches, p.forward_lead)
-        if 2 * early > p.num_microbatches:
-            return (
-                f"pipeline.weight_versions=newest with optim.delay_correction=predict at pipeline.num_microbatches "
-                f"({p.num_microbatches}): stage 0 runs {early} forwards of each batch on the prediction, whose buffer "
-                f"the next batch's overwrites before their backwards unless num_microbatches >= {2 * early}; raise "
-                "it, lower pipeline.forward_lead, or set optim.delay_correction=none"
-            )
     return None

@@ -17,6 +17,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
 import torch
 from torch import nn
 
+from pipedream2bw.config.newest import prediction_replicas
 from pipedream2bw.config.optimizers import (
     PARAM_TAGS,
     PREDICT_STATE,
@@ -393,7 +394,7 @@ class WeightVersions:
                 held.pop(PREDICTED_WEIGHTS, None)
                 held.pop(PREDICT_STATE, None)
         self.holds[0] = step
-        if len(self.replicas) == 2:
+        if len(self.replicas) > 1:  # 2bw (``PredictedNewestVersions``: a third replica, which it loads itself)
             self.replicas[1].load_state_dict(previous if previous is not None else weights)
             self.holds[1] = self.version_of(step)
         names = [n for n, _ in self.replicas[0].named_parameters()]
@@ -428,11 +429,13 @@ class NewestVersions(WeightVersions):
     for: its first ``early_forwards`` forwards run on W(n-1), the checkpoint's ``previous``, as they did in the run
     that wrote it."""
 
-    def __init__(self, module: nn.Module, *, early_forwards: int = 0, **kwargs: Any):
+    def __init__(
+        self, module: nn.Module, *, early_forwards: int = 0, num_microbatches: Optional[int] = None, **kwargs: Any
+    ):
         super().__init__(module, **kwargs)
         assert self.schedule == "2bw" and self.sync_warmup_steps == 0, "newest: plain 2bw only (config/newest.py)"
         self._ran_on: Dict[int, int] = {}  # microbatch k -> the replica its forward ran on, until its batch's step
-        self._m: Optional[int] = None
+        self._m: Optional[int] = num_microbatches
         self._early, self._resumed_early = early_forwards, 0  # the latter: forwards left on W(n-1) after a resume
 
     def module_for_forward(self, k: int, num_microbatches: int) -> nn.Module:
@@ -508,36 +511,50 @@ class PredictedNewestVersions(NewestVersions):
     d(t-2) = W(t-1) - W(t-2) the last step's change (d(-1) = 0); the rest on W(t), as under newest.
 
     Replica 0 holds the exact W and is stepped in place: at step t no microbatch in flight runs on it (batch t+1's
-    early ones run on replica 1). Replica 1 holds P(t): written before batch t's first early forward, once batch
-    t-1's early microbatches are through their backwards (config/newest.py refuses a schedule where they are not:
-    2 x early forwards > m), or at step t-1 if no forward of batch t came first (a run's last step, so a checkpoint
-    holds P(n)). d costs 4 B a parameter; no other state."""
+    early ones run on a prediction). P(t) is written before batch t's first early forward, or at step t-1 if no
+    forward of batch t came first (a run's last step, so a checkpoint holds P(n)), into replica 1 where batch t-1's
+    early microbatches are through their backwards by then (2E <= m, E = ``early_forwards``), else into replica
+    1 + t % 2 (config/newest.py's ``prediction_replicas``): batch t-2's always are (E <= m - 1), so a third buffer
+    suffices. d costs 4 B a parameter; no other state.
 
-    def __init__(self, module: nn.Module, **kwargs: Any):
-        super().__init__(module, **kwargs)
-        self.holds[1] = None  # replica 1 holds a prediction, never a version
+    ``num_microbatches``: m, which with ``early_forwards`` sets the prediction's replicas."""
+
+    def __init__(self, module: nn.Module, *, num_microbatches: int, **kwargs: Any):
+        super().__init__(module, num_microbatches=num_microbatches, **kwargs)
+        self._buffers = prediction_replicas(self._early, num_microbatches)
+        for _ in range(self._buffers - 1):  # the second prediction: a replica like replica 1 (share_buffers)
+            self.replicas.append(copy.deepcopy(module))
+            self._params.append(list(self.replicas[-1].parameters()))
+            stateful.share_buffers(self.replicas[-1], module)
+        self.holds = [self.holds[0]] + [None] * self._buffers  # the predictions' replicas hold no version
         self._delta = [torch.zeros_like(p) for p in self._params[0]]
-        self._predicted: Optional[int] = None  # the batch whose P replica 1 holds
+        self._predicted: Dict[int, int] = {}  # replica -> the batch whose P it holds
+
+    def _prediction_replica(self, t: int) -> int:
+        """The replica P(t) goes in: 1, or 1 + t % 2 with two prediction replicas."""
+        return 1 + t % self._buffers
 
     def module_for_forward(self, k: int, num_microbatches: int) -> nn.Module:
-        """Replica 1, holding P(t), for an early forward of batch t (before step t-1; after a resume, the first
+        """P(t)'s replica for an early forward of batch t (before step t-1; after a resume, the first
         ``early_forwards``); else replica 0's W(t)."""
-        self._m, t = num_microbatches, k // num_microbatches
+        t = k // num_microbatches
         early = self._resumed_early > 0 or self.holds[0] < t
         if self._resumed_early:
             self._resumed_early -= 1
-        if early and self._predicted != t:
+        replica = self._prediction_replica(t) if early else 0
+        if early and self._predicted.get(replica) != t:
             self._predict(t)
-        self._ran_on[k] = 1 if early else 0
-        return self.replicas[self._ran_on[k]]
+        self._ran_on[k] = replica
+        return self.replicas[replica]
 
     @torch.no_grad()
     def _predict(self, t: int) -> None:
-        """Replica 1 := P(t) = W(t-1) + d(t-2), replica 0 holding W(t-1)."""
+        """P(t) = W(t-1) + d(t-2) into its replica, replica 0 holding W(t-1)."""
         assert self.holds[0] == t - 1, f"P({t}) needs W({t - 1}); replica 0 holds W({self.holds[0]})"
-        torch._foreach_copy_(self._params[1], self._params[0])
-        torch._foreach_add_(self._params[1], self._delta)
-        self._predicted = t
+        replica = self._prediction_replica(t)
+        torch._foreach_copy_(self._params[replica], self._params[0])
+        torch._foreach_add_(self._params[replica], self._delta)
+        self._predicted[replica] = t
 
     def _source(self, t: int) -> int:
         return 0
@@ -550,7 +567,7 @@ class PredictedNewestVersions(NewestVersions):
         """``NewestVersions.step`` in place on replica 0, and d(t) = W(t+1) - W(t); P(t+1) first, where no forward of
         batch t+1 wrote it (it reads d(t-1))."""
         t = batch_index
-        if self._early and self._predicted != t + 1:
+        if self._early and self._predicted.get(self._prediction_replica(t + 1)) != t + 1:
             self._predict(t + 1)
         torch._foreach_copy_(self._delta, self._params[0])
         super().step(t, **kwargs)
@@ -564,7 +581,7 @@ class PredictedNewestVersions(NewestVersions):
 
     def _previous(self, n: int) -> nn.Module:
         """P(n), which batch n's early forwards run on (``step`` wrote it at the latest at step n-1)."""
-        return self.replicas[1]
+        return self.replicas[self._prediction_replica(n)]
 
     def state(self) -> Dict[str, Any]:
         """``WeightVersions.state`` with each parameter's d(n-1) (``NEWEST_DELTA``)."""
@@ -576,7 +593,7 @@ class PredictedNewestVersions(NewestVersions):
 
     @torch.no_grad()
     def load_state(self, *, step: int, optimizer: Dict[str, dict], **kwargs: Any) -> None:
-        """``NewestVersions.load_state``: replica 1 takes P(n) (the checkpoint's ``previous``), d its d(n-1).
+        """``NewestVersions.load_state``: P(n)'s replica takes it (the checkpoint's ``previous``), d its d(n-1).
 
         Raises:
             ValueError: the checkpoint holds no d (written without the prediction) or no ``previous``.
@@ -591,11 +608,14 @@ class PredictedNewestVersions(NewestVersions):
                 "that wrote it"
             )
         deltas = [optimizer[n].pop(NEWEST_DELTA) for n in names]
-        super().load_state(step=step, optimizer=optimizer, **kwargs)
-        self.holds[1] = None
+        super().load_state(step=step, optimizer=optimizer, **kwargs)  # P(n) into replica 1
+        replica = self._prediction_replica(step)
+        if replica != 1:
+            self.replicas[replica].load_state_dict(kwargs["previous"])
+        self.holds[1:] = [None] * self._buffers
         for d, saved in zip(self._delta, deltas):
             d.copy_(saved)
-        self._predicted = step
+        self._predicted = {replica: step}
 
 
 def _cpu_copy(state: Dict[str, Any]) -> Dict[str, Any]:

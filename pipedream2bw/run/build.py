@@ -210,12 +210,13 @@ def build_versions(
 def _newest(rt: RankPlan, optim: OptimConfig) -> Tuple[type, Dict[str, int]]:
     """The versions' class and its arguments beyond the plain ones: under pipeline.weight_versions=newest
     ``NewestVersions`` (``PredictedNewestVersions`` with optim.delay_correction=predict) and the forwards of a batch
-    that run before the stage's previous step, d - s - 1 + its lead; else ``WeightVersions`` and none."""
+    that run before the stage's previous step, d - s - 1 + its lead, with m (which with them sets the prediction's
+    replicas); else ``WeightVersions`` and none."""
     if rt.weight_versions != "newest":
         return WeightVersions, {}
     ahead = schedule.lead(rt.stage, rt.num_stages, rt.num_microbatches, rt.forward_lead)
-    kind = PredictedNewestVersions if optim.delay_correction == "predict" else NewestVersions
-    return kind, {"early_forwards": rt.num_stages - rt.stage - 1 + ahead}
+    early = {"early_forwards": rt.num_stages - rt.stage - 1 + ahead, "num_microbatches": rt.num_microbatches}
+    return PredictedNewestVersions if optim.delay_correction == "predict" else NewestVersions, early
 
 
 def replica_index(rt: RankPlan) -> int:
