@@ -8,8 +8,6 @@ import dataclasses
 import logging
 from typing import Any, Optional
 
-from pipedream2bw.config.newest import early_forwards
-
 log = logging.getLogger(__name__)
 
 AUTO = "auto"
@@ -70,9 +68,9 @@ def prediction_refusal(cfg: Any) -> Optional[str]:
 def resolve_auto(cfg: Any) -> Any:
     """``cfg.optim`` with optim.delay_correction=auto resolved from the whole config ``cfg``: Muon's
     ``AUTO_MUON`` unless ``prediction_refusal`` names a key (then ``AUTO_MUON_FALLBACK``, logged with that key),
-    'none' for every other optimizer; under pipeline.weight_versions=newest, Muon's 'predict' (newest's own prediction)
-    where its microbatch bound holds (config/newest.py), else 'none'; a null optim.error_feedback_beta by
-    the correction resolved (``default_beta``);
+    'none' for every other optimizer; under pipeline.weight_versions=newest, Muon's 'predict' (newest's own
+    prediction, at any m: config/newest.py's ``prediction_replicas``); a null optim.error_feedback_beta by the
+    correction resolved (``default_beta``);
     ``auto_correction`` set. A correction 'auto' resolved before (``auto_correction``) is resolved again, so that a
     config made again with other keys (a plan's pipeline.data_parallel under optim.sharded) never holds what 'auto'
     would not give it, its beta with it unless it differs from its correction's default (one given by hand). Any other
@@ -85,10 +83,8 @@ def resolve_auto(cfg: Any) -> Any:
     else:
         return optim
     correction = "none"
-    if is_muon(optim) and cfg.pipeline.weight_versions == "newest":  # newest: its own prediction, where m allows it
-        p = cfg.pipeline
-        if 2 * early_forwards(p.num_stages, p.num_microbatches, p.forward_lead) <= p.num_microbatches:
-            correction = "predict"
+    if is_muon(optim) and cfg.pipeline.weight_versions == "newest":  # newest: its own prediction
+        correction = "predict"
     elif is_muon(optim):
         correction = AUTO_MUON
         why = prediction_refusal(cfg)

@@ -91,8 +91,8 @@ class PipelineConfig:
     forward: on stage s of d, microbatch j of batch t >= 1 on W(t) if j >= d - s - 1 + the stage's forward lead, else
     W(t-1); the same two buffers, schedule and steps; docs/concepts.md). newest refuses what it is not proven with
     (config/newest.py names each key); with optim.delay_correction=predict the forwards that miss W(t) run on its
-    prediction W(t-1) + d(t-2) (needs num_microbatches >= 2 x stage 0's forwards before its previous step), which
-    Muon's optim.delay_correction=auto resolves to where that holds (none elsewhere). Under schedule=auto it
+    prediction W(t-1) + d(t-2) (one more weight copy on a stage whose forwards before its previous step are more
+    than half of num_microbatches), which Muon's optim.delay_correction=auto resolves to. Under schedule=auto it
     is the 2bw candidate's rule, priced at its plan's depth, and moot (run as batch) where the plan picks another."""
     forward_lead: int = 0
     """Under 2bw and flush: the stages before the last run this many forwards ahead of 1F1B's d - s in flight (at
@@ -249,16 +249,16 @@ class OptimConfig:
     2025: Nesterov look-ahead with momentum 0.99, i.e. NAdamW for adamw and Muon's momentum 0.99 for muon; no
     extra state); 'predict' (weight prediction, PipeOptim: batch t reads W(t-1) + d, d the last applied update, a
     prediction of the W(t) its gradient is applied to, in place of W(t-1); 4 bytes per parameter; under
-    pipeline.weight_versions=newest, only the forwards that miss W(t) read W(t-1) + d);
+    pipeline.weight_versions=newest, only the forwards that miss W(t) read W(t-1) + d, and a stage whose forwards
+    before its previous step are more than half of num_microbatches holds one more weight copy);
     'predict_error_feedback' (both: the prediction around error feedback, d the corrected update; 8 bytes per
     parameter; measured best with optim.error_feedback_beta 0.5, its default under it); 'auto' (the
     default): for muon predict_error_feedback (the setting under which 2bw came closest to a flushing pipeline's
     loss, on every seed at both GPT shapes measured), or error_feedback where the run refuses the prediction
     (swap.optimizer=host, optim.sharded at data_parallel > 1, train.weight_dtype=compute under bf16/fp16: logged,
-    naming the key), and under pipeline.weight_versions=newest predict (none where its microbatches are too
-    few); none for every other optimizer (with AdamW error feedback
-    helped unreliably: docs/convergence.md); decided from the whole config when it is made (summary.json's
-    delay_correction shows it). flush and gpipe have no delay: the correction is off there (logged).
+    naming the key), and under pipeline.weight_versions=newest predict; none for every other optimizer (with
+    AdamW error feedback helped unreliably: docs/convergence.md); decided from the whole config when it is made
+    (summary.json's delay_correction shows it). flush and gpipe have no delay: the correction is off there (logged).
     docs/design.md states the exact rules."""
     error_feedback_beta: Optional[float] = None
     """optim.delay_correction=error_feedback|predict_error_feedback: the weight beta of the previous step's estimated
