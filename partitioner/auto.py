@@ -16,7 +16,7 @@ from typing import List, Optional, Tuple
 import torch
 
 from partitioner import time_to_loss
-from partitioner.planner import HostFigures, Plan, Request, _order, _streams, divisors, plan
+from partitioner.planner import HostFigures, Plan, Request, _order, _streams, plan
 from partitioner.profile import (
     analytic_gpt,
     profile_gpt,
@@ -40,7 +40,6 @@ from pipedream2bw.config import (
     model_num_layers,
     v_schedule_refusal,
 )
-from pipedream2bw.config.newest import early_forwards
 from pipedream2bw.config.optimizers import correction_in_effect, is_muon
 from pipedream2bw.errors import ConfigError
 from pipedream2bw.memory import precision as precisions
@@ -222,35 +221,12 @@ def _documents_request(cfg: Config, req: Request) -> Request:
 def _newest_request(cfg: Config, req: Request) -> Request:
     """``req`` for 2bw under pipeline.weight_versions=newest: only the layouts newest runs (config/newest.py's
     ``newest_refusal``): no recomputation, swapping, streaming, sharding or tensor split, at any depth and replicas;
-    under the prediction, the (depth, microbatch size) that leave its m bound met (the planner's ``newest_predict``).
-    Without it the planner would pick what the run then refuses.
-
-    Raises:
-        ConfigError: no depth and microbatch size meets the prediction's bound.
-    """
+    under the prediction, the third weight copy of the stages whose early forwards are more than half of m (the
+    planner's ``newest_predict``). Without it the planner would pick what the run then refuses."""
     if req.schedule != "2bw" or cfg.pipeline.weight_versions != "newest":
         return req
     none = dict(recompute=False, swap=False, stream=False, sharded=False, tensor=None, tensor_widths=None)
-    req = dataclasses.replace(req, **none)
-    if cfg.optim.delay_correction != "predict":
-        return req
-    B, lead, n = req.global_batch_size, cfg.pipeline.forward_lead, req.devices
-    depths = req.depths or divisors(n)
-
-    def meets(d: int, b: int) -> bool:  # the prediction's bound (newest_refusal), m = B / (w b) at depth d
-        w = n // d
-        return n % d == 0 and B % (w * b) == 0 and 2 * early_forwards(d, B // (w * b), lead) <= B // (w * b)
-
-    fits = [(d, b) for d in depths for b in req.microbatch_sizes or divisors(B) if meets(d, b)]
-    if not fits:
-        stages = "/".join(map(str, depths))
-        raise ConfigError(
-            f"pipeline.weight_versions=newest with optim.delay_correction=predict on {stages} stages: no microbatch "
-            f"size of partition.microbatch_sizes ({req.microbatch_sizes or 'any'}) leaves num_microbatches >= 2 x "
-            f"stage 0's early forwards at train.global_batch_size {B}; raise it, lower the sizes, or set "
-            "optim.delay_correction=none"
-        )
-    return dataclasses.replace(req, newest_predict=True)
+    return dataclasses.replace(req, **none, newest_predict=cfg.optim.delay_correction == "predict")
 
 
 def host_figures(cfg: Config) -> HostFigures:

@@ -126,6 +126,7 @@ import numpy as np
 from partitioner.segments import LayerCost, Segments
 from partitioner.split import split_backward_s, whole_set
 from partitioner.topology import LOCAL, Link
+from pipedream2bw.config.newest import early_forwards, prediction_replicas
 from pipedream2bw.memory.precision import optimizer_state_factor, versions_held
 
 # in_flight: the runtime's own bound, re-exported for the memory model's callers
@@ -151,6 +152,16 @@ __all__ = ["optimizer_state_factor", "LayerCost", "Segments"]
 
 def num_versions(schedule: str) -> int:
     return versions_held(schedule)
+
+
+def weight_copies(ctx: "StageContext") -> int:
+    """The weight copies a stage holds: its versions (``num_versions``), and under newest's prediction a second
+    prediction replica where its early forwards are more than half of m (config/newest.py's ``prediction_replicas``,
+    as ``PredictedNewestVersions`` holds them)."""
+    if not (ctx.newest_predict and ctx.schedule == "2bw"):
+        return num_versions(ctx.schedule)
+    early = early_forwards(ctx.num_stages, ctx.num_microbatches, ctx.forward_lead, stage_index=ctx.stage_index)
+    return num_versions(ctx.schedule) + prediction_replicas(early, ctx.num_microbatches) - 1
 
 
 def batch_multiplier(schedule: str, num_stages: int, num_microbatches: int) -> float:
@@ -193,6 +204,8 @@ class StageContext:
     data_parallel: int
     schedule: str = "2bw"
     forward_lead: int = 0  # pipeline.forward_lead
+    # pipeline.weight_versions=newest with optim.delay_correction=predict (under 2bw): ``weight_copies``
+    newest_predict: bool = False
     recompute: bool = False
     swap: bool = False
     swap_resident: int = 1
@@ -331,7 +344,7 @@ def _weight_state(seg: Segments, i, j, ctx: StageContext, *, ws: int, wc: float)
     # float32 masters of their own where the versions are not them (sharded, or in the compute dtype): counted
     # with the optimizer state, which owns them
     master = W / ws if (ws > 1 or ctx.weight_copy_bytes != 4) else 0.0 * W
-    weights, gradients = num_versions(ctx.schedule) * W * wc, W + (W / ws if ctx.waits else 0.0)
+    weights, gradients = weight_copies(ctx) * W * wc, W + (W / ws if ctx.waits else 0.0)
     optimizer = seg.total("O", i, j, ctx.held) / ws + master
     # a stage whose optimizer is on the host runs no step on the device: its step (s) here is the link's part
     if ctx.stream:  # on the host (``stream.host_bytes_model``): per version its weights and a float32 gradient

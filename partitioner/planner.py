@@ -58,7 +58,6 @@ from partitioner.topology import (
     replica_links,
 )
 from pipedream2bw.config import TopologyConfig
-from pipedream2bw.config.newest import early_forwards
 from pipedream2bw.errors import ConfigError
 from pipedream2bw.memory.host_optim import free_cores
 from pipedream2bw.memory.precision import param_memory, step_waits
@@ -111,11 +110,13 @@ def stage_contexts(
     stream_window: int = 1,
     forward_lead: int = 0,
     host: HostFigures = HostFigures(),
+    newest_predict: bool = False,
 ) -> List[StageContext]:
     """Per-stage contexts; ``runtime_bytes`` is one figure for all stages or a list, one per stage; ``waits``:
     per stage, whether it holds a closed batch's gradient (``precision.step_waits``; default none); ``host``: the host's
     figures, shared by the ranks of a node (a stage's ``host_share``: the plan's ranks on its first rank's node per
-    core of the host, at least 1)."""
+    core of the host, at least 1); ``newest_predict``: 2bw under pipeline.weight_versions=newest with its prediction
+    (``StageContext``'s)."""
     d, w = len(rank_map), len(rank_map[0])
     if isinstance(runtime_bytes, (int, float)):
         runtime_bytes = [runtime_bytes] * d
@@ -133,6 +134,7 @@ def stage_contexts(
             data_parallel=w,
             schedule=schedule,
             forward_lead=forward_lead,
+            newest_predict=newest_predict,
             recompute=recompute,
             swap=swap,
             swap_resident=swap_resident,
@@ -279,8 +281,8 @@ class Request:
     tensor_widths: Optional[Sequence[int]] = None
     sequence_parallel: bool = False
     tensor_efficiency: float = TENSOR_EFFICIENCY
-    # 2bw under pipeline.weight_versions=newest with optim.delay_correction=predict: only the (d, m) whose m leaves
-    # 2 x stage 0's early forwards (config/newest.py's bound, which depends on both)
+    # 2bw under pipeline.weight_versions=newest with optim.delay_correction=predict: a stage whose early forwards are
+    # more than half of m holds a third weight copy (config/newest.py's ``prediction_replicas``; StageContext's)
     newest_predict: bool = False
 
 
@@ -326,18 +328,12 @@ def _batch_candidates(req: Request, d: int, w: int, t: int):
     bs = req.microbatch_sizes or [b for b in divisors(per_replica) if b <= req.max_microbatch_size]
     for b in bs:
         m = per_replica // b
-        if per_replica % b or (req.schedule == "2bw" and m < d) or not _predict_bound_met(req, d, m):
+        if per_replica % b or (req.schedule == "2bw" and m < d):
             continue
         for rc in [req.recompute] if req.recompute is not None else [False, True]:
             for sh in [req.sharded] if req.sharded is not None else [False, True]:
                 if not (sh and w == 1):  # nothing to shard over: the unsharded candidate
                     yield d, w, t, b, m, rc, sh
-
-
-def _predict_bound_met(req: Request, d: int, m: int) -> bool:
-    """Whether ``m`` microbatches on ``d`` stages meet newest's prediction bound, where the request has it
-    (``newest_predict``): m >= 2 x stage 0's early forwards."""
-    return not req.newest_predict or 2 * early_forwards(d, m, req.forward_lead) <= m
 
 
 @dataclass(frozen=True)
@@ -477,6 +473,7 @@ def _contexts(req: Request, rank_map, *, m: int, recompute: bool, sharded: bool,
         stream_window=req.weight_prefetch,
         host=req.host,
         forward_lead=req.forward_lead,
+        newest_predict=req.newest_predict,
     )
 
 
@@ -671,6 +668,7 @@ def _min_memory(
         bucket_bytes=req.bucket_bytes,
         waits=_waits(req, d, w, sharded=sharded),
         stream_window=req.weight_prefetch,
+        newest_predict=req.newest_predict,
     )
     best = math.inf
     for stream in [False, True] if _streams(req, w, t) else [False]:

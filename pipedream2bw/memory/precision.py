@@ -164,6 +164,7 @@ def param_memory(
     data_parallel: int = 1,
     waits: bool = False,
     delay_correction: str = "none",
+    versions: Optional[int] = None,
 ) -> ParamMemory:
     """Bytes per parameter under a resolved ``precision`` (one of fp32, bf16, fp16), ``train.weight_dtype``
     and ``optim.sharded`` over ``data_parallel`` replicas, ``waits`` if the step waits (``step_waits``):
@@ -173,7 +174,8 @@ def param_memory(
     4/w B sharded; sharding divides the optimizer state by w. Autocast's per-microbatch weight casts
     are made only from float32 versions. ``optim.delay_correction=error_feedback`` keeps one more float32 copy
     (the previous update) in the optimizer state, sharded with it; ``predict`` one too (the last applied update, d);
-    ``predict_error_feedback`` both.
+    ``predict_error_feedback`` both. ``versions``: the weight copies held where not ``versions_held(schedule)``
+    (pipeline.weight_versions=newest with its prediction: config/newest.py's ``prediction_replicas``).
     """
     w = data_parallel if sharded else 1
     extra_state = state_copies(delay_correction)
@@ -182,7 +184,7 @@ def param_memory(
     reduced = torch.finfo(compute_dtype(precision)).bits // 8 if precision != "fp32" and weight_copy == 4 else 0
     return ParamMemory(
         weight_copy=weight_copy,
-        versions=versions_held(schedule),
+        versions=versions_held(schedule) if versions is None else versions,
         master=FP32_BYTES / w if (w > 1 or weight_copy != FP32_BYTES) else 0,
         gradient=FP32_BYTES,
         optimizer=FP32_BYTES * (optimizer_state_factor(optimizer, optimizer_kwargs) + extra_state) / w,

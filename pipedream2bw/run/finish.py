@@ -18,6 +18,7 @@ from pipedream2bw.config import (
     TrainConfig,
     optimizer_name,
 )
+from pipedream2bw.config.newest import early_forwards, prediction_replicas
 from pipedream2bw.config.optimizers import correction_in_effect
 from pipedream2bw.data import data_resident_bytes
 from pipedream2bw.io import checkpoint, timeline
@@ -349,6 +350,7 @@ def precision_record(
             data_parallel=rt.data_parallel,
             waits=waits,
             delay_correction=correction,
+            versions=_weight_copies(rt, correction),
         ).as_dict(),
     }
     if isinstance(rule, ScaledStepRule):  # every rank's scaler takes the same values; these are rank 0's
@@ -359,6 +361,15 @@ def precision_record(
             "state": rule.state_dict(),
         }
     return record
+
+
+def _weight_copies(rt: RankPlan, correction: str) -> Optional[int]:
+    """The weight copies this rank's stage holds where they are not its schedule's versions: under
+    pipeline.weight_versions=newest with its prediction, W and one or two predictions (``PredictedNewestVersions``)."""
+    if rt.weight_versions != "newest" or correction != "predict":
+        return None
+    early = early_forwards(rt.num_stages, rt.num_microbatches, rt.forward_lead, stage_index=rt.stage)
+    return 1 + prediction_replicas(early, rt.num_microbatches)
 
 
 def save_trace(all_stats: Sequence[StageStats], run_dir: Path, *, steps: range, title: str) -> Dict[str, Any]:
