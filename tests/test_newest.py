@@ -3,6 +3,7 @@ process (tests/reference.py's ``reference_newest``), and what it refuses (gloo, 
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import pytest
@@ -10,7 +11,7 @@ import torch
 from dist_helper import run_ok
 from reference import reference_newest
 from test_config import make
-from test_semantics import _oracle, assert_losses_close, max_abs_diff, tiny_config
+from test_semantics import OPTIMIZERS, _oracle, assert_losses_close, max_abs_diff, tiny_config
 from torch import nn
 
 from pipedream2bw.config import ConfigError, build_optimizer, gpt_balance, validate
@@ -29,7 +30,7 @@ def newest_config(*, num_stages: int, num_microbatches: int = 4, forward_lead: i
 def _run_in_one_process(cfg, balance, kind=NewestVersions):
     """Every stage's ``kind`` (``NewestVersions``, ``PredictedNewestVersions``) driven through the 2bw schedule's
     actions in one process, in the order of ``schedule.simulate``'s ticks (activations and gradients handed over in
-    memory): (each stage's newest weights, the batch losses)."""
+    memory): (each stage's newest weights, the batch losses, each stage's replicas)."""
     d, m, num_steps = len(balance), cfg.pipeline.num_microbatches, cfg.train.num_steps
     torch.manual_seed(cfg.seed)
     source = model_source(cfg.model, seed=cfg.seed)
@@ -42,6 +43,7 @@ def _run_in_one_process(cfg, balance, kind=NewestVersions):
             schedule="2bw",
             optimizer_factory=lambda params: build_optimizer(params, stepped),
             early_forwards=d - s - 1 + schedule.lead(s, d, m, lead),
+            num_microbatches=m,
         )
         for s in range(d)
     ]
@@ -78,7 +80,8 @@ def _run_in_one_process(cfg, balance, kind=NewestVersions):
                 handed[("B", s - 1, k)] = x.grad if s > 0 else None
             elif a.kind == schedule.STEP:
                 versions[s].step(k, grad_scale=1.0 / m)
-    return [p.detach() for v in versions for p in v.newest().parameters()], losses
+    weights = [p.detach() for v in versions for p in v.newest().parameters()]
+    return weights, losses, [len(v.replicas) for v in versions]
 
 
 @pytest.mark.parametrize("d,lead", [(2, 0), (3, 1)])
@@ -89,7 +92,7 @@ def test_newest_versions_in_one_process_equal_the_rule(d, lead):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the reference and the ranks (Adam turns reduction-order noise into steps)
     try:
-        weights, losses = _run_in_one_process(cfg, gpt_balance(cfg.model, d))
+        weights, losses, _ = _run_in_one_process(cfg, gpt_balance(cfg.model, d))
     finally:
         torch.set_num_threads(threads)
     expected = reference_newest(cfg, balance=gpt_balance(cfg.model, d))
@@ -97,18 +100,40 @@ def test_newest_versions_in_one_process_equal_the_rule(d, lead):
     torch.testing.assert_close(losses, expected.losses)
 
 
-@pytest.mark.parametrize("d,m,lead", [(2, 2, 0), (2, 4, 1), (3, 4, 0)])
-def test_the_prediction_in_one_process_equals_the_rule(d, m, lead):
+def predict_config(*, num_stages: int, num_microbatches: int, forward_lead: int = 0, optim: str = "adam"):
+    """``newest_config`` with optim.delay_correction=predict and one of test_semantics' ``OPTIMIZERS``."""
+    cfg = newest_config(num_stages=num_stages, num_microbatches=num_microbatches, forward_lead=forward_lead)
+    cfg.optim = dataclasses.replace(copy.deepcopy(OPTIMIZERS[optim]), delay_correction="predict")
+    return cfg
+
+
+# (d, m, lead, optimizer, each stage's replicas). At an odd m Adam turns the round-off of a gradient that is zero in
+# exact arithmetic (attention's key bias) into whole steps, under newest without the prediction too: 2bw's SGD there.
+PREDICT_CASES = [
+    (2, 2, 0, "adam", [2, 2]),
+    (2, 4, 1, "adam", [2, 2]),
+    (3, 4, 0, "adam", [2, 2, 2]),
+    (3, 4, 1, "adam", [3, 2, 2]),  # stage 0: E = 3 early forwards of m = 4
+    (4, 4, 0, "adam", [3, 2, 2, 2]),  # stage 0: E = 3
+    (3, 3, 0, "sgd_momentum", [3, 2, 2]),  # stage 0: E = 2
+]
+
+
+@pytest.mark.parametrize("d,m,lead,optim,replicas", PREDICT_CASES)
+def test_the_prediction_in_one_process_equals_the_rule(d, m, lead, optim, replicas):
     """optim.delay_correction=predict under newest, no processes: each stage's early forwards run on P(t) = W(t-1) +
-    d(t-2) (``PredictedNewestVersions``), the rest on W(t), to float32 round-off of the rule; and not newest's."""
-    cfg = newest_config(num_stages=d, num_microbatches=m, forward_lead=lead)
-    cfg.optim = dataclasses.replace(cfg.optim, delay_correction="predict")
+    d(t-2) (``PredictedNewestVersions``), the rest on W(t), to float32 round-off of the rule; and not newest's. A
+    stage whose E early forwards are more than half of m holds two predictions, P(t) in replica 1 + t % 2: with one,
+    batch t+1's prediction overwrites the weights batch t's early microbatches still have to backward through
+    (autograd's in-place error)."""
+    cfg = predict_config(num_stages=d, num_microbatches=m, forward_lead=lead, optim=optim)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        weights, losses = _run_in_one_process(cfg, gpt_balance(cfg.model, d), PredictedNewestVersions)
+        weights, losses, held = _run_in_one_process(cfg, gpt_balance(cfg.model, d), PredictedNewestVersions)
     finally:
         torch.set_num_threads(threads)
+    assert held == replicas
     expected = reference_newest(cfg, balance=gpt_balance(cfg.model, d))
     torch.testing.assert_close(weights, list(expected.weights.values()))
     torch.testing.assert_close(losses, expected.losses)
@@ -156,6 +181,64 @@ def test_the_prediction_equals_its_rule_at_two_stages(tmp_path):
     expected = reference_newest(cfg, balance=gpt_balance(cfg.model, 2))
     torch.testing.assert_close(torch.load(tmp_path / "final_model.pt"), expected.weights)
     assert_losses_close(summary["losses"], expected.losses)
+
+
+def _planned_weight_bytes(cfg, balance, *, newest_predict: bool):
+    """The planner's weight bytes of each stage of ``balance`` (partitioner/cost.py's ``segment_costs`` on the
+    analytic costs of ``cfg``'s GPT), under newest's prediction or not (``StageContext.newest_predict``)."""
+    from partitioner.cost import Segments, segment_costs
+    from partitioner.planner import stage_contexts
+    from partitioner.profile import analytic_gpt
+
+    d, p = len(balance), cfg.pipeline
+    seg = Segments(analytic_gpt(cfg.model, cfg.optim, p.microbatch_size, cfg.topology))
+    contexts = stage_contexts(
+        cfg.topology,
+        [[s] for s in range(d)],
+        schedule="2bw",
+        num_microbatches=p.num_microbatches,
+        recompute=False,
+        swap=False,
+        swap_resident=0,
+        runtime_bytes=0,
+        forward_lead=p.forward_lead,
+        newest_predict=newest_predict,
+    )
+    starts = [sum(balance[:s]) for s in range(d + 1)]
+    return [int(segment_costs(seg, starts[s], starts[s + 1], contexts[s])["weights"]) for s in range(d)]
+
+
+@pytest.mark.parametrize("d,m,lead,optim,replicas", PREDICT_CASES)
+def test_the_planner_counts_the_second_prediction_where_the_versions_hold_it(d, m, lead, optim, replicas):
+    """A stage holding two predictions (2E > m) has one W more of weights in the planner than the same stage with
+    one (or without the prediction: W and the two versions' other buffer), exactly where ``PredictedNewestVersions``
+    builds the third replica; the other stages' weights are the same."""
+    cfg = predict_config(num_stages=d, num_microbatches=m, forward_lead=lead, optim=optim)
+    balance = gpt_balance(cfg.model, d)
+    predicted = _planned_weight_bytes(cfg, balance, newest_predict=True)
+    plain = _planned_weight_bytes(cfg, balance, newest_predict=False)
+    one_w = [w // 2 for w in plain]  # two copies of the stage's float32 weights
+    assert [p - q for p, q in zip(predicted, plain)] == [(r - 2) * w for r, w in zip(replicas, one_w)]
+
+
+@pytest.mark.slow
+@pytest.mark.long  # 3 ranks: about 20 s loaded
+def test_the_prediction_equals_its_rule_with_a_second_prediction_at_three_stages(tmp_path):
+    """d = 3, m = 3: stage 0 runs 2 forwards of each batch on the prediction, more than half of m, so it holds P(t)
+    in replica 1 + t % 2 (batch t's early microbatches still backward through P(t) when batch t+1's first forward
+    needs P(t+1)); the pipeline's weights and losses are the rule's to float32 round-off (SGD with momentum: at an
+    odd m Adam makes steps of the round-off of a zero gradient, ``PREDICT_CASES``). Each rank's weight bytes (its
+    replicas' tensors) are the planner's: three copies on stage 0, two on the others; the summary's
+    bytes_per_parameter (rank 0's) counts three."""
+    cfg = predict_config(num_stages=3, num_microbatches=3, optim="sgd_momentum")
+    summary = run_ok(cfg, tmp_path)
+    assert summary["weight_versions"] == "newest" and summary["delay_correction"] == "predict"
+    expected = reference_newest(cfg, balance=gpt_balance(cfg.model, 3))
+    torch.testing.assert_close(torch.load(tmp_path / "final_model.pt"), expected.weights)
+    assert_losses_close(summary["losses"], expected.losses)
+    planned = _planned_weight_bytes(cfg, summary["balance"], newest_predict=True)
+    assert {r["stage"]: r["weight_bytes"] for r in summary["ranks"]} == dict(enumerate(planned))
+    assert summary["bytes_per_parameter"]["versions"] == 3
 
 
 @pytest.mark.slow
@@ -229,29 +312,38 @@ def test_newest_runs_with_replicas(extra):
     validate(cfg, world_size=4)
 
 
-def _early_and_free(d: int, m: int, lead: int):
-    """Walks stage 0's 2bw actions for 3 batches: (its forwards of batch 2 before step 1, whether batch 1's early
-    microbatches are all through their backwards before batch 2's first forward)."""
+def _early_and_free(d: int, m: int, lead: int, s: int):
+    """Walks stage s's 2bw actions for 4 batches: (its forwards of batch 2 before step 1, whether batch t-1's early
+    microbatches are all through their backwards before batch t's first forward, and whether all of batch t-2's are),
+    t = 2 and 3."""
     actions = schedule.stage_actions(
-        "2bw", stage_index=0, num_stages=d, num_microbatches=m, num_batches=3, forward_lead=lead
+        "2bw", stage_index=s, num_stages=d, num_microbatches=m, num_batches=4, forward_lead=lead
     )
     position = {(a.kind, a.index): i for i, a in enumerate(actions)}
     early = sum(1 for j in range(m) if position[(schedule.FORWARD, 2 * m + j)] < position[(schedule.STEP, 1)])
-    first = position[(schedule.FORWARD, 2 * m)]
-    return early, all(position[(schedule.BACKWARD, m + j)] < first for j in range(early))
+
+    def through(batch: int, count: int, t: int) -> bool:  # batch's first `count` backwards before t's first forward
+        return all(
+            position[(schedule.BACKWARD, batch * m + j)] < position[(schedule.FORWARD, t * m)] for j in range(count)
+        )
+
+    return early, all(through(t - 1, early, t) for t in (2, 3)), all(through(t - 2, m, t) for t in (2, 3))
 
 
-def test_the_predictions_refusal_is_the_schedules():
-    """config/newest.py's count of stage 0's early forwards is the schedule's, and its bound (2 x early <= m) is
-    exactly where the prediction's buffer is free again before the next batch's first forward."""
-    from pipedream2bw.config.newest import early_forwards
+def test_the_predictions_replicas_are_the_schedules():
+    """config/newest.py's count of each stage's early forwards is the schedule's; its one prediction replica (2 x
+    early <= m) is exactly where it is free again before the next batch's first forward, and where it is not, a
+    second one, alternating by batch, always is (batch t-2 is through all its backwards before batch t starts)."""
+    from pipedream2bw.config.newest import early_forwards, prediction_replicas
 
     for d in range(1, 6):
         for m in range(d, 10):
             for lead in range(3):
-                early, free = _early_and_free(d, m, lead)
-                assert early_forwards(d, m, lead) == early, (d, m, lead)
-                assert free == (2 * early <= m), (d, m, lead)
+                for s in range(d):
+                    early, free, free_two_back = _early_and_free(d, m, lead, s)
+                    assert early_forwards(d, m, lead, stage_index=s) == early, (d, m, lead, s)
+                    assert free == (prediction_replicas(early, m) == 1), (d, m, lead, s)
+                    assert free_two_back, (d, m, lead, s)
 
 
 @pytest.mark.parametrize(
@@ -261,7 +353,9 @@ def test_the_predictions_refusal_is_the_schedules():
         ["pipeline.num_microbatches=3", "pipeline.forward_lead=1"],
     ],
 )
-def test_the_prediction_refuses_too_few_microbatches_in_one_line(overrides):
+def test_the_prediction_runs_where_a_stage_holds_two_predictions(overrides):
+    """Regression: 2 x stage 0's early forwards > m was refused (one prediction replica would be overwritten under
+    its microbatches' backwards); a second replica now takes every other batch's prediction."""
     cfg = make(
         "pipeline.weight_versions=newest",
         "pipeline.num_stages=2",
@@ -269,32 +363,17 @@ def test_the_prediction_refuses_too_few_microbatches_in_one_line(overrides):
         "optim.delay_correction=predict",
         *overrides,
     )
-    with pytest.raises(
-        ConfigError,
-        match=r"^pipeline.weight_versions=newest with optim.delay_correction=predict at pipeline.num_microbatches "
-        r"\(\d\): stage 0 runs \d forwards",
-    ) as e:
-        validate(cfg, world_size=cfg.pipeline.num_stages)
-    assert "\n" not in str(e.value)
-    validate(
-        make(
-            "pipeline.weight_versions=newest",
-            "pipeline.num_stages=2",
-            "pipeline.num_microbatches=2",
-            "optim.delay_correction=predict",
-        ),
-        world_size=2,
-    )
+    validate(cfg, world_size=cfg.pipeline.num_stages)
 
 
-def test_newest_resolves_muons_auto_to_its_prediction_where_m_allows_and_runs_at_the_defaults():
-    """Under newest Muon's optim.delay_correction=auto is newest's own prediction where the microbatches leave its
-    buffer free (2 x stage 0's early forwards <= m), else none; AdamW's none; the batch rule keeps its default."""
+def test_newest_resolves_muons_auto_to_its_prediction_and_runs_at_the_defaults():
+    """Under newest Muon's optim.delay_correction=auto is newest's own prediction at every m (where 2 x stage 0's
+    early forwards > m with two prediction replicas there); AdamW's none; the batch rule keeps its default."""
     cfg = make("pipeline.weight_versions=newest", "pipeline.num_stages=2")
     assert cfg.optim.delay_correction == "predict"
     validate(cfg, world_size=2)
     few = make("pipeline.weight_versions=newest", "pipeline.num_stages=4", "pipeline.num_microbatches=4")
-    assert few.optim.delay_correction == "none"
+    assert few.optim.delay_correction == "predict"
     validate(few, world_size=4)
     assert (
         make("pipeline.weight_versions=newest", "pipeline.num_stages=2", "optim.name=adamw").optim.delay_correction
@@ -355,6 +434,28 @@ def test_the_prediction_resumes_where_it_left_off(tmp_path):
     assert again["first_step"] == 2 and again["losses"] == summary["losses"]
     resumed_weights = torch.load(tmp_path / "resumed" / "final_model.pt")
     assert all(torch.equal(resumed_weights[k], w) for k, w in weights.items())
+
+
+@pytest.mark.slow
+@pytest.mark.long
+def test_the_prediction_resumes_across_its_second_prediction(tmp_path):
+    """d = 3, m = 3, stage 0 holding P(t) in replica 1 + t % 2: a checkpoint after n steps holds P(n) (from replica 2
+    at n = 3, replica 1 at n = 2), which the resumed run loads into P(n)'s replica and its first forwards run on;
+    2 + 2 and 3 + 1 resumed steps end on the 4-step run's bits, which are the rule's. Fails (at n = 3) with P(n)
+    taken from replica 1 whatever n."""
+    cfg = predict_config(num_stages=3, num_microbatches=3, optim="sgd_momentum")
+    cfg.train.num_steps, cfg.train.checkpoint_every, cfg.train.keep_checkpoints = 4, 1, 4
+    summary = run_ok(cfg, tmp_path / "straight")
+    weights = torch.load(tmp_path / "straight" / "final_model.pt")
+    torch.testing.assert_close(weights, reference_newest(cfg, balance=gpt_balance(cfg.model, 3)).weights)
+    for n in (2, 3):
+        path = tmp_path / "straight" / "checkpoints" / f"step_{n:08d}"
+        again = run_ok(
+            dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, resume=str(path))), tmp_path / f"from{n}"
+        )
+        assert again["first_step"] == n and again["losses"] == summary["losses"], n
+        resumed_weights = torch.load(tmp_path / f"from{n}" / "final_model.pt")
+        assert all(torch.equal(resumed_weights[k], w) for k, w in weights.items()), n
 
 
 def test_newest_resumes_only_where_the_same_forwards_run_early():
