@@ -14,7 +14,6 @@ from partitioner.__main__ import compose, main
 from partitioner.auto import apply_plan, plan_config
 from partitioner.planner import load_plan, save_plan
 from pipedream2bw.config import ConfigError, OptimConfig, default_plan_choices, validate
-from pipedream2bw.config.newest import early_forwards
 
 # a deep GPT on small devices: 8 stages; few microbatches a batch give flush a large bubble, many a small one
 DEEP = [
@@ -204,19 +203,18 @@ def test_newest_plans_2bw_at_any_depth_with_replicas_but_no_recompute_or_shardin
     assert {(p.num_stages, p.data_parallel) for p in plan_config(pinned)} == {(2, 2)}
 
 
-def test_newest_with_the_prediction_plans_only_microbatch_sizes_that_meet_its_bound(monkeypatch):
-    # optim.delay_correction=predict under newest needs m >= 2 x stage 0's early forwards (d - 1 = 3 at d = 4: m >= 6,
-    # config/newest.py): at a batch of 8, b = 2 (m = 4) would be refused after planning, b = 1 (m = 8) runs
+def test_newest_with_the_prediction_plans_every_microbatch_size_with_its_third_weight_copy(monkeypatch):
+    # regression: optim.delay_correction=predict under newest needed m >= 2 x stage 0's early forwards, and the planner
+    # kept only the (d, b) that met it; now a stage whose early forwards are more than half of m holds a second
+    # prediction (config/newest.py's prediction_replicas), which its plan charges: at d = 4 and a batch of 8, b = 2
+    # (m = 4) plans, stage 0 (3 early forwards) with three weight copies where the plan without the prediction has two
     monkeypatch.setattr(time_to_loss, "CANDIDATES", ("2bw", "flush"))
-    predict = [*CPU4, "train.global_batch_size=8", "pipeline.weight_versions=newest", "optim.delay_correction=predict"]
-    plans = plan_config(compose([*predict, "partition.microbatch_sizes=[1,2]"]))
-    assert {p.microbatch_size for p in plans if p.schedule == "2bw"} == {1}
-    with pytest.raises(ConfigError, match=r"^pipeline.weight_versions=newest with optim.delay_correction=predict on 4"):
-        plan_config(compose([*predict, "partition.microbatch_sizes=[2]", "pipeline.schedule=2bw"]))
-    assert plan_config(compose([*predict, "partition.microbatch_sizes=[2]"]))[0].schedule == "flush"
-    # at any depth the bound is each plan's, its m = B / (w b): 2 x 2 at b = 2 (m = 2, 1 early forward) meets it
-    any_depth = [a for a in predict if not a.startswith("partition.depths")]
-    pinned = compose([*any_depth, "partition.microbatch_sizes=[1,2]", "pipeline.schedule=2bw"])
-    plans = plan_config(pinned, runners_up=8)
-    assert {(p.num_stages, p.data_parallel, p.microbatch_size) for p in plans} >= {(2, 2, 2), (4, 1, 1)}
-    assert all(2 * early_forwards(p.num_stages, p.num_microbatches, 0) <= p.num_microbatches for p in plans)
+    predict = [*CPU4, "train.global_batch_size=8", "pipeline.weight_versions=newest", "partition.microbatch_sizes=[2]"]
+    plans = {
+        c: plan_config(compose([*predict, f"optim.delay_correction={c}", "pipeline.schedule=2bw"]))[0]
+        for c in ("predict", "none")
+    }
+    assert {(p.num_stages, p.num_microbatches) for p in plans.values()} == {(4, 4)}
+    assert plans["predict"].balance == plans["none"].balance
+    weights = {c: [st["weights"] for st in p.predicted_memory_breakdown] for c, p in plans.items()}
+    assert weights["predict"][0] * 2 == weights["none"][0] * 3 and weights["predict"][1:] == weights["none"][1:]
