@@ -164,7 +164,9 @@ def test_the_predictions_d_counts_as_optimizer_state():
     still counts its 4 B a parameter, as it counts the batch rule's prediction in its optimizer's state."""
     module = nn.Linear(3, 2)  # 8 parameters
     adam = lambda params: torch.optim.Adam(params)  # noqa: E731
-    versions = PredictedNewestVersions(module, schedule="2bw", optimizer_factory=adam, early_forwards=1)
+    versions = PredictedNewestVersions(
+        module, schedule="2bw", optimizer_factory=adam, early_forwards=1, num_microbatches=2
+    )
     assert versions.optimizer_state_bytes() == 8 * 4  # before any step Adam holds nothing
     plain = NewestVersions(nn.Linear(3, 2), schedule="2bw", optimizer_factory=adam, early_forwards=1)
     assert plain.optimizer_state_bytes() == 0
