@@ -8,6 +8,7 @@ import signal
 from pathlib import Path
 
 import pytest
+import torch
 from dist_helper import spawn, train_failing_in_setup, train_with_fault
 from test_semantics import tiny_config
 
@@ -190,3 +191,23 @@ def test_a_host_that_cannot_hold_the_streamed_buffers_is_refused_before_any_grou
             r.log,
         )
         assert m and int(m[1]) > small, r.log
+
+
+def test_a_transfer_whose_peer_is_gone_before_it_is_posted_names_the_peer():
+    """gloo may refuse to post a send or receive at once when the peer's connection is already reset (the long tier's
+    killed-rank test met it under load): the error names the transfer and the peer, as a failed wait does."""
+    from types import SimpleNamespace
+
+    from pipedream2bw.pipeline.comm import P2P
+
+    class GoneGroup:
+        def send(self, tensors, rank, tag):
+            raise RuntimeError("[pair.cc:537] Read error: Connection reset by peer")
+
+        recv = send
+
+    p2p = P2P(SimpleNamespace(rank=0), group=GoneGroup())
+    p2p._in_group[1] = 1  # the peer's rank in the group, as the first post asks it
+    for kind, what in (("send", r"a send to rank 1 \(posting it\)"), ("recv", "receiving from rank 1")):
+        with pytest.raises(RuntimeError, match=rf"^rank 0: {what} failed: .*Connection reset by peer"):
+            p2p._post(kind, torch.zeros(2), 1, 0)

@@ -400,7 +400,11 @@ class P2P:
         rank = self._in_group.get(peer)
         if rank is None:
             rank = self._in_group[peer] = dist.get_group_rank(group, peer)
-        return (group.send if kind == "send" else group.recv)([tensor], rank, tag)
+        try:
+            return (group.send if kind == "send" else group.recv)([tensor], rank, tag)
+        except Exception as e:  # a peer gone before the post (gloo: its connection reset), named as a failed wait is
+            what = f"a send to rank {peer} (posting it)" if kind == "send" else f"receiving from rank {peer}"
+            raise RuntimeError(f"rank {self.ctx.rank}: {what} failed: {e}") from e
 
     def send(
         self, tensor: torch.Tensor, *, peer: int, tag: int, defer: bool = False, token: Optional[int] = None
