@@ -359,23 +359,20 @@ def gather_to_rank0(ctx: DistContext, obj: Any) -> Optional[List[Any]]:
 class P2P:
     """Point-to-point transfers between neighbouring stages over named channels.
 
-    The first transfer on a channel sends the tensor's shape and dtype; later ones are
-    checked against it, so a stage that changes shapes fails with a clear message rather
-    than corrupting its neighbour. Sends are asynchronous (the tensor is kept alive until
-    its send completes); receives can be posted early and waited on later. Every wait has
-    the run's timeout.
+    The first transfer on a channel sends the tensor's shape and dtype; later ones are checked against it, so a
+    stage that changes shapes fails with a clear message rather than corrupting its neighbour. Sends are
+    asynchronous (the tensor is kept alive until its send completes); receives can be posted early and waited on
+    later. Every wait has the run's timeout.
 
-    A send's tensor is freed once the send is known to be complete: when its work says so
-    (NCCL), or when the caller ``release``s it, having proof that the peer received it. gloo
-    reports a send complete only once somebody waits on it, and waiting blindly could block on
-    a peer that is itself waiting for us; so the stage worker passes each send a ``token``
-    (its microbatch) and releases tokens as the peer's later transfers prove their receipt.
+    A send's tensor is freed once the send is known to be complete: when its work says so (NCCL), or when the caller
+    ``release``s it, having proof that the peer received it. gloo reports a send complete only once somebody waits
+    on it, and waiting blindly could block on a peer that is itself waiting for us; so the stage worker passes each
+    send a ``token`` (its microbatch) and releases tokens as the peer's later transfers prove their receipt.
 
-    With ``batch_sends`` (NCCL), a send made with ``defer=True`` is held back and started in
-    one batch with the next receive. NCCL runs the transfers between two ranks in order and
-    a large send waits for its receiver, so in 1F1B "send activation k+1, receive gradient k"
-    on one side and "send gradient k, receive activation k+1" on the other would wait on
-    each other unless each pair is started together (as Megatron's send_forward_recv_backward).
+    With ``batch_sends`` (NCCL), a send made with ``defer=True`` is held back and started in one batch with the next
+    receive. NCCL runs the transfers between two ranks in order and a large send waits for its receiver, so in 1F1B
+    "send activation k+1, receive gradient k" on one side and "send gradient k, receive activation k+1" on the other
+    would wait on each other unless each pair is started together (as Megatron's send_forward_recv_backward).
     """
 
     def __init__(self, ctx: DistContext, *, batch_sends: bool = False, group: Any = None):
@@ -393,16 +390,15 @@ class P2P:
         wait_work(self.ctx, work, what)
 
     def _post(self, kind: str, tensor: torch.Tensor, peer: int, tag: int) -> Any:
-        """``dist.isend``/``dist.irecv`` of a steady-state transfer (``kind``: 'send' or 'recv'), minus their
-        per-call Python (the group's lookup, the peer's rank in it, the tensor checks P2P has made): the
-        process group's own call, as they make it (issue 47)."""
+        """``dist.isend``/``dist.irecv`` (``kind``) minus their per-call Python: the group's own call (issue 47); a post
+        refused (gloo: the peer's connection already reset) names the transfer and the peer, as a failed wait does."""
         group = self.group if self.group is not None else dist.group.WORLD
         rank = self._in_group.get(peer)
         if rank is None:
             rank = self._in_group[peer] = dist.get_group_rank(group, peer)
         try:
             return (group.send if kind == "send" else group.recv)([tensor], rank, tag)
-        except Exception as e:  # a peer gone before the post (gloo: its connection reset), named as a failed wait is
+        except Exception as e:
             what = f"a send to rank {peer} (posting it)" if kind == "send" else f"receiving from rank {peer}"
             raise RuntimeError(f"rank {self.ctx.rank}: {what} failed: {e}") from e
 
