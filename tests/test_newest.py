@@ -399,6 +399,22 @@ def test_newest_under_bf16_equals_its_rule(tmp_path):
     assert max_abs_diff(weights, reference_newest(cfg, balance=gpt_balance(cfg.model, 2)).weights) > 1e-2
 
 
+def _resumes_on_the_straight_runs_bits(cfg, tmp_path, *, num_stages: int, resume_at=(2,)) -> None:
+    """Runs ``cfg`` straight (its weights: the rule's) and resumed from its checkpoint after each of ``resume_at``
+    steps: the same losses and the same bits."""
+    summary = run_ok(cfg, tmp_path / "straight")
+    weights = torch.load(tmp_path / "straight" / "final_model.pt")
+    torch.testing.assert_close(weights, reference_newest(cfg, balance=gpt_balance(cfg.model, num_stages)).weights)
+    for n in resume_at:
+        path = tmp_path / "straight" / "checkpoints" / f"step_{n:08d}"
+        again = run_ok(
+            dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, resume=str(path))), tmp_path / f"from{n}"
+        )
+        assert again["first_step"] == n and again["losses"] == summary["losses"], n
+        resumed_weights = torch.load(tmp_path / f"from{n}" / "final_model.pt")
+        assert all(torch.equal(resumed_weights[k], w) for k, w in weights.items()), n
+
+
 @pytest.mark.slow
 @pytest.mark.long  # two 2-rank runs (the default tier is at its 10-minute budget)
 def test_newest_resumes_where_it_left_off(tmp_path):
@@ -407,15 +423,7 @@ def test_newest_resumes_where_it_left_off(tmp_path):
     and 2 + 2 resumed end on the same bits (and the 4-step run on its rule). Fails with that forward on W(n)."""
     cfg = newest_config(num_stages=2)
     cfg.train.num_steps, cfg.train.checkpoint_every = 4, 2
-    summary = run_ok(cfg, tmp_path / "straight")
-    weights = torch.load(tmp_path / "straight" / "final_model.pt")
-    torch.testing.assert_close(weights, reference_newest(cfg, balance=gpt_balance(cfg.model, 2)).weights)
-    path = tmp_path / "straight" / "checkpoints" / "step_00000002"
-    resumed = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, resume=str(path)))
-    again = run_ok(resumed, tmp_path / "resumed")
-    assert again["first_step"] == 2 and again["losses"] == summary["losses"]
-    resumed_weights = torch.load(tmp_path / "resumed" / "final_model.pt")
-    assert all(torch.equal(resumed_weights[k], w) for k, w in weights.items())
+    _resumes_on_the_straight_runs_bits(cfg, tmp_path, num_stages=2)
 
 
 @pytest.mark.slow
@@ -426,16 +434,7 @@ def test_the_prediction_resumes_where_it_left_off(tmp_path):
     cfg = newest_config(num_stages=2, num_microbatches=2)
     cfg.optim = dataclasses.replace(cfg.optim, delay_correction="predict")
     cfg.train.num_steps, cfg.train.checkpoint_every = 4, 2
-    summary = run_ok(cfg, tmp_path / "straight")
-    weights = torch.load(tmp_path / "straight" / "final_model.pt")
-    torch.testing.assert_close(weights, reference_newest(cfg, balance=gpt_balance(cfg.model, 2)).weights)
-    path = tmp_path / "straight" / "checkpoints" / "step_00000002"
-    again = run_ok(
-        dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, resume=str(path))), tmp_path / "resumed"
-    )
-    assert again["first_step"] == 2 and again["losses"] == summary["losses"]
-    resumed_weights = torch.load(tmp_path / "resumed" / "final_model.pt")
-    assert all(torch.equal(resumed_weights[k], w) for k, w in weights.items())
+    _resumes_on_the_straight_runs_bits(cfg, tmp_path, num_stages=2)
 
 
 @pytest.mark.slow
@@ -447,17 +446,7 @@ def test_the_prediction_resumes_across_its_second_prediction(tmp_path):
     taken from replica 1 whatever n."""
     cfg = predict_config(num_stages=3, num_microbatches=3, optim="sgd_momentum")
     cfg.train.num_steps, cfg.train.checkpoint_every, cfg.train.keep_checkpoints = 4, 1, 4
-    summary = run_ok(cfg, tmp_path / "straight")
-    weights = torch.load(tmp_path / "straight" / "final_model.pt")
-    torch.testing.assert_close(weights, reference_newest(cfg, balance=gpt_balance(cfg.model, 3)).weights)
-    for n in (2, 3):
-        path = tmp_path / "straight" / "checkpoints" / f"step_{n:08d}"
-        again = run_ok(
-            dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, resume=str(path))), tmp_path / f"from{n}"
-        )
-        assert again["first_step"] == n and again["losses"] == summary["losses"], n
-        resumed_weights = torch.load(tmp_path / f"from{n}" / "final_model.pt")
-        assert all(torch.equal(resumed_weights[k], w) for k, w in weights.items()), n
+    _resumes_on_the_straight_runs_bits(cfg, tmp_path, num_stages=3, resume_at=(2, 3))
 
 
 def test_newest_resumes_only_where_the_same_forwards_run_early():
