@@ -126,7 +126,7 @@ import numpy as np
 from partitioner.segments import LayerCost, Segments
 from partitioner.split import split_backward_s, whole_set
 from partitioner.topology import LOCAL, Link
-from pipedream2bw.config.newest import early_forwards, prediction_replicas
+from pipedream2bw.config.newest import prediction_weight_copies
 from pipedream2bw.memory.precision import optimizer_state_factor, versions_held
 
 # in_flight: the runtime's own bound, re-exported for the memory model's callers
@@ -155,13 +155,11 @@ def num_versions(schedule: str) -> int:
 
 
 def weight_copies(ctx: "StageContext") -> int:
-    """The weight copies a stage holds: its versions (``num_versions``), and under newest's prediction a second
-    prediction replica where its early forwards are more than half of m (config/newest.py's ``prediction_replicas``,
-    as ``PredictedNewestVersions`` holds them)."""
+    """The weight copies a stage holds: its versions (``num_versions``), or under newest's prediction its W and its
+    one or two prediction replicas (config/newest.py's ``prediction_weight_copies``)."""
     if not (ctx.newest_predict and ctx.schedule == "2bw"):
         return num_versions(ctx.schedule)
-    early = early_forwards(ctx.num_stages, ctx.num_microbatches, ctx.forward_lead, stage_index=ctx.stage_index)
-    return num_versions(ctx.schedule) + prediction_replicas(early, ctx.num_microbatches) - 1
+    return prediction_weight_copies(ctx.num_stages, ctx.num_microbatches, ctx.forward_lead, stage_index=ctx.stage_index)
 
 
 def batch_multiplier(schedule: str, num_stages: int, num_microbatches: int) -> float:

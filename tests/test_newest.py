@@ -495,31 +495,12 @@ def test_under_schedule_auto_newest_is_the_2bw_candidates_rule():
 
 def _planned(cfg, schedule: str, balance):
     """``cfg`` (pipeline.schedule=auto) with a plan of ``schedule`` applied, as run/start.py applies it."""
+    from test_sharding import _plan_of
+
     from partitioner.auto import apply_plan
-    from partitioner.planner import Plan
 
     d = len(balance)
-    plan = Plan(
-        schedule=schedule,
-        num_stages=d,
-        data_parallel=1,
-        microbatch_size=cfg.pipeline.microbatch_size,
-        num_microbatches=cfg.pipeline.num_microbatches,
-        global_batch_size=cfg.pipeline.microbatch_size * cfg.pipeline.num_microbatches,
-        balance=list(balance),
-        rank_map=[[s] for s in range(d)],
-        recompute=False,
-        swap_stages=[],
-        objective="throughput",
-        topology="cpu",
-        devices=d,
-        memory_per_device_bytes=2**30,
-        costs="profile",
-        predicted_batch_time_s=1.0,
-        predicted_samples_per_s=1.0,
-        predicted_stage_time_s=[0.1] * d,
-        predicted_peak_memory_bytes=[1] * d,
-    )
+    plan = _plan_of(cfg, schedule=schedule, balance=list(balance))
     pipeline, swap = apply_plan(cfg.pipeline, cfg.swap, plan, world_size=d, num_layers=sum(balance))
     return dataclasses.replace(cfg, pipeline=pipeline, swap=swap)
 

@@ -91,16 +91,18 @@ def _step(run_dir, n: int) -> str:
 
 def _plan_of(cfg: Config, **choices) -> Plan:
     """A plan file's content that runs ``cfg``'s pipeline as it is (balance, rank map: the defaults), with
-    ``choices`` (sharded, weight_dtype, precision); the predictions are placeholders."""
+    ``choices`` (sharded, weight_dtype, precision; or a field of the pipeline's own: schedule, balance); the
+    predictions are placeholders."""
     p, d, w = cfg.pipeline, cfg.pipeline.num_stages, cfg.pipeline.data_parallel
+    balance = choices.pop("balance", None) or gpt_balance(cfg.model, d)
     return Plan(
-        schedule=p.schedule,
+        schedule=choices.pop("schedule", p.schedule),
         num_stages=d,
         data_parallel=w,
         microbatch_size=p.microbatch_size,
         num_microbatches=p.num_microbatches,
         global_batch_size=w * p.num_microbatches * p.microbatch_size,
-        balance=gpt_balance(cfg.model, d),
+        balance=balance,
         rank_map=[list(r) for r in make_layout(d, w, ranks_per_node=d * w).ranks],
         recompute=False,
         swap_stages=[],

@@ -33,6 +33,13 @@ def prediction_replicas(early: int, num_microbatches: int) -> int:
     return 2 if 2 * early > num_microbatches else 1
 
 
+def prediction_weight_copies(num_stages: int, num_microbatches: int, forward_lead: int, *, stage_index: int) -> int:
+    """The weight copies stage s holds under newest with its prediction: its exact W and its prediction replicas
+    (``prediction_replicas`` of its ``early_forwards``), as ``PredictedNewestVersions`` holds them."""
+    early = early_forwards(num_stages, num_microbatches, forward_lead, stage_index=stage_index)
+    return 1 + prediction_replicas(early, num_microbatches)
+
+
 def newest_refusal(cfg: Any) -> Optional[str]:
     """Why ``cfg`` (a ``Config``) cannot run pipeline.weight_versions=newest, as one line naming the key, why and
     what to set, or None (also None under weight_versions=batch). Under pipeline.schedule=auto it is its 2bw

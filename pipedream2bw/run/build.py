@@ -26,6 +26,7 @@ from pipedream2bw.config import (
     optimizer_name,
     swap_stages,
 )
+from pipedream2bw.config.newest import early_forwards
 from pipedream2bw.config.optim import probe_kind, state_misfits
 from pipedream2bw.config.optimizers import (
     correction_in_effect,
@@ -214,9 +215,9 @@ def _newest(rt: RankPlan, optim: OptimConfig) -> Tuple[type, Dict[str, int]]:
     replicas); else ``WeightVersions`` and none."""
     if rt.weight_versions != "newest":
         return WeightVersions, {}
-    ahead = schedule.lead(rt.stage, rt.num_stages, rt.num_microbatches, rt.forward_lead)
-    early = {"early_forwards": rt.num_stages - rt.stage - 1 + ahead, "num_microbatches": rt.num_microbatches}
-    return PredictedNewestVersions if optim.delay_correction == "predict" else NewestVersions, early
+    kind = PredictedNewestVersions if optim.delay_correction == "predict" else NewestVersions
+    early = early_forwards(rt.num_stages, rt.num_microbatches, rt.forward_lead, stage_index=rt.stage)
+    return kind, {"early_forwards": early, "num_microbatches": rt.num_microbatches}
 
 
 def replica_index(rt: RankPlan) -> int:

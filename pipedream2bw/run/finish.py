@@ -18,7 +18,7 @@ from pipedream2bw.config import (
     TrainConfig,
     optimizer_name,
 )
-from pipedream2bw.config.newest import early_forwards, prediction_replicas
+from pipedream2bw.config.newest import prediction_weight_copies
 from pipedream2bw.config.optimizers import correction_in_effect
 from pipedream2bw.data import data_resident_bytes
 from pipedream2bw.io import checkpoint, timeline
@@ -368,8 +368,7 @@ def _weight_copies(rt: RankPlan, correction: str) -> Optional[int]:
     pipeline.weight_versions=newest with its prediction, W and one or two predictions (``PredictedNewestVersions``)."""
     if rt.weight_versions != "newest" or correction != "predict":
         return None
-    early = early_forwards(rt.num_stages, rt.num_microbatches, rt.forward_lead, stage_index=rt.stage)
-    return 1 + prediction_replicas(early, rt.num_microbatches)
+    return prediction_weight_copies(rt.num_stages, rt.num_microbatches, rt.forward_lead, stage_index=rt.stage)
 
 
 def save_trace(all_stats: Sequence[StageStats], run_dir: Path, *, steps: range, title: str) -> Dict[str, Any]:
