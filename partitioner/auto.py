@@ -222,11 +222,27 @@ def _newest_request(cfg: Config, req: Request) -> Request:
     """``req`` for 2bw under pipeline.weight_versions=newest: only the layouts newest runs (config/newest.py's
     ``newest_refusal``): no recomputation, swapping, streaming, sharding or tensor split, at any depth and replicas;
     under the prediction, the third weight copy of the stages whose early forwards are more than half of m (the
-    planner's ``newest_predict``). Without it the planner would pick what the run then refuses."""
+    planner's ``newest_predict``). Without it the planner would pick what the run then refuses. Newest that 'auto'
+    chose keeps every layout: a plan newest does not run runs the batch rule (``plan_rule``), its memory counted
+    with the prediction's copies all the same."""
     if req.schedule != "2bw" or cfg.pipeline.weight_versions != "newest":
         return req
+    predict = dataclasses.replace(req, newest_predict=cfg.optim.delay_correction == "predict")
+    if cfg.pipeline.auto_weight_versions:
+        return predict
     none = dict(recompute=False, swap=False, stream=False, sharded=False, tensor=None, tensor_widths=None)
-    return dataclasses.replace(req, **none, newest_predict=cfg.optim.delay_correction == "predict")
+    return dataclasses.replace(predict, **none)
+
+
+def plan_rule(cfg: Config, p: Plan) -> str:
+    """pipeline.weight_versions of a run of plan ``p`` under ``cfg``: 'auto''s newest becomes batch where the plan
+    recomputes, swaps, streams, shards or splits tensors (what newest refuses, config/newest.py), as the Config made
+    with the plan's keys resolves it; batch where the plan's schedule is not 2bw."""
+    rule = cfg.pipeline.weight_versions
+    if p.schedule != "2bw":
+        return "batch"
+    unproven = p.recompute or p.swap_stages or p.stream_stages or p.sharded or p.tensor_parallel > 1
+    return "batch" if rule == "newest" and cfg.pipeline.auto_weight_versions and unproven else rule
 
 
 def host_figures(cfg: Config) -> HostFigures:
@@ -316,9 +332,11 @@ def _plan_schedules(cfg: Config, *, runners_up: int, **kwargs) -> List[Plan]:
 def _steps_factor(cfg: Config, p: Plan) -> float:
     """Plan ``p``'s steps factor under ``cfg`` (``time_to_loss.steps_factor``; under pipeline.weight_versions=newest,
     2bw's rule at the plan's depth); infinite where its schedule is not known to reach the loss."""
-    factor = time_to_loss.steps_factor(
-        p.schedule, cfg.optim, weight_versions=cfg.pipeline.weight_versions, num_stages=p.num_stages
-    )
+    rule, optim = plan_rule(cfg, p), cfg.optim
+    if rule != cfg.pipeline.weight_versions:  # 'auto''s newest run as batch: Muon's 'auto' correction is batch's
+        pipeline = dataclasses.replace(cfg.pipeline, weight_versions=rule, auto_weight_versions=False)
+        optim = dataclasses.replace(cfg, pipeline=pipeline).optim
+    factor = time_to_loss.steps_factor(p.schedule, optim, weight_versions=rule, num_stages=p.num_stages)
     return math.inf if factor is None else factor
 
 
@@ -439,7 +457,8 @@ def apply_plan(
             f"plan again for this model"
         )
     rule = getattr(pipeline, "weight_versions", "batch")  # a runtime without the key runs the batch rule
-    if pipeline.schedule == time_to_loss.AUTO and p.schedule != "2bw" and rule != "batch":
+    chosen = getattr(pipeline, "auto_weight_versions", False)  # 'auto''s: resolved again with the plan's keys
+    if pipeline.schedule == time_to_loss.AUTO and p.schedule != "2bw" and rule != "batch" and not chosen:
         log.info(
             "pipeline.weight_versions (%s) is moot under pipeline.schedule=%s (schedule=auto's choice): its forwards "
             "run on the newest version (the rule is 2bw's); running it as batch",

@@ -89,8 +89,10 @@ FACTORS: "OrderedDict[str, Tuple[Any, ...]]" = OrderedDict(
 # Features that only matrix.EXTRA's cells vary (no factor of the arrays: a cell each, issue 46), Cell fields whose
 # constraints and refusals below are checked all the same: pipeline.sync_warmup_steps=SYNC_WARMUP (2bw: the first
 # steps as PipeDream-Flush, then 2bw), optim.delay_correction=predict (2bw: batch t reads W(t-1) + d(t-2)) and
-# pipeline.schedule=zbv in place of a flush cell's flush (``v``: 2d chunks, rank r running r and 2d-1-r).
-EXTRA_ONLY = ("sync_warmup", "predict", "v")
+# pipeline.schedule=zbv in place of a flush cell's flush (``v``: 2d chunks, rank r running r and 2d-1-r) and
+# pipeline.weight_versions=newest (``newest``; every other cell names batch, the rule tests/reference.py's
+# reference_run states).
+EXTRA_ONLY = ("sync_warmup", "predict", "v", "newest")
 PREDICT_CORRECTION = {"none": "predict", "error_feedback": "predict_error_feedback"}
 """A predict cell's optim.delay_correction, from its correction: the prediction alone, or around error feedback."""
 
@@ -161,6 +163,7 @@ class Cell:
     documents: bool = False
     forward_lead: int = 0
     v: bool = False  # EXTRA_ONLY: pipeline.schedule=zbv in place of a flush cell's flush
+    newest: bool = False  # EXTRA_ONLY: pipeline.weight_versions=newest (reference_newest's rule)
 
     @property
     def run_schedule(self) -> str:
@@ -184,6 +187,8 @@ class Cell:
             parts.append("lookahead")
         if self.predict:
             parts.append("predict")
+        if self.newest:
+            parts.append("newest")
         if self.sync_warmup:
             parts.append("sync")
         if self.stream:
@@ -567,6 +572,19 @@ EXTRA: List[Cell] = [
         recompute=False, host_optim=False, validation=True, structured=False, sharded=False, weight_dtype="fp32",
         muon=True, correction="error_feedback", predict=True,
     ),
+    # pipeline.weight_versions=newest with its prediction and Muon across a resume at another layout (the new layout's
+    # rule from the checkpoint's batch on), from two stages to one and from one (whose checkpoint holds P(n) though
+    # its stage ran no forward on it) to two, the second in bf16
+    Cell(
+        schedule="2bw", d=2, w=1, resume=True, swap=False, precision="fp32", tied=False, clip=False, skip=False,
+        recompute=False, host_optim=False, validation=False, structured=False, sharded=False, weight_dtype="fp32",
+        muon=True, predict=True, newest=True,
+    ),
+    Cell(
+        schedule="2bw", d=1, w=2, resume=True, swap=False, precision="bf16", tied=False, clip=False, skip=False,
+        recompute=False, host_optim=False, validation=False, structured=False, sharded=False, weight_dtype="fp32",
+        muon=True, predict=True, newest=True,
+    ),
 ]  # fmt: skip
 
 
@@ -723,6 +741,7 @@ def cell_config(cell: Cell, *, layout: Optional[Tuple[int, int]] = None, resume:
             recompute=cell.recompute,
             sync_warmup_steps=SYNC_WARMUP if cell.sync_warmup else 0,
             forward_lead=cell.forward_lead,
+            weight_versions="newest" if cell.newest else "batch",
         ),
         model=model,
         # SGD with momentum: Adam blows reduction-order round-off on ~zero gradients up to lr-sized steps (LOOKAHEAD's

@@ -217,7 +217,9 @@ def _train(
     return out._replace(weights=opt.weights(_with_buffers(model, stale)))
 
 
-def reference_newest(cfg: Config, *, balance: Sequence[int]) -> Reference:
+def reference_newest(
+    cfg: Config, *, balance: Sequence[int], relayout: Optional[Tuple[int, Sequence[int], int]] = None
+) -> Reference:
     """pipeline.weight_versions=newest's rule on the unpartitioned model, written out from its statement (not from
     the runtime's code), float32 weights, no correction (bf16: the forward under autocast, the activation rounded
     where a stage sends it, as ``reference_run``): on stage s of d = len(``balance``) (its layers, in order), microbatch
@@ -229,32 +231,45 @@ def reference_newest(cfg: Config, *, balance: Sequence[int]) -> Reference:
     their order: the early sum added to the fresh one before the last microbatch's gradient; W(t+1) =
     W(t) - optimizer_step(g(t)). At d = 1 that is plain minibatch training. With optim.delay_correction=predict
     the microbatches of batch t >= 1 not on W(t) run on P(t) = W(t-1) + d(t-2) instead, d(t) = W(t+1) - W(t) in
-    float32, d(-1) = 0."""
+    float32, d(-1) = 0. ``relayout`` = (step n, balance', w'): from batch n on, the rule (and the rounding, and the
+    replicas' sums) of a pipeline of balance' with w' replicas of m * w / w' microbatches each: a run resumed at
+    another layout after n steps, its batch n's early microbatches on the checkpoint's W(n-1) (or P(n))."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the ranks run (``reference_run``)
     try:
-        return _train_newest(cfg, balance)
+        return _train_newest(cfg, balance, relayout)
     finally:
         torch.set_num_threads(threads)
 
 
-def _train_newest(cfg: Config, balance: Sequence[int]) -> Reference:
+def _train_newest(cfg: Config, balance: Sequence[int], relayout: Optional[Tuple[int, Sequence[int], int]]) -> Reference:
     torch.manual_seed(cfg.seed)
-    m, d, lead = cfg.pipeline.num_microbatches, len(balance), cfg.pipeline.forward_lead
     source = model_source(cfg.model, seed=cfg.seed)
     precision = precisions.resolve(cfg.train.precision, "cpu")
-    dtype, after = precisions.compute_dtype(precision), boundaries(balance)
-    model = StageBoundaries(source.build(), after=after, dtype=dtype)  # W(t)
+    dtype = precisions.compute_dtype(precision)
+    model = StageBoundaries(source.build(), after=boundaries(balance), dtype=dtype)  # W(t)
     stale = copy.deepcopy(model)  # W(t-1)
     opt = ReferenceOptimizer(model, dataclasses.replace(cfg.optim, delay_correction="none"))
-    w = cfg.pipeline.data_parallel
-    feeds = [_train_feed(cfg, m, num_replicas=w, replica=r) for r in range(w)]
-    stage_of = [s for s, n in enumerate(balance) for _ in range(n)]
-    leads = [0 if s == d - 1 else max(0, min(lead, m - (d - s))) for s in range(d)]
+    m0, w0 = cfg.pipeline.num_microbatches, cfg.pipeline.data_parallel
+
+    def layout(balance: Sequence[int], w: int):
+        """The rule of a pipeline of ``balance`` with w replicas: each replica's feed, its m, each layer's stage, the
+        stages' leads and their boundaries."""
+        m, d, lead = m0 * w0 // w, len(balance), cfg.pipeline.forward_lead
+        feeds = [_train_feed(cfg, m, num_replicas=w, replica=r) for r in range(w)]
+        stage_of = [s for s, n in enumerate(balance) for _ in range(n)]
+        leads = [0 if s == d - 1 else max(0, min(lead, m - (d - s))) for s in range(d)]
+        return feeds, m, d, stage_of, leads, boundaries(balance)
+
+    rule = layout(balance, w0)
     predict = cfg.optim.delay_correction == "predict"
     delta = [torch.zeros_like(p) for p in model.parameters()]  # d(t-1)
     out = Reference(None, [], [], [], [], [], {})
     for t in range(cfg.train.num_steps):
+        if relayout is not None and t == relayout[0]:
+            rule = layout(relayout[1], relayout[2])
+        feeds, m, d, stage_of, leads, after = rule
+        model.after = stale.after = set(after)
         losses, sums = [], [None] * len(delta)
         for feed in feeds:  # each replica: the same rule on its own microbatches, its sums first
             for j in range(m):
@@ -281,7 +296,8 @@ def _train_newest(cfg: Config, balance: Sequence[int]) -> Reference:
                     p.add_(dp)
             before = [p.detach().clone() for p in model.parameters()]
         for p, g in zip(model.parameters(), sums):
-            p.grad = None if g is None else g / (m * w)
+            p.grad = None if g is None else g / (m0 * w0)
+        out.grad_norms.append(grad_norm(model.parameters()))
         opt.step(out.lrs[-1], correct=False, predict=False)
         model.zero_grad(set_to_none=True)  # g(t) stays out of batch t+1's sums
         if predict:

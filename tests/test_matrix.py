@@ -35,7 +35,7 @@ from matrix import (
     tolerance,
     uncovered,
 )
-from reference import Reference, reference_eval, reference_run
+from reference import Reference, reference_eval, reference_newest, reference_run
 
 from pipedream2bw.config import ConfigError, validate
 from pipedream2bw.pipeline.schedule import in_flight
@@ -104,6 +104,11 @@ def reference(cell: Cell, *, delayed: bool, skip: bool, clip: bool, corrected: b
     if not corrected:
         cfg.optim.delay_correction = "none"
     balances = [cell_config(cell, layout=layout).pipeline.balance for layout in cell.layouts()]
+    if cell.newest and delayed:  # pipeline.weight_versions=newest: its own rule, at the cell's layout(s)
+        first = cell_config(cell)
+        first.optim.delay_correction = cfg.optim.delay_correction
+        relayout = (RESUME_STEP, balances[1], cell.layouts()[1][1]) if cell.resume else None
+        return reference_newest(first, balance=balances[0], relayout=relayout)
     layers = poisoned_layers(cfg, call=SKIP_BATCH * cfg.pipeline.num_microbatches + 1) if skip else None
     return reference_run(
         cfg,

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 from pipedream2bw.config.corrections import AUTO, default_beta, is_muon, resolve_auto
+from pipedream2bw.config.newest import resolve_weight_versions
 from pipedream2bw.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -85,15 +86,21 @@ class PipelineConfig:
     """Under schedule=2bw: the first N steps run as PipeDream-Flush (batch t reads W(t): no delay), then 2bw
     (batch N reads W(N), batch t > N reads W(t-1)); 0: 2bw from the first step. The delay correction is off on
     the synchronous steps (docs/convergence.md)."""
-    weight_versions: str = "batch"
-    """Under schedule=2bw, the version a microbatch's forward (and its backward) runs on: 'batch' (the default: every
-    microbatch of batch t on W(t-1), docs/design.md section 2); 'newest' (the newest version its stage holds at that
-    forward: on stage s of d, microbatch j of batch t >= 1 on W(t) if j >= d - s - 1 + the stage's forward lead, else
-    W(t-1); the same two buffers, schedule and steps; docs/concepts.md). newest refuses what it is not proven with
+    weight_versions: str = "auto"
+    """Under schedule=2bw, the version a microbatch's forward (and its backward) runs on: 'batch' (every microbatch of
+    batch t on W(t-1), docs/design.md section 2); 'newest' (the newest version its stage holds at that forward: on
+    stage s of d, microbatch j of batch t >= 1 on W(t) if j >= d - s - 1 + the stage's forward lead, else W(t-1); the
+    same two buffers, schedule and steps; docs/concepts.md). newest refuses what it is not proven with
     (config/newest.py names each key); with optim.delay_correction=predict the forwards that miss W(t) run on its
     prediction W(t-1) + d(t-2) (one more weight copy on a stage whose forwards before its previous step are more
-    than half of num_microbatches), which Muon's optim.delay_correction=auto resolves to. Under schedule=auto it
-    is the 2bw candidate's rule, priced at its plan's depth, and moot (run as batch) where the plan picks another."""
+    than half of num_microbatches), which Muon's optim.delay_correction=auto resolves to. 'auto' (the default):
+    newest for Muon wherever newest runs, batch elsewhere (config/newest.py's ``resolve_weight_versions``; chosen
+    by measurement, docs/convergence.md). Under schedule=auto it is the 2bw candidate's rule, priced at its plan's
+    depth, and moot (run as batch) where the plan picks another."""
+    auto_weight_versions: bool = False
+    """Set when the config is made, not by hand: true where pipeline.weight_versions is what 'auto' resolved to. Such
+    a rule is resolved again whenever the config is made again (a plan's recomputation or swapping: batch), as
+    optim.auto_correction is."""
     forward_lead: int = 0
     """Under 2bw and flush: the stages before the last run this many forwards ahead of 1F1B's d - s in flight (at
     most m - (d - s)), so a backward's gradient has a forward's time to arrive from the next stage instead of none;
@@ -547,7 +554,10 @@ class Config:
     def __post_init__(self) -> None:
         # optim.delay_correction=auto resolved from the whole config (config/corrections.py), however the Config is
         # made (Hydra's OmegaConf.to_object, Config(...) in Python, dataclasses.replace), and again when it is made
-        # again: a plan's pipeline.data_parallel > 1 under optim.sharded refuses the prediction 'auto' chose
+        # again: a plan's pipeline.data_parallel > 1 under optim.sharded refuses the prediction 'auto' chose. First
+        # pipeline.weight_versions=auto (config/newest.py), which Muon's correction depends on
+        if isinstance(self.optim, OptimConfig) and isinstance(self.pipeline, PipelineConfig):
+            self.pipeline = resolve_weight_versions(self)
         if isinstance(self.optim, OptimConfig) and (self.optim.delay_correction == AUTO or self.optim.auto_correction):
             self.optim = resolve_auto(self)
 

@@ -567,7 +567,7 @@ def settings_differences(
                 continue
             if isinstance(a, list) and isinstance(b, list) and len(a) == len(b) and key == "fingerprint":
                 out += [f"layer {i}: checkpoint {x}, this run {y}" for i, (x, y) in enumerate(zip(a, b)) if x != y]
-            elif key == "optim.delay_correction":  # 'auto' changed its choice for Muon (issue 46): the key to set
+            elif key in ("optim.delay_correction", "pipeline.weight_versions"):  # what 'auto' chose may differ
                 out.append(f"{key}: checkpoint {a!r}, this run {b!r} (set {key}={a} to resume as trained)")
             else:
                 out.append(f"{key}: checkpoint {a!r}, this run {b!r}")

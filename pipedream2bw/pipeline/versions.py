@@ -567,8 +567,8 @@ class PredictedNewestVersions(NewestVersions):
         """``NewestVersions.step`` in place on replica 0, and d(t) = W(t+1) - W(t); P(t+1) first, where no forward of
         batch t+1 wrote it (it reads d(t-1))."""
         t = batch_index
-        if self._early and self._predicted.get(self._prediction_replica(t + 1)) != t + 1:
-            self._predict(t + 1)
+        if self._predicted.get(self._prediction_replica(t + 1)) != t + 1:  # also with no early forward (the last
+            self._predict(t + 1)  # stage): a checkpoint's P(n), which a resume at another layout may run on
         torch._foreach_copy_(self._delta, self._params[0])
         super().step(t, **kwargs)
         torch._foreach_sub_(self._delta, self._params[0])

@@ -190,18 +190,10 @@ def training_settings(cfg: Config) -> Dict[str, Any]:
 
 
 def _weight_versions(p: Any) -> Dict[str, Any]:
-    """Under 2bw, pipeline.weight_versions: 'batch', or newest with what decides which forwards run on W(t-1) (the
-    stages, their layers, the microbatches a batch and the forward lead), which a resume must keep to go on as the run
-    that wrote the checkpoint would have."""
-    if p.schedule != "2bw":
-        return {}
-    if p.weight_versions != "newest":
-        return {"pipeline.weight_versions": p.weight_versions}
-    balance = "even" if p.balance is None else list(p.balance)
-    return {
-        "pipeline.weight_versions": f"newest (num_stages {p.num_stages}, balance {balance}, num_microbatches "
-        f"{p.num_microbatches}, forward_lead {p.forward_lead})"
-    }
+    """Under 2bw, pipeline.weight_versions ('batch' or 'newest'). Not the layout: under newest a run resumed at
+    another one applies its own rule from the checkpoint's batch on (docs/concepts.md), its first early forwards on
+    the checkpoint's previous version, as the run that wrote it would have."""
+    return {"pipeline.weight_versions": p.weight_versions} if p.schedule == "2bw" else {}
 
 
 def optim_settings(o: OptimConfig) -> Dict[str, Any]:

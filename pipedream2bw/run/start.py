@@ -284,6 +284,7 @@ def start(
         )
     cfg = default_plan_choices(cfg)  # what no plan chose and the run left null
     balance = _check(cfg, model, world_size=world_size, local_world_size=local_world_size)
+    cfg = _newest_or_batch(cfg, model.tied, balance)
     layout = make_layout(
         cfg.pipeline.num_stages,
         cfg.pipeline.data_parallel,
@@ -345,22 +346,42 @@ def _check(cfg: Config, model: RunModel, *, world_size: int, local_world_size: i
     return balance
 
 
+def _across_stages(tied: Sequence[ties.Tie], balance: Sequence[int]) -> List[List[str]]:
+    """The ties whose layers sit on more than one stage of ``balance``."""
+    return [list(t.names) for t in tied if len(ties.holders(t, balance)) > 1]
+
+
 def check_newest_ties(cfg: Config, tied: Sequence[ties.Tie], balance: Sequence[int]) -> None:
-    """pipeline.weight_versions=newest with a layer list's tie across stages (the GPT's model.tie_embeddings is
-    refused with the config, config/newest.py): its gradient sum would defer the step, which newest is not proven with.
+    """pipeline.weight_versions=newest, named, with a layer list's tie across stages (the GPT's model.tie_embeddings
+    is refused with the config, config/newest.py): its gradient sum would defer the step, which newest is not proven
+    with. 'auto''s newest falls back to batch instead (``_newest_or_batch``).
 
     Raises:
         ConfigError: in one line, naming the ties.
     """
-    if cfg.pipeline.weight_versions != "newest" or cfg.pipeline.schedule != "2bw":
+    p = cfg.pipeline
+    if p.weight_versions != "newest" or p.schedule != "2bw" or p.auto_weight_versions:
         return
-    across = [list(t.names) for t in tied if len(ties.holders(t, balance)) > 1]
+    across = _across_stages(tied, balance)
     if across:
         raise ConfigError(
             f"pipeline.weight_versions=newest with weights tied across stages ({across}): the step would wait for "
             "their gradient sum, so the newest version is not the one proven; untie them, or set "
             "pipeline.weight_versions=batch"
         )
+
+
+def _newest_or_batch(cfg: Config, tied: Sequence[ties.Tie], balance: Sequence[int]) -> Config:
+    """``cfg``, but where pipeline.weight_versions=auto chose newest and a layer list ties weights across stages
+    (which only the built model shows), the batch rule, logged (and Muon's 'auto' correction with it)."""
+    p = cfg.pipeline
+    if not (p.auto_weight_versions and p.weight_versions == "newest" and p.schedule == "2bw"):
+        return cfg
+    across = _across_stages(tied, balance)
+    if not across:
+        return cfg
+    log.info("pipeline.weight_versions=auto resolves to batch, not newest: weights tied across stages (%s)", across)
+    return dataclasses.replace(cfg, pipeline=dataclasses.replace(p, weight_versions="batch", auto_weight_versions=False))
 
 
 def check_tie_check(cfg: Config, tied: Sequence[ties.Tie], balance: Sequence[int]) -> None:
