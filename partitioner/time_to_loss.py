@@ -48,14 +48,17 @@ STEPS_FACTOR: Dict[Tuple[Union[str, int], ...], Optional[float]] = {
 batch rule and per (optimizer, delay correction, 'newest', num_stages) under pipeline.weight_versions=newest; None:
 not measured. AdamW under 2bw did not reach flush's loss within the 300 steps measured (with or without a
 correction): absent."""
+NEWEST_FALLBACK = "predict_error_feedback"
+"""The batch rule's correction whose figure prices newest with its prediction at a depth not measured under it."""
 
 
 def steps_factor(
     schedule: str, optim: OptimConfig, *, weight_versions: str = "batch", num_stages: int = 0
 ) -> Optional[float]:
     """Steps ``schedule`` takes to a loss over a synchronous schedule's, under ``optim`` and, for 2bw, the
-    pipeline.weight_versions rule ``weight_versions`` at ``num_stages`` stages (newest's figures are per depth); an
-    unmeasured setting takes its optimizer's uncorrected batch-rule figure. None where 2bw is not known to reach the
+    pipeline.weight_versions rule ``weight_versions`` at ``num_stages`` stages (newest's figures are per depth); newest
+    with its prediction at an unmeasured depth takes ``NEWEST_FALLBACK``'s figure, any other unmeasured setting its
+    optimizer's uncorrected batch-rule figure. None where 2bw is not known to reach the
     loss at all."""
     if schedule != "2bw":
         return 1.0
@@ -63,6 +66,10 @@ def steps_factor(
     correction = correction_in_effect(optim, schedule)
     key = (kind, correction, "newest", num_stages) if weight_versions == "newest" else (kind, correction)
     measured = STEPS_FACTOR.get(key)
+    if measured is None and weight_versions == "newest" and correction == "predict":
+        # newest with its prediction ended below the batch rule with its default correction at every depth measured
+        # (d = 2: two shapes, 3 seeds; d = 4: the README's run): an unmeasured depth is priced as the latter
+        measured = STEPS_FACTOR.get((kind, NEWEST_FALLBACK))
     return measured if measured is not None else STEPS_FACTOR.get((kind, "none"))
 
 

@@ -61,7 +61,7 @@ def test_the_command_line_and_the_dataclasses_have_the_same_defaults():
 @pytest.mark.parametrize(
     "overrides, kwargs, correction",
     [
-        ([], {}, "predict_error_feedback"),  # the default: muon, nothing refusing the prediction (issue 46)
+        ([], {}, "predict"),  # the default: muon under newest (its own prediction: tests/test_newest.py)
         (["optim.delay_correction=error_feedback"], {"delay_correction": "error_feedback"}, "error_feedback"),
         (["optim.name=adamw"], {"name": "adamw"}, "none"),  # kept the default's error feedback (issue 43)
         (

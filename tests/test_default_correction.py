@@ -1,6 +1,7 @@
 """optim.delay_correction=auto (issue 46): Muon's prediction with error feedback wherever the prediction composes,
 error feedback where a key of the run refuses it, no correction for other optimizers; decided once when the Config is
-made, from the whole config, and every byte count follows the resolved value."""
+made, from the whole config, and every byte count follows the resolved value. Under the batch rule
+(pipeline.weight_versions=batch, named here): Muon's default rule, newest, has its own prediction (tests/test_newest.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from pipedream2bw.config import Config, ConfigError, OptimConfig, register_configs
+from pipedream2bw.config import Config, ConfigError, OptimConfig, PipelineConfig, register_configs
 from pipedream2bw.config.corrections import prediction_refusal
 
 CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "configs")
@@ -22,7 +23,11 @@ CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "configs")
 def make(*overrides: str) -> Config:
     register_configs()
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
-        return OmegaConf.to_object(compose(config_name="config", overrides=list(overrides)))
+        batch = ["pipeline.weight_versions=batch"]  # the rule these corrections are for
+        return OmegaConf.to_object(compose(config_name="config", overrides=[*batch, *overrides]))
+
+
+BATCH = PipelineConfig(weight_versions="batch")
 
 
 # each key that refuses the weight prediction (config/corrections.py's prediction_refusal), as overrides
@@ -34,7 +39,7 @@ REFUSING = {
 
 
 def test_auto_is_the_prediction_with_error_feedback_for_a_plain_muon_run():
-    for cfg in (make(), Config(), Config(optim=OptimConfig(name="muon"))):
+    for cfg in (make(), Config(pipeline=BATCH), Config(pipeline=BATCH, optim=OptimConfig(name="muon"))):
         assert (cfg.optim.delay_correction, cfg.optim.error_feedback_beta) == ("predict_error_feedback", 0.5)
     assert make("optim.error_feedback_beta=1.0").optim.error_feedback_beta == 1.0  # a beta given stays
 
@@ -80,7 +85,7 @@ def test_a_bare_muon_optim_config_stays_auto_and_is_not_read_until_a_config_reso
     with pytest.raises(ValueError, match=r"optim.delay_correction \(auto\) is resolved from the whole config"):
         StepModel.of(bare, device_type="cpu")
     # once resolved, a replace of the Config keeps the value it resolved to (no second resolution, no second log)
-    cfg = Config(optim=bare)
+    cfg = Config(pipeline=BATCH, optim=bare)
     assert dataclasses.replace(cfg, seed=1).optim.delay_correction == "predict_error_feedback"
 
 
@@ -206,6 +211,7 @@ def test_the_planners_header_names_the_resolved_correction(extra, correction, ca
     from partitioner.__main__ import main
 
     shape = ["model.num_layers=4", "model.d_model=64", "topology.memory_per_device_gib=4", "train.global_batch_size=8"]
+    shape.append("pipeline.weight_versions=batch")
     assert main(["plan", "--out", str(tmp_path / "plan.yaml"), "model=gpt", "topology=dgx", *shape, *extra]) == 0
     header = capsys.readouterr().out.splitlines()[0]
     assert f"; 2bw (delay correction {correction}); " in header, header

@@ -24,6 +24,7 @@ from pipedream2bw.pipeline.versions import NewestVersions, PredictedNewestVersio
 def newest_config(*, num_stages: int, num_microbatches: int = 4, forward_lead: int = 0):
     cfg = tiny_config(schedule="2bw", num_stages=num_stages, num_microbatches=num_microbatches)
     cfg.pipeline.weight_versions, cfg.pipeline.forward_lead = "newest", forward_lead
+    cfg.pipeline.auto_weight_versions = False  # named, as pipeline.weight_versions=newest on a command line
     return cfg
 
 
@@ -381,7 +382,9 @@ def test_newest_resolves_muons_auto_to_its_prediction_and_runs_at_the_defaults()
         make("pipeline.weight_versions=newest", "pipeline.num_stages=2", "optim.name=adamw").optim.delay_correction
         == "none"
     )
-    assert make("pipeline.num_stages=2").optim.delay_correction == "predict_error_feedback"
+    assert make("pipeline.num_stages=2", "pipeline.weight_versions=batch").optim.delay_correction == (
+        "predict_error_feedback"
+    )
 
 
 @pytest.mark.long
@@ -449,19 +452,83 @@ def test_the_prediction_resumes_across_its_second_prediction(tmp_path):
     _resumes_on_the_straight_runs_bits(cfg, tmp_path, num_stages=3, resume_at=(2, 3))
 
 
-def test_newest_resumes_only_where_the_same_forwards_run_early():
-    """Which forwards run on W(t-1) depends on the stages, their layers, the microbatches and the forward lead: a
-    checkpoint of another of these (or of the batch rule) is refused as other settings, naming the key."""
+def test_a_newest_checkpoint_resumes_at_another_layout_but_not_under_the_batch_rule():
+    """A checkpoint records newest's rule alone: a resume at other stages, layers, microbatches or forward lead applies
+    its own layout's rule (run: matrix.EXTRA's newest cells); one under the batch rule is refused as other settings,
+    naming the key and the value to set."""
     from pipedream2bw.io.checkpoint import check_settings
     from pipedream2bw.run.model import training_settings
 
     cfg = newest_config(num_stages=2)
     manifest = {"training_settings": training_settings(cfg)}
-    assert check_settings(manifest, model={}, training=training_settings(cfg), where="ckpt", strict=True) == []
+    for other in (cfg, newest_config(num_stages=2, forward_lead=1), newest_config(num_stages=3)):
+        assert check_settings(manifest, model={}, training=training_settings(other), where="ckpt", strict=True) == []
     batch = tiny_config(schedule="2bw", num_stages=2, num_microbatches=4)
-    for other in (newest_config(num_stages=2, forward_lead=1), newest_config(num_stages=3), batch):
-        with pytest.raises(ConfigError, match="pipeline.weight_versions: checkpoint 'newest"):
-            check_settings(manifest, model={}, training=training_settings(other), where="ckpt", strict=True)
+    batch = dataclasses.replace(batch, pipeline=dataclasses.replace(batch.pipeline, weight_versions="batch"))
+    match = r"pipeline.weight_versions: checkpoint 'newest', this run 'batch' \(set pipeline.weight_versions=newest"
+    with pytest.raises(ConfigError, match=match):
+        check_settings(manifest, model={}, training=training_settings(batch), where="ckpt", strict=True)
+
+
+@pytest.mark.parametrize(
+    "overrides, rule, correction",
+    [
+        ([], "newest", "predict"),  # Muon at the defaults
+        (["pipeline.num_stages=4", "pipeline.num_microbatches=4"], "newest", "predict"),  # a third buffer there
+        (["pipeline.schedule=auto"], "newest", "predict"),  # the 2bw candidate's rule
+        (["optim.delay_correction=none"], "newest", "none"),
+        (["optim.name=adamw"], "batch", "none"),  # newest is measured with Muon only
+        (["optim.clip_grad_norm=1.0"], "batch", "predict_error_feedback"),  # newest refuses it: the batch rule's
+        (["optim.delay_correction=error_feedback"], "batch", "error_feedback"),
+        (["pipeline.recompute=true"], "batch", "predict_error_feedback"),
+        (["train.precision=fp16"], "batch", "predict_error_feedback"),
+        (["pipeline.schedule=flush"], "batch", "predict_error_feedback"),  # moot: no delay, no correction in effect
+    ],
+)
+def test_auto_picks_newest_for_muon_wherever_newest_runs(overrides, rule, correction):
+    """pipeline.weight_versions=auto, the default: newest with its prediction for Muon where newest runs, else the batch
+    rule with Muon's default correction there; the choice marked (auto_weight_versions) and validated."""
+    cfg = make("pipeline.num_stages=2", *overrides)
+    assert (cfg.pipeline.weight_versions, cfg.optim.delay_correction) == (rule, correction)
+    assert cfg.pipeline.auto_weight_versions
+    if cfg.pipeline.schedule != "auto":
+        validate(cfg, world_size=cfg.pipeline.num_stages)
+
+
+def test_auto_chooses_again_when_the_config_is_made_again():
+    """A Config made again from one whose rule 'auto' chose (a plan's keys applied, dataclasses.replace) is resolved
+    again: recomputation (which newest refuses) gives the batch rule and Muon's correction under it; undone, newest
+    again. A rule named is kept, and refused where newest does not run."""
+    cfg = make("pipeline.num_stages=2")
+    recompute = dataclasses.replace(cfg, pipeline=dataclasses.replace(cfg.pipeline, recompute=True))
+    assert (recompute.pipeline.weight_versions, recompute.optim.delay_correction) == ("batch", "predict_error_feedback")
+    back = dataclasses.replace(recompute, pipeline=dataclasses.replace(recompute.pipeline, recompute=False))
+    assert (back.pipeline.weight_versions, back.optim.delay_correction) == ("newest", "predict")
+    named = make("pipeline.num_stages=2", "pipeline.weight_versions=newest")
+    assert not named.pipeline.auto_weight_versions
+    again = dataclasses.replace(named, pipeline=dataclasses.replace(named.pipeline, recompute=True))
+    assert again.pipeline.weight_versions == "newest"
+    with pytest.raises(ConfigError, match="^pipeline.weight_versions=newest with pipeline.recompute"):
+        validate(again, world_size=2)
+
+
+def test_auto_runs_a_layer_lists_tie_across_stages_under_the_batch_rule():
+    """A layer list's tie across stages shows only once it is built: where 'auto' chose newest, start falls back to the
+    batch rule (and Muon's correction under it) instead of refusing; untied, newest stays."""
+    from custom_models import masked_layers
+
+    from pipedream2bw.config import LayerListConfig
+    from pipedream2bw.run.model import RunModel
+    from pipedream2bw.run.start import _check, _newest_or_batch
+
+    cfg = make("pipeline.num_stages=2", "pipeline.num_microbatches=2")
+    cfg = dataclasses.replace(cfg, model=LayerListConfig(target="custom_models.masked_layers", kwargs={"width": 8}))
+    assert cfg.pipeline.weight_versions == "newest" and cfg.pipeline.auto_weight_versions
+    for tie, rule, correction in ((False, "newest", "predict"), (True, "batch", "predict_error_feedback")):
+        model = RunModel.of(cfg, masked_layers(width=8, tie=tie), None)
+        balance = _check(cfg, model, world_size=2, local_world_size=2)
+        ran = _newest_or_batch(cfg, model.tied, balance)
+        assert (ran.pipeline.weight_versions, ran.optim.delay_correction) == (rule, correction)
 
 
 def test_newest_refuses_a_layer_lists_tie_across_stages_before_any_group_starts():
@@ -524,4 +591,4 @@ def test_under_schedule_auto_a_tie_across_stages_is_refused_once_the_plan_picks_
     flush = _planned(cfg, "flush", [3, 2])
     assert _check(flush, tied, world_size=2, local_world_size=2) == [3, 2]
     assert flush.pipeline.weight_versions == "batch" and "pipeline.weight_versions" not in training_settings(flush)
-    assert training_settings(_planned(cfg, "2bw", [3, 2]))["pipeline.weight_versions"].startswith("newest (")
+    assert training_settings(_planned(cfg, "2bw", [3, 2]))["pipeline.weight_versions"] == "newest"

@@ -11,7 +11,7 @@ import pytest
 
 from partitioner import time_to_loss
 from partitioner.__main__ import compose, main
-from partitioner.auto import apply_plan, plan_config
+from partitioner.auto import _steps_factor, apply_plan, plan_config, plan_rule
 from partitioner.planner import load_plan, save_plan
 from pipedream2bw.config import ConfigError, OptimConfig, default_plan_choices, validate
 
@@ -24,6 +24,9 @@ DEEP = [
     "topology.memory_per_device_gib=4",
     "partition.costs=analytic",
     "pipeline.schedule=auto",
+    # the batch rule, whose trades these are: under newest (Muon's default, 'auto') 2bw's step holds no error
+    # feedback and wins at m = 8 here (newest's own: test_auto_under_newest_prices_2bw_at_its_depth_and_runs_...)
+    "pipeline.weight_versions=batch",
 ]
 
 
@@ -127,8 +130,9 @@ def test_auto_without_the_planner_is_refused_in_one_line():
 
 def test_steps_factor_under_newest_is_the_measured_one_at_its_depth_and_else_the_fallback(monkeypatch):
     # pipeline.weight_versions=newest: the staleness of 2bw's early forwards depends on the depth; only d = 2 is
-    # measured (docs/convergence.md: 310 / 310 / 310 steps against flush's 300); any other depth, any other
-    # correction not measured, falls back to the optimizer's uncorrected batch-rule figure, as any unmeasured setting
+    # measured (docs/convergence.md: 310 / 310 / 310 steps against flush's 300); at any other depth its prediction
+    # takes the batch rule's figure with its default correction (time_to_loss.NEWEST_FALLBACK), any other unmeasured
+    # setting the optimizer's uncorrected batch-rule figure
     muon, predict = (
         OptimConfig(name="muon", delay_correction="none"),
         OptimConfig(name="muon", delay_correction="predict"),
@@ -141,9 +145,11 @@ def test_steps_factor_under_newest_is_the_measured_one_at_its_depth_and_else_the
     assert time_to_loss.steps_factor("2bw", OptimConfig(name="adamw"), **newest, num_stages=2) is None
     assert time_to_loss.steps_factor("2bw", predict, **newest, num_stages=2) == pytest.approx(930 / 900)
     monkeypatch.setitem(time_to_loss.STEPS_FACTOR, ("muon", "predict", "newest", 2), None)
-    assert time_to_loss.steps_factor("2bw", predict, **newest, num_stages=2) == pytest.approx(210 / 123)
+    assert time_to_loss.steps_factor("2bw", predict, **newest, num_stages=2) == pytest.approx(1000 / 900)
     monkeypatch.setitem(time_to_loss.STEPS_FACTOR, ("muon", "predict", "newest", 2), 0.99)
     assert time_to_loss.steps_factor("2bw", predict, **newest, num_stages=2) == 0.99
+    assert time_to_loss.steps_factor("2bw", predict, **newest, num_stages=3) == pytest.approx(1000 / 900)
+    monkeypatch.setitem(time_to_loss.STEPS_FACTOR, ("muon", time_to_loss.NEWEST_FALLBACK), None)
     assert time_to_loss.steps_factor("2bw", predict, **newest, num_stages=3) == pytest.approx(210 / 123)
 
 
@@ -218,3 +224,20 @@ def test_newest_with_the_prediction_plans_every_microbatch_size_with_its_third_w
     assert plans["predict"].balance == plans["none"].balance
     weights = {c: [st["weights"] for st in p.predicted_memory_breakdown] for c, p in plans.items()}
     assert weights["predict"][0] * 2 == weights["none"][0] * 3 and weights["predict"][1:] == weights["none"][1:]
+
+
+def test_auto_s_newest_plans_every_layout_and_runs_the_batch_rule_where_newest_does_not():
+    # pipeline.weight_versions=auto (the default) chose newest for Muon: the 2bw candidate keeps recomputation,
+    # swapping and the rest; a plan with one of them runs the batch rule (plan_rule), priced at its factor (Muon's
+    # default correction there, 1.11x), and the Config made with the plan's keys resolves to it
+    cfg = compose([*CPU2, "train.global_batch_size=2"])
+    assert (cfg.pipeline.weight_versions, cfg.pipeline.auto_weight_versions) == ("newest", True)
+    best = plan_config(cfg)[0]
+    assert best.schedule == "2bw" and plan_rule(cfg, best) == "newest"
+    assert _steps_factor(cfg, best) == pytest.approx(930 / 900)
+    recomputed = dataclasses.replace(best, recompute=True)
+    assert plan_rule(cfg, recomputed) == "batch" and _steps_factor(cfg, recomputed) == pytest.approx(1000 / 900)
+    pipeline, swap = apply_plan(cfg.pipeline, cfg.swap, recomputed, world_size=2, num_layers=sum(best.balance))
+    ran = default_plan_choices(dataclasses.replace(cfg, pipeline=pipeline, swap=swap))
+    assert (ran.pipeline.weight_versions, ran.optim.delay_correction) == ("batch", "predict_error_feedback")
+    validate(ran, world_size=2)

@@ -30,7 +30,9 @@ def reference(cfg, *, w: int, balance=()):
     """The unpartitioned model trained on the same global batches (m * w microbatches a batch); under bf16, its
     activations rounded where a pipeline of ``balance`` sends them."""
     m = cfg.pipeline.num_microbatches * w
-    p = dataclasses.replace(cfg.pipeline, num_stages=1, data_parallel=1, tensor_parallel=1, num_microbatches=m)
+    # the run's weight-version rule, named: 'auto' would choose again at t = 1 (newest, Muon's prediction under it)
+    rule = dict(weight_versions=cfg.pipeline.weight_versions, auto_weight_versions=False)
+    p = dataclasses.replace(cfg.pipeline, num_stages=1, data_parallel=1, tensor_parallel=1, num_microbatches=m, **rule)
     delayed = cfg.pipeline.schedule == "2bw"
     return reference_run(dataclasses.replace(cfg, pipeline=p), delayed=delayed, replicas=(w, w), balance=balance)
 
