@@ -65,7 +65,7 @@ def config_groups() -> str:
 
 
 def main(argv=None) -> int:
-    from partitioner.auto import plan_config
+    from partitioner.auto import plan_config, plan_optim, plan_rule
     from pipedream2bw.errors import ConfigError
 
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -101,9 +101,9 @@ def main(argv=None) -> int:
     )
     # 2bw: the delay correction its memory counts (optim.delay_correction, 'auto' resolved: config/corrections.py)
     correction = ""
+    rule, optim = plan_rule(cfg, best), plan_optim(cfg, best)  # 'auto''s newest: batch where the plan recomputes
     if best.schedule == "2bw":
-        rule = "newest, " if cfg.pipeline.weight_versions == "newest" else ""
-        correction = f" ({rule}delay correction {correction_in_effect(cfg.optim, best.schedule)})"
+        correction = f" ({'newest, ' if rule == 'newest' else ''}delay correction {correction_in_effect(optim, '2bw')})"
     print(
         f"model: {model}; "
         f"topology {cfg.topology.name}: {best.devices} devices x {best.memory_per_device_bytes / 2**30:.3g} GiB; "
@@ -111,8 +111,9 @@ def main(argv=None) -> int:
         f"{best.costs} costs; planned in {elapsed:.2f} s"
     )
     if best.schedule_choice:
-        why = dict(factors=best.schedule_factors, weight_versions=cfg.pipeline.weight_versions)
-        print(time_to_loss.describe(best.schedule_choice, cfg.optim, best.schedule, **why))
+        chosen_rule = rule if best.schedule == "2bw" else cfg.pipeline.weight_versions
+        why = dict(factors=best.schedule_factors, weight_versions=chosen_rule)
+        print(time_to_loss.describe(best.schedule_choice, optim, best.schedule, **why))
     print(table(plans))
     print(f"\nchosen plan (#0): {mesh_line(best)}; per stage (one rank's figures):\n{stage_table(best)}")
     if best.steps_on_host:

@@ -245,6 +245,16 @@ def plan_rule(cfg: Config, p: Plan) -> str:
     return "batch" if rule == "newest" and cfg.pipeline.auto_weight_versions and unproven else rule
 
 
+def plan_optim(cfg: Config, p: Plan) -> OptimConfig:
+    """``cfg.optim`` as a run of plan ``p`` resolves it: where ``plan_rule`` turns 'auto''s newest into batch, Muon's
+    'auto' correction is the batch rule's (newest's prediction is its own)."""
+    rule = plan_rule(cfg, p)
+    if rule == cfg.pipeline.weight_versions or p.schedule != "2bw":
+        return cfg.optim
+    pipeline = dataclasses.replace(cfg.pipeline, weight_versions=rule, auto_weight_versions=False)
+    return dataclasses.replace(cfg, pipeline=pipeline).optim
+
+
 def host_figures(cfg: Config) -> HostFigures:
     """This host's optimizer step and copy speed (``partitioner.host``: measured once, cached in partition.cache_dir)
     for a plan whose stages may step on the host; the host of the planned machine is taken to be this one."""
@@ -332,10 +342,7 @@ def _plan_schedules(cfg: Config, *, runners_up: int, **kwargs) -> List[Plan]:
 def _steps_factor(cfg: Config, p: Plan) -> float:
     """Plan ``p``'s steps factor under ``cfg`` (``time_to_loss.steps_factor``; under pipeline.weight_versions=newest,
     2bw's rule at the plan's depth); infinite where its schedule is not known to reach the loss."""
-    rule, optim = plan_rule(cfg, p), cfg.optim
-    if rule != cfg.pipeline.weight_versions:  # 'auto''s newest run as batch: Muon's 'auto' correction is batch's
-        pipeline = dataclasses.replace(cfg.pipeline, weight_versions=rule, auto_weight_versions=False)
-        optim = dataclasses.replace(cfg, pipeline=pipeline).optim
+    rule, optim = plan_rule(cfg, p), plan_optim(cfg, p)
     factor = time_to_loss.steps_factor(p.schedule, optim, weight_versions=rule, num_stages=p.num_stages)
     return math.inf if factor is None else factor
 

@@ -1,7 +1,7 @@
 """optim.delay_correction=auto (issue 46): Muon's prediction with error feedback wherever the prediction composes,
 error feedback where a key of the run refuses it, no correction for other optimizers; decided once when the Config is
 made, from the whole config, and every byte count follows the resolved value. Under the batch rule
-(pipeline.weight_versions=batch, named here): Muon's default rule, newest, has its own prediction (tests/test_newest.py)."""
+(pipeline.weight_versions=batch, named here): Muon's default rule, newest, has its own (tests/test_newest.py)."""
 
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ import pytest
 
 from partitioner import time_to_loss
 from partitioner.__main__ import compose, main
-from partitioner.auto import _steps_factor, apply_plan, plan_config, plan_rule
+from partitioner.auto import _steps_factor, apply_plan, plan_config, plan_optim, plan_rule
 from partitioner.planner import load_plan, save_plan
 from pipedream2bw.config import ConfigError, OptimConfig, default_plan_choices, validate
 
@@ -237,6 +237,10 @@ def test_auto_s_newest_plans_every_layout_and_runs_the_batch_rule_where_newest_d
     assert _steps_factor(cfg, best) == pytest.approx(930 / 900)
     recomputed = dataclasses.replace(best, recompute=True)
     assert plan_rule(cfg, recomputed) == "batch" and _steps_factor(cfg, recomputed) == pytest.approx(1000 / 900)
+    assert (plan_optim(cfg, best).delay_correction, plan_optim(cfg, recomputed).delay_correction) == (
+        "predict",
+        "predict_error_feedback",
+    )
     pipeline, swap = apply_plan(cfg.pipeline, cfg.swap, recomputed, world_size=2, num_layers=sum(best.balance))
     ran = default_plan_choices(dataclasses.replace(cfg, pipeline=pipeline, swap=swap))
     assert (ran.pipeline.weight_versions, ran.optim.delay_correction) == ("batch", "predict_error_feedback")

@@ -170,7 +170,6 @@ def resolve_partition(
         ConfigError: on every rank, when rank 0 could not plan (e.g. nothing fits), or the run sets an
             optim.sharded or train.weight_dtype that the plan contradicts.
     """
-    from partitioner import time_to_loss
     from partitioner.auto import PARTITION_MODES, apply_choices, apply_plan, runtime_topology
     from partitioner.planner import load_plan, plan_from_text, plan_to_text, save_plan
 
@@ -218,8 +217,7 @@ def resolve_partition(
         plan.predicted_samples_per_s,
     )
     if plan.schedule_choice:
-        why = dict(factors=plan.schedule_factors, weight_versions=cfg.pipeline.weight_versions)
-        log.info("%s", time_to_loss.describe(plan.schedule_choice, cfg.optim, plan.schedule, **why))
+        log.info("%s", _schedule_choice(cfg, plan))
     precision = precisions.resolve(cfg.train.precision, "cuda" if torch.cuda.is_available() else "cpu")
     optim, train = apply_choices(cfg.optim, cfg.train, plan, precision=precision)
     gpt = model.layers is None and isinstance(cfg.model, GPTConfig)
@@ -307,6 +305,16 @@ def start(
     )
 
 
+def _schedule_choice(cfg: Config, plan: Any) -> str:
+    """schedule=auto's line: each candidate's time to a loss, 2bw's under the rule and correction the plan runs."""
+    from partitioner import time_to_loss
+    from partitioner.auto import plan_optim, plan_rule
+
+    rule = plan_rule(cfg, plan) if plan.schedule == "2bw" else cfg.pipeline.weight_versions
+    why = dict(factors=plan.schedule_factors, weight_versions=rule)
+    return time_to_loss.describe(plan.schedule_choice, plan_optim(cfg, plan), plan.schedule, **why)
+
+
 def _check(cfg: Config, model: RunModel, *, world_size: int, local_world_size: int) -> List[int]:
     """``preflight.check`` with the model's layer count and vocabulary, then what only the built model shows.
 
@@ -381,7 +389,8 @@ def _newest_or_batch(cfg: Config, tied: Sequence[ties.Tie], balance: Sequence[in
     if not across:
         return cfg
     log.info("pipeline.weight_versions=auto resolves to batch, not newest: weights tied across stages (%s)", across)
-    return dataclasses.replace(cfg, pipeline=dataclasses.replace(p, weight_versions="batch", auto_weight_versions=False))
+    batch = dataclasses.replace(p, weight_versions="batch", auto_weight_versions=False)
+    return dataclasses.replace(cfg, pipeline=batch)
 
 
 def check_tie_check(cfg: Config, tied: Sequence[ties.Tie], balance: Sequence[int]) -> None:
