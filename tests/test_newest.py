@@ -477,8 +477,7 @@ def test_a_newest_checkpoint_resumes_at_another_layout_but_not_under_the_batch_r
         (["pipeline.num_stages=4", "pipeline.num_microbatches=4"], "newest", "predict"),  # a third buffer there
         (["pipeline.schedule=auto"], "newest", "predict"),  # the 2bw candidate's rule
         (["optim.delay_correction=none"], "newest", "none"),
-        (["optim.name=adamw"], "newest", "none"),  # AdamW's 'auto': no correction
-        (["optim.name=sgd"], "batch", "none"),  # newest is measured with Muon and AdamW only
+        (["optim.name=adamw"], "batch", "none"),  # newest is measured with Muon only
         (["optim.clip_grad_norm=1.0"], "batch", "predict_error_feedback"),  # newest refuses it: the batch rule's
         (["optim.delay_correction=error_feedback"], "batch", "error_feedback"),
         (["pipeline.recompute=true"], "batch", "predict_error_feedback"),
@@ -487,9 +486,8 @@ def test_a_newest_checkpoint_resumes_at_another_layout_but_not_under_the_batch_r
     ],
 )
 def test_auto_picks_newest_for_muon_wherever_newest_runs(overrides, rule, correction):
-    """pipeline.weight_versions=auto, the default: newest (Muon: with its prediction; AdamW: no correction) where newest
-    runs, else the batch rule with the optimizer's default correction there; the choice marked (auto_weight_versions)
-    and validated."""
+    """pipeline.weight_versions=auto, the default: newest with its prediction for Muon where newest runs, else the batch
+    rule with Muon's default correction there; the choice marked (auto_weight_versions) and validated."""
     cfg = make("pipeline.num_stages=2", *overrides)
     assert (cfg.pipeline.weight_versions, cfg.optim.delay_correction) == (rule, correction)
     assert cfg.pipeline.auto_weight_versions

@@ -15,13 +15,10 @@ import logging
 import types
 from typing import Any, Optional
 
-from pipedream2bw.config.corrections import AUTO
+from pipedream2bw.config.corrections import AUTO, is_muon
 
 log = logging.getLogger(__name__)
 
-MEASURED = ("muon", "adamw")
-"""The optimizers (optim.name, no optim._target_) newest was measured better with (docs/convergence.md), which
-pipeline.weight_versions=auto gives it."""
 WEIGHT_VERSIONS = (AUTO, "batch", "newest")
 """pipeline.weight_versions' values: 'auto' (the default: ``resolve_weight_versions``), 'batch' (2bw's rule, W(t-1)
 for all of batch t) and 'newest'."""
@@ -54,19 +51,17 @@ def prediction_weight_copies(num_stages: int, num_microbatches: int, forward_lea
 def resolve_weight_versions(cfg: Any) -> Any:
     """``cfg.pipeline`` (of a ``Config``) with pipeline.weight_versions=auto resolved from the whole config: 'newest'
     for Muon under schedule 2bw (or auto: its 2bw candidate's rule) wherever newest runs (``newest_refusal`` names
-    nothing, with the correction 'auto' resolves to under it: Muon's predict, AdamW's none), also for AdamW, 'batch'
-    elsewhere (logged once with the key that decides it); ``auto_weight_versions`` set. Measured (docs/convergence.md,
-    "With its prediction"): with Muon, newest with its prediction takes 2bw to 1.03x / 1.09x a flushing pipeline's
-    steps at two GPT shapes, against the batch rule's 1.11x / 1.17x with its default correction; with AdamW (no
-    correction, 4 x 64, 3 seeds) it ends at +0.21 from flush against the batch rule's +0.51, closer on every seed; no
-    other optimizer is measured under it (``MEASURED``). A rule 'auto'
+    nothing, with the correction 'auto' resolves to under it, predict), 'batch' elsewhere (logged once with the key
+    that decides it); ``auto_weight_versions`` set. Measured (docs/convergence.md, "With its prediction"): with Muon,
+    newest with its prediction takes 2bw to 1.03x / 1.09x a flushing pipeline's steps at two GPT shapes, against the
+    batch rule's 1.11x / 1.17x with its default correction; no other optimizer is measured under it. A rule 'auto'
     resolved before is resolved again whenever the config is made again (a plan's recomputation refuses newest), as
     ``optim.auto_correction``. Any other value is returned as it is."""
     p, o = cfg.pipeline, cfg.optim
     if p.weight_versions != AUTO and not getattr(p, "auto_weight_versions", False):
         return p
     rule, why = "batch", None
-    if not o.target and str(o.name).lower() in MEASURED and p.schedule in ("2bw", AUTO):
+    if is_muon(o) and p.schedule in ("2bw", AUTO):
         # a correction 'auto' chose (predict under newest) is chosen again under the rule resolved here
         chosen = o.delay_correction == AUTO or o.auto_correction
         trial = types.SimpleNamespace(

@@ -94,7 +94,7 @@ class PipelineConfig:
     (config/newest.py names each key); with optim.delay_correction=predict the forwards that miss W(t) run on its
     prediction W(t-1) + d(t-2) (one more weight copy on a stage whose forwards before its previous step are more
     than half of num_microbatches), which Muon's optim.delay_correction=auto resolves to. 'auto' (the default):
-    newest for Muon and AdamW wherever newest runs, batch elsewhere (config/newest.py's ``resolve_weight_versions``; chosen
+    newest for Muon wherever newest runs, batch elsewhere (config/newest.py's ``resolve_weight_versions``; chosen
     by measurement, docs/convergence.md). Under schedule=auto it is the 2bw candidate's rule, priced at its plan's
     depth, and moot (run as batch) where the plan picks another."""
     auto_weight_versions: bool = False
