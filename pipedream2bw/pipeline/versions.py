@@ -219,6 +219,12 @@ class WeightVersions:
         """The replica holding the newest version (what a checkpoint or export saves)."""
         return self.replicas[self._replica_holding(max(v for v in self.holds if v is not None))]
 
+    def newest_parameters(self) -> List[nn.Parameter]:
+        """``newest()``'s parameters, from the lists made at construction: no walk of the module tree (the finite
+        check takes them every step)."""
+        newest = self.newest()  # a subclass's first (host_optim: the background step it waits for)
+        return next(params for replica, params in zip(self.replicas, self._params) if replica is newest)
+
     @torch.no_grad()
     def weights(self) -> nn.Module:
         """The newest weights W(n), what validation, the final weights and checkpoints take: ``newest()``, or, where

@@ -647,7 +647,7 @@ class StageWorker:
         elif self._float32_sums:  # a streamed stage's float32 masters (the versions are rounded from them)
             params = list(self.versions.master)
         else:
-            params = self.versions.shards if sharded else list(self.versions.newest().parameters())
+            params = self.versions.shards if sharded else self.versions.newest_parameters()
         with torch.no_grad():  # a check, not a computation to differentiate: no graph over every parameter
             sq = agreement.sq_norm(params)
         if not math.isfinite(float(sq)):
