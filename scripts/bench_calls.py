@@ -1,13 +1,15 @@
 """Python function calls a step of ours-2bw, per rank: what an action costs in Python, which load does not change.
 
-    python scripts/bench_calls.py [--num-microbatches 8] [--microbatch-size 1] [--num-layers 4] [--d-model 128]
+    python scripts/bench_calls.py [--system ours-2bw@muon+predict:newest] [--num-microbatches 8] [--microbatch-size 1]
 
-Runs scripts/bench.py's ours-2bw worker twice (``--short`` and ``--long`` steps) with cProfile over the training
-loop (the ``pipedream2bw.train`` range) of each rank, and prints (long - short) / (long - short steps): the calls
-a step, the same on every run of a tree. A commit that adds Python work to each forward, backward, send or
-receive shows exactly, where wall time on a shared machine varies by 2x (issue 47's bisect: copy this file into
-an old tree and run it there, with that tree on PYTHONPATH). ``--top N`` also lists the N functions with the most
-calls a step.
+Runs scripts/bench.py's ours-2bw worker (``--system``: another system of ours, e.g.
+ours-2bw@muon+predict:newest) twice (``--short`` and ``--long`` steps) with cProfile over the training loop (the
+``pipedream2bw.train`` range) of each rank, and prints (long - short) / (long - short steps): the calls a step, the
+same on every run of a tree. A commit that adds Python work to each forward, backward, send or receive shows exactly,
+where wall time on a shared machine varies by 2x (issue 47's bisect: copy this file into an old tree and run it
+there, with that tree on PYTHONPATH). ``--top N`` also lists the N functions with the most calls a step; ``--times
+N`` the N with the most cumulative milliseconds a step (wall time under cProfile: where the time goes, not a timing)
+and their calls a step.
 """
 
 from __future__ import annotations
@@ -80,12 +82,16 @@ def _profiled_worker(out: str) -> None:
     prof = cProfile.Profile()
     in_training_range(prof.enable, prof.disable)
     stats = pstats.Stats(prof)
-    calls = {f"{Path(f).name}:{line}:{name}": s[1] for (f, line, name), s in stats.stats.items()}
-    Path(out, f"calls{os.environ['RANK']}.json").write_text(json.dumps({"total": stats.total_calls, "calls": calls}))
+    names = {key: f"{Path(key[0]).name}:{key[1]}:{key[2]}" for key in stats.stats}
+    calls = {names[key]: s[1] for key, s in stats.stats.items()}
+    cumulative = {names[key]: s[3] for key, s in stats.stats.items()}  # seconds in it and what it calls
+    Path(out, f"calls{os.environ['RANK']}.json").write_text(
+        json.dumps({"total": stats.total_calls, "calls": calls, "cumulative": cumulative})
+    )
 
 
 def _run(args, steps: int, out: str) -> list:
-    worker = ["--worker", "ours-2bw", "--out", out, f"--steps={steps}", "--warmup=2", "--device=cpu"]
+    worker = ["--worker", args.system, "--out", out, f"--steps={steps}", "--warmup=2", "--device=cpu"]
     shape = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in ("num_microbatches", "microbatch_size")]
     shape += [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in ("num_layers", "d_model", "num_heads", "seq_len")]
     run_ranks(__file__, out, [*worker, *shape])
@@ -94,6 +100,7 @@ def _run(args, steps: int, out: str) -> list:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--system", default="ours-2bw", help="bench.py's system, e.g. ours-2bw@muon+predict:newest")
     parser.add_argument("--num-microbatches", type=int, default=8)
     parser.add_argument("--microbatch-size", type=int, default=1)
     parser.add_argument("--num-layers", type=int, default=4)
@@ -103,6 +110,12 @@ def main() -> None:
     parser.add_argument("--short", type=int, default=6, help="steps of the first run")
     parser.add_argument("--long", type=int, default=14, help="steps of the second run")
     parser.add_argument("--top", type=int, default=0, help="also list the N functions with the most calls a step")
+    parser.add_argument(
+        "--times",
+        type=int,
+        default=0,
+        help="also list the N functions with the most cumulative ms a step (wall time: noisy)",
+    )
     parser.add_argument("--profiled", help=argparse.SUPPRESS)
     args, _ = parser.parse_known_args()
     if args.profiled:
@@ -118,6 +131,9 @@ def main() -> None:
         per_step = {k: (v - x["calls"].get(k, 0)) / n for k, v in y["calls"].items()}
         for name, count in sorted(per_step.items(), key=lambda kv: -kv[1])[: args.top]:
             print(f"  {count:8.1f}  {name}")
+        ms = {k: 1e3 * (v - x["cumulative"].get(k, 0.0)) / n for k, v in y["cumulative"].items()}
+        for name, value in sorted(ms.items(), key=lambda kv: -kv[1])[: args.times]:
+            print(f"  {value:8.2f} ms  {per_step.get(name, 0):6.1f} calls  {name}")
 
 
 if __name__ == "__main__":

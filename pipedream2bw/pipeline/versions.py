@@ -219,6 +219,12 @@ class WeightVersions:
         """The replica holding the newest version (what a checkpoint or export saves)."""
         return self.replicas[self._replica_holding(max(v for v in self.holds if v is not None))]
 
+    def newest_parameters(self) -> List[nn.Parameter]:
+        """``newest()``'s parameters, from the lists made at construction: no walk of the module tree (the finite
+        check takes them every step)."""
+        newest = self.newest()  # a subclass's first (host_optim: the background step it waits for)
+        return next(params for replica, params in zip(self.replicas, self._params) if replica is newest)
+
     @torch.no_grad()
     def weights(self) -> nn.Module:
         """The newest weights W(n), what validation, the final weights and checkpoints take: ``newest()``, or, where
@@ -466,12 +472,21 @@ class NewestVersions(WeightVersions):
         return late
 
     def _fold_into(self, index: int) -> None:
-        """Adds every other replica's gradients into replica ``index``'s; the others let go of theirs."""
-        for i, p in enumerate(self._params[index]):
-            for other in (q for r, q in enumerate(self._params) if r != index):
-                if other[i].grad is not None:
-                    p.grad = other[i].grad if p.grad is None else p.grad.add_(other[i].grad)
-                    other[i].grad = None
+        """Adds every other replica's gradients into replica ``index``'s; the others let go of theirs. Replica by
+        replica in index order, one foreach add each: every parameter's sum is the per-parameter loop's, bit for bit
+        (a foreach add is the same elementwise add), without a Python iteration per parameter and replica."""
+        into = self._params[index]
+        for r, params in enumerate(self._params):
+            if r == index:
+                continue
+            held = [(p, q) for p, q in zip(into, params) if q.grad is not None]
+            summed = [(p.grad, q.grad) for p, q in held if p.grad is not None]
+            if summed:
+                torch._foreach_add_([a for a, _ in summed], [b for _, b in summed])
+            for p, q in held:
+                if p.grad is None:
+                    p.grad = q.grad
+                q.grad = None
 
     def _source(self, t: int) -> int:
         """The replica whose gradients step t takes: W(t)'s, which batch t's last microbatch ran on."""
