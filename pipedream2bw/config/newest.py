@@ -58,7 +58,7 @@ def resolve_weight_versions(cfg: Any) -> Any:
     resolved before is resolved again whenever the config is made again (a plan's recomputation refuses newest), as
     ``optim.auto_correction``. Any other value is returned as it is."""
     p, o = cfg.pipeline, cfg.optim
-    if p.weight_versions != AUTO and not getattr(p, "auto_weight_versions", False):
+    if p.weight_versions != AUTO and not p.auto_weight_versions:
         return p
     rule, why = "batch", None
     if is_muon(o) and p.schedule in ("2bw", AUTO):
