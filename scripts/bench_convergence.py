@@ -7,9 +7,10 @@ A correction may end in ``+syncN`` (e.g. ``error_feedback+sync30``): that correc
 (pipeline.sync_warmup_steps=N); ``+betaX``: optim.error_feedback_beta=X; ``+momX``: the optimizer's momentum X
 (Muon's ``momentum`` for its matrices, AdamW's beta1). --flush-corrections names flush's runs the same way
 (``none``, ``none+mom0.9``); the first is the reference every 2bw run is compared with. ``+newest`` (2bw only, with
-``none``): pipeline.weight_versions=newest, each forward on its stage's newest version (a depth-dependent rule: run
-it with --num-stages). With --target-loss, each run
-also prints its steps to that loss and to its seed's reference flush's final loss, as a ratio to flush's steps.
+``none`` or ``predict``): pipeline.weight_versions=newest, each forward on its stage's newest version
+(a depth-dependent rule: run it with --num-stages); ``+horizonX`` (with ``predict+newest``): optim.predict_horizon=X.
+With --target-loss, each run also prints its steps to that loss and to its seed's reference flush's final loss, as a
+ratio to flush's steps.
 --scheduler, --warmup and --min-lr set the learning-rate schedule (optim.scheduler, optim.warmup_steps, optim.min_lr),
 the same for every run of the grid: e.g. ``--scheduler cosine --warmup 30 --min-lr 3e-4``. Run names do not say the
 schedule (nor the shape), so give each its own --out.
@@ -70,11 +71,12 @@ def run_config(args, *, schedule: str, optimizer: str, correction: str, lr: floa
     sync = next((o[4:] for o in options if o.startswith("sync")), "")
     beta = next((float(o[4:]) for o in options if o.startswith("beta")), None)
     mom = next((float(o[3:]) for o in options if o.startswith("mom")), None)
+    horizon = next((float(o[7:]) for o in options if o.startswith("horizon")), None)
     newest = "newest" in options  # pipeline.weight_versions=newest (2bw)
-    unknown = [o for o in options if not o.startswith(("sync", "beta", "mom")) and o != "newest"]
+    unknown = [o for o in options if not o.startswith(("sync", "beta", "mom", "horizon")) and o != "newest"]
     if unknown:
         raise ValueError(
-            f"unknown option(s) {unknown} of correction {correction!r}: use +syncN, +betaX, +momX or +newest"
+            f"unknown option(s) {unknown} of correction {correction!r}: use +syncN, +betaX, +momX, +horizonX or +newest"
         )
     return Config(
         pipeline=PipelineConfig(
@@ -97,6 +99,7 @@ def run_config(args, *, schedule: str, optimizer: str, correction: str, lr: floa
             min_lr=args.min_lr,
             **({} if beta is None else {"error_feedback_beta": beta}),
             **({} if mom is None else _momentum(optimizer, mom)),
+            **({} if horizon is None else {"predict_horizon": horizon}),
         ),
         data=DataConfig(path=args.data_path, val_fraction=args.val_fraction),
         train=TrainConfig(

@@ -230,10 +230,11 @@ def reference_newest(
     W(t-1) and at W(t)) / (m * w), each replica's sum first, as its stages sum them before the all-reduce, and in
     their order: the early sum added to the fresh one before the last microbatch's gradient; W(t+1) =
     W(t) - optimizer_step(g(t)). At d = 1 that is plain minibatch training. With optim.delay_correction=predict
-    the microbatches of batch t >= 1 not on W(t) run on P(t) = W(t-1) + d(t-2) instead, d(t) = W(t+1) - W(t) in
-    float32, d(-1) = 0. ``relayout`` = (step n, balance', w'): from batch n on, the rule (and the rounding, and the
-    replicas' sums) of a pipeline of balance' with w' replicas of m * w / w' microbatches each: a run resumed at
-    another layout after n steps, its batch n's early microbatches on the checkpoint's W(n-1) (or P(n))."""
+    the microbatches of batch t >= 1 not on W(t) run on P(t) = W(t-1) + h d(t-2) instead (h: optim.predict_horizon),
+    d(t) = W(t+1) - W(t) in float32, d(-1) = 0. ``relayout`` = (step n, balance', w'): from batch n on, the rule (and
+    the rounding, and the replicas' sums) of a pipeline of balance' with w' replicas of m * w / w' microbatches each:
+    a run resumed at another layout after n steps, its batch n's early microbatches on the checkpoint's W(n-1) (or
+    P(n))."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the ranks run (``reference_run``)
     try:
@@ -293,7 +294,7 @@ def _train_newest(cfg: Config, balance: Sequence[int], relayout: Optional[Tuple[
         if predict:
             with torch.no_grad():
                 for p, dp in zip(stale.parameters(), delta):
-                    p.add_(dp)
+                    p.add_(dp, alpha=cfg.optim.predict_horizon)
             before = [p.detach().clone() for p in model.parameters()]
         for p, g in zip(model.parameters(), sums):
             p.grad = None if g is None else g / (m0 * w0)

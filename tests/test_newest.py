@@ -45,6 +45,7 @@ def _run_in_one_process(cfg, balance, kind=NewestVersions):
             optimizer_factory=lambda params: build_optimizer(params, stepped),
             early_forwards=d - s - 1 + schedule.lead(s, d, m, lead),
             num_microbatches=m,
+            **({"horizon": cfg.optim.predict_horizon} if kind is PredictedNewestVersions else {}),
         )
         for s in range(d)
     ]
@@ -158,6 +159,27 @@ def test_newest_equals_its_rule_at_two_stages(tmp_path):
     assert_losses_close(summary["losses"], expected.losses)
     for delayed in (True, False):  # 2bw's batch rule, flush's minibatch training: far above round-off
         assert max_abs_diff(weights, _oracle(4, "adam", delayed)[0]) > 1e-4
+
+
+def test_the_predictions_horizon_is_the_rules():
+    """optim.predict_horizon = h: the early forwards run on P(t) = W(t-1) + h d(t-2), to float32 round-off of the
+    rule at h (d = 3, m = 4: two stages with early forwards), and far from the rule at another h."""
+    cfg = predict_config(num_stages=3, num_microbatches=4)
+    cfg.optim = dataclasses.replace(cfg.optim, predict_horizon=2.5)
+    balance = gpt_balance(cfg.model, 3)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        weights, losses, _ = _run_in_one_process(cfg, balance, PredictedNewestVersions)
+    finally:
+        torch.set_num_threads(threads)
+    expected = reference_newest(cfg, balance=balance)
+    torch.testing.assert_close(weights, list(expected.weights.values()))
+    torch.testing.assert_close(losses, expected.losses)
+    one = reference_newest(
+        dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, predict_horizon=1.0)), balance=balance
+    )
+    assert max(float((a - b).abs().max()) for a, b in zip(weights, one.weights.values())) > 1e-4
 
 
 def test_the_predictions_d_counts_as_optimizer_state():

@@ -32,6 +32,10 @@ def early_forwards(num_stages: int, num_microbatches: int, forward_lead: int, *,
     return d - s - 1 + (0 if s == d - 1 else max(0, min(forward_lead, m - (d - s))))
 
 
+PREDICT_HORIZON = 1.0
+"""optim.predict_horizon's default: how many steps ahead newest's prediction reaches (``PredictedNewestVersions``)."""
+
+
 def prediction_replicas(early: int, num_microbatches: int) -> int:
     """The replicas a stage running ``early`` forwards of each batch before its previous step (``early_forwards``)
     holds for newest's prediction besides its exact W (``PredictedNewestVersions``): one, or two alternating by batch

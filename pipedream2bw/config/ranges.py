@@ -48,6 +48,7 @@ RANGES: Dict[str, _Range] = {
     "optim.min_lr": NON_NEGATIVE,
     "optim.clip_grad_norm": POSITIVE,
     "optim.error_feedback_beta": NON_NEGATIVE,
+    "optim.predict_horizon": POSITIVE,
     "optim.rotation_every": AT_LEAST_1,
     "optim.rotation_beta": FRACTION,
     "data.val_fraction": FRACTION,

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 from pipedream2bw.config.corrections import AUTO, default_beta, is_muon, resolve_auto
-from pipedream2bw.config.newest import resolve_weight_versions
+from pipedream2bw.config.newest import PREDICT_HORIZON, resolve_weight_versions
 from pipedream2bw.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -273,6 +273,11 @@ class OptimConfig:
     paper's 1.0 on every seed), 0.5 under predict_error_feedback (the prediction already removes most of the delay:
     1.5 over-corrects there), chosen by measurement (docs/convergence.md) when the config is made, by the correction
     'auto' resolves to."""
+    predict_horizon: float = PREDICT_HORIZON
+    """pipeline.weight_versions=newest with optim.delay_correction=predict: how far ahead the early forwards'
+    prediction reaches, in steps: P(t) = W(t-1) + h d(t-2), d the last step's change; 1 predicts the W(t) they miss,
+    more looks past it. The batch rule's prediction (predict, predict_error_feedback) always predicts one step: any
+    other value is refused there."""
     auto_correction: bool = False
     """Set when the config is made, not by hand: true where optim.delay_correction (and a null error_feedback_beta)
     is what 'auto' resolved to. Such a correction is resolved again whenever the config is made again, e.g. with a

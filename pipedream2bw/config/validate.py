@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
 from pipedream2bw.config.corrections import DELAY_CORRECTIONS, FEEDBACK, PREDICTING, is_muon, prediction_refusal
-from pipedream2bw.config.newest import newest_refusal
+from pipedream2bw.config.newest import PREDICT_HORIZON, newest_refusal
 from pipedream2bw.config.ranges import check_ranges
 from pipedream2bw.config.schema import (
     BACKENDS,
@@ -666,6 +666,7 @@ def _validate_optim_extras(cfg: Config) -> None:
                 "Muon orthogonalizes whole matrices; drop partition.sharded (the search then never shards Muon) or "
                 "use an elementwise optimizer such as optim.name=adamw"
             )
+    _validate_horizon(cfg)
     if o.delay_correction == "none":
         return
     if cfg.pipeline.schedule != "2bw":
@@ -716,6 +717,20 @@ def _validate_rotation(cfg: Config) -> None:
         )
     if why is not None:
         raise ConfigError(f"optim.name (adamw_rotated) with {why}, or use optim.name=adamw")
+
+
+def _validate_horizon(cfg: Config) -> None:
+    """optim.predict_horizon: newest's prediction's alone (the batch rule's predicts one step)."""
+    o, p = cfg.optim, cfg.pipeline
+    if o.predict_horizon == PREDICT_HORIZON or (p.weight_versions == "newest" and o.delay_correction == "predict"):
+        return
+    raise ConfigError(
+        f"optim.predict_horizon ({o.predict_horizon}) sets how far newest's prediction reaches, and this run has "
+        f"pipeline.weight_versions={p.weight_versions} with optim.delay_correction={o.delay_correction}"
+        + (f" under pipeline.schedule={p.schedule}" if p.schedule != "2bw" else "")
+        + f": remove it (its default is {PREDICT_HORIZON}), or set pipeline.weight_versions=newest and "
+        "optim.delay_correction=predict (or auto, with optim.name=muon)"
+    )
 
 
 def _validate_prediction(cfg: Config) -> None:

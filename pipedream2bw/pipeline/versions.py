@@ -522,8 +522,9 @@ the next prediction adds (``PredictedNewestVersions``)."""
 
 class PredictedNewestVersions(NewestVersions):
     """pipeline.weight_versions=newest with optim.delay_correction=predict: a stage's early forwards of batch t (those
-    run before its step t-1, ``NewestVersions``) run on the prediction P(t) = W(t-1) + d(t-2) of the W(t) they miss,
-    d(t-2) = W(t-1) - W(t-2) the last step's change (d(-1) = 0); the rest on W(t), as under newest.
+    run before its step t-1, ``NewestVersions``) run on the prediction P(t) = W(t-1) + h d(t-2) of the W(t) they miss
+    (h = 1; optim.predict_horizon), d(t-2) = W(t-1) - W(t-2) the last step's change (d(-1) = 0); the rest on W(t), as
+    under newest.
 
     Replica 0 holds the exact W and is stepped in place: at step t no microbatch in flight runs on it (batch t+1's
     early ones run on a prediction). P(t) is written before batch t's first early forward, or at step t-1 if no
@@ -532,10 +533,12 @@ class PredictedNewestVersions(NewestVersions):
     1 + t % 2 (config/newest.py's ``prediction_replicas``): batch t-2's always are (E <= m - 1), so a third buffer
     suffices. d costs 4 B a parameter; no other state.
 
-    ``num_microbatches``: m, which with ``early_forwards`` sets the prediction's replicas."""
+    ``num_microbatches``: m, which with ``early_forwards`` sets the prediction's replicas; ``horizon``: h in
+    P(t) = W(t-1) + h d(t-2) (optim.predict_horizon; 1 predicts W(t))."""
 
-    def __init__(self, module: nn.Module, *, num_microbatches: int, **kwargs: Any):
+    def __init__(self, module: nn.Module, *, num_microbatches: int, horizon: float = 1.0, **kwargs: Any):
         super().__init__(module, num_microbatches=num_microbatches, **kwargs)
+        self._horizon = horizon
         self._buffers = prediction_replicas(self._early, num_microbatches)
         for _ in range(self._buffers - 1):  # the second prediction: a replica like replica 1 (share_buffers)
             self.replicas.append(copy.deepcopy(module))
@@ -564,11 +567,11 @@ class PredictedNewestVersions(NewestVersions):
 
     @torch.no_grad()
     def _predict(self, t: int) -> None:
-        """P(t) = W(t-1) + d(t-2) into its replica, replica 0 holding W(t-1)."""
+        """P(t) = W(t-1) + h d(t-2) into its replica, replica 0 holding W(t-1)."""
         assert self.holds[0] == t - 1, f"P({t}) needs W({t - 1}); replica 0 holds W({self.holds[0]})"
         replica = self._prediction_replica(t)
         torch._foreach_copy_(self._params[replica], self._params[0])
-        torch._foreach_add_(self._params[replica], self._delta)
+        torch._foreach_add_(self._params[replica], self._delta, alpha=self._horizon)
         self._predicted[replica] = t
 
     def _source(self, t: int) -> int:

@@ -210,14 +210,16 @@ def build_versions(
 
 def _newest(rt: RankPlan, optim: OptimConfig) -> Tuple[type, Dict[str, int]]:
     """The versions' class and its arguments beyond the plain ones: under pipeline.weight_versions=newest
-    ``NewestVersions`` (``PredictedNewestVersions`` with optim.delay_correction=predict) and the forwards of a batch
-    that run before the stage's previous step, d - s - 1 + its lead, with m (which with them sets the prediction's
-    replicas); else ``WeightVersions`` and none."""
+    ``NewestVersions`` (``PredictedNewestVersions`` with optim.delay_correction=predict, and its horizon) and the
+    forwards of a batch that run before the stage's previous step, d - s - 1 + its lead, with m (which with them sets
+    the prediction's replicas); else ``WeightVersions`` and none."""
     if rt.weight_versions != "newest":
         return WeightVersions, {}
-    kind = PredictedNewestVersions if optim.delay_correction == "predict" else NewestVersions
     early = early_forwards(rt.num_stages, rt.num_microbatches, rt.forward_lead, stage_index=rt.stage)
-    return kind, {"early_forwards": early, "num_microbatches": rt.num_microbatches}
+    plain = {"early_forwards": early, "num_microbatches": rt.num_microbatches}
+    if optim.delay_correction == "predict":
+        return PredictedNewestVersions, {**plain, "horizon": optim.predict_horizon}
+    return NewestVersions, plain
 
 
 def replica_index(rt: RankPlan) -> int:

@@ -178,7 +178,7 @@ def training_settings(cfg: Config) -> Dict[str, Any]:
         else "fp32",
         # flush, zb1p and gpipe all train W(t+1) = W(t) - step(grad f(W(t))); 2bw uses W(t-1) (the label predates zb1p)
         "pipeline.schedule": "2bw" if cfg.pipeline.schedule == "2bw" else "flush or gpipe",
-        **_weight_versions(cfg.pipeline),
+        **_weight_versions(cfg),
         **optim_settings(o),
         "seed": cfg.seed,  # the batch order: another seed trains on other batches from the resumed step on
         "data.path": data_fingerprint(cfg.data.path),
@@ -189,11 +189,17 @@ def training_settings(cfg: Config) -> Dict[str, Any]:
     return json.loads(json.dumps(record, default=str))
 
 
-def _weight_versions(p: Any) -> Dict[str, Any]:
-    """Under 2bw, pipeline.weight_versions ('batch' or 'newest'). Not the layout: under newest a run resumed at
-    another one applies its own rule from the checkpoint's batch on (docs/concepts.md), its first early forwards on
-    the checkpoint's previous version, as the run that wrote it would have."""
-    return {"pipeline.weight_versions": p.weight_versions} if p.schedule == "2bw" else {}
+def _weight_versions(cfg: Config) -> Dict[str, Any]:
+    """Under 2bw, pipeline.weight_versions ('batch' or 'newest'), and newest's prediction's optim.predict_horizon. Not
+    the layout: under newest a run resumed at another one applies its own rule from the checkpoint's batch on
+    (docs/concepts.md), its first early forwards on the checkpoint's previous version, as the run that wrote it would
+    have. (A checkpoint written before the horizon existed records none: it is not compared.)"""
+    p, o = cfg.pipeline, cfg.optim
+    if p.schedule != "2bw":
+        return {}
+    if p.weight_versions == "newest" and o.delay_correction == "predict":
+        return {"pipeline.weight_versions": p.weight_versions, "optim.predict_horizon": o.predict_horizon}
+    return {"pipeline.weight_versions": p.weight_versions}
 
 
 def optim_settings(o: OptimConfig) -> Dict[str, Any]:
