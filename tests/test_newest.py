@@ -329,6 +329,32 @@ def test_newest_refuses_what_it_is_not_proven_with_in_one_line(overrides, key):
     assert "\n" not in str(e.value) and str(e.value).endswith("or pipeline.weight_versions=batch")
 
 
+@pytest.mark.parametrize(
+    "overrides, rule",
+    [
+        (["optim.name=adamw"], "pipeline.weight_versions=batch with optim.delay_correction=none"),
+        (
+            ["pipeline.weight_versions=batch"],
+            "pipeline.weight_versions=batch with optim.delay_correction=predict_error",
+        ),
+        (["pipeline.weight_versions=newest", "optim.delay_correction=none"], "newest with optim.delay_correction=none"),
+    ],
+)
+def test_a_horizon_where_newests_prediction_does_not_run_is_refused(overrides, rule):
+    """optim.predict_horizon sets newest's prediction alone: another value where it does not run would change
+    nothing, so it is refused in one line naming the rule; the default passes there, and the value runs under it."""
+    cfg = make("pipeline.num_stages=2", "optim.predict_horizon=2", *overrides)
+    with pytest.raises(ConfigError) as e:
+        validate(cfg, world_size=2)
+    assert str(e.value).startswith(
+        "optim.predict_horizon (2.0) sets how far newest's prediction reaches"
+    ) and rule in str(e.value)
+    assert "\n" not in str(e.value)
+    validate(make("pipeline.num_stages=2", *overrides), world_size=2)
+    assert make("pipeline.num_stages=2", "optim.predict_horizon=2").optim.delay_correction == "predict"
+    validate(make("pipeline.num_stages=2", "optim.predict_horizon=2"), world_size=2)
+
+
 @pytest.mark.parametrize("extra", [[], ["optim.delay_correction=predict", "pipeline.num_microbatches=2"]])
 def test_newest_runs_with_replicas(extra):
     """pipeline.data_parallel > 1 is no longer refused, with or without the prediction (run: ``test_newest_with_
