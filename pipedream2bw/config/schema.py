@@ -92,11 +92,11 @@ class PipelineConfig:
     stage s of d, microbatch j of batch t >= 1 on W(t) if j >= d - s - 1 + the stage's forward lead, else W(t-1); the
     same two buffers, schedule and steps; docs/concepts.md). newest refuses what it is not proven with
     (config/newest.py names each key); with optim.delay_correction=predict the forwards that miss W(t) run on its
-    prediction W(t-1) + d(t-2) (one more weight copy on a stage whose forwards before its previous step are more
-    than half of num_microbatches), which Muon's optim.delay_correction=auto resolves to. 'auto' (the default):
-    newest for Muon wherever newest runs, batch elsewhere (config/newest.py's ``resolve_weight_versions``; chosen
-    by measurement, docs/convergence.md). Under schedule=auto it is the 2bw candidate's rule, priced at its plan's
-    depth, and moot (run as batch) where the plan picks another."""
+    prediction W(t-1) + h d(t-2) (h: optim.predict_horizon; one more weight copy on a stage whose forwards before its
+    previous step are more than half of num_microbatches), which Muon's optim.delay_correction=auto resolves to.
+    'auto' (the default): newest for Muon wherever newest runs, batch elsewhere (config/newest.py's
+    ``resolve_weight_versions``; chosen by measurement, docs/convergence.md). Under schedule=auto it is the 2bw
+    candidate's rule, priced at its plan's depth, and moot (run as batch) where the plan picks another."""
     auto_weight_versions: bool = False
     """Set when the config is made, not by hand: true where pipeline.weight_versions is what 'auto' resolved to. Such
     a rule is resolved again whenever the config is made again (a plan's recomputation or swapping: batch), as
@@ -256,8 +256,8 @@ class OptimConfig:
     2025: Nesterov look-ahead with momentum 0.99, i.e. NAdamW for adamw and Muon's momentum 0.99 for muon; no
     extra state); 'predict' (weight prediction, PipeOptim: batch t reads W(t-1) + d, d the last applied update, a
     prediction of the W(t) its gradient is applied to, in place of W(t-1); 4 bytes per parameter; under
-    pipeline.weight_versions=newest, only the forwards that miss W(t) read W(t-1) + d, and a stage whose forwards
-    before its previous step are more than half of num_microbatches holds one more weight copy);
+    pipeline.weight_versions=newest, only the forwards that miss W(t) read W(t-1) + h d (optim.predict_horizon), and a
+    stage whose forwards before its previous step are more than half of num_microbatches holds one more weight copy);
     'predict_error_feedback' (both: the prediction around error feedback, d the corrected update; 8 bytes per
     parameter; measured best with optim.error_feedback_beta 0.5, its default under it); 'auto' (the
     default): for muon predict_error_feedback (the setting under which 2bw came closest to a flushing pipeline's
