@@ -167,8 +167,9 @@ def test_the_bytes_and_the_steps_factor_follow_the_resolved_correction():
 
 
 def test_a_checkpoint_of_the_old_default_is_refused_naming_the_correction_to_set():
-    """A run resumed from a checkpoint written under the old default (error feedback, beta 1.5: one buffer u) is
-    refused, naming optim.delay_correction=error_feedback, with which it resumes as trained."""
+    """A checkpoint written under the old default (error feedback, beta 1.5: one buffer u) against a run whose
+    correction differs is refused, naming optim.delay_correction=error_feedback, with which it resumes as trained (a
+    run that leaves it to 'auto' takes the checkpoint's before this check: tests/test_newest.py)."""
     from pipedream2bw.io.checkpoint import check_settings
     from pipedream2bw.run.model import training_settings
 

@@ -14,7 +14,7 @@ from test_config import make
 from test_semantics import OPTIMIZERS, _oracle, assert_losses_close, max_abs_diff, tiny_config
 from torch import nn
 
-from pipedream2bw.config import ConfigError, build_optimizer, gpt_balance, validate
+from pipedream2bw.config import ConfigError, OptimConfig, build_optimizer, gpt_balance, validate
 from pipedream2bw.data import make_feeds
 from pipedream2bw.models.factory import model_source
 from pipedream2bw.pipeline import schedule
@@ -640,3 +640,131 @@ def test_under_schedule_auto_a_tie_across_stages_is_refused_once_the_plan_picks_
     assert _check(flush, tied, world_size=2, local_world_size=2) == [3, 2]
     assert flush.pipeline.weight_versions == "batch" and "pipeline.weight_versions" not in training_settings(flush)
     assert training_settings(_planned(cfg, "2bw", [3, 2]))["pipeline.weight_versions"] == "newest"
+
+
+def _muon(num_stages: int = 1, *, steps: int = 4, **pipeline):
+    """A tiny Muon run whose rule and correction 'auto' chooses (newest with its prediction here) unless ``pipeline``
+    names them; a checkpoint every 2 steps."""
+    cfg = tiny_config(schedule="2bw", num_stages=num_stages, num_microbatches=2, num_steps=steps)
+    optim = OptimConfig(name="muon", lr=1e-2, muon_others="adam")
+    cfg = dataclasses.replace(cfg, optim=optim, pipeline=dataclasses.replace(cfg.pipeline, **pipeline))
+    cfg.train.checkpoint_every = 2
+    return cfg
+
+
+def _resumed(cfg, path, **train):
+    """``cfg`` resuming checkpoint ``path`` as run/start.py's ``start`` resumes it (its manifest read first)."""
+    from pipedream2bw.run.start import resumed_settings
+
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, resume=str(path), **train))
+    return resumed_settings(cfg, path)
+
+
+def _manifest_of(cfg, tmp_path):
+    """A checkpoint directory whose manifest records ``cfg``'s training settings (the rest of it is not read here)."""
+    import json
+
+    from pipedream2bw.run.model import training_settings
+
+    path = tmp_path / "checkpoints" / "step_00000002"
+    path.mkdir(parents=True)
+    manifest = {"step": 2, "training_settings": training_settings(cfg)}
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    return path, manifest
+
+
+@pytest.mark.slow
+def test_a_batch_checkpoint_resumes_at_the_defaults_under_its_rule(tmp_path, caplog):
+    """Regression: a checkpoint of the batch rule with its predict_error_feedback (Muon's default before 2026-11-28)
+    resumed at today's defaults ('auto': newest with its prediction) was refused as other settings. 'auto' follows the
+    checkpoint: 2 + 2 resumed steps end on the bits of 4 straight steps under the batch rule, summary.json records the
+    rule and correction that ran, and the planner prices that rule. Fails with auto's own choice on a resume."""
+    from test_sharding import _plan_of
+
+    from partitioner.auto import plan_rule
+
+    defaults = _muon()
+    assert (defaults.pipeline.weight_versions, defaults.optim.delay_correction) == ("newest", "predict")
+    batch = _muon(weight_versions="batch", auto_weight_versions=False)
+    assert batch.optim.delay_correction == "predict_error_feedback"
+    straight = run_ok(batch, tmp_path / "batch")
+    path = tmp_path / "batch" / "checkpoints" / "step_00000002"
+    with caplog.at_level("INFO", logger="pipedream2bw.config.newest"):
+        followed = _resumed(defaults, path)
+    assert (followed.pipeline.weight_versions, followed.optim.delay_correction) == ("batch", "predict_error_feedback")
+    assert "under its own pipeline.weight_versions=batch, optim.delay_correction=predict_error_feedback" in caplog.text
+    assert plan_rule(followed, _plan_of(followed, schedule="2bw", balance=[3])) == "batch"
+    resumed = dataclasses.replace(defaults, train=dataclasses.replace(defaults.train, resume=str(path)))
+    again = run_ok(resumed, tmp_path / "resumed")
+    assert (again["weight_versions"], again["delay_correction"]) == ("batch", "predict_error_feedback")
+    assert again["first_step"] == 2 and again["losses"] == straight["losses"]
+    want, got = (torch.load(tmp_path / d / "final_model.pt") for d in ("batch", "resumed"))
+    assert all(torch.equal(got[k], w) for k, w in want.items())
+
+
+def test_a_rule_or_correction_named_is_never_replaced_by_the_checkpoints(tmp_path):
+    """Only 'auto' follows a checkpoint: pipeline.weight_versions=newest named on a batch checkpoint is kept, and the
+    resume refused as other settings naming the rule to set; a correction named is kept too. A checkpoint written
+    before newest existed records no rule: 'auto' resumes it under the batch rule."""
+    from pipedream2bw.io.checkpoint import check_settings
+    from pipedream2bw.run.model import training_settings
+
+    path, manifest = _manifest_of(_muon(weight_versions="batch", auto_weight_versions=False), tmp_path)
+    named = _resumed(_muon(weight_versions="newest", auto_weight_versions=False), path)
+    assert (named.pipeline.weight_versions, named.optim.delay_correction) == ("newest", "predict")
+    match = r"pipeline.weight_versions: checkpoint 'batch', this run 'newest' \(set pipeline.weight_versions=batch"
+    with pytest.raises(ConfigError, match=match):
+        check_settings(manifest, model={}, training=training_settings(named), where=path, strict=True)
+    ef = _muon()
+    ef.optim.delay_correction, ef.optim.auto_correction = "error_feedback", False
+    ef = _resumed(dataclasses.replace(ef), path)
+    assert (ef.pipeline.weight_versions, ef.optim.delay_correction) == ("batch", "error_feedback")
+    del manifest["training_settings"]["pipeline.weight_versions"]  # as written before 2026-11-27
+    (path / "manifest.json").write_text(__import__("json").dumps(manifest))
+    assert _resumed(_muon(), path).pipeline.weight_versions == "batch"
+
+
+def test_a_newest_checkpoint_with_a_key_newest_refuses_names_the_fixes_that_work(tmp_path):
+    """Regression: a newest checkpoint resumed with pipeline.recompute=true had 'auto' pick batch, whose refusal said
+    to set newest, which recompute refuses: a dead end. The refusal now names the key and each way on, and each
+    works: the key set back resumes under newest (the settings match and the config validates);
+    train.resume_strict=false goes on under the batch rule (run: tests/test_newest.py's next test)."""
+    from pipedream2bw.io.checkpoint import check_settings
+    from pipedream2bw.run.model import training_settings
+
+    path, manifest = _manifest_of(_muon(), tmp_path)
+    recompute = _muon(recompute=True)
+    assert recompute.pipeline.weight_versions == "batch"
+    match = (
+        r"^checkpoint .*step_00000002 was trained under pipeline.weight_versions=newest, optim.delay_correction="
+        r"predict, which 'auto' resumes it under, but this run refuses it: pipeline.recompute: not proven; set it "
+        r"false to resume as trained, train.resume_strict=false to go on under pipeline.weight_versions=batch, "
+        r"optim.delay_correction=predict_error_feedback, .*or train.resume=never to start afresh$"
+    )
+    with pytest.raises(ConfigError, match=match):
+        _resumed(recompute, path)
+    fixed = _resumed(_muon(recompute=False), path)
+    assert (fixed.pipeline.weight_versions, fixed.optim.delay_correction) == ("newest", "predict")
+    assert check_settings(manifest, model={}, training=training_settings(fixed), where=path, strict=True) == []
+    validate(fixed, world_size=1)
+    loose = _resumed(recompute, path, resume_strict=False)
+    assert (loose.pipeline.weight_versions, loose.optim.delay_correction) == ("batch", "predict_error_feedback")
+    validate(loose, world_size=1)
+
+
+@pytest.mark.slow
+def test_a_newest_checkpoint_goes_on_under_the_batch_rule_when_not_strict(tmp_path):
+    """What the refusal above offers: train.resume_strict=false resumes a newest checkpoint with pipeline.recompute=true
+    under the batch rule (the difference logged) and trains to the end from the checkpoint's step."""
+    run_ok(_muon(), tmp_path / "newest")
+    path = tmp_path / "newest" / "checkpoints" / "step_00000002"
+    cfg = _muon(recompute=True)
+    cfg.train.resume, cfg.train.resume_strict = str(path), False
+    again = run_ok(cfg, tmp_path / "loose")
+    assert (again["weight_versions"], again["delay_correction"], again["first_step"]) == (
+        "batch",
+        "predict_error_feedback",
+        2,
+    )
+    log = (tmp_path / "loose" / "logs" / "rank0.log").read_text()
+    assert "although its settings differ" in log and "pipeline.weight_versions: checkpoint 'newest'" in log

@@ -13,9 +13,18 @@ from __future__ import annotations
 import dataclasses
 import logging
 import types
-from typing import Any, Optional
+from typing import Any, Mapping, Optional, Tuple
 
-from pipedream2bw.config.corrections import AUTO, is_muon
+from pipedream2bw.config.corrections import (
+    AUTO,
+    DELAY_CORRECTIONS,
+    FEEDBACK,
+    PREDICTING,
+    default_beta,
+    is_muon,
+    prediction_refusal,
+)
+from pipedream2bw.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -85,13 +94,133 @@ def resolve_weight_versions(cfg: Any) -> Any:
     return dataclasses.replace(p, weight_versions=rule, auto_weight_versions=True)
 
 
+def follow_checkpoint(cfg: Any, recorded: Optional[Mapping[str, Any]], *, where: Any, strict: bool) -> Any:
+    """``cfg`` (a ``Config``) resuming checkpoint ``where``, whose manifest records the training settings
+    ``recorded`` (run/model.py's ``training_settings``; None where it records none): where 'auto' chose
+    pipeline.weight_versions or optim.delay_correction, the checkpoint's rule and correction (and, unless given, its
+    optim.error_feedback_beta) instead, named as if set by hand, so that a plan and a Config made again keep them
+    (auto's own choice is for fresh runs). A value set by hand is never replaced. Logged once where it differs from
+    auto's choice.
+
+    Raises:
+        ConfigError: ``strict`` and the checkpoint's rule or correction does not run with this run's keys (and none
+            set by hand differs from it): one line naming the key that refuses it and the ways on.
+    """
+    followed = _recorded(cfg, recorded)
+    if not followed:
+        return cfg
+    full = _pinned(cfg, followed)
+    blocker = _blocker(full)
+    if blocker is None:
+        changed = {k: v for k, v in followed.items() if _current(cfg, k) != v}
+        if changed:
+            log.info(
+                "resuming %s under its own %s ('auto' follows a checkpoint; name them to change them)",
+                where,
+                _described(changed),
+            )
+        return full
+    # what runs: the checkpoint's rule with auto's correction under it, else auto's choice of both
+    rule = {k: v for k, v in followed.items() if k.startswith("pipeline.")}
+    fallback = _pinned(cfg, rule) if rule and _blocker(_pinned(cfg, rule)) is None else cfg
+    if not strict or _explicit_differences(cfg, recorded):  # check_settings names (strict) or logs the differences
+        return fallback
+    ran = {k: _current(fallback, k) for k in followed}
+    why, fix = blocker
+    fix = "pipeline.num_stages=1, where the tie is one parameter" if why.startswith("model.") else fix
+    raise ConfigError(
+        f"checkpoint {where} was trained under {_described(followed)}, which 'auto' resumes it under, but this run "
+        f"refuses it: {why}; set {fix} to resume as trained, train.resume_strict=false to go on under "
+        f"{_described(ran)} (the differences logged), or train.resume=never to start afresh"
+    )
+
+
+def _recorded(cfg: Any, recorded: Optional[Mapping[str, Any]]) -> dict:
+    """What ``follow_checkpoint`` takes from ``recorded`` for the keys 'auto' chose: a 2bw checkpoint's rule ('batch'
+    where it records none: written before newest), its correction ('none' where it records none: only others are)."""
+    p, o = cfg.pipeline, cfg.optim
+    out: dict = {}
+    if recorded is None:
+        return out
+    rule = recorded.get("pipeline.weight_versions", "batch")
+    if p.auto_weight_versions and p.schedule in ("2bw", AUTO) and recorded.get("pipeline.schedule") == "2bw":
+        if rule in ("batch", "newest"):  # not 2026-11-27's 'newest (num_stages ...)': check_settings names it
+            out["pipeline.weight_versions"] = rule
+    correction = recorded.get("optim.delay_correction", "none")
+    # a correction is followed under the rule it ran with (newest's predict is not the batch rule's)
+    same_rule = (
+        out.get("pipeline.weight_versions", p.weight_versions) == rule or recorded.get("pipeline.schedule") != "2bw"
+    )
+    if getattr(o, "auto_correction", False) and correction in DELAY_CORRECTIONS and same_rule:
+        out["optim.delay_correction"] = correction
+        beta_given = o.error_feedback_beta != default_beta(o.delay_correction)  # as resolve_auto tells
+        beta = recorded.get("optim.error_feedback_beta") if correction in FEEDBACK and not beta_given else None
+        if beta is None:
+            beta = o.error_feedback_beta if beta_given else default_beta(correction)
+        out["optim.error_feedback_beta"] = beta
+    return out
+
+
+def _pinned(cfg: Any, values: Mapping[str, Any]) -> Any:
+    """``cfg`` with ``values`` (``_recorded``'s) set as by hand: a Config made again does not resolve them again."""
+    pipeline, optim = cfg.pipeline, cfg.optim
+    if "pipeline.weight_versions" in values:
+        rule = values["pipeline.weight_versions"]
+        pipeline = dataclasses.replace(pipeline, weight_versions=rule, auto_weight_versions=False)
+    if "optim.delay_correction" in values:
+        correction, beta = values["optim.delay_correction"], values["optim.error_feedback_beta"]
+        optim = dataclasses.replace(optim, delay_correction=correction, error_feedback_beta=beta, auto_correction=False)
+    return dataclasses.replace(cfg, pipeline=pipeline, optim=optim)
+
+
+def _blocker(cfg: Any) -> Optional[Tuple[str, str]]:
+    """(the key that refuses ``cfg``'s rule or correction with its other keys, and why; what to set it to), or None."""
+    if cfg.pipeline.weight_versions == "newest":
+        return _newest_blocker(cfg)
+    why = prediction_refusal(cfg) if cfg.optim.delay_correction in PREDICTING else None
+    return None if why is None else tuple(why.rsplit("; set ", 1))
+
+
+def _current(cfg: Any, key: str) -> Any:
+    section, name = key.split(".")
+    return getattr(getattr(cfg, section), name)
+
+
+def _described(values: Mapping[str, Any]) -> str:
+    """``values`` (``_recorded``'s) as 'key=value, ...', a beta only where its correction runs error feedback."""
+    feedback = values.get("optim.delay_correction") in FEEDBACK
+    return ", ".join(f"{k}={v}" for k, v in values.items() if feedback or k != "optim.error_feedback_beta")
+
+
+def _explicit_differences(cfg: Any, recorded: Mapping[str, Any]) -> bool:
+    """Whether a rule or correction set by hand differs from the checkpoint's: the run changes it (check_settings)."""
+    p, o = cfg.pipeline, cfg.optim
+    rule = recorded.get("pipeline.weight_versions", "batch") if recorded.get("pipeline.schedule") == "2bw" else None
+    other_rule = not p.auto_weight_versions and rule is not None and p.weight_versions != rule
+    other_correction = not getattr(o, "auto_correction", False) and o.delay_correction != recorded.get(
+        "optim.delay_correction", "none"
+    )
+    return other_rule or other_correction
+
+
 def newest_refusal(cfg: Any) -> Optional[str]:
     """Why ``cfg`` (a ``Config``) cannot run pipeline.weight_versions=newest, as one line naming the key, why and
     what to set, or None (also None under weight_versions=batch). Under pipeline.schedule=auto it is its 2bw
     candidate's rule: the rest is refused whatever the schedule, and again once a plan has set the run's layout."""
-    p, o, t, mdl = cfg.pipeline, cfg.optim, cfg.train, cfg.model
+    p = cfg.pipeline
     if p.weight_versions not in WEIGHT_VERSIONS:
         return f"pipeline.weight_versions ({p.weight_versions!r}) is unknown; use one of {list(WEIGHT_VERSIONS)}"
+    blocker = _newest_blocker(cfg)
+    if blocker is None:
+        return None
+    why, fix = blocker
+    return f"pipeline.weight_versions=newest with {why}; set {fix}, or pipeline.weight_versions=batch"
+
+
+def _newest_blocker(cfg: Any) -> Optional[Tuple[str, str]]:
+    """(the key that refuses newest with why, what to set it to) for ``newest_refusal``, or None (also under
+    weight_versions=batch)."""
+    p, o, t, mdl = cfg.pipeline, cfg.optim, cfg.train, cfg.model
     if p.weight_versions != "newest":  # batch; auto is resolved when the Config is made
         return None
     deferred = "its step would wait for an agreement, so the newest version is not the one proven"
@@ -121,7 +250,4 @@ def newest_refusal(cfg: Any) -> Optional[str]:
         (cfg.swap.optimizer == "host", "swap.optimizer (host): not proven", "swap.optimizer=device"),
         (cfg.data.packing != "windows", f"data.packing ({cfg.data.packing}): not proven", "data.packing=windows"),
     ]
-    for bad, why, fix in refused:
-        if bad:
-            return f"pipeline.weight_versions=newest with {why}; set {fix}, or pipeline.weight_versions=batch"
-    return None
+    return next(((why, fix) for bad, why, fix in refused if bad), None)

@@ -95,8 +95,9 @@ class PipelineConfig:
     prediction W(t-1) + h d(t-2) (h: optim.predict_horizon; one more weight copy on a stage whose forwards before its
     previous step are more than half of num_microbatches), which Muon's optim.delay_correction=auto resolves to.
     'auto' (the default): newest for Muon wherever newest runs, batch elsewhere (config/newest.py's
-    ``resolve_weight_versions``; chosen by measurement, docs/convergence.md). Under schedule=auto it is the 2bw
-    candidate's rule, priced at its plan's depth, and moot (run as batch) where the plan picks another."""
+    ``resolve_weight_versions``; chosen by measurement, docs/convergence.md); on a resume, the checkpoint's rule
+    (``follow_checkpoint``). Under schedule=auto it is the 2bw candidate's rule, priced at its plan's depth, and moot
+    (run as batch) where the plan picks another."""
     auto_weight_versions: bool = False
     """Set when the config is made, not by hand: true where pipeline.weight_versions is what 'auto' resolved to. Such
     a rule is resolved again whenever the config is made again (a plan's recomputation or swapping: batch), as
@@ -265,8 +266,8 @@ class OptimConfig:
     (swap.optimizer=host, optim.sharded at data_parallel > 1, train.weight_dtype=compute under bf16/fp16: logged,
     naming the key), and under pipeline.weight_versions=newest predict; none for every other optimizer (with
     AdamW error feedback helped unreliably: docs/convergence.md); decided from the whole config when it is made
-    (summary.json's delay_correction shows it). flush and gpipe have no delay: the correction is off there (logged).
-    docs/design.md states the exact rules."""
+    (summary.json's delay_correction shows it); on a resume, the checkpoint's correction. flush and gpipe have no
+    delay: the correction is off there (logged). docs/design.md states the exact rules."""
     error_feedback_beta: Optional[float] = None
     """optim.delay_correction=error_feedback|predict_error_feedback: the weight beta of the previous step's estimated
     error. null: 1.5 under error_feedback (with Muon at 2 GPT shapes it left 2bw closer to a flushing pipeline than the

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 DIRNAME = "checkpoints"
 MANIFEST = "manifest.json"
@@ -62,3 +62,12 @@ def resumable_steps(path: Path) -> Optional[List[int]]:
     manifests = [read_manifest(p) for p in found]
     steps = [m["step"] for m in manifests if m is not None and isinstance(m.get("step"), int)]
     return sorted(steps, reverse=True) if found else None
+
+
+def first_candidate(path: Path) -> Optional[Tuple[Path, Dict[str, Any]]]:
+    """The checkpoint a resume from ``path`` (a checkpoint, a checkpoints/ directory or a run directory) takes unless
+    its files fail verification, with its manifest, by manifests alone (io/checkpoint.py's ``select`` verifies: a
+    corrupt one gives the previous of its lineage); None where ``path`` holds none with a readable manifest."""
+    path = Path(path)
+    found = [path] if (path / MANIFEST).is_file() else candidates(checkpoints_root(path))
+    return next(((p, m) for p, m in ((p, read_manifest(p)) for p in found) if m is not None), None)
