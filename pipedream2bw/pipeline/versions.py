@@ -523,8 +523,8 @@ the next prediction adds (``PredictedNewestVersions``)."""
 class PredictedNewestVersions(NewestVersions):
     """pipeline.weight_versions=newest with optim.delay_correction=predict: a stage's early forwards of batch t (those
     run before its step t-1, ``NewestVersions``) run on the prediction P(t) = W(t-1) + h d(t-2) of the W(t) they miss
-    (h = 1; optim.predict_horizon), d(t-2) = W(t-1) - W(t-2) the last step's change (d(-1) = 0); the rest on W(t), as
-    under newest.
+    (h: optim.predict_horizon, 1.5 by default; 1 would predict W(t) were the step repeated), d(t-2) = W(t-1) - W(t-2)
+    the last step's change (d(-1) = 0); the rest on W(t), as under newest.
 
     Replica 0 holds the exact W and is stepped in place: at step t no microbatch in flight runs on it (batch t+1's
     early ones run on a prediction). P(t) is written before batch t's first early forward, or at step t-1 if no
