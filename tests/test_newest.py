@@ -198,7 +198,8 @@ def test_the_predictions_d_counts_as_optimizer_state():
 @pytest.mark.slow
 def test_the_prediction_equals_its_rule_at_two_stages(tmp_path):
     """optim.delay_correction=predict under newest at d = 2, m = 2: stage 0's microbatch 0 of batch t >= 1 runs on
-    P(t) = W(t-1) + h d(t-2), the rest on W(t); the pipeline's weights and losses are the rule's to float32 round-off."""
+    P(t) = W(t-1) + h d(t-2) (h the default), the rest on W(t); the pipeline's weights and losses are the rule's to
+    float32 round-off."""
     cfg = newest_config(num_stages=2, num_microbatches=2)
     cfg.optim = dataclasses.replace(cfg.optim, delay_correction="predict")
     summary = run_ok(cfg, tmp_path)
