@@ -18,6 +18,7 @@ import math
 from typing import Dict, Optional, Tuple, Union
 
 from pipedream2bw.config import OptimConfig
+from pipedream2bw.config.newest import PREDICT_HORIZON
 from pipedream2bw.config.optimizers import correction_in_effect, is_muon
 
 AUTO = "auto"
@@ -57,15 +58,17 @@ def steps_factor(
 ) -> Optional[float]:
     """Steps ``schedule`` takes to a loss over a synchronous schedule's, under ``optim`` and, for 2bw, the
     pipeline.weight_versions rule ``weight_versions`` at ``num_stages`` stages (newest's figures are per depth); newest
-    with its prediction at an unmeasured depth takes ``NEWEST_FALLBACK``'s figure, any other unmeasured setting its
-    optimizer's uncorrected batch-rule figure. None where 2bw is not known to reach the
-    loss at all."""
+    with its prediction at an unmeasured depth or optim.predict_horizon (its figures are the default horizon's) takes
+    ``NEWEST_FALLBACK``'s figure, any other unmeasured setting its optimizer's uncorrected batch-rule figure. None
+    where 2bw is not known to reach the loss at all."""
     if schedule != "2bw":
         return 1.0
     kind = "muon" if is_muon(optim) else (optim.name or "").lower()
     correction = correction_in_effect(optim, schedule)
     key = (kind, correction, "newest", num_stages) if weight_versions == "newest" else (kind, correction)
     measured = STEPS_FACTOR.get(key)
+    if correction == "predict" and optim.predict_horizon != PREDICT_HORIZON:  # measured at the default horizon only
+        measured = None
     if measured is None and weight_versions == "newest" and correction == "predict":
         # newest with its prediction ended below the batch rule with its default correction at every depth measured
         # (d = 2: two shapes, 3 seeds; d = 4: the README's run): an unmeasured depth is priced as the latter

@@ -144,6 +144,8 @@ def test_steps_factor_under_newest_is_the_measured_one_at_its_depth_and_else_the
     assert time_to_loss.steps_factor("flush", muon, **newest, num_stages=2) == 1.0  # moot off 2bw
     assert time_to_loss.steps_factor("2bw", OptimConfig(name="adamw"), **newest, num_stages=2) is None
     assert time_to_loss.steps_factor("2bw", predict, **newest, num_stages=2) == pytest.approx(930 / 900)
+    reach = dataclasses.replace(predict, predict_horizon=2.0)  # measured at the default horizon only: the fallback
+    assert time_to_loss.steps_factor("2bw", reach, **newest, num_stages=2) == pytest.approx(1000 / 900)
     monkeypatch.setitem(time_to_loss.STEPS_FACTOR, ("muon", "predict", "newest", 2), None)
     assert time_to_loss.steps_factor("2bw", predict, **newest, num_stages=2) == pytest.approx(1000 / 900)
     monkeypatch.setitem(time_to_loss.STEPS_FACTOR, ("muon", "predict", "newest", 2), 0.99)
