@@ -519,6 +519,23 @@ def test_a_newest_checkpoint_resumes_at_another_layout_but_not_under_the_batch_r
         check_settings(manifest, model={}, training=training_settings(batch), where="ckpt", strict=True)
 
 
+def test_a_predicting_newest_checkpoint_records_its_horizon_and_refuses_another():
+    """optim.predict_horizon changes what newest's early forwards run on: a newest checkpoint with its prediction
+    records it, a resume at another horizon is refused as other settings; without the prediction nothing is recorded."""
+    from pipedream2bw.io.checkpoint import check_settings
+    from pipedream2bw.run.model import training_settings
+
+    cfg = predict_config(num_stages=2, num_microbatches=2)
+    recorded = training_settings(cfg)
+    assert recorded["optim.predict_horizon"] == cfg.optim.predict_horizon
+    assert "optim.predict_horizon" not in training_settings(newest_config(num_stages=2))
+    other = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, predict_horizon=2.0))
+    with pytest.raises(ConfigError, match=r"optim.predict_horizon: checkpoint 1.5, this run 2.0"):
+        check_settings(
+            {"training_settings": recorded}, model={}, training=training_settings(other), where="c", strict=True
+        )
+
+
 @pytest.mark.parametrize(
     "overrides, rule, correction",
     [
