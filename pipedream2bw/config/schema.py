@@ -278,8 +278,8 @@ class OptimConfig:
     """pipeline.weight_versions=newest with optim.delay_correction=predict: how far ahead the early forwards'
     prediction reaches, in steps: P(t) = W(t-1) + h d(t-2), d the last step's change; 1 predicts the W(t) they miss,
     more looks past it; 1.5 by default (measured: config/newest.py's ``PREDICT_HORIZON``, docs/convergence.md). The
-    batch rule's prediction (predict, predict_error_feedback) always predicts one step: any other value is refused
-    there."""
+    batch rule's prediction (predict, predict_error_feedback) always predicts one step, and a value other than the
+    default is refused there."""
     auto_correction: bool = False
     """Set when the config is made, not by hand: true where optim.delay_correction (and a null error_feedback_beta)
     is what 'auto' resolved to. Such a correction is resolved again whenever the config is made again, e.g. with a
