@@ -6,7 +6,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
-from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.utils._pytree as pytree
@@ -218,7 +218,11 @@ def _train(
 
 
 def reference_newest(
-    cfg: Config, *, balance: Sequence[int], relayout: Optional[Tuple[int, Sequence[int], int]] = None
+    cfg: Config,
+    *,
+    balance: Sequence[int],
+    relayout: Optional[Tuple[int, Sequence[int], int]] = None,
+    on_step: Optional[Callable[[int, nn.Module], None]] = None,
 ) -> Reference:
     """pipeline.weight_versions=newest's rule on the unpartitioned model, written out from its statement (not from
     the runtime's code), float32 weights, no correction (bf16: the forward under autocast, the activation rounded
@@ -234,16 +238,22 @@ def reference_newest(
     d(t) = W(t+1) - W(t) in float32, d(-1) = 0. ``relayout`` = (step n, balance', w'): from batch n on, the rule (and
     the rounding, and the replicas' sums) of a pipeline of balance' with w' replicas of m * w / w' microbatches each:
     a run resumed at another layout after n steps, its batch n's early microbatches on the checkpoint's W(n-1) (or
-    P(n))."""
+    P(n)). ``on_step(t, model)``, if given, is called after step t with ``model`` holding W(t+1)
+    (scripts/screen_newest.py validates there)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the ranks run (``reference_run``)
     try:
-        return _train_newest(cfg, balance, relayout)
+        return _train_newest(cfg, balance, relayout, on_step)
     finally:
         torch.set_num_threads(threads)
 
 
-def _train_newest(cfg: Config, balance: Sequence[int], relayout: Optional[Tuple[int, Sequence[int], int]]) -> Reference:
+def _train_newest(
+    cfg: Config,
+    balance: Sequence[int],
+    relayout: Optional[Tuple[int, Sequence[int], int]],
+    on_step: Optional[Callable[[int, nn.Module], None]] = None,
+) -> Reference:
     torch.manual_seed(cfg.seed)
     source = model_source(cfg.model, seed=cfg.seed)
     precision = precisions.resolve(cfg.train.precision, "cpu")
@@ -303,6 +313,8 @@ def _train_newest(cfg: Config, balance: Sequence[int], relayout: Optional[Tuple[
         model.zero_grad(set_to_none=True)  # g(t) stays out of batch t+1's sums
         if predict:
             delta = [p.detach() - b for p, b in zip(model.parameters(), before)]
+        if on_step is not None:
+            on_step(t, model)
     return out._replace(weights=model.state_dict())
 
 
