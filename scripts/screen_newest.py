@@ -64,15 +64,9 @@ def main(argv=None) -> None:
     p.add_argument("--eval-every", type=int, default=10)
     p.add_argument("--out", default=None, help="write the curves here (JSON)")
     args = p.parse_args(argv)
-    # what run_config reads beyond these (scripts/bench_convergence.py's defaults)
-    args.scheduler, args.warmup, args.min_lr, args.data_path, args.val_fraction, args.eval_batches = (
-        "constant",
-        0,
-        0.0,
-        None,
-        0.1,
-        4,
-    )
+    # what run_config reads beyond these: scripts/bench_convergence.py's defaults
+    defaults = dict(scheduler="constant", warmup=0, min_lr=0.0, data_path=None, val_fraction=0.1, eval_batches=4)
+    vars(args).update(defaults)
     if args.target_step % args.eval_every or args.target_step > args.steps:
         raise SystemExit("--target-step must be a multiple of --eval-every and at most --steps")
     print("command:", shlex.join([sys.executable, *sys.argv]))
