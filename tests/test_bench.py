@@ -283,3 +283,23 @@ def test_bench_convergence_scheduler_options_set_the_learning_rate_schedule_of_e
         seen["args"], schedule="2bw", optimizer="muon", correction="none", lr=3e-3, seed=0
     )
     assert (cfg.optim.scheduler, cfg.optim.warmup_steps, cfg.optim.min_lr) == ("constant", 0, 0.0)
+
+
+def test_screen_newest_counts_steps_to_flushs_loss_on_the_rules_curves(tmp_path, capsys):
+    """scripts/screen_newest.py validates the rule every --eval-every steps (reference_newest's on_step) and counts a
+    horizon's steps to flush's loss at --target-step against those curves."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import screen_newest
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    out = tmp_path / "curves.json"
+    args = ["--steps=4", "--eval-every=2", "--target-step=4", "--seeds=0", "--horizons=1,2", "--num-layers=1"]
+    screen_newest.main([*args, "--d-model=32", "--seq-len=16", f"--out={out}"])
+    curves = json.loads(out.read_text())
+    assert set(curves) == {"flush", "h=1", "h=2"} and set(curves["h=2"]["0"]) == {"2", "4"}
+    flush, h2 = curves["flush"]["0"], curves["h=2"]["0"]
+    assert flush != curves["h=1"]["0"] != h2  # the rule and its horizon change the curve
+    reached = next((s for s in ("2", "4") if h2[s] <= flush["4"]), None)
+    shown = f"h=2     {'>4' if reached is None else reached}"
+    assert shown in capsys.readouterr().out
