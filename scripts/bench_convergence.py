@@ -402,6 +402,16 @@ def _config(args) -> Dict[str, Any]:
     return {k: v for k, v in vars(args).items() if k not in ("one", "report_only")}
 
 
+def add_shape_arguments(p: argparse.ArgumentParser) -> None:
+    """The GPT's and the batch's options every run shares (scripts/screen_newest.py takes them too)."""
+    p.add_argument("--num-layers", type=int, default=4)
+    p.add_argument("--d-model", type=int, default=64)
+    p.add_argument("--num-heads", type=int, default=4)
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--num-microbatches", type=int, default=4)
+    p.add_argument("--microbatch-size", type=int, default=8)
+
+
 def main(argv=None) -> None:
     from pipedream2bw.config.docs import DefaultsHelpFormatter
     from pipedream2bw.config.schema import LR_SCHEDULERS
@@ -433,12 +443,7 @@ def main(argv=None) -> None:
     p.add_argument(
         "--flush-num-stages", type=int, default=None, help="flush's runs' depth (default: --num-stages; 1 reuses them)"
     )
-    p.add_argument("--num-layers", type=int, default=4)
-    p.add_argument("--d-model", type=int, default=64)
-    p.add_argument("--num-heads", type=int, default=4)
-    p.add_argument("--seq-len", type=int, default=64)
-    p.add_argument("--num-microbatches", type=int, default=4)
-    p.add_argument("--microbatch-size", type=int, default=8)
+    add_shape_arguments(p)
     p.add_argument("--data-path", default=None, help="data.path (default: the shipped text)")
     p.add_argument("--val-fraction", type=float, default=0.1)
     p.add_argument("--eval-every", type=int, default=25)

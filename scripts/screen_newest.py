@@ -41,7 +41,7 @@ def _curve(cfg, balance: List[int], every: int) -> Dict[int, float]:
 
 
 def main(argv=None) -> None:
-    from bench_convergence import run_config
+    from bench_convergence import add_shape_arguments, run_config
 
     from pipedream2bw.config import gpt_balance
 
@@ -55,12 +55,7 @@ def main(argv=None) -> None:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--num-stages", type=int, default=2)
     p.add_argument("--balance", type=ints, default=None, help="layers a stage (default: gpt_balance's)")
-    p.add_argument("--num-layers", type=int, default=4)
-    p.add_argument("--d-model", type=int, default=64)
-    p.add_argument("--num-heads", type=int, default=4)
-    p.add_argument("--seq-len", type=int, default=64)
-    p.add_argument("--num-microbatches", type=int, default=4)
-    p.add_argument("--microbatch-size", type=int, default=8)
+    add_shape_arguments(p)
     p.add_argument("--eval-every", type=int, default=10)
     p.add_argument("--out", default=None, help="write the curves here (JSON)")
     args = p.parse_args(argv)
