@@ -17,7 +17,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
 import torch
 from torch import nn
 
-from pipedream2bw.config.newest import prediction_replicas
+from pipedream2bw.config.newest import PREDICT_HORIZON, prediction_replicas
 from pipedream2bw.config.optimizers import (
     PARAM_TAGS,
     PREDICT_STATE,
@@ -536,7 +536,7 @@ class PredictedNewestVersions(NewestVersions):
     ``num_microbatches``: m, which with ``early_forwards`` sets the prediction's replicas; ``horizon``: h in
     P(t) = W(t-1) + h d(t-2) (optim.predict_horizon; 1 predicts W(t))."""
 
-    def __init__(self, module: nn.Module, *, num_microbatches: int, horizon: float = 1.0, **kwargs: Any):
+    def __init__(self, module: nn.Module, *, num_microbatches: int, horizon: float = PREDICT_HORIZON, **kwargs: Any):
         super().__init__(module, num_microbatches=num_microbatches, **kwargs)
         self._horizon = horizon
         self._buffers = prediction_replicas(self._early, num_microbatches)
