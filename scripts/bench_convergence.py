@@ -402,19 +402,32 @@ def _config(args) -> Dict[str, Any]:
     return {k: v for k, v in vars(args).items() if k not in ("one", "report_only")}
 
 
-def add_shape_arguments(p: argparse.ArgumentParser) -> None:
-    """The GPT's and the batch's options every run shares (scripts/screen_newest.py takes them too)."""
+def add_run_arguments(p: argparse.ArgumentParser) -> None:
+    """What ``run_config`` reads besides the grid and --eval-every: the learning-rate schedule, the GPT, the batch
+    and the data every run shares (scripts/screen_newest.py takes them too)."""
+    from pipedream2bw.config.schema import LR_SCHEDULERS
+
+    p.add_argument("--warmup", type=int, default=0, help="optim.warmup_steps (linear learning-rate warm-up)")
+    p.add_argument(
+        "--scheduler",
+        default="constant",
+        choices=LR_SCHEDULERS,
+        help="optim.scheduler, the same for flush and 2bw (run names do not say it: give each its own --out)",
+    )
+    p.add_argument("--min-lr", type=float, default=0.0, help="optim.min_lr, what cosine and linear decay to")
     p.add_argument("--num-layers", type=int, default=4)
     p.add_argument("--d-model", type=int, default=64)
     p.add_argument("--num-heads", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--num-microbatches", type=int, default=4)
     p.add_argument("--microbatch-size", type=int, default=8)
+    p.add_argument("--data-path", default=None, help="data.path (default: the shipped text)")
+    p.add_argument("--val-fraction", type=float, default=0.1)
+    p.add_argument("--eval-batches", type=int, default=4)
 
 
 def main(argv=None) -> None:
     from pipedream2bw.config.docs import DefaultsHelpFormatter
-    from pipedream2bw.config.schema import LR_SCHEDULERS
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=DefaultsHelpFormatter)
     floats = lambda s: [float(x) for x in s.split(",")]  # noqa: E731
@@ -431,23 +444,12 @@ def main(argv=None) -> None:
         default=["none"],
         help="flush's runs: 'none' and, e.g., none+mom0.9 (another momentum); the first is the reference",
     )
-    p.add_argument("--warmup", type=int, default=0, help="optim.warmup_steps (linear learning-rate warm-up)")
-    p.add_argument(
-        "--scheduler",
-        default="constant",
-        choices=LR_SCHEDULERS,
-        help="optim.scheduler, the same for flush and 2bw (run names do not say it: give each its own --out)",
-    )
-    p.add_argument("--min-lr", type=float, default=0.0, help="optim.min_lr, what cosine and linear decay to")
+    add_run_arguments(p)
     p.add_argument("--num-stages", type=int, default=1, help="pipeline depth D: D > 1 runs each under torchrun")
     p.add_argument(
         "--flush-num-stages", type=int, default=None, help="flush's runs' depth (default: --num-stages; 1 reuses them)"
     )
-    add_shape_arguments(p)
-    p.add_argument("--data-path", default=None, help="data.path (default: the shipped text)")
-    p.add_argument("--val-fraction", type=float, default=0.1)
     p.add_argument("--eval-every", type=int, default=25)
-    p.add_argument("--eval-batches", type=int, default=4)
     p.add_argument("--threads", type=int, default=1, help="torch threads per run")
     p.add_argument("--jobs", type=int, default=1, help="runs at once")
     p.add_argument("--out", default="outputs/convergence")

@@ -41,7 +41,7 @@ def _curve(cfg, balance: List[int], every: int) -> Dict[int, float]:
 
 
 def main(argv=None) -> None:
-    from bench_convergence import add_shape_arguments, run_config
+    from bench_convergence import add_run_arguments, run_config
 
     from pipedream2bw.config import gpt_balance
 
@@ -55,13 +55,10 @@ def main(argv=None) -> None:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--num-stages", type=int, default=2)
     p.add_argument("--balance", type=ints, default=None, help="layers a stage (default: gpt_balance's)")
-    add_shape_arguments(p)
+    add_run_arguments(p)  # the schedule, GPT, batch and data of bench_convergence's runs, with its defaults
     p.add_argument("--eval-every", type=int, default=10)
     p.add_argument("--out", default=None, help="write the curves here (JSON)")
     args = p.parse_args(argv)
-    # what run_config reads beyond these: scripts/bench_convergence.py's defaults
-    defaults = dict(scheduler="constant", warmup=0, min_lr=0.0, data_path=None, val_fraction=0.1, eval_batches=4)
-    vars(args).update(defaults)
     if args.target_step % args.eval_every or args.target_step > args.steps:
         raise SystemExit("--target-step must be a multiple of --eval-every and at most --steps")
     print("command:", shlex.join([sys.executable, *sys.argv]))
