@@ -154,7 +154,7 @@ def _recorded(cfg: Any, recorded: Optional[Mapping[str, Any]]) -> dict:
     same_rule = (
         out.get("pipeline.weight_versions", p.weight_versions) == rule or recorded.get("pipeline.schedule") != "2bw"
     )
-    if getattr(o, "auto_correction", False) and correction in DELAY_CORRECTIONS and same_rule:
+    if o.auto_correction and correction in DELAY_CORRECTIONS and same_rule:
         out["optim.delay_correction"] = correction
         beta_given = o.error_feedback_beta != default_beta(o.delay_correction)  # as resolve_auto tells
         beta = recorded.get("optim.error_feedback_beta") if correction in FEEDBACK and not beta_given else None
@@ -200,9 +200,7 @@ def _explicit_differences(cfg: Any, recorded: Mapping[str, Any]) -> bool:
     p, o = cfg.pipeline, cfg.optim
     rule = recorded.get("pipeline.weight_versions", "batch") if recorded.get("pipeline.schedule") == "2bw" else None
     other_rule = not p.auto_weight_versions and rule is not None and p.weight_versions != rule
-    other_correction = not getattr(o, "auto_correction", False) and o.delay_correction != recorded.get(
-        "optim.delay_correction", "none"
-    )
+    other_correction = not o.auto_correction and o.delay_correction != recorded.get("optim.delay_correction", "none")
     return other_rule or other_correction
 
 
