@@ -821,3 +821,20 @@ def test_a_newest_checkpoint_recorded_with_its_layout_resumes_as_newest(tmp_path
     )
     with pytest.raises(ConfigError, match=re.escape(fix)):
         check_settings(recorded, model={}, training=training_settings(other), where=path, strict=True)
+
+
+@pytest.mark.parametrize("resume", ["path", "auto"])
+def test_the_launchers_precheck_refuses_a_resume_that_follow_checkpoint_refuses(tmp_path, resume):
+    """Regression: the precheck (the launcher's and each rank's, before any process group) did not follow the
+    checkpoint, so a resume 'auto' would refuse (a newest checkpoint with pipeline.recompute=true) was refused only
+    by the ranks after launch. Now its one line comes first, for train.resume=PATH and for resume=auto in
+    hydra.run.dir."""
+    from pipedream2bw import precheck
+
+    path, _ = _manifest_of(_muon(), tmp_path)
+    where = [f"train.resume={path}"] if resume == "path" else [f"hydra.run.dir={tmp_path}"]
+    mistake = precheck.check([*where, "pipeline.recompute=true"], world_size=4, local_world_size=4)
+    assert mistake is not None and mistake.startswith("checkpoint "), mistake
+    assert (
+        "was trained under pipeline.weight_versions=newest" in mistake and "pipeline.recompute: not proven" in mistake
+    )
