@@ -23,7 +23,8 @@ from pipedream2bw.models.gpt import build_gpt_layers
 def _config(schedule="2bw", d=2, w=1, **optim):
     cfg = tiny_config(schedule=schedule, num_stages=d, num_microbatches=4)
     cfg.pipeline.data_parallel = w
-    cfg.optim = dataclasses.replace(cfg.optim, **{"name": "adamw", "lr": 1e-2, **optim})
+    # named, as on a command line: a replace keeps the mark of the adam default's auto (optim.auto_correction)
+    cfg.optim = dataclasses.replace(cfg.optim, **{"name": "adamw", "lr": 1e-2, "auto_correction": False, **optim})
     return cfg
 
 

@@ -11,6 +11,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
@@ -216,3 +217,54 @@ def test_the_planners_header_names_the_resolved_correction(extra, correction, ca
     assert main(["plan", "--out", str(tmp_path / "plan.yaml"), "model=gpt", "topology=dgx", *shape, *extra]) == 0
     header = capsys.readouterr().out.splitlines()[0]
     assert f"; 2bw (delay correction {correction}); " in header, header
+
+
+def _adamw(**optim):
+    """A tiny AdamW run under 2bw (the batch rule, 'auto''s for it) with ``optim`` (its correction 'auto': none); a
+    checkpoint every 2 of its 4 steps."""
+    from test_semantics import tiny_config
+
+    cfg = tiny_config(schedule="2bw", num_stages=1, num_microbatches=2, num_steps=4)
+    cfg = dataclasses.replace(cfg, optim=OptimConfig(name="adamw", lr=1e-2, **optim))
+    cfg.train.checkpoint_every = 2
+    return cfg
+
+
+def test_auto_marks_its_none_for_every_other_optimizer_and_a_resume_follows_the_checkpoints_correction(tmp_path):
+    """Regression: 'auto' resolved AdamW's correction to none without optim.auto_correction, so a resume of an AdamW
+    checkpoint trained with error feedback at the defaults did not follow it, and check_settings (none is not recorded)
+    let the error-feedback buffer go unread. Now the mark is set for every optimizer (what a fresh run resolves to
+    unchanged), and a correction named through dataclasses.replace drops it; the resume takes the checkpoint's
+    correction and beta."""
+    from test_newest import _manifest_of, _resumed
+
+    fresh = _adamw()
+    assert (fresh.optim.delay_correction, fresh.optim.error_feedback_beta, fresh.optim.auto_correction) == (
+        "none",
+        1.5,
+        True,
+    )
+    named = dataclasses.replace(fresh, optim=dataclasses.replace(fresh.optim, delay_correction="error_feedback"))
+    assert (named.optim.delay_correction, named.optim.auto_correction) == ("error_feedback", False)
+    path, _ = _manifest_of(_adamw(delay_correction="error_feedback", error_feedback_beta=1.0), tmp_path)
+    followed = _resumed(fresh, path)
+    assert (followed.optim.delay_correction, followed.optim.error_feedback_beta) == ("error_feedback", 1.0)
+    assert _resumed(_adamw(delay_correction="none"), path).optim.delay_correction == "none"  # named: kept
+
+
+@pytest.mark.slow
+def test_an_adamw_checkpoint_with_error_feedback_resumes_under_it_at_the_defaults(tmp_path):
+    """Regression: an AdamW checkpoint trained with error feedback, resumed at the default optim.delay_correction=auto,
+    ran without it (its u(t-1) in the checkpoint unread). 2 + 2 resumed steps now end on the bits of 4 straight steps
+    with error feedback; resumed without it they do not."""
+    from dist_helper import run_ok
+
+    straight = run_ok(_adamw(delay_correction="error_feedback"), tmp_path / "ef")
+    path = tmp_path / "ef" / "checkpoints" / "step_00000002"
+    resumed = _adamw()
+    resumed.train.resume = str(path)
+    again = run_ok(resumed, tmp_path / "resumed")
+    assert (again["delay_correction"], again["first_step"]) == ("error_feedback", 2)
+    assert again["losses"] == straight["losses"]
+    want, got = (torch.load(tmp_path / d / "final_model.pt") for d in ("ef", "resumed"))
+    assert all(torch.equal(got[k], w) for k, w in want.items())

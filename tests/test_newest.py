@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -786,3 +787,54 @@ def test_a_newest_checkpoint_goes_on_under_the_batch_rule_when_not_strict(tmp_pa
     )
     log = (tmp_path / "loose" / "logs" / "rank0.log").read_text()
     assert "although its settings differ" in log and "pipeline.weight_versions: checkpoint 'newest'" in log
+
+
+def test_a_newest_checkpoint_recorded_with_its_layout_resumes_as_newest(tmp_path):
+    """Regression: checkpoints written on 2026-11-27 record pipeline.weight_versions as 'newest (num_stages 2, ...)'.
+    'auto' did not follow it (a run whose keys refuse newest fell to batch), and check_settings' refusal said to set
+    that string, which is no value. It is read as newest: 'auto' follows it (and refuses, in one line, where a key
+    refuses newest), pipeline.weight_versions=newest named matches it at its layout; under newest's prediction, whose
+    last stage then kept no P(n), another layout is refused naming the layout to set."""
+    import json
+
+    from pipedream2bw.config.newest import read_layout_record
+    from pipedream2bw.io.checkpoint import check_settings
+    from pipedream2bw.run.model import training_settings
+
+    path, manifest = _manifest_of(_muon(2), tmp_path)
+    old = "newest (num_stages 2, balance even, num_microbatches 2, forward_lead 0)"
+    manifest["training_settings"]["pipeline.weight_versions"] = old
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    assert manifest["training_settings"]["optim.delay_correction"] == "predict"
+    with pytest.raises(ConfigError, match=r"trained under pipeline.weight_versions=newest, optim.delay_correction=pre"):
+        _resumed(_muon(2, recompute=True), path)
+    named = _muon(2, weight_versions="newest", auto_weight_versions=False)
+    for cfg in (_resumed(_muon(2), path), _resumed(named, path)):
+        assert (cfg.pipeline.weight_versions, cfg.optim.delay_correction) == ("newest", "predict")
+        recorded = {"training_settings": read_layout_record(manifest["training_settings"], cfg.pipeline)}
+        assert check_settings(recorded, model={}, training=training_settings(cfg), where=path, strict=True) == []
+    other = _resumed(_muon(2, num_microbatches=4), path)
+    recorded = {"training_settings": read_layout_record(manifest["training_settings"], other.pipeline)}
+    fix = (
+        "set pipeline.weight_versions=newest pipeline.num_stages=2 pipeline.balance=null pipeline.num_microbatches=2 "
+        "pipeline.forward_lead=0 to resume as trained"
+    )
+    with pytest.raises(ConfigError, match=re.escape(fix)):
+        check_settings(recorded, model={}, training=training_settings(other), where=path, strict=True)
+
+
+@pytest.mark.parametrize("resume", ["path", "auto"])
+def test_the_launchers_precheck_refuses_a_resume_that_follow_checkpoint_refuses(tmp_path, resume):
+    """Regression: the precheck (the launcher's and each rank's, before any process group) did not follow the
+    checkpoint, so a resume 'auto' would refuse (a newest checkpoint with pipeline.recompute=true) was refused only
+    by the ranks after launch. Now its one line comes first, for train.resume=PATH and for resume=auto in
+    hydra.run.dir."""
+    from pipedream2bw import precheck
+
+    path, _ = _manifest_of(_muon(), tmp_path)
+    where = [f"train.resume={path}"] if resume == "path" else [f"hydra.run.dir={tmp_path}"]
+    mistake = precheck.check([*where, "pipeline.recompute=true"], world_size=4, local_world_size=4)
+    assert mistake is not None and mistake.startswith("checkpoint "), mistake
+    assert (
+        "was trained under pipeline.weight_versions=newest" in mistake and "pipeline.recompute: not proven" in mistake
+    )

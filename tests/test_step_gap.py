@@ -23,7 +23,8 @@ from pipedream2bw.pipeline.versions import PREDICTED_WEIGHTS, WeightVersions, ma
 def _config(*, warmup=2, d=2, steps=5, **optim):
     cfg = tiny_config(schedule="2bw", num_stages=d, num_microbatches=4, num_steps=steps)
     cfg.pipeline.sync_warmup_steps = warmup
-    cfg.optim = dataclasses.replace(cfg.optim, **{"name": "adamw", "lr": 1e-2, **optim})
+    # named, as on a command line: a replace keeps the mark of the adam default's auto (optim.auto_correction)
+    cfg.optim = dataclasses.replace(cfg.optim, **{"name": "adamw", "lr": 1e-2, "auto_correction": False, **optim})
     return cfg
 
 

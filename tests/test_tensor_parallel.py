@@ -100,8 +100,8 @@ def test_muon_with_error_feedback_orthogonalizes_whole_matrices_at_t_2(tmp_path,
     cfg = tp_config("2bw", 2, 1)
     # The others (embedding, head, norms, biases) by SGD with momentum, as the other tests here: Adam would divide
     # the k bias's gradient, zero but for round-off (softmax ignores it), by its own root mean square.
-    cfg.optim = dataclasses.replace(
-        cfg.optim, name="muon", muon_others="sgd", lr=1e-2, delay_correction="error_feedback"
+    cfg.optim = dataclasses.replace(  # named (auto_correction false: a replace keeps the mark of sgd's auto)
+        cfg.optim, name="muon", muon_others="sgd", lr=1e-2, delay_correction="error_feedback", auto_correction=False
     )
     cfg.pipeline.sequence_parallel = sp
     summary = run_ok(cfg, tmp_path)

@@ -31,6 +31,16 @@ AUTO_MUON_FALLBACK = "error_feedback"
 """What 'auto' gives Muon where a key of the run refuses the prediction: error feedback composes with all of them."""
 
 
+def auto_gives(optim: Any) -> bool:
+    """Whether ``optim.delay_correction`` (of an ``OptimConfig``) is one 'auto' gives its optimizer under some
+    config (``resolve_auto``): Muon's ``AUTO_MUON``, ``AUTO_MUON_FALLBACK`` or newest's 'predict'; 'none' for every
+    other optimizer ('auto' itself too, still to resolve). optim.auto_correction beside any other is not 'auto''s
+    choice: a ``dataclasses.replace`` naming the correction (or the optimizer) kept the marker."""
+    if optim.delay_correction == AUTO:
+        return True
+    return optim.delay_correction in ((AUTO_MUON, AUTO_MUON_FALLBACK, "predict") if is_muon(optim) else ("none",))
+
+
 def state_copies(correction: str) -> int:
     """Float32 copies of every parameter that ``correction`` (a resolved optim.delay_correction) keeps between steps,
     and clones during one: error feedback's u(t-1), the prediction's d(t-1), both under predict_error_feedback."""

@@ -97,6 +97,47 @@ def resolve_weight_versions(cfg: Any) -> Any:
     return dataclasses.replace(p, weight_versions=rule, auto_weight_versions=True)
 
 
+LAYOUT_RECORD = "newest ("
+"""How checkpoints written on 2026-11-27 record pipeline.weight_versions=newest: with the layout that decided its early
+forwards, 'newest (num_stages 2, balance [3, 2], num_microbatches 4, forward_lead 0)' (balance 'even' for null)."""
+
+
+def recorded_rule(value: Any) -> Any:
+    """A checkpoint's pipeline.weight_versions as the rule it names: 'newest' for 2026-11-27's ``LAYOUT_RECORD``."""
+    return "newest" if isinstance(value, str) and value.startswith(LAYOUT_RECORD) else value
+
+
+def layout_record(pipeline: Any) -> str:
+    """``pipeline``'s layout in the words of ``LAYOUT_RECORD``, as 2026-11-27's checkpoints wrote it under newest."""
+    p, balance = pipeline, "even" if pipeline.balance is None else list(pipeline.balance)
+    return (
+        f"newest (num_stages {p.num_stages}, balance {balance}, num_microbatches {p.num_microbatches}, forward_lead "
+        f"{p.forward_lead})"
+    )
+
+
+def read_layout_record(recorded: Mapping[str, Any], pipeline: Any) -> Mapping[str, Any]:
+    """``recorded`` (a manifest's training settings) with 2026-11-27's ``LAYOUT_RECORD`` read as 'newest' where a
+    resume under ``pipeline`` (the run's layout, planned) goes on as trained: at the layout it names, or without
+    newest's prediction. Under the prediction its last stage kept no P(n) (it runs no early forward), which the early
+    forwards of a stage holding those layers at another layout would read: left as it is, so check_settings refuses
+    it, naming the layout to set (``layout_hint``)."""
+    value = recorded.get("pipeline.weight_versions")
+    if recorded_rule(value) == value:
+        return recorded
+    if recorded.get("optim.delay_correction") == "predict" and value != layout_record(pipeline):
+        return recorded
+    return {**recorded, "pipeline.weight_versions": "newest"}
+
+
+def layout_hint(value: str) -> str:
+    """What to set to resume a checkpoint whose pipeline.weight_versions is ``value``, a ``LAYOUT_RECORD`` (read as
+    'newest' at its layout, ``read_layout_record``): the rule and its layout as overrides."""
+    fields = dict(part.split(" ", 1) for part in value[len(LAYOUT_RECORD) : -1].split(", ", 3))
+    fields["balance"] = "null" if fields["balance"] == "even" else fields["balance"].replace(" ", "")
+    return "pipeline.weight_versions=newest " + " ".join(f"pipeline.{k}={v}" for k, v in fields.items())
+
+
 def follow_checkpoint(cfg: Any, recorded: Optional[Mapping[str, Any]], *, where: Any, strict: bool) -> Any:
     """``cfg`` (a ``Config``) resuming checkpoint ``where``, whose manifest records the training settings
     ``recorded`` (run/model.py's ``training_settings``; None where it records none): where 'auto' chose
@@ -140,14 +181,15 @@ def follow_checkpoint(cfg: Any, recorded: Optional[Mapping[str, Any]], *, where:
 
 def _recorded(cfg: Any, recorded: Optional[Mapping[str, Any]]) -> dict:
     """What ``follow_checkpoint`` takes from ``recorded`` for the keys 'auto' chose: a 2bw checkpoint's rule ('batch'
-    where it records none: written before newest), its correction ('none' where it records none: only others are)."""
+    where it records none: written before newest; 'newest' for 2026-11-27's ``LAYOUT_RECORD``, whose layout
+    check_settings holds where it matters), its correction ('none' where it records none: only others are)."""
     p, o = cfg.pipeline, cfg.optim
     out: dict = {}
     if recorded is None:
         return out
-    rule = recorded.get("pipeline.weight_versions", "batch")
+    rule = recorded_rule(recorded.get("pipeline.weight_versions", "batch"))  # 2026-11-27's layout record: newest
     if p.auto_weight_versions and p.schedule in ("2bw", AUTO) and recorded.get("pipeline.schedule") == "2bw":
-        if rule in ("batch", "newest"):  # not 2026-11-27's 'newest (num_stages ...)': check_settings names it
+        if rule in ("batch", "newest"):
             out["pipeline.weight_versions"] = rule
     correction = recorded.get("optim.delay_correction", "none")
     # a correction is followed under the rule it ran with (newest's predict is not the batch rule's)
@@ -199,6 +241,7 @@ def _explicit_differences(cfg: Any, recorded: Mapping[str, Any]) -> bool:
     """Whether a rule or correction set by hand differs from the checkpoint's: the run changes it (check_settings)."""
     p, o = cfg.pipeline, cfg.optim
     rule = recorded.get("pipeline.weight_versions", "batch") if recorded.get("pipeline.schedule") == "2bw" else None
+    rule = recorded_rule(rule)  # 2026-11-27's layout record: newest
     other_rule = not p.auto_weight_versions and rule is not None and p.weight_versions != rule
     other_correction = not o.auto_correction and o.delay_correction != recorded.get("optim.delay_correction", "none")
     return other_rule or other_correction

@@ -8,7 +8,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
-from pipedream2bw.config.corrections import AUTO, default_beta, is_muon, resolve_auto
+from pipedream2bw.config.corrections import AUTO, auto_gives, default_beta, is_muon, resolve_auto
 from pipedream2bw.config.newest import PREDICT_HORIZON, resolve_weight_versions
 from pipedream2bw.errors import ConfigError
 
@@ -282,9 +282,11 @@ class OptimConfig:
     default is refused there."""
     auto_correction: bool = False
     """Set when the config is made, not by hand: true where optim.delay_correction (and a null error_feedback_beta)
-    is what 'auto' resolved to. Such a correction is resolved again whenever the config is made again, e.g. with a
-    plan's pipeline.data_parallel > 1 under optim.sharded and partition=auto: the prediction falls back to error
-    feedback there (logged) where a named one would be refused."""
+    is what 'auto' resolved to, for every optimizer (none for all but Muon). Such a correction is resolved again
+    whenever the config is made again, e.g. with a plan's pipeline.data_parallel > 1 under optim.sharded and
+    partition=auto: the prediction falls back to error feedback there (logged) where a named one would be refused;
+    on a resume the checkpoint's correction takes its place. Cleared beside a correction 'auto' never gives the
+    optimizer (one named)."""
     rotation_every: int = 10
     """optim.name=adamw_rotated: refresh each hidden matrix's eigenbases (of the EMAs of G G^T and G^T G) every this
     many steps, the first at this step (AdamW's plain basis before it)."""
@@ -295,10 +297,13 @@ class OptimConfig:
     def __post_init__(self) -> None:
         # 'auto' for any optimizer but Muon is 'none', here: OptimConfig(name="adamw") and optim.name=adamw on the
         # command line (Hydra makes the dataclass the same way) get no correction (issue 43: optim.name=adamw kept
-        # the default's error feedback, 4 bytes a parameter the user had not asked for). Muon's depends on the whole
+        # the default's error feedback, 4 bytes a parameter the user had not asked for), marked as auto's choice (a
+        # resume follows the checkpoint's correction in its place: config/newest.py). Muon's depends on the whole
         # config (config/corrections.py): Config resolves it, and the beta with it
         if self.delay_correction == AUTO and not is_muon(self):
-            self.delay_correction = "none"
+            self.delay_correction, self.auto_correction = "none", True
+        elif self.auto_correction and not auto_gives(self):  # named through dataclasses.replace, which keeps the mark
+            self.auto_correction = False
         if self.error_feedback_beta is None and self.delay_correction != AUTO:  # the resolved config shows it
             self.error_feedback_beta = default_beta(self.delay_correction)
 

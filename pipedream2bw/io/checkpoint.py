@@ -54,6 +54,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
+from pipedream2bw.config.newest import layout_hint, recorded_rule
 from pipedream2bw.errors import ConfigError
 from pipedream2bw.io.fileio import atomic_rename, atomic_torch_save, atomic_write_json
 from pipedream2bw.io.manifests import (  # noqa: F401 - DIRNAME, complete_checkpoints: checkpoint's names, as before
@@ -574,7 +575,10 @@ def settings_differences(
             if isinstance(a, list) and isinstance(b, list) and len(a) == len(b) and key == "fingerprint":
                 out += [f"layer {i}: checkpoint {x}, this run {y}" for i, (x, y) in enumerate(zip(a, b)) if x != y]
             elif key in ("optim.delay_correction", "pipeline.weight_versions"):  # what 'auto' chose may differ
-                out.append(f"{key}: checkpoint {a!r}, this run {b!r} (set {key}={a} to resume as trained)")
+                fix = f"{key}={a} to resume as trained"
+                if recorded_rule(a) != a:  # 2026-11-27's newest with its layout (config/newest.py's layout_hint)
+                    fix = f"{layout_hint(a)} to resume as trained: newest's prediction written then resumes at it"
+                out.append(f"{key}: checkpoint {a!r}, this run {b!r} (set {fix})")
             else:
                 out.append(f"{key}: checkpoint {a!r}, this run {b!r}")
     return out

@@ -22,7 +22,7 @@ from pipedream2bw.config import (
     swap_stages,
     validate_steps,
 )
-from pipedream2bw.config.newest import follow_checkpoint
+from pipedream2bw.config.newest import follow_checkpoint, read_layout_record
 from pipedream2bw.config.ranges import check_ranges
 from pipedream2bw.errors import ConfigError
 from pipedream2bw.io import checkpoint, manifests, rundir
@@ -145,6 +145,9 @@ def _select_checkpoint(cfg: Config, run_dir: Path, model: RunModel) -> Optional[
             f"point it at another checkpoint or use train.resume=never"
         )
     if path is not None:
+        recorded = manifest.get("training_settings")
+        if isinstance(recorded, dict):  # 2026-11-27's newest with its layout: the rule, where it resumes as trained
+            manifest = {**manifest, "training_settings": read_layout_record(recorded, cfg.pipeline)}
         checkpoint.check_model(manifest, model.param_shapes(), path)
         checkpoint.check_ties(manifest, [list(t.names) for t in model.tied], path)
         checkpoint.check_settings(
