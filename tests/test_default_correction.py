@@ -186,6 +186,42 @@ def test_a_checkpoint_of_the_old_default_is_refused_naming_the_correction_to_set
     assert check_settings(old, model={}, training=named, where=where, strict=True) == []
 
 
+@pytest.mark.parametrize("optim", [["optim.name=adamw"], []])
+def test_a_correction_named_none_against_a_checkpoints_correction_is_refused_and_the_reverse(optim):
+    """Regression: 'none' is not recorded (only a correction other than the default is), and a key one side does not
+    record was not compared, so naming optim.delay_correction=none on resuming a checkpoint trained with error
+    feedback passed unseen (its u(t-1) unread), and so did the reverse (error feedback from a step with no u). Under
+    2bw an unrecorded correction is compared as 'none' (io/checkpoint.py's ``RECORDED_OFF_DEFAULT``); flush records
+    none either way."""
+    from pipedream2bw.io.checkpoint import check_settings
+    from pipedream2bw.run.model import training_settings
+
+    where = Path("checkpoints/step_100")
+    feedback, none = (make(*optim, f"optim.delay_correction={c}") for c in ("error_feedback", "none"))
+    for saved, run, fix in ((feedback, none, "error_feedback"), (none, feedback, "none")):
+        pattern = re.escape(f"(set optim.delay_correction={fix} to resume as trained)")
+        with pytest.raises(ConfigError, match=pattern):
+            check_settings(
+                {"training_settings": training_settings(saved)},
+                model={},
+                training=training_settings(run),
+                where=where,
+                strict=True,
+            )
+    flush = [*optim, "pipeline.schedule=flush"]
+    saved, run = (make(*flush, f"optim.delay_correction={c}") for c in ("error_feedback", "none"))
+    assert (
+        check_settings(
+            {"training_settings": training_settings(saved)},
+            model={},
+            training=training_settings(run),
+            where=where,
+            strict=True,
+        )
+        == []
+    )
+
+
 def test_the_matrix_cell_of_muon_with_the_prediction_runs_it_as_the_default_auto(monkeypatch):
     """matrix.EXTRA's Muon cell of the prediction around error feedback leaves the correction to 'auto' (issue 46):
     its run, resumed at another layout against the reference, is the default's."""

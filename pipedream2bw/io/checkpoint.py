@@ -557,6 +557,13 @@ def check_ties(manifest: Mapping[str, Any], ties: Sequence[Sequence[str]], where
         )
 
 
+RECORDED_OFF_DEFAULT = {"optim.delay_correction": "none"}
+"""Training settings a 2bw checkpoint records only where they are not their default (config/optimizers.py's
+``extra_optim_settings``): a side that records none ran the default, and is compared as it (a correction named
+'none' on resuming one trained with a correction, or the reverse, would otherwise pass unseen, its buffer unread
+or absent)."""
+
+
 def settings_differences(
     manifest: Mapping[str, Any], *, model: Mapping[str, Any], training: Mapping[str, Any]
 ) -> List[str]:
@@ -568,8 +575,12 @@ def settings_differences(
         saved = manifest.get(part)
         if saved is None:
             continue
-        for key in sorted(set(saved) & set(ours)):  # a key one version does not record is not compared
-            a, b = saved.get(key), json.loads(json.dumps(ours.get(key)))  # as JSON has it: tuples are lists
+        keys = set(saved) & set(ours)  # a key one version does not record is not compared, but for
+        if saved.get("pipeline.schedule") == ours.get("pipeline.schedule") == "2bw":  # what 2bw records off its default
+            keys |= {k for k in RECORDED_OFF_DEFAULT if k in saved or k in ours}
+        for key in sorted(keys):
+            a, b = (v.get(key, RECORDED_OFF_DEFAULT.get(key)) for v in (saved, ours))
+            b = json.loads(json.dumps(b))  # as JSON has it: tuples are lists
             if a == b:
                 continue
             if isinstance(a, list) and isinstance(b, list) and len(a) == len(b) and key == "fingerprint":
