@@ -196,30 +196,16 @@ def test_a_correction_named_none_against_a_checkpoints_correction_is_refused_and
     from pipedream2bw.io.checkpoint import check_settings
     from pipedream2bw.run.model import training_settings
 
-    where = Path("checkpoints/step_100")
+    def resume(saved, run):  # check_settings of a checkpoint trained under ``saved`` resumed under ``run``
+        where, recorded = Path("checkpoints/step_100"), {"training_settings": training_settings(saved)}
+        return check_settings(recorded, model={}, training=training_settings(run), where=where, strict=True)
+
     feedback, none = (make(*optim, f"optim.delay_correction={c}") for c in ("error_feedback", "none"))
     for saved, run, fix in ((feedback, none, "error_feedback"), (none, feedback, "none")):
-        pattern = re.escape(f"(set optim.delay_correction={fix} to resume as trained)")
-        with pytest.raises(ConfigError, match=pattern):
-            check_settings(
-                {"training_settings": training_settings(saved)},
-                model={},
-                training=training_settings(run),
-                where=where,
-                strict=True,
-            )
+        with pytest.raises(ConfigError, match=re.escape(f"(set optim.delay_correction={fix} to resume as trained)")):
+            resume(saved, run)
     flush = [*optim, "pipeline.schedule=flush"]
-    saved, run = (make(*flush, f"optim.delay_correction={c}") for c in ("error_feedback", "none"))
-    assert (
-        check_settings(
-            {"training_settings": training_settings(saved)},
-            model={},
-            training=training_settings(run),
-            where=where,
-            strict=True,
-        )
-        == []
-    )
+    assert resume(*(make(*flush, f"optim.delay_correction={c}") for c in ("error_feedback", "none"))) == []
 
 
 def test_the_matrix_cell_of_muon_with_the_prediction_runs_it_as_the_default_auto(monkeypatch):
