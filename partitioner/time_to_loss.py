@@ -43,7 +43,8 @@ STEPS_FACTOR: Dict[Tuple[Union[str, int], ...], Optional[float]] = {
     ("muon", "none", "newest", 2): 930 / 900,
     # with its prediction (optim.delay_correction=predict, what 'auto' resolves to under newest) at its default
     # horizon 1.5, the same runs: 310 / 310 / 300 (docs/convergence.md, "How far the prediction reaches"; at 2 and 8
-    # microbatches a batch 310 / 320 / 320 and 300 / 300 / 300, at 6 x 128 310 / 310 / 330)
+    # microbatches a batch 310 / 320 / 320 and 300 / 300 / 300, at 6 x 128 310 / 310 / 330; counted every 2 steps,
+    # 308 / 312 / 312 and 300 / 298 / 300, at 6 x 128 306 / 310 / 322 against flush's first 300 / 296 / 286)
     ("muon", "predict", "newest", 2): 920 / 900,
 }
 """2bw's steps over a synchronous schedule's with the same optimizer, per (optimizer, delay correction) under the
