@@ -15,7 +15,7 @@ from test_config import make
 from test_semantics import OPTIMIZERS, _oracle, assert_losses_close, max_abs_diff, tiny_config
 from torch import nn
 
-from pipedream2bw.config import ConfigError, OptimConfig, build_optimizer, gpt_balance, validate
+from pipedream2bw.config import ConfigError, OptimConfig, PipelineConfig, build_optimizer, gpt_balance, validate
 from pipedream2bw.data import make_feeds
 from pipedream2bw.models.factory import model_source
 from pipedream2bw.pipeline import schedule
@@ -821,6 +821,20 @@ def test_a_newest_checkpoint_recorded_with_its_layout_resumes_as_newest(tmp_path
     )
     with pytest.raises(ConfigError, match=re.escape(fix)):
         check_settings(recorded, model={}, training=training_settings(other), where=path, strict=True)
+
+
+@pytest.mark.parametrize("balance", [None, [3, 2], [2, 2, 1]])
+def test_a_layout_records_hint_names_its_layout_as_overrides(balance):
+    """Regression: the hint split the record at ', ', which a balance list holds too ('balance [3, 2]'), and raised
+    ValueError in place of the refusal. Each layout 2026-11-27 recorded reads back as the overrides that set it."""
+    from pipedream2bw.config.newest import layout_hint, layout_record
+
+    p = PipelineConfig(num_stages=len(balance or [1, 1]), balance=balance, num_microbatches=8, forward_lead=1)
+    want = "null" if balance is None else str(balance).replace(" ", "")
+    assert layout_hint(layout_record(p)) == (
+        f"pipeline.weight_versions=newest pipeline.num_stages={p.num_stages} pipeline.balance={want} "
+        "pipeline.num_microbatches=8 pipeline.forward_lead=1"
+    )
 
 
 @pytest.mark.parametrize("resume", ["path", "auto"])

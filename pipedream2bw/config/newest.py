@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 import types
 from typing import Any, Mapping, Optional, Tuple
 
@@ -133,7 +134,7 @@ def read_layout_record(recorded: Mapping[str, Any], pipeline: Any) -> Mapping[st
 def layout_hint(value: str) -> str:
     """What to set to resume a checkpoint whose pipeline.weight_versions is ``value``, a ``LAYOUT_RECORD`` (read as
     'newest' at its layout, ``read_layout_record``): the rule and its layout as overrides."""
-    fields = dict(part.split(" ", 1) for part in value[len(LAYOUT_RECORD) : -1].split(", ", 3))
+    fields = dict(re.findall(r"(\w+) (\[[^\]]*\]|[^,)]+)", value[len(LAYOUT_RECORD) :]))  # a balance list has ", "
     fields["balance"] = "null" if fields["balance"] == "even" else fields["balance"].replace(" ", "")
     return "pipeline.weight_versions=newest " + " ".join(f"pipeline.{k}={v}" for k, v in fields.items())
 
