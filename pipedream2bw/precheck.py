@@ -68,7 +68,7 @@ def check(argv: Sequence[str], *, world_size: int, local_world_size: int, config
 
     Checks what the runner's ``preflight.check`` checks for the GPT under a manual partition, and for every
     model what composing the config and typing it (``from_hydra``) checks, with the rule and correction a resume
-    takes from its checkpoint (``check_followed``)."""
+    takes from its checkpoint (io/manifests.py's ``resumed_settings``)."""
     if any(a.startswith("-") for a in argv):  # --multirun, --cfg job, --info, ...: Hydra's business
         return None
     overrides: List[str] = [a for a in argv if not a.startswith(("hydra.", "hydra/", "+hydra", "~hydra"))]
@@ -101,6 +101,7 @@ def _check(
     from pipedream2bw.config import TINY_ENV, GPTConfig, default_plan_choices, from_hydra, tiny, validate
     from pipedream2bw.config.ranges import check_ranges
     from pipedream2bw.errors import ConfigError
+    from pipedream2bw.io.manifests import resumed_settings
 
     try:
         dcfg = _compose(overrides, config_name)
@@ -112,8 +113,9 @@ def _check(
             cfg = tiny(cfg)
         check_ranges(cfg)  # (validate's first check) then the resume's, before the checks that import torch
         check_resume(cfg.train)
-        # the checkpoint's rule and correction where 'auto' chose them (hydra.run.dir, of argv, holds it under auto)
-        cfg = check_followed(cfg, _run_dir(argv, config_name) if cfg.train.resume == "auto" else None)
+        # the checkpoint's rule and correction where 'auto' chose them, as the ranks will resume it, so that its
+        # refusal comes before any rank starts and what follows checks what runs (under auto, in hydra.run.dir)
+        cfg = resumed_settings(cfg, _run_dir(argv, config_name) if cfg.train.resume == "auto" else None)
         if isinstance(cfg.model, GPTConfig) and cfg.partition.mode == "manual":
             plan = default_plan_choices(cfg)
             # the config's own checks first: they import torch only for the optimizer, so a mistake before it is
@@ -159,25 +161,6 @@ def check_resume(train) -> None:
             f"train; to train further, raise train.num_steps (e.g. train.num_steps={2 * steps[0]}), or start afresh "
             "with train.resume=never"
         )
-
-
-def check_followed(cfg, run_dir: Optional[Path]):
-    """``cfg`` resuming the checkpoint ``train.resume`` takes (under auto, in ``run_dir``, hydra.run.dir; None: not
-    known here), as the ranks will resume it (run/start.py's ``resumed_settings``: where 'auto' chose the rule or
-    correction, the checkpoint's), so that its refusal comes before any rank starts and what follows checks what runs.
-
-    Raises:
-        ConfigError: ``train.resume_strict`` and the checkpoint's rule or correction does not run with this run's keys.
-    """
-    from pipedream2bw.io.manifests import first_candidate
-
-    t = cfg.train
-    where = run_dir if t.resume == "auto" else None if t.resume == "never" else Path(t.resume)
-    if where is None or first_candidate(where) is None:  # nothing to follow: torch not imported
-        return cfg
-    from pipedream2bw.run.start import resumed_settings
-
-    return resumed_settings(cfg, where)
 
 
 def check_run_dir(argv: Sequence[str], *, config_name: str = "config", live: bool = True) -> Optional[str]:

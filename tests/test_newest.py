@@ -673,7 +673,7 @@ def _muon(num_stages: int = 1, *, steps: int = 4, **pipeline):
 
 def _resumed(cfg, path, **train):
     """``cfg`` resuming checkpoint ``path`` as run/start.py's ``start`` resumes it (its manifest read first)."""
-    from pipedream2bw.run.start import resumed_settings
+    from pipedream2bw.io.manifests import resumed_settings
 
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, resume=str(path), **train))
     return resumed_settings(cfg, path)

@@ -1,12 +1,14 @@
-"""Finding checkpoints by their manifests alone: torch-free, so that the launcher can check ``train.resume``
-before any rank starts in the time a config check takes (io/checkpoint.py, which imports torch, reads and verifies
-the checkpoints themselves)."""
+"""Finding checkpoints, and the settings a resume takes from them, by their manifests alone: torch-free, so that
+the launcher can check ``train.resume`` before any rank starts in the time a config check takes (io/checkpoint.py,
+which imports torch, reads and verifies the checkpoints themselves)."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
+
+from pipedream2bw.config.newest import follow_checkpoint
 
 DIRNAME = "checkpoints"
 MANIFEST = "manifest.json"
@@ -71,3 +73,25 @@ def first_candidate(path: Path) -> Optional[Tuple[Path, Dict[str, Any]]]:
     path = Path(path)
     found = [path] if (path / MANIFEST).is_file() else candidates(checkpoints_root(path))
     return next(((p, m) for p, m in ((p, read_manifest(p)) for p in found) if m is not None), None)
+
+
+def resumed_settings(cfg: Any, run_dir: Optional[Path]) -> Any:
+    """``cfg`` (a ``Config``) resuming the checkpoint ``train.resume`` takes (under auto, in ``run_dir``; None: not
+    known, as to the launcher's precheck of a run directory Hydra refuses), as found by its manifest alone, in the
+    precheck and on every rank: where pipeline.weight_versions or optim.delay_correction is what 'auto' chose, the
+    checkpoint's (config/newest.py's ``follow_checkpoint``). rank 0 verifies the checkpoint later (run/start.py's
+    ``choose_checkpoint``) and compares its settings with what this returns.
+
+    Raises:
+        ConfigError: ``train.resume_strict`` and the checkpoint's rule or correction does not run with this run's keys.
+    """
+    t = cfg.train
+    if t.resume == "never" or (t.resume == "auto" and run_dir is None):
+        return cfg
+    found = first_candidate(run_dir if t.resume == "auto" else Path(t.resume))
+    if found is None:
+        return cfg
+    path, manifest = found
+    recorded = manifest.get("training_settings")  # absent in checkpoints of earlier versions: nothing to follow
+    recorded = recorded if isinstance(recorded, dict) else None
+    return follow_checkpoint(cfg, recorded, where=path, strict=t.resume_strict)

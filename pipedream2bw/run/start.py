@@ -22,7 +22,7 @@ from pipedream2bw.config import (
     swap_stages,
     validate_steps,
 )
-from pipedream2bw.config.newest import follow_checkpoint, read_layout_record
+from pipedream2bw.config.newest import read_layout_record
 from pipedream2bw.config.ranges import check_ranges
 from pipedream2bw.errors import ConfigError
 from pipedream2bw.io import checkpoint, manifests, rundir
@@ -107,27 +107,6 @@ def choose_checkpoint(
     manifest = json.loads((path / checkpoint.MANIFEST).read_text())
     log.info("resuming from %s (step %d of %d)", path, manifest["step"], t.num_steps)
     return path, manifest
-
-
-def resumed_settings(cfg: Config, run_dir: Path) -> Config:
-    """``cfg`` resuming the checkpoint ``train.resume`` takes, as found by its manifest alone on every rank: where
-    pipeline.weight_versions or optim.delay_correction is what 'auto' chose, the checkpoint's (config/newest.py's
-    ``follow_checkpoint``). rank 0 verifies the checkpoint later (``choose_checkpoint``) and compares its settings
-    with what this returns.
-
-    Raises:
-        ConfigError: ``train.resume_strict`` and the checkpoint's rule or correction does not run with this run's keys.
-    """
-    t = cfg.train
-    if t.resume == "never":
-        return cfg
-    found = manifests.first_candidate(run_dir if t.resume == "auto" else Path(t.resume))
-    if found is None:
-        return cfg
-    path, manifest = found
-    recorded = manifest.get("training_settings")  # absent in checkpoints of earlier versions: nothing to follow
-    recorded = recorded if isinstance(recorded, dict) else None
-    return follow_checkpoint(cfg, recorded, where=path, strict=t.resume_strict)
 
 
 def _select_checkpoint(cfg: Config, run_dir: Path, model: RunModel) -> Optional[Path]:
@@ -291,7 +270,7 @@ def start(
     logs.configure_logging(run_dir)
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     logs.set_log_prefix(f"[rank {rank}]")
-    cfg = resumed_settings(cfg, run_dir)  # before the plan: it plans, and the run runs, the checkpoint's rule
+    cfg = manifests.resumed_settings(cfg, run_dir)  # before the plan: it plans, and the run runs, the checkpoint's rule
     plan, agreed = None, None  # agreed: keys for what rank 0 decides before any group starts (plan, checkpoint)
     if cfg.partition.mode != "manual":
         if store is None:
