@@ -7,10 +7,11 @@
 Each run trains the GPT of scripts/bench_convergence.py's runs (its ``run_config``: the same batches, learning rate,
 validation windows) for --steps steps, one thread, under pipeline.weight_versions=newest with optim.delay_correction=
 predict at each horizon h (optim.predict_horizon), and flush (plain minibatch training: the rule at one stage) as the
-reference, validating every --eval-every steps. Prints the command, the configuration, then per horizon each seed's
-steps to flush's validation loss at --target-step (its own count is --target-step) and the gap to it there, the mean
-ratio and gap. A screen: it says which horizon to run the pipeline at (scripts/bench_convergence.py's
-``predict+newest+horizonX``), in a quarter of the cores; the pipeline's runs are the measurement.
+reference, validating every --eval-every steps. Prints the command, the configuration, flush's own first step at its
+validation loss at --target-step (at most --target-step: a curve may dip there before), then per horizon each seed's
+steps to that loss and the gap to it at --target-step, the mean ratio to flush's and the mean gap. A screen: it says
+which horizon to run the pipeline at (scripts/bench_convergence.py's ``predict+newest+horizonX``), in a quarter of
+the cores; the pipeline's runs are the measurement.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ def _curve(cfg, balance: List[int], every: int) -> Dict[int, float]:
 
 
 def main(argv=None) -> None:
-    from bench_convergence import add_run_arguments, run_config
+    from bench_convergence import add_run_arguments, run_config, steps_to
 
     from pipedream2bw.config import gpt_balance
 
@@ -77,17 +78,19 @@ def main(argv=None) -> None:
             curves.setdefault(f"h={h:g}", {})[seed] = _curve(cfg, balance, args.eval_every)
             print(f"  seed {seed} h={h:g}: {curves[f'h={h:g}'][seed][args.target_step]:.4f} at {args.target_step}")
     n = args.target_step
-    print(f"\nsteps to flush's validation loss at step {n} (flush: {n}), gap to it there; seeds {args.seeds}:")
+    reach = lambda curve, target: steps_to([{"step": s, "loss": v} for s, v in sorted(curve.items())], target)  # noqa: E731
+    targets = {seed: curve[n] for seed, curve in curves["flush"].items()}
+    firsts = {seed: reach(curves["flush"][seed], target) for seed, target in targets.items()}  # at most n
+    print(f"\nsteps to flush's validation loss at step {n}, gap to it there, ratio to flush's own first step at it")
+    print(f"  flush   {' / '.join(str(firsts[seed]) for seed in args.seeds)}  (seeds {args.seeds})")
     for name, runs in curves.items():
         if name == "flush":
             continue
-        steps, gaps = [], []
-        for seed, curve in runs.items():
-            target = curves["flush"][seed][n]
-            steps.append(next((s for s in sorted(curve) if curve[s] <= target), None))
-            gaps.append(curve[n] - target)
+        steps = [reach(curve, targets[seed]) for seed, curve in runs.items()]
+        gaps = [curve[n] - targets[seed] for seed, curve in runs.items()]
         shown = " / ".join(str(s) if s is not None else f">{args.steps}" for s in steps)
-        ratio = f"{sum(steps) / len(steps) / n:.3f}x" if None not in steps else "-"
+        ratios = [s / firsts[seed] for s, seed in zip(steps, runs)] if None not in steps else None
+        ratio = f"{sum(ratios) / len(ratios):.3f}x" if ratios else "-"
         print(f"  {name:7s} {shown}  mean {ratio}  gap {sum(gaps) / len(gaps):+.4f}")
     if args.out:
         Path(args.out).write_text(json.dumps(curves))

@@ -287,7 +287,7 @@ def test_bench_convergence_scheduler_options_set_the_learning_rate_schedule_of_e
 
 def test_screen_newest_counts_steps_to_flushs_loss_on_the_rules_curves(tmp_path, capsys):
     """scripts/screen_newest.py validates the rule every --eval-every steps (reference_newest's on_step) and counts a
-    horizon's steps to flush's loss at --target-step against those curves."""
+    horizon's steps to flush's loss at --target-step against those curves, and flush's own first step at it."""
     sys.path.insert(0, str(ROOT / "scripts"))
     try:
         import screen_newest
@@ -302,4 +302,7 @@ def test_screen_newest_counts_steps_to_flushs_loss_on_the_rules_curves(tmp_path,
     assert flush != curves["h=1"]["0"] != h2  # the rule and its horizon change the curve
     reached = next((s for s in ("2", "4") if h2[s] <= flush["4"]), None)
     shown = f"h=2     {'>4' if reached is None else reached}"
-    assert shown in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert shown in printed
+    first = next(s for s in ("2", "4") if flush[s] <= flush["4"])  # flush's own first step at its loss at 4
+    assert f"  flush   {first}  (seeds [0])" in printed
