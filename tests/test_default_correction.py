@@ -191,7 +191,7 @@ def test_a_correction_named_none_against_a_checkpoints_correction_is_refused_and
     """Regression: 'none' is not recorded (only a correction other than the default is), and a key one side does not
     record was not compared, so naming optim.delay_correction=none on resuming a checkpoint trained with error
     feedback passed unseen (its u(t-1) unread), and so did the reverse (error feedback from a step with no u). Under
-    2bw an unrecorded correction is compared as 'none' (io/checkpoint.py's ``RECORDED_OFF_DEFAULT``); flush records
+    2bw an unrecorded correction is compared as 'none' (config/corrections.py's ``RECORDED_OFF_DEFAULT``); flush records
     none either way."""
     from pipedream2bw.io.checkpoint import check_settings
     from pipedream2bw.run.model import training_settings

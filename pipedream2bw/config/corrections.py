@@ -31,6 +31,13 @@ AUTO_MUON_FALLBACK = "error_feedback"
 """What 'auto' gives Muon where a key of the run refuses the prediction: error feedback composes with all of them."""
 
 
+RECORDED_OFF_DEFAULT = {"optim.delay_correction": "none"}
+"""Training settings a checkpoint records only where they are not their default (config/optimizers.py's
+``extra_optim_settings``): a manifest without one ran the default. 'auto' follows it as that (config/newest.py), and
+under 2bw a resume compares it as that (io/checkpoint.py's ``settings_differences``: a correction named 'none' on
+resuming one trained with a correction, or the reverse, would otherwise pass unseen, its buffer unread or absent)."""
+
+
 def auto_gives(optim: Any) -> bool:
     """Whether ``optim.delay_correction`` (of an ``OptimConfig``) is one 'auto' gives its optimizer under some
     config (``resolve_auto``): Muon's ``AUTO_MUON``, ``AUTO_MUON_FALLBACK`` or newest's 'predict'; 'none' for every

@@ -21,6 +21,7 @@ from pipedream2bw.config.corrections import (
     DELAY_CORRECTIONS,
     FEEDBACK,
     PREDICTING,
+    RECORDED_OFF_DEFAULT,
     default_beta,
     is_muon,
     prediction_refusal,
@@ -192,7 +193,7 @@ def _recorded(cfg: Any, recorded: Optional[Mapping[str, Any]]) -> dict:
     if p.auto_weight_versions and p.schedule in ("2bw", AUTO) and recorded.get("pipeline.schedule") == "2bw":
         if rule in ("batch", "newest"):
             out["pipeline.weight_versions"] = rule
-    correction = recorded.get("optim.delay_correction", "none")
+    correction = recorded.get("optim.delay_correction", RECORDED_OFF_DEFAULT["optim.delay_correction"])
     # a correction is followed under the rule it ran with (newest's predict is not the batch rule's)
     same_rule = (
         out.get("pipeline.weight_versions", p.weight_versions) == rule or recorded.get("pipeline.schedule") != "2bw"
@@ -244,7 +245,8 @@ def _explicit_differences(cfg: Any, recorded: Mapping[str, Any]) -> bool:
     rule = recorded.get("pipeline.weight_versions", "batch") if recorded.get("pipeline.schedule") == "2bw" else None
     rule = recorded_rule(rule)  # 2026-11-27's layout record: newest
     other_rule = not p.auto_weight_versions and rule is not None and p.weight_versions != rule
-    other_correction = not o.auto_correction and o.delay_correction != recorded.get("optim.delay_correction", "none")
+    recorded_correction = recorded.get("optim.delay_correction", RECORDED_OFF_DEFAULT["optim.delay_correction"])
+    other_correction = not o.auto_correction and o.delay_correction != recorded_correction
     return other_rule or other_correction
 
 

@@ -444,7 +444,8 @@ def build_optimizer(groups: List[Any], cfg, *, others: type) -> torch.optim.Opti
 
 def extra_optim_settings(cfg) -> Dict[str, Any]:
     """What a checkpoint records of Muon and the delay correction, beside the optimizer's name and kwargs: only
-    what differs from the default, so checkpoints written before these settings existed still match."""
+    what differs from the default, so checkpoints written before these settings existed still match (a reader takes
+    an unrecorded correction as ``corrections.RECORDED_OFF_DEFAULT`` says)."""
     out: Dict[str, Any] = {}
     if concrete(cfg) != "none":
         out["optim.delay_correction"] = cfg.delay_correction

@@ -54,6 +54,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
+from pipedream2bw.config.corrections import RECORDED_OFF_DEFAULT
 from pipedream2bw.config.newest import layout_hint, recorded_rule
 from pipedream2bw.errors import ConfigError
 from pipedream2bw.io.fileio import atomic_rename, atomic_torch_save, atomic_write_json
@@ -555,13 +556,6 @@ def check_ties(manifest: Mapping[str, Any], ties: Sequence[Sequence[str]], where
             "model.tie_embeddings), "
             f"or train.resume=never to start afresh"
         )
-
-
-RECORDED_OFF_DEFAULT = {"optim.delay_correction": "none"}
-"""Training settings a 2bw checkpoint records only where they are not their default (config/optimizers.py's
-``extra_optim_settings``): a side that records none ran the default, and is compared as it (a correction named
-'none' on resuming one trained with a correction, or the reverse, would otherwise pass unseen, its buffer unread
-or absent)."""
 
 
 def settings_differences(
